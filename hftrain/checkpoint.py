@@ -1,0 +1,119 @@
+"""Checkpoints: `output_dir/checkpoint-N` (state after N optimizer steps) and the final model.
+
+A checkpoint holds `accelerator.save_state` (model, optimizer, scheduler, RNG states) plus
+`hftrain_state.json` (progress, world size, versions) and `hftrain_config.yaml` (the resolved
+recipe). It is written to a temporary folder and renamed when every rank has finished, so a
+`checkpoint-N` folder is always complete.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hftrain.config import Recipe, dump_recipe
+from hftrain.errors import HftrainError
+
+STATE_FILE = "hftrain_state.json"
+CONFIG_FILE = "hftrain_config.yaml"
+PREFIX = "checkpoint-"
+
+
+@dataclass
+class Progress:
+    """Where training stands after `step` optimizer steps."""
+
+    step: int = 0
+    epoch: int = 0  # epoch the next step belongs to
+    step_in_epoch: int = 0  # optimizer steps of that epoch already done
+    trained_tokens: int = 0  # global count of trained (label != -100) tokens so far
+    world_size: int = 1
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    found = {"python": platform.python_version()}
+    for package in ("hftrain", "torch", "transformers", "accelerate", "datasets", "tokenizers", "peft",
+                    "bitsandbytes", "deepspeed", "wandb"):
+        try:
+            found[package] = md.version(package)
+        except md.PackageNotFoundError:
+            pass
+    return found
+
+
+def write_run_files(folder: Path, recipe: Recipe, progress: Progress, extra: dict | None = None) -> None:
+    dump_recipe(recipe, folder / CONFIG_FILE)
+    state = {"progress": asdict(progress), "versions": versions(), **(extra or {})}
+    (folder / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+
+
+def checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    found = [p for p in output_dir.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit() and (p / STATE_FILE).exists()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Progress, extra: dict) -> Path:
+    """Save the full training state after `progress.step` steps; every rank must call this."""
+    final = output_dir / f"{PREFIX}{progress.step}"
+    tmp = output_dir / f".tmp-{PREFIX}{progress.step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        write_run_files(tmp, recipe, progress, extra)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        if recipe.save_total_limit is not None:
+            for old in checkpoints(output_dir)[: -recipe.save_total_limit]:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def clear_run(output_dir: Path) -> None:
+    """Remove a previous run's checkpoints, final model and metrics (overwrite_output_dir)."""
+    for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f".tmp-{PREFIX}*"), output_dir / "final"]:
+        shutil.rmtree(old, ignore_errors=True)
+    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+
+def resolve_resume(recipe: Recipe) -> Path | None:
+    """The checkpoint folder to resume from, or None to start fresh."""
+    if recipe.resume_from_checkpoint is None:
+        return None
+    if recipe.resume_from_checkpoint == "latest":
+        found = checkpoints(Path(recipe.output_dir))
+        if not found:
+            raise HftrainError(f"resume_from_checkpoint=latest but {recipe.output_dir!r} holds no complete checkpoint; "
+                               "drop resume_from_checkpoint to start fresh")
+        return found[-1]
+    path = Path(recipe.resume_from_checkpoint)
+    if not (path / STATE_FILE).exists():
+        raise HftrainError(f"resume_from_checkpoint {str(path)!r} has no {STATE_FILE}; it is not a complete "
+                           "hftrain checkpoint")
+    return path
+
+
+def load_checkpoint(accelerator, path: Path) -> tuple[Progress, dict]:
+    """Restore model/optimizer/scheduler/RNG from `path`; returns its progress and extra state."""
+    accelerator.load_state(str(path))
+    state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    return Progress(**state["progress"]), {k: v for k, v in state.items() if k not in ("progress", "versions")}
+
+
+def save_final(accelerator, model, tokenizer, folder: Path) -> None:
+    """A standard `from_pretrained` folder (safetensors + config + tokenizer) from the wrapped model."""
+    state_dict = accelerator.get_state_dict(model)  # full (gathered) weights on the main process
+    lm = accelerator.unwrap_model(model).lm
+    if accelerator.is_main_process:
+        state_dict = {k.removeprefix("lm."): v for k, v in state_dict.items()}
+        lm.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+    accelerator.wait_for_everyone()

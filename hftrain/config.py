@@ -1,0 +1,379 @@
+"""The recipe: one typed schema, YAML presets, CLI overrides and up-front validation.
+
+Field names follow transformers `TrainingArguments`, TRL `SFTConfig` / `ModelConfig` and peft
+`LoraConfig` wherever the concept is the same, so a TRL recipe moves over almost unchanged.
+Each field's `help` becomes `--help`. `load_recipe` reports every problem at once (unknown keys,
+wrong types, bad values, impossible combinations) before any model or dataset is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hftrain.errors import ConfigError
+
+DEFAULT_RECIPE_NOTE = "with no --config, the embedded default recipe (tiny offline model, shipped chat data) is used"
+
+
+def _f(default: Any, help: str, *, group: str, choices: tuple | None = None, **kw) -> Any:
+    """A recipe field: default, help text (shown by --help), group heading, allowed values."""
+    meta = {"help": help, "group": group, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass
+class Recipe:
+    # ----------------------------------------------------------------------------- model
+    model_name_or_path: str = _f(
+        "models/tiny-llama",
+        "Hub model id (org/name) or local folder, loaded with AutoModelForCausalLM.from_pretrained.",
+        group="model",
+    )
+    tokenizer_name_or_path: str | None = _f(
+        None, "Tokenizer id or folder; defaults to model_name_or_path.", group="model"
+    )
+    model_revision: str = _f("main", "Hub revision (branch, tag or commit) of the model.", group="model")
+    trust_remote_code: bool = _f(
+        False, "Allow model code from the hub repository to run. Off unless you trust the repository.", group="model"
+    )
+    dtype: str = _f(
+        "float32",
+        "dtype the weights are loaded in. Keep float32 for mixed-precision training (bf16 autocast keeps "
+        "fp32 master weights); bfloat16 halves memory but trains in pure bf16.",
+        group="model",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    attn_implementation: str | None = _f(
+        None, "Attention kernel: eager, sdpa, flash_attention_2 (CUDA only). Default: the model's choice.",
+        group="model", choices=(None, "eager", "sdpa", "flash_attention_2"),
+    )
+    gradient_checkpointing: bool = _f(
+        False, "Recompute activations in backward (non-reentrant) to save memory at ~30% more compute.",
+        group="model",
+    )
+    # ------------------------------------------------------------------------------ data
+    dataset_name: str = _f(
+        "data/chat.jsonl",
+        "Hub dataset id, local data file (.json/.jsonl/.csv/.parquet) or a saved `datasets` folder.",
+        group="data",
+    )
+    dataset_config: str | None = _f(None, "Hub dataset configuration name.", group="data")
+    dataset_train_split: str = _f("train", "Split used for training.", group="data")
+    eval_dataset_name: str | None = _f(
+        None, "Separate eval dataset (same forms as dataset_name). Default: carve-out of the training set.",
+        group="data",
+    )
+    eval_split: str = _f("train", "Split of eval_dataset_name used for evaluation.", group="data")
+    validation_split_percentage: float = _f(
+        5.0, "Percent of the training set held out for evaluation (fixed seed) when no eval_dataset_name; "
+        "0 disables evaluation.", group="data",
+    )
+    dataset_text_field: str = _f("text", "Column holding raw text for plain causal-LM data.", group="data")
+    dataset_messages_field: str = _f(
+        "messages", "Column holding chat messages ({role, content} lists).", group="data"
+    )
+    assistant_only_loss: bool = _f(
+        True, "For chat data, train on assistant turns only (their end-of-turn token included).", group="data"
+    )
+    max_length: int = _f(512, "Maximum tokens per example; longer examples are truncated.", group="data")
+    packing: bool = _f(False, "Concatenate examples into max_length rows (not available yet).", group="data")
+    max_samples: int | None = _f(None, "Use at most this many training examples (after the eval carve-out).",
+                                 group="data")
+    dataloader_num_workers: int = _f(0, "Worker processes for batch collation.", group="data")
+    # ---------------------------------------------------------------------- optimisation
+    output_dir: str = _f("outputs/tiny-chat", "Where checkpoints, metrics.jsonl and the final model go.",
+                         group="training")
+    overwrite_output_dir: bool = _f(
+        False, "Allow training into an output_dir that already holds another run (its files are replaced).",
+        group="training",
+    )
+    max_steps: int = _f(-1, "Total optimizer steps; > 0 overrides num_train_epochs.", group="training")
+    num_train_epochs: float = _f(1.0, "Epochs to train when max_steps <= 0 (fractions allowed).", group="training")
+    per_device_train_batch_size: int = _f(8, "Examples per process per micro-batch.", group="training")
+    per_device_eval_batch_size: int = _f(8, "Examples per process per evaluation batch.", group="training")
+    gradient_accumulation_steps: int = _f(
+        1, "Micro-batches per optimizer step. Effective batch = per_device x processes x this.", group="training"
+    )
+    learning_rate: float = _f(5e-5, "Peak learning rate.", group="training")
+    lr_scheduler_type: str = _f(
+        "linear", "Schedule after warmup.", group="training",
+        choices=("constant", "constant_with_warmup", "linear", "cosine"),
+    )
+    warmup_steps: int = _f(0, "Linear warmup length in optimizer steps (excludes warmup_ratio).", group="training")
+    warmup_ratio: float = _f(0.0, "Warmup as a fraction of total steps (excludes warmup_steps).", group="training")
+    weight_decay: float = _f(0.0, "Decoupled weight decay (AdamW); not applied to biases and norms.",
+                             group="training")
+    adam_beta1: float = _f(0.9, "AdamW beta1.", group="training")
+    adam_beta2: float = _f(0.999, "AdamW beta2.", group="training")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.", group="training")
+    sgd_momentum: float = _f(0.0, "Momentum for optim: sgd (0 = plain SGD).", group="training")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.",
+                              group="training")
+    optim: str = _f("adamw_torch", "Optimizer.", group="training", choices=("adamw_torch", "sgd"))
+    train_sampling_strategy: str = _f(
+        "random", "random: shuffled each epoch from `seed`; sequential: the dataset's own order.",
+        group="training", choices=("random", "sequential"),
+    )
+    seed: int = _f(42, "Seed for model-independent randomness (data order, dropout).", group="training")
+    bf16: bool = _f(False, "bfloat16 mixed precision (CPU and GPU).", group="training")
+    fp16: bool = _f(False, "float16 mixed precision with loss scaling (CUDA only).", group="training")
+    # ----------------------------------------------------------------- logging & saving
+    logging_steps: int = _f(10, "Log training metrics every N optimizer steps (and at the first step).",
+                            group="logging")
+    eval_steps: int | None = _f(None, "Evaluate every N optimizer steps; always at the end.", group="logging")
+    save_steps: int | None = _f(None, "Save checkpoint-N every N optimizer steps.", group="logging")
+    save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (oldest removed first).",
+                                      group="logging")
+    resume_from_checkpoint: str | None = _f(
+        None, "'latest' (newest checkpoint in output_dir) or a checkpoint folder to continue from.", group="logging"
+    )
+    report_to: list[str] = _f(
+        ["none"], "Trackers: wandb, tensorboard, or none. metrics.jsonl is always written.", group="logging"
+    )
+    project_name: str = _f("hftrain", "Tracker project (W&B project).", group="logging")
+    run_name: str | None = _f(None, "Tracker run name; defaults to the output_dir name.", group="logging")
+
+    # ------------------------------------------------------------------ derived values
+    def warmup_for(self, total_steps: int) -> int:
+        return self.warmup_steps if self.warmup_steps > 0 else int(round(self.warmup_ratio * total_steps))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
+TRACKERS = ("wandb", "tensorboard", "none")
+
+
+# --------------------------------------------------------------------------- coercion
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(inner type, optional?) for annotations like `int | None`."""
+    if isinstance(tp, str):
+        tp = eval(tp, vars(typing), {})  # annotations are strings under `from __future__ import annotations`
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return inner[0], True
+    return tp, False
+
+
+_TRUE, _FALSE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}
+
+
+def _coerce(name: str, value: Any, from_cli: bool) -> Any:
+    """Convert `value` to the field's type or raise ValueError with a readable reason."""
+    tp, optional = _base_type(FIELDS[name].type)
+    if value is None or (from_cli and isinstance(value, str) and value.lower() in {"none", "null"}):
+        if optional:
+            return None
+        raise ValueError("may not be empty")
+    if typing.get_origin(tp) is list:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ValueError(f"expected a list of strings, got {value!r}")
+        return [i.strip() for i in items if i.strip()]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ValueError(f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError(f"expected a number, got {value!r}")
+        try:
+            return float(value)  # YAML reads `1e-4` as a string: accept it as a number
+        except ValueError:
+            raise ValueError(f"expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"expected a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"unsupported field type {tp} for {name}")  # a bug in the schema, not user input
+
+
+# ------------------------------------------------------------------------ validation
+def _looks_local(path: str) -> bool:
+    return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)
+
+
+def validate(recipe: Recipe) -> list[str]:
+    """Every problem with the recipe's values and combinations; [] when it is usable."""
+    r, problems = recipe, []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            problems.append(msg)
+
+    for name, f in FIELDS.items():
+        choices = f.metadata["choices"]
+        if choices and getattr(r, name) not in choices:
+            shown = ", ".join(str(c) for c in choices if c is not None)
+            problems.append(f"{name}={getattr(r, name)!r} is not one of: {shown}")
+    bad_trackers = [t for t in r.report_to if t not in TRACKERS]
+    need(not bad_trackers, f"report_to has unknown tracker(s) {bad_trackers}; use {', '.join(TRACKERS)}")
+    need(not ("none" in r.report_to and len(r.report_to) > 1), "report_to mixes 'none' with trackers")
+
+    need(r.max_steps > 0 or r.num_train_epochs > 0, "set max_steps > 0 or num_train_epochs > 0 (both are off)")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "logging_steps"):
+        need(getattr(r, name) >= 1, f"{name} must be >= 1, got {getattr(r, name)}")
+    for name in ("eval_steps", "save_steps", "save_total_limit", "max_samples"):
+        value = getattr(r, name)
+        need(value is None or value >= 1, f"{name} must be >= 1 or unset, got {value}")
+    need(r.max_length >= 2, f"max_length must be >= 2 tokens, got {r.max_length}")
+    need(r.learning_rate > 0, f"learning_rate must be > 0, got {r.learning_rate}")
+    need(r.warmup_steps >= 0, f"warmup_steps must be >= 0, got {r.warmup_steps}")
+    need(0 <= r.warmup_ratio < 1, f"warmup_ratio must be in [0, 1), got {r.warmup_ratio}")
+    need(not (r.warmup_steps > 0 and r.warmup_ratio > 0),
+         "warmup_steps and warmup_ratio are both set; keep one (warmup_steps=0 or warmup_ratio=0)")
+    need(not (r.lr_scheduler_type == "constant" and (r.warmup_steps > 0 or r.warmup_ratio > 0)),
+         "lr_scheduler_type=constant has no warmup; use constant_with_warmup or set warmup to 0")
+    need(r.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {r.max_grad_norm}")
+    need(r.weight_decay >= 0, f"weight_decay must be >= 0, got {r.weight_decay}")
+    need(0 <= r.adam_beta1 < 1 and 0 <= r.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
+    need(r.adam_epsilon > 0, f"adam_epsilon must be > 0, got {r.adam_epsilon}")
+    need(r.sgd_momentum >= 0, f"sgd_momentum must be >= 0, got {r.sgd_momentum}")
+    need(not (r.sgd_momentum > 0 and r.optim != "sgd"), "sgd_momentum is set but optim is not sgd")
+    need(0 <= r.validation_split_percentage < 100,
+         f"validation_split_percentage must be in [0, 100), got {r.validation_split_percentage}")
+    need(not (r.eval_dataset_name and r.validation_split_percentage not in (0, 5.0)),
+         "eval_dataset_name and validation_split_percentage are both set; the carve-out is only used "
+         "without eval_dataset_name")
+    need(r.dataloader_num_workers >= 0, "dataloader_num_workers must be >= 0")
+    need(not (r.bf16 and r.fp16), "bf16 and fp16 are both true; choose one")
+    need(not (r.fp16 and r.dtype == "bfloat16"), "fp16 mixed precision with dtype=bfloat16 weights; use bf16")
+    need(not r.packing, "packing is not available yet in this version; set packing: false")
+
+    if _looks_local(r.model_name_or_path) and not Path(r.model_name_or_path).expanduser().is_dir():
+        problems.append(f"model_name_or_path {r.model_name_or_path!r} is not a folder; give a local model "
+                        "folder or a hub id (org/name). scripts/make_tiny_model.py builds an offline one")
+    for name in ("dataset_name", "eval_dataset_name"):
+        path = getattr(r, name)
+        if path and _looks_local(path) and not Path(path).expanduser().exists():
+            problems.append(f"{name} {path!r} does not exist; give a data file, a saved dataset folder or a hub id")
+
+    out = Path(r.output_dir)
+    if r.resume_from_checkpoint not in (None, "latest") and not Path(r.resume_from_checkpoint).is_dir():
+        problems.append(f"resume_from_checkpoint {r.resume_from_checkpoint!r} is not a checkpoint folder")
+    if out.is_file():
+        problems.append(f"output_dir {r.output_dir!r} is a file")
+    elif r.resume_from_checkpoint is None and not r.overwrite_output_dir and _holds_a_run(out):
+        problems.append(f"output_dir {r.output_dir!r} already holds a run; resume it with "
+                        "resume_from_checkpoint=latest, pick another output_dir, or set overwrite_output_dir=true")
+    return problems
+
+
+def _holds_a_run(out: Path) -> bool:
+    return out.is_dir() and any(out.glob("checkpoint-*")) or (out / "final").exists()
+
+
+def check_environment(recipe: Recipe, cuda_available: bool) -> list[str]:
+    """Problems that depend on the machine rather than on the recipe alone."""
+    problems = []
+    if recipe.fp16 and not cuda_available:
+        problems.append("fp16 needs a CUDA GPU (on CPU accelerate would silently train in fp32); "
+                        "use bf16: true or neither")
+    if recipe.attn_implementation == "flash_attention_2" and not cuda_available:
+        problems.append("attn_implementation=flash_attention_2 needs a CUDA GPU; use sdpa")
+    return problems
+
+
+# -------------------------------------------------------------------------- loading
+def _coerce_all(values: dict[str, Any], from_cli: bool) -> tuple[dict[str, Any], list[str]]:
+    """Typed values for known keys, and a problem for each unknown key or wrong type."""
+    clean, problems = {}, []
+    for key, value in values.items():
+        if key not in FIELDS:
+            close = [n for n in FIELDS if key.replace("-", "_") == n or key in n or n in key][:3]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            problems.append(f"unknown key {key!r}{hint}")
+            continue
+        try:
+            clean[key] = _coerce(key, value, from_cli)
+        except ValueError as exc:
+            problems.append(f"{key}: {exc}")
+    return clean, problems
+
+
+def recipe_from_dict(values: dict[str, Any], source: str = "recipe") -> Recipe:
+    """Build a validated Recipe from a mapping (e.g. a YAML file), or raise ConfigError with every problem."""
+    clean, problems = _coerce_all(values, from_cli=False)
+    recipe = Recipe(**clean)
+    problems += validate(recipe)  # wrongly typed fields keep their defaults here
+    if problems:
+        raise ConfigError(problems, source)
+    return recipe
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"cannot read recipe file {path!r}: {exc.strerror}"], "command line") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path} is not valid YAML: {str(exc).splitlines()[0]}"], f"recipe {path}") from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path} must be a mapping of field: value"], f"recipe {path}")
+    return data
+
+
+def build_arg_parser(prog: str = "hftrain.finetune") -> argparse.ArgumentParser:
+    """`--config recipe.yaml` plus `--<field> value` for every field; field docs become --help."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Fine-tune a causal LM. Fields come from --config (YAML) and are overridden by --<field> "
+        f"value on the command line; {DEFAULT_RECIPE_NOTE}.",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", help="Recipe YAML file.")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, f in FIELDS.items():
+        group = groups.setdefault(f.metadata["group"], parser.add_argument_group(f.metadata["group"]))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        tp, _ = _base_type(f.type)
+        kind = {bool: "BOOL", int: "INT", float: "FLOAT"}.get(tp, "LIST" if typing.get_origin(tp) is list else "STR")
+        extra = {"nargs": "?", "const": "true"} if tp is bool else {}
+        group.add_argument(f"--{name}", metavar=kind, help=f"{f.metadata['help']} (default: {default})".replace("%", "%%"), **extra)
+    return parser
+
+
+def load_recipe(argv: list[str] | None = None) -> Recipe:
+    """Parse `--config` + overrides into a validated Recipe, or raise ConfigError listing every problem."""
+    args, unknown = build_arg_parser().parse_known_args(argv)
+    config_path = getattr(args, "config", None)
+    source = f"recipe {config_path}" if config_path else "command line"
+    problems = [f"unknown argument {u!r}" if u.startswith("-") else
+                f"unexpected value {u!r} (fields are given as --name value)" for u in unknown]
+    from_file, file_problems = _coerce_all(read_yaml(config_path) if config_path else {}, from_cli=False)
+    from_cli, cli_problems = _coerce_all({k: v for k, v in vars(args).items() if k != "config"}, from_cli=True)
+    problems += file_problems + cli_problems
+    recipe = Recipe(**{**from_file, **from_cli})
+    problems += validate(recipe)  # wrongly typed fields keep their defaults here
+    if problems:
+        raise ConfigError(problems, source)
+    return recipe
+
+
+def dump_recipe(recipe: Recipe, path: Path) -> None:
+    path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False), encoding="utf-8")

@@ -1,0 +1,52 @@
+"""The Accelerator for this machine and launch: device, process group backend, precision.
+
+The launch preset (accelerate_configs/*.yaml) picks the strategy; the recipe picks precision and
+accumulation. On a machine without CUDA the processes run on CPU with gloo: `Accelerator(cpu=True)`
+is what makes a multi-process CPU launch a real gloo DDP group (a yaml's `use_cpu` alone is not
+passed on by accelerate's launcher). DeepSpeed is the exception: `cpu=True` would silently turn it
+into DDP, so there the gloo backend is requested explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+
+from hftrain.config import Recipe
+
+
+def launched_with_deepspeed() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def preset_conflicts(recipe: Recipe) -> list[str]:
+    """Settings the launch preset and the recipe both make, differently."""
+    problems = []
+    preset_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    recipe_precision = "bf16" if recipe.bf16 else "fp16" if recipe.fp16 else "no"
+    if preset_precision not in ("no", recipe_precision):
+        problems.append(f"the accelerate preset sets mixed_precision={preset_precision} but the recipe has "
+                        f"bf16={recipe.bf16}, fp16={recipe.fp16}; precision comes from the recipe: set it there "
+                        "and use mixed_precision: 'no' in the preset")
+    return problems
+
+
+def make_accelerator(recipe: Recipe):
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    cuda = torch.cuda.is_available()
+    # Naming a backend makes accelerate start a process group, so only DeepSpeed on CPU names one (gloo);
+    # otherwise accelerate chooses (NCCL on GPU, gloo under cpu=True) and only the timeout is set.
+    group = {"backend": "gloo"} if launched_with_deepspeed() and not cuda else {}
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(minutes=30), **group)]
+    return Accelerator(
+        cpu=not cuda and not launched_with_deepspeed(),
+        mixed_precision="bf16" if recipe.bf16 else "fp16" if recipe.fp16 else "no",
+        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
+        log_with=[t for t in recipe.report_to if t != "none"] or None,
+        project_dir=recipe.output_dir,
+        kwargs_handlers=handlers,
+    )

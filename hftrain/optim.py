@@ -1,0 +1,51 @@
+"""Optimizer and learning-rate schedule builders.
+
+Schedules are functions of the optimizer step n = 1..total (never of micro-batches or ranks):
+warmup rises linearly to the peak at step `warmup` (step 1 already trains, at peak/warmup), then
+`linear` / `cosine` decay towards 0 without reaching it at the last step, `constant_with_warmup`
+stays at the peak. The scheduler is stepped by the loop once per optimizer step and is not passed
+through `accelerator.prepare` (whose wrapper would step it once per process).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hftrain.config import Recipe
+
+
+def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW (weight decay on matrices only, not on biases and norm weights) or plain SGD."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if recipe.optim == "sgd":
+        return torch.optim.SGD(params, lr=recipe.learning_rate, momentum=recipe.sgd_momentum,
+                               weight_decay=recipe.weight_decay)
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=recipe.learning_rate,
+                             betas=(recipe.adam_beta1, recipe.adam_beta2), eps=recipe.adam_epsilon)
+
+
+def lr_factor(kind: str, step: int, total: int, warmup: int) -> float:
+    """Multiplier of the peak learning rate used by optimizer step `step` (1-based)."""
+    if step <= warmup:
+        return step / warmup
+    if kind in ("constant", "constant_with_warmup"):
+        return 1.0
+    progress = (step - warmup - 1) / max(1, total - warmup)  # 0 at the first decay step, < 1 at the last
+    if kind == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+
+def build_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, total_steps: int):
+    warmup = recipe.warmup_for(total_steps)
+    # LambdaLR calls the function with 0 for the first optimizer step.
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda index: lr_factor(recipe.lr_scheduler_type, index + 1, total_steps, warmup)
+    )
