@@ -211,8 +211,13 @@ def _coerce(name: str, value: Any, from_cli: bool) -> Any:
 
 
 # ------------------------------------------------------------------------ validation
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow")
+
+
 def _looks_local(path: str) -> bool:
-    return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path)
+    """A filesystem path rather than a hub id (`org/name`)."""
+    return (path.startswith((".", "/", "~")) or path.count("/") > 1 or path.lower().endswith(DATA_SUFFIXES)
+            or os.path.exists(path))
 
 
 def validate(recipe: Recipe) -> list[str]:

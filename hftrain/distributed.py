@@ -50,3 +50,17 @@ def make_accelerator(recipe: Recipe):
         project_dir=recipe.output_dir,
         kwargs_handlers=handlers,
     )
+
+
+def launch_info(accelerator, model) -> dict:
+    """What actually runs: recorded in every checkpoint so a silent fallback (e.g. to one process) shows."""
+    import torch.distributed as dist
+
+    return {
+        "distributed_type": str(accelerator.distributed_type).split(".")[-1],
+        "num_processes": accelerator.num_processes,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "model_wrapper": type(model).__name__,
+        "mixed_precision": accelerator.mixed_precision,
+        "device": str(accelerator.device),
+    }

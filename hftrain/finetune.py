@@ -24,7 +24,7 @@ import torch
 from hftrain import checkpoint
 from hftrain.config import Recipe, check_environment, dump_recipe, load_recipe
 from hftrain.data import IGNORE_INDEX, BatchPlan, Collator, eval_micro_batches, load_datasets, make_loader
-from hftrain.distributed import make_accelerator, preset_conflicts
+from hftrain.distributed import launch_info, make_accelerator, preset_conflicts
 from hftrain.errors import ConfigError, HftrainError, report_and_exit
 from hftrain.model import CausalLMTokenLoss, build_model, build_tokenizer, check_model_fits, pad_token_id
 from hftrain.optim import build_optimizer, build_scheduler
@@ -111,11 +111,14 @@ def run(recipe: Recipe) -> Path:
         if progress.world_size != world:  # keep the data position in examples, not in (resized) steps
             examples_done = progress.step_in_epoch * plan.global_batch // world * progress.world_size
             progress.step_in_epoch, progress.world_size = examples_done // plan.global_batch, world
+    run_info = {"launch": launch_info(accelerator, model), "data": data_stats,
+                "effective_batch_size": plan.global_batch, "total_steps": total_steps}
     logger = MetricLogger(accelerator, recipe, progress.step)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.print(
-        f"hftrain: {accelerator.distributed_type} with {world} process(es) on {accelerator.device}; "
+        f"hftrain: {run_info['launch']['distributed_type']} with {world} process(es) on {accelerator.device}, "
+        f"model wrapped as {run_info['launch']['model_wrapper']}; "
         f"effective batch {plan.global_batch} = {recipe.per_device_train_batch_size} per device x {world} x "
         f"{recipe.gradient_accumulation_steps} accumulation; {total_steps} optimizer steps "
         f"({plan.steps_per_epoch} per epoch); {n_trainable:,} of {n_params:,} parameters trained; "
@@ -179,7 +182,7 @@ def run(recipe: Recipe) -> Path:
                     and progress.step < total_steps:
                 logger.log({"step": progress.step, **evaluate(accelerator, model, eval_set, eval_collator, recipe)})
             if recipe.save_steps and progress.step % recipe.save_steps == 0:
-                checkpoint.save_checkpoint(accelerator, output_dir, recipe, progress, {})
+                checkpoint.save_checkpoint(accelerator, output_dir, recipe, progress, run_info)
         if progress.step_in_epoch >= plan.steps_per_epoch:
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
     bar.close()
@@ -192,7 +195,7 @@ def run(recipe: Recipe) -> Path:
     final_dir = output_dir / "final"
     checkpoint.save_final(accelerator, model, tokenizer, final_dir)
     if accelerator.is_main_process:
-        checkpoint.write_run_files(final_dir, recipe, progress)
+        checkpoint.write_run_files(final_dir, recipe, progress, run_info)
     logger.print(f"hftrain: final model saved to {final_dir}")
     logger.close()
     return final_dir

@@ -1,0 +1,37 @@
+# Fresh machine -> .venv with pinned packages -> demo or tests. `make help` lists targets.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: help env demo test lint clean
+
+help:
+	@echo "make demo   fine-tune the embedded tiny model on the shipped chat data (CPU, offline)"
+	@echo "make test   run the whole test suite"
+	@echo "make lint   ruff"
+	@echo "make env    only create $(VENV) with the pinned packages"
+
+# torch first, alone: on a CPU machine torch==2.13.0 is a local CPU build; letting another package
+# pull torch could download a multi-GB CUDA build instead.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+env: $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml \
+		hftrain/finetune.py --config recipes/tiny-chat.yaml --overwrite_output_dir
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check hftrain tests scripts
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,335 @@
+"""Recipe loading: YAML + CLI coercion, precedence, validation reported all at once, presets, --help."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hftrain.config import (
+    FIELDS,
+    Recipe,
+    build_arg_parser,
+    check_environment,
+    load_recipe,
+    read_yaml,
+    recipe_from_dict,
+)
+from hftrain.errors import ConfigError, HftrainError, report_and_exit
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "models" / "tiny-llama"
+CHAT = REPO / "data" / "chat.jsonl"
+PRESETS = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    """Run from an empty folder so relative defaults (outputs/tiny-chat, models/...) hit nothing of the repo."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def write_yaml(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def valid(tmp_path: Path, **values) -> dict:
+    """A usable recipe mapping (absolute model and data paths, a fresh output_dir) plus `values`."""
+    return {"model_name_or_path": str(MODEL), "dataset_name": str(CHAT), "output_dir": str(tmp_path / "out"),
+            **values}
+
+
+def cli(tmp_path: Path) -> list[str]:
+    return ["--model_name_or_path", str(MODEL), "--dataset_name", str(CHAT), "--output_dir", str(tmp_path / "out")]
+
+
+def base_yaml(tmp_path: Path, extra: str = "") -> str:
+    return (f"model_name_or_path: {MODEL}\ndataset_name: {CHAT}\noutput_dir: {tmp_path / 'out'}\n"
+            "max_steps: 10\nlearning_rate: 1e-4\n" + extra)
+
+
+# ------------------------------------------------------------------------------ coercion
+def test_yaml_exponent_string_is_a_float(in_tmp):
+    assert yaml.safe_load("learning_rate: 1e-4")["learning_rate"] == "1e-4"  # why the coercion is needed
+    cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp))
+    recipe = load_recipe(["--config", str(cfg)])
+    assert isinstance(recipe.learning_rate, float)
+    assert recipe.learning_rate == pytest.approx(1e-4, rel=0, abs=1e-18)
+
+
+def test_num_train_epochs_int_in_yaml_becomes_float(in_tmp):
+    recipe = recipe_from_dict(valid(in_tmp, num_train_epochs=3))
+    assert isinstance(recipe.num_train_epochs, float) and recipe.num_train_epochs == 3.0
+
+
+@pytest.mark.parametrize("argv", [["--bf16"], ["--bf16", "--max_steps", "3"], ["--max_steps", "3", "--bf16"]])
+def test_bare_bool_flag_is_true(in_tmp, argv):
+    recipe = load_recipe(argv + cli(in_tmp))
+    assert recipe.bf16 is True
+    assert recipe.fp16 is False
+    if "--max_steps" in argv:
+        assert recipe.max_steps == 3  # the bare flag did not swallow the next option
+
+
+@pytest.mark.parametrize("text,expected", [("true", True), ("yes", True), ("1", True), ("false", False),
+                                           ("off", False), ("0", False)])
+def test_bool_flag_with_value(in_tmp, text, expected):
+    assert load_recipe(["--bf16", text, *cli(in_tmp)]).bf16 is expected
+
+
+def test_bool_flag_rejects_nonsense(in_tmp):
+    with pytest.raises(ConfigError) as info:
+        load_recipe(["--bf16", "maybe", *cli(in_tmp)])
+    assert len(info.value.problems) == 1
+    assert "bf16" in info.value.problems[0] and "maybe" in info.value.problems[0]
+
+
+def test_report_to_comma_list(in_tmp):
+    recipe = load_recipe(["--report_to", "wandb,tensorboard", *cli(in_tmp)])
+    assert recipe.report_to == ["wandb", "tensorboard"]
+
+
+def test_report_to_none_on_command_line(in_tmp):
+    # `--report_to none` is how HF users turn trackers off, and "none" is a documented value of the field.
+    recipe = load_recipe(["--report_to", "none", *cli(in_tmp)])
+    assert recipe.report_to == ["none"]
+
+
+def test_report_to_none_in_yaml(in_tmp):
+    for text in ("report_to: none", "report_to: [none]"):
+        recipe = recipe_from_dict(valid(in_tmp, **yaml.safe_load(text)))
+        assert recipe.report_to == ["none"]
+
+
+def test_optional_field_none_from_cli(in_tmp):
+    cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp, "eval_steps: 5\n"))
+    assert load_recipe(["--config", str(cfg)]).eval_steps == 5
+    assert load_recipe(["--config", str(cfg), "--eval_steps", "none"]).eval_steps is None
+
+
+# --------------------------------------------------------------------------- precedence
+def test_cli_overrides_beat_file_values(in_tmp):
+    cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp, "seed: 7\nlr_scheduler_type: cosine\n"))
+    recipe = load_recipe(["--config", str(cfg), "--max_steps", "3", "--learning_rate", "0.5", "--seed", "11"])
+    assert (recipe.max_steps, recipe.learning_rate, recipe.seed) == (3, 0.5, 11)
+    assert recipe.lr_scheduler_type == "cosine"  # file value kept where the CLI says nothing
+    assert recipe.output_dir == str(in_tmp / "out")
+    assert recipe.per_device_train_batch_size == Recipe().per_device_train_batch_size  # default where neither does
+
+
+def test_cli_fixes_a_file_value_that_alone_is_invalid(in_tmp):
+    out = in_tmp / "out"
+    (out / "checkpoint-3").mkdir(parents=True)
+    cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp))
+    with pytest.raises(ConfigError) as info:
+        load_recipe(["--config", str(cfg)])
+    assert len(info.value.problems) == 1 and "already holds a run" in info.value.problems[0]
+    assert load_recipe(["--config", str(cfg), "--overwrite_output_dir"]).overwrite_output_dir is True
+    assert load_recipe(["--config", str(cfg), "--resume_from_checkpoint", "latest"]).resume_from_checkpoint == "latest"
+
+
+def test_output_dir_with_final_model_holds_a_run(in_tmp):
+    (in_tmp / "out" / "final").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        recipe_from_dict(valid(in_tmp))
+
+
+def test_output_dir_with_other_files_is_fine(in_tmp):
+    (in_tmp / "out").mkdir()
+    (in_tmp / "out" / "notes.txt").write_text("x")
+    (in_tmp / "out" / ".tmp-checkpoint-2").mkdir()  # an interrupted save is not a run
+    assert recipe_from_dict(valid(in_tmp)).output_dir == str(in_tmp / "out")
+
+
+def test_output_dir_that_is_a_file(in_tmp):
+    (in_tmp / "out").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        recipe_from_dict(valid(in_tmp))
+
+
+# ------------------------------------------------------------------- problems together
+def test_every_problem_reported_in_one_error(in_tmp):
+    cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp, (
+        "num_train_epoch: 2\n"  # unknown key, close to num_train_epochs
+        "per_device_train_batch_size: eight\n"  # wrong type
+        "bf16: true\nfp16: true\n"  # both precisions
+        "warmup_steps: 5\nwarmup_ratio: 0.1\n"  # both warmups
+        "lr_scheduler_type: constant\n"  # constant schedule with warmup
+    )))
+    with pytest.raises(ConfigError) as info:
+        load_recipe(["--config", str(cfg)])
+    problems = info.value.problems
+    assert len(problems) == 5, problems
+    joined = "\n".join(problems)
+    assert "unknown key 'num_train_epoch'" in joined and "did you mean" in joined and "num_train_epochs" in joined
+    assert any(p.startswith("per_device_train_batch_size:") and "'eight'" in p for p in problems)
+    assert any("bf16" in p and "fp16" in p for p in problems)
+    assert any("warmup_steps" in p and "warmup_ratio" in p for p in problems)
+    assert any("constant" in p and "warmup" in p for p in problems)
+    message = str(info.value)
+    assert "5 problems" in message and str(cfg) in message
+    for i in range(1, 6):
+        assert f"({i})" in message
+
+
+def test_cli_and_file_problems_reported_together(in_tmp):
+    cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp, "seeed: 3\n"))
+    with pytest.raises(ConfigError) as info:
+        load_recipe(["--config", str(cfg), "--max_steps", "ten", "--no_such_flag", "1"])
+    problems = info.value.problems
+    assert len(problems) == 4, problems
+    assert any("'--no_such_flag'" in p for p in problems)
+    assert any("'1'" in p and "unexpected value" in p for p in problems)
+    assert any(p.startswith("max_steps:") and "'ten'" in p for p in problems)
+    assert any("unknown key 'seeed'" in p and "seed" in p for p in problems)
+
+
+def test_did_you_mean_for_a_misspelt_key(in_tmp):
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict(valid(in_tmp, lerning_rate=1e-3))
+    (problem,) = info.value.problems
+    assert "unknown key 'lerning_rate'" in problem
+    assert "did you mean" in problem and "learning_rate" in problem
+
+
+def test_single_problem_wording(in_tmp):
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict(valid(in_tmp, max_length=1))
+    assert info.value.problems == ["max_length must be >= 2 tokens, got 1"]
+    assert "1 problem:" in str(info.value)
+
+
+def test_choices_are_checked(in_tmp):
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict(valid(in_tmp, optim="adafactor", lr_scheduler_type="polynomial"))
+    problems = info.value.problems
+    assert len(problems) == 2
+    assert any(p.startswith("optim='adafactor'") and "adamw_torch" in p and "sgd" in p for p in problems)
+    assert any(p.startswith("lr_scheduler_type='polynomial'") and "cosine" in p for p in problems)
+
+
+def test_missing_config_file(in_tmp):
+    with pytest.raises(ConfigError, match="cannot read recipe file"):
+        load_recipe(["--config", str(in_tmp / "nope.yaml")])
+
+
+def test_yaml_that_is_not_a_mapping(in_tmp):
+    cfg = write_yaml(in_tmp / "r.yaml", "- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        read_yaml(str(cfg))
+
+
+# ------------------------------------------------------------------------------- --help
+def test_help_mentions_every_field():
+    text = build_arg_parser().format_help()
+    missing = [name for name in FIELDS if f"--{name}" not in text]
+    assert not missing
+    assert "--config" in text
+    # the help of a field reaches --help (first words, as argparse may rewrap the rest)
+    assert " ".join(FIELDS["learning_rate"].metadata["help"].split()[:2]) in " ".join(text.split())
+
+
+# ------------------------------------------------------------------------------ presets
+def test_there_are_presets():
+    assert PRESETS, "recipes/*.yaml should hold at least one preset"
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.name for p in PRESETS])
+def test_every_preset_parses(preset, monkeypatch):
+    monkeypatch.chdir(REPO)  # presets name repo-relative model and data paths
+    values = read_yaml(str(preset))
+    recipe = recipe_from_dict({**values, "overwrite_output_dir": True}, source=f"recipe {preset}")
+    for key, value in values.items():
+        got = getattr(recipe, key)
+        if isinstance(got, float):
+            assert got == pytest.approx(float(value)), key
+        elif isinstance(got, list):
+            assert got == ([value] if isinstance(value, str) else value), key
+        else:
+            assert got == value, key
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.name for p in PRESETS])
+def test_every_preset_starts_with_its_launch_command(preset):
+    head = "\n".join(preset.read_text(encoding="utf-8").splitlines()[:5])
+    assert f"--config recipes/{preset.name}" in head
+
+
+# --------------------------------------------------------------------------- environment
+def test_fp16_refused_without_cuda():
+    problems = check_environment(Recipe(fp16=True), cuda_available=False)
+    assert len(problems) == 1 and "fp16" in problems[0] and "CUDA" in problems[0]
+    assert check_environment(Recipe(fp16=True), cuda_available=True) == []
+    assert check_environment(Recipe(bf16=True), cuda_available=False) == []
+
+
+def test_flash_attention_refused_without_cuda():
+    problems = check_environment(Recipe(attn_implementation="flash_attention_2"), cuda_available=False)
+    assert len(problems) == 1 and "flash_attention_2" in problems[0]
+    assert check_environment(Recipe(attn_implementation="sdpa"), cuda_available=False) == []
+
+
+# ------------------------------------------------------------------------------ paths
+def test_missing_model_folder_and_data_files_reported(in_tmp):
+    model, data, evald = in_tmp / "no-model", in_tmp / "missing.jsonl", in_tmp / "missing-eval.jsonl"
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict({"model_name_or_path": str(model), "dataset_name": str(data),
+                          "eval_dataset_name": str(evald), "validation_split_percentage": 0}))
+    problems = info.value.problems
+    assert len(problems) == 3, problems
+    assert any(p.startswith("model_name_or_path") and str(model) in p for p in problems)
+    assert any(p.startswith("dataset_name") and str(data) in p for p in problems)
+    assert any(p.startswith("eval_dataset_name") and str(evald) in p for p in problems)
+
+
+def test_relative_local_paths_and_hub_ids(in_tmp):
+    with pytest.raises(ConfigError, match="model_name_or_path './nowhere'"):
+        recipe_from_dict(valid(in_tmp, model_name_or_path="./nowhere"))
+    # a hub id (org/name) is not checked locally
+    recipe = recipe_from_dict(valid(in_tmp, model_name_or_path="someorg/somemodel", dataset_name="someorg/chat"))
+    assert recipe.model_name_or_path == "someorg/somemodel"
+
+
+def test_model_file_is_not_a_model_folder(in_tmp):
+    (in_tmp / "weights.bin").write_text("x")
+    with pytest.raises(ConfigError, match="is not a folder"):
+        recipe_from_dict(valid(in_tmp, model_name_or_path=str(in_tmp / "weights.bin")))
+
+
+def test_resume_from_missing_folder_reported(in_tmp):
+    missing = in_tmp / "out" / "checkpoint-7"
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict(valid(in_tmp, resume_from_checkpoint=str(missing)))
+    (problem,) = info.value.problems
+    assert problem.startswith("resume_from_checkpoint") and str(missing) in problem
+    missing.mkdir(parents=True)
+    recipe = recipe_from_dict(valid(in_tmp, resume_from_checkpoint=str(missing)))
+    assert recipe.resume_from_checkpoint == str(missing)
+
+
+# ------------------------------------------------------------------------------ errors
+def test_report_and_exit_prints_one_paragraph(capsys):
+    problems = [f"problem number {i} with a rather long explanation of what to change in the recipe"
+                for i in range(4)]
+    error = ConfigError(problems, "recipe r.yaml")
+    with pytest.raises(SystemExit) as info:
+        report_and_exit(error)
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err
+    assert err.startswith("hftrain: error:")
+    assert err.endswith("\n") and "\n\n" not in err and err.strip() == err.rstrip("\n")
+    assert len(err.strip().splitlines()) > 1  # long text is wrapped ...
+    assert all(len(line) <= 100 for line in err.splitlines())
+    assert " ".join(err.split()) == f"hftrain: error: {error}"  # ... but nothing is lost
+
+
+def test_report_and_exit_plain_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        report_and_exit(HftrainError("dataset 'x' is empty"))
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "hftrain: error: dataset 'x' is empty\n"
