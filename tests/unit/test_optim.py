@@ -1,0 +1,150 @@
+"""Learning-rate schedule (per optimizer step, 1-based) and optimizer parameter groups."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from hftrain.config import Recipe
+from hftrain.optim import build_optimizer, build_scheduler, lr_factor
+
+KINDS = ("constant", "constant_with_warmup", "linear", "cosine")
+GRID = [(total, warmup) for total in (1, 2, 5, 10, 37) for warmup in (0, 1, 3, total - 1, total)
+        if 0 <= warmup <= total]
+
+
+def expected_factor(kind: str, step: int, total: int, warmup: int) -> float:
+    """Hand-written schedule: linear warmup to 1 at `warmup`, then decay over the D = total - warmup
+    remaining steps; decay step i (1..D) uses (D - i + 1) / D (linear) or (1 + cos(pi (i-1) / D)) / 2."""
+    if warmup and step <= warmup:
+        return step / warmup
+    if kind in ("constant", "constant_with_warmup"):
+        return 1.0
+    decay_steps, i = total - warmup, step - warmup
+    if kind == "linear":
+        return (decay_steps - i + 1) / decay_steps
+    return (1 + math.cos(math.pi * (i - 1) / decay_steps)) / 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("total,warmup", GRID)
+def test_lr_factor_matches_formula(kind, total, warmup):
+    for step in range(1, total + 1):
+        assert lr_factor(kind, step, total, warmup) == pytest.approx(expected_factor(kind, step, total, warmup),
+                                                                      rel=1e-12, abs=1e-12), step
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("total,warmup", GRID)
+def test_lr_factor_shape(kind, total, warmup):
+    factors = [lr_factor(kind, step, total, warmup) for step in range(1, total + 1)]
+    assert factors[0] > 0  # step 1 always trains
+    assert all(0 < f <= 1 for f in factors)  # never 0, never above the peak, last step included
+    if warmup:
+        assert factors[warmup - 1] == 1.0  # exactly the peak at step == warmup
+        assert factors[:warmup] == sorted(factors[:warmup])
+    if total > warmup:
+        assert factors[warmup] == 1.0  # first step after warmup
+        after = factors[warmup:]
+        assert after == sorted(after, reverse=True)  # never increases after warmup
+        if kind in ("linear", "cosine") and total - warmup > 1:
+            assert after[-1] < after[0]
+
+
+def test_warmup_fractions():
+    assert [lr_factor("linear", s, 100, 4) for s in (1, 2, 3, 4)] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_linear_last_step_value():
+    # 10 decay steps: the last one trains at 1/10 of the peak, not 0
+    assert lr_factor("linear", 12, 12, 2) == pytest.approx(0.1)
+    assert lr_factor("cosine", 12, 12, 2) == pytest.approx((1 + math.cos(math.pi * 0.9)) / 2)
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3, bias=False))
+
+
+@pytest.mark.parametrize("kind,warmup_steps,warmup_ratio", [
+    ("linear", 3, 0.0), ("cosine", 3, 0.0), ("cosine", 0, 0.0), ("constant_with_warmup", 4, 0.0),
+    ("constant", 0, 0.0), ("linear", 0, 0.2),
+])
+def test_scheduler_gives_peak_times_factor_at_each_step(kind, warmup_steps, warmup_ratio):
+    total, peak = 12, 0.01
+    recipe = Recipe(learning_rate=peak, lr_scheduler_type=kind, warmup_steps=warmup_steps, warmup_ratio=warmup_ratio)
+    warmup = warmup_steps or round(warmup_ratio * total)
+    model = small_model()
+    optimizer = build_optimizer(recipe, model)
+    scheduler = build_scheduler(recipe, optimizer, total)
+    seen = []
+    for _ in range(total):
+        seen.append([g["lr"] for g in optimizer.param_groups])
+        model(torch.tensor([[1, 2, 3]])).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    for step, lrs in enumerate(seen, start=1):
+        want = peak * expected_factor(kind, step, total, warmup)
+        assert lrs == pytest.approx([want] * len(lrs), rel=1e-12), step
+    assert seen[0][0] > 0
+
+
+def test_adamw_groups_decay_only_matrices():
+    model = small_model()
+    recipe = Recipe(weight_decay=0.1, learning_rate=1e-3, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6)
+    optimizer = build_optimizer(recipe, model)
+    assert type(optimizer) is torch.optim.AdamW
+    by_decay = {g["weight_decay"]: {id(p) for p in g["params"]} for g in optimizer.param_groups}
+    linear1, norm = model[1], model[2]
+    matrices = {id(model[0].weight), id(linear1.weight), id(model[3].weight)}
+    vectors = {id(linear1.bias), id(norm.weight), id(norm.bias)}
+    assert by_decay == {0.1: matrices, 0.0: vectors}
+    for group in optimizer.param_groups:
+        assert group["betas"] == (0.8, 0.95) and group["eps"] == 1e-6 and group["lr"] == 1e-3
+
+
+def test_adamw_groups_on_the_tiny_llama_layout():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(config)
+    model.model.embed_tokens.weight.requires_grad_(False)  # frozen parameters are left out
+    optimizer = build_optimizer(Recipe(weight_decay=0.05), model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for g in optimizer.param_groups if g["weight_decay"] == 0.05 for p in g["params"]}
+    plain = {names[id(p)] for g in optimizer.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    assert plain and all("norm" in n for n in plain)
+    assert decayed == {n for n, p in model.named_parameters() if p.ndim == 2 and n != "model.embed_tokens.weight"}
+    assert len(decayed) + len(plain) == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def test_adamw_without_vectors_has_no_empty_group():
+    model = nn.Linear(3, 3, bias=False)
+    optimizer = build_optimizer(Recipe(weight_decay=0.1), model)
+    assert [len(g["params"]) for g in optimizer.param_groups] == [1]
+
+
+def test_sgd_with_momentum():
+    model = small_model()
+    recipe = Recipe(optim="sgd", sgd_momentum=0.9, learning_rate=0.05)
+    optimizer = build_optimizer(recipe, model)
+    assert type(optimizer) is torch.optim.SGD
+    assert all(g["momentum"] == 0.9 and g["lr"] == 0.05 for g in optimizer.param_groups)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+
+
+def test_sgd_step_is_plain_sgd():
+    """One step of optim=sgd without momentum moves each weight by exactly -lr * grad."""
+    model = small_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = build_optimizer(Recipe(optim="sgd", learning_rate=0.5), model)
+    model(torch.tensor([[4, 5]])).pow(2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    optimizer.step()
+    for old, grad, new in zip(before, grads, model.parameters()):
+        torch.testing.assert_close(new.detach(), old - 0.5 * grad)
