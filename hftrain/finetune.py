@@ -113,7 +113,7 @@ def run(recipe: Recipe) -> Path:
             progress.step_in_epoch, progress.world_size = examples_done // plan.global_batch, world
     run_info = {"launch": launch_info(accelerator, model), "data": data_stats,
                 "effective_batch_size": plan.global_batch, "total_steps": total_steps}
-    logger = MetricLogger(accelerator, recipe, progress.step)
+    logger = MetricLogger(accelerator, recipe, progress.step, run_info)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.print(

@@ -22,8 +22,15 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def tracker_config(recipe: Recipe, run_info: dict) -> dict:
+    """The resolved recipe plus run facts, flattened to the scalar values every tracker accepts."""
+    flat = {**recipe.to_dict(), "effective_batch_size": run_info["effective_batch_size"],
+            "total_steps": run_info["total_steps"], **{f"launch/{k}": v for k, v in run_info["launch"].items()}}
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat.items()}
+
+
 class MetricLogger:
-    def __init__(self, accelerator, recipe: Recipe, start_step: int):
+    def __init__(self, accelerator, recipe: Recipe, start_step: int, run_info: dict):
         self.accelerator = accelerator
         self.main = accelerator.is_main_process
         self.trackers = [t for t in recipe.report_to if t != "none"]
@@ -36,7 +43,7 @@ class MetricLogger:
             self.path.write_text("".join(r + "\n" for r in kept), encoding="utf-8")
         if self.trackers:
             run_name = recipe.run_name or Path(recipe.output_dir).resolve().name
-            accelerator.init_trackers(recipe.project_name, config=recipe.to_dict(),
+            accelerator.init_trackers(recipe.project_name, config=tracker_config(recipe, run_info),
                                       init_kwargs={"wandb": {"name": run_name}})
 
     def log(self, row: dict) -> None:
