@@ -27,9 +27,21 @@ DEFAULT_RECIPE_NOTE = "with no --config, the embedded default recipe (tiny offli
 def _f(default: Any, help: str, *, group: str, choices: tuple | None = None, **kw) -> Any:
     """A recipe field: default, help text (shown by --help), group heading, allowed values."""
     meta = {"help": help, "group": group, "choices": choices}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta, **kw)
+    if isinstance(default, (list, dict)):  # mutable defaults: a fresh copy per Recipe
+        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
+
+
+@dataclass
+class DatasetSource:
+    """One dataset of a mixture."""
+
+    name: str
+    config: str | None = None
+    split: str = "train"
+    weight: float = 1.0
+    format: str = "auto"
+    columns: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -79,17 +91,45 @@ class Recipe:
         5.0, "Percent of the training set held out for evaluation (fixed seed) when no eval_dataset_name; "
         "0 disables evaluation.", group="data",
     )
+    dataset_format: str = _f(
+        "auto", "Data format; auto detects it from the columns (see docs/data.md for each format's shape).",
+        group="data", choices=("auto", "text", "prompt_completion", "alpaca", "messages", "sharegpt"),
+    )
+    dataset_columns: dict[str, str] = _f(
+        {}, "Rename columns before format detection, {dataset_column: expected_column}, e.g. {question: prompt}.",
+        group="data",
+    )
+    dataset_mixture: list[DatasetSource] = _f(
+        [], "Train on several datasets instead of dataset_name: a list of {name, config, split, weight, columns, "
+        "format}; weight 0.5 keeps a fixed-seed half of a dataset, 2.0 repeats it twice.", group="data",
+    )
     dataset_text_field: str = _f("text", "Column holding raw text for plain causal-LM data.", group="data")
     dataset_messages_field: str = _f(
         "messages", "Column holding chat messages ({role, content} lists).", group="data"
     )
+    chat_template_path: str | None = _f(
+        None, "Jinja chat template file to use instead of the tokenizer's. Without either, chat data gets a "
+        "ChatML template whose <|im_start|>/<|im_end|> tokens are added (embeddings resized) and <|im_end|> "
+        "becomes EOS.", group="data",
+    )
     assistant_only_loss: bool = _f(
         True, "For chat data, train on assistant turns only (their end-of-turn token included).", group="data"
     )
-    max_length: int = _f(512, "Maximum tokens per example; longer examples are truncated.", group="data")
-    packing: bool = _f(False, "Concatenate examples into max_length rows (not available yet).", group="data")
+    completion_only_loss: bool = _f(
+        True, "For prompt/completion and alpaca data, train on the completion only (EOS included).", group="data"
+    )
+    max_length: int = _f(512, "Maximum tokens per example (before packing).", group="data")
+    overlong_examples: str = _f(
+        "truncate", "Examples longer than max_length: truncate (chat: at the last complete assistant turn that "
+        "fits, else at max_length) or drop.", group="data", choices=("truncate", "drop"),
+    )
+    packing: bool = _f(
+        False, "Pack examples into rows of max_length tokens (best-fit decreasing), padding-free, with position_ids "
+        "restarting per example so no token attends across examples.", group="data",
+    )
     max_samples: int | None = _f(None, "Use at most this many training examples (after the eval carve-out).",
                                  group="data")
+    dataset_num_proc: int | None = _f(None, "Processes for tokenization (datasets.map num_proc).", group="data")
     dataloader_num_workers: int = _f(0, "Worker processes for batch collation.", group="data")
     # ---------------------------------------------------------------------- optimisation
     output_dir: str = _f("outputs/tiny-chat", "Where checkpoints, metrics.jsonl and the final model go.",
@@ -153,14 +193,13 @@ class Recipe:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
+TYPES = typing.get_type_hints(Recipe)  # resolved annotations (they are strings under __future__ annotations)
 TRACKERS = ("wandb", "tensorboard", "none")
 
 
 # --------------------------------------------------------------------------- coercion
 def _base_type(tp: Any) -> tuple[Any, bool]:
     """(inner type, optional?) for annotations like `int | None`."""
-    if isinstance(tp, str):
-        tp = eval(tp, vars(typing), {})  # annotations are strings under `from __future__ import annotations`
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
         inner = [a for a in args if a is not type(None)]
@@ -173,11 +212,21 @@ _TRUE, _FALSE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}
 
 def _coerce(name: str, value: Any, from_cli: bool) -> Any:
     """Convert `value` to the field's type or raise ValueError with a readable reason."""
-    tp, optional = _base_type(FIELDS[name].type)
+    tp, optional = _base_type(TYPES[name])
     if value is None or (from_cli and isinstance(value, str) and value.lower() in {"none", "null"}):
         if optional:
             return None
         raise ValueError("may not be empty")
+    if typing.get_origin(tp) is dict:
+        value = yaml.safe_load(value) if isinstance(value, str) else value  # CLI: --dataset_columns '{a: b}'
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ValueError(f"expected a mapping of strings, got {value!r}")
+        return dict(value)
+    if typing.get_args(tp) == (DatasetSource,):
+        value = yaml.safe_load(value) if isinstance(value, str) else value
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise ValueError("expected a list of {name, config, split, weight, columns, format} mappings")
+        return [_dataset_source(i, v) for i, v in enumerate(value)]
     if typing.get_origin(tp) is list:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
@@ -208,6 +257,23 @@ def _coerce(name: str, value: Any, from_cli: bool) -> Any:
             raise ValueError(f"expected a string, got {value!r}")
         return str(value)
     raise TypeError(f"unsupported field type {tp} for {name}")  # a bug in the schema, not user input
+
+
+def _dataset_source(index: int, value: dict) -> DatasetSource:
+    known = {f.name for f in dataclasses.fields(DatasetSource)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"entry {index} has unknown key(s) {unknown}; keys are {sorted(known)}")
+    if "name" not in value:
+        raise ValueError(f"entry {index} has no name")
+    try:
+        source = DatasetSource(**value)
+        source.weight = float(source.weight)
+    except (TypeError, ValueError):
+        raise ValueError(f"entry {index}: weight must be a number, got {value.get('weight')!r}") from None
+    if not isinstance(source.columns, dict):
+        raise ValueError(f"entry {index}: columns must be a mapping")
+    return source
 
 
 # ------------------------------------------------------------------------ validation
@@ -266,7 +332,7 @@ def validate(recipe: Recipe) -> list[str]:
     need(r.dataloader_num_workers >= 0, "dataloader_num_workers must be >= 0")
     need(not (r.bf16 and r.fp16), "bf16 and fp16 are both true; choose one")
     need(not (r.fp16 and r.dtype == "bfloat16"), "fp16 mixed precision with dtype=bfloat16 weights; use bf16")
-    need(not r.packing, "packing is not available yet in this version; set packing: false")
+    problems += _validate_data(r)
 
     if _looks_local(r.model_name_or_path) and not Path(r.model_name_or_path).expanduser().is_dir():
         problems.append(f"model_name_or_path {r.model_name_or_path!r} is not a folder; give a local model "
@@ -276,6 +342,32 @@ def validate(recipe: Recipe) -> list[str]:
         if path and _looks_local(path) and not Path(path).expanduser().exists():
             problems.append(f"{name} {path!r} does not exist; give a data file, a saved dataset folder or a hub id")
 
+    return problems
+
+
+def _validate_data(r: Recipe) -> list[str]:
+    problems = []
+    default_dataset = FIELDS["dataset_name"].default
+    if r.dataset_mixture and r.dataset_name != default_dataset:
+        problems.append("dataset_name and dataset_mixture are both set; list every dataset in dataset_mixture")
+    formats = FIELDS["dataset_format"].metadata["choices"]
+    for i, source in enumerate(r.dataset_mixture):
+        if source.weight <= 0:
+            problems.append(f"dataset_mixture entry {i} ({source.name}) has weight {source.weight}; use > 0")
+        if source.format not in formats:
+            problems.append(f"dataset_mixture entry {i} has format {source.format!r}; use one of {', '.join(formats)}")
+        if _looks_local(source.name) and not Path(source.name).expanduser().exists():
+            problems.append(f"dataset_mixture entry {i}: {source.name!r} does not exist")
+    if r.chat_template_path and not Path(r.chat_template_path).is_file():
+        problems.append(f"chat_template_path {r.chat_template_path!r} is not a file")
+    if r.dataset_num_proc is not None and r.dataset_num_proc < 1:
+        problems.append(f"dataset_num_proc must be >= 1 or unset, got {r.dataset_num_proc}")
+    return problems
+
+
+def check_output_dir(r: Recipe) -> list[str]:
+    """Problems with where a training run writes and resumes (not needed to preview data)."""
+    problems = []
     out = Path(r.output_dir)
     if r.resume_from_checkpoint not in (None, "latest") and not Path(r.resume_from_checkpoint).is_dir():
         problems.append(f"resume_from_checkpoint {r.resume_from_checkpoint!r} is not a checkpoint folder")
@@ -319,11 +411,12 @@ def _coerce_all(values: dict[str, Any], from_cli: bool) -> tuple[dict[str, Any],
     return clean, problems
 
 
-def recipe_from_dict(values: dict[str, Any], source: str = "recipe") -> Recipe:
+def recipe_from_dict(values: dict[str, Any], source: str = "recipe", for_training: bool = True) -> Recipe:
     """Build a validated Recipe from a mapping (e.g. a YAML file), or raise ConfigError with every problem."""
     clean, problems = _coerce_all(values, from_cli=False)
     recipe = Recipe(**clean)
     problems += validate(recipe)  # wrongly typed fields keep their defaults here
+    problems += check_output_dir(recipe) if for_training else []
     if problems:
         raise ConfigError(problems, source)
     return recipe
@@ -356,16 +449,20 @@ def build_arg_parser(prog: str = "hftrain.finetune") -> argparse.ArgumentParser:
     for name, f in FIELDS.items():
         group = groups.setdefault(f.metadata["group"], parser.add_argument_group(f.metadata["group"]))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        tp, _ = _base_type(f.type)
-        kind = {bool: "BOOL", int: "INT", float: "FLOAT"}.get(tp, "LIST" if typing.get_origin(tp) is list else "STR")
+        tp, _ = _base_type(TYPES[name])
+        kind = {bool: "BOOL", int: "INT", float: "FLOAT"}.get(tp) or {list: "LIST", dict: "MAP"}.get(
+            typing.get_origin(tp), "STR")
         extra = {"nargs": "?", "const": "true"} if tp is bool else {}
         group.add_argument(f"--{name}", metavar=kind, help=f"{f.metadata['help']} (default: {default})".replace("%", "%%"), **extra)
     return parser
 
 
-def load_recipe(argv: list[str] | None = None) -> Recipe:
-    """Parse `--config` + overrides into a validated Recipe, or raise ConfigError listing every problem."""
-    args, unknown = build_arg_parser().parse_known_args(argv)
+def load_recipe(argv: list[str] | None = None, for_training: bool = True, prog: str = "hftrain.finetune") -> Recipe:
+    """Parse `--config` + overrides into a validated Recipe, or raise ConfigError listing every problem.
+
+    `for_training` adds the output_dir / resume checks, which a data preview does not need.
+    """
+    args, unknown = build_arg_parser(prog).parse_known_args(argv)
     config_path = getattr(args, "config", None)
     source = f"recipe {config_path}" if config_path else "command line"
     problems = [f"unknown argument {u!r}" if u.startswith("-") else
@@ -375,6 +472,7 @@ def load_recipe(argv: list[str] | None = None) -> Recipe:
     problems += file_problems + cli_problems
     recipe = Recipe(**{**from_file, **from_cli})
     problems += validate(recipe)  # wrongly typed fields keep their defaults here
+    problems += check_output_dir(recipe) if for_training else []
     if problems:
         raise ConfigError(problems, source)
     return recipe

@@ -23,10 +23,25 @@ import torch
 
 from hftrain import checkpoint
 from hftrain.config import Recipe, check_environment, dump_recipe, load_recipe
-from hftrain.data import IGNORE_INDEX, BatchPlan, Collator, eval_micro_batches, load_datasets, make_loader
+from hftrain.data import (
+    IGNORE_INDEX,
+    BatchPlan,
+    Collator,
+    eval_micro_batches,
+    load_datasets,
+    make_loader,
+    training_rows,
+)
 from hftrain.distributed import launch_info, make_accelerator, preset_conflicts
 from hftrain.errors import ConfigError, HftrainError, report_and_exit
-from hftrain.model import CausalLMTokenLoss, build_model, build_tokenizer, check_model_fits, pad_token_id
+from hftrain.model import (
+    CausalLMTokenLoss,
+    build_model,
+    build_tokenizer,
+    check_model_fits,
+    fit_embeddings_to_tokenizer,
+    pad_token_id,
+)
 from hftrain.optim import build_optimizer, build_scheduler
 from hftrain.tracking import MetricLogger, peak_memory_mb
 
@@ -52,6 +67,7 @@ def evaluate(accelerator, model, dataset, collator: Collator, recipe: Recipe) ->
                                 accelerator.num_processes, accelerator.process_index)
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     for batch in make_loader(shards, collator, recipe.dataloader_num_workers):
+        batch.pop("num_examples")
         batch = to_device(batch, accelerator.device)
         totals += torch.stack([model(**batch).double(), trained_tokens(batch).double()])
     loss_sum, tokens = accelerator.reduce(totals, reduction="sum").tolist()
@@ -83,20 +99,22 @@ def run(recipe: Recipe) -> Path:
     tokenizer = build_tokenizer(recipe)
     with accelerator.main_process_first():  # rank 0 tokenizes and fills the cache, the others read it
         train_set, eval_set, data_stats = load_datasets(recipe, tokenizer)
-    plan = BatchPlan(len(train_set), recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps,
+    rows = training_rows(train_set, recipe.packing, recipe.max_length)
+    plan = BatchPlan(len(rows), recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps,
                      recipe.seed, shuffle=recipe.train_sampling_strategy == "random")
-    if len(train_set) < plan.global_batch:
+    if len(rows) < plan.global_batch:
         raise HftrainError(
-            f"the training set has {len(train_set)} usable examples, fewer than one global batch of "
-            f"{plan.global_batch} (per_device_train_batch_size x {world} processes x gradient_accumulation_steps); "
-            "use a smaller batch or more data"
+            f"the training set has {len(rows)} usable {'packed rows' if recipe.packing else 'examples'}, fewer than "
+            f"one global batch of {plan.global_batch} (per_device_train_batch_size x {world} processes x "
+            "gradient_accumulation_steps); use a smaller batch or more data"
         )
     total_steps = recipe.max_steps if recipe.max_steps > 0 else math.ceil(recipe.num_train_epochs * plan.steps_per_epoch)
-    collator = Collator(train_set, pad_token_id(tokenizer))
+    collator = Collator(train_set, pad_token_id(tokenizer), rows, packed=recipe.packing)
     eval_collator = Collator(eval_set, pad_token_id(tokenizer)) if eval_set is not None else None
 
     # ------------------------------------------------------------------ model
     model = CausalLMTokenLoss(build_model(recipe))
+    fit_embeddings_to_tokenizer(model.lm, tokenizer)
     check_model_fits(recipe, model.lm)
 
     # -------------------------------------------------------------- optimizer
@@ -122,7 +140,7 @@ def run(recipe: Recipe) -> Path:
         f"effective batch {plan.global_batch} = {recipe.per_device_train_batch_size} per device x {world} x "
         f"{recipe.gradient_accumulation_steps} accumulation; {total_steps} optimizer steps "
         f"({plan.steps_per_epoch} per epoch); {n_trainable:,} of {n_params:,} parameters trained; "
-        f"data {data_stats['train']}" + (f"; resuming from {resume_from} at step {progress.step}" if resume_from else "")
+        f"{len(train_set)} training examples in {len(rows)} rows" + (f"; resuming from {resume_from} at step {progress.step}" if resume_from else "")
     )
 
     # ------------------------------------------------------------------- loop
@@ -141,7 +159,9 @@ def run(recipe: Recipe) -> Path:
             # The loss of an optimizer step is sum(token losses over all micro-batches and ranks) divided by
             # the step's trained tokens over all ranks. Gradients are averaged over ranks (DDP/FSDP/DeepSpeed)
             # and accelerator.backward divides by `accum`: multiplying by world * accum undoes both.
-            step_tokens = accelerator.reduce(sum(trained_tokens(b) for b in micro_batches), reduction="sum")
+            local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
+                                 sum(b.pop("num_examples") for b in micro_batches)])
+            step_tokens, step_examples = accelerator.reduce(local, reduction="sum")
             scale = world * accum / step_tokens.clamp(min=1)
             learning_rate = optimizer.param_groups[0]["lr"]
             for batch in micro_batches:
@@ -155,7 +175,7 @@ def run(recipe: Recipe) -> Path:
                         scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
             window_tokens += int(step_tokens)
-            window_examples += min(plan.global_batch, plan.num_examples - progress.step_in_epoch * plan.global_batch)
+            window_examples += int(step_examples)
             progress.step += 1
             progress.step_in_epoch += 1
             progress.trained_tokens += int(step_tokens)

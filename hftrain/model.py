@@ -69,6 +69,16 @@ def build_model(recipe: Recipe) -> nn.Module:
     return build_full_model(recipe)
 
 
+def fit_embeddings_to_tokenizer(model: nn.Module, tokenizer) -> int | None:
+    """Grow the embeddings when the tokenizer gained tokens (ChatML fallback); returns the new size or None."""
+    if len(tokenizer) <= model.get_input_embeddings().num_embeddings:
+        return None
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return len(tokenizer)
+
+
 def check_model_fits(recipe: Recipe, model: nn.Module) -> None:
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and recipe.max_length > limit:
@@ -92,12 +102,15 @@ class CausalLMTokenLoss(nn.Module):
         config = lm.config
         self.head_only = not (getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None))
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` restarting inside a row mark packed examples (block-diagonal attention)."""
         targets = labels[:, 1:]
         trained = targets != IGNORE_INDEX
+        inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
         if self.head_only:
-            hidden = self.lm.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+            hidden = self.lm.get_decoder()(**inputs).last_hidden_state
             logits = self.lm.get_output_embeddings()(hidden[:, :-1][trained])
         else:
-            logits = self.lm(input_ids=input_ids, use_cache=False).logits[:, :-1][trained]
+            logits = self.lm(**inputs).logits[:, :-1][trained]
         return F.cross_entropy(logits.float(), targets[trained], reduction="sum")

@@ -1,0 +1,111 @@
+"""Preview what a recipe will train on, before training.
+
+    python -m hftrain.data --config recipe.yaml [--show 3] [--dump N out.jsonl] [--<field> value ...]
+
+--show N   prints the first N training examples as rendered text with the trained tokens marked
+           (green on a terminal, otherwise between ⟦ and ⟧), then the statistics and a length histogram.
+--dump N F writes the first N training rows exactly as the collator yields them (input_ids, labels and
+           position_ids when packing), one JSON object per row, in the order of the first steps of a
+           1-process run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hftrain.config import load_recipe
+from hftrain.data.batching import BatchPlan, Collator, training_rows
+from hftrain.data.sources import load_datasets
+from hftrain.data.tokenize import IGNORE_INDEX
+from hftrain.errors import HftrainError, report_and_exit
+
+
+def marked_text(tokenizer, input_ids: list[int], labels: list[int], color: bool) -> str:
+    """Decoded tokens with trained runs marked. A token is trained when it is a target (its label is set)."""
+    start, end = ("\033[42;30m", "\033[0m") if color else ("⟦", "⟧")
+    pieces, inside = [], False
+    for tok, label in zip(input_ids, labels):
+        trained = label != IGNORE_INDEX
+        if trained != inside:
+            pieces.append(start if trained else end)
+            inside = trained
+        pieces.append(tokenizer.decode([tok]))
+    if inside:
+        pieces.append(end)
+    return "".join(pieces)
+
+
+def histogram(lengths: list[int], max_length: int, bins: int = 8, width: int = 40) -> str:
+    step = max(1, -(-max_length // bins))
+    counts = [0] * bins
+    for n in lengths:
+        counts[min(n // step, bins - 1)] += 1
+    top = max(counts) or 1
+    return "\n".join(f"  {i * step:>6}-{min((i + 1) * step, max_length):<6} {c:>7} {'#' * round(width * c / top)}"
+                     for i, c in enumerate(counts))
+
+
+def preview(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hftrain.data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--show", type=int, default=3, help="examples to print (default 3)")
+    parser.add_argument("--dump", nargs=2, metavar=("N", "FILE"), help="write the first N collated rows to FILE")
+    args, rest = parser.parse_known_args(argv)
+    recipe = load_recipe(rest, for_training=False, prog="python -m hftrain.data")
+
+    from hftrain.model import build_tokenizer, pad_token_id
+
+    tokenizer = build_tokenizer(recipe)
+    train, evaluation, stats = load_datasets(recipe, tokenizer)
+    color = sys.stdout.isatty()
+    for i in range(min(args.show, len(train))):
+        row = train[i]
+        print(f"--- example {i} ({len(row['input_ids'])} tokens, "
+              f"{sum(lbl != IGNORE_INDEX for lbl in row['labels'])} trained)")
+        print(marked_text(tokenizer, row["input_ids"], row["labels"], color))
+    print("--- statistics")
+    if stats["chat_template"]:
+        print(f"  note: {stats['chat_template']}")
+    for source in stats["sources"]:
+        share = source["trained_tokens"] / max(source["tokens"], 1)
+        print(f"  {source['name']} (weight {source['weight']}, format {source['format']}): {source['examples']} "
+              f"examples kept, {source['dropped_overlong']} dropped as over-long, {source['dropped_untrainable']} "
+              f"dropped with no trained token, {source['truncated_examples']} truncated "
+              f"({source['truncated_tokens']} tokens cut), {source['trained_tokens']} trained of "
+              f"{source['tokens']} tokens ({share:.1%})")
+    print(f"  training examples: {stats['train_examples']}, eval examples: {stats['eval_examples']}")
+    print(f"--- length histogram (tokens per training example, max_length {recipe.max_length})")
+    print(histogram([len(ids) for ids in train["input_ids"]], recipe.max_length))
+
+    if args.dump:
+        count, path = int(args.dump[0]), args.dump[1]
+        rows = training_rows(train, recipe.packing, recipe.max_length)
+        plan = BatchPlan(len(rows), recipe.per_device_train_batch_size, 1, 1, recipe.seed,
+                         shuffle=recipe.train_sampling_strategy == "random")
+        collator = Collator(train, pad_token_id(tokenizer), rows, packed=recipe.packing)
+        written = 0
+        with open(path, "w", encoding="utf-8") as f:
+            for micro_batch in plan.micro_batches(epoch=0, rank=0):
+                batch = collator(micro_batch)
+                batch.pop("num_examples")
+                for r in range(batch["input_ids"].shape[0]):
+                    if written == count:
+                        break
+                    f.write(json.dumps({k: v[r].tolist() for k, v in batch.items()}) + "\n")
+                    written += 1
+                if written == count:
+                    break
+        print(f"--- wrote {written} collated training rows to {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        preview(argv)
+    except HftrainError as error:
+        report_and_exit(error)
+
+
+if __name__ == "__main__":
+    main()

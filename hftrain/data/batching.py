@@ -1,0 +1,147 @@
+"""Rows, batch plans and collation.
+
+A training *row* is one example, or with packing several examples concatenated (best-fit
+decreasing into max_length tokens). `BatchPlan` decides which rows each rank sees in each
+micro-batch of each optimizer step; `Collator` turns a list of rows into tensors.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from hftrain.data.tokenize import IGNORE_INDEX
+
+
+def pack_best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bins of example indices whose lengths sum to <= capacity: longest first, each into the fullest bin it fits."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (remaining capacity, bin id), sorted
+    for i in order:
+        length = lengths[i]
+        if length > capacity:
+            raise ValueError(f"example {i} has {length} tokens, more than the packing capacity {capacity}")
+        slot = bisect.bisect_left(free, (length, -1))
+        if slot < len(free):
+            remaining, b = free.pop(slot)
+        else:
+            remaining, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        if remaining - length > 0:
+            bisect.insort(free, (remaining - length, b))
+    return bins
+
+
+def training_rows(dataset, packing: bool, max_length: int) -> list[list[int]]:
+    """Example indices of each training row: one per row, or packed bins in creation order."""
+    if not packing:
+        return [[i] for i in range(len(dataset))]
+    return pack_best_fit_decreasing([len(ids) for ids in dataset["input_ids"]], max_length)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Which rows each rank sees in each micro-batch of each optimizer step.
+
+    One optimizer step consumes a global batch of G = micro_batch x world x accum consecutive
+    rows of the epoch's order (the rows' own order, or a permutation seeded by (seed, epoch)).
+    Micro-batch j of rank r is the slice [(j*world + r)*micro_batch, +micro_batch) of that global
+    batch, so k micro-batches of b on 1 process and 1 micro-batch of b on k processes see the same
+    rows per step. The last step of an epoch may be short: its missing micro-batch slots are
+    empty and collate to a fully masked row, so every rank still runs `accum` forward/backward
+    passes (collectives stay matched) while the loss only counts real tokens.
+    """
+
+    num_examples: int  # rows
+    micro_batch: int
+    world: int
+    accum: int
+    seed: int
+    shuffle: bool
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.world * self.accum
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.num_examples / self.global_batch)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_examples))
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(self.num_examples, generator=generator).tolist()
+
+    def micro_batches(self, epoch: int, rank: int, start_step: int = 0) -> Iterator[list[int]]:
+        """This rank's micro-batches (lists of row indices) from `start_step` to the end of the epoch."""
+        order, b = self.epoch_order(epoch), self.micro_batch
+        for step in range(start_step, self.steps_per_epoch):
+            chunk = order[step * self.global_batch:(step + 1) * self.global_batch]
+            for j in range(self.accum):
+                first = (j * self.world + rank) * b
+                yield chunk[first:first + b]
+
+
+def eval_micro_batches(num_examples: int, micro_batch: int, world: int, rank: int) -> list[list[int]]:
+    """Disjoint evaluation shards with the same number of batches on every rank (short ones may be empty)."""
+    stride = micro_batch * world
+    return [list(range(start + rank * micro_batch, min(start + (rank + 1) * micro_batch, num_examples)))
+            for start in range(0, num_examples, stride)]
+
+
+class Collator:
+    """Right-pads a micro-batch of rows; an empty micro-batch becomes one fully masked row.
+
+    `num_examples` (real examples in the batch, for throughput) is popped by the loop before the
+    forward. No attention mask is needed: with right padding a causal model never lets a real token attend
+    to a pad, so real positions are exact and pad labels are -100. Packed rows carry position_ids
+    restarting at 0 for each example; with no attention mask transformers turns them into a
+    block-diagonal causal mask (and flash-attention into per-example sequence lengths), so no token
+    attends across examples. The padding after a packed row starts its own position run too.
+    """
+
+    def __init__(self, dataset, pad_token_id: int, rows: list[list[int]] | None = None, packed: bool = False):
+        self.dataset = dataset
+        self.pad_token_id = pad_token_id
+        self.rows = rows
+        self.packed = packed
+
+    def __call__(self, row_indices: list[int]) -> dict[str, torch.Tensor]:
+        groups = [self.rows[r] for r in row_indices] if self.rows is not None else [[r] for r in row_indices]
+        flat = [i for group in groups for i in group]
+        fetched = self.dataset[flat] if flat else {"input_ids": [], "labels": []}
+        ids_iter, labels_iter = iter(fetched["input_ids"]), iter(fetched["labels"])
+        rows = []
+        for group in groups or [[]]:
+            parts = [(next(ids_iter), next(labels_iter)) for _ in group] or [([self.pad_token_id], [IGNORE_INDEX])]
+            rows.append(parts)
+        width = max(sum(len(ids) for ids, _ in parts) for parts in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        position_ids = torch.zeros_like(input_ids)
+        for r, parts in enumerate(rows):
+            offset = 0
+            for ids, lbl in parts:
+                input_ids[r, offset:offset + len(ids)] = torch.tensor(ids)
+                labels[r, offset:offset + len(lbl)] = torch.tensor(lbl)
+                position_ids[r, offset:offset + len(ids)] = torch.arange(len(ids))
+                offset += len(ids)
+            position_ids[r, offset:] = torch.arange(width - offset)
+        batch = {"input_ids": input_ids, "labels": labels, "num_examples": torch.tensor(len(flat))}
+        if self.packed:
+            batch["position_ids"] = position_ids
+        return batch
+
+
+def make_loader(batches: Iterator[list[int]] | list[list[int]], collator: Collator, num_workers: int):
+    """A DataLoader over precomputed index lists (collation may run in worker processes)."""
+    return torch.utils.data.DataLoader(
+        list(batches), batch_size=None, shuffle=False, collate_fn=collator, num_workers=num_workers,
+    )

@@ -1,0 +1,107 @@
+"""Dataset formats: detection from the columns, validation, and conversion to one of three shapes.
+
+| format            | columns (after `dataset_columns` renames)          | becomes             |
+| ----------------- | -------------------------------------------------- | ------------------- |
+| text              | `text` (dataset_text_field)                        | text                |
+| prompt_completion | `prompt`, `completion` (strings or message lists)  | prompt + completion |
+| alpaca            | `instruction`, `output`, optional `input`, `system`| messages            |
+| messages          | `messages` (dataset_messages_field): [{role, content}] | messages        |
+| sharegpt          | `conversations`: [{from, value}] (human/gpt/system) | messages           |
+
+Every example is checked before it is tokenized; a bad one raises HftrainError naming the example.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hftrain.errors import HftrainError
+
+FORMATS = ("text", "prompt_completion", "alpaca", "messages", "sharegpt")
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+def required_columns(fmt: str, text_field: str, messages_field: str) -> tuple[str, ...]:
+    return {"text": (text_field,), "prompt_completion": ("prompt", "completion"),
+            "alpaca": ("instruction", "output"), "messages": (messages_field,),
+            "sharegpt": ("conversations",)}[fmt]
+
+
+def detect_format(columns: list[str], explicit: str, text_field: str, messages_field: str, name: str) -> str:
+    """The format named by `explicit`, or the first whose columns are all present (in FORMATS order of specificity)."""
+    order = [explicit] if explicit != "auto" else ["messages", "sharegpt", "prompt_completion", "alpaca", "text"]
+    for fmt in order:
+        if all(c in columns for c in required_columns(fmt, text_field, messages_field)):
+            return fmt
+    expected = "; ".join(f"{f}: {', '.join(required_columns(f, text_field, messages_field))}" for f in order)
+    what = f"format {explicit!r}" if explicit != "auto" else "any known format"
+    raise HftrainError(
+        f"dataset {name!r} has columns {columns}, which do not match {what} (expected columns - {expected}); "
+        "rename columns with dataset_columns, or set dataset_format"
+    )
+
+
+def check_messages(messages: Any, where: str) -> list[dict]:
+    """Validated OpenAI-style messages, or HftrainError saying what is wrong and where."""
+    if not isinstance(messages, list) or not messages:
+        raise HftrainError(f"{where}: messages must be a non-empty list of {{role, content}} objects, got "
+                           f"{type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else m
+            raise HftrainError(f"{where}: message {i} has role {role!r}; roles must be one of {', '.join(ROLES)} "
+                               "(ShareGPT data uses from/value: set dataset_format sharegpt)")
+        if not isinstance(m.get("content"), str):
+            raise HftrainError(f"{where}: message {i} ({m['role']}) has content of type "
+                               f"{type(m.get('content')).__name__}, not a string")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise HftrainError(f"{where}: the conversation has no assistant message, so nothing can be trained")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _sharegpt_to_messages(turns: Any, where: str) -> list[dict]:
+    if not isinstance(turns, list):
+        raise HftrainError(f"{where}: conversations must be a list of {{from, value}} objects")
+    messages = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict) or t.get("from") not in SHAREGPT_ROLES:
+            who = t.get("from") if isinstance(t, dict) else t
+            raise HftrainError(f"{where}: turn {i} is from {who!r}; ShareGPT roles are "
+                               f"{', '.join(SHAREGPT_ROLES)}")
+        messages.append({"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")})
+    return messages
+
+
+def _alpaca_to_messages(example: dict) -> list[dict]:
+    """Instruction (+ input) as the user turn, output as the assistant turn, optional system column."""
+    instruction, extra = example["instruction"], example.get("input") or ""
+    user = f"{instruction}\n\n{extra}" if extra else instruction
+    messages = [{"role": "system", "content": example["system"]}] if example.get("system") else []
+    return messages + [{"role": "user", "content": user}, {"role": "assistant", "content": example["output"]}]
+
+
+def to_canonical(example: dict, fmt: str, text_field: str, messages_field: str, where: str) -> dict:
+    """One of {"text": str}, {"prompt": str|messages, "completion": str|messages}, {"messages": messages}."""
+    if fmt == "text":
+        text = example[text_field]
+        if not isinstance(text, str) or not text:
+            raise HftrainError(f"{where}: column {text_field!r} must hold non-empty text, got {text!r:.60}")
+        return {"text": text}
+    if fmt == "prompt_completion":
+        prompt, completion = example["prompt"], example["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            if not completion:
+                raise HftrainError(f"{where}: the completion is empty, so nothing can be trained")
+            return {"prompt": prompt, "completion": completion}
+        if isinstance(prompt, list) and isinstance(completion, list):  # conversational prompt/completion
+            check_messages(prompt + completion, where)
+            return {"prompt": prompt, "completion": completion}
+        raise HftrainError(f"{where}: prompt and completion must both be strings or both be message lists")
+    if fmt == "alpaca":
+        if not all(isinstance(example.get(k) or "", str) for k in ("instruction", "input", "output", "system")):
+            raise HftrainError(f"{where}: instruction, input, output and system must be strings")
+        return {"messages": check_messages(_alpaca_to_messages(example), where)}
+    if fmt == "sharegpt":
+        return {"messages": check_messages(_sharegpt_to_messages(example["conversations"], where), where)}
+    return {"messages": check_messages(example[messages_field], where)}

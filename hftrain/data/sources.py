@@ -1,0 +1,129 @@
+"""Where examples come from: files, saved `datasets` folders, hub ids, weighted mixtures, eval splits."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from hftrain.config import DatasetSource, Recipe
+from hftrain.data.formats import detect_format
+from hftrain.data.tokenize import DataSpec, prepare_chat_template, tokenize_dataset
+from hftrain.errors import HftrainError
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
+
+
+def load_raw(name: str, config: str | None, split: str):
+    """A `datasets.Dataset` from a data file, a saved dataset folder or a hub id."""
+    import datasets
+
+    path = Path(name).expanduser()
+    try:
+        if path.is_file():
+            builder = FILE_BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise HftrainError(f"dataset file {name!r} has an unsupported extension; use one of "
+                                   f"{', '.join(FILE_BUILDERS)} or a saved datasets folder")
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise HftrainError(f"saved dataset {name!r} has splits {list(loaded)}, not {split!r}")
+                return loaded[split]
+            return loaded
+        return datasets.load_dataset(name, config, split=split)
+    except HftrainError:
+        raise
+    except Exception as exc:  # datasets raises many types (DatasetNotFoundError, ArrowInvalid, ...): one message
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HftrainError(
+            f"cannot load dataset {name!r} (split {split!r}): {first_line}. Give an existing data file, a saved "
+            "datasets folder, or a hub id reachable from this machine (HF_HUB_OFFLINE=1 allows cached ones only)"
+        ) from None
+
+
+def _renamed(raw, columns: dict[str, str], name: str):
+    missing = sorted(set(columns) - set(raw.column_names))
+    if missing:
+        raise HftrainError(f"dataset {name!r} has no column(s) {missing} to rename (columns: {raw.column_names})")
+    return raw.rename_columns(columns) if columns else raw
+
+
+def _weighted(dataset, weight: float, seed: int):
+    """floor(weight) full copies plus a fixed-seed sample of the fractional part."""
+    import datasets
+
+    copies, fraction = int(weight), weight - int(weight)
+    parts = [dataset] * copies
+    if fraction > 0:
+        parts.append(dataset.shuffle(seed=seed).select(range(math.ceil(fraction * len(dataset)))))
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+def _sources(recipe: Recipe) -> list[DatasetSource]:
+    if recipe.dataset_mixture:
+        return recipe.dataset_mixture
+    return [DatasetSource(recipe.dataset_name, recipe.dataset_config, recipe.dataset_train_split, 1.0,
+                          recipe.dataset_format, recipe.dataset_columns)]
+
+
+def _is_chat(fmt: str, raw) -> bool:
+    return fmt in CHAT_FORMATS or (fmt == "prompt_completion" and len(raw) > 0 and isinstance(raw[0]["prompt"], list))
+
+
+def load_datasets(recipe: Recipe, tokenizer):
+    """(train, eval or None, stats). Every source is loaded and checked before anything is tokenized.
+
+    The eval carve-out (validation_split_percentage, fixed seed) is taken from each source before
+    weighting, so an up-sampled example never lands in both splits.
+    """
+    import datasets
+
+    spec = DataSpec.from_recipe(recipe)
+    loaded = []
+    for source in _sources(recipe):
+        raw = _renamed(load_raw(source.name, source.config, source.split), source.columns, source.name)
+        if not len(raw):
+            raise HftrainError(f"dataset {source.name!r} split {source.split!r} is empty")
+        fmt = detect_format(raw.column_names, source.format, spec.text_field, spec.messages_field, source.name)
+        loaded.append((source, raw, fmt))
+    eval_raw = None
+    if recipe.eval_dataset_name:
+        eval_raw = _renamed(load_raw(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split),
+                            recipe.dataset_columns, recipe.eval_dataset_name)
+        eval_fmt = detect_format(eval_raw.column_names, recipe.dataset_format, spec.text_field, spec.messages_field,
+                                 recipe.eval_dataset_name)
+    needs_chat = any(_is_chat(fmt, raw) for _, raw, fmt in loaded) or (eval_raw is not None and
+                                                                        _is_chat(eval_fmt, eval_raw))
+    template_note = prepare_chat_template(tokenizer, recipe.chat_template_path, needs_chat)
+
+    trains, evals, stats = [], [], {"sources": [], "chat_template": template_note}
+    for source, raw, fmt in loaded:
+        if not recipe.eval_dataset_name and recipe.validation_split_percentage > 0:
+            n_eval = max(1, int(len(raw) * recipe.validation_split_percentage / 100))
+            if n_eval >= len(raw):
+                raise HftrainError(f"dataset {source.name!r} has {len(raw)} examples, too few to hold out "
+                                   f"{recipe.validation_split_percentage}% for evaluation")
+            split = raw.train_test_split(test_size=n_eval, seed=recipe.seed, shuffle=True)
+            raw = split["train"]
+            evaluation, _ = tokenize_dataset(split["test"], tokenizer, spec, fmt, f"{source.name} (eval)",
+                                             recipe.dataset_num_proc)
+            evals.append(evaluation)
+        if recipe.max_samples is not None and not recipe.dataset_mixture:
+            raw = raw.select(range(min(recipe.max_samples, len(raw))))
+        train, train_stats = tokenize_dataset(raw, tokenizer, spec, fmt, source.name, recipe.dataset_num_proc)
+        trains.append(_weighted(train, source.weight, recipe.seed))
+        stats["sources"].append({"name": source.name, "weight": source.weight, **train_stats})
+    train = trains[0] if len(trains) == 1 else datasets.concatenate_datasets(trains)
+    if recipe.max_samples is not None and recipe.dataset_mixture:  # a fixed-seed sample of the whole mixture
+        train = train.shuffle(seed=recipe.seed).select(range(min(recipe.max_samples, len(train))))
+    if eval_raw is not None:
+        evaluation, eval_stats = tokenize_dataset(eval_raw, tokenizer, spec, eval_fmt, recipe.eval_dataset_name,
+                                                  recipe.dataset_num_proc)
+        evals, stats["eval"] = [evaluation], eval_stats
+    evaluation = None if not evals else evals[0] if len(evals) == 1 else datasets.concatenate_datasets(evals)
+    stats["train_examples"] = len(train)
+    stats["eval_examples"] = len(evaluation) if evaluation is not None else 0
+    return train, evaluation, stats
