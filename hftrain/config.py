@@ -213,8 +213,8 @@ _TRUE, _FALSE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}
 def _coerce(name: str, value: Any, from_cli: bool) -> Any:
     """Convert `value` to the field's type or raise ValueError with a readable reason."""
     tp, optional = _base_type(TYPES[name])
-    if value is None or (from_cli and isinstance(value, str) and value.lower() in {"none", "null"}):
-        if optional:
+    if value is None or (optional and from_cli and isinstance(value, str) and value.lower() in {"none", "null"}):
+        if optional:  # `--eval_steps none` unsets; for other fields "none" is a value (`--report_to none`)
             return None
         raise ValueError("may not be empty")
     if typing.get_origin(tp) is dict:

@@ -86,21 +86,25 @@ def check_model_fits(recipe: Recipe, model: nn.Module) -> None:
                            "lower max_length")
 
 
+# Architectures whose logits are exactly `lm_head(last_hidden_state)` in transformers 5.23. Others may
+# scale or soft-cap them (Granite `logits_scaling`, Gemma 2/3 soft-capping, Cohere `logit_scale`) and
+# take the model's own full-logits path.
+HEAD_ONLY_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "olmo2", "gemma"})
+
+
 class CausalLMTokenLoss(nn.Module):
     """Wraps a causal LM so that `forward` returns the *sum* of next-token cross-entropies.
 
     The loop divides by the global number of trained tokens of the optimizer step, which makes
-    gradient accumulation and data parallelism exact. Logits are computed only at trained
-    positions (prompt and padding positions never need them), in fp32 for a stable softmax.
-    Models whose logits are more than `lm_head(hidden)` (soft-capping, logit scaling) take the
-    model's own full-logits path.
+    gradient accumulation and data parallelism exact. For known architectures logits are computed
+    only at trained positions (prompt and padding positions never need them), in fp32 for a stable
+    softmax; any other model takes its own full-logits path.
     """
 
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
-        config = lm.config
-        self.head_only = not (getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None))
+        self.head_only = lm.config.model_type in HEAD_ONLY_MODEL_TYPES
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,8 +2,12 @@
 
     python scripts/make_data.py [OUT_DIR]
 
-chat.jsonl  -- {"messages": [...]} chats: single and multi-turn, some with a system prompt
-text.jsonl  -- {"text": ...} short documents for plain causal-LM training
+chat.jsonl              {"messages": [{role, content}...]}: single and multi-turn, some with a system
+                        prompt; the last 24 are long (12 turns) or non-ASCII (unicode names, emoji)
+text.jsonl              {"text": ...}: short documents for plain causal-LM training
+prompt_completion.jsonl {"prompt": ..., "completion": ...}
+alpaca.jsonl            {"instruction": ..., "input": ..., "output": ...} (input often empty)
+sharegpt.jsonl          {"conversations": [{"from": human|gpt|system, "value": ...}...]}
 
 The content is synthetic but regular (arithmetic, capitals, word games), so a tiny
 random model visibly learns it within a few dozen steps on CPU.
@@ -55,15 +59,62 @@ def text_example(rng: random.Random) -> dict:
     return {"text": " ".join(sentences)}
 
 
+UNICODE = [("Wie heißt die Hauptstadt von Österreich?", "Die Hauptstadt von Österreich ist Wien."),
+           ("¿Cuál es la capital de España?", "La capital de España es Madrid."),
+           ("日本の首都はどこですか?", "日本の首都は東京です。"),
+           ("Πρωτεύουσα της Ελλάδας;", "Η πρωτεύουσα της Ελλάδας είναι η Αθήνα."),
+           ("Say hello with an emoji.", "Hello! 👋🙂")]
+
+
+def special_chat_example(rng: random.Random, i: int) -> dict:
+    """Long (12-turn) or non-ASCII conversations, to exercise truncation and byte-level tokenization."""
+    if i % 2 == 0:
+        messages = [{"role": "system", "content": rng.choice(SYSTEMS)}]
+        for _ in range(6):
+            question, answer = qa_pair(rng)
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        return {"messages": messages}
+    question, answer = rng.choice(UNICODE)
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+
+
+def prompt_completion_example(rng: random.Random) -> dict:
+    question, answer = qa_pair(rng)
+    return {"prompt": f"Question: {question}\nAnswer:", "completion": f" {answer}"}
+
+
+def alpaca_example(rng: random.Random) -> dict:
+    question, answer = qa_pair(rng)
+    if rng.random() < 0.5:
+        return {"instruction": question, "input": "", "output": answer}
+    return {"instruction": "Answer the question in one sentence.", "input": question, "output": answer}
+
+
+def sharegpt_example(rng: random.Random) -> dict:
+    chat = chat_example(rng)["messages"]
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    return {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in chat]}
+
+
+def write(path: Path, rows: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    print(f"wrote {len(rows)} examples to {path}")
+
+
 def main(out_dir: str = "data") -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(1234)
-    for name, make, count in (("chat.jsonl", chat_example, 600), ("text.jsonl", text_example, 600)):
-        with open(out / name, "w", encoding="utf-8") as f:
-            for _ in range(count):
-                f.write(json.dumps(make(rng), ensure_ascii=False) + "\n")
-        print(f"wrote {count} examples to {out / name}")
+    rng = random.Random(1234)  # chat.jsonl and text.jsonl first: the tiny model's tokenizer is trained on them
+    chat = [chat_example(rng) for _ in range(600)]
+    text = [text_example(rng) for _ in range(600)]
+    special = random.Random(99)
+    write(out / "chat.jsonl", chat + [special_chat_example(special, i) for i in range(24)])
+    write(out / "text.jsonl", text)
+    write(out / "prompt_completion.jsonl", [prompt_completion_example(special) for _ in range(300)])
+    write(out / "alpaca.jsonl", [alpaca_example(special) for _ in range(300)])
+    write(out / "sharegpt.jsonl", [sharegpt_example(special) for _ in range(300)])
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ def main() -> None:
     parser.add_argument("--vocab_size", type=int, default=1024)
     parser.add_argument("--max_position_embeddings", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--corpus", type=Path, nargs="*", default=sorted((REPO / "data").glob("*.jsonl")))
+    parser.add_argument("--corpus", type=Path, nargs="*", default=[REPO / "data" / "chat.jsonl",
+                                                                      REPO / "data" / "text.jsonl"])
     args = parser.parse_args()
 
     tokenizer = build_tokenizer(args.corpus, args.vocab_size)
