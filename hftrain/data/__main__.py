@@ -23,17 +23,22 @@ from hftrain.errors import HftrainError, report_and_exit
 
 
 def marked_text(tokenizer, input_ids: list[int], labels: list[int], color: bool) -> str:
-    """Decoded tokens with trained runs marked. A token is trained when it is a target (its label is set)."""
+    """Decoded text with trained runs marked. A token is trained when it is a target (its label is set).
+
+    Runs are decoded whole: a multi-byte character split over several byte-level tokens decodes only
+    together.
+    """
     start, end = ("\033[42;30m", "\033[0m") if color else ("⟦", "⟧")
-    pieces, inside = [], False
+    pieces, run, run_trained = [], [], False
     for tok, label in zip(input_ids, labels):
         trained = label != IGNORE_INDEX
-        if trained != inside:
-            pieces.append(start if trained else end)
-            inside = trained
-        pieces.append(tokenizer.decode([tok]))
-    if inside:
-        pieces.append(end)
+        if trained != run_trained and run:
+            pieces.append(tokenizer.decode(run) if not run_trained else start + tokenizer.decode(run) + end)
+            run = []
+        run.append(tok)
+        run_trained = trained
+    if run:
+        pieces.append(tokenizer.decode(run) if not run_trained else start + tokenizer.decode(run) + end)
     return "".join(pieces)
 
 

@@ -98,12 +98,14 @@ def _encode_chat(tokenizer, messages: list[dict], first_trained: int, trained_on
     text, spans = assistant_char_spans(tokenizer, messages, first_trained)
     # The template already holds BOS if the model wants one: adding special tokens again would double it.
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = [start for start, _ in enc["offset_mapping"]]
+    offsets = enc["offset_mapping"]
     if trained_only_spans:
-        trained = [any(s <= start < e for s, e in spans) for start in starts]
+        # A token is trained when it holds any character of a turn: a prompt ending in a space ("Assistant: ")
+        # lets BPE merge that space into the answer's first token, which must still be trained.
+        trained = [any(start < e and end > s for s, e in spans) for start, end in offsets]
     else:
-        trained = [True] * len(starts)
-    turn_ends = [sum(start < e for start in starts) for _, e in spans]  # token index after each assistant turn
+        trained = [True] * len(offsets)
+    turn_ends = [sum(start < e for start, _ in offsets) for _, e in spans]  # token index after each turn
     return enc["input_ids"], trained, turn_ends
 
 
