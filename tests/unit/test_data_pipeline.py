@@ -379,3 +379,23 @@ def test_marked_text_keeps_multibyte_characters_whole(tokenizer):
     shown = marked_text(tokenizer, record["input_ids"], record["labels"], color=False)
     assert "⟦ocean backwards is naeco. 日本<|im_end|>⟧" in shown and "ünïcødé 👋" in shown
     assert shown.replace("⟦", "").replace("⟧", "") == tokenizer.decode(record["input_ids"])
+
+
+def test_tokenization_is_cached_by_content_not_by_unrelated_fields(tmp_path, monkeypatch):
+    import hftrain.data.tokenize as tokenize_module
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"example {i} " * (i % 5 + 1)}) + "\n" for i in range(30)))
+    calls = []
+    real = tokenize_module.tokenize_example
+    monkeypatch.setattr(tokenize_module, "tokenize_example", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def load(**kw):
+        load_datasets(Recipe(model_name_or_path=str(MODEL), dataset_name=str(data), **kw),
+                      AutoTokenizer.from_pretrained(MODEL))
+        return len(calls)
+
+    first = load()
+    assert first == 30
+    assert load(learning_rate=1e-3, seed=42) == first  # same data fields: read from the cache
+    assert load(max_length=8) == first + 30  # a data field changed: tokenized again
