@@ -2,15 +2,19 @@
 
 A checkpoint holds `accelerator.save_state` (model, optimizer, scheduler, RNG states) plus
 `hftrain_state.json` (progress, world size, versions) and `hftrain_config.yaml` (the resolved
-recipe). It is written to a temporary folder and renamed when every rank has finished, so a
-`checkpoint-N` folder is always complete.
+recipe). Crash safety: everything is written to `.tmp-checkpoint-N`, fsynced, then a manifest of
+every file and its size (`hftrain_complete.json`, the completion marker) is written last, and the
+folder is renamed. Only folders with a manifest count as checkpoints; on resume the manifest is
+checked and a damaged newest checkpoint falls back to the previous complete one, with a warning.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,6 +23,7 @@ from hftrain.errors import HftrainError
 
 STATE_FILE = "hftrain_state.json"
 CONFIG_FILE = "hftrain_config.yaml"
+COMPLETE_FILE = "hftrain_complete.json"
 PREFIX = "checkpoint-"
 
 
@@ -53,9 +58,47 @@ def write_run_files(folder: Path, recipe: Recipe, progress: Progress, extra: dic
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    found = [p for p in output_dir.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit() and (p / STATE_FILE).exists()]
+    """Checkpoints whose completion marker exists, oldest first."""
+    found = [p for p in output_dir.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit() and (p / COMPLETE_FILE).exists()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _seal(folder: Path) -> None:
+    """fsync every file, then write the manifest (file -> size) as the completion marker, fsynced too."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    for path in files:
+        _fsync(path)
+    manifest = {str(p.relative_to(folder)): p.stat().st_size for p in files}
+    (folder / COMPLETE_FILE).write_text(json.dumps({"files": manifest}, indent=1) + "\n", encoding="utf-8")
+    _fsync(folder / COMPLETE_FILE)
+    _fsync(folder)
+
+
+def verify(folder: Path) -> list[str]:
+    """What is wrong with a checkpoint folder: no marker, missing or truncated files ([] when intact)."""
+    marker = folder / COMPLETE_FILE
+    if not marker.exists():
+        return [f"{folder} has no {COMPLETE_FILE} (it was never completed)"]
+    try:
+        manifest = json.loads(marker.read_text(encoding="utf-8"))["files"]
+    except (ValueError, KeyError):
+        return [f"{marker} is unreadable"]
+    problems = []
+    for name, size in manifest.items():
+        path = folder / name
+        if not path.exists():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{name} has {path.stat().st_size} bytes, {size} were written")
+    return problems
 
 
 def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Progress, extra: dict) -> Path:
@@ -66,12 +109,15 @@ def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Pro
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every rank's files are written before the manifest is made
     if accelerator.is_main_process:
         write_run_files(tmp, recipe, progress, extra)
+        _seal(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
+        _fsync(output_dir)
         if recipe.save_total_limit is not None:
-            for old in checkpoints(output_dir)[: -recipe.save_total_limit]:
+            for old in checkpoints(output_dir)[: -recipe.save_total_limit]:  # the newest complete one stays
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
@@ -85,19 +131,25 @@ def clear_run(output_dir: Path) -> None:
 
 
 def resolve_resume(recipe: Recipe) -> Path | None:
-    """The checkpoint folder to resume from, or None to start fresh."""
+    """The checkpoint folder to resume from, or None to start fresh.
+
+    `latest` takes the newest checkpoint that passes `verify`, warning about each damaged newer one.
+    """
     if recipe.resume_from_checkpoint is None:
         return None
     if recipe.resume_from_checkpoint == "latest":
-        found = checkpoints(Path(recipe.output_dir))
-        if not found:
-            raise HftrainError(f"resume_from_checkpoint=latest but {recipe.output_dir!r} holds no complete checkpoint; "
-                               "drop resume_from_checkpoint to start fresh")
-        return found[-1]
+        for candidate in reversed(checkpoints(Path(recipe.output_dir))):
+            problems = verify(candidate)
+            if not problems:
+                return candidate
+            warnings.warn(f"hftrain: skipping damaged checkpoint {candidate}: {'; '.join(problems)}", stacklevel=2)
+        raise HftrainError(f"resume_from_checkpoint=latest but {recipe.output_dir!r} holds no complete, intact "
+                           "checkpoint; drop resume_from_checkpoint to start fresh")
     path = Path(recipe.resume_from_checkpoint)
-    if not (path / STATE_FILE).exists():
-        raise HftrainError(f"resume_from_checkpoint {str(path)!r} has no {STATE_FILE}; it is not a complete "
-                           "hftrain checkpoint")
+    problems = verify(path)
+    if problems:
+        raise HftrainError(f"resume_from_checkpoint {str(path)!r} is not a complete hftrain checkpoint: "
+                           f"{'; '.join(problems)}")
     return path
 
 
