@@ -59,7 +59,8 @@ def write_run_files(folder: Path, recipe: Recipe, progress: Progress, extra: dic
 
 def checkpoints(output_dir: Path) -> list[Path]:
     """Checkpoints whose completion marker exists, oldest first."""
-    found = [p for p in output_dir.glob(f"{PREFIX}*") if p.name[len(PREFIX):].isdigit() and (p / COMPLETE_FILE).exists()]
+    found = [p for p in output_dir.glob(f"{PREFIX}*")
+             if p.name[len(PREFIX):].isdigit() and (p / COMPLETE_FILE).exists()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import math
 import os
 import types
 import typing
@@ -186,7 +188,7 @@ class Recipe:
 
     # ------------------------------------------------------------------ derived values
     def warmup_for(self, total_steps: int) -> int:
-        return self.warmup_steps if self.warmup_steps > 0 else int(round(self.warmup_ratio * total_steps))
+        return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -395,14 +397,17 @@ def check_environment(recipe: Recipe, cuda_available: bool) -> list[str]:
 
 
 # -------------------------------------------------------------------------- loading
+def _did_you_mean(name: str) -> str:
+    close = difflib.get_close_matches(name.lstrip("-").replace("-", "_"), FIELDS, n=3, cutoff=0.75)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
 def _coerce_all(values: dict[str, Any], from_cli: bool) -> tuple[dict[str, Any], list[str]]:
     """Typed values for known keys, and a problem for each unknown key or wrong type."""
     clean, problems = {}, []
     for key, value in values.items():
         if key not in FIELDS:
-            close = [n for n in FIELDS if key.replace("-", "_") == n or key in n or n in key][:3]
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            problems.append(f"unknown key {key!r}{hint}")
+            problems.append(f"unknown key {key!r}{_did_you_mean(key)}")
             continue
         try:
             clean[key] = _coerce(key, value, from_cli)
@@ -453,7 +458,8 @@ def build_arg_parser(prog: str = "hftrain.finetune") -> argparse.ArgumentParser:
         kind = {bool: "BOOL", int: "INT", float: "FLOAT"}.get(tp) or {list: "LIST", dict: "MAP"}.get(
             typing.get_origin(tp), "STR")
         extra = {"nargs": "?", "const": "true"} if tp is bool else {}
-        group.add_argument(f"--{name}", metavar=kind, help=f"{f.metadata['help']} (default: {default})".replace("%", "%%"), **extra)
+        text = f"{f.metadata['help']} (default: {default})".replace("%", "%%")  # argparse formats help with %
+        group.add_argument(f"--{name}", metavar=kind, help=text, **extra)
     return parser
 
 
@@ -465,10 +471,18 @@ def load_recipe(argv: list[str] | None = None, for_training: bool = True, prog: 
     args, unknown = build_arg_parser(prog).parse_known_args(argv)
     config_path = getattr(args, "config", None)
     source = f"recipe {config_path}" if config_path else "command line"
-    problems = [f"unknown argument {u!r}" if u.startswith("-") else
-                f"unexpected value {u!r} (fields are given as --name value)" for u in unknown]
-    from_file, file_problems = _coerce_all(read_yaml(config_path) if config_path else {}, from_cli=False)
-    from_cli, cli_problems = _coerce_all({k: v for k, v in vars(args).items() if k != "config"}, from_cli=True)
+    problems = []
+    for i, item in enumerate(unknown):  # a value right after an unknown flag belongs to it
+        if item.startswith("-"):
+            problems.append(f"unknown argument {item!r}{_did_you_mean(item)}")
+        elif i == 0 or not unknown[i - 1].startswith("-"):
+            problems.append(f"unexpected value {item!r} (fields are given as --name value)")
+    cli_values = {k: v for k, v in vars(args).items() if k != "config"}
+    from_cli, cli_problems = _coerce_all(cli_values, from_cli=True)
+    file_values = read_yaml(config_path) if config_path else {}
+    # a file value overridden on the command line is not used, so its problems do not count
+    from_file, file_problems = _coerce_all({k: v for k, v in file_values.items() if k not in cli_values},
+                                           from_cli=False)
     problems += file_problems + cli_problems
     recipe = Recipe(**{**from_file, **from_cli})
     problems += validate(recipe)  # wrongly typed fields keep their defaults here

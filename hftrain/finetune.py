@@ -108,7 +108,8 @@ def run(recipe: Recipe) -> Path:
             f"one global batch of {plan.global_batch} (per_device_train_batch_size x {world} processes x "
             "gradient_accumulation_steps); use a smaller batch or more data"
         )
-    total_steps = recipe.max_steps if recipe.max_steps > 0 else math.ceil(recipe.num_train_epochs * plan.steps_per_epoch)
+    total_steps = recipe.max_steps if recipe.max_steps > 0 else \
+        math.ceil(recipe.num_train_epochs * plan.steps_per_epoch)
     collator = Collator(train_set, pad_token_id(tokenizer), rows, packed=recipe.packing)
     eval_collator = Collator(eval_set, pad_token_id(tokenizer)) if eval_set is not None else None
 
@@ -140,7 +141,8 @@ def run(recipe: Recipe) -> Path:
         f"effective batch {plan.global_batch} = {recipe.per_device_train_batch_size} per device x {world} x "
         f"{recipe.gradient_accumulation_steps} accumulation; {total_steps} optimizer steps "
         f"({plan.steps_per_epoch} per epoch); {n_trainable:,} of {n_params:,} parameters trained; "
-        f"{len(train_set)} training examples in {len(rows)} rows" + (f"; resuming from {resume_from} at step {progress.step}" if resume_from else "")
+        f"{len(train_set)} training examples in {len(rows)} rows"
+        + (f"; resuming from {resume_from} at step {progress.step}" if resume_from else "")
     )
 
     # ------------------------------------------------------------------- loop

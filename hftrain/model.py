@@ -60,7 +60,7 @@ def build_full_model(recipe: Recipe) -> nn.Module:
     model.config.use_cache = False
     if recipe.gradient_checkpointing:
         # Non-reentrant checkpointing works with DDP and frozen inputs (no "marked ready twice").
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

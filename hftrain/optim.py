@@ -18,17 +18,17 @@ from hftrain.config import Recipe
 
 
 def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW (weight decay on matrices only, not on biases and norm weights) or plain SGD."""
+    """AdamW or SGD; weight decay on matrices only, never on biases and norm weights."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if recipe.optim == "sgd":
-        return torch.optim.SGD(params, lr=recipe.learning_rate, momentum=recipe.sgd_momentum,
-                               weight_decay=recipe.weight_decay)
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=recipe.learning_rate,
-                             betas=(recipe.adam_beta1, recipe.adam_beta2), eps=recipe.adam_epsilon)
+    groups = [g for g in groups if g["params"]]
+    if recipe.optim == "sgd":
+        return torch.optim.SGD(groups, lr=recipe.learning_rate, momentum=recipe.sgd_momentum)
+    return torch.optim.AdamW(groups, lr=recipe.learning_rate, betas=(recipe.adam_beta1, recipe.adam_beta2),
+                             eps=recipe.adam_epsilon)
 
 
 def lr_factor(kind: str, step: int, total: int, warmup: int) -> float:

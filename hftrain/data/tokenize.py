@@ -74,13 +74,14 @@ def assistant_char_spans(tokenizer, messages: list[dict], first_trained: int = 0
 
     A span runs from the end of the prompt rendered with `add_generation_prompt=True` to the end of the
     conversation rendered through that turn, trailing whitespace excluded: the answer and the
-    template's end-of-turn token.
+    template's end-of-turn token. An assistant message that opens the conversation answers nothing
+    and is context, not trained.
     """
     render = tokenizer.apply_chat_template
     full = render(messages, tokenize=False)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i < first_trained:
+        if message["role"] != "assistant" or i < max(first_trained, 1):
             continue
         prompt = render(messages[:i], tokenize=False, add_generation_prompt=True)
         through = render(messages[: i + 1], tokenize=False)
@@ -95,7 +96,10 @@ def assistant_char_spans(tokenizer, messages: list[dict], first_trained: int = 0
 
 
 def _encode_chat(tokenizer, messages: list[dict], first_trained: int, trained_only_spans: bool):
-    text, spans = assistant_char_spans(tokenizer, messages, first_trained)
+    if trained_only_spans:
+        text, spans = assistant_char_spans(tokenizer, messages, first_trained)
+    else:  # every token is trained: no turn needs locating (and any template works)
+        text, spans = tokenizer.apply_chat_template(messages, tokenize=False), []
     # The template already holds BOS if the model wants one: adding special tokens again would double it.
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     offsets = enc["offset_mapping"]

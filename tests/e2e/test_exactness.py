@@ -69,7 +69,8 @@ def test_one_step_equals_plain_pytorch(tmp_path, tiny_model, texts, reference, p
     params = one_sgd_step(tmp_path, tiny_model, texts, processes, batch, accum)
     assert params.keys() == reference.keys()
     for name, expected in reference.items():
-        torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=2e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=2e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_reference_is_sharp_enough_to_catch_per_micro_batch_averaging(tiny_model, texts, reference):

@@ -17,9 +17,12 @@ from hftrain.data import (
     IGNORE_INDEX,
     BatchPlan,
     Collator,
+    DataSpec,
     detect_format,
     eval_micro_batches,
     make_loader,
+    pack_best_fit_decreasing,
+    prepare_chat_template,
     tokenize_dataset,
     tokenize_example,
 )
@@ -51,18 +54,22 @@ def chat_rows():
         return [json.loads(line) for line in f]
 
 
+def spec(**values) -> DataSpec:
+    return DataSpec.from_recipe(Recipe(**{"max_length": 512, **values}))
+
+
 def encode(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def expected_chat(tok, messages: list[dict], assistant_only: bool = True) -> tuple[list[int], list[int]]:
-    """input_ids and labels built piece by piece from a hand-written ChatML rendering.
+def expected_chat(tok, messages: list[dict], assistant_only: bool = True):
+    """(input_ids, labels, token index after each assistant turn) from a hand-written ChatML rendering.
 
     Each message is `<|im_start|>{role}\\n` + content + `<|im_end|>` + `\\n`; only an assistant's content and
     its `<|im_end|>` are trained. Pieces are tokenized separately (the ChatML markers are special tokens and
     the newline after the role is its own pre-token, so this matches tokenizing the whole text).
     """
-    ids, trained = [], []
+    ids, trained, turn_ends = [], [], []
     for m in messages:
         is_answer = m["role"] == "assistant" or not assistant_only
         for piece, keep in ((f"<|im_start|>{m['role']}\n", not assistant_only), (m["content"], is_answer),
@@ -70,9 +77,11 @@ def expected_chat(tok, messages: list[dict], assistant_only: bool = True) -> tup
             piece_ids = encode(tok, piece)
             ids += piece_ids
             trained += [keep] * len(piece_ids)
-    labels = [i if keep else IGNORE_INDEX for i, keep in zip(ids, trained)]
+            if piece == END and m["role"] == "assistant":
+                turn_ends.append(len(ids))
+    labels = [i if keep else IGNORE_INDEX for i, keep in zip(ids, trained, strict=True)]
     labels[0] = IGNORE_INDEX
-    return ids, labels
+    return ids, labels, turn_ends
 
 
 def trained_runs(labels: list[int]) -> list[list[int]]:
@@ -88,8 +97,12 @@ def decode(tok, ids: list[int]) -> str:
     return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def chat(messages, recipe=None, tok=None):
-    return tokenize_example({"messages": messages}, tok, recipe or Recipe(max_length=512), "messages")
+def chat(messages, data_spec=None, tokenizer=None):
+    return tokenize_example({"messages": messages}, 0, tokenizer, data_spec or spec(), "messages", "test")
+
+
+def text_example(text, tokenizer, data_spec=None):
+    return tokenize_example({"text": text}, 0, tokenizer, data_spec or spec(), "text", "test")
 
 
 # --------------------------------------------------------------------------- chat masks
@@ -100,17 +113,17 @@ def test_handwritten_rendering_matches_the_template(tok):
 
 
 def check_chat_example(tok, messages):
-    out = chat(messages, tok=tok)
-    ids, labels = expected_chat(tok, messages)
+    out = chat(messages, tokenizer=tok)
+    ids, labels, _ = expected_chat(tok, messages)
     assert out["input_ids"] == ids
     assert out["labels"] == labels
     assert out["num_trained"] == sum(lbl != IGNORE_INDEX for lbl in labels)
-    assert out["num_truncated"] == 0
+    assert out["num_truncated"] == 0 and out["dropped"] == ""
     answers = [m["content"] for m in messages if m["role"] == "assistant"]
     runs = trained_runs(out["labels"])
     assert [decode(tok, r) for r in runs] == [a + END for a in answers]
     assert decode(tok, [lbl for lbl in out["labels"] if lbl != IGNORE_INDEX]) == "".join(a + END for a in answers)
-    untrained = decode(tok, [i for i, lbl in zip(out["input_ids"], out["labels"]) if lbl == IGNORE_INDEX])
+    untrained = decode(tok, [i for i, lbl in zip(out["input_ids"], out["labels"], strict=True) if lbl == IGNORE_INDEX])
     for m in messages:
         if m["role"] != "assistant":
             assert m["content"] in untrained  # prompt text is present but never trained
@@ -132,28 +145,31 @@ def test_shipped_chat_examples_of_every_shape(tok, chat_rows):
 
 
 def test_all_shipped_chat_examples(tok, chat_rows):
-    for row in chat_rows[::7]:
-        out = chat(row["messages"], tok=tok)
-        assert (out["input_ids"], out["labels"]) == expected_chat(tok, row["messages"])
+    for row in chat_rows:
+        out = chat(row["messages"], tokenizer=tok)
+        assert (out["input_ids"], out["labels"]) == expected_chat(tok, row["messages"])[:2]
 
 
 def test_labels_are_input_ids_where_trained(tok):
-    out = chat(THREE_TURNS, tok=tok)
+    out = chat(THREE_TURNS, tokenizer=tok)
     assert len(out["labels"]) == len(out["input_ids"])
-    assert all(lbl in (IGNORE_INDEX, i) for i, lbl in zip(out["input_ids"], out["labels"]))
+    assert all(lbl in (IGNORE_INDEX, i) for i, lbl in zip(out["input_ids"], out["labels"], strict=True))
 
 
 def test_conversation_opening_with_the_assistant(tok):
-    # A greeting-first conversation: the template renders it, so its answer tokens can be located.
+    # A greeting that opens the conversation answers nothing: it is context, and only the later answer trains.
     messages = [{"role": "assistant", "content": "Hello, how can I help?"},
                 {"role": "user", "content": "Add 2 and 2."}, {"role": "assistant", "content": "4."}]
-    out = chat(messages, tok=tok)
-    assert (out["input_ids"], out["labels"]) == expected_chat(tok, messages)
+    out = chat(messages, tokenizer=tok)
+    ids, labels = expected_chat(tok, messages)[:2]
+    assert out["input_ids"] == ids
+    trained = tok.decode([t for t, lbl in zip(out["input_ids"], out["labels"]) if lbl != IGNORE_INDEX])
+    assert trained == "4.<|im_end|>"
 
 
 def test_without_assistant_only_loss_everything_but_the_first_token_is_trained(tok):
-    out = chat(THREE_TURNS, Recipe(max_length=512, assistant_only_loss=False), tok)
-    ids, _ = expected_chat(tok, THREE_TURNS)
+    out = chat(THREE_TURNS, spec(assistant_only_loss=False), tok)
+    ids, _, _ = expected_chat(tok, THREE_TURNS)
     assert out["input_ids"] == ids
     assert out["labels"] == [IGNORE_INDEX] + ids[1:]
     assert out["num_trained"] == len(ids) - 1
@@ -166,9 +182,9 @@ def test_template_that_is_not_prefix_stable(tok):
                          "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
     messages = THREE_TURNS[1:3]
     with pytest.raises(HftrainError, match="prefix by prefix"):
-        chat(messages, Recipe(max_length=512), odd)
+        chat(messages, spec(), odd)
     # the error suggests assistant_only_loss=false, which needs no spans: it must then work
-    out = chat(messages, Recipe(max_length=512, assistant_only_loss=False), odd)
+    out = chat(messages, spec(assistant_only_loss=False), odd)
     text = odd.apply_chat_template(messages, tokenize=False)
     assert out["input_ids"] == encode(tok, text)
     assert out["labels"] == [IGNORE_INDEX] + out["input_ids"][1:]
@@ -176,29 +192,61 @@ def test_template_that_is_not_prefix_stable(tok):
 
 @pytest.mark.parametrize("messages,problem", [
     ([], "non-empty"),
-    ([{"role": "tool", "content": "x"}], "role"),
-    ([{"role": "user", "content": 3}], "content"),
+    ([{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}], "role"),
+    ([{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}], "content"),
+    ([{"role": "user", "content": "x"}], "no assistant"),
     ("not a list", "non-empty"),
 ])
 def test_bad_messages_are_reported(tok, messages, problem):
     with pytest.raises(HftrainError, match=problem):
-        chat(messages, tok=tok)
+        chat(messages, tokenizer=tok)
 
 
 # -------------------------------------------------------------------------- truncation
 def test_truncation_keeps_labels_aligned(tok):
-    full_ids, full_labels = expected_chat(tok, THREE_TURNS)
+    full_ids, full_labels, turn_ends = expected_chat(tok, THREE_TURNS)
     n = len(full_ids)
     first_trained = next(i for i, lbl in enumerate(full_labels) if lbl != IGNORE_INDEX)
-    boundaries = sorted({2, 3, first_trained, first_trained + 1, n // 2, n - 1, n, n + 5})
+    boundaries = sorted({2, 3, first_trained, first_trained + 1, turn_ends[0], turn_ends[0] + 1, n // 2,
+                         turn_ends[1], n - 1, n, n + 5})
     for max_length in boundaries:
-        out = chat(THREE_TURNS, Recipe(max_length=max_length), tok)
-        keep = min(max_length, n)
-        assert len(out["input_ids"]) == len(out["labels"]) == keep
+        out = chat(THREE_TURNS, spec(max_length=max_length), tok)
+        # documented policy: cut after the last complete assistant turn that fits, else at max_length
+        fitting = [end for end in turn_ends if end <= max_length]
+        keep = n if n <= max_length else (fitting[-1] if fitting else max_length)
+        assert len(out["input_ids"]) == len(out["labels"]) == keep, max_length
         assert out["input_ids"] == full_ids[:keep]
         assert out["labels"] == full_labels[:keep]
-        assert out["num_truncated"] == max(0, n - max_length)
-        assert out["num_trained"] == sum(lbl != IGNORE_INDEX for lbl in full_labels[:keep])
+        assert out["num_tokens"] == n
+        trained = sum(lbl != IGNORE_INDEX for lbl in full_labels[:keep])
+        assert out["num_trained"] == trained
+        assert out["dropped"] == ("" if trained else "no_trained_tokens")
+        assert out["num_truncated"] == (n - keep if trained else 0)
+
+
+def test_truncated_answer_keeps_its_tokens_up_to_max_length(tok):
+    messages = [{"role": "user", "content": "Go."}, {"role": "assistant", "content": "word " * 40}]
+    ids, labels, _ = expected_chat(tok, messages)
+    max_length = len(ids) - 5
+    out = chat(messages, spec(max_length=max_length), tok)
+    assert len(out["input_ids"]) == max_length  # no complete turn fits: cut at max_length
+    assert out["labels"] == labels[:max_length]
+
+
+def test_text_truncation(tok):
+    text = "one two three four five six seven eight nine ten"
+    full = encode(tok, text) + [tok.eos_token_id]
+    for max_length in (2, 5, len(full) - 1, len(full), len(full) + 3):
+        out = text_example(text, tok, spec(max_length=max_length))
+        keep = min(max_length, len(full))
+        assert out["input_ids"] == full[:keep]
+        assert out["labels"] == [IGNORE_INDEX] + full[1:keep]
+        assert out["num_truncated"] == len(full) - keep
+
+
+def test_overlong_examples_dropped_on_request(tok):
+    out = chat(THREE_TURNS, spec(max_length=10, overlong_examples="drop"), tok)
+    assert out["dropped"] == "overlong" and out["num_trained"] == 0
 
 
 def test_untrainable_examples_are_dropped_and_counted(tok):
@@ -210,38 +258,43 @@ def test_untrainable_examples_are_dropped_and_counted(tok):
     assert len(encode(tok, f"<|im_start|>user\n{'word ' * 80}")) > max_length  # answer fully cut away
     raw = Dataset.from_list([{"messages": short}, {"messages": long_prompt}, {"messages": THREE_TURNS},
                              {"messages": short}])
-    recipe = Recipe(max_length=max_length)
-    data, stats = tokenize_dataset(raw, tok, recipe, "train")
+    data, stats = tokenize_dataset(raw, tok, spec(max_length=max_length), "messages", "train")
     assert stats["format"] == "messages"
     assert stats["dropped_untrainable"] == 1
+    assert stats["dropped_overlong"] == 0
     assert stats["examples"] == len(data) == 3
-    assert stats["truncated_examples"] == 2  # the long prompt and the three-turn conversation
-    expected = [expected_chat(tok, m) for m in (short, THREE_TURNS, short)]
+    assert stats["truncated_examples"] == 1  # the three-turn conversation (the dropped one is not counted)
+    expected = [expected_chat(tok, m)[:2] for m in (short, THREE_TURNS, short)]
     assert data["input_ids"] == [ids[:max_length] for ids, _ in expected]
     assert data["labels"] == [labels[:max_length] for _, labels in expected]
     assert stats["trained_tokens"] == sum(sum(x != IGNORE_INDEX for x in labels[:max_length]) for _, labels in expected)
+    assert stats["tokens"] == sum(len(ids[:max_length]) for ids, _ in expected)
     assert data.column_names == ["input_ids", "labels"]
 
 
 def test_every_example_masked_is_an_error(tok):
-    no_answer = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    raw = Dataset.from_list([{"messages": no_answer}, {"messages": no_answer}])
+    long_prompt = [{"role": "user", "content": "word " * 80}, {"role": "assistant", "content": "Yes."}]
+    raw = Dataset.from_list([{"messages": long_prompt}, {"messages": long_prompt}])
     with pytest.raises(HftrainError, match="no trained token"):
-        tokenize_dataset(raw, tok, Recipe(max_length=64), "train")
+        tokenize_dataset(raw, tok, spec(max_length=16), "messages", "train")
 
 
-def test_chat_data_needs_a_chat_template(tok):
+def test_chatml_fallback_for_a_tokenizer_without_template(tok):
     plain = AutoTokenizer.from_pretrained(str(MODEL))
     plain.chat_template = None
-    raw = Dataset.from_list([{"messages": THREE_TURNS[1:3]}])
-    with pytest.raises(HftrainError, match="chat template"):
-        tokenize_dataset(raw, plain, Recipe(), "train")
+    plain.eos_token = "<|endoftext|>"
+    note = prepare_chat_template(plain, None, needs_chat=True)
+    assert note and "ChatML" in note
+    assert plain.eos_token == END
+    assert plain.apply_chat_template(THREE_TURNS, tokenize=False) == tok.apply_chat_template(THREE_TURNS,
+                                                                                             tokenize=False)
+    assert prepare_chat_template(tok, None, needs_chat=True) is None  # a template is kept as it is
 
 
 # --------------------------------------------------------------------------------- text
 @pytest.mark.parametrize("text", ["What is 4 + 1? 4 + 1 = 5.", "ends with the marker" + END, "x"])
 def test_text_appends_eos_exactly_once(tok, text):
-    out = tokenize_example({"text": text}, tok, Recipe(max_length=512), "text")
+    out = text_example(text, tok)
     ids = out["input_ids"]
     body = tok(text)["input_ids"]
     assert ids[-1] == tok.eos_token_id
@@ -252,25 +305,38 @@ def test_text_appends_eos_exactly_once(tok, text):
 
 
 def test_text_dataset(tok):
-    rows = [{"text": "one two"}, {"text": ""}, {"text": "three"}]
-    data, stats = tokenize_dataset(Dataset.from_list(rows), tok, Recipe(max_length=512), "train")
-    assert stats["format"] == "text"
-    assert stats["dropped_untrainable"] == 1  # "" is only EOS, and the first label is never a target
+    rows = [{"text": "one two"}, {"text": "three"}]
+    data, stats = tokenize_dataset(Dataset.from_list(rows), tok, spec(), "text", "train")
+    assert stats["format"] == "text" and stats["dropped_untrainable"] == 0
     assert data["input_ids"] == [encode(tok, "one two") + [tok.eos_token_id], encode(tok, "three") + [tok.eos_token_id]]
     assert stats["trained_tokens"] == sum(len(ids) - 1 for ids in data["input_ids"])
 
 
+def test_empty_text_is_reported(tok):
+    with pytest.raises(HftrainError, match="non-empty text"):
+        text_example("", tok)
+
+
 # ------------------------------------------------------------------------------- format
+def detect(columns, explicit="auto", text_field="text", messages_field="messages"):
+    return detect_format(columns, explicit, text_field, messages_field, "my-data")
+
+
 def test_detect_format():
-    recipe = Recipe()
-    assert detect_format(["messages", "text"], recipe) == "messages"
-    assert detect_format(["text", "id"], recipe) == "text"
-    assert detect_format(["conv"], Recipe(dataset_messages_field="conv")) == "messages"
+    assert detect(["messages", "text"]) == "messages"
+    assert detect(["text", "id"]) == "text"
+    assert detect(["conv"], messages_field="conv") == "messages"
+    assert detect(["prompt", "completion"]) == "prompt_completion"
+    assert detect(["instruction", "input", "output"]) == "alpaca"
+    assert detect(["conversations"]) == "sharegpt"
+    assert detect(["messages", "text"], explicit="text") == "text"
     with pytest.raises(HftrainError) as info:
-        detect_format(["prompt", "completion"], recipe)
+        detect(["question", "answer"])
     message = str(info.value)
-    for name in ("prompt", "completion", "messages", "text", "dataset_messages_field", "dataset_text_field"):
+    for name in ("question", "answer", "my-data", "messages", "text", "dataset_columns", "dataset_format"):
         assert name in message
+    with pytest.raises(HftrainError, match="'text'"):
+        detect(["messages"], explicit="text")
 
 
 # --------------------------------------------------------------------------- batch plan
@@ -373,12 +439,63 @@ def test_collator_right_pads(rows):
     assert batch["input_ids"].dtype == torch.long and batch["labels"].dtype == torch.long
     assert batch["input_ids"].tolist() == [[8, 1, 1], [5, 6, 7], [9, 10, 1]]
     assert batch["labels"].tolist() == [[IGNORE_INDEX] * 3, [IGNORE_INDEX, 6, 7], [IGNORE_INDEX] * 3]
+    assert batch["num_examples"].item() == 3
+    assert "position_ids" not in batch
 
 
 def test_collator_empty_micro_batch(rows):
     batch = Collator(rows, pad_token_id=1)([])
     assert batch["input_ids"].tolist() == [[1]]
     assert batch["labels"].tolist() == [[IGNORE_INDEX]]
+    assert batch["num_examples"].item() == 0
+
+
+def test_collator_packed_rows(rows):
+    packed = Collator(rows, pad_token_id=1, rows=[[0, 1], [2]], packed=True)
+    batch = packed([1, 0])
+    assert batch["input_ids"].tolist() == [[9, 10, 1, 1], [5, 6, 7, 8]]
+    assert batch["labels"].tolist() == [[IGNORE_INDEX] * 4, [IGNORE_INDEX, 6, 7, IGNORE_INDEX]]
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 1], [0, 1, 2, 0]]  # restart per example and in padding
+    assert batch["num_examples"].item() == 3
+
+
+def naive_best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Longest first (ties: lower index); each into the open bin with the least room that still fits it
+    (ties: the older bin), else a new bin."""
+    bins, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = [b for b in range(len(bins)) if room[b] >= lengths[i]]
+        if fits:
+            b = min(fits, key=lambda b: (room[b], b))
+        else:
+            b = len(bins)
+            bins.append([])
+            room.append(capacity)
+        bins[b].append(i)
+        room[b] -= lengths[i]
+    return bins
+
+
+@pytest.mark.parametrize("lengths,capacity", [([5, 3, 2, 8, 1, 7], 8), ([4] * 7, 10), ([1], 1), ([], 4),
+                                              ([6, 5, 4, 3, 2, 1, 9, 9, 2], 10), ([3, 7, 3, 7, 5, 5], 10)])
+def test_best_fit_packing(lengths, capacity):
+    bins = pack_best_fit_decreasing(lengths, capacity)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))  # each example exactly once
+    assert all(b and sum(lengths[i] for i in b) <= capacity for b in bins)
+    assert bins == naive_best_fit_decreasing(lengths, capacity)
+
+
+def test_best_fit_packing_random():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 60, (300,), generator=g).tolist()
+    bins = pack_best_fit_decreasing(lengths, 64)
+    assert bins == naive_best_fit_decreasing(lengths, 64)
+    assert len(bins) <= math.ceil(sum(lengths) / 64) * 1.25  # close to the lower bound
+
+
+def test_packing_rejects_an_example_longer_than_a_row():
+    with pytest.raises(ValueError):
+        pack_best_fit_decreasing([3, 9], 8)
 
 
 def test_loader_yields_collated_index_lists(rows):
@@ -386,6 +503,7 @@ def test_loader_yields_collated_index_lists(rows):
     plan = [[0], [], [2, 1]]
     batches = list(make_loader(plan, collator, num_workers=0))
     assert len(batches) == 3
-    for got, indices in zip(batches, plan):
+    for got, indices in zip(batches, plan, strict=True):
         want = collator(indices)
-        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["labels"], want["labels"])
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)

@@ -356,7 +356,8 @@ def test_preview_refuses_bad_data_with_one_paragraph(tmp_path):
     bad.write_text(json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")
     proc = subprocess.run([sys.executable, "-m", "hftrain.data", "--dataset_name", str(bad),
                            "--validation_split_percentage", "0"],
-                          capture_output=True, text=True, cwd=REPO, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+                          capture_output=True, text=True, cwd=REPO,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2
     message = proc.stderr[proc.stderr.index("hftrain: error:"):]
     assert "role 'bot'" in message and "data uses from/value" in message.replace("\n", " ")

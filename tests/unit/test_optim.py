@@ -76,7 +76,7 @@ def small_model() -> nn.Module:
 def test_scheduler_gives_peak_times_factor_at_each_step(kind, warmup_steps, warmup_ratio):
     total, peak = 12, 0.01
     recipe = Recipe(learning_rate=peak, lr_scheduler_type=kind, warmup_steps=warmup_steps, warmup_ratio=warmup_ratio)
-    warmup = warmup_steps or round(warmup_ratio * total)
+    warmup = warmup_steps or math.ceil(warmup_ratio * total)  # as transformers: ceil
     model = small_model()
     optimizer = build_optimizer(recipe, model)
     scheduler = build_scheduler(recipe, optimizer, total)
@@ -146,5 +146,5 @@ def test_sgd_step_is_plain_sgd():
     model(torch.tensor([[4, 5]])).pow(2).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     optimizer.step()
-    for old, grad, new in zip(before, grads, model.parameters()):
+    for old, grad, new in zip(before, grads, model.parameters(), strict=True):
         torch.testing.assert_close(new.detach(), old - 0.5 * grad)

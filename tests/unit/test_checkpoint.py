@@ -1,0 +1,213 @@
+"""Run files written with each checkpoint, finding / resolving checkpoints, clearing a previous run."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata as md
+import json
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+import yaml
+
+from hftrain import checkpoint
+from hftrain.checkpoint import (
+    CONFIG_FILE,
+    STATE_FILE,
+    Progress,
+    checkpoints,
+    clear_run,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    write_run_files,
+)
+from hftrain.config import Recipe, recipe_from_dict
+from hftrain.errors import HftrainError
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "models" / "tiny-llama"
+CHAT = REPO / "data" / "chat.jsonl"
+
+
+def a_recipe(out: Path, **values) -> Recipe:
+    return Recipe(model_name_or_path=str(MODEL), dataset_name=str(CHAT), output_dir=str(out), **values)
+
+
+def make_checkpoint(folder: Path, complete: bool = True) -> Path:
+    """A folder with a state file; `complete` adds the manifest that save_checkpoint writes last."""
+    folder.mkdir(parents=True)
+    (folder / STATE_FILE).write_text("{}", encoding="utf-8")
+    if complete:
+        manifest = {"files": {STATE_FILE: (folder / STATE_FILE).stat().st_size}}
+        (folder / checkpoint.COMPLETE_FILE).write_text(json.dumps(manifest), encoding="utf-8")
+    return folder
+
+
+# ----------------------------------------------------------------------------- run files
+def test_run_files_round_trip(tmp_path):
+    recipe = a_recipe(tmp_path / "out", learning_rate=3e-4, adam_epsilon=1e-7, warmup_ratio=0.1, max_steps=17,
+                      lr_scheduler_type="cosine", report_to=["tensorboard"], eval_steps=5, run_name=None,
+                      num_train_epochs=2.5, bf16=True)
+    folder = tmp_path / "files"
+    folder.mkdir()
+    progress = Progress(step=12, epoch=1, step_in_epoch=3, trained_tokens=4567, world_size=2)
+    write_run_files(folder, recipe, progress, extra={"best_eval_loss": 1.25})
+
+    loaded = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    assert set(loaded) == {f.name for f in dataclasses.fields(Recipe)}
+    assert recipe_from_dict(loaded) == recipe
+
+    state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+    assert state["progress"] == {"step": 12, "epoch": 1, "step_in_epoch": 3, "trained_tokens": 4567, "world_size": 2}
+    assert Progress(**state["progress"]) == progress
+    assert state["best_eval_loss"] == 1.25
+    versions = state["versions"]
+    assert versions["torch"] == torch.__version__
+    assert versions["transformers"] == transformers.__version__
+    assert versions["python"] == platform.python_version()
+    assert versions["hftrain"] == md.version("hftrain")
+
+
+def test_run_files_inside_output_dir_load_back_for_resume(tmp_path):
+    out = tmp_path / "out"
+    recipe = a_recipe(out, max_steps=4)
+    folder = out / "checkpoint-4"
+    folder.mkdir(parents=True)
+    write_run_files(folder, recipe, Progress(step=4))
+    loaded = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    # the folder now holds a run: the saved recipe loads back once pointed at it
+    resumed = recipe_from_dict({**loaded, "resume_from_checkpoint": "latest"})
+    assert resumed == dataclasses.replace(recipe, resume_from_checkpoint="latest")
+
+
+# ---------------------------------------------------------------------------- discovery
+def test_checkpoints_complete_and_numeric_order(tmp_path):
+    for step in (10, 2, 9, 100):
+        make_checkpoint(tmp_path / f"checkpoint-{step}")
+    make_checkpoint(tmp_path / ".tmp-checkpoint-200")  # an interrupted save, even with a state file
+    make_checkpoint(tmp_path / "checkpoint-300", complete=False)  # no hftrain_state.json
+    make_checkpoint(tmp_path / "checkpoint-best")  # not a step
+    (tmp_path / "checkpoint-400").write_text("a file")
+    make_checkpoint(tmp_path / "final")
+    assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-9", "checkpoint-10",
+                                                       "checkpoint-100"]
+
+
+def test_checkpoints_of_missing_folder(tmp_path):
+    assert checkpoints(tmp_path / "nothing") == []
+
+
+def test_resolve_resume_latest(tmp_path):
+    out = tmp_path / "out"
+    for step in (9, 10):
+        make_checkpoint(out / f"checkpoint-{step}")
+    make_checkpoint(out / "checkpoint-11", complete=False)
+    make_checkpoint(out / ".tmp-checkpoint-12")
+    assert resolve_resume(a_recipe(out, resume_from_checkpoint="latest")) == out / "checkpoint-10"
+    assert resolve_resume(a_recipe(out)) is None
+
+
+def test_resolve_resume_latest_without_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    make_checkpoint(out / "checkpoint-3", complete=False)
+    with pytest.raises(HftrainError, match="no complete, intact checkpoint"):
+        resolve_resume(a_recipe(out, resume_from_checkpoint="latest"))
+
+
+def test_resolve_resume_explicit_folder(tmp_path):
+    good = make_checkpoint(tmp_path / "out" / "checkpoint-5")
+    bad = make_checkpoint(tmp_path / "out" / "checkpoint-6", complete=False)
+    assert resolve_resume(a_recipe(tmp_path / "other", resume_from_checkpoint=str(good))) == good
+    with pytest.raises(HftrainError, match=checkpoint.COMPLETE_FILE):
+        resolve_resume(a_recipe(tmp_path / "out", resume_from_checkpoint=str(bad)))
+
+
+# ------------------------------------------------------------------------------- clearing
+def test_clear_run_removes_only_run_artefacts(tmp_path):
+    out = tmp_path / "out"
+    make_checkpoint(out / "checkpoint-1")
+    make_checkpoint(out / "checkpoint-20", complete=False)
+    make_checkpoint(out / ".tmp-checkpoint-21")
+    make_checkpoint(out / "final")
+    (out / "final" / "model.safetensors").write_text("w")
+    (out / "metrics.jsonl").write_text("{}\n")
+    kept = {"notes.txt": "mine", "hftrain_config.yaml": "x: 1", "my-checkpoint-list.txt": "keep"}
+    for name, text in kept.items():
+        (out / name).write_text(text)
+    (out / "runs").mkdir()
+    (out / "runs" / "events").write_text("tb")
+    clear_run(out)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*kept, "runs"])
+    assert all((out / name).read_text() == text for name, text in kept.items())
+    assert (out / "runs" / "events").read_text() == "tb"
+
+
+def test_clear_run_on_a_fresh_folder(tmp_path):
+    clear_run(tmp_path / "never-created")  # nothing to clear, nothing created
+    (tmp_path / "data.txt").write_text("x")
+    clear_run(tmp_path)
+    assert list(tmp_path.iterdir()) == [tmp_path / "data.txt"]
+
+
+# ------------------------------------------------------------------ save / load (one rank)
+class OneProcess:
+    """The part of `Accelerator` that checkpoint.py uses, for a single process."""
+
+    is_main_process = True
+
+    def __init__(self):
+        self.loaded = []
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "model.safetensors").write_text(path)
+
+    def load_state(self, path):
+        self.loaded.append(path)
+
+
+def test_save_checkpoint_is_renamed_into_place_and_pruned(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    recipe = a_recipe(out, save_total_limit=2)
+    acc = OneProcess()
+    for step in (1, 2, 3, 4):
+        path = save_checkpoint(acc, out, recipe, Progress(step=step), extra={})
+        assert path == out / f"checkpoint-{step}"
+        assert (path / STATE_FILE).exists() and (path / CONFIG_FILE).exists() and (path / "model.safetensors").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_save_then_load(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    acc = OneProcess()
+    progress = Progress(step=7, epoch=2, step_in_epoch=1, trained_tokens=99, world_size=1)
+    path = save_checkpoint(acc, out, a_recipe(out), progress, extra={"note": "x"})
+    (path / "stale").write_text("old")
+    path = save_checkpoint(acc, out, a_recipe(out), progress, extra={"note": "y"})  # same step again: replaced
+    assert not (path / "stale").exists()
+    loaded, extra = load_checkpoint(acc, path)
+    assert acc.loaded == [str(path)]
+    assert loaded == progress
+    assert extra == {"note": "y"}
+    assert checkpoint.resolve_resume(a_recipe(out, resume_from_checkpoint="latest")) == path
+
+
+def test_latest_skips_a_damaged_newest_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    older = make_checkpoint(out / "checkpoint-4")
+    newest = make_checkpoint(out / "checkpoint-8")
+    (newest / STATE_FILE).write_text("{}" + " " * 10, encoding="utf-8")  # size differs from the manifest
+    assert checkpoint.verify(newest) == [f"{STATE_FILE} has 12 bytes, 2 were written"]
+    with pytest.warns(UserWarning, match="skipping damaged checkpoint .*checkpoint-8"):
+        assert resolve_resume(a_recipe(out, resume_from_checkpoint="latest")) == older
+    (older / STATE_FILE).unlink()
+    assert checkpoint.verify(older) == [f"{STATE_FILE} is missing"]

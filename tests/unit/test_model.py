@@ -1,0 +1,184 @@
+"""The token-sum loss wrapper against the model's own loss, and the model/tokenizer builders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hftrain.config import Recipe
+from hftrain.data import IGNORE_INDEX
+from hftrain.errors import HftrainError
+from hftrain.model import (
+    CausalLMTokenLoss,
+    build_full_model,
+    build_tokenizer,
+    check_model_fits,
+    pad_token_id,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "models" / "tiny-llama"
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(MODEL))
+    model.train()  # dropout is 0 in this config, so train mode is deterministic
+    return model
+
+
+def padded_batch(vocab: int):
+    """3 right-padded rows of lengths 9, 5, 7 with some labels masked (prompt-like prefix, one hole)."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [9, 5, 7]
+    width = max(lengths)
+    input_ids = torch.full((3, width), PAD, dtype=torch.long)
+    labels = torch.full((3, width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids = torch.randint(3, vocab, (n,), generator=g)
+        input_ids[row, :n] = ids
+        labels[row, :n] = ids
+        mask[row, :n] = 1
+    labels[:, 0] = IGNORE_INDEX
+    labels[0, 1:4] = IGNORE_INDEX  # a prompt
+    labels[2, 5] = IGNORE_INDEX  # a hole in the middle
+    return input_ids, labels, mask
+
+
+def reference_sum(model, input_ids, labels, mask) -> torch.Tensor:
+    """The model's own mean loss over shifted trained labels, times their number."""
+    n = (labels[:, 1:] != IGNORE_INDEX).sum()
+    return model(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False).loss * n
+
+
+def compare_with_model_loss(model, param_names):
+    input_ids, labels, mask = padded_batch(model.config.vocab_size)
+    params = dict(model.named_parameters())
+
+    model.zero_grad(set_to_none=True)
+    ours = CausalLMTokenLoss(model)(input_ids, labels)
+    ours.backward()
+    our_grads = {name: params[name].grad.clone() for name in param_names}
+
+    model.zero_grad(set_to_none=True)
+    reference = reference_sum(model, input_ids, labels, mask)
+    reference.backward()
+    assert ours.ndim == 0
+    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
+    for name in param_names:
+        torch.testing.assert_close(our_grads[name], params[name].grad, rtol=1e-4, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+
+
+def test_token_loss_equals_model_loss_times_tokens(tiny):
+    compare_with_model_loss(tiny, ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight",
+                                   "model.embed_tokens.weight", "model.norm.weight"])
+
+
+def test_token_loss_is_a_sum_over_rows(tiny):
+    input_ids, labels, _ = padded_batch(tiny.config.vocab_size)
+    loss = CausalLMTokenLoss(tiny)
+    with torch.no_grad():
+        whole = loss(input_ids, labels)
+        rows = sum(loss(input_ids[i:i + 1], labels[i:i + 1]) for i in range(3))
+    assert whole.item() == pytest.approx(rows.item(), rel=1e-5)
+
+
+def test_fully_masked_row_gives_zero(tiny):
+    loss = CausalLMTokenLoss(tiny)
+    value = loss(torch.tensor([[PAD]]), torch.tensor([[IGNORE_INDEX]]))
+    assert value.item() == 0.0
+    value.backward()  # an empty micro-batch still runs backward (ranks stay in step)
+
+
+def test_packed_row_equals_separate_examples(tiny):
+    """position_ids restarting at 0 inside a row keep packed examples from attending to each other."""
+    g = torch.Generator().manual_seed(2)
+    vocab = tiny.config.vocab_size
+    examples = [torch.randint(3, vocab, (n,), generator=g) for n in (6, 4, 7)]
+    masks = [torch.ones(len(e), dtype=torch.bool) for e in examples]
+    masks[1][:2] = False  # a prompt in the second example
+    labels = [torch.where(m, e, IGNORE_INDEX) for e, m in zip(examples, masks, strict=True)]
+    for lbl in labels:
+        lbl[0] = IGNORE_INDEX  # first token of every example is never a target, also when packed
+    packed_ids = torch.cat(examples + [torch.tensor([PAD, PAD])])[None]
+    packed_labels = torch.cat(labels + [torch.tensor([IGNORE_INDEX, IGNORE_INDEX])])[None]
+    position_ids = torch.cat([torch.arange(len(e)) for e in examples] + [torch.arange(2)])[None]
+    loss = CausalLMTokenLoss(tiny)
+    with torch.no_grad():
+        packed = loss(packed_ids, packed_labels, position_ids=position_ids)
+        separate = sum(reference_sum(tiny, e[None], lbl[None], torch.ones(1, len(e), dtype=torch.long))
+                       for e, lbl in zip(examples, labels, strict=True))
+    assert packed.item() == pytest.approx(separate.item(), rel=1e-5)
+
+
+def tiny_config_kwargs():
+    return dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=64, pad_token_id=PAD, tie_word_embeddings=False,
+                initializer_range=0.2)  # large enough weights that the logit transform matters
+
+
+def test_token_loss_with_logit_softcapping():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(**tiny_config_kwargs(), head_dim=8, final_logit_softcapping=2.0,
+                          attn_logit_softcapping=None, attention_dropout=0.0)
+    model = Gemma2ForCausalLM(config).train()
+    assert not CausalLMTokenLoss(model).head_only
+    compare_with_model_loss(model, ["lm_head.weight", "model.layers.1.mlp.down_proj.weight"])
+
+
+def test_token_loss_with_logits_scaling():
+    """Granite models divide the lm_head output by `config.logits_scaling` (8 or 16 in released checkpoints)."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(0)
+    config = GraniteConfig(**tiny_config_kwargs(), logits_scaling=8.0)
+    model = GraniteForCausalLM(config).train()
+    compare_with_model_loss(model, ["lm_head.weight", "model.layers.0.self_attn.q_proj.weight"])
+
+
+# ------------------------------------------------------------------------------ builders
+def test_check_model_fits(tiny):
+    limit = tiny.config.max_position_embeddings
+    check_model_fits(Recipe(max_length=limit), tiny)  # at the limit: fine
+    with pytest.raises(HftrainError, match=f"max_length={limit + 1}.*max_position_embeddings={limit}"):
+        check_model_fits(Recipe(max_length=limit + 1), tiny)
+
+
+def test_build_full_model_and_tokenizer():
+    recipe = Recipe(model_name_or_path=str(MODEL), gradient_checkpointing=True)
+    model = build_full_model(recipe)
+    assert model.config.use_cache is False
+    assert model.is_activation_checkpointing
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
+    tokenizer = build_tokenizer(recipe)
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert pad_token_id(tokenizer) == tokenizer.pad_token_id == 0
+
+
+def test_build_model_in_bfloat16():
+    model = build_full_model(Recipe(model_name_or_path=str(MODEL), dtype="bfloat16"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_missing_model_is_a_user_error(tmp_path):
+    recipe = Recipe(model_name_or_path=str(tmp_path))  # an empty folder
+    with pytest.raises(HftrainError, match="cannot load model"):
+        build_full_model(recipe)
+    with pytest.raises(HftrainError, match="cannot load tokenizer"):
+        build_tokenizer(recipe)
+
+
+def test_pad_token_fallbacks():
+    assert pad_token_id(SimpleNamespace(pad_token_id=5, eos_token_id=2)) == 5
+    assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
+    assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
