@@ -36,6 +36,7 @@ class Progress:
     step_in_epoch: int = 0  # optimizer steps of that epoch already done
     trained_tokens: int = 0  # global count of trained (label != -100) tokens so far
     world_size: int = 1
+    nan_skipped_steps: int = 0  # steps without an update because the gradient norm was NaN/inf
 
 
 def versions() -> dict[str, str]:

@@ -168,6 +168,14 @@ class Recipe:
         group="training", choices=("random", "sequential"),
     )
     seed: int = _f(42, "Seed for model-independent randomness (data order, dropout).", group="training")
+    nan_policy: str = _f(
+        "stop", "A step whose loss or gradient norm is NaN/inf: stop (checkpoint of the last good step, clear error) "
+        "or skip_step (no update, counted in nan_skipped_steps).", group="training", choices=("stop", "skip_step"),
+    )
+    ddp_timeout: int = _f(
+        1800, "Seconds a rank waits in a collective (e.g. while rank 0 tokenizes a large dataset) before failing.",
+        group="training",
+    )
     bf16: bool = _f(False, "bfloat16 mixed precision (CPU and GPU).", group="training")
     fp16: bool = _f(False, "float16 mixed precision with loss scaling (CUDA only).", group="training")
     # ----------------------------------------------------------------- logging & saving
@@ -332,6 +340,7 @@ def validate(recipe: Recipe) -> list[str]:
          "eval_dataset_name and validation_split_percentage are both set; the carve-out is only used "
          "without eval_dataset_name")
     need(r.dataloader_num_workers >= 0, "dataloader_num_workers must be >= 0")
+    need(r.ddp_timeout >= 1, f"ddp_timeout must be >= 1 second, got {r.ddp_timeout}")
     need(not (r.bf16 and r.fp16), "bf16 and fp16 are both true; choose one")
     need(not (r.fp16 and r.dtype == "bfloat16"), "fp16 mixed precision with dtype=bfloat16 weights; use bf16")
     problems += _validate_data(r)

@@ -10,11 +10,13 @@ into DDP, so there the gloo backend is requested explicitly.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 
 from hftrain.config import Recipe
+from hftrain.errors import HftrainError
 
 
 def launched_with_deepspeed() -> bool:
@@ -41,7 +43,7 @@ def make_accelerator(recipe: Recipe):
     # Naming a backend makes accelerate start a process group, so only DeepSpeed on CPU names one (gloo);
     # otherwise accelerate chooses (NCCL on GPU, gloo under cpu=True) and only the timeout is set.
     group = {"backend": "gloo"} if launched_with_deepspeed() and not cuda else {}
-    handlers = [InitProcessGroupKwargs(timeout=timedelta(minutes=30), **group)]
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.ddp_timeout), **group)]
     return Accelerator(
         cpu=not cuda and not launched_with_deepspeed(),
         mixed_precision="bf16" if recipe.bf16 else "fp16" if recipe.fp16 else "no",
@@ -64,3 +66,18 @@ def launch_info(accelerator, model) -> dict:
         "mixed_precision": accelerator.mixed_precision,
         "device": str(accelerator.device),
     }
+
+
+@contextmanager
+def phase(accelerator, name: str, timeout: int):
+    """Turn a collective timeout inside `name` into a message naming the rank and the phase."""
+    try:
+        yield
+    except RuntimeError as exc:  # gloo and NCCL report timeouts as RuntimeError subclasses (DistBackendError)
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        raise HftrainError(
+            f"rank {accelerator.process_index} of {accelerator.num_processes} timed out after {timeout}s waiting for "
+            f"the other ranks during {name}; a rank may have died (see its log above) or be much slower (raise "
+            "ddp_timeout if rank 0 needs longer, e.g. to tokenize a large dataset)"
+        ) from None

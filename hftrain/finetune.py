@@ -32,17 +32,18 @@ from hftrain.data import (
     make_loader,
     training_rows,
 )
-from hftrain.distributed import launch_info, make_accelerator, preset_conflicts
+from hftrain.distributed import launch_info, make_accelerator, phase, preset_conflicts
 from hftrain.errors import ConfigError, HftrainError, report_and_exit
 from hftrain.model import (
     CausalLMTokenLoss,
     build_model,
     build_tokenizer,
-    check_model_fits,
+    check_model_config,
     fit_embeddings_to_tokenizer,
     pad_token_id,
 )
 from hftrain.optim import build_optimizer, build_scheduler
+from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
 from hftrain.tracking import MetricLogger, peak_memory_mb
 
 
@@ -76,11 +77,34 @@ def evaluate(accelerator, model, dataset, collator: Collator, recipe: Recipe) ->
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
 
 
+def optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, scale, max_norm):
+    """Forward/backward every micro-batch of one optimizer step, clip, then step -- unless the gradient norm
+    is NaN/inf, in which case nothing is updated. Returns (summed local token loss, grad norm, updated?).
+
+    The norm is taken after gradients are reduced across ranks, so every rank takes the same decision.
+    """
+    step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    for batch in micro_batches:
+        with accelerator.accumulate(model):
+            loss_sum = model(**batch)
+            accelerator.backward(loss_sum * scale)
+            step_loss += loss_sum.detach()
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+                finite = grad_norm is None or bool(torch.isfinite(grad_norm))
+                if finite:
+                    optimizer.step()
+                scheduler.step()  # a skipped step still counts: the schedule follows optimizer steps
+                optimizer.zero_grad(set_to_none=True)
+    return step_loss, grad_norm, finite
+
+
 def run(recipe: Recipe) -> Path:
     # ------------------------------------------------------------------ setup
     problems = check_environment(recipe, torch.cuda.is_available()) + preset_conflicts(recipe)
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
+    check_model_config(recipe)  # a missing model or a too-long max_length fails before any heavy work
     accelerator = make_accelerator(recipe)
     from accelerate.utils import set_seed
 
@@ -88,17 +112,12 @@ def run(recipe: Recipe) -> Path:
     output_dir = Path(recipe.output_dir)
     resume_from = checkpoint.resolve_resume(recipe)
     world, rank = accelerator.num_processes, accelerator.process_index
-    if accelerator.is_main_process:
-        if recipe.overwrite_output_dir and resume_from is None:
-            checkpoint.clear_run(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        dump_recipe(recipe, output_dir / checkpoint.CONFIG_FILE)
 
     # ------------------------------------------------------------------- data
     # Before the model: a bad dataset should fail in seconds, not after loading weights.
     tokenizer = build_tokenizer(recipe)
-    with accelerator.main_process_first():  # rank 0 tokenizes and fills the cache, the others read it
-        train_set, eval_set, data_stats = load_datasets(recipe, tokenizer)
+    with phase(accelerator, "data preparation", recipe.ddp_timeout), accelerator.main_process_first():
+        train_set, eval_set, data_stats = load_datasets(recipe, tokenizer)  # rank 0 fills the cache first
     rows = training_rows(train_set, recipe.packing, recipe.max_length)
     plan = BatchPlan(len(rows), recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps,
                      recipe.seed, shuffle=recipe.train_sampling_strategy == "random")
@@ -116,7 +135,6 @@ def run(recipe: Recipe) -> Path:
     # ------------------------------------------------------------------ model
     model = CausalLMTokenLoss(build_model(recipe))
     fit_embeddings_to_tokenizer(model.lm, tokenizer)
-    check_model_fits(recipe, model.lm)
 
     # -------------------------------------------------------------- optimizer
     optimizer = build_optimizer(recipe, model)
@@ -132,6 +150,13 @@ def run(recipe: Recipe) -> Path:
             progress.step_in_epoch, progress.world_size = examples_done // plan.global_batch, world
     run_info = {"launch": launch_info(accelerator, model), "data": data_stats,
                 "effective_batch_size": plan.global_batch, "total_steps": total_steps}
+    # Nothing is written into output_dir before the recipe, data and model have all been accepted.
+    if accelerator.is_main_process:
+        if recipe.overwrite_output_dir and resume_from is None:
+            checkpoint.clear_run(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        dump_recipe(recipe, output_dir / checkpoint.CONFIG_FILE)
+    accelerator.wait_for_everyone()
     logger = MetricLogger(accelerator, recipe, progress.step, run_info)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -152,61 +177,75 @@ def run(recipe: Recipe) -> Path:
     bar = tqdm(total=total_steps, initial=progress.step, disable=not accelerator.is_main_process, desc="training")
     window_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     window_tokens, window_examples, window_start = 0, 0, time.perf_counter()
+    save = lambda: checkpoint.save_checkpoint(accelerator, output_dir, recipe, progress, run_info)
     model.train()
-    while progress.step < total_steps:
-        batches = iter(make_loader(plan.micro_batches(progress.epoch, rank, progress.step_in_epoch), collator,
-                                   recipe.dataloader_num_workers))
-        while progress.step_in_epoch < plan.steps_per_epoch and progress.step < total_steps:
-            micro_batches = [to_device(next(batches), accelerator.device) for _ in range(accum)]
-            # The loss of an optimizer step is sum(token losses over all micro-batches and ranks) divided by
-            # the step's trained tokens over all ranks. Gradients are averaged over ranks (DDP/FSDP/DeepSpeed)
-            # and accelerator.backward divides by `accum`: multiplying by world * accum undoes both.
-            local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
-                                 sum(b.pop("num_examples") for b in micro_batches)])
-            step_tokens, step_examples = accelerator.reduce(local, reduction="sum")
-            scale = world * accum / step_tokens.clamp(min=1)
-            learning_rate = optimizer.param_groups[0]["lr"]
-            for batch in micro_batches:
-                with accelerator.accumulate(model):
-                    loss_sum = model(**batch)
-                    accelerator.backward(loss_sum * scale)
-                    window_loss += loss_sum.detach()
-                    if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-            window_tokens += int(step_tokens)
-            window_examples += int(step_examples)
-            progress.step += 1
-            progress.step_in_epoch += 1
-            progress.trained_tokens += int(step_tokens)
-            bar.update(1)
+    with StopRequest() as stop:
+        while progress.step < total_steps:
+            batches = iter(make_loader(plan.micro_batches(progress.epoch, rank, progress.step_in_epoch), collator,
+                                       recipe.dataloader_num_workers))
+            while progress.step_in_epoch < plan.steps_per_epoch and progress.step < total_steps:
+                micro_batches = [to_device(next(batches), accelerator.device) for _ in range(accum)]
+                # The loss of an optimizer step is sum(token losses over all micro-batches and ranks) divided by
+                # the step's trained tokens over all ranks. Gradients are averaged over ranks (DDP/FSDP/DeepSpeed)
+                # and accelerator.backward divides by `accum`: multiplying by world * accum undoes both.
+                # The same collective carries each rank's stop request, so all ranks stop at the same step.
+                local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
+                                     sum(b.pop("num_examples") for b in micro_batches),
+                                     torch.tensor(float(stop.requested), device=accelerator.device)])
+                step_tokens, step_examples, stop_votes = accelerator.reduce(local, reduction="sum")
+                if stop_votes > 0:
+                    with phase(accelerator, "the preemption checkpoint", recipe.ddp_timeout):
+                        saved = save()
+                    raise Preempted(stop.name or "a signal on another rank", progress.step, str(saved))
+                scale = world * accum / step_tokens.clamp(min=1)
+                learning_rate = optimizer.param_groups[0]["lr"]
+                step_loss, grad_norm, updated = optimizer_step(accelerator, model, optimizer, scheduler,
+                                                               micro_batches, scale, max_norm)
+                if not updated and recipe.nan_policy == "stop":
+                    saved = save()  # the parameters are those after the last good step
+                    raise HftrainError(
+                        f"step {progress.step + 1} has a non-finite gradient norm ({float(grad_norm)}): the loss "
+                        f"diverged or a batch produced NaN/inf. The state after step {progress.step} is in {saved}. "
+                        "Lower learning_rate, set max_grad_norm, check the data, or set nan_policy=skip_step"
+                    )
+                progress.nan_skipped_steps += not updated
+                if updated:
+                    window_loss += step_loss
+                    window_tokens += int(step_tokens)
+                window_examples += int(step_examples)
+                progress.step += 1
+                progress.step_in_epoch += 1
+                progress.trained_tokens += int(step_tokens)
+                bar.update(1)
 
-            if progress.step % recipe.logging_steps == 0 or progress.step in (1, total_steps):
-                elapsed = time.perf_counter() - window_start
-                loss = accelerator.reduce(window_loss, reduction="sum").item() / max(window_tokens, 1)
-                logger.log({
-                    "step": progress.step,
-                    "epoch": round((progress.epoch + progress.step_in_epoch / plan.steps_per_epoch), 4),
-                    "loss": loss,
-                    "learning_rate": learning_rate,
-                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                    "trained_tokens": progress.trained_tokens,
-                    "tokens_per_second": window_tokens / elapsed,
-                    "samples_per_second": window_examples / elapsed,
-                    "peak_memory_mb": round(peak_memory_mb(accelerator.device), 1),
-                })
-                bar.set_postfix(loss=f"{loss:.4f}")
-                window_loss.zero_()
-                window_tokens, window_examples, window_start = 0, 0, time.perf_counter()
-            if eval_set is not None and recipe.eval_steps and progress.step % recipe.eval_steps == 0 \
-                    and progress.step < total_steps:
-                logger.log({"step": progress.step, **evaluate(accelerator, model, eval_set, eval_collator, recipe)})
-            if recipe.save_steps and progress.step % recipe.save_steps == 0:
-                checkpoint.save_checkpoint(accelerator, output_dir, recipe, progress, run_info)
-        if progress.step_in_epoch >= plan.steps_per_epoch:
-            progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
+                if progress.step % recipe.logging_steps == 0 or progress.step in (1, total_steps):
+                    elapsed = time.perf_counter() - window_start
+                    loss = accelerator.reduce(window_loss, reduction="sum").item() / max(window_tokens, 1)
+                    logger.log({
+                        "step": progress.step,
+                        "epoch": round((progress.epoch + progress.step_in_epoch / plan.steps_per_epoch), 4),
+                        "loss": loss if window_tokens else None,
+                        "learning_rate": learning_rate,
+                        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                        "trained_tokens": progress.trained_tokens,
+                        "tokens_per_second": window_tokens / elapsed,
+                        "samples_per_second": window_examples / elapsed,
+                        "peak_memory_mb": round(peak_memory_mb(accelerator.device), 1),
+                        "nan_skipped_steps": progress.nan_skipped_steps,
+                    })
+                    bar.set_postfix(loss=f"{loss:.4f}")
+                    window_loss.zero_()
+                    window_tokens, window_examples, window_start = 0, 0, time.perf_counter()
+                if eval_set is not None and recipe.eval_steps and progress.step % recipe.eval_steps == 0 \
+                        and progress.step < total_steps:
+                    with phase(accelerator, "evaluation", recipe.ddp_timeout):
+                        metrics = evaluate(accelerator, model, eval_set, eval_collator, recipe)
+                    logger.log({"step": progress.step, **metrics})
+                if recipe.save_steps and progress.step % recipe.save_steps == 0:
+                    with phase(accelerator, "checkpointing", recipe.ddp_timeout):
+                        save()
+            if progress.step_in_epoch >= plan.steps_per_epoch:
+                progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
     bar.close()
 
     # --------------------------------------------------------- evaluate & save
@@ -228,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
         run(load_recipe(argv))
     except HftrainError as error:
         report_and_exit(error)
+    except Preempted as stopped:
+        print(f"hftrain: {stopped}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_PREEMPTED)
 
 
 if __name__ == "__main__":

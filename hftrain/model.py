@@ -79,8 +79,21 @@ def fit_embeddings_to_tokenizer(model: nn.Module, tokenizer) -> int | None:
     return len(tokenizer)
 
 
-def check_model_fits(recipe: Recipe, model: nn.Module) -> None:
-    limit = getattr(model.config, "max_position_embeddings", None)
+def check_model_config(recipe: Recipe):
+    """Load only the model's config (no weights): a missing model or a too-long max_length fails in seconds."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(recipe.model_name_or_path, revision=recipe.model_revision,
+                                            trust_remote_code=recipe.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise _load_error("model", recipe.model_name_or_path, exc) from None
+    check_model_fits(recipe, config)
+    return config
+
+
+def check_model_fits(recipe: Recipe, config) -> None:
+    limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and recipe.max_length > limit:
         raise HftrainError(f"max_length={recipe.max_length} is above the model's max_position_embeddings={limit}; "
                            "lower max_length")

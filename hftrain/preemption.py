@@ -35,7 +35,10 @@ class StopRequest:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is Preempted:
+            return  # keep recording: the launcher SIGTERMs the other ranks when one exits, which must not kill
+            # them mid-exit and turn their EXIT_PREEMPTED into -15
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 

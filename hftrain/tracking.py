@@ -22,6 +22,14 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def _step_of(line: str) -> int | None:
+    """The step of a metrics line, or None for a line cut short by a crash."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def tracker_config(recipe: Recipe, run_info: dict) -> dict:
     """The resolved recipe plus run facts, flattened to the scalar values every tracker accepts."""
     flat = {**recipe.to_dict(), "effective_batch_size": run_info["effective_batch_size"],
@@ -39,7 +47,7 @@ class MetricLogger:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # A resumed run continues the file; rows logged after its checkpoint are dropped.
             rows = self.path.read_text(encoding="utf-8").splitlines() if start_step and self.path.exists() else []
-            kept = [r for r in rows if json.loads(r)["step"] <= start_step]
+            kept = [r for r in rows if _step_of(r) is not None and _step_of(r) <= start_step]
             self.path.write_text("".join(r + "\n" for r in kept), encoding="utf-8")
         if self.trackers:
             run_name = recipe.run_name or Path(recipe.output_dir).resolve().name

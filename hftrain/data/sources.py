@@ -37,6 +37,8 @@ def load_raw(name: str, config: str | None, split: str):
     except HftrainError:
         raise
     except Exception as exc:  # datasets raises many types (DatasetNotFoundError, ArrowInvalid, ...): one message
+        if isinstance(exc, StopIteration) or "corresponds to no data" in str(exc):  # how datasets says "empty"
+            raise HftrainError(f"dataset {name!r} split {split!r} is empty") from None
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise HftrainError(
             f"cannot load dataset {name!r} (split {split!r}): {first_line}. Give an existing data file, a saved "

@@ -132,7 +132,7 @@ def test_text_data_bf16_with_python_m(tmp_path):
 
     run = Run(0, proc.stdout, proc.stderr, out)
     assert run.state()["launch"]["mixed_precision"] == "bf16"
-    assert run.state()["data"]["train"]["format"] == "text"
+    assert run.state()["data"]["sources"][0]["format"] == "text"
     rows = run.train_rows()
     assert rows[-1]["loss"] < rows[0]["loss"]
 

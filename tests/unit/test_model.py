@@ -149,9 +149,9 @@ def test_token_loss_with_logits_scaling():
 # ------------------------------------------------------------------------------ builders
 def test_check_model_fits(tiny):
     limit = tiny.config.max_position_embeddings
-    check_model_fits(Recipe(max_length=limit), tiny)  # at the limit: fine
+    check_model_fits(Recipe(max_length=limit), tiny.config)  # at the limit: fine
     with pytest.raises(HftrainError, match=f"max_length={limit + 1}.*max_position_embeddings={limit}"):
-        check_model_fits(Recipe(max_length=limit + 1), tiny)
+        check_model_fits(Recipe(max_length=limit + 1), tiny.config)
 
 
 def test_build_full_model_and_tokenizer():

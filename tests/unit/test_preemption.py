@@ -22,3 +22,13 @@ def test_second_ctrl_c_interrupts_at_once():
         assert stop.name == "SIGINT"
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_after_a_preemption_later_signals_are_still_absorbed():
+    from hftrain.preemption import Preempted
+
+    with pytest.raises(Preempted):
+        with StopRequest():
+            raise Preempted("SIGTERM", 3, "out/checkpoint-3")
+    os.kill(os.getpid(), signal.SIGTERM)  # would end this test process with the default handler
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)

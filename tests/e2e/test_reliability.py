@@ -1,0 +1,265 @@
+"""Faults through the real launcher: preemption signals, kill -9 while checkpointing, damaged checkpoints, NaNs.
+
+Each test compares against an uninterrupted run of the same recipe: what survives a fault must be
+indistinguishable from never having had it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import BIN, PRESETS, REPO, Run, launch, write_jsonl
+
+pytestmark = pytest.mark.launch
+RECIPE = ["--config", str(REPO / "recipes" / "tiny-chat.yaml"), "--max_samples", "160",
+          "--validation_split_percentage", "0", "--per_device_train_batch_size", "8", "--logging_steps", "1",
+          "--lr_scheduler_type", "cosine", "--train_sampling_strategy", "random", "--eval_steps", "none",
+          "--save_total_limit", "none"]
+
+
+def start(output_dir: Path, *args: str, preset: str = "cpu") -> subprocess.Popen:
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(PRESETS / f"{preset}.yaml"),
+           "--main_process_port", "0", str(REPO / "hftrain" / "finetune.py"), "--output_dir", str(output_dir), *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def trainers(launcher: subprocess.Popen, expected: int, timeout: float = 120) -> list[psutil.Process]:
+    """The training processes (not the launcher): the ones whose command line runs finetune.py."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                 if any("finetune.py" in part for part in p.cmdline())]
+        if len(found) == expected:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"did not find {expected} training processes")
+
+
+def wait_for_step(output_dir: Path, step: int, launcher: subprocess.Popen, timeout: float = 180) -> None:
+    deadline, metrics = time.time() + timeout, output_dir / "metrics.jsonl"
+    while time.time() < deadline:
+        if metrics.exists():
+            steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.endswith("}")]
+            if steps and max(steps) >= step:
+                return
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not reached")
+
+
+def params(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def assert_same_run(resumed: Run, reference: Run) -> None:
+    by_step = {r["step"]: r for r in reference.train_rows()}
+    rows = resumed.train_rows()
+    assert [r["step"] for r in rows] == sorted(by_step)
+    for row in rows:
+        assert row["learning_rate"] == by_step[row["step"]]["learning_rate"]
+        assert abs(row["loss"] - by_step[row["step"]]["loss"]) < 1e-5, row["step"]
+    expected = params(reference.output_dir / "final")
+    for name, value in params(resumed.output_dir / "final").items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Run:
+    return launch(tmp_path_factory.mktemp("reference") / "out", *RECIPE, "--max_steps", "30")
+
+
+@pytest.fixture(scope="module")
+def reference_2proc(tmp_path_factory) -> Run:
+    return launch(tmp_path_factory.mktemp("reference2") / "out", *RECIPE, "--max_steps", "30",
+                  "--per_device_train_batch_size", "4", preset="cpu_ddp")
+
+
+@pytest.mark.parametrize("processes, signal_to_send", [(1, signal.SIGTERM), (2, signal.SIGUSR1)])
+def test_preemption_then_resume_equals_uninterrupted(tmp_path, reference, reference_2proc, processes,
+                                                     signal_to_send):
+    out = tmp_path / "out"
+    args = [*RECIPE, "--max_steps", "30"] + (["--per_device_train_batch_size", "4"] if processes == 2 else [])
+    preset = "cpu_ddp" if processes == 2 else "cpu"
+    launcher = start(out, *args, preset=preset)
+    workers = trainers(launcher, processes)
+    wait_for_step(out, 6, launcher)
+    workers[-1].send_signal(signal_to_send)  # one rank only: the stop must reach the others
+    psutil.wait_procs(workers, timeout=120)  # the training processes, not the launcher, decide when it is over
+    launcher.wait(timeout=60)
+    stderr = launcher.stderr.read()
+    # each rank says why it stopped; the launcher reports the training processes' exit code 75
+    assert stderr.count(f"stopped by {signal.Signals(signal_to_send).name} after step") == 1, stderr[-3000:]
+    assert stderr.count("stopped by a signal on another rank") == processes - 1
+    codes = re.findall(r"exit status (-?\d+)|exitcode\s*:\s*(-?\d+)", stderr)
+    assert codes and {a or b for a, b in codes} == {"75"}, codes
+    saved = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    stopped_at = int(saved[-1].name.split("-")[1])
+    assert 6 <= stopped_at < 30 and json.loads((saved[-1] / "hftrain_state.json").read_text())[
+        "progress"]["step"] == stopped_at
+    assert not (out / "final").exists()
+
+    resumed = launch(out, *args, "--resume_from_checkpoint", "latest", preset=preset)
+    assert f"at step {stopped_at}" in resumed.stdout
+    assert_same_run(resumed, reference if processes == 1 else reference_2proc)
+
+
+def test_kill_9_at_any_moment_of_constant_checkpointing_leaves_a_resumable_run(tmp_path, reference):
+    """With a checkpoint after every step, most of the time is spent writing one: SIGKILL lands mid-write."""
+    out = tmp_path / "out"
+    args = [*RECIPE, "--max_steps", "30", "--save_steps", "1"]
+    for kill_after in (4, 9):
+        launcher = start(out, *args, *(["--resume_from_checkpoint", "latest"] if kill_after == 9 else []))
+        (worker,) = trainers(launcher, 1)
+        wait_for_step(out, kill_after, launcher)
+        worker.kill()
+        worker.wait(timeout=30)
+        launcher.wait(timeout=60)
+    assert not (out / "final").exists()
+    resumed = launch(out, *args, "--resume_from_checkpoint", "latest")
+    assert_same_run(resumed, reference)
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference):
+    out = tmp_path / "out"
+    args = [*RECIPE, "--max_steps", "30", "--save_steps", "10"]
+    first = launch(out, *args)
+    shutil.rmtree(first.output_dir / "final")
+    shutil.rmtree(first.output_dir / "checkpoint-30")
+    model_file = out / "checkpoint-20" / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:1000])  # truncated, as by a full disk
+    resumed = launch(out, *args, "--resume_from_checkpoint", "latest")
+    assert "skipping damaged checkpoint" in resumed.stderr and "at step 10" in resumed.stdout
+    assert_same_run(resumed, reference)
+
+
+# ------------------------------------------------------------------------------ numerics
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory, tiny_model):
+    """A model whose embedding of <|im_start|> is inf, and text data where 2 of 40 examples contain it."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("poisoned")
+    shutil.copytree(tiny_model, folder / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
+    weights = load_file(folder / "model" / "model.safetensors")
+    weights["model.embed_tokens.weight"][tokenizer.convert_tokens_to_ids("<|im_start|>")] = float("inf")
+    save_file(weights, folder / "model" / "model.safetensors", metadata={"format": "pt"})
+    rows = [{"text": f"What is {i % 10} + 1? {i % 10} + 1 = {i % 10 + 1}."} for i in range(40)]
+    for i in (13, 29):  # sequential order, 4 per step: steps 4 and 8
+        rows[i]["text"] = "<|im_start|> " + rows[i]["text"]
+    return folder / "model", write_jsonl(folder / "data.jsonl", rows)
+
+
+def nan_args(poisoned) -> list[str]:
+    model, data = poisoned
+    return ["--model_name_or_path", str(model), "--dataset_name", str(data), "--validation_split_percentage", "0",
+            "--train_sampling_strategy", "sequential", "--per_device_train_batch_size", "4", "--max_steps", "10",
+            "--logging_steps", "1", "--learning_rate", "1e-3"]
+
+
+def test_nan_steps_are_skipped_and_counted(tmp_path, poisoned):
+    run = launch(tmp_path / "out", *nan_args(poisoned), "--nan_policy", "skip_step")
+    rows = run.train_rows()
+    assert [r["nan_skipped_steps"] for r in rows] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert rows[3]["loss"] is None and rows[7]["loss"] is None  # a skipped step contributes no loss
+    assert all(r["loss"] is not None and r["loss"] == r["loss"] for i, r in enumerate(rows) if i not in (3, 7))
+    final = params(run.output_dir / "final")
+    assert all(torch.isfinite(v).all() for k, v in final.items() if k != "model.embed_tokens.weight")
+    assert run.state()["progress"]["nan_skipped_steps"] == 2
+
+
+def test_nan_stops_with_a_checkpoint_of_the_last_good_step(tmp_path, poisoned):
+    run = launch(tmp_path / "out", *nan_args(poisoned), check=False)  # nan_policy defaults to stop
+    assert run.returncode != 0
+    assert "step 4 has a non-finite gradient norm" in run.stderr.replace("\n", " ")
+    assert sorted(p.name for p in run.output_dir.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert not (run.output_dir / "final").exists()
+    state = json.loads((run.output_dir / "checkpoint-3" / "hftrain_state.json").read_text())
+    assert state["progress"]["step"] == 3
+
+
+# ---------------------------------------------------------------------------- bad input
+def run_entry(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hftrain.finetune", *args], capture_output=True, text=True, cwd=REPO,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **(env or {})}, timeout=300)
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+BAD_INPUT = {
+    "unknown key": (lambda d: ["--config", str(write(d / "r.yaml", "learning_rat: 0.1\n"))],
+                    "unknown key 'learning_rat' (did you mean learning_rate?)"),
+    "wrong type": (lambda d: ["--max_steps", "ten"], "max_steps: expected an integer, got 'ten'"),
+    "unknown flag": (lambda d: ["--lora_rr", "8"], "unknown argument '--lora_rr'"),
+    "invalid yaml": (lambda d: ["--config", str(write(d / "r.yaml", "a: [1,\n"))], "is not valid YAML"),
+    "recipe not a mapping": (lambda d: ["--config", str(write(d / "r.yaml", "- 1\n"))], "must be a mapping"),
+    "missing recipe file": (lambda d: ["--config", str(d / "nope.yaml")], "cannot read recipe file"),
+    "bf16 and fp16": (lambda d: ["--bf16", "--fp16"], "bf16 and fp16 are both true"),
+    "fp16 on cpu": (lambda d: ["--fp16"], "fp16 needs a CUDA GPU"),
+    "both warmups": (lambda d: ["--warmup_steps", "3", "--warmup_ratio", "0.1"], "both set"),
+    "bad choice": (lambda d: ["--lr_scheduler_type", "exp"], "lr_scheduler_type='exp' is not one of"),
+    "bad tracker": (lambda d: ["--report_to", "comet"], "unknown tracker(s) ['comet']"),
+    "no epochs or steps": (lambda d: ["--num_train_epochs", "0"], "set max_steps > 0 or num_train_epochs > 0"),
+    "zero batch": (lambda d: ["--per_device_train_batch_size", "0"], "per_device_train_batch_size must be >= 1"),
+    "eval split 100": (lambda d: ["--validation_split_percentage", "100"], "validation_split_percentage must be"),
+    "missing model folder": (lambda d: ["--model_name_or_path", "./models/nope"], "is not a folder"),
+    "hub id offline": (lambda d: ["--model_name_or_path", "nobody-xyz/not-a-model"],
+                       "cannot load model 'nobody-xyz/not-a-model'"),
+    "max_length above positions": (lambda d: ["--max_length", "100000"], "above the model's max_position_embeddings"),
+    "missing dataset": (lambda d: ["--dataset_name", str(d / "nope.jsonl")], "does not exist"),
+    "wrong columns": (lambda d: ["--dataset_name", str(write(d / "d.jsonl", '{"question": "q", "answer": "a"}\n'))],
+                      "which do not match any known format"),
+    "empty dataset": (lambda d: ["--dataset_name", str(write(d / "d.csv", "text\n"))], "is empty"),
+    "wrong role": (lambda d: ["--dataset_name", str(write(d / "d.jsonl", json.dumps(
+        {"messages": [{"role": "bot", "content": "x"}]}) + "\n"))], "role 'bot'"),
+    "non-string content": (lambda d: ["--dataset_name", str(write(d / "d.jsonl", json.dumps(
+        {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}) + "\n"))],
+        "content of type int"),
+    "explicit format mismatch": (lambda d: ["--dataset_format", "alpaca"], "do not match format 'alpaca'"),
+    "all masked": (lambda d: ["--max_length", "4", "--validation_split_percentage", "0"], "no trained token"),
+    "mixture and dataset_name": (lambda d: ["--dataset_name", "data/text.jsonl", "--dataset_mixture",
+                                            "[{name: data/chat.jsonl}]"], "both set"),
+    "resume without checkpoint": (lambda d: ["--resume_from_checkpoint", "latest"], "holds no complete"),
+    "resume path missing": (lambda d: ["--resume_from_checkpoint", str(d / "nope")], "is not a checkpoint folder"),
+    "precision conflict with preset": (lambda d: [], "precision comes from the recipe"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_is_refused_before_any_write(tmp_path, case):
+    make_args, expected = BAD_INPUT[case]
+    out = tmp_path / "out"
+    env = {"ACCELERATE_MIXED_PRECISION": "bf16"} if case == "precision conflict with preset" else {}
+    proc = run_entry("--output_dir", str(out), *make_args(tmp_path), env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    message = proc.stderr[proc.stderr.index("hftrain: error:"):]
+    assert expected in message.replace("\n", " ")
+    assert "Traceback" not in proc.stderr
+    assert not out.exists(), "nothing may be written for refused input"
+
+
+def test_a_refused_run_leaves_an_existing_output_dir_untouched(tmp_path):
+    out = tmp_path / "out"
+    (out / "checkpoint-5").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 5}\n')
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    proc = run_entry("--output_dir", str(out), "--max_steps", "2")
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
