@@ -112,6 +112,7 @@ def build_model(size: Size, out: Path) -> int:
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out)
+    tokenizer.model_max_length = size.max_length
     tokenizer.save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
 
@@ -544,13 +545,14 @@ def write_report(report: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model and data, 1 repetition, no warm-up")
-    parser.add_argument("--out", type=Path, default=REPO / "docs", help="where benchmarks.md/.json go (default docs/)")
+    parser.add_argument("--out", type=Path, help="where benchmarks.md/.json go (default docs/; with --quick "
+                        "outputs/bench-quick, so a smoke run never replaces the real results)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of: "
                         + ", ".join(CONTENDERS))
     parser.add_argument("--reps", type=int, help="repetitions per contender (default 3, quick 1)")
     parser.add_argument("--work", type=Path, help="working folder (default: a temporary one, removed at the end)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
-                        help="skip the untimed 1-step run per contender that warms the datasets and OS caches")
+                        help="skip the untimed 2-step run per contender that warms the datasets and OS caches")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # child side: run one contender
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -566,61 +568,72 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not names:
         parser.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
     size = QUICK if args.quick else FULL
-    reps = args.reps or size.reps
+    out = args.out or (REPO / "outputs" / "bench-quick" if args.quick else REPO / "docs")
     work = args.work or Path(tempfile.mkdtemp(prefix="hftrain-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    os.environ["HF_DATASETS_CACHE"] = str(work / "datasets-cache")  # read below from the cache the runs fill
-    failed = [None]  # until the runs are done: an exception keeps the folder for inspection
+    os.environ["HF_DATASETS_CACHE"] = str(work / "datasets-cache")  # read by hftrain_padding: the runs' cache
+    completed = False  # an exception or a failed run keeps the working folder (and the logs) for inspection
     try:
-        model_dir, data = work / "model", work / "chats.jsonl"
-        n_params = build_model(size, model_dir)
-        lengths = make_chats(size, model_dir, data)
-        setup = {"work": str(work), "model_dir": str(model_dir), "recipe": base_recipe(model_dir, data, size),
-                 "packed_batch": packed_batch(lengths, size.max_length), "threads": size.threads}
-        print(f"bench: {n_params:,}-parameter Llama, {len(lengths)} chats of {min(lengths)}-{max(lengths)} tokens "
-              f"in {work}; contenders {', '.join(names)}, {reps} repetition(s)", flush=True)
-        load_before = [round(x, 2) for x in os.getloadavg()]
-        if args.warmup and not args.quick:
-            for name in names:
-                run_contender(name, -1, setup, max_steps=2)  # fills the tokenization cache and the page cache
-        runs = []
-        for rep in range(reps):
-            for name in names[rep % len(names):] + names[:rep % len(names)]:  # alternate, rotating who goes first
-                run = run_contender(name, rep, setup)
-                runs.append(run)
-                done = run.summary()
-                print(f"bench: {name} rep {rep}: " + (f"{done['tokens_per_second']:,.0f} trained tokens/s, first step "
-                      f"after {done['time_to_first_step_s']:.1f} s, peak RSS {done['peak_rss_mb']:,.0f} MB" if run.ok
-                      else f"FAILED (exit {run.returncode}), log {run.log}"), flush=True)
-        load_after = [round(x, 2) for x in os.getloadavg()]
-        paddings = {}
-        for n in names:
-            c, counted = CONTENDERS[n], [r.padding for r in runs if r.contender == n and r.padding is not None]
-            if c.kind == "hftrain":
-                paddings[n] = hftrain_padding(setup, c.options, setup["packed_batch"] if c.packed else BATCH)
-            elif counted:
-                paddings[n] = statistics.mean(counted)
-        table = aggregate(runs, paddings)
-        report = {
-            "command": "HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py " + " ".join(argv or sys.argv[1:]),
-            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "mode": "quick" if args.quick else "full", "reps": reps,
-            "load_before": load_before, "load_after": load_after,
-            "environment": {"versions": versions(), "machine": machine(size.threads)},
-            "model_parameters": n_params, "packed_batch": setup["packed_batch"],
-            "data": {"chats": len(lengths), "min_tokens": min(lengths), "max_tokens": max(lengths),
-                     "median_tokens": int(statistics.median(lengths)), "max_length": size.max_length},
-            "results": table, "targets": targets(table), "runs": [r.summary() for r in runs],
-        }
-        write_report(report, args.out)
-        print(markdown(report))
-        print(f"bench: wrote {args.out / 'benchmarks.md'} and {args.out / 'benchmarks.json'}")
-        failed = [r for r in runs if not r.ok]
-        if failed:
-            print(f"bench: {len(failed)} run(s) failed; their logs are kept under {work}", file=sys.stderr)
-            sys.exit(1)
+        runs = bench(names, size, args.reps or size.reps, args.warmup and not args.quick, work, out,
+                     "HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py " + " ".join(sys.argv[1:] if argv is None
+                                                                                      else argv))
+        completed = all(r.ok for r in runs)
     finally:
-        if args.work is None and not failed:
+        if args.work is None and completed:
             shutil.rmtree(work, ignore_errors=True)
+    if not completed:
+        print(f"bench: {sum(not r.ok for r in runs)} run(s) failed; their logs are kept under {work}",
+              file=sys.stderr)
+        sys.exit(1)
+
+
+def bench(names: list[str], size: Size, reps: int, warmup: bool, work: Path, out: Path, command: str) -> list[Run]:
+    """Build the model and data, run every contender `reps` times (alternating), write the report."""
+    model_dir, data = work / "model", work / "chats.jsonl"
+    n_params = build_model(size, model_dir)
+    lengths = make_chats(size, model_dir, data)
+    setup = {"work": str(work), "model_dir": str(model_dir), "recipe": base_recipe(model_dir, data, size),
+             "packed_batch": packed_batch(lengths, size.max_length), "threads": size.threads}
+    print(f"bench: {n_params:,}-parameter Llama, {len(lengths)} chats of {min(lengths)}-{max(lengths)} tokens "
+          f"in {work}; contenders {', '.join(names)}, {reps} repetition(s)", flush=True)
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    if warmup:
+        for name in names:
+            run_contender(name, -1, setup, max_steps=2)  # fills the tokenization cache and the page cache
+    runs = []
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:  # alternate, rotating who goes first
+            run = run_contender(name, rep, setup)
+            runs.append(run)
+            done = run.summary()
+            print(f"bench: {name} rep {rep}: " + (f"{done['tokens_per_second']:,.0f} trained tokens/s, first step "
+                  f"after {done['time_to_first_step_s']:.1f} s, peak RSS {done['peak_rss_mb']:,.0f} MB" if run.ok
+                  else f"FAILED (exit {run.returncode}), log {run.log}"), flush=True)
+    load_after = [round(x, 2) for x in os.getloadavg()]
+
+    paddings = {}
+    for name in names:
+        contender = CONTENDERS[name]
+        counted = [r.padding for r in runs if r.contender == name and r.padding is not None]
+        if contender.kind == "hftrain":
+            paddings[name] = hftrain_padding(setup, contender.options,
+                                             setup["packed_batch"] if contender.packed else BATCH)
+        elif counted:
+            paddings[name] = statistics.mean(counted)
+    table = aggregate(runs, paddings)
+    report = {
+        "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "mode": "quick" if size is QUICK else "full",
+        "reps": reps, "load_before": load_before, "load_after": load_after,
+        "environment": {"versions": versions(), "machine": machine(size.threads)},
+        "model_parameters": n_params, "packed_batch": setup["packed_batch"],
+        "data": {"chats": len(lengths), "min_tokens": min(lengths), "max_tokens": max(lengths),
+                 "median_tokens": int(statistics.median(lengths)), "max_length": size.max_length},
+        "results": table, "targets": targets(table), "runs": [r.summary() for r in runs],
+    }
+    write_report(report, out)
+    print(markdown(report))
+    print(f"bench: wrote {out / 'benchmarks.md'} and {out / 'benchmarks.json'}")
+    return runs
 
 
 if __name__ == "__main__":
