@@ -164,8 +164,10 @@ class Recipe:
                               group="training")
     optim: str = _f("adamw_torch", "Optimizer.", group="training", choices=("adamw_torch", "sgd"))
     train_sampling_strategy: str = _f(
-        "random", "random: shuffled each epoch from `seed`; sequential: the dataset's own order.",
-        group="training", choices=("random", "sequential"),
+        "random", "random: shuffled each epoch from `seed`; sequential: the dataset's own order; group_by_length: "
+        "shuffled, then rows of similar length share an optimizer step (windows of 50 global batches sorted by "
+        "length, batch order shuffled), so right padding wastes little compute when packing is off.",
+        group="training", choices=("random", "sequential", "group_by_length"),
     )
     seed: int = _f(42, "Seed for model-independent randomness (data order, dropout).", group="training")
     nan_policy: str = _f(
@@ -344,6 +346,7 @@ def validate(recipe: Recipe) -> list[str]:
     need(not (r.bf16 and r.fp16), "bf16 and fp16 are both true; choose one")
     need(not (r.fp16 and r.dtype == "bfloat16"), "fp16 mixed precision with dtype=bfloat16 weights; use bf16")
     problems += _validate_data(r)
+    problems += _validate_performance(r)
 
     if _looks_local(r.model_name_or_path) and not Path(r.model_name_or_path).expanduser().is_dir():
         problems.append(f"model_name_or_path {r.model_name_or_path!r} is not a folder; give a local model "
@@ -373,6 +376,15 @@ def _validate_data(r: Recipe) -> list[str]:
         problems.append(f"chat_template_path {r.chat_template_path!r} is not a file")
     if r.dataset_num_proc is not None and r.dataset_num_proc < 1:
         problems.append(f"dataset_num_proc must be >= 1 or unset, got {r.dataset_num_proc}")
+    return problems
+
+
+def _validate_performance(r: Recipe) -> list[str]:
+    """Speed options that cannot work together."""
+    problems = []
+    if r.packing and r.train_sampling_strategy == "group_by_length":
+        problems.append("train_sampling_strategy=group_by_length with packing=true has nothing to group: packed rows "
+                        "all hold close to max_length tokens; use random with packing, or turn packing off")
     return problems
 
 

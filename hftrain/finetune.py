@@ -25,11 +25,11 @@ from hftrain import checkpoint
 from hftrain.config import Recipe, check_environment, dump_recipe, load_recipe
 from hftrain.data import (
     IGNORE_INDEX,
-    BatchPlan,
     Collator,
     eval_micro_batches,
     load_datasets,
     make_loader,
+    training_plan,
     training_rows,
 )
 from hftrain.distributed import launch_info, make_accelerator, phase, preset_conflicts
@@ -119,8 +119,7 @@ def run(recipe: Recipe) -> Path:
     with phase(accelerator, "data preparation", recipe.ddp_timeout), accelerator.main_process_first():
         train_set, eval_set, data_stats = load_datasets(recipe, tokenizer)  # rank 0 fills the cache first
     rows = training_rows(train_set, recipe.packing, recipe.max_length)
-    plan = BatchPlan(len(rows), recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps,
-                     recipe.seed, shuffle=recipe.train_sampling_strategy == "random")
+    plan = training_plan(recipe, train_set, rows, world)
     if len(rows) < plan.global_batch:
         raise HftrainError(
             f"the training set has {len(rows)} usable {'packed rows' if recipe.packing else 'examples'}, fewer than "

@@ -4,7 +4,7 @@ Public names; the implementation lives in the submodules:
 - `sources`: files, saved folders, hub ids, mixtures, eval carve-outs (`load_datasets`)
 - `formats`: format detection, validation and conversion (`detect_format`, `to_canonical`)
 - `tokenize`: chat templates, masks, truncation, statistics (`tokenize_dataset`)
-- `batching`: packing, `BatchPlan`, `Collator`
+- `batching`: packing, `BatchPlan` (random, sequential or length-grouped order), `Collator`
 `python -m hftrain.data --config recipe.yaml --show 3` previews what will be trained.
 """
 
@@ -14,6 +14,8 @@ from hftrain.data.batching import (
     eval_micro_batches,
     make_loader,
     pack_best_fit_decreasing,
+    row_lengths,
+    training_plan,
     training_rows,
 )
 from hftrain.data.formats import FORMATS, detect_format, to_canonical
@@ -29,7 +31,8 @@ from hftrain.data.tokenize import (
 )
 
 __all__ = [
-    "BatchPlan", "Collator", "eval_micro_batches", "make_loader", "pack_best_fit_decreasing", "training_rows",
+    "BatchPlan", "Collator", "eval_micro_batches", "make_loader", "pack_best_fit_decreasing", "row_lengths",
+    "training_plan", "training_rows",
     "FORMATS", "detect_format", "to_canonical", "load_datasets", "load_raw", "CHATML_TEMPLATE", "IGNORE_INDEX",
     "DataSpec", "assistant_char_spans", "prepare_chat_template", "tokenize_dataset", "tokenize_example",
 ]

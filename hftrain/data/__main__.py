@@ -16,7 +16,7 @@ import json
 import sys
 
 from hftrain.config import load_recipe
-from hftrain.data.batching import BatchPlan, Collator, training_rows
+from hftrain.data.batching import Collator, training_plan, training_rows
 from hftrain.data.sources import load_datasets
 from hftrain.data.tokenize import IGNORE_INDEX
 from hftrain.errors import HftrainError, report_and_exit
@@ -87,8 +87,7 @@ def preview(argv: list[str] | None = None) -> None:
     if args.dump:
         count, path = int(args.dump[0]), args.dump[1]
         rows = training_rows(train, recipe.packing, recipe.max_length)
-        plan = BatchPlan(len(rows), recipe.per_device_train_batch_size, 1, 1, recipe.seed,
-                         shuffle=recipe.train_sampling_strategy == "random")
+        plan = training_plan(recipe, train, rows, world=1)  # what one training process sees
         collator = Collator(train, pad_token_id(tokenizer), rows, packed=recipe.packing)
         written = 0
         with open(path, "w", encoding="utf-8") as f:

@@ -45,6 +45,17 @@ def training_rows(dataset, packing: bool, max_length: int) -> list[list[int]]:
     return pack_best_fit_decreasing([len(ids) for ids in dataset["input_ids"]], max_length)
 
 
+def row_lengths(dataset, rows: list[list[int]]) -> list[int]:
+    """Tokens in each training row (the sum over its examples when packed)."""
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    return [sum(lengths[i] for i in row) for row in rows]
+
+
+# Rows sorted together by length when grouping: this many global batches, as transformers' LengthGroupedSampler
+# sorts mega-batches of 50 batches. Larger windows pad less; smaller ones keep batch composition more random.
+GROUP_WINDOW_BATCHES = 50
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """Which rows each rank sees in each micro-batch of each optimizer step.
@@ -56,6 +67,13 @@ class BatchPlan:
     rows per step. The last step of an epoch may be short: its missing micro-batch slots are
     empty and collate to a fully masked row, so every rank still runs `accum` forward/backward
     passes (collectives stay matched) while the loss only counts real tokens.
+
+    With `lengths` (tokens per row) the order is length-grouped: each window of
+    GROUP_WINDOW_BATCHES x G rows of that order is sorted by length (longest first), cut into global
+    batches, and the full global batches are shuffled by the same (seed, epoch) generator (a short
+    last batch stays last). Rows of similar length then share a step, so right padding wastes little,
+    and the order still depends only on (seed, epoch, G): a resumed run sees the same tail. It does
+    depend on G, so resuming with another global batch size changes the grouped order.
     """
 
     num_examples: int  # rows
@@ -64,6 +82,11 @@ class BatchPlan:
     accum: int
     seed: int
     shuffle: bool
+    lengths: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.lengths is not None and len(self.lengths) != self.num_examples:
+            raise ValueError(f"{len(self.lengths)} row lengths for {self.num_examples} rows")
 
     @property
     def global_batch(self) -> int:
@@ -75,9 +98,22 @@ class BatchPlan:
 
     def epoch_order(self, epoch: int) -> list[int]:
         if not self.shuffle:
-            return list(range(self.num_examples))
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        return torch.randperm(self.num_examples, generator=generator).tolist()
+            order, generator = list(range(self.num_examples)), None
+        else:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            order = torch.randperm(self.num_examples, generator=generator).tolist()
+        return order if self.lengths is None else self._grouped_by_length(order, generator)
+
+    def _grouped_by_length(self, order: list[int], generator: torch.Generator | None) -> list[int]:
+        g, window = self.global_batch, self.global_batch * GROUP_WINDOW_BATCHES
+        batches = []
+        for start in range(0, len(order), window):  # windows are whole global batches: only the last may be short
+            by_length = sorted(order[start:start + window], key=lambda row: -self.lengths[row])  # stable
+            batches += [by_length[i:i + g] for i in range(0, len(by_length), g)]
+        short = [batches.pop()] if batches and len(batches[-1]) < g else []
+        if generator is not None:
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+        return [row for batch in batches + short for row in batch]
 
     def micro_batches(self, epoch: int, rank: int, start_step: int = 0) -> Iterator[list[int]]:
         """This rank's micro-batches (lists of row indices) from `start_step` to the end of the epoch."""
@@ -87,6 +123,14 @@ class BatchPlan:
             for j in range(self.accum):
                 first = (j * self.world + rank) * b
                 yield chunk[first:first + b]
+
+
+def training_plan(recipe, dataset, rows: list[list[int]], world: int) -> BatchPlan:
+    """The BatchPlan a recipe asks for: batch sizes, seed and `train_sampling_strategy`."""
+    strategy = recipe.train_sampling_strategy
+    lengths = tuple(row_lengths(dataset, rows)) if strategy == "group_by_length" else None
+    return BatchPlan(len(rows), recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps,
+                     recipe.seed, shuffle=strategy != "sequential", lengths=lengths)
 
 
 def eval_micro_batches(num_examples: int, micro_batch: int, world: int, rank: int) -> list[list[int]]:

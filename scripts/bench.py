@@ -1,0 +1,640 @@
+"""Side-by-side training throughput: hftrain vs transformers Trainer, TRL SFTTrainer and a hand-written loop.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py                  # full: ~9M-param Llama, 3 repetitions
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py --quick --out /tmp/bench   # seconds per contender
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py --contenders hftrain,trainer --reps 5
+
+Every contender trains the same randomly initialised Llama (built from a config and saved once) for one
+epoch of the same generated chat dataset (assistant-only loss, fp32, AdamW, linear decay, clip 1.0), each in
+its own fresh process, repetitions alternating between contenders. All of them get the examples tokenized by
+hftrain's data pipeline (same tokens, same masks, same datasets cache), so the trained tokens are identical.
+
+Measured per run, the same way for everyone (docs/benchmarks.md explains each number):
+- trained tokens/sec: tokens with a label (labels[:, 1:] != -100) in steps 2..N over the time from the end of
+  step 1 to the end of step N (the first step's warm-up is excluded, and reported as time to first step);
+- time to first step: process start to the end of optimizer step 1 (imports, data, model, step 1);
+- wall time: process start to the end of step N;
+- peak RSS: the child's maximum resident set (wait4), whole process.
+hftrain runs through its real entry point (`python -m hftrain.finetune --config <recipe>`) and is timed from
+its metrics.jsonl (rows at steps 1 and N only); the others run in `--run <contender>` child processes of this
+script that record a timestamp at the end of each optimizer step.
+
+Results go to OUT/benchmarks.json (raw) and into the marked results section of OUT/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's hftrain, also when another one is installed in the environment
+BEGIN, END = "<!-- bench results: begin (written by scripts/bench.py) -->", "<!-- bench results: end -->"
+
+
+# ----------------------------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class Size:
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    chats: int
+    median_tokens: int  # log-normal chat lengths, clipped to [min_tokens, max_tokens]
+    min_tokens: int
+    max_tokens: int
+    max_length: int
+    reps: int
+    threads: int | None  # OMP_NUM_THREADS for the children; None: torch's default (one per core)
+
+
+FULL = Size(hidden=256, layers=8, heads=8, intermediate=1024, chats=256, median_tokens=230, min_tokens=33,
+            max_tokens=900, max_length=1024, reps=3, threads=None)
+QUICK = Size(hidden=64, layers=2, heads=4, intermediate=128, chats=32, median_tokens=70, min_tokens=33,
+             max_tokens=200, max_length=256, reps=1, threads=1)  # 1 thread: a smoke run on a busy machine
+BATCH = 8  # sequences per optimizer step (packed contenders: as many packed rows as hold about as many tokens)
+SEED = 42
+LEARNING_RATE = 1e-4
+
+
+@dataclass(frozen=True)
+class Contender:
+    kind: str  # hftrain | trainer | trl | loop
+    label: str
+    options: dict = field(default_factory=dict)
+    packed: bool = False
+
+
+CONTENDERS = {
+    "hftrain": Contender("hftrain", "hftrain, length-grouped batches (train_sampling_strategy: group_by_length)",
+                         {"train_sampling_strategy": "group_by_length"}),
+    "hftrain_random": Contender("hftrain", "hftrain, random batches padded to the longest",
+                                {"train_sampling_strategy": "random"}),
+    "hftrain_packed": Contender("hftrain", "hftrain, packing (BFD, padding-free, position_ids)",
+                                {"packing": True}, packed=True),
+    "trainer": Contender("trainer", "transformers Trainer, random batches padded to the longest "
+                                    "(DataCollatorForSeq2Seq)"),
+    "trl_padding": Contender("trl", "TRL SFTTrainer, random batches padded to the longest",
+                             {"packing": False, "padding_free": False}),
+    "trl_packing": Contender("trl", "TRL SFTTrainer, packing (bfd, padding-free)",
+                             {"packing": True, "packing_strategy": "bfd"}, packed=True),
+    "trl_padding_free": Contender("trl", "TRL SFTTrainer, padding-free without packing (batch flattened)",
+                                  {"packing": False, "padding_free": True, "max_length": None}),  # already truncated
+    "loop": Contender("loop", "hand-written PyTorch loop, hftrain's length-grouped batches, HF model loss"),
+}
+
+
+# ------------------------------------------------------------------------------------------ model and data
+def build_model(size: Size, out: Path) -> int:
+    """A random Llama with the shipped tiny tokenizer, saved so that every contender loads the same weights."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=size.hidden, intermediate_size=size.intermediate,
+                         num_hidden_layers=size.layers, num_attention_heads=size.heads,
+                         num_key_value_heads=size.heads, max_position_embeddings=size.max_length,
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=False)
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out)
+    tokenizer.model_max_length = size.max_length
+    tokenizer.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_chats(size: Size, model_dir: Path, out: Path) -> list[int]:
+    """Multi-turn chats whose rendered lengths follow a log-normal spread; returns the token lengths."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.spec_from_file_location("make_data", REPO / "scripts" / "make_data.py")
+    make_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_data)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(SEED)
+
+    def n_tokens(messages: list[dict]) -> int:
+        return len(tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+                   ["input_ids"])
+
+    chats, lengths = [], []
+    for _ in range(size.chats):
+        target = min(size.max_tokens, max(size.min_tokens, int(rng.lognormvariate(math.log(size.median_tokens), 0.75))))
+        messages = [{"role": "system", "content": rng.choice(make_data.SYSTEMS)}] if rng.random() < 0.3 else []
+        length = 0
+        while length < target:  # a new turn: a short question, then an answer grown sentence by sentence
+            question, answer = make_data.qa_pair(rng)
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            length, sentences = n_tokens(messages), rng.randrange(1, 16)
+            while length < target and sentences > 0:
+                messages[-1]["content"] += " " + make_data.qa_pair(rng)[1]
+                length, sentences = n_tokens(messages), sentences - 1
+        chats.append({"messages": messages})
+        lengths.append(length)
+    out.write_text("".join(json.dumps(c) + "\n" for c in chats), encoding="utf-8")
+    return lengths
+
+
+def base_recipe(model_dir: Path, data: Path, size: Size) -> dict:
+    """The hftrain recipe every contender's settings mirror (the data fields also drive the other runners' data)."""
+    return {
+        "model_name_or_path": str(model_dir), "dataset_name": str(data), "assistant_only_loss": True,
+        "max_length": size.max_length, "validation_split_percentage": 0, "num_train_epochs": 1, "max_steps": -1,
+        "per_device_train_batch_size": BATCH, "gradient_accumulation_steps": 1, "learning_rate": LEARNING_RATE,
+        "lr_scheduler_type": "linear", "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0,
+        "optim": "adamw_torch", "seed": SEED, "logging_steps": 10**9,  # metrics rows at step 1 and the last step
+        "report_to": ["none"], "overwrite_output_dir": True,
+    }
+
+
+def packed_batch(lengths: list[int], max_length: int) -> int:
+    """Packed rows per step holding about as many tokens as BATCH unpacked sequences."""
+    return max(1, round(BATCH * statistics.mean(lengths) / max_length))
+
+
+# ------------------------------------------------------------------------------- child side: the runners
+def _runner_data(spec: dict):
+    """hftrain's tokenizer and tokenized training set for the benchmark recipe (warm datasets cache)."""
+    from hftrain.config import recipe_from_dict
+    from hftrain.data import load_datasets
+    from hftrain.model import build_tokenizer
+
+    recipe = recipe_from_dict(spec["recipe"], for_training=False)
+    tokenizer = build_tokenizer(recipe)
+    train, _, _ = load_datasets(recipe, tokenizer)
+    return recipe, tokenizer, train
+
+
+class StepLog:
+    """Per optimizer step: end time, trained tokens, batch slots and real tokens (in step order)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+        self.slots: list[int] = []
+        self.real: list[int] = []
+
+    def count(self, batch: dict, real: int) -> None:
+        self.tokens.append(int((batch["labels"][:, 1:] != -100).sum()))
+        self.slots.append(batch["input_ids"].numel())
+        self.real.append(real)
+
+    def dump(self, path: Path) -> None:
+        steps = len(self.times)  # batches may be collated ahead of the step that uses them
+        path.write_text(json.dumps({"step_end_times": self.times, "step_tokens": self.tokens[:steps],
+                                    "slots": sum(self.slots[:steps]), "real_tokens": sum(self.real[:steps])}))
+
+
+def _counting(collate, log: StepLog):
+    def wrapped(features):
+        batch = collate(features)
+        log.count(batch, sum(len(f["input_ids"]) for f in features))
+        return batch
+
+    return wrapped
+
+
+def _hf_arguments(spec: dict, output_dir: Path) -> dict:
+    r = spec["recipe"]
+    return dict(output_dir=str(output_dir), per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=1,
+                num_train_epochs=1, max_steps=spec["max_steps"], learning_rate=r["learning_rate"],
+                lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
+                logging_steps=10**9, logging_first_step=True, save_strategy="no", report_to="none", use_cpu=True,
+                seed=SEED, dataloader_num_workers=0, bf16=False, activation_checkpointing=False)
+
+
+def run_hf(spec: dict, result: Path) -> None:
+    """transformers Trainer or TRL SFTTrainer on the same tokenized examples."""
+    import torch
+    from transformers import AutoModelForCausalLM, TrainerCallback
+
+    contender = CONTENDERS[spec["contender"]]
+    recipe, tokenizer, train = _runner_data(spec)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    log = StepLog()
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            log.times.append(time.time())
+
+    output_dir = Path(spec["work"]) / "out"
+    if contender.kind == "trainer":
+        from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+        collate = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
+        trainer = Trainer(model=model, args=TrainingArguments(**_hf_arguments(spec, output_dir)),
+                          train_dataset=train, processing_class=tokenizer, data_collator=collate, callbacks=[Clock()])
+    else:
+        from trl import SFTConfig, SFTTrainer
+
+        config = SFTConfig(**_hf_arguments(spec, output_dir), **{"max_length": recipe.max_length, **contender.options})
+        trainer = SFTTrainer(model=model, args=config, train_dataset=train, processing_class=tokenizer,
+                             callbacks=[Clock()])
+    trainer.data_collator = _counting(trainer.data_collator, log)
+    trainer.train()
+    log.dump(result)
+
+
+def run_loop(spec: dict, result: Path) -> None:
+    """The overhead floor: hftrain's length-grouped batches, right padding, the model's own loss, plain AdamW."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.data import BatchPlan
+
+    recipe, tokenizer, train = _runner_data(spec)
+    ids, labels = train["input_ids"], train["labels"]
+    lengths = [len(x) for x in ids]
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    model.config.use_cache = False
+    model.train()
+    plan = BatchPlan(len(ids), spec["batch"], 1, 1, SEED, shuffle=True, lengths=tuple(lengths))
+    total = plan.steps_per_epoch if spec["max_steps"] <= 0 else min(spec["max_steps"], plan.steps_per_epoch)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1 - i / total)
+    pad = tokenizer.pad_token_id
+    log = StepLog()
+    for step, rows in enumerate(plan.micro_batches(epoch=0, rank=0)):
+        if step == total:
+            break
+        width = max(lengths[r] for r in rows)
+        batch = {"input_ids": torch.full((len(rows), width), pad), "labels": torch.full((len(rows), width), -100)}
+        for i, r in enumerate(rows):
+            batch["input_ids"][i, :lengths[r]] = torch.tensor(ids[r])
+            batch["labels"][i, :lengths[r]] = torch.tensor(labels[r])
+        log.count(batch, sum(lengths[r] for r in rows))
+        model(**batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        log.times.append(time.time())
+    log.dump(result)
+
+
+RUNNERS = {"trainer": run_hf, "trl": run_hf, "loop": run_loop}
+
+
+# ------------------------------------------------------------------------------ parent side: launching
+@dataclass
+class Run:
+    contender: str
+    rep: int
+    returncode: int
+    start: float
+    exit: float
+    peak_rss_mb: float
+    log: str
+    steps: int = 0
+    first_step_end: float = 0.0
+    last_step_end: float = 0.0
+    trained_tokens: int = 0
+    steady_tokens: int = 0
+    padding: float | None = None  # share of padded batch slots, as counted by a runner
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.steps >= 2 and self.last_step_end > self.first_step_end
+
+    def summary(self) -> dict:
+        if not self.ok:
+            return {"contender": self.contender, "rep": self.rep, "ok": False, "returncode": self.returncode,
+                    "log": self.log}
+        return {"contender": self.contender, "rep": self.rep, "ok": True, "steps": self.steps,
+                "trained_tokens": self.trained_tokens,
+                "tokens_per_second": self.steady_tokens / (self.last_step_end - self.first_step_end),
+                "time_to_first_step_s": self.first_step_end - self.start,
+                "wall_s": self.last_step_end - self.start, "process_s": self.exit - self.start,
+                "peak_rss_mb": self.peak_rss_mb, "log": self.log}
+
+
+def _first_row_time(metrics: Path) -> float | None:
+    """When hftrain wrote its step-1 row: the file's mtime while that row is the only one."""
+    try:
+        stat, text = metrics.stat(), metrics.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    rows = [line for line in text.splitlines() if line.strip()]
+    if not rows:
+        return None
+    return stat.st_mtime if len(rows) == 1 else time.time()  # 2 rows already: only with sub-poll-interval steps
+
+
+def launch(cmd: list[str], env: dict, log_path: Path, watch: Path | None = None) -> tuple[int, float, float, float,
+                                                                                          float | None]:
+    """(returncode, start, exit, peak RSS MiB, time hftrain wrote its first metrics row)."""
+    with open(log_path, "w", encoding="utf-8") as log:
+        start = time.time()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        first_row = None
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if watch is not None and first_row is None:
+                first_row = _first_row_time(watch)
+            time.sleep(0.02)
+        end = time.time()
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4: tell Popen
+    return proc.returncode, start, end, usage.ru_maxrss / 1024, first_row
+
+
+def child_env(work: Path, threads: int | None) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "datasets-cache"),
+           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO),
+           "PYTHONUNBUFFERED": "1"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_contender(name: str, rep: int, setup: dict, max_steps: int = -1) -> Run:
+    contender, work = CONTENDERS[name], Path(setup["work"])
+    run_dir = work / "runs" / f"{name}-{rep}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    batch = setup["packed_batch"] if contender.packed else BATCH
+    log_path = run_dir / "log.txt"
+    if contender.kind == "hftrain":
+        recipe = {**setup["recipe"], **contender.options, "per_device_train_batch_size": batch,
+                  "max_steps": max_steps, "output_dir": str(run_dir / "out")}
+        (run_dir / "recipe.yaml").write_text(json.dumps(recipe, indent=1))  # JSON is YAML
+        cmd = [sys.executable, "-m", "hftrain.finetune", "--config", str(run_dir / "recipe.yaml")]
+        metrics = run_dir / "out" / "metrics.jsonl"
+        code, start, end, rss, first_row = launch(cmd, child_env(work, setup["threads"]), log_path, watch=metrics)
+        run = Run(name, rep, code, start, end, rss, str(log_path))
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        if code == 0 and len(rows) >= 2 and first_row is not None:
+            first, last = rows[0], rows[-1]
+            run.steps, run.trained_tokens = last["step"], last["trained_tokens"]
+            run.steady_tokens = last["trained_tokens"] - first["trained_tokens"]
+            run.first_step_end = first_row
+            run.last_step_end = first_row + run.steady_tokens / last["tokens_per_second"]
+        return run
+    spec = {"contender": name, "recipe": setup["recipe"], "model_dir": setup["model_dir"], "batch": batch,
+            "max_steps": max_steps, "work": str(run_dir)}
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    result = run_dir / "result.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--run", name, "--spec", str(run_dir / "spec.json"),
+           "--result", str(result)]
+    code, start, end, rss, _ = launch(cmd, child_env(work, setup["threads"]), log_path)
+    run = Run(name, rep, code, start, end, rss, str(log_path))
+    if code == 0 and result.exists():
+        data = json.loads(result.read_text())
+        times, tokens = data["step_end_times"], data["step_tokens"]
+        run.steps, run.trained_tokens, run.steady_tokens = len(times), sum(tokens), sum(tokens[1:])
+        run.first_step_end, run.last_step_end = (times[0], times[-1]) if times else (0.0, 0.0)
+        run.padding = 1 - data["real_tokens"] / max(data["slots"], 1)
+    return run
+
+
+def hftrain_padding(setup: dict, options: dict, batch: int) -> float:
+    """Share of padded slots in hftrain's batches for an epoch, from the same plan the run used."""
+    from hftrain.config import recipe_from_dict
+    from hftrain.data import load_datasets, row_lengths, training_plan, training_rows
+    from hftrain.model import build_tokenizer
+
+    recipe = recipe_from_dict({**setup["recipe"], **options, "per_device_train_batch_size": batch},
+                              for_training=False)
+    train, _, _ = load_datasets(recipe, build_tokenizer(recipe))
+    rows = training_rows(train, recipe.packing, recipe.max_length)
+    lengths, plan = row_lengths(train, rows), training_plan(recipe, train, rows, world=1)
+    slots = real = 0
+    for mb in plan.micro_batches(epoch=0, rank=0):
+        slots += len(mb) * max(lengths[r] for r in mb)
+        real += sum(lengths[r] for r in mb)
+    return 1 - real / slots
+
+
+# ------------------------------------------------------------------------------------------- reporting
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "accelerate", "datasets", "trl", "tokenizers"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def machine(threads: int | None) -> dict:
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(memory, 1),
+            "torch_threads": threads or torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "platform": platform.platform()}
+
+
+def aggregate(runs: list[Run], paddings: dict) -> dict:
+    """Medians over the repetitions of each contender (failed runs are listed, not averaged)."""
+    table = {}
+    for name in dict.fromkeys(r.contender for r in runs):
+        good = [r.summary() for r in runs if r.contender == name and r.ok]
+        failed = [r.summary() for r in runs if r.contender == name and not r.ok]
+        row = {"label": CONTENDERS[name].label, "ok_runs": len(good), "failed_runs": len(failed),
+               "padding": paddings.get(name)}
+        if failed:
+            row["failed_logs"] = [f["log"] for f in failed]
+        if good:
+            for key in ("tokens_per_second", "time_to_first_step_s", "wall_s", "process_s", "peak_rss_mb"):
+                row[key] = statistics.median(g[key] for g in good)
+            row["tokens_per_second_range"] = [min(g["tokens_per_second"] for g in good),
+                                              max(g["tokens_per_second"] for g in good)]
+            row["steps"], row["trained_tokens"] = good[0]["steps"], good[0]["trained_tokens"]
+        table[name] = row
+    return table
+
+
+def targets(table: dict) -> list[dict]:
+    """The issue's targets, checked with the best hftrain setting against each anchor."""
+    def best(prefix: str) -> str | None:
+        names = [n for n, r in table.items() if n.startswith(prefix) and "tokens_per_second" in r]
+        return max(names, key=lambda n: table[n]["tokens_per_second"]) if names else None
+
+    ours, trl, loop, trainer = best("hftrain"), best("trl"), best("loop"), best("trainer")
+    if ours is None:
+        return []
+    tps = lambda n: table[n]["tokens_per_second"]  # noqa: E731
+    checks = []
+    if trainer:
+        checks.append(("tokens/s >= 2.0x Trainer", tps(ours) / tps(trainer), 2.0, ">="))
+        checks.append(("time to first step <= Trainer's", table[ours]["time_to_first_step_s"]
+                       / table[trainer]["time_to_first_step_s"], 1.0, "<="))
+    if trl:
+        checks.append((f"tokens/s >= 1.5x best TRL ({trl})", tps(ours) / tps(trl), 1.5, ">="))
+    if loop:
+        checks.append(("tokens/s >= 0.95x hand-written loop", tps(ours) / tps(loop), 0.95, ">="))
+    if "trl_packing" in table and "peak_rss_mb" in table["trl_packing"]:
+        checks.append(("peak RSS <= TRL packing's", table[ours]["peak_rss_mb"] / table["trl_packing"]["peak_rss_mb"],
+                       1.0, "<="))
+    return [{"target": t, "hftrain_setting": ours, "ratio": round(v, 3),
+             "met": v >= bound if op == ">=" else v <= bound} for t, v, bound, op in checks]
+
+
+def markdown(report: dict) -> str:
+    table, env = report["results"], report["environment"]
+    reference = table.get("trainer", {}).get("tokens_per_second")
+    lines = [
+        f"Command: `{report['command']}`  ",
+        f"Date: {report['date']}; {report['mode']} mode, {report['reps']} repetition(s) per contender, alternating; "
+        f"load average before/after: {report['load_before']} / {report['load_after']}  ",
+        f"Machine: {env['machine']['cpu']}, {env['machine']['cores']} cores, {env['machine']['memory_gib']} GiB, "
+        f"torch threads {env['machine']['torch_threads']}, GPU: {env['machine']['cuda'] or 'none'}  ",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + "  ",
+        f"Workload: Llama with {report['model_parameters']:,} parameters, {report['data']['chats']} chats of "
+        f"{report['data']['min_tokens']}-{report['data']['max_tokens']} tokens "
+        f"(median {report['data']['median_tokens']}), max_length {report['data']['max_length']}, {BATCH} sequences "
+        f"per optimizer step ({report['packed_batch']} packed rows for packing), fp32, AdamW, assistant-only loss, "
+        "one epoch. Raw numbers: `benchmarks.json`.",
+        "",
+        "| contender | setting | steps | trained tokens/s (median, min-max) | vs Trainer | time to first step (s) | "
+        "wall for N steps (s) | peak RSS (MB) | padding share |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, row in table.items():
+        padding = f"{row['padding']:.0%}" if row.get("padding") is not None else "-"
+        if "tokens_per_second" not in row:
+            lines.append(f"| {name} | {row['label']} | - | failed ({row['failed_runs']} run(s), see log) | - | - | - | "
+                         f"- | {padding} |")
+            continue
+        low, high = row["tokens_per_second_range"]
+        ratio = f"{row['tokens_per_second'] / reference:.2f}x" if reference else "-"
+        lines.append(f"| {name} | {row['label']} | {row['steps']} | {row['tokens_per_second']:,.0f} ({low:,.0f}-"
+                     f"{high:,.0f}) | {ratio} | {row['time_to_first_step_s']:.1f} | {row['wall_s']:.1f} | "
+                     f"{row['peak_rss_mb']:,.0f} | {padding} |")
+    if report["targets"]:
+        lines += ["", "| target | hftrain setting | ratio | met |", "| --- | --- | --- | --- |"]
+        lines += [f"| {t['target']} | {t['hftrain_setting']} | {t['ratio']} | {'yes' if t['met'] else 'NO'} |"
+                  for t in report["targets"]]
+    return "\n".join(lines)
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "benchmarks.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    doc = out / "benchmarks.md"
+    section = f"{BEGIN}\n{markdown(report)}\n{END}"
+    text = doc.read_text(encoding="utf-8") if doc.exists() else f"# Benchmark results\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        text = text.rstrip("\n") + f"\n\n{BEGIN}\n{END}\n"
+    head, rest = text.split(BEGIN, 1)
+    doc.write_text(head + section + rest.split(END, 1)[1], encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model and data, 1 repetition, no warm-up")
+    parser.add_argument("--out", type=Path, help="where benchmarks.md/.json go (default docs/; with --quick "
+                        "outputs/bench-quick, so a smoke run never replaces the real results)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of: "
+                        + ", ".join(CONTENDERS))
+    parser.add_argument("--reps", type=int, help="repetitions per contender (default 3, quick 1)")
+    parser.add_argument("--work", type=Path, help="working folder (default: a temporary one, removed at the end)")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="skip the untimed 2-step run per contender that warms the datasets and OS caches")
+    parser.add_argument("--run", help=argparse.SUPPRESS)  # child side: run one contender
+    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.run:
+        spec = json.loads(args.spec.read_text())
+        RUNNERS[CONTENDERS[args.run].kind](spec, args.result)
+        return
+
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown or not names:
+        parser.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
+    size = QUICK if args.quick else FULL
+    out = args.out or (REPO / "outputs" / "bench-quick" if args.quick else REPO / "docs")
+    work = args.work or Path(tempfile.mkdtemp(prefix="hftrain-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ["HF_DATASETS_CACHE"] = str(work / "datasets-cache")  # read by hftrain_padding: the runs' cache
+    completed = False  # an exception or a failed run keeps the working folder (and the logs) for inspection
+    try:
+        runs = bench(names, size, args.reps or size.reps, args.warmup and not args.quick, work, out,
+                     "HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py " + " ".join(sys.argv[1:] if argv is None
+                                                                                      else argv))
+        completed = all(r.ok for r in runs)
+    finally:
+        if args.work is None and completed:
+            shutil.rmtree(work, ignore_errors=True)
+    if not completed:
+        print(f"bench: {sum(not r.ok for r in runs)} run(s) failed; their logs are kept under {work}",
+              file=sys.stderr)
+        sys.exit(1)
+
+
+def bench(names: list[str], size: Size, reps: int, warmup: bool, work: Path, out: Path, command: str) -> list[Run]:
+    """Build the model and data, run every contender `reps` times (alternating), write the report."""
+    model_dir, data = work / "model", work / "chats.jsonl"
+    n_params = build_model(size, model_dir)
+    lengths = make_chats(size, model_dir, data)
+    setup = {"work": str(work), "model_dir": str(model_dir), "recipe": base_recipe(model_dir, data, size),
+             "packed_batch": packed_batch(lengths, size.max_length), "threads": size.threads}
+    print(f"bench: {n_params:,}-parameter Llama, {len(lengths)} chats of {min(lengths)}-{max(lengths)} tokens "
+          f"in {work}; contenders {', '.join(names)}, {reps} repetition(s)", flush=True)
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    if warmup:
+        for name in names:
+            run_contender(name, -1, setup, max_steps=2)  # fills the tokenization cache and the page cache
+    runs = []
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:  # alternate, rotating who goes first
+            run = run_contender(name, rep, setup)
+            runs.append(run)
+            done = run.summary()
+            print(f"bench: {name} rep {rep}: " + (f"{done['tokens_per_second']:,.0f} trained tokens/s, first step "
+                  f"after {done['time_to_first_step_s']:.1f} s, peak RSS {done['peak_rss_mb']:,.0f} MB" if run.ok
+                  else f"FAILED (exit {run.returncode}), log {run.log}"), flush=True)
+    load_after = [round(x, 2) for x in os.getloadavg()]
+
+    paddings = {}
+    for name in names:
+        contender = CONTENDERS[name]
+        counted = [r.padding for r in runs if r.contender == name and r.padding is not None]
+        if contender.kind == "hftrain":
+            paddings[name] = hftrain_padding(setup, contender.options,
+                                             setup["packed_batch"] if contender.packed else BATCH)
+        elif counted:
+            paddings[name] = statistics.mean(counted)
+    table = aggregate(runs, paddings)
+    report = {
+        "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "mode": "quick" if size is QUICK else "full",
+        "reps": reps, "load_before": load_before, "load_after": load_after,
+        "environment": {"versions": versions(), "machine": machine(size.threads)},
+        "model_parameters": n_params, "packed_batch": setup["packed_batch"],
+        "data": {"chats": len(lengths), "min_tokens": min(lengths), "max_tokens": max(lengths),
+                 "median_tokens": int(statistics.median(lengths)), "max_length": size.max_length},
+        "results": table, "targets": targets(table), "runs": [r.summary() for r in runs],
+    }
+    write_report(report, out)
+    print(markdown(report))
+    print(f"bench: wrote {out / 'benchmarks.md'} and {out / 'benchmarks.json'}")
+    return runs
+
+
+if __name__ == "__main__":
+    main()
