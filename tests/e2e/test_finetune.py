@@ -97,7 +97,7 @@ def test_resume_mid_epoch_reproduces_uninterrupted_run(tmp_path):
     assert full.state("checkpoint-10")["progress"] == {"step": 10, "epoch": 1, "step_in_epoch": 2,
                                                        "trained_tokens": sum(r["trained_tokens"] for r in
                                                                              full.train_rows()[9:10]),
-                                                       "world_size": 1}
+                                                       "world_size": 1, "nan_skipped_steps": 0}
     # resume into the same folder, as a preempted job would, after dropping what came after step 10
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(full.output_dir, resumed_dir)

@@ -54,7 +54,7 @@ def test_run_files_round_trip(tmp_path):
                       num_train_epochs=2.5, bf16=True)
     folder = tmp_path / "files"
     folder.mkdir()
-    progress = Progress(step=12, epoch=1, step_in_epoch=3, trained_tokens=4567, world_size=2)
+    progress = Progress(step=12, epoch=1, step_in_epoch=3, trained_tokens=4567, world_size=2, nan_skipped_steps=1)
     write_run_files(folder, recipe, progress, extra={"best_eval_loss": 1.25})
 
     loaded = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
@@ -62,7 +62,8 @@ def test_run_files_round_trip(tmp_path):
     assert recipe_from_dict(loaded) == recipe
 
     state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
-    assert state["progress"] == {"step": 12, "epoch": 1, "step_in_epoch": 3, "trained_tokens": 4567, "world_size": 2}
+    assert state["progress"] == {"step": 12, "epoch": 1, "step_in_epoch": 3, "trained_tokens": 4567, "world_size": 2,
+                                 "nan_skipped_steps": 1}
     assert Progress(**state["progress"]) == progress
     assert state["best_eval_loss"] == 1.25
     versions = state["versions"]
