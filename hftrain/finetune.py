@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: import the package, not sibling modules as top-level names
@@ -26,9 +25,10 @@ from hftrain.config import Recipe, check_environment, dump_recipe, load_recipe
 from hftrain.data import IGNORE_INDEX, BatchPlan, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.distributed import launch_info, make_accelerator, preset_conflicts
 from hftrain.errors import ConfigError, HftrainError, report_and_exit
+from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
 from hftrain.model import CausalLMTokenLoss, build_model, build_tokenizer, check_model_fits, pad_token_id
 from hftrain.optim import build_optimizer, build_scheduler
-from hftrain.tracking import MetricLogger, peak_memory_mb
+from hftrain.tracking import MetricLogger
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -96,8 +96,10 @@ def run(recipe: Recipe) -> Path:
     eval_collator = Collator(eval_set, pad_token_id(tokenizer)) if eval_set is not None else None
 
     # ------------------------------------------------------------------ model
+    memory_baseline_mb = current_memory_mb(accelerator.device)  # what the estimator's numbers sit on top of
     model = CausalLMTokenLoss(build_model(recipe))
     check_model_fits(recipe, model.lm)
+    flops = FlopCounter(model.lm)
 
     # -------------------------------------------------------------- optimizer
     optimizer = build_optimizer(recipe, model)
@@ -105,15 +107,21 @@ def run(recipe: Recipe) -> Path:
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped by the loop once per optimizer step
 
-    progress = checkpoint.Progress(world_size=world)
+    progress, resumed = checkpoint.Progress(world_size=world), {}
     if resume_from is not None:
-        progress, _ = checkpoint.load_checkpoint(accelerator, resume_from)
+        progress, resumed = checkpoint.load_checkpoint(accelerator, resume_from)
         if progress.world_size != world:  # keep the data position in examples, not in (resized) steps
             examples_done = progress.step_in_epoch * plan.global_batch // world * progress.world_size
             progress.step_in_epoch, progress.world_size = examples_done // plan.global_batch, world
     run_info = {"launch": launch_info(accelerator, model), "data": data_stats,
-                "effective_batch_size": plan.global_batch, "total_steps": total_steps}
-    logger = MetricLogger(accelerator, recipe, progress.step, run_info)
+                "effective_batch_size": plan.global_batch, "total_steps": total_steps,
+                "memory_baseline_mb": round(memory_baseline_mb, 1)}
+    logger = MetricLogger(accelerator, recipe, progress.step, run_info, resumed)
+    run_info.update(logger.run_ids())  # e.g. the W&B run id, so that a resumed run continues it
+    meter = RunMeter(accelerator, flops, straggler_threshold=recipe.straggler_threshold,
+                     peak_tflops_override=recipe.device_peak_tflops, cost_per_gpu_hour=recipe.cost_per_gpu_hour,
+                     effective_batch_size=plan.global_batch, device_hours_before=resumed.get("device_hours", 0.0),
+                     warn=logger.warn)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.print(
@@ -129,31 +137,43 @@ def run(recipe: Recipe) -> Path:
     from tqdm.auto import tqdm
 
     accum, max_norm = recipe.gradient_accumulation_steps, recipe.max_grad_norm or float("inf")
-    bar = tqdm(total=total_steps, initial=progress.step, disable=not accelerator.is_main_process, desc="training")
+    bar = tqdm(total=total_steps, initial=progress.step, desc="training",
+               disable=recipe.disable_tqdm or not accelerator.is_main_process)
+    profiler = StepProfiler(output_dir / "profile", recipe.profile_steps, recipe.profile_start_step, progress.step,
+                            rank, accelerator.device)
     window_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    window_tokens, window_examples, window_start = 0, 0, time.perf_counter()
+    window_tokens, window_examples = 0, 0
     model.train()
     while progress.step < total_steps:
         batches = iter(make_loader(plan.micro_batches(progress.epoch, rank, progress.step_in_epoch), collator,
                                    recipe.dataloader_num_workers))
         while progress.step_in_epoch < plan.steps_per_epoch and progress.step < total_steps:
+            meter.timer.restart()
             micro_batches = [to_device(next(batches), accelerator.device) for _ in range(accum)]
+            meter.timer.lap("data_wait")
             # The loss of an optimizer step is sum(token losses over all micro-batches and ranks) divided by
             # the step's trained tokens over all ranks. Gradients are averaged over ranks (DDP/FSDP/DeepSpeed)
             # and accelerator.backward divides by `accum`: multiplying by world * accum undoes both.
-            step_tokens = accelerator.reduce(sum(trained_tokens(b) for b in micro_batches), reduction="sum")
+            local_tokens = sum(trained_tokens(b) for b in micro_batches)
+            step_tokens = accelerator.reduce(local_tokens, reduction="sum")
             scale = world * accum / step_tokens.clamp(min=1)
             learning_rate = optimizer.param_groups[0]["lr"]
+            meter.timer.lap("token_sync")
             for batch in micro_batches:
                 with accelerator.accumulate(model):
                     loss_sum = model(**batch)
+                    meter.timer.lap("forward")
                     accelerator.backward(loss_sum * scale)
                     window_loss += loss_sum.detach()
+                    meter.timer.lap("backward")
                     if accelerator.sync_gradients:
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
                         optimizer.step()
                         scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
+                        meter.timer.lap("optimizer")
+            meter.count(micro_batches, local_tokens)
+            profiler.step()
             window_tokens += int(step_tokens)
             window_examples += min(plan.global_batch, plan.num_examples - progress.step_in_epoch * plan.global_batch)
             progress.step += 1
@@ -162,30 +182,33 @@ def run(recipe: Recipe) -> Path:
             bar.update(1)
 
             if progress.step % recipe.logging_steps == 0 or progress.step in (1, total_steps):
-                elapsed = time.perf_counter() - window_start
                 loss = accelerator.reduce(window_loss, reduction="sum").item() / max(window_tokens, 1)
-                logger.log({
+                norm = float(grad_norm) if grad_norm is not None else None
+                row = {
                     "step": progress.step,
                     "epoch": round((progress.epoch + progress.step_in_epoch / plan.steps_per_epoch), 4),
                     "loss": loss,
                     "learning_rate": learning_rate,
-                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "grad_norm": norm,
                     "trained_tokens": progress.trained_tokens,
-                    "tokens_per_second": window_tokens / elapsed,
-                    "samples_per_second": window_examples / elapsed,
-                    "peak_memory_mb": round(peak_memory_mb(accelerator.device), 1),
-                })
-                bar.set_postfix(loss=f"{loss:.4f}")
+                    **meter.window(model=model, step=progress.step, loss=loss, grad_norm=norm,
+                                   local_loss_sum=window_loss, global_tokens=window_tokens,
+                                   global_examples=window_examples),
+                }
+                logger.log(row)
+                bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{row['tokens_per_second']:,.0f}")
                 window_loss.zero_()
-                window_tokens, window_examples, window_start = 0, 0, time.perf_counter()
+                window_tokens, window_examples = 0, 0
             if eval_set is not None and recipe.eval_steps and progress.step % recipe.eval_steps == 0 \
                     and progress.step < total_steps:
                 logger.log({"step": progress.step, **evaluate(accelerator, model, eval_set, eval_collator, recipe)})
             if recipe.save_steps and progress.step % recipe.save_steps == 0:
+                run_info["device_hours"] = meter.device_hours()
                 checkpoint.save_checkpoint(accelerator, output_dir, recipe, progress, run_info)
         if progress.step_in_epoch >= plan.steps_per_epoch:
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
     bar.close()
+    profiler.stop()
 
     # --------------------------------------------------------- evaluate & save
     if eval_set is not None:
@@ -194,9 +217,11 @@ def run(recipe: Recipe) -> Path:
         logger.print(f"hftrain: eval_loss {metrics['eval_loss']:.4f} after {progress.step} steps")
     final_dir = output_dir / "final"
     checkpoint.save_final(accelerator, model, tokenizer, final_dir)
+    run_info["device_hours"] = meter.device_hours()
     if accelerator.is_main_process:
         checkpoint.write_run_files(final_dir, recipe, progress, run_info)
-    logger.print(f"hftrain: final model saved to {final_dir}")
+    cost = f" (cost {run_info['device_hours'] * recipe.cost_per_gpu_hour:.2f})" if recipe.cost_per_gpu_hour else ""
+    logger.print(f"hftrain: final model saved to {final_dir}; {run_info['device_hours']:.4f} device-hours{cost}")
     logger.close()
     return final_dir
 
