@@ -151,8 +151,8 @@ class RunMeter:
               "peak_reserved_mb", "step", "loss", "grad_norm", "param_checksum")
 
     def __init__(self, accelerator, flops: FlopCounter, *, straggler_threshold: float,
-                 peak_tflops_override: float | None, cost_per_gpu_hour: float | None, effective_batch_size: int, device_hours_before: float,
-                 warn: Callable[[str], None]):
+                 peak_tflops_override: float | None, cost_per_gpu_hour: float | None, effective_batch_size: int,
+                 device_hours_before: float, warn: Callable[[str], None]):
         self.accelerator = accelerator
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.flops = flops
