@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from hftrain.report import write_report
 
+REPO = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -70,7 +72,8 @@ def test_report_writes_valid_pngs_and_a_checked_summary(run_dir):
 
 
 def test_report_cli_refuses_a_folder_without_metrics(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "hftrain.report", str(tmp_path)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "hftrain.report", str(tmp_path)], capture_output=True, text=True,
+                          cwd=REPO)
     message = " ".join(proc.stderr.split())  # one paragraph, wrapped
     assert proc.returncode == 2
     assert message.startswith("hftrain: error:") and "has no metrics.jsonl" in message
@@ -79,5 +82,6 @@ def test_report_cli_refuses_a_folder_without_metrics(tmp_path):
 
 def test_report_names_a_damaged_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(train_row(1, 2.0)) + "\n{not json\n")
-    proc = subprocess.run([sys.executable, "-m", "hftrain.report", str(tmp_path)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "hftrain.report", str(tmp_path)], capture_output=True, text=True,
+                          cwd=REPO)
     assert proc.returncode == 2 and "line 2 is not JSON" in " ".join(proc.stderr.split())
