@@ -151,7 +151,8 @@ class Recipe:
     disable_tqdm: bool = _f(False, "Hide the progress bar (metrics are still printed and logged).", group="monitoring")
     straggler_threshold: float = _f(
         0.2, "Warn when a rank's own throughput (tokens per second of data wait + forward time, the parts of a "
-        "step in which it waits for nobody) is this fraction below the median rank's.", group="monitoring",
+        "step in which it waits for nobody) is this fraction below the other ranks' median in two logging "
+        "windows in a row.", group="monitoring",
     )
     profile_steps: int = _f(
         0, "Record a torch.profiler trace of this many optimizer steps (from profile_start_step) into "

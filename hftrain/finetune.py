@@ -28,7 +28,7 @@ from hftrain.errors import ConfigError, HftrainError, report_and_exit
 from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
 from hftrain.model import CausalLMTokenLoss, build_model, build_tokenizer, check_model_fits, pad_token_id
 from hftrain.optim import build_optimizer, build_scheduler
-from hftrain.tracking import MetricLogger
+from hftrain.tracking import MetricLogger, quiet_other_ranks
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -66,6 +66,7 @@ def run(recipe: Recipe) -> Path:
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
     accelerator = make_accelerator(recipe)
+    quiet_other_ranks(accelerator)
     from accelerate.utils import set_seed
 
     set_seed(recipe.seed)

@@ -8,7 +8,8 @@ checks the ranks against each other:
 - straggler: each rank's *own* throughput is its processed tokens over the time it spends without
   waiting for other ranks (data wait + forward; backward and the token-count reduce contain the
   collectives in which fast ranks wait for the slowest). A rank below the median of the others by
-  more than `straggler_threshold` is reported. Wall-clock tokens/sec cannot show a straggler: in
+  more than `straggler_threshold` in two consecutive logging windows is reported (the first window,
+  which holds one-time warm-up, does not count). Wall-clock tokens/sec cannot show a straggler: in
   synchronous training every rank runs at the slowest rank's pace.
 - desync: step, logged loss, gradient norm and a checksum of the replicated parameters must be
   identical on every rank (sharded parameters, FSDP2 DTensors, are left out of the checksum).
@@ -164,6 +165,8 @@ class RunMeter:
         self.hours_before = device_hours_before
         self.started = time.perf_counter()
         self.warn = warn
+        self.first_window = True
+        self.suspect: int | None = None  # rank below the straggler threshold in the previous window
         self._reset()
 
     def _reset(self) -> None:
@@ -196,11 +199,14 @@ class RunMeter:
                             for k in self.FIELDS])
         table = self.accelerator.gather(mine.unsqueeze(0)).reshape(self.world, len(self.FIELDS)).cpu().tolist()
         ranks = [dict(zip(self.FIELDS, row, strict=True)) for row in table]
-        steps = self.steps
+        steps, first = self.steps, self.first_window
         self._reset()
-        return self._metrics(ranks, steps, global_tokens, global_examples)
+        self.first_window = False
+        return self._metrics(ranks, steps, global_tokens, global_examples, first)
 
-    def _metrics(self, ranks: list[dict], steps: int, global_tokens: int, global_examples: int) -> dict:
+    def _metrics(self, ranks: list[dict], steps: int, global_tokens: int, global_examples: int,
+                 first: bool = False) -> dict:
+        """`first`: the first window after (re)start, whose timings hold one-time warm-up (no straggler warning)."""
         busy = [sum(r[p] for p in TIMER_PHASES) for r in ranks]
         train_time = max(max(busy), 1e-9)  # the window's training time (eval, saving and logging excluded)
         processed = sum(r["processed_tokens"] for r in ranks)
@@ -233,14 +239,18 @@ class RunMeter:
             row[f"rank{i}/loss"] = r["loss_sum"] / max(r["trained_tokens"], 1.0)
             row[f"rank{i}/peak_memory_mb"] = round(r["peak_memory_mb"], 1)
         if self.world > 1:
-            row.update(self._straggler(own))
+            row.update(self._straggler(own, warn=not first))
             row["ranks_in_sync"] = self._in_sync(ranks)
         return row
 
-    def _straggler(self, own: list[float]) -> dict:
+    def _straggler(self, own: list[float], warn: bool) -> dict:
+        """The slowest rank; a warning when the same rank is below the threshold in two windows in a row
+        (one slow window is scheduling noise more often than a slow device)."""
         ratios = [own[i] / max(statistics.median(own[:i] + own[i + 1:]), 1e-9) for i in range(len(own))]
         slowest = min(range(len(own)), key=ratios.__getitem__)
-        if ratios[slowest] < 1 - self.threshold:
+        below = warn and ratios[slowest] < 1 - self.threshold
+        repeated, self.suspect = below and self.suspect == slowest, slowest if below else None
+        if repeated:
             self.warn(f"straggler: rank {slowest} processes {own[slowest]:,.0f} tokens/s of its own time, "
                       f"{1 - ratios[slowest]:.0%} below the other ranks' median ({own[slowest] / ratios[slowest]:,.0f}"
                       f"); every rank waits for it (straggler_threshold={self.threshold})")

@@ -48,6 +48,20 @@ def tracker_config(recipe: Recipe, run_info: dict) -> dict:
     return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in clean.items()}
 
 
+def quiet_other_ranks(accelerator) -> None:
+    """One console: processes other than the main one show no library progress bars or info logs
+    (their warnings and errors still print)."""
+    if accelerator.is_main_process:
+        return
+    import datasets
+    import transformers
+
+    transformers.utils.logging.set_verbosity_warning()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity_warning()
+    datasets.disable_progress_bars()
+
+
 class MetricLogger:
     def __init__(self, accelerator, recipe: Recipe, start_step: int, run_info: dict, resumed: dict):
         self.accelerator = accelerator

@@ -78,8 +78,10 @@ def test_two_rank_metrics_are_consistent(tmp_path):
     assert state["device_hours"] >= hours[-1]
     # eval rows stay eval-only
     assert all(set(r) == {"step", "eval_loss", "eval_perplexity", "eval_tokens"} for r in run.eval_rows())
-    # one process prints: the startup line appears once, not once per rank
+    # one console: the startup line and the library progress bars appear once, not once per rank
     assert run.stdout.count("hftrain: MULTI_CPU with 2 process(es)") == 1
+    assert run.stderr.count("Loading weights:   0%") == 1
+    assert "training:" not in run.stderr  # disable_tqdm
 
 
 def test_straggler_and_desync_are_reported(tmp_path):
