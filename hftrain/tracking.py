@@ -2,8 +2,9 @@
 
 The rank-0 check lives here, so the loop can call `log` on every rank. Trackers get the resolved
 recipe and run facts with secrets redacted; W&B gets project, run name, tags and group from the
-recipe, continues the same run on resume (its id is stored in every checkpoint), and falls back to
-offline logging when the W&B server cannot be reached, so a tracker never stops training.
+recipe, continues the same run on resume (its id is stored in every checkpoint, as MLflow's is), and
+falls back to offline logging when the W&B server cannot be reached, so W&B never stops training.
+Another tracker that cannot start (e.g. MLflow without a usable tracking URI) is a setup error.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 from hftrain.config import Recipe
+from hftrain.errors import HftrainError
 
 SECRET_NAME = re.compile(r"token|key|secret|password|credential", re.IGNORECASE)
 SECRET_VALUE = re.compile(r"^(hf_|sk-|ghp_|github_pat_|xox[bp]-)\w{8,}")
@@ -83,27 +85,43 @@ class MetricLogger:
         if "wandb_run_id" in resumed:  # continue the run this checkpoint was logging to
             wandb.update(id=resumed["wandb_run_id"], resume="allow")
         config = tracker_config(recipe, run_info)
-        init_kwargs = {"wandb": wandb, "mlflow": {"run_name": run_name}}
+        mlflow = {"run_name": run_name}
+        if "mlflow_run_id" in resumed:
+            mlflow["run_id"] = resumed["mlflow_run_id"]
+        init_kwargs = {"wandb": wandb, "mlflow": mlflow}
         try:
-            self.accelerator.init_trackers(recipe.project_name, config=config, init_kwargs=init_kwargs)
-        except Exception as exc:  # noqa: BLE001 - a tracker must never stop training
-            if "wandb" not in self.trackers or not self.main:
-                raise
+            self._init(recipe.project_name, config, init_kwargs, resumed)
+        except Exception as exc:  # noqa: BLE001 - W&B falls back to offline; any other tracker is a setup error
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if type(exc).__module__.split(".")[0] != "wandb":
+                raise HftrainError(f"a tracker in report_to={self.trackers} could not start a run: {reason}. Fix "
+                                   "its settings (e.g. MLFLOW_TRACKING_URI for mlflow) or drop it from report_to"
+                                   ) from None
             for tracker in self.accelerator.trackers:
                 if tracker.name != "wandb" and getattr(tracker, "writer", None) is not None:
                     tracker.finish()
             self.accelerator.trackers.clear()
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             self.warn(f"W&B could not start a run online ({reason}); logging to W&B offline instead (upload "
                       "the run later with `wandb sync`)")
             wandb["mode"] = "offline"
-            self.accelerator.init_trackers(recipe.project_name, config=config, init_kwargs=init_kwargs)
+            self._init(recipe.project_name, config, init_kwargs, resumed)
+
+    def _init(self, project: str, config: dict, init_kwargs: dict, resumed: dict) -> None:
+        self.accelerator.init_trackers(project, init_kwargs=init_kwargs)
+        for tracker in self.accelerator.trackers:
+            # MLflow parameters are immutable: a continued run keeps those of its first start (the resumed
+            # run's resolved recipe is in every checkpoint's hftrain_config.yaml)
+            if not (tracker.name == "mlflow" and "mlflow_run_id" in resumed):
+                tracker.store_init_configuration(config)
 
     def run_ids(self) -> dict:
-        """Tracker run ids to store in checkpoints (main process; empty elsewhere)."""
-        if "wandb" not in self.trackers or not self.main:
-            return {}
-        return {"wandb_run_id": self.accelerator.get_tracker("wandb", unwrap=True).id}
+        """Tracker run ids to store in checkpoints, so that a resumed run continues them (main process only)."""
+        ids = {}
+        if self.main and "wandb" in self.trackers:
+            ids["wandb_run_id"] = self.accelerator.get_tracker("wandb", unwrap=True).id
+        if self.main and "mlflow" in self.trackers:
+            ids["mlflow_run_id"] = self.accelerator.get_tracker("mlflow", unwrap=True).info.run_id
+        return ids
 
     def log(self, row: dict) -> None:
         """Append one row (must hold `step`) to metrics.jsonl and send it to the trackers."""

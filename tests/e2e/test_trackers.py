@@ -73,3 +73,36 @@ def test_wandb_unreachable_does_not_stop_training(tmp_path):
     assert sorted(h["_step"] for h in offline["history"]) == [1, 2]
     # the API key from the environment is not written into the run
     assert all(b"x" * 40 not in f.read_bytes() for f in wandb_dir.rglob("*") if f.is_file())
+
+
+def mlflow_metric(run_dir, key: str) -> dict[int, float]:
+    """step -> value from an MLflow file-store metric file (lines of `timestamp value step`)."""
+    rows = [line.split() for line in (run_dir / "metrics" / key).read_text().splitlines()]
+    return {int(step): float(value) for _, value, step in rows}
+
+
+def test_mlflow_values_and_resume(tmp_path):
+    pytest.importorskip("mlflow", reason="mlflow is an optional tracker (pip install hftrain[mlflow])")
+    env = {"MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(), "MLFLOW_ALLOW_FILE_STORE": "true"}
+    common = [*DEFAULT, "--logging_steps", "2", "--save_steps", "2", "--report_to", "mlflow",
+              "--validation_split_percentage", "0", "--disable_tqdm"]
+    run = launch(tmp_path / "out", *common, "--max_steps", "4", env=env)
+    (run_dir,) = [p for p in (tmp_path / "mlruns").glob("*/*") if (p / "metrics").is_dir()]
+    assert run.state("checkpoint-2")["mlflow_run_id"] == run_dir.name
+    assert (run_dir / "params" / "learning_rate").read_text() == "0.003"
+    assert mlflow_metric(run_dir, "loss") == pytest.approx({r["step"]: r["loss"] for r in run.train_rows()})
+    launch(tmp_path / "out", *common, "--max_steps", "6", "--resume_from_checkpoint", "latest", env=env)
+    runs = [p for p in (tmp_path / "mlruns").glob("*/*") if (p / "metrics").is_dir()]
+    assert runs == [run_dir]  # the resumed run continued the same MLflow run
+    assert sorted(mlflow_metric(run_dir, "loss")) == [1, 2, 4, 6]
+
+
+def test_a_tracker_that_cannot_start_is_one_paragraph(tmp_path):
+    pytest.importorskip("mlflow", reason="mlflow is an optional tracker (pip install hftrain[mlflow])")
+    # MLflow 3 refuses its plain file store unless MLFLOW_ALLOW_FILE_STORE is set
+    run = launch(tmp_path / "out", *DEFAULT, "--max_steps", "2", "--report_to", "mlflow", check=False,
+                 env={"MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(), "MLFLOW_ALLOW_FILE_STORE": "false"})
+    assert run.returncode != 0
+    message = " ".join(run.stderr[run.stderr.index("hftrain: error:"):].split("\n\n")[0].split())
+    assert "a tracker in report_to=['mlflow'] could not start a run" in message and "MLFLOW_ALLOW_FILE_STORE" in message
+    assert "Traceback" not in run.stderr[: run.stderr.index("hftrain: error:")]
