@@ -83,6 +83,19 @@ def test_two_rank_metrics_are_consistent(tmp_path):
     assert run.stderr.count("Loading weights:   0%") == 1
     assert "training:" not in run.stderr  # disable_tqdm
 
+    # the report of this real run: plots and a summary that states what ran
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "hftrain.report", str(run.output_dir)], capture_output=True,
+                          text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    report = (run.output_dir / "report" / "report.md").read_text()
+    assert "MULTI_CPU, 2 process(es), model wrapped as DistributedDataParallel" in report
+    assert f"steps logged: 1 to 9 of 9; epoch {rows[-1]['epoch']}" in report and "MFU" in report
+    assert all((run.output_dir / "report" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+               for name in ("loss", "learning_rate", "tokens_per_second", "rank_throughput", "step_time", "memory"))
+
 
 def test_straggler_and_desync_are_reported(tmp_path):
     """Rank 1 is slowed down and, after step 3, its replica drifts: both are named in warnings and metrics."""
