@@ -148,7 +148,8 @@ class Recipe:
     # ------------------------------------------------------------ monitoring (see the run)
     wandb_tags: list[str] = _f([], "W&B run tags (comma-separated on the command line).", group="monitoring")
     wandb_group: str | None = _f(None, "W&B run group, e.g. one sweep or one experiment family.", group="monitoring")
-    disable_tqdm: bool = _f(False, "Hide the progress bar (metrics.jsonl and trackers are unaffected).", group="monitoring")
+    disable_tqdm: bool = _f(False, "Hide the progress bar (metrics.jsonl and trackers are unaffected).",
+                            group="monitoring")
     straggler_threshold: float = _f(
         0.2, "Warn when a rank's own throughput (tokens per second of data wait + forward time, the parts of a "
         "step in which it waits for nobody) is this fraction below the other ranks' median in two logging "
