@@ -126,8 +126,9 @@ def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Pro
 
 
 def clear_run(output_dir: Path) -> None:
-    """Remove a previous run's checkpoints, final model and metrics (overwrite_output_dir)."""
-    for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f".tmp-{PREFIX}*"), output_dir / "final"]:
+    """Remove a previous run's checkpoints, final model, metrics, profiler traces and report (overwrite_output_dir)."""
+    for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f".tmp-{PREFIX}*"), output_dir / "final",
+                output_dir / "profile", output_dir / "report"]:
         shutil.rmtree(old, ignore_errors=True)
     (output_dir / "metrics.jsonl").unlink(missing_ok=True)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import importlib.util
 import math
 import os
 import types
@@ -191,10 +192,34 @@ class Recipe:
         None, "'latest' (newest checkpoint in output_dir) or a checkpoint folder to continue from.", group="logging"
     )
     report_to: list[str] = _f(
-        ["none"], "Trackers: wandb, tensorboard, or none. metrics.jsonl is always written.", group="logging"
+        ["none"], "Trackers: wandb, tensorboard, mlflow (needs the mlflow package), or none. metrics.jsonl is "
+        "always written.", group="logging"
     )
     project_name: str = _f("hftrain", "Tracker project (W&B project).", group="logging")
     run_name: str | None = _f(None, "Tracker run name; defaults to the output_dir name.", group="logging")
+    # ------------------------------------------------------------ monitoring (see the run)
+    wandb_tags: list[str] = _f([], "W&B run tags (comma-separated on the command line).", group="monitoring")
+    wandb_group: str | None = _f(None, "W&B run group, e.g. one sweep or one experiment family.", group="monitoring")
+    disable_tqdm: bool = _f(False, "Hide the progress bar (metrics.jsonl and trackers are unaffected).",
+                            group="monitoring")
+    straggler_threshold: float = _f(
+        0.2, "Warn when a rank's own throughput (tokens per second of data wait + forward time, the parts of a "
+        "step in which it waits for nobody) is this fraction below the other ranks' median in two logging "
+        "windows in a row.", group="monitoring",
+    )
+    profile_steps: int = _f(
+        0, "Record a torch.profiler trace of this many optimizer steps (from profile_start_step) into "
+        "output_dir/profile, one Chrome/TensorBoard trace per rank; 0 = off.", group="monitoring",
+    )
+    profile_start_step: int = _f(3, "First optimizer step traced when profile_steps > 0 (skip warm-up steps).",
+                                 group="monitoring")
+    device_peak_tflops: float | None = _f(
+        None, "Peak dense bf16 TFLOP/s of one device, for MFU. Default: looked up from the GPU name (H100, A100, "
+        "L4, ...); on CPU or an unknown GPU MFU is logged only when this is set.", group="monitoring",
+    )
+    cost_per_gpu_hour: float | None = _f(
+        None, "Price of one device-hour; when set, the run logs its cost (device_hours x price).", group="monitoring"
+    )
 
     # ------------------------------------------------------------------ derived values
     def warmup_for(self, total_steps: int) -> int:
@@ -206,7 +231,7 @@ class Recipe:
 
 FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
 TYPES = typing.get_type_hints(Recipe)  # resolved annotations (they are strings under __future__ annotations)
-TRACKERS = ("wandb", "tensorboard", "none")
+TRACKERS = ("wandb", "tensorboard", "mlflow", "none")
 
 
 # --------------------------------------------------------------------------- coercion
@@ -347,6 +372,7 @@ def validate(recipe: Recipe) -> list[str]:
     need(not (r.fp16 and r.dtype == "bfloat16"), "fp16 mixed precision with dtype=bfloat16 weights; use bf16")
     problems += _validate_data(r)
     problems += _validate_performance(r)
+    problems += _monitoring_problems(r)
 
     if _looks_local(r.model_name_or_path) and not Path(r.model_name_or_path).expanduser().is_dir():
         problems.append(f"model_name_or_path {r.model_name_or_path!r} is not a folder; give a local model "
@@ -402,6 +428,26 @@ def check_output_dir(r: Recipe) -> list[str]:
     return problems
 
 
+def _monitoring_problems(r: Recipe) -> list[str]:
+    problems = []
+    if r.wandb_tags or r.wandb_group:
+        if "wandb" not in r.report_to:
+            problems.append("wandb_tags / wandb_group are set but report_to does not include wandb")
+        if any(len(t) > 64 for t in r.wandb_tags):
+            problems.append("wandb_tags must be at most 64 characters each (a W&B limit)")
+    if not 0 < r.straggler_threshold < 1:
+        problems.append(f"straggler_threshold must be in (0, 1) (a fraction of the median rank's throughput), "
+                        f"got {r.straggler_threshold}")
+    if r.profile_steps < 0 or r.profile_start_step < 1:
+        problems.append(f"profile_steps must be >= 0 and profile_start_step >= 1, got {r.profile_steps} and "
+                        f"{r.profile_start_step}")
+    for name in ("device_peak_tflops", "cost_per_gpu_hour"):
+        value = getattr(r, name)
+        if value is not None and value <= 0:
+            problems.append(f"{name} must be > 0 or unset, got {value}")
+    return problems
+
+
 def _holds_a_run(out: Path) -> bool:
     return out.is_dir() and any(out.glob("checkpoint-*")) or (out / "final").exists()
 
@@ -414,6 +460,9 @@ def check_environment(recipe: Recipe, cuda_available: bool) -> list[str]:
                         "use bf16: true or neither")
     if recipe.attn_implementation == "flash_attention_2" and not cuda_available:
         problems.append("attn_implementation=flash_attention_2 needs a CUDA GPU; use sdpa")
+    if "mlflow" in recipe.report_to and importlib.util.find_spec("mlflow") is None:
+        problems.append("report_to includes mlflow but the mlflow package is not installed; pip install mlflow "
+                        "(or mlflow-skinny), or drop mlflow from report_to")
     return problems
 
 

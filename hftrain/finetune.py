@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: import the package, not sibling modules as top-level names
@@ -34,6 +33,7 @@ from hftrain.data import (
 )
 from hftrain.distributed import launch_info, make_accelerator, phase, preset_conflicts
 from hftrain.errors import ConfigError, HftrainError, report_and_exit
+from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
 from hftrain.model import (
     CausalLMTokenLoss,
     build_model,
@@ -44,7 +44,7 @@ from hftrain.model import (
 )
 from hftrain.optim import build_optimizer, build_scheduler
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
-from hftrain.tracking import MetricLogger, peak_memory_mb
+from hftrain.tracking import MetricLogger, quiet_other_ranks
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -77,7 +77,7 @@ def evaluate(accelerator, model, dataset, collator: Collator, recipe: Recipe) ->
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
 
 
-def optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, scale, max_norm):
+def optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, scale, max_norm, timer):
     """Forward/backward every micro-batch of one optimizer step, clip, then step -- unless the gradient norm
     is NaN/inf, in which case nothing is updated. Returns (summed local token loss, grad norm, updated?).
 
@@ -87,8 +87,10 @@ def optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, scal
     for batch in micro_batches:
         with accelerator.accumulate(model):
             loss_sum = model(**batch)
+            timer.lap("forward")
             accelerator.backward(loss_sum * scale)
             step_loss += loss_sum.detach()
+            timer.lap("backward")
             if accelerator.sync_gradients:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
                 finite = grad_norm is None or bool(torch.isfinite(grad_norm))
@@ -96,6 +98,7 @@ def optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, scal
                     optimizer.step()
                 scheduler.step()  # a skipped step still counts: the schedule follows optimizer steps
                 optimizer.zero_grad(set_to_none=True)
+                timer.lap("optimizer")
     return step_loss, grad_norm, finite
 
 
@@ -106,6 +109,7 @@ def run(recipe: Recipe) -> Path:
         raise ConfigError(problems, "recipe for this machine and launch")
     check_model_config(recipe)  # a missing model or a too-long max_length fails before any heavy work
     accelerator = make_accelerator(recipe)
+    quiet_other_ranks(accelerator)
     from accelerate.utils import set_seed
 
     set_seed(recipe.seed)
@@ -132,8 +136,10 @@ def run(recipe: Recipe) -> Path:
     eval_collator = Collator(eval_set, pad_token_id(tokenizer)) if eval_set is not None else None
 
     # ------------------------------------------------------------------ model
+    memory_baseline_mb = current_memory_mb(accelerator.device)  # what the estimator's numbers sit on top of
     model = CausalLMTokenLoss(build_model(recipe))
     fit_embeddings_to_tokenizer(model.lm, tokenizer)
+    flops = FlopCounter(model.lm)
 
     # -------------------------------------------------------------- optimizer
     optimizer = build_optimizer(recipe, model)
@@ -141,14 +147,15 @@ def run(recipe: Recipe) -> Path:
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped by the loop once per optimizer step
 
-    progress = checkpoint.Progress(world_size=world)
+    progress, resumed = checkpoint.Progress(world_size=world), {}
     if resume_from is not None:
-        progress, _ = checkpoint.load_checkpoint(accelerator, resume_from)
+        progress, resumed = checkpoint.load_checkpoint(accelerator, resume_from)
         if progress.world_size != world:  # keep the data position in examples, not in (resized) steps
             examples_done = progress.step_in_epoch * plan.global_batch // world * progress.world_size
             progress.step_in_epoch, progress.world_size = examples_done // plan.global_batch, world
     run_info = {"launch": launch_info(accelerator, model), "data": data_stats,
-                "effective_batch_size": plan.global_batch, "total_steps": total_steps}
+                "effective_batch_size": plan.global_batch, "total_steps": total_steps,
+                "memory_baseline_mb": round(memory_baseline_mb, 1)}
     # Nothing is written into output_dir before the recipe, data and model have all been accepted.
     if accelerator.is_main_process:
         if recipe.overwrite_output_dir and resume_from is None:
@@ -156,7 +163,12 @@ def run(recipe: Recipe) -> Path:
         output_dir.mkdir(parents=True, exist_ok=True)
         dump_recipe(recipe, output_dir / checkpoint.CONFIG_FILE)
     accelerator.wait_for_everyone()
-    logger = MetricLogger(accelerator, recipe, progress.step, run_info)
+    logger = MetricLogger(accelerator, recipe, progress.step, run_info, resumed)
+    run_info.update(logger.run_ids())  # e.g. the W&B run id, so that a resumed run continues it
+    meter = RunMeter(accelerator, flops, straggler_threshold=recipe.straggler_threshold,
+                     peak_tflops_override=recipe.device_peak_tflops, cost_per_gpu_hour=recipe.cost_per_gpu_hour,
+                     effective_batch_size=plan.global_batch, device_hours_before=resumed.get("device_hours", 0.0),
+                     warn=logger.warn)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.print(
@@ -173,17 +185,26 @@ def run(recipe: Recipe) -> Path:
     from tqdm.auto import tqdm
 
     accum, max_norm = recipe.gradient_accumulation_steps, recipe.max_grad_norm or float("inf")
-    bar = tqdm(total=total_steps, initial=progress.step, disable=not accelerator.is_main_process, desc="training")
+    bar = tqdm(total=total_steps, initial=progress.step, desc="training",
+               disable=recipe.disable_tqdm or not accelerator.is_main_process)
+    profiler = StepProfiler(output_dir / "profile", recipe.profile_steps, recipe.profile_start_step, progress.step,
+                            rank, accelerator.device)
     window_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    window_tokens, window_examples, window_start = 0, 0, time.perf_counter()
-    save = lambda: checkpoint.save_checkpoint(accelerator, output_dir, recipe, progress, run_info)
+    window_tokens, window_examples = 0, 0
+
+    def save() -> Path:
+        run_info["device_hours"] = meter.device_hours()
+        return checkpoint.save_checkpoint(accelerator, output_dir, recipe, progress, run_info)
+
     model.train()
     with StopRequest() as stop:
         while progress.step < total_steps:
             batches = iter(make_loader(plan.micro_batches(progress.epoch, rank, progress.step_in_epoch), collator,
                                        recipe.dataloader_num_workers))
             while progress.step_in_epoch < plan.steps_per_epoch and progress.step < total_steps:
+                meter.timer.restart()
                 micro_batches = [to_device(next(batches), accelerator.device) for _ in range(accum)]
+                meter.timer.lap("data_wait")
                 # The loss of an optimizer step is sum(token losses over all micro-batches and ranks) divided by
                 # the step's trained tokens over all ranks. Gradients are averaged over ranks (DDP/FSDP/DeepSpeed)
                 # and accelerator.backward divides by `accum`: multiplying by world * accum undoes both.
@@ -198,8 +219,9 @@ def run(recipe: Recipe) -> Path:
                     raise Preempted(stop.name or "a signal on another rank", progress.step, str(saved))
                 scale = world * accum / step_tokens.clamp(min=1)
                 learning_rate = optimizer.param_groups[0]["lr"]
+                meter.timer.lap("token_sync")
                 step_loss, grad_norm, updated = optimizer_step(accelerator, model, optimizer, scheduler,
-                                                               micro_batches, scale, max_norm)
+                                                               micro_batches, scale, max_norm, meter.timer)
                 if not updated and recipe.nan_policy == "stop":
                     saved = save()  # the parameters are those after the last good step
                     raise HftrainError(
@@ -207,6 +229,8 @@ def run(recipe: Recipe) -> Path:
                         f"diverged or a batch produced NaN/inf. The state after step {progress.step} is in {saved}. "
                         "Lower learning_rate, set max_grad_norm, check the data, or set nan_policy=skip_step"
                     )
+                meter.count(micro_batches, local[0])
+                profiler.step()
                 progress.nan_skipped_steps += not updated
                 if updated:
                     window_loss += step_loss
@@ -218,23 +242,26 @@ def run(recipe: Recipe) -> Path:
                 bar.update(1)
 
                 if progress.step % recipe.logging_steps == 0 or progress.step in (1, total_steps):
-                    elapsed = time.perf_counter() - window_start
-                    loss = accelerator.reduce(window_loss, reduction="sum").item() / max(window_tokens, 1)
-                    logger.log({
+                    loss_sum = accelerator.reduce(window_loss, reduction="sum").item()
+                    loss = loss_sum / window_tokens if window_tokens else None
+                    norm = float(grad_norm) if grad_norm is not None else None
+                    row = {
                         "step": progress.step,
                         "epoch": round((progress.epoch + progress.step_in_epoch / plan.steps_per_epoch), 4),
-                        "loss": loss if window_tokens else None,
+                        "loss": loss,
                         "learning_rate": learning_rate,
-                        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                        "grad_norm": norm,
                         "trained_tokens": progress.trained_tokens,
-                        "tokens_per_second": window_tokens / elapsed,
-                        "samples_per_second": window_examples / elapsed,
-                        "peak_memory_mb": round(peak_memory_mb(accelerator.device), 1),
                         "nan_skipped_steps": progress.nan_skipped_steps,
-                    })
-                    bar.set_postfix(loss=f"{loss:.4f}")
+                        **meter.window(model=model, step=progress.step, loss=loss, grad_norm=norm,
+                                       local_loss_sum=window_loss, global_tokens=window_tokens,
+                                       global_examples=window_examples),
+                    }
+                    logger.log(row)
+                    bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "skipped",
+                                    tokens_per_s=f"{row['tokens_per_second']:,.0f}")
                     window_loss.zero_()
-                    window_tokens, window_examples, window_start = 0, 0, time.perf_counter()
+                    window_tokens, window_examples = 0, 0
                 if eval_set is not None and recipe.eval_steps and progress.step % recipe.eval_steps == 0 \
                         and progress.step < total_steps:
                     with phase(accelerator, "evaluation", recipe.ddp_timeout):
@@ -246,6 +273,7 @@ def run(recipe: Recipe) -> Path:
             if progress.step_in_epoch >= plan.steps_per_epoch:
                 progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
     bar.close()
+    profiler.stop()
 
     # --------------------------------------------------------- evaluate & save
     if eval_set is not None:
@@ -254,9 +282,11 @@ def run(recipe: Recipe) -> Path:
         logger.print(f"hftrain: eval_loss {metrics['eval_loss']:.4f} after {progress.step} steps")
     final_dir = output_dir / "final"
     checkpoint.save_final(accelerator, model, tokenizer, final_dir)
+    run_info["device_hours"] = meter.device_hours()
     if accelerator.is_main_process:
         checkpoint.write_run_files(final_dir, recipe, progress, run_info)
-    logger.print(f"hftrain: final model saved to {final_dir}")
+    cost = f" (cost {run_info['device_hours'] * recipe.cost_per_gpu_hour:.2f})" if recipe.cost_per_gpu_hour else ""
+    logger.print(f"hftrain: final model saved to {final_dir}; {run_info['device_hours']:.4f} device-hours{cost}")
     logger.close()
     return final_dir
 

@@ -37,8 +37,11 @@ class StopRequest:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is Preempted:
-            return  # keep recording: the launcher SIGTERMs the other ranks when one exits, which must not kill
-            # them mid-exit and turn their EXIT_PREEMPTED into -15
+            # The launcher SIGTERMs the other ranks as soon as one exits; that must not turn their
+            # EXIT_PREEMPTED into -15. SIG_IGN, unlike a Python handler, survives interpreter shutdown.
+            for sig in SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            return
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 

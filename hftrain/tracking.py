@@ -1,25 +1,45 @@
-"""Metric logging: `output_dir/metrics.jsonl` always, plus accelerate trackers (W&B, TensorBoard).
+"""Metric logging: `output_dir/metrics.jsonl` always, plus accelerate trackers (W&B, TensorBoard, MLflow).
 
-The rank-0 check lives here, so the loop can call `log` on every rank.
+The rank-0 check lives here, so the loop can call `log` on every rank. Trackers get the resolved
+recipe and run facts with secrets redacted; W&B gets project, run name, tags and group from the
+recipe, continues the same run on resume (its id is stored in every checkpoint, as MLflow's is), and
+falls back to offline logging when the W&B server cannot be reached, so W&B never stops training.
+Another tracker that cannot start (e.g. MLflow without a usable tracking URI) is a setup error.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import resource
+import re
+import sys
 from pathlib import Path
 
-import torch
-
 from hftrain.config import Recipe
+from hftrain.errors import HftrainError
+
+SECRET_NAME = re.compile(r"token|key|secret|password|credential", re.IGNORECASE)
+SECRET_VALUE = re.compile(r"^(hf_|sk-|ghp_|github_pat_|xox[bp]-)\w{8,}")
+REDACTED = "<redacted>"
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak CUDA memory allocated on this device, or the process's peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+def _flatten(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def redact(name: str, value):
+    """Hide values whose field name or shape says they are credentials."""
+    if value is None or value == "" or isinstance(value, bool):
+        return value
+    if SECRET_NAME.search(name.rsplit("/", 1)[-1]) or (isinstance(value, str) and SECRET_VALUE.match(value)):
+        return REDACTED
+    return value
 
 
 def _step_of(line: str) -> int | None:
@@ -31,14 +51,29 @@ def _step_of(line: str) -> int | None:
 
 
 def tracker_config(recipe: Recipe, run_info: dict) -> dict:
-    """The resolved recipe plus run facts, flattened to the scalar values every tracker accepts."""
-    flat = {**recipe.to_dict(), "effective_batch_size": run_info["effective_batch_size"],
-            "total_steps": run_info["total_steps"], **{f"launch/{k}": v for k, v in run_info["launch"].items()}}
-    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat.items()}
+    """The resolved recipe plus run facts, flattened to scalar values every tracker accepts, secrets redacted."""
+    flat = _flatten({**recipe.to_dict(), **{k: v for k, v in run_info.items() if k != "launch"},
+                     "launch": run_info["launch"]})
+    clean = {k: redact(k, v) for k, v in flat.items()}
+    return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in clean.items()}
+
+
+def quiet_other_ranks(accelerator) -> None:
+    """One console: processes other than the main one show no library progress bars or info logs
+    (their warnings and errors still print)."""
+    if accelerator.is_main_process:
+        return
+    import datasets
+    import transformers
+
+    transformers.utils.logging.set_verbosity_warning()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity_warning()
+    datasets.disable_progress_bars()
 
 
 class MetricLogger:
-    def __init__(self, accelerator, recipe: Recipe, start_step: int, run_info: dict):
+    def __init__(self, accelerator, recipe: Recipe, start_step: int, run_info: dict, resumed: dict):
         self.accelerator = accelerator
         self.main = accelerator.is_main_process
         self.trackers = [t for t in recipe.report_to if t != "none"]
@@ -50,9 +85,51 @@ class MetricLogger:
             kept = [r for r in rows if _step_of(r) is not None and _step_of(r) <= start_step]
             self.path.write_text("".join(r + "\n" for r in kept), encoding="utf-8")
         if self.trackers:
-            run_name = recipe.run_name or Path(recipe.output_dir).resolve().name
-            accelerator.init_trackers(recipe.project_name, config=tracker_config(recipe, run_info),
-                                      init_kwargs={"wandb": {"name": run_name}})
+            self._start_trackers(recipe, run_info, resumed)
+
+    def _start_trackers(self, recipe: Recipe, run_info: dict, resumed: dict) -> None:
+        run_name = recipe.run_name or Path(recipe.output_dir).resolve().name
+        wandb = {"name": run_name, "tags": list(recipe.wandb_tags), "group": recipe.wandb_group}
+        if "wandb_run_id" in resumed:  # continue the run this checkpoint was logging to
+            wandb.update(id=resumed["wandb_run_id"], resume="allow")
+        config = tracker_config(recipe, run_info)
+        mlflow = {"run_name": run_name}
+        if "mlflow_run_id" in resumed:
+            mlflow["run_id"] = resumed["mlflow_run_id"]
+        init_kwargs = {"wandb": wandb, "mlflow": mlflow}
+        try:
+            self._init(recipe.project_name, config, init_kwargs, resumed)
+        except Exception as exc:  # noqa: BLE001 - W&B falls back to offline; any other tracker is a setup error
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if type(exc).__module__.split(".")[0] != "wandb":
+                raise HftrainError(f"a tracker in report_to={self.trackers} could not start a run: {reason}. Fix "
+                                   "its settings (e.g. MLFLOW_TRACKING_URI for mlflow) or drop it from report_to"
+                                   ) from None
+            for tracker in self.accelerator.trackers:
+                if tracker.name != "wandb" and getattr(tracker, "writer", None) is not None:
+                    tracker.finish()
+            self.accelerator.trackers.clear()
+            self.warn(f"W&B could not start a run online ({reason}); logging to W&B offline instead (upload "
+                      "the run later with `wandb sync`)")
+            wandb["mode"] = "offline"
+            self._init(recipe.project_name, config, init_kwargs, resumed)
+
+    def _init(self, project: str, config: dict, init_kwargs: dict, resumed: dict) -> None:
+        self.accelerator.init_trackers(project, init_kwargs=init_kwargs)
+        for tracker in self.accelerator.trackers:
+            # MLflow parameters are immutable: a continued run keeps those of its first start (the resumed
+            # run's resolved recipe is in every checkpoint's hftrain_config.yaml)
+            if not (tracker.name == "mlflow" and "mlflow_run_id" in resumed):
+                tracker.store_init_configuration(config)
+
+    def run_ids(self) -> dict:
+        """Tracker run ids to store in checkpoints, so that a resumed run continues them (main process only)."""
+        ids = {}
+        if self.main and "wandb" in self.trackers:
+            ids["wandb_run_id"] = self.accelerator.get_tracker("wandb", unwrap=True).id
+        if self.main and "mlflow" in self.trackers:
+            ids["mlflow_run_id"] = self.accelerator.get_tracker("mlflow", unwrap=True).info.run_id
+        return ids
 
     def log(self, row: dict) -> None:
         """Append one row (must hold `step`) to metrics.jsonl and send it to the trackers."""
@@ -61,10 +138,17 @@ class MetricLogger:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(clean) + "\n")
         if self.trackers:
-            self.accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+            self.accelerator.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
 
     def print(self, message: str) -> None:
         self.accelerator.print(message)
+
+    def warn(self, message: str) -> None:
+        """One warning line on stderr from the main process (above the progress bar, not through it)."""
+        if self.main:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"hftrain: warning: {message}", file=sys.stderr)
 
     def close(self) -> None:
         if self.trackers:

@@ -46,13 +46,16 @@ class Run:
 
 
 def launch(output_dir: Path, *args: str, preset: str = "cpu", processes: int | None = None,
-           env: dict | None = None, check: bool = True, timeout: int = 600) -> Run:
-    """`accelerate launch --config_file accelerate_configs/<preset>.yaml hftrain/finetune.py --output_dir ...`."""
+           env: dict | None = None, check: bool = True, timeout: int = 600, script: Path | None = None) -> Run:
+    """`accelerate launch --config_file accelerate_configs/<preset>.yaml hftrain/finetune.py --output_dir ...`.
+
+    `script` replaces hftrain/finetune.py, e.g. by a test launcher that injects a fault on one rank.
+    """
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(PRESETS / f"{preset}.yaml"),
            "--main_process_port", "0"]  # a free port, so launches never collide
     if processes is not None:
         cmd += ["--num_processes", str(processes)]
-    cmd += [str(REPO / "hftrain" / "finetune.py"), "--output_dir", str(output_dir), *args]
+    cmd += [str(script or REPO / "hftrain" / "finetune.py"), "--output_dir", str(output_dir), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false",
                 **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)

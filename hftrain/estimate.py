@@ -1,0 +1,329 @@
+"""Memory per GPU before launching: every strategy side by side, and the cheapest launch preset that fits.
+
+    python -m hftrain.estimate --model Qwen/Qwen2.5-7B --gpus 8 --gpu_memory 80 [--lora | --qlora] \
+        [--seq 4096 --batch 4]
+
+Only the model's config is read (the model is built on the meta device: no weights are downloaded).
+The numbers are a model of what training keeps in memory, per GPU, in bytes:
+
+- weights, gradients, optimizer states (AdamW: two fp32 moments), per strategy. bf16 mixed
+  precision: DDP and FSDP keep fp32 weights and gradients (+ the bf16 weight copies autocast
+  caches for the forward); DeepSpeed ZeRO keeps bf16 weights and gradients with fp32 master
+  weights in the optimizer state (2 + 2 + 12 bytes per parameter, the ZeRO paper's model). ZeRO-1
+  shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 / FSDP full shard everything; a
+  sharded run also holds the gathered weights of the layers in flight (two, with prefetch). DDP
+  with 2+ GPUs keeps a second copy of the gradients in its all-reduce buckets.
+- activations saved for backward, counted tensor by tensor for a Llama-style decoder layer with
+  SDPA/flash attention (no s x s score matrix): per token, two norms (input and normalised
+  output in the residual dtype, plus the input of the next matmul), q/k/v, attention output and
+  its contiguous copy, and four MLP tensors. With gradient checkpointing only each layer's input
+  is kept, plus one layer recomputed during backward. The loss keeps fp32 log-probabilities and
+  their gradient for every predicted token (vocab x tokens x 8 bytes) and the logits themselves.
+- the peak is weights + optimizer + max(activations, gradients): gradients fill up during backward
+  while activations are freed (and gradients are freed by `zero_grad(set_to_none=True)` before the
+  next forward). Offload variants move what they offload to CPU memory (shown separately).
+- LoRA keeps the frozen base in bf16 and trains all-linear adapters of rank r; QLoRA stores the
+  base's decoder linears in 4-bit NF4 with double quantization (0.5 + ~0.016 bytes per parameter).
+
+Checked against measured peaks of real CPU runs (docs/memory-estimates.md): within +-25%.
+A GPU also needs ~1 GiB for the CUDA context and communication buffers, and fragmentation takes a
+part of the rest: a strategy "fits" when its peak stays under 90% of (gpu_memory - 1 GiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hftrain.errors import HftrainError, report_and_exit
+
+GIB = 2**30
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weights, 8-bit absmax per 64 weights, fp32 absmax per 256 blocks
+CUDA_OVERHEAD_GIB = 1.0
+USABLE_FRACTION = 0.9
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs from a model, read from its config on the meta device."""
+
+    name: str
+    architecture: str
+    params: int  # all parameters (tied weights once)
+    embedding_params: int  # input embedding
+    head_params: int  # output projection when not tied to the input embedding, else 0
+    layer_linear_params: int  # weights of the decoder layers' linear layers (what LoRA adapts, QLoRA quantizes)
+    largest_layer_params: int  # parameters of one decoder layer (the unit gathered by ZeRO-3 / FSDP)
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_dim: int  # key/value width (num_key_value_heads x head_dim)
+    vocab: int
+    lora_params_per_rank: int  # adapter parameters per unit of LoRA rank: sum of (in + out) over adapted linears
+
+
+def model_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
+    """Read `model`'s config (local folder or hub id) and count its parameters on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HftrainError(f"cannot read the config of model {model!r}: {first}. Give a local model folder or a hub "
+                           "id reachable from this machine (only config.json is needed, no weights)") from None
+    try:
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        raise HftrainError(f"model {model!r} ({type(config).__name__}) is not a causal LM transformers can build: "
+                           f"{str(exc).strip().splitlines()[0]}") from None
+    text = config.get_text_config()
+    inp, out = lm.get_input_embeddings(), lm.get_output_embeddings()
+    tied = out is not None and out.weight is inp.weight
+    layers = _decoder_layers(lm)
+    linears = [m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return ModelShape(
+        name=model, architecture=type(lm).__name__,
+        params=sum(p.numel() for p in lm.parameters()),
+        embedding_params=inp.weight.numel(),
+        head_params=0 if tied or out is None else out.weight.numel(),
+        layer_linear_params=sum(m.weight.numel() for m in linears),
+        largest_layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        layers=len(layers), hidden=text.hidden_size,
+        intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
+        heads=heads, kv_dim=getattr(text, "num_key_value_heads", heads) * head_dim, vocab=text.vocab_size,
+        lora_params_per_rank=sum(m.in_features + m.out_features for m in linears),
+    )
+
+
+def _decoder_layers(lm):
+    import torch
+
+    lists = [m for m in lm.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise HftrainError(f"cannot find the decoder layers of {type(lm).__name__}; the estimate supports "
+                           "decoder-only transformers with a list of layers")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+# ------------------------------------------------------------------------ activations
+def layer_activation_bytes(s: ModelShape, tokens: int, compute_bytes: int, residual_bytes: int) -> int:
+    """Bytes one decoder layer saves for backward (SDPA/flash attention, no dropout).
+
+    Per token: each of the two norms keeps its input and normalised output (residual dtype) and the
+    next matmul keeps its (cast) input; attention keeps q, k, v and the output projection's input;
+    the MLP keeps gate, silu(gate), up and their product.
+    """
+    h, kv, i = s.hidden, s.kv_dim, s.intermediate
+    norms = 2 * (2 * h * residual_bytes + h * compute_bytes)
+    attention = (h + 2 * kv + h) * compute_bytes
+    mlp = 4 * i * compute_bytes
+    return tokens * (norms + attention + mlp)
+
+
+def activation_bytes(s: ModelShape, batch: int, seq: int, compute_bytes: int, residual_bytes: int,
+                     checkpointing: bool) -> int:
+    """What one micro-batch holds when backward starts: saved activations plus the loss's gradient buffers."""
+    tokens = batch * seq
+    per_layer = layer_activation_bytes(s, tokens, compute_bytes, residual_bytes)
+    layers = s.layers * tokens * s.hidden * residual_bytes if checkpointing else s.layers * per_layer
+    final_norm = tokens * s.hidden * (2 * residual_bytes + compute_bytes)
+    loss = tokens * s.vocab * 12  # fp32 log-probabilities, their gradient and the logits' gradient
+    return layers + final_norm + loss
+
+
+def backward_floor_bytes(s: ModelShape, batch: int, seq: int, compute_bytes: int, residual_bytes: int) -> int:
+    """What backward holds on top of the gradients when it reaches the first layer: that layer's activations
+    (saved, or recomputed under checkpointing) and the gradients flowing through its MLP."""
+    tokens = batch * seq
+    return layer_activation_bytes(s, tokens, compute_bytes, residual_bytes) + 2 * tokens * s.intermediate * 4
+
+
+# -------------------------------------------------------------------------- strategies
+@dataclass
+class Row:
+    strategy: str
+    preset: str
+    method: str  # full, lora, qlora
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    activations_ckpt: float
+    backward_floor: float  # activations still held when the gradients are (nearly) complete
+    cpu: float = 0.0  # offloaded bytes in CPU memory, per GPU
+    note: str = ""
+
+    def peak(self, checkpointing: bool) -> float:
+        """Weights and optimizer state, plus the larger of: everything saved when backward starts, or the
+        gradients when backward ends (with the first layer's activations)."""
+        act = self.activations_ckpt if checkpointing else self.activations
+        return self.weights + self.optimizer + max(act, self.grads + self.backward_floor)
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    gpus: int
+    batch: int
+    seq: int
+    precision: str
+    lora_r: int
+    rows: list[Row] = field(default_factory=list)
+
+
+def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str = "bf16", lora_r: int = 16) -> Plan:
+    """Memory per GPU for every strategy (bytes)."""
+    n, g = shape.params, gpus
+    mixed = precision == "bf16"
+    compute, residual = (2, 4) if mixed else (4, 4)
+    act = activation_bytes(shape, batch, seq, compute, residual, checkpointing=False)
+    act_ckpt = activation_bytes(shape, batch, seq, compute, residual, checkpointing=True)
+    floor = backward_floor_bytes(shape, batch, seq, compute, residual)
+    autocast_copy = 2 * n if mixed else 0  # bf16 weight copies autocast keeps for the forward
+    bucket = 4 * n if g > 1 else 0  # DDP all-reduce buckets (a second copy of the gradients)
+    unit = shape.largest_layer_params
+    rows = [Row("DDP" if g > 1 else "single GPU", "multi_gpu" if g > 1 else "single_gpu", "full",
+                4 * n + autocast_copy, 4 * n + bucket, 8 * n, act, act_ckpt, floor)]
+    if g > 1:
+        w16, in_flight = (2, 2 * unit * 2) if mixed else (4, 2 * unit * 4)  # two gathered layers
+        master = 12 if mixed else 8
+        rows += [
+            Row("ZeRO-1", "zero1", "full", w16 * n, w16 * n, master * n / g, act, act_ckpt, floor),
+            Row("ZeRO-2", "zero2", "full", w16 * n, w16 * n / g, master * n / g, act, act_ckpt, floor),
+            Row("FSDP full shard", "fsdp", "full", 4 * n / g + in_flight, 4 * n / g + unit * 4, 8 * n / g, act,
+                act_ckpt, floor),
+            Row("ZeRO-3", "zero3", "full", w16 * n / g + in_flight, w16 * n / g, master * n / g, act, act_ckpt, floor),
+        ]
+    w16 = 2 if mixed else 4
+    rows += [
+        Row("ZeRO-2 + optimizer offload", "zero2_offload", "full", w16 * n, w16 * n / g, 0, act, act_ckpt, floor,
+            cpu=(12 if mixed else 8) * n / g),
+        Row("ZeRO-3 + parameter and optimizer offload", "zero3_offload", "full", 2 * unit * w16, unit * w16, 0,
+            act, act_ckpt, floor, cpu=(w16 + (12 if mixed else 8)) * n / g),
+    ]
+    adapters = shape.lora_params_per_rank * lora_r
+    base = 2 if mixed else 4
+    others = n - shape.layer_linear_params
+    lora_preset = "multi_gpu" if g > 1 else "single_gpu"
+    rows += [
+        Row(f"LoRA r={lora_r} ({'DDP' if g > 1 else 'single GPU'})", lora_preset, "lora",
+            base * n + 4 * adapters, 4 * adapters * (2 if g > 1 else 1), 8 * adapters, act, act_ckpt, floor,
+            note=f"{adapters / 1e6:,.1f}M adapter parameters"),
+        Row(f"QLoRA r={lora_r} ({'DDP' if g > 1 else 'single GPU'})", lora_preset, "qlora",
+            NF4_BYTES * shape.layer_linear_params + 2 * others + 4 * adapters + 2 * unit,
+            4 * adapters * (2 if g > 1 else 1), 8 * adapters, act, act_ckpt, floor, note="base in 4-bit NF4"),
+    ]
+    return Plan(shape, gpus, batch, seq, precision, lora_r, rows)
+
+
+def usable_bytes(gpu_memory_gib: float) -> float:
+    return (gpu_memory_gib - CUDA_OVERHEAD_GIB) * USABLE_FRACTION * GIB
+
+
+def recommend(plan: Plan, gpu_memory_gib: float, method: str) -> tuple[Row | None, bool, str]:
+    """The cheapest (row, gradient checkpointing) that fits, and why.
+
+    Cost order: replicated before sharded (ZeRO-1, ZeRO-2, FSDP, ZeRO-3: more communication per
+    step), every in-GPU strategy before gradient checkpointing (~30% more compute), and offload
+    (bounded by host memory bandwidth) last.
+    """
+    budget = usable_bytes(gpu_memory_gib)
+    candidates = [r for r in plan.rows if r.method == method]
+    in_gpu = [r for r in candidates if not r.cpu]
+    offload = [r for r in candidates if r.cpu]
+    order = [(r, False) for r in in_gpu] + [(r, True) for r in in_gpu]
+    order += [(r, c) for c in (False, True) for r in offload]
+    skipped = []
+    for row, ckpt in order:
+        peak = row.peak(ckpt)
+        if peak <= budget:
+            why = (f"{row.strategy}{' with gradient checkpointing' if ckpt else ''} needs {peak / GIB:.1f} GiB per GPU "
+                   f"of the {budget / GIB:.1f} GiB usable on a {gpu_memory_gib:g} GiB GPU")
+            if skipped:
+                why += f"; cheaper options do not fit ({'; '.join(skipped[:3])})"
+            return row, ckpt, why
+        skipped.append(f"{row.strategy}{' + checkpointing' if ckpt else ''} {peak / GIB:.1f} GiB")
+    return None, False, (f"nothing fits in {budget / GIB:.1f} GiB usable per GPU (smallest: "
+                         f"{min(r.peak(True) for r in candidates) / GIB:.1f} GiB); use more GPUs, a smaller batch or "
+                         "sequence, or " + ("QLoRA" if method != "qlora" else "GPUs with more memory"))
+
+
+# --------------------------------------------------------------------------------- CLI
+def format_plan(plan: Plan, gpu_memory_gib: float, method: str) -> str:
+    s = plan.shape
+    lines = [
+        f"{s.name}: {s.architecture}, {s.params / 1e9:.3f}B parameters ({s.layers} layers, hidden {s.hidden}, "
+        f"vocab {s.vocab}); {plan.gpus} GPU(s) x {gpu_memory_gib:g} GiB; micro-batch {plan.batch} x {plan.seq} "
+        f"tokens per GPU; {'bf16 mixed precision' if plan.precision == 'bf16' else 'fp32'}, AdamW.",
+        "GiB per GPU. peak = weights + optimizer + max(activations, grads); ckpt = with gradient checkpointing.",
+        "",
+        f"{'strategy':<42} {'preset':<14} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} "
+        f"{'act.ckpt':>8} {'peak':>8} {'peak ckpt':>9} {'CPU':>7}",
+    ]
+    budget = usable_bytes(gpu_memory_gib)
+    for r in plan.rows:
+        mark = lambda b: f"{b / GIB:.1f}" + ("" if b <= budget else "!")
+        lines.append(f"{r.strategy:<42} {r.preset:<14} {r.weights / GIB:>8.2f} {r.grads / GIB:>8.2f} "
+                     f"{r.optimizer / GIB:>8.2f} {r.activations / GIB:>8.2f} {r.activations_ckpt / GIB:>8.2f} "
+                     f"{mark(r.peak(False)):>8} {mark(r.peak(True)):>9} {r.cpu / GIB:>7.1f}"
+                     + (f"  ({r.note})" if r.note else ""))
+    lines.append(f"('!' = does not fit in {budget / GIB:.1f} GiB usable; CPU = offloaded GiB per GPU, in host memory)")
+    row, ckpt, why = recommend(plan, gpu_memory_gib, method)
+    lines.append("")
+    if row is None:
+        lines.append(f"recommendation: none: {why}")
+    else:
+        preset = PRESETS_DIR / f"{row.preset}.yaml"
+        missing = "" if preset.exists() else " (this preset is not in this checkout yet)"
+        lines.append(f"recommendation: accelerate_configs/{row.preset}.yaml{missing} with gradient_checkpointing: "
+                     f"{str(ckpt).lower()}" + (f", {method} r={plan.lora_r}" if method != "full" else ""))
+        lines.append(f"reason: {why}.")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hftrain estimate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="Hub id or local folder (only its config is read).")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs in the job (all nodes).")
+    parser.add_argument("--gpu_memory", type=float, default=80.0, help="Memory of one GPU in GiB.")
+    method = parser.add_mutually_exclusive_group()
+    method.add_argument("--lora", action="store_true", help="Recommend for LoRA fine-tuning.")
+    method.add_argument("--qlora", action="store_true", help="Recommend for QLoRA (4-bit base) fine-tuning.")
+    parser.add_argument("--lora_r", type=int, default=16, help="LoRA rank (all linear layers adapted).")
+    parser.add_argument("--seq", type=int, default=2048, help="Tokens per sequence (max_length).")
+    parser.add_argument("--batch", type=int, default=1, help="Sequences per GPU per micro-batch.")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                        help="bf16 mixed precision (GPU default) or fp32 (CPU runs).")
+    parser.add_argument("--trust_remote_code", action="store_true", help="Allow the model's own config code.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        problems = [f"--{k} must be >= 1, got {getattr(args, k)}" for k in ("gpus", "seq", "batch", "lora_r")
+                    if getattr(args, k) < 1]
+        if args.gpu_memory <= CUDA_OVERHEAD_GIB:
+            problems.append(f"--gpu_memory must be above {CUDA_OVERHEAD_GIB:g} GiB, got {args.gpu_memory:g}")
+        if problems:
+            from hftrain.errors import ConfigError
+
+            raise ConfigError(problems, "estimate arguments")
+        shape = model_shape(args.model, args.trust_remote_code)
+        plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r)
+        method = "qlora" if args.qlora else "lora" if args.lora else "full"
+        print(format_plan(plan, args.gpu_memory, method))
+    except HftrainError as error:
+        report_and_exit(error)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""A run's report from its metrics.jsonl: PNG plots and a short markdown summary.
+
+    python -m hftrain.report outputs/tiny-chat        # writes outputs/tiny-chat/report/{report.md,*.png}
+
+Plots: loss and eval loss, learning rate, tokens/sec (global and per rank), per-rank own-time
+throughput (stragglers stand out), step time split, peak memory per rank. The summary states what
+ran (from the newest hftrain_state.json), final and best losses, throughput, step-time split,
+memory, MFU, device-hours and cost, and any straggler or desync the run reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+from hftrain.errors import HftrainError, report_and_exit
+
+RANK_KEY = re.compile(r"^rank(\d+)/(.+)$")
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise HftrainError(f"{output_dir} has no metrics.jsonl; give the output_dir of an hftrain run")
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise HftrainError(f"{path} line {number} is not JSON ({exc.msg}); the file is damaged") from None
+        if not isinstance(row, dict) or "step" not in row:
+            raise HftrainError(f"{path} line {number} is not a metrics row with a step")
+        rows.append(row)
+    if not any("loss" in r for r in rows):
+        raise HftrainError(f"{path} holds no training rows yet; run at least one logging step")
+    return rows
+
+
+def run_state(output_dir: Path) -> dict:
+    """hftrain_state.json of the final model, else of the newest checkpoint, else {}."""
+    candidates = [output_dir / "final"] + sorted(output_dir.glob("checkpoint-*"),
+                                                 key=lambda p: int(p.name.split("-")[-1]) if
+                                                 p.name.split("-")[-1].isdigit() else -1, reverse=True)
+    for folder in candidates:
+        state = folder / "hftrain_state.json"
+        if state.is_file():
+            return json.loads(state.read_text(encoding="utf-8"))
+    return {}
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def rank_keys(rows: list[dict], metric: str) -> list[str]:
+    ranks = sorted({int(m.group(1)) for r in rows for k in r if (m := RANK_KEY.match(k)) and m.group(2) == metric})
+    return [f"rank{i}/{metric}" for i in ranks]
+
+
+# --------------------------------------------------------------------------------- plots
+def _figure(title: str, ylabel: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.set_title(title)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def _save(fig, ax, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path
+
+
+def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
+    made = []
+    fig, ax = _figure("Loss", "loss (token-weighted)")
+    ax.plot(*series(train, "loss"), label="train loss", marker=".")
+    if evals:
+        ax.plot(*series(evals, "eval_loss"), label="eval loss", marker="o")
+    made.append(_save(fig, ax, folder / "loss.png"))
+
+    fig, ax = _figure("Learning rate", "learning rate")
+    ax.plot(*series(train, "learning_rate"), marker=".")
+    made.append(_save(fig, ax, folder / "learning_rate.png"))
+
+    fig, ax = _figure("Throughput", "trained tokens / s")
+    ax.plot(*series(train, "tokens_per_second"), label="global", linewidth=2)
+    for key in rank_keys(train, "tokens_per_second"):
+        ax.plot(*series(train, key), label=key.replace("/tokens_per_second", " (wall-clock)"), linestyle="--")
+    made.append(_save(fig, ax, folder / "tokens_per_second.png"))
+
+    fig, ax = _figure("Per-rank throughput in its own time (a straggler stands out)",
+                      "processed tokens / s of data wait + forward")
+    for key in rank_keys(train, "own_tokens_per_second"):
+        ax.plot(*series(train, key), label=key.split("/")[0], marker=".")
+    made.append(_save(fig, ax, folder / "rank_throughput.png"))
+
+    fig, ax = _figure("Step time split (mean per step)", "seconds")
+    steps, _ = series(train, "step_time")
+    bottom = [0.0] * len(steps)
+    for key, label in (("data_wait_time", "data wait"), ("forward_backward_time", "forward + backward"),
+                       ("optimizer_time", "optimizer")):
+        _, values = series(train, key)
+        if len(values) == len(steps):
+            ax.bar(steps, values, bottom=bottom, label=label, width=max(1.0, 0.6 * _spacing(steps)))
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    made.append(_save(fig, ax, folder / "step_time.png"))
+
+    fig, ax = _figure("Peak memory", "MiB")
+    ax.plot(*series(train, "peak_memory_mb"), label="max over ranks", linewidth=2)
+    for key in rank_keys(train, "peak_memory_mb"):
+        ax.plot(*series(train, key), label=key.split("/")[0], linestyle="--")
+    if any("peak_memory_reserved_mb" in r for r in train):
+        ax.plot(*series(train, "peak_memory_reserved_mb"), label="reserved (CUDA)", linestyle=":")
+    made.append(_save(fig, ax, folder / "memory.png"))
+    return made
+
+
+def _spacing(steps: list[int]) -> float:
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    return statistics.median(gaps) if gaps else 1.0
+
+
+# ------------------------------------------------------------------------------- summary
+def _fmt(value, digits: int = 4) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.{digits}g}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict, images: list[Path]) -> str:
+    last = train[-1]
+    launch = state.get("launch", {})  # absent when the run has not saved anything yet
+    lines = [f"# Run report: {output_dir.resolve().name}", ""]
+    if launch:
+        lines.append(f"- launch: {launch['distributed_type']}, {launch['num_processes']} process(es), "
+                     f"model wrapped as {launch['model_wrapper']}, precision {launch['mixed_precision']}, "
+                     f"device {launch['device']}")
+    lines += [
+        f"- steps logged: {train[0]['step']} to {last['step']}"
+        + (f" of {state['total_steps']}" if "total_steps" in state else "")
+        + f"; epoch {_fmt(last.get('epoch'))}; trained tokens {_fmt(last.get('trained_tokens'))}",
+        f"- effective batch size: {_fmt(last.get('effective_batch_size', state.get('effective_batch_size')))}",
+        f"- loss: first {_fmt(train[0]['loss'])}, last {_fmt(last['loss'])}, "
+        f"lowest {_fmt(min(r['loss'] for r in train))}",
+    ]
+    if evals:
+        best = min(evals, key=lambda r: r["eval_loss"])
+        lines.append(f"- eval loss: last {_fmt(evals[-1]['eval_loss'])} (perplexity "
+                     f"{_fmt(evals[-1].get('eval_perplexity'))}) at step {evals[-1]['step']}; best "
+                     f"{_fmt(best['eval_loss'])} at step {best['step']}")
+    timed = [r for r in train if r.get("tokens_per_second") is not None]
+    steady = timed[1:] or timed  # the first window holds one-time warm-up
+    if steady:
+        tokens = statistics.fmean(r["tokens_per_second"] for r in steady)
+        samples = statistics.fmean(r["samples_per_second"] for r in steady)
+        lines.append(f"- throughput (windows after the first): {_fmt(tokens)} trained tokens/s, {_fmt(samples)} "
+                     "samples/s")
+        if all("step_time" in r for r in steady):
+            step = statistics.fmean(r["step_time"] for r in steady)
+            parts = {k: statistics.fmean(r[k] for r in steady)
+                     for k in ("data_wait_time", "forward_backward_time", "optimizer_time")}
+            lines.append(f"- step time {_fmt(step)} s: data wait {parts['data_wait_time'] / step:.0%}, forward + "
+                         f"backward {parts['forward_backward_time'] / step:.0%}, optimizer "
+                         f"{parts['optimizer_time'] / step:.0%}")
+        if all("mfu" in r for r in steady):
+            lines.append(f"- MFU {statistics.fmean(r['mfu'] for r in steady):.1%} "
+                         f"({_fmt(statistics.fmean(r['tflops_per_device'] for r in steady))} TFLOP/s per device)")
+        elif all("tflops_per_device" in r for r in steady):
+            lines.append(f"- {_fmt(statistics.fmean(r['tflops_per_device'] for r in steady))} model TFLOP/s per "
+                         "device (no peak known for this device: set device_peak_tflops for MFU)")
+    lines.append(f"- peak memory: {_fmt(max(r.get('peak_memory_mb') or 0 for r in train))} MiB (max over ranks)"
+                 + (f", {_fmt(state['memory_baseline_mb'])} MiB before the model was loaded"
+                    if "memory_baseline_mb" in state else ""))
+    hours = state.get("device_hours", last.get("device_hours"))
+    if hours is not None:
+        lines.append(f"- device-hours: {hours:.4f}" + (f", cost {last['cost']:.2f}" if "cost" in last else ""))
+    stragglers = [r for r in train if r.get("slowest_rank_ratio") is not None and r.get("slowest_rank") is not None]
+    desync = [r["step"] for r in train if r.get("ranks_in_sync") is False]
+    if stragglers:
+        worst = min(stragglers, key=lambda r: r["slowest_rank_ratio"])
+        lines.append(f"- slowest rank: rank {worst['slowest_rank']} at {worst['slowest_rank_ratio']:.0%} of the "
+                     f"others' own-time throughput (step {worst['step']})")
+    if desync:
+        lines.append(f"- DESYNC: ranks disagreed at steps {desync[:10]}{' ...' if len(desync) > 10 else ''}")
+    lines.append("")
+    lines += [f"![{p.stem}]({p.name})" for p in images]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(output_dir: Path) -> Path:
+    rows = read_metrics(output_dir)
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    folder = output_dir / "report"
+    folder.mkdir(exist_ok=True)
+    images = plot_all(train, evals, folder)
+    report = folder / "report.md"
+    report.write_text(summary(output_dir, train, evals, run_state(output_dir), images), encoding="utf-8")
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="hftrain report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("output_dir", type=Path, help="The run's output_dir (holds metrics.jsonl).")
+    args = parser.parse_args(argv)
+    try:
+        report = write_report(args.output_dir)
+    except HftrainError as error:
+        report_and_exit(error)
+    print(f"hftrain: report written to {report} (plots beside it)")
+
+
+if __name__ == "__main__":
+    main()

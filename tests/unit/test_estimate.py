@@ -1,0 +1,126 @@
+"""hftrain.estimate against formulas written out here by hand, for a small Llama config read from disk."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from hftrain.estimate import GIB, NF4_BYTES, estimate, model_shape, recommend, usable_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+OFFLINE = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+H, L, INTER, V, HEADS, KV_HEADS = 256, 4, 688, 1000, 8, 2
+HEAD_DIM = H // HEADS
+KV = KV_HEADS * HEAD_DIM
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama")
+    LlamaConfig(hidden_size=H, num_hidden_layers=L, intermediate_size=INTER, vocab_size=V, num_attention_heads=HEADS,
+                num_key_value_heads=KV_HEADS, tie_word_embeddings=False).save_pretrained(folder)
+    return folder  # config.json only: no weights
+
+
+def hand_params() -> tuple[int, int]:
+    """(all parameters, decoder-layer linear weights)."""
+    linear = L * (H * H + 2 * H * KV + H * H + 3 * H * INTER)
+    return V * H + linear + L * 2 * H + H + V * H, linear
+
+
+def test_shape_is_read_from_the_config_without_weights(model_dir):
+    shape = model_shape(str(model_dir))
+    n, linear = hand_params()
+    assert (shape.params, shape.layer_linear_params, shape.embedding_params, shape.head_params) == (n, linear, V * H,
+                                                                                                     V * H)
+    assert (shape.layers, shape.hidden, shape.intermediate, shape.kv_dim, shape.vocab) == (L, H, INTER, KV, V)
+    assert shape.largest_layer_params == linear // L + 2 * H
+    # LoRA on every decoder linear: r x (in + out) each
+    assert shape.lora_params_per_rank == L * ((H + H) + 2 * (H + KV) + (H + H) + 2 * (H + INTER) + (INTER + H))
+
+
+def hand_activations(tokens: int, c: int, r: int, ckpt: bool) -> int:
+    layer = 2 * (2 * H * r + H * c) + (H + 2 * KV + H) * c + 4 * INTER * c
+    layers = L * H * r if ckpt else L * layer
+    return tokens * (layers + 2 * H * r + H * c + 12 * V)
+
+
+def test_every_strategy_matches_the_hand_formulas(model_dir):
+    n, linear = hand_params()
+    g, b, s = 4, 2, 128
+    tokens = b * s
+    plan = estimate(model_shape(str(model_dir)), gpus=g, batch=b, seq=s, precision="bf16", lora_r=8)
+    rows = {r.strategy: r for r in plan.rows}
+    act, act_ckpt = hand_activations(tokens, 2, 4, False), hand_activations(tokens, 2, 4, True)
+    floor = tokens * (2 * (2 * H * 4 + H * 2) + (H + 2 * KV + H) * 2 + 4 * INTER * 2) + 2 * tokens * INTER * 4
+    unit = linear // L + 2 * H
+    expected = {  # weights, grads, optimizer
+        "DDP": (4 * n + 2 * n, 4 * n + 4 * n, 8 * n),  # fp32 + autocast bf16 copy; grads + all-reduce buckets
+        "ZeRO-1": (2 * n, 2 * n, 12 * n / g),
+        "ZeRO-2": (2 * n, 2 * n / g, 12 * n / g),
+        "ZeRO-3": (2 * n / g + 2 * 2 * unit, 2 * n / g, 12 * n / g),
+        "FSDP full shard": (4 * n / g + 2 * 2 * unit, 4 * n / g + 4 * unit, 8 * n / g),
+        "ZeRO-2 + optimizer offload": (2 * n, 2 * n / g, 0),
+    }
+    for name, (w, gr, o) in expected.items():
+        row = rows[name]
+        assert (row.weights, row.grads, row.optimizer) == pytest.approx((w, gr, o)), name
+        assert (row.activations, row.activations_ckpt, row.backward_floor) == (act, act_ckpt, floor), name
+        assert row.peak(False) == pytest.approx(w + o + max(act, gr + floor))
+        assert row.peak(True) == pytest.approx(w + o + max(act_ckpt, gr + floor))
+    assert rows["ZeRO-2 + optimizer offload"].cpu == pytest.approx(12 * n / g)
+    adapters = 8 * model_shape(str(model_dir)).lora_params_per_rank
+    lora, qlora = rows["LoRA r=8 (DDP)"], rows["QLoRA r=8 (DDP)"]
+    assert (lora.weights, lora.grads, lora.optimizer) == (2 * n + 4 * adapters, 8 * adapters, 8 * adapters)
+    assert qlora.weights == pytest.approx(NF4_BYTES * linear + 2 * (n - linear) + 4 * adapters + 2 * unit)
+    assert NF4_BYTES == pytest.approx(0.5 + 0.0159, abs=1e-4)  # 4-bit + double-quantized constants
+
+
+def test_fp32_single_gpu_is_16_bytes_per_parameter(model_dir):
+    n, _ = hand_params()
+    plan = estimate(model_shape(str(model_dir)), gpus=1, batch=1, seq=64, precision="fp32")
+    row = plan.rows[0]
+    assert (row.strategy, row.preset) == ("single GPU", "single_gpu")
+    assert (row.weights, row.grads, row.optimizer) == (4 * n, 4 * n, 8 * n)
+    assert row.activations == hand_activations(64, 4, 4, False)
+    assert not any(r.strategy.startswith(("ZeRO-1", "FSDP")) for r in plan.rows)  # nothing to shard over
+
+
+def test_recommends_the_cheapest_that_fits_and_says_why(model_dir):
+    plan = estimate(model_shape(str(model_dir)), gpus=4, batch=2, seq=128)
+    rows = {r.strategy: r for r in plan.rows}
+    # a GPU just big enough for ZeRO-1 without checkpointing, too small for DDP
+    need = rows["ZeRO-1"].peak(False)
+    assert rows["DDP"].peak(False) > need
+    gpu = need / GIB / 0.9 + 1.0 + 1e-6
+    row, ckpt, why = recommend(plan, gpu, "full")
+    assert (row.strategy, ckpt) == ("ZeRO-1", False)
+    assert "cheaper options do not fit (DDP" in why and f"{need / GIB:.1f} GiB" in why
+    # so small that only checkpointing and offload are left
+    tiny = rows["ZeRO-3 + parameter and optimizer offload"].peak(True) / GIB / 0.9 + 1.0 + 1e-6
+    row, ckpt, _ = recommend(plan, tiny, "full")
+    assert ckpt and row.peak(True) <= usable_bytes(tiny)
+    assert recommend(plan, 1.0001, "full")[0] is None
+
+
+def test_cli_prints_every_strategy_and_a_recommendation(model_dir):
+    proc = subprocess.run([sys.executable, "-m", "hftrain.estimate", "--model", str(model_dir), "--gpus", "8",
+                           "--gpu_memory", "80", "--seq", "4096", "--batch", "4", "--qlora"],
+                          capture_output=True, text=True, cwd=REPO, env=OFFLINE)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full shard", "ZeRO-2 + optimizer offload",
+                 "ZeRO-3 + parameter and optimizer offload", "LoRA r=16", "QLoRA r=16"):
+        assert f"\n{name} " in proc.stdout
+    assert "recommendation: accelerate_configs/multi_gpu.yaml with gradient_checkpointing: false, qlora r=16" \
+        in proc.stdout
+
+
+def test_cli_unknown_model_is_one_paragraph(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hftrain.estimate", "--model", str(tmp_path / "nothing")],
+                          capture_output=True, text=True, cwd=REPO, env=OFFLINE)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "cannot read the config of model" in " ".join(proc.stderr.split())

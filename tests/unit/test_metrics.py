@@ -1,0 +1,152 @@
+"""hftrain.metrics without a launch: FLOP formula, GPU peak table, timers, rank checks on made-up rank tables."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hftrain import metrics
+from hftrain.metrics import FlopCounter, RunMeter, StepTimer, param_checksum, peak_tflops
+
+H, LAYERS, INTER, VOCAB, HEADS = 64, 3, 96, 500, 4
+
+
+def llama(tied: bool = False) -> LlamaForCausalLM:
+    config = LlamaConfig(hidden_size=H, num_hidden_layers=LAYERS, intermediate_size=INTER, vocab_size=VOCAB,
+                         num_attention_heads=HEADS, num_key_value_heads=2, tie_word_embeddings=tied)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def hand_matmul_params() -> int:
+    kv = 2 * (H // HEADS)  # 2 key/value heads of head_dim 16
+    attention = H * H + 2 * H * kv + H * H  # q, k, v, o
+    norms = 2 * H
+    return LAYERS * (attention + 3 * H * INTER + norms) + H + VOCAB * H  # + final norm + lm_head
+
+
+def test_flops_full_fine_tuning_are_6n_plus_attention():
+    counter = FlopCounter(llama())
+    n = hand_matmul_params()
+    assert counter.matmul_params == n and counter.per_token == 6 * n
+    b, s = 3, 40
+    assert counter.batch(b, s) == b * s * (6 * n + 12 * LAYERS * H * s)
+
+
+def test_flops_frozen_weights_skip_weight_gradients_and_tied_head_counts():
+    model = llama(tied=True)
+    for name, p in model.named_parameters():
+        p.requires_grad_("mlp" in name)  # e.g. adapters only on the MLP
+    counter = FlopCounter(model)
+    n = hand_matmul_params()  # the tied head still costs a matmul
+    trainable = LAYERS * 3 * H * INTER
+    assert (counter.matmul_params, counter.trainable_matmul_params) == (n, trainable)
+    assert counter.per_token == 4 * n + 2 * trainable
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA L4", 121.0), ("NVIDIA L40S", 362.0), ("NVIDIA A10G", 70.0), ("Tesla T4", None),
+])
+def test_peak_table_matches_gpu_names(monkeypatch, name, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_tflops(torch.device("cuda", 0), None) == expected
+    assert peak_tflops(torch.device("cuda", 0), 100.0) == 100.0  # the recipe's value wins
+
+
+def test_no_peak_on_cpu_unless_given():
+    assert peak_tflops(torch.device("cpu"), None) is None and peak_tflops(torch.device("cpu"), 1.5) == 1.5
+
+
+def test_step_timer_splits_phases_and_skips_time_between_steps():
+    timer = StepTimer(torch.device("cpu"))
+    time.sleep(0.05)  # before the step: not counted once restarted
+    timer.restart()
+    time.sleep(0.02)
+    timer.lap("data_wait")
+    time.sleep(0.03)
+    timer.lap("forward")
+    timer.lap("forward")  # a second micro-batch adds to the same phase
+    got = timer.collect()
+    assert set(got) == set(metrics.TIMER_PHASES)
+    assert 0.02 <= got["data_wait"] < 0.05 and 0.03 <= got["forward"] < 0.06 and got["optimizer"] == 0
+    assert timer.collect()["forward"] == 0  # collect starts a new window
+
+
+def fake_meter(world: int, warnings: list[str], threshold: float = 0.2) -> RunMeter:
+    accelerator = SimpleNamespace(num_processes=world, process_index=0, device=torch.device("cpu"))
+    return RunMeter(accelerator, FlopCounter(llama()), straggler_threshold=threshold, peak_tflops_override=None,
+                    cost_per_gpu_hour=None, effective_batch_size=8, device_hours_before=0.0, warn=warnings.append)
+
+
+def rank(forward: float, **overrides) -> dict:
+    row = dict.fromkeys(RunMeter.FIELDS, 0.0)
+    row.update(processed_tokens=1000, trained_tokens=400, loss_sum=800.0, data_wait=0.1, forward=forward,
+               backward=0.5, optimizer=0.1, step=10, loss=2.0, grad_norm=1.5, param_checksum=123.456, flops=1e9,
+               peak_memory_mb=500.0)
+    row.update(overrides)
+    return row
+
+
+def test_straggler_is_the_rank_slow_in_its_own_time_not_in_wall_clock():
+    warnings: list[str] = []
+    meter = fake_meter(4, warnings)
+    ranks = [rank(0.4), rank(0.4), rank(0.4), rank(0.9)]  # rank 3: 1000 / 1.0 s vs 1000 / 0.5 s of own time
+    meter._metrics(ranks, steps=5, global_tokens=1600, global_examples=40)
+    assert warnings == []  # one slow window may be noise: the warning needs the same rank twice in a row
+    row = meter._metrics(ranks, steps=5, global_tokens=1600, global_examples=40)
+    assert row["slowest_rank"] == 3 and row["slowest_rank_ratio"] == pytest.approx(0.5)
+    assert row["rank3/own_tokens_per_second"] == pytest.approx(1000.0)
+    assert len(warnings) == 1 and "straggler: rank 3" in warnings[0] and "50% below" in warnings[0]
+    assert row["ranks_in_sync"] is True
+    # the wall-clock view: every rank trained 400 tokens in the slowest rank's busy time (1.6 s)
+    assert row["rank0/tokens_per_second"] == row["rank3/tokens_per_second"] == pytest.approx(400 / 1.6)
+    assert row["tokens_per_second"] == pytest.approx(1600 / 1.6) and row["step_time"] == pytest.approx(1.6 / 5)
+
+
+def test_within_threshold_is_not_a_straggler():
+    warnings: list[str] = []
+    row = fake_meter(2, warnings)._metrics([rank(0.4), rank(0.5)], 5, 800, 40)  # 2000 vs 1667 tok/s: 17% slower
+    assert row["slowest_rank"] == 1 and row["slowest_rank_ratio"] == pytest.approx((1000 / 0.6) / 2000)
+    assert warnings == []
+
+
+@pytest.mark.parametrize("key, value", [("param_checksum", 123.457), ("loss", 2.01), ("step", 11.0),
+                                        ("grad_norm", 1.6)])
+def test_desync_names_the_disagreeing_value(key, value):
+    warnings: list[str] = []
+    row = fake_meter(2, warnings)._metrics([rank(0.4), rank(0.4, **{key: value})], 5, 800, 40)
+    assert row["ranks_in_sync"] is False
+    assert len(warnings) == 1 and f"desync: ranks disagree on {key}" in warnings[0]
+
+
+def test_single_process_has_no_rank_checks():
+    warnings: list[str] = []
+    row = fake_meter(1, warnings)._metrics([rank(0.4)], 5, 400, 20)
+    assert "slowest_rank" not in row and "ranks_in_sync" not in row and "mfu" not in row and warnings == []
+    assert row["tflops_per_device"] == pytest.approx(1e9 / 1.1 / 1e12)
+
+
+def test_param_checksum_sums_every_parameter_exactly():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    expected = sum(p.double().sum().item() for p in model.parameters())
+    assert param_checksum(model) == pytest.approx(expected, rel=1e-15)
+
+
+def test_first_window_reports_the_slowest_rank_without_warning():
+    warnings: list[str] = []
+    row = fake_meter(2, warnings)._metrics([rank(0.4), rank(0.9)], 5, 800, 40, first=True)  # warm-up window
+    assert row["slowest_rank"] == 1 and row["slowest_rank_ratio"] == pytest.approx(0.5) and warnings == []
+
+
+def test_a_different_slow_rank_each_window_is_noise_not_a_straggler():
+    warnings: list[str] = []
+    meter = fake_meter(2, warnings)
+    for slow in (0, 1, 0, 1):
+        ranks = [rank(0.9 if r == slow else 0.4) for r in range(2)]
+        assert meter._metrics(ranks, 5, 800, 40)["slowest_rank"] == slow
+    assert warnings == []

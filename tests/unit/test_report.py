@@ -1,0 +1,87 @@
+"""hftrain.report on a made-up two-rank metrics.jsonl: valid PNGs and a summary whose numbers are checked by hand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from hftrain.report import write_report
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def train_row(step: int, loss: float, ranks_in_sync: bool = True) -> dict:
+    return {"step": step, "epoch": step / 10, "loss": loss, "learning_rate": 1e-3 * step, "grad_norm": 1.0,
+            "trained_tokens": 100 * step, "tokens_per_second": 1000.0 * step, "samples_per_second": 10.0 * step,
+            "effective_batch_size": 32, "step_time": 2.0, "data_wait_time": 0.5, "forward_backward_time": 1.0,
+            "optimizer_time": 0.5, "peak_memory_mb": 900.0 + step, "tflops_per_device": 3.0, "mfu": 0.25,
+            "device_hours": 0.1 * step, "cost": 0.2 * step, "rank0/tokens_per_second": 500.0 * step,
+            "rank1/tokens_per_second": 500.0 * step, "rank0/own_tokens_per_second": 4000.0,
+            "rank1/own_tokens_per_second": 2000.0, "rank0/peak_memory_mb": 900.0 + step,
+            "rank1/peak_memory_mb": 800.0, "slowest_rank": 1, "slowest_rank_ratio": 0.5 + step / 100,
+            "ranks_in_sync": ranks_in_sync}
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    rows = [train_row(1, 5.0), train_row(2, 4.0), {"step": 2, "eval_loss": 3.9, "eval_perplexity": 49.4,
+                                                   "eval_tokens": 10},
+            train_row(3, 3.0, ranks_in_sync=False), train_row(4, 3.5), {"step": 4, "eval_loss": 4.1,
+                                                                         "eval_perplexity": 60.3, "eval_tokens": 10}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "hftrain_state.json").write_text(json.dumps({
+        "launch": {"distributed_type": "MULTI_GPU", "num_processes": 2, "model_wrapper": "DistributedDataParallel",
+                   "mixed_precision": "bf16", "device": "cuda:0"},
+        "total_steps": 4, "effective_batch_size": 32, "memory_baseline_mb": 300.0, "device_hours": 0.45}))
+    return tmp_path
+
+
+def test_report_writes_valid_pngs_and_a_checked_summary(run_dir):
+    report = write_report(run_dir)
+    pngs = sorted(p.name for p in report.parent.glob("*.png"))
+    assert pngs == ["learning_rate.png", "loss.png", "memory.png", "rank_throughput.png", "step_time.png",
+                    "tokens_per_second.png"]
+    for name in pngs:
+        path = report.parent / name
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+        with Image.open(path) as image:
+            image.verify()  # a complete, uncorrupted PNG
+        with Image.open(path) as image:
+            assert image.size == (700, 400)
+            assert len(image.convert("L").getcolors(maxcolors=256)) > 10, f"{name} looks blank"
+    text = report.read_text()
+    assert "MULTI_GPU, 2 process(es), model wrapped as DistributedDataParallel, precision bf16" in text
+    assert "steps logged: 1 to 4 of 4" in text
+    assert "loss: first 5, last 3.5, lowest 3" in text
+    assert "eval loss: last 4.1 (perplexity 60.3) at step 4; best 3.9 at step 2" in text
+    # windows after the first: mean of 2000, 3000, 4000 tokens/s and of 20, 30, 40 samples/s
+    assert "3,000 trained tokens/s, 30 samples/s" in text
+    assert "step time 2 s: data wait 25%, forward + backward 50%, optimizer 25%" in text
+    assert "MFU 25.0%" in text and "peak memory: 904 MiB" in text and "300 MiB before the model" in text
+    assert "device-hours: 0.4500, cost 0.80" in text
+    assert "slowest rank: rank 1 at 51% of the others' own-time throughput (step 1)" in text
+    assert "DESYNC: ranks disagreed at steps [3]" in text
+    assert all(f"![{p[:-4]}]({p})" in text for p in pngs)
+
+
+def test_report_cli_refuses_a_folder_without_metrics(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "hftrain.report", str(tmp_path)], capture_output=True, text=True,
+                          cwd=REPO)
+    message = " ".join(proc.stderr.split())  # one paragraph, wrapped
+    assert proc.returncode == 2
+    assert message.startswith("hftrain: error:") and "has no metrics.jsonl" in message
+    assert "Traceback" not in proc.stderr
+
+
+def test_report_names_a_damaged_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(train_row(1, 2.0)) + "\n{not json\n")
+    proc = subprocess.run([sys.executable, "-m", "hftrain.report", str(tmp_path)], capture_output=True, text=True,
+                          cwd=REPO)
+    assert proc.returncode == 2 and "line 2 is not JSON" in " ".join(proc.stderr.split())

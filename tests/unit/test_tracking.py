@@ -1,0 +1,63 @@
+"""What trackers receive: the flattened resolved config with secrets redacted; monitoring fields validated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hftrain.config import check_environment, recipe_from_dict
+from hftrain.errors import ConfigError
+from hftrain.tracking import REDACTED, tracker_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def recipe(tmp_path, **values):
+    return recipe_from_dict({"model_name_or_path": str(REPO / "models" / "tiny-llama"),
+                             "dataset_name": str(REPO / "data" / "chat.jsonl"),
+                             "output_dir": str(tmp_path / "out"), **values})
+
+
+RUN_INFO = {"launch": {"distributed_type": "MULTI_CPU", "num_processes": 2}, "effective_batch_size": 32,
+            "total_steps": 10, "data": {"train": {"examples": 100, "format": "messages"}},
+            "hub_token": "hf_abcdefghijklmnopqrstuvwxyz", "extra": {"api_key": "12345", "note": "sk-abcdefghijklmnop"}}
+
+
+def test_tracker_config_is_flat_scalar_and_redacted(tmp_path):
+    config = tracker_config(recipe(tmp_path, learning_rate=1e-4, wandb_tags=["a", "b"], report_to=["wandb"]),
+                            RUN_INFO)
+    assert config["learning_rate"] == 1e-4 and config["launch/num_processes"] == 2
+    assert config["data/train/examples"] == 100 and config["effective_batch_size"] == 32
+    assert config["wandb_tags"] == "['a', 'b']"  # lists become strings every tracker accepts
+    # by name (token/key/secret/password) and by the shape of well-known tokens
+    assert config["hub_token"] == config["extra/api_key"] == config["extra/note"] == REDACTED
+    assert all(isinstance(v, (int, float, str, bool)) or v is None for v in config.values())
+    assert "hf_abcdefghijklmnopqrstuvwxyz" not in str(config) and "12345" not in str(config)
+
+
+def test_harmless_values_are_not_redacted(tmp_path):
+    config = tracker_config(recipe(tmp_path), RUN_INFO)
+    assert config["max_grad_norm"] == 1.0 and config["tokenizer_name_or_path"] is None  # unset: nothing to hide
+    assert config["model_name_or_path"].endswith("tiny-llama")
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"wandb_tags": ["x"]}, "wandb_tags / wandb_group are set but report_to does not include wandb"),
+    ({"straggler_threshold": 1.5}, "straggler_threshold must be in (0, 1)"),
+    ({"profile_steps": -1}, "profile_steps must be >= 0"),
+    ({"device_peak_tflops": 0}, "device_peak_tflops must be > 0"),
+    ({"cost_per_gpu_hour": -2}, "cost_per_gpu_hour must be > 0"),
+])
+def test_monitoring_fields_are_validated(tmp_path, values, message):
+    with pytest.raises(ConfigError) as error:
+        recipe(tmp_path, **values)
+    assert message in str(error.value)
+
+
+def test_mlflow_needs_its_package(tmp_path, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    problems = check_environment(recipe(tmp_path, report_to=["mlflow"]), cuda_available=False)
+    assert problems and "mlflow package is not installed" in problems[0]
