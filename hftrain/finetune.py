@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
 
 import torch
 
-from hftrain import checkpoint
+from hftrain import checkpoint, strategy
 from hftrain.config import Recipe, check_environment, dump_recipe, load_recipe
 from hftrain.data import IGNORE_INDEX, BatchPlan, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.distributed import launch_info, make_accelerator, preset_conflicts
@@ -102,20 +102,16 @@ def run(recipe: Recipe) -> Path:
     # -------------------------------------------------------------- optimizer
     optimizer = build_optimizer(recipe, model)
     scheduler = build_scheduler(recipe, optimizer, total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = strategy.prepare(accelerator, model, optimizer)  # DDP / FSDP2 / DeepSpeed engine
     accelerator.register_for_checkpointing(scheduler)  # stepped by the loop once per optimizer step
 
     progress = checkpoint.Progress(world_size=world)
     if resume_from is not None:
-        progress, _ = checkpoint.load_checkpoint(accelerator, resume_from)
-        if progress.world_size != world:  # keep the data position in examples, not in (resized) steps
-            examples_done = progress.step_in_epoch * plan.global_batch // world * progress.world_size
-            progress.step_in_epoch, progress.world_size = examples_done // plan.global_batch, world
-    run_info = {"launch": launch_info(accelerator, model), "data": data_stats,
+        progress = checkpoint.load_checkpoint(accelerator, resume_from, plan)
+    run_info = {"launch": launch_info(accelerator, model, optimizer), "data": data_stats,
                 "effective_batch_size": plan.global_batch, "total_steps": total_steps}
     logger = MetricLogger(accelerator, recipe, progress.step, run_info)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_trainable, n_params = strategy.parameter_counts(model)
     logger.print(
         f"hftrain: {run_info['launch']['distributed_type']} with {world} process(es) on {accelerator.device}, "
         f"model wrapped as {run_info['launch']['model_wrapper']}; "
@@ -140,7 +136,7 @@ def run(recipe: Recipe) -> Path:
             micro_batches = [to_device(next(batches), accelerator.device) for _ in range(accum)]
             # The loss of an optimizer step is sum(token losses over all micro-batches and ranks) divided by
             # the step's trained tokens over all ranks. Gradients are averaged over ranks (DDP/FSDP/DeepSpeed)
-            # and accelerator.backward divides by `accum`: multiplying by world * accum undoes both.
+            # and the backward divides by `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both.
             step_tokens = accelerator.reduce(sum(trained_tokens(b) for b in micro_batches), reduction="sum")
             scale = world * accum / step_tokens.clamp(min=1)
             learning_rate = optimizer.param_groups[0]["lr"]
@@ -150,7 +146,7 @@ def run(recipe: Recipe) -> Path:
                     accelerator.backward(loss_sum * scale)
                     window_loss += loss_sum.detach()
                     if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+                        grad_norm = strategy.clip_grad_norm(accelerator, model, max_norm)
                         optimizer.step()
                         scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
@@ -169,7 +165,7 @@ def run(recipe: Recipe) -> Path:
                     "epoch": round((progress.epoch + progress.step_in_epoch / plan.steps_per_epoch), 4),
                     "loss": loss,
                     "learning_rate": learning_rate,
-                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "grad_norm": grad_norm,
                     "trained_tokens": progress.trained_tokens,
                     "tokens_per_second": window_tokens / elapsed,
                     "samples_per_second": window_examples / elapsed,
