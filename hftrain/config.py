@@ -143,6 +143,17 @@ class Recipe:
     )
     project_name: str = _f("hftrain", "Tracker project (W&B project).", group="logging")
     run_name: str | None = _f(None, "Tracker run name; defaults to the output_dir name.", group="logging")
+    # ----------------------------------------------------------------------- parallelism
+    # The strategy itself comes from the launch preset (accelerate_configs/); the recipe records which
+    # preset it was sized for and why, and `hftrain launch` uses that preset when --preset is not given.
+    launch_preset: str | None = _f(
+        None, "Name of the accelerate_configs preset this recipe is sized for (e.g. zero3); `hftrain launch` "
+        "uses it when --preset is not given, and the run logs it next to what really runs.", group="parallelism",
+    )
+    launch_preset_reason: str | None = _f(
+        None, "Why that preset, e.g. the model-state memory estimate against the GPU memory (the run logs its "
+        "own estimate for the strategy it runs).", group="parallelism",
+    )
 
     # ------------------------------------------------------------------ derived values
     def warmup_for(self, total_steps: int) -> int:
@@ -284,6 +295,20 @@ def validate(recipe: Recipe) -> list[str]:
     elif r.resume_from_checkpoint is None and not r.overwrite_output_dir and _holds_a_run(out):
         problems.append(f"output_dir {r.output_dir!r} already holds a run; resume it with "
                         "resume_from_checkpoint=latest, pick another output_dir, or set overwrite_output_dir=true")
+    return problems + _parallelism_problems(r)
+
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"  # shipped launch presets
+
+
+def _parallelism_problems(r: Recipe) -> list[str]:
+    """The parallelism group: the recorded preset must be one that ships."""
+    problems = []
+    if r.launch_preset is not None and not (PRESET_DIR / f"{r.launch_preset}.yaml").is_file():
+        shipped = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+        problems.append(f"launch_preset={r.launch_preset!r} is not a shipped preset; use one of: {shipped}")
+    if r.launch_preset_reason is not None and r.launch_preset is None:
+        problems.append("launch_preset_reason is set but launch_preset is not; name the preset it explains")
     return problems
 
 

@@ -108,10 +108,12 @@ def run(recipe: Recipe) -> Path:
     progress = checkpoint.Progress(world_size=world)
     if resume_from is not None:
         progress = checkpoint.load_checkpoint(accelerator, resume_from, plan)
-    run_info = {"launch": launch_info(accelerator, model, optimizer), "data": data_stats,
-                "effective_batch_size": plan.global_batch, "total_steps": total_steps}
-    logger = MetricLogger(accelerator, recipe, progress.step, run_info)
     n_trainable, n_params = strategy.parameter_counts(model)
+    memory = strategy.model_state_memory(accelerator, recipe, n_trainable, n_params)
+    run_info = {"launch": launch_info(accelerator, model, optimizer), "data": data_stats,
+                "effective_batch_size": plan.global_batch, "total_steps": total_steps, "memory_estimate": memory,
+                "launch_preset": {"recipe": recipe.launch_preset, "reason": recipe.launch_preset_reason}}
+    logger = MetricLogger(accelerator, recipe, progress.step, run_info)
     logger.print(
         f"hftrain: {run_info['launch']['distributed_type']} with {world} process(es) on {accelerator.device}, "
         f"model wrapped as {run_info['launch']['model_wrapper']}; "
@@ -119,6 +121,13 @@ def run(recipe: Recipe) -> Path:
         f"{recipe.gradient_accumulation_steps} accumulation; {total_steps} optimizer steps "
         f"({plan.steps_per_epoch} per epoch); {n_trainable:,} of {n_params:,} parameters trained; "
         f"data {data_stats['train']}" + (f"; resuming from {resume_from} at step {progress.step}" if resume_from else "")
+    )
+    logger.print(
+        f"hftrain: parallelism {memory['strategy']} over {world} process(es): model state ~{memory['per_device_gib']} "
+        f"GiB per device (+{memory['offloaded_gib']} GiB offloaded to CPU; activations extra) of "
+        f"{memory['device_memory_gib']} GiB" + (f"; the recipe is sized for preset {recipe.launch_preset}: "
+                                                 f"{recipe.launch_preset_reason or 'no reason given'}"
+                                                 if recipe.launch_preset else "")
     )
 
     # ------------------------------------------------------------------- loop

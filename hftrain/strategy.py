@@ -208,6 +208,56 @@ def parameter_counts(model) -> tuple[int, int]:
     return sum(size(p) for p in params if p.requires_grad), sum(size(p) for p in params)
 
 
+# ---------------------------------------------------------------------------- memory estimate
+GIB = 2**30
+
+
+def model_state_memory(accelerator, recipe: Recipe, n_trainable: int, n_params: int) -> dict:
+    """Model-state memory per device for the strategy that runs (activations and buffers not included).
+
+    ZeRO paper accounting, with P parameters of which T are trained, N processes and w bytes per weight:
+    weights w*P, gradients w*T, optimizer state k*T (AdamW: 8 bytes of fp32 moments, plus a 4-byte fp32
+    master copy when DeepSpeed trains in 16 bit; SGD: 4 with momentum). DDP keeps all three on every
+    device; ZeRO-1 shards the optimizer state (/N), ZeRO-2 and FSDP2 SHARD_GRAD_OP also the gradients,
+    ZeRO-3 and FSDP2 FULL_SHARD everything; offloaded parts live in CPU RAM instead.
+    """
+    import torch
+
+    from hftrain.model import DTYPES
+
+    kind, world = _selected(accelerator), accelerator.num_processes
+    sixteen_bit_master = kind == "DEEPSPEED" and (recipe.bf16 or recipe.fp16)
+    w = 2 if sixteen_bit_master else DTYPES[recipe.dtype].itemsize
+    k = (8 if recipe.optim == "adamw_torch" else 4 if recipe.sgd_momentum > 0 else 0) + (4 if sixteen_bit_master else 0)
+    parts = {"weights": w * n_params, "gradients": w * n_trainable, "optimizer": k * n_trainable}
+    sharded, offloaded, name = set(), set(), {"NO": "single process", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP"}.get(kind)
+    if kind == "DEEPSPEED":
+        zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
+        stage = int(zero.get("stage", 0))
+        sharded = {"optimizer", "gradients", "weights"} if stage == 3 else {"optimizer", "gradients"} if stage == 2 \
+            else {"optimizer"} if stage == 1 else set()
+        offloaded = {part for part, key in (("optimizer", "offload_optimizer"), ("weights", "offload_param"))
+                     if zero.get(key, {}).get("device", "none") not in ("none", None)}
+        name = f"DeepSpeed ZeRO-{stage}" + (" + offload" if offloaded else "")
+    elif kind == "FSDP":
+        plugin = accelerator.state.fsdp_plugin
+        full_shard = plugin.reshard_after_forward is True
+        sharded = {"optimizer", "gradients", "weights"} if full_shard else {"optimizer", "gradients"}
+        offloaded = set(parts) if plugin.cpu_offload else set()
+        name = "FSDP2 " + ("FULL_SHARD" if full_shard else "SHARD_GRAD_OP") + (" + offload" if offloaded else "")
+    per_device = {p: (b // world if p in sharded else b) for p, b in parts.items()}
+    on_device = sum(b for p, b in per_device.items() if p not in offloaded)
+    on_cpu = sum(b for p, b in per_device.items() if p in offloaded)
+    if accelerator.device.type == "cuda":
+        device_memory = torch.cuda.get_device_properties(accelerator.device).total_memory
+    else:  # CPU: the machine's RAM shared by the processes of this node
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        device_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / per_node
+    return {"strategy": name or kind, "processes": world, "bytes_per_weight": w, "optimizer_bytes_per_param": k,
+            "per_device_bytes": on_device, "offloaded_bytes": on_cpu, "per_device_gib": round(on_device / GIB, 3),
+            "offloaded_gib": round(on_cpu / GIB, 3), "device_memory_gib": round(device_memory / GIB, 1)}
+
+
 # ------------------------------------------------------------------------------- checkpoints
 def check_resumable(accelerator, saved_launch: dict) -> None:
     """DeepSpeed ZeRO checkpoints hold one optimizer partition per rank: they resume on the same world size."""

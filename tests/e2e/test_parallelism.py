@@ -110,6 +110,15 @@ def assert_continues(resumed: Run, run: Run, rtol: float = 1e-6, atol: float = 1
     params_close(final_params(resumed), final_params(run), rtol, atol)
 
 
+def assert_memory_estimate(run: Run, strategy: str, on_device: float, offloaded: float = 0) -> None:
+    """Model-state estimate in units of the parameter count (fp32 weights, AdamW: 16 bytes per parameter)."""
+    estimate = run.state()["memory_estimate"]
+    assert estimate["strategy"] == strategy
+    assert (estimate["per_device_bytes"], estimate["offloaded_bytes"]) == \
+        (int(on_device * TINY_PARAMS), int(offloaded * TINY_PARAMS))
+    assert f"parallelism {strategy} over 2 process(es)" in run.stdout
+
+
 def ds_config(run: Run, folder: str) -> dict:
     return json.loads((run.output_dir / folder / "ds_config.json").read_text())
 
@@ -118,6 +127,7 @@ def ds_config(run: Run, folder: str) -> dict:
 def test_ddp_checkpoint_resumes_on_another_number_of_processes(reference, tmp_path):
     ddp = launch(tmp_path / "ddp", *COMMON, *TWO_PROCESSES, preset="cpu_ddp")
     assert_launch(ddp, "MULTI_CPU", 2, "DistributedDataParallel", num_machines=1, optimizer="AdamW")
+    assert_memory_estimate(ddp, "DDP", 16)  # 4 weights + 4 gradients + 8 Adam moments, all replicated
     assert_same_training(ddp, reference)
 
     # 2 -> 1: rank 0's RNG state is restored; the data position is the same step of the same epoch order
@@ -143,6 +153,7 @@ def test_zero2_with_accumulation_matches_one_process_with_the_recipes_clipping(r
                 used["train_batch_size"], used["gradient_clipping"]) == (4, 2, 16, 0.5)
         assert used["zero_optimization"]["stage"] == 2 and used["bf16"]["enabled"] is False
     assert all(r["grad_norm"] > 0.5 for r in run.train_rows()), "clipping must be active for this test to bite"
+    assert_memory_estimate(run, "DeepSpeed ZeRO-2", 4 + 4 / 2 + 4 / 2)  # SGD momentum: 4 bytes, sharded
     assert_same_training(run, reference_sgd)
     shards = sorted(p.name for p in (run.output_dir / "checkpoint-3" / "pytorch_model").glob("*optim_states.pt"))
     assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
@@ -164,6 +175,7 @@ def test_zero3_trains_like_one_process_and_gathers_a_full_final_model(reference,
     assert used["zero_optimization"]["stage3_param_persistence_threshold"] == 640  # 10 x hidden size 64
     # counted at full size although each rank holds half of every parameter
     assert f"{TINY_PARAMS:,} of {TINY_PARAMS:,} parameters trained" in run.stdout
+    assert_memory_estimate(run, "DeepSpeed ZeRO-3", 16 / 2)
     assert_same_training(run, reference)
 
     from transformers import AutoModelForCausalLM
@@ -179,6 +191,7 @@ def test_zero2_with_cpu_optimizer_offload(reference, tmp_path):
     run = launch(tmp_path / "zero2-offload", *COMMON, *TWO_PROCESSES, preset="zero2_offload", timeout=1200)
     assert_launch(run, "DEEPSPEED", 2, "DeepSpeedEngine", optimizer="DeepSpeedCPUAdam")
     assert ds_config(run, "final")["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert_memory_estimate(run, "DeepSpeed ZeRO-2 + offload", 4 + 4 / 2, offloaded=8 / 2)
     assert_same_training(run, reference)  # DeepSpeedCPUAdam with the recipe's betas/eps/decay = torch AdamW
 
 
@@ -188,6 +201,10 @@ def test_fsdp2_through_the_test_launcher(reference, tmp_path, preset):
     run = launch(tmp_path / preset, *COMMON, *TWO_PROCESSES, preset=preset, processes=2, script=FSDP_LAUNCHER)
     info = assert_launch(run, "FSDP", 2, "FSDPCausalLMTokenLoss", optimizer="AdamW")
     assert info["sharded_modules"] == ["FSDPCausalLMTokenLoss", "FSDPLlamaDecoderLayer"]  # transformer-layer wrap
+    if preset == "fsdp2":
+        assert_memory_estimate(run, "FSDP2 FULL_SHARD", 16 / 2)
+    else:
+        assert_memory_estimate(run, "FSDP2 SHARD_GRAD_OP", 4 + 12 / 2)
     checkpoint = run.output_dir / "checkpoint-3"
     for folder in ("pytorch_model_fsdp_0", "optimizer_0"):  # sharded: one piece per rank
         assert sorted(p.name for p in (checkpoint / folder).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
