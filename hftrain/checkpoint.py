@@ -106,7 +106,7 @@ def resolve_resume(recipe: Recipe) -> Path | None:
     return path
 
 
-def load_checkpoint(accelerator, path: Path, plan) -> Progress:
+def load_checkpoint(accelerator, path: Path, plan, recipe: Recipe) -> Progress:
     """Restore model/optimizer/scheduler/RNG from `path` and return where training stands for this run.
 
     A checkpoint can resume with another number of processes (DDP, FSDP2; DeepSpeed ZeRO needs the same
@@ -118,7 +118,7 @@ def load_checkpoint(accelerator, path: Path, plan) -> Progress:
     seed and epoch): they only matter for dropout.
     """
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    strategy.check_resumable(accelerator, state["launch"])
+    strategy.check_resumable(accelerator, state["launch"], recipe)
     accelerator.load_state(str(path))
     progress = realign(Progress(**state["progress"]), state["effective_batch_size"], plan)
     # load_state also restores accelerate's micro-batch counter, which decides when gradients sync. Saved by
@@ -141,10 +141,7 @@ def realign(progress: Progress, saved_global_batch: int, plan) -> Progress:
 
 def save_final(accelerator, model, tokenizer, folder: Path) -> None:
     """A standard `from_pretrained` folder (safetensors + config + tokenizer) from the wrapped model."""
-    state_dict = accelerator.get_state_dict(model)  # full (gathered) weights on the main process
-    lm = accelerator.unwrap_model(model).lm
+    strategy.save_pretrained(accelerator, model, folder)  # gathered from DDP / FSDP2 / ZeRO-3 / TP shards
     if accelerator.is_main_process:
-        state_dict = {k.removeprefix("lm."): v for k, v in state_dict.items()}
-        lm.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(folder)
     accelerator.wait_for_everyone()

@@ -154,6 +154,12 @@ class Recipe:
         None, "Why that preset, e.g. the model-state memory estimate against the GPU memory (the run logs its "
         "own estimate for the strategy it runs).", group="parallelism",
     )
+    tp_size: int = _f(
+        1, "Tensor-parallel degree: load the model with transformers' DistributedConfig(tp_size=N), its predefined "
+        "tensor-parallel plan (tp_plan 'auto'), so each linear layer is sharded over N processes that see the same "
+        "batches. Needs N = the number of processes and a DDP-type preset (e.g. tp). 1 = off.",
+        group="parallelism",
+    )
 
     # ------------------------------------------------------------------ derived values
     def warmup_for(self, total_steps: int) -> int:
@@ -307,6 +313,8 @@ def _parallelism_problems(r: Recipe) -> list[str]:
     if r.launch_preset is not None and not (PRESET_DIR / f"{r.launch_preset}.yaml").is_file():
         shipped = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
         problems.append(f"launch_preset={r.launch_preset!r} is not a shipped preset; use one of: {shipped}")
+    if r.tp_size < 1:
+        problems.append(f"tp_size must be >= 1 (1 = no tensor parallelism), got {r.tp_size}")
     if r.launch_preset_reason is not None and r.launch_preset is None:
         problems.append("launch_preset_reason is set but launch_preset is not; name the preset it explains")
     return problems

@@ -41,20 +41,19 @@ def trained_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, dataset, collator: Collator, recipe: Recipe) -> dict[str, float]:
-    """Token-weighted loss over the whole eval set, every rank evaluating a disjoint shard.
+def evaluate(accelerator, dp, model, dataset, collator: Collator, recipe: Recipe) -> dict[str, float]:
+    """Token-weighted loss over the whole eval set, every data-parallel rank evaluating a disjoint shard.
 
     Ranks reduce (loss sum, token count) pairs, which is exact whatever the shard sizes; every rank
-    runs the same number of forwards so sharded models (FSDP, ZeRO-3) stay in step.
+    runs the same number of forwards so sharded models (FSDP, ZeRO-3, tensor parallel) stay in step.
     """
     model.eval()
-    shards = eval_micro_batches(len(dataset), recipe.per_device_eval_batch_size,
-                                accelerator.num_processes, accelerator.process_index)
+    shards = eval_micro_batches(len(dataset), recipe.per_device_eval_batch_size, dp.world, dp.rank)
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     for batch in make_loader(shards, collator, recipe.dataloader_num_workers):
         batch = to_device(batch, accelerator.device)
         totals += torch.stack([model(**batch).double(), trained_tokens(batch).double()])
-    loss_sum, tokens = accelerator.reduce(totals, reduction="sum").tolist()
+    loss_sum, tokens = dp.sum(totals).tolist()
     model.train()
     loss = loss_sum / max(tokens, 1.0)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
@@ -66,12 +65,13 @@ def run(recipe: Recipe) -> Path:
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
     accelerator = make_accelerator(recipe)
+    dp = strategy.data_parallel(accelerator, recipe)  # ranks of one tensor-parallel group share their data
     from accelerate.utils import set_seed
 
     set_seed(recipe.seed)
     output_dir = Path(recipe.output_dir)
     resume_from = checkpoint.resolve_resume(recipe)
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world, rank = dp.world, dp.rank
     if accelerator.is_main_process:
         if recipe.overwrite_output_dir and resume_from is None:
             checkpoint.clear_run(output_dir)
@@ -107,7 +107,7 @@ def run(recipe: Recipe) -> Path:
 
     progress = checkpoint.Progress(world_size=world)
     if resume_from is not None:
-        progress = checkpoint.load_checkpoint(accelerator, resume_from, plan)
+        progress = checkpoint.load_checkpoint(accelerator, resume_from, plan, recipe)
     n_trainable, n_params = strategy.parameter_counts(model)
     memory = strategy.model_state_memory(accelerator, recipe, n_trainable, n_params)
     run_info = {"launch": launch_info(accelerator, model, optimizer), "data": data_stats,
@@ -115,7 +115,8 @@ def run(recipe: Recipe) -> Path:
                 "launch_preset": {"recipe": recipe.launch_preset, "reason": recipe.launch_preset_reason}}
     logger = MetricLogger(accelerator, recipe, progress.step, run_info)
     logger.print(
-        f"hftrain: {run_info['launch']['distributed_type']} with {world} process(es) on {accelerator.device}, "
+        f"hftrain: {run_info['launch']['distributed_type']} with {accelerator.num_processes} process(es) on "
+        f"{accelerator.device}, "
         f"model wrapped as {run_info['launch']['model_wrapper']}; "
         f"effective batch {plan.global_batch} = {recipe.per_device_train_batch_size} per device x {world} x "
         f"{recipe.gradient_accumulation_steps} accumulation; {total_steps} optimizer steps "
@@ -123,7 +124,8 @@ def run(recipe: Recipe) -> Path:
         f"data {data_stats['train']}" + (f"; resuming from {resume_from} at step {progress.step}" if resume_from else "")
     )
     logger.print(
-        f"hftrain: parallelism {memory['strategy']} over {world} process(es): model state ~{memory['per_device_gib']} "
+        f"hftrain: parallelism {memory['strategy']} over {accelerator.num_processes} process(es): model state "
+        f"~{memory['per_device_gib']} "
         f"GiB per device (+{memory['offloaded_gib']} GiB offloaded to CPU; activations extra) of "
         f"{memory['device_memory_gib']} GiB" + (f"; the recipe is sized for preset {recipe.launch_preset}: "
                                                  f"{recipe.launch_preset_reason or 'no reason given'}"
@@ -143,10 +145,11 @@ def run(recipe: Recipe) -> Path:
                                    recipe.dataloader_num_workers))
         while progress.step_in_epoch < plan.steps_per_epoch and progress.step < total_steps:
             micro_batches = [to_device(next(batches), accelerator.device) for _ in range(accum)]
-            # The loss of an optimizer step is sum(token losses over all micro-batches and ranks) divided by
-            # the step's trained tokens over all ranks. Gradients are averaged over ranks (DDP/FSDP/DeepSpeed)
-            # and the backward divides by `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both.
-            step_tokens = accelerator.reduce(sum(trained_tokens(b) for b in micro_batches), reduction="sum")
+            # The loss of an optimizer step is sum(token losses over all micro-batches and data-parallel ranks)
+            # divided by the step's trained tokens over those ranks. Gradients are averaged over the data-parallel
+            # ranks (DDP/FSDP/DeepSpeed; a tensor-parallel group computes one gradient together) and the backward
+            # divides by `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both.
+            step_tokens = dp.sum(sum(trained_tokens(b) for b in micro_batches))
             scale = world * accum / step_tokens.clamp(min=1)
             learning_rate = optimizer.param_groups[0]["lr"]
             for batch in micro_batches:
@@ -168,7 +171,7 @@ def run(recipe: Recipe) -> Path:
 
             if progress.step % recipe.logging_steps == 0 or progress.step in (1, total_steps):
                 elapsed = time.perf_counter() - window_start
-                loss = accelerator.reduce(window_loss, reduction="sum").item() / max(window_tokens, 1)
+                loss = dp.sum(window_loss).item() / max(window_tokens, 1)
                 logger.log({
                     "step": progress.step,
                     "epoch": round((progress.epoch + progress.step_in_epoch / plan.steps_per_epoch), 4),
@@ -185,7 +188,7 @@ def run(recipe: Recipe) -> Path:
                 window_tokens, window_examples, window_start = 0, 0, time.perf_counter()
             if eval_set is not None and recipe.eval_steps and progress.step % recipe.eval_steps == 0 \
                     and progress.step < total_steps:
-                logger.log({"step": progress.step, **evaluate(accelerator, model, eval_set, eval_collator, recipe)})
+                logger.log({"step": progress.step, **evaluate(accelerator, dp, model, eval_set, eval_collator, recipe)})
             if recipe.save_steps and progress.step % recipe.save_steps == 0:
                 checkpoint.save_checkpoint(accelerator, output_dir, recipe, progress, run_info)
         if progress.step_in_epoch >= plan.steps_per_epoch:
@@ -194,7 +197,7 @@ def run(recipe: Recipe) -> Path:
 
     # --------------------------------------------------------- evaluate & save
     if eval_set is not None:
-        metrics = evaluate(accelerator, model, eval_set, eval_collator, recipe)
+        metrics = evaluate(accelerator, dp, model, eval_set, eval_collator, recipe)
         logger.log({"step": progress.step, **metrics})
         logger.print(f"hftrain: eval_loss {metrics['eval_loss']:.4f} after {progress.step} steps")
     final_dir = output_dir / "final"

@@ -18,13 +18,18 @@ branches on the strategy itself:
                      (`gradient_clipping`) and reports the norm; FSDP2 returns a DTensor.
 - `parameter_counts` counts that stay right when ZeRO-3 has partitioned the parameters.
 - `check_resumable`  whether a checkpoint written by another number of processes can be loaded.
+- `data_parallel`    which share of the data a rank trains on: with tensor parallelism (recipe tp_size,
+                     transformers' DistributedConfig) the ranks of one TP group see the same batches.
+- `save_pretrained`  the final model as one from_pretrained folder, gathered from whatever shards it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError, HftrainError
@@ -169,9 +174,86 @@ def check_selected(accelerator) -> None:
                                f"which would train with another strategy than the one you chose;{hint}")
 
 
+# --------------------------------------------------------------------------- tensor parallel
+@dataclass(frozen=True)
+class DataParallel:
+    """This rank's share of the data: `world` data-parallel groups, this rank in group `rank`.
+
+    The `replicas` ranks of one tensor-parallel group train on the same batches, so a sum over all
+    ranks counts each batch `replicas` times; `sum` divides that out (exact: replicas hold equal values).
+    """
+
+    world: int
+    rank: int
+    replicas: int
+    accelerator: Any
+
+    def sum(self, tensor):
+        total = self.accelerator.reduce(tensor, reduction="sum")
+        return total if self.replicas == 1 else total / self.replicas
+
+
+def data_parallel(accelerator, recipe: Recipe) -> DataParallel:
+    """Data-parallel layout for this launch; refuses tensor-parallel set-ups hftrain does not run."""
+    tp, world, kind = recipe.tp_size, accelerator.num_processes, _selected(accelerator)
+    if tp > 1 and (kind not in ("MULTI_CPU", "MULTI_GPU") or tp != world):
+        raise HftrainError(
+            f"tp_size={tp} runs on a DDP-type preset whose process count equals tp_size (e.g. tp, or cpu_ddp with "
+            f"--num_processes {tp}); this launch is {kind} with {world} process(es). Tensor parallelism combined "
+            "with data parallelism, FSDP or DeepSpeed is not available in hftrain yet"
+        )
+    return DataParallel(world // tp, accelerator.process_index // tp, tp, accelerator)
+
+
+def model_load_kwargs(recipe: Recipe) -> dict:
+    """from_pretrained arguments of the strategy: tensor parallelism shards the weights while they load."""
+    if recipe.tp_size == 1:
+        return {}
+    from transformers.distributed import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_size=recipe.tp_size)}  # the model's own tp_plan ("auto")
+
+
+def tp_size(model) -> int:
+    return model.lm.tp_size or 1
+
+
+class FullTrainingState:
+    """Model and optimizer state as full tensors, for models accelerate does not wrap (tensor parallel).
+
+    Registered with `accelerator.register_for_checkpointing`: saving gathers the shards (every rank takes
+    part, the main process writes), loading re-shards them, so the checkpoint does not depend on the layout.
+    """
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+
+
 # ------------------------------------------------------------------------------------ prepare
 def prepare(accelerator, model, optimizer):
-    """Model-dependent strategy settings, then `accelerator.prepare(model, optimizer)`."""
+    """Model-dependent strategy settings, then `accelerator.prepare(model, optimizer)`.
+
+    A tensor-parallel model (DTensor weights, sharded by transformers at load) is not wrapped: there is no
+    data-parallel dimension to synchronise, DDP cannot hold DTensors, and its checkpoint is full state.
+    """
+    if tp_size(model) > 1:
+        if accelerator.mixed_precision != "no":
+            model.forward = accelerator.autocast()(model.forward)  # what accelerator.prepare would add
+        accelerator.register_for_checkpointing(FullTrainingState(model, optimizer))
+        return model, optimizer
     lm_config = model.lm.config
     if _selected(accelerator) == "DEEPSPEED":
         config = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -219,7 +301,8 @@ def model_state_memory(accelerator, recipe: Recipe, n_trainable: int, n_params: 
     weights w*P, gradients w*T, optimizer state k*T (AdamW: 8 bytes of fp32 moments, plus a 4-byte fp32
     master copy when DeepSpeed trains in 16 bit; SGD: 4 with momentum). DDP keeps all three on every
     device; ZeRO-1 shards the optimizer state (/N), ZeRO-2 and FSDP2 SHARD_GRAD_OP also the gradients,
-    ZeRO-3 and FSDP2 FULL_SHARD everything; offloaded parts live in CPU RAM instead.
+    ZeRO-3 and FSDP2 FULL_SHARD everything; offloaded parts live in CPU RAM instead. Tensor parallelism
+    splits all three over its processes (counted as if the small replicated norm weights were split too).
     """
     import torch
 
@@ -231,7 +314,9 @@ def model_state_memory(accelerator, recipe: Recipe, n_trainable: int, n_params: 
     k = (8 if recipe.optim == "adamw_torch" else 4 if recipe.sgd_momentum > 0 else 0) + (4 if sixteen_bit_master else 0)
     parts = {"weights": w * n_params, "gradients": w * n_trainable, "optimizer": k * n_trainable}
     sharded, offloaded, name = set(), set(), {"NO": "single process", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP"}.get(kind)
-    if kind == "DEEPSPEED":
+    if recipe.tp_size > 1:  # linear weights split over the tp_size (= all) processes; norms replicated (small)
+        sharded, name = {"optimizer", "gradients", "weights"}, f"tensor parallel (tp_size={recipe.tp_size})"
+    elif kind == "DEEPSPEED":
         zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
         stage = int(zero.get("stage", 0))
         sharded = {"optimizer", "gradients", "weights"} if stage == 3 else {"optimizer", "gradients"} if stage == 2 \
@@ -259,9 +344,16 @@ def model_state_memory(accelerator, recipe: Recipe, n_trainable: int, n_params: 
 
 
 # ------------------------------------------------------------------------------- checkpoints
-def check_resumable(accelerator, saved_launch: dict) -> None:
-    """DeepSpeed ZeRO checkpoints hold one optimizer partition per rank: they resume on the same world size."""
+def check_resumable(accelerator, saved_launch: dict, recipe: Recipe) -> None:
+    """DeepSpeed ZeRO checkpoints hold one optimizer partition per rank: they resume on the same world size.
+    Tensor-parallel checkpoints hold full state in another file layout: they resume with tensor parallelism."""
     saved, world = saved_launch["num_processes"], accelerator.num_processes
+    if (saved_launch["tp_size"] > 1) != (recipe.tp_size > 1):
+        raise HftrainError(
+            f"this checkpoint was written with tp_size={saved_launch['tp_size']} and this run has "
+            f"tp_size={recipe.tp_size}; tensor-parallel checkpoints resume only with tensor parallelism (any "
+            "tp_size) and other checkpoints only without it"
+        )
     if _selected(accelerator) == "DEEPSPEED" and saved != world:
         raise HftrainError(
             f"this DeepSpeed checkpoint was written by {saved} processes and this run has {world}; ZeRO partitions "
@@ -275,6 +367,17 @@ def innermost_optimizer(optimizer) -> str:
     while hasattr(getattr(optimizer, "optimizer", None), "param_groups"):
         optimizer = optimizer.optimizer
     return type(optimizer).__name__
+
+
+def save_pretrained(accelerator, model, folder: Path) -> None:
+    """Full weights as one from_pretrained folder (model files and config; the caller adds the tokenizer)."""
+    lm = accelerator.unwrap_model(model).lm
+    if tp_size(model) > 1:  # every rank: transformers gathers the DTensor shards and the main process writes
+        lm.save_pretrained(folder, is_main_process=accelerator.is_main_process)
+        return
+    state_dict = accelerator.get_state_dict(model)  # full (gathered) weights on the main process, every rank calls
+    if accelerator.is_main_process:
+        lm.save_pretrained(folder, state_dict={k.removeprefix("lm."): v for k, v in state_dict.items()})
 
 
 def sharded_modules(model) -> list[str]:

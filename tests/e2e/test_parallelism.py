@@ -34,6 +34,7 @@ SGD = ["--optim", "sgd", "--learning_rate", "0.5", "--sgd_momentum", "0.9", "--m
 ONE_PROCESS = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"]
 TWO_PROCESSES = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1"]
 TWO_PROCESSES_ACCUM = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+TP_BATCH = ["--per_device_train_batch_size", "16"]  # tensor parallel: 2 processes, one data-parallel group
 TINY_PARAMS = 159_296  # parameters of the tiny Llama (models/tiny-llama)
 
 
@@ -283,3 +284,25 @@ def test_two_nodes_simulated_on_localhost(reference, tmp_path, preset, distribut
     assert_same_training(run, reference)
     assert sorted(p.name for p in (run.output_dir / "checkpoint-3").glob("random_states_*")) == \
         ["random_states_0.pkl", "random_states_1.pkl"]
+
+
+# ------------------------------------------------------------------------------- tensor parallel
+def test_tensor_parallel_tp_plan_under_two_ranks(reference, tmp_path):
+    """Both ranks hold half of every linear layer (DTensor shards) and train on the same batches."""
+    run = launch(tmp_path / "tp", *COMMON, *TP_BATCH, "--tp_size", "2", preset="tp")
+    info = assert_launch(run, "MULTI_CPU", 2, "CausalLMTokenLoss", tp_size=2)  # not DDP-wrapped
+    assert info["dtensor_parameters"] == 16  # embeddings, lm_head and the 7 linear layers of each of 2 blocks
+    assert_memory_estimate(run, "tensor parallel (tp_size=2)", 16 / 2)
+    # one data-parallel group: the global batch is 16 examples, and token counts are not doubled
+    assert run.state()["effective_batch_size"] == 16 and "effective batch 16 = 16 per device x 1" in run.stdout
+    assert_same_training(run, reference)
+    # checkpoints hold full (gathered) model and optimizer state, not one rank's shards
+    full = torch.load(run.output_dir / "checkpoint-3" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert full["model"]["lm.model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+
+    resumed = resume_from_step_3(run, "tp-resumed", *TP_BATCH, "--tp_size", "2", preset="tp")
+    assert_continues(resumed, run)
+    refused = launch(tmp_path / "refused", *COMMON, "--tp_size", "2", preset="cpu", check=False)
+    assert refused.returncode != 0
+    assert "tp_size=2 runs on a DDP-type preset whose process count equals tp_size" in \
+        refused.stderr.replace("\n", " ")
