@@ -216,11 +216,15 @@ def test_fsdp2_through_the_test_launcher(reference, tmp_path, preset):
         assert_continues(resumed, run)
 
 
-def test_fsdp_preset_on_cpu_is_refused_instead_of_silently_running_ddp(tmp_path):
-    run = launch(tmp_path / "out", *COMMON, preset="fsdp2", processes=2, check=False)
+@pytest.mark.parametrize("preset, env, expected", [
+    ("fsdp2", {}, "asks for FSDP but accelerate selected MULTI_CPU"),  # accelerate: FSDP only on GPU-like devices
+    ("zero2", {"ACCELERATE_USE_CPU": "1"}, "asks for DEEPSPEED but accelerate selected MULTI_CPU"),
+])
+def test_a_strategy_accelerate_would_silently_swap_is_refused(tmp_path, preset, env, expected):
+    run = launch(tmp_path / "out", *COMMON, preset=preset, processes=2, env=env, check=False)
     assert run.returncode != 0
     message = run.stderr[run.stderr.index("hftrain: error:"):].replace("\n", " ")
-    assert "asks for FSDP but accelerate selected MULTI_CPU" in message
+    assert expected in message
     assert not (tmp_path / "out").exists()
 
 
