@@ -71,6 +71,7 @@ def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Pro
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every rank's files are written before the folder is renamed
     if accelerator.is_main_process:
         write_run_files(tmp, recipe, progress, extra)
         shutil.rmtree(final, ignore_errors=True)

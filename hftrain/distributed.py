@@ -69,7 +69,7 @@ def launch_info(accelerator, model, optimizer) -> dict:
         "num_machines": accelerator.num_processes // per_node,
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "model_wrapper": type(model).__name__,
-        "tp_size": strategy.tp_size(model),
+        "tp_size": strategy.tp_size(accelerator, model),
         "dtensor_parameters": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
         "optimizer": strategy.innermost_optimizer(optimizer),
         "mixed_precision": accelerator.mixed_precision,

@@ -1,4 +1,4 @@
-"""Strategy specifics: what differs between DDP, FSDP2 and DeepSpeed ZeRO, in one place.
+"""Strategy specifics: what differs between DDP, FSDP2, DeepSpeed ZeRO and tensor parallel, in one place.
 
 The launch preset picks the strategy (accelerate reads it into `ACCELERATE_USE_DEEPSPEED` /
 `ACCELERATE_USE_FSDP` and plugin settings); the loop calls the functions below and never
@@ -127,6 +127,8 @@ def deepspeed_problems(recipe: Recipe, config: dict, world: int) -> list[str]:
     if unknown:
         problems.append(f"the DeepSpeed config has \"auto\" values hftrain does not fill: {', '.join(unknown)}; "
                         "give them numbers")
+    if "zero_optimization" not in config:
+        problems.append("the DeepSpeed config has no zero_optimization block; give one with a stage (0-3)")
     zero = config.get("zero_optimization", {})
     if zero.get("stage") == 3 and not zero.get("stage3_gather_16bit_weights_on_model_save"):
         problems.append("ZeRO stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save: true "
@@ -214,8 +216,9 @@ def model_load_kwargs(recipe: Recipe) -> dict:
     return {"distributed_config": DistributedConfig(tp_size=recipe.tp_size)}  # the model's own tp_plan ("auto")
 
 
-def tp_size(model) -> int:
-    return model.lm.tp_size or 1
+def tp_size(accelerator, model) -> int:
+    """Tensor-parallel degree of the (possibly wrapped) model: 1 unless transformers sharded it at load."""
+    return accelerator.unwrap_model(model).lm.tp_size or 1
 
 
 class FullTrainingState:
@@ -249,7 +252,7 @@ def prepare(accelerator, model, optimizer):
     A tensor-parallel model (DTensor weights, sharded by transformers at load) is not wrapped: there is no
     data-parallel dimension to synchronise, DDP cannot hold DTensors, and its checkpoint is full state.
     """
-    if tp_size(model) > 1:
+    if tp_size(accelerator, model) > 1:
         if accelerator.mixed_precision != "no":
             model.forward = accelerator.autocast()(model.forward)  # what accelerator.prepare would add
         accelerator.register_for_checkpointing(FullTrainingState(model, optimizer))
@@ -328,7 +331,9 @@ def model_state_memory(accelerator, recipe: Recipe, n_trainable: int, n_params: 
         plugin = accelerator.state.fsdp_plugin
         full_shard = plugin.reshard_after_forward is True
         sharded = {"optimizer", "gradients", "weights"} if full_shard else {"optimizer", "gradients"}
-        offloaded = set(parts) if plugin.cpu_offload else set()
+        from torch.distributed.fsdp import CPUOffloadPolicy  # FSDP2: OffloadPolicy() means no offload
+
+        offloaded = set(parts) if isinstance(plugin.cpu_offload, CPUOffloadPolicy) else set()
         name = "FSDP2 " + ("FULL_SHARD" if full_shard else "SHARD_GRAD_OP") + (" + offload" if offloaded else "")
     per_device = {p: (b // world if p in sharded else b) for p, b in parts.items()}
     on_device = sum(b for p, b in per_device.items() if p not in offloaded)
@@ -372,7 +377,7 @@ def innermost_optimizer(optimizer) -> str:
 def save_pretrained(accelerator, model, folder: Path) -> None:
     """Full weights as one from_pretrained folder (model files and config; the caller adds the tokenizer)."""
     lm = accelerator.unwrap_model(model).lm
-    if tp_size(model) > 1:  # every rank: transformers gathers the DTensor shards and the main process writes
+    if tp_size(accelerator, model) > 1:  # every rank: transformers gathers the shards, the main process writes
         lm.save_pretrained(folder, is_main_process=accelerator.is_main_process)
         return
     state_dict = accelerator.get_state_dict(model)  # full (gathered) weights on the main process, every rank calls

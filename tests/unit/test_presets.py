@@ -117,6 +117,11 @@ def test_absent_clipping_and_batch_keys_are_filled_from_the_recipe():
                       "gradient_accumulation_steps": 4, "train_batch_size": 16, "gradient_clipping": 0.3}
 
 
+def test_a_ds_config_without_zero_optimization_is_refused_before_accelerate_raises():
+    assert strategy.deepspeed_problems(Recipe(), {"train_micro_batch_size_per_gpu": "auto"}, world=1) == [
+        "the DeepSpeed config has no zero_optimization block; give one with a stage (0-3)"]
+
+
 def test_contradictions_between_ds_config_and_recipe_are_all_reported():
     recipe = Recipe(per_device_train_batch_size=8, gradient_accumulation_steps=2, max_grad_norm=1.0, optim="sgd")
     config = json.loads((REPO / "ds_configs" / "zero3_offload.json").read_text())
