@@ -15,9 +15,10 @@ import os
 import platform
 import shutil
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from hftrain import strategy
 from hftrain.config import Recipe, dump_recipe
 from hftrain.errors import HftrainError
 
@@ -52,10 +53,14 @@ def versions() -> dict[str, str]:
     return found
 
 
-def write_run_files(folder: Path, recipe: Recipe, progress: Progress, extra: dict | None = None) -> None:
+def write_run_files(folder: Path, recipe: Recipe, progress: Progress, run_info: dict) -> None:
+    """The resolved recipe, progress + versions + run facts, and the DeepSpeed config used (if any)."""
     dump_recipe(recipe, folder / CONFIG_FILE)
-    state = {"progress": asdict(progress), "versions": versions(), **(extra or {})}
+    state = {"progress": asdict(progress), "versions": versions(), **run_info}
     (folder / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
+    if run_info["launch"]["deepspeed_config"] is not None:
+        (folder / strategy.DS_CONFIG_FILE).write_text(json.dumps(run_info["launch"]["deepspeed_config"], indent=2)
+                                                      + "\n", encoding="utf-8")
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
@@ -156,19 +161,43 @@ def resolve_resume(recipe: Recipe) -> Path | None:
     return path
 
 
-def load_checkpoint(accelerator, path: Path) -> tuple[Progress, dict]:
-    """Restore model/optimizer/scheduler/RNG from `path`; returns its progress and extra state."""
-    accelerator.load_state(str(path))
+def load_checkpoint(accelerator, path: Path, plan, recipe: Recipe) -> tuple[Progress, dict]:
+    """Restore model/optimizer/scheduler/RNG from `path`; return where training stands for this run and the
+    checkpoint's other run facts (tracker run ids, device-hours so far).
+
+    A checkpoint can resume with another number of processes (DDP, FSDP2; DeepSpeed ZeRO needs the same
+    number, see `strategy.check_resumable`). The data position is kept in examples of the epoch's order,
+    which does not depend on the world size: if the effective batch changed, training continues at the
+    last step boundary of the new batch at or before that position (at most one new global batch minus
+    one example is seen again). RNG states are restored per rank index; a rank without a saved state
+    (1 -> 2 processes) keeps the state from `seed`. Data order never uses them (BatchPlan is seeded by
+    seed and epoch): they only matter for dropout.
+    """
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    return Progress(**state["progress"]), {k: v for k, v in state.items() if k not in ("progress", "versions")}
+    strategy.check_resumable(accelerator, state["launch"], recipe)
+    accelerator.load_state(str(path))
+    progress = realign(Progress(**state["progress"]), state["effective_batch_size"], plan)
+    # load_state also restores accelerate's micro-batch counter, which decides when gradients sync. Saved by
+    # a run with another accumulation it would misalign every step (sync after 1 of 2 micro-batches): set it
+    # from this run's layout, in which every optimizer step is exactly `accum` micro-batches.
+    accelerator.step = progress.step * plan.accum
+    return progress, {k: v for k, v in state.items() if k not in ("progress", "versions")}
+
+
+def realign(progress: Progress, saved_global_batch: int, plan) -> Progress:
+    """`progress` of a run with `saved_global_batch`, expressed for this run's BatchPlan.
+
+    Steps (and the schedule) continue from `progress.step`; the position in the epoch is kept in examples,
+    rounded down to a whole step of the new global batch (a finished epoch stays finished).
+    """
+    examples_done = progress.step_in_epoch * saved_global_batch
+    step_in_epoch = plan.steps_per_epoch if examples_done >= plan.num_examples else examples_done // plan.global_batch
+    return replace(progress, step_in_epoch=step_in_epoch, world_size=plan.world)
 
 
 def save_final(accelerator, model, tokenizer, folder: Path) -> None:
     """A standard `from_pretrained` folder (safetensors + config + tokenizer) from the wrapped model."""
-    state_dict = accelerator.get_state_dict(model)  # full (gathered) weights on the main process
-    lm = accelerator.unwrap_model(model).lm
+    strategy.save_pretrained(accelerator, model, folder)  # gathered from DDP / FSDP2 / ZeRO-3 / TP shards
     if accelerator.is_main_process:
-        state_dict = {k.removeprefix("lm."): v for k, v in state_dict.items()}
-        lm.save_pretrained(folder, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(folder)
     accelerator.wait_for_everyone()

@@ -220,6 +220,23 @@ class Recipe:
     cost_per_gpu_hour: float | None = _f(
         None, "Price of one device-hour; when set, the run logs its cost (device_hours x price).", group="monitoring"
     )
+    # ----------------------------------------------------------------------- parallelism
+    # The strategy itself comes from the launch preset (accelerate_configs/); the recipe records which
+    # preset it was sized for and why, and `hftrain launch` uses that preset when --preset is not given.
+    launch_preset: str | None = _f(
+        None, "Name of the accelerate_configs preset this recipe is sized for (e.g. zero3); `hftrain launch` "
+        "uses it when --preset is not given, and the run logs it next to what really runs.", group="parallelism",
+    )
+    launch_preset_reason: str | None = _f(
+        None, "Why that preset, e.g. the model-state memory estimate against the GPU memory (the run logs its "
+        "own estimate for the strategy it runs).", group="parallelism",
+    )
+    tp_size: int = _f(
+        1, "Tensor-parallel degree: load the model with transformers' DistributedConfig(tp_size=N), its predefined "
+        "tensor-parallel plan (tp_plan 'auto'), so each linear layer is sharded over N processes that see the same "
+        "batches. Needs N = the number of processes and a DDP-type preset (e.g. tp). 1 = off.",
+        group="parallelism",
+    )
 
     # ------------------------------------------------------------------ derived values
     def warmup_for(self, total_steps: int) -> int:
@@ -425,6 +442,22 @@ def check_output_dir(r: Recipe) -> list[str]:
     elif r.resume_from_checkpoint is None and not r.overwrite_output_dir and _holds_a_run(out):
         problems.append(f"output_dir {r.output_dir!r} already holds a run; resume it with "
                         "resume_from_checkpoint=latest, pick another output_dir, or set overwrite_output_dir=true")
+    return problems + _parallelism_problems(r)
+
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"  # shipped launch presets
+
+
+def _parallelism_problems(r: Recipe) -> list[str]:
+    """The parallelism group: the recorded preset must be one that ships."""
+    problems = []
+    if r.launch_preset is not None and not (PRESET_DIR / f"{r.launch_preset}.yaml").is_file():
+        shipped = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+        problems.append(f"launch_preset={r.launch_preset!r} is not a shipped preset; use one of: {shipped}")
+    if r.tp_size < 1:
+        problems.append(f"tp_size must be >= 1 (1 = no tensor parallelism), got {r.tp_size}")
+    if r.launch_preset_reason is not None and r.launch_preset is None:
+        problems.append("launch_preset_reason is set but launch_preset is not; name the preset it explains")
     return problems
 
 

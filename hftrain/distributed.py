@@ -15,12 +15,13 @@ from datetime import timedelta
 
 import torch
 
+from hftrain import strategy
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
 
 
 def launched_with_deepspeed() -> bool:
-    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    return strategy.launched_with("DEEPSPEED")
 
 
 def preset_conflicts(recipe: Recipe) -> list[str]:
@@ -32,7 +33,7 @@ def preset_conflicts(recipe: Recipe) -> list[str]:
         problems.append(f"the accelerate preset sets mixed_precision={preset_precision} but the recipe has "
                         f"bf16={recipe.bf16}, fp16={recipe.fp16}; precision comes from the recipe: set it there "
                         "and use mixed_precision: 'no' in the preset")
-    return problems
+    return problems + strategy.launch_problems(recipe)
 
 
 def make_accelerator(recipe: Recipe):
@@ -44,7 +45,7 @@ def make_accelerator(recipe: Recipe):
     # otherwise accelerate chooses (NCCL on GPU, gloo under cpu=True) and only the timeout is set.
     group = {"backend": "gloo"} if launched_with_deepspeed() and not cuda else {}
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.ddp_timeout), **group)]
-    return Accelerator(
+    accelerator = Accelerator(
         cpu=not cuda and not launched_with_deepspeed(),
         mixed_precision="bf16" if recipe.bf16 else "fp16" if recipe.fp16 else "no",
         gradient_accumulation_steps=recipe.gradient_accumulation_steps,
@@ -52,19 +53,31 @@ def make_accelerator(recipe: Recipe):
         project_dir=recipe.output_dir,
         kwargs_handlers=handlers,
     )
+    strategy.check_selected(accelerator)
+    if launched_with_deepspeed():
+        strategy.fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, recipe,
+                                       accelerator.num_processes)
+    return accelerator
 
 
-def launch_info(accelerator, model) -> dict:
+def launch_info(accelerator, model, optimizer) -> dict:
     """What actually runs: recorded in every checkpoint so a silent fallback (e.g. to one process) shows."""
     import torch.distributed as dist
 
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))  # set by torchrun
     return {
         "distributed_type": str(accelerator.distributed_type).split(".")[-1],
         "num_processes": accelerator.num_processes,
+        "num_machines": accelerator.num_processes // per_node,
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "model_wrapper": type(model).__name__,
+        "tp_size": strategy.tp_size(accelerator, model),
+        "dtensor_parameters": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
+        "optimizer": strategy.innermost_optimizer(optimizer),
         "mixed_precision": accelerator.mixed_precision,
         "device": str(accelerator.device),
+        "sharded_modules": strategy.sharded_modules(model),
+        "deepspeed_config": strategy.deepspeed_config_used(accelerator),
     }
 
 

@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
 
 import torch
 
-from hftrain import checkpoint
+from hftrain import checkpoint, strategy
 from hftrain.config import Recipe, check_environment, dump_recipe, load_recipe
 from hftrain.data import (
     IGNORE_INDEX,
@@ -57,21 +57,20 @@ def trained_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, dataset, collator: Collator, recipe: Recipe) -> dict[str, float]:
-    """Token-weighted loss over the whole eval set, every rank evaluating a disjoint shard.
+def evaluate(accelerator, dp, model, dataset, collator: Collator, recipe: Recipe) -> dict[str, float]:
+    """Token-weighted loss over the whole eval set, every data-parallel rank evaluating a disjoint shard.
 
     Ranks reduce (loss sum, token count) pairs, which is exact whatever the shard sizes; every rank
-    runs the same number of forwards so sharded models (FSDP, ZeRO-3) stay in step.
+    runs the same number of forwards so sharded models (FSDP, ZeRO-3, tensor parallel) stay in step.
     """
     model.eval()
-    shards = eval_micro_batches(len(dataset), recipe.per_device_eval_batch_size,
-                                accelerator.num_processes, accelerator.process_index)
+    shards = eval_micro_batches(len(dataset), recipe.per_device_eval_batch_size, dp.world, dp.rank)
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     for batch in make_loader(shards, collator, recipe.dataloader_num_workers):
         batch.pop("num_examples")
         batch = to_device(batch, accelerator.device)
         totals += torch.stack([model(**batch).double(), trained_tokens(batch).double()])
-    loss_sum, tokens = accelerator.reduce(totals, reduction="sum").tolist()
+    loss_sum, tokens = dp.sum(totals).tolist()
     model.train()
     loss = loss_sum / max(tokens, 1.0)
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
@@ -92,8 +91,8 @@ def optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, scal
             step_loss += loss_sum.detach()
             timer.lap("backward")
             if accelerator.sync_gradients:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-                finite = grad_norm is None or bool(torch.isfinite(grad_norm))
+                grad_norm = strategy.clip_grad_norm(accelerator, model, max_norm)
+                finite = grad_norm is None or math.isfinite(float(grad_norm))  # DeepSpeed gives a float
                 if finite:
                     optimizer.step()
                 scheduler.step()  # a skipped step still counts: the schedule follows optimizer steps
@@ -110,12 +109,13 @@ def run(recipe: Recipe) -> Path:
     check_model_config(recipe)  # a missing model or a too-long max_length fails before any heavy work
     accelerator = make_accelerator(recipe)
     quiet_other_ranks(accelerator)
+    dp = strategy.data_parallel(accelerator, recipe)  # ranks of one tensor-parallel group share their data
     from accelerate.utils import set_seed
 
     set_seed(recipe.seed)
     output_dir = Path(recipe.output_dir)
     resume_from = checkpoint.resolve_resume(recipe)
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world, rank = dp.world, dp.rank
 
     # ------------------------------------------------------------------- data
     # Before the model: a bad dataset should fail in seconds, not after loading weights.
@@ -144,17 +144,17 @@ def run(recipe: Recipe) -> Path:
     # -------------------------------------------------------------- optimizer
     optimizer = build_optimizer(recipe, model)
     scheduler = build_scheduler(recipe, optimizer, total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = strategy.prepare(accelerator, model, optimizer)  # DDP / FSDP2 / DeepSpeed engine
     accelerator.register_for_checkpointing(scheduler)  # stepped by the loop once per optimizer step
 
     progress, resumed = checkpoint.Progress(world_size=world), {}
     if resume_from is not None:
-        progress, resumed = checkpoint.load_checkpoint(accelerator, resume_from)
-        if progress.world_size != world:  # keep the data position in examples, not in (resized) steps
-            examples_done = progress.step_in_epoch * plan.global_batch // world * progress.world_size
-            progress.step_in_epoch, progress.world_size = examples_done // plan.global_batch, world
-    run_info = {"launch": launch_info(accelerator, model), "data": data_stats,
-                "effective_batch_size": plan.global_batch, "total_steps": total_steps,
+        progress, resumed = checkpoint.load_checkpoint(accelerator, resume_from, plan, recipe)
+    n_trainable, n_params = strategy.parameter_counts(model)
+    memory = strategy.model_state_memory(accelerator, recipe, n_trainable, n_params)
+    run_info = {"launch": launch_info(accelerator, model, optimizer), "data": data_stats,
+                "effective_batch_size": plan.global_batch, "total_steps": total_steps, "memory_estimate": memory,
+                "launch_preset": {"recipe": recipe.launch_preset, "reason": recipe.launch_preset_reason},
                 "memory_baseline_mb": round(memory_baseline_mb, 1)}
     # Nothing is written into output_dir before the recipe, data and model have all been accepted.
     if accelerator.is_main_process:
@@ -169,16 +169,23 @@ def run(recipe: Recipe) -> Path:
                      peak_tflops_override=recipe.device_peak_tflops, cost_per_gpu_hour=recipe.cost_per_gpu_hour,
                      effective_batch_size=plan.global_batch, device_hours_before=resumed.get("device_hours", 0.0),
                      warn=logger.warn)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.print(
-        f"hftrain: {run_info['launch']['distributed_type']} with {world} process(es) on {accelerator.device}, "
+        f"hftrain: {run_info['launch']['distributed_type']} with {accelerator.num_processes} process(es) on "
+        f"{accelerator.device}, "
         f"model wrapped as {run_info['launch']['model_wrapper']}; "
         f"effective batch {plan.global_batch} = {recipe.per_device_train_batch_size} per device x {world} x "
         f"{recipe.gradient_accumulation_steps} accumulation; {total_steps} optimizer steps "
         f"({plan.steps_per_epoch} per epoch); {n_trainable:,} of {n_params:,} parameters trained; "
         f"{len(train_set)} training examples in {len(rows)} rows"
         + (f"; resuming from {resume_from} at step {progress.step}" if resume_from else "")
+    )
+    logger.print(
+        f"hftrain: parallelism {memory['strategy']} over {accelerator.num_processes} process(es): model state "
+        f"~{memory['per_device_gib']} "
+        f"GiB per device (+{memory['offloaded_gib']} GiB offloaded to CPU; activations extra) of "
+        f"{memory['device_memory_gib']} GiB" + (f"; the recipe is sized for preset {recipe.launch_preset}: "
+                                                 f"{recipe.launch_preset_reason or 'no reason given'}"
+                                                 if recipe.launch_preset else "")
     )
 
     # ------------------------------------------------------------------- loop
@@ -205,14 +212,15 @@ def run(recipe: Recipe) -> Path:
                 meter.timer.restart()
                 micro_batches = [to_device(next(batches), accelerator.device) for _ in range(accum)]
                 meter.timer.lap("data_wait")
-                # The loss of an optimizer step is sum(token losses over all micro-batches and ranks) divided by
-                # the step's trained tokens over all ranks. Gradients are averaged over ranks (DDP/FSDP/DeepSpeed)
-                # and accelerator.backward divides by `accum`: multiplying by world * accum undoes both.
+                # The loss of an optimizer step is sum(token losses over all micro-batches and data-parallel ranks)
+                # divided by the step's trained tokens over those ranks. Gradients are averaged over the
+                # data-parallel ranks (DDP/FSDP/DeepSpeed; a tensor-parallel group computes one gradient together)
+                # and the backward divides by `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both.
                 # The same collective carries each rank's stop request, so all ranks stop at the same step.
                 local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
                                      sum(b.pop("num_examples") for b in micro_batches),
                                      torch.tensor(float(stop.requested), device=accelerator.device)])
-                step_tokens, step_examples, stop_votes = accelerator.reduce(local, reduction="sum")
+                step_tokens, step_examples, stop_votes = dp.sum(local)
                 if stop_votes > 0:
                     with phase(accelerator, "the preemption checkpoint", recipe.ddp_timeout):
                         saved = save()
@@ -222,6 +230,12 @@ def run(recipe: Recipe) -> Path:
                 meter.timer.lap("token_sync")
                 step_loss, grad_norm, updated = optimizer_step(accelerator, model, optimizer, scheduler,
                                                                micro_batches, scale, max_norm, meter.timer)
+                if not updated and strategy.updates_inside_backward(accelerator):
+                    raise HftrainError(
+                        f"step {progress.step + 1} has a non-finite gradient norm under DeepSpeed, whose engine has "
+                        "already applied it; resume from the last checkpoint with a lower learning_rate or "
+                        "a max_grad_norm"
+                    )
                 if not updated and recipe.nan_policy == "stop":
                     saved = save()  # the parameters are those after the last good step
                     raise HftrainError(
@@ -242,7 +256,7 @@ def run(recipe: Recipe) -> Path:
                 bar.update(1)
 
                 if progress.step % recipe.logging_steps == 0 or progress.step in (1, total_steps):
-                    loss_sum = accelerator.reduce(window_loss, reduction="sum").item()
+                    loss_sum = dp.sum(window_loss).item()
                     loss = loss_sum / window_tokens if window_tokens else None
                     norm = float(grad_norm) if grad_norm is not None else None
                     row = {
@@ -265,7 +279,7 @@ def run(recipe: Recipe) -> Path:
                 if eval_set is not None and recipe.eval_steps and progress.step % recipe.eval_steps == 0 \
                         and progress.step < total_steps:
                     with phase(accelerator, "evaluation", recipe.ddp_timeout):
-                        metrics = evaluate(accelerator, model, eval_set, eval_collator, recipe)
+                        metrics = evaluate(accelerator, dp, model, eval_set, eval_collator, recipe)
                     logger.log({"step": progress.step, **metrics})
                 if recipe.save_steps and progress.step % recipe.save_steps == 0:
                     with phase(accelerator, "checkpointing", recipe.ddp_timeout):
@@ -277,7 +291,7 @@ def run(recipe: Recipe) -> Path:
 
     # --------------------------------------------------------- evaluate & save
     if eval_set is not None:
-        metrics = evaluate(accelerator, model, eval_set, eval_collator, recipe)
+        metrics = evaluate(accelerator, dp, model, eval_set, eval_collator, recipe)
         logger.log({"step": progress.step, **metrics})
         logger.print(f"hftrain: eval_loss {metrics['eval_loss']:.4f} after {progress.step} steps")
     final_dir = output_dir / "final"

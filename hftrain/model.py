@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hftrain import strategy
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
@@ -50,7 +51,7 @@ def build_full_model(recipe: Recipe) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": DTYPES[recipe.dtype], "revision": recipe.model_revision,
-              "trust_remote_code": recipe.trust_remote_code}
+              "trust_remote_code": recipe.trust_remote_code, **strategy.model_load_kwargs(recipe)}
     if recipe.attn_implementation:
         kwargs["attn_implementation"] = recipe.attn_implementation
     try:

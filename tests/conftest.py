@@ -45,20 +45,30 @@ class Run:
         return json.loads((self.output_dir / folder / "hftrain_state.json").read_text())
 
 
-def launch(output_dir: Path, *args: str, preset: str = "cpu", processes: int | None = None,
-           env: dict | None = None, check: bool = True, timeout: int = 600, script: Path | None = None) -> Run:
-    """`accelerate launch --config_file accelerate_configs/<preset>.yaml hftrain/finetune.py --output_dir ...`.
+ENTRY = REPO / "hftrain" / "finetune.py"
 
-    `script` replaces hftrain/finetune.py, e.g. by a test launcher that injects a fault on one rank.
-    """
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(PRESETS / f"{preset}.yaml"),
-           "--main_process_port", "0"]  # a free port, so launches never collide
+
+def launch_command(output_dir: Path, *args: str, preset: str = "cpu", processes: int | None = None,
+                   launch_args: tuple[str, ...] = ("--main_process_port", "0"),  # a free port: no collisions
+                   script: Path = ENTRY) -> list[str]:
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(PRESETS / f"{preset}.yaml"), *launch_args]
     if processes is not None:
         cmd += ["--num_processes", str(processes)]
-    cmd += [str(script or REPO / "hftrain" / "finetune.py"), "--output_dir", str(output_dir), *args]
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false",
-                **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, cwd=REPO, timeout=timeout)
+    return cmd + [str(script), "--output_dir", str(output_dir), *args]
+
+
+def launch_env(env: dict | None = None) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false",
+            **(env or {})}
+
+
+def launch(output_dir: Path, *args: str, preset: str = "cpu", processes: int | None = None,
+           env: dict | None = None, check: bool = True, timeout: int = 600,
+           launch_args: tuple[str, ...] = ("--main_process_port", "0"), script: Path = ENTRY) -> Run:
+    """`accelerate launch --config_file accelerate_configs/<preset>.yaml hftrain/finetune.py --output_dir ...`."""
+    cmd = launch_command(output_dir, *args, preset=preset, processes=processes, launch_args=launch_args,
+                         script=script)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(env), cwd=REPO, timeout=timeout)
     run = Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
     if check and proc.returncode != 0:
         raise AssertionError(f"launch failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

@@ -55,7 +55,7 @@ def test_run_files_round_trip(tmp_path):
     folder = tmp_path / "files"
     folder.mkdir()
     progress = Progress(step=12, epoch=1, step_in_epoch=3, trained_tokens=4567, world_size=2, nan_skipped_steps=1)
-    write_run_files(folder, recipe, progress, extra={"best_eval_loss": 1.25})
+    write_run_files(folder, recipe, progress, {"launch": {"deepspeed_config": None}, "best_eval_loss": 1.25})
 
     loaded = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     assert set(loaded) == {f.name for f in dataclasses.fields(Recipe)}
@@ -78,7 +78,7 @@ def test_run_files_inside_output_dir_load_back_for_resume(tmp_path):
     recipe = a_recipe(out, max_steps=4)
     folder = out / "checkpoint-4"
     folder.mkdir(parents=True)
-    write_run_files(folder, recipe, Progress(step=4))
+    write_run_files(folder, recipe, Progress(step=4), RUN_INFO)
     loaded = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     # the folder now holds a run: the saved recipe loads back once pointed at it
     resumed = recipe_from_dict({**loaded, "resume_from_checkpoint": "latest"})
@@ -155,10 +155,16 @@ def test_clear_run_on_a_fresh_folder(tmp_path):
 
 
 # ------------------------------------------------------------------ save / load (one rank)
+RUN_INFO = {"launch": {"deepspeed_config": None, "num_processes": 1, "tp_size": 1}, "effective_batch_size": 4}
+
+
 class OneProcess:
     """The part of `Accelerator` that checkpoint.py uses, for a single process."""
 
     is_main_process = True
+    num_processes = 1
+    distributed_type = "NO"
+    step = 0
 
     def __init__(self):
         self.loaded = []
@@ -180,7 +186,7 @@ def test_save_checkpoint_is_renamed_into_place_and_pruned(tmp_path):
     recipe = a_recipe(out, save_total_limit=2)
     acc = OneProcess()
     for step in (1, 2, 3, 4):
-        path = save_checkpoint(acc, out, recipe, Progress(step=step), extra={})
+        path = save_checkpoint(acc, out, recipe, Progress(step=step), RUN_INFO)
         assert path == out / f"checkpoint-{step}"
         assert (path / STATE_FILE).exists() and (path / CONFIG_FILE).exists() and (path / "model.safetensors").exists()
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-4"]
@@ -191,14 +197,18 @@ def test_save_then_load(tmp_path):
     out.mkdir()
     acc = OneProcess()
     progress = Progress(step=7, epoch=2, step_in_epoch=1, trained_tokens=99, world_size=1)
-    path = save_checkpoint(acc, out, a_recipe(out), progress, extra={"note": "x"})
+    path = save_checkpoint(acc, out, a_recipe(out), progress, {**RUN_INFO, "note": "x"})
     (path / "stale").write_text("old")
-    path = save_checkpoint(acc, out, a_recipe(out), progress, extra={"note": "y"})  # same step again: replaced
+    path = save_checkpoint(acc, out, a_recipe(out), progress, {**RUN_INFO, "note": "y"})  # same step again: replaced
     assert not (path / "stale").exists()
-    loaded, extra = load_checkpoint(acc, path)
+    from hftrain.data import BatchPlan
+
+    plan = BatchPlan(40, 2, 1, 2, seed=0, shuffle=True)  # same global batch (4) as saved: same position
+    loaded, extra = load_checkpoint(acc, path, plan, a_recipe(out))
     assert acc.loaded == [str(path)]
     assert loaded == progress
-    assert extra == {"note": "y"}
+    assert acc.step == progress.step * plan.accum  # accelerate's micro-batch counter follows this run's layout
+    assert extra["note"] == "y" and extra["effective_batch_size"] == 4
     assert checkpoint.resolve_resume(a_recipe(out, resume_from_checkpoint="latest")) == path
 
 

@@ -1,0 +1,312 @@
+"""Parallelism presets run for real on CPU (2 processes, gloo) through `accelerate launch` of hftrain/finetune.py.
+
+Every run is compared with a 1-process reference with the same global batch (16 examples per optimizer
+step): the same losses, gradient norms, learning rates, evaluation and final weights within tolerance.
+The gradient norms stay above max_grad_norm, so clipping is active: a strategy that clipped at another
+value (DeepSpeed's default is 1.0) or scaled gradients differently would drift. Each test asserts what
+actually ran (distributed type, process count, model wrapper), because several CPU set-ups silently
+fall back to something else (../shared/cpu-feasibility.md), and checks save + resume and the final model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, Run, launch, launch_command, launch_env
+
+pytestmark = pytest.mark.launch
+
+FSDP_LAUNCHER = REPO / "tests" / "launchers" / "fsdp2_on_cpu.py"
+COMMON = ["--config", str(REPO / "recipes" / "tiny-chat.yaml"), "--max_steps", "6", "--logging_steps", "1",
+          "--save_steps", "3", "--eval_steps", "3", "--lr_scheduler_type", "cosine", "--warmup_steps", "2"]
+# SGD makes the update proportional to the clipped gradient: clipping at 0.5 (norms are ~2-3) is visible.
+SGD = ["--optim", "sgd", "--learning_rate", "0.5", "--sgd_momentum", "0.9", "--max_grad_norm", "0.5",
+       "--weight_decay", "0"]
+# Three layouts of the same global batch of 16 examples
+ONE_PROCESS = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"]
+TWO_PROCESSES = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1"]
+TWO_PROCESSES_ACCUM = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+TP_BATCH = ["--per_device_train_batch_size", "16"]  # tensor parallel: 2 processes, one data-parallel group
+TINY_PARAMS = 159_296  # parameters of the tiny Llama (models/tiny-llama)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Run:
+    """1 process, AdamW (the recipe's optimizer), global batch 16."""
+    return launch(tmp_path_factory.mktemp("ref") / "adamw", *COMMON, *ONE_PROCESS)
+
+
+@pytest.fixture(scope="module")
+def reference_sgd(tmp_path_factory) -> Run:
+    return launch(tmp_path_factory.mktemp("ref") / "sgd", *COMMON, *SGD, *ONE_PROCESS)
+
+
+def assert_launch(run: Run, distributed_type: str, processes: int, wrapper: str, **expected) -> dict:
+    info = run.state()["launch"]
+    assert (info["distributed_type"], info["num_processes"], info["model_wrapper"]) == \
+        (distributed_type, processes, wrapper)
+    if processes > 1:
+        assert info["backend"] == "gloo"
+    for key, value in expected.items():
+        assert info[key] == value, key
+    return info
+
+
+def final_params(run: Run) -> dict[str, torch.Tensor]:
+    return load_file(run.output_dir / "final" / "model.safetensors")
+
+
+def params_close(params: dict, expected: dict, rtol: float, atol: float) -> None:
+    assert params.keys() == expected.keys()
+    for name, value in expected.items():  # also checks every shape: no partitioned (empty) tensors saved
+        torch.testing.assert_close(params[name], value, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def close(a: list[float], b: list[float], rtol: float) -> None:
+    torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
+                               rtol=rtol, atol=0)
+
+
+def assert_same_training(run: Run, ref: Run, rtol: float = 1e-4, atol: float = 1e-4) -> None:
+    """Same schedule, token counts, losses, gradient norms, evaluations and final weights as `ref`."""
+    rows, ref_rows = run.train_rows(), ref.train_rows()
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["learning_rate"] for r in rows] == [r["learning_rate"] for r in ref_rows]
+    assert [r["trained_tokens"] for r in rows] == [r["trained_tokens"] for r in ref_rows]
+    for key in ("loss", "grad_norm"):
+        close([r[key] for r in rows], [r[key] for r in ref_rows], rtol)
+    evals, ref_evals = run.eval_rows(), ref.eval_rows()
+    assert [(r["step"], r["eval_tokens"]) for r in evals] == [(r["step"], r["eval_tokens"]) for r in ref_evals]
+    close([r["eval_loss"] for r in evals], [r["eval_loss"] for r in ref_evals], rtol)
+    params_close(final_params(run), final_params(ref), rtol, atol)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def resume_from_step_3(run: Run, name: str, *args: str, **launch_kwargs) -> Run:
+    """Continue `run` from its checkpoint-3 in a copy of its folder, as a preempted job would."""
+    folder = run.output_dir.parent / name
+    shutil.copytree(run.output_dir, folder)
+    for later in ("final", "checkpoint-6"):
+        shutil.rmtree(folder / later)
+    resumed = launch(folder, *COMMON, *args, "--resume_from_checkpoint", "latest", **launch_kwargs)
+    assert "resuming from" in resumed.stdout and "at step 3" in resumed.stdout
+    return resumed
+
+
+def assert_continues(resumed: Run, run: Run, rtol: float = 1e-6, atol: float = 1e-6) -> None:
+    """Steps 4-6 after resuming equal the uninterrupted run's (optimizer state, schedule and data position)."""
+    rows, ref_rows = resumed.train_rows(), run.train_rows()
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [(r["learning_rate"], r["trained_tokens"]) for r in rows[3:]] == \
+        [(r["learning_rate"], r["trained_tokens"]) for r in ref_rows[3:]]
+    close([r["loss"] for r in rows[3:]], [r["loss"] for r in ref_rows[3:]], rtol)
+    params_close(final_params(resumed), final_params(run), rtol, atol)
+
+
+def assert_memory_estimate(run: Run, strategy: str, on_device: float, offloaded: float = 0) -> None:
+    """Model-state estimate in units of the parameter count (fp32 weights, AdamW: 16 bytes per parameter)."""
+    estimate = run.state()["memory_estimate"]
+    assert estimate["strategy"] == strategy
+    assert (estimate["per_device_bytes"], estimate["offloaded_bytes"]) == \
+        (int(on_device * TINY_PARAMS), int(offloaded * TINY_PARAMS))
+    assert f"parallelism {strategy} over 2 process(es)" in run.stdout
+
+
+def ds_config(run: Run, folder: str) -> dict:
+    return json.loads((run.output_dir / folder / "ds_config.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------- DDP
+def test_ddp_checkpoint_resumes_on_another_number_of_processes(reference, tmp_path):
+    ddp = launch(tmp_path / "ddp", *COMMON, *TWO_PROCESSES, preset="cpu_ddp")
+    assert_launch(ddp, "MULTI_CPU", 2, "DistributedDataParallel", num_machines=1, optimizer="AdamW")
+    assert_memory_estimate(ddp, "DDP", 16)  # 4 weights + 4 gradients + 8 Adam moments, all replicated
+    assert_same_training(ddp, reference)
+
+    # 2 -> 1: rank 0's RNG state is restored; the data position is the same step of the same epoch order
+    two_to_one = resume_from_step_3(ddp, "two-to-one", *ONE_PROCESS)
+    assert_launch(two_to_one, "NO", 1, "CausalLMTokenLoss")
+    assert two_to_one.state()["progress"]["world_size"] == 1
+    assert_continues(two_to_one, ddp, rtol=1e-5, atol=1e-5)  # other reduction order than the 2-process run
+    # 1 -> 2: rank 1 finds no saved RNG state and keeps the one from `seed` (data order never uses it)
+    assert sorted(p.name for p in (reference.output_dir / "checkpoint-3").glob("random_states_*")) == \
+        ["random_states_0.pkl"]
+    one_to_two = resume_from_step_3(reference, "one-to-two", *TWO_PROCESSES, preset="cpu_ddp")
+    assert_launch(one_to_two, "MULTI_CPU", 2, "DistributedDataParallel")
+    assert_continues(one_to_two, reference, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- DeepSpeed
+def test_zero2_with_accumulation_matches_one_process_with_the_recipes_clipping(reference_sgd, tmp_path):
+    run = launch(tmp_path / "zero2", *COMMON, *SGD, *TWO_PROCESSES_ACCUM, preset="zero2")
+    assert_launch(run, "DEEPSPEED", 2, "DeepSpeedEngine", optimizer="SGD")
+    for folder in ("checkpoint-3", "final"):  # the DeepSpeed config used, filled from the recipe
+        used = ds_config(run, folder)
+        assert (used["train_micro_batch_size_per_gpu"], used["gradient_accumulation_steps"],
+                used["train_batch_size"], used["gradient_clipping"]) == (4, 2, 16, 0.5)
+        assert used["zero_optimization"]["stage"] == 2 and used["bf16"]["enabled"] is False
+    assert all(r["grad_norm"] > 0.5 for r in run.train_rows()), "clipping must be active for this test to bite"
+    assert_memory_estimate(run, "DeepSpeed ZeRO-2", 4 + 4 / 2 + 4 / 2)  # SGD momentum: 4 bytes, sharded
+    assert_same_training(run, reference_sgd)
+    shards = sorted(p.name for p in (run.output_dir / "checkpoint-3" / "pytorch_model").glob("*optim_states.pt"))
+    assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+    resumed = resume_from_step_3(run, "zero2-resumed", *SGD, *TWO_PROCESSES_ACCUM, preset="zero2")
+    assert_continues(resumed, run)
+    # ZeRO partitions the optimizer state per rank: another process count is refused in one paragraph
+    refused = launch(run.output_dir, *COMMON, *SGD, *ONE_PROCESS, "--resume_from_checkpoint", "latest",
+                     preset="zero2", processes=1, check=False)
+    assert refused.returncode != 0
+    assert "written by 2 processes and this run has 1" in refused.stderr.replace("\n", " ")
+
+
+def test_zero3_trains_like_one_process_and_gathers_a_full_final_model(reference, tmp_path):
+    run = launch(tmp_path / "zero3", *COMMON, *TWO_PROCESSES, preset="zero3")
+    assert_launch(run, "DEEPSPEED", 2, "DeepSpeedEngine", optimizer="AdamW")
+    used = ds_config(run, "final")
+    assert used["zero_optimization"]["stage"] == 3 and used["gradient_clipping"] == 1.0
+    assert used["zero_optimization"]["stage3_param_persistence_threshold"] == 640  # 10 x hidden size 64
+    # counted at full size although each rank holds half of every parameter
+    assert f"{TINY_PARAMS:,} of {TINY_PARAMS:,} parameters trained" in run.stdout
+    assert_memory_estimate(run, "DeepSpeed ZeRO-3", 16 / 2)
+    assert_same_training(run, reference)
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run.output_dir / "final")  # standard tools, full size
+    assert sum(p.numel() for p in model.parameters()) == TINY_PARAMS
+    resumed = resume_from_step_3(run, "zero3-resumed", *TWO_PROCESSES, preset="zero3")
+    assert_continues(resumed, run)
+
+
+def test_zero2_with_cpu_optimizer_offload(reference, tmp_path):
+    # The first run compiles DeepSpeed's cpu_adam (~80 s, cached in TORCH_EXTENSIONS_DIR)
+    run = launch(tmp_path / "zero2-offload", *COMMON, *TWO_PROCESSES, preset="zero2_offload", timeout=1200)
+    assert_launch(run, "DEEPSPEED", 2, "DeepSpeedEngine", optimizer="DeepSpeedCPUAdam")
+    assert ds_config(run, "final")["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert_memory_estimate(run, "DeepSpeed ZeRO-2 + offload", 4 + 4 / 2, offloaded=8 / 2)
+    assert_same_training(run, reference)  # DeepSpeedCPUAdam with the recipe's betas/eps/decay = torch AdamW
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+@pytest.mark.parametrize("preset", ["fsdp2", "fsdp2_shard_grad_op"])
+def test_fsdp2_through_the_test_launcher(reference, tmp_path, preset):
+    run = launch(tmp_path / preset, *COMMON, *TWO_PROCESSES, preset=preset, processes=2, script=FSDP_LAUNCHER)
+    info = assert_launch(run, "FSDP", 2, "FSDPCausalLMTokenLoss", optimizer="AdamW")
+    assert info["sharded_modules"] == ["FSDPCausalLMTokenLoss", "FSDPLlamaDecoderLayer"]  # transformer-layer wrap
+    if preset == "fsdp2":
+        assert_memory_estimate(run, "FSDP2 FULL_SHARD", 16 / 2)
+    else:
+        assert_memory_estimate(run, "FSDP2 SHARD_GRAD_OP", 4 + 12 / 2)
+    checkpoint = run.output_dir / "checkpoint-3"
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):  # sharded: one piece per rank
+        assert sorted(p.name for p in (checkpoint / folder).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert_same_training(run, reference)
+    if preset == "fsdp2":
+        resumed = resume_from_step_3(run, "fsdp2-resumed", *TWO_PROCESSES, preset=preset, processes=2,
+                                     script=FSDP_LAUNCHER)
+        assert_continues(resumed, run)
+
+
+@pytest.mark.parametrize("preset, env, expected", [
+    ("fsdp2", {}, "asks for FSDP but accelerate selected MULTI_CPU"),  # accelerate: FSDP only on GPU-like devices
+    ("zero2", {"ACCELERATE_USE_CPU": "1"}, "asks for DEEPSPEED but accelerate selected MULTI_CPU"),
+])
+def test_a_strategy_accelerate_would_silently_swap_is_refused(tmp_path, preset, env, expected):
+    run = launch(tmp_path / "out", *COMMON, preset=preset, processes=2, env=env, check=False)
+    assert run.returncode != 0
+    message = run.stderr[run.stderr.index("hftrain: error:"):].replace("\n", " ")
+    assert expected in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_deepspeed_config_contradicting_the_recipe_is_refused_before_loading(tmp_path):
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    config.update({"gradient_accumulation_steps": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    run = launch(tmp_path / "out", *COMMON, preset="zero2", check=False,
+                 launch_args=("--main_process_port", "0", "--deepspeed_config_file", str(path)))
+    assert run.returncode != 0
+    message = run.stderr[run.stderr.index("hftrain: error:"):].replace("\n", " ")
+    assert "2 problems" in message
+    assert "gradient_accumulation_steps=4 but the recipe gives 1" in message and "'optimizer' block" in message
+    assert "Loading weights" not in run.stderr and not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------- multi-node
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_nodes(output_dir, *args, preset: str, timeout: int = 600) -> Run:
+    """Two launches on 127.0.0.1, machine ranks 0 and 1, one process each: a 2-node job in miniature."""
+    port = free_port()
+    procs, logs = [], []
+    for rank in (0, 1):
+        node = ("--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+                "--main_process_port", str(port))
+        log = open(output_dir.parent / f"node{rank}.log", "w+")  # noqa: SIM115 - closed below
+        logs.append(log)
+        procs.append(subprocess.Popen(launch_command(output_dir, *args, preset=preset, processes=2, launch_args=node),
+                                      stdout=log, stderr=subprocess.STDOUT, env=launch_env(), cwd=REPO, text=True))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.poll() not in (None, 0) for p in procs):  # one node failed: the other would wait for it
+            break
+        time.sleep(0.5)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    assert all(p.returncode == 0 for p in procs), "\n\n".join(t[-3000:] for t in texts)
+    return Run(0, texts[0], texts[1], output_dir)
+
+
+@pytest.mark.parametrize("preset, distributed_type, wrapper", [
+    ("multi_node_ddp", "MULTI_CPU", "DistributedDataParallel"),
+    ("multi_node_zero3", "DEEPSPEED", "DeepSpeedEngine"),
+])
+def test_two_nodes_simulated_on_localhost(reference, tmp_path, preset, distributed_type, wrapper):
+    run = launch_two_nodes(tmp_path / "out", *COMMON, *TWO_PROCESSES, preset=preset)
+    assert_launch(run, distributed_type, 2, wrapper, num_machines=2)
+    assert_same_training(run, reference)
+    assert sorted(p.name for p in (run.output_dir / "checkpoint-3").glob("random_states_*")) == \
+        ["random_states_0.pkl", "random_states_1.pkl"]
+
+
+# ------------------------------------------------------------------------------- tensor parallel
+def test_tensor_parallel_tp_plan_under_two_ranks(reference, tmp_path):
+    """Both ranks hold half of every linear layer (DTensor shards) and train on the same batches."""
+    run = launch(tmp_path / "tp", *COMMON, *TP_BATCH, "--tp_size", "2", preset="tp")
+    info = assert_launch(run, "MULTI_CPU", 2, "CausalLMTokenLoss", tp_size=2)  # not DDP-wrapped
+    assert info["dtensor_parameters"] == 16  # embeddings, lm_head and the 7 linear layers of each of 2 blocks
+    assert_memory_estimate(run, "tensor parallel (tp_size=2)", 16 / 2)
+    # one data-parallel group: the global batch is 16 examples, and token counts are not doubled
+    assert run.state()["effective_batch_size"] == 16 and "effective batch 16 = 16 per device x 1" in run.stdout
+    assert_same_training(run, reference)
+    # checkpoints hold full (gathered) model and optimizer state, not one rank's shards
+    full = torch.load(run.output_dir / "checkpoint-3" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert full["model"]["lm.model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+
+    resumed = resume_from_step_3(run, "tp-resumed", *TP_BATCH, "--tp_size", "2", preset="tp")
+    assert_continues(resumed, run)
+    refused = launch(tmp_path / "refused", *COMMON, "--tp_size", "2", preset="cpu", check=False)
+    assert refused.returncode != 0
+    assert "tp_size=2 runs on a DDP-type preset whose process count equals tp_size" in \
+        refused.stderr.replace("\n", " ")

@@ -1,0 +1,40 @@
+"""Test-only entry point: run hftrain/finetune.py with FSDP2 forced on a CPU machine.
+
+accelerate 1.15 selects FSDP only for GPU-like devices: with an FSDP preset on CPU, hftrain refuses
+the launch (it would otherwise silently run DDP). This launcher does what accelerate does on GPUs
+(see ../shared/cpu-feasibility.md): it lets hftrain create its CPU accelerator, then marks the state
+as FSDP with the FullyShardedDataParallelPlugin accelerate builds from the preset's FSDP_* settings.
+Everything after that (wrapping, sharded checkpoints, full state dict) is accelerate's own FSDP2 path.
+Used as `accelerate launch --config_file accelerate_configs/fsdp2.yaml tests/launchers/fsdp2_on_cpu.py ...`.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from hftrain import distributed, finetune  # noqa: E402
+
+
+def make_accelerator_with_fsdp(recipe):
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true", "launch with an FSDP preset"
+    os.environ["ACCELERATE_USE_FSDP"] = "false"  # let hftrain build its CPU (gloo) accelerator
+    accelerator = distributed.make_accelerator(recipe)
+    os.environ["ACCELERATE_USE_FSDP"] = "true"  # transformers reads it (e.g. cpu_ram_efficient_loading)
+    plugin = FullyShardedDataParallelPlugin()  # from the preset's FSDP_* environment, as accelerate does
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    state = AcceleratorState()
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    return accelerator
+
+
+if __name__ == "__main__":
+    finetune.make_accelerator = make_accelerator_with_fsdp
+    finetune.main()

@@ -1,0 +1,78 @@
+"""`hftrain launch`: presets by name or path, the recipe's own preset, DeepSpeed configs made absolute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hftrain.cli import launch_command, list_presets, main, resolve_preset
+from hftrain.config import Recipe, recipe_from_dict
+from hftrain.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def option(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_preset_by_name_from_another_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cmd = launch_command(["--preset", "zero3", "--num_processes", "4", "--config", "r.yaml", "--max_steps", "3"])
+    assert cmd[1:4] == ["-m", "accelerate.commands.launch", "--config_file"]
+    assert option(cmd, "--config_file") == str(REPO / "accelerate_configs" / "zero3.yaml")
+    assert option(cmd, "--deepspeed_config_file") == str(REPO / "ds_configs" / "zero3.json")  # absolute
+    assert option(cmd, "--num_processes") == "4"  # launcher option before the script...
+    script = cmd.index(str(REPO / "hftrain" / "finetune.py"))
+    assert cmd.index("--num_processes") < script
+    assert cmd[script + 1:] == ["--config", "r.yaml", "--max_steps", "3"]  # ...recipe arguments after it
+
+
+def test_preset_by_path_and_without_deepspeed(tmp_path):
+    custom = tmp_path / "mine.yaml"
+    custom.write_text((REPO / "accelerate_configs" / "cpu_ddp.yaml").read_text())
+    cmd = launch_command(["--preset", str(custom)])
+    assert option(cmd, "--config_file") == str(custom) and "--deepspeed_config_file" not in cmd
+
+
+def test_the_recipes_launch_preset_is_the_default(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("launch_preset: zero2\n")
+    assert option(launch_command(["--config", str(recipe)]), "--config_file").endswith("zero2.yaml")
+    assert option(launch_command(["--config", str(recipe), "--launch_preset", "zero3"]),
+                  "--config_file").endswith("zero3.yaml")
+    assert option(launch_command(["--preset", "cpu_ddp", "--config", str(recipe)]),
+                  "--config_file").endswith("cpu_ddp.yaml")  # --preset wins
+    assert option(launch_command([]), "--config_file").endswith("cpu.yaml")
+
+
+def test_unknown_preset_is_one_clear_error(capsys):
+    with pytest.raises(ConfigError, match="'zero9' is neither a shipped preset"):
+        resolve_preset("zero9")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--preset", "zero9"])
+    assert exit_info.value.code == 2 and "zero2_offload" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_command(capsys):
+    main(["launch", "--preset", "zero2", "--dry_run", "--max_steps", "2"])
+    out = capsys.readouterr().out
+    assert "--config_file" in out and "zero2.json" in out and out.strip().endswith("--max_steps 2")
+    assert "--dry_run" not in out
+
+
+def test_presets_listing_shows_every_shipped_preset():
+    listing = list_presets().splitlines()
+    assert [line.split()[0] for line in listing] == sorted(p.stem for p in (REPO / "accelerate_configs").glob("*.yaml"))
+
+
+def test_recipe_launch_preset_must_ship(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ConfigError) as error:
+        recipe_from_dict({"launch_preset": "zero9", "overwrite_output_dir": True})
+    assert "launch_preset='zero9' is not a shipped preset" in str(error.value)
+    with pytest.raises(ConfigError, match="launch_preset_reason is set but launch_preset is not"):
+        recipe_from_dict({"launch_preset_reason": "because", "overwrite_output_dir": True})
+    assert recipe_from_dict({"launch_preset": "zero3", "overwrite_output_dir": True}).launch_preset == "zero3"
+    assert Recipe().launch_preset is None
