@@ -3,7 +3,14 @@
 A checkpoint holds `accelerator.save_state` (model, optimizer, scheduler, RNG states) plus
 `hftrain_state.json` (progress, world size, versions) and `hftrain_config.yaml` (the resolved
 recipe). It is written to a temporary folder and renamed when every rank has finished, so a
-`checkpoint-N` folder is always complete.
+`checkpoint-N` folder is always complete. Its model file holds the trained parameters (and
+buffers) only: frozen weights (a LoRA/QLoRA base, possibly quantized) are rebuilt from the base
+model by the builder on resume, so an adapter run's checkpoint is adapter-sized. For full
+fine-tuning that is every weight.
+
+The final folder is what the builder's product saves: `save_pretrained` of the causal LM
+(safetensors + config) or, for a peft model, of the adapter only (`adapter_model.safetensors` +
+`adapter_config.json`); both from the gathered state dict, so sharded runs save complete weights.
 """
 
 from __future__ import annotations
@@ -65,7 +72,11 @@ def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Pro
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    handle = accelerator.register_save_state_pre_hook(_keep_trained_weights)
+    try:
+        accelerator.save_state(str(tmp))
+    finally:
+        handle.remove()
     if accelerator.is_main_process:
         write_run_files(tmp, recipe, progress, extra)
         shutil.rmtree(final, ignore_errors=True)
@@ -101,15 +112,60 @@ def resolve_resume(recipe: Recipe) -> Path | None:
     return path
 
 
-def load_checkpoint(accelerator, path: Path) -> tuple[Progress, dict]:
-    """Restore model/optimizer/scheduler/RNG from `path`; returns its progress and extra state."""
-    accelerator.load_state(str(path))
+def _trained_names(model) -> set[str]:
+    """State-dict keys of trainable parameters (tied aliases included) and buffers."""
+    return ({n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+            | {n for n, _ in model.named_buffers(remove_duplicate=False)})
+
+
+def _keep_trained_weights(models, weights, output_dir) -> None:
+    """save_state pre-hook: drop frozen weights (and bitsandbytes quantization state) from the model files.
+
+    `weights` is empty for FSDP and DeepSpeed, which save their own (sharded) files.
+    """
+    for model, state_dict in zip(models, weights, strict=False):  # no weights under FSDP / DeepSpeed
+        keep = _trained_names(model)
+        for key in [k for k in state_dict if k not in keep]:
+            del state_dict[key]
+
+
+def _check_saved_weights(model, path: Path) -> None:
+    """The checkpoint's model file must hold exactly what this run trains (frozen weights come from the base)."""
+    from safetensors import safe_open
+
+    model_file = path / "model.safetensors"
+    if not model_file.exists():  # FSDP / DeepSpeed layouts are checked by their own loaders
+        return
+    with safe_open(str(model_file), framework="pt") as f:
+        saved = set(f.keys())
+    keys = set(model.state_dict())
+    missing = sorted((_trained_names(model) & keys) - saved)
+    unknown = sorted(saved - keys)
+    if missing or unknown:
+        raise HftrainError(
+            f"checkpoint {str(path)!r} does not match this run's trained weights ({len(missing)} missing, e.g. "
+            f"{missing[:2]}; {len(unknown)} unknown, e.g. {unknown[:2]}); it was made with another model or "
+            "fine-tuning method (use_peft, lora_*, load_in_*): resume with the recipe it was made with"
+        )
+
+
+def load_checkpoint(accelerator, model, path: Path) -> tuple[Progress, dict]:
+    """Restore the prepared `model`, optimizer, scheduler and RNG from `path`; returns its progress and extra state."""
+    from accelerate.utils import DistributedType
+
+    _check_saved_weights(model, path)
+    # The model file holds the trained weights only (see _keep_trained_weights), hence strict=False; its keys were
+    # just checked. DeepSpeed loads its own files and takes no `strict`.
+    non_strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": False}
+    accelerator.load_state(str(path), **non_strict)
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     return Progress(**state["progress"]), {k: v for k, v in state.items() if k not in ("progress", "versions")}
 
 
 def save_final(accelerator, model, tokenizer, folder: Path) -> None:
-    """A standard `from_pretrained` folder (safetensors + config + tokenizer) from the wrapped model."""
+    """A standard folder from the wrapped model, + tokenizer: `AutoModelForCausalLM.from_pretrained` loads a full
+    fine-tune, `PeftModel.from_pretrained(base, folder)` an adapter (peft's save_pretrained keeps only the adapter
+    weights of the state dict it is given)."""
     state_dict = accelerator.get_state_dict(model)  # full (gathered) weights on the main process
     lm = accelerator.unwrap_model(model).lm
     if accelerator.is_main_process:

@@ -26,7 +26,14 @@ from hftrain.config import Recipe, check_environment, dump_recipe, load_recipe
 from hftrain.data import IGNORE_INDEX, BatchPlan, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.distributed import launch_info, make_accelerator, preset_conflicts
 from hftrain.errors import ConfigError, HftrainError, report_and_exit
-from hftrain.model import CausalLMTokenLoss, build_model, build_tokenizer, check_model_fits, pad_token_id
+from hftrain.model import (
+    CausalLMTokenLoss,
+    build_model,
+    build_tokenizer,
+    check_model_fits,
+    model_summary,
+    pad_token_id,
+)
 from hftrain.optim import build_optimizer, build_scheduler
 from hftrain.tracking import MetricLogger, peak_memory_mb
 
@@ -98,6 +105,7 @@ def run(recipe: Recipe) -> Path:
     # ------------------------------------------------------------------ model
     model = CausalLMTokenLoss(build_model(recipe))
     check_model_fits(recipe, model.lm)
+    summary = model_summary(model)  # before prepare: sharding strategies hide the full parameter counts
 
     # -------------------------------------------------------------- optimizer
     optimizer = build_optimizer(recipe, model)
@@ -107,21 +115,20 @@ def run(recipe: Recipe) -> Path:
 
     progress = checkpoint.Progress(world_size=world)
     if resume_from is not None:
-        progress, _ = checkpoint.load_checkpoint(accelerator, resume_from)
+        progress, _ = checkpoint.load_checkpoint(accelerator, model, resume_from)
         if progress.world_size != world:  # keep the data position in examples, not in (resized) steps
             examples_done = progress.step_in_epoch * plan.global_batch // world * progress.world_size
             progress.step_in_epoch, progress.world_size = examples_done // plan.global_batch, world
-    run_info = {"launch": launch_info(accelerator, model), "data": data_stats,
+    run_info = {"launch": launch_info(accelerator, model), "model": summary, "data": data_stats,
                 "effective_batch_size": plan.global_batch, "total_steps": total_steps}
     logger = MetricLogger(accelerator, recipe, progress.step, run_info)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     logger.print(
         f"hftrain: {run_info['launch']['distributed_type']} with {world} process(es) on {accelerator.device}, "
         f"model wrapped as {run_info['launch']['model_wrapper']}; "
         f"effective batch {plan.global_batch} = {recipe.per_device_train_batch_size} per device x {world} x "
         f"{recipe.gradient_accumulation_steps} accumulation; {total_steps} optimizer steps "
-        f"({plan.steps_per_epoch} per epoch); {n_trainable:,} of {n_params:,} parameters trained; "
+        f"({plan.steps_per_epoch} per epoch); {summary['method']} fine-tuning, {summary['trainable_parameters']:,} "
+        f"of {summary['parameters']:,} parameters trained; "
         f"data {data_stats['train']}" + (f"; resuming from {resume_from} at step {progress.step}" if resume_from else "")
     )
 
