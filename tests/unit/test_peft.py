@@ -241,3 +241,14 @@ def test_token_loss_on_peft_models_equals_the_models_own_loss(values):
     loss_sum.backward()
     for name, p in lm.named_parameters():
         assert (p.grad is not None) == p.requires_grad, name
+
+
+def test_console_script_dispatches(capsys):
+    from hftrain.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["merge", "--help"])
+    assert info.value.code == 0 and "usage: hftrain merge" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main(["train"])
+    assert info.value.code == 2 and "hftrain {finetune,merge}" in capsys.readouterr().err
