@@ -370,7 +370,7 @@ def quantization_launch_problems(r: Recipe, strategy: str, zero_stage: int | Non
     problems = []
     if strategy == "deepspeed" and zero_stage == 3:
         problems.append(f"{bits} with DeepSpeed ZeRO-3 is refused: ZeRO-3 partitions every parameter, and partitioning "
-                        "bitsandbytes weights is not shown to work with this stack; use ZeRO-2 (zero2 preset), "
+                        "bitsandbytes weights is not shown to work with this stack; use DeepSpeed ZeRO-2, "
                         "FSDP2 with load_in_4bit and bnb_4bit_quant_storage equal to dtype, or DDP")
     if strategy == "fsdp" and r.load_in_8bit:
         problems.append("load_in_8bit with FSDP is refused: FSDP cannot shard bitsandbytes 8-bit weights; use "

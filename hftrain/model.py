@@ -70,18 +70,18 @@ def quantization_config(recipe: Recipe):
     return None
 
 
-def load_base_model(recipe: Recipe, quantize: bool = True) -> nn.Module:
-    """`AutoModelForCausalLM.from_pretrained` with the recipe's dtype, attention and (if `quantize`) bitsandbytes
-    settings. A quantized model lands on this process's device (transformers picks the current CUDA device, which
-    accelerate has set per process, or the CPU)."""
+def load_base_model(recipe: Recipe) -> nn.Module:
+    """`AutoModelForCausalLM.from_pretrained` with the recipe's dtype, attention and bitsandbytes settings. A
+    quantized model lands on this process's device (transformers picks the current CUDA device, which accelerate
+    has set per process, or the CPU)."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": DTYPES[recipe.dtype], "revision": recipe.model_revision,
               "trust_remote_code": recipe.trust_remote_code}
     if recipe.attn_implementation:
         kwargs["attn_implementation"] = recipe.attn_implementation
-    if quantize and quantization_config(recipe) is not None:
-        kwargs["quantization_config"] = quantization_config(recipe)
+    if (quantization := quantization_config(recipe)) is not None:
+        kwargs["quantization_config"] = quantization
     try:
         model = AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, **kwargs)
     except (OSError, ValueError) as exc:
