@@ -141,6 +141,13 @@ def _check_saved_weights(model, path: Path) -> None:
     keys = set(model.state_dict())
     missing = sorted((_trained_names(model) & keys) - saved)
     unknown = sorted(saved - keys)
+    unwrapped = {k.removeprefix("module.") for k in saved}
+    if (missing or unknown) and unwrapped == {k.removeprefix("module.") for k in _trained_names(model) & keys}:
+        raise HftrainError(
+            f"checkpoint {str(path)!r} was saved by a run with another process layout (DDP-wrapped weight names "
+            "differ from this launch's); accelerate cannot load it across that change: resume with the launch "
+            "preset it was made with"
+        )
     if missing or unknown:
         raise HftrainError(
             f"checkpoint {str(path)!r} does not match this run's trained weights ({len(missing)} missing, e.g. "

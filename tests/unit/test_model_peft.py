@@ -252,3 +252,24 @@ def test_console_script_dispatches(capsys):
     with pytest.raises(SystemExit) as info:
         main(["train"])
     assert info.value.code == 2 and "hftrain {finetune,merge}" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------- checkpoint keys
+def test_checkpoint_keys_checked_before_loading(tmp_path):
+    """A checkpoint made by another method, or by a DDP run resumed in one process, is named, not half-loaded."""
+    from safetensors.torch import save_file
+
+    from hftrain.checkpoint import _check_saved_weights
+
+    lora = CausalLMTokenLoss(build_model(recipe()))
+    trained = {n: p.detach().clone() for n, p in lora.named_parameters() if p.requires_grad}
+    save_file(trained, str(tmp_path / "model.safetensors"))
+    _check_saved_weights(lora, tmp_path)  # exactly the trained weights: fine
+
+    full = CausalLMTokenLoss(build_model(Recipe(model_name_or_path=str(MODEL))))
+    with pytest.raises(HftrainError, match="another model or fine-tuning method"):
+        _check_saved_weights(full, tmp_path)
+
+    save_file({f"module.{n}": t for n, t in trained.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HftrainError, match="another process layout"):
+        _check_saved_weights(lora, tmp_path)
