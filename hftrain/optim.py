@@ -16,19 +16,31 @@ from torch import nn
 
 from hftrain.config import Recipe
 
+BNB_ADAMW = {"adamw_bnb_8bit": (8, False), "paged_adamw_8bit": (8, True), "paged_adamw_32bit": (32, True)}
+
 
 def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW or SGD; weight decay on matrices only, never on biases and norm weights."""
+    """AdamW or SGD (weight decay on matrices only, never on biases and norm weights), or bitsandbytes AdamW.
+
+    bitsandbytes AdamW (as transformers' `adamw_bnb_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`) keeps 8-bit
+    optimizer state for tensors of 4096+ elements and 32-bit state for smaller ones; paging needs CUDA and is a
+    no-op elsewhere.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    adam = {"lr": recipe.learning_rate, "betas": (recipe.adam_beta1, recipe.adam_beta2), "eps": recipe.adam_epsilon}
     if recipe.optim == "sgd":
         return torch.optim.SGD(groups, lr=recipe.learning_rate, momentum=recipe.sgd_momentum)
-    return torch.optim.AdamW(groups, lr=recipe.learning_rate, betas=(recipe.adam_beta1, recipe.adam_beta2),
-                             eps=recipe.adam_epsilon)
+    if recipe.optim in BNB_ADAMW:
+        import bitsandbytes as bnb
+
+        bits, paged = BNB_ADAMW[recipe.optim]
+        return bnb.optim.AdamW(groups, **adam, optim_bits=bits, is_paged=paged)
+    return torch.optim.AdamW(groups, **adam)
 
 
 def lr_factor(kind: str, step: int, total: int, warmup: int) -> float:

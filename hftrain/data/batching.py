@@ -185,7 +185,12 @@ class Collator:
 
 
 def make_loader(batches: Iterator[list[int]] | list[list[int]], collator: Collator, num_workers: int):
-    """A DataLoader over precomputed index lists (collation may run in worker processes)."""
+    """A DataLoader over precomputed index lists (collation may run in worker processes).
+
+    It has its own generator: creating an iterator draws a seed from it, and drawing from the global RNG would
+    shift dropout masks whenever a loader is created (e.g. on resume), breaking resume = uninterrupted run.
+    """
     return torch.utils.data.DataLoader(
         list(batches), batch_size=None, shuffle=False, collate_fn=collator, num_workers=num_workers,
+        generator=torch.Generator(),
     )

@@ -172,11 +172,21 @@ class OneProcess:
     def wait_for_everyone(self):
         pass
 
-    def save_state(self, path):
-        Path(path).mkdir(parents=True, exist_ok=True)
-        (Path(path) / "model.safetensors").write_text(path)
+    def register_save_state_pre_hook(self, hook):
+        class Handle:
+            def remove(self):
+                pass
+        return Handle()
 
-    def load_state(self, path):
+    model = torch.nn.Linear(2, 2)
+
+    def save_state(self, path):
+        from safetensors.torch import save_file
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        save_file(self.model.state_dict(), str(Path(path) / "model.safetensors"))
+
+    def load_state(self, path, **kwargs):
         self.loaded.append(path)
 
 
@@ -204,7 +214,7 @@ def test_save_then_load(tmp_path):
     from hftrain.data import BatchPlan
 
     plan = BatchPlan(40, 2, 1, 2, seed=0, shuffle=True)  # same global batch (4) as saved: same position
-    loaded, extra = load_checkpoint(acc, path, plan, a_recipe(out))
+    loaded, extra = load_checkpoint(acc, acc.model, path, plan, a_recipe(out))
     assert acc.loaded == [str(path)]
     assert loaded == progress
     assert acc.step == progress.step * plan.accum  # accelerate's micro-batch counter follows this run's layout

@@ -148,3 +148,37 @@ def test_sgd_step_is_plain_sgd():
     optimizer.step()
     for old, grad, new in zip(before, grads, model.parameters(), strict=True):
         torch.testing.assert_close(new.detach(), old - 0.5 * grad)
+
+
+@pytest.mark.parametrize("optim, bits, paged", [("adamw_bnb_8bit", 8, False), ("paged_adamw_8bit", 8, True),
+                                                ("paged_adamw_32bit", 32, True)])
+def test_bitsandbytes_adamw_follows_torch_adamw(optim, bits, paged):
+    """Same groups and hyperparameters as torch AdamW; 8-bit state for large tensors; steps close to AdamW's."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    big, small = nn.Parameter(torch.randn(64, 128)), nn.Parameter(torch.randn(64))  # 8192 and 64 elements
+    recipe = Recipe(optim=optim, learning_rate=1e-2, weight_decay=0.1, adam_beta2=0.99)
+    optimizer = build_optimizer(recipe, nn.ParameterList([big, small]))
+    assert isinstance(optimizer, bnb.optim.AdamW) and optimizer.args.optim_bits == bits
+    assert optimizer.is_paged is paged
+    assert [(g["weight_decay"], len(g["params"])) for g in optimizer.param_groups] == [(0.1, 1), (0.0, 1)]
+    ref_big, ref_small = nn.Parameter(big.detach().clone()), nn.Parameter(small.detach().clone())
+    reference = build_optimizer(Recipe(learning_rate=1e-2, weight_decay=0.1, adam_beta2=0.99),
+                                nn.ParameterList([ref_big, ref_small]))
+    start = big.detach().clone()
+    for _ in range(5):
+        grads = torch.randn(64, 128), torch.randn(64)
+        for p, g in zip((big, small, ref_big, ref_small), grads * 2, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+        reference.step()
+    assert optimizer.state[big]["state1"].dtype == (torch.uint8 if bits == 8 else torch.float32)
+    assert optimizer.state[small]["state1"].dtype == torch.float32  # below min_8bit_size: 32-bit state
+    moved = (ref_big - start).abs().mean()
+    assert moved > 1e-2  # five steps of ~lr each
+    if bits == 8:  # quantized state: close to AdamW on average (measured ~1% of the move), not equal
+        assert (big - ref_big).abs().mean() < 0.05 * moved
+    else:
+        torch.testing.assert_close(big.detach(), ref_big.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(small.detach(), ref_small.detach(), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,170 @@
+"""Merge a LoRA / DoRA adapter into its base model: a standard safetensors model folder + tokenizer.
+
+    python -m hftrain.merge outputs/run/final outputs/run/merged [--dtype bfloat16] [--push_to_hub org/name --dry_run]
+    hftrain merge ...                                             (the same, once hftrain is installed)
+
+The merge is done in float32. An adapter trained on a quantized base (QLoRA: load_in_4bit / load_in_8bit in the
+hftrain_config.yaml saved next to the adapter) is merged into the *dequantized* base: the base is quantized exactly
+as in training, then dequantized, so the merged weights are dequant(quant(W)) + scale * B @ A, the function the
+adapter was trained with. Merging into the 4-bit weights themselves re-quantizes (and loses) the update; merging
+into the original W adds an adapter to weights it never saw.
+
+The output loads with `AutoModelForCausalLM.from_pretrained` and vLLM-style loaders: config.json without
+quantization settings, safetensors with the base model's tensor names, one floating dtype, tokenizer and chat
+template, generation config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: import the package, not sibling modules as top-level names
+    _here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
+    sys.path.insert(0, str(_here.parent))
+
+from hftrain.errors import HftrainError, report_and_exit
+
+MERGE_FILE = "hftrain_merge.json"
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# What the merge needs from the training recipe: where the base is and how it was quantized.
+BASE_FIELDS = ("model_name_or_path", "model_revision", "trust_remote_code", "load_in_4bit", "load_in_8bit",
+               "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage")
+
+
+def training_recipe(adapter_dir: Path, base: str | None):
+    """The recipe the adapter was trained with (its model and quantization fields), from hftrain_config.yaml.
+
+    Only typed field values are read; the run's paths are not re-validated (its output_dir holds the run).
+    An adapter from elsewhere (no hftrain_config.yaml) is taken as trained on the unquantized base.
+    """
+    from hftrain.config import read_yaml, recipe_subset
+
+    config_file = adapter_dir / "hftrain_config.yaml"
+    values = read_yaml(str(config_file)) if config_file.exists() else {}
+    adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    values["model_name_or_path"] = base or adapter_config.get("base_model_name_or_path") or values.get(
+        "model_name_or_path")
+    if not values["model_name_or_path"]:
+        raise HftrainError(f"{adapter_dir}/adapter_config.json names no base model; pass --base_model_name_or_path")
+    return recipe_subset(values, BASE_FIELDS, source=str(config_file)), config_file.exists()
+
+
+def load_dequantized_base(recipe):
+    """The base in float32; quantized and dequantized again exactly as in training for a QLoRA adapter."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.model import _load_error, quantization_config
+
+    quantization = quantization_config(recipe)
+    kwargs = {"dtype": torch.float32, "revision": recipe.model_revision, "trust_remote_code": recipe.trust_remote_code}
+    try:
+        if quantization is None:
+            return AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, quantization_config=quantization,
+                                                     **kwargs)
+    except (OSError, ValueError) as exc:
+        raise _load_error("base model", recipe.model_name_or_path, exc) from None
+    return model.dequantize(dtype=torch.float32)
+
+
+def merge(adapter_dir: Path, output_dir: Path, base: str | None = None, dtype: str = "auto") -> dict:
+    """Merge `adapter_dir` into its base and save the result in `output_dir`; returns what was done."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from hftrain.model import DTYPES
+
+    if not (adapter_dir / "adapter_config.json").exists():
+        raise HftrainError(f"{str(adapter_dir)!r} has no adapter_config.json; give the final folder of a "
+                           "use_peft run (output_dir/final) or another peft adapter folder")
+    if output_dir.exists() and any(output_dir.iterdir()):
+        raise HftrainError(f"output folder {str(output_dir)!r} is not empty; choose a new folder")
+    recipe, from_hftrain = training_recipe(adapter_dir, base)
+    model = load_dequantized_base(recipe)
+    base_dtype = model.config.dtype
+    model = PeftModel.from_pretrained(model, str(adapter_dir), torch_device="cpu")
+    model = model.merge_and_unload(safe_merge=True)
+    out_dtype = DTYPES[dtype] if dtype != "auto" else base_dtype
+    model = model.to(out_dtype)
+    model.config.use_cache = True
+    for leftover in ("quantization_config",):
+        if hasattr(model.config, leftover):
+            delattr(model.config, leftover)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    has_tokenizer = any((adapter_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    AutoTokenizer.from_pretrained(str(adapter_dir) if has_tokenizer else recipe.model_name_or_path,
+                                  trust_remote_code=recipe.trust_remote_code).save_pretrained(output_dir)
+    quantized = "4bit" if recipe.load_in_4bit else "8bit" if recipe.load_in_8bit else None
+    record = {
+        "adapter": str(adapter_dir.resolve()),
+        "base_model_name_or_path": recipe.model_name_or_path,
+        "base_quantization_in_training": quantized,
+        "merged_into": "dequantized base" if quantized else "full-precision base",
+        "dtype": str(out_dtype).removeprefix("torch."),
+        "recipe_found": from_hftrain,
+    }
+    (output_dir / MERGE_FILE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return record
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool, dry_run: bool) -> list[str]:
+    """Upload `folder` to the hub model repo `repo_id`; with dry_run only list what would be uploaded."""
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    if dry_run:
+        return files
+    from huggingface_hub import HfApi
+
+    try:
+        api = HfApi()
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                          commit_message="Upload model merged with hftrain")
+    except Exception as exc:  # network, auth and offline errors all end the same way for the user
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise HftrainError(f"cannot push {folder} to the hub repo {repo_id!r}: {first_line}. The merged model is "
+                           "saved locally; log in with `hf auth login` (or set HF_TOKEN), unset HF_HUB_OFFLINE and "
+                           "push again") from None
+    return files
+
+
+def build_arg_parser(prog: str = "hftrain.merge") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("adapter_dir", type=Path, help="Folder with adapter_config.json (a use_peft run's final/).")
+    parser.add_argument("output_dir", type=Path, help="New folder for the merged model.")
+    parser.add_argument("--base_model_name_or_path", default=None,
+                        help="Base model; default: the one named in adapter_config.json.")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                        help="dtype of the saved weights (the merge itself is float32); auto = the base's dtype.")
+    parser.add_argument("--push_to_hub", metavar="REPO_ID", default=None, help="Upload the merged folder to this "
+                        "hub model repo (org/name).")
+    parser.add_argument("--private", action="store_true", help="Create the hub repo as private.")
+    parser.add_argument("--dry_run", action="store_true", help="With --push_to_hub: list what would be uploaded "
+                        "and where, without contacting the hub.")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "hftrain.merge") -> None:
+    args = build_arg_parser(prog).parse_args(argv)
+    try:
+        if args.dry_run and not args.push_to_hub:
+            raise HftrainError("--dry_run only applies to --push_to_hub; add --push_to_hub org/name or drop it")
+        record = merge(args.adapter_dir, args.output_dir, args.base_model_name_or_path, args.dtype)
+        print(f"hftrain: merged {args.adapter_dir} into the {record['merged_into']} {record['base_model_name_or_path']}"
+              f" ({record['dtype']}): {args.output_dir}")
+        if args.push_to_hub:
+            files = push_to_hub(args.output_dir, args.push_to_hub, args.private, args.dry_run)
+            verb = "would upload" if args.dry_run else "uploaded"
+            print(f"hftrain: {verb} {len(files)} files to https://huggingface.co/{args.push_to_hub}"
+                  f"{' (private)' if args.private else ''}: {', '.join(files)}")
+    except HftrainError as error:
+        report_and_exit(error)
+
+
+if __name__ == "__main__":
+    main()
