@@ -198,7 +198,7 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
         rows += [
             Row("ZeRO-1", "zero1", "full", w16 * n, w16 * n, master * n / g, act, act_ckpt, floor),
             Row("ZeRO-2", "zero2", "full", w16 * n, w16 * n / g, master * n / g, act, act_ckpt, floor),
-            Row("FSDP full shard", "fsdp", "full", 4 * n / g + in_flight, 4 * n / g + unit * 4, 8 * n / g, act,
+            Row("FSDP full shard", "fsdp2", "full", 4 * n / g + in_flight, 4 * n / g + unit * 4, 8 * n / g, act,
                 act_ckpt, floor),
             Row("ZeRO-3", "zero3", "full", w16 * n / g + in_flight, w16 * n / g, master * n / g, act, act_ckpt, floor),
         ]

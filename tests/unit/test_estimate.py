@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +125,15 @@ def test_cli_unknown_model_is_one_paragraph(tmp_path):
                           capture_output=True, text=True, cwd=REPO, env=OFFLINE)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "cannot read the config of model" in " ".join(proc.stderr.split())
+
+
+def test_every_recommended_preset_is_shipped():
+    """The estimator names launch presets; each must exist in accelerate_configs/."""
+    import inspect
+
+    from hftrain import estimate
+
+    source = inspect.getsource(estimate)
+    named = set(re.findall(r'Row\([^,]+, "([a-z0-9_]+)"', source)) | {"multi_gpu", "single_gpu"}
+    shipped = {p.stem for p in estimate.PRESETS_DIR.glob("*.yaml")}
+    assert named and named <= shipped, named - shipped
