@@ -191,7 +191,10 @@ def _keep_trained_weights(models, weights, output_dir) -> None:
 
 
 def _check_saved_weights(model, path: Path) -> None:
-    """The checkpoint's model file must hold exactly what this run trains (frozen weights come from the base)."""
+    """The checkpoint's model file must hold exactly what this run trains (frozen weights come from the base).
+
+    `model` is the unwrapped model: accelerate saves (and loads) DDP weights without the `module.` prefix,
+    which is what lets a checkpoint resume on another number of processes."""
     from safetensors import safe_open
 
     model_file = path / "model.safetensors"
@@ -202,13 +205,6 @@ def _check_saved_weights(model, path: Path) -> None:
     keys = set(model.state_dict())
     missing = sorted((_trained_names(model) & keys) - saved)
     unknown = sorted(saved - keys)
-    unwrapped = {k.removeprefix("module.") for k in saved}
-    if (missing or unknown) and unwrapped == {k.removeprefix("module.") for k in _trained_names(model) & keys}:
-        raise HftrainError(
-            f"checkpoint {str(path)!r} was saved by a run with another process layout (DDP-wrapped weight names "
-            "differ from this launch's); accelerate cannot load it across that change: resume with the launch "
-            "preset it was made with"
-        )
     if missing or unknown:
         raise HftrainError(
             f"checkpoint {str(path)!r} does not match this run's trained weights ({len(missing)} missing, e.g. "
@@ -233,7 +229,7 @@ def load_checkpoint(accelerator, model, path: Path, plan, recipe: Recipe) -> tup
 
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     strategy.check_resumable(accelerator, state["launch"], recipe)
-    _check_saved_weights(model, path)
+    _check_saved_weights(accelerator.unwrap_model(model), path)  # saved names carry no DDP `module.` prefix
     # The model file holds the trained weights only (see _keep_trained_weights), hence strict=False; its keys were
     # just checked. DeepSpeed loads its own files and takes no `strict`.
     non_strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": False}

@@ -11,6 +11,7 @@ fall back to something else (../shared/cpu-feasibility.md), and checks save + re
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import socket
 import subprocess
@@ -35,7 +36,14 @@ ONE_PROCESS = ["--per_device_train_batch_size", "8", "--gradient_accumulation_st
 TWO_PROCESSES = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1"]
 TWO_PROCESSES_ACCUM = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
 TP_BATCH = ["--per_device_train_batch_size", "16"]  # tensor parallel: 2 processes, one data-parallel group
-TINY_PARAMS = 159_296  # parameters of the tiny Llama (models/tiny-llama)
+def _parameter_count(folder) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+
+
+TINY_PARAMS = _parameter_count(REPO / "models" / "tiny-llama")  # counted from the file, not from the recipe
 
 
 @pytest.fixture(scope="module")

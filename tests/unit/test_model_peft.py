@@ -256,7 +256,7 @@ def test_console_script_dispatches(capsys):
 
 # --------------------------------------------------------------------- checkpoint keys
 def test_checkpoint_keys_checked_before_loading(tmp_path):
-    """A checkpoint made by another method, or by a DDP run resumed in one process, is named, not half-loaded."""
+    """A checkpoint made by another method (or with foreign weight names) is named, not half-loaded."""
     from safetensors.torch import save_file
 
     from hftrain.checkpoint import _check_saved_weights
@@ -271,5 +271,5 @@ def test_checkpoint_keys_checked_before_loading(tmp_path):
         _check_saved_weights(full, tmp_path)
 
     save_file({f"module.{n}": t for n, t in trained.items()}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(HftrainError, match="another process layout"):
+    with pytest.raises(HftrainError, match="another model or fine-tuning method"):
         _check_saved_weights(lora, tmp_path)
