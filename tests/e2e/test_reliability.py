@@ -227,10 +227,10 @@ BAD_INPUT = {
     "wrong columns": (lambda d: ["--dataset_name", str(write(d / "d.jsonl", '{"question": "q", "answer": "a"}\n'))],
                       "which do not match any known format"),
     "empty dataset": (lambda d: ["--dataset_name", str(write(d / "d.csv", "text\n"))], "is empty"),
-    "wrong role": (lambda d: ["--dataset_name", str(write(d / "d.jsonl", json.dumps(
-        {"messages": [{"role": "bot", "content": "x"}]}) + "\n"))], "role 'bot'"),
-    "non-string content": (lambda d: ["--dataset_name", str(write(d / "d.jsonl", json.dumps(
-        {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}) + "\n"))],
+    "wrong role": (lambda d: ["--dataset_name", str(write(d / "d.jsonl", 20 * (json.dumps(
+        {"messages": [{"role": "bot", "content": "x"}]}) + "\n")))], "role 'bot'"),
+    "non-string content": (lambda d: ["--dataset_name", str(write(d / "d.jsonl", 20 * (json.dumps(
+        {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}) + "\n")))],
         "content of type int"),
     "explicit format mismatch": (lambda d: ["--dataset_format", "alpaca"], "do not match format 'alpaca'"),
     "all masked": (lambda d: ["--max_length", "4", "--validation_split_percentage", "0"], "no trained token"),
