@@ -285,9 +285,12 @@ def clip_grad_norm(accelerator, model, max_norm: float) -> float | None:
 
 
 def parameter_counts(model) -> tuple[int, int]:
-    """(trainable, total) parameters, counting ZeRO-3 partitioned parameters at their full size."""
+    """(trainable, total) parameters, counting ZeRO-3 partitioned parameters at their full size and packed
+    bitsandbytes 4-bit weights at their original size (as model.model_summary does)."""
+    from hftrain.model import parameter_count
+
     def size(p) -> int:
-        return p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+        return p.ds_numel if hasattr(p, "ds_numel") else parameter_count(p)
 
     params = list(model.parameters())
     return sum(size(p) for p in params if p.requires_grad), sum(size(p) for p in params)
