@@ -172,6 +172,9 @@ class OneProcess:
     def wait_for_everyone(self):
         pass
 
+    def unwrap_model(self, model):
+        return model
+
     def register_save_state_pre_hook(self, hook):
         class Handle:
             def remove(self):
