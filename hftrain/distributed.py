@@ -27,9 +27,9 @@ def launched_with_deepspeed() -> bool:
 
 def launched_strategy(environ=os.environ) -> tuple[str, int | None]:
     """('fsdp' | 'deepspeed' | 'ddp' | 'none', ZeRO stage or None) as `accelerate launch` passed them on."""
-    if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+    if strategy.launched_with("FSDP", environ):
         return "fsdp", None
-    if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+    if strategy.launched_with("DEEPSPEED", environ):
         stage = environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
         config_file = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
         if stage is None and config_file and os.path.isfile(config_file):

@@ -50,9 +50,9 @@ def _selected(accelerator) -> str:
     return str(accelerator.distributed_type).split(".")[-1]
 
 
-def launched_with(strategy: str) -> bool:
+def launched_with(strategy: str, environ=os.environ) -> bool:
     """True if the accelerate preset asked for `strategy` ('DEEPSPEED' or 'FSDP')."""
-    return os.environ.get(f"ACCELERATE_USE_{strategy}", "false").lower() == "true"
+    return environ.get(f"ACCELERATE_USE_{strategy}", "false").lower() == "true"
 
 
 # ----------------------------------------------------------------------------- DeepSpeed config
