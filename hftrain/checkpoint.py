@@ -1,15 +1,17 @@
 """Checkpoints: `output_dir/checkpoint-N` (state after N optimizer steps) and the final model.
 
-A checkpoint holds `accelerator.save_state` (model, optimizer, scheduler, RNG states) plus
-`hftrain_state.json` (progress, world size, versions) and `hftrain_config.yaml` (the resolved
-recipe). Crash safety: everything is written to `.tmp-checkpoint-N`, fsynced, then a manifest of
-every file and its size (`hftrain_complete.json`, the completion marker) is written last, and the
-folder is renamed. Only folders with a manifest count as checkpoints; on resume the manifest is
-checked and a damaged newest checkpoint falls back to the previous complete one, with a warning.
-Its model file holds the trained parameters (and
-buffers) only: frozen weights (a LoRA/QLoRA base, possibly quantized) are rebuilt from the base
-model by the builder on resume, so an adapter run's checkpoint is adapter-sized. For full
-fine-tuning that is every weight.
+A checkpoint holds `accelerator.save_state` (model, optimizer, RNG states) plus
+`hftrain_state.json` (progress, learning-rate scheduler state, world size, versions) and
+`hftrain_config.yaml` (the resolved recipe). Nothing in it needs unpickling arbitrary objects to
+resume: weights are safetensors, optimizer and RNG states are read weights-only (tensors and plain
+values), the scheduler state is JSON (DeepSpeed's own files are the exception: its engine loads them).
+
+Crash safety: everything is written to `.tmp-checkpoint-N`, fsynced, then a manifest of every file and its
+size (`hftrain_complete.json`, the completion marker) is written last, and the folder is renamed. Only folders
+with a manifest count as checkpoints; on resume the manifest is checked and a damaged newest checkpoint falls
+back to the previous complete one, with a warning. Its model file holds the trained parameters (and buffers)
+only: frozen weights (a LoRA/QLoRA base, possibly quantized) are rebuilt from the base model by the builder on
+resume, so an adapter run's checkpoint is adapter-sized. For full fine-tuning that is every weight.
 
 The final folder is what the builder's product saves: `save_pretrained` of the causal LM
 (safetensors + config) or, for a peft model, of the adapter only (`adapter_model.safetensors` +
@@ -69,6 +71,13 @@ def write_run_files(folder: Path, recipe: Recipe, progress: Progress, run_info: 
     if run_info["launch"]["deepspeed_config"] is not None:
         (folder / strategy.DS_CONFIG_FILE).write_text(json.dumps(run_info["launch"]["deepspeed_config"], indent=2)
                                                       + "\n", encoding="utf-8")
+
+
+def never_world_writable() -> None:
+    """Files and folders this process creates are never writable by other users, whatever umask it started
+    with (checkpoints are loaded back, DeepSpeed's with pickle). Group permissions stay as the umask sets
+    them: shared project folders often rely on group write."""
+    os.umask(os.umask(0o022) | 0o002)
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
@@ -213,7 +222,7 @@ def _check_saved_weights(model, path: Path) -> None:
         )
 
 
-def load_checkpoint(accelerator, model, path: Path, plan, recipe: Recipe) -> tuple[Progress, dict]:
+def load_checkpoint(accelerator, model, scheduler, path: Path, plan, recipe: Recipe) -> tuple[Progress, dict]:
     """Restore model/optimizer/scheduler/RNG from `path`; return where training stands for this run and the
     checkpoint's other run facts (tracker run ids, device-hours so far).
 
@@ -234,12 +243,13 @@ def load_checkpoint(accelerator, model, path: Path, plan, recipe: Recipe) -> tup
     # just checked. DeepSpeed loads its own files and takes no `strict`.
     non_strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": False}
     accelerator.load_state(str(path), **non_strict)
+    scheduler.load_state_dict(state["scheduler"])
     progress = realign(Progress(**state["progress"]), state["effective_batch_size"], plan)
     # load_state also restores accelerate's micro-batch counter, which decides when gradients sync. Saved by
     # a run with another accumulation it would misalign every step (sync after 1 of 2 micro-batches): set it
     # from this run's layout, in which every optimizer step is exactly `accum` micro-batches.
     accelerator.step = progress.step * plan.accum
-    return progress, {k: v for k, v in state.items() if k not in ("progress", "versions")}
+    return progress, {k: v for k, v in state.items() if k not in ("progress", "versions", "scheduler")}
 
 
 def realign(progress: Progress, saved_global_batch: int, plan) -> Progress:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -97,8 +98,9 @@ def launch_info(accelerator, model, optimizer) -> dict:
 
 
 @contextmanager
-def phase(accelerator, name: str, timeout: int):
-    """Turn a collective timeout inside `name` into a message naming the rank and the phase."""
+def phase(accelerator, name: str | Callable[[], str], timeout: int):
+    """Turn a collective timeout inside `name` into a message naming the rank and the phase (`name` may be a
+    function, called when the timeout happens, e.g. to name the optimizer step)."""
     try:
         yield
     except RuntimeError as exc:  # gloo and NCCL report timeouts as RuntimeError subclasses (DistBackendError)
@@ -106,6 +108,6 @@ def phase(accelerator, name: str, timeout: int):
             raise
         raise HftrainError(
             f"rank {accelerator.process_index} of {accelerator.num_processes} timed out after {timeout}s waiting for "
-            f"the other ranks during {name}; a rank may have died (see its log above) or be much slower (raise "
-            "ddp_timeout if rank 0 needs longer, e.g. to tokenize a large dataset)"
+            f"the other ranks during {name() if callable(name) else name}; a rank may have died (see its log above) "
+            "or be much slower (raise ddp_timeout if rank 0 needs longer, e.g. to tokenize a large dataset)"
         ) from None

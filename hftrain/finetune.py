@@ -104,6 +104,7 @@ def optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, scal
 
 def run(recipe: Recipe) -> Path:
     # ------------------------------------------------------------------ setup
+    checkpoint.never_world_writable()
     problems = check_environment(recipe, torch.cuda.is_available()) + preset_conflicts(recipe)
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
@@ -147,11 +148,11 @@ def run(recipe: Recipe) -> Path:
     optimizer = build_optimizer(recipe, model)
     scheduler = build_scheduler(recipe, optimizer, total_steps)
     model, optimizer = strategy.prepare(accelerator, model, optimizer)  # DDP / FSDP2 / DeepSpeed engine
-    accelerator.register_for_checkpointing(scheduler)  # stepped by the loop once per optimizer step
 
     progress, resumed = checkpoint.Progress(world_size=world), {}
     if resume_from is not None:
-        progress, resumed = checkpoint.load_checkpoint(accelerator, model, resume_from, plan, recipe)
+        progress, resumed = checkpoint.load_checkpoint(accelerator, model, scheduler, resume_from, plan,
+                                                        recipe)
     n_trainable, n_params = strategy.parameter_counts(model)
     memory = strategy.model_state_memory(accelerator, recipe, n_trainable, n_params)
     run_info = {"launch": launch_info(accelerator, model, optimizer), "model": summary, "data": data_stats,
@@ -204,10 +205,11 @@ def run(recipe: Recipe) -> Path:
 
     def save() -> Path:
         run_info["device_hours"] = meter.device_hours()
+        run_info["scheduler"] = scheduler.state_dict()  # plain numbers, stored as JSON with the progress
         return checkpoint.save_checkpoint(accelerator, output_dir, recipe, progress, run_info)
 
     model.train()
-    with StopRequest() as stop:
+    with StopRequest() as stop, phase(accelerator, lambda: f"training step {progress.step + 1}", recipe.ddp_timeout):
         while progress.step < total_steps:
             batches = iter(make_loader(plan.micro_batches(progress.epoch, rank, progress.step_in_epoch), collator,
                                        recipe.dataloader_num_workers))
@@ -294,12 +296,15 @@ def run(recipe: Recipe) -> Path:
 
     # --------------------------------------------------------- evaluate & save
     if eval_set is not None:
-        metrics = evaluate(accelerator, dp, model, eval_set, eval_collator, recipe)
+        with phase(accelerator, "the final evaluation", recipe.ddp_timeout):
+            metrics = evaluate(accelerator, dp, model, eval_set, eval_collator, recipe)
         logger.log({"step": progress.step, **metrics})
         logger.print(f"hftrain: eval_loss {metrics['eval_loss']:.4f} after {progress.step} steps")
     final_dir = output_dir / "final"
-    checkpoint.save_final(accelerator, model, tokenizer, final_dir)
+    with phase(accelerator, "saving the final model", recipe.ddp_timeout):
+        checkpoint.save_final(accelerator, model, tokenizer, final_dir)
     run_info["device_hours"] = meter.device_hours()
+    run_info["scheduler"] = scheduler.state_dict()
     if accelerator.is_main_process:
         checkpoint.write_run_files(final_dir, recipe, progress, run_info)
     cost = f" (cost {run_info['device_hours'] * recipe.cost_per_gpu_hour:.2f})" if recipe.cost_per_gpu_hour else ""

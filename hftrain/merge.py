@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
     sys.path.insert(0, str(_here.parent))
 
+from hftrain.checkpoint import never_world_writable
 from hftrain.errors import HftrainError, report_and_exit
 
 MERGE_FILE = "hftrain_merge.json"
@@ -151,6 +152,7 @@ def build_arg_parser(prog: str = "hftrain.merge") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = "hftrain.merge") -> None:
     args = build_arg_parser(prog).parse_args(argv)
+    never_world_writable()
     try:
         if args.dry_run and not args.push_to_hub:
             raise HftrainError("--dry_run only applies to --push_to_hub; add --push_to_hub org/name or drop it")

@@ -34,6 +34,7 @@ from typing import Any
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError, HftrainError
 
+FULL_STATE_FILE = "full_training_state.pt"  # tensor parallel: gathered model + optimizer state
 DS_CONFIG_FILE = "ds_config.json"  # the DeepSpeed config actually used, next to every checkpoint and final model
 # "auto" entries hftrain fills: from the recipe (and world size) at start-up, or from the model's hidden size
 RECIPE_AUTO_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
@@ -224,23 +225,28 @@ def tp_size(accelerator, model) -> int:
 class FullTrainingState:
     """Model and optimizer state as full tensors, for models accelerate does not wrap (tensor parallel).
 
-    Registered with `accelerator.register_for_checkpointing`: saving gathers the shards (every rank takes
-    part, the main process writes), loading re-shards them, so the checkpoint does not depend on the layout.
+    Hooked into `accelerator.save_state` / `load_state` (both run on every rank): saving gathers the shards
+    and the main process writes `FULL_STATE_FILE`; loading reads it weights-only (tensors and plain values, no
+    pickled objects) and re-shards it, so the checkpoint does not depend on the layout.
     """
 
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, accelerator, model, optimizer):
+        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
 
-    def state_dict(self) -> dict:
+    def save(self, folder: str) -> None:
+        import torch
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
-        return {"model": model_state, "optimizer": optimizer_state}
+        if self.accelerator.is_main_process:
+            torch.save({"model": model_state, "optimizer": optimizer_state}, os.path.join(folder, FULL_STATE_FILE))
 
-    def load_state_dict(self, state: dict) -> None:
+    def load(self, folder: str) -> None:
+        import torch
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+        state = torch.load(os.path.join(folder, FULL_STATE_FILE), map_location="cpu", weights_only=True)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
 
@@ -255,7 +261,9 @@ def prepare(accelerator, model, optimizer):
     if tp_size(accelerator, model) > 1:
         if accelerator.mixed_precision != "no":
             model.forward = accelerator.autocast()(model.forward)  # what accelerator.prepare would add
-        accelerator.register_for_checkpointing(FullTrainingState(model, optimizer))
+        state = FullTrainingState(accelerator, model, optimizer)
+        accelerator.register_save_state_pre_hook(lambda models, weights, folder: state.save(folder))
+        accelerator.register_load_state_pre_hook(lambda models, folder: state.load(folder))
         return model, optimizer
     lm_config = model.lm.config
     if _selected(accelerator) == "DEEPSPEED":

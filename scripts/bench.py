@@ -81,6 +81,9 @@ class Contender:
 CONTENDERS = {
     "hftrain": Contender("hftrain", "hftrain, length-grouped batches (train_sampling_strategy: group_by_length)",
                          {"train_sampling_strategy": "group_by_length"}),
+    "hftrain_accum": Contender("hftrain", "hftrain, length-grouped, micro-batches of 2 x 4 accumulation steps",
+                               {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": BATCH // 4,
+                                "gradient_accumulation_steps": 4}),
     "hftrain_random": Contender("hftrain", "hftrain, random batches padded to the longest",
                                 {"train_sampling_strategy": "random"}),
     "hftrain_packed": Contender("hftrain", "hftrain, packing (BFD, padding-free, position_ids)",
@@ -370,7 +373,7 @@ def run_contender(name: str, rep: int, setup: dict, max_steps: int = -1) -> Run:
     batch = setup["packed_batch"] if contender.packed else BATCH
     log_path = run_dir / "log.txt"
     if contender.kind == "hftrain":
-        recipe = {**setup["recipe"], **contender.options, "per_device_train_batch_size": batch,
+        recipe = {**setup["recipe"], "per_device_train_batch_size": batch, **contender.options,
                   "max_steps": max_steps, "output_dir": str(run_dir / "out")}
         (run_dir / "recipe.yaml").write_text(json.dumps(recipe, indent=1))  # JSON is YAML
         cmd = [sys.executable, "-m", "hftrain.finetune", "--config", str(run_dir / "recipe.yaml")]
@@ -408,7 +411,7 @@ def hftrain_padding(setup: dict, options: dict, batch: int) -> float:
     from hftrain.data import load_datasets, row_lengths, training_plan, training_rows
     from hftrain.model import build_tokenizer
 
-    recipe = recipe_from_dict({**setup["recipe"], **options, "per_device_train_batch_size": batch},
+    recipe = recipe_from_dict({**setup["recipe"], "per_device_train_batch_size": batch, **options},
                               for_training=False)
     train, _, _ = load_datasets(recipe, build_tokenizer(recipe))
     rows = training_rows(train, recipe.packing, recipe.max_length)

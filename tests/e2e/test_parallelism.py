@@ -309,7 +309,7 @@ def test_tensor_parallel_tp_plan_under_two_ranks(reference, tmp_path):
     assert run.state()["effective_batch_size"] == 16 and "effective batch 16 = 16 per device x 1" in run.stdout
     assert_same_training(run, reference)
     # checkpoints hold full (gathered) model and optimizer state, not one rank's shards
-    full = torch.load(run.output_dir / "checkpoint-3" / "custom_checkpoint_0.pkl", weights_only=False)
+    full = torch.load(run.output_dir / "checkpoint-3" / "full_training_state.pt", weights_only=True)
     assert full["model"]["lm.model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
 
     resumed = resume_from_step_3(run, "tp-resumed", *TP_BATCH, "--tp_size", "2", preset="tp")

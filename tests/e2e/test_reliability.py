@@ -263,3 +263,55 @@ def test_a_refused_run_leaves_an_existing_output_dir_untouched(tmp_path):
     proc = run_entry("--output_dir", str(out), "--max_steps", "2")
     assert proc.returncode == 2 and "already holds a run" in proc.stderr
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+# ----------------------------------------------------------------------------- collective timeouts
+FAULTY = REPO / "tests" / "e2e" / "launchers" / "faulty_rank.py"
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("stuck_data", r"rank 1 of 2 timed out after 20s waiting for the other ranks during data preparation"),
+    ("stuck_step", r"rank 0 of 2 timed out after 20s waiting for the other ranks during training step \d+"),
+])
+def test_a_stuck_rank_ends_the_run_with_a_message_naming_rank_and_phase(tmp_path, fault, message):
+    """One rank stalls for 10 minutes (rank 0 before tokenizing, rank 1 in a forward); the other gives up after
+    ddp_timeout with one readable line instead of hanging or printing a gloo traceback."""
+    started = time.time()
+    run = launch(tmp_path / "out", *RECIPE, "--max_steps", "8", "--per_device_train_batch_size", "4",
+                 "--ddp_timeout", "20", preset="cpu_ddp", script=FAULTY, check=False, timeout=400,
+                 env={"HFTRAIN_TEST_FAULTS": fault, "HFTRAIN_TEST_STALL": "600"})
+    assert run.returncode != 0
+    assert re.search(message, run.stderr.replace("\n", " ")), run.stderr[-3000:]
+    assert "hftrain: error: rank" in run.stderr  # the rank's own one-paragraph report, not only the launcher's
+    assert time.time() - started < 300, "the launch waited for the stalled rank"
+    assert not (tmp_path / "out" / "final").exists()
+
+
+# ----------------------------------------------------------------------------------- safe files
+def test_checkpoints_load_weights_only_and_nothing_is_world_writable(tmp_path):
+    """Launched with umask 000, the run still creates nothing that other users could write; every file a resume
+    reads back is safetensors, JSON, or loads with torch.load(weights_only=True) (no arbitrary unpickling)."""
+    from accelerate.utils.other import load  # accelerate's loader: weights_only=True + numpy RNG types
+
+    before = os.umask(0)
+    try:
+        run = launch(tmp_path / "out", *RECIPE, "--max_steps", "4", "--save_steps", "2",
+                     "--report_to", "tensorboard")
+    finally:
+        os.umask(before)
+    created = [run.output_dir, *run.output_dir.rglob("*")]
+    assert not [p for p in created if p.stat().st_mode & 0o002], "world-writable files"
+    assert any(p.stat().st_mode & 0o020 for p in created), "group permissions follow the umask (not tightened)"
+
+    folder = run.output_dir / "checkpoint-4"
+    suffixes = {p.suffix for p in folder.iterdir()}
+    assert suffixes <= {".safetensors", ".json", ".yaml", ".bin", ".pkl"}, suffixes
+    for path in folder.iterdir():
+        if path.suffix in (".bin", ".pkl"):
+            load(path, map_location="cpu")  # raises UnpicklingError on anything but tensors and plain values
+    assert not list(folder.glob("custom_checkpoint_*"))
+    # the schedule's state is JSON: after step 2 it holds the learning rate that step 3 then used
+    scheduler = run.state("checkpoint-2")["scheduler"]
+    step_3 = next(r for r in run.train_rows() if r["step"] == 3)
+    assert scheduler["last_epoch"] == 2  # one learning rate per parameter group (with and without weight decay)
+    assert scheduler["_last_lr"] == [pytest.approx(step_3["learning_rate"])] * len(scheduler["base_lrs"])

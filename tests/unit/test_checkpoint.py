@@ -27,6 +27,7 @@ from hftrain.checkpoint import (
 )
 from hftrain.config import Recipe, recipe_from_dict
 from hftrain.errors import HftrainError
+from hftrain.optim import build_scheduler, lr_factor
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "tiny-llama"
@@ -210,16 +211,27 @@ def test_save_then_load(tmp_path):
     out.mkdir()
     acc = OneProcess()
     progress = Progress(step=7, epoch=2, step_in_epoch=1, trained_tokens=99, world_size=1)
-    path = save_checkpoint(acc, out, a_recipe(out), progress, {**RUN_INFO, "note": "x"})
+    recipe = a_recipe(out, lr_scheduler_type="cosine", warmup_steps=2)
+    scheduler = build_scheduler(recipe, torch.optim.SGD(acc.model.parameters(), lr=recipe.learning_rate), 20)
+    for _ in range(progress.step):
+        scheduler.optimizer.step()
+        scheduler.step()
+    run_info = {**RUN_INFO, "scheduler": scheduler.state_dict()}
+    path = save_checkpoint(acc, out, recipe, progress, {**run_info, "note": "x"})
     (path / "stale").write_text("old")
-    path = save_checkpoint(acc, out, a_recipe(out), progress, {**RUN_INFO, "note": "y"})  # same step again: replaced
+    path = save_checkpoint(acc, out, recipe, progress, {**run_info, "note": "y"})  # same step again: replaced
     assert not (path / "stale").exists()
     from hftrain.data import BatchPlan
 
     plan = BatchPlan(40, 2, 1, 2, seed=0, shuffle=True)  # same global batch (4) as saved: same position
-    loaded, extra = load_checkpoint(acc, acc.model, path, plan, a_recipe(out))
+    fresh = build_scheduler(recipe, torch.optim.SGD(acc.model.parameters(), lr=recipe.learning_rate), 20)
+    loaded, extra = load_checkpoint(acc, acc.model, fresh, path, plan, recipe)
     assert acc.loaded == [str(path)]
     assert loaded == progress
+    # the schedule continues where it was: the learning rate of step 8, computed independently
+    assert fresh.get_last_lr() == scheduler.get_last_lr() == \
+        [pytest.approx(recipe.learning_rate * lr_factor("cosine", 8, 20, 2))]
+    assert "scheduler" not in extra
     assert acc.step == progress.step * plan.accum  # accelerate's micro-batch counter follows this run's layout
     assert extra["note"] == "y" and extra["effective_batch_size"] == 4
     assert checkpoint.resolve_resume(a_recipe(out, resume_from_checkpoint="latest")) == path
