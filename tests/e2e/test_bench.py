@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.launch
-CONTENDERS = ["hftrain", "hftrain_random", "hftrain_packed", "trainer", "trl_padding", "trl_packing",
+CONTENDERS = ["hftrain", "hftrain_accum", "hftrain_random", "hftrain_packed", "trainer", "trl_padding", "trl_packing",
               "trl_padding_free", "loop"]
 
 
@@ -44,9 +44,12 @@ def test_quick_bench_writes_a_row_per_contender(tmp_path):
     assert results["trl_packing"]["padding"] == 0 and results["trl_padding_free"]["padding"] == 0
     assert results["hftrain"]["padding"] < results["hftrain_random"]["padding"]
     assert results["loop"]["padding"] == pytest.approx(results["hftrain"]["padding"])  # the same batches
+    # the same examples per step split into 4 micro-batches: smaller groups of closer lengths pad less
+    assert results["hftrain_accum"]["padding"] <= results["hftrain"]["padding"]
+    assert {t["hftrain_setting"] for t in report["targets"]} == {n for n in CONTENDERS if n.startswith("hftrain")}
 
     page = (out / "benchmarks.md").read_text()
     assert page.startswith("# Notes kept") and page.rstrip().endswith("## Levers kept") and "stale table" not in page
     for name in CONTENDERS:
         assert f"| {name} | " in page
-    assert "--quick" in page and "torch 2.13.0" in page
+    assert "--quick" in page and "torch 2.13.0" in page and "hftrain settings meeting every target:" in page
