@@ -24,7 +24,7 @@ import yaml
 
 from hftrain.errors import ConfigError
 
-OPTIMIZERS = ("adamw_torch", "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 DEFAULT_RECIPE_NOTE = "with no --config, the embedded default recipe (tiny offline model, shipped chat data) is used"
 
 
@@ -166,7 +166,8 @@ class Recipe:
                               group="training")
     optim: str = _f(
         "adamw_torch",
-        "Optimizer: adamw_torch, sgd, or bitsandbytes adamw_bnb_8bit / paged_adamw_8bit / paged_adamw_32bit "
+        "Optimizer: adamw_torch, adamw_torch_fused (the same AdamW as one fused kernel per parameter group, CPU and "
+        "CUDA), sgd, or bitsandbytes adamw_bnb_8bit / paged_adamw_8bit / paged_adamw_32bit "
         "(8-bit optimizer state for tensors of 4096+ elements, 32-bit below; 'paged' only pages on CUDA).",
         group="training", choices=OPTIMIZERS,
     )

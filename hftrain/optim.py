@@ -20,7 +20,8 @@ BNB_ADAMW = {"adamw_bnb_8bit": (8, False), "paged_adamw_8bit": (8, True), "paged
 
 
 def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW or SGD (weight decay on matrices only, never on biases and norm weights), or bitsandbytes AdamW.
+    """AdamW (torch's for-each or fused implementation) or SGD, with weight decay on matrices only (never on
+    biases and norm weights), or bitsandbytes AdamW.
 
     bitsandbytes AdamW (as transformers' `adamw_bnb_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`) keeps 8-bit
     optimizer state for tensors of 4096+ elements and 32-bit state for smaller ones; paging needs CUDA and is a
@@ -40,7 +41,7 @@ def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
 
         bits, paged = BNB_ADAMW[recipe.optim]
         return bnb.optim.AdamW(groups, **adam, optim_bits=bits, is_paged=paged)
-    return torch.optim.AdamW(groups, **adam)
+    return torch.optim.AdamW(groups, **adam, fused=recipe.optim == "adamw_torch_fused")
 
 
 def lr_factor(kind: str, step: int, total: int, warmup: int) -> float:

@@ -135,7 +135,7 @@ def deepspeed_problems(recipe: Recipe, config: dict, world: int) -> list[str]:
         problems.append("ZeRO stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save: true "
                         "cannot write a consolidated final model (every rank holds a shard); set it to true")
     offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
-    if offloaded and recipe.optim != "adamw_torch":
+    if offloaded and not recipe.optim.startswith("adamw_torch"):
         problems.append(f"optimizer offload runs DeepSpeedCPUAdam, but optim={recipe.optim}: accelerate would "
                         "silently replace it with Adam; use optim=adamw_torch or a DeepSpeed config without "
                         "offload_optimizer")
@@ -325,7 +325,8 @@ def model_state_memory(accelerator, recipe: Recipe, n_trainable: int, n_params: 
     kind, world = _selected(accelerator), accelerator.num_processes
     sixteen_bit_master = kind == "DEEPSPEED" and (recipe.bf16 or recipe.fp16)
     w = 2 if sixteen_bit_master else DTYPES[recipe.dtype].itemsize
-    k = (8 if recipe.optim == "adamw_torch" else 4 if recipe.sgd_momentum > 0 else 0) + (4 if sixteen_bit_master else 0)
+    moments = 8 if recipe.optim.startswith("adamw_torch") else 4 if recipe.sgd_momentum > 0 else 0
+    k = moments + (4 if sixteen_bit_master else 0)
     parts = {"weights": w * n_params, "gradients": w * n_trainable, "optimizer": k * n_trainable}
     sharded, offloaded, name = set(), set(), {"NO": "single process", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP"}.get(kind)
     if recipe.tp_size > 1:  # linear weights split over the tp_size (= all) processes; norms replicated (small)

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,6 +65,14 @@ FULL = Size(hidden=256, layers=8, heads=8, intermediate=1024, chats=256, median_
             max_tokens=900, max_length=1024, reps=3, threads=None)
 QUICK = Size(hidden=64, layers=2, heads=4, intermediate=128, chats=32, median_tokens=70, min_tokens=33,
              max_tokens=200, max_length=256, reps=1, threads=1)  # 1 thread: a smoke run on a busy machine
+SCALING = {  # tokens/s and peak memory against sequence length and model size (--scaling), hftrain_accum only
+    "8M params, max_length 256": replace(FULL, median_tokens=60, max_tokens=230, max_length=256),
+    "8M params, max_length 512": replace(FULL, median_tokens=115, max_tokens=460, max_length=512),
+    "8M params, max_length 1024": FULL,
+    "29M params, max_length 1024": replace(FULL, hidden=512, intermediate=2048),
+}
+SCALING_BEGIN, SCALING_END = "<!-- bench scaling: begin (written by scripts/bench.py --scaling) -->", \
+    "<!-- bench scaling: end -->"
 BATCH = 8  # sequences per optimizer step (packed contenders: as many packed rows as hold about as many tokens)
 SEED = 42
 LEARNING_RATE = 1e-4
@@ -76,6 +84,8 @@ class Contender:
     label: str
     options: dict = field(default_factory=dict)
     packed: bool = False
+    processes: int = 1  # hftrain only: > 1 launches `accelerate launch` with the cpu_ddp preset, 1 thread each
+    lever: bool = False  # not in the default comparison: run with --contenders or --levers
 
 
 CONTENDERS = {
@@ -84,6 +94,19 @@ CONTENDERS = {
     "hftrain_accum": Contender("hftrain", "hftrain, length-grouped, micro-batches of 2 x 4 accumulation steps",
                                {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": BATCH // 4,
                                 "gradient_accumulation_steps": 4}),
+    "hftrain_fused": Contender("hftrain", "hftrain_accum with optim: adamw_torch_fused",
+                               {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": BATCH // 4,
+                                "gradient_accumulation_steps": 4, "optim": "adamw_torch_fused"}, lever=True),
+    "hftrain_ckpt": Contender("hftrain", "hftrain_accum with gradient_checkpointing: true",
+                              {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": BATCH // 4,
+                               "gradient_accumulation_steps": 4, "gradient_checkpointing": True}, lever=True),
+    "hftrain_workers": Contender("hftrain", "hftrain_accum with dataloader_num_workers: 1",
+                                 {"train_sampling_strategy": "group_by_length",
+                                  "per_device_train_batch_size": BATCH // 4, "gradient_accumulation_steps": 4,
+                                  "dataloader_num_workers": 1}, lever=True),
+    "hftrain_ddp2": Contender("hftrain", "hftrain_accum as 2-process DDP (gloo, 1 thread each): 1 x 4 per process",
+                              {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": BATCH // 8,
+                               "gradient_accumulation_steps": 4}, processes=2, lever=True),
     "hftrain_random": Contender("hftrain", "hftrain, random batches padded to the longest",
                                 {"train_sampling_strategy": "random"}),
     "hftrain_packed": Contender("hftrain", "hftrain, packing (BFD, padding-free, position_ids)",
@@ -377,8 +400,15 @@ def run_contender(name: str, rep: int, setup: dict, max_steps: int = -1) -> Run:
                   "max_steps": max_steps, "output_dir": str(run_dir / "out")}
         (run_dir / "recipe.yaml").write_text(json.dumps(recipe, indent=1))  # JSON is YAML
         cmd = [sys.executable, "-m", "hftrain.finetune", "--config", str(run_dir / "recipe.yaml")]
+        threads = setup["threads"]
+        if contender.processes > 1:  # the cores are shared out between the processes
+            cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+                   str(REPO / "accelerate_configs" / "cpu_ddp.yaml"), "--num_processes", str(contender.processes),
+                   "--main_process_port", "0", str(REPO / "hftrain" / "finetune.py"), "--config",
+                   str(run_dir / "recipe.yaml")]
+            threads = max(1, (os.cpu_count() or 1) // contender.processes)
         metrics = run_dir / "out" / "metrics.jsonl"
-        code, start, end, rss, first_row = launch(cmd, child_env(work, setup["threads"]), log_path, watch=metrics)
+        code, start, end, rss, first_row = launch(cmd, child_env(work, threads), log_path, watch=metrics)
         run = Run(name, rep, code, start, end, rss, str(log_path))
         rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         if code == 0 and len(rows) >= 2 and first_row is not None:
@@ -405,7 +435,7 @@ def run_contender(name: str, rep: int, setup: dict, max_steps: int = -1) -> Run:
     return run
 
 
-def hftrain_padding(setup: dict, options: dict, batch: int) -> float:
+def hftrain_padding(setup: dict, options: dict, batch: int, processes: int = 1) -> float:
     """Share of padded slots in hftrain's batches for an epoch, from the same plan the run used."""
     from hftrain.config import recipe_from_dict
     from hftrain.data import load_datasets, row_lengths, training_plan, training_rows
@@ -415,11 +445,13 @@ def hftrain_padding(setup: dict, options: dict, batch: int) -> float:
                               for_training=False)
     train, _, _ = load_datasets(recipe, build_tokenizer(recipe))
     rows = training_rows(train, recipe.packing, recipe.max_length)
-    lengths, plan = row_lengths(train, rows), training_plan(recipe, train, rows, world=1)
+    lengths, plan = row_lengths(train, rows), training_plan(recipe, train, rows, world=processes)
     slots = real = 0
-    for mb in plan.micro_batches(epoch=0, rank=0):
-        slots += len(mb) * max(lengths[r] for r in mb)
-        real += sum(lengths[r] for r in mb)
+    for rank in range(processes):
+        for mb in plan.micro_batches(epoch=0, rank=rank):
+            if mb:
+                slots += len(mb) * max(lengths[r] for r in mb)
+                real += sum(lengths[r] for r in mb)
     return 1 - real / slots
 
 
@@ -554,12 +586,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model and data, 1 repetition, no warm-up")
     parser.add_argument("--out", type=Path, help="where benchmarks.md/.json go (default docs/; with --quick "
                         "outputs/bench-quick, so a smoke run never replaces the real results)")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset of: "
-                        + ", ".join(CONTENDERS))
+    parser.add_argument("--contenders", default=",".join(n for n, c in CONTENDERS.items() if not c.lever),
+                        help="comma-separated subset of: " + ", ".join(CONTENDERS) + " (default: all but the levers)")
     parser.add_argument("--reps", type=int, help="repetitions per contender (default 3, quick 1)")
     parser.add_argument("--work", type=Path, help="working folder (default: a temporary one, removed at the end)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the untimed 2-step run per contender that warms the datasets and OS caches")
+    parser.add_argument("--scaling", action="store_true", help="instead of the comparison: hftrain_accum at each "
+                        "sequence length and model size of SCALING (one warm run each), into the scaling section")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # child side: run one contender
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -581,9 +615,10 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["HF_DATASETS_CACHE"] = str(work / "datasets-cache")  # read by hftrain_padding: the runs' cache
     completed = False  # an exception or a failed run keeps the working folder (and the logs) for inspection
     try:
-        runs = bench(names, size, args.reps or size.reps, args.warmup and not args.quick, work, out,
-                     "HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py " + " ".join(sys.argv[1:] if argv is None
-                                                                                      else argv))
+        command = "HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py " + " ".join(sys.argv[1:] if argv is None
+                                                                                  else argv)
+        runs = scaling(work, out, command) if args.scaling else \
+            bench(names, size, args.reps or size.reps, args.warmup and not args.quick, work, out, command)
         completed = all(r.ok for r in runs)
     finally:
         if args.work is None and completed:
@@ -592,6 +627,44 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bench: {sum(not r.ok for r in runs)} run(s) failed; their logs are kept under {work}",
               file=sys.stderr)
         sys.exit(1)
+
+
+def scaling(work: Path, out: Path, command: str) -> list[Run]:
+    """hftrain_accum, one warm repetition per size of SCALING, into OUT/benchmarks.md's scaling section."""
+    runs, rows = [], []
+    for label, size in SCALING.items():
+        folder = work / label.replace(" ", "_").replace(",", "")
+        model_dir, data = folder / "model", folder / "chats.jsonl"
+        n_params = build_model(size, model_dir)
+        lengths = make_chats(size, model_dir, data)
+        setup = {"work": str(folder), "model_dir": str(model_dir), "recipe": base_recipe(model_dir, data, size),
+                 "packed_batch": packed_batch(lengths, size.max_length), "threads": size.threads}
+        run_contender("hftrain_accum", -1, setup, max_steps=2)  # warm tokenization and page caches
+        run = run_contender("hftrain_accum", 0, setup)
+        runs.append(run)
+        done = run.summary()
+        print(f"bench: scaling {label}: " + (f"{done['tokens_per_second']:,.0f} trained tokens/s, peak RSS "
+              f"{done['peak_rss_mb']:,.0f} MB" if run.ok else f"FAILED, log {run.log}"), flush=True)
+        rows.append(f"| {n_params:,} | {size.hidden} x {size.layers} | {size.max_length} | {min(lengths)}-"
+                    f"{max(lengths)} (median {int(statistics.median(lengths))}) | "
+                    + (f"{done['tokens_per_second']:,.0f} | {done['peak_rss_mb']:,.0f} |" if run.ok
+                       else "failed | - |"))
+    table = "\n".join([
+        f"Command: `{command}`  ",
+        f"Date: {time.strftime('%Y-%m-%d %H:%M %Z')}; `hftrain_accum` (length-grouped, 2 x 4 micro-batches), one "
+        f"warm run per row, {FULL.chats} chats each",
+        "",
+        "| parameters | hidden x layers | max_length | chat tokens | trained tokens/s | peak RSS (MB) |",
+        "| --- | --- | --- | --- | --- | --- |", *rows])
+    doc = out / "benchmarks.md"
+    text = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmark results\n"
+    if SCALING_BEGIN not in text:
+        text = text.rstrip("\n") + f"\n\n{SCALING_BEGIN}\n{SCALING_END}\n"
+    head, rest = text.split(SCALING_BEGIN, 1)
+    doc.write_text(head + f"{SCALING_BEGIN}\n{table}\n{SCALING_END}" + rest.split(SCALING_END, 1)[1],
+                   encoding="utf-8")
+    print(table)
+    return runs
 
 
 def bench(names: list[str], size: Size, reps: int, warmup: bool, work: Path, out: Path, command: str) -> list[Run]:
@@ -624,7 +697,7 @@ def bench(names: list[str], size: Size, reps: int, warmup: bool, work: Path, out
         counted = [r.padding for r in runs if r.contender == name and r.padding is not None]
         if contender.kind == "hftrain":
             paddings[name] = hftrain_padding(setup, contender.options,
-                                             setup["packed_batch"] if contender.packed else BATCH)
+                                             setup["packed_batch"] if contender.packed else BATCH, contender.processes)
         elif counted:
             paddings[name] = statistics.mean(counted)
     table = aggregate(runs, paddings)

@@ -182,3 +182,24 @@ def test_bitsandbytes_adamw_follows_torch_adamw(optim, bits, paged):
     else:
         torch.testing.assert_close(big.detach(), ref_big.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(small.detach(), ref_small.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_adamw_takes_the_same_steps_as_torch_adamw():
+    """adamw_torch_fused is torch's AdamW as one kernel: same groups, same updates (to float rounding)."""
+    def trained(optim: str) -> tuple[torch.optim.Optimizer, nn.Module]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+        optimizer = build_optimizer(Recipe(optim=optim, learning_rate=1e-2, weight_decay=0.1), model)
+        data = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            model(torch.randn(32, 8, generator=data)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return optimizer, model
+
+    fused, fused_model = trained("adamw_torch_fused")
+    plain, plain_model = trained("adamw_torch")
+    assert all(g["fused"] for g in fused.param_groups) and not any(g["fused"] for g in plain.param_groups)
+    assert [g["weight_decay"] for g in fused.param_groups] == [0.1, 0.0]
+    for a, b in zip(fused_model.parameters(), plain_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
