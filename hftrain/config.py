@@ -78,6 +78,13 @@ class Recipe:
         False, "Recompute activations in backward (non-reentrant) to save memory at ~30% more compute.",
         group="model",
     )
+    loss_chunk_tokens: int = _f(
+        0, "Compute the output projection and cross-entropy over this many trained tokens at a time, recomputing "
+        "each chunk's logits in backward, so that the fp32 logits of a whole micro-batch never exist at once "
+        "(they take tokens x vocabulary x 4 bytes, several GB for 100k+ vocabularies). 0: one chunk. Costs one "
+        "more output projection per chunk in backward; for the architectures whose logits are lm_head(hidden).",
+        group="model",
+    )
     # ------------------------------------------------------------------------------ data
     dataset_name: str = _f(
         "data/chat.jsonl",
@@ -471,6 +478,8 @@ def _validate_data(r: Recipe) -> list[str]:
 def _validate_performance(r: Recipe) -> list[str]:
     """Speed options that cannot work together."""
     problems = []
+    if r.loss_chunk_tokens < 0:
+        problems.append(f"loss_chunk_tokens must be >= 0 (0 = no chunking), got {r.loss_chunk_tokens}")
     if r.packing and r.train_sampling_strategy == "group_by_length":
         problems.append("train_sampling_strategy=group_by_length with packing=true has nothing to group: packed rows "
                         "all hold close to max_length tokens; use random with packing, or turn packing off")

@@ -199,6 +199,12 @@ def check_model_config(recipe: Recipe):
     except (OSError, ValueError) as exc:
         raise _load_error("model", recipe.model_name_or_path, exc) from None
     check_model_fits(recipe, config)
+    if recipe.loss_chunk_tokens and config.model_type not in HEAD_ONLY_MODEL_TYPES:
+        raise HftrainError(
+            f"loss_chunk_tokens={recipe.loss_chunk_tokens} needs logits that are exactly lm_head(hidden states); "
+            f"hftrain knows that of {', '.join(sorted(HEAD_ONLY_MODEL_TYPES))}, and this model is "
+            f"{config.model_type!r} (it may scale or cap its logits): set loss_chunk_tokens: 0"
+        )
     return config
 
 
@@ -224,10 +230,11 @@ class CausalLMTokenLoss(nn.Module):
     softmax; any other model takes its own full-logits path.
     """
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, chunk_tokens: int = 0):
         super().__init__()
         self.lm = lm
         self.head_only = lm.config.model_type in HEAD_ONLY_MODEL_TYPES
+        self.chunk_tokens = chunk_tokens  # > 0: logits of this many trained tokens at a time (head-only models)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -235,9 +242,17 @@ class CausalLMTokenLoss(nn.Module):
         targets = labels[:, 1:]
         trained = targets != IGNORE_INDEX
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
-        if self.head_only:
-            hidden = self.lm.get_decoder()(**inputs).last_hidden_state
-            logits = self.lm.get_output_embeddings()(hidden[:, :-1][trained])
-        else:
+        if not self.head_only:
             logits = self.lm(**inputs).logits[:, :-1][trained]
-        return F.cross_entropy(logits.float(), targets[trained], reduction="sum")
+            return F.cross_entropy(logits.float(), targets[trained], reduction="sum")
+        hidden = self.lm.get_decoder()(**inputs).last_hidden_state[:, :-1][trained]
+        if not self.chunk_tokens or len(hidden) <= self.chunk_tokens:
+            return self._head_loss(hidden, targets[trained])
+        from torch.utils.checkpoint import checkpoint
+
+        chunks = zip(hidden.split(self.chunk_tokens), targets[trained].split(self.chunk_tokens), strict=True)
+        return sum(checkpoint(self._head_loss, h, t, use_reentrant=False) for h, t in chunks)
+
+    def _head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm.get_output_embeddings()(hidden)
+        return F.cross_entropy(logits.float(), targets, reduction="sum")

@@ -225,6 +225,13 @@ def test_choices_are_checked(in_tmp):
     assert any(p.startswith("lr_scheduler_type='polynomial'") and "cosine" in p for p in problems)
 
 
+def test_negative_loss_chunk_is_refused_with_the_other_problems(in_tmp):
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict(valid(in_tmp, loss_chunk_tokens=-1, optim="adafactor"))
+    assert len(info.value.problems) == 2
+    assert "loss_chunk_tokens must be >= 0 (0 = no chunking), got -1" in info.value.problems
+
+
 def test_missing_config_file(in_tmp):
     with pytest.raises(ConfigError, match="cannot read recipe file"):
         load_recipe(["--config", str(in_tmp / "nope.yaml")])

@@ -16,6 +16,7 @@ from hftrain.model import (
     CausalLMTokenLoss,
     build_full_model,
     build_tokenizer,
+    check_model_config,
     check_model_fits,
     pad_token_id,
 )
@@ -58,12 +59,12 @@ def reference_sum(model, input_ids, labels, mask) -> torch.Tensor:
     return model(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False).loss * n
 
 
-def compare_with_model_loss(model, param_names):
+def compare_with_model_loss(model, param_names, chunk_tokens: int = 0):
     input_ids, labels, mask = padded_batch(model.config.vocab_size)
     params = dict(model.named_parameters())
 
     model.zero_grad(set_to_none=True)
-    ours = CausalLMTokenLoss(model)(input_ids, labels)
+    ours = CausalLMTokenLoss(model, chunk_tokens)(input_ids, labels)
     ours.backward()
     our_grads = {name: params[name].grad.clone() for name in param_names}
 
@@ -80,6 +81,29 @@ def compare_with_model_loss(model, param_names):
 def test_token_loss_equals_model_loss_times_tokens(tiny):
     compare_with_model_loss(tiny, ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight",
                                    "model.embed_tokens.weight", "model.norm.weight"])
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 7])
+def test_chunked_loss_equals_model_loss_times_tokens(tiny, chunk_tokens):
+    """loss_chunk_tokens: the head and cross-entropy per chunk of trained tokens, logits recomputed in backward;
+    same loss and gradients as the model's own full-logits loss (chunks of 1, uneven, and a short last one)."""
+    compare_with_model_loss(tiny, ["model.layers.0.self_attn.q_proj.weight", "lm_head.weight",
+                                   "model.embed_tokens.weight", "model.norm.weight"], chunk_tokens)
+
+
+def test_chunked_loss_never_holds_the_whole_logits(tiny):
+    """The largest logits tensor built in forward and backward is one chunk's, not the micro-batch's."""
+    input_ids, labels, _ = padded_batch(tiny.config.vocab_size)
+    trained = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    head, shapes = tiny.get_output_embeddings(), []
+    handle = head.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.shape)))
+    try:
+        CausalLMTokenLoss(tiny, chunk_tokens=4)(input_ids, labels).backward()
+    finally:
+        handle.remove()
+        tiny.zero_grad(set_to_none=True)
+    rows = [s[0] for s in shapes]
+    assert max(rows) == 4 and sum(rows) == 2 * trained  # every chunk once in forward, once again in backward
 
 
 def test_token_loss_is_a_sum_over_rows(tiny):
@@ -182,3 +206,12 @@ def test_pad_token_fallbacks():
     assert pad_token_id(SimpleNamespace(pad_token_id=5, eos_token_id=2)) == 5
     assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
     assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
+
+
+def test_loss_chunking_is_refused_for_models_with_their_own_logit_transform(tmp_path):
+    from transformers import Gemma2Config
+
+    Gemma2Config(**tiny_config_kwargs(), head_dim=8, final_logit_softcapping=2.0).save_pretrained(tmp_path)
+    with pytest.raises(HftrainError, match="loss_chunk_tokens=8 needs logits that are exactly lm_head.*'gemma2'"):
+        check_model_config(Recipe(model_name_or_path=str(tmp_path), max_length=32, loss_chunk_tokens=8))
+    check_model_config(Recipe(model_name_or_path=str(tmp_path), max_length=32))  # its own path without chunking
