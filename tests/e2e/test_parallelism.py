@@ -316,5 +316,29 @@ def test_tensor_parallel_tp_plan_under_two_ranks(reference, tmp_path):
     assert_continues(resumed, run)
     refused = launch(tmp_path / "refused", *COMMON, "--tp_size", "2", preset="cpu", check=False)
     assert refused.returncode != 0
-    assert "tp_size=2 runs on a DDP-type preset whose process count equals tp_size" in \
+    assert "tp_size=2 needs tp_size (or a multiple of it) processes on a DDP-type preset" in \
         refused.stderr.replace("\n", " ")
+
+
+def test_tensor_parallel_with_data_parallel_under_four_ranks(reference, tmp_path):
+    """tp_size=2 on 4 processes: two data-parallel copies of a model split in two. Ranks {0,1} and {2,3} each shard
+    one copy and train on their own half of the global batch; hftrain averages the gradients of ranks {0,2} and
+    {1,3}, which hold the same shards. The result equals one process with the same global batch of 16."""
+    run = launch(tmp_path / "tp-dp", *COMMON, *TWO_PROCESSES, "--tp_size", "2", preset="cpu_ddp", processes=4,
+                 timeout=900)
+    assert_launch(run, "MULTI_CPU", 4, "CausalLMTokenLoss", tp_size=2, dtensor_parameters=16)
+    assert run.state()["effective_batch_size"] == 16 and "effective batch 16 = 8 per device x 2 x 1" in run.stdout
+    estimate = run.state()["memory_estimate"]
+    assert estimate["strategy"] == "tensor parallel (tp_size=2) x 2 data-parallel copies"
+    assert estimate["per_device_bytes"] == 16 * TINY_PARAMS // 2  # split over the 2 ranks of a TP group only
+    assert_same_training(run, reference)  # token counts summed over the 2 data-parallel ranks, not the 4 processes
+    full = torch.load(run.output_dir / "checkpoint-3" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert full["model"]["lm.model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+
+    resumed = resume_from_step_3(run, "tp-dp-resumed", *TWO_PROCESSES, "--tp_size", "2", preset="cpu_ddp",
+                                 processes=4, timeout=900)
+    assert_continues(resumed, run)
+    refused = launch(tmp_path / "refused", *COMMON, "--tp_size", "2", preset="zero2", check=False)
+    assert refused.returncode != 0
+    message = refused.stderr.replace("\n", " ")
+    assert "tp_size=2 with a DEEPSPEED preset" in message and "ParallelismConfig, which needs FSDP2" in message
