@@ -19,7 +19,8 @@ branches on the strategy itself:
 - `clip_grad_norm`   the clipped global norm as a float: DeepSpeed clips inside its engine
                      (`gradient_clipping`) and reports the norm; FSDP2 returns a DTensor.
 - `parameter_counts` counts that stay right when ZeRO-3 has partitioned the parameters.
-- `check_resumable`  whether a checkpoint written by another number of processes can be loaded.
+- `check_resumable`  whether a checkpoint written by another number of processes can be loaded;
+                     `resume_folder` converts a ZeRO checkpoint for another number.
 - `data_parallel`    which share of the data a rank trains on: with tensor parallelism (recipe tp_size,
                      transformers' DistributedConfig) the ranks of one TP group see the same batches,
                      and `DataParallel.sum` adds over the data-parallel ranks only.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -445,9 +447,17 @@ def model_state_memory(accelerator, recipe: Recipe, n_trainable: int, n_params: 
 
 
 # ------------------------------------------------------------------------------- checkpoints
+UNIVERSAL_PREFIX = ".universal-"  # output_dir/.universal-checkpoint-N: a ZeRO checkpoint converted for another world
+
+
+def _resumes_universally(accelerator, saved_launch: dict) -> bool:
+    return _selected(accelerator) == "DEEPSPEED" and saved_launch["num_processes"] != accelerator.num_processes
+
+
 def check_resumable(accelerator, saved_launch: dict, recipe: Recipe) -> None:
-    """DeepSpeed ZeRO checkpoints hold one optimizer partition per rank: they resume on the same world size.
-    Tensor-parallel checkpoints hold full state in another file layout: they resume with tensor parallelism."""
+    """Tensor-parallel checkpoints hold full state in another file layout: they resume with tensor parallelism.
+    DeepSpeed ZeRO checkpoints hold one optimizer partition per rank; on another number of processes they resume
+    through DeepSpeed's universal checkpoint (`resume_folder`), whose converter knows Adam's state only."""
     saved, world = saved_launch["num_processes"], accelerator.num_processes
     if (saved_launch["tp_size"] > 1) != (recipe.tp_size > 1):
         raise HftrainError(
@@ -455,12 +465,67 @@ def check_resumable(accelerator, saved_launch: dict, recipe: Recipe) -> None:
             f"tp_size={recipe.tp_size}; tensor-parallel checkpoints resume only with tensor parallelism (any "
             "tp_size) and other checkpoints only without it"
         )
-    if _selected(accelerator) == "DEEPSPEED" and saved != world:
+    if _resumes_universally(accelerator, saved_launch) and recipe.optim != "adamw_torch":
         raise HftrainError(
-            f"this DeepSpeed checkpoint was written by {saved} processes and this run has {world}; ZeRO partitions "
-            "the optimizer state per rank, so resume with the same number of processes (or convert the checkpoint "
-            "with DeepSpeed's ds_to_universal.py and load it outside hftrain)"
+            f"this DeepSpeed checkpoint was written by {saved} processes and this run has {world}; hftrain resumes a "
+            "ZeRO checkpoint on another process count by converting it to a DeepSpeed universal checkpoint, whose "
+            "converter (deepspeed/checkpoint/ds_to_universal.py) reads only Adam's optimizer state (exp_avg, "
+            f"exp_avg_sq): with optim={recipe.optim}, resume with {saved} processes"
         )
+
+
+@contextmanager
+def resume_folder(accelerator, model, path: Path, saved_launch: dict):
+    """The folder `accelerator.load_state` reads checkpoint `path` from.
+
+    That is `path` itself, except for a DeepSpeed ZeRO checkpoint written by another number of processes: ZeRO
+    keeps one optimizer partition per rank, and DeepSpeed 0.19 refuses to re-partition it ("Automatic adjustment of
+    ZeRO's optimizer state partitioning with a new world size is not currently supported"). The main process then
+    converts the engine's files with DeepSpeed's ds_to_universal (one file per parameter and state: fp32 weights,
+    exp_avg, exp_avg_sq) into `.universal-checkpoint-N` next to the checkpoint, beside links to its other files
+    (scheduler, RNG states), and every rank loads that with `load_universal` (which DeepSpeed reads from the
+    engine's config at load time). The folder is removed once every rank has loaded it.
+    """
+    if not _resumes_universally(accelerator, saved_launch):
+        yield path
+        return
+    import shutil
+
+    folder = path.parent / f"{UNIVERSAL_PREFIX}{path.name}"
+    engine_dir = next(p for p in sorted(path.iterdir()) if p.is_dir() and any(p.glob("*optim_states.pt")))
+    if accelerator.is_main_process:
+        print(f"hftrain: {path.name} was written by {saved_launch['num_processes']} DeepSpeed processes; converting "
+              f"it to a universal checkpoint in {folder} to resume on {accelerator.num_processes}", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        _convert_to_universal(engine_dir, folder / engine_dir.name)
+        for item in path.iterdir():
+            if item != engine_dir:
+                (folder / item.name).symlink_to(item.resolve())
+    accelerator.wait_for_everyone()
+    model._config.load_universal_checkpoint = True  # DeepSpeedEngine.load_universal_checkpoint() reads it
+    try:
+        yield folder
+    finally:
+        model._config.load_universal_checkpoint = False
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _convert_to_universal(engine_dir: Path, out: Path) -> None:
+    """DeepSpeed's ds_to_universal.py in this process (no worker pool). `inject_missing_state`: transformers models
+    carry no `universal_checkpoint_info`, which the converter otherwise requires (it only names TP/PP patterns)."""
+    import contextlib
+    import io
+    from argparse import Namespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    args = Namespace(input_folder=str(engine_dir), output_folder=str(out), num_extract_workers=1,
+                     num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress; errors raise
+        ds_to_universal(args)
 
 
 def innermost_optimizer(optimizer) -> str:

@@ -169,11 +169,39 @@ def test_zero2_with_accumulation_matches_one_process_with_the_recipes_clipping(r
 
     resumed = resume_from_step_3(run, "zero2-resumed", *SGD, *TWO_PROCESSES_ACCUM, preset="zero2")
     assert_continues(resumed, run)
-    # ZeRO partitions the optimizer state per rank: another process count is refused in one paragraph
+    # On another process count ZeRO checkpoints go through DeepSpeed's universal format, which holds Adam's state
+    # only: SGD's momentum cannot be re-partitioned, refused in one paragraph
     refused = launch(run.output_dir, *COMMON, *SGD, *ONE_PROCESS, "--resume_from_checkpoint", "latest",
                      preset="zero2", processes=1, check=False)
     assert refused.returncode != 0
-    assert "written by 2 processes and this run has 1" in refused.stderr.replace("\n", " ")
+    message = refused.stderr.replace("\n", " ")
+    assert "written by 2 processes and this run has 1" in message and "with optim=sgd, resume with 2" in message
+
+
+def test_zero2_checkpoint_resumes_on_another_number_of_processes(reference, tmp_path):
+    """ZeRO keeps one optimizer partition per rank; on another process count hftrain converts the checkpoint to a
+    DeepSpeed universal checkpoint (per-parameter fp32 weights and Adam moments) and loads that. Steps 4-6 then
+    equal the uninterrupted run: weights, moments, schedule and data position all came through."""
+    run = launch(tmp_path / "zero2", *COMMON, *TWO_PROCESSES, preset="zero2")
+    assert_launch(run, "DEEPSPEED", 2, "DeepSpeedEngine", optimizer="AdamW")
+    assert_same_training(run, reference)
+
+    two_to_one = resume_from_step_3(run, "two-to-one", *ONE_PROCESS, preset="zero2", processes=1)
+    assert_launch(two_to_one, "DEEPSPEED", 1, "DeepSpeedEngine")
+    assert "checkpoint-3 was written by 2 DeepSpeed processes; converting it to a universal checkpoint" in \
+        two_to_one.stdout
+    assert_continues(two_to_one, run, rtol=1e-5, atol=1e-5)  # other reduction order than the 2-process run
+    assert not list(two_to_one.output_dir.glob(".universal-*"))  # the converted copy is removed after loading
+
+    one = launch(tmp_path / "zero2-one", *COMMON, *ONE_PROCESS, preset="zero2", processes=1)
+    assert sorted(p.name for p in (one.output_dir / "checkpoint-3" / "pytorch_model").glob("*optim_states.pt")) == \
+        ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    one_to_two = resume_from_step_3(one, "one-to-two", *TWO_PROCESSES, preset="zero2")
+    assert_launch(one_to_two, "DEEPSPEED", 2, "DeepSpeedEngine")
+    assert "written by 1 DeepSpeed processes; converting it to a universal checkpoint" in one_to_two.stdout
+    assert_continues(one_to_two, one, rtol=1e-5, atol=1e-5)
+    shards = sorted(p.name for p in (one_to_two.output_dir / "checkpoint-6" / "pytorch_model").glob("*optim*"))
+    assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
 
 def test_zero3_trains_like_one_process_and_gathers_a_full_final_model(reference, tmp_path):
