@@ -492,25 +492,34 @@ def resume_folder(accelerator, model, path: Path, saved_launch: dict):
     import shutil
 
     folder = path.parent / f"{UNIVERSAL_PREFIX}{path.name}"
-    engine_dir = next(p for p in sorted(path.iterdir()) if p.is_dir() and any(p.glob("*optim_states.pt")))
+    saved, world, error = saved_launch["num_processes"], accelerator.num_processes, None
     if accelerator.is_main_process:
-        print(f"hftrain: {path.name} was written by {saved_launch['num_processes']} DeepSpeed processes; converting "
-              f"it to a universal checkpoint in {folder} to resume on {accelerator.num_processes}", flush=True)
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir()
-        _convert_to_universal(engine_dir, folder / engine_dir.name)
-        for item in path.iterdir():
-            if item != engine_dir:
-                (folder / item.name).symlink_to(item.resolve())
-    accelerator.wait_for_everyone()
+        print(f"hftrain: {path.name} was written by {saved} DeepSpeed processes; converting it to a universal "
+              f"checkpoint in {folder} to resume on {world}", flush=True)
+        try:
+            engine_dir = next(p for p in sorted(path.iterdir()) if p.is_dir() and any(p.glob("*optim_states.pt")))
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            _convert_to_universal(engine_dir, folder / engine_dir.name)
+            for item in path.iterdir():
+                if item != engine_dir:
+                    (folder / item.name).symlink_to(item.resolve())
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it rather than wait at a barrier
+            error = f"{type(exc).__name__}: {exc}"
+    from accelerate.utils import broadcast_object_list
+
+    error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise HftrainError(f"cannot convert the DeepSpeed checkpoint {str(path)!r} (written by {saved} processes) "
+                           f"into a universal checkpoint for {world}: {error}; resume with {saved} processes")
     model._config.load_universal_checkpoint = True  # DeepSpeedEngine.load_universal_checkpoint() reads it
     try:
         yield folder
     finally:
         model._config.load_universal_checkpoint = False
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            shutil.rmtree(folder, ignore_errors=True)
+    accelerator.wait_for_everyone()  # every rank has loaded: the converted copy can go
+    if accelerator.is_main_process:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _convert_to_universal(engine_dir: Path, out: Path) -> None:
