@@ -221,6 +221,11 @@ def test_zero3_trains_like_one_process_and_gathers_a_full_final_model(reference,
     assert sum(p.numel() for p in model.parameters()) == TINY_PARAMS
     resumed = resume_from_step_3(run, "zero3-resumed", *TWO_PROCESSES, preset="zero3")
     assert_continues(resumed, run)
+    # 2 -> 1: the partitioned weights and Adam state go through a universal checkpoint, as under ZeRO-2
+    two_to_one = resume_from_step_3(run, "zero3-two-to-one", *ONE_PROCESS, preset="zero3", processes=1)
+    assert_launch(two_to_one, "DEEPSPEED", 1, "DeepSpeedEngine")
+    assert "written by 2 DeepSpeed processes; converting it to a universal checkpoint" in two_to_one.stdout
+    assert_continues(two_to_one, run, rtol=1e-5, atol=1e-5)
 
 
 def test_zero2_with_cpu_optimizer_offload(reference, tmp_path):
@@ -366,6 +371,10 @@ def test_tensor_parallel_with_data_parallel_under_four_ranks(reference, tmp_path
     resumed = resume_from_step_3(run, "tp-dp-resumed", *TWO_PROCESSES, "--tp_size", "2", preset="cpu_ddp",
                                  processes=4, timeout=900)
     assert_continues(resumed, run)
+    # the checkpoint holds full state: it resumes as well on one TP group of 2 with the same global batch
+    one_copy = resume_from_step_3(run, "tp-dp-to-tp", *TP_BATCH, "--tp_size", "2", preset="tp")
+    assert_launch(one_copy, "MULTI_CPU", 2, "CausalLMTokenLoss", tp_size=2)
+    assert_continues(one_copy, run, rtol=1e-5, atol=1e-5)
     refused = launch(tmp_path / "refused", *COMMON, "--tp_size", "2", preset="zero2", check=False)
     assert refused.returncode != 0
     message = refused.stderr.replace("\n", " ")
