@@ -153,7 +153,8 @@ def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Pro
 
 def clear_run(output_dir: Path) -> None:
     """Remove a previous run's checkpoints, final model, metrics, profiler traces and report (overwrite_output_dir)."""
-    for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f".tmp-{PREFIX}*"), output_dir / "final",
+    for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f".tmp-{PREFIX}*"),
+                *output_dir.glob(f"{strategy.UNIVERSAL_PREFIX}{PREFIX}*"), output_dir / "final",
                 output_dir / "profile", output_dir / "report"]:
         shutil.rmtree(old, ignore_errors=True)
     (output_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -226,13 +227,13 @@ def load_checkpoint(accelerator, model, scheduler, path: Path, plan, recipe: Rec
     """Restore model/optimizer/scheduler/RNG from `path`; return where training stands for this run and the
     checkpoint's other run facts (tracker run ids, device-hours so far).
 
-    A checkpoint can resume with another number of processes (DDP, FSDP2; DeepSpeed ZeRO needs the same
-    number, see `strategy.check_resumable`). The data position is kept in examples of the epoch's order,
-    which does not depend on the world size: if the effective batch changed, training continues at the
-    last step boundary of the new batch at or before that position (at most one new global batch minus
-    one example is seen again). RNG states are restored per rank index; a rank without a saved state
-    (1 -> 2 processes) keeps the state from `seed`. Data order never uses them (BatchPlan is seeded by
-    seed and epoch): they only matter for dropout.
+    A checkpoint can resume with another number of processes (DDP, FSDP2, tensor parallel; DeepSpeed ZeRO through
+    a universal checkpoint converted on the fly, AdamW only, see `strategy.resume_folder`). The data position is
+    kept in examples of the epoch's order, which does not depend on the world size: if the effective batch
+    changed, training continues at the last step boundary of the new batch at or before that position (at most
+    one new global batch minus one example is seen again). RNG states are restored per rank index; a rank without
+    a saved state (1 -> 2 processes) keeps the state from `seed`. Data order never uses them (BatchPlan is seeded
+    by seed and epoch): they only matter for dropout.
     """
     from accelerate.utils import DistributedType
 
@@ -242,7 +243,8 @@ def load_checkpoint(accelerator, model, scheduler, path: Path, plan, recipe: Rec
     # The model file holds the trained weights only (see _keep_trained_weights), hence strict=False; its keys were
     # just checked. DeepSpeed loads its own files and takes no `strict`.
     non_strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": False}
-    accelerator.load_state(str(path), **non_strict)
+    with strategy.resume_folder(accelerator, model, path, state["launch"]) as folder:  # ZeRO: maybe converted
+        accelerator.load_state(str(folder), **non_strict)
     scheduler.load_state_dict(state["scheduler"])
     progress = realign(Progress(**state["progress"]), state["effective_batch_size"], plan)
     # load_state also restores accelerate's micro-batch counter, which decides when gradients sync. Saved by

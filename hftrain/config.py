@@ -285,7 +285,8 @@ class Recipe:
     tp_size: int = _f(
         1, "Tensor-parallel degree: load the model with transformers' DistributedConfig(tp_size=N), its predefined "
         "tensor-parallel plan (tp_plan 'auto'), so each linear layer is sharded over N processes that see the same "
-        "batches. Needs N = the number of processes and a DDP-type preset (e.g. tp). 1 = off.",
+        "batches. Needs a DDP-type preset (e.g. tp) with N processes, or a multiple of N for data-parallel copies "
+        "of the split model (hftrain averages their gradients). 1 = off.",
         group="parallelism",
     )
 

@@ -14,19 +14,25 @@ branches on the strategy itself:
                      transformer-layer wrapping from the model's `_no_split_modules`), then
                      `accelerator.prepare`. The client optimizer is used under DeepSpeed (no DS
                      optimizer or scheduler): the loop steps the schedule once per optimizer step.
+                     A tensor-parallel model stays unwrapped; its data-parallel copies (more
+                     processes than tp_size) average their gradients through `ReplicaGradients`.
 - `clip_grad_norm`   the clipped global norm as a float: DeepSpeed clips inside its engine
                      (`gradient_clipping`) and reports the norm; FSDP2 returns a DTensor.
 - `parameter_counts` counts that stay right when ZeRO-3 has partitioned the parameters.
-- `check_resumable`  whether a checkpoint written by another number of processes can be loaded.
+- `check_resumable`  whether a checkpoint written by another number of processes can be loaded;
+                     `resume_folder` converts a ZeRO checkpoint for another number.
 - `data_parallel`    which share of the data a rank trains on: with tensor parallelism (recipe tp_size,
-                     transformers' DistributedConfig) the ranks of one TP group see the same batches.
+                     transformers' DistributedConfig) the ranks of one TP group see the same batches,
+                     and `DataParallel.sum` adds over the data-parallel ranks only.
 - `save_pretrained`  the final model as one from_pretrained folder, gathered from whatever shards it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,12 +184,31 @@ def check_selected(accelerator) -> None:
 
 
 # --------------------------------------------------------------------------- tensor parallel
+# Process layout with tensor parallelism (transformers' device mesh, TP innermost): rank = dp_rank * tp + tp_rank.
+# With 4 processes and tp_size=2: TP groups {0,1} {2,3} hold the two halves of every linear layer; data-parallel
+# groups {0,2} {1,3} hold the same half, train on different batches and average their gradients.
+@functools.cache
+def _tp_groups(world: int, tp: int) -> tuple[Any, Any]:
+    """(data-parallel group, tensor-parallel group) of this rank; every rank creates every group, in order."""
+    import torch.distributed as dist
+
+    rank, mine = dist.get_rank(), {}
+    for kind, groups in (("dp", [list(range(t, world, tp)) for t in range(tp)]),
+                         ("tp", [list(range(d * tp, d * tp + tp)) for d in range(world // tp)])):
+        for ranks in groups:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = group
+    return mine["dp"], mine["tp"]
+
+
 @dataclass(frozen=True)
 class DataParallel:
     """This rank's share of the data: `world` data-parallel groups, this rank in group `rank`.
 
-    The `replicas` ranks of one tensor-parallel group train on the same batches, so a sum over all
-    ranks counts each batch `replicas` times; `sum` divides that out (exact: replicas hold equal values).
+    The `replicas` (= tp_size) ranks of one tensor-parallel group train on the same batches. `sum` adds a value
+    over the data-parallel ranks only (each batch once, so token counts and loss sums stay exact), then takes
+    the max over the tensor-parallel group: its ranks hold equal values except a stop vote, which reaches them all.
     """
 
     world: int
@@ -192,34 +217,93 @@ class DataParallel:
     accelerator: Any
 
     def sum(self, tensor):
-        total = self.accelerator.reduce(tensor, reduction="sum")
-        return total if self.replicas == 1 else total / self.replicas
+        if self.replicas == 1:
+            return self.accelerator.reduce(tensor, reduction="sum")
+        import torch.distributed as dist
+
+        dp_group, tp_group = _tp_groups(self.world * self.replicas, self.replicas)
+        total = tensor.clone()
+        if self.world > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=tp_group)
+        return total
+
+
+TP_WITH_SHARDING_REFUSED = (
+    "tensor parallelism combined with FSDP or DeepSpeed is not available in hftrain: accelerate 1.15 composes TP "
+    "with data parallelism only through ParallelismConfig, which needs FSDP2 with a sharded data dimension "
+    "(dp_shard_size > 1; it refuses TP with pure replication) and accepts only FSDP2, DeepSpeed or multi-GPU "
+    "launches, while accelerate selects FSDP only for GPU-like devices. Use a DDP-type preset (tp, or cpu_ddp / "
+    "multi_gpu with --num_processes a multiple of tp_size): hftrain then averages the gradients of the tp_size-way "
+    "sharded copies itself"
+)
 
 
 def data_parallel(accelerator, recipe: Recipe) -> DataParallel:
     """Data-parallel layout for this launch; refuses tensor-parallel set-ups hftrain does not run."""
     tp, world, kind = recipe.tp_size, accelerator.num_processes, _selected(accelerator)
-    if tp > 1 and (kind not in ("MULTI_CPU", "MULTI_GPU") or tp != world):
-        raise HftrainError(
-            f"tp_size={tp} runs on a DDP-type preset whose process count equals tp_size (e.g. tp, or cpu_ddp with "
-            f"--num_processes {tp}); this launch is {kind} with {world} process(es). Tensor parallelism combined "
-            "with data parallelism, FSDP or DeepSpeed is not available in hftrain yet"
-        )
+    if tp > 1 and kind not in ("MULTI_CPU", "MULTI_GPU"):
+        if kind in ("FSDP", "DEEPSPEED"):
+            raise HftrainError(f"tp_size={tp} with a {kind} preset: {TP_WITH_SHARDING_REFUSED}")
+        raise HftrainError(f"tp_size={tp} needs tp_size (or a multiple of it) processes on a DDP-type preset (e.g. "
+                           f"tp, or cpu_ddp with --num_processes {tp}); this launch is {kind} with {world} process(es)")
+    if tp > 1 and world % tp:
+        raise HftrainError(f"tp_size={tp} does not divide the {world} processes of this launch; use a multiple of "
+                           f"tp_size processes (each group of tp_size consecutive ranks shards one copy of the model)")
     return DataParallel(world // tp, accelerator.process_index // tp, tp, accelerator)
 
 
 def model_load_kwargs(recipe: Recipe) -> dict:
-    """from_pretrained arguments of the strategy: tensor parallelism shards the weights while they load."""
+    """from_pretrained arguments of the strategy: tensor parallelism shards the weights while they load.
+
+    With more processes than tp_size, transformers builds its mesh with `dp_replicate_size` copies of the TP
+    group; its own handling of that dimension is FSDP2 (HSDP), which accelerate cannot drive on CPU (see
+    TP_WITH_SHARDING_REFUSED). `_ReplicatedTensorParallel` keeps the mesh and leaves the copies to hftrain,
+    which averages their gradients (`ReplicaGradients`).
+    """
     if recipe.tp_size == 1:
         return {}
     from transformers.distributed import DistributedConfig
 
-    return {"distributed_config": DistributedConfig(tp_size=recipe.tp_size)}  # the model's own tp_plan ("auto")
+    copies = int(os.environ.get("WORLD_SIZE", "1")) // recipe.tp_size
+    if copies <= 1:
+        return {"distributed_config": DistributedConfig(tp_size=recipe.tp_size)}  # the model's own tp_plan ("auto")
+
+    class _ReplicatedTensorParallel(DistributedConfig):
+        @property
+        def dp_size(self) -> int:  # no FSDP2 on the copies: transformers applies it only when dp_size > 1
+            return 1
+
+    return {"distributed_config": _ReplicatedTensorParallel(tp_size=recipe.tp_size, dp_replicate_size=copies)}
 
 
 def tp_size(accelerator, model) -> int:
     """Tensor-parallel degree of the (possibly wrapped) model: 1 unless transformers sharded it at load."""
     return accelerator.unwrap_model(model).lm.tp_size or 1
+
+
+class ReplicaGradients:
+    """Average each gradient over the data-parallel copies of a tensor-parallel model, as DDP would (DDP cannot
+    hold DTensor parameters). A hook per parameter runs once its gradient is accumulated in the backward of the
+    micro-batch that ends an optimizer step (`accelerator.sync_gradients`), before clipping and the step. Every
+    rank runs the same backward graph, so the collectives of the data-parallel and TP groups come in one order.
+    Sum then divide (gloo has no average): the same arithmetic as DDP's mean over the copies."""
+
+    def __init__(self, accelerator, model, group, copies: int):
+        self.accelerator, self.group, self.copies = accelerator, group, copies
+        self.handles = [p.register_post_accumulate_grad_hook(self.average)
+                        for p in model.parameters() if p.requires_grad]
+
+    def average(self, param) -> None:
+        if not self.accelerator.sync_gradients:
+            return
+        import torch
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # DTensor: this shard
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group)
+            grad.div_(self.copies)
 
 
 class FullTrainingState:
@@ -255,12 +339,21 @@ class FullTrainingState:
 def prepare(accelerator, model, optimizer):
     """Model-dependent strategy settings, then `accelerator.prepare(model, optimizer)`.
 
-    A tensor-parallel model (DTensor weights, sharded by transformers at load) is not wrapped: there is no
-    data-parallel dimension to synchronise, DDP cannot hold DTensors, and its checkpoint is full state.
+    A tensor-parallel model (DTensor weights, sharded by transformers at load) is not wrapped: DDP cannot hold
+    DTensors, so the gradients of its data-parallel copies (if any) are averaged by `ReplicaGradients`, and its
+    checkpoint is full state.
     """
-    if tp_size(accelerator, model) > 1:
+    tp = tp_size(accelerator, model)
+    if tp > 1:
         if accelerator.mixed_precision != "no":
             model.forward = accelerator.autocast()(model.forward)  # what accelerator.prepare would add
+        world, rank = accelerator.num_processes, accelerator.process_index
+        sharded = next(p for p in model.parameters() if hasattr(p, "device_mesh"))
+        if sharded.device_mesh.mesh.flatten().tolist() != list(range(rank - rank % tp, rank - rank % tp + tp)):
+            raise HftrainError(f"transformers sharded the model over ranks {sharded.device_mesh.mesh.tolist()}, not "
+                               f"over consecutive groups of tp_size={tp} as hftrain assumes for the data split")
+        if world > tp:
+            ReplicaGradients(accelerator, model, _tp_groups(world, tp)[0], world // tp)
         state = FullTrainingState(accelerator, model, optimizer)
         accelerator.register_save_state_pre_hook(lambda models, weights, folder: state.save(folder))
         accelerator.register_load_state_pre_hook(lambda models, folder: state.load(folder))
@@ -316,21 +409,23 @@ def model_state_memory(accelerator, recipe: Recipe, n_trainable: int, n_params: 
     master copy when DeepSpeed trains in 16 bit; SGD: 4 with momentum). DDP keeps all three on every
     device; ZeRO-1 shards the optimizer state (/N), ZeRO-2 and FSDP2 SHARD_GRAD_OP also the gradients,
     ZeRO-3 and FSDP2 FULL_SHARD everything; offloaded parts live in CPU RAM instead. Tensor parallelism
-    splits all three over its processes (counted as if the small replicated norm weights were split too).
+    splits all three over the tp_size processes of a group (counted as if the small replicated norm weights
+    were split too); its data-parallel copies each hold that much again.
     """
     import torch
 
     from hftrain.model import DTYPES
 
-    kind, world = _selected(accelerator), accelerator.num_processes
+    kind, world, tp = _selected(accelerator), accelerator.num_processes, recipe.tp_size
     sixteen_bit_master = kind == "DEEPSPEED" and (recipe.bf16 or recipe.fp16)
     w = 2 if sixteen_bit_master else DTYPES[recipe.dtype].itemsize
     moments = 8 if recipe.optim.startswith("adamw_torch") else 4 if recipe.sgd_momentum > 0 else 0
     k = moments + (4 if sixteen_bit_master else 0)
     parts = {"weights": w * n_params, "gradients": w * n_trainable, "optimizer": k * n_trainable}
     sharded, offloaded, name = set(), set(), {"NO": "single process", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP"}.get(kind)
-    if recipe.tp_size > 1:  # linear weights split over the tp_size (= all) processes; norms replicated (small)
-        sharded, name = {"optimizer", "gradients", "weights"}, f"tensor parallel (tp_size={recipe.tp_size})"
+    if tp > 1:  # linear weights split over the tp_size processes of a group, norms replicated (small); copies
+        sharded = {"optimizer", "gradients", "weights"}  # of the group (data parallel) hold the same again
+        name = f"tensor parallel (tp_size={tp})" + (f" x {world // tp} data-parallel copies" if world > tp else "")
     elif kind == "DEEPSPEED":
         zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
         stage = int(zero.get("stage", 0))
@@ -347,7 +442,7 @@ def model_state_memory(accelerator, recipe: Recipe, n_trainable: int, n_params: 
 
         offloaded = set(parts) if isinstance(plugin.cpu_offload, CPUOffloadPolicy) else set()
         name = "FSDP2 " + ("FULL_SHARD" if full_shard else "SHARD_GRAD_OP") + (" + offload" if offloaded else "")
-    per_device = {p: (b // world if p in sharded else b) for p, b in parts.items()}
+    per_device = {p: (b // (tp if tp > 1 else world) if p in sharded else b) for p, b in parts.items()}
     on_device = sum(b for p, b in per_device.items() if p not in offloaded)
     on_cpu = sum(b for p, b in per_device.items() if p in offloaded)
     if accelerator.device.type == "cuda":
@@ -361,9 +456,17 @@ def model_state_memory(accelerator, recipe: Recipe, n_trainable: int, n_params: 
 
 
 # ------------------------------------------------------------------------------- checkpoints
+UNIVERSAL_PREFIX = ".universal-"  # output_dir/.universal-checkpoint-N: a ZeRO checkpoint converted for another world
+
+
+def _resumes_universally(accelerator, saved_launch: dict) -> bool:
+    return _selected(accelerator) == "DEEPSPEED" and saved_launch["num_processes"] != accelerator.num_processes
+
+
 def check_resumable(accelerator, saved_launch: dict, recipe: Recipe) -> None:
-    """DeepSpeed ZeRO checkpoints hold one optimizer partition per rank: they resume on the same world size.
-    Tensor-parallel checkpoints hold full state in another file layout: they resume with tensor parallelism."""
+    """Tensor-parallel checkpoints hold full state in another file layout: they resume with tensor parallelism.
+    DeepSpeed ZeRO checkpoints hold one optimizer partition per rank; on another number of processes they resume
+    through DeepSpeed's universal checkpoint (`resume_folder`), whose converter knows Adam's state only."""
     saved, world = saved_launch["num_processes"], accelerator.num_processes
     if (saved_launch["tp_size"] > 1) != (recipe.tp_size > 1):
         raise HftrainError(
@@ -371,12 +474,76 @@ def check_resumable(accelerator, saved_launch: dict, recipe: Recipe) -> None:
             f"tp_size={recipe.tp_size}; tensor-parallel checkpoints resume only with tensor parallelism (any "
             "tp_size) and other checkpoints only without it"
         )
-    if _selected(accelerator) == "DEEPSPEED" and saved != world:
+    if _resumes_universally(accelerator, saved_launch) and recipe.optim != "adamw_torch":
         raise HftrainError(
-            f"this DeepSpeed checkpoint was written by {saved} processes and this run has {world}; ZeRO partitions "
-            "the optimizer state per rank, so resume with the same number of processes (or convert the checkpoint "
-            "with DeepSpeed's ds_to_universal.py and load it outside hftrain)"
+            f"this DeepSpeed checkpoint was written by {saved} processes and this run has {world}; hftrain resumes a "
+            "ZeRO checkpoint on another process count by converting it to a DeepSpeed universal checkpoint, whose "
+            "converter (deepspeed/checkpoint/ds_to_universal.py) reads only Adam's optimizer state (exp_avg, "
+            f"exp_avg_sq): with optim={recipe.optim}, resume with {saved} processes"
         )
+
+
+@contextmanager
+def resume_folder(accelerator, model, path: Path, saved_launch: dict):
+    """The folder `accelerator.load_state` reads checkpoint `path` from.
+
+    That is `path` itself, except for a DeepSpeed ZeRO checkpoint written by another number of processes: ZeRO
+    keeps one optimizer partition per rank, and DeepSpeed 0.19 refuses to re-partition it ("Automatic adjustment of
+    ZeRO's optimizer state partitioning with a new world size is not currently supported"). The main process then
+    converts the engine's files with DeepSpeed's ds_to_universal (one file per parameter and state: fp32 weights,
+    exp_avg, exp_avg_sq) into `.universal-checkpoint-N` next to the checkpoint, beside links to its other files
+    (scheduler, RNG states), and every rank loads that with `load_universal` (which DeepSpeed reads from the
+    engine's config at load time). The folder is removed once every rank has loaded it.
+    """
+    if not _resumes_universally(accelerator, saved_launch):
+        yield path
+        return
+    import shutil
+
+    folder = path.parent / f"{UNIVERSAL_PREFIX}{path.name}"
+    saved, world, error = saved_launch["num_processes"], accelerator.num_processes, None
+    if accelerator.is_main_process:
+        print(f"hftrain: {path.name} was written by {saved} DeepSpeed processes; converting it to a universal "
+              f"checkpoint in {folder} to resume on {world}", flush=True)
+        try:
+            engine_dir = next(p for p in sorted(path.iterdir()) if p.is_dir() and any(p.glob("*optim_states.pt")))
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            _convert_to_universal(engine_dir, folder / engine_dir.name)
+            for item in path.iterdir():
+                if item != engine_dir:
+                    (folder / item.name).symlink_to(item.resolve())
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it rather than wait at a barrier
+            error = f"{type(exc).__name__}: {exc}"
+    from accelerate.utils import broadcast_object_list
+
+    error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise HftrainError(f"cannot convert the DeepSpeed checkpoint {str(path)!r} (written by {saved} processes) "
+                           f"into a universal checkpoint for {world}: {error}; resume with {saved} processes")
+    model._config.load_universal_checkpoint = True  # DeepSpeedEngine.load_universal_checkpoint() reads it
+    try:
+        yield folder
+    finally:
+        model._config.load_universal_checkpoint = False
+    accelerator.wait_for_everyone()  # every rank has loaded: the converted copy can go
+    if accelerator.is_main_process:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _convert_to_universal(engine_dir: Path, out: Path) -> None:
+    """DeepSpeed's ds_to_universal.py in this process (no worker pool). `inject_missing_state`: transformers models
+    carry no `universal_checkpoint_info`, which the converter otherwise requires (it only names TP/PP patterns)."""
+    import contextlib
+    import io
+    from argparse import Namespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    args = Namespace(input_folder=str(engine_dir), output_folder=str(out), num_extract_workers=1,
+                     num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress; errors raise
+        ds_to_universal(args)
 
 
 def innermost_optimizer(optimizer) -> str:

@@ -169,11 +169,39 @@ def test_zero2_with_accumulation_matches_one_process_with_the_recipes_clipping(r
 
     resumed = resume_from_step_3(run, "zero2-resumed", *SGD, *TWO_PROCESSES_ACCUM, preset="zero2")
     assert_continues(resumed, run)
-    # ZeRO partitions the optimizer state per rank: another process count is refused in one paragraph
+    # On another process count ZeRO checkpoints go through DeepSpeed's universal format, which holds Adam's state
+    # only: SGD's momentum cannot be re-partitioned, refused in one paragraph
     refused = launch(run.output_dir, *COMMON, *SGD, *ONE_PROCESS, "--resume_from_checkpoint", "latest",
                      preset="zero2", processes=1, check=False)
     assert refused.returncode != 0
-    assert "written by 2 processes and this run has 1" in refused.stderr.replace("\n", " ")
+    message = refused.stderr.replace("\n", " ")
+    assert "written by 2 processes and this run has 1" in message and "with optim=sgd, resume with 2" in message
+
+
+def test_zero2_checkpoint_resumes_on_another_number_of_processes(reference, tmp_path):
+    """ZeRO keeps one optimizer partition per rank; on another process count hftrain converts the checkpoint to a
+    DeepSpeed universal checkpoint (per-parameter fp32 weights and Adam moments) and loads that. Steps 4-6 then
+    equal the uninterrupted run: weights, moments, schedule and data position all came through."""
+    run = launch(tmp_path / "zero2", *COMMON, *TWO_PROCESSES, preset="zero2")
+    assert_launch(run, "DEEPSPEED", 2, "DeepSpeedEngine", optimizer="AdamW")
+    assert_same_training(run, reference)
+
+    two_to_one = resume_from_step_3(run, "two-to-one", *ONE_PROCESS, preset="zero2", processes=1)
+    assert_launch(two_to_one, "DEEPSPEED", 1, "DeepSpeedEngine")
+    assert "checkpoint-3 was written by 2 DeepSpeed processes; converting it to a universal checkpoint" in \
+        two_to_one.stdout
+    assert_continues(two_to_one, run, rtol=1e-5, atol=1e-5)  # other reduction order than the 2-process run
+    assert not list(two_to_one.output_dir.glob(".universal-*"))  # the converted copy is removed after loading
+
+    one = launch(tmp_path / "zero2-one", *COMMON, *ONE_PROCESS, preset="zero2", processes=1)
+    assert sorted(p.name for p in (one.output_dir / "checkpoint-3" / "pytorch_model").glob("*optim_states.pt")) == \
+        ["zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    one_to_two = resume_from_step_3(one, "one-to-two", *TWO_PROCESSES, preset="zero2")
+    assert_launch(one_to_two, "DEEPSPEED", 2, "DeepSpeedEngine")
+    assert "written by 1 DeepSpeed processes; converting it to a universal checkpoint" in one_to_two.stdout
+    assert_continues(one_to_two, one, rtol=1e-5, atol=1e-5)
+    shards = sorted(p.name for p in (one_to_two.output_dir / "checkpoint-6" / "pytorch_model").glob("*optim*"))
+    assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
 
 def test_zero3_trains_like_one_process_and_gathers_a_full_final_model(reference, tmp_path):
@@ -193,6 +221,11 @@ def test_zero3_trains_like_one_process_and_gathers_a_full_final_model(reference,
     assert sum(p.numel() for p in model.parameters()) == TINY_PARAMS
     resumed = resume_from_step_3(run, "zero3-resumed", *TWO_PROCESSES, preset="zero3")
     assert_continues(resumed, run)
+    # 2 -> 1: the partitioned weights and Adam state go through a universal checkpoint, as under ZeRO-2
+    two_to_one = resume_from_step_3(run, "zero3-two-to-one", *ONE_PROCESS, preset="zero3", processes=1)
+    assert_launch(two_to_one, "DEEPSPEED", 1, "DeepSpeedEngine")
+    assert "written by 2 DeepSpeed processes; converting it to a universal checkpoint" in two_to_one.stdout
+    assert_continues(two_to_one, run, rtol=1e-5, atol=1e-5)
 
 
 def test_zero2_with_cpu_optimizer_offload(reference, tmp_path):
@@ -316,5 +349,33 @@ def test_tensor_parallel_tp_plan_under_two_ranks(reference, tmp_path):
     assert_continues(resumed, run)
     refused = launch(tmp_path / "refused", *COMMON, "--tp_size", "2", preset="cpu", check=False)
     assert refused.returncode != 0
-    assert "tp_size=2 runs on a DDP-type preset whose process count equals tp_size" in \
+    assert "tp_size=2 needs tp_size (or a multiple of it) processes on a DDP-type preset" in \
         refused.stderr.replace("\n", " ")
+
+
+def test_tensor_parallel_with_data_parallel_under_four_ranks(reference, tmp_path):
+    """tp_size=2 on 4 processes: two data-parallel copies of a model split in two. Ranks {0,1} and {2,3} each shard
+    one copy and train on their own half of the global batch; hftrain averages the gradients of ranks {0,2} and
+    {1,3}, which hold the same shards. The result equals one process with the same global batch of 16."""
+    run = launch(tmp_path / "tp-dp", *COMMON, *TWO_PROCESSES, "--tp_size", "2", preset="cpu_ddp", processes=4,
+                 timeout=900)
+    assert_launch(run, "MULTI_CPU", 4, "CausalLMTokenLoss", tp_size=2, dtensor_parameters=16)
+    assert run.state()["effective_batch_size"] == 16 and "effective batch 16 = 8 per device x 2 x 1" in run.stdout
+    estimate = run.state()["memory_estimate"]
+    assert estimate["strategy"] == "tensor parallel (tp_size=2) x 2 data-parallel copies"
+    assert estimate["per_device_bytes"] == 16 * TINY_PARAMS // 2  # split over the 2 ranks of a TP group only
+    assert_same_training(run, reference)  # token counts summed over the 2 data-parallel ranks, not the 4 processes
+    full = torch.load(run.output_dir / "checkpoint-3" / "full_training_state.pt", weights_only=True)
+    assert full["model"]["lm.model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+
+    resumed = resume_from_step_3(run, "tp-dp-resumed", *TWO_PROCESSES, "--tp_size", "2", preset="cpu_ddp",
+                                 processes=4, timeout=900)
+    assert_continues(resumed, run)
+    # the checkpoint holds full state: it resumes as well on one TP group of 2 with the same global batch
+    one_copy = resume_from_step_3(run, "tp-dp-to-tp", *TP_BATCH, "--tp_size", "2", preset="tp")
+    assert_launch(one_copy, "MULTI_CPU", 2, "CausalLMTokenLoss", tp_size=2)
+    assert_continues(one_copy, run, rtol=1e-5, atol=1e-5)
+    refused = launch(tmp_path / "refused", *COMMON, "--tp_size", "2", preset="zero2", check=False)
+    assert refused.returncode != 0
+    message = refused.stderr.replace("\n", " ")
+    assert "tp_size=2 with a DEEPSPEED preset" in message and "ParallelismConfig, which needs FSDP2" in message

@@ -140,3 +140,37 @@ def test_contradictions_between_ds_config_and_recipe_are_all_reported():
     assert "optim=sgd" in text  # accelerate would silently swap SGD for DeepSpeedCPUAdam
     assert not any("gradient_clipping" in p for p in problems)  # 1.0 == max_grad_norm: no contradiction
     assert len(problems) == 7
+
+
+class FakeLaunch:
+    """What `strategy.data_parallel` reads from the Accelerator."""
+
+    def __init__(self, kind: str, processes: int, index: int = 0):
+        self.distributed_type, self.num_processes, self.process_index = f"DistributedType.{kind}", processes, index
+
+
+@pytest.mark.parametrize("processes, index, expected", [(2, 1, (1, 0)), (4, 1, (2, 0)), (4, 2, (2, 1)), (6, 5, (3, 2))])
+def test_tensor_parallel_groups_of_consecutive_ranks_share_one_data_share(processes, index, expected):
+    dp = strategy.data_parallel(FakeLaunch("MULTI_CPU", processes, index), Recipe(tp_size=2))
+    assert (dp.world, dp.rank, dp.replicas) == (*expected, 2)
+
+
+@pytest.mark.parametrize("kind, processes, expected", [
+    ("DEEPSPEED", 4, "tp_size=2 with a DEEPSPEED preset: tensor parallelism combined with FSDP or DeepSpeed"),
+    ("FSDP", 4, "ParallelismConfig, which needs FSDP2 with a sharded data dimension"),
+    ("NO", 1, "tp_size=2 needs tp_size (or a multiple of it) processes on a DDP-type preset"),
+    ("MULTI_CPU", 3, "tp_size=2 does not divide the 3 processes of this launch"),
+])
+def test_tensor_parallel_layouts_hftrain_does_not_run_are_refused(kind, processes, expected):
+    with pytest.raises(strategy.HftrainError, match=re.escape(expected)):
+        strategy.data_parallel(FakeLaunch(kind, processes), Recipe(tp_size=2))
+
+
+def test_tensor_parallel_copies_keep_transformers_mesh_without_its_fsdp(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    config = strategy.model_load_kwargs(Recipe(tp_size=2))["distributed_config"]
+    assert (config.tp_size, config.dp_replicate_size, config.fsdp_size) == (2, 2, 1)  # the mesh covers 4 ranks
+    assert config.dp_size == 1  # transformers applies FSDP2 only when dp_size > 1: hftrain averages the copies
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = strategy.model_load_kwargs(Recipe(tp_size=2))["distributed_config"]
+    assert (config.tp_size, config.dp_replicate_size, config.dp_size) == (2, 1, 1)
