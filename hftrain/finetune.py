@@ -221,10 +221,11 @@ def run(recipe: Recipe) -> Path:
                 # divided by the step's trained tokens over those ranks. Gradients are averaged over the
                 # data-parallel ranks (DDP/FSDP/DeepSpeed; a tensor-parallel group computes one gradient together)
                 # and the backward divides by `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both.
-                # The same collective carries each rank's stop request, so all ranks stop at the same step.
+                # The same collective carries each rank's stop request, so all ranks stop at the same step. All
+                # int64: a float32 count would stop being exact above 2**24 tokens per step.
                 local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
                                      sum(b.pop("num_examples") for b in micro_batches),
-                                     torch.tensor(float(stop.requested), device=accelerator.device)])
+                                     torch.tensor(int(stop.requested), device=accelerator.device)])
                 step_tokens, step_examples, stop_votes = dp.sum(local)
                 if stop_votes > 0:
                     with phase(accelerator, "the preemption checkpoint", recipe.ddp_timeout):
