@@ -125,7 +125,7 @@ def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Pro
     accelerator.wait_for_everyone()
     handle = accelerator.register_save_state_pre_hook(_keep_trained_weights)
     try:
-        accelerator.save_state(str(tmp))
+        accelerator.save_state(str(tmp), **strategy.checkpoint_save_kwargs(accelerator))
     finally:
         handle.remove()
     accelerator.wait_for_everyone()  # every rank's files are written before the manifest is made
@@ -191,17 +191,13 @@ def _keep_trained_weights(models, weights, output_dir) -> None:
 
 
 def _check_saved_weights(model, path: Path) -> None:
-    """The checkpoint's model file must hold exactly what this run trains (frozen weights come from the base).
+    """The checkpoint's model file must hold what this run trains (frozen weights come from the base).
 
     `model` is the unwrapped model: accelerate saves (and loads) DDP weights without the `module.` prefix,
     which is what lets a checkpoint resume on another number of processes."""
-    from safetensors import safe_open
-
-    model_file = path / "model.safetensors"
-    if not model_file.exists():  # FSDP / DeepSpeed layouts are checked by their own loaders
+    saved = strategy.saved_model_keys(path)
+    if saved is None:  # FSDP2's sharded layout is checked by its own loader
         return
-    with safe_open(str(model_file), framework="pt") as f:
-        saved = set(f.keys())
     keys = set(model.state_dict())
     missing = sorted((_trained_names(model) & keys) - saved)
     unknown = sorted(saved - keys)
@@ -225,15 +221,11 @@ def load_checkpoint(accelerator, model, path: Path, plan, recipe: Recipe) -> tup
     (1 -> 2 processes) keeps the state from `seed`. Data order never uses them (BatchPlan is seeded by
     seed and epoch): they only matter for dropout.
     """
-    from accelerate.utils import DistributedType
-
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     strategy.check_resumable(accelerator, state["launch"], recipe)
     _check_saved_weights(accelerator.unwrap_model(model), path)  # saved names carry no DDP `module.` prefix
-    # The model file holds the trained weights only (see _keep_trained_weights), hence strict=False; its keys were
-    # just checked. DeepSpeed loads its own files and takes no `strict`.
-    non_strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": False}
-    accelerator.load_state(str(path), **non_strict)
+    # The model file holds the trained weights only, hence a non-strict load; its keys were just checked.
+    accelerator.load_state(str(path), **strategy.checkpoint_load_kwargs(accelerator))
     progress = realign(Progress(**state["progress"]), state["effective_batch_size"], plan)
     # load_state also restores accelerate's micro-batch counter, which decides when gradients sync. Saved by
     # a run with another accumulation it would misalign every step (sync after 1 of 2 micro-batches): set it
