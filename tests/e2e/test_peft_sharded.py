@@ -201,3 +201,15 @@ def test_qlora_under_fsdp2_shards_the_4bit_weights_and_matches_one_process(refer
     assert_same_training(run, ref)
     assert_reloads(run, ref, tiny_model, eval_texts, "qlora")
     resume_from_step_3(run, "fsdp2-resumed", *args, *QLORA, *storage, *TWO_PROCESSES, **fsdp)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (QLORA, "set bnb_4bit_quant_storage: float32"),  # uint8 4-bit weights would stay whole on every rank
+    (["--load_in_8bit"], "load_in_8bit with FSDP is refused"),
+])
+def test_quantized_fsdp2_launches_refused_before_loading(args, tmp_path, flags, expected):
+    out = tmp_path / "out"
+    run = launch(out, *args, *flags, *TWO_PROCESSES, preset="fsdp2", processes=2, script=FSDP_LAUNCHER, check=False)
+    assert run.returncode != 0
+    assert expected in first_paragraph(run.stderr)
+    assert "Loading weights" not in run.stderr and not out.exists()
