@@ -9,7 +9,8 @@ checked and a damaged newest checkpoint falls back to the previous complete one,
 Its model file holds the trained parameters (and
 buffers) only: frozen weights (a LoRA/QLoRA base, possibly quantized) are rebuilt from the base
 model by the builder on resume, so an adapter run's checkpoint is adapter-sized. For full
-fine-tuning that is every weight.
+fine-tuning that is every weight. Under DeepSpeed the engine writes the model file itself, without
+frozen parameters (`strategy.checkpoint_save_kwargs`); FSDP2 writes sharded DCP files of the whole model.
 
 The final folder is what the builder's product saves: `save_pretrained` of the causal LM
 (safetensors + config) or, for a peft model, of the adapter only (`adapter_model.safetensors` +
