@@ -565,7 +565,7 @@ def quantization_launch_problems(r: Recipe, strategy: str, zero_stage: int | Non
     if strategy == "deepspeed" and zero_stage == 3:
         problems.append(f"{bits} with DeepSpeed ZeRO-3 is refused: partitioning bitsandbytes weights is not verified "
                         "with this stack (a trial with 4-bit weights stored in dtype trained correctly, but a rank "
-                        "aborted at exit in one of three runs; docs/peft.md); use DeepSpeed ZeRO-2, FSDP2 with "
+                        "aborted at exit in one of six runs; docs/peft.md); use DeepSpeed ZeRO-2, FSDP2 with "
                         "load_in_4bit and bnb_4bit_quant_storage equal to dtype, or DDP")
     if strategy == "fsdp" and r.load_in_8bit:
         problems.append("load_in_8bit with FSDP is refused: accelerate's FSDP2 preparation fails on bitsandbytes 8-bit "
