@@ -11,7 +11,9 @@ size (`hftrain_complete.json`, the completion marker) is written last, and the f
 with a manifest count as checkpoints; on resume the manifest is checked and a damaged newest checkpoint falls
 back to the previous complete one, with a warning. Its model file holds the trained parameters (and buffers)
 only: frozen weights (a LoRA/QLoRA base, possibly quantized) are rebuilt from the base model by the builder on
-resume, so an adapter run's checkpoint is adapter-sized. For full fine-tuning that is every weight.
+resume, so an adapter run's checkpoint is adapter-sized. For full fine-tuning that is every weight. Under
+DeepSpeed the engine writes the model file itself, without frozen parameters
+(`strategy.checkpoint_save_kwargs`); FSDP2 writes sharded DCP files of the whole model.
 
 The final folder is what the builder's product saves: `save_pretrained` of the causal LM
 (safetensors + config) or, for a peft model, of the adapter only (`adapter_model.safetensors` +
@@ -134,7 +136,7 @@ def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Pro
     accelerator.wait_for_everyone()
     handle = accelerator.register_save_state_pre_hook(_keep_trained_weights)
     try:
-        accelerator.save_state(str(tmp))
+        accelerator.save_state(str(tmp), **strategy.checkpoint_save_kwargs(accelerator))
     finally:
         handle.remove()
     accelerator.wait_for_everyone()  # every rank's files are written before the manifest is made
@@ -201,17 +203,13 @@ def _keep_trained_weights(models, weights, output_dir) -> None:
 
 
 def _check_saved_weights(model, path: Path) -> None:
-    """The checkpoint's model file must hold exactly what this run trains (frozen weights come from the base).
+    """The checkpoint's model file must hold what this run trains (frozen weights come from the base).
 
     `model` is the unwrapped model: accelerate saves (and loads) DDP weights without the `module.` prefix,
     which is what lets a checkpoint resume on another number of processes."""
-    from safetensors import safe_open
-
-    model_file = path / "model.safetensors"
-    if not model_file.exists():  # FSDP / DeepSpeed layouts are checked by their own loaders
+    saved = strategy.saved_model_keys(path)
+    if saved is None:  # FSDP2's sharded layout is checked by its own loader
         return
-    with safe_open(str(model_file), framework="pt") as f:
-        saved = set(f.keys())
     keys = set(model.state_dict())
     missing = sorted((_trained_names(model) & keys) - saved)
     unknown = sorted(saved - keys)
@@ -235,16 +233,12 @@ def load_checkpoint(accelerator, model, scheduler, path: Path, plan, recipe: Rec
     a saved state (1 -> 2 processes) keeps the state from `seed`. Data order never uses them (BatchPlan is seeded
     by seed and epoch): they only matter for dropout.
     """
-    from accelerate.utils import DistributedType
-
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     strategy.check_resumable(accelerator, state["launch"], recipe)
     _check_saved_weights(accelerator.unwrap_model(model), path)  # saved names carry no DDP `module.` prefix
-    # The model file holds the trained weights only (see _keep_trained_weights), hence strict=False; its keys were
-    # just checked. DeepSpeed loads its own files and takes no `strict`.
-    non_strict = {} if accelerator.distributed_type == DistributedType.DEEPSPEED else {"strict": False}
+    # The model file holds the trained weights only, hence a non-strict load; its keys were just checked.
     with strategy.resume_folder(accelerator, model, path, state["launch"]) as folder:  # ZeRO: maybe converted
-        accelerator.load_state(str(folder), **non_strict)
+        accelerator.load_state(str(folder), **strategy.checkpoint_load_kwargs(accelerator))
     scheduler.load_state_dict(state["scheduler"])
     progress = realign(Progress(**state["progress"]), state["effective_batch_size"], plan)
     # load_state also restores accelerate's micro-batch counter, which decides when gradients sync. Saved by

@@ -574,15 +574,18 @@ def quantization_launch_problems(r: Recipe, strategy: str, zero_stage: int | Non
     bits = "load_in_4bit" if r.load_in_4bit else "load_in_8bit"
     problems = []
     if strategy == "deepspeed" and zero_stage == 3:
-        problems.append(f"{bits} with DeepSpeed ZeRO-3 is refused: ZeRO-3 partitions every parameter, and partitioning "
-                        "bitsandbytes weights is not shown to work with this stack; use DeepSpeed ZeRO-2, "
-                        "FSDP2 with load_in_4bit and bnb_4bit_quant_storage equal to dtype, or DDP")
+        problems.append(f"{bits} with DeepSpeed ZeRO-3 is refused: partitioning bitsandbytes weights is not verified "
+                        "with this stack (a trial with 4-bit weights stored in dtype trained correctly, but a rank "
+                        "aborted at exit in one of six runs; docs/peft.md); use DeepSpeed ZeRO-2, FSDP2 with "
+                        "load_in_4bit and bnb_4bit_quant_storage equal to dtype, or DDP")
     if strategy == "fsdp" and r.load_in_8bit:
-        problems.append("load_in_8bit with FSDP is refused: FSDP cannot shard bitsandbytes 8-bit weights; use "
-                        "load_in_4bit with bnb_4bit_quant_storage equal to dtype")
+        problems.append("load_in_8bit with FSDP is refused: accelerate's FSDP2 preparation fails on bitsandbytes 8-bit "
+                        "weights (Int8Params cannot be moved to the meta device for sharding); use load_in_4bit with "
+                        "bnb_4bit_quant_storage equal to dtype")
     if strategy == "fsdp" and r.load_in_4bit and r.bnb_4bit_quant_storage != r.dtype:
         problems.append(f"load_in_4bit with FSDP needs bnb_4bit_quant_storage equal to dtype so that packed 4-bit "
-                        f"weights shard like the other parameters; got bnb_4bit_quant_storage="
+                        f"weights shard like the other parameters (accelerate leaves uint8 ones unsharded: every rank "
+                        f"would hold the whole base); got bnb_4bit_quant_storage="
                         f"{r.bnb_4bit_quant_storage} and dtype={r.dtype}: set bnb_4bit_quant_storage: {r.dtype}")
     return problems
 

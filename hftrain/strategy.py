@@ -21,6 +21,9 @@ branches on the strategy itself:
 - `parameter_counts` counts that stay right when ZeRO-3 has partitioned the parameters.
 - `check_resumable`  whether a checkpoint written by another number of processes can be loaded;
                      `resume_folder` converts a ZeRO checkpoint for another number.
+- `checkpoint_save_kwargs` / `checkpoint_load_kwargs` / `saved_model_keys`  checkpoints that hold the trained
+                     weights only (a frozen base is rebuilt by the builder): how each strategy writes, reads
+                     and names them.
 - `data_parallel`    which share of the data a rank trains on: with tensor parallelism (recipe tp_size,
                      transformers' DistributedConfig) the ranks of one TP group see the same batches,
                      and `DataParallel.sum` adds over the data-parallel ranks only.
@@ -544,6 +547,43 @@ def _convert_to_universal(engine_dir: Path, out: Path) -> None:
                      num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress; errors raise
         ds_to_universal(args)
+
+
+def checkpoint_save_kwargs(accelerator) -> dict:
+    """Arguments for `accelerator.save_state`: under DeepSpeed the engine writes the model file itself, and
+    `exclude_frozen_parameters` keeps a frozen base (LoRA / QLoRA) out of it, as hftrain's pre-save hook does for
+    DDP. What stays besides the trained weights is bitsandbytes' small quantization state of 4-bit layers
+    (absmax, quant_map, ...), which `Linear4bit` adds to every state dict."""
+    return {"exclude_frozen_parameters": True} if _selected(accelerator) == "DEEPSPEED" else {}
+
+
+def checkpoint_load_kwargs(accelerator) -> dict:
+    """Arguments for `accelerator.load_state` of a checkpoint holding the trained weights only (the frozen base
+    comes from the builder): non-strict, so the absent frozen weights are not an error. DeepSpeed's engine takes
+    `load_module_strict`; its trained weights are restored from the ZeRO partitions in any case. Which keys the
+    file holds is checked beforehand (`checkpoint._check_saved_weights`), so non-strict hides nothing."""
+    if _selected(accelerator) == "DEEPSPEED":
+        return {"load_module_strict": False}
+    return {"strict": False}
+
+
+def saved_model_keys(folder: Path) -> set[str] | None:
+    """State-dict keys of the model file of a checkpoint folder, or None for a layout read by its own loader
+    (FSDP2's sharded torch.distributed.checkpoint). DDP / 1 process: model.safetensors; DeepSpeed: the engine's
+    `*model_states.pt` (rank 0's; under ZeRO-3 every rank's file names every key, with empty tensors)."""
+    model_file = folder / "model.safetensors"
+    if model_file.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(model_file), framework="pt") as f:
+            return set(f.keys())
+    deepspeed_files = sorted((folder / "pytorch_model").glob("*model_states.pt"))
+    if deepspeed_files:
+        import torch
+
+        # DeepSpeed's own loader reads this file the same way (it pickles its config objects next to the tensors)
+        return set(torch.load(deepspeed_files[0], map_location="cpu", weights_only=False, mmap=True)["module"])
+    return None
 
 
 def innermost_optimizer(optimizer) -> str:

@@ -273,3 +273,21 @@ def test_checkpoint_keys_checked_before_loading(tmp_path):
     save_file({f"module.{n}": t for n, t in trained.items()}, str(tmp_path / "model.safetensors"))
     with pytest.raises(HftrainError, match="another model or fine-tuning method"):
         _check_saved_weights(lora, tmp_path)
+
+
+def test_checkpoint_keys_checked_in_the_deepspeed_layout(tmp_path):
+    """DeepSpeed writes its own model file (pytorch_model/*model_states.pt, the module state under 'module'):
+    its keys are checked the same way, since hftrain loads it non-strict (the frozen base is not in it)."""
+    from hftrain.checkpoint import _check_saved_weights
+    from hftrain.strategy import saved_model_keys
+
+    assert saved_model_keys(tmp_path) is None  # no model file hftrain can read (FSDP2's sharded layout)
+    lora = CausalLMTokenLoss(build_model(recipe()))
+    trained = {n: p.detach().clone() for n, p in lora.named_parameters() if p.requires_grad}
+    (tmp_path / "pytorch_model").mkdir()
+    torch.save({"module": trained, "dp_world_size": 2}, tmp_path / "pytorch_model" / "mp_rank_00_model_states.pt")
+    assert saved_model_keys(tmp_path) == set(trained)
+    _check_saved_weights(lora, tmp_path)
+    full = CausalLMTokenLoss(build_model(Recipe(model_name_or_path=str(MODEL))))
+    with pytest.raises(HftrainError, match="another model or fine-tuning method"):
+        _check_saved_weights(full, tmp_path)
