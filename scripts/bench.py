@@ -656,6 +656,7 @@ def scaling(work: Path, out: Path, command: str) -> list[Run]:
         "",
         "| parameters | hidden x layers | max_length | chat tokens | trained tokens/s | peak RSS (MB) |",
         "| --- | --- | --- | --- | --- | --- |", *rows])
+    out.mkdir(parents=True, exist_ok=True)
     doc = out / "benchmarks.md"
     text = doc.read_text(encoding="utf-8") if doc.exists() else "# Benchmark results\n"
     if SCALING_BEGIN not in text:
