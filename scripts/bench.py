@@ -69,7 +69,7 @@ SCALING = {  # tokens/s and peak memory against sequence length and model size (
     "8M params, max_length 256": replace(FULL, median_tokens=60, max_tokens=230, max_length=256),
     "8M params, max_length 512": replace(FULL, median_tokens=115, max_tokens=460, max_length=512),
     "8M params, max_length 1024": FULL,
-    "29M params, max_length 1024": replace(FULL, hidden=512, intermediate=2048),
+    "34M params, max_length 1024": replace(FULL, hidden=512, intermediate=2048),
 }
 SCALING_BEGIN, SCALING_END = "<!-- bench scaling: begin (written by scripts/bench.py --scaling) -->", \
     "<!-- bench scaling: end -->"
