@@ -41,7 +41,8 @@ def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
 
         bits, paged = BNB_ADAMW[recipe.optim]
         return bnb.optim.AdamW(groups, **adam, optim_bits=bits, is_paged=paged)
-    return torch.optim.AdamW(groups, **adam, fused=recipe.optim == "adamw_torch_fused")
+    # fused=None (not False) for adamw_torch: torch then keeps its own default (foreach on CUDA)
+    return torch.optim.AdamW(groups, **adam, fused=True if recipe.optim == "adamw_torch_fused" else None)
 
 
 def lr_factor(kind: str, step: int, total: int, warmup: int) -> float:

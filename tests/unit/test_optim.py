@@ -200,6 +200,8 @@ def test_fused_adamw_takes_the_same_steps_as_torch_adamw():
     fused, fused_model = trained("adamw_torch_fused")
     plain, plain_model = trained("adamw_torch")
     assert all(g["fused"] for g in fused.param_groups) and not any(g["fused"] for g in plain.param_groups)
+    # adamw_torch leaves the implementation to torch (fused=False would also switch off its foreach default)
+    assert all(g["fused"] is None and g["foreach"] is None for g in plain.param_groups)
     assert [g["weight_decay"] for g in fused.param_groups] == [0.1, 0.0]
     for a, b in zip(fused_model.parameters(), plain_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
