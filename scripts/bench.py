@@ -85,28 +85,24 @@ class Contender:
     options: dict = field(default_factory=dict)
     packed: bool = False
     processes: int = 1  # hftrain only: > 1 launches `accelerate launch` with the cpu_ddp preset, 1 thread each
-    lever: bool = False  # not in the default comparison: run with --contenders or --levers
+    lever: bool = False  # not in the default comparison: name it in --contenders
 
 
+# The recommended setting: each step's BATCH length-grouped sequences in 4 micro-batches (the levers build on it).
+ACCUM = {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": BATCH // 4,
+         "gradient_accumulation_steps": 4}
 CONTENDERS = {
     "hftrain": Contender("hftrain", "hftrain, length-grouped batches (train_sampling_strategy: group_by_length)",
                          {"train_sampling_strategy": "group_by_length"}),
-    "hftrain_accum": Contender("hftrain", "hftrain, length-grouped, micro-batches of 2 x 4 accumulation steps",
-                               {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": BATCH // 4,
-                                "gradient_accumulation_steps": 4}),
+    "hftrain_accum": Contender("hftrain", "hftrain, length-grouped, micro-batches of 2 x 4 accumulation steps", ACCUM),
     "hftrain_fused": Contender("hftrain", "hftrain_accum with optim: adamw_torch_fused",
-                               {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": BATCH // 4,
-                                "gradient_accumulation_steps": 4, "optim": "adamw_torch_fused"}, lever=True),
+                               {**ACCUM, "optim": "adamw_torch_fused"}, lever=True),
     "hftrain_ckpt": Contender("hftrain", "hftrain_accum with gradient_checkpointing: true",
-                              {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": BATCH // 4,
-                               "gradient_accumulation_steps": 4, "gradient_checkpointing": True}, lever=True),
+                              {**ACCUM, "gradient_checkpointing": True}, lever=True),
     "hftrain_workers": Contender("hftrain", "hftrain_accum with dataloader_num_workers: 1",
-                                 {"train_sampling_strategy": "group_by_length",
-                                  "per_device_train_batch_size": BATCH // 4, "gradient_accumulation_steps": 4,
-                                  "dataloader_num_workers": 1}, lever=True),
+                                 {**ACCUM, "dataloader_num_workers": 1}, lever=True),
     "hftrain_ddp2": Contender("hftrain", "hftrain_accum as 2-process DDP (gloo, 1 thread each): 1 x 4 per process",
-                              {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": BATCH // 8,
-                               "gradient_accumulation_steps": 4}, processes=2, lever=True),
+                              {**ACCUM, "per_device_train_batch_size": BATCH // 8}, processes=2, lever=True),
     "hftrain_random": Contender("hftrain", "hftrain, random batches padded to the longest",
                                 {"train_sampling_strategy": "random"}),
     "hftrain_packed": Contender("hftrain", "hftrain, packing (BFD, padding-free, position_ids)",
