@@ -203,10 +203,14 @@ def run(recipe: Recipe) -> Path:
     window_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     window_tokens, window_examples = 0, 0
 
+    def current_run_info() -> dict:
+        """run_info with what moves during training: device-hours so far, the schedule's state (plain numbers,
+        stored as JSON with the progress)."""
+        run_info.update(device_hours=meter.device_hours(), scheduler=scheduler.state_dict())
+        return run_info
+
     def save() -> Path:
-        run_info["device_hours"] = meter.device_hours()
-        run_info["scheduler"] = scheduler.state_dict()  # plain numbers, stored as JSON with the progress
-        return checkpoint.save_checkpoint(accelerator, output_dir, recipe, progress, run_info)
+        return checkpoint.save_checkpoint(accelerator, output_dir, recipe, progress, current_run_info())
 
     model.train()
     with StopRequest() as stop, phase(accelerator, lambda: f"training step {progress.step + 1}", recipe.ddp_timeout):
@@ -304,12 +308,11 @@ def run(recipe: Recipe) -> Path:
     final_dir = output_dir / "final"
     with phase(accelerator, "saving the final model", recipe.ddp_timeout):
         checkpoint.save_final(accelerator, model, tokenizer, final_dir)
-    run_info["device_hours"] = meter.device_hours()
-    run_info["scheduler"] = scheduler.state_dict()
+    info = current_run_info()
     if accelerator.is_main_process:
-        checkpoint.write_run_files(final_dir, recipe, progress, run_info)
-    cost = f" (cost {run_info['device_hours'] * recipe.cost_per_gpu_hour:.2f})" if recipe.cost_per_gpu_hour else ""
-    logger.print(f"hftrain: final model saved to {final_dir}; {run_info['device_hours']:.4f} device-hours{cost}")
+        checkpoint.write_run_files(final_dir, recipe, progress, info)
+    cost = f" (cost {info['device_hours'] * recipe.cost_per_gpu_hour:.2f})" if recipe.cost_per_gpu_hour else ""
+    logger.print(f"hftrain: final model saved to {final_dir}; {info['device_hours']:.4f} device-hours{cost}")
     logger.close()
     return final_dir
 
