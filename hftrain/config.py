@@ -24,7 +24,8 @@ import yaml
 
 from hftrain.errors import ConfigError
 
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
+OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 DEFAULT_RECIPE_NOTE = "with no --config, the embedded default recipe (tiny offline model, shipped chat data) is used"
 
 

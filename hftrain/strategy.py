@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hftrain.config import Recipe
+from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import ConfigError, HftrainError
 
 FULL_STATE_FILE = "full_training_state.pt"  # tensor parallel: gathered model + optimizer state
@@ -144,7 +144,7 @@ def deepspeed_problems(recipe: Recipe, config: dict, world: int) -> list[str]:
         problems.append("ZeRO stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save: true "
                         "cannot write a consolidated final model (every rank holds a shard); set it to true")
     offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
-    if offloaded and not recipe.optim.startswith("adamw_torch"):
+    if offloaded and recipe.optim not in TORCH_ADAMW:
         problems.append(f"optimizer offload runs DeepSpeedCPUAdam, but optim={recipe.optim}: accelerate would "
                         "silently replace it with Adam; use optim=adamw_torch or a DeepSpeed config without "
                         "offload_optimizer")
@@ -422,7 +422,7 @@ def model_state_memory(accelerator, recipe: Recipe, n_trainable: int, n_params: 
     kind, world, tp = _selected(accelerator), accelerator.num_processes, recipe.tp_size
     sixteen_bit_master = kind == "DEEPSPEED" and (recipe.bf16 or recipe.fp16)
     w = 2 if sixteen_bit_master else DTYPES[recipe.dtype].itemsize
-    moments = 8 if recipe.optim.startswith("adamw_torch") else 4 if recipe.sgd_momentum > 0 else 0
+    moments = 8 if recipe.optim in TORCH_ADAMW else 4 if recipe.sgd_momentum > 0 else 0
     k = moments + (4 if sixteen_bit_master else 0)
     parts = {"weights": w * n_params, "gradients": w * n_trainable, "optimizer": k * n_trainable}
     sharded, offloaded, name = set(), set(), {"NO": "single process", "MULTI_GPU": "DDP", "MULTI_CPU": "DDP"}.get(kind)
@@ -477,7 +477,7 @@ def check_resumable(accelerator, saved_launch: dict, recipe: Recipe) -> None:
             f"tp_size={recipe.tp_size}; tensor-parallel checkpoints resume only with tensor parallelism (any "
             "tp_size) and other checkpoints only without it"
         )
-    if _resumes_universally(accelerator, saved_launch) and recipe.optim != "adamw_torch":
+    if _resumes_universally(accelerator, saved_launch) and recipe.optim not in TORCH_ADAMW:
         raise HftrainError(
             f"this DeepSpeed checkpoint was written by {saved} processes and this run has {world}; hftrain resumes a "
             "ZeRO checkpoint on another process count by converting it to a DeepSpeed universal checkpoint, whose "
