@@ -86,6 +86,17 @@ class Recipe:
         "more output projection per chunk in backward; for the architectures whose logits are lm_head(hidden).",
         group="model",
     )
+    torch_compile: bool = _f(
+        False, "Compile the model's repeated blocks (each decoder layer) with torch.compile, in place: parameter "
+        "names and checkpoints are unchanged. The first steps take longer (compiling; one recompile when sequence "
+        "lengths start to vary, after which shapes are dynamic), later steps run faster; worth it for runs of many "
+        "steps. CPU needs a C++ compiler (inductor).", group="model",
+    )
+    torch_compile_mode: str | None = _f(
+        None, "torch.compile mode with torch_compile: default, reduce-overhead (CUDA graphs), max-autotune, "
+        "max-autotune-no-cudagraphs. Default: torch's default.", group="model",
+        choices=(None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+    )
     # ------------------------------------------------------------------------------ data
     dataset_name: str = _f(
         "data/chat.jsonl",
@@ -482,6 +493,9 @@ def _validate_performance(r: Recipe) -> list[str]:
     problems = []
     if r.loss_chunk_tokens < 0:
         problems.append(f"loss_chunk_tokens must be >= 0 (0 = no chunking), got {r.loss_chunk_tokens}")
+    if r.torch_compile_mode is not None and not r.torch_compile:
+        problems.append(f"torch_compile_mode={r.torch_compile_mode} is set but torch_compile is false; set "
+                        "torch_compile: true or remove torch_compile_mode")
     if r.packing and r.train_sampling_strategy == "group_by_length":
         problems.append("train_sampling_strategy=group_by_length with packing=true has nothing to group: packed rows "
                         "all hold close to max_length tokens; use random with packing, or turn packing off")

@@ -147,8 +147,38 @@ def build_peft_model(recipe: Recipe) -> nn.Module:
 
 
 def build_model(recipe: Recipe) -> nn.Module:
-    """The builder chosen by the recipe's fine-tuning method: full fine-tuning or (Q)LoRA / DoRA."""
-    return build_peft_model(recipe) if recipe.use_peft else build_full_model(recipe)
+    """The builder chosen by the recipe's fine-tuning method: full fine-tuning or (Q)LoRA / DoRA, then compiled
+    block by block when the recipe asks for it."""
+    model = build_peft_model(recipe) if recipe.use_peft else build_full_model(recipe)
+    if recipe.torch_compile:
+        compile_blocks(model, recipe.torch_compile_mode)
+    return model
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of the outermost ModuleLists made of one class (a transformer's decoder layers)."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
+            blocks += list(module)
+            inside.update(id(m) for m in module.modules())
+    return blocks
+
+
+def compile_blocks(model: nn.Module, mode: str | None) -> int:
+    """Regional compilation: `torch.compile` each repeated block in place (`nn.Module.compile`, so parameter names
+    and state dicts stay those of the eager model). The blocks share one class, so they share compiled code:
+    compiling costs about one block, not the whole model. Embeddings, final norm and the loss stay eager."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise HftrainError(f"torch_compile found no repeated blocks (a ModuleList of decoder layers) in "
+                           f"{type(model).__name__}; set torch_compile: false")
+    for block in blocks:
+        block.compile(mode=mode)
+    return len(blocks)
 
 
 def parameter_count(param: torch.Tensor) -> int:
@@ -176,6 +206,7 @@ def model_summary(model: nn.Module) -> dict:
         "quantized_linear_layers": quantized,
         "trainable_parameters": sum(parameter_count(p) for p in params if p.requires_grad),
         "parameters": sum(parameter_count(p) for p in params),
+        "compiled_blocks": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
     }
 
 

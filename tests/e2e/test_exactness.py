@@ -48,10 +48,10 @@ def reference(tiny_model, texts) -> dict[str, torch.Tensor]:
     return {name: (p - p.grad).detach() for name, p in model.named_parameters()}
 
 
-def one_sgd_step(tmp_path, tiny_model, texts, processes, batch, accum):
+def one_sgd_step(tmp_path, tiny_model, texts, processes, batch, accum, *extra):
     data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in texts])
     run = launch(
-        tmp_path / f"out-{processes}x{batch}x{accum}",
+        tmp_path / f"out-{processes}x{batch}x{accum}", *extra,
         "--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--validation_split_percentage", "0",
         "--max_steps", "1", "--optim", "sgd", "--learning_rate", "1.0", "--lr_scheduler_type", "constant",
         "--max_grad_norm", "0", "--weight_decay", "0", "--train_sampling_strategy", "sequential",
@@ -61,12 +61,25 @@ def one_sgd_step(tmp_path, tiny_model, texts, processes, batch, accum):
     info = run.state()["launch"]
     assert info["num_processes"] == processes
     assert info["distributed_type"] == ("MULTI_CPU" if processes > 1 else "NO")
+    compiled_layers = 2 if "--torch_compile" in extra else 0  # the tiny model has 2 decoder layers
+    assert run.state()["model"]["compiled_blocks"] == compiled_layers
     return load_file(run.output_dir / "final" / "model.safetensors")
 
 
 @pytest.mark.parametrize("processes, batch, accum", LAYOUTS)
 def test_one_step_equals_plain_pytorch(tmp_path, tiny_model, texts, reference, processes, batch, accum):
     params = one_sgd_step(tmp_path, tiny_model, texts, processes, batch, accum)
+    assert params.keys() == reference.keys()
+    for name, expected in reference.items():
+        torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=2e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("processes, batch, accum", [(1, 2, 4), (2, 1, 4)])
+def test_compiled_step_equals_plain_pytorch(tmp_path, tiny_model, texts, reference, processes, batch, accum):
+    """torch_compile (inductor, each decoder layer in place) computes the same step: micro-batches of different
+    lengths make it recompile with dynamic shapes, and DDP's gradient hooks see the compiled layers' parameters."""
+    params = one_sgd_step(tmp_path, tiny_model, texts, processes, batch, accum, "--torch_compile", "true")
     assert params.keys() == reference.keys()
     for name, expected in reference.items():
         torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=2e-6,

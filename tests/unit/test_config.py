@@ -232,6 +232,15 @@ def test_negative_loss_chunk_is_refused_with_the_other_problems(in_tmp):
     assert "loss_chunk_tokens must be >= 0 (0 = no chunking), got -1" in info.value.problems
 
 
+def test_compile_mode_without_compile_is_refused_with_the_other_problems(in_tmp):
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict(valid(in_tmp, torch_compile_mode="max-autotune", loss_chunk_tokens=-1))
+    assert len(info.value.problems) == 2
+    assert any(p.startswith("torch_compile_mode=max-autotune is set but torch_compile is false")
+               for p in info.value.problems)
+    assert recipe_from_dict(valid(in_tmp, torch_compile=True, torch_compile_mode="max-autotune")).torch_compile
+
+
 def test_missing_config_file(in_tmp):
     with pytest.raises(ConfigError, match="cannot read recipe file"):
         load_recipe(["--config", str(in_tmp / "nope.yaml")])

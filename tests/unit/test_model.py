@@ -18,7 +18,10 @@ from hftrain.model import (
     build_tokenizer,
     check_model_config,
     check_model_fits,
+    compile_blocks,
+    model_summary,
     pad_token_id,
+    repeated_blocks,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -215,3 +218,42 @@ def test_loss_chunking_is_refused_for_models_with_their_own_logit_transform(tmp_
     with pytest.raises(HftrainError, match="loss_chunk_tokens=8 needs logits that are exactly lm_head.*'gemma2'"):
         check_model_config(Recipe(model_name_or_path=str(tmp_path), max_length=32, loss_chunk_tokens=8))
     check_model_config(Recipe(model_name_or_path=str(tmp_path), max_length=32))  # its own path without chunking
+
+
+def test_compile_blocks_compiles_each_decoder_layer_in_place_and_keeps_parameter_names():
+    """Regional compilation: the decoder layers (not embeddings, norm or head) get a compiled call, the state dict
+    keys stay those of the eager model (checkpoints and `from_pretrained` see no `_orig_mod`), and the compiled
+    model computes the same loss and gradients."""
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_pretrained(str(MODEL))
+    compiled = AutoModelForCausalLM.from_pretrained(str(MODEL))
+    keys = list(compiled.state_dict())
+    assert repeated_blocks(compiled) == list(compiled.model.layers)
+    assert compile_blocks(compiled, mode=None) == compiled.config.num_hidden_layers
+    assert list(compiled.state_dict()) == keys
+    assert model_summary(compiled)["compiled_blocks"] == compiled.config.num_hidden_layers
+    assert model_summary(eager)["compiled_blocks"] == 0
+    input_ids, labels, _ = padded_batch(compiled.config.vocab_size)
+    losses = []
+    for model in (eager, compiled):
+        loss = CausalLMTokenLoss(model)(input_ids=input_ids, labels=labels)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_repeated_blocks_takes_the_outermost_list_only():
+    inner = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    layer = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    layer.experts = inner
+    outer = torch.nn.ModuleList([layer, torch.nn.Sequential(torch.nn.Linear(2, 2))])
+    model = torch.nn.Module()
+    model.layers = outer
+    assert repeated_blocks(model) == list(outer)  # the experts inside a layer are compiled with it
+
+
+def test_compile_blocks_without_repeated_blocks_is_a_clear_error():
+    with pytest.raises(HftrainError, match="torch_compile found no repeated blocks .* in Linear; set torch_compile"):
+        compile_blocks(torch.nn.Linear(2, 2), mode=None)
