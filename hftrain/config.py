@@ -496,6 +496,10 @@ def _validate_performance(r: Recipe) -> list[str]:
     if r.torch_compile_mode is not None and not r.torch_compile:
         problems.append(f"torch_compile_mode={r.torch_compile_mode} is set but torch_compile is false; set "
                         "torch_compile: true or remove torch_compile_mode")
+    if r.torch_compile and r.tp_size > 1:
+        problems.append("torch_compile with tp_size > 1 is refused: compiling transformers' tensor-parallel layers "
+                        "(DTensor weights) fails in backward with torch 2.13 (a RecursionError in a view's backward); "
+                        "use tensor parallelism or torch_compile, not both")
     if r.packing and r.train_sampling_strategy == "group_by_length":
         problems.append("train_sampling_strategy=group_by_length with packing=true has nothing to group: packed rows "
                         "all hold close to max_length tokens; use random with packing, or turn packing off")

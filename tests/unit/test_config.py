@@ -239,6 +239,8 @@ def test_compile_mode_without_compile_is_refused_with_the_other_problems(in_tmp)
     assert any(p.startswith("torch_compile_mode=max-autotune is set but torch_compile is false")
                for p in info.value.problems)
     assert recipe_from_dict(valid(in_tmp, torch_compile=True, torch_compile_mode="max-autotune")).torch_compile
+    with pytest.raises(ConfigError, match="torch_compile with tp_size > 1 is refused"):
+        recipe_from_dict(valid(in_tmp, torch_compile=True, tp_size=2))
 
 
 def test_missing_config_file(in_tmp):
