@@ -139,7 +139,7 @@ def run(recipe: Recipe) -> Path:
 
     # ------------------------------------------------------------------ model
     memory_baseline_mb = current_memory_mb(accelerator.device)  # what the estimator's numbers sit on top of
-    model = CausalLMTokenLoss(build_model(recipe), recipe.loss_chunk_tokens)
+    model = CausalLMTokenLoss(build_model(recipe), recipe.loss_chunk_tokens, recipe.use_liger_kernel)
     fit_embeddings_to_tokenizer(model.lm, tokenizer)
     flops = FlopCounter(model.lm)
     summary = model_summary(model)  # before prepare: sharding strategies hide the full parameter counts

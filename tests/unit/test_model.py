@@ -13,8 +13,11 @@ from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
 from hftrain.model import (
+    LIGER_KERNELS,
+    LIGER_MODEL_TYPES,
     CausalLMTokenLoss,
     build_full_model,
+    build_peft_model,
     build_tokenizer,
     check_model_config,
     check_model_fits,
@@ -215,3 +218,100 @@ def test_loss_chunking_is_refused_for_models_with_their_own_logit_transform(tmp_
     with pytest.raises(HftrainError, match="loss_chunk_tokens=8 needs logits that are exactly lm_head.*'gemma2'"):
         check_model_config(Recipe(model_name_or_path=str(tmp_path), max_length=32, loss_chunk_tokens=8))
     check_model_config(Recipe(model_name_or_path=str(tmp_path), max_length=32))  # its own path without chunking
+
+
+def test_liger_is_refused_for_models_without_liger_kernels_or_with_their_own_logit_transform(tmp_path):
+    from transformers import Gemma2Config
+
+    Gemma2Config(**tiny_config_kwargs(), head_dim=8, final_logit_softcapping=2.0).save_pretrained(tmp_path)
+    with pytest.raises(HftrainError) as info:
+        check_model_config(Recipe(model_name_or_path=str(tmp_path), max_length=32, use_liger_kernel=True))
+    message = str(info.value)
+    assert "use_liger_kernel" in message and "'gemma2'" in message and "set use_liger_kernel: false" in message
+    assert ", ".join(sorted(LIGER_MODEL_TYPES)) in message
+    check_model_config(Recipe(model_name_or_path=str(MODEL), max_length=32, use_liger_kernel=True))  # llama
+
+
+class PlainTorchFusedLinearCE(torch.nn.Module):
+    """Stands in for LigerFusedLinearCrossEntropyLoss(reduction="sum"), whose Triton kernels need a GPU: the same
+    call signature forward(lin_weight, _input, target, bias=None) and the same result, in plain torch."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        self.calls.append((lin_weight, _input.detach().clone(), target.clone(), bias))
+        logits = torch.nn.functional.linear(_input, lin_weight, bias)
+        return torch.nn.functional.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def test_liger_loss_wiring_passes_head_weight_trained_hidden_and_targets(tiny, monkeypatch):
+    """Verifies hftrain's wiring of the fused loss, not Liger itself (its kernels cannot run on CPU): with
+    use_liger_kernel the head loss calls the fused function with (lm_head.weight, hidden states at trained positions,
+    their targets, the head's bias) and gets the same summed loss and gradients as the default path."""
+    fake = PlainTorchFusedLinearCE()
+    monkeypatch.setattr("hftrain.model.liger_fused_linear_cross_entropy", lambda: fake)
+    input_ids, labels, _ = padded_batch(tiny.config.vocab_size)
+    params = dict(tiny.named_parameters())
+    names = ["lm_head.weight", "model.norm.weight", "model.layers.1.mlp.down_proj.weight"]
+
+    def loss_and_grads(wrapper):
+        tiny.zero_grad(set_to_none=True)
+        loss = wrapper(input_ids, labels)
+        loss.backward()
+        grads = {n: params[n].grad.clone() for n in names}
+        tiny.zero_grad(set_to_none=True)
+        return loss, grads
+
+    fused_loss, fused_grads = loss_and_grads(CausalLMTokenLoss(tiny, fused_cross_entropy=True))
+    plain_loss, plain_grads = loss_and_grads(CausalLMTokenLoss(tiny))
+
+    (weight, hidden, targets, bias), = fake.calls
+    trained = labels[:, 1:] != IGNORE_INDEX
+    assert weight is tiny.lm_head.weight and bias is None  # Llama's head has no bias
+    with torch.no_grad():
+        expected_hidden = tiny.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, :-1][trained]
+    torch.testing.assert_close(hidden, expected_hidden)
+    assert torch.equal(targets, labels[:, 1:][trained])
+    assert fused_loss.item() == pytest.approx(plain_loss.item(), rel=1e-6)
+    for name in names:
+        torch.testing.assert_close(fused_grads[name], plain_grads[name])
+
+
+def test_liger_loss_is_refused_when_the_head_is_an_adapter(tiny, monkeypatch):
+    """The fused loss reads lm_head.weight directly: a LoRA adapter on the head would silently not train."""
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setattr("hftrain.model.liger_fused_linear_cross_entropy", PlainTorchFusedLinearCE)
+    fresh = AutoModelForCausalLM.from_pretrained(str(MODEL))
+    peft_model = get_peft_model(fresh, LoraConfig(r=2, target_modules=["lm_head"]))
+    with pytest.raises(HftrainError, match="plain Linear layer.*remove lm_head from lora_target_modules"):
+        CausalLMTokenLoss(peft_model, fused_cross_entropy=True)
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_builders_apply_liger_kernels_to_the_loaded_base(monkeypatch, use_peft):
+    """use_liger_kernel patches the base model the builder loaded (before adapters are added), and only then."""
+    patched = []
+    monkeypatch.setattr("hftrain.model.apply_liger_kernels", lambda model: patched.append(type(model).__name__))
+    build = build_peft_model if use_peft else build_full_model
+    build(Recipe(model_name_or_path=str(MODEL), use_peft=use_peft))
+    assert patched == []
+    build(Recipe(model_name_or_path=str(MODEL), use_peft=use_peft, use_liger_kernel=True))
+    assert patched == ["LlamaForCausalLM"]
+
+
+def test_liger_kernel_names_match_the_installed_liger():
+    """LIGER_KERNELS are keyword arguments of Liger's per-architecture functions, for every supported type."""
+    monkey_patch = pytest.importorskip(
+        "liger_kernel.transformers.monkey_patch",
+        reason="liger-kernel is not installed (it needs Triton, i.e. a CUDA machine; pip install '.[cuda]')")
+    import inspect
+
+    for model_type in LIGER_MODEL_TYPES:
+        parameters = inspect.signature(monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]).parameters
+        assert "fused_linear_cross_entropy" in parameters and "model" in parameters, model_type
+        assert {"rope", "rms_norm"} <= set(parameters) and set(parameters) & {"swiglu", "geglu"}, model_type
+    assert LIGER_KERNELS["fused_linear_cross_entropy"] is False
+
