@@ -272,6 +272,9 @@ class CausalLMTokenLoss(nn.Module):
         self.lm = lm
         self.head_only = lm.config.model_type in HEAD_ONLY_MODEL_TYPES
         self.chunk_tokens = chunk_tokens  # > 0: logits of this many trained tokens at a time (head-only models)
+        # transformers' flash attention tells packed examples apart by their position_ids only in a batch of one
+        # row (`_is_packed_sequence`); with more rows it would attend across them. One row of rows x length is exact.
+        self.flatten_packed = str(getattr(lm.config, "_attn_implementation", None)).startswith("flash_attention")
         self.fused_ce = None
         if fused_cross_entropy:
             head = lm.get_output_embeddings()
@@ -289,11 +292,14 @@ class CausalLMTokenLoss(nn.Module):
         """`position_ids` restarting inside a row mark packed examples (block-diagonal attention)."""
         targets = labels[:, 1:]
         trained = targets != IGNORE_INDEX
+        rows = input_ids.shape
+        if position_ids is not None and self.flatten_packed:
+            input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
         if not self.head_only:
-            logits = self.lm(**inputs).logits[:, :-1][trained]
+            logits = self.lm(**inputs).logits.reshape(*rows, -1)[:, :-1][trained]
             return F.cross_entropy(logits.float(), targets[trained], reduction="sum")
-        hidden = self.lm.get_decoder()(**inputs).last_hidden_state[:, :-1][trained]
+        hidden = self.lm.get_decoder()(**inputs).last_hidden_state.reshape(*rows, -1)[:, :-1][trained]
         if not self.chunk_tokens or len(hidden) <= self.chunk_tokens:
             return self._head_loss(hidden, targets[trained])
         from torch.utils.checkpoint import checkpoint

@@ -315,3 +315,52 @@ def test_liger_kernel_names_match_the_installed_liger():
         assert {"rope", "rms_norm"} <= set(parameters) and set(parameters) & {"swiglu", "geglu"}, model_type
     assert LIGER_KERNELS["fused_linear_cross_entropy"] is False
 
+
+def packed_rows(vocab: int):
+    """Two packed rows of 3 + 2 examples (and a padded tail), position_ids restarting per example."""
+    g = torch.Generator().manual_seed(3)
+    rows = [(5, 4, 3), (7, 3)]
+    width = 14
+    input_ids = torch.full((2, width), PAD)
+    labels = torch.full((2, width), IGNORE_INDEX)
+    position_ids = torch.zeros((2, width), dtype=torch.long)
+    for r, lengths in enumerate(rows):
+        offset = 0
+        for n in lengths:
+            ids = torch.randint(3, vocab, (n,), generator=g)
+            input_ids[r, offset:offset + n] = ids
+            labels[r, offset + 1:offset + n] = ids[1:]
+            position_ids[r, offset:offset + n] = torch.arange(n)
+            offset += n
+        position_ids[r, offset:] = torch.arange(width - offset)
+    return input_ids, labels, position_ids
+
+
+def test_packed_rows_flattened_into_one_row_give_the_same_loss(tiny):
+    """What hftrain does for flash attention (which finds packed examples only in a batch of one row) is exact:
+    here checked with sdpa, which keeps examples apart in either shape."""
+    input_ids, labels, position_ids = packed_rows(tiny.config.vocab_size)
+    rows, flat = CausalLMTokenLoss(tiny), CausalLMTokenLoss(tiny)
+    flat.flatten_packed = True
+    seen = []
+    handle = tiny.model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"].shape),
+                                                  with_kwargs=True)
+    try:
+        with torch.no_grad():
+            by_rows = rows(input_ids, labels, position_ids=position_ids)
+            flattened = flat(input_ids, labels, position_ids=position_ids)
+    finally:
+        handle.remove()
+    assert seen == [(2, 14), (1, 28)]
+    assert flattened.item() == pytest.approx(by_rows.item(), rel=1e-5)
+
+
+def test_flash_attention_models_get_flattened_packed_rows():
+    def stub(attn):
+        lm = torch.nn.Module()
+        lm.config = SimpleNamespace(model_type="llama", _attn_implementation=attn)
+        return lm
+
+    assert CausalLMTokenLoss(stub("flash_attention_2")).flatten_packed
+    assert not CausalLMTokenLoss(stub("sdpa")).flatten_packed
+    assert not CausalLMTokenLoss(stub(None)).flatten_packed
