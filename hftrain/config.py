@@ -72,8 +72,18 @@ class Recipe:
         choices=("float32", "bfloat16", "float16"),
     )
     attn_implementation: str | None = _f(
-        None, "Attention kernel: eager, sdpa, flash_attention_2 (CUDA only). Default: the model's choice.",
+        None, "Attention kernel: eager, sdpa, flash_attention_2 (CUDA only; needs the flash-attn package: pip install "
+        "flash-attn --no-build-isolation). Default: the model's choice. All three keep packed examples apart "
+        "(packing: true): transformers' flash attention finds examples from position_ids only in a batch of one row, "
+        "so hftrain hands it each packed micro-batch flattened into one row.",
         group="model", choices=(None, "eager", "sdpa", "flash_attention_2"),
+    )
+    use_liger_kernel: bool = _f(
+        False, "Liger's Triton kernels (CUDA only; pip install liger-kernel==0.8.5, or the [cuda] extra): RMSNorm, "
+        "SwiGLU/GeGLU and RoPE patched into the loaded model, and the output projection fused with the "
+        "cross-entropy (chunked internally, gradients computed in forward), so the logits of a micro-batch are never "
+        "materialised in fp32. For the architectures whose logits are lm_head(hidden); excludes loss_chunk_tokens.",
+        group="model",
     )
     gradient_checkpointing: bool = _f(
         False, "Recompute activations in backward (non-reentrant) to save memory at ~30% more compute.",
@@ -154,6 +164,10 @@ class Recipe:
                                  group="data")
     dataset_num_proc: int | None = _f(None, "Processes for tokenization (datasets.map num_proc).", group="data")
     dataloader_num_workers: int = _f(0, "Worker processes for batch collation.", group="data")
+    dataloader_pin_memory: bool = _f(
+        True, "Collate batches into pinned (page-locked) memory so the copy to the GPU can overlap compute "
+        "(non_blocking). CUDA only; no effect on CPU.", group="data",
+    )
     # ---------------------------------------------------------------------- optimisation
     output_dir: str = _f("outputs/tiny-chat", "Where checkpoints, metrics.jsonl and the final model go.",
                          group="training")
@@ -500,6 +514,10 @@ def _validate_performance(r: Recipe) -> list[str]:
         problems.append("torch_compile with tp_size > 1 is refused: compiling transformers' tensor-parallel layers "
                         "(DTensor weights) fails in backward with torch 2.13 (a RecursionError in a view's backward); "
                         "use tensor parallelism or torch_compile, not both")
+    if r.use_liger_kernel and r.loss_chunk_tokens > 0:
+        problems.append(f"use_liger_kernel with loss_chunk_tokens={r.loss_chunk_tokens}: Liger's fused linear "
+                        "cross-entropy already splits the tokens into chunks and computes their gradients in forward, "
+                        "so hftrain's recomputing chunks would only run it twice; set loss_chunk_tokens: 0")
     if r.packing and r.train_sampling_strategy == "group_by_length":
         problems.append("train_sampling_strategy=group_by_length with packing=true has nothing to group: packed rows "
                         "all hold close to max_length tokens; use random with packing, or turn packing off")
@@ -619,8 +637,20 @@ def check_environment(recipe: Recipe, cuda_available: bool) -> list[str]:
     if recipe.fp16 and not cuda_available:
         problems.append("fp16 needs a CUDA GPU (on CPU accelerate would silently train in fp32); "
                         "use bf16: true or neither")
-    if recipe.attn_implementation == "flash_attention_2" and not cuda_available:
-        problems.append("attn_implementation=flash_attention_2 needs a CUDA GPU; use sdpa")
+    if recipe.attn_implementation == "flash_attention_2":
+        if not cuda_available:
+            problems.append("attn_implementation=flash_attention_2 needs a CUDA GPU; use sdpa")
+        if importlib.util.find_spec("flash_attn") is None:
+            problems.append("attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
+                            "installed; pip install flash-attn --no-build-isolation (it compiles against the installed "
+                            "torch and CUDA), or use sdpa")
+    if recipe.use_liger_kernel:
+        if not cuda_available:
+            problems.append("use_liger_kernel needs a CUDA GPU: Liger's kernels are Triton GPU kernels; set "
+                            "use_liger_kernel: false on this machine")
+        if importlib.util.find_spec("liger_kernel") is None:
+            problems.append("use_liger_kernel is set but the liger_kernel package is not installed; pip install "
+                            "liger-kernel==0.8.5 (or pip install -e '.[cuda]'), or set use_liger_kernel: false")
     if "mlflow" in recipe.report_to and importlib.util.find_spec("mlflow") is None:
         problems.append("report_to includes mlflow but the mlflow package is not installed; pip install mlflow "
                         "(or mlflow-skinny), or drop mlflow from report_to")

@@ -67,7 +67,8 @@ def evaluate(accelerator, dp, model, dataset, collator: Collator, recipe: Recipe
     model.eval()
     shards = eval_micro_batches(len(dataset), recipe.per_device_eval_batch_size, dp.world, dp.rank)
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    for batch in make_loader(shards, collator, recipe.dataloader_num_workers):
+    for batch in make_loader(shards, collator, recipe.dataloader_num_workers,
+                             pin_memory=recipe.dataloader_pin_memory):
         batch.pop("num_examples")
         batch = to_device(batch, accelerator.device)
         totals += torch.stack([model(**batch).double(), trained_tokens(batch).double()])
@@ -139,7 +140,7 @@ def run(recipe: Recipe) -> Path:
 
     # ------------------------------------------------------------------ model
     memory_baseline_mb = current_memory_mb(accelerator.device)  # what the estimator's numbers sit on top of
-    model = CausalLMTokenLoss(build_model(recipe), recipe.loss_chunk_tokens)
+    model = CausalLMTokenLoss(build_model(recipe), recipe.loss_chunk_tokens, recipe.use_liger_kernel)
     fit_embeddings_to_tokenizer(model.lm, tokenizer)
     flops = FlopCounter(model.lm)
     summary = model_summary(model)  # before prepare: sharding strategies hide the full parameter counts
@@ -216,7 +217,7 @@ def run(recipe: Recipe) -> Path:
     with StopRequest() as stop, phase(accelerator, lambda: f"training step {progress.step + 1}", recipe.ddp_timeout):
         while progress.step < total_steps:
             batches = iter(make_loader(plan.micro_batches(progress.epoch, rank, progress.step_in_epoch), collator,
-                                       recipe.dataloader_num_workers))
+                                       recipe.dataloader_num_workers, pin_memory=recipe.dataloader_pin_memory))
             while progress.step_in_epoch < plan.steps_per_epoch and progress.step < total_steps:
                 meter.timer.restart()
                 micro_batches = [to_device(next(batches), accelerator.device) for _ in range(accum)]

@@ -88,7 +88,34 @@ def load_base_model(recipe: Recipe) -> nn.Module:
     except (OSError, ValueError) as exc:
         raise _load_error("model", recipe.model_name_or_path, exc) from None
     model.config.use_cache = False
+    if recipe.use_liger_kernel:
+        apply_liger_kernels(model)
     return model
+
+
+# Keyword arguments of liger-kernel 0.8.5's apply_liger_kernel_to_<model_type>(model=...) (each function takes the ones
+# its architecture has: swiglu or geglu). The loss is not Liger's forward: `fused_linear_cross_entropy=False` keeps
+# the model's own forward, and CausalLMTokenLoss calls Liger's fused loss itself (hftrain sums token losses and
+# normalises by the global token count).
+LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True, "cross_entropy": False,
+                 "fused_linear_cross_entropy": False}
+
+
+def apply_liger_kernels(model: nn.Module) -> None:
+    """Liger's RMSNorm, SwiGLU/GeGLU and RoPE kernels in the loaded model (before any adapter is added). Liger binds
+    new forwards to this instance's modules, and also replaces the architecture's rotary function and norm/MLP
+    classes in transformers' modeling module, i.e. for every later model of that type in this process."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model, **LIGER_KERNELS)
+
+
+def liger_fused_linear_cross_entropy() -> nn.Module:
+    """Liger's fused output projection + cross-entropy: `f(head weight, hidden [N, H], targets [N], bias)` returns the
+    *sum* of the N token losses (reduction="sum"), chunking the tokens so that [N, vocabulary] logits never exist."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def build_full_model(recipe: Recipe) -> nn.Module:
@@ -230,6 +257,12 @@ def check_model_config(recipe: Recipe):
     except (OSError, ValueError) as exc:
         raise _load_error("model", recipe.model_name_or_path, exc) from None
     check_model_fits(recipe, config)
+    if recipe.use_liger_kernel and config.model_type not in LIGER_MODEL_TYPES:
+        raise HftrainError(
+            f"use_liger_kernel needs an architecture with Liger kernels whose logits are exactly lm_head(hidden "
+            f"states) (for the fused linear cross-entropy): {', '.join(sorted(LIGER_MODEL_TYPES))}; this model is "
+            f"{config.model_type!r}: set use_liger_kernel: false"
+        )
     if recipe.loss_chunk_tokens and config.model_type not in HEAD_ONLY_MODEL_TYPES:
         raise HftrainError(
             f"loss_chunk_tokens={recipe.loss_chunk_tokens} needs logits that are exactly lm_head(hidden states); "
@@ -250,6 +283,9 @@ def check_model_fits(recipe: Recipe, config) -> None:
 # scale or soft-cap them (Granite `logits_scaling`, Gemma 2/3 soft-capping, Cohere `logit_scale`) and
 # take the model's own full-logits path.
 HEAD_ONLY_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "olmo2", "gemma"})
+# use_liger_kernel: every head-only architecture has an apply_liger_kernel_to_<type> in liger-kernel 0.8.5
+# (MODEL_TYPE_TO_APPLY_LIGER_FN); Liger's other types (gemma2/3, granite, ...) transform their logits.
+LIGER_MODEL_TYPES = HEAD_ONLY_MODEL_TYPES
 
 
 class CausalLMTokenLoss(nn.Module):
@@ -258,25 +294,43 @@ class CausalLMTokenLoss(nn.Module):
     The loop divides by the global number of trained tokens of the optimizer step, which makes
     gradient accumulation and data parallelism exact. For known architectures logits are computed
     only at trained positions (prompt and padding positions never need them), in fp32 for a stable
-    softmax; any other model takes its own full-logits path.
+    softmax, or not at all with `fused_cross_entropy` (Liger's fused projection + cross-entropy);
+    any other model takes its own full-logits path.
     """
 
-    def __init__(self, lm: nn.Module, chunk_tokens: int = 0):
+    def __init__(self, lm: nn.Module, chunk_tokens: int = 0, fused_cross_entropy: bool = False):
         super().__init__()
         self.lm = lm
         self.head_only = lm.config.model_type in HEAD_ONLY_MODEL_TYPES
         self.chunk_tokens = chunk_tokens  # > 0: logits of this many trained tokens at a time (head-only models)
+        # transformers' flash attention tells packed examples apart by their position_ids only in a batch of one
+        # row (`_is_packed_sequence`); with more rows it would attend across them. One row of rows x length is exact.
+        self.flatten_packed = str(getattr(lm.config, "_attn_implementation", None)).startswith("flash_attention")
+        self.fused_ce = None
+        if fused_cross_entropy:
+            head = lm.get_output_embeddings()
+            if not (self.head_only and isinstance(head, nn.Linear)):
+                raise HftrainError(
+                    f"use_liger_kernel needs a {'/'.join(sorted(HEAD_ONLY_MODEL_TYPES))} model whose output head is a "
+                    f"plain Linear layer, got {lm.config.model_type!r} with {type(head).__name__}: the fused loss "
+                    "reads the head's weight directly, so an adapter or a trained copy of lm_head would be ignored; "
+                    "remove lm_head from lora_target_modules / modules_to_save, or set use_liger_kernel: false"
+                )
+            self.fused_ce = liger_fused_linear_cross_entropy()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`position_ids` restarting inside a row mark packed examples (block-diagonal attention)."""
         targets = labels[:, 1:]
         trained = targets != IGNORE_INDEX
+        rows = input_ids.shape
+        if position_ids is not None and self.flatten_packed:
+            input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
         if not self.head_only:
-            logits = self.lm(**inputs).logits[:, :-1][trained]
+            logits = self.lm(**inputs).logits.reshape(*rows, -1)[:, :-1][trained]
             return F.cross_entropy(logits.float(), targets[trained], reduction="sum")
-        hidden = self.lm.get_decoder()(**inputs).last_hidden_state[:, :-1][trained]
+        hidden = self.lm.get_decoder()(**inputs).last_hidden_state.reshape(*rows, -1)[:, :-1][trained]
         if not self.chunk_tokens or len(hidden) <= self.chunk_tokens:
             return self._head_loss(hidden, targets[trained])
         from torch.utils.checkpoint import checkpoint
@@ -285,5 +339,8 @@ class CausalLMTokenLoss(nn.Module):
         return sum(checkpoint(self._head_loss, h, t, use_reentrant=False) for h, t in chunks)
 
     def _head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm.get_output_embeddings()(hidden)
+        head = self.lm.get_output_embeddings()
+        if self.fused_ce is not None:
+            return self.fused_ce(head.weight, hidden, targets, head.bias)
+        logits = head(hidden)
         return F.cross_entropy(logits.float(), targets, reduction="sum")

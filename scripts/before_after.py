@@ -29,7 +29,8 @@ from hftrain.model import CausalLMTokenLoss, build_tokenizer, load_base_model, p
 def eval_loss(lm, dataset, collator: Collator, batch_size: int) -> float:
     model = CausalLMTokenLoss(lm).eval()
     loss_sum, tokens = 0.0, 0
-    for batch in make_loader(eval_micro_batches(len(dataset), batch_size, 1, 0), collator, 0):
+    # the model stays where from_pretrained put it and batches are not moved: nothing to pin
+    for batch in make_loader(eval_micro_batches(len(dataset), batch_size, 1, 0), collator, 0, pin_memory=False):
         loss_sum += model(**batch).item()
         tokens += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
     return loss_sum / tokens

@@ -14,7 +14,11 @@ Measured per run, the same way for everyone (docs/benchmarks.md explains each nu
   step 1 to the end of step N (the first step's warm-up is excluded, and reported as time to first step);
 - time to first step: process start to the end of optimizer step 1 (imports, data, model, step 1);
 - wall time: process start to the end of step N;
-- peak RSS: the child's maximum resident set (wait4), whole process.
+- peak RSS: the child's maximum resident set (wait4), whole process;
+- on a CUDA machine only, two more columns: peak CUDA memory (torch.cuda.max_memory_allocated at the end of the
+  run; hftrain's own peak_memory_mb, the same counter) and MFU, which only hftrain reports (its logged `mfu`:
+  model FLOPs of every processed token incl. the attention term, over the peak_tflops of hftrain.metrics for the
+  GPU); the other runners' MFU is left blank rather than estimated differently.
 hftrain runs through its real entry point (`python -m hftrain.finetune --config <recipe>`) and is timed from
 its metrics.jsonl (rows at steps 1 and N only); the others run in `--run <contender>` child processes of this
 script that record a timestamp at the end of each optimizer step.
@@ -216,9 +220,12 @@ class StepLog:
         self.real.append(real)
 
     def dump(self, path: Path) -> None:
+        import torch
+
         steps = len(self.times)  # batches may be collated ahead of the step that uses them
+        cuda = {"peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20} if torch.cuda.is_available() else {}
         path.write_text(json.dumps({"step_end_times": self.times, "step_tokens": self.tokens[:steps],
-                                    "slots": sum(self.slots[:steps]), "real_tokens": sum(self.real[:steps])}))
+                                    "slots": sum(self.slots[:steps]), "real_tokens": sum(self.real[:steps]), **cuda}))
 
 
 def _counting(collate, log: StepLog):
@@ -231,11 +238,14 @@ def _counting(collate, log: StepLog):
 
 
 def _hf_arguments(spec: dict, output_dir: Path) -> dict:
+    import torch
+
     r = spec["recipe"]
     return dict(output_dir=str(output_dir), per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=1,
                 num_train_epochs=1, max_steps=spec["max_steps"], learning_rate=r["learning_rate"],
                 lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
-                logging_steps=10**9, logging_first_step=True, save_strategy="no", report_to="none", use_cpu=True,
+                logging_steps=10**9, logging_first_step=True, save_strategy="no", report_to="none",
+                use_cpu=not torch.cuda.is_available(),
                 seed=SEED, dataloader_num_workers=0, bf16=False, activation_checkpointing=False)
 
 
@@ -281,7 +291,8 @@ def run_loop(spec: dict, result: Path) -> None:
     recipe, tokenizer, train = _runner_data(spec)
     ids, labels = train["input_ids"], train["labels"]
     lengths = [len(x) for x in ids]
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where hftrain and Trainer would train
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).to(device)
     model.config.use_cache = False
     model.train()
     plan = BatchPlan(len(ids), spec["batch"], 1, 1, SEED, shuffle=True, lengths=tuple(lengths))
@@ -299,7 +310,7 @@ def run_loop(spec: dict, result: Path) -> None:
             batch["input_ids"][i, :lengths[r]] = torch.tensor(ids[r])
             batch["labels"][i, :lengths[r]] = torch.tensor(labels[r])
         log.count(batch, sum(lengths[r] for r in rows))
-        model(**batch).loss.backward()
+        model(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
@@ -327,6 +338,8 @@ class Run:
     trained_tokens: int = 0
     steady_tokens: int = 0
     padding: float | None = None  # share of padded batch slots, as counted by a runner
+    peak_cuda_mb: float | None = None  # CUDA machines only
+    mfu: float | None = None  # hftrain on a GPU whose peak TFLOP/s hftrain.metrics knows
 
     @property
     def ok(self) -> bool:
@@ -341,7 +354,8 @@ class Run:
                 "tokens_per_second": self.steady_tokens / (self.last_step_end - self.first_step_end),
                 "time_to_first_step_s": self.first_step_end - self.start,
                 "wall_s": self.last_step_end - self.start, "process_s": self.exit - self.start,
-                "peak_rss_mb": self.peak_rss_mb, "log": self.log}
+                "peak_rss_mb": self.peak_rss_mb, "log": self.log,
+                **{k: v for k, v in (("peak_cuda_mb", self.peak_cuda_mb), ("mfu", self.mfu)) if v is not None}}
 
 
 def _first_row_time(metrics: Path) -> float | None:
@@ -413,6 +427,8 @@ def run_contender(name: str, rep: int, setup: dict, max_steps: int = -1) -> Run:
             run.steady_tokens = last["trained_tokens"] - first["trained_tokens"]
             run.first_step_end = first_row
             run.last_step_end = first_row + run.steady_tokens / last["tokens_per_second"]
+            if "peak_memory_reserved_mb" in last:  # logged on CUDA only; peak_memory_mb is then max_memory_allocated
+                run.peak_cuda_mb, run.mfu = last["peak_memory_mb"], last.get("mfu")
         return run
     spec = {"contender": name, "recipe": setup["recipe"], "model_dir": setup["model_dir"], "batch": batch,
             "max_steps": max_steps, "work": str(run_dir)}
@@ -428,6 +444,7 @@ def run_contender(name: str, rep: int, setup: dict, max_steps: int = -1) -> Run:
         run.steps, run.trained_tokens, run.steady_tokens = len(times), sum(tokens), sum(tokens[1:])
         run.first_step_end, run.last_step_end = (times[0], times[-1]) if times else (0.0, 0.0)
         run.padding = 1 - data["real_tokens"] / max(data["slots"], 1)
+        run.peak_cuda_mb = data.get("peak_cuda_mb")
     return run
 
 
@@ -492,6 +509,9 @@ def aggregate(runs: list[Run], paddings: dict) -> dict:
             row["tokens_per_second_range"] = [min(g["tokens_per_second"] for g in good),
                                               max(g["tokens_per_second"] for g in good)]
             row["steps"], row["trained_tokens"] = good[0]["steps"], good[0]["trained_tokens"]
+            for key in CUDA_COLUMNS:  # measured on CUDA machines only
+                if all(key in g for g in good):
+                    row[key] = statistics.median(g[key] for g in good)
         table[name] = row
     return table
 
@@ -521,8 +541,21 @@ def targets(table: dict) -> list[dict]:
              "met": v >= bound if op == ">=" else v <= bound} for ours, t, v, bound, op in checks]
 
 
+CUDA_COLUMNS = {"peak_cuda_mb": ("peak CUDA memory (MB)", "{:,.0f}"), "mfu": ("MFU", "{:.1%}")}
+
+
+def cuda_columns(table: dict) -> list[str]:
+    """The CUDA-only columns: shown when some contender measured CUDA memory, i.e. never on a CPU machine."""
+    return list(CUDA_COLUMNS) if any("peak_cuda_mb" in row for row in table.values()) else []
+
+
 def markdown(report: dict) -> str:
     table, env = report["results"], report["environment"]
+    extra = cuda_columns(table)
+
+    def cells(row: dict | None) -> str:  # the CUDA columns of one row ("-": not measured, e.g. MFU of non-hftrain)
+        return "".join(f" {CUDA_COLUMNS[k][1].format(row[k]) if row and k in row else '-'} |" for k in extra)
+
     reference = table.get("trainer", {}).get("tokens_per_second")
     lines = [
         f"Command: `{report['command']}`  ",
@@ -538,20 +571,20 @@ def markdown(report: dict) -> str:
         "one epoch. Raw numbers: `benchmarks.json`.",
         "",
         "| contender | setting | steps | trained tokens/s (median, min-max) | vs Trainer | time to first step (s) | "
-        "wall for N steps (s) | peak RSS (MB) | padding share |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "wall for N steps (s) | peak RSS (MB) | padding share |" + "".join(f" {CUDA_COLUMNS[k][0]} |" for k in extra),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + " --- |" * len(extra),
     ]
     for name, row in table.items():
         padding = f"{row['padding']:.0%}" if row.get("padding") is not None else "-"
         if "tokens_per_second" not in row:
             lines.append(f"| {name} | {row['label']} | - | failed ({row['failed_runs']} run(s), see log) | - | - | - | "
-                         f"- | {padding} |")
+                         f"- | {padding} |" + cells(None))
             continue
         low, high = row["tokens_per_second_range"]
         ratio = f"{row['tokens_per_second'] / reference:.2f}x" if reference else "-"
         lines.append(f"| {name} | {row['label']} | {row['steps']} | {row['tokens_per_second']:,.0f} ({low:,.0f}-"
                      f"{high:,.0f}) | {ratio} | {row['time_to_first_step_s']:.1f} | {row['wall_s']:.1f} | "
-                     f"{row['peak_rss_mb']:,.0f} | {padding} |")
+                     f"{row['peak_rss_mb']:,.0f} | {padding} |" + cells(row))
     if report["targets"]:
         settings = list(dict.fromkeys(t["hftrain_setting"] for t in report["targets"]))
         names = list(dict.fromkeys(t["target"] for t in report["targets"]))

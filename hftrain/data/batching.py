@@ -184,13 +184,16 @@ class Collator:
         return batch
 
 
-def make_loader(batches: Iterator[list[int]] | list[list[int]], collator: Collator, num_workers: int):
+def make_loader(batches: Iterator[list[int]] | list[list[int]], collator: Collator, num_workers: int, *,
+                pin_memory: bool):
     """A DataLoader over precomputed index lists (collation may run in worker processes).
 
     It has its own generator: creating an iterator draws a seed from it, and drawing from the global RNG would
     shift dropout masks whenever a loader is created (e.g. on resume), breaking resume = uninterrupted run.
+    `pin_memory` (dataloader_pin_memory) pins batches only when CUDA is available: without a GPU there is no
+    host-to-device copy to speed up.
     """
     return torch.utils.data.DataLoader(
         list(batches), batch_size=None, shuffle=False, collate_fn=collator, num_workers=num_workers,
-        generator=torch.Generator(),
+        generator=torch.Generator(), pin_memory=pin_memory and torch.cuda.is_available(),
     )

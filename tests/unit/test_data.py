@@ -501,9 +501,18 @@ def test_packing_rejects_an_example_longer_than_a_row():
 def test_loader_yields_collated_index_lists(rows):
     collator = Collator(rows, pad_token_id=0)
     plan = [[0], [], [2, 1]]
-    batches = list(make_loader(plan, collator, num_workers=0))
+    batches = list(make_loader(plan, collator, num_workers=0, pin_memory=False))
     assert len(batches) == 3
     for got, indices in zip(batches, plan, strict=True):
         want = collator(indices)
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_loader_pins_memory_only_when_asked_and_cuda_is_available(rows, monkeypatch, cuda):
+    """dataloader_pin_memory: pinned batches only help host-to-GPU copies, so without CUDA the loader never pins."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    collator = Collator(rows, pad_token_id=0)
+    assert make_loader([[0]], collator, num_workers=0, pin_memory=True).pin_memory is cuda
+    assert make_loader([[0]], collator, num_workers=0, pin_memory=False).pin_memory is False

@@ -13,8 +13,11 @@ from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
 from hftrain.model import (
+    LIGER_KERNELS,
+    LIGER_MODEL_TYPES,
     CausalLMTokenLoss,
     build_full_model,
+    build_peft_model,
     build_tokenizer,
     check_model_config,
     check_model_fits,
@@ -257,3 +260,149 @@ def test_repeated_blocks_takes_the_outermost_list_only():
 def test_compile_blocks_without_repeated_blocks_is_a_clear_error():
     with pytest.raises(HftrainError, match="torch_compile found no repeated blocks .* in Linear; set torch_compile"):
         compile_blocks(torch.nn.Linear(2, 2), mode=None)
+
+
+def test_liger_is_refused_for_models_without_liger_kernels_or_with_their_own_logit_transform(tmp_path):
+    from transformers import Gemma2Config
+
+    Gemma2Config(**tiny_config_kwargs(), head_dim=8, final_logit_softcapping=2.0).save_pretrained(tmp_path)
+    with pytest.raises(HftrainError) as info:
+        check_model_config(Recipe(model_name_or_path=str(tmp_path), max_length=32, use_liger_kernel=True))
+    message = str(info.value)
+    assert "use_liger_kernel" in message and "'gemma2'" in message and "set use_liger_kernel: false" in message
+    assert ", ".join(sorted(LIGER_MODEL_TYPES)) in message
+    check_model_config(Recipe(model_name_or_path=str(MODEL), max_length=32, use_liger_kernel=True))  # llama
+
+
+class PlainTorchFusedLinearCE(torch.nn.Module):
+    """Stands in for LigerFusedLinearCrossEntropyLoss(reduction="sum"), whose Triton kernels need a GPU: the same
+    call signature forward(lin_weight, _input, target, bias=None) and the same result, in plain torch."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        self.calls.append((lin_weight, _input.detach().clone(), target.clone(), bias))
+        logits = torch.nn.functional.linear(_input, lin_weight, bias)
+        return torch.nn.functional.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def test_liger_loss_wiring_passes_head_weight_trained_hidden_and_targets(tiny, monkeypatch):
+    """Verifies hftrain's wiring of the fused loss, not Liger itself (its kernels cannot run on CPU): with
+    use_liger_kernel the head loss calls the fused function with (lm_head.weight, hidden states at trained positions,
+    their targets, the head's bias) and gets the same summed loss and gradients as the default path."""
+    fake = PlainTorchFusedLinearCE()
+    monkeypatch.setattr("hftrain.model.liger_fused_linear_cross_entropy", lambda: fake)
+    input_ids, labels, _ = padded_batch(tiny.config.vocab_size)
+    params = dict(tiny.named_parameters())
+    names = ["lm_head.weight", "model.norm.weight", "model.layers.1.mlp.down_proj.weight"]
+
+    def loss_and_grads(wrapper):
+        tiny.zero_grad(set_to_none=True)
+        loss = wrapper(input_ids, labels)
+        loss.backward()
+        grads = {n: params[n].grad.clone() for n in names}
+        tiny.zero_grad(set_to_none=True)
+        return loss, grads
+
+    fused_loss, fused_grads = loss_and_grads(CausalLMTokenLoss(tiny, fused_cross_entropy=True))
+    plain_loss, plain_grads = loss_and_grads(CausalLMTokenLoss(tiny))
+
+    (weight, hidden, targets, bias), = fake.calls
+    trained = labels[:, 1:] != IGNORE_INDEX
+    assert weight is tiny.lm_head.weight and bias is None  # Llama's head has no bias
+    with torch.no_grad():
+        expected_hidden = tiny.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, :-1][trained]
+    torch.testing.assert_close(hidden, expected_hidden)
+    assert torch.equal(targets, labels[:, 1:][trained])
+    assert fused_loss.item() == pytest.approx(plain_loss.item(), rel=1e-6)
+    for name in names:
+        torch.testing.assert_close(fused_grads[name], plain_grads[name])
+
+
+def test_liger_loss_is_refused_when_the_head_is_an_adapter(tiny, monkeypatch):
+    """The fused loss reads lm_head.weight directly: a LoRA adapter on the head would silently not train."""
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setattr("hftrain.model.liger_fused_linear_cross_entropy", PlainTorchFusedLinearCE)
+    fresh = AutoModelForCausalLM.from_pretrained(str(MODEL))
+    peft_model = get_peft_model(fresh, LoraConfig(r=2, target_modules=["lm_head"]))
+    with pytest.raises(HftrainError, match="plain Linear layer.*remove lm_head from lora_target_modules"):
+        CausalLMTokenLoss(peft_model, fused_cross_entropy=True)
+
+
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_builders_apply_liger_kernels_to_the_loaded_base(monkeypatch, use_peft):
+    """use_liger_kernel patches the base model the builder loaded (before adapters are added), and only then."""
+    patched = []
+    monkeypatch.setattr("hftrain.model.apply_liger_kernels", lambda model: patched.append(type(model).__name__))
+    build = build_peft_model if use_peft else build_full_model
+    build(Recipe(model_name_or_path=str(MODEL), use_peft=use_peft))
+    assert patched == []
+    build(Recipe(model_name_or_path=str(MODEL), use_peft=use_peft, use_liger_kernel=True))
+    assert patched == ["LlamaForCausalLM"]
+
+
+def test_liger_kernel_names_match_the_installed_liger():
+    """LIGER_KERNELS are keyword arguments of Liger's per-architecture functions, for every supported type."""
+    monkey_patch = pytest.importorskip(
+        "liger_kernel.transformers.monkey_patch",
+        reason="liger-kernel is not installed (it needs Triton, i.e. a CUDA machine; pip install '.[cuda]')")
+    import inspect
+
+    for model_type in LIGER_MODEL_TYPES:
+        parameters = inspect.signature(monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]).parameters
+        assert "fused_linear_cross_entropy" in parameters and "model" in parameters, model_type
+        assert {"rope", "rms_norm"} <= set(parameters) and set(parameters) & {"swiglu", "geglu"}, model_type
+    assert LIGER_KERNELS["fused_linear_cross_entropy"] is False
+
+
+def packed_rows(vocab: int):
+    """Two packed rows of 3 + 2 examples (and a padded tail), position_ids restarting per example."""
+    g = torch.Generator().manual_seed(3)
+    rows = [(5, 4, 3), (7, 3)]
+    width = 14
+    input_ids = torch.full((2, width), PAD)
+    labels = torch.full((2, width), IGNORE_INDEX)
+    position_ids = torch.zeros((2, width), dtype=torch.long)
+    for r, lengths in enumerate(rows):
+        offset = 0
+        for n in lengths:
+            ids = torch.randint(3, vocab, (n,), generator=g)
+            input_ids[r, offset:offset + n] = ids
+            labels[r, offset + 1:offset + n] = ids[1:]
+            position_ids[r, offset:offset + n] = torch.arange(n)
+            offset += n
+        position_ids[r, offset:] = torch.arange(width - offset)
+    return input_ids, labels, position_ids
+
+
+def test_packed_rows_flattened_into_one_row_give_the_same_loss(tiny):
+    """What hftrain does for flash attention (which finds packed examples only in a batch of one row) is exact:
+    here checked with sdpa, which keeps examples apart in either shape."""
+    input_ids, labels, position_ids = packed_rows(tiny.config.vocab_size)
+    rows, flat = CausalLMTokenLoss(tiny), CausalLMTokenLoss(tiny)
+    flat.flatten_packed = True
+    seen = []
+    handle = tiny.model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"].shape),
+                                                  with_kwargs=True)
+    try:
+        with torch.no_grad():
+            by_rows = rows(input_ids, labels, position_ids=position_ids)
+            flattened = flat(input_ids, labels, position_ids=position_ids)
+    finally:
+        handle.remove()
+    assert seen == [(2, 14), (1, 28)]
+    assert flattened.item() == pytest.approx(by_rows.item(), rel=1e-5)
+
+
+def test_flash_attention_models_get_flattened_packed_rows():
+    def stub(attn):
+        lm = torch.nn.Module()
+        lm.config = SimpleNamespace(model_type="llama", _attn_implementation=attn)
+        return lm
+
+    assert CausalLMTokenLoss(stub("flash_attention_2")).flatten_packed
+    assert not CausalLMTokenLoss(stub("sdpa")).flatten_packed
+    assert not CausalLMTokenLoss(stub(None)).flatten_packed
