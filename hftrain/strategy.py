@@ -143,6 +143,10 @@ def deepspeed_problems(recipe: Recipe, config: dict, world: int) -> list[str]:
     if zero.get("stage") == 3 and not zero.get("stage3_gather_16bit_weights_on_model_save"):
         problems.append("ZeRO stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save: true "
                         "cannot write a consolidated final model (every rank holds a shard); set it to true")
+    if zero.get("stage") == 3 and recipe.use_liger_kernel:
+        problems.append("use_liger_kernel under ZeRO-3 is refused: Liger's fused loss reads lm_head.weight without "
+                        "calling lm_head, so ZeRO-3's gather hook never runs and the kernel gets an empty shard (TRL "
+                        "issue #3368); use ZeRO-2, FSDP2 or DDP with Liger, or ZeRO-3 without it")
     offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
     if offloaded and recipe.optim not in TORCH_ADAMW:
         problems.append(f"optimizer offload runs DeepSpeedCPUAdam, but optim={recipe.optim}: accelerate would "

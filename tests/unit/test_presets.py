@@ -142,6 +142,15 @@ def test_contradictions_between_ds_config_and_recipe_are_all_reported():
     assert len(problems) == 7
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_liger_is_refused_under_zero3_only(stage):
+    """ZeRO-3 gathers a weight only when its module runs; Liger's fused loss reads lm_head.weight directly."""
+    config = {"zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}}
+    problems = strategy.deepspeed_problems(Recipe(use_liger_kernel=True), config, world=2)
+    assert problems == ([] if stage == 2 else [p for p in problems if p.startswith("use_liger_kernel under ZeRO-3")])
+    assert len(problems) == (stage == 3)
+
+
 class FakeLaunch:
     """What `strategy.data_parallel` reads from the Accelerator."""
 
