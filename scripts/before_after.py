@@ -62,6 +62,7 @@ def main() -> None:
     args = parser.parse_args()
 
     recipe = recipe_subset(read_yaml(args.config), tuple(FIELDS), source=args.config)
+    recipe.use_liger_kernel = False  # training kernels (Triton, CUDA only) are not needed to compare generations
     final = Path(recipe.output_dir) / "final"
     tokenizer = build_tokenizer(recipe)
     _, eval_set, _ = load_datasets(recipe, tokenizer)
