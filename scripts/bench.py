@@ -92,19 +92,23 @@ class Contender:
     lever: bool = False  # not in the default comparison: name it in --contenders
 
 
-# The recommended setting: each step's BATCH length-grouped sequences in 4 micro-batches (the levers build on it).
-ACCUM = {"train_sampling_strategy": "group_by_length", "per_device_train_batch_size": BATCH // 4,
-         "gradient_accumulation_steps": 4}
+# The recommended setting: each step's BATCH length-grouped sequences in 4 micro-batches, collated by one
+# dataloader worker while the main process computes (the levers build on it).
+MICRO = {"per_device_train_batch_size": BATCH // 4, "gradient_accumulation_steps": 4}
+ACCUM = {"train_sampling_strategy": "group_by_length", **MICRO, "dataloader_num_workers": 1}
 CONTENDERS = {
     "hftrain": Contender("hftrain", "hftrain, length-grouped batches (train_sampling_strategy: group_by_length)",
                          {"train_sampling_strategy": "group_by_length"}),
-    "hftrain_accum": Contender("hftrain", "hftrain, length-grouped, micro-batches of 2 x 4 accumulation steps", ACCUM),
+    "hftrain_accum": Contender("hftrain", "hftrain, length-grouped, micro-batches of 2 x 4 accumulation steps, "
+                                          "1 dataloader worker", ACCUM),
     "hftrain_fused": Contender("hftrain", "hftrain_accum with optim: adamw_torch_fused",
                                {**ACCUM, "optim": "adamw_torch_fused"}, lever=True),
     "hftrain_ckpt": Contender("hftrain", "hftrain_accum with gradient_checkpointing: true",
                               {**ACCUM, "gradient_checkpointing": True}, lever=True),
-    "hftrain_workers": Contender("hftrain", "hftrain_accum with dataloader_num_workers: 1",
-                                 {**ACCUM, "dataloader_num_workers": 1}, lever=True),
+    "hftrain_noworker": Contender("hftrain", "hftrain_accum with dataloader_num_workers: 0 (collation in the "
+                                             "training process)", {**ACCUM, "dataloader_num_workers": 0}, lever=True),
+    "hftrain_compile": Contender("hftrain", "hftrain_accum with torch_compile: true",
+                                 {**ACCUM, "torch_compile": True}, lever=True),
     "hftrain_ddp2": Contender("hftrain", "hftrain_accum as 2-process DDP (gloo, 1 thread each): 1 x 4 per process",
                               {**ACCUM, "per_device_train_batch_size": BATCH // 8}, processes=2, lever=True),
     "hftrain_random": Contender("hftrain", "hftrain, random batches padded to the longest",
@@ -120,6 +124,8 @@ CONTENDERS = {
     "trl_padding_free": Contender("trl", "TRL SFTTrainer, padding-free without packing (batch flattened)",
                                   {"packing": False, "padding_free": True, "max_length": None}),  # already truncated
     "loop": Contender("loop", "hand-written PyTorch loop, hftrain's length-grouped batches, HF model loss"),
+    "loop_accum": Contender("loop", "the loop with hftrain_accum's batching: 2 x 4 micro-batches, HF model loss "
+                                    "over the step's token count (num_items_in_batch)", MICRO),
 }
 
 
@@ -214,9 +220,10 @@ class StepLog:
         self.slots: list[int] = []
         self.real: list[int] = []
 
-    def count(self, batch: dict, real: int) -> None:
-        self.tokens.append(int((batch["labels"][:, 1:] != -100).sum()))
-        self.slots.append(batch["input_ids"].numel())
+    def count(self, batches: list[dict], real: int) -> None:
+        """The batches of one optimizer step (one batch, or a step's micro-batches) and their unpadded length."""
+        self.tokens.append(sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches))
+        self.slots.append(sum(b["input_ids"].numel() for b in batches))
         self.real.append(real)
 
     def dump(self, path: Path) -> None:
@@ -231,7 +238,7 @@ class StepLog:
 def _counting(collate, log: StepLog):
     def wrapped(features):
         batch = collate(features)
-        log.count(batch, sum(len(f["input_ids"]) for f in features))
+        log.count([batch], sum(len(f["input_ids"]) for f in features))
         return batch
 
     return wrapped
@@ -295,22 +302,31 @@ def run_loop(spec: dict, result: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).to(device)
     model.config.use_cache = False
     model.train()
-    plan = BatchPlan(len(ids), spec["batch"], 1, 1, SEED, shuffle=True, lengths=tuple(lengths))
+    micro = CONTENDERS[spec["contender"]].options or {"per_device_train_batch_size": spec["batch"],
+                                                      "gradient_accumulation_steps": 1}
+    accum = micro["gradient_accumulation_steps"]
+    plan = BatchPlan(len(ids), micro["per_device_train_batch_size"], 1, accum, SEED, shuffle=True,
+                     lengths=tuple(lengths))
     total = plan.steps_per_epoch if spec["max_steps"] <= 0 else min(spec["max_steps"], plan.steps_per_epoch)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1 - i / total)
     pad = tokenizer.pad_token_id
     log = StepLog()
-    for step, rows in enumerate(plan.micro_batches(epoch=0, rank=0)):
-        if step == total:
-            break
-        width = max(lengths[r] for r in rows)
-        batch = {"input_ids": torch.full((len(rows), width), pad), "labels": torch.full((len(rows), width), -100)}
-        for i, r in enumerate(rows):
-            batch["input_ids"][i, :lengths[r]] = torch.tensor(ids[r])
-            batch["labels"][i, :lengths[r]] = torch.tensor(labels[r])
-        log.count(batch, sum(lengths[r] for r in rows))
-        model(**{k: v.to(device) for k, v in batch.items()}).loss.backward()
+    micro_batches = iter(plan.micro_batches(epoch=0, rank=0))
+    for _ in range(total):
+        batches, real = [], 0
+        for rows in [rows for rows in (next(micro_batches) for _ in range(accum)) if rows]:  # a short last step
+            width = max(lengths[r] for r in rows)
+            batch = {"input_ids": torch.full((len(rows), width), pad), "labels": torch.full((len(rows), width), -100)}
+            for i, r in enumerate(rows):
+                batch["input_ids"][i, :lengths[r]] = torch.tensor(ids[r])
+                batch["labels"][i, :lengths[r]] = torch.tensor(labels[r])
+            batches.append(batch)
+            real += sum(lengths[r] for r in rows)
+        log.count(batches, real)
+        step_tokens = log.tokens[-1]
+        for batch in batches:  # the model's mean over the whole step's tokens: the same update as one batch
+            model(**{k: v.to(device) for k, v in batch.items()}, num_items_in_batch=step_tokens).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()

@@ -13,7 +13,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.launch
 CONTENDERS = ["hftrain", "hftrain_accum", "hftrain_random", "hftrain_packed", "trainer", "trl_padding", "trl_packing",
-              "trl_padding_free", "loop"]
+              "trl_padding_free", "loop", "loop_accum"]
 
 
 def test_quick_bench_writes_a_row_per_contender(tmp_path):
@@ -44,6 +44,7 @@ def test_quick_bench_writes_a_row_per_contender(tmp_path):
     assert results["trl_packing"]["padding"] == 0 and results["trl_padding_free"]["padding"] == 0
     assert results["hftrain"]["padding"] < results["hftrain_random"]["padding"]
     assert results["loop"]["padding"] == pytest.approx(results["hftrain"]["padding"])  # the same batches
+    assert results["loop_accum"]["padding"] == pytest.approx(results["hftrain_accum"]["padding"])
     # the same examples per step split into 4 micro-batches: smaller groups of closer lengths pad less
     assert results["hftrain_accum"]["padding"] <= results["hftrain"]["padding"]
     assert {t["hftrain_setting"] for t in report["targets"]} == {n for n in CONTENDERS if n.startswith("hftrain")}
