@@ -14,6 +14,7 @@ import difflib
 import importlib.util
 import math
 import os
+import shutil
 import types
 import typing
 from dataclasses import dataclass, field
@@ -637,6 +638,11 @@ def check_environment(recipe: Recipe, cuda_available: bool) -> list[str]:
     if recipe.fp16 and not cuda_available:
         problems.append("fp16 needs a CUDA GPU (on CPU accelerate would silently train in fp32); "
                         "use bf16: true or neither")
+    compiler = os.environ.get("CXX", "g++")  # what torch inductor runs to build its CPU kernels on Linux
+    if recipe.torch_compile and not cuda_available and shutil.which(compiler) is None:
+        problems.append(f"torch_compile on CPU needs a C++ compiler (inductor builds its kernels with {compiler}, "
+                        "the CXX environment variable or g++) and none is on PATH; install g++, point CXX at a "
+                        "compiler, or set torch_compile: false")
     if recipe.attn_implementation == "flash_attention_2":
         if not cuda_available:
             problems.append("attn_implementation=flash_attention_2 needs a CUDA GPU; use sdpa")

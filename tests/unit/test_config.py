@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -348,6 +349,16 @@ def packages(monkeypatch):
         missing.update(absent)
 
     return set_packages
+
+
+def test_torch_compile_on_cpu_needs_the_compiler_inductor_runs(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    (problem,) = check_environment(Recipe(torch_compile=True), cuda_available=False)
+    assert problem.startswith("torch_compile on CPU needs a C++ compiler") and "no-such-compiler-xyz" in problem
+    assert check_environment(Recipe(torch_compile=True), cuda_available=True) == []  # CUDA kernels are Triton's
+    assert check_environment(Recipe(), cuda_available=False) == []
+    monkeypatch.setenv("CXX", sys.executable)  # any executable on the path counts as found
+    assert check_environment(Recipe(torch_compile=True), cuda_available=False) == []
 
 
 def test_flash_attention_refused_without_cuda(packages):
