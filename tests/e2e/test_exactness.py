@@ -61,6 +61,7 @@ def one_sgd_step(tmp_path, tiny_model, texts, processes, batch, accum, *extra):
     info = run.state()["launch"]
     assert info["num_processes"] == processes
     assert info["distributed_type"] == ("MULTI_CPU" if processes > 1 else "NO")
+    assert info["model_wrapper"] == ("DistributedDataParallel" if processes > 1 else "CausalLMTokenLoss")
     compiled_layers = 2 if "--torch_compile" in extra else 0  # the tiny model has 2 decoder layers
     assert run.state()["model"]["compiled_blocks"] == compiled_layers
     return load_file(run.output_dir / "final" / "model.safetensors")
