@@ -13,7 +13,8 @@ back to the previous complete one, with a warning. Its model file holds the trai
 only: frozen weights (a LoRA/QLoRA base, possibly quantized) are rebuilt from the base model by the builder on
 resume, so an adapter run's checkpoint is adapter-sized. For full fine-tuning that is every weight. Under
 DeepSpeed the engine writes the model file itself, without frozen parameters
-(`strategy.checkpoint_save_kwargs`); FSDP2 writes sharded DCP files of the whole model.
+(`Backend.checkpoint_save_kwargs`); FSDP2 writes sharded DCP files of the whole model. Every file name a
+checkpoint holds is defined here.
 
 The final folder is what the builder's product saves: `save_pretrained` of the causal LM
 (safetensors + config) or, for a peft model, of the adapter only (`adapter_model.safetensors` +
@@ -30,7 +31,6 @@ import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from hftrain import strategy
 from hftrain.config import Recipe, dump_recipe
 from hftrain.errors import HftrainError
 
@@ -38,6 +38,9 @@ STATE_FILE = "hftrain_state.json"
 CONFIG_FILE = "hftrain_config.yaml"
 COMPLETE_FILE = "hftrain_complete.json"
 PREFIX = "checkpoint-"
+DS_CONFIG_FILE = "ds_config.json"  # the DeepSpeed config actually used, next to every checkpoint and final model
+FULL_STATE_FILE = "full_training_state.pt"  # tensor parallel: gathered model + optimizer state
+UNIVERSAL_PREFIX = ".universal-"  # output_dir/.universal-checkpoint-N: a ZeRO checkpoint converted for another world
 
 
 @dataclass
@@ -71,7 +74,7 @@ def write_run_files(folder: Path, recipe: Recipe, progress: Progress, run_info: 
     state = {"progress": asdict(progress), "versions": versions(), **run_info}
     (folder / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
     if run_info["launch"]["deepspeed_config"] is not None:
-        (folder / strategy.DS_CONFIG_FILE).write_text(json.dumps(run_info["launch"]["deepspeed_config"], indent=2)
+        (folder / DS_CONFIG_FILE).write_text(json.dumps(run_info["launch"]["deepspeed_config"], indent=2)
                                                       + "\n", encoding="utf-8")
 
 
@@ -127,8 +130,9 @@ def verify(folder: Path) -> list[str]:
     return problems
 
 
-def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Progress, extra: dict) -> Path:
+def save_checkpoint(backend, output_dir: Path, recipe: Recipe, progress: Progress, extra: dict) -> Path:
     """Save the full training state after `progress.step` steps; every rank must call this."""
+    accelerator = backend.accelerator
     final = output_dir / f"{PREFIX}{progress.step}"
     tmp = output_dir / f".tmp-{PREFIX}{progress.step}"
     if accelerator.is_main_process:
@@ -136,7 +140,7 @@ def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Pro
     accelerator.wait_for_everyone()
     handle = accelerator.register_save_state_pre_hook(_keep_trained_weights)
     try:
-        accelerator.save_state(str(tmp), **strategy.checkpoint_save_kwargs(accelerator))
+        accelerator.save_state(str(tmp), **backend.checkpoint_save_kwargs())
     finally:
         handle.remove()
     accelerator.wait_for_everyone()  # every rank's files are written before the manifest is made
@@ -156,7 +160,7 @@ def save_checkpoint(accelerator, output_dir: Path, recipe: Recipe, progress: Pro
 def clear_run(output_dir: Path) -> None:
     """Remove a previous run's checkpoints, final model, metrics, profiler traces and report (overwrite_output_dir)."""
     for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f".tmp-{PREFIX}*"),
-                *output_dir.glob(f"{strategy.UNIVERSAL_PREFIX}{PREFIX}*"), output_dir / "final",
+                *output_dir.glob(f"{UNIVERSAL_PREFIX}{PREFIX}*"), output_dir / "final",
                 output_dir / "profile", output_dir / "report"]:
         shutil.rmtree(old, ignore_errors=True)
     (output_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -202,12 +206,12 @@ def _keep_trained_weights(models, weights, output_dir) -> None:
             del state_dict[key]
 
 
-def _check_saved_weights(model, path: Path) -> None:
+def _check_saved_weights(backend, model, path: Path) -> None:
     """The checkpoint's model file must hold what this run trains (frozen weights come from the base).
 
     `model` is the unwrapped model: accelerate saves (and loads) DDP weights without the `module.` prefix,
     which is what lets a checkpoint resume on another number of processes."""
-    saved = strategy.saved_model_keys(path)
+    saved = backend.saved_model_keys(path)
     if saved is None:  # FSDP2's sharded layout is checked by its own loader
         return
     keys = set(model.state_dict())
@@ -221,24 +225,25 @@ def _check_saved_weights(model, path: Path) -> None:
         )
 
 
-def load_checkpoint(accelerator, model, scheduler, path: Path, plan, recipe: Recipe) -> tuple[Progress, dict]:
+def load_checkpoint(backend, model, scheduler, path: Path, plan) -> tuple[Progress, dict]:
     """Restore model/optimizer/scheduler/RNG from `path`; return where training stands for this run and the
     checkpoint's other run facts (tracker run ids, device-hours so far).
 
     A checkpoint can resume with another number of processes (DDP, FSDP2, tensor parallel; DeepSpeed ZeRO through
-    a universal checkpoint converted on the fly, AdamW only, see `strategy.resume_folder`). The data position is
+    a universal checkpoint converted on the fly, AdamW only, see `DeepSpeedBackend.resume_folder`). The data position is
     kept in examples of the epoch's order, which does not depend on the world size: if the effective batch
     changed, training continues at the last step boundary of the new batch at or before that position (at most
     one new global batch minus one example is seen again). RNG states are restored per rank index; a rank without
     a saved state (1 -> 2 processes) keeps the state from `seed`. Data order never uses them (BatchPlan is seeded
     by seed and epoch): they only matter for dropout.
     """
+    accelerator = backend.accelerator
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    strategy.check_resumable(accelerator, state["launch"], recipe)
-    _check_saved_weights(accelerator.unwrap_model(model), path)  # saved names carry no DDP `module.` prefix
+    backend.check_resumable(state["launch"])
+    _check_saved_weights(backend, backend.unwrap(model), path)  # saved names carry no DDP `module.` prefix
     # The model file holds the trained weights only, hence a non-strict load; its keys were just checked.
-    with strategy.resume_folder(accelerator, model, path, state["launch"]) as folder:  # ZeRO: maybe converted
-        accelerator.load_state(str(folder), **strategy.checkpoint_load_kwargs(accelerator))
+    with backend.resume_folder(model, path, state["launch"]) as folder:  # ZeRO: maybe converted
+        accelerator.load_state(str(folder), **backend.checkpoint_load_kwargs())
     scheduler.load_state_dict(state["scheduler"])
     progress = realign(Progress(**state["progress"]), state["effective_batch_size"], plan)
     # load_state also restores accelerate's micro-batch counter, which decides when gradients sync. Saved by
@@ -259,11 +264,11 @@ def realign(progress: Progress, saved_global_batch: int, plan) -> Progress:
     return replace(progress, step_in_epoch=step_in_epoch, world_size=plan.world)
 
 
-def save_final(accelerator, model, tokenizer, folder: Path) -> None:
+def save_final(backend, model, tokenizer, folder: Path) -> None:
     """A standard folder from the wrapped model, + tokenizer: `AutoModelForCausalLM.from_pretrained` loads a full
     fine-tune, `PeftModel.from_pretrained(base, folder)` an adapter (peft's save_pretrained keeps only the adapter
     weights of the state dict it is given)."""
-    strategy.save_pretrained(accelerator, model, folder)  # gathered from DDP / FSDP2 / ZeRO-3 / TP shards
-    if accelerator.is_main_process:
+    backend.save_pretrained(model, folder)  # gathered from DDP / FSDP2 / ZeRO-3 / TP shards
+    if backend.accelerator.is_main_process:
         tokenizer.save_pretrained(folder)
-    accelerator.wait_for_everyone()
+    backend.accelerator.wait_for_everyone()

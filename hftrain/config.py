@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import importlib.util
 import math
 import os
-import shutil
 import types
 import typing
 from dataclasses import dataclass, field
@@ -515,10 +513,6 @@ def _validate_performance(r: Recipe) -> list[str]:
         problems.append("torch_compile with tp_size > 1 is refused: compiling transformers' tensor-parallel layers "
                         "(DTensor weights) fails in backward with torch 2.13 (a RecursionError in a view's backward); "
                         "use tensor parallelism or torch_compile, not both")
-    if r.use_liger_kernel and r.loss_chunk_tokens > 0:
-        problems.append(f"use_liger_kernel with loss_chunk_tokens={r.loss_chunk_tokens}: Liger's fused linear "
-                        "cross-entropy already splits the tokens into chunks and computes their gradients in forward, "
-                        "so hftrain's recomputing chunks would only run it twice; set loss_chunk_tokens: 0")
     if r.packing and r.train_sampling_strategy == "group_by_length":
         problems.append("train_sampling_strategy=group_by_length with packing=true has nothing to group: packed rows "
                         "all hold close to max_length tokens; use random with packing, or turn packing off")
@@ -604,66 +598,8 @@ def peft_problems(r: Recipe) -> list[str]:
     return problems
 
 
-def quantization_launch_problems(r: Recipe, strategy: str, zero_stage: int | None = None) -> list[str]:
-    """Quantized (QLoRA) recipes that the launch strategy cannot run; `strategy` is 'ddp', 'fsdp', 'deepspeed' or
-    'none' and `zero_stage` the DeepSpeed ZeRO stage."""
-    if not (r.load_in_4bit or r.load_in_8bit):
-        return []
-    bits = "load_in_4bit" if r.load_in_4bit else "load_in_8bit"
-    problems = []
-    if strategy == "deepspeed" and zero_stage == 3:
-        problems.append(f"{bits} with DeepSpeed ZeRO-3 is refused: partitioning bitsandbytes weights is not verified "
-                        "with this stack (a trial with 4-bit weights stored in dtype trained correctly, but a rank "
-                        "aborted at exit in one of six runs; docs/peft.md); use DeepSpeed ZeRO-2, FSDP2 with "
-                        "load_in_4bit and bnb_4bit_quant_storage equal to dtype, or DDP")
-    if strategy == "fsdp" and r.load_in_8bit:
-        problems.append("load_in_8bit with FSDP is refused: accelerate's FSDP2 preparation fails on bitsandbytes 8-bit "
-                        "weights (Int8Params cannot be moved to the meta device for sharding); use load_in_4bit with "
-                        "bnb_4bit_quant_storage equal to dtype")
-    if strategy == "fsdp" and r.load_in_4bit and r.bnb_4bit_quant_storage != r.dtype:
-        problems.append(f"load_in_4bit with FSDP needs bnb_4bit_quant_storage equal to dtype so that packed 4-bit "
-                        f"weights shard like the other parameters (accelerate leaves uint8 ones unsharded: every rank "
-                        f"would hold the whole base); got bnb_4bit_quant_storage="
-                        f"{r.bnb_4bit_quant_storage} and dtype={r.dtype}: set bnb_4bit_quant_storage: {r.dtype}")
-    return problems
-
-
 def _holds_a_run(out: Path) -> bool:
     return out.is_dir() and any(out.glob("checkpoint-*")) or (out / "final").exists()
-
-
-def check_environment(recipe: Recipe, cuda_available: bool) -> list[str]:
-    """Problems that depend on the machine rather than on the recipe alone."""
-    problems = []
-    if recipe.fp16 and not cuda_available:
-        problems.append("fp16 needs a CUDA GPU (on CPU accelerate would silently train in fp32); "
-                        "use bf16: true or neither")
-    compiler = os.environ.get("CXX", "g++")  # what torch inductor runs to build its CPU kernels on Linux
-    if recipe.torch_compile and not cuda_available and shutil.which(compiler) is None:
-        problems.append(f"torch_compile on CPU needs a C++ compiler (inductor builds its kernels with {compiler}, "
-                        "the CXX environment variable or g++) and none is on PATH; install g++, point CXX at a "
-                        "compiler, or set torch_compile: false")
-    if recipe.attn_implementation == "flash_attention_2":
-        if not cuda_available:
-            problems.append("attn_implementation=flash_attention_2 needs a CUDA GPU; use sdpa")
-        if importlib.util.find_spec("flash_attn") is None:
-            problems.append("attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
-                            "installed; pip install flash-attn --no-build-isolation (it compiles against the installed "
-                            "torch and CUDA), or use sdpa")
-    if recipe.use_liger_kernel:
-        if not cuda_available:
-            problems.append("use_liger_kernel needs a CUDA GPU: Liger's kernels are Triton GPU kernels; set "
-                            "use_liger_kernel: false on this machine")
-        if importlib.util.find_spec("liger_kernel") is None:
-            problems.append("use_liger_kernel is set but the liger_kernel package is not installed; pip install "
-                            "liger-kernel==0.8.5 (or pip install -e '.[cuda]'), or set use_liger_kernel: false")
-    if "mlflow" in recipe.report_to and importlib.util.find_spec("mlflow") is None:
-        problems.append("report_to includes mlflow but the mlflow package is not installed; pip install mlflow "
-                        "(or mlflow-skinny), or drop mlflow from report_to")
-    if recipe.use_peft and recipe.use_dora and recipe.load_in_8bit and not cuda_available:
-        problems.append("use_dora with load_in_8bit fails on CPU (bitsandbytes 0.50.2 loses the 8-bit scale state "
-                        "at the second forward); use load_in_4bit for a quantized DoRA, or plain LoRA in 8 bits")
-    return problems
 
 
 # -------------------------------------------------------------------------- loading

@@ -2,6 +2,10 @@
 
 import sys
 import textwrap
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class HftrainError(Exception):
@@ -28,3 +32,17 @@ def report_and_exit(error: HftrainError) -> None:
     text = textwrap.fill(f"hftrain: error: {error}", width=100, break_on_hyphens=False, break_long_words=False)
     print(text, file=sys.stderr, flush=True)
     sys.exit(error.exit_code)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (libraries' messages go on for pages), or its class name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def run_tool(function: Callable[..., T], *args, **kwargs) -> T:
+    """The console tools' `main`: run `function`, turning an HftrainError into one paragraph and its exit code."""
+    try:
+        return function(*args, **kwargs)
+    except HftrainError as error:
+        report_and_exit(error)

@@ -36,7 +36,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hftrain.errors import HftrainError, report_and_exit
+from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
 
 GIB = 2**30
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weights, 8-bit absmax per 64 weights, fp32 absmax per 256 blocks
@@ -73,15 +73,15 @@ def model_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise HftrainError(f"cannot read the config of model {model!r}: {first}. Give a local model folder or a hub "
-                           "id reachable from this machine (only config.json is needed, no weights)") from None
+        raise HftrainError(f"cannot read the config of model {model!r}: {first_line(exc)}. Give a local model "
+                           "folder or a hub id reachable from this machine (only config.json is needed, no weights)"
+                           ) from None
     try:
         with torch.device("meta"):
             lm = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except ValueError as exc:
         raise HftrainError(f"model {model!r} ({type(config).__name__}) is not a causal LM transformers can build: "
-                           f"{str(exc).strip().splitlines()[0]}") from None
+                           f"{first_line(exc)}") from None
     text = config.get_text_config()
     inp, out = lm.get_input_embeddings(), lm.get_output_embeddings()
     tied = out is not None and out.weight is inp.weight
@@ -306,23 +306,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    try:
-        problems = [f"--{k} must be >= 1, got {getattr(args, k)}" for k in ("gpus", "seq", "batch", "lora_r")
-                    if getattr(args, k) < 1]
-        if args.gpu_memory <= CUDA_OVERHEAD_GIB:
-            problems.append(f"--gpu_memory must be above {CUDA_OVERHEAD_GIB:g} GiB, got {args.gpu_memory:g}")
-        if problems:
-            from hftrain.errors import ConfigError
+def print_plan(args: argparse.Namespace) -> None:
+    problems = [f"--{k} must be >= 1, got {getattr(args, k)}" for k in ("gpus", "seq", "batch", "lora_r")
+                if getattr(args, k) < 1]
+    if args.gpu_memory <= CUDA_OVERHEAD_GIB:
+        problems.append(f"--gpu_memory must be above {CUDA_OVERHEAD_GIB:g} GiB, got {args.gpu_memory:g}")
+    if problems:
+        raise ConfigError(problems, "estimate arguments")
+    shape = model_shape(args.model, args.trust_remote_code)
+    plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r)
+    method = "qlora" if args.qlora else "lora" if args.lora else "full"
+    print(format_plan(plan, args.gpu_memory, method))
 
-            raise ConfigError(problems, "estimate arguments")
-        shape = model_shape(args.model, args.trust_remote_code)
-        plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r)
-        method = "qlora" if args.qlora else "lora" if args.lora else "full"
-        print(format_plan(plan, args.gpu_memory, method))
-    except HftrainError as error:
-        report_and_exit(error)
+
+def main(argv: list[str] | None = None) -> None:
+    run_tool(print_plan, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
-"""Fine-tune a causal LM: setup -> data -> model -> optimizer -> loop (evaluate, save) -> final model.
+"""Fine-tune a causal LM: setup -> data -> model -> optimizer -> train -> finish.
 
     accelerate launch --config_file accelerate_configs/cpu.yaml hftrain/finetune.py \
         --config recipes/tiny-chat.yaml [--learning_rate 1e-3 --max_steps 50 ...]
     python -m hftrain.finetune --help
 
-The launch preset picks the strategy (DDP, FSDP, DeepSpeed); the recipe holds everything else.
+The launch preset picks the parallelism backend (hftrain/parallel/); the recipe holds everything else. `Finetune`
+runs the phases in order; each fills named attributes that the next ones read.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: import the package, not sibling modules as top-level names
@@ -19,9 +21,11 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
     sys.path.insert(0, str(_here.parent))
 
 import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
 
-from hftrain import checkpoint, strategy
-from hftrain.config import Recipe, check_environment, dump_recipe, load_recipe
+from hftrain import checkpoint
+from hftrain.config import Recipe, dump_recipe, load_recipe
 from hftrain.data import (
     IGNORE_INDEX,
     Collator,
@@ -31,20 +35,20 @@ from hftrain.data import (
     training_plan,
     training_rows,
 )
-from hftrain.distributed import launch_info, make_accelerator, phase, preset_conflicts
-from hftrain.errors import ConfigError, HftrainError, report_and_exit
+from hftrain.errors import HftrainError, run_tool
 from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
 from hftrain.model import (
     CausalLMTokenLoss,
     build_model,
     build_tokenizer,
-    check_model_config,
     fit_embeddings_to_tokenizer,
     model_summary,
     pad_token_id,
 )
 from hftrain.optim import build_optimizer, build_scheduler
+from hftrain.parallel import Launch, make_accelerator, phase, resolve
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
+from hftrain.preflight import preflight
 from hftrain.tracking import MetricLogger, quiet_other_ranks
 
 
@@ -78,12 +82,13 @@ def evaluate(accelerator, dp, model, dataset, collator: Collator, recipe: Recipe
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
 
 
-def optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, scale, max_norm, timer):
+def optimizer_step(backend, model, optimizer, scheduler, micro_batches, scale, max_norm, timer):
     """Forward/backward every micro-batch of one optimizer step, clip, then step -- unless the gradient norm
     is NaN/inf, in which case nothing is updated. Returns (summed local token loss, grad norm, updated?).
 
     The norm is taken after gradients are reduced across ranks, so every rank takes the same decision.
     """
+    accelerator = backend.accelerator
     step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in micro_batches:
         with accelerator.accumulate(model):
@@ -93,8 +98,8 @@ def optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, scal
             step_loss += loss_sum.detach()
             timer.lap("backward")
             if accelerator.sync_gradients:
-                grad_norm = strategy.clip_grad_norm(accelerator, model, max_norm)
-                finite = grad_norm is None or math.isfinite(float(grad_norm))  # DeepSpeed gives a float
+                grad_norm = backend.clip_grad_norm(model, max_norm)
+                finite = grad_norm is None or math.isfinite(grad_norm)
                 if finite:
                     optimizer.step()
                 scheduler.step()  # a skipped step still counts: the schedule follows optimizer steps
@@ -103,226 +108,329 @@ def optimizer_step(accelerator, model, optimizer, scheduler, micro_batches, scal
     return step_loss, grad_norm, finite
 
 
-def run(recipe: Recipe) -> Path:
-    # ------------------------------------------------------------------ setup
-    checkpoint.never_world_writable()
-    problems = check_environment(recipe, torch.cuda.is_available()) + preset_conflicts(recipe)
-    if problems:
-        raise ConfigError(problems, "recipe for this machine and launch")
-    check_model_config(recipe)  # a missing model or a too-long max_length fails before any heavy work
-    accelerator = make_accelerator(recipe)
-    quiet_other_ranks(accelerator)
-    dp = strategy.data_parallel(accelerator, recipe)  # ranks of one tensor-parallel group share their data
-    from accelerate.utils import set_seed
+@dataclass
+class StepResult:
+    """One optimizer step as the loop accounts for it."""
 
-    set_seed(recipe.seed)
-    output_dir = Path(recipe.output_dir)
-    resume_from = checkpoint.resolve_resume(recipe)
-    world, rank = dp.world, dp.rank
+    loss: torch.Tensor  # this rank's summed token loss over the step's micro-batches
+    tokens: int  # trained tokens of the step over the data-parallel ranks
+    examples: int  # examples of the step over the data-parallel ranks
+    grad_norm: float | None
+    updated: bool  # False: a non-finite gradient norm, nothing applied (nan_policy skip_step)
+    learning_rate: float
 
-    # ------------------------------------------------------------------- data
-    # Before the model: a bad dataset should fail in seconds, not after loading weights.
-    tokenizer = build_tokenizer(recipe)
-    with phase(accelerator, "data preparation", recipe.ddp_timeout), accelerator.main_process_first():
-        train_set, eval_set, data_stats = load_datasets(recipe, tokenizer)  # rank 0 fills the cache first
-    rows = training_rows(train_set, recipe.packing, recipe.max_length)
-    plan = training_plan(recipe, train_set, rows, world)
-    if len(rows) < plan.global_batch:
-        raise HftrainError(
-            f"the training set has {len(rows)} usable {'packed rows' if recipe.packing else 'examples'}, fewer than "
-            f"one global batch of {plan.global_batch} (per_device_train_batch_size x {world} processes x "
-            "gradient_accumulation_steps); use a smaller batch or more data"
-        )
-    total_steps = recipe.max_steps if recipe.max_steps > 0 else \
-        math.ceil(recipe.num_train_epochs * plan.steps_per_epoch)
-    collator = Collator(train_set, pad_token_id(tokenizer), rows, packed=recipe.packing)
-    eval_collator = Collator(eval_set, pad_token_id(tokenizer)) if eval_set is not None else None
 
-    # ------------------------------------------------------------------ model
-    memory_baseline_mb = current_memory_mb(accelerator.device)  # what the estimator's numbers sit on top of
-    model = CausalLMTokenLoss(build_model(recipe), recipe.loss_chunk_tokens, recipe.use_liger_kernel)
-    fit_embeddings_to_tokenizer(model.lm, tokenizer)
-    flops = FlopCounter(model.lm)
-    summary = model_summary(model)  # before prepare: sharding strategies hide the full parameter counts
+@dataclass
+class Window:
+    """The steps since the last logged row: the logged loss is their token-weighted mean over every rank."""
 
-    # -------------------------------------------------------------- optimizer
-    optimizer = build_optimizer(recipe, model)
-    scheduler = build_scheduler(recipe, optimizer, total_steps)
-    model, optimizer = strategy.prepare(accelerator, model, optimizer)  # DDP / FSDP2 / DeepSpeed engine
+    loss: torch.Tensor  # this rank's summed token loss of the updated steps (summed over ranks when logged)
+    tokens: int = 0  # trained tokens of the updated steps, over the data-parallel ranks
+    examples: int = 0
 
-    progress, resumed = checkpoint.Progress(world_size=world), {}
-    if resume_from is not None:
-        progress, resumed = checkpoint.load_checkpoint(accelerator, model, scheduler, resume_from, plan,
-                                                        recipe)
-    n_trainable, n_params = strategy.parameter_counts(model)
-    memory = strategy.model_state_memory(accelerator, recipe, n_trainable, n_params)
-    run_info = {"launch": launch_info(accelerator, model, optimizer), "model": summary, "data": data_stats,
-                "effective_batch_size": plan.global_batch, "total_steps": total_steps, "memory_estimate": memory,
+    def add(self, step: StepResult) -> None:
+        if step.updated:
+            self.loss += step.loss
+            self.tokens += step.tokens
+        self.examples += step.examples
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.tokens = self.examples = 0
+
+
+class Finetune:
+    """One fine-tuning run, phase by phase: `setup`, `setup_data`, `setup_model`, `setup_optimizer`, `train`,
+    `finish` (`run` calls them in order).
+
+    Seams for test launchers, which subclass this class instead of patching module globals: `make_accelerator`
+    (e.g. to force FSDP2 on a CPU machine), `load_datasets` and `build_model`.
+    """
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+
+    def run(self) -> Path:
+        self.setup()
+        self.setup_data()
+        self.setup_model()
+        self.setup_optimizer()
+        self.describe_run()
+        self.train()
+        return self.finish()
+
+    # ------------------------------------------------------------------------------------------- seams
+    def make_accelerator(self, launch: Launch):
+        return make_accelerator(self.recipe, launch)
+
+    def load_datasets(self, tokenizer):
+        return load_datasets(self.recipe, tokenizer)
+
+    def build_model(self) -> torch.nn.Module:
+        return build_model(self.recipe, self.backend.model_load_kwargs())
+
+    # ------------------------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        """Every machine/launch/model problem at once, then the accelerator, its parallelism backend, the seed and
+        the checkpoint to resume from."""
+        recipe = self.recipe
+        checkpoint.never_world_writable()
+        launch = Launch.from_environ()
+        preflight(recipe, launch, torch.cuda.is_available())
+        self.accelerator = self.make_accelerator(launch)
+        quiet_other_ranks(self.accelerator)
+        self.backend = resolve(self.accelerator, recipe, launch)
+        self.dp = self.backend.dp  # the ranks of one tensor-parallel group share their data
+        set_seed(recipe.seed)
+        self.output_dir = Path(recipe.output_dir)
+        self.resume_from = checkpoint.resolve_resume(recipe)
+
+    def setup_data(self) -> None:
+        """Tokenizer, datasets, training rows and the batch plan. Before the model: a bad dataset should fail in
+        seconds, not after loading weights."""
+        recipe, world = self.recipe, self.dp.world
+        self.tokenizer = build_tokenizer(recipe)
+        with phase(self.accelerator, "data preparation", recipe.ddp_timeout), self.accelerator.main_process_first():
+            self.train_set, self.eval_set, self.data_stats = self.load_datasets(self.tokenizer)  # rank 0 caches first
+        self.rows = training_rows(self.train_set, recipe.packing, recipe.max_length)
+        self.plan = training_plan(recipe, self.train_set, self.rows, world)
+        if len(self.rows) < self.plan.global_batch:
+            raise HftrainError(
+                f"the training set has {len(self.rows)} usable {'packed rows' if recipe.packing else 'examples'}, "
+                f"fewer than one global batch of {self.plan.global_batch} (per_device_train_batch_size x {world} "
+                "processes x gradient_accumulation_steps); use a smaller batch or more data"
+            )
+        self.total_steps = recipe.max_steps if recipe.max_steps > 0 else \
+            math.ceil(recipe.num_train_epochs * self.plan.steps_per_epoch)
+        pad = pad_token_id(self.tokenizer)
+        self.collator = Collator(self.train_set, pad, self.rows, packed=recipe.packing)
+        self.eval_collator = Collator(self.eval_set, pad) if self.eval_set is not None else None
+
+    def setup_model(self) -> None:
+        """The builder's model (full, LoRA, QLoRA: decided in hftrain.model), wrapped to return summed token losses."""
+        recipe = self.recipe
+        self.memory_baseline_mb = current_memory_mb(self.accelerator.device)  # what the estimate sits on top of
+        lm = self.build_model()
+        fit_embeddings_to_tokenizer(lm, self.tokenizer)
+        self.model = CausalLMTokenLoss(lm, recipe.loss_chunk_tokens, recipe.use_liger_kernel)
+        self.flops = FlopCounter(lm)
+        self.summary = model_summary(self.model)  # before prepare: sharding strategies hide the full counts
+
+    def setup_optimizer(self) -> None:
+        """Optimizer and schedule, prepared by the backend (DDP / FSDP2 / DeepSpeed engine), the resumed state, the
+        run's first files, the logger and the throughput meter."""
+        recipe = self.recipe
+        self.optimizer = build_optimizer(recipe, self.model)
+        self.scheduler = build_scheduler(recipe, self.optimizer, self.total_steps)
+        self.model, self.optimizer = self.backend.prepare(self.model, self.optimizer)
+        self.progress, resumed = checkpoint.Progress(world_size=self.dp.world), {}
+        if self.resume_from is not None:
+            self.progress, resumed = checkpoint.load_checkpoint(self.backend, self.model, self.scheduler,
+                                                                self.resume_from, self.plan)
+        self.run_info = self.make_run_info()
+        self.start_output_dir()
+        self.logger = MetricLogger(self.accelerator, recipe, self.progress.step, self.run_info, resumed)
+        self.run_info.update(self.logger.run_ids())  # e.g. the W&B run id, so that a resumed run continues it
+        self.meter = RunMeter(self.accelerator, self.flops, straggler_threshold=recipe.straggler_threshold,
+                              peak_tflops_override=recipe.device_peak_tflops,
+                              cost_per_gpu_hour=recipe.cost_per_gpu_hour, effective_batch_size=self.plan.global_batch,
+                              device_hours_before=resumed.get("device_hours", 0.0), warn=self.logger.warn)
+
+    def make_run_info(self) -> dict:
+        """What this run is, recorded in every checkpoint and the final folder (hftrain_state.json)."""
+        recipe = self.recipe
+        self.parameters = self.backend.parameter_counts(self.model)  # (trained, total)
+        return {"launch": self.backend.launch_info(self.model, self.optimizer),
+                "parallelism": asdict(self.backend.record), "model": self.summary, "data": self.data_stats,
+                "effective_batch_size": self.plan.global_batch, "total_steps": self.total_steps,
+                "memory_estimate": self.backend.memory(*self.parameters),
                 "launch_preset": {"recipe": recipe.launch_preset, "reason": recipe.launch_preset_reason},
-                "memory_baseline_mb": round(memory_baseline_mb, 1)}
-    # Nothing is written into output_dir before the recipe, data and model have all been accepted.
-    if accelerator.is_main_process:
-        if recipe.overwrite_output_dir and resume_from is None:
-            checkpoint.clear_run(output_dir)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        dump_recipe(recipe, output_dir / checkpoint.CONFIG_FILE)
-    accelerator.wait_for_everyone()
-    logger = MetricLogger(accelerator, recipe, progress.step, run_info, resumed)
-    run_info.update(logger.run_ids())  # e.g. the W&B run id, so that a resumed run continues it
-    meter = RunMeter(accelerator, flops, straggler_threshold=recipe.straggler_threshold,
-                     peak_tflops_override=recipe.device_peak_tflops, cost_per_gpu_hour=recipe.cost_per_gpu_hour,
-                     effective_batch_size=plan.global_batch, device_hours_before=resumed.get("device_hours", 0.0),
-                     warn=logger.warn)
-    logger.print(
-        f"hftrain: {run_info['launch']['distributed_type']} with {accelerator.num_processes} process(es) on "
-        f"{accelerator.device}, "
-        f"model wrapped as {run_info['launch']['model_wrapper']}; "
-        f"effective batch {plan.global_batch} = {recipe.per_device_train_batch_size} per device x {world} x "
-        f"{recipe.gradient_accumulation_steps} accumulation; {total_steps} optimizer steps "
-        f"({plan.steps_per_epoch} per epoch); {summary['method']} fine-tuning, {n_trainable:,} of "
-        f"{n_params:,} parameters trained; "
-        f"{len(train_set)} training examples in {len(rows)} rows"
-        + (f"; resuming from {resume_from} at step {progress.step}" if resume_from else "")
-    )
-    logger.print(
-        f"hftrain: parallelism {memory['strategy']} over {accelerator.num_processes} process(es): model state "
-        f"~{memory['per_device_gib']} "
-        f"GiB per device (+{memory['offloaded_gib']} GiB offloaded to CPU; activations extra) of "
-        f"{memory['device_memory_gib']} GiB" + (f"; the recipe is sized for preset {recipe.launch_preset}: "
-                                                 f"{recipe.launch_preset_reason or 'no reason given'}"
-                                                 if recipe.launch_preset else "")
-    )
+                "memory_baseline_mb": round(self.memory_baseline_mb, 1)}
 
-    # ------------------------------------------------------------------- loop
-    from tqdm.auto import tqdm
+    def start_output_dir(self) -> None:
+        """The first writes: nothing goes into output_dir before the recipe, data and model are all accepted."""
+        if self.accelerator.is_main_process:
+            if self.recipe.overwrite_output_dir and self.resume_from is None:
+                checkpoint.clear_run(self.output_dir)
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            dump_recipe(self.recipe, self.output_dir / checkpoint.CONFIG_FILE)
+        self.accelerator.wait_for_everyone()
 
-    accum, max_norm = recipe.gradient_accumulation_steps, recipe.max_grad_norm or float("inf")
-    bar = tqdm(total=total_steps, initial=progress.step, desc="training",
-               disable=recipe.disable_tqdm or not accelerator.is_main_process)
-    profiler = StepProfiler(output_dir / "profile", recipe.profile_steps, recipe.profile_start_step, progress.step,
-                            rank, accelerator.device)
-    window_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-    window_tokens, window_examples = 0, 0
+    def describe_run(self) -> None:
+        """The start-up lines: layout, batch, method, data; model-state memory per device and the preset's reason."""
+        recipe, plan, memory = self.recipe, self.plan, self.run_info["memory_estimate"]
+        trained, total = self.parameters
+        resuming = f"; resuming from {self.resume_from} at step {self.progress.step}" if self.resume_from else ""
+        self.logger.print(
+            f"hftrain: {self.backend.record.describe()} on {self.accelerator.device}, model wrapped as "
+            f"{self.run_info['launch']['model_wrapper']}; effective batch {plan.global_batch} = "
+            f"{recipe.per_device_train_batch_size} per device x {self.dp.world} x {recipe.gradient_accumulation_steps} "
+            f"accumulation; {self.total_steps} optimizer steps ({plan.steps_per_epoch} per epoch); "
+            f"{self.summary['method']} fine-tuning, {trained:,} of {total:,} parameters trained; "
+            f"{len(self.train_set)} training examples in {len(self.rows)} rows{resuming}"
+        )
+        preset = (f"; the recipe is sized for preset {recipe.launch_preset}: "
+                  f"{recipe.launch_preset_reason or 'no reason given'}" if recipe.launch_preset else "")
+        self.logger.print(
+            f"hftrain: parallelism {self.backend.record.describe()}: model state ~{memory['per_device_gib']} GiB per "
+            f"device (+{memory['offloaded_gib']} GiB offloaded to CPU; activations extra) of "
+            f"{memory['device_memory_gib']} GiB{preset}"
+        )
 
-    def current_run_info() -> dict:
-        """run_info with what moves during training: device-hours so far, the schedule's state (plain numbers,
+    # ------------------------------------------------------------------------------------------- train
+    def train(self) -> None:
+        """Optimizer steps until total_steps, epoch after epoch; logging, evaluation and checkpoints at their
+        cadence. A stop signal on any rank ends every rank at the same step with a checkpoint."""
+        recipe, progress = self.recipe, self.progress
+        self.bar = tqdm(total=self.total_steps, initial=progress.step, desc="training",
+                        disable=recipe.disable_tqdm or not self.accelerator.is_main_process)
+        self.profiler = StepProfiler(self.output_dir / "profile", recipe.profile_steps, recipe.profile_start_step,
+                                     progress.step, self.dp.rank, self.accelerator.device)
+        self.window = Window(torch.zeros((), dtype=torch.float64, device=self.accelerator.device))
+        self.model.train()
+        step_name = lambda: f"training step {progress.step + 1}"  # noqa: E731 - named when a timeout happens
+        with StopRequest() as stop, phase(self.accelerator, step_name, recipe.ddp_timeout):
+            while progress.step < self.total_steps:
+                order = self.plan.micro_batches(progress.epoch, self.dp.rank, progress.step_in_epoch)
+                batches = iter(make_loader(order, self.collator, recipe.dataloader_num_workers,
+                                           pin_memory=recipe.dataloader_pin_memory))
+                while progress.step_in_epoch < self.plan.steps_per_epoch and progress.step < self.total_steps:
+                    self.after_step(self.train_step(batches, stop))
+                if progress.step_in_epoch >= self.plan.steps_per_epoch:
+                    progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
+        self.bar.close()
+        self.profiler.stop()
+
+    def train_step(self, batches, stop: StopRequest) -> StepResult:
+        """One optimizer step over `gradient_accumulation_steps` micro-batches, normalised by the step's tokens."""
+        recipe, accelerator, timer = self.recipe, self.accelerator, self.meter.timer
+        accum = recipe.gradient_accumulation_steps
+        timer.restart()
+        micro_batches = [to_device(next(batches), accelerator.device) for _ in range(accum)]
+        timer.lap("data_wait")
+        # The loss of an optimizer step is sum(token losses over all micro-batches and data-parallel ranks) divided by
+        # the step's trained tokens over those ranks. Gradients are averaged over the data-parallel ranks
+        # (DDP/FSDP/DeepSpeed; a tensor-parallel group computes one gradient together) and the backward divides by
+        # `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both. The same collective carries each
+        # rank's stop request, so all ranks stop at the same step. All int64: a float32 count would stop being
+        # exact above 2**24 tokens per step.
+        local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
+                             sum(b.pop("num_examples") for b in micro_batches),
+                             torch.tensor(int(stop.requested), device=accelerator.device)])
+        step_tokens, step_examples, stop_votes = self.dp.sum(local)
+        if stop_votes > 0:
+            with phase(accelerator, "the preemption checkpoint", recipe.ddp_timeout):
+                saved = self.save_checkpoint()
+            raise Preempted(stop.name or "a signal on another rank", self.progress.step, str(saved))
+        scale = self.dp.world * accum / step_tokens.clamp(min=1)
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        timer.lap("token_sync")
+        loss, grad_norm, updated = optimizer_step(self.backend, self.model, self.optimizer, self.scheduler,
+                                                  micro_batches, scale, recipe.max_grad_norm or float("inf"), timer)
+        if not updated:
+            self.refuse_non_finite_step(grad_norm)
+        self.meter.count(micro_batches, local[0])
+        return StepResult(loss, int(step_tokens), int(step_examples), grad_norm, updated, learning_rate)
+
+    def refuse_non_finite_step(self, grad_norm: float) -> None:
+        """A step with a NaN/inf gradient norm was not applied: nan_policy skip_step goes on (the step is counted),
+        stop saves the state of the last good step and stops. A backend that applies the step inside backward
+        cannot skip it."""
+        step = self.progress.step + 1
+        if self.backend.step_applied_in_backward:
+            raise HftrainError(
+                f"step {step} has a non-finite gradient norm under {self.backend.record.name}, whose engine has "
+                "already applied it; resume from the last checkpoint with a lower learning_rate or a max_grad_norm"
+            )
+        if self.recipe.nan_policy == "stop":
+            saved = self.save_checkpoint()  # the parameters are those after the last good step
+            raise HftrainError(
+                f"step {step} has a non-finite gradient norm ({grad_norm}): the loss diverged or a batch produced "
+                f"NaN/inf. The state after step {step - 1} is in {saved}. Lower learning_rate, set max_grad_norm, "
+                "check the data, or set nan_policy=skip_step"
+            )
+
+    def after_step(self, step: StepResult) -> None:
+        """Count the step, then log, evaluate and save when their cadence says so."""
+        recipe, progress = self.recipe, self.progress
+        self.profiler.step()
+        self.window.add(step)
+        progress.nan_skipped_steps += not step.updated
+        progress.step += 1
+        progress.step_in_epoch += 1
+        progress.trained_tokens += step.tokens
+        self.bar.update(1)
+        if progress.step % recipe.logging_steps == 0 or progress.step in (1, self.total_steps):
+            self.log_window(step)
+        if self.eval_set is not None and recipe.eval_steps and progress.step % recipe.eval_steps == 0 \
+                and progress.step < self.total_steps:
+            with phase(self.accelerator, "evaluation", recipe.ddp_timeout):
+                metrics = self.evaluate()
+            self.logger.log({"step": progress.step, **metrics})
+        if recipe.save_steps and progress.step % recipe.save_steps == 0:
+            with phase(self.accelerator, "checkpointing", recipe.ddp_timeout):
+                self.save_checkpoint()
+
+    def log_window(self, step: StepResult) -> None:
+        """One metrics row for the steps since the last one (loss summed over the data-parallel ranks here)."""
+        progress, window = self.progress, self.window
+        loss_sum = self.dp.sum(window.loss).item()
+        loss = loss_sum / window.tokens if window.tokens else None
+        row = {
+            "step": progress.step,
+            "epoch": round((progress.epoch + progress.step_in_epoch / self.plan.steps_per_epoch), 4),
+            "loss": loss,
+            "learning_rate": step.learning_rate,
+            "grad_norm": step.grad_norm,
+            "trained_tokens": progress.trained_tokens,
+            "nan_skipped_steps": progress.nan_skipped_steps,
+            **self.meter.window(model=self.model, step=progress.step, loss=loss, grad_norm=step.grad_norm,
+                                local_loss_sum=window.loss, global_tokens=window.tokens,
+                                global_examples=window.examples),
+        }
+        self.logger.log(row)
+        self.bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "skipped",
+                             tokens_per_s=f"{row['tokens_per_second']:,.0f}")
+        window.reset()
+
+    def evaluate(self) -> dict[str, float]:
+        return evaluate(self.accelerator, self.dp, self.model, self.eval_set, self.eval_collator, self.recipe)
+
+    def current_run_info(self) -> dict:
+        """run_info with what moves during training: device-hours so far and the schedule's state (plain numbers,
         stored as JSON with the progress)."""
-        run_info.update(device_hours=meter.device_hours(), scheduler=scheduler.state_dict())
-        return run_info
+        self.run_info.update(device_hours=self.meter.device_hours(), scheduler=self.scheduler.state_dict())
+        return self.run_info
 
-    def save() -> Path:
-        return checkpoint.save_checkpoint(accelerator, output_dir, recipe, progress, current_run_info())
+    def save_checkpoint(self) -> Path:
+        return checkpoint.save_checkpoint(self.backend, self.output_dir, self.recipe, self.progress,
+                                          self.current_run_info())
 
-    model.train()
-    with StopRequest() as stop, phase(accelerator, lambda: f"training step {progress.step + 1}", recipe.ddp_timeout):
-        while progress.step < total_steps:
-            batches = iter(make_loader(plan.micro_batches(progress.epoch, rank, progress.step_in_epoch), collator,
-                                       recipe.dataloader_num_workers, pin_memory=recipe.dataloader_pin_memory))
-            while progress.step_in_epoch < plan.steps_per_epoch and progress.step < total_steps:
-                meter.timer.restart()
-                micro_batches = [to_device(next(batches), accelerator.device) for _ in range(accum)]
-                meter.timer.lap("data_wait")
-                # The loss of an optimizer step is sum(token losses over all micro-batches and data-parallel ranks)
-                # divided by the step's trained tokens over those ranks. Gradients are averaged over the
-                # data-parallel ranks (DDP/FSDP/DeepSpeed; a tensor-parallel group computes one gradient together)
-                # and the backward divides by `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both.
-                # The same collective carries each rank's stop request, so all ranks stop at the same step. All
-                # int64: a float32 count would stop being exact above 2**24 tokens per step.
-                local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
-                                     sum(b.pop("num_examples") for b in micro_batches),
-                                     torch.tensor(int(stop.requested), device=accelerator.device)])
-                step_tokens, step_examples, stop_votes = dp.sum(local)
-                if stop_votes > 0:
-                    with phase(accelerator, "the preemption checkpoint", recipe.ddp_timeout):
-                        saved = save()
-                    raise Preempted(stop.name or "a signal on another rank", progress.step, str(saved))
-                scale = world * accum / step_tokens.clamp(min=1)
-                learning_rate = optimizer.param_groups[0]["lr"]
-                meter.timer.lap("token_sync")
-                step_loss, grad_norm, updated = optimizer_step(accelerator, model, optimizer, scheduler,
-                                                               micro_batches, scale, max_norm, meter.timer)
-                if not updated and strategy.updates_inside_backward(accelerator):
-                    raise HftrainError(
-                        f"step {progress.step + 1} has a non-finite gradient norm under DeepSpeed, whose engine has "
-                        "already applied it; resume from the last checkpoint with a lower learning_rate or "
-                        "a max_grad_norm"
-                    )
-                if not updated and recipe.nan_policy == "stop":
-                    saved = save()  # the parameters are those after the last good step
-                    raise HftrainError(
-                        f"step {progress.step + 1} has a non-finite gradient norm ({float(grad_norm)}): the loss "
-                        f"diverged or a batch produced NaN/inf. The state after step {progress.step} is in {saved}. "
-                        "Lower learning_rate, set max_grad_norm, check the data, or set nan_policy=skip_step"
-                    )
-                meter.count(micro_batches, local[0])
-                profiler.step()
-                progress.nan_skipped_steps += not updated
-                if updated:
-                    window_loss += step_loss
-                    window_tokens += int(step_tokens)
-                window_examples += int(step_examples)
-                progress.step += 1
-                progress.step_in_epoch += 1
-                progress.trained_tokens += int(step_tokens)
-                bar.update(1)
-
-                if progress.step % recipe.logging_steps == 0 or progress.step in (1, total_steps):
-                    loss_sum = dp.sum(window_loss).item()
-                    loss = loss_sum / window_tokens if window_tokens else None
-                    norm = float(grad_norm) if grad_norm is not None else None
-                    row = {
-                        "step": progress.step,
-                        "epoch": round((progress.epoch + progress.step_in_epoch / plan.steps_per_epoch), 4),
-                        "loss": loss,
-                        "learning_rate": learning_rate,
-                        "grad_norm": norm,
-                        "trained_tokens": progress.trained_tokens,
-                        "nan_skipped_steps": progress.nan_skipped_steps,
-                        **meter.window(model=model, step=progress.step, loss=loss, grad_norm=norm,
-                                       local_loss_sum=window_loss, global_tokens=window_tokens,
-                                       global_examples=window_examples),
-                    }
-                    logger.log(row)
-                    bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "skipped",
-                                    tokens_per_s=f"{row['tokens_per_second']:,.0f}")
-                    window_loss.zero_()
-                    window_tokens, window_examples = 0, 0
-                if eval_set is not None and recipe.eval_steps and progress.step % recipe.eval_steps == 0 \
-                        and progress.step < total_steps:
-                    with phase(accelerator, "evaluation", recipe.ddp_timeout):
-                        metrics = evaluate(accelerator, dp, model, eval_set, eval_collator, recipe)
-                    logger.log({"step": progress.step, **metrics})
-                if recipe.save_steps and progress.step % recipe.save_steps == 0:
-                    with phase(accelerator, "checkpointing", recipe.ddp_timeout):
-                        save()
-            if progress.step_in_epoch >= plan.steps_per_epoch:
-                progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
-    bar.close()
-    profiler.stop()
-
-    # --------------------------------------------------------- evaluate & save
-    if eval_set is not None:
-        with phase(accelerator, "the final evaluation", recipe.ddp_timeout):
-            metrics = evaluate(accelerator, dp, model, eval_set, eval_collator, recipe)
-        logger.log({"step": progress.step, **metrics})
-        logger.print(f"hftrain: eval_loss {metrics['eval_loss']:.4f} after {progress.step} steps")
-    final_dir = output_dir / "final"
-    with phase(accelerator, "saving the final model", recipe.ddp_timeout):
-        checkpoint.save_final(accelerator, model, tokenizer, final_dir)
-    info = current_run_info()
-    if accelerator.is_main_process:
-        checkpoint.write_run_files(final_dir, recipe, progress, info)
-    cost = f" (cost {info['device_hours'] * recipe.cost_per_gpu_hour:.2f})" if recipe.cost_per_gpu_hour else ""
-    logger.print(f"hftrain: final model saved to {final_dir}; {info['device_hours']:.4f} device-hours{cost}")
-    logger.close()
-    return final_dir
+    # ------------------------------------------------------------------------------------------ finish
+    def finish(self) -> Path:
+        """Final evaluation, the final model (full size whatever the backend) and its run files."""
+        recipe, progress = self.recipe, self.progress
+        if self.eval_set is not None:
+            with phase(self.accelerator, "the final evaluation", recipe.ddp_timeout):
+                metrics = self.evaluate()
+            self.logger.log({"step": progress.step, **metrics})
+            self.logger.print(f"hftrain: eval_loss {metrics['eval_loss']:.4f} after {progress.step} steps")
+        final_dir = self.output_dir / "final"
+        with phase(self.accelerator, "saving the final model", recipe.ddp_timeout):
+            checkpoint.save_final(self.backend, self.model, self.tokenizer, final_dir)
+        info = self.current_run_info()
+        if self.accelerator.is_main_process:
+            checkpoint.write_run_files(final_dir, recipe, progress, info)
+        cost = f" (cost {info['device_hours'] * recipe.cost_per_gpu_hour:.2f})" if recipe.cost_per_gpu_hour else ""
+        self.logger.print(f"hftrain: final model saved to {final_dir}; {info['device_hours']:.4f} device-hours{cost}")
+        self.logger.close()
+        return final_dir
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, runner: type[Finetune] = Finetune) -> None:
+    """`runner`: the phase object; test launchers pass a subclass."""
     try:
-        run(load_recipe(argv))
-    except HftrainError as error:
-        report_and_exit(error)
+        run_tool(lambda: runner(load_recipe(argv)).run())
     except Preempted as stopped:
         print(f"hftrain: {stopped}", file=sys.stderr, flush=True)
         sys.exit(EXIT_PREEMPTED)

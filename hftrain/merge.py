@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
     sys.path.insert(0, str(_here.parent))
 
 from hftrain.checkpoint import never_world_writable
-from hftrain.errors import HftrainError, report_and_exit
+from hftrain.errors import HftrainError, first_line, run_tool
 
 MERGE_FILE = "hftrain_merge.json"
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -127,8 +127,7 @@ def push_to_hub(folder: Path, repo_id: str, private: bool, dry_run: bool) -> lis
         api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
                           commit_message="Upload model merged with hftrain")
     except Exception as exc:  # network, auth and offline errors all end the same way for the user
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise HftrainError(f"cannot push {folder} to the hub repo {repo_id!r}: {first_line}. The merged model is "
+        raise HftrainError(f"cannot push {folder} to the hub repo {repo_id!r}: {first_line(exc)}. The merged model is "
                            "saved locally; log in with `hf auth login` (or set HF_TOKEN), unset HF_HUB_OFFLINE and "
                            "push again") from None
     return files
@@ -150,22 +149,23 @@ def build_arg_parser(prog: str = "hftrain.merge") -> argparse.ArgumentParser:
     return parser
 
 
+def merge_and_push(args: argparse.Namespace) -> None:
+    if args.dry_run and not args.push_to_hub:
+        raise HftrainError("--dry_run only applies to --push_to_hub; add --push_to_hub org/name or drop it")
+    record = merge(args.adapter_dir, args.output_dir, args.base_model_name_or_path, args.dtype)
+    print(f"hftrain: merged {args.adapter_dir} into the {record['merged_into']} {record['base_model_name_or_path']}"
+          f" ({record['dtype']}): {args.output_dir}")
+    if args.push_to_hub:
+        files = push_to_hub(args.output_dir, args.push_to_hub, args.private, args.dry_run)
+        verb = "would upload" if args.dry_run else "uploaded"
+        print(f"hftrain: {verb} {len(files)} files to https://huggingface.co/{args.push_to_hub}"
+              f"{' (private)' if args.private else ''}: {', '.join(files)}")
+
+
 def main(argv: list[str] | None = None, prog: str = "hftrain.merge") -> None:
     args = build_arg_parser(prog).parse_args(argv)
     never_world_writable()
-    try:
-        if args.dry_run and not args.push_to_hub:
-            raise HftrainError("--dry_run only applies to --push_to_hub; add --push_to_hub org/name or drop it")
-        record = merge(args.adapter_dir, args.output_dir, args.base_model_name_or_path, args.dtype)
-        print(f"hftrain: merged {args.adapter_dir} into the {record['merged_into']} {record['base_model_name_or_path']}"
-              f" ({record['dtype']}): {args.output_dir}")
-        if args.push_to_hub:
-            files = push_to_hub(args.output_dir, args.push_to_hub, args.private, args.dry_run)
-            verb = "would upload" if args.dry_run else "uploaded"
-            print(f"hftrain: {verb} {len(files)} files to https://huggingface.co/{args.push_to_hub}"
-                  f"{' (private)' if args.private else ''}: {', '.join(files)}")
-    except HftrainError as error:
-        report_and_exit(error)
+    run_tool(merge_and_push, args)
 
 
 if __name__ == "__main__":

@@ -10,34 +10,29 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from hftrain import strategy
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
-from hftrain.errors import HftrainError
+from hftrain.errors import HftrainError, first_line
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANT_STORAGE = {"uint8": torch.uint8, **DTYPES}
 
 
-def _load_error(what: str, name: str, exc: Exception) -> HftrainError:
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return HftrainError(
-        f"cannot load {what} {name!r}: {first_line}. Give a local folder or a hub id reachable from this machine "
-        "(with HF_HUB_OFFLINE=1 only already-cached hub models load)"
-    )
+def load_error(what: str, name: str, exc: Exception) -> str:
+    return (f"cannot load {what} {name!r}: {first_line(exc)}. Give a local folder or a hub id reachable from this "
+            "machine (with HF_HUB_OFFLINE=1 only already-cached hub models load)")
 
 
 def build_tokenizer(recipe: Recipe):
-    from transformers import AutoTokenizer
-
     name = recipe.tokenizer_name_or_path or recipe.model_name_or_path
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             name, revision=recipe.model_revision, trust_remote_code=recipe.trust_remote_code
         )
     except (OSError, ValueError) as exc:
-        raise _load_error("tokenizer", name, exc) from None
+        raise HftrainError(load_error("tokenizer", name, exc)) from None
     return tokenizer
 
 
@@ -56,8 +51,6 @@ CHECKPOINTING = {"use_reentrant": False}
 
 def quantization_config(recipe: Recipe):
     """The bitsandbytes config the recipe asks for (load_in_4bit / load_in_8bit), or None."""
-    from transformers import BitsAndBytesConfig
-
     if recipe.load_in_4bit:
         return BitsAndBytesConfig(
             load_in_4bit=True,
@@ -71,14 +64,12 @@ def quantization_config(recipe: Recipe):
     return None
 
 
-def load_base_model(recipe: Recipe) -> nn.Module:
-    """`AutoModelForCausalLM.from_pretrained` with the recipe's dtype, attention and bitsandbytes settings. A
-    quantized model lands on this process's device (transformers picks the current CUDA device, which accelerate
-    has set per process, or the CPU)."""
-    from transformers import AutoModelForCausalLM
-
+def load_base_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Module:
+    """`AutoModelForCausalLM.from_pretrained` with the recipe's dtype, attention and bitsandbytes settings, plus the
+    parallelism backend's `load_kwargs` (tensor parallelism shards while loading). A quantized model lands on this
+    process's device (transformers picks the current CUDA device, which accelerate has set per process, or the CPU)."""
     kwargs = {"dtype": DTYPES[recipe.dtype], "revision": recipe.model_revision,
-              "trust_remote_code": recipe.trust_remote_code, **strategy.model_load_kwargs(recipe)}
+              "trust_remote_code": recipe.trust_remote_code, **(load_kwargs or {})}
     if recipe.attn_implementation:
         kwargs["attn_implementation"] = recipe.attn_implementation
     if (quantization := quantization_config(recipe)) is not None:
@@ -86,7 +77,7 @@ def load_base_model(recipe: Recipe) -> nn.Module:
     try:
         model = AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, **kwargs)
     except (OSError, ValueError) as exc:
-        raise _load_error("model", recipe.model_name_or_path, exc) from None
+        raise HftrainError(load_error("model", recipe.model_name_or_path, exc)) from None
     model.config.use_cache = False
     if recipe.use_liger_kernel:
         apply_liger_kernels(model)
@@ -118,17 +109,16 @@ def liger_fused_linear_cross_entropy() -> nn.Module:
     return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def build_full_model(recipe: Recipe) -> nn.Module:
+def build_full_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Module:
     """The causal LM with every parameter trainable (full fine-tuning)."""
-    model = load_base_model(recipe)
+    model = load_base_model(recipe, load_kwargs)
     if recipe.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=CHECKPOINTING)
     return model
 
 
 def lora_config(recipe: Recipe):
-    from peft import LoraConfig
-
+    from peft import LoraConfig  # peft imports bitsandbytes: only adapter runs load it
     targets = recipe.lora_target_modules
     return LoraConfig(
         task_type="CAUSAL_LM",
@@ -142,7 +132,7 @@ def lora_config(recipe: Recipe):
     )
 
 
-def build_peft_model(recipe: Recipe) -> nn.Module:
+def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Module:
     """LoRA / DoRA adapters (peft) on a frozen base; QLoRA when the base is loaded in 4 or 8 bits.
 
     QLoRA follows peft's recipe: `prepare_model_for_kbit_training` freezes the base and upcasts its
@@ -151,9 +141,9 @@ def build_peft_model(recipe: Recipe) -> nn.Module:
     float `bnb_4bit_quant_storage` (sharded QLoRA under FSDP) the upcast is skipped, so every base parameter
     keeps the one dtype that FSDP shards (the storage dtype equals `dtype`, checked up front).
     """
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import get_peft_model, prepare_model_for_kbit_training  # peft imports bitsandbytes
 
-    model = load_base_model(recipe)
+    model = load_base_model(recipe, load_kwargs)
     quantized = recipe.load_in_4bit or recipe.load_in_8bit
     if quantized and not (recipe.load_in_4bit and recipe.bnb_4bit_quant_storage != "uint8"):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.gradient_checkpointing,
@@ -163,8 +153,7 @@ def build_peft_model(recipe: Recipe) -> nn.Module:
     try:
         model = get_peft_model(model, lora_config(recipe), autocast_adapter_dtype=True)
     except ValueError as exc:  # e.g. target modules that the model does not have
-        first_line = str(exc).strip().splitlines()[0]
-        raise HftrainError(f"cannot add LoRA adapters to {recipe.model_name_or_path!r}: {first_line}. Check "
+        raise HftrainError(f"cannot add LoRA adapters to {recipe.model_name_or_path!r}: {first_line(exc)}. Check "
                            "lora_target_modules (all-linear, or names of the model's linear layers) and "
                            "modules_to_save") from None
     base_path = Path(recipe.model_name_or_path).expanduser()
@@ -173,10 +162,12 @@ def build_peft_model(recipe: Recipe) -> nn.Module:
     return model
 
 
-def build_model(recipe: Recipe) -> nn.Module:
+def build_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Module:
     """The builder chosen by the recipe's fine-tuning method: full fine-tuning or (Q)LoRA / DoRA, then compiled
-    block by block when the recipe asks for it."""
-    model = build_peft_model(recipe) if recipe.use_peft else build_full_model(recipe)
+    block by block when the recipe asks for it. `load_kwargs`: extra from_pretrained arguments of the parallelism
+    backend."""
+    builder = build_peft_model if recipe.use_peft else build_full_model
+    model = builder(recipe, load_kwargs or {})
     if recipe.torch_compile:
         compile_blocks(model, recipe.torch_compile_mode)
     return model
@@ -247,38 +238,6 @@ def fit_embeddings_to_tokenizer(model: nn.Module, tokenizer) -> int | None:
     return len(tokenizer)
 
 
-def check_model_config(recipe: Recipe):
-    """Load only the model's config (no weights): a missing model or a too-long max_length fails in seconds."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(recipe.model_name_or_path, revision=recipe.model_revision,
-                                            trust_remote_code=recipe.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise _load_error("model", recipe.model_name_or_path, exc) from None
-    check_model_fits(recipe, config)
-    if recipe.use_liger_kernel and config.model_type not in LIGER_MODEL_TYPES:
-        raise HftrainError(
-            f"use_liger_kernel needs an architecture with Liger kernels whose logits are exactly lm_head(hidden "
-            f"states) (for the fused linear cross-entropy): {', '.join(sorted(LIGER_MODEL_TYPES))}; this model is "
-            f"{config.model_type!r}: set use_liger_kernel: false"
-        )
-    if recipe.loss_chunk_tokens and config.model_type not in HEAD_ONLY_MODEL_TYPES:
-        raise HftrainError(
-            f"loss_chunk_tokens={recipe.loss_chunk_tokens} needs logits that are exactly lm_head(hidden states); "
-            f"hftrain knows that of {', '.join(sorted(HEAD_ONLY_MODEL_TYPES))}, and this model is "
-            f"{config.model_type!r} (it may scale or cap its logits): set loss_chunk_tokens: 0"
-        )
-    return config
-
-
-def check_model_fits(recipe: Recipe, config) -> None:
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and recipe.max_length > limit:
-        raise HftrainError(f"max_length={recipe.max_length} is above the model's max_position_embeddings={limit}; "
-                           "lower max_length")
-
-
 # Architectures whose logits are exactly `lm_head(last_hidden_state)` in transformers 5.23. Others may
 # scale or soft-cap them (Granite `logits_scaling`, Gemma 2/3 soft-capping, Cohere `logit_scale`) and
 # take the model's own full-logits path.
@@ -317,6 +276,22 @@ class CausalLMTokenLoss(nn.Module):
                     "remove lm_head from lora_target_modules / modules_to_save, or set use_liger_kernel: false"
                 )
             self.fused_ce = liger_fused_linear_cross_entropy()
+
+    # What the parallelism backends and accelerate read from the model they prepare, forwarded from the causal LM.
+    @property
+    def config(self):
+        return self.lm.config
+
+    @property
+    def _no_split_modules(self) -> list[str] | None:
+        """The layer classes FSDP2 wraps one by one (accelerate reads them from the module it prepares)."""
+        return getattr(self.lm, "_no_split_modules", None)
+
+    def save_pretrained(self, folder, state_dict: dict | None = None, is_main_process: bool = True) -> None:
+        """The causal LM's (or adapter's) from_pretrained folder; `state_dict` as gathered from this wrapper."""
+        if state_dict is not None:
+            state_dict = {k.removeprefix("lm."): v for k, v in state_dict.items()}
+        self.lm.save_pretrained(folder, state_dict=state_dict, is_main_process=is_main_process)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ import re
 import statistics
 from pathlib import Path
 
-from hftrain.errors import HftrainError, report_and_exit
+from hftrain.errors import HftrainError, run_tool
 
 RANK_KEY = re.compile(r"^rank(\d+)/(.+)$")
 
@@ -225,10 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="hftrain report", description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path, help="The run's output_dir (holds metrics.jsonl).")
     args = parser.parse_args(argv)
-    try:
-        report = write_report(args.output_dir)
-    except HftrainError as error:
-        report_and_exit(error)
+    report = run_tool(write_report, args.output_dir)
     print(f"hftrain: report written to {report} (plots beside it)")
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from hftrain.config import Recipe
-from hftrain.errors import HftrainError
+from hftrain.errors import HftrainError, first_line
 
 SECRET_NAME = re.compile(r"token|key|secret|password|credential", re.IGNORECASE)
 SECRET_VALUE = re.compile(r"^(hf_|sk-|ghp_|github_pat_|xox[bp]-)\w{8,}")
@@ -100,7 +100,7 @@ class MetricLogger:
         try:
             self._init(recipe.project_name, config, init_kwargs, resumed)
         except Exception as exc:  # noqa: BLE001 - W&B falls back to offline; any other tracker is a setup error
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = first_line(exc)
             if type(exc).__module__.split(".")[0] != "wandb":
                 raise HftrainError(f"a tracker in report_to={self.trackers} could not start a run: {reason}. Fix "
                                    "its settings (e.g. MLFLOW_TRACKING_URI for mlflow) or drop it from report_to"

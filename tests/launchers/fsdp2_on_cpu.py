@@ -5,6 +5,7 @@ the launch (it would otherwise silently run DDP). This launcher does what accele
 (see ../shared/cpu-feasibility.md): it lets hftrain create its CPU accelerator, then marks the state
 as FSDP with the FullyShardedDataParallelPlugin accelerate builds from the preset's FSDP_* settings.
 Everything after that (wrapping, sharded checkpoints, full state dict) is accelerate's own FSDP2 path.
+The seam is `Finetune.make_accelerator`, overridden in a subclass.
 Used as `accelerate launch --config_file accelerate_configs/fsdp2.yaml tests/launchers/fsdp2_on_cpu.py ...`.
 """
 
@@ -14,27 +15,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hftrain import distributed, finetune  # noqa: E402
+from accelerate.state import AcceleratorState, PartialState  # noqa: E402
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
+
+from hftrain.finetune import Finetune, main  # noqa: E402
 
 
-def make_accelerator_with_fsdp(recipe):
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    assert os.environ["ACCELERATE_USE_FSDP"] == "true", "launch with an FSDP preset"
-    os.environ["ACCELERATE_USE_FSDP"] = "false"  # let hftrain build its CPU (gloo) accelerator
-    accelerator = distributed.make_accelerator(recipe)
-    os.environ["ACCELERATE_USE_FSDP"] = "true"  # transformers reads it (e.g. cpu_ram_efficient_loading)
-    plugin = FullyShardedDataParallelPlugin()  # from the preset's FSDP_* environment, as accelerate does
-    if accelerator.mixed_precision != "no":
-        plugin.set_mixed_precision(accelerator.mixed_precision)
-    state = AcceleratorState()
-    state.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    state.fsdp_plugin = plugin
-    return accelerator
+class FSDP2OnCPU(Finetune):
+    def make_accelerator(self, launch):
+        assert launch.kind == "fsdp2", "launch with an FSDP preset"
+        os.environ["ACCELERATE_USE_FSDP"] = "false"  # let hftrain build its CPU (gloo) accelerator
+        accelerator = super().make_accelerator(launch)
+        os.environ["ACCELERATE_USE_FSDP"] = "true"  # transformers reads it (e.g. cpu_ram_efficient_loading)
+        plugin = FullyShardedDataParallelPlugin()  # from the preset's FSDP_* environment, as accelerate does
+        if accelerator.mixed_precision != "no":
+            plugin.set_mixed_precision(accelerator.mixed_precision)
+        state = AcceleratorState()
+        state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        state.fsdp_plugin = plugin
+        return accelerator
 
 
 if __name__ == "__main__":
-    finetune.make_accelerator = make_accelerator_with_fsdp
-    finetune.main()
+    main(runner=FSDP2OnCPU)

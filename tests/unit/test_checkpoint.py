@@ -28,6 +28,7 @@ from hftrain.checkpoint import (
 from hftrain.config import Recipe, recipe_from_dict
 from hftrain.errors import HftrainError
 from hftrain.optim import build_scheduler, lr_factor
+from hftrain.parallel.base import Backend
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "tiny-llama"
@@ -164,6 +165,7 @@ class OneProcess:
 
     is_main_process = True
     num_processes = 1
+    process_index = 0
     distributed_type = "NO"
     step = 0
 
@@ -172,9 +174,6 @@ class OneProcess:
 
     def wait_for_everyone(self):
         pass
-
-    def unwrap_model(self, model):
-        return model
 
     def register_save_state_pre_hook(self, hook):
         class Handle:
@@ -198,9 +197,9 @@ def test_save_checkpoint_is_renamed_into_place_and_pruned(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     recipe = a_recipe(out, save_total_limit=2)
-    acc = OneProcess()
+    backend = Backend(OneProcess(), recipe)
     for step in (1, 2, 3, 4):
-        path = save_checkpoint(acc, out, recipe, Progress(step=step), RUN_INFO)
+        path = save_checkpoint(backend, out, recipe, Progress(step=step), RUN_INFO)
         assert path == out / f"checkpoint-{step}"
         assert (path / STATE_FILE).exists() and (path / CONFIG_FILE).exists() and (path / "model.safetensors").exists()
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "checkpoint-4"]
@@ -217,15 +216,16 @@ def test_save_then_load(tmp_path):
         scheduler.optimizer.step()
         scheduler.step()
     run_info = {**RUN_INFO, "scheduler": scheduler.state_dict()}
-    path = save_checkpoint(acc, out, recipe, progress, {**run_info, "note": "x"})
+    backend = Backend(acc, recipe)
+    path = save_checkpoint(backend, out, recipe, progress, {**run_info, "note": "x"})
     (path / "stale").write_text("old")
-    path = save_checkpoint(acc, out, recipe, progress, {**run_info, "note": "y"})  # same step again: replaced
+    path = save_checkpoint(backend, out, recipe, progress, {**run_info, "note": "y"})  # same step again: replaced
     assert not (path / "stale").exists()
     from hftrain.data import BatchPlan
 
     plan = BatchPlan(40, 2, 1, 2, seed=0, shuffle=True)  # same global batch (4) as saved: same position
     fresh = build_scheduler(recipe, torch.optim.SGD(acc.model.parameters(), lr=recipe.learning_rate), 20)
-    loaded, extra = load_checkpoint(acc, acc.model, fresh, path, plan, recipe)
+    loaded, extra = load_checkpoint(backend, acc.model, fresh, path, plan)
     assert acc.loaded == [str(path)]
     assert loaded == progress
     # the schedule continues where it was: the learning rate of step 8, computed independently

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ from hftrain.config import (
     FIELDS,
     Recipe,
     build_arg_parser,
-    check_environment,
     load_recipe,
     read_yaml,
     recipe_from_dict,
@@ -244,18 +242,6 @@ def test_compile_mode_without_compile_is_refused_with_the_other_problems(in_tmp)
         recipe_from_dict(valid(in_tmp, torch_compile=True, tp_size=2))
 
 
-def test_liger_with_loss_chunking_is_refused_with_the_other_problems(in_tmp):
-    with pytest.raises(ConfigError) as info:
-        recipe_from_dict(valid(in_tmp, use_liger_kernel=True, loss_chunk_tokens=1024, optim="adafactor"))
-    problems = info.value.problems
-    assert len(problems) == 2, problems
-    (liger,) = [p for p in problems if "use_liger_kernel" in p]
-    assert "loss_chunk_tokens=1024" in liger and "already splits the tokens into chunks" in liger
-    assert "set loss_chunk_tokens: 0" in liger
-    recipe_from_dict(valid(in_tmp, use_liger_kernel=True))  # alone it is a valid recipe (the machine is checked later)
-    recipe_from_dict(valid(in_tmp, loss_chunk_tokens=1024))
-
-
 def test_missing_config_file(in_tmp):
     with pytest.raises(ConfigError, match="cannot read recipe file"):
         load_recipe(["--config", str(in_tmp / "nope.yaml")])
@@ -314,92 +300,6 @@ def test_every_preset_parses(preset, monkeypatch):
 def test_every_preset_starts_with_its_launch_command(preset):
     head = "\n".join(preset.read_text(encoding="utf-8").splitlines()[:5])
     assert f"--config recipes/{preset.name}" in head
-
-
-# --------------------------------------------------------------------------- environment
-def test_fp16_refused_without_cuda():
-    problems = check_environment(Recipe(fp16=True), cuda_available=False)
-    assert len(problems) == 1 and "fp16" in problems[0] and "CUDA" in problems[0]
-    assert check_environment(Recipe(fp16=True), cuda_available=True) == []
-    assert check_environment(Recipe(bf16=True), cuda_available=False) == []
-
-
-@pytest.fixture
-def packages(monkeypatch):
-    """Pretend exactly the named optional packages are installed (the others keep their real answer)."""
-    import importlib.util
-
-    real = importlib.util.find_spec
-    present: set[str] = set()
-    missing: set[str] = set()
-
-    def find_spec(name, *args, **kwargs):
-        if name in present:
-            return importlib.machinery.ModuleSpec(name, None)
-        if name in missing:
-            return None
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-
-    def set_packages(installed=(), absent=()):
-        present.clear()
-        missing.clear()
-        present.update(installed)
-        missing.update(absent)
-
-    return set_packages
-
-
-def test_torch_compile_on_cpu_needs_the_compiler_inductor_runs(monkeypatch):
-    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
-    (problem,) = check_environment(Recipe(torch_compile=True), cuda_available=False)
-    assert problem.startswith("torch_compile on CPU needs a C++ compiler") and "no-such-compiler-xyz" in problem
-    assert check_environment(Recipe(torch_compile=True), cuda_available=True) == []  # CUDA kernels are Triton's
-    assert check_environment(Recipe(), cuda_available=False) == []
-    monkeypatch.setenv("CXX", sys.executable)  # any executable on the path counts as found
-    assert check_environment(Recipe(torch_compile=True), cuda_available=False) == []
-
-
-def test_flash_attention_refused_without_cuda(packages):
-    packages(installed=["flash_attn"])
-    problems = check_environment(Recipe(attn_implementation="flash_attention_2"), cuda_available=False)
-    assert problems == ["attn_implementation=flash_attention_2 needs a CUDA GPU; use sdpa"]
-    assert check_environment(Recipe(attn_implementation="sdpa"), cuda_available=False) == []
-    assert check_environment(Recipe(attn_implementation="flash_attention_2"), cuda_available=True) == []
-
-
-def test_flash_attention_refused_without_the_flash_attn_package(packages):
-    packages(absent=["flash_attn"])
-    (problem,) = check_environment(Recipe(attn_implementation="flash_attention_2"), cuda_available=True)
-    assert "flash-attn package, which is not installed" in problem
-    assert "pip install flash-attn --no-build-isolation" in problem and "use sdpa" in problem
-
-
-def test_liger_refused_without_cuda(packages):
-    packages(installed=["liger_kernel"])
-    (problem,) = check_environment(Recipe(use_liger_kernel=True), cuda_available=False)
-    assert problem.startswith("use_liger_kernel needs a CUDA GPU: Liger's kernels are Triton GPU kernels;")
-    assert check_environment(Recipe(use_liger_kernel=True), cuda_available=True) == []
-
-
-def test_liger_refused_without_the_liger_kernel_package(packages):
-    packages(absent=["liger_kernel"])
-    (problem,) = check_environment(Recipe(use_liger_kernel=True), cuda_available=True)
-    assert "liger_kernel package is not installed" in problem
-    assert "pip install liger-kernel==0.8.5" in problem and "[cuda]" in problem
-    assert check_environment(Recipe(), cuda_available=True) == []  # off: the package is not needed
-
-
-def test_every_machine_problem_reported_at_once(packages):
-    """On a CPU machine without the packages: fp16, flash attention (GPU and package) and Liger (GPU and package)."""
-    packages(absent=["flash_attn", "liger_kernel"])
-    recipe = Recipe(fp16=True, attn_implementation="flash_attention_2", use_liger_kernel=True)
-    problems = check_environment(recipe, cuda_available=False)
-    assert len(problems) == 5, problems
-    assert sum("flash_attention_2" in p for p in problems) == 2
-    assert sum(p.startswith("use_liger_kernel") for p in problems) == 2
-    assert any(p.startswith("fp16") for p in problems)
 
 
 # ------------------------------------------------------------------------------ paths

@@ -19,8 +19,6 @@ from hftrain.model import (
     build_full_model,
     build_peft_model,
     build_tokenizer,
-    check_model_config,
-    check_model_fits,
     compile_blocks,
     model_summary,
     pad_token_id,
@@ -177,13 +175,6 @@ def test_token_loss_with_logits_scaling():
 
 
 # ------------------------------------------------------------------------------ builders
-def test_check_model_fits(tiny):
-    limit = tiny.config.max_position_embeddings
-    check_model_fits(Recipe(max_length=limit), tiny.config)  # at the limit: fine
-    with pytest.raises(HftrainError, match=f"max_length={limit + 1}.*max_position_embeddings={limit}"):
-        check_model_fits(Recipe(max_length=limit + 1), tiny.config)
-
-
 def test_build_full_model_and_tokenizer():
     recipe = Recipe(model_name_or_path=str(MODEL), gradient_checkpointing=True)
     model = build_full_model(recipe)
@@ -212,15 +203,6 @@ def test_pad_token_fallbacks():
     assert pad_token_id(SimpleNamespace(pad_token_id=5, eos_token_id=2)) == 5
     assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=2)) == 2
     assert pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=None)) == 0
-
-
-def test_loss_chunking_is_refused_for_models_with_their_own_logit_transform(tmp_path):
-    from transformers import Gemma2Config
-
-    Gemma2Config(**tiny_config_kwargs(), head_dim=8, final_logit_softcapping=2.0).save_pretrained(tmp_path)
-    with pytest.raises(HftrainError, match="loss_chunk_tokens=8 needs logits that are exactly lm_head.*'gemma2'"):
-        check_model_config(Recipe(model_name_or_path=str(tmp_path), max_length=32, loss_chunk_tokens=8))
-    check_model_config(Recipe(model_name_or_path=str(tmp_path), max_length=32))  # its own path without chunking
 
 
 def test_compile_blocks_compiles_each_decoder_layer_in_place_and_keeps_parameter_names():
@@ -260,18 +242,6 @@ def test_repeated_blocks_takes_the_outermost_list_only():
 def test_compile_blocks_without_repeated_blocks_is_a_clear_error():
     with pytest.raises(HftrainError, match="torch_compile found no repeated blocks .* in Linear; set torch_compile"):
         compile_blocks(torch.nn.Linear(2, 2), mode=None)
-
-
-def test_liger_is_refused_for_models_without_liger_kernels_or_with_their_own_logit_transform(tmp_path):
-    from transformers import Gemma2Config
-
-    Gemma2Config(**tiny_config_kwargs(), head_dim=8, final_logit_softcapping=2.0).save_pretrained(tmp_path)
-    with pytest.raises(HftrainError) as info:
-        check_model_config(Recipe(model_name_or_path=str(tmp_path), max_length=32, use_liger_kernel=True))
-    message = str(info.value)
-    assert "use_liger_kernel" in message and "'gemma2'" in message and "set use_liger_kernel: false" in message
-    assert ", ".join(sorted(LIGER_MODEL_TYPES)) in message
-    check_model_config(Recipe(model_name_or_path=str(MODEL), max_length=32, use_liger_kernel=True))  # llama
 
 
 class PlainTorchFusedLinearCE(torch.nn.Module):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -11,14 +10,11 @@ from torch import nn
 
 from hftrain.config import (
     Recipe,
-    check_environment,
     load_recipe,
     peft_problems,
-    quantization_launch_problems,
     recipe_from_dict,
     recipe_subset,
 )
-from hftrain.distributed import launched_strategy
 from hftrain.errors import ConfigError, HftrainError
 from hftrain.model import CausalLMTokenLoss, build_model, model_summary
 
@@ -81,51 +77,6 @@ def test_cli_lists_and_flags(tmp_path):
                      "--modules_to_save", "lm_head", "--bnb_4bit_compute_dtype", "bfloat16"])
     assert r.lora_target_modules == ["q_proj", "v_proj"] and r.modules_to_save == ["lm_head"]
     assert r.use_peft and r.load_in_4bit and r.bnb_4bit_compute_dtype == "bfloat16"
-
-
-@pytest.mark.parametrize("strategy, stage, values, expected", [
-    ("deepspeed", 3, {"load_in_4bit": True}, "load_in_4bit with DeepSpeed ZeRO-3 is refused"),
-    ("deepspeed", 3, {"load_in_8bit": True}, "load_in_8bit with DeepSpeed ZeRO-3 is refused"),
-    ("fsdp", None, {"load_in_8bit": True}, "load_in_8bit with FSDP is refused"),
-    ("fsdp", None, {"load_in_4bit": True}, "set bnb_4bit_quant_storage: float32"),
-    ("fsdp", None, {"load_in_4bit": True, "dtype": "bfloat16", "bnb_4bit_quant_storage": "float32"},
-     "bnb_4bit_quant_storage=float32 and dtype=bfloat16: set bnb_4bit_quant_storage: bfloat16"),
-])
-def test_quantized_launch_refusals(strategy, stage, values, expected):
-    (problem,) = quantization_launch_problems(recipe(**values), strategy, stage)
-    assert expected in problem
-
-
-@pytest.mark.parametrize("strategy, stage, values", [
-    ("deepspeed", 2, {"load_in_4bit": True}),  # QLoRA + ZeRO-2: the 4-bit base is frozen, not partitioned
-    ("deepspeed", 3, {}),  # LoRA without quantization under ZeRO-3
-    ("fsdp", None, {"load_in_4bit": True, "dtype": "bfloat16", "bnb_4bit_quant_storage": "bfloat16"}),
-    ("ddp", None, {"load_in_4bit": True}),
-    ("ddp", None, {"load_in_8bit": True}),
-    ("none", None, {"load_in_8bit": True}),
-])
-def test_quantized_launches_allowed(strategy, stage, values):
-    assert quantization_launch_problems(recipe(**values), strategy, stage) == []
-
-
-def test_launched_strategy_reads_what_accelerate_launch_passes(tmp_path):
-    assert launched_strategy({}) == ("none", None)
-    assert launched_strategy({"WORLD_SIZE": "2"}) == ("ddp", None)
-    assert launched_strategy({"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2"}) == ("fsdp", None)
-    assert launched_strategy({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}) == (
-        "deepspeed", 3)
-    ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": "auto"}))
-    assert launched_strategy({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ds)}) == (
-        "deepspeed", 2)
-
-
-def test_dora_with_8bit_refused_on_cpu_only():
-    r = recipe(use_dora=True, load_in_8bit=True)
-    (problem,) = check_environment(r, cuda_available=False)
-    assert "use_dora with load_in_8bit fails on CPU" in problem
-    assert check_environment(r, cuda_available=True) == []
-    assert check_environment(recipe(use_dora=True, load_in_4bit=True), cuda_available=False) == []
 
 
 def test_recipe_subset_skips_path_validation(tmp_path):
@@ -260,34 +211,19 @@ def test_checkpoint_keys_checked_before_loading(tmp_path):
     from safetensors.torch import save_file
 
     from hftrain.checkpoint import _check_saved_weights
+    from hftrain.parallel.base import Backend
+    from tests.unit.parallel.conftest import fake_accelerator
 
+    backend = Backend(fake_accelerator(), Recipe())
     lora = CausalLMTokenLoss(build_model(recipe()))
     trained = {n: p.detach().clone() for n, p in lora.named_parameters() if p.requires_grad}
     save_file(trained, str(tmp_path / "model.safetensors"))
-    _check_saved_weights(lora, tmp_path)  # exactly the trained weights: fine
+    _check_saved_weights(backend, lora, tmp_path)  # exactly the trained weights: fine
 
     full = CausalLMTokenLoss(build_model(Recipe(model_name_or_path=str(MODEL))))
     with pytest.raises(HftrainError, match="another model or fine-tuning method"):
-        _check_saved_weights(full, tmp_path)
+        _check_saved_weights(backend, full, tmp_path)
 
     save_file({f"module.{n}": t for n, t in trained.items()}, str(tmp_path / "model.safetensors"))
     with pytest.raises(HftrainError, match="another model or fine-tuning method"):
-        _check_saved_weights(lora, tmp_path)
-
-
-def test_checkpoint_keys_checked_in_the_deepspeed_layout(tmp_path):
-    """DeepSpeed writes its own model file (pytorch_model/*model_states.pt, the module state under 'module'):
-    its keys are checked the same way, since hftrain loads it non-strict (the frozen base is not in it)."""
-    from hftrain.checkpoint import _check_saved_weights
-    from hftrain.strategy import saved_model_keys
-
-    assert saved_model_keys(tmp_path) is None  # no model file hftrain can read (FSDP2's sharded layout)
-    lora = CausalLMTokenLoss(build_model(recipe()))
-    trained = {n: p.detach().clone() for n, p in lora.named_parameters() if p.requires_grad}
-    (tmp_path / "pytorch_model").mkdir()
-    torch.save({"module": trained, "dp_world_size": 2}, tmp_path / "pytorch_model" / "mp_rank_00_model_states.pt")
-    assert saved_model_keys(tmp_path) == set(trained)
-    _check_saved_weights(lora, tmp_path)
-    full = CausalLMTokenLoss(build_model(Recipe(model_name_or_path=str(MODEL))))
-    with pytest.raises(HftrainError, match="another model or fine-tuning method"):
-        _check_saved_weights(full, tmp_path)
+        _check_saved_weights(backend, lora, tmp_path)

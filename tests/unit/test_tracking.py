@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from hftrain.config import check_environment, recipe_from_dict
+from hftrain.config import recipe_from_dict
 from hftrain.errors import ConfigError
+from hftrain.preflight import machine_problems
 from hftrain.tracking import REDACTED, tracker_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,5 +60,5 @@ def test_mlflow_needs_its_package(tmp_path, monkeypatch):
     import importlib.util
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    problems = check_environment(recipe(tmp_path, report_to=["mlflow"]), cuda_available=False)
+    problems = machine_problems(recipe(tmp_path, report_to=["mlflow"]), cuda=False)
     assert problems and "mlflow package is not installed" in problems[0]

@@ -7,7 +7,7 @@ slow_forward: rank 1 sleeps 0.1 s before each forward (a slow GPU, a throttled n
 diverge:      after its 3rd optimizer step rank 1 adds 1e-3 to one parameter (a replica drifting apart).
 stuck_data:   rank 0 sleeps HFTRAIN_TEST_STALL seconds before preparing the data (a huge tokenization job).
 stuck_step:   rank 1 sleeps HFTRAIN_TEST_STALL seconds in its 3rd forward (a hung device, a stuck input).
-Faults live here, in the test tree, never in the product code.
+Faults live here, in the test tree, never in the product code: `FaultyRank` overrides the phase object's seams.
 """
 
 import os
@@ -19,43 +19,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import torch  # noqa: E402
 
-from hftrain import finetune  # noqa: E402
-from hftrain.model import CausalLMTokenLoss  # noqa: E402
+from hftrain.finetune import Finetune, main  # noqa: E402
 
 faults = set(os.environ["HFTRAIN_TEST_FAULTS"].split(","))
 stall = float(os.environ.get("HFTRAIN_TEST_STALL", "0"))
 rank = int(os.environ["RANK"])
 
 
-def wrap(owner, name: str, before) -> None:
-    """Call `before(call_number)` ahead of every call of owner.name."""
-    original, calls = getattr(owner, name), []
+def before_each_call(function, before):
+    """`function` preceded by `before(call_number)` on every call."""
+    calls = []
 
     def wrapped(*args, **kwargs):
         calls.append(1)
         before(len(calls))
-        return original(*args, **kwargs)
+        return function(*args, **kwargs)
 
-    setattr(owner, name, wrapped)
+    return wrapped
 
 
-if rank == 1 and "slow_forward" in faults:
-    wrap(CausalLMTokenLoss, "forward", lambda n: time.sleep(0.1))
-if rank == 1 and "diverge" in faults:
-    adamw_step, steps = torch.optim.AdamW.step, []
+class FaultyRank(Finetune):
+    def load_datasets(self, tokenizer):
+        if rank == 0 and "stuck_data" in faults:
+            time.sleep(stall)
+        return super().load_datasets(tokenizer)
 
-    def drifting_step(self, *args, **kwargs):
-        result = adamw_step(self, *args, **kwargs)
-        steps.append(1)
-        if len(steps) == 3:
-            with torch.no_grad():
-                self.param_groups[0]["params"][0].add_(1e-3)
-        return result
+    def setup_model(self):
+        super().setup_model()
+        if rank == 1 and "slow_forward" in faults:
+            self.model.forward = before_each_call(self.model.forward, lambda n: time.sleep(0.1))
+        if rank == 1 and "stuck_step" in faults:
+            self.model.forward = before_each_call(self.model.forward, lambda n: time.sleep(stall) if n == 3 else None)
 
-    torch.optim.AdamW.step = drifting_step
-if rank == 0 and "stuck_data" in faults:
-    wrap(finetune, "load_datasets", lambda n: time.sleep(stall))
-if rank == 1 and "stuck_step" in faults:
-    wrap(CausalLMTokenLoss, "forward", lambda n: time.sleep(stall) if n == 3 else None)
+    def setup_optimizer(self):
+        super().setup_optimizer()
+        if rank == 1 and "diverge" in faults:
+            inner = self.optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps torch's AdamW
 
-finetune.main()
+            def drift_after_third(n):
+                if n == 4:  # the 3rd step is done: drift before the 4th
+                    with torch.no_grad():
+                        inner.param_groups[0]["params"][0].add_(1e-3)
+
+            inner.step = before_each_call(inner.step, drift_after_third)
+
+
+main(runner=FaultyRank)

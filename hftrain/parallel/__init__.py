@@ -1,0 +1,43 @@
+"""How a run is spread over processes: one backend per strategy, chosen once when the Accelerator is made.
+
+    launch = Launch.from_environ()                 # what `accelerate launch` asked for (launch.py)
+    accelerator = make_accelerator(recipe, launch)
+    backend = resolve(accelerator, recipe, launch)  # Backend: the interface the loop and checkpoints call
+    backend.record                                  # Parallelism: kind, processes, ZeRO stage, offload, tp, dp world
+
+Backends, one file each: base.py (the interface; one process and DDP), fsdp.py (FSDP2), deepspeed.py (ZeRO 1-3,
+offload), tensor.py (tensor parallel, with data-parallel copies). Nothing else in hftrain asks accelerate, the
+environment or the DeepSpeed JSON which strategy runs.
+"""
+
+from __future__ import annotations
+
+from hftrain.config import Recipe
+from hftrain.errors import HftrainError
+from hftrain.parallel.base import Backend, DataParallel, Parallelism
+from hftrain.parallel.deepspeed import DeepSpeedBackend
+from hftrain.parallel.fsdp import FSDP2Backend
+from hftrain.parallel.launch import Launch, make_accelerator, phase
+from hftrain.parallel.tensor import TensorParallelBackend
+
+__all__ = ["Backend", "DataParallel", "Launch", "Parallelism", "make_accelerator", "phase", "resolve"]
+
+SELECTED = {"fsdp2": "FSDP", "deepspeed": "DEEPSPEED"}  # accelerate's DistributedType names
+
+
+def resolve(accelerator, recipe: Recipe, launch: Launch) -> Backend:
+    """The backend of this launch, after checking that accelerate selected the strategy the preset asked for."""
+    selected = str(accelerator.distributed_type).split(".")[-1]
+    wanted = SELECTED.get(launch.kind)
+    if wanted is not None and selected != wanted:
+        hint = (" accelerate selects FSDP only for GPU-like devices; on a CPU machine use cpu_ddp or a zero* preset"
+                if wanted == "FSDP" else " unset ACCELERATE_USE_CPU (it turns DeepSpeed into DDP)")
+        raise HftrainError(f"the launch preset asks for {wanted} but accelerate selected {selected} on this machine, "
+                           f"which would train with another strategy than the one you chose;{hint}")
+    if recipe.tp_size > 1:  # the preflight has refused tensor parallelism with FSDP2 or DeepSpeed
+        return TensorParallelBackend(accelerator, recipe)
+    if selected == "FSDP":
+        return FSDP2Backend(accelerator, recipe)
+    if selected == "DEEPSPEED":
+        return DeepSpeedBackend(accelerator, recipe)
+    return Backend(accelerator, recipe)

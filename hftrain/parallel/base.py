@@ -1,0 +1,250 @@
+"""The parallelism record and the interface every backend implements.
+
+A backend is chosen once, when the Accelerator is made (`hftrain.parallel.resolve`); the loop and the checkpoint
+code call the methods below and never ask which backend runs. The base class is the behaviour of a plain
+accelerate launch (one process, or DDP); the other backends override what they do differently.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from safetensors import safe_open
+
+from hftrain.config import TORCH_ADAMW, Recipe
+from hftrain.errors import HftrainError
+from hftrain.model import DTYPES, parameter_count
+
+GIB = 2**30
+ALL_PARTS = ("weights", "gradients", "optimizer")  # the model state: what ZeRO-3 / FULL_SHARD split
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How this run is laid out, resolved once: recorded in hftrain_state.json and printed at start-up."""
+
+    kind: str  # "single", "ddp", "fsdp2", "deepspeed" or "tp"
+    name: str  # e.g. "DDP", "DeepSpeed ZeRO-2 + offload", "FSDP2 FULL_SHARD", "tensor parallel (tp_size=2)"
+    processes: int
+    machines: int
+    backend: str | None  # process-group backend: gloo, nccl (None for one process)
+    tp_size: int = 1
+    dp_world: int = 1  # data-parallel groups: each trains on its own share of the data
+    dp_rank: int = 0
+    zero_stage: int | None = None
+    sharded: tuple[str, ...] = ()  # parts of the model state split over the processes
+    offloaded: tuple[str, ...] = ()  # parts held in CPU RAM
+
+    def describe(self) -> str:
+        """The start-up line in words: "1 process, no distribution", "DDP over 2 processes (gloo)"."""
+        if self.processes == 1:
+            return "1 process, no distribution"
+        nodes = f" on {self.machines} machines" if self.machines > 1 else ""
+        return f"{self.name} over {self.processes} processes{nodes} ({self.backend})"
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This rank's share of the data: `world` data-parallel groups, this rank in group `rank`.
+
+    The `replicas` (= tp_size) ranks of one tensor-parallel group train on the same batches. `sum` adds a value over
+    the data-parallel ranks only (each batch once, so token counts and loss sums stay exact), then takes the max over
+    the tensor-parallel group: its ranks hold equal values except a stop vote, which must reach them all.
+    """
+
+    world: int
+    rank: int
+    accelerator: Any
+    replicas: int = 1
+    groups: tuple[Any, Any] | None = None  # (data-parallel group, tensor-parallel group) with replicas > 1
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.replicas == 1:
+            return self.accelerator.reduce(tensor, reduction="sum")
+        dp_group, tp_group = self.groups
+        total = tensor.clone()
+        if self.world > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=tp_group)
+        return total
+
+
+def innermost_optimizer(optimizer) -> str:
+    """Class of the optimizer doing the update under accelerate's / ZeRO's wrappers (e.g. DeepSpeedCPUAdam)."""
+    while hasattr(getattr(optimizer, "optimizer", None), "param_groups"):
+        optimizer = optimizer.optimizer
+    return type(optimizer).__name__
+
+
+def device_memory_bytes(accelerator, world: int) -> float:
+    """Memory of this process's device: the GPU's, or on CPU the machine's RAM shared by this node's processes."""
+    if accelerator.device.type == "cuda":
+        return torch.cuda.get_device_properties(accelerator.device).total_memory
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / per_node
+
+
+@dataclass
+class Backend:
+    """One process or DDP: accelerate wraps the model (DistributedDataParallel with 2+ processes) and every rank
+    holds the full model, gradients and optimizer state. Subclasses: FSDP2, DeepSpeed, tensor parallel."""
+
+    accelerator: Any
+    recipe: Recipe
+    record: Parallelism = field(init=False)
+    dp: DataParallel = field(init=False)
+    # True where the optimizer has already stepped when backward returns (DeepSpeed's engine): a step with a
+    # non-finite gradient norm can then not be skipped.
+    step_applied_in_backward = False
+
+    def __post_init__(self) -> None:
+        self.dp = self.data_parallel()
+        self.record = self.make_record()
+
+    # ----------------------------------------------------------------- layout
+    def data_parallel(self) -> DataParallel:
+        return DataParallel(self.accelerator.num_processes, self.accelerator.process_index, self.accelerator)
+
+    def make_record(self, **layout) -> Parallelism:
+        world = self.accelerator.num_processes
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # set by torchrun
+        defaults = {"kind": "ddp" if world > 1 else "single", "name": "DDP" if world > 1 else "single process"}
+        return Parallelism(processes=world, machines=world // per_node,
+                           backend=dist.get_backend() if dist.is_initialized() else None,
+                           tp_size=self.recipe.tp_size, dp_world=self.dp.world, dp_rank=self.dp.rank,
+                           **{**defaults, **layout})
+
+    # --------------------------------------------------------------- training
+    def model_load_kwargs(self) -> dict:
+        """Extra `from_pretrained` arguments (tensor parallelism shards the weights while they load)."""
+        return {}
+
+    def prepare(self, model, optimizer):
+        """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings."""
+        return self.accelerator.prepare(model, optimizer)
+
+    def clip_grad_norm(self, model, max_norm: float) -> float | None:
+        """Clip to `max_norm` (inf: only measure) and return the global gradient norm before clipping."""
+        norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        return None if norm is None else float(norm)
+
+    def parameter_counts(self, model) -> tuple[int, int]:
+        """(trainable, total) parameters at their original size (4-bit weights unpacked)."""
+        params = list(model.parameters())
+        return (sum(self.parameter_size(p) for p in params if p.requires_grad),
+                sum(self.parameter_size(p) for p in params))
+
+    def parameter_size(self, param) -> int:
+        return parameter_count(param)
+
+    # ------------------------------------------------------------------ memory
+    def bytes_per_param(self) -> tuple[int, int]:
+        """(w, k): bytes per weight (and per gradient), optimizer-state bytes per trained parameter (AdamW: two fp32
+        moments, 8; SGD with momentum: 4)."""
+        w = DTYPES[self.recipe.dtype].itemsize
+        return w, 8 if self.recipe.optim in TORCH_ADAMW else 4 if self.recipe.sgd_momentum > 0 else 0
+
+    def shard_count(self) -> int:
+        """Processes the parts in `record.sharded` are split over."""
+        return self.accelerator.num_processes
+
+    def memory(self, n_trainable: int, n_params: int) -> dict:
+        """Model-state memory per device for this layout (activations and buffers not included).
+
+        ZeRO paper accounting, with P parameters of which T are trained: weights w*P, gradients w*T, optimizer state
+        k*T (`bytes_per_param`). The parts in `record.sharded` are split over `shard_count()` processes, those in
+        `record.offloaded` live in CPU RAM instead."""
+        w, k = self.bytes_per_param()
+        parts = {"weights": w * n_params, "gradients": w * n_trainable, "optimizer": k * n_trainable}
+        per_device = {p: b // self.shard_count() if p in self.record.sharded else b for p, b in parts.items()}
+        on_device = sum(b for p, b in per_device.items() if p not in self.record.offloaded)
+        on_cpu = sum(b for p, b in per_device.items() if p in self.record.offloaded)
+        device_memory = device_memory_bytes(self.accelerator, self.accelerator.num_processes)
+        return {"strategy": self.record.name, "processes": self.record.processes, "bytes_per_weight": w,
+                "optimizer_bytes_per_param": k, "per_device_bytes": on_device, "offloaded_bytes": on_cpu,
+                "per_device_gib": round(on_device / GIB, 3), "offloaded_gib": round(on_cpu / GIB, 3),
+                "device_memory_gib": round(device_memory / GIB, 1)}
+
+    # ------------------------------------------------------------- checkpoints
+    def checkpoint_save_kwargs(self) -> dict:
+        """Arguments for `accelerator.save_state`."""
+        return {}
+
+    def checkpoint_load_kwargs(self) -> dict:
+        """Arguments for `accelerator.load_state` of a checkpoint holding the trained weights only (the frozen base
+        comes from the builder): non-strict, so absent frozen weights are not an error; which keys the file holds is
+        checked beforehand (`checkpoint._check_saved_weights`), so non-strict hides nothing."""
+        return {"strict": False}
+
+    def saved_model_keys(self, folder: Path) -> set[str] | None:
+        """State-dict keys of a checkpoint's model file, or None for a layout checked by its own loader."""
+        model_file = folder / "model.safetensors"
+        if not model_file.exists():
+            return None
+        with safe_open(str(model_file), framework="pt") as f:
+            return set(f.keys())
+
+    def check_resumable(self, saved_launch: dict) -> None:
+        """Refuse a checkpoint this layout cannot load (a tensor-parallel one without tensor parallelism)."""
+        if saved_launch["tp_size"] > 1:
+            raise_tp_mismatch(saved_launch["tp_size"], self.recipe.tp_size)
+
+    @contextmanager
+    def resume_folder(self, model, path: Path, saved_launch: dict):
+        """The folder `accelerator.load_state` reads checkpoint `path` from: `path` itself, unless the backend
+        must convert it for this number of processes first."""
+        yield path
+
+    def unwrap(self, model):
+        """The loss wrapper inside whatever the backend wrapped it in (DDP's `module`). Not accelerate's
+        unwrap_model, which imports DeepSpeed whenever it is installed."""
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def full_state_dict(self, model) -> dict | None:
+        """The full weights, on the main process, for the final save; every rank calls. None: the model's own state
+        dict is already complete (one process, DDP)."""
+        return None
+
+    def save_pretrained(self, model, folder: Path) -> None:
+        """Full weights as one from_pretrained folder (model files and config; the caller adds the tokenizer)."""
+        state_dict = self.full_state_dict(model)
+        if self.accelerator.is_main_process:
+            self.unwrap(model).save_pretrained(folder, state_dict=state_dict)
+
+    # ----------------------------------------------------------------- records
+    def config_used(self) -> dict | None:
+        """The backend's own configuration file as it ran (DeepSpeed's JSON), saved next to every checkpoint."""
+        return None
+
+    def launch_info(self, model, optimizer) -> dict:
+        """What actually runs: recorded in every checkpoint so that a silent fallback (e.g. to one process) shows."""
+        return {
+            "distributed_type": str(self.accelerator.distributed_type).split(".")[-1],
+            "parallelism": self.record.describe(),
+            "num_processes": self.record.processes,
+            "num_machines": self.record.machines,
+            "backend": self.record.backend,
+            "model_wrapper": type(model).__name__,
+            "tp_size": self.record.tp_size,
+            "dtensor_parameters": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
+            "optimizer": innermost_optimizer(optimizer),
+            "mixed_precision": self.accelerator.mixed_precision,
+            "device": str(self.accelerator.device),
+            "sharded_modules": sorted({type(m).__name__ for m in model.modules()
+                                       if type(m).__name__.startswith("FSDP")}),
+            "deepspeed_config": self.config_used(),
+        }
+
+
+def raise_tp_mismatch(saved: int, now: int) -> None:
+    raise HftrainError(
+        f"this checkpoint was written with tp_size={saved} and this run has tp_size={now}; tensor-parallel "
+        "checkpoints resume only with tensor parallelism (any tp_size) and other checkpoints only without it"
+    )

@@ -1,0 +1,262 @@
+"""DeepSpeed ZeRO (stages 1-3, optimizer / parameter offload): the engine owns the update.
+
+The preset's JSON (`ds_configs/*.json`) uses "auto" for what the recipe owns; hftrain fills those values from the
+recipe so that it stays the single source of truth (`fill_deepspeed_config`), and refuses a JSON that contradicts
+it (`deepspeed_problems`, run by the preflight). The client optimizer is used (no DeepSpeed optimizer or scheduler
+block): the loop steps the schedule once per optimizer step. The engine clips inside its step (`gradient_clipping`)
+and applies the update inside `backward` of the last micro-batch. Checkpoints hold one optimizer partition per rank;
+on another number of processes they are converted to a DeepSpeed universal checkpoint first (`resume_folder`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+from argparse import Namespace
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from accelerate.utils import broadcast_object_list
+
+from hftrain.checkpoint import UNIVERSAL_PREFIX
+from hftrain.config import TORCH_ADAMW, Recipe
+from hftrain.errors import HftrainError
+from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
+
+# "auto" entries hftrain fills: from the recipe (and world size) at start-up, or from the model's hidden size
+RECIPE_AUTO_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                    "gradient_clipping", "bf16.enabled", "fp16.enabled")
+HIDDEN_SIZE_AUTO_KEYS = {  # the sizes HF Trainer and accelerate use
+    "zero_optimization.reduce_bucket_size": lambda h: h * h,
+    "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+def get_key(config: dict, dotted: str):
+    node = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def set_key(config: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    node = config
+    for part in parents:
+        node = node[part]
+    node[last] = value
+
+
+def _auto_keys(node: dict, prefix: str = "") -> list[str]:
+    found = []
+    for key, value in node.items():
+        if isinstance(value, dict):
+            found += _auto_keys(value, f"{prefix}{key}.")
+        elif value == "auto":
+            found.append(f"{prefix}{key}")
+    return found
+
+
+def offloaded_parts(zero: dict) -> tuple[str, ...]:
+    """Parts of the model state a `zero_optimization` block keeps in CPU RAM."""
+    return tuple(part for part, key in (("optimizer", "offload_optimizer"), ("weights", "offload_param"))
+                 if zero.get(key, {}).get("device", "none") not in ("none", None))
+
+
+def recipe_values(recipe: Recipe, world: int) -> dict:
+    """What the recipe says for each DeepSpeed key hftrain fills."""
+    micro, accum = recipe.per_device_train_batch_size, recipe.gradient_accumulation_steps
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+            "train_batch_size": micro * accum * world, "gradient_clipping": float(recipe.max_grad_norm),
+            "bf16.enabled": recipe.bf16, "fp16.enabled": recipe.fp16}
+
+
+def deepspeed_problems(recipe: Recipe, config: dict, world: int) -> list[str]:
+    """Every way a DeepSpeed config contradicts the recipe or cannot work with hftrain's loop."""
+    problems = []
+    for block in ("optimizer", "scheduler"):
+        if block in config:
+            problems.append(f"the DeepSpeed config has an {block!r} block; remove it: the recipe's optim / "
+                            "learning-rate fields build the optimizer and schedule (the same ones under every preset)")
+    for key, wanted in recipe_values(recipe, world).items():
+        value = get_key(config, key)
+        if value is None or value == "auto":
+            continue
+        if key.endswith(".enabled"):
+            value = str(value).lower() == "true"
+        if value != wanted:
+            problems.append(f"the DeepSpeed config sets {key}={value} but the recipe gives {wanted}; set it to "
+                            "\"auto\" so hftrain fills it from the recipe")
+    unknown = [k for k in _auto_keys(config) if k not in RECIPE_AUTO_KEYS and k not in HIDDEN_SIZE_AUTO_KEYS]
+    if unknown:
+        problems.append(f"the DeepSpeed config has \"auto\" values hftrain does not fill: {', '.join(unknown)}; "
+                        "give them numbers")
+    if "zero_optimization" not in config:
+        problems.append("the DeepSpeed config has no zero_optimization block; give one with a stage (0-3)")
+    zero = config.get("zero_optimization", {})
+    if zero.get("stage") == 3 and not zero.get("stage3_gather_16bit_weights_on_model_save"):
+        problems.append("ZeRO stage 3 without zero_optimization.stage3_gather_16bit_weights_on_model_save: true "
+                        "cannot write a consolidated final model (every rank holds a shard); set it to true")
+    if "optimizer" in offloaded_parts(zero) and recipe.optim not in TORCH_ADAMW:
+        problems.append(f"optimizer offload runs DeepSpeedCPUAdam, but optim={recipe.optim}: accelerate would "
+                        "silently replace it with Adam; use optim=adamw_torch or a DeepSpeed config without "
+                        "offload_optimizer")
+    return problems
+
+
+def fill_deepspeed_config(config: dict, recipe: Recipe, world: int) -> None:
+    """Fill the recipe-determined values that are "auto" or absent, in place.
+
+    Absent counts as "auto": DeepSpeed's own defaults differ from the recipe's (gradient_clipping defaults to 1.0
+    there; max_grad_norm=0 must reach DeepSpeed as 0, which disables clipping). Precision (bf16/fp16.enabled) is
+    filled by accelerate from the recipe's mixed precision.
+    """
+    for key, value in recipe_values(recipe, world).items():
+        if not key.endswith(".enabled") and get_key(config, key) in (None, "auto"):
+            set_key(config, key, value)
+
+
+class DeepSpeedBackend(Backend):
+    step_applied_in_backward = True  # the engine steps its optimizer inside backward: a bad step cannot be skipped
+
+    @property
+    def config(self) -> dict:
+        """The DeepSpeed config the engine runs with (filled in place)."""
+        return self.accelerator.state.deepspeed_plugin.deepspeed_config
+
+    def __post_init__(self) -> None:
+        fill_deepspeed_config(self.config, self.recipe, self.accelerator.num_processes)
+        super().__post_init__()
+
+    def make_record(self, **layout) -> Parallelism:
+        zero = self.config["zero_optimization"]
+        stage = int(zero.get("stage", 0))
+        offloaded = offloaded_parts(zero)
+        name = f"DeepSpeed ZeRO-{stage}" + (" + offload" if offloaded else "")
+        return super().make_record(kind="deepspeed", name=name, zero_stage=stage, sharded=ALL_PARTS[3 - stage:],
+                                   offloaded=offloaded)
+
+    def prepare(self, model, optimizer):
+        hidden = getattr(model.config, "hidden_size", None)
+        for key, size in HIDDEN_SIZE_AUTO_KEYS.items():
+            if get_key(self.config, key) == "auto":
+                if hidden is None:
+                    raise HftrainError(f"the DeepSpeed config has {key}: \"auto\" but the model config has no "
+                                       "hidden_size to derive it from; give a number")
+                set_key(self.config, key, size(hidden))
+        return super().prepare(model, optimizer)
+
+    def unwrap(self, model):
+        return self.accelerator.unwrap_model(model)  # the DeepSpeedEngine's module
+
+    def full_state_dict(self, model) -> dict | None:
+        return self.accelerator.get_state_dict(model)  # ZeRO-3: the 16-bit weights gathered on the main process
+
+    def parameter_size(self, param) -> int:
+        return param.ds_numel if hasattr(param, "ds_numel") else super().parameter_size(param)  # ZeRO-3 partitions
+
+    def bytes_per_param(self) -> tuple[int, int]:
+        """In 16-bit mixed precision DeepSpeed holds 16-bit weights and gradients and an fp32 master copy (4 bytes)
+        in the optimizer state."""
+        w, k = super().bytes_per_param()
+        return (2, k + 4) if self.recipe.bf16 or self.recipe.fp16 else (w, k)
+
+    # ------------------------------------------------------------- checkpoints
+    def checkpoint_save_kwargs(self) -> dict:
+        """The engine writes the model file itself; `exclude_frozen_parameters` keeps a frozen base (LoRA / QLoRA)
+        out of it. What stays besides the trained weights is bitsandbytes' small quantization state of 4-bit
+        layers (absmax, quant_map, ...), which `Linear4bit` adds to every state dict."""
+        return {"exclude_frozen_parameters": True}
+
+    def checkpoint_load_kwargs(self) -> dict:
+        return {"load_module_strict": False}  # trained weights come back from the ZeRO partitions in any case
+
+    def saved_model_keys(self, folder: Path) -> set[str] | None:
+        """Keys of the engine's `*model_states.pt` (rank 0's; under ZeRO-3 every rank's file names every key)."""
+        files = sorted((folder / "pytorch_model").glob("*model_states.pt"))
+        if not files:
+            return super().saved_model_keys(folder)
+        # DeepSpeed's own loader reads this file the same way (it pickles its config objects next to the tensors)
+        return set(torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["module"])
+
+    def _other_world(self, saved_launch: dict) -> bool:
+        return saved_launch["num_processes"] != self.accelerator.num_processes
+
+    def check_resumable(self, saved_launch: dict) -> None:
+        """On another number of processes a ZeRO checkpoint resumes through DeepSpeed's universal checkpoint, whose
+        converter knows Adam's state only."""
+        super().check_resumable(saved_launch)
+        saved, world = saved_launch["num_processes"], self.accelerator.num_processes
+        if self._other_world(saved_launch) and self.recipe.optim not in TORCH_ADAMW:
+            raise HftrainError(
+                f"this DeepSpeed checkpoint was written by {saved} processes and this run has {world}; hftrain resumes "
+                "a ZeRO checkpoint on another process count by converting it to a DeepSpeed universal checkpoint, "
+                "whose converter (deepspeed/checkpoint/ds_to_universal.py) reads only Adam's optimizer state "
+                f"(exp_avg, exp_avg_sq): with optim={self.recipe.optim}, resume with {saved} processes"
+            )
+
+    @contextmanager
+    def resume_folder(self, model, path: Path, saved_launch: dict):
+        """`path`, or for a checkpoint written by another number of processes its universal conversion.
+
+        ZeRO keeps one optimizer partition per rank, and DeepSpeed 0.19 refuses to re-partition it. The main process
+        converts the engine's files with DeepSpeed's ds_to_universal (one file per parameter and state: fp32 weights,
+        exp_avg, exp_avg_sq) into `.universal-checkpoint-N` next to the checkpoint, beside links to its other files
+        (scheduler, RNG states), and every rank loads that with `load_universal` (which DeepSpeed reads from the
+        engine's config at load time). The folder is removed once every rank has loaded it.
+        """
+        if not self._other_world(saved_launch):
+            yield path
+            return
+        folder = path.parent / f"{UNIVERSAL_PREFIX}{path.name}"
+        saved, world = saved_launch["num_processes"], self.accelerator.num_processes
+        error = None
+        if self.accelerator.is_main_process:
+            print(f"hftrain: {path.name} was written by {saved} DeepSpeed processes; converting it to a universal "
+                  f"checkpoint in {folder} to resume on {world}", flush=True)
+            try:
+                _convert_folder(path, folder)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it rather than wait at a barrier
+                error = f"{type(exc).__name__}: {exc}"
+        error = broadcast_object_list([error])[0]
+        if error is not None:
+            raise HftrainError(f"cannot convert the DeepSpeed checkpoint {str(path)!r} (written by {saved} processes) "
+                               f"into a universal checkpoint for {world}: {error}; resume with {saved} processes")
+        model._config.load_universal_checkpoint = True  # DeepSpeedEngine.load_universal_checkpoint() reads it
+        try:
+            yield folder
+        finally:
+            model._config.load_universal_checkpoint = False
+        self.accelerator.wait_for_everyone()  # every rank has loaded: the converted copy can go
+        if self.accelerator.is_main_process:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def config_used(self) -> dict | None:
+        return self.config
+
+
+def _convert_folder(path: Path, folder: Path) -> None:
+    """The engine's folder of checkpoint `path` converted into `folder`, the checkpoint's other files linked."""
+    engine_dir = next(p for p in sorted(path.iterdir()) if p.is_dir() and any(p.glob("*optim_states.pt")))
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    _convert_to_universal(engine_dir, folder / engine_dir.name)
+    for item in path.iterdir():
+        if item != engine_dir:
+            (folder / item.name).symlink_to(item.resolve())
+
+
+def _convert_to_universal(engine_dir: Path, out: Path) -> None:
+    """DeepSpeed's ds_to_universal.py in this process (no worker pool). `inject_missing_state`: transformers models
+    carry no `universal_checkpoint_info`, which the converter otherwise requires (it only names TP/PP patterns)."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal  # optional: only under DeepSpeed
+
+    args = Namespace(input_folder=str(engine_dir), output_folder=str(out), num_extract_workers=1,
+                     num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress; errors raise
+        ds_to_universal(args)

@@ -1,0 +1,113 @@
+"""What `accelerate launch` asked for, read once from the environment, and the Accelerator made from it.
+
+The launch preset (accelerate_configs/*.yaml) picks the strategy; the recipe picks precision and accumulation.
+On a machine without CUDA the processes run on CPU with gloo: `Accelerator(cpu=True)` is what makes a
+multi-process CPU launch a real gloo DDP group (a yaml's `use_cpu` alone is not passed on by accelerate's
+launcher). DeepSpeed is the exception: `cpu=True` would silently turn it into DDP, so there the gloo backend is
+requested explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+
+from hftrain.config import Recipe
+from hftrain.errors import ConfigError, HftrainError
+
+
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    return environ.get(name, "false").lower() == "true"
+
+
+def read_deepspeed_config(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError([f"cannot read the DeepSpeed config {path!r} named by the preset: {exc.strerror}"],
+                          "launch preset") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError([f"the DeepSpeed config {path!r} is not valid JSON: {exc}"], "launch preset") from None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The launch as `accelerate launch` (or torchrun) passed it on in the environment.
+
+    `kind` is what the preset asked for: "single", "ddp", "fsdp2" or "deepspeed". The DeepSpeed JSON named by the
+    preset is read here, once: its ZeRO stage is the one every later decision uses.
+    """
+
+    kind: str
+    world: int
+    per_node: int
+    mixed_precision: str = "no"
+    deepspeed_config_path: str | None = None
+    deepspeed_config: dict | None = None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> Launch:
+        world = int(environ.get("WORLD_SIZE", "1"))
+        per_node = int(environ.get("LOCAL_WORLD_SIZE", world))
+        precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        if _flag(environ, "ACCELERATE_USE_FSDP"):
+            return cls("fsdp2", world, per_node, precision)
+        if _flag(environ, "ACCELERATE_USE_DEEPSPEED"):
+            path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+            path = None if path == "none" else path
+            config = read_deepspeed_config(path) if path else None
+            return cls("deepspeed", world, per_node, precision, path, config)
+        return cls("ddp" if world > 1 else "single", world, per_node, precision)
+
+    @property
+    def zero_stage(self) -> int | None:
+        """The ZeRO stage of the preset's DeepSpeed JSON (None without DeepSpeed or without a stage)."""
+        stage = (self.deepspeed_config or {}).get("zero_optimization", {}).get("stage")
+        return int(stage) if str(stage).isdigit() else None
+
+
+def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
+    cuda = torch.cuda.is_available()
+    deepspeed = launch.kind == "deepspeed"
+    if not cuda:
+        # transformers' save_pretrained imports DeepSpeed (through accelerate's unwrap_model) whenever it is installed,
+        # even when it is not used; naming the CPU accelerator it would detect anyway spares every run its warning
+        # "Setting accelerator to CPU".
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # Naming a backend makes accelerate start a process group, so only DeepSpeed on CPU names one (gloo);
+    # otherwise accelerate chooses (NCCL on GPU, gloo under cpu=True) and only the timeout is set.
+    group = {"backend": "gloo"} if deepspeed and not cuda else {}
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.ddp_timeout), **group)]
+    return Accelerator(
+        cpu=not cuda and not deepspeed,
+        mixed_precision="bf16" if recipe.bf16 else "fp16" if recipe.fp16 else "no",
+        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
+        log_with=[t for t in recipe.report_to if t != "none"] or None,
+        project_dir=recipe.output_dir,
+        kwargs_handlers=handlers,
+    )
+
+
+@contextmanager
+def phase(accelerator, name: str | Callable[[], str], timeout: int):
+    """Turn a collective timeout inside `name` into a message naming the rank and the phase (`name` may be a
+    function, called when the timeout happens, e.g. to name the optimizer step)."""
+    try:
+        yield
+    except RuntimeError as exc:  # gloo and NCCL report timeouts as RuntimeError subclasses (DistBackendError)
+        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+            raise
+        raise HftrainError(
+            f"rank {accelerator.process_index} of {accelerator.num_processes} timed out after {timeout}s waiting for "
+            f"the other ranks during {name() if callable(name) else name}; a rank may have died (see its log above) "
+            "or be much slower (raise ddp_timeout if rank 0 needs longer, e.g. to tokenize a large dataset)"
+        ) from None

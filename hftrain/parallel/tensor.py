@@ -1,0 +1,154 @@
+"""Tensor parallelism: every linear layer split over `tp_size` processes by transformers at load time.
+
+`--tp_size N` loads the model with transformers' `DistributedConfig(tp_size=N)`, its predefined tensor-parallel plan
+(`tp_plan="auto"`): each process reads only its shards. With more processes than tp_size (a multiple of it), each
+group of tp_size consecutive ranks holds one sharded copy and trains on its own share of the data; hftrain averages
+the gradients of the ranks that hold the same shard (`ReplicaGradients`; DDP cannot hold DTensor weights). The model
+is not wrapped by accelerate, and its checkpoint is full state (`FullTrainingState`), gathered and re-sharded, so it
+does not depend on the layout.
+
+Process layout (transformers' device mesh, TP innermost): rank = dp_rank * tp + tp_rank. With 4 processes and
+tp_size=2: TP groups {0,1} {2,3} hold the two halves of every linear layer; data-parallel groups {0,2} {1,3} hold
+the same half, train on different batches and average their gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from transformers.distributed import DistributedConfig
+
+from hftrain.checkpoint import FULL_STATE_FILE
+from hftrain.errors import HftrainError
+from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism, raise_tp_mismatch
+
+
+@functools.cache
+def tp_groups(world: int, tp: int) -> tuple:
+    """(data-parallel group, tensor-parallel group) of this rank; every rank creates every group, in order."""
+    rank, mine = dist.get_rank(), {}
+    for kind, groups in (("dp", [list(range(t, world, tp)) for t in range(tp)]),
+                         ("tp", [list(range(d * tp, d * tp + tp)) for d in range(world // tp)])):
+        for ranks in groups:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = group
+    return mine["dp"], mine["tp"]
+
+
+def data_share(world: int, rank: int, tp: int) -> tuple[int, int]:
+    """(data-parallel groups, this rank's group): the tp consecutive ranks of a tensor-parallel group share one."""
+    return world // tp, rank // tp
+
+
+class _ReplicatedTensorParallel(DistributedConfig):
+    """transformers' mesh with `dp_replicate_size` copies of the TP group, without its FSDP2 on the copies
+    (transformers applies it only when dp_size > 1): hftrain averages their gradients itself."""
+
+    @property
+    def dp_size(self) -> int:
+        return 1
+
+
+def model_load_kwargs(tp: int, world: int) -> dict:
+    """from_pretrained arguments that shard the weights over `tp` processes while they load."""
+    copies = world // tp
+    if copies <= 1:
+        return {"distributed_config": DistributedConfig(tp_size=tp)}  # the model's own tp_plan ("auto")
+    return {"distributed_config": _ReplicatedTensorParallel(tp_size=tp, dp_replicate_size=copies)}
+
+
+class ReplicaGradients:
+    """Average each gradient over the data-parallel copies of a tensor-parallel model, as DDP would. A hook per
+    parameter runs once its gradient is accumulated in the backward of the micro-batch that ends an optimizer step
+    (`accelerator.sync_gradients`), before clipping and the step. Every rank runs the same backward graph, so the
+    collectives of the data-parallel and TP groups come in one order. Sum then divide (gloo has no average): the
+    same arithmetic as DDP's mean over the copies."""
+
+    def __init__(self, accelerator, model, group, copies: int):
+        self.accelerator, self.group, self.copies = accelerator, group, copies
+        self.handles = [p.register_post_accumulate_grad_hook(self.average)
+                        for p in model.parameters() if p.requires_grad]
+
+    def average(self, param) -> None:
+        if not self.accelerator.sync_gradients:
+            return
+        with torch.no_grad():
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # DTensor: this shard
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group)
+            grad.div_(self.copies)
+
+
+class FullTrainingState:
+    """Model and optimizer state as full tensors, hooked into `accelerator.save_state` / `load_state` (both run on
+    every rank): saving gathers the shards and the main process writes `FULL_STATE_FILE`; loading reads it
+    weights-only (tensors and plain values, no pickled objects) and re-shards it."""
+
+    def __init__(self, accelerator, model, optimizer):
+        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
+
+    def save(self, folder: str) -> None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
+        if self.accelerator.is_main_process:
+            torch.save({"model": model_state, "optimizer": optimizer_state}, os.path.join(folder, FULL_STATE_FILE))
+
+    def load(self, folder: str) -> None:
+        state = torch.load(os.path.join(folder, FULL_STATE_FILE), map_location="cpu", weights_only=True)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+
+
+class TensorParallelBackend(Backend):
+    @property
+    def tp(self) -> int:
+        return self.recipe.tp_size
+
+    def data_parallel(self) -> DataParallel:
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        return DataParallel(*data_share(world, rank, self.tp), self.accelerator, replicas=self.tp,
+                            groups=tp_groups(world, self.tp))
+
+    def make_record(self, **layout) -> Parallelism:
+        copies = self.accelerator.num_processes // self.tp
+        name = f"tensor parallel (tp_size={self.tp})" + (f" x {copies} data-parallel copies" if copies > 1 else "")
+        return super().make_record(kind="tp", name=name, sharded=ALL_PARTS)  # norms replicated: counted split
+
+    def shard_count(self) -> int:
+        return self.tp
+
+    def model_load_kwargs(self) -> dict:
+        return model_load_kwargs(self.tp, self.accelerator.num_processes)
+
+    def prepare(self, model, optimizer):
+        """The model (DTensor weights, sharded by transformers at load) stays unwrapped: DDP cannot hold DTensors."""
+        accelerator, tp = self.accelerator, self.tp
+        if accelerator.mixed_precision != "no":
+            model.forward = accelerator.autocast()(model.forward)  # what accelerator.prepare would add
+        rank = accelerator.process_index
+        sharded = next(p for p in model.parameters() if hasattr(p, "device_mesh"))
+        if sharded.device_mesh.mesh.flatten().tolist() != list(range(rank - rank % tp, rank - rank % tp + tp)):
+            raise HftrainError(f"transformers sharded the model over ranks {sharded.device_mesh.mesh.tolist()}, not "
+                               f"over consecutive groups of tp_size={tp} as hftrain assumes for the data split")
+        if self.dp.world > 1:
+            ReplicaGradients(accelerator, model, self.dp.groups[0], self.dp.world)
+        state = FullTrainingState(accelerator, model, optimizer)
+        accelerator.register_save_state_pre_hook(lambda models, weights, folder: state.save(folder))
+        accelerator.register_load_state_pre_hook(lambda models, folder: state.load(folder))
+        return model, optimizer
+
+    def check_resumable(self, saved_launch: dict) -> None:
+        if saved_launch["tp_size"] == 1:
+            raise_tp_mismatch(1, self.tp)
+
+    def saved_model_keys(self, folder: Path) -> set[str] | None:
+        return None  # full state in FULL_STATE_FILE, re-sharded by set_state_dict
+
+    def save_pretrained(self, model, folder: Path) -> None:
+        """Every rank: transformers gathers the shards, the main process writes."""
+        model.save_pretrained(folder, is_main_process=self.accelerator.is_main_process)

@@ -1,0 +1,180 @@
+"""Every check that needs the machine, the launch or the model's config, reported together before heavy work.
+
+`config.validate` judges the recipe alone (run when the recipe is loaded, also by `python -m hftrain.data`). The
+preflight runs at the start of training, once the launch is known (`parallel.Launch`), and adds what depends on it:
+
+- machine:  CUDA-only options on a CPU machine, missing optional packages, a C++ compiler for torch_compile;
+- launch:   the preset's precision, its DeepSpeed JSON against the recipe, quantization or tensor parallelism
+            under strategies that cannot run them;
+- model:    the model's config (read without weights): it exists, max_length fits, the architecture suits
+            loss_chunk_tokens;
+- Liger:    every use_liger_kernel rule in one place.
+
+All problems come out as one ConfigError, in one paragraph, before the accelerator, the data or the weights load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+from transformers import AutoConfig, PretrainedConfig
+
+from hftrain.config import Recipe
+from hftrain.errors import ConfigError
+from hftrain.model import HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error
+from hftrain.parallel.deepspeed import deepspeed_problems
+from hftrain.parallel.launch import Launch
+
+TP_WITH_SHARDING_REFUSED = (
+    "tensor parallelism combined with FSDP or DeepSpeed is not available in hftrain: accelerate 1.15 composes TP "
+    "with data parallelism only through ParallelismConfig, which needs FSDP2 with a sharded data dimension "
+    "(dp_shard_size > 1; it refuses TP with pure replication) and accepts only FSDP2, DeepSpeed or multi-GPU "
+    "launches, while accelerate selects FSDP only for GPU-like devices. Use a DDP-type preset (tp, or cpu_ddp / "
+    "multi_gpu with --num_processes a multiple of tp_size): hftrain then averages the gradients of the tp_size-way "
+    "sharded copies itself"
+)
+ACCELERATE_NAMES = {"fsdp2": "FSDP", "deepspeed": "DEEPSPEED"}
+
+
+def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | None:
+    """Raise one ConfigError with every problem found; return the model's config."""
+    model_config, problems = model_problems(recipe)
+    problems = machine_problems(recipe, cuda) + launch_problems(recipe, launch) + problems
+    problems += liger_problems(recipe, cuda, launch, model_config)
+    if problems:
+        raise ConfigError(problems, "recipe for this machine and launch")
+    return model_config
+
+
+def machine_problems(recipe: Recipe, cuda: bool) -> list[str]:
+    """Problems that depend on the machine rather than on the recipe alone (Liger's: `liger_problems`)."""
+    problems = []
+    if recipe.fp16 and not cuda:
+        problems.append("fp16 needs a CUDA GPU (on CPU accelerate would silently train in fp32); "
+                        "use bf16: true or neither")
+    compiler = os.environ.get("CXX", "g++")  # what torch inductor runs to build its CPU kernels on Linux
+    if recipe.torch_compile and not cuda and shutil.which(compiler) is None:
+        problems.append(f"torch_compile on CPU needs a C++ compiler (inductor builds its kernels with {compiler}, "
+                        "the CXX environment variable or g++) and none is on PATH; install g++, point CXX at a "
+                        "compiler, or set torch_compile: false")
+    if recipe.attn_implementation == "flash_attention_2":
+        if not cuda:
+            problems.append("attn_implementation=flash_attention_2 needs a CUDA GPU; use sdpa")
+        if importlib.util.find_spec("flash_attn") is None:
+            problems.append("attn_implementation=flash_attention_2 needs the flash-attn package, which is not "
+                            "installed; pip install flash-attn --no-build-isolation (it compiles against the installed "
+                            "torch and CUDA), or use sdpa")
+    if "mlflow" in recipe.report_to and importlib.util.find_spec("mlflow") is None:
+        problems.append("report_to includes mlflow but the mlflow package is not installed; pip install mlflow "
+                        "(or mlflow-skinny), or drop mlflow from report_to")
+    if recipe.use_peft and recipe.use_dora and recipe.load_in_8bit and not cuda:
+        problems.append("use_dora with load_in_8bit fails on CPU (bitsandbytes 0.50.2 loses the 8-bit scale state "
+                        "at the second forward); use load_in_4bit for a quantized DoRA, or plain LoRA in 8 bits")
+    return problems
+
+
+def launch_problems(recipe: Recipe, launch: Launch) -> list[str]:
+    """Settings the launch preset and the recipe both make differently, and what the strategy cannot run."""
+    problems = []
+    recipe_precision = "bf16" if recipe.bf16 else "fp16" if recipe.fp16 else "no"
+    if launch.mixed_precision not in ("no", recipe_precision):
+        problems.append(f"the accelerate preset sets mixed_precision={launch.mixed_precision} but the recipe has "
+                        f"bf16={recipe.bf16}, fp16={recipe.fp16}; precision comes from the recipe: set it there "
+                        "and use mixed_precision: 'no' in the preset")
+    problems += quantization_problems(recipe, launch)
+    if launch.kind == "deepspeed":
+        if launch.deepspeed_config is None:
+            problems.append("the DeepSpeed preset names no deepspeed_config_file; hftrain's presets point at "
+                            "ds_configs/*.json so that every DeepSpeed setting is visible in one file")
+        else:
+            problems += deepspeed_problems(recipe, launch.deepspeed_config, launch.world)
+    return problems + tensor_parallel_problems(recipe, launch)
+
+
+def quantization_problems(recipe: Recipe, launch: Launch) -> list[str]:
+    """Quantized (QLoRA) recipes that the launch strategy cannot run."""
+    r = recipe
+    if not (r.load_in_4bit or r.load_in_8bit):
+        return []
+    bits = "load_in_4bit" if r.load_in_4bit else "load_in_8bit"
+    problems = []
+    if launch.kind == "deepspeed" and launch.zero_stage == 3:
+        problems.append(f"{bits} with DeepSpeed ZeRO-3 is refused: partitioning bitsandbytes weights is not verified "
+                        "with this stack (a trial with 4-bit weights stored in dtype trained correctly, but a rank "
+                        "aborted at exit in one of six runs; docs/peft.md); use DeepSpeed ZeRO-2, FSDP2 with "
+                        "load_in_4bit and bnb_4bit_quant_storage equal to dtype, or DDP")
+    if launch.kind == "fsdp2" and r.load_in_8bit:
+        problems.append("load_in_8bit with FSDP is refused: accelerate's FSDP2 preparation fails on bitsandbytes 8-bit "
+                        "weights (Int8Params cannot be moved to the meta device for sharding); use load_in_4bit with "
+                        "bnb_4bit_quant_storage equal to dtype")
+    if launch.kind == "fsdp2" and r.load_in_4bit and r.bnb_4bit_quant_storage != r.dtype:
+        problems.append(f"load_in_4bit with FSDP needs bnb_4bit_quant_storage equal to dtype so that packed 4-bit "
+                        f"weights shard like the other parameters (accelerate leaves uint8 ones unsharded: every rank "
+                        f"would hold the whole base); got bnb_4bit_quant_storage="
+                        f"{r.bnb_4bit_quant_storage} and dtype={r.dtype}: set bnb_4bit_quant_storage: {r.dtype}")
+    return problems
+
+
+def tensor_parallel_problems(recipe: Recipe, launch: Launch) -> list[str]:
+    """Tensor-parallel layouts hftrain does not run."""
+    tp, world = recipe.tp_size, launch.world
+    if tp <= 1:
+        return []
+    if launch.kind in ACCELERATE_NAMES:
+        return [f"tp_size={tp} with a {ACCELERATE_NAMES[launch.kind]} preset: {TP_WITH_SHARDING_REFUSED}"]
+    if launch.kind == "single":
+        return [f"tp_size={tp} needs tp_size (or a multiple of it) processes on a DDP-type preset (e.g. tp, or "
+                f"cpu_ddp with --num_processes {tp}); this launch is 1 process"]
+    if world % tp:
+        return [f"tp_size={tp} does not divide the {world} processes of this launch; use a multiple of tp_size "
+                "processes (each group of tp_size consecutive ranks shards one copy of the model)"]
+    return []
+
+
+def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:
+    """Load only the model's config (no weights): a missing model or a too-long max_length fails in seconds."""
+    try:
+        config = AutoConfig.from_pretrained(recipe.model_name_or_path, revision=recipe.model_revision,
+                                            trust_remote_code=recipe.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        return None, [load_error("model", recipe.model_name_or_path, exc)]
+    problems = []
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and recipe.max_length > limit:
+        problems.append(f"max_length={recipe.max_length} is above the model's max_position_embeddings={limit}; "
+                        "lower max_length")
+    if recipe.loss_chunk_tokens and config.model_type not in HEAD_ONLY_MODEL_TYPES:
+        problems.append(f"loss_chunk_tokens={recipe.loss_chunk_tokens} needs logits that are exactly lm_head(hidden "
+                        f"states); hftrain knows that of {', '.join(sorted(HEAD_ONLY_MODEL_TYPES))}, and this model "
+                        f"is {config.model_type!r} (it may scale or cap its logits): set loss_chunk_tokens: 0")
+    return config, problems
+
+
+def liger_problems(recipe: Recipe, cuda: bool, launch: Launch, model_config: PretrainedConfig | None) -> list[str]:
+    """use_liger_kernel: what it needs from the machine, the recipe, the launch and the architecture. (Whether the
+    built head is a plain Linear -- no adapter on lm_head -- is checked by `model.CausalLMTokenLoss`.)"""
+    if not recipe.use_liger_kernel:
+        return []
+    problems = []
+    if not cuda:
+        problems.append("use_liger_kernel needs a CUDA GPU: Liger's kernels are Triton GPU kernels; set "
+                        "use_liger_kernel: false on this machine")
+    if importlib.util.find_spec("liger_kernel") is None:
+        problems.append("use_liger_kernel is set but the liger_kernel package is not installed; pip install "
+                        "liger-kernel==0.8.5 (or pip install -e '.[cuda]'), or set use_liger_kernel: false")
+    if recipe.loss_chunk_tokens > 0:
+        problems.append(f"use_liger_kernel with loss_chunk_tokens={recipe.loss_chunk_tokens}: Liger's fused linear "
+                        "cross-entropy already splits the tokens into chunks and computes their gradients in forward, "
+                        "so hftrain's recomputing chunks would only run it twice; set loss_chunk_tokens: 0")
+    if launch.zero_stage == 3:
+        problems.append("use_liger_kernel under ZeRO-3 is refused: Liger's fused loss reads lm_head.weight without "
+                        "calling lm_head, so ZeRO-3's gather hook never runs and the kernel gets an empty shard (TRL "
+                        "issue #3368); use ZeRO-2, FSDP2 or DDP with Liger, or ZeRO-3 without it")
+    if model_config is not None and model_config.model_type not in LIGER_MODEL_TYPES:
+        problems.append(f"use_liger_kernel needs an architecture with Liger kernels whose logits are exactly "
+                        f"lm_head(hidden states) (for the fused linear cross-entropy): "
+                        f"{', '.join(sorted(LIGER_MODEL_TYPES))}; this model is {model_config.model_type!r}: set "
+                        "use_liger_kernel: false")
+    return problems

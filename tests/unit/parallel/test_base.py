@@ -1,0 +1,79 @@
+"""parallel/base.py: the parallelism record and the model-state memory model, against hand-written accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from hftrain.config import Recipe
+from hftrain.parallel.base import Backend, Parallelism
+from hftrain.parallel.deepspeed import DeepSpeedBackend
+from hftrain.parallel.fsdp import FSDP2Backend
+from hftrain.parallel.tensor import TensorParallelBackend
+
+P, T = 1_000_000, 250_000  # parameters, of which trained
+
+
+@pytest.mark.parametrize("record, words", [
+    (Parallelism("single", "single process", 1, 1, None), "1 process, no distribution"),
+    (Parallelism("ddp", "DDP", 2, 1, "gloo"), "DDP over 2 processes (gloo)"),
+    (Parallelism("deepspeed", "DeepSpeed ZeRO-3", 16, 2, "nccl"), "DeepSpeed ZeRO-3 over 16 processes on 2 machines "
+                                                                   "(nccl)"),
+])
+def test_the_start_up_line_says_the_layout_in_words(record, words):
+    assert record.describe() == words
+
+
+def test_one_process_and_ddp_hold_everything_on_every_device(accelerator):
+    for processes in (1, 2):
+        backend = Backend(accelerator(processes), Recipe())
+        memory = backend.memory(T, P)
+        assert memory["per_device_bytes"] == 4 * P + 4 * T + 8 * T  # fp32 weights, gradients, AdamW moments
+        assert memory["offloaded_bytes"] == 0 and memory["processes"] == processes
+        assert backend.record.kind == ("ddp" if processes == 2 else "single")
+        assert (backend.dp.world, backend.dp.rank) == (processes, 0)
+
+
+def test_sgd_with_momentum_holds_one_buffer_and_plain_sgd_none(accelerator):
+    assert Backend(accelerator(), Recipe(optim="sgd", sgd_momentum=0.9)).memory(T, P)["per_device_bytes"] == \
+        4 * P + 4 * T + 4 * T
+    assert Backend(accelerator(), Recipe(optim="sgd")).memory(T, P)["per_device_bytes"] == 4 * P + 4 * T
+
+
+@pytest.mark.parametrize("stage, offload, expected, offloaded", [
+    # bf16 under DeepSpeed: 2-byte weights and gradients, fp32 master copy + Adam moments = 12 bytes of state
+    (1, {}, 2 * P + 2 * T + 12 * T // 4, 0),
+    (2, {}, 2 * P + 2 * T // 4 + 12 * T // 4, 0),
+    (3, {}, 2 * P // 4 + 2 * T // 4 + 12 * T // 4, 0),
+    (2, {"offload_optimizer": {"device": "cpu"}}, 2 * P + 2 * T // 4, 12 * T // 4),
+    (3, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, 2 * T // 4,
+     2 * P // 4 + 12 * T // 4),
+])
+def test_zero_stages_shard_their_parts_and_offload_moves_them_to_cpu(accelerator, stage, offload, expected,
+                                                                       offloaded):
+    config = {"zero_optimization": {"stage": stage, **offload}}
+    backend = DeepSpeedBackend(accelerator(4, kind="DEEPSPEED", deepspeed_config=config), Recipe(bf16=True))
+    memory = backend.memory(T, P)
+    assert (memory["per_device_bytes"], memory["offloaded_bytes"]) == (expected, offloaded)
+    assert memory["strategy"] == f"DeepSpeed ZeRO-{stage}" + (" + offload" if offload else "")
+    assert backend.record.zero_stage == stage and backend.step_applied_in_backward
+
+
+@pytest.mark.parametrize("reshard, expected, name", [(True, (4 * P + 4 * T + 8 * T) // 4, "FSDP2 FULL_SHARD"),
+                                                     (False, 4 * P + (4 * T + 8 * T) // 4, "FSDP2 SHARD_GRAD_OP")])
+def test_fsdp2_full_shard_splits_everything_and_shard_grad_op_keeps_the_weights(accelerator, reshard, expected, name):
+    from torch.distributed.fsdp import OffloadPolicy
+
+    plugin = type("Plugin", (), {"reshard_after_forward": reshard, "cpu_offload": OffloadPolicy()})()
+    backend = FSDP2Backend(accelerator(4, kind="FSDP", fsdp_plugin=plugin), Recipe())
+    memory = backend.memory(T, P)
+    assert abs(memory["per_device_bytes"] - expected) <= 3  # each part rounds down separately
+    assert memory["strategy"] == name and backend.record.kind == "fsdp2"
+
+
+def test_tensor_parallel_splits_over_the_group_and_each_copy_holds_it_again(accelerator, monkeypatch):
+    monkeypatch.setattr("hftrain.parallel.tensor.tp_groups", lambda world, tp: (None, None))  # no process group here
+    backend = TensorParallelBackend(accelerator(4, index=3, kind="MULTI_CPU"), Recipe(tp_size=2))
+    memory = backend.memory(T, P)
+    assert memory["per_device_bytes"] == (4 * P) // 2 + (4 * T) // 2 + (8 * T) // 2
+    assert memory["strategy"] == "tensor parallel (tp_size=2) x 2 data-parallel copies"
+    assert (backend.dp.world, backend.dp.rank, backend.dp.replicas) == (2, 1, 2)

@@ -1,0 +1,253 @@
+"""preflight.py: every machine, launch and model problem of a run, reported together before any heavy work."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from hftrain.config import Recipe
+from hftrain.errors import ConfigError
+from hftrain.model import LIGER_MODEL_TYPES
+from hftrain.parallel.launch import Launch
+from hftrain.preflight import (
+    launch_problems,
+    liger_problems,
+    machine_problems,
+    model_problems,
+    preflight,
+    quantization_problems,
+    tensor_parallel_problems,
+)
+from tests.conftest import REPO
+from tests.unit.test_model import tiny_config_kwargs
+
+MODEL = REPO / "models" / "tiny-llama"
+ONE = Launch("single", 1, 1)
+
+
+def machine(recipe: Recipe, cuda_available: bool) -> list[str]:
+    """The machine's problems with a recipe on one process (Liger's rules included)."""
+    return machine_problems(recipe, cuda_available) + liger_problems(recipe, cuda_available, ONE, None)
+
+
+def deepspeed(stage: int, world: int = 2, **config) -> Launch:
+    ds = {"zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}, **config}
+    return Launch("deepspeed", world, world, deepspeed_config_path="ds.json", deepspeed_config=ds)
+
+
+def qlora(**values) -> Recipe:
+    return Recipe(model_name_or_path=str(MODEL), use_peft=True, lora_r=4, lora_alpha=8, **values)
+
+
+# ---------------------------------------------------------------------------------------------------- machine
+def test_fp16_refused_without_cuda():
+    problems = machine(Recipe(fp16=True), cuda_available=False)
+    assert len(problems) == 1 and "fp16" in problems[0] and "CUDA" in problems[0]
+    assert machine(Recipe(fp16=True), cuda_available=True) == []
+    assert machine(Recipe(bf16=True), cuda_available=False) == []
+
+
+@pytest.fixture
+def packages(monkeypatch):
+    """Pretend exactly the named optional packages are installed (the others keep their real answer)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    present: set[str] = set()
+    missing: set[str] = set()
+
+    def find_spec(name, *args, **kwargs):
+        if name in present:
+            return importlib.machinery.ModuleSpec(name, None)
+        if name in missing:
+            return None
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+    def set_packages(installed=(), absent=()):
+        present.clear()
+        missing.clear()
+        present.update(installed)
+        missing.update(absent)
+
+    return set_packages
+
+
+def test_torch_compile_on_cpu_needs_the_compiler_inductor_runs(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    (problem,) = machine(Recipe(torch_compile=True), cuda_available=False)
+    assert problem.startswith("torch_compile on CPU needs a C++ compiler") and "no-such-compiler-xyz" in problem
+    assert machine(Recipe(torch_compile=True), cuda_available=True) == []  # CUDA kernels are Triton's
+    assert machine(Recipe(), cuda_available=False) == []
+    monkeypatch.setenv("CXX", sys.executable)  # any executable on the path counts as found
+    assert machine(Recipe(torch_compile=True), cuda_available=False) == []
+
+
+def test_flash_attention_refused_without_cuda(packages):
+    packages(installed=["flash_attn"])
+    problems = machine(Recipe(attn_implementation="flash_attention_2"), cuda_available=False)
+    assert problems == ["attn_implementation=flash_attention_2 needs a CUDA GPU; use sdpa"]
+    assert machine(Recipe(attn_implementation="sdpa"), cuda_available=False) == []
+    assert machine(Recipe(attn_implementation="flash_attention_2"), cuda_available=True) == []
+
+
+def test_flash_attention_refused_without_the_flash_attn_package(packages):
+    packages(absent=["flash_attn"])
+    (problem,) = machine(Recipe(attn_implementation="flash_attention_2"), cuda_available=True)
+    assert "flash-attn package, which is not installed" in problem
+    assert "pip install flash-attn --no-build-isolation" in problem and "use sdpa" in problem
+
+
+def test_liger_refused_without_cuda(packages):
+    packages(installed=["liger_kernel"])
+    (problem,) = machine(Recipe(use_liger_kernel=True), cuda_available=False)
+    assert problem.startswith("use_liger_kernel needs a CUDA GPU: Liger's kernels are Triton GPU kernels;")
+    assert machine(Recipe(use_liger_kernel=True), cuda_available=True) == []
+
+
+def test_liger_refused_without_the_liger_kernel_package(packages):
+    packages(absent=["liger_kernel"])
+    (problem,) = machine(Recipe(use_liger_kernel=True), cuda_available=True)
+    assert "liger_kernel package is not installed" in problem
+    assert "pip install liger-kernel==0.8.5" in problem and "[cuda]" in problem
+    assert machine(Recipe(), cuda_available=True) == []  # off: the package is not needed
+
+
+def test_every_machine_problem_reported_at_once(packages):
+    """On a CPU machine without the packages: fp16, flash attention (GPU and package) and Liger (GPU and package)."""
+    packages(absent=["flash_attn", "liger_kernel"])
+    recipe = Recipe(fp16=True, attn_implementation="flash_attention_2", use_liger_kernel=True)
+    problems = machine(recipe, cuda_available=False)
+    assert len(problems) == 5, problems
+    assert sum("flash_attention_2" in p for p in problems) == 2
+    assert sum(p.startswith("use_liger_kernel") for p in problems) == 2
+    assert any(p.startswith("fp16") for p in problems)
+
+
+def test_dora_with_8bit_refused_on_cpu_only():
+    r = qlora(use_dora=True, load_in_8bit=True)
+    (problem,) = machine(r, cuda_available=False)
+    assert "use_dora with load_in_8bit fails on CPU" in problem
+    assert machine(r, cuda_available=True) == []
+    assert machine(qlora(use_dora=True, load_in_4bit=True), cuda_available=False) == []
+
+
+# ----------------------------------------------------------------------------------------------------- launch
+FSDP2 = Launch("fsdp2", 2, 2)
+
+
+@pytest.mark.parametrize("launch, values, expected", [
+    (deepspeed(3), {"load_in_4bit": True}, "load_in_4bit with DeepSpeed ZeRO-3 is refused"),
+    (deepspeed(3), {"load_in_8bit": True}, "load_in_8bit with DeepSpeed ZeRO-3 is refused"),
+    (FSDP2, {"load_in_8bit": True}, "load_in_8bit with FSDP is refused"),
+    (FSDP2, {"load_in_4bit": True}, "set bnb_4bit_quant_storage: float32"),
+    (FSDP2, {"load_in_4bit": True, "dtype": "bfloat16", "bnb_4bit_quant_storage": "float32"},
+     "bnb_4bit_quant_storage=float32 and dtype=bfloat16: set bnb_4bit_quant_storage: bfloat16"),
+])
+def test_quantized_launch_refusals(launch, values, expected):
+    (problem,) = quantization_problems(qlora(**values), launch)
+    assert expected in problem
+
+
+@pytest.mark.parametrize("launch, values", [
+    (deepspeed(2), {"load_in_4bit": True}),  # QLoRA + ZeRO-2: the 4-bit base is frozen, not partitioned
+    (deepspeed(3), {}),  # LoRA without quantization under ZeRO-3
+    (FSDP2, {"load_in_4bit": True, "dtype": "bfloat16", "bnb_4bit_quant_storage": "bfloat16"}),
+    (Launch("ddp", 2, 2), {"load_in_4bit": True}),
+    (Launch("ddp", 2, 2), {"load_in_8bit": True}),
+    (ONE, {"load_in_8bit": True}),
+])
+def test_quantized_launches_allowed(launch, values):
+    assert quantization_problems(qlora(**values), launch) == []
+
+
+@pytest.mark.parametrize("launch, expected", [
+    (deepspeed(2, world=4), "tp_size=2 with a DEEPSPEED preset: tensor parallelism combined with FSDP or DeepSpeed"),
+    (Launch("fsdp2", 4, 4), "ParallelismConfig, which needs FSDP2 with a sharded data dimension"),
+    (ONE, "tp_size=2 needs tp_size (or a multiple of it) processes on a DDP-type preset"),
+    (Launch("ddp", 3, 3), "tp_size=2 does not divide the 3 processes of this launch"),
+])
+def test_tensor_parallel_layouts_hftrain_does_not_run_are_refused(launch, expected):
+    (problem,) = tensor_parallel_problems(Recipe(tp_size=2), launch)
+    assert expected in problem
+    assert tensor_parallel_problems(Recipe(tp_size=2), Launch("ddp", 4, 4)) == []
+
+
+def test_preset_precision_must_leave_precision_to_the_recipe():
+    (problem,) = launch_problems(Recipe(), Launch("single", 1, 1, mixed_precision="bf16"))
+    assert "the accelerate preset sets mixed_precision=bf16 but the recipe has bf16=False" in problem
+    assert launch_problems(Recipe(bf16=True), Launch("single", 1, 1, mixed_precision="bf16")) == []
+
+
+def test_a_deepspeed_preset_without_its_json_and_a_contradicting_json_are_refused():
+    (problem,) = launch_problems(Recipe(), Launch("deepspeed", 2, 2))
+    assert "names no deepspeed_config_file" in problem
+    (problem,) = launch_problems(Recipe(gradient_accumulation_steps=2), deepspeed(2, gradient_accumulation_steps=4))
+    assert "gradient_accumulation_steps=4 but the recipe gives 2" in problem
+
+
+# ------------------------------------------------------------------------------------------------------ model
+def test_a_missing_model_is_reported_from_its_config(tmp_path):
+    config, (problem,) = model_problems(Recipe(model_name_or_path=str(tmp_path)))  # an empty folder
+    assert config is None and problem.startswith(f"cannot load model {str(tmp_path)!r}")
+
+
+def test_max_length_must_fit_the_model():
+    config, problems = model_problems(Recipe(model_name_or_path=str(MODEL), max_length=32))
+    assert problems == []
+    limit = config.max_position_embeddings
+    _, (problem,) = model_problems(Recipe(model_name_or_path=str(MODEL), max_length=limit + 1))
+    assert f"max_length={limit + 1} is above the model's max_position_embeddings={limit}" in problem
+
+
+def test_loss_chunking_is_refused_for_models_with_their_own_logit_transform(tmp_path):
+    from transformers import Gemma2Config
+
+    Gemma2Config(**tiny_config_kwargs(), head_dim=8, final_logit_softcapping=2.0).save_pretrained(tmp_path)
+    _, (problem,) = model_problems(Recipe(model_name_or_path=str(tmp_path), max_length=32, loss_chunk_tokens=8))
+    assert "loss_chunk_tokens=8 needs logits that are exactly lm_head" in problem and "'gemma2'" in problem
+    assert model_problems(Recipe(model_name_or_path=str(tmp_path), max_length=32))[1] == []  # its own path
+
+
+# ------------------------------------------------------------------------------------------------------ Liger
+def test_liger_is_refused_for_models_without_liger_kernels_or_with_their_own_logit_transform(tmp_path, packages):
+    from transformers import AutoConfig, Gemma2Config
+
+    packages(installed=["liger_kernel"])
+    gemma = Gemma2Config(**tiny_config_kwargs(), head_dim=8, final_logit_softcapping=2.0)
+    (problem,) = liger_problems(Recipe(use_liger_kernel=True), True, ONE, gemma)
+    assert "use_liger_kernel" in problem and "'gemma2'" in problem and "set use_liger_kernel: false" in problem
+    assert ", ".join(sorted(LIGER_MODEL_TYPES)) in problem
+    assert liger_problems(Recipe(use_liger_kernel=True), True, ONE, AutoConfig.from_pretrained(MODEL)) == []
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_liger_is_refused_under_zero3_only(stage, packages):
+    """ZeRO-3 gathers a weight only when its module runs; Liger's fused loss reads lm_head.weight directly."""
+    packages(installed=["liger_kernel"])
+    problems = liger_problems(Recipe(use_liger_kernel=True), True, deepspeed(stage), None)
+    assert problems == ([] if stage == 2 else [p for p in problems if p.startswith("use_liger_kernel under ZeRO-3")])
+    assert len(problems) == (stage == 3)
+
+
+def test_liger_with_loss_chunking_is_refused(packages):
+    packages(installed=["liger_kernel"])
+    (problem,) = liger_problems(Recipe(use_liger_kernel=True, loss_chunk_tokens=8), True, ONE, None)
+    assert problem.startswith("use_liger_kernel with loss_chunk_tokens=8")
+
+
+# ------------------------------------------------------------------------------------------------ all at once
+def test_every_problem_of_machine_launch_and_model_comes_in_one_error(monkeypatch, packages):
+    packages(absent=["flash_attn"])
+    recipe = Recipe(model_name_or_path=str(MODEL), fp16=True, max_length=10**6, tp_size=2,
+                    attn_implementation="flash_attention_2")
+    with pytest.raises(ConfigError) as info:
+        preflight(recipe, Launch("single", 1, 1, mixed_precision="bf16"), cuda=False)
+    text = str(info.value)
+    assert text.startswith("invalid recipe for this machine and launch, 6 problems:"), text
+    for part in ("fp16 needs a CUDA GPU", "flash_attention_2 needs a CUDA GPU", "flash-attn package",
+                 "mixed_precision=bf16", "tp_size=2 needs tp_size", "max_length=1000000"):
+        assert part in text
+    assert preflight(Recipe(model_name_or_path=str(MODEL)), ONE, cuda=False).model_type == "llama"
