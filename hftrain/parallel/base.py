@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from safetensors import safe_open
+from torch.nn.parallel import DistributedDataParallel
 
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError

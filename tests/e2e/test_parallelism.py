@@ -125,7 +125,7 @@ def assert_memory_estimate(run: Run, strategy: str, on_device: float, offloaded:
     assert estimate["strategy"] == strategy
     assert (estimate["per_device_bytes"], estimate["offloaded_bytes"]) == \
         (int(on_device * TINY_PARAMS), int(offloaded * TINY_PARAMS))
-    assert f"parallelism {strategy} over 2 process(es)" in run.stdout
+    assert f"parallelism {strategy} over 2 processes (gloo): model state" in run.stdout
 
 
 def ds_config(run: Run, folder: str) -> dict:
