@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -14,6 +15,12 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 PRESETS = REPO / "accelerate_configs"
+ENTRY = REPO / "hftrain" / "finetune.py"
+TINY_CHAT = ["--config", str(REPO / "recipes" / "tiny-chat.yaml")]  # the embedded default recipe
+# Test-only entry points (faults injected, FSDP2 forced on CPU): they live in the test tree, never in hftrain/
+FSDP_LAUNCHER = REPO / "tests" / "launchers" / "fsdp2_on_cpu.py"
+FAULTY_RANK = REPO / "tests" / "e2e" / "launchers" / "faulty_rank.py"
+MAIN_CASES = REPO / "tests" / "e2e" / "main_cases.py"
 
 
 @pytest.fixture(scope="session")
@@ -45,8 +52,6 @@ class Run:
         return json.loads((self.output_dir / folder / "hftrain_state.json").read_text())
 
 
-ENTRY = REPO / "hftrain" / "finetune.py"
-
 
 def launch_command(output_dir: Path, *args: str, preset: str = "cpu", processes: int | None = None,
                    launch_args: tuple[str, ...] = ("--main_process_port", "0"),  # a free port: no collisions
@@ -73,6 +78,41 @@ def launch(output_dir: Path, *args: str, preset: str = "cpu", processes: int | N
     if check and proc.returncode != 0:
         raise AssertionError(f"launch failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return run
+
+
+def run_script(output_dir: Path, *args: str, env: dict | None = None, check: bool = True, timeout: int = 600,
+               script: Path = ENTRY) -> Run:
+    """`python hftrain/finetune.py --output_dir ...`: one process without accelerate's launcher (~5 s less per run).
+
+    For single-process runs whose property has nothing to do with the launcher; every preset is still run through
+    `launch` by some test.
+    """
+    cmd = [sys.executable, str(script), "--output_dir", str(output_dir), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(env), cwd=REPO, timeout=timeout)
+    run = Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return run
+
+
+def run_main_cases(cases: dict[str, tuple[list[str], dict]], workdir: Path, timeout: int = 900) -> dict[str, Run]:
+    """{name: (argv, extra environment)} -> {name: Run}: `hftrain.finetune.main(argv)` per case, all cases in one
+    Python process (tests/e2e/main_cases.py), for refusals that never reach training. The environment is minimal:
+    nothing of the caller's (no PYTHONPATH, no tracker settings) reaches the entry point."""
+    spec, results = workdir / "cases.json", workdir / "results.json"
+    spec.write_text(json.dumps({name: {"argv": argv, "env": env} for name, (argv, env) in cases.items()}))
+    proc = subprocess.run([sys.executable, str(MAIN_CASES), str(spec), str(results)], capture_output=True, text=True,
+                          cwd=REPO, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(results.read_text())
+    return {name: Run(r["exit_code"], "", r["stderr"], Path(cases[name][0][cases[name][0].index("--output_dir") + 1]))
+            for name, r in out.items()}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -9,12 +9,13 @@ cross-entropy over one padded batch holding all 8 examples of the step.
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, launch, write_jsonl
+from tests.conftest import REPO, launch, run_script, write_jsonl
 
 pytestmark = pytest.mark.launch
 N_EXAMPLES = 8
@@ -50,13 +51,14 @@ def reference(tiny_model, texts) -> dict[str, torch.Tensor]:
 
 def one_sgd_step(tmp_path, tiny_model, texts, processes, batch, accum, *extra):
     data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in texts])
-    run = launch(
+    # 2 processes through `accelerate launch` (cpu_ddp), 1 process without the launcher (nothing of it is tested here)
+    runner = partial(launch, preset="cpu_ddp") if processes > 1 else run_script
+    run = runner(
         tmp_path / f"out-{processes}x{batch}x{accum}", *extra,
         "--model_name_or_path", str(tiny_model), "--dataset_name", str(data), "--validation_split_percentage", "0",
         "--max_steps", "1", "--optim", "sgd", "--learning_rate", "1.0", "--lr_scheduler_type", "constant",
         "--max_grad_norm", "0", "--weight_decay", "0", "--train_sampling_strategy", "sequential",
         "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(accum),
-        preset="cpu_ddp" if processes > 1 else "cpu",
     )
     info = run.state()["launch"]
     assert info["num_processes"] == processes

@@ -1,4 +1,7 @@
-"""End-to-end runs of the real entry script through `accelerate launch` on the tiny model."""
+"""End-to-end runs of the real entry script through `accelerate launch` on the tiny model.
+
+Two processes against one with the same global batch: test_parallelism.py (DDP and every other preset).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, TINY_CHAT, launch, run_script
 
 pytestmark = pytest.mark.launch
 
-DEFAULT = ["--config", str(REPO / "recipes" / "tiny-chat.yaml")]
 TRAIN_KEYS = {"step", "epoch", "loss", "learning_rate", "grad_norm", "tokens_per_second", "trained_tokens",
               "samples_per_second", "peak_memory_mb"}
 
@@ -22,7 +24,7 @@ def final_params(run) -> dict[str, torch.Tensor]:
 
 
 def test_default_recipe_single_process(tmp_path):
-    run = launch(tmp_path / "out", *DEFAULT, "--max_steps", "30", "--logging_steps", "5", "--eval_steps", "15",
+    run = launch(tmp_path / "out", *TINY_CHAT, "--max_steps", "30", "--logging_steps", "5", "--eval_steps", "15",
                  "--save_steps", "10", "--save_total_limit", "2")
     launch_info = run.state()["launch"]
     assert (launch_info["distributed_type"], launch_info["num_processes"]) == ("NO", 1)
@@ -62,38 +64,12 @@ def test_default_recipe_single_process(tmp_path):
     assert not torch.equal(model.model.embed_tokens.weight, start.model.embed_tokens.weight)
 
 
-def test_two_process_ddp_matches_one_process(tmp_path):
-    """2 ranks x 8 examples equals 1 rank x 8 x 2 accumulation: same losses, schedule and weights."""
-    common = [*DEFAULT, "--max_steps", "8", "--logging_steps", "1", "--lr_scheduler_type", "cosine",
-              "--warmup_steps", "3", "--validation_split_percentage", "0", "--save_steps", "4"]
-    one = launch(tmp_path / "one", *common, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2")
-    two = launch(tmp_path / "two", *common, "--per_device_train_batch_size", "8", preset="cpu_ddp")
-
-    info = two.state()["launch"]
-    assert (info["distributed_type"], info["num_processes"], info["backend"]) == ("MULTI_CPU", 2, "gloo")
-    assert info["model_wrapper"] == "DistributedDataParallel"
-    assert two.state()["effective_batch_size"] == one.state()["effective_batch_size"] == 16
-
-    rows_one, rows_two = one.train_rows(), two.train_rows()
-    # the schedule is defined in optimizer steps, not in per-process scheduler calls
-    assert [r["learning_rate"] for r in rows_two] == [r["learning_rate"] for r in rows_one]
-    assert [r["trained_tokens"] for r in rows_two] == [r["trained_tokens"] for r in rows_one]
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in rows_two]),
-                               torch.tensor([r["loss"] for r in rows_one]), rtol=1e-5, atol=1e-6)
-    p1, p2 = final_params(one), final_params(two)
-    for name in p1:
-        torch.testing.assert_close(p2[name], p1[name], rtol=1e-4, atol=1e-6)
-    # a 2-process checkpoint is complete (one RNG state per rank)
-    assert sorted(p.name for p in (two.output_dir / "checkpoint-4").glob("random_states_*")) == [
-        "random_states_0.pkl", "random_states_1.pkl"]
-
-
 def test_resume_mid_epoch_reproduces_uninterrupted_run(tmp_path):
     # 64 examples / 8 per step = 8 steps per epoch; resuming at step 10 starts mid-way through epoch 2
-    common = [*DEFAULT, "--max_samples", "64", "--validation_split_percentage", "0", "--max_steps", "14",
+    common = [*TINY_CHAT, "--max_samples", "64", "--validation_split_percentage", "0", "--max_steps", "14",
               "--per_device_train_batch_size", "8", "--logging_steps", "1", "--save_steps", "5",
               "--train_sampling_strategy", "random", "--lr_scheduler_type", "cosine"]
-    full = launch(tmp_path / "full", *common)
+    full = run_script(tmp_path / "full", *common)  # without the launcher: it is the reference, not the property
     assert full.state("checkpoint-10")["progress"] == {"step": 10, "epoch": 1, "step_in_epoch": 2,
                                                        "trained_tokens": sum(r["trained_tokens"] for r in
                                                                              full.train_rows()[9:10]),
@@ -145,7 +121,7 @@ def test_text_data_bf16_with_python_m(tmp_path):
 ])
 def test_bad_input_fails_fast_with_one_paragraph(tmp_path, args, expected):
     out = tmp_path / "out"
-    run = launch(out, *DEFAULT, *args, check=False)
+    run = launch(out, *TINY_CHAT, *args, check=False)
     assert run.returncode != 0
     lines = run.stderr[run.stderr.index("hftrain: error:"):].splitlines()
     paragraph = []
@@ -164,6 +140,6 @@ def test_bad_input_fails_fast_with_one_paragraph(tmp_path, args, expected):
 def test_refuses_to_overwrite_a_previous_run(tmp_path):
     out = tmp_path / "out"
     (out / "checkpoint-5").mkdir(parents=True)
-    run = launch(out, *DEFAULT, "--max_steps", "2", check=False)
+    run = launch(out, *TINY_CHAT, "--max_steps", "2", check=False)
     assert run.returncode != 0 and "already holds a run" in run.stderr  # the launcher turns exit 2 into 1
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-5"]

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, launch, write_jsonl
+from tests.conftest import REPO, launch, run_main_cases, run_script, write_jsonl
 
 pytestmark = pytest.mark.launch
 N_EVAL = 16
@@ -51,12 +51,13 @@ def common_args(tiny_model: Path, eval_file: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_model, eval_file):
-    """One 16-step run per method (launched on first use, shared by the tests of this module)."""
+    """One 16-step run per method (run on first use, shared by the tests of this module). Without the launcher:
+    the methods are the property here, the 2-process and refusal tests below go through it."""
     runs = {}
 
     def get(method: str):
         if method not in runs:
-            runs[method] = launch(tmp_path_factory.mktemp(method) / "out", *common_args(tiny_model, eval_file),
+            runs[method] = run_script(tmp_path_factory.mktemp(method) / "out", *common_args(tiny_model, eval_file),
                                   *METHODS[method], "--max_steps", "16", "--eval_steps", "8", "--save_steps", "8")
         return runs[method]
 
@@ -177,7 +178,7 @@ def test_qlora_two_process_ddp_with_checkpointing_matches_one_process(tmp_path, 
     """QLoRA + 2-rank DDP + non-reentrant gradient checkpointing: real DDP, same steps as 1 rank x 2 accumulation."""
     common = [*common_args(tiny_model, eval_file), *METHODS["qlora_4bit"], "--lora_dropout", "0",
               "--gradient_checkpointing", "--max_steps", "6", "--per_device_train_batch_size", "4"]
-    one = launch(tmp_path / "one", *common, "--gradient_accumulation_steps", "2")
+    one = run_script(tmp_path / "one", *common, "--gradient_accumulation_steps", "2")
     two = launch(tmp_path / "two", *common, preset="cpu_ddp")
     info = two.state()["launch"]
     assert (info["distributed_type"], info["num_processes"], info["backend"]) == ("MULTI_CPU", 2, "gloo")
@@ -287,18 +288,26 @@ def test_refused_combinations_through_the_launcher(tmp_path, args, expected):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
-     "load_in_4bit with DeepSpeed ZeRO-3 is refused"),
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, "set bnb_4bit_quant_storage: float32"),
-])
-def test_quantized_launch_refused_before_loading(tmp_path, env, expected):
+QUANTIZED_UNDER_PRESET = {  # what `accelerate launch` passes for a ZeRO-3 / FSDP preset (environment variables)
+    "zero3": ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+              "load_in_4bit with DeepSpeed ZeRO-3 is refused"),
+    "fsdp2": ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, "set bnb_4bit_quant_storage: float32"),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized_refusals(tmp_path_factory) -> dict:
+    """Both cases through `hftrain.finetune.main(argv)` in one Python process (tests/e2e/main_cases.py)."""
+    root = tmp_path_factory.mktemp("quantized-refused")
+    cases = {name: (["--config", str(REPO / "recipes" / "tiny-chat.yaml"), "--output_dir", str(root / name / "out"),
+                     "--use_peft", "--load_in_4bit"], env) for name, (env, _) in QUANTIZED_UNDER_PRESET.items()}
+    return run_main_cases(cases, root)
+
+
+@pytest.mark.parametrize("preset", QUANTIZED_UNDER_PRESET)
+def test_quantized_launch_refused_before_loading(quantized_refusals, preset):
     """What `accelerate launch` passes for a ZeRO-3 / FSDP preset (environment variables), without those presets."""
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "hftrain.finetune", "--config", str(REPO / "recipes" / "tiny-chat.yaml"),
-           "--output_dir", str(out), "--use_peft", "--load_in_4bit"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env}, timeout=300)
-    assert proc.returncode == 2
-    assert expected in first_paragraph(proc.stderr) and "Traceback" not in proc.stderr
-    assert not out.exists()
+    run, expected = quantized_refusals[preset], QUANTIZED_UNDER_PRESET[preset][1]
+    assert run.returncode == 2
+    assert expected in first_paragraph(run.stderr) and "Traceback" not in run.stderr
+    assert not run.output_dir.exists()

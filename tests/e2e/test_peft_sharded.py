@@ -19,12 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, Run, launch, write_jsonl
+from tests.conftest import FSDP_LAUNCHER, REPO, Run, launch, run_script, write_jsonl
 from tests.e2e.test_peft import adapter_model, eval_loss, first_paragraph, logits
 
 pytestmark = pytest.mark.launch
 
-FSDP_LAUNCHER = REPO / "tests" / "launchers" / "fsdp2_on_cpu.py"
 N_EVAL = 16
 QLORA = ["--load_in_4bit", "--bnb_4bit_use_double_quant"]
 ONE_PROCESS = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"]
@@ -53,12 +52,13 @@ def args(tmp_path_factory, tiny_model, eval_texts) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, args):
-    """1-process runs (launched on first use): 'lora' and 'qlora'."""
+    """1-process runs (run on first use, without the launcher: the runs compared with them are launched): 'lora' and
+    'qlora'."""
     runs = {}
 
     def get(method: str) -> Run:
         if method not in runs:
-            runs[method] = launch(tmp_path_factory.mktemp(f"ref-{method}") / "out", *args,
+            runs[method] = run_script(tmp_path_factory.mktemp(f"ref-{method}") / "out", *args,
                                   *(QLORA if method == "qlora" else []), *ONE_PROCESS)
         return runs[method]
 

@@ -1,11 +1,15 @@
-"""Every shipped tiny recipe runs through the real launcher; packing stays exact under DDP."""
+"""Every shipped tiny recipe trains through the real entry script; packing stays exact under DDP.
+
+The recipes run without accelerate's launcher (their preset, cpu, is launched by test_finetune.py): what is
+tested here is the recipe, its data format and its defaults.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, launch, run_script
 
 pytestmark = pytest.mark.launch
 TINY_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("tiny-*.yaml"))
@@ -18,7 +22,7 @@ def test_every_tiny_recipe_is_covered():
 
 @pytest.mark.parametrize("recipe", TINY_RECIPES)
 def test_tiny_recipe_trains(tmp_path, recipe):
-    run = launch(tmp_path / "out", "--config", str(REPO / "recipes" / recipe), "--max_steps", "8",
+    run = run_script(tmp_path / "out", "--config", str(REPO / "recipes" / recipe), "--max_steps", "8",
                  "--logging_steps", "1", "--learning_rate", "5e-3")
     rows = run.train_rows()
     assert [r["step"] for r in rows] == list(range(1, 9))
@@ -30,7 +34,7 @@ def test_tiny_recipe_trains(tmp_path, recipe):
 def test_packing_under_two_process_ddp_equals_one_process(tmp_path):
     common = ["--config", str(REPO / "recipes" / "tiny-chat-packed.yaml"), "--max_steps", "4", "--logging_steps", "1",
               "--validation_split_percentage", "0", "--per_device_train_batch_size", "2"]
-    one = launch(tmp_path / "one", *common, "--gradient_accumulation_steps", "2")
+    one = run_script(tmp_path / "one", *common, "--gradient_accumulation_steps", "2")
     two = launch(tmp_path / "two", *common, preset="cpu_ddp")
     assert two.state()["launch"]["model_wrapper"] == "DistributedDataParallel"
     assert two.state()["launch"]["num_processes"] == 2
@@ -46,7 +50,7 @@ def test_packing_under_two_process_ddp_equals_one_process(tmp_path):
 def test_dataset_smaller_than_a_global_batch_is_refused(tmp_path):
     data = tmp_path / "few.jsonl"
     data.write_text('{"text": "one"}\n{"text": "two"}\n{"text": "three"}\n')
-    run = launch(tmp_path / "out", "--dataset_name", str(data), "--validation_split_percentage", "0",
+    run = run_script(tmp_path / "out", "--dataset_name", str(data), "--validation_split_percentage", "0",
                  "--per_device_train_batch_size", "4", check=False)
     assert run.returncode != 0
     assert "fewer than one global batch of 4" in run.stderr.replace("\n", " ")

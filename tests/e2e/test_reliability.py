@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,20 +20,30 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import BIN, PRESETS, REPO, Run, launch, write_jsonl
+from tests.conftest import (
+    FAULTY_RANK,
+    REPO,
+    TINY_CHAT,
+    Run,
+    launch,
+    launch_command,
+    launch_env,
+    run_main_cases,
+    run_script,
+    write_jsonl,
+)
 
 pytestmark = pytest.mark.launch
-RECIPE = ["--config", str(REPO / "recipes" / "tiny-chat.yaml"), "--max_samples", "160",
+RECIPE = [*TINY_CHAT, "--max_samples", "160",
           "--validation_split_percentage", "0", "--per_device_train_batch_size", "8", "--logging_steps", "1",
           "--lr_scheduler_type", "cosine", "--train_sampling_strategy", "random", "--eval_steps", "none",
           "--save_total_limit", "none"]
 
 
 def start(output_dir: Path, *args: str, preset: str = "cpu") -> subprocess.Popen:
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(PRESETS / f"{preset}.yaml"),
-           "--main_process_port", "0", str(REPO / "hftrain" / "finetune.py"), "--output_dir", str(output_dir), *args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """`launch` without waiting: the test sends signals to the training processes while they run."""
+    return subprocess.Popen(launch_command(output_dir, *args, preset=preset), cwd=REPO, env=launch_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def trainers(launcher: subprocess.Popen, expected: int, timeout: float = 120) -> list[psutil.Process]:
@@ -79,7 +88,9 @@ def assert_same_run(resumed: Run, reference: Run) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Run:
-    return launch(tmp_path_factory.mktemp("reference") / "out", *RECIPE, "--max_steps", "30")
+    """The uninterrupted 1-process run; checkpoints every 10 steps (saving changes no number) for the damage test.
+    Without the launcher: the preemption and kill tests launch their own 1-process runs through it."""
+    return run_script(tmp_path_factory.mktemp("reference") / "out", *RECIPE, "--max_steps", "30", "--save_steps", "10")
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +146,10 @@ def test_kill_9_at_any_moment_of_constant_checkpointing_leaves_a_resumable_run(t
 
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference):
     out = tmp_path / "out"
-    args = [*RECIPE, "--max_steps", "30", "--save_steps", "10"]
-    first = launch(out, *args)
-    shutil.rmtree(first.output_dir / "final")
-    shutil.rmtree(first.output_dir / "checkpoint-30")
+    args = [*RECIPE, "--max_steps", "30", "--save_steps", "10"]  # the reference's own recipe
+    shutil.copytree(reference.output_dir, out)  # the run, as if it had stopped after writing checkpoint-20
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoint-30")
     model_file = out / "checkpoint-20" / "model.safetensors"
     model_file.write_bytes(model_file.read_bytes()[:1000])  # truncated, as by a full disk
     resumed = launch(out, *args, "--resume_from_checkpoint", "latest")
@@ -172,7 +183,7 @@ def nan_args(poisoned) -> list[str]:
 
 
 def test_nan_steps_are_skipped_and_counted(tmp_path, poisoned):
-    run = launch(tmp_path / "out", *nan_args(poisoned), "--nan_policy", "skip_step")
+    run = run_script(tmp_path / "out", *nan_args(poisoned), "--nan_policy", "skip_step")
     rows = run.train_rows()
     assert [r["nan_skipped_steps"] for r in rows] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
     assert rows[3]["loss"] is None and rows[7]["loss"] is None  # a skipped step contributes no loss
@@ -183,7 +194,7 @@ def test_nan_steps_are_skipped_and_counted(tmp_path, poisoned):
 
 
 def test_nan_stops_with_a_checkpoint_of_the_last_good_step(tmp_path, poisoned):
-    run = launch(tmp_path / "out", *nan_args(poisoned), check=False)  # nan_policy defaults to stop
+    run = run_script(tmp_path / "out", *nan_args(poisoned), check=False)  # nan_policy defaults to stop
     assert run.returncode != 0
     assert "step 4 has a non-finite gradient norm" in run.stderr.replace("\n", " ")
     assert sorted(p.name for p in run.output_dir.glob("checkpoint-*")) == ["checkpoint-3"]
@@ -193,11 +204,6 @@ def test_nan_stops_with_a_checkpoint_of_the_last_good_step(tmp_path, poisoned):
 
 
 # ---------------------------------------------------------------------------- bad input
-def run_entry(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hftrain.finetune", *args], capture_output=True, text=True, cwd=REPO,
-                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **(env or {})}, timeout=300)
-
-
 def write(path: Path, text: str) -> Path:
     path.write_text(text, encoding="utf-8")
     return path
@@ -242,33 +248,49 @@ BAD_INPUT = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_INPUT))
-def test_bad_input_is_refused_before_any_write(tmp_path, case):
-    make_args, expected = BAD_INPUT[case]
-    out = tmp_path / "out"
-    env = {"ACCELERATE_MIXED_PRECISION": "bf16"} if case == "precision conflict with preset" else {}
-    proc = run_entry("--output_dir", str(out), *make_args(tmp_path), env=env)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    message = proc.stderr[proc.stderr.index("hftrain: error:"):]
-    assert expected in message.replace("\n", " ")
-    assert "Traceback" not in proc.stderr
-    assert not out.exists(), "nothing may be written for refused input"
-
-
-def test_a_refused_run_leaves_an_existing_output_dir_untouched(tmp_path):
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def existing_run(tmp_path_factory) -> tuple[Path, dict]:
+    """A folder holding a previous run, and the modification time of everything in it."""
+    out = tmp_path_factory.mktemp("existing") / "out"
     (out / "checkpoint-5").mkdir(parents=True)
     (out / "metrics.jsonl").write_text('{"step": 5}\n')
-    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
-    proc = run_entry("--output_dir", str(out), "--max_steps", "2")
-    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    return out, {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory, existing_run) -> dict[str, Run]:
+    """Every BAD_INPUT case, plus a run into a folder that already holds one, through `hftrain.finetune.main(argv)`:
+    all in one Python process (tests/e2e/main_cases.py) instead of one process each. Launches through
+    `accelerate launch` refuse bad input in test_finetune.py; here is every message and the 'nothing written'."""
+    root = tmp_path_factory.mktemp("refused")
+    cases = {}
+    for i, (name, (make_args, _)) in enumerate(sorted(BAD_INPUT.items())):
+        folder = root / f"case{i}"
+        folder.mkdir()
+        env = {"ACCELERATE_MIXED_PRECISION": "bf16"} if name == "precision conflict with preset" else {}
+        cases[name] = (["--output_dir", str(folder / "out"), *make_args(folder)], env)
+    cases["existing run"] = (["--output_dir", str(existing_run[0]), "--max_steps", "2"], {})
+    return run_main_cases(cases, root)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_is_refused_before_any_write(refused, case):
+    run, expected = refused[case], BAD_INPUT[case][1]
+    assert run.returncode == 2, run.stderr[-2000:]
+    message = run.stderr[run.stderr.index("hftrain: error:"):]
+    assert expected in message.replace("\n", " ")
+    assert "Traceback" not in run.stderr
+    assert not run.output_dir.exists(), "nothing may be written for refused input"
+
+
+def test_a_refused_run_leaves_an_existing_output_dir_untouched(refused, existing_run):
+    out, before = existing_run
+    run = refused["existing run"]
+    assert run.returncode == 2 and "already holds a run" in run.stderr
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
 # ----------------------------------------------------------------------------- collective timeouts
-FAULTY = REPO / "tests" / "e2e" / "launchers" / "faulty_rank.py"
-
-
 @pytest.mark.parametrize("fault, message", [
     ("stuck_data", r"rank 1 of 2 timed out after 20s waiting for the other ranks during data preparation"),
     ("stuck_step", r"rank 0 of 2 timed out after 20s waiting for the other ranks during training step \d+"),
@@ -278,7 +300,7 @@ def test_a_stuck_rank_ends_the_run_with_a_message_naming_rank_and_phase(tmp_path
     ddp_timeout with one readable line instead of hanging or printing a gloo traceback."""
     started = time.time()
     run = launch(tmp_path / "out", *RECIPE, "--max_steps", "8", "--per_device_train_batch_size", "4",
-                 "--ddp_timeout", "20", preset="cpu_ddp", script=FAULTY, check=False, timeout=400,
+                 "--ddp_timeout", "20", preset="cpu_ddp", script=FAULTY_RANK, check=False, timeout=400,
                  env={"HFTRAIN_TEST_FAULTS": fault, "HFTRAIN_TEST_STALL": "600"})
     assert run.returncode != 0
     assert re.search(message, run.stderr.replace("\n", " ")), run.stderr[-3000:]

@@ -9,11 +9,10 @@ import time
 import pytest
 from transformers import AutoConfig
 
-from tests.conftest import REPO, launch
+from tests.conftest import FAULTY_RANK, REPO, TINY_CHAT, launch, run_script
 
 pytestmark = pytest.mark.launch
 
-DEFAULT = ["--config", str(REPO / "recipes" / "tiny-chat.yaml")]
 NEW_KEYS = {"total_tokens_per_second", "tokens_per_second_per_device", "effective_batch_size", "step_time",
             "data_wait_time", "forward_backward_time", "optimizer_time", "tflops_per_device", "mfu", "device_hours",
             "cost", "rank0/tokens_per_second", "rank0/own_tokens_per_second", "rank0/loss", "rank0/peak_memory_mb"}
@@ -30,7 +29,7 @@ def windows(rows: list[dict], logging_steps: int) -> list[tuple[dict, int, int]]
 
 def test_two_rank_metrics_are_consistent(tmp_path):
     started = time.monotonic()
-    run = launch(tmp_path / "out", *DEFAULT, "--max_steps", "9", "--logging_steps", "3", "--eval_steps", "6",
+    run = launch(tmp_path / "out", *TINY_CHAT, "--max_steps", "9", "--logging_steps", "3", "--eval_steps", "6",
                  "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
                  "--device_peak_tflops", "2.0", "--cost_per_gpu_hour", "3.5", "--disable_tqdm", preset="cpu_ddp")
     wall = time.monotonic() - started
@@ -99,10 +98,10 @@ def test_two_rank_metrics_are_consistent(tmp_path):
 
 def test_straggler_and_desync_are_reported(tmp_path):
     """Rank 1 is slowed down and, after step 3, its replica drifts: both are named in warnings and metrics."""
-    run = launch(tmp_path / "out", *DEFAULT, "--max_steps", "6", "--logging_steps", "2",
+    run = launch(tmp_path / "out", *TINY_CHAT, "--max_steps", "6", "--logging_steps", "2",
                  "--per_device_train_batch_size", "4", "--validation_split_percentage", "0",
                  "--straggler_threshold", "0.3", "--disable_tqdm", preset="cpu_ddp",
-                 script=REPO / "tests" / "e2e" / "launchers" / "faulty_rank.py",
+                 script=FAULTY_RANK,
                  env={"HFTRAIN_TEST_FAULTS": "slow_forward,diverge"})
     rows = run.train_rows()
     assert [r["step"] for r in rows] == [1, 2, 4, 6]
@@ -117,7 +116,7 @@ def test_straggler_and_desync_are_reported(tmp_path):
 
 
 def test_profiler_writes_a_trace_of_the_requested_steps(tmp_path):
-    run = launch(tmp_path / "out", *DEFAULT, "--max_steps", "5", "--logging_steps", "5", "--profile_steps", "2",
+    run = run_script(tmp_path / "out", *TINY_CHAT, "--max_steps", "5", "--logging_steps", "5", "--profile_steps", "2",
                  "--profile_start_step", "2", "--validation_split_percentage", "0")
     traces = list((run.output_dir / "profile").glob("rank0*.pt.trace.json"))
     assert len(traces) == 1

@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, Run
-from tests.e2e.test_parallelism import free_port
+from tests.conftest import REPO, Run, free_port
 
 pytestmark = pytest.mark.launch
 SHIMS = REPO / "tests" / "launchers" / "slurm_shims"
