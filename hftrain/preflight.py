@@ -149,7 +149,29 @@ def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:
         problems.append(f"loss_chunk_tokens={recipe.loss_chunk_tokens} needs logits that are exactly lm_head(hidden "
                         f"states); hftrain knows that of {', '.join(sorted(HEAD_ONLY_MODEL_TYPES))}, and this model "
                         f"is {config.model_type!r} (it may scale or cap its logits): set loss_chunk_tokens: 0")
+    problems += saved_quantization_problems(recipe, config)
     return config, problems
+
+
+def saved_quantization_problems(recipe: Recipe, config: PretrainedConfig) -> list[str]:
+    """A `quantization_config` in the model's own config.json: the weights were saved quantized (or claim to be).
+    transformers then treats the loaded model as quantized and refuses to save full weights, which a run would only
+    find out at its final save, after training."""
+    saved = getattr(config, "quantization_config", None)
+    if saved is None:
+        return []
+    method = saved.get("quant_method") if isinstance(saved, dict) else getattr(saved, "quant_method", None)
+    method = str(getattr(method, "value", method))
+    if method == "gguf":
+        return [f"{recipe.model_name_or_path}'s config.json declares quantization_config quant_method 'gguf', but "
+                "GGUF is a file format, not a state of these weights: transformers would mark the model as quantized "
+                "and refuse to save it after training. Delete the quantization_config entry from config.json (older "
+                "versions of scripts/convert_gguf.py wrote it; the current one does not)"]
+    if not recipe.use_peft:
+        return [f"{recipe.model_name_or_path} was saved quantized ({method}): full fine-tuning cannot update or save "
+                "quantized weights (transformers refuses to save them after training); set use_peft: true to train "
+                "LoRA adapters on the quantized base, or start from the unquantized model"]
+    return []
 
 
 def liger_problems(recipe: Recipe, cuda: bool, launch: Launch, model_config: PretrainedConfig | None) -> list[str]:

@@ -44,7 +44,12 @@ def convert(gguf_file: Path, out_dir: Path, dtype: str = "float32") -> dict:
     folder, name = str(gguf_file.parent), gguf_file.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    config = loaded.config
+    # transformers marks a model read from GGUF with quantization_config {"quant_method": "gguf"}; the weights written
+    # here are plain tensors, and a folder claiming otherwise cannot be saved after full fine-tuning.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:  # lm_head is tied to the embeddings
         sys.exit(f"convert_gguf: weights do not match the architecture: missing {missing}, unexpected {unexpected}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -209,6 +211,29 @@ def test_loss_chunking_is_refused_for_models_with_their_own_logit_transform(tmp_
     _, (problem,) = model_problems(Recipe(model_name_or_path=str(tmp_path), max_length=32, loss_chunk_tokens=8))
     assert "loss_chunk_tokens=8 needs logits that are exactly lm_head" in problem and "'gemma2'" in problem
     assert model_problems(Recipe(model_name_or_path=str(tmp_path), max_length=32))[1] == []  # its own path
+
+
+def with_saved_quantization(folder: Path, quantization: dict) -> Path:
+    """A copy of the tiny model's config whose config.json declares `quantization`."""
+    config = json.loads((MODEL / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    return folder
+
+
+def test_a_model_folder_that_claims_gguf_quantization_is_refused_before_training(tmp_path):
+    # transformers would load it, train it, then refuse save_pretrained ("quantized with gguf and is not
+    # serializable"): the converted SmolLM2 folder of older convert_gguf.py versions did exactly this
+    folder = str(with_saved_quantization(tmp_path, {"quant_method": "gguf"}))
+    for use_peft in (False, True):
+        _, (problem,) = model_problems(Recipe(model_name_or_path=folder, max_length=32, use_peft=use_peft))
+        assert "quant_method 'gguf'" in problem and "Delete the quantization_config entry" in problem
+
+
+def test_full_fine_tuning_of_a_model_saved_quantized_is_refused_lora_is_not(tmp_path):
+    folder = str(with_saved_quantization(tmp_path, {"quant_method": "bitsandbytes", "load_in_4bit": True}))
+    _, (problem,) = model_problems(Recipe(model_name_or_path=folder, max_length=32, use_peft=False))
+    assert "was saved quantized (bitsandbytes)" in problem and "use_peft: true" in problem
+    assert model_problems(Recipe(model_name_or_path=folder, max_length=32, use_peft=True))[1] == []
 
 
 # ------------------------------------------------------------------------------------------------------ Liger
