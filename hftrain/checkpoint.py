@@ -159,7 +159,7 @@ def save_checkpoint(backend, output_dir: Path, recipe: Recipe, progress: Progres
 
 def clear_run(output_dir: Path) -> None:
     """Remove a previous run's checkpoints, final model, metrics, profiler traces and report (overwrite_output_dir)."""
-    for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f".tmp-{PREFIX}*"),
+    for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f".tmp-{PREFIX}*"), output_dir / ".tmp-final",
                 *output_dir.glob(f"{UNIVERSAL_PREFIX}{PREFIX}*"), output_dir / "final",
                 output_dir / "profile", output_dir / "report"]:
         shutil.rmtree(old, ignore_errors=True)
@@ -264,11 +264,21 @@ def realign(progress: Progress, saved_global_batch: int, plan) -> Progress:
     return replace(progress, step_in_epoch=step_in_epoch, world_size=plan.world)
 
 
-def save_final(backend, model, tokenizer, folder: Path) -> None:
-    """A standard folder from the wrapped model, + tokenizer: `AutoModelForCausalLM.from_pretrained` loads a full
-    fine-tune, `PeftModel.from_pretrained(base, folder)` an adapter (peft's save_pretrained keeps only the adapter
-    weights of the state dict it is given)."""
-    backend.save_pretrained(model, folder)  # gathered from DDP / FSDP2 / ZeRO-3 / TP shards
-    if backend.accelerator.is_main_process:
-        tokenizer.save_pretrained(folder)
-    backend.accelerator.wait_for_everyone()
+def save_final(backend, model, tokenizer, folder: Path, recipe: Recipe, progress: Progress, run_info: dict) -> None:
+    """A standard folder from the wrapped model, + tokenizer and run files: `AutoModelForCausalLM.from_pretrained`
+    loads a full fine-tune, `PeftModel.from_pretrained(base, folder)` an adapter (peft's save_pretrained keeps only
+    the adapter weights of the state dict it is given). Written to `.tmp-final` and renamed when complete: a save that
+    fails midway leaves no `final/` that looks valid."""
+    accelerator = backend.accelerator
+    tmp = folder.with_name(f".tmp-{folder.name}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    backend.save_pretrained(model, tmp)  # gathered from DDP / FSDP2 / ZeRO-3 / TP shards
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(tmp)
+        write_run_files(tmp, recipe, progress, run_info)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+        _fsync(folder.parent)
+    accelerator.wait_for_everyone()

@@ -35,7 +35,7 @@ from hftrain.data import (
     training_plan,
     training_rows,
 )
-from hftrain.errors import HftrainError, run_tool
+from hftrain.errors import HftrainError, first_line, run_tool
 from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
 from hftrain.model import (
     CausalLMTokenLoss,
@@ -408,23 +408,44 @@ class Finetune:
 
     # ------------------------------------------------------------------------------------------ finish
     def finish(self) -> Path:
-        """Final evaluation, the final model (full size whatever the backend) and its run files."""
-        recipe, progress = self.recipe, self.progress
+        """The final model first, then the final evaluation: whatever the evaluation does, the trained model is kept."""
+        final_dir = self.save_final()
         if self.eval_set is not None:
-            with phase(self.accelerator, "the final evaluation", recipe.ddp_timeout):
-                metrics = self.evaluate()
-            self.logger.log({"step": progress.step, **metrics})
-            self.logger.print(f"hftrain: eval_loss {metrics['eval_loss']:.4f} after {progress.step} steps")
-        final_dir = self.output_dir / "final"
-        with phase(self.accelerator, "saving the final model", recipe.ddp_timeout):
-            checkpoint.save_final(self.backend, self.model, self.tokenizer, final_dir)
-        info = self.current_run_info()
-        if self.accelerator.is_main_process:
-            checkpoint.write_run_files(final_dir, recipe, progress, info)
-        cost = f" (cost {info['device_hours'] * recipe.cost_per_gpu_hour:.2f})" if recipe.cost_per_gpu_hour else ""
-        self.logger.print(f"hftrain: final model saved to {final_dir}; {info['device_hours']:.4f} device-hours{cost}")
+            self.final_evaluation(final_dir)
+        device_hours = self.meter.device_hours()
+        cost = f" (cost {device_hours * self.recipe.cost_per_gpu_hour:.2f})" if self.recipe.cost_per_gpu_hour else ""
+        self.logger.print(f"hftrain: final model saved to {final_dir}; {device_hours:.4f} device-hours{cost}")
         self.logger.close()
         return final_dir
+
+    def save_final(self) -> Path:
+        """The final model (full size whatever the backend) with its run files. If saving fails, the trained state is
+        kept as a checkpoint instead of being lost with the process."""
+        final_dir = self.output_dir / "final"
+        try:
+            with phase(self.accelerator, "saving the final model", self.recipe.ddp_timeout):
+                checkpoint.save_final(self.backend, self.model, self.tokenizer, final_dir, self.recipe, self.progress,
+                                      self.current_run_info())
+        except HftrainError:  # e.g. a collective timed out: another save would wait on the same ranks
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure: keep what was trained, then report
+            rescue = self.save_checkpoint()
+            raise HftrainError(
+                f"saving the final model to {final_dir} failed ({first_line(exc)}); the trained state after step "
+                f"{self.progress.step} is kept in {rescue}: fix the cause and rerun with --resume_from_checkpoint "
+                f"{rescue} (it resumes at the end and saves the final model without training again)"
+            ) from exc
+        return final_dir
+
+    def final_evaluation(self, final_dir: Path) -> None:
+        try:
+            with phase(self.accelerator, "the final evaluation", self.recipe.ddp_timeout):
+                metrics = self.evaluate()
+        except Exception as exc:  # noqa: BLE001 - the model is saved; say so next to the cause
+            raise HftrainError(f"the final evaluation failed ({first_line(exc)}); the trained model was saved to "
+                               f"{final_dir} before it") from exc
+        self.logger.log({"step": self.progress.step, **metrics})
+        self.logger.print(f"hftrain: eval_loss {metrics['eval_loss']:.4f} after {self.progress.step} steps")
 
 
 def main(argv: list[str] | None = None, runner: type[Finetune] = Finetune) -> None:

@@ -157,6 +157,39 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, refe
     assert_same_run(resumed, reference)
 
 
+def test_a_failing_final_save_keeps_the_trained_state_and_a_resume_saves_it(tmp_path, reference):
+    out = tmp_path / "out"
+    args = [*RECIPE, "--max_steps", "30", "--save_steps", "10"]  # the reference's own recipe
+    failed = run_script(out, *args, script=FAULTY_RANK, env={"HFTRAIN_TEST_FAULTS": "final_save", "RANK": "0"},
+                        check=False)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    message = " ".join(failed.stderr.split())  # one paragraph, wrapped
+    assert "saving the final model" in message and "(injected fault: cannot write the tokenizer)" in message
+    assert f"is kept in {out / 'checkpoint-30'}" in message
+    assert not (out / "final").exists()  # nothing that looks like a finished model
+    assert json.loads((out / "checkpoint-30" / "hftrain_state.json").read_text())["progress"]["step"] == 30
+
+    resumed = run_script(out, *args, "--resume_from_checkpoint", "latest")
+    assert "at step 30" in resumed.stdout
+    # nothing trained again: metrics.jsonl still has each of the 30 steps once (the failed run's rows)
+    assert [row["step"] for row in resumed.train_rows()] == list(range(1, 31))
+    expected = params(reference.output_dir / "final")
+    for name, value in params(out / "final").items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
+
+
+def test_a_failing_final_evaluation_comes_after_the_final_model_is_saved(tmp_path):
+    out = tmp_path / "out"
+    failed = run_script(out, *TINY_CHAT, "--max_samples", "64", "--max_steps", "2", "--validation_split_percentage",
+                        "25", script=FAULTY_RANK, env={"HFTRAIN_TEST_FAULTS": "final_eval", "RANK": "0"},
+                        check=False)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    message = " ".join(failed.stderr.split())
+    assert "the final evaluation failed (injected fault" in message and f"was saved to {out / 'final'}" in message
+    assert json.loads((out / "final" / "hftrain_state.json").read_text())["progress"]["step"] == 2
+    assert set(params(out / "final")) == set(params(REPO / "models" / "tiny-llama"))
+
+
 # ------------------------------------------------------------------------------ numerics
 @pytest.fixture(scope="module")
 def poisoned(tmp_path_factory, tiny_model):

@@ -7,6 +7,8 @@ slow_forward: rank 1 sleeps 0.1 s before each forward (a slow GPU, a throttled n
 diverge:      after its 3rd optimizer step rank 1 adds 1e-3 to one parameter (a replica drifting apart).
 stuck_data:   rank 0 sleeps HFTRAIN_TEST_STALL seconds before preparing the data (a huge tokenization job).
 stuck_step:   rank 1 sleeps HFTRAIN_TEST_STALL seconds in its 3rd forward (a hung device, a stuck input).
+final_save:   saving the final model's tokenizer raises (a full disk, a library that cannot serialise the model).
+final_eval:   the final evaluation raises (bitsandbytes' CPU inference path did on some shapes).
 Faults live here, in the test tree, never in the product code: `FaultyRank` overrides the phase object's seams.
 """
 
@@ -38,7 +40,24 @@ def before_each_call(function, before):
     return wrapped
 
 
+def fail(what):
+    def raising(*args, **kwargs):
+        raise RuntimeError(f"injected fault: {what}")
+
+    return raising
+
+
 class FaultyRank(Finetune):
+    def setup_data(self):
+        super().setup_data()
+        if "final_save" in faults:  # only the final save writes the tokenizer
+            self.tokenizer.save_pretrained = fail("cannot write the tokenizer")
+
+    def final_evaluation(self, final_dir):
+        if "final_eval" in faults:
+            self.evaluate = fail("the final evaluation")
+        super().final_evaluation(final_dir)
+
     def load_datasets(self, tokenizer):
         if rank == 0 and "stuck_data" in faults:
             time.sleep(stall)
