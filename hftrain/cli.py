@@ -2,14 +2,16 @@
 
     hftrain launch --preset zero3 --config recipes/my.yaml [--num_processes 8] [--learning_rate 1e-4 ...]
     hftrain launch --config recipes/my.yaml          # the recipe's launch_preset, else `cpu`
+    hftrain launch --preset cpu [--max_steps 20]     # no recipe: the embedded default (tiny model, demo data)
     hftrain presets                                  # the shipped presets, one line each
     hftrain finetune|merge|estimate|report|data ...  # = python -m hftrain.<command> ...
 
-`--preset` takes a shipped name (accelerate_configs/<name>.yaml, as TRL's `--accelerate_config zero3`)
-or a path to any accelerate config. A DeepSpeed preset's `deepspeed_config_file` is passed on as an
-absolute path, so the command works from any folder. Launcher options (process and node counts,
-rendezvous) go to `accelerate launch`; every other argument goes to hftrain/finetune.py. `--dry_run`
-prints the command instead of running it.
+`--preset` takes a shipped name (accelerate_configs/<name>.yaml, inside the installed package as
+hftrain/shipped/accelerate_configs; as TRL's `--accelerate_config zero3`) or a path to any accelerate
+config. A DeepSpeed preset's `deepspeed_config_file` is passed on as an absolute path, so the command
+works from any folder, as does the embedded default (its model and data ship in the package too).
+Launcher options (process and node counts, rendezvous) go to `accelerate launch`; every other argument
+goes to hftrain/finetune.py. `--dry_run` prints the command instead of running it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from hftrain.config import PRESET_DIR, read_yaml
+from hftrain.config import PRESET_DIR, SHIPPED, read_yaml
 from hftrain.errors import ConfigError, HftrainError, report_and_exit
 
 ENTRY = Path(__file__).resolve().parent / "finetune.py"
@@ -38,24 +40,27 @@ def resolve_preset(name: str) -> Path:
         return path.resolve()
     shipped = PRESET_DIR / f"{name}.yaml"
     if shipped.is_file():
-        return shipped
+        return shipped.resolve()
     names = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
     raise ConfigError([f"--preset {name!r} is neither a shipped preset ({names}) nor an accelerate config file"],
                       "command line")
 
 
 def deepspeed_config_file(preset: Path) -> Path | None:
-    """The preset's DeepSpeed JSON, resolved next to the presets' repository when given relative."""
+    """The preset's DeepSpeed JSON. A relative name is looked for in the current folder, then beside the preset's
+    folder (ds_configs/ sits beside accelerate_configs/), then among the JSON files shipped with hftrain."""
     config = yaml.safe_load(preset.read_text(encoding="utf-8")) or {}
     name = (config.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if name is None:
         return None
     path = Path(name).expanduser()
-    for candidate in ([path] if path.is_absolute() else [Path.cwd() / path, preset.parent.parent / path]):
+    folders = dict.fromkeys([Path.cwd(), preset.parent.parent, SHIPPED])  # the preset's and the shipped may be one
+    candidates = [path] if path.is_absolute() else [folder / path for folder in folders]
+    for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
-    raise ConfigError([f"{preset} names deepspeed_config_file {name!r}, which exists neither in the current folder "
-                       f"nor in {preset.parent.parent}"], "launch preset")
+    raise ConfigError([f"{preset} names deepspeed_config_file {name!r}, which is not a file; looked for "
+                       f"{', '.join(str(candidate) for candidate in candidates)}"], "launch preset")
 
 
 def recipe_preset(args: list[str]) -> str | None:

@@ -27,6 +27,13 @@ TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state e
 OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 DEFAULT_RECIPE_NOTE = "with no --config, the embedded default recipe (tiny offline model, shipped chat data) is used"
 
+# Files shipped inside the package, laid out as in the repository (there, hftrain/shipped/ holds symlinks to the
+# top-level folders; a built wheel holds copies), so that an installed hftrain works from any folder.
+SHIPPED = Path(__file__).resolve().parent / "shipped"
+PRESET_DIR = SHIPPED / "accelerate_configs"  # the launch presets; their deepspeed_config_file is ds_configs/<name>.json
+DEFAULT_MODEL = SHIPPED / "models" / "tiny-llama"  # the embedded default: a tiny random Llama (0.16M parameters)
+DEFAULT_DATASET = SHIPPED / "data" / "chat.jsonl"  # and the demo chat data
+
 
 def _f(default: Any, help: str, *, group: str, choices: tuple | None = None, **kw) -> Any:
     """A recipe field: default, help text (shown by --help), group heading, allowed values."""
@@ -52,8 +59,9 @@ class DatasetSource:
 class Recipe:
     # ----------------------------------------------------------------------------- model
     model_name_or_path: str = _f(
-        "models/tiny-llama",
-        "Hub model id (org/name) or local folder, loaded with AutoModelForCausalLM.from_pretrained.",
+        str(DEFAULT_MODEL),
+        "Hub model id (org/name) or local folder, loaded with AutoModelForCausalLM.from_pretrained. Default: the tiny "
+        "offline model shipped inside hftrain.",
         group="model",
     )
     tokenizer_name_or_path: str | None = _f(
@@ -108,8 +116,9 @@ class Recipe:
     )
     # ------------------------------------------------------------------------------ data
     dataset_name: str = _f(
-        "data/chat.jsonl",
-        "Hub dataset id, local data file (.json/.jsonl/.csv/.parquet) or a saved `datasets` folder.",
+        str(DEFAULT_DATASET),
+        "Hub dataset id, local data file (.json/.jsonl/.csv/.parquet) or a saved `datasets` folder. Default: the "
+        "chat data shipped inside hftrain.",
         group="data",
     )
     dataset_config: str | None = _f(None, "Hub dataset configuration name.", group="data")
@@ -168,7 +177,8 @@ class Recipe:
         "(non_blocking). CUDA only; no effect on CPU.", group="data",
     )
     # ---------------------------------------------------------------------- optimisation
-    output_dir: str = _f("outputs/tiny-chat", "Where checkpoints, metrics.jsonl and the final model go.",
+    output_dir: str = _f("outputs/tiny-chat", "Where checkpoints, metrics.jsonl and the final model go (relative: to "
+                         "the current folder).",
                          group="training")
     overwrite_output_dir: bool = _f(
         False, "Allow training into an output_dir that already holds another run (its files are replaced).",
@@ -531,9 +541,6 @@ def check_output_dir(r: Recipe) -> list[str]:
         problems.append(f"output_dir {r.output_dir!r} already holds a run; resume it with "
                         "resume_from_checkpoint=latest, pick another output_dir, or set overwrite_output_dir=true")
     return problems + _parallelism_problems(r)
-
-
-PRESET_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"  # shipped launch presets
 
 
 def _parallelism_problems(r: Recipe) -> list[str]:

@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from hftrain.config import PRESET_DIR
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
 
 GIB = 2**30
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weights, 8-bit absmax per 64 weights, fp32 absmax per 256 blocks
 CUDA_OVERHEAD_GIB = 1.0
 USABLE_FRACTION = 0.9
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"
 
 
 @dataclass(frozen=True)
@@ -281,7 +280,7 @@ def format_plan(plan: Plan, gpu_memory_gib: float, method: str) -> str:
     if row is None:
         lines.append(f"recommendation: none: {why}")
     else:
-        preset = PRESETS_DIR / f"{row.preset}.yaml"
+        preset = PRESET_DIR / f"{row.preset}.yaml"
         missing = "" if preset.exists() else " (this preset is not in this checkout yet)"
         lines.append(f"recommendation: accelerate_configs/{row.preset}.yaml{missing} with gradient_checkpointing: "
                      f"{str(ckpt).lower()}" + (f", {method} r={plan.lora_r}" if method != "full" else ""))

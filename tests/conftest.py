@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from hftrain.config import PRESET_DIR
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-PRESETS = REPO / "accelerate_configs"
+PRESETS = PRESET_DIR  # the shipped launch presets (accelerate_configs/ in the repository)
 ENTRY = REPO / "hftrain" / "finetune.py"
 TINY_CHAT = ["--config", str(REPO / "recipes" / "tiny-chat.yaml")]  # the embedded default recipe
 # Test-only entry points (faults injected, FSDP2 forced on CPU): they live in the test tree, never in hftrain/

@@ -1,4 +1,5 @@
-"""`hftrain launch`: presets by name or path, the recipe's own preset, DeepSpeed configs made absolute."""
+"""`hftrain launch`: presets by name or path, the recipe's own preset, DeepSpeed configs made absolute, and the
+files shipped inside the package (presets, DeepSpeed JSON, the embedded default's model and data)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hftrain.cli import launch_command, list_presets, main, resolve_preset
-from hftrain.config import Recipe, recipe_from_dict
+from hftrain.cli import deepspeed_config_file, launch_command, list_presets, main, resolve_preset
+from hftrain.config import DEFAULT_DATASET, DEFAULT_MODEL, PRESET_DIR, SHIPPED, Recipe, recipe_from_dict
 from hftrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,8 +22,8 @@ def test_preset_by_name_from_another_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cmd = launch_command(["--preset", "zero3", "--num_processes", "4", "--config", "r.yaml", "--max_steps", "3"])
     assert cmd[1:4] == ["-m", "accelerate.commands.launch", "--config_file"]
-    assert option(cmd, "--config_file") == str(REPO / "accelerate_configs" / "zero3.yaml")
-    assert option(cmd, "--deepspeed_config_file") == str(REPO / "ds_configs" / "zero3.json")  # absolute
+    assert option(cmd, "--config_file") == str((PRESET_DIR / "zero3.yaml").resolve())
+    assert option(cmd, "--deepspeed_config_file") == str((SHIPPED / "ds_configs" / "zero3.json").resolve())
     assert option(cmd, "--num_processes") == "4"  # launcher option before the script...
     script = cmd.index(str(REPO / "hftrain" / "finetune.py"))
     assert cmd.index("--num_processes") < script
@@ -65,6 +66,43 @@ def test_dry_run_prints_the_command(capsys):
 def test_presets_listing_shows_every_shipped_preset():
     listing = list_presets().splitlines()
     assert [line.split()[0] for line in listing] == sorted(p.stem for p in (REPO / "accelerate_configs").glob("*.yaml"))
+
+
+def test_the_shipped_files_are_the_repositorys_own():
+    """One copy of each file in git: hftrain/shipped/ links to the top-level folders that the README's
+    `accelerate launch --config_file accelerate_configs/cpu.yaml ...` uses (a built wheel holds copies:
+    tests/e2e/test_wheel.py)."""
+    assert PRESET_DIR.resolve() == REPO / "accelerate_configs"
+    assert (SHIPPED / "ds_configs").resolve() == REPO / "ds_configs"
+    assert DEFAULT_MODEL.resolve() == REPO / "models" / "tiny-llama"
+    assert DEFAULT_DATASET.resolve() == REPO / "data" / "chat.jsonl"
+
+
+def test_a_presets_deepspeed_json_is_found_beside_it_else_among_the_shipped(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    preset = tmp_path / "mine" / "accelerate_configs" / "z.yaml"
+    preset.parent.mkdir(parents=True)
+    preset.write_text("deepspeed_config:\n  deepspeed_config_file: ds_configs/zero3.json\n")
+    assert deepspeed_config_file(preset) == (SHIPPED / "ds_configs" / "zero3.json").resolve()
+    beside = tmp_path / "mine" / "ds_configs" / "zero3.json"
+    beside.parent.mkdir()
+    beside.write_text("{}")
+    assert deepspeed_config_file(preset) == beside  # a copied preset folder keeps its own JSON
+    preset.write_text("deepspeed_config:\n  deepspeed_config_file: ds_configs/zero9.json\n")
+    with pytest.raises(ConfigError, match="names deepspeed_config_file 'ds_configs/zero9.json', which is not a file") \
+            as error:
+        deepspeed_config_file(preset)
+    assert str(SHIPPED / "ds_configs" / "zero9.json") in str(error.value)
+
+
+def test_the_embedded_default_is_valid_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no models/ or data/ here
+    recipe = recipe_from_dict({})  # validation checks that the model folder and the data file exist
+    assert Path(recipe.model_name_or_path) == DEFAULT_MODEL and (DEFAULT_MODEL / "config.json").is_file()
+    assert Path(recipe.dataset_name) == DEFAULT_DATASET
+    assert recipe.output_dir == "outputs/tiny-chat"  # relative: written under the current folder
+    cmd = launch_command(["--max_steps", "2"])
+    assert option(cmd, "--config_file") == str((PRESET_DIR / "cpu.yaml").resolve()) and "--config" not in cmd
 
 
 def test_recipe_launch_preset_must_ship(tmp_path, monkeypatch):

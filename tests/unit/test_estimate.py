@@ -135,5 +135,5 @@ def test_every_recommended_preset_is_shipped():
 
     source = inspect.getsource(estimate)
     named = set(re.findall(r'Row\([^,]+, "([a-z0-9_]+)"', source)) | {"multi_gpu", "single_gpu"}
-    shipped = {p.stem for p in estimate.PRESETS_DIR.glob("*.yaml")}
+    shipped = {p.stem for p in estimate.PRESET_DIR.glob("*.yaml")}
     assert named and named <= shipped, named - shipped

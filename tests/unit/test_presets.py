@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hftrain.config import Recipe
+from hftrain.config import PRESET_DIR, SHIPPED, Recipe
 from hftrain.parallel.deepspeed import (
     HIDDEN_SIZE_AUTO_KEYS,
     deepspeed_problems,
@@ -19,9 +19,8 @@ from hftrain.parallel.deepspeed import (
     set_key,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-PRESETS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
-DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
+PRESETS = sorted(PRESET_DIR.glob("*.yaml"))
+DS_CONFIGS = sorted((SHIPPED / "ds_configs").glob("*.json"))
 PRESET_NAMES = [p.stem for p in PRESETS]
 # How each preset is verified (the README table says the same); GPU-only ones are parsed and validated here.
 RUN_ON_CPU = {"cpu", "cpu_ddp", "zero2", "zero2_offload", "zero3", "fsdp2", "fsdp2_shard_grad_op",
@@ -52,7 +51,7 @@ def test_preset_parses_and_starts_with_its_launch_command(preset):
     if str(config.distributed_type).endswith("DEEPSPEED"):
         assert config.mixed_precision is None or "mixed_precision:" not in text, \
             "accelerate refuses mixed_precision next to a deepspeed_config_file"
-        ds_file = REPO / config.deepspeed_config["deepspeed_config_file"]
+        ds_file = SHIPPED / config.deepspeed_config["deepspeed_config_file"]
         assert ds_file.exists(), f"{preset.name} points at a missing {ds_file}"
         assert set(config.deepspeed_config) <= {"deepspeed_config_file", "zero3_init_flag",
                                                 "deepspeed_multinode_launcher"}
@@ -74,8 +73,8 @@ def test_preset_parses_and_starts_with_its_launch_command(preset):
 def test_fsdp2_presets_differ_only_in_their_sharding():
     from accelerate.commands.config.config_args import load_config_from_file
 
-    full = load_config_from_file(str(REPO / "accelerate_configs" / "fsdp2.yaml")).fsdp_config
-    grad_op = load_config_from_file(str(REPO / "accelerate_configs" / "fsdp2_shard_grad_op.yaml")).fsdp_config
+    full = load_config_from_file(str(PRESET_DIR / "fsdp2.yaml")).fsdp_config
+    grad_op = load_config_from_file(str(PRESET_DIR / "fsdp2_shard_grad_op.yaml")).fsdp_config
     assert full["fsdp_reshard_after_forward"] is True and grad_op["fsdp_reshard_after_forward"] is False
     assert {k: v for k, v in full.items() if k != "fsdp_reshard_after_forward"} == \
         {k: v for k, v in grad_op.items() if k != "fsdp_reshard_after_forward"}

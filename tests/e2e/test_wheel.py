@@ -1,0 +1,128 @@
+"""hftrain as a real package: the built wheel holds every module and the shipped files (launch presets, DeepSpeed
+JSON, the embedded default's model and data), and once installed, not editable, `hftrain presets` and
+`hftrain launch --preset cpu` (no recipe: the embedded default) work from a folder outside the checkout.
+
+The venv is fresh (its own interpreter, site-packages and `hftrain` script) but borrows the already installed
+dependencies through a .pth line naming this interpreter's site-packages; a .pth line adds a folder to sys.path
+without running that folder's own .pth files, so the editable hftrain of the development venv is not seen.
+HFTRAIN_TEST_FRESH_VENV=1 installs everything instead (torch==2.13.0 first, then the wheel with its pinned
+dependencies from the package index): what `pip install .` does on a new machine, ~2.5 min instead of ~20 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+FULL_INSTALL = os.environ.get("HFTRAIN_TEST_FRESH_VENV") == "1"
+LINKED = ["accelerate_configs", "ds_configs", "data", "models/tiny-llama"]  # the folders hftrain/shipped links to
+
+
+def git_files() -> list[str]:
+    """The checkout's files as git sees them (tracked and new, not ignored), symlinks as symlinks."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    return sorted({name for name in out.split("\0") if name and os.path.lexists(REPO / name)})
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """`pip wheel .` from a copy of the checkout: building in place would reuse setuptools' build/ folder, where a
+    file deleted from the checkout lives on (and would ship), and would write into the checkout."""
+    root = tmp_path_factory.mktemp("wheel")
+    for name in git_files():
+        (root / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, root / "src" / name, follow_symlinks=False)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--wheel-dir", str(root / "dist"), str(root / "src")], check=True,
+                   capture_output=True)
+    (built,) = (root / "dist").glob("hftrain-*.whl")
+    return built
+
+
+def test_the_wheel_holds_every_module_and_a_copy_of_every_shipped_file(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        modules = {name for name in git_files() if name.startswith("hftrain/") and name.endswith(".py")}
+        assert {"hftrain/data/__init__.py", "hftrain/parallel/deepspeed.py"} <= modules
+        assert modules <= names, f"missing modules: {sorted(modules - names)}"
+        shipped = {f"hftrain/shipped/{path.relative_to(REPO)}": path for folder in LINKED
+                   for path in (REPO / folder).iterdir() if path.is_file()}
+        for required in ("accelerate_configs/cpu.yaml", "ds_configs/zero2.json", "data/chat.jsonl",
+                         "models/tiny-llama/model.safetensors", "models/tiny-llama/tokenizer.json"):
+            assert f"hftrain/shipped/{required}" in shipped
+        for name, path in shipped.items():  # the content, not a link: the wheel cannot depend on the checkout
+            assert name in names, f"{name} is not in the wheel"
+            assert archive.read(name) == path.read_bytes(), f"{name} differs from {path}"
+        assert not any(name.startswith(("tests/", "scripts/", "recipes/")) for name in names)
+
+
+def site_packages(venv: Path) -> Path:
+    python = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return venv / "lib" / python / "site-packages"
+
+
+@pytest.fixture(scope="module")
+def venv(wheel, tmp_path_factory) -> Path:
+    """A fresh venv with the wheel installed (not editable)."""
+    venv = tmp_path_factory.mktemp("venv")
+    python = str(venv / "bin" / "python")
+    if FULL_INSTALL:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([python, "-m", "pip", "install", "--quiet", "torch==2.13.0"], check=True)  # the CPU build
+        subprocess.run([python, "-m", "pip", "install", "--quiet", str(wheel)], check=True)
+        return venv
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps", "--no-index",
+                    str(wheel)], check=True, capture_output=True)
+    dependencies = sysconfig.get_paths()["purelib"]  # torch, accelerate, transformers... as installed here
+    (site_packages(venv) / "hftrain_test_dependencies.pth").write_text(dependencies + "\n")
+    return venv
+
+
+def run(venv: Path, cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """A command of the venv from `cwd`, with none of this process's environment (no PYTHONPATH to the checkout)."""
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": os.environ.get("HOME", str(cwd)), "HF_HUB_OFFLINE": "1",
+           "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([str(venv / "bin" / args[0]), *args[1:]], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.mark.launch
+def test_the_installed_package_trains_the_embedded_default_from_any_folder(venv, tmp_path):
+    package = site_packages(venv) / "hftrain"
+    where = run(venv, tmp_path, "python", "-c", "import hftrain, importlib.metadata as m; print(hftrain.__file__); "
+                "print(m.distribution('hftrain').read_text('direct_url.json'))").stdout.splitlines()
+    assert Path(where[0]) == package / "__init__.py"  # the installed copy, not the checkout
+    assert not json.loads(where[1]).get("dir_info", {}).get("editable", False)
+
+    listing = run(venv, tmp_path, "hftrain", "presets").stdout.splitlines()
+    assert [line.split()[0] for line in listing] == sorted(p.stem for p in (REPO / "accelerate_configs").glob("*.yaml"))
+
+    dry = run(venv, tmp_path, "hftrain", "launch", "--preset", "zero2", "--dry_run").stdout.split()
+    config_file, ds_file = (Path(dry[dry.index(flag) + 1]) for flag in ("--config_file", "--deepspeed_config_file"))
+    assert config_file == package / "shipped" / "accelerate_configs" / "zero2.yaml" and config_file.is_file()
+    assert ds_file == package / "shipped" / "ds_configs" / "zero2.json" and ds_file.is_file()
+
+    run(venv, tmp_path, "hftrain", "launch", "--preset", "cpu", "--max_steps", "2")
+    out = tmp_path / "outputs" / "tiny-chat"  # the default output_dir, under the current folder
+    assert (out / "final" / "model.safetensors").stat().st_size > 100_000
+    assert (out / "final" / "config.json").is_file() and (out / "final" / "tokenizer.json").is_file()
+    state = json.loads((out / "final" / "hftrain_state.json").read_text())
+    assert state["progress"]["step"] == 2 and state["total_steps"] == 2
+    config = (out / "hftrain_config.yaml").read_text()
+    assert f"model_name_or_path: {package / 'shipped' / 'models' / 'tiny-llama'}" in config
+    assert f"dataset_name: {package / 'shipped' / 'data' / 'chat.jsonl'}" in config
+    assert [row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
