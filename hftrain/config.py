@@ -147,6 +147,12 @@ class Recipe:
     assistant_only_loss: bool = _f(
         True, "For chat data, train on assistant turns only (their end-of-turn token included).", group="data"
     )
+    train_on_turns: str = _f(
+        "all", "With assistant_only_loss, which assistant turns are trained: all (each in the context the model "
+        "sees when it writes it; a template that rewrites earlier turns, e.g. strips past <think> reasoning, "
+        "splits a conversation into one example per turn) or last (the final assistant turn only, one example "
+        "per conversation). See docs/data.md.", group="data", choices=("all", "last"),
+    )
     completion_only_loss: bool = _f(
         True, "For prompt/completion and alpaca data, train on the completion only (EOS included).", group="data"
     )
@@ -494,6 +500,9 @@ def _validate_data(r: Recipe) -> list[str]:
             problems.append(f"dataset_mixture entry {i} has format {source.format!r}; use one of {', '.join(formats)}")
         if _looks_local(source.name) and not Path(source.name).expanduser().exists():
             problems.append(f"dataset_mixture entry {i}: {source.name!r} does not exist")
+    if r.train_on_turns == "last" and not r.assistant_only_loss:
+        problems.append("train_on_turns=last picks the assistant turn to train, but assistant_only_loss=false trains "
+                        "every token; set assistant_only_loss: true or leave train_on_turns at all")
     if r.chat_template_path and not Path(r.chat_template_path).is_file():
         problems.append(f"chat_template_path {r.chat_template_path!r} is not a file")
     if r.dataset_num_proc is not None and r.dataset_num_proc < 1:
