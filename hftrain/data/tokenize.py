@@ -110,6 +110,25 @@ def _closing_suffix_end(tokenizer, full: str, through: str) -> int | None:
     return offsets[shared - 1][1]
 
 
+PROBE_TURN = {"role": "user", "content": "?"}
+
+
+def _final_turn_end(tokenizer, messages: list[dict], through: str, start: int) -> int:
+    """Where the final turn's own text ends in `through` (the whole rendering), before a closing suffix.
+
+    Phi-3 ends every conversation with EOS after the last turn's <|end|>; the model stops at <|end|> at
+    inference, so the final turn is trained like the others. The suffix is what the conversation also ends
+    with when one more (probe) turn follows; a template that renders the turn differently once it is no
+    longer last (Qwen3 drops its reasoning) has no such suffix, and the whole rendering is the turn's.
+    """
+    try:
+        longer = _render(tokenizer, [*messages, PROBE_TURN])
+    except Exception:  # noqa: BLE001 - a template that refuses the probe simply has no closing suffix to find
+        return len(through)
+    end = _closing_suffix_end(tokenizer, longer, through)
+    return end if end is not None and end > start else len(through)
+
+
 def _turn_span(tokenizer, messages: list[dict], i: int, full: str) -> tuple[int, int] | None:
     """[start, end) characters of assistant turn i in `full`, or None when the template hides where it is.
 
@@ -120,7 +139,10 @@ def _turn_span(tokenizer, messages: list[dict], i: int, full: str) -> tuple[int,
     if not full.startswith(prompt):
         return None
     through = _render(tokenizer, messages[: i + 1])
-    end = len(through) if full.startswith(through) else _closing_suffix_end(tokenizer, full, through)
+    if through == full and i == len(messages) - 1:
+        end = _final_turn_end(tokenizer, messages, through, len(prompt))
+    else:
+        end = len(through) if full.startswith(through) else _closing_suffix_end(tokenizer, full, through)
     if end is None:
         return None
     end = len(full[:end].rstrip())
@@ -246,11 +268,13 @@ def _row(ids: list[int], trained: list[bool], turn_ends: list[int], spec: DataSp
 def tokenize_rows(example: dict, index: int, tokenizer, spec: DataSpec, fmt: str, name: str) -> list[dict]:
     """The training rows of one raw example (several when a conversation is expanded), with their mask method.
 
-    `extra_tokens` (on the first row) is what expanding cost: the tokens of all rows less the longest one.
+    `method` and `extra_tokens` are on the first row only (so statistics count raw examples): how the mask was
+    found, and what expanding cost, the tokens of all rows less the longest one.
     """
     canonical = to_canonical(example, fmt, spec.text_field, spec.messages_field, f"{name} example {index}")
     method, encodings = encode(canonical, tokenizer, spec)
-    rows = [{**_row(*encoding, spec), "method": method, "extra_tokens": 0} for encoding in encodings]
+    rows = [{**_row(*encoding, spec), "method": "", "extra_tokens": 0} for encoding in encodings]
+    rows[0]["method"] = method
     rows[0]["extra_tokens"] = sum(len(ids) for ids, _, _ in encodings) - max(len(ids) for ids, _, _ in encodings)
     return rows
 
@@ -296,7 +320,7 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
         "truncated_tokens": int(sum(tokenized["num_truncated"])),
         "tokens": int(sum(len(ids) for ids in kept["input_ids"])),
         "trained_tokens": int(sum(kept["num_trained"])),
-        "mask_methods": {m: n for m in sorted(set(tokenized["method"])) if (n := tokenized["method"].count(m))},
+        "mask_methods": {m: n for m in sorted(set(tokenized["method"]) - {""}) if (n := tokenized["method"].count(m))},
         "expansion_extra_tokens": int(sum(tokenized["extra_tokens"])),
     }
     if len(tokenized) and not len(kept):
