@@ -338,3 +338,22 @@ def test_template_files_are_the_families_own():
     assert json.dumps(sorted(text)) == json.dumps(sorted(
         ["deepseek_r1_distill", "deepseek_r1_distill_training", "gemma", "gemma3", "llama3_1", "mistral_v3",
          "olmo2", "phi3", "phi3_5", "phi4", "qwen2_5", "qwen3", "smollm2"]))
+
+
+def test_preview_shows_the_policy_and_the_cost_of_expanding(tmp_path, capsys):
+    from hftrain.data.__main__ import preview
+
+    tok = family_tokenizer(FAMILIES["qwen3"])
+    tok.save_pretrained(tmp_path / "tok")
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": THINKING}) + "\n" + json.dumps({"messages": TURNS}) + "\n")
+    expanded = rows_of(tok, THINKING)[0]["extra_tokens"] + rows_of(tok, TURNS)[0]["extra_tokens"]
+    args = ["--show", "0", "--model_name_or_path", str(tmp_path / "tok"), "--dataset_name", str(data),
+            "--validation_split_percentage", "0"]
+    preview(args)
+    out = capsys.readouterr().out
+    assert "masks (assistant_only_loss: true, train_on_turns: all): 2 example(s) expanded" in out
+    assert f"Expanding cost {expanded} tokens" in out
+    preview([*args, "--train_on_turns", "last"])
+    out = capsys.readouterr().out
+    assert "train_on_turns: last): 2 example(s) final assistant turn only" in out and "Expanding" not in out
