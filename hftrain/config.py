@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from hftrain import from_trl
 from hftrain.errors import ConfigError
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
@@ -216,6 +217,10 @@ class Recipe:
         group="training", choices=("random", "sequential", "group_by_length"),
     )
     seed: int = _f(42, "Seed for model-independent randomness (data order, dropout).", group="training")
+    data_seed: int | None = _f(
+        None, "Seed of the data alone (order, eval hold-out, mixture sampling), as TRL's data_seed; default: seed.",
+        group="training",
+    )
     nan_policy: str = _f(
         "stop", "A step whose loss or gradient norm is NaN/inf: stop (checkpoint of the last good step, clear error) "
         "or skip_step (no update, counted in nan_skipped_steps).", group="training", choices=("stop", "skip_step"),
@@ -266,8 +271,20 @@ class Recipe:
     # ----------------------------------------------------------------- logging & saving
     logging_steps: int = _f(10, "Log training metrics every N optimizer steps (and at the first step).",
                             group="logging")
-    eval_steps: int | None = _f(None, "Evaluate every N optimizer steps; always at the end.", group="logging")
-    save_steps: int | None = _f(None, "Save checkpoint-N every N optimizer steps.", group="logging")
+    eval_strategy: str = _f(
+        "steps", "When to evaluate (TrainingArguments' name): steps (every eval_steps when set), epoch (after every "
+        "epoch) or no (never; nothing is held out then). Any but no also evaluates at the end.", group="logging",
+        choices=("steps", "epoch", "no"),
+    )
+    eval_steps: int | None = _f(None, "Evaluate every N optimizer steps (eval_strategy steps); always at the end.",
+                                group="logging")
+    save_strategy: str = _f(
+        "steps", "When to save checkpoint-N (TrainingArguments' name): steps (every save_steps when set), epoch "
+        "(after every epoch) or no (no checkpoints; the final model is saved all the same).", group="logging",
+        choices=("steps", "epoch", "no"),
+    )
+    save_steps: int | None = _f(None, "Save checkpoint-N every N optimizer steps (save_strategy steps).",
+                                group="logging")
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (oldest removed first).",
                                       group="logging")
     resume_from_checkpoint: str | None = _f(
@@ -322,6 +339,11 @@ class Recipe:
     )
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def order_seed(self) -> int:
+        """The seed of everything data: order, eval hold-out and mixture sampling."""
+        return self.seed if self.data_seed is None else self.data_seed
+
     def warmup_for(self, total_steps: int) -> int:
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
 
@@ -444,6 +466,12 @@ def validate(recipe: Recipe) -> list[str]:
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                  "logging_steps"):
         need(getattr(r, name) >= 1, f"{name} must be >= 1, got {getattr(r, name)}")
+    for kind in ("eval", "save"):
+        strategy, steps = getattr(r, f"{kind}_strategy"), getattr(r, f"{kind}_steps")
+        need(steps is None or strategy == "steps", f"{kind}_steps={steps} applies to {kind}_strategy=steps, but "
+             f"{kind}_strategy={strategy}; remove {kind}_steps or set {kind}_strategy: steps")
+    need(not (r.eval_strategy == "no" and r.eval_dataset_name), "eval_strategy=no never evaluates, but "
+         "eval_dataset_name is set; remove one")
     for name in ("eval_steps", "save_steps", "save_total_limit", "max_samples"):
         value = getattr(r, name)
         need(value is None or value >= 1, f"{name} must be >= 1 or unset, got {value}")
@@ -619,7 +647,8 @@ def _did_you_mean(name: str) -> str:
 
 def _coerce_all(values: dict[str, Any], from_cli: bool) -> tuple[dict[str, Any], list[str]]:
     """Typed values for known keys, and a problem for each unknown key or wrong type."""
-    clean, problems = {}, []
+    values, problems = from_trl.translate(values, FIELDS)
+    clean = {}
     for key, value in values.items():
         if key not in FIELDS:
             problems.append(f"unknown key {key!r}{_did_you_mean(key)}")

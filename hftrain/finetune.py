@@ -362,14 +362,20 @@ class Finetune:
         self.bar.update(1)
         if progress.step % recipe.logging_steps == 0 or progress.step in (1, self.total_steps):
             self.log_window(step)
-        if self.eval_set is not None and recipe.eval_steps and progress.step % recipe.eval_steps == 0 \
-                and progress.step < self.total_steps:
+        if self.eval_set is not None and self.due(recipe.eval_strategy, recipe.eval_steps) \
+                and progress.step < self.total_steps:  # the last step's evaluation is the final one
             with phase(self.accelerator, "evaluation", recipe.ddp_timeout):
                 metrics = self.evaluate()
             self.logger.log({"step": progress.step, **metrics})
-        if recipe.save_steps and progress.step % recipe.save_steps == 0:
+        if self.due(recipe.save_strategy, recipe.save_steps):
             with phase(self.accelerator, "checkpointing", recipe.ddp_timeout):
                 self.save_checkpoint()
+
+    def due(self, strategy: str, every: int | None) -> bool:
+        """Whether an eval_strategy / save_strategy falls on the step just taken."""
+        if strategy == "epoch":
+            return self.progress.step_in_epoch == self.plan.steps_per_epoch
+        return strategy == "steps" and bool(every) and self.progress.step % every == 0
 
     def log_window(self, step: StepResult) -> None:
         """One metrics row for the steps since the last one (loss summed over the data-parallel ranks here)."""

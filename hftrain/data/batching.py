@@ -130,7 +130,7 @@ def training_plan(recipe, dataset, rows: list[list[int]], world: int) -> BatchPl
     strategy = recipe.train_sampling_strategy
     lengths = tuple(row_lengths(dataset, rows)) if strategy == "group_by_length" else None
     return BatchPlan(len(rows), recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps,
-                     recipe.seed, shuffle=strategy != "sequential", lengths=lengths)
+                     recipe.order_seed, shuffle=strategy != "sequential", lengths=lengths)
 
 
 def eval_micro_batches(num_examples: int, micro_batch: int, world: int, rank: int) -> list[list[int]]:
