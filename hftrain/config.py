@@ -201,6 +201,12 @@ class Recipe:
     adam_beta2: float = _f(0.999, "AdamW beta2.", group="training")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.", group="training")
     sgd_momentum: float = _f(0.0, "Momentum for optim: sgd (0 = plain SGD).", group="training")
+    router_aux_loss_coef: float | None = _f(
+        None, "Mixture-of-experts models: weight of the router load-balancing loss added to the training loss, "
+        "as TRL's SFTTrainer does (its name). Default: the model config's own coefficient (0.001 for Mixtral and "
+        "Qwen3-MoE); 0 turns it off. Logged as aux_loss; evaluation reports the token cross-entropy alone.",
+        group="training",
+    )
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.",
                               group="training")
     optim: str = _f(
@@ -240,7 +246,10 @@ class Recipe:
     lora_r: int = _f(16, "LoRA rank.", group="peft")
     lora_alpha: int = _f(32, "LoRA scaling numerator: updates are scaled by lora_alpha / lora_r "
                          "(lora_alpha / sqrt(lora_r) with use_rslora).", group="peft")
-    lora_dropout: float = _f(0.05, "Dropout on the LoRA input.", group="peft")
+    lora_dropout: float = _f(
+        0.05, "Dropout on the LoRA input. Mixture-of-experts models whose experts are fused 3-D weights (adapted "
+        "through peft's ParamWrapper, which has no dropout) train with 0, as the start-up output says.", group="peft",
+    )
     lora_target_modules: list[str] = _f(
         ["all-linear"], "Modules that get adapters: all-linear (every linear layer but the output head) or module "
         "names such as q_proj,k_proj,v_proj,o_proj.", group="peft",
@@ -483,6 +492,8 @@ def validate(recipe: Recipe) -> list[str]:
          "warmup_steps and warmup_ratio are both set; keep one (warmup_steps=0 or warmup_ratio=0)")
     need(not (r.lr_scheduler_type == "constant" and (r.warmup_steps > 0 or r.warmup_ratio > 0)),
          "lr_scheduler_type=constant has no warmup; use constant_with_warmup or set warmup to 0")
+    need(r.router_aux_loss_coef is None or r.router_aux_loss_coef >= 0,
+         f"router_aux_loss_coef must be >= 0 or unset, got {r.router_aux_loss_coef}")
     need(r.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {r.max_grad_norm}")
     need(r.weight_decay >= 0, f"weight_decay must be >= 0, got {r.weight_decay}")
     need(0 <= r.adam_beta1 < 1 and 0 <= r.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")

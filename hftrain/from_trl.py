@@ -94,7 +94,8 @@ def _model_init_kwargs(value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"must be a mapping of from_pretrained arguments, got {value!r}")
     names = {"dtype": "dtype", "torch_dtype": "dtype", "attn_implementation": "attn_implementation",
-             "revision": "model_revision", "trust_remote_code": "trust_remote_code"}
+             "revision": "model_revision", "trust_remote_code": "trust_remote_code",
+             "output_router_logits": "router_aux_loss_coef"}
     reasons = {
         "device_map": "hftrain places the model by its parallelism strategy",
         "quantization_config": "use load_in_4bit / load_in_8bit with the bnb_4bit_* fields",
@@ -105,12 +106,15 @@ def _model_init_kwargs(value: Any) -> dict[str, Any]:
         if key in names:
             if names[key] == "dtype" and item == "auto":
                 refused.append("dtype 'auto' (hftrain loads in an explicit dtype: float32, bfloat16 or float16)")
+            elif key == "output_router_logits":
+                out.update(MAPPED[key](item))
             else:
                 out[names[key]] = str(item).removeprefix("torch.") if names[key] == "dtype" else item
         else:
             refused.append(f"{key!r} ({reasons.get(key, 'not a setting hftrain passes to from_pretrained')})")
     if refused:
-        raise ValueError(f"hftrain maps dtype/torch_dtype, attn_implementation, revision and trust_remote_code; "
+        raise ValueError(f"hftrain maps dtype/torch_dtype, attn_implementation, revision, trust_remote_code and "
+                         f"output_router_logits; "
                          f"refused: {'; '.join(refused)}")
     return out
 
@@ -122,6 +126,8 @@ MAPPED: dict[str, Callable[[Any], dict[str, Any]]] = {
     "gradient_checkpointing_kwargs": _checkpointing_kwargs,
     "model_init_kwargs": _model_init_kwargs,
     "project": lambda v: {"project_name": v},
+    # transformers' model-config switch for the router loss: hftrain adds it whenever router_aux_loss_coef != 0
+    "output_router_logits": lambda v: {} if v else {"router_aux_loss_coef": 0.0},
     "shuffle_dataset": lambda v: {"train_sampling_strategy": "random"} if v else {},
     "average_tokens_across_devices": _only(True, "hftrain always divides by the number of trained tokens of the "
                                                  "whole step, across micro-batches and processes"),

@@ -80,7 +80,7 @@ def test_all_sft_config_fields_are_known():
     import trl
 
     names = {f.name for f in dataclasses.fields(trl.SFTConfig)}
-    unknown = names - set(FIELDS) - set(MAPPED) - set(REFUSED) - {"router_aux_loss_coef"}
+    unknown = names - set(FIELDS) - set(MAPPED) - set(REFUSED)
     assert not unknown, sorted(unknown)
 
 
@@ -95,3 +95,11 @@ def test_all_sft_config_fields_are_known():
 def test_contradictions_and_unmappable_values_are_one_paragraph_problems(tmp_path, values, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         recipe_from_dict({**values, "output_dir": str(tmp_path)}, for_training=False)
+
+
+def test_output_router_logits_false_turns_the_router_loss_off(tmp_path):
+    for values in ({"output_router_logits": False}, {"model_init_kwargs": {"output_router_logits": False}}):
+        recipe = recipe_from_dict({**values, "output_dir": str(tmp_path)}, for_training=False)
+        assert recipe.router_aux_loss_coef == 0.0
+    assert recipe_from_dict({"output_router_logits": True, "output_dir": str(tmp_path)},
+                            for_training=False).router_aux_loss_coef is None  # the model config's coefficient
