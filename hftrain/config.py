@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from hftrain import from_trl
 from hftrain.errors import ConfigError
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
@@ -156,6 +157,12 @@ class Recipe:
     assistant_only_loss: bool = _f(
         True, "For chat data, train on assistant turns only (their end-of-turn token included).", group="data"
     )
+    train_on_turns: str = _f(
+        "all", "With assistant_only_loss, which assistant turns are trained: all (each in the context the model "
+        "sees when it writes it; a template that rewrites earlier turns, e.g. strips past <think> reasoning, "
+        "splits a conversation into one example per turn) or last (the final assistant turn only, one example "
+        "per conversation). See docs/data.md.", group="data", choices=("all", "last"),
+    )
     completion_only_loss: bool = _f(
         True, "For prompt/completion and alpaca data, train on the completion only (EOS included).", group="data"
     )
@@ -204,6 +211,12 @@ class Recipe:
     adam_beta2: float = _f(0.999, "AdamW beta2.", group="training")
     adam_epsilon: float = _f(1e-8, "AdamW epsilon.", group="training")
     sgd_momentum: float = _f(0.0, "Momentum for optim: sgd (0 = plain SGD).", group="training")
+    router_aux_loss_coef: float | None = _f(
+        None, "Mixture-of-experts models: weight of the router load-balancing loss added to the training loss, "
+        "as TRL's SFTTrainer does (its name). Default: the model config's own coefficient (0.001 for Mixtral and "
+        "Qwen3-MoE); 0 turns it off. Logged as aux_loss; evaluation reports the token cross-entropy alone.",
+        group="training",
+    )
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.",
                               group="training")
     optim: str = _f(
@@ -220,6 +233,10 @@ class Recipe:
         group="training", choices=("random", "sequential", "group_by_length"),
     )
     seed: int = _f(42, "Seed for model-independent randomness (data order, dropout).", group="training")
+    data_seed: int | None = _f(
+        None, "Seed of the data alone (order, eval hold-out, mixture sampling), as TRL's data_seed; default: seed.",
+        group="training",
+    )
     nan_policy: str = _f(
         "stop", "A step whose loss or gradient norm is NaN/inf: stop (checkpoint of the last good step, clear error) "
         "or skip_step (no update, counted in nan_skipped_steps).", group="training", choices=("stop", "skip_step"),
@@ -239,7 +256,10 @@ class Recipe:
     lora_r: int = _f(16, "LoRA rank.", group="peft")
     lora_alpha: int = _f(32, "LoRA scaling numerator: updates are scaled by lora_alpha / lora_r "
                          "(lora_alpha / sqrt(lora_r) with use_rslora).", group="peft")
-    lora_dropout: float = _f(0.05, "Dropout on the LoRA input.", group="peft")
+    lora_dropout: float = _f(
+        0.05, "Dropout on the LoRA input. Mixture-of-experts models whose experts are fused 3-D weights (adapted "
+        "through peft's ParamWrapper, which has no dropout) train with 0, as the start-up output says.", group="peft",
+    )
     lora_target_modules: list[str] = _f(
         ["all-linear"], "Modules that get adapters: all-linear (every linear layer but the output head) or module "
         "names such as q_proj,k_proj,v_proj,o_proj.", group="peft",
@@ -270,8 +290,20 @@ class Recipe:
     # ----------------------------------------------------------------- logging & saving
     logging_steps: int = _f(10, "Log training metrics every N optimizer steps (and at the first step).",
                             group="logging")
-    eval_steps: int | None = _f(None, "Evaluate every N optimizer steps; always at the end.", group="logging")
-    save_steps: int | None = _f(None, "Save checkpoint-N every N optimizer steps.", group="logging")
+    eval_strategy: str = _f(
+        "steps", "When to evaluate (TrainingArguments' name): steps (every eval_steps when set), epoch (after every "
+        "epoch) or no (never; nothing is held out then). Any but no also evaluates at the end.", group="logging",
+        choices=("steps", "epoch", "no"),
+    )
+    eval_steps: int | None = _f(None, "Evaluate every N optimizer steps (eval_strategy steps); always at the end.",
+                                group="logging")
+    save_strategy: str = _f(
+        "steps", "When to save checkpoint-N (TrainingArguments' name): steps (every save_steps when set), epoch "
+        "(after every epoch) or no (no checkpoints; the final model is saved all the same).", group="logging",
+        choices=("steps", "epoch", "no"),
+    )
+    save_steps: int | None = _f(None, "Save checkpoint-N every N optimizer steps (save_strategy steps).",
+                                group="logging")
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (oldest removed first).",
                                       group="logging")
     resume_from_checkpoint: str | None = _f(
@@ -326,6 +358,11 @@ class Recipe:
     )
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def order_seed(self) -> int:
+        """The seed of everything data: order, eval hold-out and mixture sampling."""
+        return self.seed if self.data_seed is None else self.data_seed
+
     def warmup_for(self, total_steps: int) -> int:
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
 
@@ -448,6 +485,12 @@ def validate(recipe: Recipe) -> list[str]:
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                  "logging_steps"):
         need(getattr(r, name) >= 1, f"{name} must be >= 1, got {getattr(r, name)}")
+    for kind in ("eval", "save"):
+        strategy, steps = getattr(r, f"{kind}_strategy"), getattr(r, f"{kind}_steps")
+        need(steps is None or strategy == "steps", f"{kind}_steps={steps} applies to {kind}_strategy=steps, but "
+             f"{kind}_strategy={strategy}; remove {kind}_steps or set {kind}_strategy: steps")
+    need(not (r.eval_strategy == "no" and r.eval_dataset_name), "eval_strategy=no never evaluates, but "
+         "eval_dataset_name is set; remove one")
     for name in ("eval_steps", "save_steps", "save_total_limit", "max_samples"):
         value = getattr(r, name)
         need(value is None or value >= 1, f"{name} must be >= 1 or unset, got {value}")
@@ -459,6 +502,8 @@ def validate(recipe: Recipe) -> list[str]:
          "warmup_steps and warmup_ratio are both set; keep one (warmup_steps=0 or warmup_ratio=0)")
     need(not (r.lr_scheduler_type == "constant" and (r.warmup_steps > 0 or r.warmup_ratio > 0)),
          "lr_scheduler_type=constant has no warmup; use constant_with_warmup or set warmup to 0")
+    need(r.router_aux_loss_coef is None or r.router_aux_loss_coef >= 0,
+         f"router_aux_loss_coef must be >= 0 or unset, got {r.router_aux_loss_coef}")
     need(r.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {r.max_grad_norm}")
     need(r.weight_decay >= 0, f"weight_decay must be >= 0, got {r.weight_decay}")
     need(0 <= r.adam_beta1 < 1 and 0 <= r.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
@@ -504,6 +549,9 @@ def _validate_data(r: Recipe) -> list[str]:
             problems.append(f"dataset_mixture entry {i} has format {source.format!r}; use one of {', '.join(formats)}")
         if _looks_local(source.name) and not Path(source.name).expanduser().exists():
             problems.append(f"dataset_mixture entry {i}: {source.name!r} does not exist")
+    if r.train_on_turns == "last" and not r.assistant_only_loss:
+        problems.append("train_on_turns=last picks the assistant turn to train, but assistant_only_loss=false trains "
+                        "every token; set assistant_only_loss: true or leave train_on_turns at all")
     if r.chat_template_path and not Path(r.chat_template_path).is_file():
         problems.append(f"chat_template_path {r.chat_template_path!r} is not a file")
     if r.dataset_num_proc is not None and r.dataset_num_proc < 1:
@@ -617,7 +665,8 @@ def _did_you_mean(name: str) -> str:
 
 def _coerce_all(values: dict[str, Any], from_cli: bool) -> tuple[dict[str, Any], list[str]]:
     """Typed values for known keys, and a problem for each unknown key or wrong type."""
-    clean, problems = {}, []
+    values, problems = from_trl.translate(values, FIELDS)
+    clean = {}
     for key, value in values.items():
         if key not in FIELDS:
             problems.append(f"unknown key {key!r}{_did_you_mean(key)}")

@@ -62,6 +62,7 @@ class ModelShape:
     kv_dim: int  # key/value width (num_key_value_heads x head_dim)
     vocab: int
     lora_params_per_rank: int  # adapter parameters per unit of LoRA rank: sum of (in + out) over adapted linears
+    active_params: int | None = None  # mixture-of-experts: parameters one token computes with (top-k experts)
 
 
 def model_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
@@ -99,7 +100,20 @@ def model_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
         intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
         heads=heads, kv_dim=getattr(text, "num_key_value_heads", heads) * head_dim, vocab=text.vocab_size,
         lora_params_per_rank=sum(m.in_features + m.out_features for m in linears),
+        active_params=_active_params(lm, text),
     )
+
+
+def _active_params(lm, config) -> int | None:
+    """Parameters a token computes with in a mixture-of-experts model: expert weights count k / experts of their
+    size. Compute (FLOPs, MFU) follows these; memory holds every parameter. None for a dense model."""
+    from hftrain.metrics import active_expert_fraction
+
+    fraction = active_expert_fraction(config)
+    if fraction is None:
+        return None
+    experts = sum(p.numel() for name, p in lm.named_parameters() if ".experts." in f".{name}")
+    return sum(p.numel() for p in lm.parameters()) - round((1 - fraction) * experts)
 
 
 def _decoder_layers(lm):
@@ -258,8 +272,10 @@ def recommend(plan: Plan, gpu_memory_gib: float, method: str) -> tuple[Row | Non
 # --------------------------------------------------------------------------------- CLI
 def format_plan(plan: Plan, gpu_memory_gib: float, method: str) -> str:
     s = plan.shape
+    active = (f", {s.active_params / 1e9:.3f}B active per token (memory holds all, compute uses these)"
+              if s.active_params else "")
     lines = [
-        f"{s.name}: {s.architecture}, {s.params / 1e9:.3f}B parameters ({s.layers} layers, hidden {s.hidden}, "
+        f"{s.name}: {s.architecture}, {s.params / 1e9:.3f}B parameters{active} ({s.layers} layers, hidden {s.hidden}, "
         f"vocab {s.vocab}); {plan.gpus} GPU(s) x {gpu_memory_gib:g} GiB; micro-batch {plan.batch} x {plan.seq} "
         f"tokens per GPU; {'bf16 mixed precision' if plan.precision == 'bf16' else 'fp32'}, AdamW.",
         "GiB per GPU. peak = weights + optimizer + max(activations, grads); ckpt = with gradient checkpointing.",

@@ -112,12 +112,13 @@ def optimizer_step(backend, model, optimizer, scheduler, micro_batches, scale, m
 class StepResult:
     """One optimizer step as the loop accounts for it."""
 
-    loss: torch.Tensor  # this rank's summed token loss over the step's micro-batches
+    loss: torch.Tensor  # this rank's summed token loss over the step's micro-batches (router loss included)
     tokens: int  # trained tokens of the step over the data-parallel ranks
     examples: int  # examples of the step over the data-parallel ranks
     grad_norm: float | None
     updated: bool  # False: a non-finite gradient norm, nothing applied (nan_policy skip_step)
     learning_rate: float
+    aux: torch.Tensor | None = None  # mixture-of-experts: this rank's summed aux loss x trained tokens
 
 
 @dataclass
@@ -127,16 +128,20 @@ class Window:
     loss: torch.Tensor  # this rank's summed token loss of the updated steps (summed over ranks when logged)
     tokens: int = 0  # trained tokens of the updated steps, over the data-parallel ranks
     examples: int = 0
+    aux: torch.Tensor | None = None  # this rank's summed aux loss x trained tokens (router loss models only)
 
     def add(self, step: StepResult) -> None:
         if step.updated:
             self.loss += step.loss
             self.tokens += step.tokens
+            if step.aux is not None:
+                self.aux = step.aux.double() + (0 if self.aux is None else self.aux)
         self.examples += step.examples
 
     def reset(self) -> None:
         self.loss.zero_()
         self.tokens = self.examples = 0
+        self.aux = None
 
 
 class Finetune:
@@ -212,7 +217,13 @@ class Finetune:
         self.memory_baseline_mb = current_memory_mb(self.accelerator.device)  # what the estimate sits on top of
         lm = self.build_model()
         fit_embeddings_to_tokenizer(lm, self.tokenizer)
-        self.model = CausalLMTokenLoss(lm, recipe.loss_chunk_tokens, recipe.use_liger_kernel)
+        self.model = self.token_loss = CausalLMTokenLoss(lm, recipe.loss_chunk_tokens, recipe.use_liger_kernel,
+                                                         recipe.router_aux_loss_coef)
+        self.collator.mark_real_tokens = self.token_loss.aux_coef > 0  # the router loss excludes padding
+        self.notes = list(getattr(lm, "hftrain_notes", []))
+        if self.token_loss.aux_coef > 0:
+            self.notes.append(f"router load-balancing loss added with coefficient {self.token_loss.aux_coef} "
+                              "(router_aux_loss_coef; 0 turns it off), logged as aux_loss")
         self.flops = FlopCounter(lm)
         self.summary = model_summary(self.model)  # before prepare: sharding strategies hide the full counts
 
@@ -269,6 +280,8 @@ class Finetune:
             f"{self.summary['method']} fine-tuning, {trained:,} of {total:,} parameters trained; "
             f"{len(self.train_set)} training examples in {len(self.rows)} rows{resuming}"
         )
+        for note in self.notes:
+            self.logger.print(f"hftrain: {note}")
         preset = (f"; the recipe is sized for preset {recipe.launch_preset}: "
                   f"{recipe.launch_preset_reason or 'no reason given'}" if recipe.launch_preset else "")
         self.logger.print(
@@ -330,7 +343,10 @@ class Finetune:
         if not updated:
             self.refuse_non_finite_step(grad_norm)
         self.meter.count(micro_batches, local[0])
-        return StepResult(loss, int(step_tokens), int(step_examples), grad_norm, updated, learning_rate)
+        aux = self.token_loss.pop_aux()
+        if aux is None and self.token_loss.aux_coef > 0:  # only filler rows here: every rank still sums an aux
+            aux = torch.zeros((), device=accelerator.device)
+        return StepResult(loss, int(step_tokens), int(step_examples), grad_norm, updated, learning_rate, aux)
 
     def refuse_non_finite_step(self, grad_norm: float) -> None:
         """A step with a NaN/inf gradient norm was not applied: nan_policy skip_step goes on (the step is counted),
@@ -362,14 +378,20 @@ class Finetune:
         self.bar.update(1)
         if progress.step % recipe.logging_steps == 0 or progress.step in (1, self.total_steps):
             self.log_window(step)
-        if self.eval_set is not None and recipe.eval_steps and progress.step % recipe.eval_steps == 0 \
-                and progress.step < self.total_steps:
+        if self.eval_set is not None and self.due(recipe.eval_strategy, recipe.eval_steps) \
+                and progress.step < self.total_steps:  # the last step's evaluation is the final one
             with phase(self.accelerator, "evaluation", recipe.ddp_timeout):
                 metrics = self.evaluate()
             self.logger.log({"step": progress.step, **metrics})
-        if recipe.save_steps and progress.step % recipe.save_steps == 0:
+        if self.due(recipe.save_strategy, recipe.save_steps):
             with phase(self.accelerator, "checkpointing", recipe.ddp_timeout):
                 self.save_checkpoint()
+
+    def due(self, strategy: str, every: int | None) -> bool:
+        """Whether an eval_strategy / save_strategy falls on the step just taken."""
+        if strategy == "epoch":
+            return self.progress.step_in_epoch == self.plan.steps_per_epoch
+        return strategy == "steps" and bool(every) and self.progress.step % every == 0
 
     def log_window(self, step: StepResult) -> None:
         """One metrics row for the steps since the last one (loss summed over the data-parallel ranks here)."""
@@ -380,6 +402,8 @@ class Finetune:
             "step": progress.step,
             "epoch": round((progress.epoch + progress.step_in_epoch / self.plan.steps_per_epoch), 4),
             "loss": loss,
+            **({"aux_loss": self.dp.sum(window.aux).item() / window.tokens} if window.aux is not None
+               and window.tokens else {}),
             "learning_rate": step.learning_rate,
             "grad_norm": step.grad_norm,
             "trained_tokens": progress.trained_tokens,

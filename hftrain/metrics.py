@@ -108,6 +108,13 @@ class StepTimer:
         return totals
 
 
+def active_expert_fraction(config) -> float | None:
+    """k / experts of a mixture-of-experts config (each token is routed to k experts), None for a dense model."""
+    top_k = getattr(config, "num_experts_per_tok", None)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    return top_k / experts if top_k and experts else None
+
+
 class FlopCounter:
     """Model FLOPs of training tokens: 6 x params per token plus the attention term (PaLM, appendix B).
 
@@ -115,6 +122,8 @@ class FlopCounter:
     weight gradients, over the matmul parameters N (embeddings excluded, a tied output head
     included). Attention adds 12 x layers x attention width x sequence length (forward QK^T and AV,
     backward twice that). Recomputation under gradient checkpointing is not counted (MFU, not HFU).
+    A mixture-of-experts model computes with its active parameters: each token goes through top-k of
+    its experts, so expert weights count k / experts of their size (shared experts and the router in full).
     """
 
     def __init__(self, lm):
@@ -122,9 +131,13 @@ class FlopCounter:
         out, inp = lm.get_output_embeddings(), lm.get_input_embeddings()
         tied = out is not None and inp is not None and out.weight is inp.weight
         head = out.weight.numel() if tied else 0
-        self.matmul_params = lm.num_parameters(exclude_embeddings=True) + head
+        inactive = 1 - (active_expert_fraction(config) or 1)
+        experts = [p for name, p in lm.named_parameters() if ".experts." in f".{name}"]
+        self.matmul_params = lm.num_parameters(exclude_embeddings=True) + head - round(
+            inactive * sum(p.numel() for p in experts))
         self.trainable_matmul_params = lm.num_parameters(only_trainable=True, exclude_embeddings=True) + (
-            head if tied and out.weight.requires_grad else 0)
+            head if tied and out.weight.requires_grad else 0) - round(
+            inactive * sum(p.numel() for p in experts if p.requires_grad))
         heads = getattr(config, "num_attention_heads", 0) or 0
         head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
         self.layers = getattr(config, "num_hidden_layers", 0) or 0

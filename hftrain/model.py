@@ -117,14 +117,19 @@ def build_full_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modu
     return model
 
 
-def lora_config(recipe: Recipe):
+def fused_expert_parameters(model: nn.Module) -> list[str]:
+    """Names of mixture-of-experts weights stored as one 3-D tensor per layer (transformers 5 fuses experts so)."""
+    return [name for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in f".{name}"]
+
+
+def lora_config(recipe: Recipe, dropout: float | None = None):
     from peft import LoraConfig  # peft imports bitsandbytes: only adapter runs load it
     targets = recipe.lora_target_modules
     return LoraConfig(
         task_type="CAUSAL_LM",
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,
-        lora_dropout=recipe.lora_dropout,
+        lora_dropout=recipe.lora_dropout if dropout is None else dropout,
         target_modules="all-linear" if targets == ["all-linear"] else list(targets),
         use_dora=recipe.use_dora,
         use_rslora=recipe.use_rslora,
@@ -150,8 +155,17 @@ def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modu
                                                 gradient_checkpointing_kwargs=CHECKPOINTING)
     elif recipe.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=CHECKPOINTING)
+    # all-linear on a mixture-of-experts model also adapts its fused 3-D expert weights, through peft's
+    # ParamWrapper, which refuses lora_dropout != 0: the working setting is chosen and said at start-up.
+    dropout, notes = None, []
+    experts = fused_expert_parameters(model)
+    if experts and recipe.lora_target_modules == ["all-linear"] and recipe.lora_dropout != 0:
+        dropout = 0.0
+        notes.append(f"lora_dropout {recipe.lora_dropout} -> 0: all-linear adapts this mixture-of-experts model's "
+                     f"fused expert weights ({len(experts)} tensors) through peft's ParamWrapper, which has no "
+                     "dropout; name attention/dense layers in lora_target_modules to keep dropout there")
     try:
-        model = get_peft_model(model, lora_config(recipe), autocast_adapter_dtype=True)
+        model = get_peft_model(model, lora_config(recipe, dropout), autocast_adapter_dtype=True)
     except ValueError as exc:  # e.g. target modules that the model does not have
         raise HftrainError(f"cannot add LoRA adapters to {recipe.model_name_or_path!r}: {first_line(exc)}. Check "
                            "lora_target_modules (all-linear, or names of the model's linear layers) and "
@@ -159,6 +173,7 @@ def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modu
     base_path = Path(recipe.model_name_or_path).expanduser()
     if base_path.is_dir():  # record a path that still finds the base from another working directory
         model.peft_config["default"].base_model_name_or_path = str(base_path.resolve())
+    model.hftrain_notes = notes  # printed with the start-up lines
     return model
 
 
@@ -247,6 +262,24 @@ HEAD_ONLY_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen
 LIGER_MODEL_TYPES = HEAD_ONLY_MODEL_TYPES
 
 
+def router_aux(lm: nn.Module, coef: float | None):
+    """(coefficient, aux(router_logits, real_tokens)) of a mixture-of-experts model's load-balancing loss: the
+    recipe's coefficient or, when None, the model config's (TRL's rule); (0.0, None) for a dense model."""
+    import importlib
+
+    hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    if not hasattr(config, "output_router_logits"):
+        if coef:
+            raise HftrainError(f"router_aux_loss_coef={coef} is set but {type(hf).__name__} is not a "
+                               "mixture-of-experts model with a router loss; remove router_aux_loss_coef")
+        return 0.0, None
+    coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
+    balance = importlib.import_module(type(hf).__module__).load_balancing_loss_func
+    experts, top_k = hf.num_experts, hf.num_experts_per_tok
+    return float(coef), lambda router_logits, real_tokens: balance(router_logits, experts, top_k, real_tokens)
+
+
 class CausalLMTokenLoss(nn.Module):
     """Wraps a causal LM so that `forward` returns the *sum* of next-token cross-entropies.
 
@@ -255,11 +288,20 @@ class CausalLMTokenLoss(nn.Module):
     only at trained positions (prompt and padding positions never need them), in fp32 for a stable
     softmax, or not at all with `fused_cross_entropy` (Liger's fused projection + cross-entropy);
     any other model takes its own full-logits path.
+
+    Mixture-of-experts models (with `router_aux_loss_coef` != 0, the config's own by default) add the
+    model's load-balancing loss in training, computed by the model's own `load_balancing_loss_func` over the
+    micro-batch's real tokens (`real_tokens`: padding excluded, packed examples counted token by token) and
+    weighted by the micro-batch's trained tokens: the step loss is then the token cross-entropy plus coef x
+    the token-weighted mean of the micro-batches' aux losses, HF's `outputs.loss` for a step of one micro-batch.
     """
 
-    def __init__(self, lm: nn.Module, chunk_tokens: int = 0, fused_cross_entropy: bool = False):
+    def __init__(self, lm: nn.Module, chunk_tokens: int = 0, fused_cross_entropy: bool = False,
+                 router_aux_loss_coef: float | None = None):
         super().__init__()
         self.lm = lm
+        self.aux_coef, self.aux_fn = router_aux(lm, router_aux_loss_coef)
+        self.aux_sum = None  # detached sum of aux x trained tokens since the last `pop_aux`
         self.head_only = lm.config.model_type in HEAD_ONLY_MODEL_TYPES
         self.chunk_tokens = chunk_tokens  # > 0: logits of this many trained tokens at a time (head-only models)
         # transformers' flash attention tells packed examples apart by their position_ids only in a batch of one
@@ -293,25 +335,43 @@ class CausalLMTokenLoss(nn.Module):
             state_dict = {k.removeprefix("lm."): v for k, v in state_dict.items()}
         self.lm.save_pretrained(folder, state_dict=state_dict, is_main_process=is_main_process)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """`position_ids` restarting inside a row mark packed examples (block-diagonal attention)."""
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` restarting inside a row mark packed examples (block-diagonal attention); `real_tokens`
+        (not padding) is needed only for the router loss."""
         targets = labels[:, 1:]
         trained = targets != IGNORE_INDEX
         rows = input_ids.shape
         if position_ids is not None and self.flatten_packed:
             input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
         inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+        with_aux = self.training and self.aux_coef > 0
+        if with_aux:
+            inputs["output_router_logits"] = True
         if not self.head_only:
-            logits = self.lm(**inputs).logits.reshape(*rows, -1)[:, :-1][trained]
-            return F.cross_entropy(logits.float(), targets[trained], reduction="sum")
-        hidden = self.lm.get_decoder()(**inputs).last_hidden_state.reshape(*rows, -1)[:, :-1][trained]
-        if not self.chunk_tokens or len(hidden) <= self.chunk_tokens:
-            return self._head_loss(hidden, targets[trained])
-        from torch.utils.checkpoint import checkpoint
+            outputs = self.lm(**inputs)
+            logits = outputs.logits.reshape(*rows, -1)[:, :-1][trained]
+            loss = F.cross_entropy(logits.float(), targets[trained], reduction="sum")
+        else:
+            outputs = self.lm.get_decoder()(**inputs)
+            hidden = outputs.last_hidden_state.reshape(*rows, -1)[:, :-1][trained]
+            if not self.chunk_tokens or len(hidden) <= self.chunk_tokens:
+                loss = self._head_loss(hidden, targets[trained])
+            else:
+                from torch.utils.checkpoint import checkpoint
 
-        chunks = zip(hidden.split(self.chunk_tokens), targets[trained].split(self.chunk_tokens), strict=True)
-        return sum(checkpoint(self._head_loss, h, t, use_reentrant=False) for h, t in chunks)
+                chunks = zip(hidden.split(self.chunk_tokens), targets[trained].split(self.chunk_tokens), strict=True)
+                loss = sum(checkpoint(self._head_loss, h, t, use_reentrant=False) for h, t in chunks)
+        if with_aux and (real_tokens is None or real_tokens.any()):  # an all-padding filler row has no routing
+            aux = self.aux_fn(outputs.router_logits, real_tokens) * trained.sum()
+            self.aux_sum = aux.detach() + (0 if self.aux_sum is None else self.aux_sum)
+            loss = loss + self.aux_coef * aux
+        return loss
+
+    def pop_aux(self) -> torch.Tensor | None:
+        """The detached sum of aux loss x trained tokens since the last call (None without a router loss)."""
+        aux, self.aux_sum = self.aux_sum, None
+        return aux
 
     def _head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         head = self.lm.get_output_embeddings()

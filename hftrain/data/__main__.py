@@ -52,6 +52,33 @@ def histogram(lengths: list[int], max_length: int, bins: int = 8, width: int = 4
                      for i, c in enumerate(counts))
 
 
+METHODS = {
+    "prefix": "located by rendering prefixes",
+    "generation": "the template's {% generation %} mask",
+    "expanded": "expanded to one example per assistant turn (the template rewrites earlier turns)",
+    "last": "final assistant turn only",
+    "completion": "completion only",
+    "all tokens": "every token",
+}
+
+
+def mask_policy(recipe, sources: list[dict]) -> str:
+    """One line: the loss policy, how many raw examples each mask method covered, and what expanding cost."""
+    policy = (f"assistant_only_loss: true, train_on_turns: {recipe.train_on_turns}" if recipe.assistant_only_loss
+              else "assistant_only_loss: false")
+    methods: dict[str, int] = {}
+    for source in sources:
+        for method, n in source["mask_methods"].items():
+            methods[method] = methods.get(method, 0) + n
+    line = f"masks ({policy}): " + "; ".join(f"{n} example(s) {METHODS.get(m, m)}" for m, n in methods.items())
+    extra = sum(source["expansion_extra_tokens"] for source in sources)
+    if extra:
+        tokens = sum(source["tokens"] for source in sources)
+        line += (f". Expanding cost {extra} tokens ({extra / max(tokens - extra, 1):.1%} more than one example per "
+                 "conversation); train_on_turns: last trains only each final turn, without that cost")
+    return line
+
+
 def preview(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hftrain.data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,6 +108,7 @@ def preview(argv: list[str] | None = None) -> None:
               f"({source['truncated_tokens']} tokens cut), {source['trained_tokens']} trained of "
               f"{source['tokens']} tokens ({share:.1%})")
     print(f"  training examples: {stats['train_examples']}, eval examples: {stats['eval_examples']}")
+    print(f"  {mask_policy(recipe, stats['sources'])}")
     print(f"--- length histogram (tokens per training example, max_length {recipe.max_length})")
     print(histogram([len(ids) for ids in train["input_ids"]], recipe.max_length))
 

@@ -130,7 +130,7 @@ def training_plan(recipe, dataset, rows: list[list[int]], world: int) -> BatchPl
     strategy = recipe.train_sampling_strategy
     lengths = tuple(row_lengths(dataset, rows)) if strategy == "group_by_length" else None
     return BatchPlan(len(rows), recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps,
-                     recipe.seed, shuffle=strategy != "sequential", lengths=lengths)
+                     recipe.order_seed, shuffle=strategy != "sequential", lengths=lengths)
 
 
 def eval_micro_batches(num_examples: int, micro_batch: int, world: int, rank: int) -> list[list[int]]:
@@ -156,6 +156,7 @@ class Collator:
         self.pad_token_id = pad_token_id
         self.rows = rows
         self.packed = packed
+        self.mark_real_tokens = False  # add `real_tokens` (not padding): a mixture-of-experts router loss needs it
 
     def __call__(self, row_indices: list[int]) -> dict[str, torch.Tensor]:
         groups = [self.rows[r] for r in row_indices] if self.rows is not None else [[r] for r in row_indices]
@@ -166,10 +167,12 @@ class Collator:
         for group in groups or [[]]:
             parts = [(next(ids_iter), next(labels_iter)) for _ in group] or [([self.pad_token_id], [IGNORE_INDEX])]
             rows.append(parts)
+        group_sizes = [len(group) for group in groups or [[]]]  # 0: the filler row of an empty micro-batch
         width = max(sum(len(ids) for ids, _ in parts) for parts in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full_like(input_ids, IGNORE_INDEX)
         position_ids = torch.zeros_like(input_ids)
+        real_tokens = torch.zeros_like(input_ids, dtype=torch.bool)
         for r, parts in enumerate(rows):
             offset = 0
             for ids, lbl in parts:
@@ -178,9 +181,12 @@ class Collator:
                 position_ids[r, offset:offset + len(ids)] = torch.arange(len(ids))
                 offset += len(ids)
             position_ids[r, offset:] = torch.arange(width - offset)
+            real_tokens[r, :offset] = bool(group_sizes[r])
         batch = {"input_ids": input_ids, "labels": labels, "num_examples": torch.tensor(len(flat))}
         if self.packed:
             batch["position_ids"] = position_ids
+        if self.mark_real_tokens:
+            batch["real_tokens"] = real_tokens
         return batch
 
 

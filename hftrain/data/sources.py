@@ -103,12 +103,12 @@ def load_datasets(recipe: Recipe, tokenizer):
 
     trains, evals, stats = [], [], {"sources": [], "chat_template": template_note}
     for source, raw, fmt in loaded:
-        if not recipe.eval_dataset_name and recipe.validation_split_percentage > 0:
+        if not recipe.eval_dataset_name and recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
             n_eval = max(1, int(len(raw) * recipe.validation_split_percentage / 100))
             if n_eval >= len(raw):
                 raise HftrainError(f"dataset {source.name!r} has {len(raw)} examples, too few to hold out "
                                    f"{recipe.validation_split_percentage}% for evaluation")
-            split = raw.train_test_split(test_size=n_eval, seed=recipe.seed, shuffle=True)
+            split = raw.train_test_split(test_size=n_eval, seed=recipe.order_seed, shuffle=True)
             raw = split["train"]
             evaluation, _ = tokenize_dataset(split["test"], tokenizer, spec, fmt, f"{source.name} (eval)",
                                              recipe.dataset_num_proc)
@@ -116,11 +116,11 @@ def load_datasets(recipe: Recipe, tokenizer):
         if recipe.max_samples is not None and not recipe.dataset_mixture:
             raw = raw.select(range(min(recipe.max_samples, len(raw))))
         train, train_stats = tokenize_dataset(raw, tokenizer, spec, fmt, source.name, recipe.dataset_num_proc)
-        trains.append(_weighted(train, source.weight, recipe.seed))
+        trains.append(_weighted(train, source.weight, recipe.order_seed))
         stats["sources"].append({"name": source.name, "weight": source.weight, **train_stats})
     train = trains[0] if len(trains) == 1 else datasets.concatenate_datasets(trains)
     if recipe.max_samples is not None and recipe.dataset_mixture:  # a fixed-seed sample of the whole mixture
-        train = train.shuffle(seed=recipe.seed).select(range(min(recipe.max_samples, len(train))))
+        train = train.shuffle(seed=recipe.order_seed).select(range(min(recipe.max_samples, len(train))))
     if eval_raw is not None:
         evaluation, eval_stats = tokenize_dataset(eval_raw, tokenizer, spec, eval_fmt, recipe.eval_dataset_name,
                                                   recipe.dataset_num_proc)

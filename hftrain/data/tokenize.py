@@ -3,7 +3,13 @@
 Masks never come from searching marker strings. For chat data the conversation is rendered with
 the chat template prefix by prefix: the characters between "everything before this assistant turn
 plus the generation prompt" and "everything through this turn" are that turn's answer and its
-end-of-turn token; the fast tokenizer's character offsets then mark exactly those tokens.
+end-of-turn token; the fast tokenizer's character offsets then mark exactly those tokens. A template
+that closes only the whole conversation (Phi-3's final EOS) is located the same way, token by token.
+Templates that rewrite earlier turns (Qwen3 and DeepSeek-R1 strip past reasoning) use their own
+{% generation %} mask when they have one, or else follow `train_on_turns`: `all` expands a
+conversation into one example per assistant turn, each rendered as the model sees it when it writes
+that turn; `last` trains the final turn only.
+
 Prompt/completion strings are tokenized separately (the prompt as at inference, then the
 completion and EOS), so the boundary is exact too.
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +31,9 @@ from hftrain.data.formats import to_canonical
 from hftrain.errors import HftrainError
 
 IGNORE_INDEX = -100
+ROW_COLUMNS = ("input_ids", "labels", "num_trained", "num_tokens", "num_truncated", "dropped", "method",
+               "extra_tokens")
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -43,11 +53,12 @@ class DataSpec:
     completion_only_loss: bool
     max_length: int
     overlong_examples: str
+    train_on_turns: str = "all"
 
     @classmethod
     def from_recipe(cls, recipe) -> DataSpec:
         return cls(recipe.dataset_text_field, recipe.dataset_messages_field, recipe.assistant_only_loss,
-                   recipe.completion_only_loss, recipe.max_length, recipe.overlong_examples)
+                   recipe.completion_only_loss, recipe.max_length, recipe.overlong_examples, recipe.train_on_turns)
 
 
 def prepare_chat_template(tokenizer, chat_template_path: str | None, needs_chat: bool) -> str | None:
@@ -69,74 +80,173 @@ def prepare_chat_template(tokenizer, chat_template_path: str | None, needs_chat:
             f"EOS = {CHATML_TOKENS[1]}")
 
 
+def _render(tokenizer, messages: list[dict], **kwargs) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def _not_located(what: str) -> HftrainError:
+    return HftrainError(
+        f"the chat template does not render conversations prefix by prefix: {what}, so assistant tokens cannot be "
+        "located exactly. Set chat_template_path to a template that renders the prompt as a prefix of the answer "
+        "(or one with {% generation %} markers), or assistant_only_loss=false to train every token"
+    )
+
+
+def _closing_suffix_end(tokenizer, full: str, through: str) -> int | None:
+    """Where a turn ends in `full` when `through` is a prefix of `full` plus text that only closes a conversation.
+
+    Phi-3's template appends EOS after the last message only: "everything through this turn" then ends in EOS
+    where the whole conversation goes on with the next turn. Compared token by token (markers are single
+    tokens, so the next turn's marker never half-matches the EOS), the tokens that follow the shared ones must
+    be the very tokens the whole conversation ends with. Returns the character end of the shared tokens.
+    """
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    full_ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    ids = tokenizer(through, add_special_tokens=False)["input_ids"]
+    shared = next((k for k, (a, b) in enumerate(zip(ids, full_ids)) if a != b), min(len(ids), len(full_ids)))
+    tail = ids[shared:]
+    if not shared or not tail or len(full_ids) - len(tail) < shared or full_ids[len(full_ids) - len(tail):] != tail:
+        return None
+    return offsets[shared - 1][1]
+
+
+PROBE_TURN = {"role": "user", "content": "?"}
+
+
+def _final_turn_end(tokenizer, messages: list[dict], through: str, start: int) -> int:
+    """Where the final turn's own text ends in `through` (the whole rendering), before a closing suffix.
+
+    Phi-3 ends every conversation with EOS after the last turn's <|end|>; the model stops at <|end|> at
+    inference, so the final turn is trained like the others. The suffix is what the conversation also ends
+    with when one more (probe) turn follows; a template that renders the turn differently once it is no
+    longer last (Qwen3 drops its reasoning) has no such suffix, and the whole rendering is the turn's.
+    """
+    try:
+        longer = _render(tokenizer, [*messages, PROBE_TURN])
+    except Exception:  # noqa: BLE001 - a template that refuses the probe simply has no closing suffix to find
+        return len(through)
+    end = _closing_suffix_end(tokenizer, longer, through)
+    return end if end is not None and end > start else len(through)
+
+
+def _turn_span(tokenizer, messages: list[dict], i: int, full: str) -> tuple[int, int] | None:
+    """[start, end) characters of assistant turn i in `full`, or None when the template hides where it is.
+
+    The turn runs from the end of the prompt rendered with `add_generation_prompt=True` to the end of the
+    conversation rendered through that turn (less a closing suffix, see above), trailing whitespace excluded.
+    """
+    prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
+    if not full.startswith(prompt):
+        return None
+    through = _render(tokenizer, messages[: i + 1])
+    if through == full and i == len(messages) - 1:
+        end = _final_turn_end(tokenizer, messages, through, len(prompt))
+    else:
+        end = len(through) if full.startswith(through) else _closing_suffix_end(tokenizer, full, through)
+    if end is None:
+        return None
+    end = len(full[:end].rstrip())
+    return (len(prompt), end) if end > len(prompt) else None
+
+
+def _trained_turns(messages: list[dict], first_trained: int) -> list[int]:
+    """Assistant turns to train. One that opens the conversation answers nothing: it is context."""
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= max(first_trained, 1)]
+
+
 def assistant_char_spans(tokenizer, messages: list[dict], first_trained: int = 0) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and [start, end) character spans of assistant turns from `first_trained` on.
 
-    A span runs from the end of the prompt rendered with `add_generation_prompt=True` to the end of the
-    conversation rendered through that turn, trailing whitespace excluded: the answer and the
-    template's end-of-turn token. An assistant message that opens the conversation answers nothing
-    and is context, not trained.
+    Raises HftrainError when a turn cannot be located in the whole rendering (see `_turn_span`).
     """
-    render = tokenizer.apply_chat_template
-    full = render(messages, tokenize=False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i < max(first_trained, 1):
-            continue
-        prompt = render(messages[:i], tokenize=False, add_generation_prompt=True)
-        through = render(messages[: i + 1], tokenize=False)
-        if not (full.startswith(prompt) and full.startswith(through) and len(through.rstrip()) > len(prompt)):
-            raise HftrainError(
-                "the chat template does not render conversations prefix by prefix (a later turn changes earlier "
-                "text, as templates that strip reasoning from past turns do), so assistant tokens cannot be located "
-                "exactly; set chat_template_path to a template that does, or assistant_only_loss=false"
-            )
-        spans.append((len(prompt), len(through.rstrip())))
+    full = _render(tokenizer, messages)
+    spans = [_turn_span(tokenizer, messages, i, full) for i in _trained_turns(messages, first_trained)]
+    if None in spans:
+        raise _not_located("a later turn changes earlier text, as templates that strip reasoning from past turns do")
     return full, spans
 
 
-def _encode_chat(tokenizer, messages: list[dict], first_trained: int, trained_only_spans: bool):
-    if trained_only_spans:
-        text, spans = assistant_char_spans(tokenizer, messages, first_trained)
-    else:  # every token is trained: no turn needs locating (and any template works)
-        text, spans = tokenizer.apply_chat_template(messages, tokenize=False), []
-    # The template already holds BOS if the model wants one: adding special tokens again would double it.
+def _encode_spans(tokenizer, text: str, spans: list[tuple[int, int]]):
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     offsets = enc["offset_mapping"]
-    if trained_only_spans:
-        # A token is trained when it holds any character of a turn: a prompt ending in a space ("Assistant: ")
-        # lets BPE merge that space into the answer's first token, which must still be trained.
-        trained = [any(start < e and end > s for s, e in spans) for start, end in offsets]
-    else:
-        trained = [True] * len(offsets)
+    # A token is trained when it holds any character of a turn: a prompt ending in a space ("Assistant: ")
+    # lets BPE merge that space into the answer's first token, which must still be trained.
+    trained = [any(start < e and end > s for s, e in spans) for start, end in offsets]
     turn_ends = [sum(start < e for start, _ in offsets) for _, e in spans]  # token index after each turn
     return enc["input_ids"], trained, turn_ends
 
 
-def encode(canonical: dict, tokenizer, spec: DataSpec) -> tuple[list[int], list[bool], list[int]]:
-    """(token ids, trained flag per token, token indices where a trained turn ends) for one canonical example."""
+def _encode_generation_marked(tokenizer, messages: list[dict], full: str, first_trained: int):
+    """The template's own {% generation %} mask, from the first trained turn on (its prompt must be a prefix)."""
+    out = tokenizer.apply_chat_template(messages, return_dict=True, return_assistant_tokens_mask=True)
+    turns = _trained_turns(messages, first_trained)
+    prompt = _render(tokenizer, messages[: turns[0]], add_generation_prompt=True) if turns else full
+    if not full.startswith(prompt):
+        raise _not_located("the prompt of the first trained turn is not a prefix of the whole conversation")
+    offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    trained = [bool(keep) and end > len(prompt) for keep, (_, end) in zip(out["assistant_masks"], offsets)]
+    turn_ends = [k + 1 for k, keep in enumerate(trained) if keep and (k + 1 == len(trained) or not trained[k + 1])]
+    return out["input_ids"], trained, turn_ends
+
+
+def _encode_chat(tokenizer, messages: list[dict], first_trained: int, assistant_only: bool, train_on_turns: str):
+    """(mask method, encodings): one encoding per example the conversation becomes.
+
+    Methods, in order: `prefix` (one example; turns located by rendering prefixes, a closing suffix allowed),
+    `generation` (one example; the template's {% generation %} mask), `expanded` (train_on_turns=all: one
+    example per trained turn, each the conversation through that turn as the model sees it then), `last`
+    (train_on_turns=last: the conversation through its final trained turn, that turn trained).
+    """
+    if not assistant_only:  # every token is trained: no turn needs locating (and any template works)
+        ids = tokenizer(_render(tokenizer, messages), add_special_tokens=False)["input_ids"]
+        return "all tokens", [(ids, [True] * len(ids), [])]
+    turns = _trained_turns(messages, first_trained)
+    if train_on_turns == "last" and turns:
+        messages, turns = messages[: turns[-1] + 1], turns[-1:]
+    full = _render(tokenizer, messages)
+    spans = [_turn_span(tokenizer, messages, i, full) for i in turns]
+    if None not in spans:
+        return "prefix" if train_on_turns == "all" else "last", [_encode_spans(tokenizer, full, spans)]
+    if train_on_turns == "last":
+        raise _not_located("the prompt of the final assistant turn is not a prefix of the conversation through it")
+    if GENERATION_MARKER.search(str(tokenizer.chat_template)):
+        return "generation", [_encode_generation_marked(tokenizer, messages, full, first_trained)]
+    encodings = []
+    for i in turns:
+        through = _render(tokenizer, messages[: i + 1])
+        span = _turn_span(tokenizer, messages[: i + 1], i, through)
+        if span is None:
+            raise _not_located(f"even the prompt of assistant turn {i} is not a prefix of the conversation through it")
+        encodings.append(_encode_spans(tokenizer, through, [span]))
+    return "expanded", encodings
+
+
+def encode(canonical: dict, tokenizer, spec: DataSpec) -> tuple[str, list[tuple[list[int], list[bool], list[int]]]]:
+    """(mask method, [(token ids, trained flag per token, token indices where a trained turn ends)]).
+
+    One canonical example gives one encoding, or one per assistant turn when it is expanded.
+    """
     eos = tokenizer.eos_token_id
     if "text" in canonical:
         ids = tokenizer(canonical["text"], add_special_tokens=True)["input_ids"]
         if eos is not None and (not ids or ids[-1] != eos):
             ids.append(eos)
-        return ids, [True] * len(ids), []
+        return "all tokens", [(ids, [True] * len(ids), [])]
     if "messages" in canonical:
-        return _encode_chat(tokenizer, canonical["messages"], 0, spec.assistant_only_loss)
+        return _encode_chat(tokenizer, canonical["messages"], 0, spec.assistant_only_loss, spec.train_on_turns)
     prompt, completion = canonical["prompt"], canonical["completion"]
     if isinstance(prompt, list):  # conversational: train the completion's assistant turns
         return _encode_chat(tokenizer, prompt + completion, len(prompt) if spec.completion_only_loss else 0,
-                            spec.completion_only_loss or spec.assistant_only_loss)
+                            spec.completion_only_loss or spec.assistant_only_loss, spec.train_on_turns)
     prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
     trained = [not spec.completion_only_loss] * len(prompt_ids) + [True] * len(completion_ids)
-    return prompt_ids + completion_ids, trained, [len(prompt_ids) + len(completion_ids)]
+    method = "completion" if spec.completion_only_loss else "all tokens"
+    return method, [(prompt_ids + completion_ids, trained, [len(prompt_ids) + len(completion_ids)])]
 
 
-def tokenize_example(example: dict, index: int, tokenizer, spec: DataSpec, fmt: str, name: str) -> dict:
-    """input_ids + labels for one raw example, after truncation, with bookkeeping counts."""
-    canonical = to_canonical(example, fmt, spec.text_field, spec.messages_field, f"{name} example {index}")
-    ids, trained, turn_ends = encode(canonical, tokenizer, spec)
+def _row(ids: list[int], trained: list[bool], turn_ends: list[int], spec: DataSpec) -> dict:
+    """input_ids + labels of one encoding after truncation, with bookkeeping counts."""
     num_tokens, dropped = len(ids), ""
     if num_tokens > spec.max_length:
         if spec.overlong_examples == "drop":
@@ -155,6 +265,32 @@ def tokenize_example(example: dict, index: int, tokenizer, spec: DataSpec, fmt: 
             "num_truncated": 0 if dropped else num_tokens - len(ids), "dropped": dropped}
 
 
+def tokenize_rows(example: dict, index: int, tokenizer, spec: DataSpec, fmt: str, name: str) -> list[dict]:
+    """The training rows of one raw example (several when a conversation is expanded), with their mask method.
+
+    `method` and `extra_tokens` are on the first row only (so statistics count raw examples): how the mask was
+    found, and what expanding cost, the tokens of all rows less the longest one.
+    """
+    canonical = to_canonical(example, fmt, spec.text_field, spec.messages_field, f"{name} example {index}")
+    method, encodings = encode(canonical, tokenizer, spec)
+    rows = [{**_row(*encoding, spec), "method": "", "extra_tokens": 0} for encoding in encodings]
+    rows[0]["method"] = method
+    rows[0]["extra_tokens"] = sum(len(ids) for ids, _, _ in encodings) - max(len(ids) for ids, _, _ in encodings)
+    return rows
+
+
+def tokenize_example(example: dict, index: int, tokenizer, spec: DataSpec, fmt: str, name: str) -> dict:
+    """The one row of an example that is not expanded (raises ValueError for one that is)."""
+    (row,) = tokenize_rows(example, index, tokenizer, spec, fmt, name)
+    return row
+
+
+def _tokenize_batch(batch: dict, indices: list[int], **kwargs) -> dict:
+    examples = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    rows = [row for example, i in zip(examples, indices) for row in tokenize_rows(example, i, **kwargs)]
+    return {key: [row[key] for row in rows] for key in ROW_COLUMNS}
+
+
 def _fingerprint(raw, tokenizer, spec: DataSpec, fmt: str) -> str:
     """Cache key: raw data, tokenizer (vocab, special tokens, chat template), spec, format and this code."""
     backend = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer)
@@ -168,7 +304,7 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
     """(tokenized examples that have trained tokens, statistics). Cached by `datasets` under a content key."""
     key = _fingerprint(raw, tokenizer, spec, fmt)
     tokenized = raw.map(
-        tokenize_example, with_indices=True, remove_columns=raw.column_names, num_proc=num_proc,
+        _tokenize_batch, batched=True, with_indices=True, remove_columns=raw.column_names, num_proc=num_proc,
         fn_kwargs={"tokenizer": tokenizer, "spec": spec, "fmt": fmt, "name": name},
         new_fingerprint=key, desc=f"tokenizing {name}",
     )
@@ -184,6 +320,8 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
         "truncated_tokens": int(sum(tokenized["num_truncated"])),
         "tokens": int(sum(len(ids) for ids in kept["input_ids"])),
         "trained_tokens": int(sum(kept["num_trained"])),
+        "mask_methods": {m: n for m in sorted(set(tokenized["method"]) - {""}) if (n := tokenized["method"].count(m))},
+        "expansion_extra_tokens": int(sum(tokenized["extra_tokens"])),
     }
     if len(tokenized) and not len(kept):
         raise HftrainError(

@@ -143,3 +143,14 @@ def test_refuses_to_overwrite_a_previous_run(tmp_path):
     run = launch(out, *TINY_CHAT, "--max_steps", "2", check=False)
     assert run.returncode != 0 and "already holds a run" in run.stderr  # the launcher turns exit 2 into 1
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-5"]
+
+
+def test_epoch_strategies_from_a_trl_recipe(tmp_path):
+    """eval_strategy / save_strategy epoch (TrainingArguments' names): an evaluation and a checkpoint after every
+    epoch, the final evaluation not repeated."""
+    recipe = tmp_path / "trl.yaml"
+    recipe.write_text("eval_strategy: epoch\nsave_strategy: epoch\nnum_train_epochs: 2\nmax_samples: 16\n"
+                      "per_device_train_batch_size: 4\nlogging_steps: 1\ndata_seed: 5\n")
+    run = run_script(tmp_path / "out", "--config", str(recipe))
+    assert [r["step"] for r in run.eval_rows()] == [4, 8]
+    assert sorted(p.name for p in run.output_dir.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]

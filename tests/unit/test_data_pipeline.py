@@ -388,8 +388,8 @@ def test_tokenization_is_cached_by_content_not_by_unrelated_fields(tmp_path, mon
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"example {i} " * (i % 5 + 1)}) + "\n" for i in range(30)))
     calls = []
-    real = tokenize_module.tokenize_example
-    monkeypatch.setattr(tokenize_module, "tokenize_example", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = tokenize_module.tokenize_rows  # called once per raw example (a conversation may give several rows)
+    monkeypatch.setattr(tokenize_module, "tokenize_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def load(**kw):
         load_datasets(Recipe(model_name_or_path=str(MODEL), dataset_name=str(data), **kw),

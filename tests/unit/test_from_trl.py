@@ -1,0 +1,105 @@
+"""A TRL recipe moves over (issue 14 item 4): the non-default fields of a real `trl.SFTConfig` are mapped onto
+Recipe fields when hftrain has their meaning and refused with the reason otherwise; none is ignored."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from hftrain.config import FIELDS, recipe_from_dict
+from hftrain.errors import ConfigError
+from hftrain.from_trl import MAPPED, REFUSED
+
+ACCEPTED = dict(
+    learning_rate=1e-4, num_train_epochs=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+    lr_scheduler_type="cosine", warmup_steps=0.1, logging_steps=5, logging_first_step=True, seed=3, data_seed=7,
+    eval_strategy="epoch", save_strategy="no", shuffle_dataset=True, max_length=256, packing=True,
+    activation_checkpointing=False, gradient_checkpointing_kwargs={"use_reentrant": False}, project="tulu",
+    model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "sdpa", "revision": "v1.0"},
+    assistant_only_loss=True, dataset_text_field="body", max_grad_norm=0.5, weight_decay=0.01,
+)
+REFUSED_HERE = dict(
+    neftune_noise_alpha=5.0, label_smoothing_factor=0.1, hub_model_id="org/model", packing_strategy="wrapped",
+    save_only_model=True, tf32=False, eval_on_start=True, dataloader_drop_last=True, padding_free=True,
+    lr_scheduler_kwargs={"min_lr": 1e-6},
+)
+
+
+def sft_config(**kw):
+    import trl
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trl.SFTConfig(output_dir="out", use_cpu=True, bf16=False, **kw)
+
+
+def non_default(config, default) -> dict:
+    """The fields a user set: those that differ from a default SFTConfig, as TRL writes them out (to_dict)."""
+    mine, base = config.to_dict(), default.to_dict()
+    return {k: v for k, v in mine.items() if v != base[k]}
+
+
+@pytest.fixture(scope="module")
+def default():
+    return sft_config()
+
+
+def test_non_default_sft_fields_map_onto_the_recipe(tmp_path, default):
+    values = non_default(sft_config(**ACCEPTED), default)
+    assert set(ACCEPTED) <= set(values)  # each value set is one TRL would not use by default
+    values["output_dir"] = str(tmp_path / "out")
+    recipe = recipe_from_dict(values, for_training=False)
+    assert (recipe.learning_rate, recipe.num_train_epochs, recipe.lr_scheduler_type) == (1e-4, 2, "cosine")
+    assert recipe.warmup_ratio == 0.1 and recipe.warmup_steps == 0  # transformers 5 reads warmup_steps < 1 as a ratio
+    assert (recipe.seed, recipe.data_seed, recipe.order_seed) == (3, 7, 7)
+    assert (recipe.eval_strategy, recipe.save_strategy) == ("epoch", "no")
+    assert recipe.train_sampling_strategy == "random"
+    assert recipe.gradient_checkpointing is False
+    assert (recipe.dtype, recipe.attn_implementation, recipe.model_revision) == ("bfloat16", "sdpa", "v1.0")
+    assert recipe.project_name == "tulu" and recipe.dataset_text_field == "body"
+    assert (recipe.max_length, recipe.packing, recipe.max_grad_norm, recipe.weight_decay) == (256, True, 0.5, 0.01)
+
+
+def test_every_non_default_field_is_mapped_or_refused_by_name(tmp_path, default):
+    values = non_default(sft_config(**ACCEPTED, **REFUSED_HERE), default)
+    values["output_dir"] = str(tmp_path / "out")
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict(values, for_training=False)
+    problems = info.value.problems
+    for name in REFUSED_HERE:
+        (problem,) = [p for p in problems if p.startswith(name)]
+        assert "not accepted: " in problem and "hftrain" in problem.split("not accepted: ")[1], problem
+    assert len(problems) == len(REFUSED_HERE), problems  # the accepted ones raised nothing
+
+
+def test_all_sft_config_fields_are_known():
+    """Every field of TRL 1.16's SFTConfig is a Recipe field, translated, or refused with a reason: no unknowns."""
+    import dataclasses
+
+    import trl
+
+    names = {f.name for f in dataclasses.fields(trl.SFTConfig)}
+    unknown = names - set(FIELDS) - set(MAPPED) - set(REFUSED)
+    assert not unknown, sorted(unknown)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"model_init_kwargs": {"device_map": "auto"}}, "'device_map' (hftrain places the model"),
+    ({"model_init_kwargs": {"torch_dtype": "auto"}}, "dtype 'auto'"),
+    ({"shuffle_dataset": True, "train_sampling_strategy": "sequential"}, "keep one"),
+    ({"eval_strategy": "epoch", "eval_steps": 5}, "eval_steps=5 applies to eval_strategy=steps"),
+    ({"save_strategy": "best"}, "save_strategy"),
+    ({"eval_strategy": "no", "eval_dataset_name": "data/chat.jsonl"}, "eval_strategy=no never evaluates"),
+])
+def test_contradictions_and_unmappable_values_are_one_paragraph_problems(tmp_path, values, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        recipe_from_dict({**values, "output_dir": str(tmp_path)}, for_training=False)
+
+
+def test_output_router_logits_false_turns_the_router_loss_off(tmp_path):
+    for values in ({"output_router_logits": False}, {"model_init_kwargs": {"output_router_logits": False}}):
+        recipe = recipe_from_dict({**values, "output_dir": str(tmp_path)}, for_training=False)
+        assert recipe.router_aux_loss_coef == 0.0
+    assert recipe_from_dict({"output_router_logits": True, "output_dir": str(tmp_path)},
+                            for_training=False).router_aux_loss_coef is None  # the model config's coefficient
