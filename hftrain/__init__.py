@@ -1,3 +1,10 @@
 """hftrain: fine-tune causal LMs with one Accelerator loop, one typed recipe and a launch preset."""
 
+import logging
+
 __version__ = "0.1.0"
+
+# On AVX512-BF16 CPUs, importing bitsandbytes warns that its optional bf16 CPU kernel (the `kernels` package) is
+# missing. That kernel only serves repacked 4-bit weights, and hftrain keeps them in their training layout
+# (hftrain.model.keep_4bit_layout), so the warning concerns a path hftrain never takes.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)

@@ -59,7 +59,7 @@ def load_dequantized_base(recipe):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hftrain.model import _load_error, quantization_config
+    from hftrain.model import load_error, quantization_config
 
     quantization = quantization_config(recipe)
     kwargs = {"dtype": torch.float32, "revision": recipe.model_revision, "trust_remote_code": recipe.trust_remote_code}
@@ -69,7 +69,7 @@ def load_dequantized_base(recipe):
         model = AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, quantization_config=quantization,
                                                      **kwargs)
     except (OSError, ValueError) as exc:
-        raise _load_error("base model", recipe.model_name_or_path, exc) from None
+        raise HftrainError(load_error("base model", recipe.model_name_or_path, exc)) from None
     return model.dequantize(dtype=torch.float32)
 
 

@@ -79,9 +79,22 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modul
     except (OSError, ValueError) as exc:
         raise HftrainError(load_error("model", recipe.model_name_or_path, exc)) from None
     model.config.use_cache = False
+    if recipe.load_in_4bit:
+        keep_4bit_layout(model)
     if recipe.use_liger_kernel:
         apply_liger_kernels(model)
     return model
+
+
+def keep_4bit_layout(model: nn.Module) -> int:
+    """Keep bitsandbytes' 4-bit weights in their training layout. On a CPU with AVX512-BF16, bitsandbytes 0.50
+    repacks a Linear4bit's weight for a faster bf16 kernel at its first forward in eval mode without grad, and keeps
+    it repacked: every evaluation would change the numerics of the training that follows it (~1e-2 per layer),
+    so a resumed run would no longer equal the uninterrupted one. Returns the number of layers kept."""
+    layers = [module for module in model.modules() if hasattr(module, "support_avx512bf16_for_cpu")]
+    for module in layers:
+        module.support_avx512bf16_for_cpu = False
+    return len(layers)
 
 
 # Keyword arguments of liger-kernel 0.8.5's apply_liger_kernel_to_<model_type>(model=...) (each function takes the ones

@@ -142,7 +142,9 @@ def test_lora_under_zero3_saves_a_full_adapter_and_resumes(reference, args, tiny
     assert json.loads((run.output_dir / "final" / "ds_config.json").read_text())["zero_optimization"]["stage"] == 3
     summary = ref.state()["model"]  # counted at full size although each rank holds half of every parameter
     assert f"{summary['trainable_parameters']:,} of {summary['parameters']:,} parameters trained" in run.stdout
-    assert_same_training(run, ref)
+    # ZeRO-3 reduce-scatters gradients in its own bucket order: last-bit gradient differences, which Adam's
+    # normalised update turns into up to ~1/500 of one step (lr 1e-2) on elements whose gradient is near zero
+    assert_same_training(run, ref, atol=5e-5)
     assert_reloads(run, ref, tiny_model, eval_texts, "lora")
     keys = deepspeed_module_keys(run.output_dir / "checkpoint-3")  # the trained weights only
     assert keys and all(".lora_" in k for k in keys)

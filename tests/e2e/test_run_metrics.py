@@ -78,7 +78,7 @@ def test_two_rank_metrics_are_consistent(tmp_path):
     # eval rows stay eval-only
     assert all(set(r) == {"step", "eval_loss", "eval_perplexity", "eval_tokens"} for r in run.eval_rows())
     # one console: the startup line and the library progress bars appear once, not once per rank
-    assert run.stdout.count("hftrain: MULTI_CPU with 2 process(es)") == 1
+    assert run.stdout.count("hftrain: DDP over 2 processes (gloo)") == 1
     assert run.stderr.count("Loading weights:   0%") == 1
     assert "training:" not in run.stderr  # disable_tqdm
 

@@ -156,6 +156,26 @@ def test_qlora_builder_follows_peft_recipe():
     assert model.base_model.model.is_gradient_checkpointing
 
 
+def test_evaluation_does_not_change_qlora_training_numerics():
+    """bitsandbytes repacks 4-bit weights for a bf16 kernel at an eval forward on AVX512-BF16 CPUs (as CI's); the
+    builder keeps the training layout, so the loss after an evaluation equals the loss before it."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    model = build_model(recipe(load_in_4bit=True, lora_dropout=0.0))
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    model.train()
+    before = model(input_ids=ids, labels=ids).loss.item()
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)
+    model.train()
+    after = model(input_ids=ids, labels=ids).loss.item()
+    assert after == before
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in layers)
+
+
 def test_qlora_with_float_storage_keeps_one_dtype_for_fsdp():
     model = build_model(recipe(load_in_4bit=True, dtype="bfloat16", bnb_4bit_quant_storage="bfloat16"))
     frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
