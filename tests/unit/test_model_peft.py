@@ -156,13 +156,21 @@ def test_qlora_builder_follows_peft_recipe():
     assert model.base_model.model.is_gradient_checkpointing
 
 
-def test_evaluation_does_not_change_qlora_training_numerics():
-    """bitsandbytes repacks 4-bit weights for a bf16 kernel at an eval forward on AVX512-BF16 CPUs (as CI's); the
-    builder keeps the training layout, so the loss after an evaluation equals the loss before it."""
+def test_evaluation_does_not_change_qlora_training_numerics(tmp_path):
+    """bitsandbytes repacks 4-bit weights for a bf16 kernel at an eval forward on AVX512-BF16 CPUs (as CI's), and
+    fails on layers whose width is not a multiple of 64 (issue 17: an MLP of 80 raised "shape '[64, 2]' is invalid"
+    in the final evaluation). The builder keeps the training layout: evaluation works at any width, and the loss
+    after an evaluation equals the loss before it."""
     import bitsandbytes as bnb
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(MODEL)
+    config.intermediate_size = 80
     torch.manual_seed(0)
-    model = build_model(recipe(load_in_4bit=True, lora_dropout=0.0))
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = build_model(Recipe(model_name_or_path=str(tmp_path), tokenizer_name_or_path=str(MODEL), use_peft=True,
+                               lora_r=4, lora_alpha=8, load_in_4bit=True, lora_dropout=0.0))
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     model.train()
     before = model(input_ids=ids, labels=ids).loss.item()
