@@ -1,20 +1,24 @@
-"""Build a tiny random Llama with a locally trained tokenizer and a ChatML chat template.
+"""Build a tiny random Llama (or Qwen3-MoE) with a locally trained tokenizer and a ChatML chat template.
 
     python scripts/make_tiny_model.py OUT_DIR [--hidden_size 64 --num_layers 2 --vocab_size 1024 --seed 0]
+    python scripts/make_tiny_model.py OUT_DIR --arch qwen3_moe --tokenizer models/tiny-llama [--num_experts 8 ...]
 
 Needs no network: the byte-level BPE tokenizer is trained on the shipped data/ files
-(or any text files given with --corpus). The result loads offline with
+(or any text files given with --corpus), or copied from a folder with --tokenizer. The result loads offline with
 `AutoTokenizer.from_pretrained(OUT_DIR)` and `AutoModelForCausalLM.from_pretrained(OUT_DIR)`.
-`models/tiny-llama` in the repository was made with the defaults.
+`models/tiny-llama` in the repository was made with the defaults; `models/tiny-moe` (a Qwen3-MoE-shaped
+mixture of experts: 8 experts, 2 per token, on tiny-llama's tokenizer and chat template) with
+`python scripts/make_tiny_model.py models/tiny-moe --arch qwen3_moe --tokenizer models/tiny-llama`.
 """
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
 
 REPO = Path(__file__).resolve().parent.parent
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -66,33 +70,58 @@ def main() -> None:
     parser.add_argument("--vocab_size", type=int, default=1024)
     parser.add_argument("--max_position_embeddings", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arch", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--num_experts", type=int, default=8, help="qwen3_moe: experts per layer")
+    parser.add_argument("--num_experts_per_tok", type=int, default=2, help="qwen3_moe: experts each token uses")
+    parser.add_argument("--tokenizer", type=Path, help="copy this folder's tokenizer and chat template instead of "
+                        "training one (e.g. models/tiny-llama)")
     parser.add_argument("--corpus", type=Path, nargs="*", default=[REPO / "data" / "chat.jsonl",
                                                                       REPO / "data" / "text.jsonl"])
     args = parser.parse_args()
 
-    tokenizer = build_tokenizer(args.corpus, args.vocab_size)
-    config = LlamaConfig(
+    if args.tokenizer:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        tokenizer = build_tokenizer(args.corpus, args.vocab_size)
+    shape = dict(
         vocab_size=len(tokenizer),
         hidden_size=args.hidden_size,
-        intermediate_size=args.hidden_size * 2,
         num_hidden_layers=args.num_layers,
         num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_heads,
         max_position_embeddings=args.max_position_embeddings,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
+    if args.arch == "llama":
+        config = LlamaConfig(intermediate_size=args.hidden_size * 2, num_key_value_heads=args.num_heads, **shape)
+    else:  # Qwen3-30B-A3B's layout, scaled down: grouped-query attention, every layer sparse, top-k renormalised
+        config = Qwen3MoeConfig(
+            num_key_value_heads=max(1, args.num_heads // 2),
+            head_dim=args.hidden_size // args.num_heads,
+            intermediate_size=args.hidden_size * 2,
+            moe_intermediate_size=args.hidden_size // 2,
+            num_experts=args.num_experts,
+            num_experts_per_tok=args.num_experts_per_tok,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            **shape,
+        )
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     args.out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out_dir)
     tokenizer.save_pretrained(args.out_dir)
+    if args.tokenizer:  # byte for byte: save_pretrained would add loading-time keys to tokenizer_config.json
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+            if (args.tokenizer / name).exists():
+                shutil.copyfile(args.tokenizer / name, args.out_dir / name)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"tiny Llama with {n_params:,} parameters and a {len(tokenizer)}-token tokenizer in {args.out_dir}")
+    print(f"tiny {config.model_type} with {n_params:,} parameters and a {len(tokenizer)}-token tokenizer in "
+          f"{args.out_dir}")
 
 
 if __name__ == "__main__":

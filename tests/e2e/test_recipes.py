@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import REPO, launch, run_script
 
@@ -17,7 +18,8 @@ TINY_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("tiny-*.yaml"))
 
 def test_every_tiny_recipe_is_covered():
     assert {"tiny-chat.yaml", "tiny-text.yaml", "tiny-prompt-completion.yaml", "tiny-alpaca.yaml",
-            "tiny-sharegpt.yaml", "tiny-mixture.yaml", "tiny-chat-packed.yaml"} <= set(TINY_RECIPES)
+            "tiny-sharegpt.yaml", "tiny-mixture.yaml", "tiny-chat-packed.yaml",
+            "tiny-moe-lora.yaml"} <= set(TINY_RECIPES)
 
 
 @pytest.mark.parametrize("recipe", TINY_RECIPES)
@@ -28,7 +30,12 @@ def test_tiny_recipe_trains(tmp_path, recipe):
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert min(r["loss"] for r in rows[-3:]) < rows[0]["loss"] - 0.5, "loss did not fall"
     assert run.eval_rows()[-1]["eval_loss"] < rows[0]["loss"]
-    assert (run.output_dir / "final" / "model.safetensors").exists()
+    values = yaml.safe_load((REPO / "recipes" / recipe).read_text())
+    weights = "adapter_model.safetensors" if values.get("use_peft") else "model.safetensors"
+    assert (run.output_dir / "final" / weights).exists()
+    if "moe" in recipe:  # the mixture of experts: default LoRA targets with dropout 0 chosen, router loss logged
+        assert "lora_dropout 0.05 -> 0" in run.stdout + run.stderr
+        assert all(r["aux_loss"] > 0 for r in rows)
 
 
 def test_packing_under_two_process_ddp_equals_one_process(tmp_path):
