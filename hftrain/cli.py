@@ -17,6 +17,7 @@ goes to hftrain/finetune.py. `--dry_run` prints the command instead of running i
 from __future__ import annotations
 
 import argparse
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from hftrain.config import PRESET_DIR, SHIPPED, read_yaml
-from hftrain.errors import ConfigError, HftrainError, report_and_exit
+from hftrain.errors import ConfigError, HftrainError, run_tool
 
 ENTRY = Path(__file__).resolve().parent / "finetune.py"
 TOOLS = {"finetune": "hftrain.finetune", "merge": "hftrain.merge", "estimate": "hftrain.estimate",
@@ -100,30 +101,31 @@ def list_presets() -> str:
     return "\n".join(lines)
 
 
+def _command(command: str, rest: list[str]) -> list[str] | None:
+    """Run `presets` or a one-process tool (None), or return the `accelerate launch` command line."""
+    if command == "presets":
+        print(list_presets())
+        return None
+    if command in TOOLS:  # one process, no launcher: python -m hftrain.<module>
+        tool = importlib.import_module(TOOLS[command]).main
+        extra = {"prog": "hftrain merge"} if command == "merge" else {}
+        tool(rest, **extra)
+        return None
+    if command != "launch":
+        raise HftrainError(f"unknown command {command!r}; use `hftrain launch`, `hftrain presets` or one of "
+                           f"{', '.join(TOOLS)}")
+    return launch_command(rest)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return
-    command, rest = argv[0], argv[1:]
-    try:
-        if command == "presets":
-            print(list_presets())
-            return
-        if command in TOOLS:  # one process, no launcher: python -m hftrain.<module>
-            import importlib
-
-            tool = importlib.import_module(TOOLS[command]).main
-            extra = {"prog": "hftrain merge"} if command == "merge" else {}
-            tool(rest, **extra)
-            return
-        if command != "launch":
-            raise HftrainError(f"unknown command {command!r}; use `hftrain launch`, `hftrain presets` or one of "
-                               f"{', '.join(TOOLS)}")
-        cmd = launch_command(rest)
-    except HftrainError as error:
-        report_and_exit(error)
-    if "--dry_run" in rest:
+    cmd = run_tool(_command, argv[0], argv[1:])
+    if cmd is None:
+        return
+    if "--dry_run" in argv[1:]:
         print(" ".join(cmd))
         return
     sys.exit(subprocess.call(cmd))

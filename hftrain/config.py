@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from hftrain import from_trl
-from hftrain.errors import ConfigError
+from hftrain.errors import ConfigError, first_line
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
 OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
@@ -706,7 +706,7 @@ def read_yaml(path: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError([f"{path} is not valid YAML: {str(exc).splitlines()[0]}"], f"recipe {path}") from None
+        raise ConfigError([f"{path} is not valid YAML: {first_line(exc)}"], f"recipe {path}") from None
     if not isinstance(data, dict):
         raise ConfigError([f"{path} must be a mapping of field: value"], f"recipe {path}")
     return data

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from hftrain.config import PRESET_DIR
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
 
-GIB = 2**30
+GIB = 2**30  # the one unit for memory sizes (parallel/base.py imports it)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weights, 8-bit absmax per 64 weights, fp32 absmax per 256 blocks
 CUDA_OVERHEAD_GIB = 1.0
 USABLE_FRACTION = 0.9

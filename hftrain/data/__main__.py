@@ -19,7 +19,7 @@ from hftrain.config import load_recipe
 from hftrain.data.batching import Collator, training_plan, training_rows
 from hftrain.data.sources import load_datasets
 from hftrain.data.tokenize import IGNORE_INDEX
-from hftrain.errors import HftrainError, report_and_exit
+from hftrain.errors import run_tool
 
 
 def marked_text(tokenizer, input_ids: list[int], labels: list[int], color: bool) -> str:
@@ -133,10 +133,7 @@ def preview(argv: list[str] | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        preview(argv)
-    except HftrainError as error:
-        report_and_exit(error)
+    run_tool(preview, argv)
 
 
 if __name__ == "__main__":

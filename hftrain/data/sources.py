@@ -8,7 +8,7 @@ from pathlib import Path
 from hftrain.config import DatasetSource, Recipe
 from hftrain.data.formats import detect_format
 from hftrain.data.tokenize import DataSpec, prepare_chat_template, tokenize_dataset
-from hftrain.errors import HftrainError
+from hftrain.errors import HftrainError, first_line
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
@@ -39,9 +39,8 @@ def load_raw(name: str, config: str | None, split: str):
     except Exception as exc:  # datasets raises many types (DatasetNotFoundError, ArrowInvalid, ...): one message
         if isinstance(exc, StopIteration) or "corresponds to no data" in str(exc):  # how datasets says "empty"
             raise HftrainError(f"dataset {name!r} split {split!r} is empty") from None
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise HftrainError(
-            f"cannot load dataset {name!r} (split {split!r}): {first_line}. Give an existing data file, a saved "
+            f"cannot load dataset {name!r} (split {split!r}): {first_line(exc)}. Give an existing data file, a saved "
             "datasets folder, or a hub id reachable from this machine (HF_HUB_OFFLINE=1 allows cached ones only)"
         ) from None
 

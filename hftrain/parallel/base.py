@@ -20,9 +20,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
+from hftrain.estimate import GIB
 from hftrain.model import DTYPES, parameter_count
 
-GIB = 2**30
 ALL_PARTS = ("weights", "gradients", "optimizer")  # the model state: what ZeRO-3 / FULL_SHARD split
 
 
