@@ -30,14 +30,23 @@ import shutil
 import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hftrain.config import Recipe, dump_recipe
 from hftrain.errors import HftrainError
+
+if TYPE_CHECKING:  # annotations only: config imports the file names below
+    from hftrain.config import Recipe
 
 STATE_FILE = "hftrain_state.json"
 CONFIG_FILE = "hftrain_config.yaml"
 COMPLETE_FILE = "hftrain_complete.json"
 PREFIX = "checkpoint-"
+TMP_PREFIX = ".tmp-"  # output_dir/.tmp-checkpoint-N, .tmp-final: a save in progress, renamed when complete
+FINAL_DIR = "final"  # output_dir/final: the final model
+MODEL_FILE = "model.safetensors"  # accelerate's save_state model file (the trained weights)
+METRICS_FILE = "metrics.jsonl"  # output_dir/metrics.jsonl: one row per logging step and evaluation
+PROFILE_DIR = "profile"  # output_dir/profile: profiler traces
+REPORT_DIR = "report"  # output_dir/report: `hftrain report`'s plots and summary
 DS_CONFIG_FILE = "ds_config.json"  # the DeepSpeed config actually used, next to every checkpoint and final model
 FULL_STATE_FILE = "full_training_state.pt"  # tensor parallel: gathered model + optimizer state
 UNIVERSAL_PREFIX = ".universal-"  # output_dir/.universal-checkpoint-N: a ZeRO checkpoint converted for another world
@@ -70,7 +79,7 @@ def versions() -> dict[str, str]:
 
 def write_run_files(folder: Path, recipe: Recipe, progress: Progress, run_info: dict) -> None:
     """The resolved recipe, progress + versions + run facts, and the DeepSpeed config used (if any)."""
-    dump_recipe(recipe, folder / CONFIG_FILE)
+    recipe.dump(folder / CONFIG_FILE)
     state = {"progress": asdict(progress), "versions": versions(), **run_info}
     (folder / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
     if run_info["launch"]["deepspeed_config"] is not None:
@@ -134,7 +143,7 @@ def save_checkpoint(backend, output_dir: Path, recipe: Recipe, progress: Progres
     """Save the full training state after `progress.step` steps; every rank must call this."""
     accelerator = backend.accelerator
     final = output_dir / f"{PREFIX}{progress.step}"
-    tmp = output_dir / f".tmp-{PREFIX}{progress.step}"
+    tmp = output_dir / f"{TMP_PREFIX}{PREFIX}{progress.step}"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -159,11 +168,11 @@ def save_checkpoint(backend, output_dir: Path, recipe: Recipe, progress: Progres
 
 def clear_run(output_dir: Path) -> None:
     """Remove a previous run's checkpoints, final model, metrics, profiler traces and report (overwrite_output_dir)."""
-    for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f".tmp-{PREFIX}*"), output_dir / ".tmp-final",
-                *output_dir.glob(f"{UNIVERSAL_PREFIX}{PREFIX}*"), output_dir / "final",
-                output_dir / "profile", output_dir / "report"]:
+    for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f"{TMP_PREFIX}{PREFIX}*"),
+                output_dir / f"{TMP_PREFIX}{FINAL_DIR}", *output_dir.glob(f"{UNIVERSAL_PREFIX}{PREFIX}*"),
+                output_dir / FINAL_DIR, output_dir / PROFILE_DIR, output_dir / REPORT_DIR]:
         shutil.rmtree(old, ignore_errors=True)
-    (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    (output_dir / METRICS_FILE).unlink(missing_ok=True)
 
 
 def resolve_resume(recipe: Recipe) -> Path | None:
@@ -270,7 +279,7 @@ def save_final(backend, model, tokenizer, folder: Path, recipe: Recipe, progress
     the adapter weights of the state dict it is given). Written to `.tmp-final` and renamed when complete: a save that
     fails midway leaves no `final/` that looks valid."""
     accelerator = backend.accelerator
-    tmp = folder.with_name(f".tmp-{folder.name}")
+    tmp = folder.with_name(f"{TMP_PREFIX}{folder.name}")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from hftrain import from_trl
+from hftrain import checkpoint, from_trl
 from hftrain.errors import ConfigError, first_line
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
@@ -369,6 +369,10 @@ class Recipe:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def dump(self, path: Path) -> None:
+        """Write the resolved recipe as YAML (a checkpoint's hftrain_config.yaml)."""
+        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
+
 
 FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
 TYPES = typing.get_type_hints(Recipe)  # resolved annotations (they are strings under __future__ annotations)
@@ -654,7 +658,7 @@ def peft_problems(r: Recipe) -> list[str]:
 
 
 def _holds_a_run(out: Path) -> bool:
-    return out.is_dir() and any(out.glob("checkpoint-*")) or (out / "final").exists()
+    return out.is_dir() and any(out.glob(f"{checkpoint.PREFIX}*")) or (out / checkpoint.FINAL_DIR).exists()
 
 
 # -------------------------------------------------------------------------- loading
@@ -763,5 +767,4 @@ def load_recipe(argv: list[str] | None = None, for_training: bool = True, prog: 
     return recipe
 
 
-def dump_recipe(recipe: Recipe, path: Path) -> None:
-    path.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False), encoding="utf-8")
+

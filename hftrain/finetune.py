@@ -25,7 +25,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from hftrain import checkpoint
-from hftrain.config import Recipe, dump_recipe, load_recipe
+from hftrain.config import Recipe, load_recipe
 from hftrain.data import (
     IGNORE_INDEX,
     Collator,
@@ -264,7 +264,7 @@ class Finetune:
             if self.recipe.overwrite_output_dir and self.resume_from is None:
                 checkpoint.clear_run(self.output_dir)
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            dump_recipe(self.recipe, self.output_dir / checkpoint.CONFIG_FILE)
+            self.recipe.dump(self.output_dir / checkpoint.CONFIG_FILE)
         self.accelerator.wait_for_everyone()
 
     def describe_run(self) -> None:
@@ -297,8 +297,8 @@ class Finetune:
         recipe, progress = self.recipe, self.progress
         self.bar = tqdm(total=self.total_steps, initial=progress.step, desc="training",
                         disable=recipe.disable_tqdm or not self.accelerator.is_main_process)
-        self.profiler = StepProfiler(self.output_dir / "profile", recipe.profile_steps, recipe.profile_start_step,
-                                     progress.step, self.dp.rank, self.accelerator.device)
+        self.profiler = StepProfiler(self.output_dir / checkpoint.PROFILE_DIR, recipe.profile_steps,
+                                     recipe.profile_start_step, progress.step, self.dp.rank, self.accelerator.device)
         self.window = Window(torch.zeros((), dtype=torch.float64, device=self.accelerator.device))
         self.model.train()
         step_name = lambda: f"training step {progress.step + 1}"  # noqa: E731 - named when a timeout happens
@@ -445,7 +445,7 @@ class Finetune:
     def save_final(self) -> Path:
         """The final model (full size whatever the backend) with its run files. If saving fails, the trained state is
         kept as a checkpoint instead of being lost with the process."""
-        final_dir = self.output_dir / "final"
+        final_dir = self.output_dir / checkpoint.FINAL_DIR
         try:
             with phase(self.accelerator, "saving the final model", self.recipe.ddp_timeout):
                 checkpoint.save_final(self.backend, self.model, self.tokenizer, final_dir, self.recipe, self.progress,

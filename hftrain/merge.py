@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
     sys.path.insert(0, str(_here.parent))
 
-from hftrain.checkpoint import never_world_writable
+from hftrain.checkpoint import CONFIG_FILE, never_world_writable
 from hftrain.errors import HftrainError, first_line, run_tool
 
 MERGE_FILE = "hftrain_merge.json"
@@ -44,7 +44,7 @@ def training_recipe(adapter_dir: Path, base: str | None):
     """
     from hftrain.config import read_yaml, recipe_subset
 
-    config_file = adapter_dir / "hftrain_config.yaml"
+    config_file = adapter_dir / CONFIG_FILE
     values = read_yaml(str(config_file)) if config_file.exists() else {}
     adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
     values["model_name_or_path"] = base or adapter_config.get("base_model_name_or_path") or values.get(

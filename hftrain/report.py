@@ -17,13 +17,14 @@ import re
 import statistics
 from pathlib import Path
 
+from hftrain.checkpoint import FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STATE_FILE
 from hftrain.errors import HftrainError, run_tool
 
 RANK_KEY = re.compile(r"^rank(\d+)/(.+)$")
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
-    path = output_dir / "metrics.jsonl"
+    path = output_dir / METRICS_FILE
     if not path.is_file():
         raise HftrainError(f"{output_dir} has no metrics.jsonl; give the output_dir of an hftrain run")
     rows = []
@@ -44,11 +45,11 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 def run_state(output_dir: Path) -> dict:
     """hftrain_state.json of the final model, else of the newest checkpoint, else {}."""
-    candidates = [output_dir / "final"] + sorted(output_dir.glob("checkpoint-*"),
+    candidates = [output_dir / FINAL_DIR] + sorted(output_dir.glob(f"{PREFIX}*"),
                                                  key=lambda p: int(p.name.split("-")[-1]) if
                                                  p.name.split("-")[-1].isdigit() else -1, reverse=True)
     for folder in candidates:
-        state = folder / "hftrain_state.json"
+        state = folder / STATE_FILE
         if state.is_file():
             return json.loads(state.read_text(encoding="utf-8"))
     return {}
@@ -213,7 +214,7 @@ def write_report(output_dir: Path) -> Path:
     rows = read_metrics(output_dir)
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
-    folder = output_dir / "report"
+    folder = output_dir / REPORT_DIR
     folder.mkdir(exist_ok=True)
     images = plot_all(train, evals, folder)
     report = folder / "report.md"

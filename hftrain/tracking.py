@@ -15,6 +15,7 @@ import re
 import sys
 from pathlib import Path
 
+from hftrain.checkpoint import METRICS_FILE
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError, first_line
 
@@ -77,7 +78,7 @@ class MetricLogger:
         self.accelerator = accelerator
         self.main = accelerator.is_main_process
         self.trackers = [t for t in recipe.report_to if t != "none"]
-        self.path = Path(recipe.output_dir) / "metrics.jsonl"
+        self.path = Path(recipe.output_dir) / METRICS_FILE
         if self.main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # A resumed run continues the file; rows logged after its checkpoint are dropped.

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch.nn.parallel import DistributedDataParallel
 
+from hftrain.checkpoint import MODEL_FILE
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.estimate import GIB
@@ -185,7 +186,7 @@ class Backend:
 
     def saved_model_keys(self, folder: Path) -> set[str] | None:
         """State-dict keys of a checkpoint's model file, or None for a layout checked by its own loader."""
-        model_file = folder / "model.safetensors"
+        model_file = folder / MODEL_FILE
         if not model_file.exists():
             return None
         with safe_open(str(model_file), framework="pt") as f:
