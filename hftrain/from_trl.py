@@ -21,7 +21,6 @@ LOADER = "hftrain's data loader is set by dataloader_num_workers and dataloader_
 LOGGING = "hftrain logs every logging_steps optimizer steps and at the first and last step"
 EVALUATION = ("hftrain evaluates by eval_strategy / eval_steps and at the end, on the held-out or eval dataset, "
               "and logs eval_loss (a token-weighted mean)")
-NO_EQUIVALENT = "hftrain has no equivalent setting"
 
 # Fields refused whatever their value, with the reason.
 REFUSED: dict[str, str] = {

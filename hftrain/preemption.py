@@ -18,7 +18,6 @@ class Preempted(Exception):
     """Raised by the loop after the preemption checkpoint is written."""
 
     def __init__(self, signal_name: str, step: int, checkpoint: str):
-        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
         super().__init__(f"stopped by {signal_name} after step {step}; state saved in {checkpoint}; continue with "
                          "resume_from_checkpoint=latest")
 

@@ -18,7 +18,7 @@ from hftrain.data.batching import (
     training_plan,
     training_rows,
 )
-from hftrain.data.formats import FORMATS, detect_format, to_canonical
+from hftrain.data.formats import detect_format, to_canonical
 from hftrain.data.sources import load_datasets, load_raw
 from hftrain.data.tokenize import (
     CHATML_TEMPLATE,
@@ -33,6 +33,6 @@ from hftrain.data.tokenize import (
 __all__ = [
     "BatchPlan", "Collator", "eval_micro_batches", "make_loader", "pack_best_fit_decreasing", "row_lengths",
     "training_plan", "training_rows",
-    "FORMATS", "detect_format", "to_canonical", "load_datasets", "load_raw", "CHATML_TEMPLATE", "IGNORE_INDEX",
+    "detect_format", "to_canonical", "load_datasets", "load_raw", "CHATML_TEMPLATE", "IGNORE_INDEX",
     "DataSpec", "assistant_char_spans", "prepare_chat_template", "tokenize_dataset", "tokenize_example",
 ]

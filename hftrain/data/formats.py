@@ -17,7 +17,6 @@ from typing import Any
 
 from hftrain.errors import HftrainError
 
-FORMATS = ("text", "prompt_completion", "alpaca", "messages", "sharegpt")
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
@@ -29,7 +28,7 @@ def required_columns(fmt: str, text_field: str, messages_field: str) -> tuple[st
 
 
 def detect_format(columns: list[str], explicit: str, text_field: str, messages_field: str, name: str) -> str:
-    """The format named by `explicit`, or the first whose columns are all present (in FORMATS order of specificity)."""
+    """The format named by `explicit`, or the first whose columns are all present (most specific first)."""
     order = [explicit] if explicit != "auto" else ["messages", "sharegpt", "prompt_completion", "alpaca", "text"]
     for fmt in order:
         if all(c in columns for c in required_columns(fmt, text_field, messages_field)):
