@@ -23,6 +23,7 @@ The final folder is what the builder's product saves: `save_pretrained` of the c
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import os
 import platform
@@ -65,8 +66,6 @@ class Progress:
 
 
 def versions() -> dict[str, str]:
-    import importlib.metadata as md
-
     found = {"python": platform.python_version()}
     for package in ("hftrain", "torch", "transformers", "accelerate", "datasets", "tokenizers", "peft",
                     "bitsandbytes", "deepspeed", "wandb"):

@@ -35,8 +35,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from hftrain.config import PRESET_DIR
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
+from hftrain.metrics import active_expert_fraction
 
 GIB = 2**30  # the one unit for memory sizes (parallel/base.py imports it)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weights, 8-bit absmax per 64 weights, fp32 absmax per 256 blocks
@@ -67,9 +71,6 @@ class ModelShape:
 
 def model_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
     """Read `model`'s config (local folder or hub id) and count its parameters on the meta device."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -107,8 +108,6 @@ def model_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
 def _active_params(lm, config) -> int | None:
     """Parameters a token computes with in a mixture-of-experts model: expert weights count k / experts of their
     size. Compute (FLOPs, MFU) follows these; memory holds every parameter. None for a dense model."""
-    from hftrain.metrics import active_expert_fraction
-
     fraction = active_expert_fraction(config)
     if fraction is None:
         return None
@@ -117,8 +116,6 @@ def _active_params(lm, config) -> int | None:
 
 
 def _decoder_layers(lm):
-    import torch
-
     lists = [m for m in lm.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
     if not lists:
         raise HftrainError(f"cannot find the decoder layers of {type(lm).__name__}; the estimate supports "

@@ -21,13 +21,19 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+from huggingface_hub import HfApi
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 if __package__ in (None, ""):  # run as a file: import the package, not sibling modules as top-level names
     _here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
     sys.path.insert(0, str(_here.parent))
 
 from hftrain.checkpoint import CONFIG_FILE, never_world_writable
+from hftrain.config import read_yaml, recipe_subset
 from hftrain.errors import HftrainError, first_line, run_tool
+from hftrain.model import DTYPES, load_error, quantization_config
 
 MERGE_FILE = "hftrain_merge.json"
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -42,8 +48,6 @@ def training_recipe(adapter_dir: Path, base: str | None):
     Only typed field values are read; the run's paths are not re-validated (its output_dir holds the run).
     An adapter from elsewhere (no hftrain_config.yaml) is taken as trained on the unquantized base.
     """
-    from hftrain.config import read_yaml, recipe_subset
-
     config_file = adapter_dir / CONFIG_FILE
     values = read_yaml(str(config_file)) if config_file.exists() else {}
     adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
@@ -56,11 +60,6 @@ def training_recipe(adapter_dir: Path, base: str | None):
 
 def load_dequantized_base(recipe):
     """The base in float32; quantized and dequantized again exactly as in training for a QLoRA adapter."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from hftrain.model import load_error, quantization_config
-
     quantization = quantization_config(recipe)
     kwargs = {"dtype": torch.float32, "revision": recipe.model_revision, "trust_remote_code": recipe.trust_remote_code}
     try:
@@ -75,10 +74,7 @@ def load_dequantized_base(recipe):
 
 def merge(adapter_dir: Path, output_dir: Path, base: str | None = None, dtype: str = "auto") -> dict:
     """Merge `adapter_dir` into its base and save the result in `output_dir`; returns what was done."""
-    from peft import PeftModel
-    from transformers import AutoTokenizer
-
-    from hftrain.model import DTYPES
+    from peft import PeftModel  # optional heavy: peft imports bitsandbytes
 
     if not (adapter_dir / "adapter_config.json").exists():
         raise HftrainError(f"{str(adapter_dir)!r} has no adapter_config.json; give the final folder of a "
@@ -119,8 +115,6 @@ def push_to_hub(folder: Path, repo_id: str, private: bool, dry_run: bool) -> lis
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     if dry_run:
         return files
-    from huggingface_hub import HfApi
-
     try:
         api = HfApi()
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")

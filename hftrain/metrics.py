@@ -26,7 +26,10 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
+import psutil
 import torch
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 # Peak dense (no sparsity) bf16 tensor-core TFLOP/s per device, from the vendors' datasheets. Matched
 # in order against torch.cuda.get_device_name(), so more specific names come first.
@@ -55,8 +58,6 @@ def current_memory_mb(device: torch.device) -> float:
     """Memory in use now: CUDA allocated on GPU, resident set size of the process on CPU."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
-    import psutil
-
     return psutil.Process().memory_info().rss / 2**20
 
 
@@ -151,8 +152,6 @@ class FlopCounter:
 
 def param_checksum(model: torch.nn.Module) -> float:
     """Sum of every replicated parameter (identical on all ranks when gradients are synchronised)."""
-    from torch.distributed.tensor import DTensor
-
     sums = [torch.sum(p.detach(), dtype=torch.float64) for p in model.parameters() if not isinstance(p, DTensor)]
     return float(torch.stack(sums).sum()) if sums else 0.0
 
@@ -300,8 +299,6 @@ class StepProfiler:
         lead_in = start - 1 - steps_done  # steps to run before the first traced one
         if count <= 0 or lead_in + count <= 0:
             return
-        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
         active = count + min(lead_in, 0)  # resumed inside the window: trace what is left of it
         warmup = 1 if lead_in >= 1 else 0
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

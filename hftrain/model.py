@@ -5,10 +5,12 @@ Full fine-tuning, LoRA and QLoRA differ only here (in the builder), never in the
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
@@ -278,8 +280,6 @@ LIGER_MODEL_TYPES = HEAD_ONLY_MODEL_TYPES
 def router_aux(lm: nn.Module, coef: float | None):
     """(coefficient, aux(router_logits, real_tokens)) of a mixture-of-experts model's load-balancing loss: the
     recipe's coefficient or, when None, the model config's (TRL's rule); (0.0, None) for a dense model."""
-    import importlib
-
     hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
     if not hasattr(config, "output_router_logits"):
@@ -371,10 +371,9 @@ class CausalLMTokenLoss(nn.Module):
             if not self.chunk_tokens or len(hidden) <= self.chunk_tokens:
                 loss = self._head_loss(hidden, targets[trained])
             else:
-                from torch.utils.checkpoint import checkpoint
-
                 chunks = zip(hidden.split(self.chunk_tokens), targets[trained].split(self.chunk_tokens), strict=True)
-                loss = sum(checkpoint(self._head_loss, h, t, use_reentrant=False) for h, t in chunks)
+                loss = sum(torch.utils.checkpoint.checkpoint(self._head_loss, h, t, use_reentrant=False)
+                           for h, t in chunks)
         if with_aux and (real_tokens is None or real_tokens.any()):  # an all-padding filler row has no routing
             aux = self.aux_fn(outputs.router_logits, real_tokens) * trained.sum()
             self.aux_sum = aux.detach() + (0 if self.aux_sum is None else self.aux_sum)

@@ -17,6 +17,8 @@ import re
 import statistics
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from hftrain.checkpoint import FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STATE_FILE
 from hftrain.errors import HftrainError, run_tool
 
@@ -67,12 +69,8 @@ def rank_keys(rows: list[dict], metric: str) -> list[str]:
 
 # --------------------------------------------------------------------------------- plots
 def _figure(title: str, ylabel: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    fig = Figure(figsize=(7, 4), dpi=100)  # no pyplot: no GUI backend, no global figure list to close
+    ax = fig.subplots()
     ax.set_title(title)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
@@ -81,13 +79,10 @@ def _figure(title: str, ylabel: str):
 
 
 def _save(fig, ax, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, format="png")
-    plt.close(fig)
     return path
 
 

@@ -15,6 +15,10 @@ import re
 import sys
 from pathlib import Path
 
+import datasets
+import transformers
+from tqdm.auto import tqdm
+
 from hftrain.checkpoint import METRICS_FILE
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError, first_line
@@ -64,9 +68,6 @@ def quiet_other_ranks(accelerator) -> None:
     (their warnings and errors still print)."""
     if accelerator.is_main_process:
         return
-    import datasets
-    import transformers
-
     transformers.utils.logging.set_verbosity_warning()
     transformers.utils.logging.disable_progress_bar()
     datasets.utils.logging.set_verbosity_warning()
@@ -147,8 +148,6 @@ class MetricLogger:
     def warn(self, message: str) -> None:
         """One warning line on stderr from the main process (above the progress bar, not through it)."""
         if self.main:
-            from tqdm.auto import tqdm
-
             tqdm.write(f"hftrain: warning: {message}", file=sys.stderr)
 
     def close(self) -> None:

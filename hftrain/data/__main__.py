@@ -20,6 +20,7 @@ from hftrain.data.batching import Collator, training_plan, training_rows
 from hftrain.data.sources import load_datasets
 from hftrain.data.tokenize import IGNORE_INDEX
 from hftrain.errors import run_tool
+from hftrain.model import build_tokenizer, pad_token_id
 
 
 def marked_text(tokenizer, input_ids: list[int], labels: list[int], color: bool) -> str:
@@ -86,8 +87,6 @@ def preview(argv: list[str] | None = None) -> None:
     parser.add_argument("--dump", nargs=2, metavar=("N", "FILE"), help="write the first N collated rows to FILE")
     args, rest = parser.parse_known_args(argv)
     recipe = load_recipe(rest, for_training=False, prog="python -m hftrain.data")
-
-    from hftrain.model import build_tokenizer, pad_token_id
 
     tokenizer = build_tokenizer(recipe)
     train, evaluation, stats = load_datasets(recipe, tokenizer)

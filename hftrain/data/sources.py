@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import datasets
+
 from hftrain.config import DatasetSource, Recipe
 from hftrain.data.formats import detect_format
 from hftrain.data.tokenize import DataSpec, prepare_chat_template, tokenize_dataset
@@ -16,8 +18,6 @@ CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
 
 def load_raw(name: str, config: str | None, split: str):
     """A `datasets.Dataset` from a data file, a saved dataset folder or a hub id."""
-    import datasets
-
     path = Path(name).expanduser()
     try:
         if path.is_file():
@@ -54,8 +54,6 @@ def _renamed(raw, columns: dict[str, str], name: str):
 
 def _weighted(dataset, weight: float, seed: int):
     """floor(weight) full copies plus a fixed-seed sample of the fractional part."""
-    import datasets
-
     copies, fraction = int(weight), weight - int(weight)
     parts = [dataset] * copies
     if fraction > 0:
@@ -80,8 +78,6 @@ def load_datasets(recipe: Recipe, tokenizer):
     The eval carve-out (validation_split_percentage, fixed seed) is taken from each source before
     weighting, so an up-sampled example never lands in both splits.
     """
-    import datasets
-
     spec = DataSpec.from_recipe(recipe)
     loaded = []
     for source in _sources(recipe):
