@@ -25,8 +25,8 @@ from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX, DataSpec, tokenize_dataset
 from hftrain.data.tokenize import tokenize_rows
 from hftrain.errors import HftrainError
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "tiny-llama"
 TEMPLATES = Path(__file__).resolve().parent / "chat_templates"
 

@@ -29,8 +29,8 @@ from hftrain.config import Recipe, recipe_from_dict
 from hftrain.errors import HftrainError
 from hftrain.optim import build_scheduler, lr_factor
 from hftrain.parallel.base import Backend
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "tiny-llama"
 CHAT = REPO / "data" / "chat.jsonl"
 

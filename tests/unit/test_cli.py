@@ -10,8 +10,7 @@ import pytest
 from hftrain.cli import deepspeed_config_file, launch_command, list_presets, main, resolve_preset
 from hftrain.config import DEFAULT_DATASET, DEFAULT_MODEL, PRESET_DIR, SHIPPED, Recipe, recipe_from_dict
 from hftrain.errors import ConfigError
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 
 def option(cmd: list[str], name: str) -> str:

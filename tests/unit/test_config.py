@@ -18,8 +18,8 @@ from hftrain.config import (
     recipe_from_dict,
 )
 from hftrain.errors import ConfigError, HftrainError, report_and_exit
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "tiny-llama"
 CHAT = REPO / "data" / "chat.jsonl"
 PRESETS = sorted((REPO / "recipes").glob("*.yaml"))

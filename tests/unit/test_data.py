@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +26,8 @@ from hftrain.data import (
     tokenize_example,
 )
 from hftrain.errors import HftrainError
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "tiny-llama"
 END = "<|im_end|>"
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import datasets
 import pytest
@@ -32,8 +31,8 @@ from hftrain.data import (
 )
 from hftrain.errors import HftrainError
 from hftrain.model import CausalLMTokenLoss, fit_embeddings_to_tokenizer
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "tiny-llama"
 # A second template, unlike ChatML: plain-text role headers, EOS ends the assistant turn, and the
 # generation prompt ends with a space that BPE merges into the answer's first token.

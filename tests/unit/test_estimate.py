@@ -5,14 +5,13 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig
 
 from hftrain.estimate import GIB, NF4_BYTES, estimate, model_shape, recommend, usable_bytes
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
 H, L, INTER, V, HEADS, KV_HEADS = 256, 4, 688, 1000, 8, 2
 HEAD_DIM = H // HEADS

@@ -17,8 +17,8 @@ from hftrain.config import (
 )
 from hftrain.errors import ConfigError, HftrainError
 from hftrain.model import CausalLMTokenLoss, build_model, model_summary
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "models" / "tiny-llama"
 CHAT = REPO / "data" / "chat.jsonl"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

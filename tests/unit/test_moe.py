@@ -17,8 +17,8 @@ from hftrain.errors import HftrainError
 from hftrain.estimate import model_shape
 from hftrain.metrics import FlopCounter
 from hftrain.model import CausalLMTokenLoss, build_peft_model
+from tests.conftest import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
              vocab_size=1027, max_position_embeddings=512, tie_word_embeddings=False)
 CONFIGS = {

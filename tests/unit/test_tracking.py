@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from hftrain.config import recipe_from_dict
 from hftrain.errors import ConfigError
 from hftrain.preflight import machine_problems
 from hftrain.tracking import REDACTED, tracker_config
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 
 def recipe(tmp_path, **values):
