@@ -1,0 +1,114 @@
+"""hftrain/finetune.py's phase object without launching: the start-up lines, the phase order, `main`'s exits, and
+the size limit that keeps the entry script and the backends readable (issue 13 items 1 and 6)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hftrain import finetune
+from hftrain.config import Recipe
+from hftrain.errors import HftrainError
+from hftrain.finetune import Finetune
+from hftrain.parallel.base import Backend, Parallelism
+from hftrain.preemption import EXIT_PREEMPTED, Preempted
+from tests.conftest import REPO
+from tests.unit.parallel.conftest import fake_accelerator
+
+MAX_FUNCTION_LINES = 60
+MEMORY = {"per_device_gib": 0.003, "offloaded_gib": 0.0, "device_memory_gib": 15.6}
+
+
+class Printed:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def print(self, message: str) -> None:
+        self.lines.append(message)
+
+
+def described(record: Parallelism | None = None, resume_from: Path | None = None, notes=(), **recipe) -> list[str]:
+    """The lines `describe_run` prints for a run set up as the phases before it would leave it."""
+    run = Finetune(Recipe(per_device_train_batch_size=2, gradient_accumulation_steps=4, **recipe))
+    run.accelerator = fake_accelerator(record.processes if record else 1)
+    run.backend = Backend(run.accelerator, run.recipe)
+    if record is not None:
+        run.backend.record = record
+    run.dp = SimpleNamespace(world=record.dp_world if record else 1)
+    run.plan = SimpleNamespace(global_batch=8 * run.dp.world, steps_per_epoch=5)
+    run.run_info = {"memory_estimate": MEMORY, "launch": {"model_wrapper": "CausalLMTokenLoss"}}
+    run.parameters, run.total_steps, run.notes = (1_000, 160_000), 10, list(notes)
+    run.summary = {"method": "full"}
+    run.train_set, run.rows = range(40), range(40)
+    run.resume_from, run.progress = resume_from, SimpleNamespace(step=6)
+    run.logger = Printed()
+    run.describe_run()
+    return run.logger.lines
+
+
+def test_one_process_is_described_in_words():
+    lines = described()
+    assert lines[0].startswith("hftrain: 1 process, no distribution on cpu, model wrapped as CausalLMTokenLoss; ")
+    assert "effective batch 8 = 2 per device x 1 x 4 accumulation; 10 optimizer steps (5 per epoch)" in lines[0]
+    assert "full fine-tuning, 1,000 of 160,000 parameters trained; 40 training examples in 40 rows" in lines[0]
+    assert lines[-1] == ("hftrain: parallelism 1 process, no distribution: model state ~0.003 GiB per device "
+                         "(+0.0 GiB offloaded to CPU; activations extra) of 15.6 GiB")
+    assert "NO" not in " ".join(lines) and "process(es)" not in " ".join(lines)  # not accelerate's enum name
+
+
+def test_ddp_is_described_with_its_process_count_and_process_group_backend():
+    lines = described(Parallelism("ddp", "DDP", 2, 1, "gloo", dp_world=2))
+    assert lines[0].startswith("hftrain: DDP over 2 processes (gloo) on cpu, ")
+    assert "effective batch 16 = 2 per device x 2 x 4 accumulation" in lines[0]
+    assert lines[-1].startswith("hftrain: parallelism DDP over 2 processes (gloo): model state ")
+
+
+def test_resume_notes_and_preset_reason_are_in_the_start_up_lines():
+    lines = described(resume_from=Path("out/checkpoint-6"), notes=["a note from the model builder"],
+                      launch_preset="cpu", launch_preset_reason="small enough for one process")
+    assert lines[0].endswith("; resuming from out/checkpoint-6 at step 6")
+    assert lines[1] == "hftrain: a note from the model builder"
+    assert lines[2].endswith("; the recipe is sized for preset cpu: small enough for one process")
+    assert len(lines) == 3
+
+
+def test_run_calls_the_phases_in_order():
+    calls = []
+
+    class Recorded(Finetune):
+        pass
+
+    for name in ("setup", "setup_data", "setup_model", "setup_optimizer", "describe_run", "train", "finish"):
+        setattr(Recorded, name, lambda self, name=name: calls.append(name) or Path("final"))
+    assert Recorded(Recipe()).run() == Path("final")
+    assert calls == ["setup", "setup_data", "setup_model", "setup_optimizer", "describe_run", "train", "finish"]
+
+
+@pytest.mark.parametrize(("error", "code", "said"), [
+    (HftrainError("the data is empty"), 2, "hftrain: error: the data is empty"),
+    (Preempted("SIGTERM", 3, "out/checkpoint-3"), EXIT_PREEMPTED, "hftrain: stopped by SIGTERM after step 3"),
+])
+def test_main_turns_a_refusal_or_a_preemption_into_one_line_and_its_exit_code(tmp_path, capsys, error, code, said):
+    class Failing(Finetune):
+        def run(self):
+            raise error
+
+    with pytest.raises(SystemExit) as exited:
+        finetune.main(["--output_dir", str(tmp_path / "out")], runner=Failing)
+    assert exited.value.code == code
+    assert capsys.readouterr().err.startswith(said)
+
+
+def test_no_function_in_the_entry_script_or_the_backends_exceeds_60_lines():
+    too_long = []
+    for path in [REPO / "hftrain" / "finetune.py", *sorted((REPO / "hftrain" / "parallel").glob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} "
+                                    f"({node.end_lineno - start + 1} lines)")
+    assert not too_long, "split these into named steps:\n" + "\n".join(too_long)
