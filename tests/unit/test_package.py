@@ -146,3 +146,10 @@ def test_importing_finetune_loads_no_optional_heavy_package():
     code = f"import sys, hftrain.finetune; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_test_files_have_unique_names():
+    """tests/ has no __init__.py files: pytest imports each test file by its base name, so two files with one name
+    in different folders stop the whole collection ("import file mismatch")."""
+    names = [path.name for path in (REPO / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
