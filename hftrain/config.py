@@ -199,6 +199,16 @@ class Recipe:
         1, "Micro-batches per optimizer step. Effective batch = per_device x processes x this.", group="training"
     )
     learning_rate: float = _f(5e-5, "Peak learning rate.", group="training")
+    scale_lr: str = _f(
+        "none", "Scale learning_rate with the effective batch (per_device x processes x accumulation): linear "
+        "(x effective/base_batch_size, Goyal et al.), sqrt (x its square root, common for Adam) or none. The scaled "
+        "value is printed at start, recorded in hftrain_state.json (lr_scaling) and logged as learning_rate; a "
+        "resume follows the resumed run's effective batch.", group="training", choices=("none", "linear", "sqrt"),
+    )
+    base_batch_size: int | None = _f(
+        None, "The effective batch, in examples, that learning_rate was tuned for (needed by scale_lr linear/sqrt).",
+        group="training",
+    )
     lr_scheduler_type: str = _f(
         "linear", "Schedule after warmup.", group="training",
         choices=("constant", "constant_with_warmup", "linear", "cosine"),
@@ -500,6 +510,10 @@ def validate(recipe: Recipe) -> list[str]:
         need(value is None or value >= 1, f"{name} must be >= 1 or unset, got {value}")
     need(r.max_length >= 2, f"max_length must be >= 2 tokens, got {r.max_length}")
     need(r.learning_rate > 0, f"learning_rate must be > 0, got {r.learning_rate}")
+    need(r.scale_lr == "none" or (r.base_batch_size or 0) >= 1, f"scale_lr={r.scale_lr} scales learning_rate "
+         f"from the batch it was tuned for: set base_batch_size (>= 1 examples), got {r.base_batch_size}")
+    need(r.scale_lr != "none" or r.base_batch_size is None, f"base_batch_size={r.base_batch_size} only applies "
+         "with scale_lr linear or sqrt; set scale_lr or remove base_batch_size")
     need(r.warmup_steps >= 0, f"warmup_steps must be >= 0, got {r.warmup_steps}")
     need(0 <= r.warmup_ratio < 1, f"warmup_ratio must be in [0, 1), got {r.warmup_ratio}")
     need(not (r.warmup_steps > 0 and r.warmup_ratio > 0),

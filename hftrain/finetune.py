@@ -45,7 +45,7 @@ from hftrain.model import (
     model_summary,
     pad_token_id,
 )
-from hftrain.optim import build_optimizer, build_scheduler
+from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
 from hftrain.parallel import Launch, make_accelerator, phase, resolve
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
 from hftrain.preflight import preflight
@@ -231,13 +231,20 @@ class Finetune:
         """Optimizer and schedule, prepared by the backend (DDP / FSDP2 / DeepSpeed engine), the resumed state, the
         run's first files, the logger and the throughput meter."""
         recipe = self.recipe
-        self.optimizer = build_optimizer(recipe, self.model)
+        self.learning_rate, self.lr_scaling = scaled_learning_rate(recipe, self.plan.global_batch)
+        if self.lr_scaling is not None:
+            self.notes.append(f"learning rate {self.learning_rate:.6g} = {recipe.learning_rate:g} x "
+                              f"{self.lr_scaling['factor']:.6g} (scale_lr {recipe.scale_lr}: effective batch "
+                              f"{self.plan.global_batch} for base_batch_size {recipe.base_batch_size})")
+        self.optimizer = build_optimizer(recipe, self.model, self.learning_rate)
         self.scheduler = build_scheduler(recipe, self.optimizer, self.total_steps)
         self.model, self.optimizer = self.backend.prepare(self.model, self.optimizer)
         self.progress, resumed = checkpoint.Progress(world_size=self.dp.world), {}
         if self.resume_from is not None:
             self.progress, resumed = checkpoint.load_checkpoint(self.backend, self.model, self.scheduler,
                                                                 self.resume_from, self.plan)
+            if self.lr_scaling is not None:  # the peak follows this run's effective batch, not the saved run's
+                set_peak_learning_rate(self.scheduler, self.learning_rate)
         self.run_info = self.make_run_info()
         self.start_output_dir()
         self.logger = MetricLogger(self.accelerator, recipe, self.progress.step, self.run_info, resumed)
@@ -253,7 +260,8 @@ class Finetune:
         self.parameters = self.backend.parameter_counts(self.model)  # (trained, total)
         return {"launch": self.backend.launch_info(self.model, self.optimizer),
                 "parallelism": asdict(self.backend.record), "model": self.summary, "data": self.data_stats,
-                "effective_batch_size": self.plan.global_batch, "total_steps": self.total_steps,
+                "effective_batch_size": self.plan.global_batch, "lr_scaling": self.lr_scaling,
+                "total_steps": self.total_steps,
                 "memory_estimate": self.backend.memory(*self.parameters),
                 "launch_preset": {"recipe": recipe.launch_preset, "reason": recipe.launch_preset_reason},
                 "memory_baseline_mb": round(self.memory_baseline_mb, 1)}

@@ -19,23 +19,24 @@ from hftrain.config import Recipe
 BNB_ADAMW = {"adamw_bnb_8bit": (8, False), "paged_adamw_8bit": (8, True), "paged_adamw_32bit": (32, True)}
 
 
-def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(recipe: Recipe, model: nn.Module, learning_rate: float | None = None) -> torch.optim.Optimizer:
     """AdamW (torch's for-each or fused implementation) or SGD, with weight decay on matrices only (never on
-    biases and norm weights), or bitsandbytes AdamW.
+    biases and norm weights), or bitsandbytes AdamW; at `learning_rate` (the scaled one) or the recipe's.
 
     bitsandbytes AdamW (as transformers' `adamw_bnb_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`) keeps 8-bit
     optimizer state for tensors of 4096+ elements and 32-bit state for smaller ones; paging needs CUDA and is a
     no-op elsewhere.
     """
+    learning_rate = recipe.learning_rate if learning_rate is None else learning_rate
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    adam = {"lr": recipe.learning_rate, "betas": (recipe.adam_beta1, recipe.adam_beta2), "eps": recipe.adam_epsilon}
+    adam = {"lr": learning_rate, "betas": (recipe.adam_beta1, recipe.adam_beta2), "eps": recipe.adam_epsilon}
     if recipe.optim == "sgd":
-        return torch.optim.SGD(groups, lr=recipe.learning_rate, momentum=recipe.sgd_momentum)
+        return torch.optim.SGD(groups, lr=learning_rate, momentum=recipe.sgd_momentum)
     if recipe.optim in BNB_ADAMW:
         import bitsandbytes as bnb
 
@@ -43,6 +44,27 @@ def build_optimizer(recipe: Recipe, model: nn.Module) -> torch.optim.Optimizer:
         return bnb.optim.AdamW(groups, **adam, optim_bits=bits, is_paged=paged)
     # fused=None (not False) for adamw_torch: torch then keeps its own default (foreach on CUDA)
     return torch.optim.AdamW(groups, **adam, fused=True if recipe.optim == "adamw_torch_fused" else None)
+
+
+def scaled_learning_rate(recipe: Recipe, effective_batch_size: int) -> tuple[float, dict | None]:
+    """The peak learning rate for this effective batch (`scale_lr`), and the record of the scaling (None: none)."""
+    if recipe.scale_lr == "none":
+        return recipe.learning_rate, None
+    ratio = effective_batch_size / recipe.base_batch_size
+    factor = ratio if recipe.scale_lr == "linear" else math.sqrt(ratio)
+    learning_rate = recipe.learning_rate * factor
+    return learning_rate, {"rule": recipe.scale_lr, "base_batch_size": recipe.base_batch_size,
+                           "effective_batch_size": effective_batch_size, "base_learning_rate": recipe.learning_rate,
+                           "factor": factor, "learning_rate": learning_rate}
+
+
+def set_peak_learning_rate(scheduler, learning_rate: float) -> None:
+    """After a resume: the restored schedule continues at its step with this run's peak learning rate (the
+    checkpoint's scheduler and optimizer states carry the peak of the run that saved them)."""
+    scheduler.base_lrs = [learning_rate] * len(scheduler.base_lrs)
+    for group, lr_lambda in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = learning_rate
+        group["lr"] = learning_rate * lr_lambda(scheduler.last_epoch)
 
 
 def lr_factor(kind: str, step: int, total: int, warmup: int) -> float:

@@ -154,3 +154,26 @@ def test_epoch_strategies_from_a_trl_recipe(tmp_path):
     run = run_script(tmp_path / "out", "--config", str(recipe))
     assert [r["step"] for r in run.eval_rows()] == [4, 8]
     assert sorted(p.name for p in run.output_dir.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+
+
+def test_scale_lr_follows_the_effective_batch_and_a_resume_with_another_batch(tmp_path):
+    """scale_lr sqrt: 4 examples per step for a learning rate tuned at 16 runs at half of it (printed, recorded,
+    logged); resumed at step 2 with 2 x 8 accumulation, the schedule continues at its step with the peak for 16."""
+    common = [*TINY_CHAT, "--learning_rate", "1e-3", "--scale_lr", "sqrt", "--base_batch_size", "16",
+              "--lr_scheduler_type", "linear", "--warmup_steps", "0", "--max_steps", "4", "--logging_steps", "1", "--eval_steps", "100",
+              "--save_steps", "2", "--disable_tqdm"]
+    out = tmp_path / "out"
+    first = run_script(out, *common, "--per_device_train_batch_size", "4")
+    assert "learning rate 0.0005 = 0.001 x 0.5 (scale_lr sqrt: effective batch 4 for base_batch_size 16)" in \
+        " ".join(first.stdout.split())
+    assert first.state()["lr_scaling"] == {"rule": "sqrt", "base_batch_size": 16, "effective_batch_size": 4,
+                                           "base_learning_rate": 1e-3, "factor": 0.5, "learning_rate": 5e-4}
+    # linear decay over 4 steps: step n runs at peak x (4 - n + 1) / 4
+    assert [r["learning_rate"] for r in first.train_rows()] == pytest.approx([5e-4 * f for f in (1, .75, .5, .25)])
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoint-4")
+    resumed = run_script(out, *common, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
+                         "--resume_from_checkpoint", "latest")
+    assert resumed.state()["lr_scaling"]["effective_batch_size"] == 16
+    assert [r["learning_rate"] for r in resumed.train_rows() if r["step"] > 2] == pytest.approx([1e-3 * .5,
+                                                                                                1e-3 * .25])

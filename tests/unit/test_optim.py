@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from hftrain.config import Recipe
-from hftrain.optim import build_optimizer, build_scheduler, lr_factor
+from hftrain.config import Recipe, recipe_from_dict
+from hftrain.errors import ConfigError
+from hftrain.optim import build_optimizer, build_scheduler, lr_factor, scaled_learning_rate, set_peak_learning_rate
+from tests.conftest import REPO
 
 KINDS = ("constant", "constant_with_warmup", "linear", "cosine")
 GRID = [(total, warmup) for total in (1, 2, 5, 10, 37) for warmup in (0, 1, 3, total - 1, total)
@@ -205,3 +207,51 @@ def test_fused_adamw_takes_the_same_steps_as_torch_adamw():
     assert [g["weight_decay"] for g in fused.param_groups] == [0.1, 0.0]
     for a, b in zip(fused_model.parameters(), plain_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------- scale_lr
+@pytest.mark.parametrize("rule, effective, expected", [
+    ("linear", 64, 4e-4), ("linear", 8, 5e-5), ("sqrt", 64, 2e-4), ("sqrt", 4, 5e-5), ("sqrt", 32, 1e-4 * 2 ** 0.5),
+])
+def test_scaled_learning_rate(rule, effective, expected):
+    """Goyal et al.'s linear rule and the square-root rule, from learning_rate 1e-4 tuned at a batch of 16."""
+    lr, record = scaled_learning_rate(Recipe(learning_rate=1e-4, scale_lr=rule, base_batch_size=16), effective)
+    assert lr == pytest.approx(expected, rel=1e-12)
+    assert record == {"rule": rule, "base_batch_size": 16, "effective_batch_size": effective,
+                      "base_learning_rate": 1e-4, "factor": pytest.approx(expected / 1e-4, rel=1e-12),
+                      "learning_rate": lr}
+    assert scaled_learning_rate(Recipe(learning_rate=1e-4), effective) == (1e-4, None)
+
+
+def test_scale_lr_needs_base_batch_size_and_nothing_else_takes_it(tmp_path):
+    values = {"model_name_or_path": str(REPO / "models" / "tiny-llama"),
+              "dataset_name": str(REPO / "data" / "chat.jsonl"),
+              "output_dir": str(tmp_path / "o")}
+    for bad, text in (({"scale_lr": "linear"}, "scale_lr=linear scales learning_rate from the batch"),
+                      ({"scale_lr": "sqrt", "base_batch_size": 0}, "set base_batch_size (>= 1 examples), got 0"),
+                      ({"base_batch_size": 32}, "base_batch_size=32 only applies with scale_lr linear or sqrt"),
+                      ({"scale_lr": "cube", "base_batch_size": 32}, "scale_lr")):
+        with pytest.raises(ConfigError) as info:
+            recipe_from_dict({**values, **bad})
+        assert any(text in p for p in info.value.problems), info.value.problems
+
+
+def test_a_resumed_schedule_continues_at_the_new_peak():
+    """The schedule resumed from a run at peak 1e-3 continues at its step with the new peak 4e-3, as a fresh
+    schedule with peak 4e-3 would be at that step."""
+    recipe = Recipe(learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=2)
+    saved_opt = build_optimizer(recipe, nn.Linear(3, 3))
+    saved = build_scheduler(recipe, saved_opt, 10)
+    for _ in range(4):
+        saved_opt.step()
+        saved.step()
+    fresh_opt = build_optimizer(recipe, nn.Linear(3, 3), 4e-3)
+    resumed = build_scheduler(recipe, fresh_opt, 10)
+    fresh_opt.load_state_dict(saved_opt.state_dict())  # as accelerate's load_state: the saved lr comes back
+    resumed.load_state_dict(saved.state_dict())
+    assert fresh_opt.param_groups[0]["lr"] == pytest.approx(1e-3 * lr_factor("cosine", 5, 10, 2))
+    set_peak_learning_rate(resumed, 4e-3)
+    for step in range(5, 11):
+        assert fresh_opt.param_groups[0]["lr"] == pytest.approx(4e-3 * lr_factor("cosine", step, 10, 2), rel=1e-12)
+        fresh_opt.step()
+        resumed.step()
