@@ -266,8 +266,22 @@ def recommend(plan: Plan, gpu_memory_gib: float, method: str) -> tuple[Row | Non
                          "sequence, or " + ("QLoRA" if method != "qlora" else "GPUs with more memory"))
 
 
+TOKENS_PER_PARAMETER = 20  # compute-optimal pretraining, Hoffmann et al. 2022 ("Chinchilla"): ~20 tokens/parameter
+
+
+def token_budget_line(params: int, planned_tokens: int | None) -> str:
+    """The compute-optimal token count of a model this size, next to the tokens the run plans to train."""
+    optimal = TOKENS_PER_PARAMETER * params
+    line = (f"tokens: compute-optimal pretraining of {params / 1e9:.3f}B parameters is ~{optimal / 1e9:,.1f}B tokens "
+            f"(~{TOKENS_PER_PARAMETER} per parameter, Hoffmann et al. 2022)")
+    if planned_tokens is None:
+        return line + "; pass --tokens to compare the run's plan"
+    return line + (f"; planned {planned_tokens / 1e9:,.3f}B = {planned_tokens / optimal:.1%} of it (fine-tuning "
+                   "usually needs a small fraction; far above 100% is continued pretraining)")
+
+
 # --------------------------------------------------------------------------------- CLI
-def format_plan(plan: Plan, gpu_memory_gib: float, method: str) -> str:
+def format_plan(plan: Plan, gpu_memory_gib: float, method: str, planned_tokens: int | None = None) -> str:
     s = plan.shape
     active = (f", {s.active_params / 1e9:.3f}B active per token (memory holds all, compute uses these)"
               if s.active_params else "")
@@ -298,6 +312,7 @@ def format_plan(plan: Plan, gpu_memory_gib: float, method: str) -> str:
         lines.append(f"recommendation: accelerate_configs/{row.preset}.yaml{missing} with gradient_checkpointing: "
                      f"{str(ckpt).lower()}" + (f", {method} r={plan.lora_r}" if method != "full" else ""))
         lines.append(f"reason: {why}.")
+    lines.append(token_budget_line(s.params, planned_tokens))
     return "\n".join(lines)
 
 
@@ -314,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1, help="Sequences per GPU per micro-batch.")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="bf16 mixed precision (GPU default) or fp32 (CPU runs).")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="Tokens the run plans to train (steps x effective batch x tokens per sequence), shown "
+                             "next to the compute-optimal count.")
     parser.add_argument("--trust_remote_code", action="store_true", help="Allow the model's own config code.")
     return parser
 
@@ -321,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
 def print_plan(args: argparse.Namespace) -> None:
     problems = [f"--{k} must be >= 1, got {getattr(args, k)}" for k in ("gpus", "seq", "batch", "lora_r")
                 if getattr(args, k) < 1]
+    if args.tokens is not None and args.tokens < 1:
+        problems.append(f"--tokens must be >= 1, got {args.tokens}")
     if args.gpu_memory <= CUDA_OVERHEAD_GIB:
         problems.append(f"--gpu_memory must be above {CUDA_OVERHEAD_GIB:g} GiB, got {args.gpu_memory:g}")
     if problems:
@@ -328,7 +348,7 @@ def print_plan(args: argparse.Namespace) -> None:
     shape = model_shape(args.model, args.trust_remote_code)
     plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r)
     method = "qlora" if args.qlora else "lora" if args.lora else "full"
-    print(format_plan(plan, args.gpu_memory, method))
+    print(format_plan(plan, args.gpu_memory, method, args.tokens))
 
 
 def main(argv: list[str] | None = None) -> None:

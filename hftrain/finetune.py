@@ -252,7 +252,8 @@ class Finetune:
         self.meter = RunMeter(self.accelerator, self.flops, straggler_threshold=recipe.straggler_threshold,
                               peak_tflops_override=recipe.device_peak_tflops,
                               cost_per_gpu_hour=recipe.cost_per_gpu_hour, effective_batch_size=self.plan.global_batch,
-                              device_hours_before=resumed.get("device_hours", 0.0), warn=self.logger.warn)
+                              device_hours_before=resumed.get("device_hours", 0.0), warn=self.logger.warn,
+                              machines=self.backend.record.machines)
 
     def make_run_info(self) -> dict:
         """What this run is, recorded in every checkpoint and the final folder (hftrain_state.json)."""
@@ -350,7 +351,7 @@ class Finetune:
                                                   micro_batches, scale, recipe.max_grad_norm or float("inf"), timer)
         if not updated:
             self.refuse_non_finite_step(grad_norm)
-        self.meter.count(micro_batches, local[0])
+        self.meter.count(micro_batches, local[0], local[1])
         aux = self.token_loss.pop_aux()
         if aux is None and self.token_loss.aux_coef > 0:  # only filler rows here: every rank still sums an aux
             aux = torch.zeros((), device=accelerator.device)

@@ -160,12 +160,12 @@ class RunMeter:
     """Per-window accounting for the loop; `window()` turns it into metrics at logging steps."""
 
     # fields of the per-rank vector gathered at logging steps
-    FIELDS = ("loss_sum", "trained_tokens", "processed_tokens", "flops", *TIMER_PHASES, "peak_memory_mb",
+    FIELDS = ("loss_sum", "trained_tokens", "examples", "processed_tokens", "flops", *TIMER_PHASES, "peak_memory_mb",
               "peak_reserved_mb", "step", "loss", "grad_norm", "param_checksum")
 
     def __init__(self, accelerator, flops: FlopCounter, *, straggler_threshold: float,
                  peak_tflops_override: float | None, cost_per_gpu_hour: float | None, effective_batch_size: int,
-                 device_hours_before: float, warn: Callable[[str], None]):
+                 device_hours_before: float, warn: Callable[[str], None], machines: int = 1):
         self.accelerator = accelerator
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.flops = flops
@@ -174,6 +174,7 @@ class RunMeter:
         self.threshold = straggler_threshold
         self.cost_per_hour = cost_per_gpu_hour
         self.effective_batch_size = effective_batch_size
+        self.machines = machines  # nodes; ranks are numbered node by node (torchrun, accelerate launch)
         self.hours_before = device_hours_before
         self.started = time.perf_counter()
         self.warn = warn
@@ -183,11 +184,14 @@ class RunMeter:
 
     def _reset(self) -> None:
         self.local_tokens = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
+        self.local_examples = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         self.processed, self.window_flops, self.steps = 0, 0.0, 0
 
-    def count(self, micro_batches: list[dict[str, torch.Tensor]], local_tokens: torch.Tensor) -> None:
+    def count(self, micro_batches: list[dict[str, torch.Tensor]], local_tokens: torch.Tensor,
+              local_examples: torch.Tensor | int = 0) -> None:
         """Account one optimizer step (no device sync: shapes are host values, tokens stay on the device)."""
         self.local_tokens += local_tokens
+        self.local_examples += local_examples
         for batch in micro_batches:
             rows, width = batch["input_ids"].shape
             self.processed += rows * width
@@ -203,7 +207,8 @@ class RunMeter:
         """Metrics of the window since the last call (every rank must call it: it gathers)."""
         phases = self.timer.collect()
         peak, reserved = peak_memory_mb(self.accelerator.device)
-        values = {"loss_sum": local_loss_sum, "trained_tokens": self.local_tokens, "processed_tokens": self.processed,
+        values = {"loss_sum": local_loss_sum, "trained_tokens": self.local_tokens, "examples": self.local_examples,
+                  "processed_tokens": self.processed,
                   "flops": self.window_flops, **phases, "peak_memory_mb": peak, "peak_reserved_mb": reserved,
                   "step": step, "loss": loss if loss is not None else float("nan"),
                   "grad_norm": grad_norm if grad_norm is not None else float("nan"),
@@ -251,9 +256,24 @@ class RunMeter:
             row[f"rank{i}/own_tokens_per_second"] = own[i]
             row[f"rank{i}/loss"] = r["loss_sum"] / max(r["trained_tokens"], 1.0)
             row[f"rank{i}/peak_memory_mb"] = round(r["peak_memory_mb"], 1)
+        if self.machines > 1:
+            row.update(self._per_node(ranks, train_time, global_tokens, global_examples))
         if self.world > 1:
             row.update(self._straggler(own, warn=not first))
             row["ranks_in_sync"] = self._in_sync(ranks)
+        return row
+
+    def _per_node(self, ranks: list[dict], train_time: float, global_tokens: int, global_examples: int) -> dict:
+        """Trained tokens/s and samples/s of each node: its ranks' share of the step's data. Ranks that share their
+        data (a tensor-parallel group) count it once: the shares are of the ranks' sum, scaled to the global count."""
+        per_node = self.world // self.machines
+        row = {}
+        for key, total, name in (("trained_tokens", global_tokens, "tokens_per_second"),
+                                 ("examples", global_examples, "samples_per_second")):
+            ranks_sum = max(sum(r[key] for r in ranks), 1e-9)
+            for node in range(self.machines):
+                share = sum(r[key] for r in ranks[node * per_node:(node + 1) * per_node]) / ranks_sum
+                row[f"node{node}/{name}"] = share * total / train_time
         return row
 
     def _straggler(self, own: list[float], warn: bool) -> dict:

@@ -160,7 +160,8 @@ def test_scale_lr_follows_the_effective_batch_and_a_resume_with_another_batch(tm
     """scale_lr sqrt: 4 examples per step for a learning rate tuned at 16 runs at half of it (printed, recorded,
     logged); resumed at step 2 with 2 x 8 accumulation, the schedule continues at its step with the peak for 16."""
     common = [*TINY_CHAT, "--learning_rate", "1e-3", "--scale_lr", "sqrt", "--base_batch_size", "16",
-              "--lr_scheduler_type", "linear", "--warmup_steps", "0", "--max_steps", "4", "--logging_steps", "1", "--eval_steps", "100",
+              "--lr_scheduler_type", "linear", "--warmup_steps", "0", "--max_steps", "4", "--logging_steps", "1",
+              "--eval_steps", "100",
               "--save_steps", "2", "--disable_tqdm"]
     out = tmp_path / "out"
     first = run_script(out, *common, "--per_device_train_batch_size", "4")

@@ -338,6 +338,12 @@ def test_two_nodes_simulated_on_localhost(reference, tmp_path, preset, distribut
     run = launch_two_nodes(tmp_path / "out", *COMMON, *TWO_PROCESSES, preset=preset)
     assert_launch(run, distributed_type, 2, wrapper, num_machines=2)
     assert_same_training(run, reference)
+    for row in run.train_rows():  # per-node throughput; one process per node, so a node's share is its rank's
+        nodes = [row[f"node{n}/tokens_per_second"] for n in (0, 1)]
+        assert nodes == pytest.approx([row["rank0/tokens_per_second"], row["rank1/tokens_per_second"]])
+        assert sum(nodes) == pytest.approx(row["tokens_per_second"])
+        assert row["node0/samples_per_second"] + row["node1/samples_per_second"] == \
+            pytest.approx(row["samples_per_second"])
     assert sorted(p.name for p in (run.output_dir / "checkpoint-3").glob("random_states_*")) == \
         ["random_states_0.pkl", "random_states_1.pkl"]
 

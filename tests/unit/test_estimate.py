@@ -136,3 +136,20 @@ def test_every_recommended_preset_is_shipped():
     named = set(re.findall(r'Row\([^,]+, "([a-z0-9_]+)"', source)) | {"multi_gpu", "single_gpu"}
     shipped = {p.stem for p in estimate.PRESET_DIR.glob("*.yaml")}
     assert named and named <= shipped, named - shipped
+
+
+def test_cli_puts_the_planned_tokens_next_to_the_compute_optimal_count(model_dir):
+    """~20 tokens per parameter (Hoffmann et al. 2022), from the hand count of parameters; --tokens 0 is refused."""
+    n, _ = hand_params()
+    planned = 3 * n  # 15% of 20 x n
+    proc = subprocess.run([sys.executable, "-m", "hftrain.estimate", "--model", str(model_dir), "--gpu_memory", "80",
+                           "--tokens", str(planned)], capture_output=True, text=True, cwd=REPO, env=OFFLINE)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("tokens: "))
+    assert f"~{20 * n / 1e9:,.1f}B tokens" in line and f"planned {planned / 1e9:,.3f}B = 15.0% of it" in line
+    bare = subprocess.run([sys.executable, "-m", "hftrain.estimate", "--model", str(model_dir)],
+                          capture_output=True, text=True, cwd=REPO, env=OFFLINE)
+    assert "pass --tokens to compare" in bare.stdout
+    bad = subprocess.run([sys.executable, "-m", "hftrain.estimate", "--model", str(model_dir), "--tokens", "0"],
+                         capture_output=True, text=True, cwd=REPO, env=OFFLINE)
+    assert bad.returncode == 2 and "--tokens must be >= 1, got 0" in bad.stderr and "Traceback" not in bad.stderr

@@ -150,3 +150,20 @@ def test_a_different_slow_rank_each_window_is_noise_not_a_straggler():
         ranks = [rank(0.9 if r == slow else 0.4) for r in range(2)]
         assert meter._metrics(ranks, 5, 800, 40)["slowest_rank"] == slow
     assert warnings == []
+
+
+def test_multi_node_runs_report_each_nodes_throughput():
+    """2 nodes x 2 ranks, ranks numbered node by node: node 1's ranks trained 3x node 0's tokens and examples, so
+    node 1 gets 3/4 of the step's 1600 tokens and 40 examples over the window's 1.1 s; one node reports nothing."""
+    accelerator = SimpleNamespace(num_processes=4, process_index=0, device=torch.device("cpu"))
+    meter = RunMeter(accelerator, FlopCounter(llama()), straggler_threshold=0.2, peak_tflops_override=None,
+                     cost_per_gpu_hour=None, effective_batch_size=8, device_hours_before=0.0, warn=print, machines=2)
+    ranks = [rank(0.4, trained_tokens=t, examples=e) for t, e in ((100, 2), (100, 3), (300, 7), (300, 8))]
+    row = meter._metrics(ranks, steps=1, global_tokens=1600, global_examples=40)
+    train_time = 0.1 + 0.4 + 0.5 + 0.1
+    assert row["node0/tokens_per_second"] == pytest.approx(400 / train_time)
+    assert row["node1/tokens_per_second"] == pytest.approx(1200 / train_time)
+    assert row["node0/samples_per_second"] == pytest.approx(40 * 5 / 20 / train_time)
+    assert row["node1/samples_per_second"] == pytest.approx(40 * 15 / 20 / train_time)
+    assert row["node0/tokens_per_second"] + row["node1/tokens_per_second"] == pytest.approx(row["tokens_per_second"])
+    assert not any(k.startswith("node") for k in fake_meter(4, [])._metrics(ranks, 1, 1600, 40))
