@@ -135,7 +135,7 @@ class Recipe:
     )
     dataset_format: str = _f(
         "auto", "Data format; auto detects it from the columns (see docs/data.md for each format's shape).",
-        group="data", choices=("auto", "text", "prompt_completion", "alpaca", "messages", "sharegpt"),
+        group="data", choices=("auto", "text", "prompt_completion", "alpaca", "messages", "sharegpt", "preference"),
     )
     dataset_columns: dict[str, str] = _f(
         {}, "Rename columns before format detection, {dataset_column: expected_column}, e.g. {question: prompt}.",
@@ -182,6 +182,36 @@ class Recipe:
     dataloader_pin_memory: bool = _f(
         True, "Collate batches into pinned (page-locked) memory so the copy to the GPU can overlap compute "
         "(non_blocking). CUDA only; no effect on CPU.", group="data",
+    )
+    # ------------------------------------------------------------------------- objective
+    objective: str = _f(
+        "sft", "What the loop minimises: sft (next-token cross-entropy over trained tokens), dpo (Direct Preference "
+        "Optimization on chosen/rejected pairs against a reference model) or simpo (SimPO: reference-free, "
+        "length-normalised). dpo and simpo need preference data (chosen, rejected and optionally prompt columns); "
+        "see docs/preference.md.", group="objective", choices=("sft", "dpo", "simpo"),
+    )
+    beta: float = _f(
+        0.1, "dpo/simpo temperature: how far the policy may move from the reference (dpo) or the reward scale "
+        "(simpo; its paper uses 2.0-2.5).", group="objective",
+    )
+    loss_type: str = _f(
+        "sigmoid", "dpo loss (TRL's names): sigmoid (the DPO paper), ipo (squared, per-token-normalised log-ratios, "
+        "as TRL), hinge (SLiC).", group="objective", choices=("sigmoid", "ipo", "hinge"),
+    )
+    label_smoothing: float = _f(
+        0.0, "Probability that a pair's preference is flipped (conservative DPO / SimPO), in [0, 0.5); for "
+        "loss_type sigmoid and simpo. TRL 1.16's DPOTrainer ignores it for sigmoid: compare with 0.",
+        group="objective",
+    )
+    simpo_gamma: float = _f(0.5, "simpo target reward margin (TRL's simpo_gamma).", group="objective")
+    max_prompt_length: int | None = _f(
+        None, "Preference data: keep at most this many prompt tokens (the last ones, next to the answer).",
+        group="objective",
+    )
+    max_completion_length: int | None = _f(
+        None, "Preference data: cut each completion to this many tokens (from the end). max_length then caps "
+        "prompt + completion; a pair whose prompt leaves no completion token is dropped and counted.",
+        group="objective",
     )
     # ---------------------------------------------------------------------- optimisation
     output_dir: str = _f("outputs/tiny-chat", "Where checkpoints, metrics.jsonl and the final model go (relative: to "
@@ -538,6 +568,7 @@ def validate(recipe: Recipe) -> list[str]:
     need(not (r.bf16 and r.fp16), "bf16 and fp16 are both true; choose one")
     need(not (r.fp16 and r.dtype == "bfloat16"), "fp16 mixed precision with dtype=bfloat16 weights; use bf16")
     problems += _validate_data(r)
+    problems += _objective_problems(r)
     problems += _validate_performance(r)
     problems += _monitoring_problems(r)
 
@@ -574,6 +605,38 @@ def _validate_data(r: Recipe) -> list[str]:
         problems.append(f"chat_template_path {r.chat_template_path!r} is not a file")
     if r.dataset_num_proc is not None and r.dataset_num_proc < 1:
         problems.append(f"dataset_num_proc must be >= 1 or unset, got {r.dataset_num_proc}")
+    return problems
+
+
+def _objective_problems(r: Recipe) -> list[str]:
+    """dpo / simpo settings and what a preference objective cannot be combined with."""
+    problems, preference = [], r.objective != "sft"
+    if r.beta <= 0:
+        problems.append(f"beta must be > 0, got {r.beta}")
+    if not 0 <= r.label_smoothing < 0.5:
+        problems.append(f"label_smoothing must be in [0, 0.5), got {r.label_smoothing}")
+    if r.label_smoothing > 0 and not (r.objective == "simpo" or (r.objective == "dpo" and r.loss_type == "sigmoid")):
+        problems.append(f"label_smoothing={r.label_smoothing} applies to objective dpo with loss_type sigmoid, or "
+                        f"simpo; here objective={r.objective}, loss_type={r.loss_type}")
+    if r.loss_type != "sigmoid" and r.objective != "dpo":
+        problems.append(f"loss_type={r.loss_type} is a dpo loss, but objective={r.objective}; set objective: dpo")
+    for name in ("max_prompt_length", "max_completion_length"):
+        value = getattr(r, name)
+        if value is not None and (value < 1 or not preference):
+            problems.append(f"{name}={value} needs objective dpo or simpo and a value >= 1")
+    if not preference:
+        return problems
+    if r.packing:
+        problems.append(f"packing with objective={r.objective} is refused: a pair's chosen and rejected must be "
+                        "compared as whole sequences, one per row; set packing: false")
+    if r.use_liger_kernel or r.loss_chunk_tokens:
+        problems.append(f"objective={r.objective} needs each sequence's log-probability; use_liger_kernel and "
+                        "loss_chunk_tokens compute one summed cross-entropy: turn them off")
+    if r.tp_size > 1:
+        problems.append(f"objective={r.objective} with tp_size > 1 is not supported yet; use data parallelism")
+    if r.dataset_format not in ("auto", "preference"):
+        problems.append(f"objective={r.objective} trains on preference pairs: dataset_format must be auto or "
+                        f"preference, got {r.dataset_format}")
     return problems
 
 

@@ -37,14 +37,8 @@ from hftrain.data import (
 )
 from hftrain.errors import HftrainError, first_line, run_tool
 from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
-from hftrain.model import (
-    CausalLMTokenLoss,
-    build_model,
-    build_tokenizer,
-    fit_embeddings_to_tokenizer,
-    model_summary,
-    pad_token_id,
-)
+from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary, pad_token_id
+from hftrain.objectives import build_loss
 from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
 from hftrain.parallel import Launch, make_accelerator, phase, resolve
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
@@ -62,24 +56,36 @@ def trained_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(accelerator, dp, model, dataset, collator: Collator, recipe: Recipe) -> dict[str, float]:
-    """Token-weighted loss over the whole eval set, every data-parallel rank evaluating a disjoint shard.
+def evaluate(accelerator, dp, model, loss_fn, dataset, collator: Collator, recipe: Recipe) -> dict[str, float]:
+    """The objective's loss over the whole eval set (token-weighted for sft, per pair for dpo/simpo), every
+    data-parallel rank evaluating a disjoint shard; `loss_fn` is the loss module inside `model`'s wrapper.
 
-    Ranks reduce (loss sum, token count) pairs, which is exact whatever the shard sizes; every rank
+    Ranks reduce (loss sum, units, statistics) sums, which is exact whatever the shard sizes; every rank
     runs the same number of forwards so sharded models (FSDP, ZeRO-3, tensor parallel) stay in step.
     """
     model.eval()
     shards = eval_micro_batches(len(dataset), recipe.per_device_eval_batch_size, dp.world, dp.rank)
-    totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    totals, stats = torch.zeros(2, dtype=torch.float64, device=accelerator.device), {}
     for batch in make_loader(shards, collator, recipe.dataloader_num_workers,
                              pin_memory=recipe.dataloader_pin_memory):
         batch.pop("num_examples")
         batch = to_device(batch, accelerator.device)
-        totals += torch.stack([model(**batch).double(), trained_tokens(batch).double()])
-    loss_sum, tokens = dp.sum(totals).tolist()
+        totals += torch.stack([model(**batch).double(), loss_fn.loss_units(batch).double()])
+        stats = add_stats(stats, loss_fn.pop_stats())
+    loss_sum, units = dp.sum(totals).tolist()
     model.train()
-    loss = loss_sum / max(tokens, 1.0)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(tokens)}
+    return loss_fn.eval_metrics(loss_sum, int(units), summed_stats(dp, stats))
+
+
+def add_stats(total: dict[str, torch.Tensor], more: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: total.get(name, 0) + more.get(name, 0) for name in {*total, *more}}
+
+
+def summed_stats(dp, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The objective's statistics summed over the data-parallel ranks (one collective; every rank has the same
+    names: they come from the loss module, not from the data)."""
+    names = sorted(stats)
+    return dict(zip(names, dp.sum(torch.stack([stats[n] for n in names])).tolist())) if names else {}
 
 
 def optimizer_step(backend, model, optimizer, scheduler, micro_batches, scale, max_norm, timer):
@@ -112,36 +118,42 @@ def optimizer_step(backend, model, optimizer, scheduler, micro_batches, scale, m
 class StepResult:
     """One optimizer step as the loop accounts for it."""
 
-    loss: torch.Tensor  # this rank's summed token loss over the step's micro-batches (router loss included)
+    loss: torch.Tensor  # this rank's summed loss over the step's micro-batches (router loss included)
+    units: int  # what the loss is normalised by (trained tokens, or pairs), over the data-parallel ranks
     tokens: int  # trained tokens of the step over the data-parallel ranks
-    examples: int  # examples of the step over the data-parallel ranks
+    examples: int  # examples (pairs) of the step over the data-parallel ranks
     grad_norm: float | None
     updated: bool  # False: a non-finite gradient norm, nothing applied (nan_policy skip_step)
     learning_rate: float
     aux: torch.Tensor | None = None  # mixture-of-experts: this rank's summed aux loss x trained tokens
+    stats: dict[str, torch.Tensor] | None = None  # the objective's per-unit statistics, summed on this rank
 
 
 @dataclass
 class Window:
-    """The steps since the last logged row: the logged loss is their token-weighted mean over every rank."""
+    """The steps since the last logged row: the logged loss is their mean per unit (token or pair) over every rank."""
 
-    loss: torch.Tensor  # this rank's summed token loss of the updated steps (summed over ranks when logged)
+    loss: torch.Tensor  # this rank's summed loss of the updated steps (summed over ranks when logged)
+    units: int = 0  # the loss's units of the updated steps, over the data-parallel ranks
     tokens: int = 0  # trained tokens of the updated steps, over the data-parallel ranks
     examples: int = 0
     aux: torch.Tensor | None = None  # this rank's summed aux loss x trained tokens (router loss models only)
+    stats: dict[str, torch.Tensor] | None = None  # this rank's summed objective statistics of the updated steps
 
     def add(self, step: StepResult) -> None:
         if step.updated:
             self.loss += step.loss
+            self.units += step.units
             self.tokens += step.tokens
             if step.aux is not None:
                 self.aux = step.aux.double() + (0 if self.aux is None else self.aux)
+            self.stats = add_stats(self.stats or {}, step.stats or {})
         self.examples += step.examples
 
     def reset(self) -> None:
         self.loss.zero_()
-        self.tokens = self.examples = 0
-        self.aux = None
+        self.units = self.tokens = self.examples = 0
+        self.aux = self.stats = None
 
 
 class Finetune:
@@ -217,10 +229,14 @@ class Finetune:
         self.memory_baseline_mb = current_memory_mb(self.accelerator.device)  # what the estimate sits on top of
         lm = self.build_model()
         fit_embeddings_to_tokenizer(lm, self.tokenizer)
-        self.model = self.token_loss = CausalLMTokenLoss(lm, recipe.loss_chunk_tokens, recipe.use_liger_kernel,
-                                                         recipe.router_aux_loss_coef)
+        self.model = self.token_loss = build_loss(recipe, lm, self.accelerator.device)
         self.collator.mark_real_tokens = self.token_loss.aux_coef > 0  # the router loss excludes padding
         self.notes = list(getattr(lm, "hftrain_notes", []))
+        if recipe.objective != "sft":
+            reference = getattr(self.token_loss.reference, "describe", lambda: "none (reference-free)")()
+            self.notes.append(f"objective {recipe.objective}" + (f" ({recipe.loss_type})" * (recipe.objective == "dpo"))
+                              + f", beta {recipe.beta:g}; reference: {reference}; the loss is the mean over the "
+                              "step's pairs")
         if self.token_loss.aux_coef > 0:
             self.notes.append(f"router load-balancing loss added with coefficient {self.token_loss.aux_coef} "
                               "(router_aux_loss_coef; 0 turns it off), logged as aux_loss")
@@ -331,20 +347,22 @@ class Finetune:
         micro_batches = [to_device(next(batches), accelerator.device) for _ in range(accum)]
         timer.lap("data_wait")
         # The loss of an optimizer step is sum(token losses over all micro-batches and data-parallel ranks) divided by
-        # the step's trained tokens over those ranks. Gradients are averaged over the data-parallel ranks
+        # the step's trained tokens over those ranks (for preference objectives: pair losses by the step's pairs,
+        # `loss_units`). Gradients are averaged over the data-parallel ranks
         # (DDP/FSDP/DeepSpeed; a tensor-parallel group computes one gradient together) and the backward divides by
         # `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both. The same collective carries each
         # rank's stop request, so all ranks stop at the same step. All int64: a float32 count would stop being
         # exact above 2**24 tokens per step.
         local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
                              sum(b.pop("num_examples") for b in micro_batches),
+                             sum(self.token_loss.loss_units(b) for b in micro_batches),
                              torch.tensor(int(stop.requested), device=accelerator.device)])
-        step_tokens, step_examples, stop_votes = self.dp.sum(local)
+        step_tokens, step_examples, step_units, stop_votes = self.dp.sum(local)
         if stop_votes > 0:
             with phase(accelerator, "the preemption checkpoint", recipe.ddp_timeout):
                 saved = self.save_checkpoint()
             raise Preempted(stop.name or "a signal on another rank", self.progress.step, str(saved))
-        scale = self.dp.world * accum / step_tokens.clamp(min=1)
+        scale = self.dp.world * accum / step_units.clamp(min=1)
         learning_rate = self.optimizer.param_groups[0]["lr"]
         timer.lap("token_sync")
         loss, grad_norm, updated = optimizer_step(self.backend, self.model, self.optimizer, self.scheduler,
@@ -355,7 +373,8 @@ class Finetune:
         aux = self.token_loss.pop_aux()
         if aux is None and self.token_loss.aux_coef > 0:  # only filler rows here: every rank still sums an aux
             aux = torch.zeros((), device=accelerator.device)
-        return StepResult(loss, int(step_tokens), int(step_examples), grad_norm, updated, learning_rate, aux)
+        return StepResult(loss, int(step_units), int(step_tokens), int(step_examples), grad_norm, updated,
+                          learning_rate, aux, self.token_loss.pop_stats())
 
     def refuse_non_finite_step(self, grad_norm: float) -> None:
         """A step with a NaN/inf gradient norm was not applied: nan_policy skip_step goes on (the step is counted),
@@ -406,11 +425,13 @@ class Finetune:
         """One metrics row for the steps since the last one (loss summed over the data-parallel ranks here)."""
         progress, window = self.progress, self.window
         loss_sum = self.dp.sum(window.loss).item()
-        loss = loss_sum / window.tokens if window.tokens else None
+        loss = loss_sum / window.units if window.units else None
+        stats = {name: value / window.units for name, value in summed_stats(self.dp, window.stats or {}).items()}
         row = {
             "step": progress.step,
             "epoch": round((progress.epoch + progress.step_in_epoch / self.plan.steps_per_epoch), 4),
             "loss": loss,
+            **stats,
             **({"aux_loss": self.dp.sum(window.aux).item() / window.tokens} if window.aux is not None
                and window.tokens else {}),
             "learning_rate": step.learning_rate,
@@ -427,7 +448,8 @@ class Finetune:
         window.reset()
 
     def evaluate(self) -> dict[str, float]:
-        return evaluate(self.accelerator, self.dp, self.model, self.eval_set, self.eval_collator, self.recipe)
+        return evaluate(self.accelerator, self.dp, self.model, self.token_loss, self.eval_set, self.eval_collator,
+                        self.recipe)
 
     def current_run_info(self) -> dict:
         """run_info with what moves during training: device-hours so far and the schedule's state (plain numbers,

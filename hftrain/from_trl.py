@@ -118,6 +118,16 @@ def _model_init_kwargs(value: Any) -> dict[str, Any]:
     return out
 
 
+def _loss_type(value: Any) -> dict[str, Any]:
+    """SFTConfig's loss_type nll is hftrain's sft loss (nothing to set); DPOConfig's values are the recipe's own."""
+    if value == "nll":
+        return {}
+    if value in ("sigmoid", "ipo", "hinge"):
+        return {"loss_type": value}
+    raise ValueError("hftrain's sft loss is the negative log-likelihood (nll) of the trained tokens and its dpo "
+                     "losses are sigmoid, ipo and hinge")
+
+
 # Fields translated into Recipe fields (a function of the value; ValueError names why a value is refused).
 MAPPED: dict[str, Callable[[Any], dict[str, Any]]] = {
     "activation_checkpointing": lambda v: {"gradient_checkpointing": v},
@@ -139,7 +149,7 @@ MAPPED: dict[str, Callable[[Any], dict[str, Any]]] = {
     **dict.fromkeys(("do_train", "do_eval", "do_predict"), lambda v: {}),
     "eval_on_start": _only(False, EVALUATION),
     "label_smoothing_factor": _only(0.0, "hftrain's loss is plain token cross-entropy"),
-    "loss_type": _only("nll", "hftrain's loss is the negative log-likelihood (nll) of the trained tokens"),
+    "loss_type": _loss_type,
     "packing_strategy": _only("bfd", "hftrain packs whole examples best-fit decreasing (bfd) and never splits one "
                                      "across rows"),
     "truncation_mode": _only("keep_start", "hftrain keeps the start (overlong_examples: truncate ends on the last "

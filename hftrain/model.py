@@ -6,6 +6,7 @@ Full fine-tuning, LoRA and QLoRA differ only here (in the builder), never in the
 from __future__ import annotations
 
 import importlib
+import math
 from pathlib import Path
 
 import torch
@@ -379,6 +380,20 @@ class CausalLMTokenLoss(nn.Module):
             self.aux_sum = aux.detach() + (0 if self.aux_sum is None else self.aux_sum)
             loss = loss + self.aux_coef * aux
         return loss
+
+    unit = "tokens"  # what the summed loss is normalised by: the step's trained tokens
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Trained tokens of a micro-batch (labels are shifted by the loss)."""
+        return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+    def pop_stats(self) -> dict[str, torch.Tensor]:
+        """Per-unit statistics summed since the last call; the token loss has none besides its sum."""
+        return {}
+
+    def eval_metrics(self, loss_sum: float, units: int, stats: dict[str, float]) -> dict[str, float]:
+        loss = loss_sum / max(units, 1)
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(units)}
 
     def pop_aux(self) -> torch.Tensor | None:
         """The detached sum of aux loss x trained tokens since the last call (None without a router loss)."""

@@ -8,6 +8,8 @@ text.jsonl              {"text": ...}: short documents for plain causal-LM train
 prompt_completion.jsonl {"prompt": ..., "completion": ...}
 alpaca.jsonl            {"instruction": ..., "input": ..., "output": ...} (input often empty)
 sharegpt.jsonl          {"conversations": [{"from": human|gpt|system, "value": ...}...]}
+preference.jsonl        {"prompt": [messages], "chosen": [assistant], "rejected": [assistant]}: the right answer
+                        against a plausible wrong one (another sum, capital, spelling or count)
 
 The content is synthetic but regular (arithmetic, capitals, word games), so a tiny
 random model visibly learns it within a few dozen steps on CPU.
@@ -96,6 +98,34 @@ def sharegpt_example(rng: random.Random) -> dict:
     return {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in chat]}
 
 
+def wrong_answer(rng: random.Random, question: str) -> str:
+    """A wrong answer of the same shape as the right one."""
+    if question.startswith("What is the capital"):
+        country = question.removeprefix("What is the capital of ").rstrip("?")
+        city = rng.choice(sorted(set(CAPITALS.values()) - {CAPITALS[country]}))
+        return f"The capital of {country} is {city}."
+    if question.startswith("What is"):
+        a, b = (int(x) for x in question.removeprefix("What is ").rstrip("?").split(" + "))
+        return f"{a} + {b} = {a + b + rng.choice([-2, -1, 1, 2])}."
+    if question.startswith("Spell"):
+        word = question.split()[1]
+        letters = list(word[::-1])
+        i = rng.randrange(len(letters) - 1)
+        letters[i], letters[i + 1] = letters[i + 1], letters[i]
+        wrong = "".join(letters) if "".join(letters) != word[::-1] else word
+        return f"{word} backwards is {wrong}."
+    word = question.split()[-1].rstrip("?")
+    return f"{word} has {len(word) + rng.choice([-1, 1, 2])} letters."
+
+
+def preference_example(rng: random.Random) -> dict:
+    question, answer = qa_pair(rng)
+    prompt = ([{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.3 else []) + \
+        [{"role": "user", "content": question}]
+    return {"prompt": prompt, "chosen": [{"role": "assistant", "content": answer}],
+            "rejected": [{"role": "assistant", "content": wrong_answer(rng, question)}]}
+
+
 def write(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
@@ -115,6 +145,8 @@ def main(out_dir: str = "data") -> None:
     write(out / "prompt_completion.jsonl", [prompt_completion_example(special) for _ in range(300)])
     write(out / "alpaca.jsonl", [alpaca_example(special) for _ in range(300)])
     write(out / "sharegpt.jsonl", [sharegpt_example(special) for _ in range(300)])
+    pairs = random.Random(7)  # its own stream: adding it changed none of the files above
+    write(out / "preference.jsonl", [preference_example(pairs) for _ in range(400)])
 
 
 if __name__ == "__main__":

@@ -143,7 +143,8 @@ def eval_micro_batches(num_examples: int, micro_batch: int, world: int, rank: in
 class Collator:
     """Right-pads a micro-batch of rows; an empty micro-batch becomes one fully masked row.
 
-    `num_examples` (real examples in the batch, for throughput) is popped by the loop before the
+    `num_examples` (real examples in the batch, for throughput; pairs for preference data, whose b pairs become
+    2b rows: chosen rows first, then rejected rows in the same order) is popped by the loop before the
     forward. No attention mask is needed: with right padding a causal model never lets a real token attend
     to a pad, so real positions are exact and pad labels are -100. Packed rows carry position_ids
     restarting at 0 for each example; with no attention mask transformers turns them into a
@@ -157,17 +158,21 @@ class Collator:
         self.rows = rows
         self.packed = packed
         self.mark_real_tokens = False  # add `real_tokens` (not padding): a mixture-of-experts router loss needs it
+        # preference pairs: b pairs collate to 2b rows, the b chosen rows then the b rejected rows (one forward)
+        self.paired = "rejected_input_ids" in dataset.column_names
 
     def __call__(self, row_indices: list[int]) -> dict[str, torch.Tensor]:
         groups = [self.rows[r] for r in row_indices] if self.rows is not None else [[r] for r in row_indices]
         flat = [i for group in groups for i in group]
-        fetched = self.dataset[flat] if flat else {"input_ids": [], "labels": []}
-        ids_iter, labels_iter = iter(fetched["input_ids"]), iter(fetched["labels"])
-        rows = []
-        for group in groups or [[]]:
-            parts = [(next(ids_iter), next(labels_iter)) for _ in group] or [([self.pad_token_id], [IGNORE_INDEX])]
-            rows.append(parts)
-        group_sizes = [len(group) for group in groups or [[]]]  # 0: the filler row of an empty micro-batch
+        sides = [("input_ids", "labels")] + ([("rejected_input_ids", "rejected_labels")] if self.paired else [])
+        fetched = self.dataset[flat] if flat else {key: [] for side in sides for key in side}
+        filler = [([self.pad_token_id], [IGNORE_INDEX])]
+        rows, group_sizes = [], []
+        for ids_key, labels_key in sides:
+            ids_iter, labels_iter = iter(fetched[ids_key]), iter(fetched[labels_key])
+            for group in groups or [[]]:
+                rows.append([(next(ids_iter), next(labels_iter)) for _ in group] or filler)
+                group_sizes.append(len(group))  # 0: the filler row of an empty micro-batch
         width = max(sum(len(ids) for ids, _ in parts) for parts in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         labels = torch.full_like(input_ids, IGNORE_INDEX)

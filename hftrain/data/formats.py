@@ -7,6 +7,10 @@
 | alpaca            | `instruction`, `output`, optional `input`, `system`| messages            |
 | messages          | `messages` (dataset_messages_field): [{role, content}] | messages        |
 | sharegpt          | `conversations`: [{from, value}] (human/gpt/system) | messages           |
+| preference        | `chosen`, `rejected`, optional `prompt` (strings or message lists) | prompt + chosen + rejected |
+
+Preference pairs with an explicit prompt have a `prompt` column; conversational pairs may instead hold two whole
+conversations whose shared leading messages are the prompt (TRL's implicit prompt).
 
 Every example is checked before it is tokenized; a bad one raises HftrainError naming the example.
 """
@@ -24,12 +28,13 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 def required_columns(fmt: str, text_field: str, messages_field: str) -> tuple[str, ...]:
     return {"text": (text_field,), "prompt_completion": ("prompt", "completion"),
             "alpaca": ("instruction", "output"), "messages": (messages_field,),
-            "sharegpt": ("conversations",)}[fmt]
+            "sharegpt": ("conversations",), "preference": ("chosen", "rejected")}[fmt]
 
 
 def detect_format(columns: list[str], explicit: str, text_field: str, messages_field: str, name: str) -> str:
     """The format named by `explicit`, or the first whose columns are all present (most specific first)."""
-    order = [explicit] if explicit != "auto" else ["messages", "sharegpt", "prompt_completion", "alpaca", "text"]
+    order = [explicit] if explicit != "auto" else ["preference", "messages", "sharegpt", "prompt_completion", "alpaca",
+                                                   "text"]
     for fmt in order:
         if all(c in columns for c in required_columns(fmt, text_field, messages_field)):
             return fmt
@@ -80,8 +85,45 @@ def _alpaca_to_messages(example: dict) -> list[dict]:
     return messages + [{"role": "user", "content": user}, {"role": "assistant", "content": example["output"]}]
 
 
+def _shared_prefix(chosen: list[dict], rejected: list[dict]) -> int:
+    """Leading messages both conversations share (TRL's implicit prompt)."""
+    return next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+
+
+def preference_to_canonical(example: dict, where: str) -> dict:
+    """{"prompt": str|messages, "chosen": same kind, "rejected": same kind}. An identical pair is kept (the
+    tokenizer drops and counts it); an empty completion or a pair of mixed kinds is refused."""
+    chosen, rejected, prompt = example["chosen"], example["rejected"], example.get("prompt")
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if not isinstance(prompt, str):
+            raise HftrainError(f"{where}: string pairs need a prompt column (a string): hftrain does not guess where "
+                               "the prompt ends in plain text; conversational pairs may leave it out")
+        if not chosen or not rejected:
+            raise HftrainError(f"{where}: the {'chosen' if not chosen else 'rejected'} completion is empty")
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        raise HftrainError(f"{where}: chosen and rejected must both be strings or both be message lists")
+    if prompt is None:  # implicit prompt: the shared leading messages
+        shared = _shared_prefix(chosen, rejected)
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    if not isinstance(prompt, list) or not prompt:
+        raise HftrainError(f"{where}: a conversational pair needs a prompt of at least one message (a prompt column "
+                           "of messages, or conversations that share their first messages)")
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        if completion:
+            check_messages(prompt + completion, f"{where} ({name})")
+            if completion[0]["role"] != "assistant":
+                raise HftrainError(f"{where}: the {name} completion starts with a {completion[0]['role']} message; "
+                                   "a completion is the assistant's answer to the prompt")
+    return {"prompt": check_messages(prompt + [{"role": "assistant", "content": ""}], where)[:-1],
+            "chosen": chosen, "rejected": rejected}
+
+
 def to_canonical(example: dict, fmt: str, text_field: str, messages_field: str, where: str) -> dict:
-    """One of {"text": str}, {"prompt": str|messages, "completion": str|messages}, {"messages": messages}."""
+    """One of {"text": str}, {"prompt": str|messages, "completion": str|messages}, {"messages": messages}, or a
+    preference pair {"prompt", "chosen", "rejected"}."""
+    if fmt == "preference":
+        return preference_to_canonical(example, where)
     if fmt == "text":
         text = example[text_field]
         if not isinstance(text, str) or not text:

@@ -68,8 +68,18 @@ def _sources(recipe: Recipe) -> list[DatasetSource]:
                           recipe.dataset_format, recipe.dataset_columns)]
 
 
+def _check_objective(recipe: Recipe, fmt: str, name: str) -> None:
+    """Preference pairs train dpo/simpo, everything else sft."""
+    if (fmt == "preference") != (recipe.objective != "sft"):
+        wanted = "preference pairs (chosen, rejected, optional prompt)" if recipe.objective != "sft" else \
+            "SFT data (a preference dataset needs objective: dpo or simpo)"
+        raise HftrainError(f"dataset {name!r} has format {fmt} but objective={recipe.objective} trains on {wanted}")
+
+
 def _is_chat(fmt: str, raw) -> bool:
-    return fmt in CHAT_FORMATS or (fmt == "prompt_completion" and len(raw) > 0 and isinstance(raw[0]["prompt"], list))
+    first = "chosen" if fmt == "preference" else "prompt"
+    return fmt in CHAT_FORMATS or (fmt in ("prompt_completion", "preference") and len(raw) > 0
+                                   and isinstance(raw[0][first], list))
 
 
 def load_datasets(recipe: Recipe, tokenizer):
@@ -85,6 +95,7 @@ def load_datasets(recipe: Recipe, tokenizer):
         if not len(raw):
             raise HftrainError(f"dataset {source.name!r} split {source.split!r} is empty")
         fmt = detect_format(raw.column_names, source.format, spec.text_field, spec.messages_field, source.name)
+        _check_objective(recipe, fmt, source.name)
         loaded.append((source, raw, fmt))
     eval_raw = None
     if recipe.eval_dataset_name:
@@ -92,6 +103,7 @@ def load_datasets(recipe: Recipe, tokenizer):
                             recipe.dataset_columns, recipe.eval_dataset_name)
         eval_fmt = detect_format(eval_raw.column_names, recipe.dataset_format, spec.text_field, spec.messages_field,
                                  recipe.eval_dataset_name)
+        _check_objective(recipe, eval_fmt, recipe.eval_dataset_name)
     needs_chat = any(_is_chat(fmt, raw) for _, raw, fmt in loaded) or (eval_raw is not None and
                                                                         _is_chat(eval_fmt, eval_raw))
     template_note = prepare_chat_template(tokenizer, recipe.chat_template_path, needs_chat)

@@ -24,7 +24,7 @@ import hashlib
 import inspect
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hftrain.data.formats import to_canonical
@@ -54,11 +54,14 @@ class DataSpec:
     max_length: int
     overlong_examples: str
     train_on_turns: str = "all"
+    max_prompt_length: int | None = None  # preference pairs only
+    max_completion_length: int | None = None
 
     @classmethod
     def from_recipe(cls, recipe) -> DataSpec:
         return cls(recipe.dataset_text_field, recipe.dataset_messages_field, recipe.assistant_only_loss,
-                   recipe.completion_only_loss, recipe.max_length, recipe.overlong_examples, recipe.train_on_turns)
+                   recipe.completion_only_loss, recipe.max_length, recipe.overlong_examples, recipe.train_on_turns,
+                   recipe.max_prompt_length, recipe.max_completion_length)
 
 
 def prepare_chat_template(tokenizer, chat_template_path: str | None, needs_chat: bool) -> str | None:
@@ -285,6 +288,76 @@ def tokenize_example(example: dict, index: int, tokenizer, spec: DataSpec, fmt: 
     return row
 
 
+PAIR_COLUMNS = ("input_ids", "labels", "rejected_input_ids", "rejected_labels", "num_trained", "num_tokens",
+                "num_truncated", "dropped", "method", "extra_tokens")
+
+
+def _pair_side(ids: list[int], trained: list[bool], spec: DataSpec) -> tuple[list[int], list[int], int, str]:
+    """(input_ids, labels, prompt tokens, dropped reason) of one completion after the pair truncation policy:
+    the prompt keeps its last max_prompt_length tokens, the completion its first max_completion_length, then
+    prompt + completion is cut to max_length from the end (or dropped with overlong_examples=drop)."""
+    prompt = trained.index(True) if True in trained else len(ids)
+    if spec.max_prompt_length is not None and prompt > spec.max_prompt_length:
+        cut = prompt - spec.max_prompt_length
+        ids, trained, prompt = ids[cut:], trained[cut:], spec.max_prompt_length
+    if spec.max_completion_length is not None:
+        ids, trained = ids[:prompt + spec.max_completion_length], trained[:prompt + spec.max_completion_length]
+    dropped = ""
+    if len(ids) > spec.max_length:
+        if spec.overlong_examples == "drop" or prompt >= spec.max_length:
+            dropped = "overlong"
+        ids, trained = ids[:spec.max_length], trained[:spec.max_length]
+    labels = [tok if keep else IGNORE_INDEX for tok, keep in zip(ids, trained)]
+    labels[0] = IGNORE_INDEX
+    if not dropped and all(label == IGNORE_INDEX for label in labels):
+        dropped = "no_trained_tokens"
+    return ids, labels, prompt, dropped
+
+
+def tokenize_pair(example: dict, index: int, tokenizer, spec: DataSpec, name: str) -> dict:
+    """One preference pair as two rows that share the prompt: chosen (input_ids, labels) and rejected
+    (rejected_input_ids, rejected_labels), each completion's tokens located as SFT completions are.
+
+    A template that renders the prompt differently before the two completions is refused; an identical pair, one
+    without a completion token or one whose prompt fills max_length is dropped (and counted).
+    """
+    where = f"{name} example {index}"
+    pair = to_canonical(example, "preference", spec.text_field, spec.messages_field, where)
+    completion_spec = replace(spec, completion_only_loss=True, assistant_only_loss=True, train_on_turns="all")
+    sides, methods, lengths = [], [], []
+    for key in ("chosen", "rejected"):
+        if not pair[key]:  # an implicit-prompt conversation with nothing after the shared messages
+            sides.append(([tokenizer.eos_token_id or 0], [IGNORE_INDEX], 1, "no_trained_tokens"))
+            lengths.append(1)
+            continue
+        method, encodings = encode({"prompt": pair["prompt"], "completion": pair[key]}, tokenizer, completion_spec)
+        if len(encodings) != 1:
+            raise HftrainError(f"{where}: the {key} completion has several assistant turns that the chat template "
+                               "renders differently once followed by another turn; give one-turn completions")
+        ids, trained, _ = encodings[0]
+        methods.append(method)
+        lengths.append(len(ids))
+        sides.append(_pair_side(ids, trained, spec))
+    (c_ids, c_labels, c_prompt, c_drop), (r_ids, r_labels, r_prompt, r_drop) = sides
+    if not (c_drop or r_drop) and c_ids[:c_prompt] != r_ids[:r_prompt]:
+        raise HftrainError(
+            f"{where}: the prompt tokens differ between the chosen and the rejected rendering (the chat template "
+            "or the tokenizer changes the prompt depending on the answer), so the pair would not compare two answers "
+            "to one prompt; fix the template (chat_template_path) or the data"
+        )
+    dropped = c_drop or r_drop or ("identical" if c_ids == r_ids else "")
+    return {"input_ids": c_ids, "labels": c_labels, "rejected_input_ids": r_ids, "rejected_labels": r_labels,
+            "num_trained": sum(x != IGNORE_INDEX for x in c_labels + r_labels), "num_tokens": max(lengths),
+            "num_truncated": 0 if dropped else sum(lengths) - len(c_ids) - len(r_ids), "dropped": dropped,
+            "method": methods[0] if methods else "", "extra_tokens": 0}
+
+
+def _tokenize_pairs_batch(batch: dict, indices: list[int], tokenizer, spec: DataSpec, fmt: str, name: str) -> dict:
+    rows = [tokenize_pair(dict(zip(batch, values)), i, tokenizer, spec, name)
+            for values, i in zip(zip(*batch.values()), indices)]
+    return {key: [row[key] for row in rows] for key in PAIR_COLUMNS}
+
+
 def _tokenize_batch(batch: dict, indices: list[int], **kwargs) -> dict:
     examples = [dict(zip(batch, values)) for values in zip(*batch.values())]
     rows = [row for example, i in zip(examples, indices) for row in tokenize_rows(example, i, **kwargs)]
@@ -296,15 +369,17 @@ def _fingerprint(raw, tokenizer, spec: DataSpec, fmt: str) -> str:
     backend = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer)
     parts = [raw._fingerprint, backend, str(tokenizer.chat_template), str(tokenizer.all_special_tokens),
              json.dumps(asdict(spec), sort_keys=True), fmt, inspect.getsource(inspect.getmodule(_fingerprint)),
-             inspect.getsource(to_canonical)]
+             inspect.getsource(inspect.getmodule(to_canonical))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
 def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_proc: int | None = None):
     """(tokenized examples that have trained tokens, statistics). Cached by `datasets` under a content key."""
     key = _fingerprint(raw, tokenizer, spec, fmt)
+    pairs = fmt == "preference"
     tokenized = raw.map(
-        _tokenize_batch, batched=True, with_indices=True, remove_columns=raw.column_names, num_proc=num_proc,
+        _tokenize_pairs_batch if pairs else _tokenize_batch, batched=True, with_indices=True,
+        remove_columns=raw.column_names, num_proc=num_proc,
         fn_kwargs={"tokenizer": tokenizer, "spec": spec, "fmt": fmt, "name": name},
         new_fingerprint=key, desc=f"tokenizing {name}",
     )
@@ -316,9 +391,11 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
         "examples": len(kept),
         "dropped_overlong": dropped.count("overlong"),
         "dropped_untrainable": dropped.count("no_trained_tokens"),
+        **({"dropped_identical": dropped.count("identical")} if pairs else {}),
         "truncated_examples": sum(n > 0 for n in tokenized["num_truncated"]),
         "truncated_tokens": int(sum(tokenized["num_truncated"])),
-        "tokens": int(sum(len(ids) for ids in kept["input_ids"])),
+        "tokens": int(sum(len(ids) for ids in kept["input_ids"])) + (
+            int(sum(len(ids) for ids in kept["rejected_input_ids"])) if pairs else 0),
         "trained_tokens": int(sum(kept["num_trained"])),
         "mask_methods": {m: n for m in sorted(set(tokenized["method"]) - {""}) if (n := tokenized["method"].count(m))},
         "expansion_extra_tokens": int(sum(tokenized["extra_tokens"])),
@@ -330,4 +407,5 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
             "fully masked); check that assistant turns / completions exist and that the chat template marks them, "
             "or raise max_length"
         )
-    return kept.select_columns(["input_ids", "labels"]), stats
+    columns = ["input_ids", "labels"] + (["rejected_input_ids", "rejected_labels"] if pairs else [])
+    return kept.select_columns(columns), stats

@@ -1,0 +1,179 @@
+"""What the loop minimises: the loss builders (recipe `objective`).
+
+- `sft`: `model.CausalLMTokenLoss`, the summed cross-entropy of the trained tokens; the loop divides by the
+  step's trained tokens.
+- `dpo` / `simpo`: `PreferenceLoss`, the summed loss of preference pairs; the loop divides by the step's pairs.
+
+Every loss module returns a *sum* and says what it sums over (`loss_units(batch)`): the loop adds those units
+over all micro-batches and data-parallel ranks of the optimizer step and divides once, so k micro-batches of b,
+k ranks of b and one batch of k*b give the same update (TRL averages per micro-batch instead).
+
+Preference micro-batches hold b pairs as 2b rows, the b chosen rows then the b rejected rows (`data.Collator`),
+run in one forward. A row's log-probability is the sum of its completion tokens' log-probs (the prompt and padding
+are masked as SFT masks them). The reference model is chosen by `build_reference`: the base with the adapters
+disabled for LoRA/QLoRA (no second copy), a frozen copy for full fine-tuning, none for simpo.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hftrain.config import Recipe
+from hftrain.data import IGNORE_INDEX
+from hftrain.errors import HftrainError
+from hftrain.model import HEAD_ONLY_MODEL_TYPES, CausalLMTokenLoss
+
+# per-pair statistics summed over a window and divided by its pairs when logged (TRL's metric names)
+PAIR_STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+              "logps/rejected")
+
+
+def sequence_log_probs(lm: nn.Module, head_only: bool, input_ids: torch.Tensor,
+                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-prob of each row's trained tokens, trained tokens per row), in fp32. For the architectures whose
+    logits are lm_head(hidden) the head runs on trained positions only."""
+    targets = labels[:, 1:]
+    trained = targets != IGNORE_INDEX
+    inputs = {"input_ids": input_ids, "use_cache": False}
+    if head_only:
+        hidden = lm.get_decoder()(**inputs).last_hidden_state[:, :-1][trained]
+        logits = lm.get_output_embeddings()(hidden)
+    else:
+        logits = lm(**inputs).logits[:, :-1][trained]
+    token_logps = -F.cross_entropy(logits.float(), targets[trained], reduction="none")
+    rows = trained.nonzero()[:, 0]
+    logps = torch.zeros(len(input_ids), dtype=token_logps.dtype, device=input_ids.device).index_add(0, rows,
+                                                                                                    token_logps)
+    return logps, trained.sum(dim=1)
+
+
+class AdapterReference:
+    """The reference of a LoRA/QLoRA policy: the same model with its adapters disabled (no second copy)."""
+
+    def __init__(self, lm: nn.Module, head_only: bool):
+        self.lm, self.head_only = lm, head_only
+
+    def describe(self) -> str:
+        return "the base model with the adapters disabled (no second copy in memory)"
+
+    @torch.no_grad()
+    def log_probs(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self.lm.disable_adapter():
+            return sequence_log_probs(self.lm, self.head_only, input_ids, labels)[0]
+
+
+class FrozenReference:
+    """The reference of a fully fine-tuned policy: a frozen copy of the starting model, kept off the module tree (not
+    in the state dict, the optimizer or the DDP wrapper); a resumed run copies the rebuilt starting model again."""
+
+    def __init__(self, lm: nn.Module, head_only: bool, device: torch.device):
+        self.lm, self.head_only = lm.to(device).eval().requires_grad_(False), head_only
+        self.bytes = sum(p.numel() * p.element_size() for p in self.lm.parameters())
+
+    def describe(self) -> str:
+        return f"a frozen copy of the starting model (+{self.bytes / 2**30:.3f} GiB per device)"
+
+    @torch.no_grad()
+    def log_probs(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return sequence_log_probs(self.lm, self.head_only, input_ids, labels)[0]
+
+
+def pair_losses(recipe: Recipe, chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor,
+                rejected_len: torch.Tensor, ref_chosen: torch.Tensor | None, ref_rejected: torch.Tensor | None):
+    """(loss, chosen reward, rejected reward) per pair, from summed log-probs and completion lengths.
+
+    dpo: log-ratios r = log pi - log ref; sigmoid -(1-e) log s(b d) - e log s(-b d) with d = r_c - r_r (e =
+    label_smoothing), hinge relu(1 - b d), ipo (r_c/len_c - r_r/len_r - 1/(2b))^2; rewards b r.
+    simpo: d = log pi_c/len_c - log pi_r/len_r - gamma/b, the sigmoid loss of d; rewards b log pi/len.
+    """
+    beta, eps = recipe.beta, recipe.label_smoothing
+    if recipe.objective == "simpo":
+        chosen_avg, rejected_avg = chosen / chosen_len.clamp(min=1), rejected / rejected_len.clamp(min=1)
+        delta = chosen_avg - rejected_avg - recipe.simpo_gamma / beta
+        loss = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
+        return loss, beta * chosen_avg, beta * rejected_avg
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    delta = chosen_ratio - rejected_ratio
+    if recipe.loss_type == "sigmoid":
+        loss = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
+    elif recipe.loss_type == "hinge":
+        loss = torch.relu(1 - beta * delta)
+    else:  # ipo, normalised per completion token as TRL (and the IPO authors' results) do
+        per_token = chosen_ratio / chosen_len.clamp(min=1) - rejected_ratio / rejected_len.clamp(min=1)
+        loss = (per_token - 1 / (2 * beta)) ** 2
+    return loss, beta * chosen_ratio, beta * rejected_ratio
+
+
+class PreferenceLoss(CausalLMTokenLoss):
+    """Wraps a causal LM so that `forward` returns the *sum* of the micro-batch's pair losses (dpo or simpo).
+
+    Padding pairs (the filler of an empty micro-batch) have no trained token and count neither in the loss nor in
+    `loss_units`. The per-pair statistics of PAIR_STATS are summed (detached) until `pop_stats`.
+    """
+
+    unit = "pairs"
+
+    def __init__(self, lm: nn.Module, recipe: Recipe, reference: AdapterReference | FrozenReference | None):
+        super().__init__(lm, router_aux_loss_coef=recipe.router_aux_loss_coef)
+        if self.aux_coef > 0:
+            raise HftrainError(
+                f"objective={recipe.objective} on a mixture-of-experts model: the router load-balancing loss is "
+                f"not defined per pair in hftrain yet; set router_aux_loss_coef: 0 (the model's config has "
+                f"{self.aux_coef})"
+            )
+        self.recipe = recipe
+        self.reference = reference  # a plain object: its model stays out of this module's parameters
+        self.stats = None
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Real pairs in the micro-batch: chosen rows with a trained token."""
+        chosen = batch["labels"][: len(batch["labels"]) // 2, 1:]
+        return (chosen != IGNORE_INDEX).any(dim=1).sum()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        logps, lengths = sequence_log_probs(self.lm, self.head_only, input_ids, labels)
+        ref = self.reference.log_probs(input_ids, labels) if self.reference is not None else None
+        half = len(input_ids) // 2
+        chosen, rejected = logps[:half], logps[half:]
+        ref_chosen, ref_rejected = (ref[:half], ref[half:]) if ref is not None else (None, None)
+        losses, chosen_reward, rejected_reward = pair_losses(self.recipe, chosen, rejected, lengths[:half],
+                                                             lengths[half:], ref_chosen, ref_rejected)
+        real = (lengths[:half] > 0).to(losses.dtype)
+        with torch.no_grad():
+            stats = torch.stack([chosen_reward, rejected_reward, (chosen_reward > rejected_reward).to(losses.dtype),
+                                 chosen_reward - rejected_reward, chosen, rejected]) @ real
+            self.stats = stats if self.stats is None else self.stats + stats
+        return (losses * real).sum()
+
+    def pop_stats(self) -> dict[str, torch.Tensor]:
+        """Sums of PAIR_STATS over the pairs since the last call (detached, this rank)."""
+        stats, self.stats = self.stats, None
+        return {} if stats is None else dict(zip(PAIR_STATS, stats.double()))
+
+    def eval_metrics(self, loss_sum: float, units: int, stats: dict[str, float]) -> dict[str, float]:
+        return {"eval_loss": loss_sum / max(units, 1), "eval_pairs": int(units),
+                **{f"eval_{name}": value / max(units, 1) for name, value in stats.items()}}
+
+
+def build_reference(recipe: Recipe, lm: nn.Module, device: torch.device):
+    """The reference model a preference objective compares with: none for simpo, the adapter-free base for a peft
+    model, else a frozen copy of the built model (taken before any training or checkpoint loading, so a resumed run
+    compares with the same starting model)."""
+    head_only = lm.config.model_type in HEAD_ONLY_MODEL_TYPES
+    if recipe.objective == "simpo":
+        return None
+    if hasattr(lm, "disable_adapter"):
+        return AdapterReference(lm, head_only)
+    return FrozenReference(copy.deepcopy(lm), head_only, device)
+
+
+def build_loss(recipe: Recipe, lm: nn.Module, device: torch.device) -> CausalLMTokenLoss:
+    """The loss module of the recipe's objective around the built model."""
+    if recipe.objective == "sft":
+        return CausalLMTokenLoss(lm, recipe.loss_chunk_tokens, recipe.use_liger_kernel, recipe.router_aux_loss_coef)
+    return PreferenceLoss(lm, recipe, build_reference(recipe, lm, device))
