@@ -111,10 +111,11 @@ def preference_to_canonical(example: dict, where: str) -> dict:
                            "of messages, or conversations that share their first messages)")
     for name, completion in (("chosen", chosen), ("rejected", rejected)):
         if completion:
+            if not isinstance(completion[0], dict) or completion[0].get("role") != "assistant":
+                role = completion[0].get("role") if isinstance(completion[0], dict) else completion[0]
+                raise HftrainError(f"{where}: the {name} completion starts with a {role} message; a completion is "
+                                   "the assistant's answer to the prompt")
             check_messages(prompt + completion, f"{where} ({name})")
-            if completion[0]["role"] != "assistant":
-                raise HftrainError(f"{where}: the {name} completion starts with a {completion[0]['role']} message; "
-                                   "a completion is the assistant's answer to the prompt")
     return {"prompt": check_messages(prompt + [{"role": "assistant", "content": ""}], where)[:-1],
             "chosen": chosen, "rejected": rejected}
 
