@@ -3,14 +3,17 @@ micro-batches and processes, and a resumed LoRA run continues exactly."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, launch, run_script
+from tests.conftest import REPO, launch, launch_env, run_script
 
 pytestmark = pytest.mark.launch
 TINY_DPO = ["--config", str(REPO / "recipes" / "tiny-dpo.yaml")]
@@ -79,3 +82,20 @@ def test_lora_dpo_resumes_exactly(tmp_path):
             assert row[key] == pytest.approx(uninterrupted[step][key], rel=1e-5, abs=1e-7), (step, key)
     for name, value in load_file(out / "final" / "adapter_model.safetensors").items():
         torch.testing.assert_close(value, adapter[name], rtol=1e-5, atol=1e-7)
+
+
+def test_equal_to_trl_dpo_trainer(tmp_path):
+    """scripts/compare_trl_dpo.py: TRL 1.16's DPOTrainer and hftrain on the same pairs, order and hyperparameters,
+    sigmoid and ipo, full and LoRA: per-step loss, rewards and log-probs within 1e-4 relative."""
+    results = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_dpo.py"), "--out", str(tmp_path),
+                           "--json", str(results)], capture_output=True, text=True, cwd=REPO, env=launch_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compared = json.loads(results.read_text())
+    assert sorted(compared) == ["ipo full", "ipo lora", "sigmoid full", "sigmoid lora"]
+    for name, runs in compared.items():
+        assert len(runs["trl"]) == len(runs["hftrain"]) == 3, name
+        assert runs["trl"][-1]["rewards/margins"] != 0  # both moved away from the reference
+        for step, (theirs, ours) in enumerate(zip(runs["trl"], runs["hftrain"]), 1):
+            for key, value in ours.items():
+                assert value == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (name, step, key)
