@@ -91,11 +91,15 @@ def preview(argv: list[str] | None = None) -> None:
     tokenizer = build_tokenizer(recipe)
     train, evaluation, stats = load_datasets(recipe, tokenizer)
     color = sys.stdout.isatty()
+    sides = [("", "input_ids", "labels")]
+    if "rejected_input_ids" in train.column_names:  # preference pairs: both completions, trained tokens marked
+        sides = [(" chosen", "input_ids", "labels"), (" rejected", "rejected_input_ids", "rejected_labels")]
     for i in range(min(args.show, len(train))):
         row = train[i]
-        print(f"--- example {i} ({len(row['input_ids'])} tokens, "
-              f"{sum(lbl != IGNORE_INDEX for lbl in row['labels'])} trained)")
-        print(marked_text(tokenizer, row["input_ids"], row["labels"], color))
+        for name, ids_key, labels_key in sides:
+            print(f"--- example {i}{name} ({len(row[ids_key])} tokens, "
+                  f"{sum(lbl != IGNORE_INDEX for lbl in row[labels_key])} trained)")
+            print(marked_text(tokenizer, row[ids_key], row[labels_key], color))
     print("--- statistics")
     if stats["chat_template"]:
         print(f"  note: {stats['chat_template']}")
@@ -103,7 +107,9 @@ def preview(argv: list[str] | None = None) -> None:
         share = source["trained_tokens"] / max(source["tokens"], 1)
         print(f"  {source['name']} (weight {source['weight']}, format {source['format']}): {source['examples']} "
               f"examples kept, {source['dropped_overlong']} dropped as over-long, {source['dropped_untrainable']} "
-              f"dropped with no trained token, {source['truncated_examples']} truncated "
+              f"dropped with no trained token, "
+              + (f"{source['dropped_identical']} identical pairs dropped, " if "dropped_identical" in source else "")
+              + f"{source['truncated_examples']} truncated "
               f"({source['truncated_tokens']} tokens cut), {source['trained_tokens']} trained of "
               f"{source['tokens']} tokens ({share:.1%})")
     print(f"  training examples: {stats['train_examples']}, eval examples: {stats['eval_examples']}")

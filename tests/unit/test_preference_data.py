@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer
@@ -151,3 +155,19 @@ def test_collator_puts_chosen_rows_then_rejected_rows():
     assert batch["labels"][:, 0].tolist() == [IGNORE_INDEX] * 4 and int(batch["num_examples"]) == 2
     empty = Collator(rows, pad_token_id=0)([])
     assert empty["input_ids"].shape == (2, 1) and (empty["labels"] == IGNORE_INDEX).all()
+
+
+def test_preview_shows_both_completions_of_a_pair(tmp_path):
+    dump = tmp_path / "rows.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "hftrain.data", "--config", str(REPO / "recipes" / "tiny-dpo.yaml"),
+                           "--show", "1", "--dump", "16", str(dump)], capture_output=True, text=True, cwd=REPO,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert "--- example 0 chosen" in proc.stdout and "--- example 0 rejected" in proc.stdout
+    assert "0 identical pairs dropped" in proc.stdout
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    # one micro-batch of 8 pairs: 8 chosen rows, then the 8 rejected rows of the same pairs (shared prompt tokens)
+    for chosen, rejected in zip(rows[:8], rows[8:]):
+        prompt = next(i for i, label in enumerate(chosen["labels"]) if label != IGNORE_INDEX)
+        assert chosen["input_ids"][:prompt] == rejected["input_ids"][:prompt]
+        assert chosen["input_ids"] != rejected["input_ids"]
