@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, launch, launch_env, run_script
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, launch, launch_env, run_script
 
 pytestmark = pytest.mark.launch
 TINY_DPO = ["--config", str(REPO / "recipes" / "tiny-dpo.yaml")]
@@ -99,3 +99,28 @@ def test_equal_to_trl_dpo_trainer(tmp_path):
         for step, (theirs, ours) in enumerate(zip(runs["trl"], runs["hftrain"]), 1):
             for key, value in ours.items():
                 assert value == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (name, step, key)
+
+
+@pytest.fixture(scope="module")
+def lora_one_process(tmp_path_factory):
+    return run_script(tmp_path_factory.mktemp("lora-one") / "out", *LORA_DPO, "--per_device_train_batch_size", "4")
+
+
+LORA_DPO = [*EXACT, "--use_peft", "true", "--lora_dropout", "0"]
+
+
+@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
+def test_lora_dpo_under_sharded_presets_equals_one_process(tmp_path, lora_one_process, preset):
+    """LoRA dpo with the reference computed by disabling the adapters of the sharded model (ZeRO-3 partitions,
+    FSDP2 shards): 2 processes x 2 pairs = 1 process x 4 pairs, losses, rewards and the saved adapter."""
+    script = FSDP_LAUNCHER if preset == "fsdp2" else ENTRY
+    run = launch(tmp_path / "out", *LORA_DPO, "--per_device_train_batch_size", "2", preset=preset, processes=2,
+                 script=script)
+    for key in COMPARED:
+        torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
+                                   torch.tensor([r[key] for r in lora_one_process.train_rows()]), rtol=1e-4,
+                                   atol=1e-6, msg=key)
+    assert lora_one_process.train_rows()[-1]["rewards/margins"] > 0
+    adapter = load_file(lora_one_process.output_dir / "final" / "adapter_model.safetensors")
+    for name, value in load_file(run.output_dir / "final" / "adapter_model.safetensors").items():
+        torch.testing.assert_close(value, adapter[name], rtol=1e-4, atol=1e-5, msg=name)
