@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from safetensors.torch import load_file, save_file
+
 from hftrain.errors import HftrainError
 
 if TYPE_CHECKING:  # annotations only: config imports the file names below
@@ -50,6 +52,7 @@ PROFILE_DIR = "profile"  # output_dir/profile: profiler traces
 REPORT_DIR = "report"  # output_dir/report: `hftrain report`'s plots and summary
 DS_CONFIG_FILE = "ds_config.json"  # the DeepSpeed config actually used, next to every checkpoint and final model
 FULL_STATE_FILE = "full_training_state.pt"  # tensor parallel: gathered model + optimizer state
+REFERENCE_FILE = "reference_log_probs.safetensors"  # dpo with precompute_ref_log_probs: the reference's log-probs
 UNIVERSAL_PREFIX = ".universal-"  # output_dir/.universal-checkpoint-N: a ZeRO checkpoint converted for another world
 
 
@@ -138,8 +141,10 @@ def verify(folder: Path) -> list[str]:
     return problems
 
 
-def save_checkpoint(backend, output_dir: Path, recipe: Recipe, progress: Progress, extra: dict) -> Path:
-    """Save the full training state after `progress.step` steps; every rank must call this."""
+def save_checkpoint(backend, output_dir: Path, recipe: Recipe, progress: Progress, extra: dict,
+                    tensors: dict | None = None) -> Path:
+    """Save the full training state after `progress.step` steps; every rank must call this. `tensors`: run data
+    that a resume needs besides the training state (precomputed reference log-probs), in REFERENCE_FILE."""
     accelerator = backend.accelerator
     final = output_dir / f"{PREFIX}{progress.step}"
     tmp = output_dir / f"{TMP_PREFIX}{PREFIX}{progress.step}"
@@ -154,6 +159,8 @@ def save_checkpoint(backend, output_dir: Path, recipe: Recipe, progress: Progres
     accelerator.wait_for_everyone()  # every rank's files are written before the manifest is made
     if accelerator.is_main_process:
         write_run_files(tmp, recipe, progress, extra)
+        if tensors:
+            save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / REFERENCE_FILE))
         _seal(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -163,6 +170,12 @@ def save_checkpoint(backend, output_dir: Path, recipe: Recipe, progress: Progres
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def load_run_tensors(folder: Path) -> dict | None:
+    """The run tensors a checkpoint saved with `save_checkpoint(..., tensors=...)`, or None."""
+    path = folder / REFERENCE_FILE
+    return load_file(str(path)) if path.exists() else None
 
 
 def clear_run(output_dir: Path) -> None:

@@ -204,6 +204,12 @@ class Recipe:
         group="objective",
     )
     simpo_gamma: float = _f(0.5, "simpo target reward margin (TRL's simpo_gamma).", group="objective")
+    precompute_ref_log_probs: bool = _f(
+        False, "dpo: compute the reference log-probs of every training and eval pair once, before training, with the "
+        "starting model under the launch's own strategy, then train without a reference model in memory (full "
+        "fine-tuning under ZeRO-3 or FSDP2 needs this). Saved in every checkpoint and restored on resume.",
+        group="objective",
+    )
     max_prompt_length: int | None = _f(
         None, "Preference data: keep at most this many prompt tokens (the last ones, next to the answer).",
         group="objective",
@@ -618,6 +624,8 @@ def _objective_problems(r: Recipe) -> list[str]:
     if r.label_smoothing > 0 and not (r.objective == "simpo" or (r.objective == "dpo" and r.loss_type == "sigmoid")):
         problems.append(f"label_smoothing={r.label_smoothing} applies to objective dpo with loss_type sigmoid, or "
                         f"simpo; here objective={r.objective}, loss_type={r.loss_type}")
+    if r.precompute_ref_log_probs and r.objective != "dpo":
+        problems.append(f"precompute_ref_log_probs computes dpo's reference, but objective={r.objective}")
     if r.loss_type != "sigmoid" and r.objective != "dpo":
         problems.append(f"loss_type={r.loss_type} is a dpo loss, but objective={r.objective}; set objective: dpo")
     for name in ("max_prompt_length", "max_completion_length"):

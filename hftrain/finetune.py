@@ -38,7 +38,7 @@ from hftrain.data import (
 from hftrain.errors import HftrainError, first_line, run_tool
 from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary, pad_token_id
-from hftrain.objectives import build_loss
+from hftrain.objectives import build_loss, precompute_reference_log_probs
 from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
 from hftrain.parallel import Launch, make_accelerator, phase, resolve
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
@@ -232,11 +232,6 @@ class Finetune:
         self.model = self.token_loss = build_loss(recipe, lm, self.accelerator.device)
         self.collator.mark_real_tokens = self.token_loss.aux_coef > 0  # the router loss excludes padding
         self.notes = list(getattr(lm, "hftrain_notes", []))
-        if recipe.objective != "sft":
-            reference = getattr(self.token_loss.reference, "describe", lambda: "none (reference-free)")()
-            self.notes.append(f"objective {recipe.objective}" + (f" ({recipe.loss_type})" * (recipe.objective == "dpo"))
-                              + f", beta {recipe.beta:g}; reference: {reference}; the loss is the mean over the "
-                              "step's pairs")
         if self.token_loss.aux_coef > 0:
             self.notes.append(f"router load-balancing loss added with coefficient {self.token_loss.aux_coef} "
                               "(router_aux_loss_coef; 0 turns it off), logged as aux_loss")
@@ -255,6 +250,7 @@ class Finetune:
         self.optimizer = build_optimizer(recipe, self.model, self.learning_rate)
         self.scheduler = build_scheduler(recipe, self.optimizer, self.total_steps)
         self.model, self.optimizer = self.backend.prepare(self.model, self.optimizer)
+        self.reference_log_probs = self.precompute_reference() if recipe.precompute_ref_log_probs else None
         self.progress, resumed = checkpoint.Progress(world_size=self.dp.world), {}
         if self.resume_from is not None:
             self.progress, resumed = checkpoint.load_checkpoint(self.backend, self.model, self.scheduler,
@@ -270,6 +266,32 @@ class Finetune:
                               cost_per_gpu_hour=recipe.cost_per_gpu_hour, effective_batch_size=self.plan.global_batch,
                               device_hours_before=resumed.get("device_hours", 0.0), warn=self.logger.warn,
                               machines=self.backend.record.machines)
+
+    def precompute_reference(self) -> dict[str, torch.Tensor]:
+        """dpo's reference log-probs of every training and eval pair: one pass of the prepared starting model (before
+        the checkpoint loads), or on resume the values saved with the checkpoint; handed to the collators."""
+        sets = {"train": (self.train_set, self.collator), "eval": (self.eval_set, self.eval_collator)}
+        sets = {name: pair for name, pair in sets.items() if pair[0] is not None}
+        if self.resume_from is not None:
+            values = checkpoint.load_run_tensors(self.resume_from) or {}
+            wrong = [name for name, (data, _) in sets.items()
+                     if name not in values or values[name].shape != (len(data), 2)]
+            if wrong:
+                raise HftrainError(
+                    f"precompute_ref_log_probs: {self.resume_from} has no reference log-probs for the current "
+                    f"{' and '.join(wrong)} pairs (saved without precompute_ref_log_probs, or the data changed); "
+                    "resume with the same data and settings, or start a new run"
+                )
+        else:
+            with phase(self.accelerator, "precomputing reference log-probs", self.recipe.ddp_timeout):
+                values = {name: precompute_reference_log_probs(
+                    self.model, self.token_loss, data, Collator(data, pad_token_id(self.tokenizer)), self.dp,
+                    self.recipe.per_device_eval_batch_size, self.accelerator.device)
+                    for name, (data, _) in sets.items()}
+        for name, (_, collator) in sets.items():
+            collator.reference = values[name].cpu()
+        self.token_loss.reference.pairs = sum(len(data) for data, _ in sets.values())
+        return values
 
     def make_run_info(self) -> dict:
         """What this run is, recorded in every checkpoint and the final folder (hftrain_state.json)."""
@@ -305,7 +327,7 @@ class Finetune:
             f"{self.summary['method']} fine-tuning, {trained:,} of {total:,} parameters trained; "
             f"{len(self.train_set)} training examples in {len(self.rows)} rows{resuming}"
         )
-        for note in self.notes:
+        for note in self.notes + self.objective_notes():
             self.logger.print(f"hftrain: {note}")
         preset = (f"; the recipe is sized for preset {recipe.launch_preset}: "
                   f"{recipe.launch_preset_reason or 'no reason given'}" if recipe.launch_preset else "")
@@ -314,6 +336,16 @@ class Finetune:
             f"device (+{memory['offloaded_gib']} GiB offloaded to CPU; activations extra) of "
             f"{memory['device_memory_gib']} GiB{preset}"
         )
+
+    def objective_notes(self) -> list[str]:
+        """The preference objective, its settings and its reference, in words."""
+        recipe = self.recipe
+        if recipe.objective == "sft":
+            return []
+        reference = getattr(self.token_loss.reference, "describe", lambda: "none (reference-free)")()
+        loss = f" ({recipe.loss_type})" if recipe.objective == "dpo" else ""
+        return [f"objective {recipe.objective}{loss}, beta {recipe.beta:g}; reference: {reference}; the loss is the "
+                "mean over the step's pairs"]
 
     # ------------------------------------------------------------------------------------------- train
     def train(self) -> None:
@@ -459,7 +491,7 @@ class Finetune:
 
     def save_checkpoint(self) -> Path:
         return checkpoint.save_checkpoint(self.backend, self.output_dir, self.recipe, self.progress,
-                                          self.current_run_info())
+                                          self.current_run_info(), self.reference_log_probs)
 
     # ------------------------------------------------------------------------------------------ finish
     def finish(self) -> Path:

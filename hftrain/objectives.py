@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hftrain.config import Recipe
-from hftrain.data import IGNORE_INDEX
+from hftrain.data import IGNORE_INDEX, eval_micro_batches
 from hftrain.errors import HftrainError
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, CausalLMTokenLoss
 
@@ -82,6 +82,18 @@ class FrozenReference:
         return sequence_log_probs(self.lm, self.head_only, input_ids, labels)[0]
 
 
+class PrecomputedReference:
+    """precompute_ref_log_probs: the starting model's log-probs of every pair, computed once before training
+    (`precompute_reference_log_probs`) and carried in each batch as `ref_logps` by the collator."""
+
+    def __init__(self):
+        self.pairs = 0
+
+    def describe(self) -> str:
+        return (f"precomputed log-probs of {self.pairs} pairs (one pass of the starting model before training, "
+                "saved with every checkpoint; no reference model in memory)")
+
+
 def pair_losses(recipe: Recipe, chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor,
                 rejected_len: torch.Tensor, ref_chosen: torch.Tensor | None, ref_rejected: torch.Tensor | None):
     """(loss, chosen reward, rejected reward) per pair, from summed log-probs and completion lengths.
@@ -128,6 +140,7 @@ class PreferenceLoss(CausalLMTokenLoss):
         self.recipe = recipe
         self.reference = reference  # a plain object: its model stays out of this module's parameters
         self.stats = None
+        self.collecting = False  # True while precomputing: forward returns each row's log-prob instead of a loss
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Real pairs in the micro-batch: chosen rows with a trained token."""
@@ -135,9 +148,16 @@ class PreferenceLoss(CausalLMTokenLoss):
         return (chosen != IGNORE_INDEX).any(dim=1).sum()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-                real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                real_tokens: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None) -> torch.Tensor:
+        """`ref_logps`: each row's precomputed reference log-prob (precompute_ref_log_probs)."""
         logps, lengths = sequence_log_probs(self.lm, self.head_only, input_ids, labels)
-        ref = self.reference.log_probs(input_ids, labels) if self.reference is not None else None
+        if self.collecting:
+            return logps.detach()
+        ref = ref_logps
+        if ref is None and isinstance(self.reference, (AdapterReference, FrozenReference)):
+            ref = self.reference.log_probs(input_ids, labels)
+        if ref is None and self.recipe.objective == "dpo":
+            raise HftrainError("dpo needs the reference log-probs of this batch, and none were computed")
         half = len(input_ids) // 2
         chosen, rejected = logps[:half], logps[half:]
         ref_chosen, ref_rejected = (ref[:half], ref[half:]) if ref is not None else (None, None)
@@ -161,12 +181,14 @@ class PreferenceLoss(CausalLMTokenLoss):
 
 
 def build_reference(recipe: Recipe, lm: nn.Module, device: torch.device):
-    """The reference model a preference objective compares with: none for simpo, the adapter-free base for a peft
-    model, else a frozen copy of the built model (taken before any training or checkpoint loading, so a resumed run
-    compares with the same starting model)."""
+    """The reference model a preference objective compares with: none for simpo, precomputed log-probs with
+    precompute_ref_log_probs, the adapter-free base for a peft model, else a frozen copy of the built model (taken
+    before any training or checkpoint loading, so a resumed run compares with the same starting model)."""
     head_only = lm.config.model_type in HEAD_ONLY_MODEL_TYPES
     if recipe.objective == "simpo":
         return None
+    if recipe.precompute_ref_log_probs:
+        return PrecomputedReference()
     if hasattr(lm, "disable_adapter"):
         return AdapterReference(lm, head_only)
     return FrozenReference(copy.deepcopy(lm), head_only, device)
@@ -177,3 +199,27 @@ def build_loss(recipe: Recipe, lm: nn.Module, device: torch.device) -> CausalLMT
     if recipe.objective == "sft":
         return CausalLMTokenLoss(lm, recipe.loss_chunk_tokens, recipe.use_liger_kernel, recipe.router_aux_loss_coef)
     return PreferenceLoss(lm, recipe, build_reference(recipe, lm, device))
+
+
+@torch.no_grad()
+def precompute_reference_log_probs(model, loss_fn: PreferenceLoss, dataset, collator, dp, batch_size: int,
+                                   device: torch.device) -> torch.Tensor:
+    """[pairs, 2] (chosen, rejected) log-probs of every pair of `dataset` under the prepared starting `model`.
+
+    Every data-parallel rank computes a disjoint shard (the same number of forwards on every rank, so sharded models
+    stay in step) through the strategy's wrapper; one sum gathers them.
+    """
+    out = torch.zeros(len(dataset), 2, dtype=torch.float64, device=device)
+    loss_fn.collecting = True
+    model.eval()
+    try:
+        for indices in eval_micro_batches(len(dataset), batch_size, dp.world, dp.rank):
+            batch = {k: v.to(device) for k, v in collator(indices).items() if k != "num_examples"}
+            logps = model(**batch).double()
+            if indices:
+                half = len(logps) // 2
+                out[indices] = torch.stack([logps[:len(indices)], logps[half:half + len(indices)]], dim=1)
+    finally:
+        loss_fn.collecting = False
+        model.train()
+    return dp.sum(out).float()

@@ -160,6 +160,7 @@ class Collator:
         self.mark_real_tokens = False  # add `real_tokens` (not padding): a mixture-of-experts router loss needs it
         # preference pairs: b pairs collate to 2b rows, the b chosen rows then the b rejected rows (one forward)
         self.paired = "rejected_input_ids" in dataset.column_names
+        self.reference = None  # [pairs, 2] precomputed reference log-probs: added to each batch as `ref_logps`
 
     def __call__(self, row_indices: list[int]) -> dict[str, torch.Tensor]:
         groups = [self.rows[r] for r in row_indices] if self.rows is not None else [[r] for r in row_indices]
@@ -192,6 +193,9 @@ class Collator:
             batch["position_ids"] = position_ids
         if self.mark_real_tokens:
             batch["real_tokens"] = real_tokens
+        if self.reference is not None:  # one value per row, in the rows' order (chosen rows, then rejected rows)
+            ref = self.reference[flat] if flat else torch.zeros(1, 2)
+            batch["ref_logps"] = torch.cat([ref[:, 0], ref[:, 1]])
         return batch
 
 

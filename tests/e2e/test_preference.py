@@ -124,3 +124,52 @@ def test_lora_dpo_under_sharded_presets_equals_one_process(tmp_path, lora_one_pr
     adapter = load_file(lora_one_process.output_dir / "final" / "adapter_model.safetensors")
     for name, value in load_file(run.output_dir / "final" / "adapter_model.safetensors").items():
         torch.testing.assert_close(value, adapter[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_precomputed_reference_equals_the_live_one_and_survives_a_resume(tmp_path):
+    """precompute_ref_log_probs: the same train and eval rows as the frozen copy; resumed at step 2 it reads the
+    saved values (a recomputation with the trained model would change steps 3-4); a checkpoint without them is
+    refused in one paragraph."""
+    args = [*EXACT[:-2], "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "3",
+            "--validation_split_percentage", "10", "--eval_steps", "2", "--per_device_train_batch_size", "4"]
+    live = run_script(tmp_path / "live", *args)
+    out = tmp_path / "pre"
+    pre = run_script(out, *args, "--precompute_ref_log_probs", "true")
+    assert "reference: precomputed log-probs of 400 pairs" in " ".join(pre.stdout.split())
+    rows = [{k: v for k, v in r.items() if k in COMPARED or k.startswith("eval_")} for r in pre.metrics()]
+    assert rows == [{k: pytest.approx(v, rel=1e-5, abs=1e-7) for k, v in r.items() if k in COMPARED
+                     or k.startswith("eval_")} for r in live.metrics()]
+    assert (out / "checkpoint-2" / "reference_log_probs.safetensors").exists()
+    expected = {r["step"]: r for r in pre.train_rows()}
+    shutil.rmtree(out / "final")
+    shutil.rmtree(out / "checkpoint-4")
+    resumed = run_script(out, *args, "--precompute_ref_log_probs", "true", "--resume_from_checkpoint", "latest")
+    for row in (r for r in resumed.train_rows() if r["step"] > 2):
+        for key in COMPARED:
+            assert row[key] == pytest.approx(expected[row["step"]][key], rel=1e-5, abs=1e-7), (row["step"], key)
+    refused = run_script(tmp_path / "live", *args, "--precompute_ref_log_probs", "true", "--resume_from_checkpoint",
+                         str(tmp_path / "live" / "checkpoint-2"), check=False)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "has no reference log-probs for the current train and eval pairs" in " ".join(refused.stderr.split())
+
+
+@pytest.fixture(scope="module")
+def precomputed_one_process(tmp_path_factory):
+    return run_script(tmp_path_factory.mktemp("pre-one") / "out", *EXACT, "--precompute_ref_log_probs", "true",
+                      "--per_device_train_batch_size", "4")
+
+
+@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
+def test_full_dpo_with_a_precomputed_reference_under_sharded_presets(tmp_path, precomputed_one_process, preset):
+    """Full-fine-tuning dpo where a frozen copy is refused: the reference pass runs on the sharded starting model
+    (ZeRO-3 partitions, FSDP2 shards) and 2 processes x 2 pairs equal 1 process x 4 pairs, weights included."""
+    script = FSDP_LAUNCHER if preset == "fsdp2" else ENTRY
+    run = launch(tmp_path / "out", *EXACT, "--precompute_ref_log_probs", "true", "--per_device_train_batch_size", "2",
+                 preset=preset, processes=2, script=script)
+    for key in COMPARED:
+        torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
+                                   torch.tensor([r[key] for r in precomputed_one_process.train_rows()]), rtol=1e-4,
+                                   atol=1e-6, msg=key)
+    expected = load_file(precomputed_one_process.output_dir / "final" / "model.safetensors")
+    for name, value in load_file(run.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -283,6 +283,7 @@ def test_full_dpo_is_refused_under_sharding_presets_but_not_lora_simpo_or_ddp(la
     """The frozen reference copy of full-fine-tuning dpo sits outside the strategy's wrapper."""
     problems = launch_problems(Recipe(objective="dpo"), launch)
     assert any("objective=dpo with full fine-tuning" in p and "Use LoRA/QLoRA" in p for p in problems)
-    for fine in (Recipe(objective="dpo", use_peft=True), Recipe(objective="simpo")):
+    for fine in (Recipe(objective="dpo", use_peft=True), Recipe(objective="simpo"),
+                 Recipe(objective="dpo", precompute_ref_log_probs=True)):
         assert not any("objective=" in p for p in launch_problems(fine, launch))
     assert not any("objective=" in p for p in launch_problems(Recipe(objective="dpo"), Launch("ddp", 2, 2)))
