@@ -189,19 +189,29 @@ class Plan:
     rows: list[Row] = field(default_factory=list)
 
 
-def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str = "bf16", lora_r: int = 16) -> Plan:
-    """Memory per GPU for every strategy (bytes)."""
+def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str = "bf16", lora_r: int = 16,
+             objective: str = "sft") -> Plan:
+    """Memory per GPU for every strategy (bytes).
+
+    objective dpo / simpo: `batch` counts pairs, two sequences each (one forward); dpo's full-fine-tuning rows
+    that keep a frozen reference copy (one process, DDP) add its weights; the sharded rows assume
+    precompute_ref_log_probs (hftrain refuses a live copy there) and LoRA disables its adapters (no copy). The
+    reference's own forward runs without gradients and holds one layer's activations at a time: not counted.
+    """
     n, g = shape.params, gpus
     mixed = precision == "bf16"
     compute, residual = (2, 4) if mixed else (4, 4)
-    act = activation_bytes(shape, batch, seq, compute, residual, checkpointing=False)
-    act_ckpt = activation_bytes(shape, batch, seq, compute, residual, checkpointing=True)
-    floor = backward_floor_bytes(shape, batch, seq, compute, residual)
+    rows_per_step = batch * (2 if objective != "sft" else 1)
+    act = activation_bytes(shape, rows_per_step, seq, compute, residual, checkpointing=False)
+    act_ckpt = activation_bytes(shape, rows_per_step, seq, compute, residual, checkpointing=True)
+    floor = backward_floor_bytes(shape, rows_per_step, seq, compute, residual)
+    reference = 4 * n if objective == "dpo" else 0  # the frozen copy keeps the loaded (fp32) weights
     autocast_copy = 2 * n if mixed else 0  # bf16 weight copies autocast keeps for the forward
     bucket = 4 * n if g > 1 else 0  # DDP all-reduce buckets (a second copy of the gradients)
     unit = shape.largest_layer_params
     rows = [Row("DDP" if g > 1 else "single GPU", "multi_gpu" if g > 1 else "single_gpu", "full",
-                4 * n + autocast_copy, 4 * n + bucket, 8 * n, act, act_ckpt, floor)]
+                4 * n + autocast_copy + reference, 4 * n + bucket, 8 * n, act, act_ckpt, floor,
+                note="with dpo's frozen reference copy" if reference else "")]
     if g > 1:
         w16, in_flight = (2, 2 * unit * 2) if mixed else (4, 2 * unit * 4)  # two gathered layers
         master = 12 if mixed else 8
@@ -231,6 +241,10 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
             NF4_BYTES * shape.layer_linear_params + 2 * others + 4 * adapters + 2 * unit,
             4 * adapters * (2 if g > 1 else 1), 8 * adapters, act, act_ckpt, floor, note="base in 4-bit NF4"),
     ]
+    if reference:
+        for row in rows[1:]:
+            if row.method == "full":
+                row.note = "dpo with precompute_ref_log_probs (no reference copy)"
     return Plan(shape, gpus, batch, seq, precision, lora_r, rows)
 
 
@@ -329,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1, help="Sequences per GPU per micro-batch.")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="bf16 mixed precision (GPU default) or fp32 (CPU runs).")
+    parser.add_argument("--objective", choices=("sft", "dpo", "simpo"), default="sft",
+                        help="dpo / simpo: --batch counts preference pairs (two sequences each); dpo's full "
+                             "fine-tuning on one GPU or DDP adds the frozen reference copy.")
     parser.add_argument("--tokens", type=int, default=None,
                         help="Tokens the run plans to train (steps x effective batch x tokens per sequence), shown "
                              "next to the compute-optimal count.")
@@ -346,7 +363,7 @@ def print_plan(args: argparse.Namespace) -> None:
     if problems:
         raise ConfigError(problems, "estimate arguments")
     shape = model_shape(args.model, args.trust_remote_code)
-    plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r)
+    plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective)
     method = "qlora" if args.qlora else "lora" if args.lora else "full"
     print(format_plan(plan, args.gpu_memory, method, args.tokens))
 

@@ -153,3 +153,22 @@ def test_cli_puts_the_planned_tokens_next_to_the_compute_optimal_count(model_dir
     bad = subprocess.run([sys.executable, "-m", "hftrain.estimate", "--model", str(model_dir), "--tokens", "0"],
                          capture_output=True, text=True, cwd=REPO, env=OFFLINE)
     assert bad.returncode == 2 and "--tokens must be >= 1, got 0" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_dpo_counts_two_sequences_per_pair_and_the_reference_copy(model_dir):
+    """--objective dpo: --batch pairs hold 2 x batch sequences of activations; the frozen reference copy (fp32
+    weights) is added where hftrain keeps one (one GPU, DDP), not to sharded rows (precompute) nor LoRA (adapters
+    disabled); simpo has no reference at all."""
+    n, _ = hand_params()
+    g, b, s = 4, 2, 128
+    shape = model_shape(str(model_dir))
+    sft = {r.strategy: r for r in estimate(shape, gpus=g, batch=2 * b, seq=s).rows}
+    dpo = {r.strategy: r for r in estimate(shape, gpus=g, batch=b, seq=s, objective="dpo").rows}
+    simpo = {r.strategy: r for r in estimate(shape, gpus=g, batch=b, seq=s, objective="simpo").rows}
+    act = hand_activations(2 * b * s, 2, 4, False)
+    for name, row in dpo.items():
+        assert row.activations == sft[name].activations == act, name
+        copy = 4 * n if name == "DDP" else 0
+        assert row.weights == pytest.approx(sft[name].weights + copy), name
+        assert simpo[name].weights == pytest.approx(sft[name].weights), name
+    assert "frozen reference copy" in dpo["DDP"].note and "precompute_ref_log_probs" in dpo["ZeRO-3"].note
