@@ -194,9 +194,10 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     """Memory per GPU for every strategy (bytes).
 
     objective dpo / simpo: `batch` counts pairs, two sequences each (one forward); dpo's full-fine-tuning rows
-    that keep a frozen reference copy (one process, DDP) add its weights; the sharded rows assume
-    precompute_ref_log_probs (hftrain refuses a live copy there) and LoRA disables its adapters (no copy). The
-    reference's own forward runs without gradients and holds one layer's activations at a time: not counted.
+    add the frozen reference copy as hftrain places it: the loaded fp32 weights on one GPU / DDP and sharded under
+    FSDP, the engine's 16-bit weights under DeepSpeed (replicated for ZeRO-1/2, partitioned for ZeRO-3, offloaded
+    with parameter offload). precompute_ref_log_probs or LoRA (adapters disabled) need no copy. The reference's
+    own forward runs without gradients and holds one layer's activations at a time: not counted.
     """
     n, g = shape.params, gpus
     mixed = precision == "bf16"
@@ -211,7 +212,7 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     unit = shape.largest_layer_params
     rows = [Row("DDP" if g > 1 else "single GPU", "multi_gpu" if g > 1 else "single_gpu", "full",
                 4 * n + autocast_copy + reference, 4 * n + bucket, 8 * n, act, act_ckpt, floor,
-                note="with dpo's frozen reference copy" if reference else "")]
+                note="with dpo's frozen reference copy; precompute_ref_log_probs needs none" if reference else "")]
     if g > 1:
         w16, in_flight = (2, 2 * unit * 2) if mixed else (4, 2 * unit * 4)  # two gathered layers
         master = 12 if mixed else 8
@@ -242,9 +243,16 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
             4 * adapters * (2 if g > 1 else 1), 8 * adapters, act, act_ckpt, floor, note="base in 4-bit NF4"),
     ]
     if reference:
+        w16 = 2 if mixed else 4
+        copies = {"ZeRO-1": w16 * n, "ZeRO-2": w16 * n, "ZeRO-2 + optimizer offload": w16 * n,
+                  "ZeRO-3": w16 * n / g, "FSDP full shard": 4 * n / g}
         for row in rows[1:]:
             if row.method == "full":
-                row.note = "dpo with precompute_ref_log_probs (no reference copy)"
+                if row.strategy in copies:
+                    row.weights += copies[row.strategy]
+                else:
+                    row.cpu += w16 * n / g  # parameter offload keeps the reference's partitions in host memory
+                row.note = "with dpo's frozen reference copy; precompute_ref_log_probs needs none"
     return Plan(shape, gpus, batch, seq, precision, lora_r, rows)
 
 

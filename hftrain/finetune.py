@@ -229,7 +229,8 @@ class Finetune:
         self.memory_baseline_mb = current_memory_mb(self.accelerator.device)  # what the estimate sits on top of
         lm = self.build_model()
         fit_embeddings_to_tokenizer(lm, self.tokenizer)
-        self.model = self.token_loss = build_loss(recipe, lm, self.accelerator.device)
+        self.model = self.token_loss = build_loss(recipe, lm, self.accelerator.device,
+                                                  lambda built: self.backend.frozen_copy(built, self.rebuild_model))
         self.collator.mark_real_tokens = self.token_loss.aux_coef > 0  # the router loss excludes padding
         self.notes = list(getattr(lm, "hftrain_notes", []))
         if self.token_loss.aux_coef > 0:
@@ -237,6 +238,12 @@ class Finetune:
                               "(router_aux_loss_coef; 0 turns it off), logged as aux_loss")
         self.flops = FlopCounter(lm)
         self.summary = model_summary(self.model)  # before prepare: sharding strategies hide the full counts
+
+    def rebuild_model(self) -> torch.nn.Module:
+        """The model as setup_model built it, once more (a backend that cannot copy the built one asks for it)."""
+        lm = self.build_model()
+        fit_embeddings_to_tokenizer(lm, self.tokenizer)
+        return lm
 
     def setup_optimizer(self) -> None:
         """Optimizer and schedule, prepared by the backend (DDP / FSDP2 / DeepSpeed engine), the resumed state, the
@@ -250,6 +257,8 @@ class Finetune:
         self.optimizer = build_optimizer(recipe, self.model, self.learning_rate)
         self.scheduler = build_scheduler(recipe, self.optimizer, self.total_steps)
         self.model, self.optimizer = self.backend.prepare(self.model, self.optimizer)
+        if hasattr(self.token_loss, "reference") and hasattr(self.token_loss.reference, "prepare"):
+            self.token_loss.reference.prepare(self.backend)  # dpo's frozen copy, placed like the policy
         self.reference_log_probs = self.precompute_reference() if recipe.precompute_ref_log_probs else None
         self.progress, resumed = checkpoint.Progress(world_size=self.dp.world), {}
         if self.resume_from is not None:

@@ -17,6 +17,7 @@ disabled for LoRA/QLoRA (no second copy), a frozen copy for full fine-tuning, no
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,20 +67,55 @@ class AdapterReference:
             return sequence_log_probs(self.lm, self.head_only, input_ids, labels)[0]
 
 
+class ReferenceLogProbs(nn.Module):
+    """The frozen copy as a module of its own: `forward` returns each row's summed log-prob, so that a strategy that
+    wraps it (ZeRO-3 partitions, FSDP2 shards with this module as root) gathers its weights around that forward."""
+
+    def __init__(self, lm: nn.Module, head_only: bool):
+        super().__init__()
+        self.lm, self.head_only = lm.eval().requires_grad_(False), head_only
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    @property
+    def _no_split_modules(self) -> list[str] | None:
+        return getattr(self.lm, "_no_split_modules", None)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return sequence_log_probs(self.lm, self.head_only, input_ids, labels)[0]
+
+
+def local_bytes(module: nn.Module) -> int:
+    """Bytes of `module`'s parameters held on this process (a ZeRO-3 partition, an FSDP2 shard, or all of them)."""
+    total = 0
+    for p in module.parameters():
+        local = p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
+
+
 class FrozenReference:
-    """The reference of a fully fine-tuned policy: a frozen copy of the starting model, kept off the module tree (not
-    in the state dict, the optimizer or the DDP wrapper); a resumed run copies the rebuilt starting model again."""
+    """The reference of a fully fine-tuned policy: a frozen copy of the starting model, kept off the policy's module
+    tree (not in its state dict, optimizer or wrapper) and prepared by the parallelism backend like the policy
+    (`prepare`: replicated for one process, DDP and ZeRO-1/2, partitioned under ZeRO-3, sharded under FSDP2); a
+    resumed run copies the rebuilt starting model again."""
 
     def __init__(self, lm: nn.Module, head_only: bool, device: torch.device):
-        self.lm, self.head_only = lm.to(device).eval().requires_grad_(False), head_only
-        self.bytes = sum(p.numel() * p.element_size() for p in self.lm.parameters())
+        self.module = ReferenceLogProbs(lm, head_only).to(device)
+        self.how = "replicated"
+
+    def prepare(self, backend) -> None:
+        self.module, self.how = backend.prepare_frozen(self.module)
 
     def describe(self) -> str:
-        return f"a frozen copy of the starting model (+{self.bytes / 2**30:.3f} GiB per device)"
+        size = local_bytes(self.module) / 2**20
+        return f"a frozen copy of the starting model, {self.how} (+{size:,.1f} MiB per device)"
 
     @torch.no_grad()
     def log_probs(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return sequence_log_probs(self.lm, self.head_only, input_ids, labels)[0]
+        return self.module(input_ids, labels)
 
 
 class PrecomputedReference:
@@ -180,10 +216,12 @@ class PreferenceLoss(CausalLMTokenLoss):
                 **{f"eval_{name}": value / max(units, 1) for name, value in stats.items()}}
 
 
-def build_reference(recipe: Recipe, lm: nn.Module, device: torch.device):
+def build_reference(recipe: Recipe, lm: nn.Module, device: torch.device,
+                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy):
     """The reference model a preference objective compares with: none for simpo, precomputed log-probs with
     precompute_ref_log_probs, the adapter-free base for a peft model, else a frozen copy of the built model (taken
-    before any training or checkpoint loading, so a resumed run compares with the same starting model)."""
+    before any training or checkpoint loading, so a resumed run compares with the same starting model; `copy_model`:
+    the parallelism backend's way to copy a model it may already have partitioned)."""
     head_only = lm.config.model_type in HEAD_ONLY_MODEL_TYPES
     if recipe.objective == "simpo":
         return None
@@ -191,14 +229,15 @@ def build_reference(recipe: Recipe, lm: nn.Module, device: torch.device):
         return PrecomputedReference()
     if hasattr(lm, "disable_adapter"):
         return AdapterReference(lm, head_only)
-    return FrozenReference(copy.deepcopy(lm), head_only, device)
+    return FrozenReference(copy_model(lm), head_only, device)
 
 
-def build_loss(recipe: Recipe, lm: nn.Module, device: torch.device) -> CausalLMTokenLoss:
+def build_loss(recipe: Recipe, lm: nn.Module, device: torch.device,
+               copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> CausalLMTokenLoss:
     """The loss module of the recipe's objective around the built model."""
     if recipe.objective == "sft":
         return CausalLMTokenLoss(lm, recipe.loss_chunk_tokens, recipe.use_liger_kernel, recipe.router_aux_loss_coef)
-    return PreferenceLoss(lm, recipe, build_reference(recipe, lm, device))
+    return PreferenceLoss(lm, recipe, build_reference(recipe, lm, device, copy_model))
 
 
 @torch.no_grad()

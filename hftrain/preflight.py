@@ -90,20 +90,7 @@ def launch_problems(recipe: Recipe, launch: Launch) -> list[str]:
                             "ds_configs/*.json so that every DeepSpeed setting is visible in one file")
         else:
             problems += deepspeed_problems(recipe, launch.deepspeed_config, launch.world)
-    return problems + tensor_parallel_problems(recipe, launch) + objective_problems(recipe, launch)
-
-
-def objective_problems(recipe: Recipe, launch: Launch) -> list[str]:
-    """dpo with full fine-tuning keeps a frozen reference copy outside the strategy's wrapper: fine for one process
-    and DDP, which replicate the model anyway, not under sharding strategies."""
-    if recipe.objective != "dpo" or recipe.use_peft or recipe.precompute_ref_log_probs or \
-            launch.kind not in ACCELERATE_NAMES:
-        return []
-    return [f"objective=dpo with full fine-tuning under a {ACCELERATE_NAMES[launch.kind]} preset: the frozen "
-            "reference copy would be a full unsharded model on every process (and, under DeepSpeed, in another "
-            "dtype than the engine's); hftrain does not shard the reference yet. Use LoRA/QLoRA (the reference is "
-            "the base with the adapters disabled, no copy), precompute_ref_log_probs: true (one pass of the sharded "
-            "starting model before training), objective: simpo (no reference), or a DDP preset"]
+    return problems + tensor_parallel_problems(recipe, launch)
 
 
 def quantization_problems(recipe: Recipe, launch: Launch) -> list[str]:

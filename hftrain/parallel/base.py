@@ -7,6 +7,7 @@ accelerate launch (one process, or DDP); the other backends override what they d
 
 from __future__ import annotations
 
+import copy
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -130,6 +131,17 @@ class Backend:
     def prepare(self, model, optimizer):
         """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings."""
         return self.accelerator.prepare(model, optimizer)
+
+    def frozen_copy(self, model, rebuild):
+        """A copy of the built, not yet prepared `model` (dpo's reference). `rebuild()` builds the model again (used
+        where the loaded model cannot be deep-copied)."""
+        return copy.deepcopy(model)
+
+    def prepare_frozen(self, module):
+        """(module, how) for a frozen model used next to the trained one (dpo's reference): placed like the trained
+        model, without gradients or optimizer. One process and DDP: a copy on this device (DDP wraps nothing
+        without gradients)."""
+        return module.to(self.accelerator.device).eval(), "replicated on every process"
 
     def clip_grad_norm(self, model, max_norm: float) -> float | None:
         """Clip to `max_norm` (inf: only measure) and return the global gradient norm before clipping."""

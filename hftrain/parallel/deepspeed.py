@@ -11,6 +11,7 @@ on another number of processes they are converted to a DeepSpeed universal check
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import shutil
 from argparse import Namespace
@@ -150,6 +151,39 @@ class DeepSpeedBackend(Backend):
                                        "hidden_size to derive it from; give a number")
                 set_key(self.config, key, size(hidden))
         return super().prepare(model, optimizer)
+
+    def frozen_copy(self, model, rebuild):
+        """Under ZeRO-3 transformers loads the model already partitioned (zero.Init): its parameters are empty
+        placeholders that a deep copy would copy as such. The copy is built again, partitioned the same way, and
+        each process copies its own partitions into it (exactly the starting weights, resized embeddings included)."""
+        if not any(hasattr(p, "ds_tensor") for p in model.parameters()):
+            return super().frozen_copy(model, rebuild)
+        copy_ = rebuild()
+        with torch.no_grad():
+            for (name, mine), (_, theirs) in zip(copy_.named_parameters(), model.named_parameters(), strict=True):
+                if mine.ds_tensor.shape != theirs.ds_tensor.shape:
+                    raise HftrainError(f"dpo's reference copy: {name} is partitioned differently from the model")
+                mine.ds_tensor.copy_(theirs.ds_tensor)
+        return copy_
+
+    def prepare_frozen(self, module):
+        """An inference engine with the training config less its optimizer parts (TRL's prepare_deepspeed): under
+        ZeRO-3 its weights are partitioned like the trained model's; under ZeRO-0/1/2 (stage 0: nothing to shard
+        without an optimizer) replicated in the engine's dtype. Called after `prepare`, so the config is filled."""
+        import deepspeed
+
+        config = copy.deepcopy(self.config)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        zero = config.setdefault("zero_optimization", {})
+        zero.pop("offload_optimizer", None)
+        stage = int(zero.get("stage", 0))
+        if stage != 3:
+            zero["stage"] = 0
+        engine, *_ = deepspeed.initialize(model=module, config=config)
+        engine.eval()
+        return engine, ("partitioned over the processes (ZeRO-3)" if stage == 3 else
+                               "replicated on every process in the engine's dtype")
 
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)  # the DeepSpeedEngine's module

@@ -7,6 +7,7 @@ sharded `torch.distributed.checkpoint` folders (one file per rank), checked by t
 
 from __future__ import annotations
 
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
@@ -20,6 +21,11 @@ class FSDP2Backend(Backend):
         offloaded = ALL_PARTS if isinstance(plugin.cpu_offload, CPUOffloadPolicy) else ()  # OffloadPolicy(): none
         name = "FSDP2 " + ("FULL_SHARD" if full_shard else "SHARD_GRAD_OP") + (" + offload" if offloaded else "")
         return super().make_record(kind="fsdp2", name=name, sharded=sharded, offloaded=offloaded)
+
+    def prepare_frozen(self, module):
+        """Sharded like the trained model, by accelerate's own FSDP2 preparation (one shard group per layer, the
+        module as root), without registering it with the accelerator (its checkpoints hold the trained model only)."""
+        return fsdp2_prepare_model(self.accelerator, module).eval(), "sharded over the processes (FSDP2)"
 
     def full_state_dict(self, model) -> dict | None:
         return self.accelerator.get_state_dict(model)  # the full state dict, gathered on the main process

@@ -154,22 +154,28 @@ def test_precomputed_reference_equals_the_live_one_and_survives_a_resume(tmp_pat
 
 
 @pytest.fixture(scope="module")
-def precomputed_one_process(tmp_path_factory):
-    return run_script(tmp_path_factory.mktemp("pre-one") / "out", *EXACT, "--precompute_ref_log_probs", "true",
-                      "--per_device_train_batch_size", "4")
+def full_one_process(tmp_path_factory):
+    return run_script(tmp_path_factory.mktemp("full-one") / "out", *EXACT, "--per_device_train_batch_size", "4")
 
 
-@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
-def test_full_dpo_with_a_precomputed_reference_under_sharded_presets(tmp_path, precomputed_one_process, preset):
-    """Full-fine-tuning dpo where a frozen copy is refused: the reference pass runs on the sharded starting model
-    (ZeRO-3 partitions, FSDP2 shards) and 2 processes x 2 pairs equal 1 process x 4 pairs, weights included."""
+@pytest.mark.parametrize("preset, precompute", [("zero2", False), ("zero3", False), ("fsdp2", False), ("zero3", True)],
+                         ids=["zero2-copy", "zero3-copy", "fsdp2-copy", "zero3-precomputed"])
+def test_full_dpo_under_sharded_presets_equals_one_process(tmp_path, full_one_process, preset, precompute):
+    """Full-fine-tuning dpo, the reference prepared like the policy (replicated in the engine's dtype under ZeRO-2,
+    partitioned under ZeRO-3, sharded under FSDP2) or precomputed by one pass of the sharded starting model: 2
+    processes x 2 pairs = 1 process x 4 pairs (with its own frozen copy), weights included."""
     script = FSDP_LAUNCHER if preset == "fsdp2" else ENTRY
-    run = launch(tmp_path / "out", *EXACT, "--precompute_ref_log_probs", "true", "--per_device_train_batch_size", "2",
-                 preset=preset, processes=2, script=script)
+    run = launch(tmp_path / "out", *EXACT, "--precompute_ref_log_probs", str(precompute).lower(),
+                 "--per_device_train_batch_size", "2", preset=preset, processes=2, script=script)
+    how = {"zero2": "replicated on every process in the engine's dtype", "zero3": "partitioned over the processes "
+           "(ZeRO-3)", "fsdp2": "sharded over the processes (FSDP2)"}[preset]
+    said = " ".join((run.stdout + run.stderr).split())
+    assert ("reference: precomputed log-probs of 400 pairs" if precompute else f"frozen copy of the starting model, "
+            f"{how}") in said
     for key in COMPARED:
         torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
-                                   torch.tensor([r[key] for r in precomputed_one_process.train_rows()]), rtol=1e-4,
+                                   torch.tensor([r[key] for r in full_one_process.train_rows()]), rtol=1e-4,
                                    atol=1e-6, msg=key)
-    expected = load_file(precomputed_one_process.output_dir / "final" / "model.safetensors")
+    expected = load_file(full_one_process.output_dir / "final" / "model.safetensors")
     for name, value in load_file(run.output_dir / "final" / "model.safetensors").items():
         torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -156,9 +156,9 @@ def test_cli_puts_the_planned_tokens_next_to_the_compute_optimal_count(model_dir
 
 
 def test_dpo_counts_two_sequences_per_pair_and_the_reference_copy(model_dir):
-    """--objective dpo: --batch pairs hold 2 x batch sequences of activations; the frozen reference copy (fp32
-    weights) is added where hftrain keeps one (one GPU, DDP), not to sharded rows (precompute) nor LoRA (adapters
-    disabled); simpo has no reference at all."""
+    """--objective dpo: --batch pairs hold 2 x batch sequences of activations; the frozen reference copy is added as
+    hftrain places it (fp32 on DDP, 16-bit replicated under ZeRO-1/2, 16-bit / g under ZeRO-3, fp32 / g under
+    FSDP, in host memory with parameter offload), not to LoRA (adapters disabled); simpo has no reference at all."""
     n, _ = hand_params()
     g, b, s = 4, 2, 128
     shape = model_shape(str(model_dir))
@@ -166,9 +166,12 @@ def test_dpo_counts_two_sequences_per_pair_and_the_reference_copy(model_dir):
     dpo = {r.strategy: r for r in estimate(shape, gpus=g, batch=b, seq=s, objective="dpo").rows}
     simpo = {r.strategy: r for r in estimate(shape, gpus=g, batch=b, seq=s, objective="simpo").rows}
     act = hand_activations(2 * b * s, 2, 4, False)
+    copy = {"DDP": 4 * n, "ZeRO-1": 2 * n, "ZeRO-2": 2 * n, "ZeRO-2 + optimizer offload": 2 * n, "ZeRO-3": 2 * n / g,
+            "FSDP full shard": 4 * n / g}
     for name, row in dpo.items():
         assert row.activations == sft[name].activations == act, name
-        copy = 4 * n if name == "DDP" else 0
-        assert row.weights == pytest.approx(sft[name].weights + copy), name
+        assert row.weights == pytest.approx(sft[name].weights + copy.get(name, 0)), name
         assert simpo[name].weights == pytest.approx(sft[name].weights), name
+    offload = "ZeRO-3 + parameter and optimizer offload"
+    assert dpo[offload].cpu == pytest.approx(sft[offload].cpu + 2 * n / g)
     assert "frozen reference copy" in dpo["DDP"].note and "precompute_ref_log_probs" in dpo["ZeRO-3"].note

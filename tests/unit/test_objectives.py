@@ -121,8 +121,8 @@ def test_a_fresh_policy_has_zero_rewards_and_the_log2_loss():
     """Policy = reference at the start of dpo: every reward 0, accuracy 0 (strict >, as TRL), loss log 2 per pair."""
     policy = tiny_llama(0)
     module = build_loss(Recipe(objective="dpo"), policy, torch.device("cpu"))
-    assert isinstance(module.reference, FrozenReference) and module.reference.lm is not policy
-    assert not any(p.requires_grad for p in module.reference.lm.parameters())
+    assert isinstance(module.reference, FrozenReference) and module.reference.module.lm is not policy
+    assert not any(p.requires_grad for p in module.reference.module.parameters())
     assert not any(name.startswith("reference") for name, _ in module.named_parameters())  # off the module tree
     loss = module(**pair_batch(4))
     assert float(loss) == pytest.approx(4 * math.log(2), rel=1e-6)

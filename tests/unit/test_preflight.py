@@ -276,14 +276,3 @@ def test_every_problem_of_machine_launch_and_model_comes_in_one_error(monkeypatc
                  "mixed_precision=bf16", "tp_size=2 needs tp_size", "max_length=1000000"):
         assert part in text
     assert preflight(Recipe(model_name_or_path=str(MODEL)), ONE, cuda=False).model_type == "llama"
-
-
-@pytest.mark.parametrize("launch", [FSDP2, deepspeed(3), deepspeed(2)], ids=["fsdp2", "zero3", "zero2"])
-def test_full_dpo_is_refused_under_sharding_presets_but_not_lora_simpo_or_ddp(launch):
-    """The frozen reference copy of full-fine-tuning dpo sits outside the strategy's wrapper."""
-    problems = launch_problems(Recipe(objective="dpo"), launch)
-    assert any("objective=dpo with full fine-tuning" in p and "Use LoRA/QLoRA" in p for p in problems)
-    for fine in (Recipe(objective="dpo", use_peft=True), Recipe(objective="simpo"),
-                 Recipe(objective="dpo", precompute_ref_log_probs=True)):
-        assert not any("objective=" in p for p in launch_problems(fine, launch))
-    assert not any("objective=" in p for p in launch_problems(Recipe(objective="dpo"), Launch("ddp", 2, 2)))
