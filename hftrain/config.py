@@ -206,8 +206,8 @@ class Recipe:
     simpo_gamma: float = _f(0.5, "simpo target reward margin (TRL's simpo_gamma).", group="objective")
     precompute_ref_log_probs: bool = _f(
         False, "dpo: compute the reference log-probs of every training and eval pair once, before training, with the "
-        "starting model under the launch's own strategy, then train without a reference model in memory (full "
-        "fine-tuning under ZeRO-3 or FSDP2 needs this). Saved in every checkpoint and restored on resume.",
+        "starting model under the launch's own strategy, then train without a reference model in memory (saves the "
+        "frozen copy of full fine-tuning). Saved in every checkpoint and restored on resume.",
         group="objective",
     )
     max_prompt_length: int | None = _f(

@@ -82,6 +82,12 @@ def test_lora_dpo_resumes_exactly(tmp_path):
             assert row[key] == pytest.approx(uninterrupted[step][key], rel=1e-5, abs=1e-7), (step, key)
     for name, value in load_file(out / "final" / "adapter_model.safetensors").items():
         torch.testing.assert_close(value, adapter[name], rtol=1e-5, atol=1e-7)
+    # the dpo adapter merges into a standard model folder like any other adapter
+    merged = subprocess.run([sys.executable, "-m", "hftrain.merge", str(out / "final"), str(tmp_path / "merged")],
+                            capture_output=True, text=True, cwd=REPO, env=launch_env())
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    assert (tmp_path / "merged" / "model.safetensors").exists()
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
 
 
 def test_equal_to_trl_dpo_trainer(tmp_path):

@@ -173,3 +173,20 @@ def test_preview_shows_both_completions_of_a_pair(tmp_path):
         prompt = next(i for i, label in enumerate(chosen["labels"]) if label != IGNORE_INDEX)
         assert chosen["input_ids"][:prompt] == rejected["input_ids"][:prompt]
         assert chosen["input_ids"] != rejected["input_ids"]
+
+
+def test_mixtures_of_preference_datasets_and_what_they_refuse(tok, tmp_path):
+    from hftrain.config import DatasetSource
+    from hftrain.data import load_datasets
+
+    pairs = str(REPO / "data" / "preference.jsonl")
+    recipe = Recipe(objective="dpo", validation_split_percentage=0, max_length=128,
+                    dataset_mixture=[DatasetSource(pairs, weight=1.0), DatasetSource(pairs, weight=0.5)])
+    train, _, stats = load_datasets(recipe, tok)
+    assert len(train) == 400 + 200 and [s["format"] for s in stats["sources"]] == ["preference", "preference"]
+    mixed = Recipe(objective="dpo", validation_split_percentage=0,
+                   dataset_mixture=[DatasetSource(pairs), DatasetSource(str(REPO / "data" / "chat.jsonl"))])
+    with pytest.raises(HftrainError, match="has format messages but objective=dpo trains on preference pairs"):
+        load_datasets(mixed, tok)
+    with pytest.raises(HftrainError, match="has format preference but objective=sft"):
+        load_datasets(Recipe(dataset_name=pairs, validation_split_percentage=0), tok)
