@@ -28,14 +28,16 @@ import json
 import os
 import platform
 import shutil
+import time
 import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from safetensors.torch import load_file, save_file
 
-from hftrain.errors import HftrainError
+from hftrain.errors import HftrainError, first_line
 
 if TYPE_CHECKING:  # annotations only: config imports the file names below
     from hftrain.config import Recipe
@@ -53,6 +55,7 @@ REPORT_DIR = "report"  # output_dir/report: `hftrain report`'s plots and summary
 DS_CONFIG_FILE = "ds_config.json"  # the DeepSpeed config actually used, next to every checkpoint and final model
 FULL_STATE_FILE = "full_training_state.pt"  # tensor parallel: gathered model + optimizer state
 REFERENCE_FILE = "reference_log_probs.safetensors"  # dpo with precompute_ref_log_probs: the reference's log-probs
+PREFLIGHT_DIR = ".tmp-preflight"  # output_dir/.tmp-preflight: the checkpoint round trip before step 1, then removed
 UNIVERSAL_PREFIX = ".universal-"  # output_dir/.universal-checkpoint-N: a ZeRO checkpoint converted for another world
 
 
@@ -182,7 +185,7 @@ def clear_run(output_dir: Path) -> None:
     """Remove a previous run's checkpoints, final model, metrics, profiler traces and report (overwrite_output_dir)."""
     for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f"{TMP_PREFIX}{PREFIX}*"),
                 output_dir / f"{TMP_PREFIX}{FINAL_DIR}", *output_dir.glob(f"{UNIVERSAL_PREFIX}{PREFIX}*"),
-                output_dir / FINAL_DIR, output_dir / PROFILE_DIR, output_dir / REPORT_DIR]:
+                output_dir / FINAL_DIR, output_dir / PROFILE_DIR, output_dir / REPORT_DIR, output_dir / PREFLIGHT_DIR]:
         shutil.rmtree(old, ignore_errors=True)
     (output_dir / METRICS_FILE).unlink(missing_ok=True)
 
@@ -272,6 +275,73 @@ def load_checkpoint(backend, model, scheduler, path: Path, plan) -> tuple[Progre
     # from this run's layout, in which every optimizer step is exactly `accum` micro-batches.
     accelerator.step = progress.step * plan.accum
     return progress, {k: v for k, v in state.items() if k not in ("progress", "versions", "scheduler")}
+
+
+def _checksums(tensors) -> torch.Tensor:
+    """(sum, sum of squares, elements) of each tensor (a DTensor's local shard), in float64: equal tensors give equal
+    rows."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    rows = [torch.stack([t.double().sum(), t.double().square().sum(), torch.tensor(float(t.numel()),
+                         dtype=torch.float64, device=t.device)]) for t in local]
+    return torch.stack(rows).cpu() if rows else torch.zeros(0, 3, dtype=torch.float64)
+
+
+def _optimizer_checksums(optimizer) -> torch.Tensor:
+    """Checksums of the optimizer state's non-zero tensors: loading a checkpoint saved before the first step may
+    create the state as zeros (FSDP2's loader does), which is what the first step would create."""
+    state = getattr(optimizer, "state", {}) or {}
+    rows = _checksums([v for per_param in state.values() if isinstance(per_param, dict) for v in per_param.values()
+                       if isinstance(v, torch.Tensor) and v.numel()])
+    return rows[rows[:, 1] != 0]
+
+
+def round_trip(backend, model, optimizer, scheduler, output_dir: Path, recipe: Recipe, progress: Progress,
+               run_info: dict, plan, tensors: dict | None = None) -> dict:
+    """checkpoint_preflight: save the current state as a checkpoint under output_dir/.tmp-preflight with the run's
+    strategy and process count, change every trained weight this process holds, load the checkpoint back, and
+    check that the weights and the optimizer state are what they were; then check that the disk holds another
+    checkpoint of the measured size, and remove the probe. Raises HftrainError naming what failed; returns
+    {save_seconds, load_seconds, megabytes}."""
+    accelerator = backend.accelerator
+    probe = output_dir / PREFLIGHT_DIR
+    trained = backend.local_trained_tensors(model)
+    before = (_checksums(trained), _optimizer_checksums(optimizer))
+    try:
+        started = time.perf_counter()
+        saved = save_checkpoint(backend, probe, recipe, progress, run_info, tensors)
+        saved_at = time.perf_counter()
+        with torch.no_grad():
+            for t in trained:  # a load that restores nothing must not pass
+                t.add_(1.0)
+        load_checkpoint(backend, model, scheduler, saved, plan)
+        loaded_at = time.perf_counter()
+    except Exception as exc:
+        if accelerator.is_main_process:
+            shutil.rmtree(probe, ignore_errors=True)
+        if isinstance(exc, HftrainError):
+            raise HftrainError(f"checkpoint preflight: {exc}") from exc
+        raise HftrainError(f"checkpoint preflight: saving or loading a checkpoint of the initial state under "
+                           f"{probe} failed ({first_line(exc)}); "
+                           "the run would fail the same way at its first save. Nothing was trained") from exc
+    after = (_checksums(backend.local_trained_tensors(model)), _optimizer_checksums(optimizer))
+    size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file()) if accelerator.is_main_process else 0
+    free = shutil.disk_usage(output_dir).free
+    # one collective: [ranks whose state came back unchanged, ranks that see room for another checkpoint]
+    votes = torch.tensor([float(all(torch.equal(a, b) for a, b in zip(before, after))), float(free >= size)],
+                         device=accelerator.device)
+    same, room = (int(v) == accelerator.num_processes for v in accelerator.reduce(votes, reduction="sum").tolist())
+    if accelerator.is_main_process:
+        shutil.rmtree(probe, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    if not same:
+        raise HftrainError("checkpoint preflight: a checkpoint of the initial state loaded back with other weights or "
+                           "optimizer state than were saved; the run's checkpoints would not resume it. Nothing was "
+                           "trained")
+    if not room:
+        raise HftrainError(f"checkpoint preflight: a checkpoint of this run takes {size / 2**20:,.0f} MiB and "
+                           f"{output_dir} has {free / 2**20:,.0f} MiB free; free disk space or set output_dir "
+                           "elsewhere. Nothing was trained")
+    return {"save_seconds": saved_at - started, "load_seconds": loaded_at - saved_at, "megabytes": size / 2**20}
 
 
 def realign(progress: Progress, saved_global_batch: int, plan) -> Progress:

@@ -350,6 +350,13 @@ class Recipe:
     )
     save_steps: int | None = _f(None, "Save checkpoint-N every N optimizer steps (save_strategy steps).",
                                 group="logging")
+    checkpoint_preflight: bool = _f(
+        True, "When the run saves periodic checkpoints (save_strategy epoch, or steps with save_steps): before step "
+        "1, save a checkpoint of the initial state under the real strategy and process count, load it back, check "
+        "that weights and optimizer state are unchanged and that the disk holds another checkpoint of that size, "
+        "then delete it and print the save and load times. A run whose checkpoints would not save or load stops "
+        "there instead of at its first save.", group="logging",
+    )
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (oldest removed first).",
                                       group="logging")
     resume_from_checkpoint: str | None = _f(

@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
 
 import torch
 from accelerate.utils import set_seed
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from hftrain import checkpoint
@@ -38,7 +39,7 @@ from hftrain.data import (
 from hftrain.errors import HftrainError, first_line, run_tool
 from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary, pad_token_id
-from hftrain.objectives import build_loss, precompute_reference_log_probs
+from hftrain.objectives import build_loss, precompute_reference_log_probs, reference_cache_file
 from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
 from hftrain.parallel import Launch, make_accelerator, phase, resolve
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
@@ -173,6 +174,7 @@ class Finetune:
         self.setup_model()
         self.setup_optimizer()
         self.describe_run()
+        self.check_checkpoints()
         self.train()
         return self.finish()
 
@@ -291,15 +293,34 @@ class Finetune:
                     f"{' and '.join(wrong)} pairs (saved without precompute_ref_log_probs, or the data changed); "
                     "resume with the same data and settings, or start a new run"
                 )
+            self.token_loss.reference.source = f"saved in {self.resume_from}"
         else:
-            with phase(self.accelerator, "precomputing reference log-probs", self.recipe.ddp_timeout):
-                values = {name: precompute_reference_log_probs(
-                    self.model, self.token_loss, data, Collator(data, pad_token_id(self.tokenizer)), self.dp,
-                    self.recipe.per_device_eval_batch_size, self.accelerator.device)
-                    for name, (data, _) in sets.items()}
+            values = self.cached_or_computed_reference({name: data for name, (data, _) in sets.items()})
         for name, (_, collator) in sets.items():
             collator.reference = values[name].cpu()
         self.token_loss.reference.pairs = sum(len(data) for data, _ in sets.values())
+        return values
+
+    def cached_or_computed_reference(self, sets: dict) -> dict[str, torch.Tensor]:
+        """The reference log-probs from the cross-run cache when every process finds them there (one vote: a process
+        that would compute alone would leave the others waiting in its forward), else computed and cached."""
+        accelerator, cache = self.accelerator, reference_cache_file(self.recipe, sets)
+        found = accelerator.reduce(torch.tensor(float(cache.exists()), device=accelerator.device), reduction="sum")
+        if int(found) == accelerator.num_processes:
+            values = load_file(str(cache))
+            if all(name in values and values[name].shape == (len(data), 2) for name, data in sets.items()):
+                self.token_loss.reference.source = f"read from the cache {cache}"
+                return values
+        with phase(accelerator, "precomputing reference log-probs", self.recipe.ddp_timeout):
+            values = {name: precompute_reference_log_probs(
+                self.model, self.token_loss, data, Collator(data, pad_token_id(self.tokenizer)), self.dp,
+                self.recipe.per_device_eval_batch_size, accelerator.device) for name, data in sets.items()}
+        if accelerator.is_main_process:  # written whole, then renamed: a reader never sees half a file
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            partial = cache.with_name(f"{checkpoint.TMP_PREFIX}{cache.name}")
+            save_file({k: v.contiguous().cpu() for k, v in values.items()}, str(partial))
+            partial.replace(cache)
+        self.token_loss.reference.source = f"one pass of the starting model before training, cached in {cache}"
         return values
 
     def make_run_info(self) -> dict:
@@ -345,6 +366,21 @@ class Finetune:
             f"device (+{memory['offloaded_gib']} GiB offloaded to CPU; activations extra) of "
             f"{memory['device_memory_gib']} GiB{preset}"
         )
+
+    def check_checkpoints(self) -> None:
+        """checkpoint_preflight: one save and load of the initial state before step 1 (checkpoint.round_trip), when the
+        run saves periodic checkpoints."""
+        recipe = self.recipe
+        periodic = recipe.save_strategy == "epoch" or (recipe.save_strategy == "steps" and bool(recipe.save_steps))
+        if not (recipe.checkpoint_preflight and periodic):
+            return
+        with phase(self.accelerator, "the checkpoint preflight", recipe.ddp_timeout):
+            took = checkpoint.round_trip(self.backend, self.model, self.optimizer, self.scheduler, self.output_dir,
+                                         recipe, self.progress, self.current_run_info(), self.plan,
+                                         self.reference_log_probs)
+        self.logger.print(f"hftrain: checkpoint preflight: a {took['megabytes']:,.1f} MiB checkpoint saved in "
+                          f"{took['save_seconds']:.1f} s and loaded back in {took['load_seconds']:.1f} s, weights and "
+                          "optimizer state unchanged (checkpoint_preflight: false skips this)")
 
     def objective_notes(self) -> list[str]:
         """The preference objective, its settings and its reference, in words."""
@@ -483,6 +519,7 @@ class Finetune:
                                 local_loss_sum=window.loss, global_tokens=window.tokens,
                                 global_examples=window.examples),
         }
+        row[f"{self.token_loss.examples_name}_per_second"] = row["samples_per_second"]  # pairs_per_second for dpo
         self.logger.log(row)
         self.bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "skipped",
                              tokens_per_s=f"{row['tokens_per_second']:,.0f}")

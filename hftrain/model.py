@@ -382,6 +382,7 @@ class CausalLMTokenLoss(nn.Module):
         return loss
 
     unit = "tokens"  # what the summed loss is normalised by: the step's trained tokens
+    examples_name = "samples"  # what one example of the data is called in throughput metrics (samples_per_second)
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Trained tokens of a micro-batch (labels are shifted by the loss)."""

@@ -17,10 +17,15 @@ disabled for LoRA/QLoRA (no second copy), a frozen copy for full fine-tuning, no
 from __future__ import annotations
 
 import copy
+import hashlib
+import inspect
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import constants, try_to_load_from_cache
 from torch import nn
 
 from hftrain.config import Recipe
@@ -124,10 +129,43 @@ class PrecomputedReference:
 
     def __init__(self):
         self.pairs = 0
+        self.source = "one pass of the starting model before training"  # or the cache / checkpoint it came from
 
     def describe(self) -> str:
-        return (f"precomputed log-probs of {self.pairs} pairs (one pass of the starting model before training, "
-                "saved with every checkpoint; no reference model in memory)")
+        return (f"precomputed log-probs of {self.pairs} pairs ({self.source}; saved with every checkpoint; no "
+                "reference model in memory)")
+
+
+REFERENCE_CACHE = Path(constants.HF_HOME) / "hftrain" / "reference_log_probs"
+# Recipe fields that change what the starting model computes (the data's own fingerprint covers tokenization)
+REFERENCE_KEY_FIELDS = ("model_name_or_path", "model_revision", "trust_remote_code", "dtype", "attn_implementation",
+                        "bf16", "fp16", "torch_compile", "use_peft", "use_dora", "load_in_4bit", "load_in_8bit",
+                        "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype",
+                        "bnb_4bit_quant_storage")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".json")
+
+
+def _model_files(recipe: Recipe) -> list[str]:
+    """(name, size, modification time) of the starting model's files: a local folder's, or the hub snapshot's
+    (its folder is named by the commit)."""
+    folder = Path(recipe.model_name_or_path).expanduser()
+    if not folder.is_dir():
+        config = try_to_load_from_cache(recipe.model_name_or_path, "config.json", revision=recipe.model_revision)
+        folder = Path(config).parent if isinstance(config, str) else None
+    if folder is None:
+        return ["not cached"]
+    return sorted(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in folder.iterdir()
+                  if f.suffix in WEIGHT_SUFFIXES)
+
+
+def reference_cache_file(recipe: Recipe, sets: dict) -> Path:
+    """Where the reference log-probs of these pairs under this starting model are cached across runs, keyed like
+    the tokenization cache: the tokenized data's fingerprints, the recipe fields that change the model's outputs,
+    the model's files (name, size, modification time) and the code that computes the log-probs."""
+    parts = [json.dumps({k: getattr(recipe, k) for k in REFERENCE_KEY_FIELDS}, sort_keys=True, default=str),
+             *_model_files(recipe), inspect.getsource(sequence_log_probs)]
+    parts += [f"{name}:{data._fingerprint}:{len(data)}" for name, data in sorted(sets.items())]
+    return REFERENCE_CACHE / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:32]}.safetensors"
 
 
 def pair_losses(recipe: Recipe, chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor,
@@ -164,6 +202,7 @@ class PreferenceLoss(CausalLMTokenLoss):
     """
 
     unit = "pairs"
+    examples_name = "pairs"  # logged as pairs_per_second next to samples_per_second
 
     def __init__(self, lm: nn.Module, recipe: Recipe, reference: AdapterReference | FrozenReference | None):
         super().__init__(lm, router_aux_loss_coef=recipe.router_aux_loss_coef)

@@ -132,6 +132,15 @@ class Backend:
         """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings."""
         return self.accelerator.prepare(model, optimizer)
 
+    def local_trained_tensors(self, model) -> list[torch.Tensor]:
+        """The values of the trained parameters held by this process (a DTensor's local shard), to change and compare
+        in place (checkpoint preflight)."""
+        tensors = []
+        for p in model.parameters():
+            if p.requires_grad:
+                tensors.append(p.data.to_local() if hasattr(p.data, "to_local") else p.data)
+        return tensors
+
     def frozen_copy(self, model, rebuild):
         """A copy of the built, not yet prepared `model` (dpo's reference). `rebuild()` builds the model again (used
         where the loaded model cannot be deep-copied)."""

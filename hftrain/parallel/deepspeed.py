@@ -152,6 +152,12 @@ class DeepSpeedBackend(Backend):
                 set_key(self.config, key, size(hidden))
         return super().prepare(model, optimizer)
 
+    def local_trained_tensors(self, model) -> list[torch.Tensor]:
+        """ZeRO-3: this process's partition of each trained parameter (the parameter itself is an empty placeholder
+        outside forward); ZeRO-1/2: the engine's copy of the weights (the master copy is restored from the same
+        checkpoint)."""
+        return [p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in model.parameters() if p.requires_grad]
+
     def frozen_copy(self, model, rebuild):
         """Under ZeRO-3 transformers loads the model already partitioned (zero.Init): its parameters are empty
         placeholders that a deep copy would copy as such. The copy is built again, partitioned the same way, and

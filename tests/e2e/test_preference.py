@@ -39,7 +39,8 @@ def test_tiny_dpo_recipe_learns_the_preferences(tmp_path):
     assert sum(r["loss"] for r in rows[-5:]) / 5 < math.log(2) - 0.05
     assert evals[-1]["eval_pairs"] == 40 and evals[-1]["eval_loss"] < math.log(2)
     assert evals[-1]["eval_rewards/accuracies"] > 0.6 and evals[-1]["eval_rewards/margins"] > 0
-    assert rows[-1]["samples_per_second"] > 0 and run.state()["data"]["sources"][0]["format"] == "preference"
+    assert rows[-1]["pairs_per_second"] == rows[-1]["samples_per_second"] > 0
+    assert run.state()["data"]["sources"][0]["format"] == "preference"
     assert (run.output_dir / "final" / "model.safetensors").exists()
 
 
@@ -132,29 +133,39 @@ def test_lora_dpo_under_sharded_presets_equals_one_process(tmp_path, lora_one_pr
         torch.testing.assert_close(value, adapter[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_precomputed_reference_equals_the_live_one_and_survives_a_resume(tmp_path):
+def test_precomputed_reference_equals_the_live_one_survives_a_resume_and_is_cached(tmp_path):
     """precompute_ref_log_probs: the same train and eval rows as the frozen copy; resumed at step 2 it reads the
-    saved values (a recomputation with the trained model would change steps 3-4); a checkpoint without them is
-    refused in one paragraph."""
+    values saved in the checkpoint (a recomputation with the trained model would change steps 3-4); another run on
+    the same data and model reads them from the cross-run cache; a checkpoint without them is refused."""
     args = [*EXACT[:-2], "--max_steps", "4", "--save_steps", "2", "--save_total_limit", "3",
             "--validation_split_percentage", "10", "--eval_steps", "2", "--per_device_train_batch_size", "4"]
+    cache_home = {"HF_HOME": str(tmp_path / "hf")}  # a cache of this test's own
     live = run_script(tmp_path / "live", *args)
     out = tmp_path / "pre"
-    pre = run_script(out, *args, "--precompute_ref_log_probs", "true")
-    assert "reference: precomputed log-probs of 400 pairs" in " ".join(pre.stdout.split())
-    rows = [{k: v for k, v in r.items() if k in COMPARED or k.startswith("eval_")} for r in pre.metrics()]
-    assert rows == [{k: pytest.approx(v, rel=1e-5, abs=1e-7) for k, v in r.items() if k in COMPARED
-                     or k.startswith("eval_")} for r in live.metrics()]
+    pre = run_script(out, *args, "--precompute_ref_log_probs", "true", env=cache_home)
+    said = " ".join(pre.stdout.split())
+    assert "reference: precomputed log-probs of 400 pairs (one pass of the starting model" in said
+    assert list((tmp_path / "hf" / "hftrain" / "reference_log_probs").glob("*.safetensors"))
+
+    def compared(run):
+        return [{k: v for k, v in r.items() if k in COMPARED or k.startswith("eval_")} for r in run.metrics()]
+
+    assert compared(pre) == [{k: pytest.approx(v, rel=1e-5, abs=1e-7) for k, v in r.items()} for r in compared(live)]
     assert (out / "checkpoint-2" / "reference_log_probs.safetensors").exists()
     expected = {r["step"]: r for r in pre.train_rows()}
     shutil.rmtree(out / "final")
     shutil.rmtree(out / "checkpoint-4")
-    resumed = run_script(out, *args, "--precompute_ref_log_probs", "true", "--resume_from_checkpoint", "latest")
+    resumed = run_script(out, *args, "--precompute_ref_log_probs", "true", "--resume_from_checkpoint", "latest",
+                         env=cache_home)
+    assert f"saved in {out / 'checkpoint-2'}" in " ".join(resumed.stdout.split())
     for row in (r for r in resumed.train_rows() if r["step"] > 2):
         for key in COMPARED:
             assert row[key] == pytest.approx(expected[row["step"]][key], rel=1e-5, abs=1e-7), (row["step"], key)
+    again = run_script(tmp_path / "again", *args, "--precompute_ref_log_probs", "true", env=cache_home)
+    assert "read from the cache" in " ".join(again.stdout.split())
+    assert compared(again) == compared(pre)
     refused = run_script(tmp_path / "live", *args, "--precompute_ref_log_probs", "true", "--resume_from_checkpoint",
-                         str(tmp_path / "live" / "checkpoint-2"), check=False)
+                         str(tmp_path / "live" / "checkpoint-2"), check=False, env=cache_home)
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert "has no reference log-probs for the current train and eval pairs" in " ".join(refused.stderr.split())
 
@@ -172,12 +183,14 @@ def test_full_dpo_under_sharded_presets_equals_one_process(tmp_path, full_one_pr
     processes x 2 pairs = 1 process x 4 pairs (with its own frozen copy), weights included."""
     script = FSDP_LAUNCHER if preset == "fsdp2" else ENTRY
     run = launch(tmp_path / "out", *EXACT, "--precompute_ref_log_probs", str(precompute).lower(),
-                 "--per_device_train_batch_size", "2", preset=preset, processes=2, script=script)
+                 "--per_device_train_batch_size", "2", preset=preset, processes=2, script=script,
+                 env={"HF_HOME": str(tmp_path / "hf")})  # an empty cache: the pass runs on the sharded model
     how = {"zero2": "replicated on every process in the engine's dtype", "zero3": "partitioned over the processes "
            "(ZeRO-3)", "fsdp2": "sharded over the processes (FSDP2)"}[preset]
     said = " ".join((run.stdout + run.stderr).split())
-    assert ("reference: precomputed log-probs of 400 pairs" if precompute else f"frozen copy of the starting model, "
-            f"{how}") in said
+    expected_reference = "precomputed log-probs of 400 pairs (one pass" if precompute else \
+        f"a frozen copy of the starting model, {how}"
+    assert f"reference: {expected_reference}" in said
     for key in COMPARED:
         torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
                                    torch.tensor([r[key] for r in full_one_process.train_rows()]), rtol=1e-4,

@@ -178,6 +178,36 @@ def test_a_failing_final_save_keeps_the_trained_state_and_a_resume_saves_it(tmp_
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
 
 
+def test_checkpoint_preflight_round_trips_before_step_1_and_changes_no_number(tmp_path, reference):
+    """The reference run saves checkpoints, so it saved and loaded its initial state first: said, cleaned up, and
+    the same losses and weights as the same run without the preflight."""
+    said = " ".join(reference.stdout.split())
+    assert "checkpoint preflight: a " in said and "weights and optimizer state unchanged" in said
+    assert not (reference.output_dir / ".tmp-preflight").exists()
+    without = run_script(tmp_path / "out", *RECIPE, "--max_steps", "30", "--save_steps", "10",
+                         "--checkpoint_preflight", "false")
+    assert "checkpoint preflight" not in without.stdout
+    assert [r["loss"] for r in without.train_rows()] == [r["loss"] for r in reference.train_rows()]
+    expected = params(reference.output_dir / "final")
+    for name, value in params(without.output_dir / "final").items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fault, said", [
+    ("unloadable_checkpoint", "saving or loading a checkpoint of the initial state under"),
+    ("no_op_load", "loaded back with other weights or optimizer state than were saved"),
+])
+def test_a_checkpoint_that_would_not_load_stops_the_run_before_step_1(tmp_path, fault, said):
+    out = tmp_path / "out"
+    failed = run_script(out, *TINY_CHAT, "--max_samples", "64", "--max_steps", "4", "--save_steps", "2",
+                        script=FAULTY_RANK, env={"HFTRAIN_TEST_FAULTS": fault, "RANK": "0"}, check=False)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    message = " ".join(failed.stderr.split())
+    assert "checkpoint preflight:" in message and said in message and "Nothing was trained" in message
+    assert not list(out.glob("checkpoint-*")) and not (out / ".tmp-preflight").exists() and not (out / "final").exists()
+    assert not (out / "metrics.jsonl").exists() or "loss" not in (out / "metrics.jsonl").read_text()
+
+
 def test_a_failing_final_evaluation_comes_after_the_final_model_is_saved(tmp_path):
     out = tmp_path / "out"
     failed = run_script(out, *TINY_CHAT, "--max_samples", "64", "--max_steps", "2", "--validation_split_percentage",

@@ -81,10 +81,12 @@ def test_run_calls_the_phases_in_order():
     class Recorded(Finetune):
         pass
 
-    for name in ("setup", "setup_data", "setup_model", "setup_optimizer", "describe_run", "train", "finish"):
+    for name in ("setup", "setup_data", "setup_model", "setup_optimizer", "describe_run", "check_checkpoints", "train",
+                 "finish"):
         setattr(Recorded, name, lambda self, name=name: calls.append(name) or Path("final"))
     assert Recorded(Recipe()).run() == Path("final")
-    assert calls == ["setup", "setup_data", "setup_model", "setup_optimizer", "describe_run", "train", "finish"]
+    assert calls == ["setup", "setup_data", "setup_model", "setup_optimizer", "describe_run", "check_checkpoints",
+                     "train", "finish"]
 
 
 @pytest.mark.parametrize(("error", "code", "said"), [

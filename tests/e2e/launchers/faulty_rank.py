@@ -9,6 +9,8 @@ stuck_data:   rank 0 sleeps HFTRAIN_TEST_STALL seconds before preparing the data
 stuck_step:   rank 1 sleeps HFTRAIN_TEST_STALL seconds in its 3rd forward (a hung device, a stuck input).
 final_save:   saving the final model's tokenizer raises (a full disk, a library that cannot serialise the model).
 final_eval:   the final evaluation raises (bitsandbytes' CPU inference path did on some shapes).
+unloadable_checkpoint: loading a checkpoint raises (a strategy whose state cannot be read back).
+no_op_load:   loading a checkpoint silently restores nothing.
 Faults live here, in the test tree, never in the product code: `FaultyRank` overrides the phase object's seams.
 """
 
@@ -72,6 +74,10 @@ class FaultyRank(Finetune):
 
     def setup_optimizer(self):
         super().setup_optimizer()
+        if "unloadable_checkpoint" in faults:
+            self.backend.checkpoint_load_kwargs = lambda: {"no_such_option": True}
+        if "no_op_load" in faults:
+            self.accelerator.load_state = lambda *args, **kwargs: None
         if rank == 1 and "diverge" in faults:
             inner = self.optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps torch's AdamW
 
