@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: import the package, not sibling modules as top-level names
@@ -22,7 +22,6 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
 
 import torch
 from accelerate.utils import set_seed
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from hftrain import checkpoint
@@ -37,9 +36,18 @@ from hftrain.data import (
     training_rows,
 )
 from hftrain.errors import HftrainError, first_line, run_tool
-from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
+from hftrain.metrics import (
+    FlopCounter,
+    RunMeter,
+    StepProfiler,
+    StepResult,
+    Window,
+    add_stats,
+    current_memory_mb,
+    summed_stats,
+)
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary, pad_token_id
-from hftrain.objectives import build_loss, precompute_reference_log_probs, reference_cache_file
+from hftrain.objectives import build_loss, precompute_reference_log_probs, reference_values
 from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
 from hftrain.parallel import Launch, make_accelerator, phase, resolve
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
@@ -78,17 +86,6 @@ def evaluate(accelerator, dp, model, loss_fn, dataset, collator: Collator, recip
     return loss_fn.eval_metrics(loss_sum, int(units), summed_stats(dp, stats))
 
 
-def add_stats(total: dict[str, torch.Tensor], more: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: total.get(name, 0) + more.get(name, 0) for name in {*total, *more}}
-
-
-def summed_stats(dp, stats: dict[str, torch.Tensor]) -> dict[str, float]:
-    """The objective's statistics summed over the data-parallel ranks (one collective; every rank has the same
-    names: they come from the loss module, not from the data)."""
-    names = sorted(stats)
-    return dict(zip(names, dp.sum(torch.stack([stats[n] for n in names])).tolist())) if names else {}
-
-
 def optimizer_step(backend, model, optimizer, scheduler, micro_batches, scale, max_norm, timer):
     """Forward/backward every micro-batch of one optimizer step, clip, then step -- unless the gradient norm
     is NaN/inf, in which case nothing is updated. Returns (summed local token loss, grad norm, updated?).
@@ -113,48 +110,6 @@ def optimizer_step(backend, model, optimizer, scheduler, micro_batches, scale, m
                 optimizer.zero_grad(set_to_none=True)
                 timer.lap("optimizer")
     return step_loss, grad_norm, finite
-
-
-@dataclass
-class StepResult:
-    """One optimizer step as the loop accounts for it."""
-
-    loss: torch.Tensor  # this rank's summed loss over the step's micro-batches (router loss included)
-    units: int  # what the loss is normalised by (trained tokens, or pairs), over the data-parallel ranks
-    tokens: int  # trained tokens of the step over the data-parallel ranks
-    examples: int  # examples (pairs) of the step over the data-parallel ranks
-    grad_norm: float | None
-    updated: bool  # False: a non-finite gradient norm, nothing applied (nan_policy skip_step)
-    learning_rate: float
-    aux: torch.Tensor | None = None  # mixture-of-experts: this rank's summed aux loss x trained tokens
-    stats: dict[str, torch.Tensor] | None = None  # the objective's per-unit statistics, summed on this rank
-
-
-@dataclass
-class Window:
-    """The steps since the last logged row: the logged loss is their mean per unit (token or pair) over every rank."""
-
-    loss: torch.Tensor  # this rank's summed loss of the updated steps (summed over ranks when logged)
-    units: int = 0  # the loss's units of the updated steps, over the data-parallel ranks
-    tokens: int = 0  # trained tokens of the updated steps, over the data-parallel ranks
-    examples: int = 0
-    aux: torch.Tensor | None = None  # this rank's summed aux loss x trained tokens (router loss models only)
-    stats: dict[str, torch.Tensor] | None = None  # this rank's summed objective statistics of the updated steps
-
-    def add(self, step: StepResult) -> None:
-        if step.updated:
-            self.loss += step.loss
-            self.units += step.units
-            self.tokens += step.tokens
-            if step.aux is not None:
-                self.aux = step.aux.double() + (0 if self.aux is None else self.aux)
-            self.stats = add_stats(self.stats or {}, step.stats or {})
-        self.examples += step.examples
-
-    def reset(self) -> None:
-        self.loss.zero_()
-        self.units = self.tokens = self.examples = 0
-        self.aux = self.stats = None
 
 
 class Finetune:
@@ -279,48 +234,23 @@ class Finetune:
                               machines=self.backend.record.machines)
 
     def precompute_reference(self) -> dict[str, torch.Tensor]:
-        """dpo's reference log-probs of every training and eval pair: one pass of the prepared starting model (before
-        the checkpoint loads), or on resume the values saved with the checkpoint; handed to the collators."""
+        """dpo's reference log-probs of every training and eval pair (objectives.reference_values: from the resumed
+        checkpoint, the cross-run cache, or one pass of the prepared starting model), handed to the collators."""
         sets = {"train": (self.train_set, self.collator), "eval": (self.eval_set, self.eval_collator)}
         sets = {name: pair for name, pair in sets.items() if pair[0] is not None}
-        if self.resume_from is not None:
-            values = checkpoint.load_run_tensors(self.resume_from) or {}
-            wrong = [name for name, (data, _) in sets.items()
-                     if name not in values or values[name].shape != (len(data), 2)]
-            if wrong:
-                raise HftrainError(
-                    f"precompute_ref_log_probs: {self.resume_from} has no reference log-probs for the current "
-                    f"{' and '.join(wrong)} pairs (saved without precompute_ref_log_probs, or the data changed); "
-                    "resume with the same data and settings, or start a new run"
-                )
-            self.token_loss.reference.source = f"saved in {self.resume_from}"
-        else:
-            values = self.cached_or_computed_reference({name: data for name, (data, _) in sets.items()})
+
+        def compute() -> dict[str, torch.Tensor]:
+            with phase(self.accelerator, "precomputing reference log-probs", self.recipe.ddp_timeout):
+                return {name: precompute_reference_log_probs(
+                    self.model, self.token_loss, data, Collator(data, pad_token_id(self.tokenizer)), self.dp,
+                    self.recipe.per_device_eval_batch_size, self.accelerator.device)
+                    for name, (data, _) in sets.items()}
+
+        values, self.token_loss.reference.source = reference_values(
+            self.recipe, {name: data for name, (data, _) in sets.items()}, self.accelerator, self.resume_from, compute)
         for name, (_, collator) in sets.items():
             collator.reference = values[name].cpu()
         self.token_loss.reference.pairs = sum(len(data) for data, _ in sets.values())
-        return values
-
-    def cached_or_computed_reference(self, sets: dict) -> dict[str, torch.Tensor]:
-        """The reference log-probs from the cross-run cache when every process finds them there (one vote: a process
-        that would compute alone would leave the others waiting in its forward), else computed and cached."""
-        accelerator, cache = self.accelerator, reference_cache_file(self.recipe, sets)
-        found = accelerator.reduce(torch.tensor(float(cache.exists()), device=accelerator.device), reduction="sum")
-        if int(found) == accelerator.num_processes:
-            values = load_file(str(cache))
-            if all(name in values and values[name].shape == (len(data), 2) for name, data in sets.items()):
-                self.token_loss.reference.source = f"read from the cache {cache}"
-                return values
-        with phase(accelerator, "precomputing reference log-probs", self.recipe.ddp_timeout):
-            values = {name: precompute_reference_log_probs(
-                self.model, self.token_loss, data, Collator(data, pad_token_id(self.tokenizer)), self.dp,
-                self.recipe.per_device_eval_batch_size, accelerator.device) for name, data in sets.items()}
-        if accelerator.is_main_process:  # written whole, then renamed: a reader never sees half a file
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            partial = cache.with_name(f"{checkpoint.TMP_PREFIX}{cache.name}")
-            save_file({k: v.contiguous().cpu() for k, v in values.items()}, str(partial))
-            partial.replace(cache)
-        self.token_loss.reference.source = f"one pass of the starting model before training, cached in {cache}"
         return values
 
     def make_run_info(self) -> dict:

@@ -26,8 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from huggingface_hub import constants, try_to_load_from_cache
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from hftrain.checkpoint import TMP_PREFIX, load_run_tensors
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX, eval_micro_batches
 from hftrain.errors import HftrainError
@@ -301,3 +303,36 @@ def precompute_reference_log_probs(model, loss_fn: PreferenceLoss, dataset, coll
         loss_fn.collecting = False
         model.train()
     return dp.sum(out).float()
+
+
+def reference_values(recipe: Recipe, sets: dict, accelerator, resume_from: Path | None,
+                     compute: Callable[[], dict]) -> tuple[dict[str, torch.Tensor], str]:
+    """({set name: [pairs, 2] reference log-probs}, where they came from) for precompute_ref_log_probs.
+
+    On resume: the values saved in the checkpoint (the model has trained since). Else the cross-run cache when every
+    process finds it (one vote: a process that computed alone would leave the others waiting in its forward), else
+    `compute()` on every process, written to the cache whole and then renamed.
+    """
+    if resume_from is not None:
+        values = load_run_tensors(resume_from) or {}
+        wrong = [name for name, data in sets.items() if name not in values or values[name].shape != (len(data), 2)]
+        if wrong:
+            raise HftrainError(
+                f"precompute_ref_log_probs: {resume_from} has no reference log-probs for the current "
+                f"{' and '.join(wrong)} pairs (saved without precompute_ref_log_probs, or the data changed); resume "
+                "with the same data and settings, or start a new run"
+            )
+        return values, f"saved in {resume_from}"
+    cache = reference_cache_file(recipe, sets)
+    found = accelerator.reduce(torch.tensor(float(cache.exists()), device=accelerator.device), reduction="sum")
+    if int(found) == accelerator.num_processes:
+        values = load_file(str(cache))
+        if all(name in values and values[name].shape == (len(data), 2) for name, data in sets.items()):
+            return values, f"read from the cache {cache}"
+    values = compute()
+    if accelerator.is_main_process:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_name(f"{TMP_PREFIX}{cache.name}")
+        save_file({k: v.contiguous().cpu() for k, v in values.items()}, str(partial))
+        partial.replace(cache)
+    return values, f"one pass of the starting model before training, cached in {cache}"
