@@ -49,7 +49,7 @@ from hftrain.metrics import (
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary, pad_token_id
 from hftrain.objectives import build_loss, precompute_reference_log_probs, reference_values
 from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
-from hftrain.parallel import Launch, make_accelerator, phase, resolve
+from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
 from hftrain.preflight import preflight
 from hftrain.tracking import MetricLogger, quiet_other_ranks
@@ -154,6 +154,7 @@ class Finetune:
         self.accelerator = self.make_accelerator(launch)
         quiet_other_ranks(self.accelerator)
         self.backend = resolve(self.accelerator, recipe, launch)
+        self.devices = devices_record(self.accelerator)  # refuses two processes on one GPU
         self.dp = self.backend.dp  # the ranks of one tensor-parallel group share their data
         set_seed(recipe.seed)
         self.output_dir = Path(recipe.output_dir)
@@ -258,7 +259,8 @@ class Finetune:
         recipe = self.recipe
         self.parameters = self.backend.parameter_counts(self.model)  # (trained, total)
         return {"launch": self.backend.launch_info(self.model, self.optimizer),
-                "parallelism": asdict(self.backend.record), "model": self.summary, "data": self.data_stats,
+                "parallelism": asdict(self.backend.record), "devices": self.devices, "model": self.summary,
+                "data": self.data_stats,
                 "effective_batch_size": self.plan.global_batch, "lr_scaling": self.lr_scaling,
                 "total_steps": self.total_steps,
                 "memory_estimate": self.backend.memory(*self.parameters),

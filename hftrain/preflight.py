@@ -19,6 +19,7 @@ import importlib.util
 import os
 import shutil
 
+import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from hftrain.config import Recipe
@@ -42,10 +43,20 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     """Raise one ConfigError with every problem found; return the model's config."""
     model_config, problems = model_problems(recipe)
     problems = machine_problems(recipe, cuda) + launch_problems(recipe, launch) + problems
+    problems += gpu_count_problems(launch, torch.cuda.device_count() if cuda else 0)
     problems += liger_problems(recipe, cuda, launch, model_config)
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
     return model_config
+
+
+def gpu_count_problems(launch: Launch, gpus: int) -> list[str]:
+    """On a GPU machine every process of a node needs a GPU of its own (`gpus`: those this process sees)."""
+    if gpus == 0 or launch.per_node <= gpus:
+        return []
+    return [f"the launch starts {launch.per_node} processes per machine but this machine shows {gpus} GPU(s) "
+            "(CUDA_VISIBLE_DEVICES / the preset's gpu_ids): processes would share a GPU; pass --num_processes "
+            f"{gpus} (per machine) or make more GPUs visible"]
 
 
 def machine_problems(recipe: Recipe, cuda: bool) -> list[str]:

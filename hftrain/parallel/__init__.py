@@ -17,10 +17,11 @@ from hftrain.errors import HftrainError
 from hftrain.parallel.base import Backend, DataParallel, Parallelism
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
-from hftrain.parallel.launch import Launch, make_accelerator, phase
+from hftrain.parallel.launch import Launch, devices_record, make_accelerator, phase
 from hftrain.parallel.tensor import TensorParallelBackend
 
-__all__ = ["Backend", "DataParallel", "Launch", "Parallelism", "make_accelerator", "phase", "resolve"]
+__all__ = ["Backend", "DataParallel", "Launch", "Parallelism", "devices_record", "make_accelerator", "phase",
+           "resolve"]
 
 SELECTED = {"fsdp2": "FSDP", "deepspeed": "DEEPSPEED"}  # accelerate's DistributedType names
 

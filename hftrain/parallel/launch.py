@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import socket
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs
+from accelerate.utils import InitProcessGroupKwargs, gather_object
 
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError, HftrainError
@@ -111,3 +113,47 @@ def phase(accelerator, name: str | Callable[[], str], timeout: int):
             f"the other ranks during {name() if callable(name) else name}; a rank may have died (see its log above) "
             "or be much slower (raise ddp_timeout if rank 0 needs longer, e.g. to tokenize a large dataset)"
         ) from None
+
+
+def this_device(accelerator) -> dict:
+    """The physical device this process trains on, as recorded in hftrain_state.json: host, ranks, and on CUDA the
+    index within CUDA_VISIBLE_DEVICES, the GPU's name and UUID (the same GPU has the same UUID whatever the
+    numbering), or the CPU."""
+    record = {"rank": accelerator.process_index, "local_rank": accelerator.local_process_index,
+              "host": socket.gethostname(), "device": str(accelerator.device), "type": accelerator.device.type}
+    if accelerator.device.type == "cuda":
+        index = accelerator.device.index if accelerator.device.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        record.update(index=index, name=props.name, uuid=str(getattr(props, "uuid", "")))
+    else:
+        record.update(name=platform.processor() or platform.machine(), uuid=None)
+    return record
+
+
+def shared_devices(records: list[dict]) -> list[str]:
+    """Problems: processes on one host that would train on the same GPU (same UUID, or same index without one)."""
+    seen, problems = {}, []
+    for r in records:
+        if r["type"] != "cuda":  # CPU processes share the machine's cores by design
+            continue
+        key = (r["host"], r.get("uuid") or r.get("index"))
+        if key in seen:
+            problems.append(f"ranks {seen[key]} and {r['rank']} would both train on GPU {r.get('index')} "
+                            f"({r.get('name')}, {r.get('uuid') or 'no UUID'}) of host {r['host']}")
+        else:
+            seen[key] = r["rank"]
+    return problems
+
+
+def devices_record(accelerator, environ: Mapping[str, str] = os.environ) -> dict:
+    """Every process's device (one gather), refused when two processes would share a GPU: two ranks on one GPU run
+    at half speed each at best, and NCCL refuses or hangs on duplicate GPUs."""
+    records = gather_object([this_device(accelerator)]) if accelerator.num_processes > 1 else \
+        [this_device(accelerator)]
+    problems = shared_devices(records)
+    if problems:
+        raise HftrainError(
+            f"{'; '.join(problems)}: give each process its own GPU (the preset's gpu_ids or CUDA_VISIBLE_DEVICES "
+            "listing as many GPUs as --num_processes per machine)"
+        )
+    return {"CUDA_VISIBLE_DEVICES": environ.get("CUDA_VISIBLE_DEVICES"), "processes": records}

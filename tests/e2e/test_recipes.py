@@ -46,6 +46,8 @@ def test_packing_under_two_process_ddp_equals_one_process(tmp_path):
     two = launch(tmp_path / "two", *common, preset="cpu_ddp")
     assert two.state()["launch"]["model_wrapper"] == "DistributedDataParallel"
     assert two.state()["launch"]["num_processes"] == 2
+    devices = two.state()["devices"]["processes"]  # each process's physical device, recorded (here: CPU processes)
+    assert [(d["rank"], d["type"]) for d in devices] == [(0, "cpu"), (1, "cpu")]
     losses_one = torch.tensor([r["loss"] for r in one.train_rows()])
     losses_two = torch.tensor([r["loss"] for r in two.train_rows()])
     torch.testing.assert_close(losses_two, losses_one, rtol=1e-5, atol=1e-6)

@@ -48,6 +48,8 @@ def test_preset_parses_and_starts_with_its_launch_command(preset):
     assert config.num_processes >= 1 and config.num_machines >= 1
     if config.num_machines > 1:
         assert config.num_processes % config.num_machines == 0
+    if preset.stem not in ("cpu", "cpu_ddp"):  # GPU presets name their devices (issue 17 item 5)
+        assert config.gpu_ids is not None and re.search(r"^gpu_ids: ", text, re.M), f"{preset.name} names no gpu_ids"
     if str(config.distributed_type).endswith("DEEPSPEED"):
         assert config.mixed_precision is None or "mixed_precision:" not in text, \
             "accelerate refuses mixed_precision next to a deepspeed_config_file"

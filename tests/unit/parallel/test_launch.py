@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from hftrain.errors import ConfigError, HftrainError
-from hftrain.parallel.launch import Launch, phase
+from hftrain.parallel.launch import Launch, devices_record, phase, shared_devices
+from hftrain.preflight import gpu_count_problems
 
 
 def test_launch_reads_what_accelerate_launch_passes(tmp_path):
@@ -48,3 +51,32 @@ def test_a_collective_timeout_names_the_rank_and_the_phase():
     with pytest.raises(RuntimeError, match="out of memory"):  # any other error passes through unchanged
         with phase(FakeAccelerator(), "evaluation", 20):
             raise RuntimeError("out of memory")
+
+
+def test_two_processes_on_one_gpu_are_refused_and_cpu_processes_are_not():
+    gpu = {"device": "cuda:0", "type": "cuda", "host": "node-a", "index": 0, "name": "NVIDIA H100", "uuid": "GPU-1"}
+    ok = [{**gpu, "rank": 0}, {**gpu, "rank": 1, "device": "cuda:1", "index": 1, "uuid": "GPU-2"},
+          {**gpu, "rank": 2, "host": "node-b"}]  # another host: another GPU
+    assert shared_devices(ok) == []
+    same = [{**gpu, "rank": 0}, {**gpu, "rank": 1, "index": 1}]  # renumbered by CUDA_VISIBLE_DEVICES, same UUID
+    (problem,) = shared_devices(same)
+    assert "ranks 0 and 1 would both train on GPU 1 (NVIDIA H100, GPU-1) of host node-a" in problem
+    cpu = [{"device": "cpu", "type": "cpu", "host": "h", "rank": r, "uuid": None} for r in range(4)]
+    assert shared_devices(cpu) == []
+
+
+def test_more_processes_per_machine_than_visible_gpus_are_refused():
+    assert gpu_count_problems(Launch("ddp", 8, 8), gpus=8) == []
+    assert gpu_count_problems(Launch("ddp", 16, 8), gpus=8) == []  # two machines of 8
+    assert gpu_count_problems(Launch("ddp", 4, 4), gpus=0) == []  # CPU: gloo processes
+    (problem,) = gpu_count_problems(Launch("ddp", 8, 8), gpus=4)
+    assert "starts 8 processes per machine but this machine shows 4 GPU(s)" in problem
+
+
+def test_the_run_records_each_process_device_on_cpu():
+    accelerator = SimpleNamespace(process_index=0, local_process_index=0, num_processes=1,
+                                  device=torch.device("cpu"))
+    record = devices_record(accelerator, environ={"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert record["CUDA_VISIBLE_DEVICES"] == "2,3"
+    (me,) = record["processes"]
+    assert (me["rank"], me["type"], me["uuid"]) == (0, "cpu", None) and me["host"]
