@@ -347,6 +347,7 @@ class Finetune:
                     progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
         self.bar.close()
         self.profiler.stop()
+        self.meter.utilization.stop()
 
     def train_step(self, batches, stop: StopRequest) -> StepResult:
         """One optimizer step over `gradient_accumulation_steps` micro-batches, normalised by the step's tokens."""

@@ -23,8 +23,11 @@ loss's units, tokens, examples, the objective's statistics).
 
 from __future__ import annotations
 
+import math
+import os
 import resource
 import statistics
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -46,6 +49,60 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("MI300X", 1307.0), ("MI250X", 383.0), ("MI250", 362.0),
 )
 TIMER_PHASES = ("data_wait", "token_sync", "forward", "backward", "optimizer")
+PHASE_WORDS = {"data_wait": "data wait (the loader is slower than the device: dataloader_num_workers, pre-tokenized "
+               "data)", "token_sync": "the token-count collective (a slow link or a straggling rank)",
+               "optimizer": "the optimizer step and its gradient collectives (fused optimizer, bucket sizes, offload)",
+               "compute": "the device's own forward and backward (kernels too small to fill it: a larger "
+               "per_device_train_batch_size, packing, torch_compile)"}
+LOW_UTILIZATION = 80.0  # percent: below this for two windows in a row, a GPU is waiting on something
+
+
+class UtilizationSampler:
+    """Samples a device's utilisation (percent) on a background thread every `interval` seconds; `window_mean()` is
+    the mean since the last call (NaN when nothing could be read). `read` is the seam: NVML on CUDA
+    (`torch.cuda.utilization`, nvidia-ml-py), this process's share of its allowed CPU cores on CPU."""
+
+    def __init__(self, name: str, read: Callable[[], float] | None, interval: float = 0.5):
+        self.name, self.read, self.interval = name, read, interval
+        self.samples: list[float] = []
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        if read is not None:
+            threading.Thread(target=self._run, daemon=True, name="hftrain-utilization").start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                value = float(self.read())
+            except Exception:  # noqa: BLE001 - a failed read (driver hiccup) is a missing sample, not a failed run
+                continue
+            with self.lock:
+                self.samples.append(value)
+
+    def window_mean(self) -> float:
+        with self.lock:
+            samples, self.samples = self.samples, []
+        return statistics.fmean(samples) if samples else float("nan")
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def utilization_sampler(device: torch.device, interval: float = 0.5) -> UtilizationSampler:
+    """gpu_utilization from NVML on CUDA (None when nvidia-ml-py is missing: the metric is then left out), else
+    cpu_utilization: this process's CPU time over the cores it may use, in percent."""
+    if device.type == "cuda":
+        def read_gpu() -> float:
+            return torch.cuda.utilization(device)
+        try:
+            read_gpu()
+        except Exception:  # noqa: BLE001 - pynvml missing or NVML unavailable: no utilisation metric
+            return UtilizationSampler("gpu_utilization", None)
+        return UtilizationSampler("gpu_utilization", read_gpu, interval)
+    process, cores = psutil.Process(), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    process.cpu_percent(None)  # the first call starts the measurement
+    return UtilizationSampler("cpu_utilization", lambda: process.cpu_percent(None) / cores, interval)
 
 
 def peak_tflops(device: torch.device, override: float | None) -> float | None:
@@ -165,11 +222,12 @@ class RunMeter:
 
     # fields of the per-rank vector gathered at logging steps
     FIELDS = ("loss_sum", "trained_tokens", "examples", "processed_tokens", "flops", *TIMER_PHASES, "peak_memory_mb",
-              "peak_reserved_mb", "step", "loss", "grad_norm", "param_checksum")
+              "peak_reserved_mb", "step", "loss", "grad_norm", "param_checksum", "utilization")
 
     def __init__(self, accelerator, flops: FlopCounter, *, straggler_threshold: float,
                  peak_tflops_override: float | None, cost_per_gpu_hour: float | None, effective_batch_size: int,
-                 device_hours_before: float, warn: Callable[[str], None], machines: int = 1):
+                 device_hours_before: float, warn: Callable[[str], None], machines: int = 1,
+                 utilization: UtilizationSampler | None = None):
         self.accelerator = accelerator
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.flops = flops
@@ -184,6 +242,8 @@ class RunMeter:
         self.warn = warn
         self.first_window = True
         self.suspect: int | None = None  # rank below the straggler threshold in the previous window
+        self.utilization = utilization if utilization is not None else utilization_sampler(accelerator.device)
+        self.low_before = False  # the previous window's minimum GPU utilisation was below LOW_UTILIZATION
         self._reset()
 
     def _reset(self) -> None:
@@ -216,7 +276,7 @@ class RunMeter:
                   "flops": self.window_flops, **phases, "peak_memory_mb": peak, "peak_reserved_mb": reserved,
                   "step": step, "loss": loss if loss is not None else float("nan"),
                   "grad_norm": grad_norm if grad_norm is not None else float("nan"),
-                  "param_checksum": param_checksum(model)}
+                  "param_checksum": param_checksum(model), "utilization": self.utilization.window_mean()}
         mine = torch.stack([torch.as_tensor(values[k], dtype=torch.float64).to(self.accelerator.device).reshape(())
                             for k in self.FIELDS])
         table = self.accelerator.gather(mine.unsqueeze(0)).reshape(self.world, len(self.FIELDS)).cpu().tolist()
@@ -260,11 +320,34 @@ class RunMeter:
             row[f"rank{i}/own_tokens_per_second"] = own[i]
             row[f"rank{i}/loss"] = r["loss_sum"] / max(r["trained_tokens"], 1.0)
             row[f"rank{i}/peak_memory_mb"] = round(r["peak_memory_mb"], 1)
+        row.update(self._utilization(ranks, warn=not first))
         if self.machines > 1:
             row.update(self._per_node(ranks, train_time, global_tokens, global_examples))
         if self.world > 1:
             row.update(self._straggler(own, warn=not first))
             row["ranks_in_sync"] = self._in_sync(ranks)
+        return row
+
+    def _utilization(self, ranks: list[dict], warn: bool) -> dict:
+        """`<name>` (mean over ranks), `min_<name>` and `rank<i>/<name>`; on GPUs a warning when the minimum stays
+        below LOW_UTILIZATION for two windows in a row, naming the phase that dominates that rank's step. CPU
+        processes are only reported: under gloo they wait on each other's collectives by design."""
+        name, values = self.utilization.name, [r["utilization"] for r in ranks]
+        measured = {i: v for i, v in enumerate(values) if not math.isnan(v)}  # a rank may have no sample yet
+        if not measured:
+            return {}
+        i = min(measured, key=measured.get)
+        row = {name: statistics.fmean(measured.values()), f"min_{name}": measured[i]}
+        row.update({f"rank{r}/{name}": v for r, v in measured.items()})
+        low = name == "gpu_utilization" and measured[i] < LOW_UTILIZATION
+        if low and self.low_before and warn:
+            phases = {p: ranks[i][p] for p in ("data_wait", "token_sync", "optimizer")}
+            phases["compute"] = ranks[i]["forward"] + ranks[i]["backward"]
+            worst = max(phases, key=phases.get)
+            share = phases[worst] / max(sum(phases.values()), 1e-9)
+            self.warn(f"low {name}: rank {i} at {values[i]:.0f}% (below {LOW_UTILIZATION:.0f}% for two logging "
+                      f"windows); the largest part of its step is {PHASE_WORDS[worst]}, {share:.0%} of it")
+        self.low_before = low
         return row
 
     def _per_node(self, ranks: list[dict], train_time: float, global_tokens: int, global_examples: int) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from types import SimpleNamespace
 
@@ -10,7 +11,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hftrain import metrics
-from hftrain.metrics import FlopCounter, RunMeter, StepTimer, param_checksum, peak_tflops
+from hftrain.metrics import (
+    FlopCounter,
+    RunMeter,
+    StepTimer,
+    UtilizationSampler,
+    param_checksum,
+    peak_tflops,
+    utilization_sampler,
+)
 
 H, LAYERS, INTER, VOCAB, HEADS = 64, 3, 96, 500, 4
 
@@ -167,3 +176,56 @@ def test_multi_node_runs_report_each_nodes_throughput():
     assert row["node1/samples_per_second"] == pytest.approx(40 * 15 / 20 / train_time)
     assert row["node0/tokens_per_second"] + row["node1/tokens_per_second"] == pytest.approx(row["tokens_per_second"])
     assert not any(k.startswith("node") for k in fake_meter(4, [])._metrics(ranks, 1, 1600, 40))
+
+
+class FakeSampler(UtilizationSampler):
+    """A utilisation sampler whose readings the test gives (no thread, no NVML)."""
+
+    def __init__(self, name: str, values: list[float]):
+        super().__init__(name, None)
+        self.samples = list(values)
+
+
+def test_gpu_utilization_is_logged_per_rank_and_a_low_minimum_twice_warns_with_the_phase():
+    """Rank 1's GPU is at 40% for two windows and its step is mostly data wait: one warning naming it, at the second
+    window; the first window after a (re)start never warns."""
+    warnings: list[str] = []
+    accelerator = SimpleNamespace(num_processes=2, process_index=0, device=torch.device("cpu"))
+    meter = RunMeter(accelerator, FlopCounter(llama()), straggler_threshold=0.2, peak_tflops_override=None,
+                     cost_per_gpu_hour=None, effective_batch_size=8, device_hours_before=0.0, warn=warnings.append,
+                     utilization=FakeSampler("gpu_utilization", [90.0, 94.0]))
+    assert meter.utilization.window_mean() == pytest.approx(92.0) and math.isnan(meter.utilization.window_mean())
+    ranks = [rank(0.4, utilization=92.0), rank(0.4, utilization=40.0, data_wait=0.9)]
+    row = meter._metrics(ranks, 5, 800, 40, first=True)
+    assert (row["gpu_utilization"], row["min_gpu_utilization"], row["rank1/gpu_utilization"]) == (66.0, 40.0, 40.0)
+    assert warnings == []
+    meter._metrics(ranks, 5, 800, 40)
+    low = [w for w in warnings if "utilization" in w]  # (rank 1 is also a straggler in its own time: warned apart)
+    assert len(low) == 1 and "low gpu_utilization: rank 1 at 40%" in low[0]
+    assert "data wait" in low[0] and "47% of it" in low[0]  # 0.9 of 0.9 + 0.1 + 0.4 + 0.5
+    ranks[1]["utilization"] = 85.0
+    meter._metrics(ranks, 5, 800, 40)
+    assert len([w for w in warnings if "utilization" in w]) == 1  # recovered
+
+
+def test_cpu_utilization_is_reported_without_warnings_and_missing_samples_are_left_out():
+    warnings: list[str] = []
+    accelerator = SimpleNamespace(num_processes=2, process_index=0, device=torch.device("cpu"))
+    meter = RunMeter(accelerator, FlopCounter(llama()), straggler_threshold=0.2, peak_tflops_override=None,
+                     cost_per_gpu_hour=None, effective_batch_size=8, device_hours_before=0.0, warn=warnings.append,
+                     utilization=FakeSampler("cpu_utilization", []))
+    for _ in range(3):
+        row = meter._metrics([rank(0.4, utilization=30.0), rank(0.4, utilization=float("nan"))], 5, 800, 40)
+    assert row["cpu_utilization"] == row["min_cpu_utilization"] == 30.0 and "rank1/cpu_utilization" not in row
+    assert not any("utilization" in w for w in warnings)
+    none = meter._metrics([rank(0.4, utilization=float("nan"))] * 2, 5, 800, 40)
+    assert "cpu_utilization" not in none
+
+
+def test_the_cpu_sampler_measures_this_process():
+    sampler = utilization_sampler(torch.device("cpu"), interval=0.05)
+    deadline = time.perf_counter() + 0.6
+    while time.perf_counter() < deadline:  # keep one core busy
+        sum(i * i for i in range(1000))
+    sampler.stop()
+    assert sampler.name == "cpu_utilization" and 0 < sampler.window_mean() <= 100
