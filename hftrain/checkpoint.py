@@ -287,8 +287,7 @@ def _checksums(tensors) -> torch.Tensor:
 
 
 def _optimizer_checksums(optimizer) -> torch.Tensor:
-    """Checksums of the optimizer state's non-zero tensors: loading a checkpoint saved before the first step may
-    create the state as zeros (FSDP2's loader does), which is what the first step would create."""
+    """Checksums of the optimizer state's non-zero tensors (a state created as zeros holds nothing yet)."""
     state = getattr(optimizer, "state", {}) or {}
     rows = _checksums([v for per_param in state.values() if isinstance(per_param, dict) for v in per_param.values()
                        if isinstance(v, torch.Tensor) and v.numel()])
@@ -323,6 +322,12 @@ def round_trip(backend, model, optimizer, scheduler, output_dir: Path, recipe: R
         raise HftrainError(f"checkpoint preflight: saving or loading a checkpoint of the initial state under "
                            f"{probe} failed ({first_line(exc)}); "
                            "the run would fail the same way at its first save. Nothing was trained") from exc
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper around the torch optimizer
+    if not len(before[1]) and isinstance(inner, torch.optim.Optimizer):
+        # Before the first step the state is empty, and stays empty in the checkpoint; but torch.distributed's
+        # optimizer state dict (FSDP2's save and load) first creates it by a zero-gradient step, leaving step=1:
+        # AdamW's first update would then be bias-corrected as its second. A fresh run starts from no state.
+        inner.state.clear()
     after = (_checksums(backend.local_trained_tensors(model)), _optimizer_checksums(optimizer))
     size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file()) if accelerator.is_main_process else 0
     free = shutil.disk_usage(output_dir).free

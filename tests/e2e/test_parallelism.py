@@ -274,6 +274,24 @@ def test_fsdp2_through_the_test_launcher(reference, tmp_path, preset):
         assert_continues(resumed, run)
 
 
+def test_fsdp2_checkpoint_resumes_on_another_number_of_processes(reference, tmp_path):
+    """FSDP2's sharded checkpoints are torch.distributed.checkpoint folders, which reshard on load: a 2-process
+    checkpoint resumes on 1 process and a 1-process one on 2, and steps 4-6 equal the uninterrupted run."""
+    two = launch(tmp_path / "two", *COMMON, *TWO_PROCESSES, preset="fsdp2", processes=2, script=FSDP_LAUNCHER)
+    two_to_one = resume_from_step_3(two, "two-to-one", *ONE_PROCESS, preset="fsdp2", processes=1,
+                                    script=FSDP_LAUNCHER)
+    assert two_to_one.state()["progress"]["world_size"] == 1
+    assert_continues(two_to_one, two, rtol=1e-5, atol=1e-5)
+    one = launch(tmp_path / "one", *COMMON, *ONE_PROCESS, preset="fsdp2", processes=1, script=FSDP_LAUNCHER)
+    assert sorted(p.name for p in (one.output_dir / "checkpoint-3" / "pytorch_model_fsdp_0").glob("*.distcp")) == \
+        ["__0_0.distcp"]
+    one_to_two = resume_from_step_3(one, "one-to-two", *TWO_PROCESSES, preset="fsdp2", processes=2,
+                                    script=FSDP_LAUNCHER)
+    assert one_to_two.state()["progress"]["world_size"] == 2
+    assert_continues(one_to_two, one, rtol=1e-5, atol=1e-5)
+    assert_same_training(one, reference)
+
+
 @pytest.mark.parametrize("preset, env, expected", [
     ("fsdp2", {}, "asks for FSDP but accelerate selected MULTI_CPU"),  # accelerate: FSDP only on GPU-like devices
     ("zero2", {"ACCELERATE_USE_CPU": "1"}, "asks for DEEPSPEED but accelerate selected MULTI_CPU"),
