@@ -294,7 +294,21 @@ def router_aux(lm: nn.Module, coef: float | None):
     return float(coef), lambda router_logits, real_tokens: balance(router_logits, experts, top_k, real_tokens)
 
 
-class CausalLMTokenLoss(nn.Module):
+class WrapsCausalLM(nn.Module):
+    """A module around a causal LM `self.lm`: what the parallelism backends and accelerate read from the model they
+    prepare, forwarded from the causal LM."""
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    @property
+    def _no_split_modules(self) -> list[str] | None:
+        """The layer classes FSDP2 wraps one by one (accelerate reads them from the module it prepares)."""
+        return getattr(self.lm, "_no_split_modules", None)
+
+
+class CausalLMTokenLoss(WrapsCausalLM):
     """Wraps a causal LM so that `forward` returns the *sum* of next-token cross-entropies.
 
     The loop divides by the global number of trained tokens of the optimizer step, which makes
@@ -332,16 +346,6 @@ class CausalLMTokenLoss(nn.Module):
                     "remove lm_head from lora_target_modules / modules_to_save, or set use_liger_kernel: false"
                 )
             self.fused_ce = liger_fused_linear_cross_entropy()
-
-    # What the parallelism backends and accelerate read from the model they prepare, forwarded from the causal LM.
-    @property
-    def config(self):
-        return self.lm.config
-
-    @property
-    def _no_split_modules(self) -> list[str] | None:
-        """The layer classes FSDP2 wraps one by one (accelerate reads them from the module it prepares)."""
-        return getattr(self.lm, "_no_split_modules", None)
 
     def save_pretrained(self, folder, state_dict: dict | None = None, is_main_process: bool = True) -> None:
         """The causal LM's (or adapter's) from_pretrained folder; `state_dict` as gathered from this wrapper."""

@@ -33,7 +33,7 @@ from hftrain.checkpoint import TMP_PREFIX, load_run_tensors
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX, eval_micro_batches
 from hftrain.errors import HftrainError
-from hftrain.model import HEAD_ONLY_MODEL_TYPES, CausalLMTokenLoss
+from hftrain.model import HEAD_ONLY_MODEL_TYPES, CausalLMTokenLoss, WrapsCausalLM
 
 # per-pair statistics summed over a window and divided by its pairs when logged (TRL's metric names)
 PAIR_STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -74,21 +74,13 @@ class AdapterReference:
             return sequence_log_probs(self.lm, self.head_only, input_ids, labels)[0]
 
 
-class ReferenceLogProbs(nn.Module):
+class ReferenceLogProbs(WrapsCausalLM):
     """The frozen copy as a module of its own: `forward` returns each row's summed log-prob, so that a strategy that
     wraps it (ZeRO-3 partitions, FSDP2 shards with this module as root) gathers its weights around that forward."""
 
     def __init__(self, lm: nn.Module, head_only: bool):
         super().__init__()
         self.lm, self.head_only = lm.eval().requires_grad_(False), head_only
-
-    @property
-    def config(self):
-        return self.lm.config
-
-    @property
-    def _no_split_modules(self) -> list[str] | None:
-        return getattr(self.lm, "_no_split_modules", None)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return sequence_log_probs(self.lm, self.head_only, input_ids, labels)[0]
