@@ -68,6 +68,11 @@ REFUSED: dict[str, str] = {
     "padding_free": "use packing: true (hftrain keeps packed examples apart by position_ids, which is "
                     "padding-free attention)",
     "dataloader_drop_last": "hftrain never drops examples: an epoch's last optimizer step is shorter",
+    "dataset_test_split": "hftrain evaluates on eval_dataset_name (its split: eval_split) or on a fixed-seed "
+                          "carve-out of the training set (validation_split_percentage); for TRL's behaviour set "
+                          "eval_dataset_name to the dataset_name and eval_split to this split",
+    "lora_target_parameters": "hftrain adapts the layers named in lora_target_modules (all-linear also adapts a "
+                              "mixture of experts' fused expert weights); parameter-level targets are not exposed",
 }
 
 
@@ -156,6 +161,14 @@ MAPPED: dict[str, Callable[[Any], dict[str, Any]]] = {
                                            "complete turn) or drops the example (overlong_examples: drop)"),
     "lr_scheduler_kwargs": _only(None, "hftrain's schedules (lr_scheduler_type) take no extra arguments"),
     "dataloader_in_order": _only(True, "hftrain's data order is fixed by train_sampling_strategy and data_seed"),
+    # TRL's CLI (ModelConfig / ScriptArguments)
+    "lora_modules_to_save": lambda v: {"modules_to_save": v} if v else {},
+    "use_bnb_nested_quant": lambda v: {"bnb_4bit_use_double_quant": v},
+    "lora_task_type": _only("CAUSAL_LM", "hftrain trains causal language models (lora_task_type CAUSAL_LM)"),
+    "dataset_streaming": _only(False, "hftrain tokenizes and caches the whole dataset before training (a mixture's "
+                                      "weights and the epoch's order need its size); max_samples takes a part of it"),
+    "ignore_bias_buffers": _only(False, "hftrain's DDP wrapper never broadcasts buffers, which is what TRL's "
+                                        "workaround for boolean mask buffers switches off"),
 }
 
 

@@ -103,3 +103,26 @@ def test_output_router_logits_false_turns_the_router_loss_off(tmp_path):
         assert recipe.router_aux_loss_coef == 0.0
     assert recipe_from_dict({"output_router_logits": True, "output_dir": str(tmp_path)},
                             for_training=False).router_aux_loss_coef is None  # the model config's coefficient
+
+
+def test_trl_cli_model_and_script_fields(tmp_path):
+    """TRL's CLI dataclasses (ModelConfig, ScriptArguments): the real field names, mapped or refused by name."""
+    import trl
+
+    model_fields = set(trl.ModelConfig.__dataclass_fields__)
+    script_fields = set(trl.ScriptArguments.__dataclass_fields__)
+    assert {"lora_modules_to_save", "use_bnb_nested_quant", "lora_task_type", "lora_target_parameters"} <= model_fields
+    assert {"dataset_test_split", "dataset_streaming", "ignore_bias_buffers"} <= script_fields
+    recipe = recipe_from_dict({"use_peft": True, "lora_modules_to_save": ["lm_head"], "use_bnb_nested_quant": True,
+                               "lora_task_type": "CAUSAL_LM", "dataset_streaming": False,
+                               "ignore_bias_buffers": False, "output_dir": str(tmp_path)}, for_training=False)
+    assert recipe.modules_to_save == ["lm_head"] and recipe.bnb_4bit_use_double_quant is True
+    with pytest.raises(ConfigError) as refused:
+        recipe_from_dict({"dataset_test_split": "test", "lora_target_parameters": ["experts.gate_up_proj"],
+                          "lora_task_type": "SEQ_CLS", "dataset_streaming": True, "output_dir": str(tmp_path)},
+                         for_training=False)
+    text = " ".join(str(refused.value).split())
+    for part in ("dataset_test_split (a TRL/TrainingArguments field) is not accepted: hftrain evaluates on "
+                 "eval_dataset_name", "lora_target_parameters (a TRL/TrainingArguments field)",
+                 "lora_task_type='SEQ_CLS'", "dataset_streaming=True"):
+        assert part in text, part
