@@ -213,8 +213,8 @@ class Finetune:
                               f"{self.lr_scaling['factor']:.6g} (scale_lr {recipe.scale_lr}: effective batch "
                               f"{self.plan.global_batch} for base_batch_size {recipe.base_batch_size})")
         self.optimizer = build_optimizer(recipe, self.model, self.learning_rate)
-        self.scheduler = build_scheduler(recipe, self.optimizer, self.total_steps)
         self.model, self.optimizer = self.backend.prepare(self.model, self.optimizer)
+        self.scheduler = build_scheduler(recipe, self.optimizer, self.total_steps)  # on the optimizer that steps
         if hasattr(self.token_loss, "reference") and hasattr(self.token_loss.reference, "prepare"):
             self.token_loss.reference.prepare(self.backend)  # dpo's frozen copy, placed like the policy
         self.reference_log_probs = self.precompute_reference() if recipe.precompute_ref_log_probs else None

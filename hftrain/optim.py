@@ -79,7 +79,23 @@ def lr_factor(kind: str, step: int, total: int, warmup: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
 
 
+def stepping_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer whose param groups the update reads, inside accelerate's and DeepSpeed's wrappers.
+
+    The schedule must write its learning rates there: under ZeRO offload accelerate replaces the client AdamW with
+    DeepSpeedCPUAdam (built on the same param-group dicts, until loading a checkpoint gives it new ones), and a
+    schedule made on the AdamW would then go on writing into dicts nothing reads."""
+    inner, candidate = optimizer, optimizer
+    while candidate is not None:
+        if isinstance(candidate, torch.optim.Optimizer):
+            inner = candidate
+        candidate = getattr(candidate, "optimizer", None)
+    return inner
+
+
 def build_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer, total_steps: int):
+    """The learning-rate schedule over the innermost optimizer of `optimizer` (call it on the prepared one)."""
+    optimizer = stepping_optimizer(optimizer)
     warmup = recipe.warmup_for(total_steps)
     # LambdaLR calls the function with 0 for the first optimizer step.
     return torch.optim.lr_scheduler.LambdaLR(

@@ -252,6 +252,10 @@ def test_zero2_with_cpu_optimizer_offload(reference, tmp_path):
     assert ds_config(run, "final")["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert_memory_estimate(run, "DeepSpeed ZeRO-2 + offload", 4 + 4 / 2, offloaded=8 / 2)
     assert_same_training(run, reference)  # DeepSpeedCPUAdam with the recipe's betas/eps/decay = torch AdamW
+    # loading gives DeepSpeedCPUAdam new param groups: the schedule follows them (it once stayed at the resumed
+    # step's learning rate, found by the checkpoint preflight)
+    resumed = resume_from_step_3(run, "zero2-offload-resumed", *TWO_PROCESSES, preset="zero2_offload", timeout=1200)
+    assert_continues(resumed, run)
 
 
 # ------------------------------------------------------------------------------------------ FSDP2
