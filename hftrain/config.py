@@ -44,6 +44,12 @@ def _f(default: Any, help: str, *, group: str, choices: tuple | None = None, **k
     return field(default=default, metadata=meta, **kw)
 
 
+def _cadence(action: str, every: str, none: str, note: str) -> Any:
+    """eval_strategy / save_strategy: TrainingArguments' IntervalStrategy values, documented alike."""
+    return _f("steps", f"When to {action} (TrainingArguments' name): steps (every {every} when set), epoch (after "
+              f"every epoch) or no ({none}). {note}", group="logging", choices=("steps", "epoch", "no"))
+
+
 @dataclass
 class DatasetSource:
     """One dataset of a mixture."""
@@ -336,18 +342,12 @@ class Recipe:
     # ----------------------------------------------------------------- logging & saving
     logging_steps: int = _f(10, "Log training metrics every N optimizer steps (and at the first step).",
                             group="logging")
-    eval_strategy: str = _f(
-        "steps", "When to evaluate (TrainingArguments' name): steps (every eval_steps when set), epoch (after every "
-        "epoch) or no (never; nothing is held out then). Any but no also evaluates at the end.", group="logging",
-        choices=("steps", "epoch", "no"),
-    )
+    eval_strategy: str = _cadence("evaluate", "eval_steps", "never; nothing is held out then",
+                                  "Any but no also evaluates at the end.")
     eval_steps: int | None = _f(None, "Evaluate every N optimizer steps (eval_strategy steps); always at the end.",
                                 group="logging")
-    save_strategy: str = _f(
-        "steps", "When to save checkpoint-N (TrainingArguments' name): steps (every save_steps when set), epoch "
-        "(after every epoch) or no (no checkpoints; the final model is saved all the same).", group="logging",
-        choices=("steps", "epoch", "no"),
-    )
+    save_strategy: str = _cadence("save checkpoint-N", "save_steps", "no checkpoints",
+                                  "The final model is saved all the same.")
     save_steps: int | None = _f(None, "Save checkpoint-N every N optimizer steps (save_strategy steps).",
                                 group="logging")
     checkpoint_preflight: bool = _f(
