@@ -3,9 +3,10 @@
     python -m hftrain.report outputs/tiny-chat        # writes outputs/tiny-chat/report/{report.md,*.png}
 
 Plots: loss and eval loss, learning rate, tokens/sec (global and per rank), per-rank own-time
-throughput (stragglers stand out), step time split, peak memory per rank. The summary states what
-ran (from the newest hftrain_state.json), final and best losses, throughput, step-time split,
-memory, MFU, device-hours and cost, and any straggler or desync the run reported.
+throughput (stragglers stand out), step time split, peak memory per rank, and for dpo/simpo runs the
+rewards (TRL's rewards/* metrics, train and eval). The summary states what ran (from the newest
+hftrain_state.json), final and best losses, the rewards, throughput, step-time split, memory, MFU,
+device-hours and cost, and any straggler or desync the run reported.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hftrain.checkpoint import FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STAT
 from hftrain.errors import HftrainError, run_tool
 
 RANK_KEY = re.compile(r"^rank(\d+)/(.+)$")
+REWARDS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")  # dpo / simpo rows
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -88,11 +90,20 @@ def _save(fig, ax, path: Path) -> Path:
 
 def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
     made = []
-    fig, ax = _figure("Loss", "loss (token-weighted)")
+    pairs = any(REWARDS[0] in r for r in train)
+    fig, ax = _figure("Loss", "loss (mean over pairs)" if pairs else "loss (token-weighted)")
     ax.plot(*series(train, "loss"), label="train loss", marker=".")
     if evals:
         ax.plot(*series(evals, "eval_loss"), label="eval loss", marker="o")
     made.append(_save(fig, ax, folder / "loss.png"))
+
+    if pairs:
+        fig, ax = _figure("Rewards (beta x log-ratio to the reference; simpo: length-normalised)", "reward")
+        for key in REWARDS[1:]:
+            ax.plot(*series(train, key), label=key, marker=".")
+            if evals:
+                ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
+        made.append(_save(fig, ax, folder / "rewards.png"))
 
     fig, ax = _figure("Learning rate", "learning rate")
     ax.plot(*series(train, "learning_rate"), marker=".")
@@ -166,13 +177,20 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
         lines.append(f"- eval loss: last {_fmt(evals[-1]['eval_loss'])} (perplexity "
                      f"{_fmt(evals[-1].get('eval_perplexity'))}) at step {evals[-1]['step']}; best "
                      f"{_fmt(best['eval_loss'])} at step {best['step']}")
+    if any(REWARDS[0] in r for r in train):
+        lines.append("- rewards (last train window): " + ", ".join(f"{key} {_fmt(last.get(key))}" for key in REWARDS))
+        if evals and f"eval_{REWARDS[0]}" in evals[-1]:
+            lines.append(f"- eval rewards at step {evals[-1]['step']}: " + ", ".join(
+                f"{key} {_fmt(evals[-1].get(f'eval_{key}'))}" for key in REWARDS) + f"; first eval (step "
+                f"{evals[0]['step']}) accuracies {_fmt(evals[0].get(f'eval_{REWARDS[0]}'))}")
     timed = [r for r in train if r.get("tokens_per_second") is not None]
     steady = timed[1:] or timed  # the first window holds one-time warm-up
     if steady:
         tokens = statistics.fmean(r["tokens_per_second"] for r in steady)
         samples = statistics.fmean(r["samples_per_second"] for r in steady)
+        unit = "pairs" if any("pairs_per_second" in r for r in steady) else "samples"
         lines.append(f"- throughput (windows after the first): {_fmt(tokens)} trained tokens/s, {_fmt(samples)} "
-                     "samples/s")
+                     f"{unit}/s")
         if all("step_time" in r for r in steady):
             step = statistics.fmean(r["step_time"] for r in steady)
             parts = {k: statistics.fmean(r[k] for r in steady)

@@ -84,3 +84,35 @@ def test_report_names_a_damaged_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hftrain.report", str(tmp_path)], capture_output=True, text=True,
                           cwd=REPO)
     assert proc.returncode == 2 and "line 2 is not JSON" in " ".join(proc.stderr.split())
+
+
+def test_a_dpo_run_reports_its_rewards_and_pairs(tmp_path):
+    """dpo/simpo rows carry TRL's rewards/* names: the report plots them and states the last train and eval values
+    (numbers made up here, read back by hand)."""
+    def dpo_row(step: int, accuracy: float, margin: float) -> dict:
+        row = {k: v for k, v in train_row(step, 0.7 - margin / 10).items() if not k.startswith("rank")}
+        return {**row, "pairs_per_second": row["samples_per_second"], "rewards/accuracies": accuracy,
+                "rewards/margins": margin, "rewards/chosen": margin / 2, "rewards/rejected": -margin / 2}
+
+    def dpo_eval(step: int, accuracy: float, margin: float) -> dict:
+        return {"step": step, "eval_loss": 0.6, "eval_pairs": 40, "eval_rewards/accuracies": accuracy,
+                "eval_rewards/margins": margin, "eval_rewards/chosen": 0.1, "eval_rewards/rejected": 0.1 - margin}
+
+    rows = [dpo_row(1, 0.0, 0.0), dpo_row(2, 0.5, 0.2), dpo_eval(2, 0.25, 0.05), dpo_row(3, 0.75, 0.4),
+            dpo_row(4, 1.0, 0.8), dpo_eval(4, 0.875, 0.6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = write_report(tmp_path)
+    rewards = report.parent / "rewards.png"
+    with Image.open(rewards) as image:
+        assert len(image.convert("L").getcolors(maxcolors=256)) > 10, "rewards.png looks blank"
+    text = report.read_text()
+    assert ("rewards (last train window): rewards/accuracies 1, rewards/margins 0.8, rewards/chosen 0.4, "
+            "rewards/rejected -0.4") in text
+    assert ("eval rewards at step 4: rewards/accuracies 0.875, rewards/margins 0.6, rewards/chosen 0.1, "
+            "rewards/rejected -0.5; first eval (step 2) accuracies 0.25") in text
+    assert "3,000 trained tokens/s, 30 pairs/s" in text and "![rewards](rewards.png)" in text
+
+
+def test_an_sft_report_has_no_rewards(run_dir):
+    report = write_report(run_dir)
+    assert not (report.parent / "rewards.png").exists() and "rewards" not in report.read_text()
