@@ -647,8 +647,6 @@ def _objective_problems(r: Recipe) -> list[str]:
     if r.use_liger_kernel or r.loss_chunk_tokens:
         problems.append(f"objective={r.objective} needs each sequence's log-probability; use_liger_kernel and "
                         "loss_chunk_tokens compute one summed cross-entropy: turn them off")
-    if r.tp_size > 1:
-        problems.append(f"objective={r.objective} with tp_size > 1 is not supported yet; use data parallelism")
     if r.dataset_format not in ("auto", "preference"):
         problems.append(f"objective={r.objective} trains on preference pairs: dataset_format must be auto or "
                         f"preference, got {r.dataset_format}")
@@ -736,6 +734,12 @@ def peft_problems(r: Recipe) -> list[str]:
         elif "all-linear" in r.lora_target_modules and len(r.lora_target_modules) > 1:
             problems.append(f"lora_target_modules {r.lora_target_modules} mixes all-linear with layer names; "
                             "give either all-linear or the names")
+        if r.tp_size > 1:
+            problems.append(f"use_peft with tp_size={r.tp_size} is refused: peft's LoRA layers wrap transformers' "
+                            "tensor-parallel linear layers without being sharded themselves, so the first row-parallel "
+                            "layer (o_proj) gets a shard of the input features its adapter was not made for and the "
+                            "forward fails (peft 0.21, transformers 5.23); train adapters with data parallelism "
+                            "(DDP, ZeRO, FSDP2)")
     else:
         switches = [name for name in ("use_dora", "use_rslora", "load_in_4bit", "load_in_8bit") if getattr(r, name)]
         switches += ["modules_to_save"] if r.modules_to_save else []

@@ -125,6 +125,24 @@ class TensorParallelBackend(Backend):
     def model_load_kwargs(self) -> dict:
         return model_load_kwargs(self.tp, self.accelerator.num_processes)
 
+    def frozen_copy(self, model, rebuild):
+        """dpo's reference: transformers' tensor-parallel weights (DTensors over the TP group's storage) cannot be
+        deep-copied, so the model is loaded again, sharded the same way, and each process copies its own shards into
+        it (exactly the starting weights, resized embeddings included)."""
+        copy_ = rebuild()
+        with torch.no_grad():
+            for (name, mine), (_, theirs) in zip(copy_.named_parameters(), model.named_parameters(), strict=True):
+                local = theirs.data.to_local() if hasattr(theirs.data, "to_local") else theirs.data
+                target = mine.data.to_local() if hasattr(mine.data, "to_local") else mine.data
+                if target.shape != local.shape:
+                    raise HftrainError(f"dpo's reference copy: {name} is sharded differently from the model")
+                target.copy_(local)
+        return copy_
+
+    def prepare_frozen(self, module):
+        """dpo's reference keeps the tensor-parallel shards it was loaded with (see `frozen_copy`)."""
+        return module.to(self.accelerator.device).eval(), f"sharded over the tensor-parallel group (tp_size={self.tp})"
+
     def prepare(self, model, optimizer):
         """The model (DTensor weights, sharded by transformers at load) stays unwrapped: DDP cannot hold DTensors."""
         accelerator, tp = self.accelerator, self.tp

@@ -198,3 +198,24 @@ def test_full_dpo_under_sharded_presets_equals_one_process(tmp_path, full_one_pr
     expected = load_file(full_one_process.output_dir / "final" / "model.safetensors")
     for name, value in load_file(run.output_dir / "final" / "model.safetensors").items():
         torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("precompute", [False, True], ids=["copy", "precomputed"])
+def test_full_dpo_under_tensor_parallelism_equals_one_process(tmp_path, full_one_process, precompute):
+    """tp_size=2 (one copy of the model split over 2 processes, 4 pairs per step like the one process): the frozen
+    reference is loaded again and filled with each process's own shards (a tensor-parallel model cannot be deep-
+    copied), or precomputed by one pass of the sharded model; losses, rewards, clipped norms and weights equal."""
+    run = launch(tmp_path / "out", *EXACT, "--per_device_train_batch_size", "4", "--tp_size", "2",
+                 "--precompute_ref_log_probs", str(precompute).lower(), preset="tp",
+                 env={"HF_HOME": str(tmp_path / "hf")})  # an empty cache: the pass runs on the sharded model
+    said = " ".join((run.stdout + run.stderr).split())
+    assert "tensor parallel (tp_size=2)" in said
+    copy = "a frozen copy of the starting model, sharded over the tensor-parallel group (tp_size=2)"
+    assert f"reference: {'precomputed log-probs of 400 pairs (one pass' if precompute else copy}" in said
+    for key in COMPARED:
+        torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
+                                   torch.tensor([r[key] for r in full_one_process.train_rows()]), rtol=1e-4,
+                                   atol=1e-6, msg=key)
+    expected = load_file(full_one_process.output_dir / "final" / "model.safetensors")
+    for name, value in load_file(run.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)

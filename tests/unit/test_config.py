@@ -242,6 +242,17 @@ def test_compile_mode_without_compile_is_refused_with_the_other_problems(in_tmp)
         recipe_from_dict(valid(in_tmp, torch_compile=True, tp_size=2))
 
 
+def test_lora_under_tensor_parallelism_is_refused_with_the_reason(in_tmp):
+    """peft's adapters are not sharded with the layers they wrap: measured to fail in the first forward (sft and
+    dpo alike), so the recipe is refused before anything loads; full fine-tuning under tp_size stays allowed."""
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict(valid(in_tmp, use_peft=True, tp_size=2))
+    (problem,) = info.value.problems
+    assert problem.startswith("use_peft with tp_size=2 is refused") and "data parallelism" in problem
+    assert recipe_from_dict(valid(in_tmp, tp_size=2, objective="dpo",
+                                  dataset_name=str(REPO / "data" / "preference.jsonl"))).tp_size == 2
+
+
 def test_missing_config_file(in_tmp):
     with pytest.raises(ConfigError, match="cannot read recipe file"):
         load_recipe(["--config", str(in_tmp / "nope.yaml")])
