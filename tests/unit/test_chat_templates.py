@@ -1,7 +1,8 @@
 """Assistant-only masks under the real chat templates of popular model families (issue 14).
 
 The templates in chat_templates/ are the families' own Jinja text (most copied from TRL 1.16's
-`trl/chat_templates`, which stores them byte for byte as the model repositories ship them; Mistral v3
+`trl/chat_templates`, which stores them byte for byte as the model repositories ship them, GPT-OSS's harmony
+template included; Mistral v3
 without its tool branches, Phi-4, SmolLM2 and OLMo 2 written out from their tokenizer_config.json).
 For each family a hand-written Python renderer below produces the same text as segments, each marked
 trained or not: what the model writes after the generation prompt (answer and end-of-turn token) is
@@ -12,6 +13,7 @@ token. Nothing of hftrain's method (prefix rendering, offsets) is used to comput
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -167,6 +169,27 @@ def deepseek_r1_training(messages: list[dict]) -> Segments:
     return out
 
 
+def gpt_oss(messages: list[dict]) -> Segments:
+    """GPT-OSS harmony: a system header with today's date, the system prompt as the developer's instructions. The
+    generation prompt is `<|start|>assistant`: the model writes the channel, the answer and `<|return|>`; a past turn
+    ends in `<|end|>` instead (harmony's history form, not what the model wrote), which is context."""
+    system, rest = split_system(messages)
+    out = [("<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: "
+            f"2024-06\nCurrent date: {datetime.date.today():%Y-%m-%d}\n\nReasoning: medium\n\n# Valid channels: "
+            "analysis, commentary, final. Channel must be included for every message.<|end|>", False)]
+    if system is not None:
+        out.append((f"<|start|>developer<|message|># Instructions\n\n{system}\n\n<|end|>", False))
+    for i, m in enumerate(rest):
+        if m["role"] == "user":
+            out.append((f"<|start|>user<|message|>{m['content']}<|end|>", False))
+        elif i == len(rest) - 1:
+            out += [("<|start|>assistant", False), (f"<|channel|>final<|message|>{m['content']}<|return|>", True)]
+        else:
+            out += [("<|start|>assistant", False), (f"<|channel|>final<|message|>{m['content']}", True),
+                    ("<|end|>", False)]
+    return out
+
+
 @dataclass
 class Family:
     template: str
@@ -199,6 +222,7 @@ FAMILIES = {
     "phi3.5": Family("phi3_5", phi3, None, "<|endoftext|>", ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")),
     "phi4": Family("phi4", phi4, None, "<|im_end|>", ("<|im_start|>", "<|im_sep|>", "<|im_end|>")),
     "olmo2": Family("olmo2", olmo2, "<|endoftext|>", "<|endoftext|>", ("<|system|>", "<|user|>", "<|assistant|>")),
+    "gpt-oss": Family("gptoss", gpt_oss, None, "<|return|>", ("<|start|>", "<|message|>", "<|channel|>", "<|end|>")),
     "deepseek-r1-distill-training": Family("deepseek_r1_distill_training", deepseek_r1_training, DEEPSEEK[0],
                                            DEEPSEEK[1], DEEPSEEK, data=tuple(THINKING)),
 }
@@ -334,9 +358,10 @@ def test_template_files_are_the_families_own():
     assert "loop.index0 > ns.last_query_index" in text["qwen3"]
     assert "{% else %}{{ eos_token }}{% endif %}" in text["phi3"]
     assert "content.split('</think>')[-1]" in text["deepseek_r1_distill"]
+    assert "<|start|>assistant<|channel|>final<|message|>\" + message.content + \"<|return|>" in text["gptoss"]
     assert "{% generation %}" in text["deepseek_r1_distill_training"].replace("{%- generation %}", "{% generation %}")
     assert json.dumps(sorted(text)) == json.dumps(sorted(
-        ["deepseek_r1_distill", "deepseek_r1_distill_training", "gemma", "gemma3", "llama3_1", "mistral_v3",
+        ["deepseek_r1_distill", "deepseek_r1_distill_training", "gemma", "gemma3", "gptoss", "llama3_1", "mistral_v3",
          "olmo2", "phi3", "phi3_5", "phi4", "qwen2_5", "qwen3", "smollm2"]))
 
 
