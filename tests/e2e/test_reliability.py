@@ -7,6 +7,7 @@ indistinguishable from never having had it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -264,6 +265,32 @@ def test_nan_stops_with_a_checkpoint_of_the_last_good_step(tmp_path, poisoned):
     assert not (run.output_dir / "final").exists()
     state = json.loads((run.output_dir / "checkpoint-3" / "hftrain_state.json").read_text())
     assert state["progress"]["step"] == 3
+
+
+def test_nan_policy_under_dpo(tmp_path, poisoned):
+    """The same policies with objective dpo: pairs 13 and 29 (steps 4 and 8) hold the inf token in their prompt, so
+    the policy's and the frozen reference's log-probs of that pair are NaN. skip_step applies no update there and
+    logs neither a loss nor rewards for it; stop saves the last good step."""
+    model, _ = poisoned
+    pairs = [{"prompt": f"What is {i % 10} + 1?", "chosen": f" {i % 10 + 1}.", "rejected": f" {i % 10 + 2}."}
+             for i in range(40)]
+    for i in (13, 29):
+        pairs[i]["prompt"] = "<|im_start|> " + pairs[i]["prompt"]
+    args = [*nan_args((model, write_jsonl(tmp_path / "pairs.jsonl", pairs))), "--objective", "dpo"]
+    run = run_script(tmp_path / "skip", *args, "--nan_policy", "skip_step")
+    rows = run.train_rows()
+    assert [r["nan_skipped_steps"] for r in rows] == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    for i, row in enumerate(rows):
+        if i in (3, 7):
+            assert row["loss"] is None and row.get("rewards/margins") is None, row
+        else:
+            assert all(math.isfinite(row[k]) for k in ("loss", "rewards/margins", "logps/chosen")), row
+    assert rows[-1]["rewards/margins"] != 0  # the policy moved away from the reference on the good steps
+    final = params(run.output_dir / "final")
+    assert all(torch.isfinite(v).all() for k, v in final.items() if k != "model.embed_tokens.weight")
+    stopped = run_script(tmp_path / "stop", *args, check=False)
+    assert stopped.returncode != 0 and "step 4 has a non-finite gradient norm" in stopped.stderr.replace("\n", " ")
+    assert sorted(p.name for p in stopped.output_dir.glob("checkpoint-*")) == ["checkpoint-3"]
 
 
 # ---------------------------------------------------------------------------- bad input
