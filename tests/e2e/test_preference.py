@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, launch, launch_env, run_script
+from tests.wandb_records import summary
 
 pytestmark = pytest.mark.launch
 TINY_DPO = ["--config", str(REPO / "recipes" / "tiny-dpo.yaml")]
@@ -172,7 +173,24 @@ def test_precomputed_reference_equals_the_live_one_survives_a_resume_and_is_cach
 
 @pytest.fixture(scope="module")
 def full_one_process(tmp_path_factory):
-    return run_script(tmp_path_factory.mktemp("full-one") / "out", *EXACT, "--per_device_train_batch_size", "4")
+    """The one-process run the sharded ones are compared with; it also reports to W&B (offline, in its folder)."""
+    folder = tmp_path_factory.mktemp("full-one")
+    (folder / "wandb").mkdir()
+    return run_script(folder / "out", *EXACT, "--per_device_train_batch_size", "4", "--report_to", "wandb",
+                      env={"WANDB_DIR": str(folder / "wandb")})
+
+
+def test_wandb_receives_the_rewards_under_trls_names(full_one_process):
+    """Every dpo statistic of metrics.jsonl (TRL's names) is in the W&B history at the same step."""
+    (run_file,) = full_one_process.output_dir.parent.glob("wandb/wandb/offline-run-*/run-*.wandb")
+    history: dict[int, dict] = {}
+    for row in summary(run_file)["history"]:
+        history.setdefault(row["_step"], {}).update(row)
+    rows = full_one_process.train_rows()
+    assert len(rows) == 3 and rows[-1]["rewards/margins"] != 0
+    for row in rows:
+        for key in (*COMPARED, "rewards/accuracies", "pairs_per_second"):
+            assert history[row["step"]][key] == pytest.approx(row[key], rel=1e-12), (row["step"], key)
 
 
 @pytest.mark.parametrize("preset, precompute", [("zero2", False), ("zero3", False), ("fsdp2", False), ("zero3", True)],
