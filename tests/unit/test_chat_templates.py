@@ -190,6 +190,25 @@ def gpt_oss(messages: list[dict]) -> Segments:
     return out
 
 
+def glm4_moe(messages: list[dict]) -> Segments:
+    """GLM-4-MoE (TRL's training variant, with {% generation %} markers): no end-of-turn token, the model ends its
+    turn by writing the next role marker; reasoning is kept after the last user turn only, earlier turns render an
+    empty <think></think>."""
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    out = [("[gMASK]<sop>", False)]
+    for i, m in enumerate(messages):
+        opens = i == 0 or messages[i - 1]["role"] != "assistant"  # else the previous answer wrote the marker
+        if m["role"] != "assistant":
+            out.append(((f"<|{m['role']}|>" if opens else "") + "\n" + m["content"], False))
+            continue
+        reasoning, _, text = m["content"].rpartition("</think>")
+        reasoning = reasoning.replace("<think>", "").strip()
+        think = f"\n<think>{reasoning}</think>" if i > last_user and reasoning else "\n<think></think>"
+        after = "<|system|>" if i + 1 < len(messages) and messages[i + 1]["role"] == "system" else "<|user|>"
+        out += [("<|assistant|>", False), (think + "\n" + text.strip() + after, True)]
+    return out
+
+
 @dataclass
 class Family:
     template: str
@@ -200,6 +219,7 @@ class Family:
     system: bool = True  # does the template take a system message
     data: tuple[dict, ...] = tuple(TURNS)
     rewrites_past_turns: bool = False  # Qwen3: a turn renders differently once a later user turn follows
+    own_mask: bool = False  # the template's {% generation %} mask is used where prefixes fail: one example
 
 
 LLAMA3 = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
@@ -223,6 +243,9 @@ FAMILIES = {
     "phi4": Family("phi4", phi4, None, "<|im_end|>", ("<|im_start|>", "<|im_sep|>", "<|im_end|>")),
     "olmo2": Family("olmo2", olmo2, "<|endoftext|>", "<|endoftext|>", ("<|system|>", "<|user|>", "<|assistant|>")),
     "gpt-oss": Family("gptoss", gpt_oss, None, "<|return|>", ("<|start|>", "<|message|>", "<|channel|>", "<|end|>")),
+    "glm4-moe-training": Family("glm4moe_training", glm4_moe, None, "<|endoftext|>",
+                                ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>"), data=tuple(THINKING),
+                                rewrites_past_turns=True, own_mask=True),
     "deepseek-r1-distill-training": Family("deepseek_r1_distill_training", deepseek_r1_training, DEEPSEEK[0],
                                            DEEPSEEK[1], DEEPSEEK, data=tuple(THINKING)),
 }
@@ -263,13 +286,14 @@ def rows_of(tok, messages: list[dict], **recipe) -> list[dict]:
 
 def expected_rows(family: Family, tok, messages: list[dict], policy: str) -> list[tuple[list[int], list[int]]]:
     """Policy `all`: one example per assistant turn when the template rewrites earlier turns (each rendered
-    through that turn), else one example; `last`: the conversation through its last turn, that turn trained."""
+    through that turn), else one example (also when the template marks the turns with {% generation %}: every
+    turn as the whole conversation renders it); `last`: the conversation through its last turn, that turn trained."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if policy == "last":
         segments = family.renderer(messages[: turns[-1] + 1])
         last_start = max(k for k, (_, keep) in enumerate(segments) if keep)
         return [expected_row(tok, [(s, keep and k == last_start) for k, (s, keep) in enumerate(segments)])]
-    if not family.rewrites_past_turns:
+    if not family.rewrites_past_turns or family.own_mask:
         return [expected_row(tok, family.renderer(messages))]
     rows = []
     for i in turns:
@@ -326,6 +350,17 @@ def test_qwen3_past_reasoning_is_dropped_from_context_and_kept_in_the_trained_tu
     assert rows[0]["extra_tokens"] == len(rows[0]["input_ids"]) and rows[1]["extra_tokens"] == 0
 
 
+def test_generation_markers_give_the_mask_where_prefixes_fail():
+    """Build item 1(a): GLM-4-MoE drops past reasoning, so no prefix rendering holds every turn; its {% generation %}
+    markers (TRL's training template) give the mask, one example, past turns trained as the conversation renders
+    them (the test above compares the tokens with the renderer); `last` needs no markers."""
+    tok = family_tokenizer(FAMILIES["glm4-moe-training"])
+    assert [r["method"] for r in rows_of(tok, [SYSTEM, *THINKING])] == ["generation"]
+    assert [r["method"] for r in rows_of(tok, [SYSTEM, *THINKING], train_on_turns="last")] == ["last"]
+    tok.chat_template = tok.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    assert [r["method"] for r in rows_of(tok, [SYSTEM, *THINKING])] == ["expanded", ""]
+
+
 def test_expansion_cost_is_in_the_statistics():
     tok = family_tokenizer(FAMILIES["qwen3"])
     raw = datasets.Dataset.from_list([{"messages": THINKING}] * 3)
@@ -361,8 +396,8 @@ def test_template_files_are_the_families_own():
     assert "<|start|>assistant<|channel|>final<|message|>\" + message.content + \"<|return|>" in text["gptoss"]
     assert "{% generation %}" in text["deepseek_r1_distill_training"].replace("{%- generation %}", "{% generation %}")
     assert json.dumps(sorted(text)) == json.dumps(sorted(
-        ["deepseek_r1_distill", "deepseek_r1_distill_training", "gemma", "gemma3", "gptoss", "llama3_1", "mistral_v3",
-         "olmo2", "phi3", "phi3_5", "phi4", "qwen2_5", "qwen3", "smollm2"]))
+        ["deepseek_r1_distill", "deepseek_r1_distill_training", "gemma", "gemma3", "glm4moe_training", "gptoss",
+         "llama3_1", "mistral_v3", "olmo2", "phi3", "phi3_5", "phi4", "qwen2_5", "qwen3", "smollm2"]))
 
 
 def test_preview_shows_the_policy_and_the_cost_of_expanding(tmp_path, capsys):
