@@ -129,6 +129,40 @@ def test_preemption_then_resume_equals_uninterrupted(tmp_path, reference, refere
     assert_same_run(resumed, reference if processes == 1 else reference_2proc)
 
 
+def test_preempted_dpo_with_precomputed_reference_resumes_exactly(tmp_path):
+    """dpo with precompute_ref_log_probs: the checkpoint written at SIGTERM carries the reference log-probs, the
+    resumed run reads them from it (not from a recomputation with the trained model) and its steps, rewards and
+    final weights equal an uninterrupted run's."""
+    steps = 24
+    args = ["--config", str(REPO / "recipes" / "tiny-dpo.yaml"), "--max_steps", str(steps), "--logging_steps", "1",
+            "--save_steps", "100", "--validation_split_percentage", "0", "--train_sampling_strategy", "random",
+            "--precompute_ref_log_probs", "true"]
+    env = {"HF_HOME": str(tmp_path / "hf")}  # this test's own reference cache
+    uninterrupted = run_script(tmp_path / "whole", *args, env=env)
+    out = tmp_path / "out"
+    launcher = subprocess.Popen(launch_command(out, *args), cwd=REPO, env=launch_env(env), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    (worker,) = trainers(launcher, 1)
+    wait_for_step(out, 3, launcher)
+    worker.send_signal(signal.SIGTERM)
+    launcher.wait(timeout=120)
+    assert "stopped by SIGTERM after step" in launcher.stderr.read()
+    (saved,) = out.glob("checkpoint-*")
+    stopped_at = int(saved.name.split("-")[1])
+    assert 3 <= stopped_at < steps and (saved / "reference_log_probs.safetensors").exists()
+    resumed = run_script(out, *args, "--resume_from_checkpoint", "latest", env=env)
+    assert f"saved in {saved}" in " ".join(resumed.stdout.split())
+    expected = {r["step"]: r for r in uninterrupted.train_rows()}
+    rows = resumed.train_rows()
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for row in rows[stopped_at:]:
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+            assert row[key] == pytest.approx(expected[row["step"]][key], rel=1e-5, abs=1e-7), (row["step"], key)
+    weights = params(uninterrupted.output_dir / "final")
+    for name, value in params(out / "final").items():
+        torch.testing.assert_close(value, weights[name], rtol=1e-5, atol=1e-7)
+
+
 def test_kill_9_at_any_moment_of_constant_checkpointing_leaves_a_resumable_run(tmp_path, reference):
     """With a checkpoint after every step, most of the time is spent writing one: SIGKILL lands mid-write."""
     out = tmp_path / "out"
