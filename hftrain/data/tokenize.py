@@ -400,6 +400,13 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
         "mask_methods": {m: n for m in sorted(set(tokenized["method"]) - {""}) if (n := tokenized["method"].count(m))},
         "expansion_extra_tokens": int(sum(tokenized["extra_tokens"])),
     }
+    if len(tokenized) and not len(kept) and pairs:
+        raise HftrainError(
+            f"every pair of {name} ({len(tokenized)}) was dropped: {stats['dropped_identical']} with identical chosen "
+            f"and rejected tokens, {stats['dropped_overlong']} whose prompt fills max_length={spec.max_length} (or "
+            f"over-long with overlong_examples=drop), {stats['dropped_untrainable']} without a completion token; "
+            "check the chosen/rejected columns, or raise max_length / set max_prompt_length"
+        )
     if len(tokenized) and not len(kept):
         raise HftrainError(
             f"every example of {name} ({len(tokenized)}) has no trained token after masking and truncation to "

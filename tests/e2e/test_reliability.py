@@ -366,6 +366,19 @@ BAD_INPUT = {
     "all masked": (lambda d: ["--max_length", "4", "--validation_split_percentage", "0"], "no trained token"),
     "mixture and dataset_name": (lambda d: ["--dataset_name", "data/text.jsonl", "--dataset_mixture",
                                             "[{name: data/chat.jsonl}]"], "both set"),
+    "pairs without rejected": (lambda d: ["--objective", "dpo", "--dataset_name", str(write(d / "p.jsonl", 20 * (
+        json.dumps({"prompt": "Q?", "chosen": " A."}) + "\n")))], "preference: chosen, rejected"),
+    "pair with an empty completion": (lambda d: ["--objective", "dpo", "--dataset_name", str(write(
+        d / "p.jsonl", 20 * (json.dumps({"prompt": "Q?", "chosen": "", "rejected": " B."}) + "\n")))],
+        "the chosen completion is empty"),
+    "identical pairs": (lambda d: ["--objective", "dpo", "--validation_split_percentage", "0", "--dataset_name",
+                                   str(write(d / "p.jsonl", 20 * (json.dumps({"prompt": "Q?", "chosen": " A.",
+                                                                              "rejected": " A."}) + "\n")))],
+                        "(20) was dropped: 20 with identical chosen and rejected tokens"),
+    "prompts longer than max_length": (lambda d: ["--objective", "dpo", "--validation_split_percentage", "0",
+                                                  "--max_length", "8", "--dataset_name", str(write(d / "p.jsonl", 20 * (
+        json.dumps({"prompt": "Q " * 20, "chosen": " A.", "rejected": " B."}) + "\n")))],
+        "0 with identical chosen and rejected tokens, 20 whose prompt fills max_length=8"),
     "resume without checkpoint": (lambda d: ["--resume_from_checkpoint", "latest"], "holds no complete"),
     "resume path missing": (lambda d: ["--resume_from_checkpoint", str(d / "nope")], "is not a checkpoint folder"),
     "precision conflict with preset": (lambda d: [], "precision comes from the recipe"),
