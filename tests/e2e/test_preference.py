@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, launch, launch_env, run_script
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, launch, launch_env, run_script, write_jsonl
 from tests.wandb_records import summary
 
 pytestmark = pytest.mark.launch
@@ -237,3 +238,39 @@ def test_full_dpo_under_tensor_parallelism_equals_one_process(tmp_path, full_one
     expected = load_file(full_one_process.output_dir / "final" / "model.safetensors")
     for name, value in load_file(run.output_dir / "final" / "model.safetensors").items():
         torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_simpo_step_one_equals_its_formula(tmp_path):
+    """simpo through the entry script (no reference model): the step-1 loss and rewards equal SimPO's formula in
+    plain PyTorch, -log sigmoid(beta (log pi_c / |c| - log pi_r / |r|) - gamma) averaged over the step's 4 pairs, on
+    string pairs tokenized here as prompt (with BOS) + completion + EOS."""
+    pairs = [{"prompt": f"What is {i} + 1?", "chosen": f" {i} + 1 = {i + 1}.", "rejected": f" It is {i + 7}, I think."}
+             for i in range(8)]
+    beta, gamma = 2.0, 0.5
+    model_dir = REPO / "models" / "tiny-llama"
+    tok, lm = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir).float()
+
+    def average_log_prob(prompt: str, completion: str) -> float:
+        prompt_ids = tok(prompt)["input_ids"]
+        ids = prompt_ids + tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        with torch.no_grad():
+            logp = torch.log_softmax(lm(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+        targets = range(len(prompt_ids), len(ids))
+        return sum(logp[t - 1, ids[t]].item() for t in targets) / len(targets)
+
+    losses, chosen, rejected = [], [], []
+    for p in pairs[:4]:
+        c, r = average_log_prob(p["prompt"], p["chosen"]), average_log_prob(p["prompt"], p["rejected"])
+        losses.append(-torch.nn.functional.logsigmoid(torch.tensor(beta * (c - r) - gamma)).item())
+        chosen.append(beta * c)
+        rejected.append(beta * r)
+    run = run_script(tmp_path / "out", "--model_name_or_path", str(model_dir), "--dataset_name",
+                     str(write_jsonl(tmp_path / "pairs.jsonl", pairs)), "--objective", "simpo", "--beta", str(beta),
+                     "--simpo_gamma", str(gamma), "--max_steps", "1", "--per_device_train_batch_size", "4",
+                     "--train_sampling_strategy", "sequential", "--validation_split_percentage", "0",
+                     "--dtype", "float32", "--logging_steps", "1")
+    assert "objective simpo, beta 2; reference: none (reference-free)" in " ".join(run.stdout.split())
+    (row,) = run.train_rows()
+    assert row["loss"] == pytest.approx(sum(losses) / 4, rel=1e-5)
+    assert row["rewards/chosen"] == pytest.approx(sum(chosen) / 4, rel=1e-5)
+    assert row["rewards/rejected"] == pytest.approx(sum(rejected) / 4, rel=1e-5)
