@@ -174,8 +174,8 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
     ]
     if evals:
         best = min(evals, key=lambda r: r["eval_loss"])
-        lines.append(f"- eval loss: last {_fmt(evals[-1]['eval_loss'])} (perplexity "
-                     f"{_fmt(evals[-1].get('eval_perplexity'))}) at step {evals[-1]['step']}; best "
+        perplexity = f" (perplexity {_fmt(evals[-1]['eval_perplexity'])})" if "eval_perplexity" in evals[-1] else ""
+        lines.append(f"- eval loss: last {_fmt(evals[-1]['eval_loss'])}{perplexity} at step {evals[-1]['step']}; best "
                      f"{_fmt(best['eval_loss'])} at step {best['step']}")
     if any(REWARDS[0] in r for r in train):
         lines.append("- rewards (last train window): " + ", ".join(f"{key} {_fmt(last.get(key))}" for key in REWARDS))

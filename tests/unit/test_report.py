@@ -111,6 +111,7 @@ def test_a_dpo_run_reports_its_rewards_and_pairs(tmp_path):
     assert ("eval rewards at step 4: rewards/accuracies 0.875, rewards/margins 0.6, rewards/chosen 0.1, "
             "rewards/rejected -0.5; first eval (step 2) accuracies 0.25") in text
     assert "3,000 trained tokens/s, 30 pairs/s" in text and "![rewards](rewards.png)" in text
+    assert "eval loss: last 0.6 at step 4; best 0.6 at step 2" in text  # a pair loss has no perplexity
 
 
 def test_an_sft_report_has_no_rewards(run_dir):
