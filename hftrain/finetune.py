@@ -336,15 +336,20 @@ class Finetune:
         self.window = Window(torch.zeros((), dtype=torch.float64, device=self.accelerator.device))
         self.model.train()
         step_name = lambda: f"training step {progress.step + 1}"  # noqa: E731 - named when a timeout happens
-        with StopRequest() as stop, phase(self.accelerator, step_name, recipe.ddp_timeout):
-            while progress.step < self.total_steps:
-                order = self.plan.micro_batches(progress.epoch, self.dp.rank, progress.step_in_epoch)
-                batches = iter(make_loader(order, self.collator, recipe.dataloader_num_workers,
-                                           pin_memory=recipe.dataloader_pin_memory))
-                while progress.step_in_epoch < self.plan.steps_per_epoch and progress.step < self.total_steps:
-                    self.after_step(self.train_step(batches, stop))
-                if progress.step_in_epoch >= self.plan.steps_per_epoch:
-                    progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
+        try:
+            with StopRequest() as stop, phase(self.accelerator, step_name, recipe.ddp_timeout):
+                while progress.step < self.total_steps:
+                    order = self.plan.micro_batches(progress.epoch, self.dp.rank, progress.step_in_epoch)
+                    batches = iter(make_loader(order, self.collator, recipe.dataloader_num_workers,
+                                               pin_memory=recipe.dataloader_pin_memory))
+                    while progress.step_in_epoch < self.plan.steps_per_epoch and progress.step < self.total_steps:
+                        self.after_step(self.train_step(batches, stop))
+                    if progress.step_in_epoch >= self.plan.steps_per_epoch:
+                        progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
+        except (HftrainError, Preempted):  # already handled: a refusal, a timeout, a preemption checkpoint
+            raise
+        except Exception as exc:  # noqa: BLE001 - an unexpected error: keep the last completed step if that is safe
+            self.rescue(exc)
         self.bar.close()
         self.profiler.stop()
         self.meter.utilization.stop()
@@ -424,6 +429,22 @@ class Finetune:
         if self.due(recipe.save_strategy, recipe.save_steps):
             with phase(self.accelerator, "checkpointing", recipe.ddp_timeout):
                 self.save_checkpoint()
+
+    def rescue(self, exc: Exception) -> None:
+        """An unexpected error inside training. One process whose parameters are those of the last completed step
+        (the error came before the step's update, so the schedule has not moved past the step count) saves them as a
+        checkpoint that a resume continues from; otherwise the error is raised as it is. With several processes the
+        other ranks may be inside a collective that a save would wait on: the last periodic checkpoint stands."""
+        step = self.progress.step
+        consistent = (self.accelerator.num_processes == 1 and not self.backend.step_applied_in_backward
+                      and self.scheduler.last_epoch == step)
+        if not (consistent and step > 0):
+            raise exc
+        rescue = self.save_checkpoint()
+        raise HftrainError(
+            f"training step {step + 1} failed ({type(exc).__name__}: {first_line(exc)}); the trained state after step "
+            f"{step} is kept in {rescue}: fix the cause and rerun with --resume_from_checkpoint {rescue}"
+        ) from exc
 
     def due(self, strategy: str, every: int | None) -> bool:
         """Whether an eval_strategy / save_strategy falls on the step just taken."""

@@ -213,6 +213,27 @@ def test_a_failing_final_save_keeps_the_trained_state_and_a_resume_saves_it(tmp_
         torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
 
 
+def test_an_error_inside_training_keeps_the_last_completed_step_and_a_resume_continues_it(tmp_path, reference):
+    """Issue 17 item 6: an unexpected exception after step 1 leaves a rescue checkpoint of the last completed step
+    (one process: its parameters are those of step 12, since step 13 failed before its update). Resumed without the
+    fault, the run ends where the uninterrupted one does."""
+    out = tmp_path / "out"
+    args = [*RECIPE, "--max_steps", "30", "--save_steps", "10"]  # the reference's own recipe
+    failed = run_script(out, *args, script=FAULTY_RANK, env={"HFTRAIN_TEST_FAULTS": "step_error", "RANK": "0"},
+                        check=False)
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    message = " ".join(failed.stderr.split())
+    assert "training step 13 failed (RuntimeError: injected fault: a forward failed)" in message
+    assert f"is kept in {out / 'checkpoint-12'}" in message
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-12"]
+    assert json.loads((out / "checkpoint-12" / "hftrain_state.json").read_text())["progress"]["step"] == 12
+    assert not (out / "final").exists()
+
+    resumed = run_script(out, *args, "--resume_from_checkpoint", "latest")
+    assert "at step 12" in resumed.stdout
+    assert_same_run(resumed, reference)
+
+
 def test_checkpoint_preflight_round_trips_before_step_1_and_changes_no_number(tmp_path, reference):
     """The reference run saves checkpoints, so it saved and loaded its initial state first: said, cleaned up, and
     the same losses and weights as the same run without the preflight."""

@@ -114,3 +114,34 @@ def test_no_function_in_the_entry_script_or_the_backends_exceeds_60_lines():
                     too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} "
                                     f"({node.end_lineno - start + 1} lines)")
     assert not too_long, "split these into named steps:\n" + "\n".join(too_long)
+
+
+def rescue_run(processes: int = 1, scheduler_steps: int = 12, applied_in_backward: bool = False) -> Finetune:
+    """A run that has completed 12 steps, with a save that records what it was asked to do."""
+    run = Finetune(Recipe())
+    run.accelerator = fake_accelerator(processes)
+    run.backend = SimpleNamespace(step_applied_in_backward=applied_in_backward)
+    run.progress = SimpleNamespace(step=12)
+    run.scheduler = SimpleNamespace(last_epoch=scheduler_steps)
+    run.saved = []
+    run.save_checkpoint = lambda: run.saved.append(run.progress.step) or Path("out/checkpoint-12")
+    return run
+
+
+def test_an_error_before_the_update_saves_the_last_completed_step():
+    run = rescue_run()
+    with pytest.raises(HftrainError, match=r"training step 13 failed \(ValueError: bad batch\); the trained state "
+                                           r"after step 12 is kept in out/checkpoint-12"):
+        run.rescue(ValueError("bad batch\nand pages more"))
+    assert run.saved == [12]
+
+
+@pytest.mark.parametrize("why", ["two processes", "schedule moved past the step", "engine stepped in backward"])
+def test_no_rescue_when_the_state_may_not_be_the_last_completed_step(why):
+    run = {"two processes": lambda: rescue_run(processes=2),
+           "schedule moved past the step": lambda: rescue_run(scheduler_steps=13),  # failed after optimizer.step()
+           "engine stepped in backward": lambda: rescue_run(applied_in_backward=True)}[why]()
+    error = ValueError("bad batch")
+    with pytest.raises(ValueError) as raised:
+        run.rescue(error)
+    assert raised.value is error and run.saved == []

@@ -7,6 +7,7 @@ slow_forward: rank 1 sleeps 0.1 s before each forward (a slow GPU, a throttled n
 diverge:      after its 3rd optimizer step rank 1 adds 1e-3 to one parameter (a replica drifting apart).
 stuck_data:   rank 0 sleeps HFTRAIN_TEST_STALL seconds before preparing the data (a huge tokenization job).
 stuck_step:   rank 1 sleeps HFTRAIN_TEST_STALL seconds in its 3rd forward (a hung device, a stuck input).
+step_error:   the first forward of step 13 raises on rank 0 (a bad batch, a device error), after 12 completed steps.
 final_save:   saving the final model's tokenizer raises (a full disk, a library that cannot serialise the model).
 final_eval:   the final evaluation raises (bitsandbytes' CPU inference path did on some shapes).
 unloadable_checkpoint: loading a checkpoint raises (a strategy whose state cannot be read back).
@@ -69,6 +70,12 @@ class FaultyRank(Finetune):
         super().setup_model()
         if rank == 1 and "slow_forward" in faults:
             self.model.forward = before_each_call(self.model.forward, lambda n: time.sleep(0.1))
+        if rank == 0 and "step_error" in faults:
+            def fail_in_step_13(n):
+                if self.progress.step == 12:
+                    raise RuntimeError("injected fault: a forward failed")
+
+            self.model.forward = before_each_call(self.model.forward, fail_in_step_13)
         if rank == 1 and "stuck_step" in faults:
             self.model.forward = before_each_call(self.model.forward, lambda n: time.sleep(stall) if n == 3 else None)
 
