@@ -20,6 +20,7 @@ import copy
 import hashlib
 import inspect
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -324,7 +325,7 @@ def reference_values(recipe: Recipe, sets: dict, accelerator, resume_from: Path 
     values = compute()
     if accelerator.is_main_process:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache.with_name(f"{TMP_PREFIX}{cache.name}")
+        partial = cache.with_name(f"{TMP_PREFIX}{os.getpid()}-{cache.name}")  # two runs may write one key at once
         save_file({k: v.contiguous().cpu() for k, v in values.items()}, str(partial))
         partial.replace(cache)
     return values, f"one pass of the starting model before training, cached in {cache}"
