@@ -168,9 +168,13 @@ def build_model(size: Size, out: Path) -> int:
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 1B model initialises in seconds there
         model = LlamaForCausalLM(config)
     model.save_pretrained(out)
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    if torch.cuda.is_available():  # this process holds no GPU memory while the contenders run
+        torch.cuda.empty_cache()
     tokenizer.model_max_length = size.max_length
     tokenizer.save_pretrained(out)
-    return sum(p.numel() for p in model.parameters())
+    return n_params
 
 
 def make_chats(size: Size, model_dir: Path, out: Path) -> list[int]:

@@ -605,8 +605,9 @@ def part_memory(report: Report, mode: Mode) -> None:
     if "shape" not in state:
         return
     plan = estimate(state["shape"], 1, batch, seq, precision="bf16")
-    method_args = {"full": [], "lora": ["--use_peft", "true"],
-                   "qlora": ["--use_peft", "true", "--load_in_4bit", "true"]}
+    # the estimate's model of LoRA: a bf16 frozen base (fp32 adapters); QLoRA: NF4 base, bf16 compute
+    method_args = {"full": [], "lora": ["--use_peft", "true", "--dtype", "bfloat16"],
+                   "qlora": ["--use_peft", "true", "--dtype", "bfloat16", "--load_in_4bit", "true"]}
     if mode.dry_run:  # one method: the loop is the same, and the tiny model's numbers judge nothing
         method_args = {"full": []}
     for method, extra in method_args.items():
