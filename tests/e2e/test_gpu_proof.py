@@ -27,6 +27,7 @@ MANIFEST = json.loads((REPO / "scripts" / "gpu_bundle.json").read_text())
 def gpu_proof():
     spec = importlib.util.spec_from_file_location("gpu_proof", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_proof"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -68,9 +69,13 @@ def test_bundle_assembles_to_the_manifest_and_installs(tmp_path):
     libraries = sorted(n.rsplit("/", 1)[-1] for n in zipfile.ZipFile(bnb).namelist() if n.endswith(".so"))
     assert libraries == ["libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so"]
 
-    # what scripts/gpu_proof.sh does on the device: every wheel installs, without an index, into one folder
+    # what scripts/gpu_proof.sh does on the device: every wheel installs, without an index, into one folder (here
+    # for the device's Python and platform, whatever this interpreter is)
+    platforms = [arg for p in MANIFEST["platforms"] for arg in ("--platform", p)]
     install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                              "--target", str(site), *map(str, bundle.glob("*.whl"))], capture_output=True, text=True)
+                              "--only-binary=:all:", "--python-version", MANIFEST["python_version"], "--implementation",
+                              "cp", *platforms, "--target", str(site), *map(str, bundle.glob("*.whl"))],
+                             capture_output=True, text=True)
     assert install.returncode == 0, install.stderr[-2000:]
     installed = {p.name.split("-")[0].lower() for p in site.glob("*.dist-info")}
     assert installed == {w["name"].replace("-", "_") for w in MANIFEST["wheels"]}
