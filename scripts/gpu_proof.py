@@ -685,6 +685,8 @@ def main(argv: list[str] | None = None) -> None:
     runners = {"env": part_env, "correctness": part_correctness, "throughput": part_throughput, "memory": part_memory}
     for part in parts:
         runners[part](report, mode)
+        if torch.cuda.is_available():  # the next part's child processes get the GPU memory this one cached
+            torch.cuda.empty_cache()
     failed = [c for c in report.checks if c.status in ("FAIL", "error")]
     print(report.markdown())
     print(f"gpu_proof: wrote {args.out / 'gpu_proof.md'} and gpu_proof.json; {len(failed)} check(s) failed")
