@@ -19,9 +19,10 @@ numbers measured, the bound they are held to, and the exit status of the process
   memory, MFU, and the issue's targets;
 - memory: `hftrain.estimate` against the peak CUDA memory of 2-step runs, full, LoRA and QLoRA.
 
-Each part fits one device call of at most 10 minutes; results are rewritten after every check into
-OUT/gpu_proof.json and OUT/gpu_proof.md, so a call cut short still returns what it measured. --dry-run runs
-the same parts on CPU with the tiny model in about a minute (what needs CUDA is reported as skipped).
+Each part fits one device call of at most 10 minutes (throughput with its contenders split over two calls,
+--contenders); results are rewritten after every check into OUT/gpu_proof.json and OUT/gpu_proof.md, so a call
+cut short still returns what it measured. --dry-run runs the same parts on CPU with the tiny model in 1-3
+minutes on 2 cores (what needs CUDA is reported as skipped).
 docs/gpu-proof.md explains how to read the results.
 """
 
