@@ -3,6 +3,7 @@
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py                  # full: ~9M-param Llama, 3 repetitions
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py --quick --out /tmp/bench   # seconds per contender
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py --contenders hftrain,trainer --reps 5
+    python scripts/bench.py --size gpu --contenders hftrain_gpu,trainer,trl_packing --out DIR   # CUDA: 1B, bf16
 
 Every contender trains the same randomly initialised Llama (built from a config and saved once) for one
 epoch of the same generated chat dataset (assistant-only loss, fp32, AdamW, linear decay, clip 1.0), each in
@@ -63,12 +64,25 @@ class Size:
     max_length: int
     reps: int
     threads: int | None  # OMP_NUM_THREADS for the children; None: torch's default (one per core)
+    kv_heads: int | None = None  # None: as many as the attention heads
+    vocab_size: int | None = None  # None: the tokenizer's (a larger one is a real model's head; ids stay < 753)
+    tie_embeddings: bool = False
+    bf16: bool = False  # mixed precision for every contender (fp32 weights, bf16 autocast)
+    optim: str = "adamw_torch"
+    accum: int = 1  # > 1: every contender takes each step as micro-batches (Trainer/TRL/loop: BATCH/accum x accum;
+    #                 packed: 1 row x packed rows), so that long rows fit in GPU memory
 
 
 FULL = Size(hidden=256, layers=8, heads=8, intermediate=1024, chats=256, median_tokens=230, min_tokens=33,
             max_tokens=900, max_length=1024, reps=3, threads=None)
 QUICK = Size(hidden=64, layers=2, heads=4, intermediate=128, chats=32, median_tokens=70, min_tokens=33,
              max_tokens=200, max_length=256, reps=1, threads=1)  # 1 thread: a smoke run on a busy machine
+# A Llama-3.2-1B-shaped model (1.24B parameters, its 128k-row tied embedding) at max_length 4096 on one GPU,
+# bf16 mixed precision, fused AdamW for everyone; run by scripts/gpu_proof.py (docs/gpu-proof.md)
+GPU = Size(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab_size=128256, tie_embeddings=True,
+           chats=256, median_tokens=1000, min_tokens=64, max_tokens=4000, max_length=4096, reps=1, threads=None,
+           bf16=True, optim="adamw_torch_fused", accum=4)
+SIZES = {"full": FULL, "quick": QUICK, "gpu": GPU}
 SCALING = {  # tokens/s and peak memory against sequence length and model size (--scaling), hftrain_accum only
     "8M params, max_length 256": replace(FULL, median_tokens=60, max_tokens=230, max_length=256),
     "8M params, max_length 512": replace(FULL, median_tokens=115, max_tokens=460, max_length=512),
@@ -111,6 +125,14 @@ CONTENDERS = {
                                  {**ACCUM, "torch_compile": True}, lever=True),
     "hftrain_ddp2": Contender("hftrain", "hftrain_accum as 2-process DDP (gloo, 1 thread each): 1 x 4 per process",
                               {**ACCUM, "per_device_train_batch_size": BATCH // 8}, processes=2, lever=True),
+    # The recommended GPU setting (docs/gpu-proof.md): packed rows, Liger's kernels (no fp32 logits), fused AdamW,
+    # one dataloader worker; bf16 comes from the size. And the same with torch.compile instead of Liger.
+    "hftrain_gpu": Contender("hftrain", "hftrain, packing, Liger kernels, fused AdamW, 1 dataloader worker",
+                             {"packing": True, "use_liger_kernel": True, "optim": "adamw_torch_fused",
+                              "dataloader_num_workers": 1}, packed=True, lever=True),
+    "hftrain_gpu_compile": Contender("hftrain", "hftrain, packing, torch_compile, fused AdamW, 1 dataloader worker",
+                                     {"packing": True, "torch_compile": True, "optim": "adamw_torch_fused",
+                                      "dataloader_num_workers": 1}, packed=True, lever=True),
     "hftrain_random": Contender("hftrain", "hftrain, random batches padded to the longest",
                                 {"train_sampling_strategy": "random"}),
     "hftrain_packed": Contender("hftrain", "hftrain, packing (BFD, padding-free, position_ids)",
@@ -136,17 +158,23 @@ def build_model(size: Size, out: Path) -> int:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=size.hidden, intermediate_size=size.intermediate,
-                         num_hidden_layers=size.layers, num_attention_heads=size.heads,
-                         num_key_value_heads=size.heads, max_position_embeddings=size.max_length,
-                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(vocab_size=size.vocab_size or len(tokenizer), hidden_size=size.hidden,
+                         intermediate_size=size.intermediate, num_hidden_layers=size.layers,
+                         num_attention_heads=size.heads, num_key_value_heads=size.kv_heads or size.heads,
+                         max_position_embeddings=size.max_length, bos_token_id=None,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=size.tie_embeddings)
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 1B model initialises in seconds there
+        model = LlamaForCausalLM(config)
     model.save_pretrained(out)
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+    if torch.cuda.is_available():  # this process holds no GPU memory while the contenders run
+        torch.cuda.empty_cache()
     tokenizer.model_max_length = size.max_length
     tokenizer.save_pretrained(out)
-    return sum(p.numel() for p in model.parameters())
+    return n_params
 
 
 def make_chats(size: Size, model_dir: Path, out: Path) -> list[int]:
@@ -163,6 +191,13 @@ def make_chats(size: Size, model_dir: Path, out: Path) -> list[int]:
         return len(tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
                    ["input_ids"])
 
+    # Re-rendering the whole chat after every sentence costs length^2: for long chats (the gpu size) a sentence's
+    # own tokens are added instead, and the chat is measured exactly after each turn
+    def grown(messages: list[dict], length: int, sentence: str) -> int:
+        if size.max_tokens <= 1024:
+            return n_tokens(messages)
+        return length + len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+
     chats, lengths = [], []
     for _ in range(size.chats):
         target = min(size.max_tokens, max(size.min_tokens, int(rng.lognormvariate(math.log(size.median_tokens), 0.75))))
@@ -173,8 +208,10 @@ def make_chats(size: Size, model_dir: Path, out: Path) -> list[int]:
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
             length, sentences = n_tokens(messages), rng.randrange(1, 16)
             while length < target and sentences > 0:
-                messages[-1]["content"] += " " + make_data.qa_pair(rng)[1]
-                length, sentences = n_tokens(messages), sentences - 1
+                sentence = make_data.qa_pair(rng)[1]
+                messages[-1]["content"] += " " + sentence
+                length, sentences = grown(messages, length, sentence), sentences - 1
+            length = n_tokens(messages)
         chats.append({"messages": messages})
         lengths.append(length)
     out.write_text("".join(json.dumps(c) + "\n" for c in chats), encoding="utf-8")
@@ -188,7 +225,8 @@ def base_recipe(model_dir: Path, data: Path, size: Size) -> dict:
         "max_length": size.max_length, "validation_split_percentage": 0, "num_train_epochs": 1, "max_steps": -1,
         "per_device_train_batch_size": BATCH, "gradient_accumulation_steps": 1, "learning_rate": LEARNING_RATE,
         "lr_scheduler_type": "linear", "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0,
-        "optim": "adamw_torch", "seed": SEED, "logging_steps": 10**9,  # metrics rows at step 1 and the last step
+        "optim": size.optim, "bf16": size.bf16, "seed": SEED,
+        "logging_steps": 10**9,  # metrics rows at step 1 and the last step
         "report_to": ["none"], "overwrite_output_dir": True,
     }
 
@@ -196,6 +234,13 @@ def base_recipe(model_dir: Path, data: Path, size: Size) -> dict:
 def packed_batch(lengths: list[int], max_length: int) -> int:
     """Packed rows per step holding about as many tokens as BATCH unpacked sequences."""
     return max(1, round(BATCH * statistics.mean(lengths) / max_length))
+
+
+def micro_batching(packed: bool, batch: int, accum: int) -> tuple[int, int]:
+    """(rows per micro-batch, micro-batches per step) for a step of `batch` rows under a size's `accum`."""
+    if accum == 1:
+        return batch, 1
+    return (1, batch) if packed else (batch // accum, accum)
 
 
 # ------------------------------------------------------------------------------- child side: the runners
@@ -226,13 +271,16 @@ class StepLog:
         self.slots.append(sum(b["input_ids"].numel() for b in batches))
         self.real.append(real)
 
-    def dump(self, path: Path) -> None:
+    def dump(self, path: Path, accum: int = 1) -> None:
+        """`accum` > 1: the counts are per micro-batch (one collator call each), `accum` of them per step."""
         import torch
 
         steps = len(self.times)  # batches may be collated ahead of the step that uses them
+        per_step = lambda xs: [sum(xs[i:i + accum]) for i in range(0, len(xs), accum)][:steps]  # noqa: E731
         cuda = {"peak_cuda_mb": torch.cuda.max_memory_allocated() / 2**20} if torch.cuda.is_available() else {}
-        path.write_text(json.dumps({"step_end_times": self.times, "step_tokens": self.tokens[:steps],
-                                    "slots": sum(self.slots[:steps]), "real_tokens": sum(self.real[:steps]), **cuda}))
+        path.write_text(json.dumps({"step_end_times": self.times, "step_tokens": per_step(self.tokens),
+                                    "slots": sum(per_step(self.slots)), "real_tokens": sum(per_step(self.real)),
+                                    **cuda}))
 
 
 def _counting(collate, log: StepLog):
@@ -248,12 +296,13 @@ def _hf_arguments(spec: dict, output_dir: Path) -> dict:
     import torch
 
     r = spec["recipe"]
-    return dict(output_dir=str(output_dir), per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=1,
+    rows, accum = spec["micro"]
+    return dict(output_dir=str(output_dir), per_device_train_batch_size=rows, gradient_accumulation_steps=accum,
                 num_train_epochs=1, max_steps=spec["max_steps"], learning_rate=r["learning_rate"],
-                lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
+                lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim=r["optim"],
                 logging_steps=10**9, logging_first_step=True, save_strategy="no", report_to="none",
                 use_cpu=not torch.cuda.is_available(),
-                seed=SEED, dataloader_num_workers=0, bf16=False, activation_checkpointing=False)
+                seed=SEED, dataloader_num_workers=0, bf16=r["bf16"], activation_checkpointing=False)
 
 
 def run_hf(spec: dict, result: Path) -> None:
@@ -285,7 +334,7 @@ def run_hf(spec: dict, result: Path) -> None:
                              callbacks=[Clock()])
     trainer.data_collator = _counting(trainer.data_collator, log)
     trainer.train()
-    log.dump(result)
+    log.dump(result, accum=spec["micro"][1])
 
 
 def run_loop(spec: dict, result: Path) -> None:
@@ -302,13 +351,15 @@ def run_loop(spec: dict, result: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32).to(device)
     model.config.use_cache = False
     model.train()
-    micro = CONTENDERS[spec["contender"]].options or {"per_device_train_batch_size": spec["batch"],
-                                                      "gradient_accumulation_steps": 1}
+    rows, accum = spec["micro"]
+    micro = CONTENDERS[spec["contender"]].options or {"per_device_train_batch_size": rows,
+                                                      "gradient_accumulation_steps": accum}
     accum = micro["gradient_accumulation_steps"]
     plan = BatchPlan(len(ids), micro["per_device_train_batch_size"], 1, accum, SEED, shuffle=True,
                      lengths=tuple(lengths))
     total = plan.steps_per_epoch if spec["max_steps"] <= 0 else min(spec["max_steps"], plan.steps_per_epoch)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.0,
+                                  fused=recipe.optim == "adamw_torch_fused")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1 - i / total)
     pad = tokenizer.pad_token_id
     log = StepLog()
@@ -326,7 +377,9 @@ def run_loop(spec: dict, result: Path) -> None:
         log.count(batches, real)
         step_tokens = log.tokens[-1]
         for batch in batches:  # the model's mean over the whole step's tokens: the same update as one batch
-            model(**{k: v.to(device) for k, v in batch.items()}, num_items_in_batch=step_tokens).loss.backward()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=recipe.bf16):
+                loss = model(**{k: v.to(device) for k, v in batch.items()}, num_items_in_batch=step_tokens).loss
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
@@ -406,8 +459,9 @@ def launch(cmd: list[str], env: dict, log_path: Path, watch: Path | None = None)
 
 
 def child_env(work: Path, threads: int | None) -> dict:
+    path = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])  # keep a --target site
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "datasets-cache"),
-           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO),
+           "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONPATH": path,
            "PYTHONUNBUFFERED": "1"}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -420,10 +474,11 @@ def run_contender(name: str, rep: int, setup: dict, max_steps: int = -1) -> Run:
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     batch = setup["packed_batch"] if contender.packed else BATCH
+    rows, accum = micro_batching(contender.packed, batch, setup.get("accum", 1))
     log_path = run_dir / "log.txt"
     if contender.kind == "hftrain":
-        recipe = {**setup["recipe"], "per_device_train_batch_size": batch, **contender.options,
-                  "max_steps": max_steps, "output_dir": str(run_dir / "out")}
+        recipe = {**setup["recipe"], "per_device_train_batch_size": rows, "gradient_accumulation_steps": accum,
+                  **contender.options, "max_steps": max_steps, "output_dir": str(run_dir / "out")}
         (run_dir / "recipe.yaml").write_text(json.dumps(recipe, indent=1))  # JSON is YAML
         cmd = [sys.executable, "-m", "hftrain.finetune", "--config", str(run_dir / "recipe.yaml")]
         threads = setup["threads"]
@@ -447,7 +502,7 @@ def run_contender(name: str, rep: int, setup: dict, max_steps: int = -1) -> Run:
                 run.peak_cuda_mb, run.mfu = last["peak_memory_mb"], last.get("mfu")
         return run
     spec = {"contender": name, "recipe": setup["recipe"], "model_dir": setup["model_dir"], "batch": batch,
-            "max_steps": max_steps, "work": str(run_dir)}
+            "micro": [rows, accum], "max_steps": max_steps, "work": str(run_dir)}
     (run_dir / "spec.json").write_text(json.dumps(spec))
     result = run_dir / "result.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run", name, "--spec", str(run_dir / "spec.json"),
@@ -583,8 +638,8 @@ def markdown(report: dict) -> str:
         f"Workload: Llama with {report['model_parameters']:,} parameters, {report['data']['chats']} chats of "
         f"{report['data']['min_tokens']}-{report['data']['max_tokens']} tokens "
         f"(median {report['data']['median_tokens']}), max_length {report['data']['max_length']}, {BATCH} sequences "
-        f"per optimizer step ({report['packed_batch']} packed rows for packing), fp32, AdamW, assistant-only loss, "
-        "one epoch. Raw numbers: `benchmarks.json`.",
+        f"per optimizer step ({report['packed_batch']} packed rows for packing), {report.get('precision', 'fp32')}, "
+        "AdamW, assistant-only loss, one epoch. Raw numbers: `benchmarks.json`.",
         "",
         "| contender | setting | steps | trained tokens/s (median, min-max) | vs Trainer | time to first step (s) | "
         "wall for N steps (s) | peak RSS (MB) | padding share |" + "".join(f" {CUDA_COLUMNS[k][0]} |" for k in extra),
@@ -628,7 +683,10 @@ def write_report(report: dict, out: Path) -> None:
 # ------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny model and data, 1 repetition, no warm-up")
+    parser.add_argument("--quick", action="store_true", help="tiny model and data, 1 repetition, no warm-up "
+                        "(= --size quick)")
+    parser.add_argument("--size", choices=list(SIZES), help="model and data: full (default), quick, or gpu (a "
+                        "1.24B Llama at max_length 4096, bf16, micro-batches: for one CUDA GPU)")
     parser.add_argument("--out", type=Path, help="where benchmarks.md/.json go (default docs/; with --quick "
                         "outputs/bench-quick, so a smoke run never replaces the real results)")
     parser.add_argument("--contenders", default=",".join(n for n, c in CONTENDERS.items() if not c.lever),
@@ -653,8 +711,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in CONTENDERS]
     if unknown or not names:
         parser.error(f"unknown contender(s) {unknown}; choose from {', '.join(CONTENDERS)}")
-    size = QUICK if args.quick else FULL
-    out = args.out or (REPO / "outputs" / "bench-quick" if args.quick else REPO / "docs")
+    size = SIZES[args.size or ("quick" if args.quick else "full")]
+    out = args.out or (REPO / "docs" if size is FULL else REPO / "outputs" / f"bench-{args.size or 'quick'}")
     work = args.work or Path(tempfile.mkdtemp(prefix="hftrain-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     os.environ["HF_DATASETS_CACHE"] = str(work / "datasets-cache")  # read by hftrain_padding: the runs' cache
@@ -663,7 +721,7 @@ def main(argv: list[str] | None = None) -> None:
         command = "HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py " + " ".join(sys.argv[1:] if argv is None
                                                                                   else argv)
         runs = scaling(work, out, command) if args.scaling else \
-            bench(names, size, args.reps or size.reps, args.warmup and not args.quick, work, out, command)
+            bench(names, size, args.reps or size.reps, args.warmup and size is not QUICK, work, out, command)
         completed = all(r.ok for r in runs)
     finally:
         if args.work is None and completed:
@@ -719,7 +777,7 @@ def bench(names: list[str], size: Size, reps: int, warmup: bool, work: Path, out
     n_params = build_model(size, model_dir)
     lengths = make_chats(size, model_dir, data)
     setup = {"work": str(work), "model_dir": str(model_dir), "recipe": base_recipe(model_dir, data, size),
-             "packed_batch": packed_batch(lengths, size.max_length), "threads": size.threads}
+             "packed_batch": packed_batch(lengths, size.max_length), "threads": size.threads, "accum": size.accum}
     print(f"bench: {n_params:,}-parameter Llama, {len(lengths)} chats of {min(lengths)}-{max(lengths)} tokens "
           f"in {work}; contenders {', '.join(names)}, {reps} repetition(s)", flush=True)
     load_before = [round(x, 2) for x in os.getloadavg()]
@@ -742,13 +800,17 @@ def bench(names: list[str], size: Size, reps: int, warmup: bool, work: Path, out
         contender = CONTENDERS[name]
         counted = [r.padding for r in runs if r.contender == name and r.padding is not None]
         if contender.kind == "hftrain":
-            paddings[name] = hftrain_padding(setup, contender.options,
-                                             setup["packed_batch"] if contender.packed else BATCH, contender.processes)
+            rows, accum = micro_batching(contender.packed, setup["packed_batch"] if contender.packed else BATCH,
+                                         setup["accum"])
+            paddings[name] = hftrain_padding(setup, {"gradient_accumulation_steps": accum, **contender.options},
+                                             rows, contender.processes)
         elif counted:
             paddings[name] = statistics.mean(counted)
     table = aggregate(runs, paddings)
     report = {
-        "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "mode": "quick" if size is QUICK else "full",
+        "command": command, "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "mode": next(name for name, known in SIZES.items() if known is size),
+        "precision": "bf16" if size.bf16 else "fp32",
         "reps": reps, "load_before": load_before, "load_after": load_after,
         "environment": {"versions": versions(), "machine": machine(size.threads)},
         "model_parameters": n_params, "packed_batch": setup["packed_batch"],
