@@ -139,6 +139,26 @@ def test_step_scope_makes_accumulation_equal_one_batch_and_the_models_own_aux(ki
     assert abs(per_half.item() - hf.loss.item()) > 1e-6
 
 
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_step_scope_routing_pass_routes_like_the_training_forward_under_dropout(kind):
+    """With dropout the routing depends on the random draws: the routing pass restores the random state, so the
+    training forward routes as it would have without the pass (its aux is HF's own from the same seed; another seed
+    routes differently)."""
+    lm = tiny(kind, router_aux_loss_coef=0.5, attention_dropout=0.3)
+    b = batch()
+    tokens = (b["labels"][:, 1:] != IGNORE_INDEX).sum()
+    wrapped = CausalLMTokenLoss(lm, router_aux_loss_scope="step").train()
+    torch.manual_seed(5)
+    wrapped.prepare_step(wrapped, [b], lambda t: t)
+    wrapped(**b)
+    hf = {}
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        hf[seed] = lm(input_ids=b["input_ids"], attention_mask=b["real_tokens"].long(), output_router_logits=True)
+    assert (wrapped.pop_aux() / tokens).item() == pytest.approx(hf[5].aux_loss.item(), rel=1e-6)
+    assert hf[6].aux_loss.item() != pytest.approx(hf[5].aux_loss.item(), rel=1e-6)
+
+
 def test_step_scope_needs_the_routing_pass_and_a_router_loss():
     lm = tiny("mixtral", router_aux_loss_coef=0.5)
     with pytest.raises(HftrainError, match="prepare_step"):
