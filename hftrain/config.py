@@ -269,6 +269,14 @@ class Recipe:
         "Qwen3-MoE); 0 turns it off. Logged as aux_loss; evaluation reports the token cross-entropy alone.",
         group="training",
     )
+    router_aux_loss_scope: str = _f(
+        "micro_batch", "Mixture-of-experts models: what the router load-balancing loss averages over. micro_batch: "
+        "each micro-batch's own aux, weighted by its trained tokens (as HF's Trainer; splitting a batch changes the "
+        "aux slightly, it is a product of two batch means). step: exactly the aux of the whole optimizer step over "
+        "all micro-batches and data-parallel ranks (k micro-batches of b on n ranks equal one batch of k*n*b), at "
+        "the cost of one extra no-grad forward per micro-batch (a routing pass before the step trains).",
+        group="training", choices=("micro_batch", "step"),
+    )
     max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.",
                               group="training")
     optim: str = _f(
@@ -565,6 +573,10 @@ def validate(recipe: Recipe) -> list[str]:
          "lr_scheduler_type=constant has no warmup; use constant_with_warmup or set warmup to 0")
     need(r.router_aux_loss_coef is None or r.router_aux_loss_coef >= 0,
          f"router_aux_loss_coef must be >= 0 or unset, got {r.router_aux_loss_coef}")
+    need(r.router_aux_loss_scope == "micro_batch" or (r.router_aux_loss_coef != 0 and r.objective == "sft"),
+         "router_aux_loss_scope=step makes the router load-balancing loss exact over a step, but there is none here "
+         f"(router_aux_loss_coef={r.router_aux_loss_coef}, objective={r.objective}; it needs a coefficient > 0 or "
+         "the model's own, and objective sft); remove router_aux_loss_scope")
     need(r.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {r.max_grad_norm}")
     need(r.weight_decay >= 0, f"weight_decay must be >= 0, got {r.weight_decay}")
     need(0 <= r.adam_beta1 < 1 and 0 <= r.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")

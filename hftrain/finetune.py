@@ -192,8 +192,7 @@ class Finetune:
         self.collator.mark_real_tokens = self.token_loss.aux_coef > 0  # the router loss excludes padding
         self.notes = list(getattr(lm, "hftrain_notes", []))
         if self.token_loss.aux_coef > 0:
-            self.notes.append(f"router load-balancing loss added with coefficient {self.token_loss.aux_coef} "
-                              "(router_aux_loss_coef; 0 turns it off), logged as aux_loss")
+            self.notes.append(self.token_loss.router_note())
         self.flops = FlopCounter(lm)
         self.summary = model_summary(self.model)  # before prepare: sharding strategies hide the full counts
 
@@ -380,6 +379,7 @@ class Finetune:
         scale = self.dp.world * accum / step_units.clamp(min=1)
         learning_rate = self.optimizer.param_groups[0]["lr"]
         timer.lap("token_sync")
+        self.token_loss.prepare_step(self.model, micro_batches, self.dp.sum)  # router_aux_loss_scope step: routing
         loss, grad_norm, updated = optimizer_step(self.backend, self.model, self.optimizer, self.scheduler,
                                                   micro_batches, scale, recipe.max_grad_norm or float("inf"), timer)
         if not updated:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -279,19 +280,37 @@ LIGER_MODEL_TYPES = HEAD_ONLY_MODEL_TYPES
 
 
 def router_aux(lm: nn.Module, coef: float | None):
-    """(coefficient, aux(router_logits, real_tokens)) of a mixture-of-experts model's load-balancing loss: the
-    recipe's coefficient or, when None, the model config's (TRL's rule); (0.0, None) for a dense model."""
+    """(coefficient, aux(router_logits, real_tokens), experts, top_k) of a mixture-of-experts model's load-balancing
+    loss: the recipe's coefficient or, when None, the model config's (TRL's rule); (0.0, None, 0, 0) for a dense
+    model."""
     hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
     if not hasattr(config, "output_router_logits"):
         if coef:
             raise HftrainError(f"router_aux_loss_coef={coef} is set but {type(hf).__name__} is not a "
                                "mixture-of-experts model with a router loss; remove router_aux_loss_coef")
-        return 0.0, None
+        return 0.0, None, 0, 0
     coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
     balance = importlib.import_module(type(hf).__module__).load_balancing_loss_func
     experts, top_k = hf.num_experts, hf.num_experts_per_tok
-    return float(coef), lambda router_logits, real_tokens: balance(router_logits, experts, top_k, real_tokens)
+    return (float(coef), lambda router_logits, real_tokens: balance(router_logits, experts, top_k, real_tokens),
+            experts, top_k)
+
+
+def routing_statistics(router_logits: tuple[torch.Tensor, ...], real_tokens: torch.Tensor | None,
+                       top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(top-k assignments per expert, router probability sums per expert, routed (layer, token) slots) over every
+    layer's real tokens, summed as transformers' `load_balancing_loss_func` sums them: its aux is
+    experts x sum_e (assignments_e / slots) x (probability_e / slots). Assignments carry no gradient."""
+    counts = probs = slots = 0
+    for layer in router_logits:
+        weights = layer.softmax(dim=-1)
+        chosen = F.one_hot(weights.topk(top_k, dim=-1).indices, weights.shape[-1]).sum(dim=1).float()
+        real = torch.ones_like(chosen[:, :1]) if real_tokens is None else real_tokens.reshape(-1, 1).float()
+        counts = counts + (chosen * real).sum(dim=0)
+        probs = probs + (weights.float() * real).sum(dim=0)
+        slots = slots + real.sum()
+    return counts.detach(), probs, slots
 
 
 class WrapsCausalLM(nn.Module):
@@ -318,17 +337,30 @@ class CausalLMTokenLoss(WrapsCausalLM):
     any other model takes its own full-logits path.
 
     Mixture-of-experts models (with `router_aux_loss_coef` != 0, the config's own by default) add the
-    model's load-balancing loss in training, computed by the model's own `load_balancing_loss_func` over the
-    micro-batch's real tokens (`real_tokens`: padding excluded, packed examples counted token by token) and
-    weighted by the micro-batch's trained tokens: the step loss is then the token cross-entropy plus coef x
-    the token-weighted mean of the micro-batches' aux losses, HF's `outputs.loss` for a step of one micro-batch.
+    model's load-balancing loss in training, over real tokens only (`real_tokens`: padding excluded, packed
+    examples counted token by token). `router_aux_loss_scope`:
+    - `micro_batch` (HF Trainer's way): the model's own `load_balancing_loss_func` of each micro-batch, weighted by
+      its trained tokens: the step loss is the token cross-entropy plus coef x the token-weighted mean of the
+      micro-batches' aux losses, HF's `outputs.loss` for a step of one micro-batch.
+    - `step`: the aux of the whole optimizer step, all micro-batches and data-parallel ranks as one batch. The aux
+      experts x sum_e f_e x P_e has its gradient through P_e (mean router probability) only, and f_e (share of
+      top-k assignments) is fixed by the routing: `prepare_step` takes the step's f_e in one no-grad routing pass,
+      then each micro-batch adds experts x sum_e f_e x (its probability sums / the step's slots), which sum to the
+      step's aux exactly.
     """
 
     def __init__(self, lm: nn.Module, chunk_tokens: int = 0, fused_cross_entropy: bool = False,
-                 router_aux_loss_coef: float | None = None):
+                 router_aux_loss_coef: float | None = None, router_aux_loss_scope: str = "micro_batch"):
         super().__init__()
         self.lm = lm
-        self.aux_coef, self.aux_fn = router_aux(lm, router_aux_loss_coef)
+        self.aux_coef, self.aux_fn, self.experts, self.top_k = router_aux(lm, router_aux_loss_coef)
+        if router_aux_loss_scope == "step" and self.aux_coef == 0:
+            raise HftrainError("router_aux_loss_scope: step makes the router load-balancing loss exact over a step, "
+                               f"but {type(lm).__name__} adds none (a dense model, or coefficient 0); remove "
+                               "router_aux_loss_scope or set router_aux_loss_coef > 0")
+        self.aux_scope = router_aux_loss_scope
+        self.step_routing = None  # scope step: [assignments per expert..., slots, trained tokens] of the whole step
+        self.routing_pass = False  # True during `prepare_step`: forward returns the micro-batch's routing counts
         self.aux_sum = None  # detached sum of aux x trained tokens since the last `pop_aux`
         self.head_only = lm.config.model_type in HEAD_ONLY_MODEL_TYPES
         self.chunk_tokens = chunk_tokens  # > 0: logits of this many trained tokens at a time (head-only models)
@@ -366,6 +398,10 @@ class CausalLMTokenLoss(WrapsCausalLM):
         with_aux = self.training and self.aux_coef > 0
         if with_aux:
             inputs["output_router_logits"] = True
+        if self.routing_pass:  # the same call as below, so that dropout draws the same numbers
+            outputs = (self.lm.get_decoder() if self.head_only else self.lm)(**inputs)
+            counts, _, slots = routing_statistics(outputs.router_logits, real_tokens, self.top_k)
+            return torch.cat([counts.double(), torch.stack([torch.as_tensor(slots).double(), trained.sum().double()])])
         if not self.head_only:
             outputs = self.lm(**inputs)
             logits = outputs.logits.reshape(*rows, -1)[:, :-1][trained]
@@ -380,10 +416,49 @@ class CausalLMTokenLoss(WrapsCausalLM):
                 loss = sum(torch.utils.checkpoint.checkpoint(self._head_loss, h, t, use_reentrant=False)
                            for h, t in chunks)
         if with_aux and (real_tokens is None or real_tokens.any()):  # an all-padding filler row has no routing
-            aux = self.aux_fn(outputs.router_logits, real_tokens) * trained.sum()
-            self.aux_sum = aux.detach() + (0 if self.aux_sum is None else self.aux_sum)
-            loss = loss + self.aux_coef * aux
+            loss = loss + self.aux_coef * self._router_loss(outputs.router_logits, real_tokens, trained.sum())
         return loss
+
+    def _router_loss(self, router_logits: tuple[torch.Tensor, ...], real_tokens: torch.Tensor | None,
+                     tokens: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's aux term times the tokens the loop divides by (its own trained tokens for scope
+        micro_batch; the step's for scope step, whose terms sum to the step's aux)."""
+        if self.aux_scope == "micro_batch":
+            aux = self.aux_fn(router_logits, real_tokens) * tokens
+        else:
+            if self.step_routing is None:
+                raise HftrainError("router_aux_loss_scope: step needs the step's routing (prepare_step) before the "
+                                   "micro-batches train")
+            counts, slots, step_tokens = self.step_routing[:-2], self.step_routing[-2], self.step_routing[-1]
+            _, probs, _ = routing_statistics(router_logits, real_tokens, self.top_k)
+            share = (counts / slots.clamp(min=1)).to(probs.dtype) * probs / slots.clamp(min=1).to(probs.dtype)
+            aux = self.experts * share.sum() * step_tokens.to(probs.dtype)
+        self.aux_sum = aux.detach() + (0 if self.aux_sum is None else self.aux_sum)
+        return aux
+
+    def prepare_step(self, model: nn.Module, micro_batches: list[dict[str, torch.Tensor]],
+                     reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Called by the loop before an optimizer step's micro-batches train. router_aux_loss_scope step: one no-grad
+        routing pass over them through `model` (this module as the parallelism backend prepared it), with the random
+        state restored after it so that the training forwards route the same way; `reduce` sums over the
+        data-parallel ranks. Any other loss: nothing to do."""
+        if self.aux_scope != "step" or not self.training:
+            return
+        device = micro_batches[0]["input_ids"].device
+        self.routing_pass = True
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+                local = sum(model(**batch) for batch in micro_batches)
+        finally:
+            self.routing_pass = False
+        self.step_routing = reduce(local)  # all-reduce: assignments, slots and trained tokens of the whole step
+
+    def router_note(self) -> str:
+        """The start-up line of the router loss."""
+        exact = ("exact over the whole step (router_aux_loss_scope step: one extra no-grad forward per micro-batch)"
+                 if self.aux_scope == "step" else "per micro-batch as HF's Trainer (router_aux_loss_scope micro_batch)")
+        return (f"router load-balancing loss added with coefficient {self.aux_coef} (router_aux_loss_coef; 0 turns "
+                f"it off), {exact}, logged as aux_loss")
 
     unit = "tokens"  # what the summed loss is normalised by: the step's trained tokens
     examples_name = "samples"  # what one example of the data is called in throughput metrics (samples_per_second)

@@ -270,7 +270,8 @@ def build_loss(recipe: Recipe, lm: nn.Module, device: torch.device,
                copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> CausalLMTokenLoss:
     """The loss module of the recipe's objective around the built model."""
     if recipe.objective == "sft":
-        return CausalLMTokenLoss(lm, recipe.loss_chunk_tokens, recipe.use_liger_kernel, recipe.router_aux_loss_coef)
+        return CausalLMTokenLoss(lm, recipe.loss_chunk_tokens, recipe.use_liger_kernel, recipe.router_aux_loss_coef,
+                                 recipe.router_aux_loss_scope)
     return PreferenceLoss(lm, recipe, build_reference(recipe, lm, device, copy_model))
 
 

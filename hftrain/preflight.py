@@ -160,6 +160,13 @@ def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:
         problems.append(f"loss_chunk_tokens={recipe.loss_chunk_tokens} needs logits that are exactly lm_head(hidden "
                         f"states); hftrain knows that of {', '.join(sorted(HEAD_ONLY_MODEL_TYPES))}, and this model "
                         f"is {config.model_type!r} (it may scale or cap its logits): set loss_chunk_tokens: 0")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    coef = recipe.router_aux_loss_coef
+    coef = getattr(text, "router_aux_loss_coef", 0) if coef is None else coef
+    if recipe.router_aux_loss_scope == "step" and not (hasattr(text, "output_router_logits") and coef > 0):
+        problems.append(f"router_aux_loss_scope=step makes a mixture-of-experts router loss exact over a step, but "
+                        f"{config.model_type!r} has none (a dense model, or coefficient 0); remove "
+                        "router_aux_loss_scope")
     problems += saved_quantization_problems(recipe, config)
     return config, problems
 

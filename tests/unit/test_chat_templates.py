@@ -3,7 +3,9 @@
 The templates in chat_templates/ are the families' own Jinja text (most copied from TRL 1.16's
 `trl/chat_templates`, which stores them byte for byte as the model repositories ship them, GPT-OSS's harmony
 template included; Mistral v3
-without its tool branches, Phi-4, SmolLM2 and OLMo 2 written out from their tokenizer_config.json).
+without its tool branches, Phi-4, SmolLM2 and OLMo 2 written out from their tokenizer_config.json; SmolLM3 and
+Mistral-Nemo's tekken template whole, as their hub repositories publish them, from verbatim public mirrors, each
+opening with a `{# source: ... #}` line that does not change the rendering).
 For each family a hand-written Python renderer below produces the same text as segments, each marked
 trained or not: what the model writes after the generation prompt (answer and end-of-turn token) is
 trained. The test checks the renderer against the template (the text must be identical) and then
@@ -125,6 +127,40 @@ def mistral_v3(messages: list[dict]) -> Segments:
     return out
 
 
+def mistral_tekken(messages: list[dict]) -> Segments:
+    """Mistral-Nemo (tekken): no space around [INST] / [/INST], the answer is not stripped."""
+    system, rest = split_system(messages)
+    assert system is None, "Mistral-Nemo puts the system prompt into a final user turn only: tested for refusal"
+    out = [("<s>", False)]
+    for m in rest:
+        if m["role"] == "user":
+            out.append((f"[INST]{m['content']}[/INST]", False))
+        else:
+            out.append((m["content"] + "</s>", True))
+    return out
+
+
+def smollm3(messages: list[dict]) -> Segments:
+    """SmolLM3: a metadata header with today's date and the reasoning mode (/think unless the system prompt says
+    /no_think; both words are cut from the instructions). Without tools the template never closes the system turn
+    with <|im_end|>. In /think mode an answer is rendered as written (reasoning kept in every turn); in /no_think
+    mode the generation prompt ends in an empty <think> block, which is context."""
+    system, rest = split_system(messages)
+    assert system is not None, "the suite's SmolLM3 conversations carry a system prompt (no long default text here)"
+    mode = "/no_think" if "/no_think" in system else "/think"
+    instructions = system.replace("/no_think", "").replace("/think", "").rstrip()
+    out = [("<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\n"
+            f"Today Date: {datetime.date.today():%d %B %Y}\nReasoning Mode: {mode}\n\n"
+            f"## Custom Instructions\n\n{instructions}\n\n", False)]
+    opens = "<|im_start|>assistant\n" + ("" if mode == "/think" else "<think>\n\n</think>\n")
+    for m in rest:
+        if m["role"] == "user":
+            out.append((f"<|im_start|>user\n{m['content']}<|im_end|>\n", False))
+        else:
+            out += [(opens, False), (m["content"].lstrip("\n") + "<|im_end|>", True), ("\n", False)]
+    return out
+
+
 def phi3(messages: list[dict]) -> Segments:
     out = []
     for m in messages:
@@ -217,6 +253,7 @@ class Family:
     eos: str
     specials: tuple[str, ...]
     system: bool = True  # does the template take a system message
+    system_prompt: str = SYSTEM["content"]
     data: tuple[dict, ...] = tuple(TURNS)
     rewrites_past_turns: bool = False  # Qwen3: a turn renders differently once a later user turn follows
     own_mask: bool = False  # the template's {% generation %} mask is used where prefixes fail: one example
@@ -235,9 +272,15 @@ FAMILIES = {
     "qwen3-plain": Family("qwen3", chatml(None, think=True), None, "<|im_end|>", CHATML, rewrites_past_turns=True),
     "smollm2": Family("smollm2", chatml("You are a helpful AI assistant named SmolLM, trained by Hugging Face"),
                       None, "<|im_end|>", CHATML),
+    "smollm3": Family("smollm3", smollm3, None, "<|im_end|>", CHATML, data=tuple(THINKING),
+                      system_prompt=SYSTEM["content"] + " /think"),
+    "smollm3-no-think": Family("smollm3", smollm3, None, "<|im_end|>", CHATML,
+                               system_prompt=SYSTEM["content"] + " /no_think"),
     "gemma2": Family("gemma", gemma, "<bos>", "<eos>", GEMMA, system=False),
     "gemma3": Family("gemma3", gemma, "<bos>", "<eos>", GEMMA),
     "mistral-v3": Family("mistral_v3", mistral_v3, "<s>", "</s>", ("<s>", "</s>", "[INST]", "[/INST]"), system=False),
+    "mistral-nemo": Family("mistral_nemo", mistral_tekken, "<s>", "</s>", ("<s>", "</s>", "[INST]", "[/INST]"),
+                           system=False),
     "phi3": Family("phi3", phi3, None, "<|endoftext|>", ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")),
     "phi3.5": Family("phi3_5", phi3, None, "<|endoftext|>", ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")),
     "phi4": Family("phi4", phi4, None, "<|im_end|>", ("<|im_start|>", "<|im_sep|>", "<|im_end|>")),
@@ -262,7 +305,7 @@ def family_tokenizer(family: Family):
 
 
 def conversation(family: Family) -> list[dict]:
-    return ([SYSTEM] if family.system else []) + list(family.data)
+    return ([{"role": "system", "content": family.system_prompt}] if family.system else []) + list(family.data)
 
 
 def expected_row(tok, segments: Segments) -> tuple[list[int], list[int]]:
@@ -350,6 +393,21 @@ def test_qwen3_past_reasoning_is_dropped_from_context_and_kept_in_the_trained_tu
     assert rows[0]["extra_tokens"] == len(rows[0]["input_ids"]) and rows[1]["extra_tokens"] == 0
 
 
+def test_smollm3_keeps_reasoning_in_every_turn_and_no_think_prompts_are_context():
+    """SmolLM3 (/think) renders past answers as written, reasoning included: one example, every turn's reasoning
+    trained (its {% generation %} markers would also train the role header, so prefixes are preferred). /no_think: the
+    empty <think> block closing the generation prompt is context, the answer after it is trained."""
+    tok = family_tokenizer(FAMILIES["smollm3"])
+    (row,) = rows_of(tok, conversation(FAMILIES["smollm3"]))
+    trained = tok.decode([t for t in row["labels"] if t != IGNORE_INDEX])
+    assert row["method"] == "prefix" and "√17 ≈ 4.1.\n</think>" in trained and "21 = 3 × 7.\n</think>" in trained
+    assert "<|im_start|>" not in trained
+    (row,) = rows_of(tok, conversation(FAMILIES["smollm3-no-think"]))
+    trained = tok.decode([t for t in row["labels"] if t != IGNORE_INDEX])
+    assert "think>" not in trained and "Reasoning Mode: /no_think" in tok.decode(row["input_ids"])
+    assert tok.decode(row["input_ids"]).count("<think>\n\n</think>\n") == 3
+
+
 def test_generation_markers_give_the_mask_where_prefixes_fail():
     """Build item 1(a): GLM-4-MoE drops past reasoning, so no prefix rendering holds every turn; its {% generation %}
     markers (TRL's training template) give the mask, one example, past turns trained as the conversation renders
@@ -372,11 +430,13 @@ def test_expansion_cost_is_in_the_statistics():
         assert stats["mask_methods"] == {"expanded" if policy == "all" else "last": 3}
 
 
-@pytest.mark.parametrize("name, messages", [("deepseek-r1-distill", THINKING), ("mistral-v3", [SYSTEM, *TURNS])])
+@pytest.mark.parametrize("name, messages", [("deepseek-r1-distill", THINKING), ("mistral-v3", [SYSTEM, *TURNS]),
+                                            ("mistral-nemo", [SYSTEM, *TURNS])])
 def test_templates_that_hide_the_turn_are_refused_with_the_way_out(name, messages):
     """R1-distill's own template drops the reasoning from every turn, the last included, while its generation
     prompt opens <think>: no rendering holds the turn as the model writes it. Mistral v3 moves the system prompt
-    into the last user turn only. Neither can be located: refused, naming chat_template_path."""
+    into the last user turn only, Mistral-Nemo into a user turn that ends the conversation only (a conversation
+    ending in an answer renders without it). None can be located: refused, naming chat_template_path."""
     family = FAMILIES["deepseek-r1-distill-training"] if name.startswith("deepseek") else FAMILIES[name]
     tok = family_tokenizer(family)
     tok.chat_template = (TEMPLATES / f"{name.replace('-distill', '_distill').replace('-', '_')}.jinja").read_text()
@@ -394,10 +454,28 @@ def test_template_files_are_the_families_own():
     assert "{% else %}{{ eos_token }}{% endif %}" in text["phi3"]
     assert "content.split('</think>')[-1]" in text["deepseek_r1_distill"]
     assert "<|start|>assistant<|channel|>final<|message|>\" + message.content + \"<|return|>" in text["gptoss"]
+    assert '{%- if "/no_think" in system_message -%}' in text["smollm3"]
+    assert "{%- if loop.last and system_message is defined %}" in text["mistral_nemo"]
     assert "{% generation %}" in text["deepseek_r1_distill_training"].replace("{%- generation %}", "{% generation %}")
     assert json.dumps(sorted(text)) == json.dumps(sorted(
         ["deepseek_r1_distill", "deepseek_r1_distill_training", "gemma", "gemma3", "glm4moe_training", "gptoss",
-         "llama3_1", "mistral_v3", "olmo2", "phi3", "phi3_5", "phi4", "qwen2_5", "qwen3", "smollm2"]))
+         "llama3_1", "mistral_nemo", "mistral_v3", "olmo2", "phi3", "phi3_5", "phi4", "qwen2_5", "qwen3", "smollm2",
+         "smollm3"]))
+
+
+@pytest.mark.parametrize("name", ["smollm3", "mistral-nemo"])
+def test_source_line_does_not_change_the_rendering(name):
+    """The templates copied from the hub open with a `{# source: ... #}` comment; without it they render the same."""
+    family = FAMILIES[name]
+    tok = family_tokenizer(family)
+    messages = [{"role": "system", "content": family.system_prompt}, *family.data]
+    stripped = tok.chat_template.split("\n", 1)[1]
+    assert tok.chat_template.startswith("{# source: ") and "license Apache-2.0 #}" in tok.chat_template
+    for n in (len(messages) - 1, len(messages)):
+        for prompt in (False, True):
+            kwargs = {"tokenize": False, "add_generation_prompt": prompt}
+            assert tok.apply_chat_template(messages[:n], **kwargs) == tok.apply_chat_template(
+                messages[:n], chat_template=stripped, **kwargs)
 
 
 def test_preview_shows_the_policy_and_the_cost_of_expanding(tmp_path, capsys):

@@ -11,12 +11,13 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hftrain.config import Recipe
+from hftrain.config import Recipe, validate
 from hftrain.data import IGNORE_INDEX, Collator
 from hftrain.errors import HftrainError
 from hftrain.estimate import model_shape
 from hftrain.metrics import FlopCounter
 from hftrain.model import CausalLMTokenLoss, build_peft_model
+from hftrain.preflight import model_problems
 from tests.conftest import REPO
 
 SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -96,6 +97,92 @@ def test_accumulated_micro_batches_weight_each_aux_by_its_trained_tokens():
            for h in halves]
     expected = (plain + 0.5 * sum(a * n for a, n in zip(aux, tokens))) / sum(tokens)
     torch.testing.assert_close(total / sum(tokens), expected, rtol=1e-5, atol=1e-6)
+
+
+def grads_of(lm, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    lm.zero_grad(set_to_none=True)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in lm.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_step_scope_makes_accumulation_equal_one_batch_and_the_models_own_aux(kind):
+    """router_aux_loss_scope step: 2 x b accumulation has the value and the gradients of one batch of 2b, whose loss
+    and aux are the model's own outputs.loss and outputs.aux_loss (HF computes them on the whole batch)."""
+    lm = tiny(kind, router_aux_loss_coef=0.5)
+    whole = batch()
+    halves = [{k: v[i:i + 2] for k, v in whole.items()} for i in (0, 2)]
+    tokens = (whole["labels"][:, 1:] != IGNORE_INDEX).sum()
+    wrapped = CausalLMTokenLoss(lm, router_aux_loss_scope="step").train()
+    one_process = lambda t: t  # noqa: E731 - the all-reduce of a single rank
+
+    wrapped.prepare_step(wrapped, [whole], one_process)
+    one = wrapped(**whole) / tokens
+    one_aux = wrapped.pop_aux() / tokens
+    one_grads = grads_of(lm, one)
+    wrapped.prepare_step(wrapped, halves, one_process)
+    accumulated = sum((wrapped(**h) for h in halves), torch.zeros(())) / tokens
+    accumulated_aux = wrapped.pop_aux() / tokens
+    accumulated_grads = grads_of(lm, accumulated)
+
+    hf = lm(input_ids=whole["input_ids"], attention_mask=whole["real_tokens"].long(), labels=whole["labels"],
+            output_router_logits=True)
+    torch.testing.assert_close(one, hf.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(one_aux, hf.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(accumulated, hf.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(accumulated_aux, hf.aux_loss, rtol=1e-5, atol=1e-6)
+    assert one_grads.keys() == accumulated_grads.keys() and any("gate" in n for n in one_grads)
+    for name, grad in one_grads.items():
+        torch.testing.assert_close(accumulated_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    micro = CausalLMTokenLoss(lm).train()  # the default scope: each half's own aux, not the whole batch's
+    per_half = sum((micro(**h) for h in halves), torch.zeros(())) / tokens
+    assert abs(per_half.item() - hf.loss.item()) > 1e-6
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_step_scope_routing_pass_routes_like_the_training_forward_under_dropout(kind):
+    """With dropout the routing depends on the random draws: the routing pass restores the random state, so the
+    training forward routes as it would have without the pass (its aux is HF's own from the same seed; another seed
+    routes differently)."""
+    lm = tiny(kind, router_aux_loss_coef=0.5, attention_dropout=0.3)
+    b = batch()
+    tokens = (b["labels"][:, 1:] != IGNORE_INDEX).sum()
+    wrapped = CausalLMTokenLoss(lm, router_aux_loss_scope="step").train()
+    torch.manual_seed(5)
+    wrapped.prepare_step(wrapped, [b], lambda t: t)
+    wrapped(**b)
+    hf = {}
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        hf[seed] = lm(input_ids=b["input_ids"], attention_mask=b["real_tokens"].long(), output_router_logits=True)
+    assert (wrapped.pop_aux() / tokens).item() == pytest.approx(hf[5].aux_loss.item(), rel=1e-6)
+    assert hf[6].aux_loss.item() != pytest.approx(hf[5].aux_loss.item(), rel=1e-6)
+
+
+def test_step_scope_needs_the_routing_pass_and_a_router_loss():
+    lm = tiny("mixtral", router_aux_loss_coef=0.5)
+    with pytest.raises(HftrainError, match="prepare_step"):
+        CausalLMTokenLoss(lm, router_aux_loss_scope="step").train()(**batch())
+    with pytest.raises(HftrainError, match="remove router_aux_loss_scope"):
+        CausalLMTokenLoss(lm, router_aux_loss_coef=0.0, router_aux_loss_scope="step")
+    llama = AutoModelForCausalLM.from_pretrained(REPO / "models" / "tiny-llama")
+    with pytest.raises(HftrainError, match="remove router_aux_loss_scope"):
+        CausalLMTokenLoss(llama, router_aux_loss_scope="step")
+
+
+def test_step_scope_is_refused_before_the_run_where_there_is_no_router_loss(saved):
+    """config.validate: a coefficient of 0 or a preference objective; preflight (the model's config): a dense model,
+    or a mixture-of-experts model whose own coefficient is 0. Each message names router_aux_loss_scope."""
+    problems = validate(Recipe(router_aux_loss_scope="step", router_aux_loss_coef=0.0))
+    assert any("router_aux_loss_coef=0.0" in p and "remove router_aux_loss_scope" in p for p in problems)
+    assert any("objective=dpo" in p for p in validate(Recipe(router_aux_loss_scope="step", objective="dpo")))
+    assert not [p for p in validate(Recipe(router_aux_loss_scope="step")) if "router_aux_loss_scope" in p]
+    dense = model_problems(Recipe(model_name_or_path=str(REPO / "models" / "tiny-llama"), max_length=32,
+                                  router_aux_loss_scope="step"))[1]
+    assert any("remove router_aux_loss_scope" in p for p in dense)
+    assert model_problems(Recipe(model_name_or_path=str(saved), max_length=32, router_aux_loss_scope="step"))[1] == []
+    off = Recipe(model_name_or_path=str(saved), max_length=32, router_aux_loss_scope="step", router_aux_loss_coef=0.0)
+    assert any("remove router_aux_loss_scope" in p for p in model_problems(off)[1])
 
 
 def test_packed_rows_count_router_statistics_per_real_token():
