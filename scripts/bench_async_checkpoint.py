@@ -15,6 +15,11 @@ alternating, each run in a fresh process. A `Finetune` subclass (here, not in hf
 - train: the whole training phase (steps + saves + end wait).
 
 Prints a markdown table (and writes it to OUT/results.md) with the machine's load average before and after.
+
+`--storage_mb_per_s N` simulates slower storage (a network file system, a busy disk) in the training process: every
+`os.fsync` (hftrain seals each checkpoint file with one) sleeps the file's size / N after the real fsync, the way a
+flush of dirty pages to slow storage blocks. On a local disk with a large page cache the write itself is a memory copy,
+as is staging, so the two modes can only differ where the storage is slower than memory.
 """
 
 from __future__ import annotations
@@ -32,10 +37,24 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS, EVERY = 12, 3
 
 
-def run_one(model: Path, out: Path, mode: str, result: Path) -> None:
+def simulate_storage(mb_per_s: float) -> None:
+    """Every fsync also waits as long as writing the file at `mb_per_s` would take (see the module docstring)."""
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        real_fsync(fd)
+        time.sleep(os.fstat(fd).st_size / (mb_per_s * 2**20))
+
+    os.fsync = slow_fsync
+
+
+def run_one(model: Path, out: Path, mode: str, result: Path, storage_mb_per_s: float) -> None:
     """One training run in this process, timed by a Finetune subclass; the numbers go to `result` as JSON."""
     sys.path.insert(0, str(REPO))
     from hftrain.finetune import Finetune, main
+
+    if storage_mb_per_s:
+        simulate_storage(storage_mb_per_s)
 
     timings: dict = {"stalls": [], "waits": [], "steps": []}
 
@@ -64,7 +83,7 @@ def run_one(model: Path, out: Path, mode: str, result: Path) -> None:
             started = time.perf_counter()
             super().train()
             timings["train"] = time.perf_counter() - started
-            timings["megabytes"] = sum(f.stat().st_size for f in (out / f"checkpoint-{EVERY}").rglob("*")
+            timings["megabytes"] = sum(f.stat().st_size for f in (out / f"checkpoint-{STEPS}").rglob("*")
                                        if f.is_file()) / 2**20
 
     main(["--config", str(REPO / "recipes" / "tiny-chat.yaml"), "--model_name_or_path", str(model),
@@ -98,11 +117,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-async"))
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--storage_mb_per_s", type=float, default=0.0,
+                        help="simulate storage this slow (every fsync waits size / this); 0: the real disk")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "MODE", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         model, mode, result = args.one
-        run_one(Path(model), Path(result).parent / f"run-{mode}", mode, Path(result))
+        run_one(Path(model), Path(result).parent / f"run-{mode}", mode, Path(result), args.storage_mb_per_s)
         return
     model = args.out / "model"
     if not model.exists():
@@ -115,11 +136,12 @@ def main() -> None:
         for mode in (("sync", "async") if rep % 2 == 0 else ("async", "sync")):
             result = args.out / f"rep{rep}-{mode}" / "result.json"
             result.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run([sys.executable, __file__, "--one", str(model), mode, str(result)], check=True,
-                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            subprocess.run([sys.executable, __file__, "--one", str(model), mode, str(result), "--storage_mb_per_s",
+                            str(args.storage_mb_per_s)], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
             runs["async" if mode == "async" else "synchronous"].append(json.loads(result.read_text()))
     table = summarize(runs)
-    conditions = (f"{args.reps} runs per mode, {os.cpu_count()} CPU cores, load average "
+    storage = f"storage simulated at {args.storage_mb_per_s:g} MB/s" if args.storage_mb_per_s else "the local disk"
+    conditions = (f"{storage}, {args.reps} runs per mode, {os.cpu_count()} CPU cores, load average "
                   f"{load_before[0]:.1f} before and {os.getloadavg()[0]:.1f} after")
     (args.out / "results.md").write_text(f"{table}\n\n{conditions}\n")
     print(f"{table}\n\n{conditions}")
