@@ -141,15 +141,16 @@ def test_preemption_then_resume_equals_uninterrupted(tmp_path, reference, refere
 
 def test_kill_9_at_any_moment_of_constant_checkpointing_leaves_a_resumable_run(tmp_path, reference):
     """With a checkpoint after every step, most of the time is spent writing one: SIGKILL lands mid-write. The first
-    run writes them in the background (async_checkpointing) and is killed while a `.tmp-checkpoint-N` exists, i.e.
-    during a background write; the second, resumed from it, saves synchronously. The synchronous reference decides."""
+    run writes them in the background (async_checkpointing) and is killed once a `.tmp-checkpoint-N` holds its run
+    files, which the loop writes after staging, i.e. while the background thread writes the weights; the second,
+    resumed from it, saves synchronously. The synchronous reference decides."""
     out = tmp_path / "out"
     args = [*RECIPE, "--max_steps", "30", "--save_steps", "1"]
     for kill_after, more in ((4, []), (9, ["--resume_from_checkpoint", "latest", "--async_checkpointing", "false"])):
         launcher = start(out, *args, *more)
         (worker,) = trainers(launcher, 1)
         wait_for_step(out, kill_after, launcher)
-        while not list(out.glob(".tmp-checkpoint-*")) and launcher.poll() is None:
+        while not more and not list(out.glob(".tmp-checkpoint-*/hftrain_state.json")) and launcher.poll() is None:
             time.sleep(0.001)
         worker.kill()
         worker.wait(timeout=30)
