@@ -7,7 +7,10 @@ resume: weights are safetensors, optimizer and RNG states are read weights-only 
 values), the scheduler state is JSON (DeepSpeed's own files are the exception: its engine loads them).
 
 Crash safety: everything is written to `.tmp-checkpoint-N`, fsynced, then a manifest of every file and its
-size (`hftrain_complete.json`, the completion marker) is written last, and the folder is renamed. Only folders
+size (`hftrain_complete.json`, the completion marker) is written last, and the folder is renamed. With
+`async_checkpointing` (`BackgroundSaves`) the loop waits only while the state is copied to CPU memory; the copy is
+written, sealed and renamed by a background thread, at most one save is in flight (the next save, a preemption, the
+end of training and the checkpoint preflight wait for it), so `checkpoint-N` appears only once complete. Only folders
 with a manifest count as checkpoints; on resume the manifest is checked and a damaged newest checkpoint falls
 back to the previous complete one, with a warning. Its model file holds the trained parameters (and buffers)
 only: frozen weights (a LoRA/QLoRA base, possibly quantized) are rebuilt from the base model by the builder on
@@ -30,12 +33,15 @@ import platform
 import shutil
 import time
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from hftrain.errors import HftrainError, first_line
 
@@ -144,35 +150,110 @@ def verify(folder: Path) -> list[str]:
     return problems
 
 
+class BackgroundSaves:
+    """async_checkpointing: checkpoints written by a background thread, at most one at a time.
+
+    `stage(folder)` runs on every rank while the loop waits: the backend writes the small files (RNG states), copies
+    the model and optimizer state to CPU memory with torch.distributed.checkpoint's `DefaultStager` (pinned on a GPU;
+    its buffers are reused by the next save) and returns the function that writes that copy. `submit` hands it to the
+    thread; `wait` (every rank, at the same points) blocks until it is done and raises on every rank if any rank's
+    write failed. Backends that cannot save in the background (`Backend.synchronous_checkpoints`) get None from
+    `stage` and save synchronously.
+    """
+
+    def __init__(self, backend, model, optimizer, enabled: bool):
+        self.backend, self.model, self.optimizer = backend, model, optimizer
+        self.enabled = enabled and backend.synchronous_checkpoints() is None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hftrain-checkpoint") if self.enabled \
+            else None
+        self.stager: DefaultStager | None = None
+        self.pending: tuple[Path, Future] | None = None
+
+    def stage(self, folder: Path) -> Callable[[], None] | None:
+        """Write what is small and copy the rest to CPU memory now; return the writer of the copy (None: save
+        synchronously)."""
+        if not self.enabled:
+            return None
+        if self.stager is None:
+            cuda = self.backend.accelerator.device.type == "cuda"
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                       use_async_staging=False, use_non_blocking_copy=cuda))
+        return self.backend.background_save(self.model, self.optimizer, folder, self.stager)
+
+    def submit(self, folder: Path, finish: Callable[[], None]) -> None:
+        self.pending = (folder, self.executor.submit(finish))
+
+    def wait(self) -> None:
+        """Block until the save in flight is written and sealed; every rank calls this at the same points."""
+        if self.pending is None:
+            return
+        (folder, future), self.pending = self.pending, None
+        try:
+            future.result()
+            error = None
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, not only the one that failed
+            error = exc
+        accelerator = self.backend.accelerator
+        failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), reduction="sum")
+        if failed.item():
+            cause = first_line(error) if error is not None else "on another rank"
+            raise HftrainError(f"writing checkpoint {folder} in the background failed ({cause}); it was not completed "
+                               "and the previous checkpoint is intact (async_checkpointing: false saves in the "
+                               "training loop)") from error
+
+
 def save_checkpoint(backend, output_dir: Path, recipe: Recipe, progress: Progress, extra: dict,
-                    tensors: dict | None = None) -> Path:
+                    tensors: dict | None = None, saves: BackgroundSaves | None = None,
+                    background: bool = False) -> Path:
     """Save the full training state after `progress.step` steps; every rank must call this. `tensors`: run data
-    that a resume needs besides the training state (precomputed reference log-probs), in REFERENCE_FILE."""
+    that a resume needs besides the training state (precomputed reference log-probs), in REFERENCE_FILE.
+
+    `saves`: the run's background saves; the one in flight is waited for first. With `background`, the state is
+    staged and the returned folder appears when the background write has finished (`saves.wait()`)."""
     accelerator = backend.accelerator
     final = output_dir / f"{PREFIX}{progress.step}"
     tmp = output_dir / f"{TMP_PREFIX}{PREFIX}{progress.step}"
+    if saves is not None:
+        saves.wait()  # at most one save in flight: its staging buffers are about to be reused
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    handle = accelerator.register_save_state_pre_hook(_keep_trained_weights)
-    try:
-        accelerator.save_state(str(tmp), **backend.checkpoint_save_kwargs())
-    finally:
-        handle.remove()
-    accelerator.wait_for_everyone()  # every rank's files are written before the manifest is made
+    write = saves.stage(tmp) if saves is not None and background else None
+    if write is None:
+        handle = accelerator.register_save_state_pre_hook(keep_trained_weights)
+        try:
+            accelerator.save_state(str(tmp), **backend.checkpoint_save_kwargs())
+        finally:
+            handle.remove()
+    accelerator.wait_for_everyone()  # every rank's files are written (or staged) before the manifest is made
     if accelerator.is_main_process:
         write_run_files(tmp, recipe, progress, extra)
         if tensors:
             save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / REFERENCE_FILE))
-        _seal(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        _fsync(output_dir)
-        if recipe.save_total_limit is not None:
-            for old in checkpoints(output_dir)[: -recipe.save_total_limit]:  # the newest complete one stays
-                shutil.rmtree(old)
-    accelerator.wait_for_everyone()
+
+    def finish() -> None:
+        if write is not None:
+            write()  # the main process's write returns once every rank's files are written (see background_save)
+        if accelerator.is_main_process:
+            _complete(tmp, final, recipe.save_total_limit)
+
+    if write is None:
+        finish()
+        accelerator.wait_for_everyone()
+    else:
+        saves.submit(final, finish)
     return final
+
+
+def _complete(tmp: Path, final: Path, save_total_limit: int | None) -> None:
+    """Seal `tmp` with its manifest, rename it to `final`, then drop the oldest checkpoints beyond the limit."""
+    _seal(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    _fsync(final.parent)
+    if save_total_limit is not None:
+        for old in checkpoints(final.parent)[: -save_total_limit]:  # the newest complete one stays
+            shutil.rmtree(old)
 
 
 def load_run_tensors(folder: Path) -> dict | None:
@@ -219,7 +300,7 @@ def _trained_names(model) -> set[str]:
             | {n for n, _ in model.named_buffers(remove_duplicate=False)})
 
 
-def _keep_trained_weights(models, weights, output_dir) -> None:
+def keep_trained_weights(models, weights, output_dir) -> None:
     """save_state pre-hook: drop frozen weights (and bitsandbytes quantization state) from the model files.
 
     `weights` is empty for FSDP and DeepSpeed, which save their own (sharded) files.
@@ -295,19 +376,21 @@ def _optimizer_checksums(optimizer) -> torch.Tensor:
 
 
 def round_trip(backend, model, optimizer, scheduler, output_dir: Path, recipe: Recipe, progress: Progress,
-               run_info: dict, plan, tensors: dict | None = None) -> dict:
+               run_info: dict, plan, tensors: dict | None = None, saves: BackgroundSaves | None = None) -> dict:
     """checkpoint_preflight: save the current state as a checkpoint under output_dir/.tmp-preflight with the run's
-    strategy and process count, change every trained weight this process holds, load the checkpoint back, and
-    check that the weights and the optimizer state are what they were; then check that the disk holds another
-    checkpoint of the measured size, and remove the probe. Raises HftrainError naming what failed; returns
-    {save_seconds, load_seconds, megabytes}."""
+    strategy and process count (through `saves`, in the background and waited for, where the run saves so), change
+    every trained weight this process holds, load the checkpoint back, and check that the weights and the optimizer
+    state are what they were; then check that the disk holds another checkpoint of the measured size, and remove the
+    probe. Raises HftrainError naming what failed; returns {save_seconds, load_seconds, megabytes}."""
     accelerator = backend.accelerator
     probe = output_dir / PREFLIGHT_DIR
     trained = backend.local_trained_tensors(model)
     before = (_checksums(trained), _optimizer_checksums(optimizer))
     try:
         started = time.perf_counter()
-        saved = save_checkpoint(backend, probe, recipe, progress, run_info, tensors)
+        saved = save_checkpoint(backend, probe, recipe, progress, run_info, tensors, saves, background=True)
+        if saves is not None:
+            saves.wait()
         saved_at = time.perf_counter()
         with torch.no_grad():
             for t in trained:  # a load that restores nothing must not pass

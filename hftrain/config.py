@@ -365,6 +365,13 @@ class Recipe:
         "then delete it and print the save and load times. A run whose checkpoints would not save or load stops "
         "there instead of at its first save.", group="logging",
     )
+    async_checkpointing: bool = _f(
+        True, "Write periodic checkpoints in the background: training waits only while the state is copied to CPU "
+        "memory (one more copy of it there), at most one save is in flight, and checkpoint-N appears only once "
+        "complete. Used with one process, DDP and FSDP2 (sharded state dicts); DeepSpeed and tensor-parallel runs "
+        "save synchronously and say why. Preemption, NaN-stop and final saves wait for the one in flight.",
+        group="logging",
+    )
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (oldest removed first).",
                                       group="logging")
     resume_from_checkpoint: str | None = _f(

@@ -223,6 +223,9 @@ class Finetune:
                                                                 self.resume_from, self.plan)
             if self.lr_scaling is not None:  # the peak follows this run's effective batch, not the saved run's
                 set_peak_learning_rate(self.scheduler, self.learning_rate)
+        self.saves = checkpoint.BackgroundSaves(self.backend, self.model, self.optimizer, recipe.async_checkpointing)
+        if recipe.async_checkpointing and not self.saves.enabled:
+            self.notes.append(f"checkpoints are saved synchronously: {self.backend.synchronous_checkpoints()}")
         self.run_info = self.make_run_info()
         self.start_output_dir()
         self.logger = MetricLogger(self.accelerator, recipe, self.progress.step, self.run_info, resumed)
@@ -261,6 +264,7 @@ class Finetune:
                 "parallelism": asdict(self.backend.record), "devices": self.devices, "model": self.summary,
                 "data": self.data_stats,
                 "effective_batch_size": self.plan.global_batch, "lr_scaling": self.lr_scaling,
+                "async_checkpointing": self.saves.enabled,
                 "total_steps": self.total_steps,
                 "memory_estimate": self.backend.memory(*self.parameters),
                 "launch_preset": {"recipe": recipe.launch_preset, "reason": recipe.launch_preset_reason},
@@ -308,7 +312,7 @@ class Finetune:
         with phase(self.accelerator, "the checkpoint preflight", recipe.ddp_timeout):
             took = checkpoint.round_trip(self.backend, self.model, self.optimizer, self.scheduler, self.output_dir,
                                          recipe, self.progress, self.current_run_info(), self.plan,
-                                         self.reference_log_probs)
+                                         self.reference_log_probs, self.saves)
         self.logger.print(f"hftrain: checkpoint preflight: a {took['megabytes']:,.1f} MiB checkpoint saved in "
                           f"{took['save_seconds']:.1f} s and loaded back in {took['load_seconds']:.1f} s, weights and "
                           "optimizer state unchanged (checkpoint_preflight: false skips this)")
@@ -349,6 +353,8 @@ class Finetune:
             raise
         except Exception as exc:  # noqa: BLE001 - an unexpected error: keep the last completed step if that is safe
             self.rescue(exc)
+        with phase(self.accelerator, "checkpointing", recipe.ddp_timeout):
+            self.saves.wait()  # the last periodic checkpoint is complete before the final save
         self.bar.close()
         self.profiler.stop()
         self.meter.utilization.stop()
@@ -428,7 +434,7 @@ class Finetune:
             self.logger.log({"step": progress.step, **metrics})
         if self.due(recipe.save_strategy, recipe.save_steps):
             with phase(self.accelerator, "checkpointing", recipe.ddp_timeout):
-                self.save_checkpoint()
+                self.save_checkpoint(background=True)
 
     def rescue(self, exc: Exception) -> None:
         """An unexpected error inside training. One process whose parameters are those of the last completed step
@@ -489,9 +495,11 @@ class Finetune:
         self.run_info.update(device_hours=self.meter.device_hours(), scheduler=self.scheduler.state_dict())
         return self.run_info
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, background: bool = False) -> Path:
+        """checkpoint-N of the current state; the save in flight is waited for first. `background`: return once the
+        state is staged (async_checkpointing), the folder appears when it is written."""
         return checkpoint.save_checkpoint(self.backend, self.output_dir, self.recipe, self.progress,
-                                          self.current_run_info(), self.reference_log_probs)
+                                          self.current_run_info(), self.reference_log_probs, self.saves, background)
 
     # ------------------------------------------------------------------------------------------ finish
     def finish(self) -> Path:

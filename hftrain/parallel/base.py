@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +17,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from accelerate.checkpointing import save_accelerator_state
+from accelerate.utils.constants import OPTIMIZER_NAME
+from accelerate.utils.other import save
 from safetensors import safe_open
 from torch.nn.parallel import DistributedDataParallel
 
-from hftrain.checkpoint import MODEL_FILE
+from hftrain.checkpoint import MODEL_FILE, keep_trained_weights
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.estimate import GIB
@@ -198,6 +202,37 @@ class Backend:
     def checkpoint_save_kwargs(self) -> dict:
         """Arguments for `accelerator.save_state`."""
         return {}
+
+    def synchronous_checkpoints(self) -> str | None:
+        """Why this backend writes its checkpoints inside the training loop even with async_checkpointing; None: it
+        writes them in the background (`background_save`)."""
+        return None
+
+    def save_rng_states(self, folder: Path) -> None:
+        """The RNG state files of `accelerator.save_state`, by accelerate's own writer (no model or optimizer)."""
+        accelerator = self.accelerator
+        folder.mkdir(parents=True, exist_ok=True)
+        save_accelerator_state(str(folder), [], [], [], [], accelerator.process_index, accelerator.step,
+                               accelerator.scaler,
+                               save_on_each_node=accelerator.project_configuration.save_on_each_node)
+
+    def background_save(self, model, optimizer, folder: Path, stager) -> Callable[[], None]:
+        """async_checkpointing: `accelerator.save_state`'s files in two parts. Now, while the loop waits: the RNG states
+        and, on the main process (which alone writes them under DDP), a CPU copy of the trained weights and the
+        optimizer state (`stager`). Returned, for the background thread: the writer of that copy, which writes the
+        files save_state would (model.safetensors, optimizer.bin) with accelerate's `save`."""
+        self.save_rng_states(folder)
+        if not self.accelerator.is_main_process:
+            return lambda: None
+        weights = [self.unwrap(model).state_dict()]  # what save_state saves: no DDP `module.` prefix
+        keep_trained_weights([self.unwrap(model)], weights, folder)
+        staged = stager.stage({"model": weights[0], "optimizer": optimizer.state_dict()})
+
+        def write() -> None:
+            save(staged["model"], folder / MODEL_FILE, safe_serialization=True)
+            save(staged["optimizer"], folder / f"{OPTIMIZER_NAME}.bin")
+
+        return write
 
     def checkpoint_load_kwargs(self) -> dict:
         """Arguments for `accelerator.load_state` of a checkpoint holding the trained weights only (the frozen base

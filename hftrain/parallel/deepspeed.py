@@ -213,6 +213,14 @@ class DeepSpeedBackend(Backend):
         layers (absmax, quant_map, ...), which `Linear4bit` adds to every state dict."""
         return {"exclude_frozen_parameters": True}
 
+    def synchronous_checkpoints(self) -> str | None:
+        """DeepSpeed 0.19.8's own background writers: the decoupled and fast checkpoint engines write through its
+        async_io op, which needs libaio (absent on the CPU machines hftrain is tested on, so untested), the DataStates
+        engine needs a package outside DeepSpeed; the engine's files (one optimizer partition per rank) are written by
+        `engine.save_checkpoint` inside accelerate's save_state."""
+        return ("DeepSpeed 0.19.8 writes in the background only through its decoupled/fast checkpoint engines, which "
+                "need its async_io op (libaio) or the DataStates package; hftrain does not use them")
+
     def checkpoint_load_kwargs(self) -> dict:
         return {"load_module_strict": False}  # trained weights come back from the ZeRO partitions in any case
 

@@ -2,13 +2,25 @@
 
 accelerate wraps the model with `fully_shard` from the preset's FSDP settings; it finds the layer classes to wrap
 in the prepared module's `_no_split_modules`, which the loss wrapper forwards from the causal LM. Checkpoints are
-sharded `torch.distributed.checkpoint` folders (one file per rank), checked by their own loader.
+sharded `torch.distributed.checkpoint` folders (one file per rank), checked by their own loader; with
+async_checkpointing the same folders are written by `dcp.save` from a background thread, on a gloo group of their own.
 """
 
 from __future__ import annotations
 
-from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from collections.abc import Callable
+from datetime import timedelta
+from functools import cached_property
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+from accelerate.utils.fsdp_utils import _prepare_sd_options, fsdp2_prepare_model
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
 
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
 
@@ -33,3 +45,38 @@ class FSDP2Backend(Backend):
     def clip_grad_norm(self, model, max_norm: float) -> float | None:
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
         return None if norm is None else float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    # ------------------------------------------------------------- checkpoints
+    def synchronous_checkpoints(self) -> str | None:
+        if self.accelerator.state.fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
+            return ("the preset's fsdp_state_dict_type gathers full state dicts on rank 0 inside save_state; "
+                    "SHARDED_STATE_DICT checkpoints are written in the background")
+        return None
+
+    @cached_property
+    def checkpoint_group(self):
+        """A gloo group for the background writes' collectives: the training collectives keep the default group, and
+        two threads must not interleave collectives on one group. Made at the first background save (every rank)."""
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.recipe.ddp_timeout))
+
+    def background_save(self, model, optimizer, folder: Path, stager) -> Callable[[], None]:
+        """The sharded folders accelerate's save_fsdp_model / save_fsdp_optimizer write (`pytorch_model_fsdp_0`,
+        `optimizer_0`, the same state dict options), staged now and written by `dcp.save` in the background: what
+        `dcp.async_save` does, with both saves in one thread because they share one process group. On the main
+        process (DCP's coordinator) the writer returns after DCP has gathered every rank's write results and written
+        the metadata, so every rank's files are on disk when the checkpoint is sealed."""
+        self.save_rng_states(folder)
+        options = _prepare_sd_options(self.accelerator.state.fsdp_plugin)  # accelerate's own, for equal files
+        staged = stager.stage({"model": get_model_state_dict(model, options=options),
+                               "optimizer": get_optimizer_state_dict(model, optimizer, options=options)})
+        folders = {"model": folder / f"{FSDP_MODEL_NAME}_0", "optimizer": folder / f"{OPTIMIZER_NAME}_0"}
+        for path in folders.values():
+            path.mkdir(parents=True, exist_ok=True)
+        group = self.checkpoint_group
+
+        def write() -> None:
+            for key, path in folders.items():
+                dcp.save({key: staged[key]}, storage_writer=dcp.FileSystemWriter(str(path)),
+                         planner=DefaultSavePlanner(), process_group=group)
+
+        return write

@@ -160,6 +160,10 @@ class TensorParallelBackend(Backend):
         accelerator.register_load_state_pre_hook(lambda models, folder: state.load(folder))
         return model, optimizer
 
+    def synchronous_checkpoints(self) -> str | None:
+        return ("a tensor-parallel checkpoint gathers the full model and optimizer state with collectives inside "
+                "save_state (FullTrainingState), which a background thread cannot run beside training")
+
     def check_resumable(self, saved_launch: dict) -> None:
         if saved_launch["tp_size"] == 1:
             raise_tp_mismatch(1, self.tp)

@@ -173,6 +173,9 @@ def test_ddp_checkpoint_resumes_on_another_number_of_processes(reference, tmp_pa
 def test_zero2_with_accumulation_matches_one_process_with_the_recipes_clipping(reference_sgd, tmp_path):
     run = launch(tmp_path / "zero2", *COMMON, *SGD, *TWO_PROCESSES_ACCUM, preset="zero2")
     assert_launch(run, "DEEPSPEED", 2, "DeepSpeedEngine", optimizer="SGD")
+    # DeepSpeed 0.19.8's background checkpoint engines need libaio: the engine saves in the loop, and says so
+    assert run.state()["async_checkpointing"] is False
+    assert "checkpoints are saved synchronously: DeepSpeed" in " ".join(run.stdout.split())
     for folder in ("checkpoint-3", "final"):  # the DeepSpeed config used, filled from the recipe
         used = ds_config(run, folder)
         assert (used["train_micro_batch_size_per_gpu"], used["gradient_accumulation_steps"],
@@ -269,6 +272,7 @@ def test_fsdp2_through_the_test_launcher(reference, tmp_path, preset):
     else:
         assert_memory_estimate(run, "FSDP2 SHARD_GRAD_OP", 4 + 12 / 2)
     checkpoint = run.output_dir / "checkpoint-3"
+    assert run.state()["async_checkpointing"] is True  # the sharded folders were written by the background thread
     for folder in ("pytorch_model_fsdp_0", "optimizer_0"):  # sharded: one piece per rank
         assert sorted(p.name for p in (checkpoint / folder).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert_same_training(run, reference)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from hftrain import checkpoint
 from tests.conftest import (
     FAULTY_RANK,
     REPO,
@@ -89,9 +90,17 @@ def assert_same_run(resumed: Run, reference: Run) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Run:
-    """The uninterrupted 1-process run; checkpoints every 10 steps (saving changes no number) for the damage test.
-    Without the launcher: the preemption and kill tests launch their own 1-process runs through it."""
-    return run_script(tmp_path_factory.mktemp("reference") / "out", *RECIPE, "--max_steps", "30", "--save_steps", "10")
+    """The uninterrupted 1-process run, saving synchronously: checkpoints every 10 steps (saving changes no number),
+    written inside the loop. Without the launcher: the preemption and kill tests launch their own 1-process runs
+    through it."""
+    return run_script(tmp_path_factory.mktemp("reference") / "out", *RECIPE, "--max_steps", "30", "--save_steps", "10",
+                      "--async_checkpointing", "false")
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory) -> Run:
+    """The reference's recipe with its checkpoints written in the background (async_checkpointing, the default)."""
+    return run_script(tmp_path_factory.mktemp("async") / "out", *RECIPE, "--max_steps", "30", "--save_steps", "10")
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +113,9 @@ def reference_2proc(tmp_path_factory) -> Run:
 def test_preemption_then_resume_equals_uninterrupted(tmp_path, reference, reference_2proc, processes,
                                                      signal_to_send):
     out = tmp_path / "out"
-    args = [*RECIPE, "--max_steps", "30"] + (["--per_device_train_batch_size", "4"] if processes == 2 else [])
+    # checkpoints every 5 steps, written in the background: the preemption's save waits for the one in flight
+    args = [*RECIPE, "--max_steps", "30", "--save_steps", "5"] + \
+        (["--per_device_train_batch_size", "4"] if processes == 2 else [])
     preset = "cpu_ddp" if processes == 2 else "cpu"
     launcher = start(out, *args, preset=preset)
     workers = trainers(launcher, processes)
@@ -164,25 +175,50 @@ def test_preempted_dpo_with_precomputed_reference_resumes_exactly(tmp_path):
 
 
 def test_kill_9_at_any_moment_of_constant_checkpointing_leaves_a_resumable_run(tmp_path, reference):
-    """With a checkpoint after every step, most of the time is spent writing one: SIGKILL lands mid-write."""
+    """With a checkpoint after every step, most of the time is spent writing one: SIGKILL lands mid-write. The first
+    run writes them in the background (async_checkpointing) and is killed once a `.tmp-checkpoint-N` holds its run
+    files, which the loop writes after staging, i.e. while the background thread writes the weights; the second,
+    resumed from it, saves synchronously. The synchronous reference decides."""
     out = tmp_path / "out"
     args = [*RECIPE, "--max_steps", "30", "--save_steps", "1"]
-    for kill_after in (4, 9):
-        launcher = start(out, *args, *(["--resume_from_checkpoint", "latest"] if kill_after == 9 else []))
+    for kill_after, more in ((4, []), (9, ["--resume_from_checkpoint", "latest", "--async_checkpointing", "false"])):
+        launcher = start(out, *args, *more)
         (worker,) = trainers(launcher, 1)
         wait_for_step(out, kill_after, launcher)
+        while not more and not list(out.glob(".tmp-checkpoint-*/hftrain_state.json")) and launcher.poll() is None:
+            time.sleep(0.001)
         worker.kill()
         worker.wait(timeout=30)
         launcher.wait(timeout=60)
+        for unfinished in out.glob(".tmp-checkpoint-*"):  # `latest` never points at a checkpoint being written
+            assert not (out / unfinished.name.removeprefix(".tmp-")).exists()
     assert not (out / "final").exists()
     resumed = launch(out, *args, "--resume_from_checkpoint", "latest")
     assert_same_run(resumed, reference)
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference):
+def test_async_checkpoints_are_those_of_synchronous_saves_and_change_no_number(async_run, reference):
+    """Saving in the background changes no loss or weight, and each checkpoint holds byte for byte the files the
+    synchronous reference wrote inside its loop (weights, optimizer, RNG state); the damage test below resumes from
+    one of them."""
+    assert async_run.state()["async_checkpointing"] is True and reference.state()["async_checkpointing"] is False
+    assert [r["loss"] for r in async_run.train_rows()] == [r["loss"] for r in reference.train_rows()]
+    for step in (10, 20, 30):
+        ours, theirs = (run.output_dir / f"checkpoint-{step}" for run in (async_run, reference))
+        assert checkpoint.verify(ours) == []
+        files = sorted(p.name for p in theirs.iterdir() if p.suffix in (".safetensors", ".bin", ".pkl"))
+        assert files == sorted(p.name for p in ours.iterdir() if p.suffix in (".safetensors", ".bin", ".pkl"))
+        for name in files:
+            assert (ours / name).read_bytes() == (theirs / name).read_bytes(), (step, name)
+    assert not list(async_run.output_dir.glob(".tmp-*"))
+    assert (async_run.output_dir / "final" / "model.safetensors").read_bytes() == \
+        (reference.output_dir / "final" / "model.safetensors").read_bytes()
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, async_run, reference):
     out = tmp_path / "out"
-    args = [*RECIPE, "--max_steps", "30", "--save_steps", "10"]  # the reference's own recipe
-    shutil.copytree(reference.output_dir, out)  # the run, as if it had stopped after writing checkpoint-20
+    args = [*RECIPE, "--max_steps", "30", "--save_steps", "10"]  # the async run's own recipe
+    shutil.copytree(async_run.output_dir, out)  # the run, as if it had stopped after writing checkpoint-20
     shutil.rmtree(out / "final")
     shutil.rmtree(out / "checkpoint-30")
     model_file = out / "checkpoint-20" / "model.safetensors"

@@ -6,6 +6,7 @@ import dataclasses
 import importlib.metadata as md
 import json
 import platform
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from hftrain import checkpoint
 from hftrain.checkpoint import (
     CONFIG_FILE,
     STATE_FILE,
+    BackgroundSaves,
     Progress,
     checkpoints,
     clear_run,
@@ -168,6 +170,7 @@ class OneProcess:
     process_index = 0
     distributed_type = "NO"
     step = 0
+    device = torch.device("cpu")
 
     def __init__(self):
         self.loaded = []
@@ -191,6 +194,9 @@ class OneProcess:
 
     def load_state(self, path, **kwargs):
         self.loaded.append(path)
+
+    def reduce(self, tensor, reduction):
+        return tensor
 
 
 def test_save_checkpoint_is_renamed_into_place_and_pruned(tmp_path):
@@ -247,3 +253,60 @@ def test_latest_skips_a_damaged_newest_checkpoint(tmp_path):
         assert resolve_resume(a_recipe(out, resume_from_checkpoint="latest")) == older
     (older / STATE_FILE).unlink()
     assert checkpoint.verify(older) == [f"{STATE_FILE} is missing"]
+
+
+class GatedWrites(Backend):
+    """Background writes that start when the test opens `gate`, and then fail if `fail` says so."""
+
+    gate: threading.Event
+    fail = False
+
+    def background_save(self, model, optimizer, folder, stager):
+        folder.mkdir(parents=True, exist_ok=True)
+        gate, fail = self.gate, self.fail
+
+        def write():
+            gate.wait(60)
+            if fail:
+                raise OSError("No space left on device")
+            (folder / "model.safetensors").write_bytes(b"weights")
+
+        return write
+
+
+def test_a_background_save_appears_only_once_written_and_a_failed_one_is_reported_by_the_next_save(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    recipe = a_recipe(out)
+    latest = a_recipe(out, resume_from_checkpoint="latest")
+    backend = GatedWrites(OneProcess(), recipe)
+    backend.gate = threading.Event()
+    saves = BackgroundSaves(backend, None, None, enabled=True)
+    first = save_checkpoint(backend, out, recipe, Progress(step=1), RUN_INFO, saves=saves, background=True)
+    assert (out / ".tmp-checkpoint-1" / STATE_FILE).exists() and not first.exists()  # staged, not written
+    with pytest.raises(HftrainError, match="holds no complete"):
+        resolve_resume(latest)  # `latest` never points at a checkpoint still being written
+    backend.gate.set()
+    saves.wait()
+    assert checkpoint.verify(first) == [] and resolve_resume(latest) == first
+
+    backend.gate, backend.fail = threading.Event(), True
+    save_checkpoint(backend, out, recipe, Progress(step=2), RUN_INFO, saves=saves, background=True)
+    backend.gate.set()
+    with pytest.raises(HftrainError, match=r"writing checkpoint .*checkpoint-2 in the background failed \(No space"):
+        save_checkpoint(backend, out, recipe, Progress(step=3), RUN_INFO, saves=saves)  # waits for the one in flight
+    assert not (out / "checkpoint-2").exists() and resolve_resume(latest) == first  # the previous one stays intact
+
+
+def test_background_saves_are_off_where_the_backend_saves_synchronously(tmp_path):
+    class Synchronous(Backend):
+        def synchronous_checkpoints(self):
+            return "this backend's files are written by collectives"
+
+    out = tmp_path / "out"
+    out.mkdir()
+    backend = Synchronous(OneProcess(), a_recipe(out))
+    saves = BackgroundSaves(backend, None, None, enabled=True)
+    assert not saves.enabled and saves.executor is None
+    path = save_checkpoint(backend, out, backend.recipe, Progress(step=1), RUN_INFO, saves=saves, background=True)
+    assert checkpoint.verify(path) == []  # written in the loop: complete on return
