@@ -161,9 +161,11 @@ class BackgroundSaves:
     `stage` and save synchronously.
     """
 
-    def __init__(self, backend, model, optimizer, enabled: bool):
+    def __init__(self, backend, model, optimizer, requested: bool | None):
+        """`requested`: the recipe's async_checkpointing; None takes the backend's default."""
         self.backend, self.model, self.optimizer = backend, model, optimizer
-        self.enabled = enabled and backend.synchronous_checkpoints() is None
+        wanted = backend.async_checkpoints_by_default if requested is None else requested
+        self.enabled = wanted and backend.synchronous_checkpoints() is None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hftrain-checkpoint") if self.enabled \
             else None
         self.stager: DefaultStager | None = None

@@ -365,11 +365,14 @@ class Recipe:
         "then delete it and print the save and load times. A run whose checkpoints would not save or load stops "
         "there instead of at its first save.", group="logging",
     )
-    async_checkpointing: bool = _f(
-        True, "Write periodic checkpoints in the background: training waits only while the state is copied to CPU "
-        "memory (one more copy of it there), at most one save is in flight, and checkpoint-N appears only once "
-        "complete. Used with one process, DDP and FSDP2 (sharded state dicts); DeepSpeed and tensor-parallel runs "
-        "save synchronously and say why. Preemption, NaN-stop and final saves wait for the one in flight.",
+    async_checkpointing: bool | None = _f(
+        None, "Write periodic checkpoints in the background: training waits only while the state is copied to CPU "
+        "memory (one more copy of it stays there), at most one save is in flight, and checkpoint-N appears only once "
+        "complete. Works with one process, DDP and FSDP2 (sharded state dicts); DeepSpeed and tensor-parallel runs "
+        "save synchronously and say why. Preemption, NaN-stop and final saves wait for the one in flight. Unset "
+        "(default): on for FSDP2 (each rank stages only its shard), off for one process and DDP (the copy is the "
+        "whole model and optimizer state on rank 0, and a local disk's page cache already absorbs the write: "
+        "docs/benchmarks.md); set true for slow or network storage.",
         group="logging",
     )
     save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (oldest removed first).",

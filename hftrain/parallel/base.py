@@ -203,6 +203,10 @@ class Backend:
         """Arguments for `accelerator.save_state`."""
         return {}
 
+    # async_checkpointing unset: whether checkpoints are written in the background. Off where the staged copy would
+    # be the whole state on one rank (one process, DDP); backends whose ranks each stage a shard turn it on.
+    async_checkpoints_by_default = False
+
     def synchronous_checkpoints(self) -> str | None:
         """Why this backend writes its checkpoints inside the training loop even with async_checkpointing; None: it
         writes them in the background (`background_save`)."""

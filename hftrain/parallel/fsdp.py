@@ -26,6 +26,8 @@ from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
 
 
 class FSDP2Backend(Backend):
+    async_checkpoints_by_default = True  # each rank stages and writes only its shard
+
     def make_record(self, **layout) -> Parallelism:
         plugin = self.accelerator.state.fsdp_plugin
         full_shard = plugin.reshard_after_forward is True  # SHARD_GRAD_OP keeps the weights gathered

@@ -171,7 +171,8 @@ def test_ddp_checkpoint_resumes_on_another_number_of_processes(reference, tmp_pa
 
 # ------------------------------------------------------------------------------------- DeepSpeed
 def test_zero2_with_accumulation_matches_one_process_with_the_recipes_clipping(reference_sgd, tmp_path):
-    run = launch(tmp_path / "zero2", *COMMON, *SGD, *TWO_PROCESSES_ACCUM, preset="zero2")
+    run = launch(tmp_path / "zero2", *COMMON, *SGD, *TWO_PROCESSES_ACCUM, "--async_checkpointing", "true",
+                 preset="zero2")
     assert_launch(run, "DEEPSPEED", 2, "DeepSpeedEngine", optimizer="SGD")
     # DeepSpeed 0.19.8's background checkpoint engines need libaio: the engine saves in the loop, and says so
     assert run.state()["async_checkpointing"] is False

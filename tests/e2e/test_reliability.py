@@ -99,8 +99,9 @@ def reference(tmp_path_factory) -> Run:
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory) -> Run:
-    """The reference's recipe with its checkpoints written in the background (async_checkpointing, the default)."""
-    return run_script(tmp_path_factory.mktemp("async") / "out", *RECIPE, "--max_steps", "30", "--save_steps", "10")
+    """The reference's recipe with its checkpoints written in the background (async_checkpointing)."""
+    return run_script(tmp_path_factory.mktemp("async") / "out", *RECIPE, "--max_steps", "30", "--save_steps", "10",
+                      "--async_checkpointing", "true")
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +115,7 @@ def test_preemption_then_resume_equals_uninterrupted(tmp_path, reference, refere
                                                      signal_to_send):
     out = tmp_path / "out"
     # checkpoints every 5 steps, written in the background: the preemption's save waits for the one in flight
-    args = [*RECIPE, "--max_steps", "30", "--save_steps", "5"] + \
+    args = [*RECIPE, "--max_steps", "30", "--save_steps", "5", "--async_checkpointing", "true"] + \
         (["--per_device_train_batch_size", "4"] if processes == 2 else [])
     preset = "cpu_ddp" if processes == 2 else "cpu"
     launcher = start(out, *args, preset=preset)
@@ -182,7 +183,7 @@ def test_kill_9_at_any_moment_of_constant_checkpointing_leaves_a_resumable_run(t
     out = tmp_path / "out"
     args = [*RECIPE, "--max_steps", "30", "--save_steps", "1"]
     for kill_after, more in ((4, []), (9, ["--resume_from_checkpoint", "latest", "--async_checkpointing", "false"])):
-        launcher = start(out, *args, *more)
+        launcher = start(out, *args, *(more or ["--async_checkpointing", "true"]))
         (worker,) = trainers(launcher, 1)
         wait_for_step(out, kill_after, launcher)
         while not more and not list(out.glob(".tmp-checkpoint-*/hftrain_state.json")) and launcher.poll() is None:

@@ -281,7 +281,7 @@ def test_a_background_save_appears_only_once_written_and_a_failed_one_is_reporte
     latest = a_recipe(out, resume_from_checkpoint="latest")
     backend = GatedWrites(OneProcess(), recipe)
     backend.gate = threading.Event()
-    saves = BackgroundSaves(backend, None, None, enabled=True)
+    saves = BackgroundSaves(backend, None, None, requested=True)
     first = save_checkpoint(backend, out, recipe, Progress(step=1), RUN_INFO, saves=saves, background=True)
     assert (out / ".tmp-checkpoint-1" / STATE_FILE).exists() and not first.exists()  # staged, not written
     with pytest.raises(HftrainError, match="holds no complete"):
@@ -306,7 +306,28 @@ def test_background_saves_are_off_where_the_backend_saves_synchronously(tmp_path
     out = tmp_path / "out"
     out.mkdir()
     backend = Synchronous(OneProcess(), a_recipe(out))
-    saves = BackgroundSaves(backend, None, None, enabled=True)
+    saves = BackgroundSaves(backend, None, None, requested=True)
     assert not saves.enabled and saves.executor is None
     path = save_checkpoint(backend, out, backend.recipe, Progress(step=1), RUN_INFO, saves=saves, background=True)
     assert checkpoint.verify(path) == []  # written in the loop: complete on return
+
+
+@pytest.mark.parametrize("requested, by_default, expected", [
+    (None, False, False),  # one process / DDP: the staged copy would be the whole state on rank 0
+    (None, True, True),  # FSDP2: each rank stages its shard
+    (True, False, True), (False, True, False),  # an explicit setting wins
+])
+def test_async_checkpointing_unset_takes_the_backends_default(tmp_path, requested, by_default, expected):
+    backend = GatedWrites(OneProcess(), a_recipe(tmp_path))
+    backend.async_checkpoints_by_default = by_default
+    assert BackgroundSaves(backend, None, None, requested=requested).enabled is expected
+
+
+def test_only_fsdp2_writes_in_the_background_by_default():
+    from hftrain.parallel.base import Backend
+    from hftrain.parallel.deepspeed import DeepSpeedBackend
+    from hftrain.parallel.fsdp import FSDP2Backend
+    from hftrain.parallel.tensor import TensorParallelBackend
+
+    assert FSDP2Backend.async_checkpoints_by_default is True
+    assert not any(b.async_checkpoints_by_default for b in (Backend, DeepSpeedBackend, TensorParallelBackend))
