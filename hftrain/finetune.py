@@ -232,7 +232,7 @@ class Finetune:
                               peak_tflops_override=recipe.device_peak_tflops,
                               cost_per_gpu_hour=recipe.cost_per_gpu_hour, effective_batch_size=self.plan.global_batch,
                               device_hours_before=resumed.get("device_hours", 0.0), warn=self.logger.warn,
-                              machines=self.backend.record.machines)
+                              machines=self.backend.record.machines, sequence_shards=self.backend.record.sp_size)
 
     def precompute_reference(self) -> dict[str, torch.Tensor]:
         """dpo's reference log-probs of every training and eval pair (objectives.reference_values: from the resumed

@@ -38,6 +38,7 @@ class Parallelism:
     machines: int
     backend: str | None  # process-group backend: gloo, nccl (None for one process)
     tp_size: int = 1
+    sp_size: int = 1  # sequence-parallel degree: the ranks of one group share a batch, each holds a slice
     dp_world: int = 1  # data-parallel groups: each trains on its own share of the data
     dp_rank: int = 0
     zero_stage: int | None = None
@@ -56,9 +57,10 @@ class Parallelism:
 class DataParallel:
     """This rank's share of the data: `world` data-parallel groups, this rank in group `rank`.
 
-    The `replicas` (= tp_size) ranks of one tensor-parallel group train on the same batches. `sum` adds a value over
-    the data-parallel ranks only (each batch once, so token counts and loss sums stay exact), then takes the max over
-    the tensor-parallel group: its ranks hold equal values except a stop vote, which must reach them all.
+    The `replicas` (= tp_size, or sp_size) ranks of one tensor- (or sequence-) parallel group train on the same
+    batches. `sum` adds a value over the data-parallel ranks only (each batch once, so token counts and loss sums stay
+    exact), then takes the max over the tensor- (sequence-) parallel group: its ranks hold equal values except a stop
+    vote, which must reach them all.
     """
 
     world: int
@@ -255,6 +257,7 @@ class Backend:
             "backend": self.record.backend,
             "model_wrapper": type(model).__name__,
             "tp_size": self.record.tp_size,
+            "sp_size": self.record.sp_size,
             "dtensor_parameters": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
             "optimizer": innermost_optimizer(optimizer),
             "mixed_precision": self.accelerator.mixed_precision,
