@@ -295,7 +295,7 @@ class Finetune:
                   f"{recipe.launch_preset_reason or 'no reason given'}" if recipe.launch_preset else "")
         self.logger.print(
             f"hftrain: parallelism {self.backend.record.describe()}: model state ~{memory['per_device_gib']} GiB per "
-            f"device (+{memory['offloaded_gib']} GiB offloaded to CPU; activations extra) of "
+            f"device (+{memory['offloaded_gib']} GiB offloaded to CPU; {memory['activations']}) of "
             f"{memory['device_memory_gib']} GiB{preset}"
         )
 

@@ -247,7 +247,8 @@ def sequence_parallel_problems(recipe: Recipe, launch: Launch, model_config: Pre
 
 
 def context_parallel_problems(recipe: Recipe, launch: Launch, cuda: bool) -> list[str]:
-    """cp_size: torch's ring attention through accelerate's ParallelismConfig, FSDP2 on CUDA only."""
+    """cp_size: torch's ring attention through accelerate's ParallelismConfig, FSDP2 on CUDA only; a layout that
+    could run is refused too, until a GPU verifies it."""
     cp = recipe.cp_size
     if cp <= 1:
         return []
@@ -268,4 +269,9 @@ def context_parallel_problems(recipe: Recipe, launch: Launch, cuda: bool) -> lis
     if recipe.packing:
         problems.append(f"cp_size={cp} with packing: torch's ring attention is plain causal over the whole row and "
                         "would attend across packed examples (axolotl #3608); use sp_size, or packing: false")
+    if not problems:
+        problems.append(f"cp_size={cp}: hftrain does not run context parallelism yet. Its ring attention cannot run "
+                        "on the CPU machines hftrain is verified on (torch 2.13 registers no sharding strategy for "
+                        "the CPU SDPA kernel aten._scaled_dot_product_flash_attention_for_cpu), and an unverified GPU "
+                        "path is not shipped; use sp_size with the zero3_sp preset (docs/long-context.md)")
     return problems

@@ -191,7 +191,12 @@ class Backend:
         on_device = sum(b for p, b in per_device.items() if p not in self.record.offloaded)
         on_cpu = sum(b for p, b in per_device.items() if p in self.record.offloaded)
         device_memory = device_memory_bytes(self.accelerator, self.accelerator.num_processes)
+        sp = self.record.sp_size  # sequence parallel: each device holds the activations of 1/sp of every sequence
+        tokens = self.recipe.per_device_train_batch_size * self.recipe.max_length // sp
         return {"strategy": self.record.name, "processes": self.record.processes, "bytes_per_weight": w,
+                "activation_tokens_per_device": tokens,
+                "activations": f"activations extra: at most {tokens:,} tokens per device" +
+                               (f", 1/{sp} of each sequence" if sp > 1 else ""),
                 "optimizer_bytes_per_param": k, "per_device_bytes": on_device, "offloaded_bytes": on_cpu,
                 "per_device_gib": round(on_device / GIB, 3), "offloaded_gib": round(on_cpu / GIB, 3),
                 "device_memory_gib": round(device_memory / GIB, 1)}
