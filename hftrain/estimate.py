@@ -24,7 +24,8 @@ The numbers are a model of what training keeps in memory, per GPU, in bytes:
   next forward). Offload variants move what they offload to CPU memory (shown separately).
 - sequence parallelism (--sp N, DeepSpeed Ulysses, preset zero3_sp): each GPU of a group of N holds the
   activations and loss buffers of 1/N of every sequence (its slice; attention runs on 1/N of the heads over the
-  whole sequence), on top of ZeRO-3's model state. Without --sp, a full fine-tuning that needs gradient checkpointing
+  whole sequence) plus, per layer, the all-to-all outputs (whole-sequence q, k, v and attention output for those
+  heads), on top of ZeRO-3's model state. Without --sp, a full fine-tuning that needs gradient checkpointing
   or does not fit gets the smallest sp that fits as a hint.
 - LoRA keeps the frozen base in bf16 and trains all-linear adapters of rank r; QLoRA stores the
   base's decoder linears in 4-bit NF4 with double quantization (0.5 + ~0.016 bytes per parameter).
@@ -228,9 +229,13 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
                 act_ckpt, floor),
             Row("ZeRO-3", "zero3", "full", w16 * n / g + in_flight, w16 * n / g, master * n / g, act, act_ckpt, floor),
         ]
-        if sp > 1:  # each GPU holds the activations of its 1/sp slice of every sequence
+        if sp > 1:  # each GPU holds the activations of its 1/sp slice of every sequence, plus per layer the
+            # all-to-all outputs (whole-sequence q, k, v and attention output for heads/sp heads: as large as the
+            # slice's own; measured in docs/long-context.md). Under checkpointing only the recomputed layer has them.
+            exchange = rows_per_step * seq // sp * (2 * shape.hidden + 2 * shape.kv_dim) * compute
             rows.append(Row(f"ZeRO-3 + Ulysses sequence parallel sp={sp}", "zero3_sp", "full",
-                            w16 * n / g + in_flight, w16 * n / g, master * n / g, act / sp, act_ckpt / sp, floor / sp,
+                            w16 * n / g + in_flight, w16 * n / g, master * n / g, act / sp + shape.layers * exchange,
+                            act_ckpt / sp + exchange, floor / sp + exchange,
                             note=f"{g // sp} data-parallel copies of {sp}-GPU sequence groups"))
     w16 = 2 if mixed else 4
     rows += [

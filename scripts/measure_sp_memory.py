@@ -1,8 +1,8 @@
 """Measure peak memory per rank of sequence-parallel CPU runs (sp_size 1 and 2) against max_length.
 
-    python scripts/measure_sp_memory.py [--lengths 2048,4096,8192] [--out docs/long-context-memory.json]
+    python scripts/measure_sp_memory.py [--lengths 4096,8192,16384] [--out docs/long-context-memory.json]
 
-Builds a random Llama with long positions (scripts/make_tiny_model.py), writes text rows longer than every
+Builds a random Llama with long positions (scripts/make_tiny_model.py), writes text rows just longer than
 max_length (each sequence is exactly max_length tokens after truncation), and trains 2 optimizer steps of one
 sequence per step through the cpu_sp preset (DeepSpeed ZeRO-2, gloo): 1 process with sp_size 1, and 2 processes
 with sp_size 2. Reads back each rank's peak RSS (`rank<i>/peak_memory_mb` in metrics.jsonl) and the RSS just before
@@ -46,7 +46,10 @@ def run(model: Path, data: Path, out: Path, seq: int, sp: int) -> dict:
            "--output_dir", str(out), "--overwrite_output_dir", "--max_steps", "2", "--logging_steps", "1",
            "--per_device_train_batch_size", "1", "--max_length", str(seq), "--validation_split_percentage", "0",
            "--sp_size", str(sp), "--save_strategy", "no", "--disable_tqdm", "--attn_implementation", "sdpa"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **MALLOC_ENV}
+    # one thread per process on both sides (accelerate sets it for 2+ processes only): per-thread buffers and malloc
+    # arenas would otherwise add to the 1-process run alone
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           **MALLOC_ENV}
     subprocess.run(cmd, check=True, cwd=REPO, env=env, capture_output=True)
     last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     state = json.loads((out / "final" / "hftrain_state.json").read_text())
@@ -57,7 +60,7 @@ def run(model: Path, data: Path, out: Path, seq: int, sp: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="2048,4096,8192")
+    parser.add_argument("--lengths", default="4096,8192,16384")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "long-context-memory.json")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -66,18 +69,24 @@ def main() -> None:
         model = tmp / "model"
         subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(model),
                         *[x for kv in MODEL.items() for x in kv]], check=True, capture_output=True)
-        data = long_rows(tmp / "long.jsonl", rows=8, words=3 * max(lengths))
-        results = [run(model, data, tmp / f"sp{sp}-{seq}", seq, sp) for seq in lengths for sp in (1, 2)]
+        results = []
+        for seq in lengths:  # rows just long enough (a word is 1+ tokens): tokenizing far longer rows would set the
+            # process's peak RSS before training starts
+            data = long_rows(tmp / f"long-{seq}.jsonl", rows=4, words=seq)
+            results += [run(model, data, tmp / f"sp{sp}-{seq}", seq, sp) for sp in (1, 2)]
     args.out.write_text(json.dumps({"model": MODEL, "results": results}, indent=1) + "\n")
     by = {(r["sp_size"], r["max_length"]): r for r in results}
-    print("| max_length | sp 1: peak RSS (MiB) | sp 2: peak RSS per rank (MiB) | sp 2 at 2x length vs sp 1 |")
+    print("| max_length | sp 1: peak RSS (above baseline) | sp 2: peak RSS per rank (above baseline) | "
+          "sp 2 at this length / sp 1 at half of it: peak (above baseline) |")
     print("| --- | --- | --- | --- |")
+    above = {key: max(r["peak_rss_mb_per_rank"]) - r["baseline_mb"] for key, r in by.items()}
     for seq in lengths:
         one, two = by[(1, seq)], by[(2, seq)]
         half = by.get((1, seq // 2))
-        ratio = f"{max(two['peak_rss_mb_per_rank']) / max(half['peak_rss_mb_per_rank']):.3f}" if half else "-"
-        print(f"| {seq} | {one['peak_rss_mb_per_rank'][0]:,.0f} (baseline {one['baseline_mb']:,.0f}) | "
-              f"{' / '.join(f'{p:,.0f}' for p in two['peak_rss_mb_per_rank'])} (baseline {two['baseline_mb']:,.0f}) "
+        ratio = (f"{max(two['peak_rss_mb_per_rank']) / half['peak_rss_mb_per_rank'][0]:.2f} "
+                 f"({above[(2, seq)] / above[(1, seq // 2)]:.2f})" if half else "-")
+        print(f"| {seq:,} | {one['peak_rss_mb_per_rank'][0]:,.0f} MiB ({above[(1, seq)]:,.0f}) | "
+              f"{' / '.join(f'{p:,.0f}' for p in two['peak_rss_mb_per_rank'])} MiB ({above[(2, seq)]:,.0f}) "
               f"| {ratio} |")
 
 
