@@ -361,9 +361,9 @@ class Finetune:
         # `loss_units`). Gradients are averaged over the data-parallel ranks
         # (DDP/FSDP/DeepSpeed; a tensor-parallel group computes one gradient together; a sequence-parallel group's
         # ranks each return the group's loss, and DeepSpeed's mean over them undoes that: parallel/sequence.py) and the
-        # backward divides by `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both. The same collective carries each
-        # rank's stop request, so all ranks stop at the same step. All int64: a float32 count would stop being
-        # exact above 2**24 tokens per step.
+        # backward divides by `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both. The same
+        # collective carries each rank's stop request, so all ranks stop at the same step. All int64: a float32 count
+        # would stop being exact above 2**24 tokens per step.
         local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
                              sum(b.pop("num_examples") for b in micro_batches),
                              sum(self.token_loss.loss_units(b) for b in micro_batches),
