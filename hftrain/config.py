@@ -427,6 +427,19 @@ class Recipe:
         "of the split model (hftrain averages their gradients). 1 = off.",
         group="parallelism",
     )
+    sp_size: int = _f(
+        1, "Sequence-parallel degree (DeepSpeed Ulysses / ALST): each sequence is split over N consecutive processes "
+        "that exchange attention heads by all-to-all, so activation memory per process is about 1/N. Needs a "
+        "DeepSpeed preset (cpu_sp, zero3_sp) with a multiple of N processes (the remaining factor is "
+        "data-parallel) and attention heads divisible by N. docs/long-context.md. 1 = off.",
+        group="parallelism",
+    )
+    cp_size: int = _f(
+        1, "Context-parallel degree (torch ring attention through accelerate's ParallelismConfig): each sequence is "
+        "split over N processes that pass key/value blocks around a ring. Needs an FSDP2 preset on CUDA GPUs "
+        "(fsdp2_cp); not runnable on CPU (docs/long-context.md). 1 = off.",
+        group="parallelism",
+    )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -713,8 +726,15 @@ def _parallelism_problems(r: Recipe) -> list[str]:
     if r.launch_preset is not None and not (PRESET_DIR / f"{r.launch_preset}.yaml").is_file():
         shipped = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
         problems.append(f"launch_preset={r.launch_preset!r} is not a shipped preset; use one of: {shipped}")
-    if r.tp_size < 1:
-        problems.append(f"tp_size must be >= 1 (1 = no tensor parallelism), got {r.tp_size}")
+    for name in ("tp_size", "sp_size", "cp_size"):
+        if getattr(r, name) < 1:
+            problems.append(f"{name} must be >= 1 (1 = off), got {getattr(r, name)}")
+    if sum(size > 1 for size in (r.tp_size, r.sp_size, r.cp_size)) > 1:
+        problems.append(f"tp_size={r.tp_size}, sp_size={r.sp_size} and cp_size={r.cp_size}: hftrain runs one of "
+                        "tensor, sequence (Ulysses) or context (ring) parallelism at a time; set the others to 1")
+    if r.sp_size > 1 and r.objective != "sft":
+        problems.append(f"sp_size={r.sp_size} with objective={r.objective} is not supported: preference losses need "
+                        "each row's whole log-probability on one process; use data parallelism")
     if r.launch_preset_reason is not None and r.launch_preset is None:
         problems.append("launch_preset_reason is set but launch_preset is not; name the preset it explains")
     return problems

@@ -1,7 +1,7 @@
 """Memory per GPU before launching: every strategy side by side, and the cheapest launch preset that fits.
 
     python -m hftrain.estimate --model Qwen/Qwen2.5-7B --gpus 8 --gpu_memory 80 [--lora | --qlora] \
-        [--seq 4096 --batch 4]
+        [--seq 4096 --batch 4] [--sp 4]
 
 Only the model's config is read (the model is built on the meta device: no weights are downloaded).
 The numbers are a model of what training keeps in memory, per GPU, in bytes:
@@ -22,6 +22,11 @@ The numbers are a model of what training keeps in memory, per GPU, in bytes:
 - the peak is weights + optimizer + max(activations, gradients): gradients fill up during backward
   while activations are freed (and gradients are freed by `zero_grad(set_to_none=True)` before the
   next forward). Offload variants move what they offload to CPU memory (shown separately).
+- sequence parallelism (--sp N, DeepSpeed Ulysses, preset zero3_sp): each GPU of a group of N holds the
+  activations and loss buffers of 1/N of every sequence (its slice; attention runs on 1/N of the heads over the
+  whole sequence) plus, per layer, the all-to-all outputs (whole-sequence q, k, v and attention output for those
+  heads), on top of ZeRO-3's model state. Without --sp, a full fine-tuning that needs gradient checkpointing
+  or does not fit gets the smallest sp that fits as a hint.
 - LoRA keeps the frozen base in bf16 and trains all-linear adapters of rank r; QLoRA stores the
   base's decoder linears in 4-bit NF4 with double quantization (0.5 + ~0.016 bytes per parameter).
 
@@ -187,10 +192,11 @@ class Plan:
     precision: str
     lora_r: int
     rows: list[Row] = field(default_factory=list)
+    sp: int = 1
 
 
 def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str = "bf16", lora_r: int = 16,
-             objective: str = "sft") -> Plan:
+             objective: str = "sft", sp: int = 1) -> Plan:
     """Memory per GPU for every strategy (bytes).
 
     objective dpo / simpo: `batch` counts pairs, two sequences each (one forward); dpo's full-fine-tuning rows
@@ -223,6 +229,14 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
                 act_ckpt, floor),
             Row("ZeRO-3", "zero3", "full", w16 * n / g + in_flight, w16 * n / g, master * n / g, act, act_ckpt, floor),
         ]
+        if sp > 1:  # each GPU holds the activations of its 1/sp slice of every sequence, plus per layer the
+            # all-to-all outputs (whole-sequence q, k, v and attention output for heads/sp heads: as large as the
+            # slice's own; measured in docs/long-context.md). Under checkpointing only the recomputed layer has them.
+            exchange = rows_per_step * seq // sp * (2 * shape.hidden + 2 * shape.kv_dim) * compute
+            rows.append(Row(f"ZeRO-3 + Ulysses sequence parallel sp={sp}", "zero3_sp", "full",
+                            w16 * n / g + in_flight, w16 * n / g, master * n / g, act / sp + shape.layers * exchange,
+                            act_ckpt / sp + exchange, floor / sp + exchange,
+                            note=f"{g // sp} data-parallel copies of {sp}-GPU sequence groups"))
     w16 = 2 if mixed else 4
     rows += [
         Row("ZeRO-2 + optimizer offload", "zero2_offload", "full", w16 * n, w16 * n / g, 0, act, act_ckpt, floor,
@@ -253,7 +267,25 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
                 else:
                     row.cpu += w16 * n / g  # parameter offload keeps the reference's partitions in host memory
                 row.note = "with dpo's frozen reference copy; precompute_ref_log_probs needs none"
-    return Plan(shape, gpus, batch, seq, precision, lora_r, rows)
+    return Plan(shape, gpus, batch, seq, precision, lora_r, rows, sp)
+
+
+def sequence_parallel_hint(plan: Plan, gpu_memory_gib: float, objective: str = "sft") -> str | None:
+    """For a plan without --sp whose full fine-tuning does not fit without gradient checkpointing: the smallest sp
+    (dividing the GPUs and the attention heads) with which ZeRO-3 + Ulysses fits without it."""
+    row, ckpt = recommend(plan, gpu_memory_gib, "full")[:2]
+    if plan.sp > 1 or plan.gpus < 2 or objective != "sft" or (row is not None and not ckpt):
+        return None
+    for sp in range(2, plan.gpus + 1):
+        if plan.gpus % sp or plan.shape.heads % sp:
+            continue
+        with_sp = estimate(plan.shape, plan.gpus, plan.batch, plan.seq, plan.precision, plan.lora_r, sp=sp)
+        peak = next(r for r in with_sp.rows if r.preset == "zero3_sp").peak(False)
+        if peak <= usable_bytes(gpu_memory_gib):
+            return (f"long sequences: --sp {sp} (accelerate_configs/zero3_sp.yaml, recipe sp_size: {sp}) splits each "
+                    f"{plan.seq}-token sequence over {sp} GPUs and needs {peak / GIB:.1f} GiB per GPU without "
+                    "gradient checkpointing")
+    return None
 
 
 def usable_bytes(gpu_memory_gib: float) -> float:
@@ -334,6 +366,9 @@ def format_plan(plan: Plan, gpu_memory_gib: float, method: str, planned_tokens: 
         lines.append(f"recommendation: accelerate_configs/{row.preset}.yaml{missing} with gradient_checkpointing: "
                      f"{str(ckpt).lower()}" + (f", {method} r={plan.lora_r}" if method != "full" else ""))
         lines.append(f"reason: {why}.")
+    hint = sequence_parallel_hint(plan, gpu_memory_gib) if method == "full" else None
+    if hint:
+        lines.append(hint)
     lines.append(token_budget_line(s.params, planned_tokens))
     return "\n".join(lines)
 
@@ -349,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora_r", type=int, default=16, help="LoRA rank (all linear layers adapted).")
     parser.add_argument("--seq", type=int, default=2048, help="Tokens per sequence (max_length).")
     parser.add_argument("--batch", type=int, default=1, help="Sequences per GPU per micro-batch.")
+    parser.add_argument("--sp", type=int, default=1,
+                        help="Sequence-parallel degree (DeepSpeed Ulysses, preset zero3_sp): adds a row whose "
+                             "activations are those of 1/sp of each sequence. Must divide --gpus.")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="bf16 mixed precision (GPU default) or fp32 (CPU runs).")
     parser.add_argument("--objective", choices=("sft", "dpo", "simpo"), default="sft",
@@ -362,8 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_plan(args: argparse.Namespace) -> None:
-    problems = [f"--{k} must be >= 1, got {getattr(args, k)}" for k in ("gpus", "seq", "batch", "lora_r")
+    problems = [f"--{k} must be >= 1, got {getattr(args, k)}" for k in ("gpus", "seq", "batch", "lora_r", "sp")
                 if getattr(args, k) < 1]
+    if args.sp > 1 and args.gpus % args.sp:
+        problems.append(f"--sp {args.sp} must divide --gpus {args.gpus} (the rest of the GPUs are data-parallel)")
     if args.tokens is not None and args.tokens < 1:
         problems.append(f"--tokens must be >= 1, got {args.tokens}")
     if args.gpu_memory <= CUDA_OVERHEAD_GIB:
@@ -371,7 +411,10 @@ def print_plan(args: argparse.Namespace) -> None:
     if problems:
         raise ConfigError(problems, "estimate arguments")
     shape = model_shape(args.model, args.trust_remote_code)
-    plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective)
+    if shape.heads % args.sp:
+        raise ConfigError([f"--sp {args.sp} must divide the model's {shape.heads} attention heads (Ulysses gives each "
+                           "GPU of a sequence group heads/sp of them)"], "estimate arguments")
+    plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective, args.sp)
     method = "qlora" if args.qlora else "lora" if args.lora else "full"
     print(format_plan(plan, args.gpu_memory, method, args.tokens))
 

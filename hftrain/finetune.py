@@ -234,7 +234,7 @@ class Finetune:
                               peak_tflops_override=recipe.device_peak_tflops,
                               cost_per_gpu_hour=recipe.cost_per_gpu_hour, effective_batch_size=self.plan.global_batch,
                               device_hours_before=resumed.get("device_hours", 0.0), warn=self.logger.warn,
-                              machines=self.backend.record.machines)
+                              machines=self.backend.record.machines, sequence_shards=self.backend.record.sp_size)
 
     def precompute_reference(self) -> dict[str, torch.Tensor]:
         """dpo's reference log-probs of every training and eval pair (objectives.reference_values: from the resumed
@@ -298,7 +298,7 @@ class Finetune:
                   f"{recipe.launch_preset_reason or 'no reason given'}" if recipe.launch_preset else "")
         self.logger.print(
             f"hftrain: parallelism {self.backend.record.describe()}: model state ~{memory['per_device_gib']} GiB per "
-            f"device (+{memory['offloaded_gib']} GiB offloaded to CPU; activations extra) of "
+            f"device (+{memory['offloaded_gib']} GiB offloaded to CPU; {memory['activations']}) of "
             f"{memory['device_memory_gib']} GiB{preset}"
         )
 
@@ -369,10 +369,11 @@ class Finetune:
         # The loss of an optimizer step is sum(token losses over all micro-batches and data-parallel ranks) divided by
         # the step's trained tokens over those ranks (for preference objectives: pair losses by the step's pairs,
         # `loss_units`). Gradients are averaged over the data-parallel ranks
-        # (DDP/FSDP/DeepSpeed; a tensor-parallel group computes one gradient together) and the backward divides by
-        # `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both. The same collective carries each
-        # rank's stop request, so all ranks stop at the same step. All int64: a float32 count would stop being
-        # exact above 2**24 tokens per step.
+        # (DDP/FSDP/DeepSpeed; a tensor-parallel group computes one gradient together; a sequence-parallel group's
+        # ranks each return the group's loss, and DeepSpeed's mean over them undoes that: parallel/sequence.py) and the
+        # backward divides by `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both. The same
+        # collective carries each rank's stop request, so all ranks stop at the same step. All int64: a float32 count
+        # would stop being exact above 2**24 tokens per step.
         local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
                              sum(b.pop("num_examples") for b in micro_batches),
                              sum(self.token_loss.loss_units(b) for b in micro_batches),

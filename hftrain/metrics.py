@@ -227,8 +227,9 @@ class RunMeter:
     def __init__(self, accelerator, flops: FlopCounter, *, straggler_threshold: float,
                  peak_tflops_override: float | None, cost_per_gpu_hour: float | None, effective_batch_size: int,
                  device_hours_before: float, warn: Callable[[str], None], machines: int = 1,
-                 utilization: UtilizationSampler | None = None):
+                 utilization: UtilizationSampler | None = None, sequence_shards: int = 1):
         self.accelerator = accelerator
+        self.shards = sequence_shards  # sequence parallel: each rank processes 1/shards of every micro-batch
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.flops = flops
         self.timer = StepTimer(accelerator.device)
@@ -258,8 +259,8 @@ class RunMeter:
         self.local_examples += local_examples
         for batch in micro_batches:
             rows, width = batch["input_ids"].shape
-            self.processed += rows * width
-            self.window_flops += self.flops.batch(rows, width)
+            self.processed += rows * width / self.shards
+            self.window_flops += self.flops.batch(rows, width) / self.shards
         self.steps += 1
 
     def device_hours(self) -> float:

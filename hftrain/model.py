@@ -385,11 +385,13 @@ class CausalLMTokenLoss(WrapsCausalLM):
             state_dict = {k.removeprefix("lm."): v for k, v in state_dict.items()}
         self.lm.save_pretrained(folder, state_dict=state_dict, is_main_process=is_main_process)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-                real_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, real_tokens: torch.Tensor | None = None,
+                shift_labels: torch.Tensor | None = None) -> torch.Tensor:
         """`position_ids` restarting inside a row mark packed examples (block-diagonal attention); `real_tokens`
-        (not padding) is needed only for the router loss."""
-        targets = labels[:, 1:]
+        (not padding) is needed only for the router loss. `shift_labels` instead of `labels`: the target of every
+        position, already shifted (a sequence-parallel shard, whose last target is the next shard's first token)."""
+        targets = labels[:, 1:] if shift_labels is None else shift_labels
         trained = targets != IGNORE_INDEX
         rows = input_ids.shape
         if position_ids is not None and self.flatten_packed:
@@ -404,11 +406,11 @@ class CausalLMTokenLoss(WrapsCausalLM):
             return torch.cat([counts.double(), torch.stack([torch.as_tensor(slots).double(), trained.sum().double()])])
         if not self.head_only:
             outputs = self.lm(**inputs)
-            logits = outputs.logits.reshape(*rows, -1)[:, :-1][trained]
+            logits = outputs.logits.reshape(*rows, -1)[:, :targets.shape[1]][trained]
             loss = F.cross_entropy(logits.float(), targets[trained], reduction="sum")
         else:
             outputs = self.lm.get_decoder()(**inputs)
-            hidden = outputs.last_hidden_state.reshape(*rows, -1)[:, :-1][trained]
+            hidden = outputs.last_hidden_state.reshape(*rows, -1)[:, :targets.shape[1]][trained]
             if not self.chunk_tokens or len(hidden) <= self.chunk_tokens:
                 loss = self._head_loss(hidden, targets[trained])
             else:

@@ -45,6 +45,8 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems = machine_problems(recipe, cuda) + launch_problems(recipe, launch) + problems
     problems += gpu_count_problems(launch, torch.cuda.device_count() if cuda else 0)
     problems += liger_problems(recipe, cuda, launch, model_config)
+    problems += sequence_parallel_problems(recipe, launch, model_config)
+    problems += context_parallel_problems(recipe, launch, cuda)
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
     return model_config
@@ -217,4 +219,66 @@ def liger_problems(recipe: Recipe, cuda: bool, launch: Launch, model_config: Pre
                         f"lm_head(hidden states) (for the fused linear cross-entropy): "
                         f"{', '.join(sorted(LIGER_MODEL_TYPES))}; this model is {model_config.model_type!r}: set "
                         "use_liger_kernel: false")
+    return problems
+
+
+def sequence_parallel_problems(recipe: Recipe, launch: Launch, model_config: PretrainedConfig | None) -> list[str]:
+    """sp_size: DeepSpeed's Ulysses attention needs a DeepSpeed launch, whole sequence groups, heads it can split and
+    an attention kernel that keeps documents apart without a 4D mask. (Sequence lengths need no check: hftrain pads
+    each micro-batch to a multiple of sp_size with a target-less document.)"""
+    sp, world = recipe.sp_size, launch.world
+    if sp <= 1:
+        return []
+    problems = []
+    if launch.kind != "deepspeed":
+        problems.append(f"sp_size={sp} needs a DeepSpeed preset (cpu_sp on CPU; zero3_sp on GPUs): the sequence-"
+                        "parallel backend is DeepSpeed's Ulysses attention (accelerate's ParallelismConfig has "
+                        f"sp_backend deepspeed only); this launch is {launch.kind}. For ring attention under FSDP2 "
+                        "use cp_size")
+    elif world % sp:
+        problems.append(f"sp_size={sp} does not divide the {world} processes of this launch; use a multiple of "
+                        "sp_size processes (each group of sp_size consecutive ranks shares one sequence, the "
+                        "remaining factor is data-parallel)")
+    if recipe.attn_implementation in ("eager",):
+        problems.append(f"sp_size={sp} with attn_implementation={recipe.attn_implementation}: DeepSpeed's Ulysses "
+                        "refuses eager attention (it needs a 4D mask of the whole sequence, O(length^2) memory); "
+                        "use sdpa, or flash_attention_2 on GPUs")
+    if model_config is not None:
+        text = model_config.get_text_config()
+        heads, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        if heads % sp or (kv % sp and sp % kv):
+            problems.append(f"sp_size={sp} cannot split this model's {heads} attention heads ({kv} key/value heads): "
+                            "Ulysses gives each rank of a sequence group heads/sp_size heads, so sp_size must divide "
+                            "the attention heads and divide or be a multiple of the key/value heads")
+    return problems
+
+
+def context_parallel_problems(recipe: Recipe, launch: Launch, cuda: bool) -> list[str]:
+    """cp_size: torch's ring attention through accelerate's ParallelismConfig, FSDP2 on CUDA only; a layout that
+    could run is refused too, until a GPU verifies it."""
+    cp = recipe.cp_size
+    if cp <= 1:
+        return []
+    problems = []
+    if launch.kind != "fsdp2":
+        problems.append(f"cp_size={cp} needs an FSDP2 preset (fsdp2_cp): accelerate runs torch's ring attention "
+                        f"only with FSDP2 (ParallelismConfig cp_size); this launch is {launch.kind}. For sequence "
+                        "parallelism under DeepSpeed use sp_size")
+    if not cuda:
+        problems.append(f"cp_size={cp} needs CUDA GPUs: torch's context parallel ring attention dispatches only the "
+                        "CUDA flash/efficient/cuDNN SDPA kernels and accelerate selects FSDP only for GPU-like "
+                        "devices; on CPU use sp_size with the cpu_sp preset (docs/long-context.md)")
+    if launch.world % cp:
+        problems.append(f"cp_size={cp} does not divide the {launch.world} processes of this launch")
+    if recipe.attn_implementation not in (None, "sdpa"):
+        problems.append(f"cp_size={cp} with attn_implementation={recipe.attn_implementation}: torch's ring "
+                        "attention replaces scaled_dot_product_attention only; use sdpa")
+    if recipe.packing:
+        problems.append(f"cp_size={cp} with packing: torch's ring attention is plain causal over the whole row and "
+                        "would attend across packed examples (axolotl #3608); use sp_size, or packing: false")
+    if not problems:
+        problems.append(f"cp_size={cp}: hftrain does not run context parallelism yet. Its ring attention cannot run "
+                        "on the CPU machines hftrain is verified on (torch 2.13 registers no sharding strategy for "
+                        "the CPU SDPA kernel aten._scaled_dot_product_flash_attention_for_cpu), and an unverified GPU "
+                        "path is not shipped; use sp_size with the zero3_sp preset (docs/long-context.md)")
     return problems

@@ -6,8 +6,9 @@
     backend.record                                  # Parallelism: kind, processes, ZeRO stage, offload, tp, dp world
 
 Backends, one file each: base.py (the interface; one process and DDP), fsdp.py (FSDP2), deepspeed.py (ZeRO 1-3,
-offload), tensor.py (tensor parallel, with data-parallel copies). Nothing else in hftrain asks accelerate, the
-environment or the DeepSpeed JSON which strategy runs.
+offload), tensor.py (tensor parallel, with data-parallel copies), sequence.py (ZeRO with DeepSpeed's Ulysses
+sequence parallelism). Nothing else in hftrain asks accelerate, the environment or the DeepSpeed JSON which strategy
+runs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hftrain.parallel.base import Backend, DataParallel, Parallelism
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch, devices_record, make_accelerator, phase
+from hftrain.parallel.sequence import SequenceParallelBackend
 from hftrain.parallel.tensor import TensorParallelBackend
 
 __all__ = ["Backend", "DataParallel", "Launch", "Parallelism", "devices_record", "make_accelerator", "phase",
@@ -37,6 +39,8 @@ def resolve(accelerator, recipe: Recipe, launch: Launch) -> Backend:
                            f"which would train with another strategy than the one you chose;{hint}")
     if recipe.tp_size > 1:  # the preflight has refused tensor parallelism with FSDP2 or DeepSpeed
         return TensorParallelBackend(accelerator, recipe)
+    if recipe.sp_size > 1:  # the preflight has refused sequence parallelism without DeepSpeed
+        return SequenceParallelBackend(accelerator, recipe)
     if selected == "FSDP":
         return FSDP2Backend(accelerator, recipe)
     if selected == "DEEPSPEED":

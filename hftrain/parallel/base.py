@@ -42,6 +42,7 @@ class Parallelism:
     machines: int
     backend: str | None  # process-group backend: gloo, nccl (None for one process)
     tp_size: int = 1
+    sp_size: int = 1  # sequence-parallel degree: the ranks of one group share a batch, each holds a slice
     dp_world: int = 1  # data-parallel groups: each trains on its own share of the data
     dp_rank: int = 0
     zero_stage: int | None = None
@@ -60,9 +61,10 @@ class Parallelism:
 class DataParallel:
     """This rank's share of the data: `world` data-parallel groups, this rank in group `rank`.
 
-    The `replicas` (= tp_size) ranks of one tensor-parallel group train on the same batches. `sum` adds a value over
-    the data-parallel ranks only (each batch once, so token counts and loss sums stay exact), then takes the max over
-    the tensor-parallel group: its ranks hold equal values except a stop vote, which must reach them all.
+    The `replicas` (= tp_size, or sp_size) ranks of one tensor- (or sequence-) parallel group train on the same
+    batches. `sum` adds a value over the data-parallel ranks only (each batch once, so token counts and loss sums stay
+    exact), then takes the max over the tensor- (sequence-) parallel group: its ranks hold equal values except a stop
+    vote, which must reach them all.
     """
 
     world: int
@@ -193,7 +195,12 @@ class Backend:
         on_device = sum(b for p, b in per_device.items() if p not in self.record.offloaded)
         on_cpu = sum(b for p, b in per_device.items() if p in self.record.offloaded)
         device_memory = device_memory_bytes(self.accelerator, self.accelerator.num_processes)
+        sp = self.record.sp_size  # sequence parallel: each device holds the activations of 1/sp of every sequence
+        tokens = self.recipe.per_device_train_batch_size * self.recipe.max_length // sp
         return {"strategy": self.record.name, "processes": self.record.processes, "bytes_per_weight": w,
+                "activation_tokens_per_device": tokens,
+                "activations": f"activations extra: at most {tokens:,} tokens per device" +
+                               (f", 1/{sp} of each sequence" if sp > 1 else ""),
                 "optimizer_bytes_per_param": k, "per_device_bytes": on_device, "offloaded_bytes": on_cpu,
                 "per_device_gib": round(on_device / GIB, 3), "offloaded_gib": round(on_cpu / GIB, 3),
                 "device_memory_gib": round(device_memory / GIB, 1)}
@@ -294,6 +301,7 @@ class Backend:
             "backend": self.record.backend,
             "model_wrapper": type(model).__name__,
             "tp_size": self.record.tp_size,
+            "sp_size": self.record.sp_size,
             "dtensor_parameters": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
             "optimizer": innermost_optimizer(optimizer),
             "mixed_precision": self.accelerator.mixed_precision,

@@ -253,6 +253,17 @@ def test_lora_under_tensor_parallelism_is_refused_with_the_reason(in_tmp):
                                   dataset_name=str(REPO / "data" / "preference.jsonl"))).tp_size == 2
 
 
+def test_one_of_tensor_sequence_and_context_parallelism_at_a_time(in_tmp):
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict(valid(in_tmp, tp_size=2, sp_size=2, cp_size=0))
+    assert any("hftrain runs one of tensor, sequence (Ulysses) or context (ring) parallelism at a time" in p
+               for p in info.value.problems)
+    assert "cp_size must be >= 1 (1 = off), got 0" in info.value.problems
+    with pytest.raises(ConfigError, match="preference losses need each row's whole log-probability on one process"):
+        recipe_from_dict(valid(in_tmp, sp_size=2, objective="simpo"))
+    assert recipe_from_dict(valid(in_tmp, sp_size=2)).sp_size == 2
+
+
 def test_missing_config_file(in_tmp):
     with pytest.raises(ConfigError, match="cannot read recipe file"):
         load_recipe(["--config", str(in_tmp / "nope.yaml")])

@@ -175,3 +175,27 @@ def test_dpo_counts_two_sequences_per_pair_and_the_reference_copy(model_dir):
     offload = "ZeRO-3 + parameter and optimizer offload"
     assert dpo[offload].cpu == pytest.approx(sft[offload].cpu + 2 * n / g)
     assert "frozen reference copy" in dpo["DDP"].note and "precompute_ref_log_probs" in dpo["ZeRO-3"].note
+
+
+def test_sequence_parallel_divides_the_activations_and_is_recommended_for_long_sequences(model_dir):
+    from hftrain.estimate import format_plan, sequence_parallel_hint
+
+    shape = model_shape(str(model_dir))
+    plain = {r.strategy: r for r in estimate(shape, gpus=4, batch=1, seq=65536).rows}
+    with_sp = {r.strategy: r for r in estimate(shape, gpus=4, batch=1, seq=65536, sp=4).rows}
+    ulysses, zero3 = with_sp["ZeRO-3 + Ulysses sequence parallel sp=4"], plain["ZeRO-3"]
+    assert ulysses.preset == "zero3_sp" and "ZeRO-3 + Ulysses sequence parallel sp=4" not in plain
+    assert (ulysses.weights, ulysses.grads, ulysses.optimizer) == (zero3.weights, zero3.grads, zero3.optimizer)
+    exchange = 65536 // 4 * (2 * H + 2 * KV) * 2  # all-to-all outputs of one layer: q, k, v, attention output
+    assert (ulysses.activations, ulysses.activations_ckpt, ulysses.backward_floor) == \
+        (zero3.activations / 4 + L * exchange, zero3.activations_ckpt / 4 + exchange,
+         zero3.backward_floor / 4 + exchange)
+    # a GPU where ZeRO-3 needs checkpointing for one 64k sequence but sp=2 fits without it
+    sp2 = {r.strategy: r for r in estimate(shape, gpus=4, batch=1, seq=65536, sp=2).rows}
+    gpu = sp2["ZeRO-3 + Ulysses sequence parallel sp=2"].peak(False) / GIB / 0.9 + 1.0 + 1e-6
+    plan = estimate(shape, gpus=4, batch=1, seq=65536)
+    assert zero3.peak(False) > usable_bytes(gpu)
+    hint = sequence_parallel_hint(plan, gpu)
+    assert hint.startswith("long sequences: --sp 2 (accelerate_configs/zero3_sp.yaml, recipe sp_size: 2)")
+    assert hint in format_plan(plan, gpu, "full")
+    assert sequence_parallel_hint(plan, 1000.0) is None  # fits without: no hint

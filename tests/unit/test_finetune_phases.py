@@ -19,7 +19,8 @@ from tests.conftest import REPO
 from tests.unit.parallel.conftest import fake_accelerator
 
 MAX_FUNCTION_LINES = 60
-MEMORY = {"per_device_gib": 0.003, "offloaded_gib": 0.0, "device_memory_gib": 15.6}
+MEMORY = {"per_device_gib": 0.003, "offloaded_gib": 0.0, "device_memory_gib": 15.6,
+          "activations": "activations extra: at most 2,048 tokens per device"}
 
 
 class Printed:
@@ -55,7 +56,7 @@ def test_one_process_is_described_in_words():
     assert "effective batch 8 = 2 per device x 1 x 4 accumulation; 10 optimizer steps (5 per epoch)" in lines[0]
     assert "full fine-tuning, 1,000 of 160,000 parameters trained; 40 training examples in 40 rows" in lines[0]
     assert lines[-1] == ("hftrain: parallelism 1 process, no distribution: model state ~0.003 GiB per device "
-                         "(+0.0 GiB offloaded to CPU; activations extra) of 15.6 GiB")
+                         "(+0.0 GiB offloaded to CPU; activations extra: at most 2,048 tokens per device) of 15.6 GiB")
     assert "NO" not in " ".join(lines) and "process(es)" not in " ".join(lines)  # not accelerate's enum name
 
 

@@ -13,12 +13,14 @@ from hftrain.errors import ConfigError
 from hftrain.model import LIGER_MODEL_TYPES
 from hftrain.parallel.launch import Launch
 from hftrain.preflight import (
+    context_parallel_problems,
     launch_problems,
     liger_problems,
     machine_problems,
     model_problems,
     preflight,
     quantization_problems,
+    sequence_parallel_problems,
     tensor_parallel_problems,
 )
 from tests.conftest import REPO
@@ -175,6 +177,42 @@ def test_tensor_parallel_layouts_hftrain_does_not_run_are_refused(launch, expect
     (problem,) = tensor_parallel_problems(Recipe(tp_size=2), launch)
     assert expected in problem
     assert tensor_parallel_problems(Recipe(tp_size=2), Launch("ddp", 4, 4)) == []
+
+
+@pytest.mark.parametrize("launch, values, expected", [
+    (Launch("ddp", 2, 2), {}, "sp_size=2 needs a DeepSpeed preset (cpu_sp on CPU; zero3_sp on GPUs)"),
+    (Launch("fsdp2", 2, 2), {}, "this launch is fsdp2. For ring attention under FSDP2 use cp_size"),
+    (deepspeed(2, world=3), {}, "sp_size=2 does not divide the 3 processes of this launch"),
+    (deepspeed(2), {"attn_implementation": "eager"}, "DeepSpeed's Ulysses refuses eager attention"),
+    (deepspeed(2), {"sp_size": 8}, "sp_size=8 cannot split this model's 4 attention heads (4 key/value heads)"),
+])
+def test_sequence_parallel_layouts_that_cannot_work_are_refused(launch, values, expected):
+    config = model_problems(Recipe(model_name_or_path=str(MODEL)))[0]
+    world = 8 if values.get("sp_size") == 8 else launch.world
+    launch = Launch(launch.kind, world, world, deepspeed_config_path=launch.deepspeed_config_path,
+                    deepspeed_config=launch.deepspeed_config)
+    (problem,) = sequence_parallel_problems(Recipe(**{"sp_size": 2, **values}), launch, config)
+    assert expected in problem
+    assert sequence_parallel_problems(Recipe(sp_size=2), deepspeed(2, world=4), config) == []  # sp 2 x dp 2
+
+
+@pytest.mark.parametrize("launch, cuda, values, expected", [
+    (deepspeed(2), True, {}, "cp_size=2 needs an FSDP2 preset (fsdp2_cp)"),
+    (Launch("fsdp2", 2, 2), False, {}, "cp_size=2 needs CUDA GPUs: torch's context parallel ring attention"),
+    (Launch("fsdp2", 3, 3), True, {}, "cp_size=2 does not divide the 3 processes"),
+    (Launch("fsdp2", 2, 2), True, {"attn_implementation": "eager"}, "replaces scaled_dot_product_attention only"),
+    (Launch("fsdp2", 2, 2), True, {"packing": True}, "would attend across packed examples (axolotl #3608)"),
+])
+def test_context_parallel_layouts_that_cannot_work_are_refused(launch, cuda, values, expected):
+    problems = context_parallel_problems(Recipe(cp_size=2, **values), launch, cuda)
+    assert len(problems) == 1 and expected in problems[0]
+
+
+def test_context_parallel_is_refused_until_a_gpu_verifies_it():
+    (problem,) = context_parallel_problems(Recipe(cp_size=2), Launch("fsdp2", 2, 2), True)
+    assert "hftrain does not run context parallelism yet" in problem and "_scaled_dot_product_flash_attention_for_cpu" \
+        in problem
+    assert context_parallel_problems(Recipe(), Launch("fsdp2", 2, 2), False) == []
 
 
 def test_preset_precision_must_leave_precision_to_the_recipe():

@@ -24,13 +24,13 @@ DS_CONFIGS = sorted((SHIPPED / "ds_configs").glob("*.json"))
 PRESET_NAMES = [p.stem for p in PRESETS]
 # How each preset is verified (the README table says the same); GPU-only ones are parsed and validated here.
 RUN_ON_CPU = {"cpu", "cpu_ddp", "zero2", "zero2_offload", "zero3", "fsdp2", "fsdp2_shard_grad_op",
-              "multi_node_ddp", "multi_node_zero3", "tp"}
-GPU_ONLY = {"single_gpu", "multi_gpu", "zero1", "zero3_offload", "fsdp2_hybrid_multinode"}
+              "multi_node_ddp", "multi_node_zero3", "tp", "cpu_sp"}
+GPU_ONLY = {"single_gpu", "multi_gpu", "zero1", "zero3_offload", "fsdp2_hybrid_multinode", "zero3_sp", "fsdp2_cp"}
 
 
 def test_the_issue_presets_are_shipped():
     wanted = {"cpu", "cpu_ddp", "single_gpu", "multi_gpu", "fsdp2", "fsdp2_shard_grad_op", "fsdp2_hybrid_multinode",
-              "zero1", "zero2", "zero3", "zero3_offload", "multi_node_ddp", "multi_node_zero3", "tp"}
+              "zero1", "zero2", "zero3", "zero3_offload", "multi_node_ddp", "multi_node_zero3", "tp", "cpu_sp"}
     assert wanted <= set(PRESET_NAMES)
     assert {p.stem for p in DS_CONFIGS} == {"zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"}
     assert set(PRESET_NAMES) == RUN_ON_CPU | GPU_ONLY, "every preset is either run on CPU or listed as GPU-only"

@@ -77,3 +77,14 @@ def test_tensor_parallel_splits_over_the_group_and_each_copy_holds_it_again(acce
     assert memory["per_device_bytes"] == (4 * P) // 2 + (4 * T) // 2 + (8 * T) // 2
     assert memory["strategy"] == "tensor parallel (tp_size=2) x 2 data-parallel copies"
     assert (backend.dp.world, backend.dp.rank, backend.dp.replicas) == (2, 1, 2)
+
+
+def test_sequence_parallel_devices_hold_the_activations_of_a_slice_of_each_sequence(accelerator):
+    import dataclasses
+
+    backend = Backend(accelerator(2), Recipe(per_device_train_batch_size=2, max_length=1024))
+    assert backend.memory(T, P)["activations"] == "activations extra: at most 2,048 tokens per device"
+    backend.record = dataclasses.replace(backend.record, sp_size=2)
+    memory = backend.memory(T, P)
+    assert memory["activation_tokens_per_device"] == 1024
+    assert memory["activations"] == "activations extra: at most 1,024 tokens per device, 1/2 of each sequence"
