@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, launch, launch_env, run_script, write_jsonl
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, launch_env, run_script, write_jsonl
 from tests.wandb_records import summary
 
 pytestmark = pytest.mark.launch
@@ -108,6 +108,17 @@ def test_equal_to_trl_dpo_trainer(tmp_path):
         for step, (theirs, ours) in enumerate(zip(runs["trl"], runs["hftrain"]), 1):
             for key, value in ours.items():
                 assert value == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (name, step, key)
+
+
+def assert_equals_one_process(run: Run, one_process: Run) -> None:
+    """Per-step losses, rewards and clipped norms (COMPARED) and the final weights of the one-process run."""
+    for key in COMPARED:
+        torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
+                                   torch.tensor([r[key] for r in one_process.train_rows()]), rtol=1e-4,
+                                   atol=1e-6, msg=key)
+    expected = load_file(one_process.output_dir / "final" / "model.safetensors")
+    for name, value in load_file(run.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -210,13 +221,7 @@ def test_full_dpo_under_sharded_presets_equals_one_process(tmp_path, full_one_pr
     expected_reference = "precomputed log-probs of 400 pairs (one pass" if precompute else \
         f"a frozen copy of the starting model, {how}"
     assert f"reference: {expected_reference}" in said
-    for key in COMPARED:
-        torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
-                                   torch.tensor([r[key] for r in full_one_process.train_rows()]), rtol=1e-4,
-                                   atol=1e-6, msg=key)
-    expected = load_file(full_one_process.output_dir / "final" / "model.safetensors")
-    for name, value in load_file(run.output_dir / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_equals_one_process(run, full_one_process)
 
 
 @pytest.mark.parametrize("precompute", [False, True], ids=["copy", "precomputed"])
@@ -231,13 +236,7 @@ def test_full_dpo_under_tensor_parallelism_equals_one_process(tmp_path, full_one
     assert "tensor parallel (tp_size=2)" in said
     copy = "a frozen copy of the starting model, sharded over the tensor-parallel group (tp_size=2)"
     assert f"reference: {'precomputed log-probs of 400 pairs (one pass' if precompute else copy}" in said
-    for key in COMPARED:
-        torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
-                                   torch.tensor([r[key] for r in full_one_process.train_rows()]), rtol=1e-4,
-                                   atol=1e-6, msg=key)
-    expected = load_file(full_one_process.output_dir / "final" / "model.safetensors")
-    for name, value in load_file(run.output_dir / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_equals_one_process(run, full_one_process)
 
 
 def test_simpo_step_one_equals_its_formula(tmp_path):
