@@ -279,21 +279,28 @@ HEAD_ONLY_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen
 LIGER_MODEL_TYPES = HEAD_ONLY_MODEL_TYPES
 
 
+def router_coefficient(config, coef: float | None) -> float | None:
+    """The router load-balancing loss coefficient a run uses: the recipe's `coef` or, when None, the model config's
+    (TRL's rule); None for a model without a router loss (a dense model)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not hasattr(text, "output_router_logits"):
+        return None
+    return float(getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef)
+
+
 def router_aux(lm: nn.Module, coef: float | None):
     """(coefficient, aux(router_logits, real_tokens), experts, top_k) of a mixture-of-experts model's load-balancing
-    loss: the recipe's coefficient or, when None, the model config's (TRL's rule); (0.0, None, 0, 0) for a dense
-    model."""
+    loss (`router_coefficient`); (0.0, None, 0, 0) for a dense model."""
     hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    config = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
-    if not hasattr(config, "output_router_logits"):
+    used = router_coefficient(hf.config, coef)
+    if used is None:
         if coef:
             raise HftrainError(f"router_aux_loss_coef={coef} is set but {type(hf).__name__} is not a "
                                "mixture-of-experts model with a router loss; remove router_aux_loss_coef")
         return 0.0, None, 0, 0
-    coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
     balance = importlib.import_module(type(hf).__module__).load_balancing_loss_func
     experts, top_k = hf.num_experts, hf.num_experts_per_tok
-    return (float(coef), lambda router_logits, real_tokens: balance(router_logits, experts, top_k, real_tokens),
+    return (used, lambda router_logits, real_tokens: balance(router_logits, experts, top_k, real_tokens),
             experts, top_k)
 
 

@@ -24,7 +24,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError
-from hftrain.model import HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error
+from hftrain.model import HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, router_coefficient
 from hftrain.parallel.deepspeed import deepspeed_problems
 from hftrain.parallel.launch import Launch
 
@@ -162,10 +162,7 @@ def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:
         problems.append(f"loss_chunk_tokens={recipe.loss_chunk_tokens} needs logits that are exactly lm_head(hidden "
                         f"states); hftrain knows that of {', '.join(sorted(HEAD_ONLY_MODEL_TYPES))}, and this model "
                         f"is {config.model_type!r} (it may scale or cap its logits): set loss_chunk_tokens: 0")
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    coef = recipe.router_aux_loss_coef
-    coef = getattr(text, "router_aux_loss_coef", 0) if coef is None else coef
-    if recipe.router_aux_loss_scope == "step" and not (hasattr(text, "output_router_logits") and coef > 0):
+    if recipe.router_aux_loss_scope == "step" and not router_coefficient(config, recipe.router_aux_loss_coef):
         problems.append(f"router_aux_loss_scope=step makes a mixture-of-experts router loss exact over a step, but "
                         f"{config.model_type!r} has none (a dense model, or coefficient 0); remove "
                         "router_aux_loss_scope")
