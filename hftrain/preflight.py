@@ -236,7 +236,7 @@ def sequence_parallel_problems(recipe: Recipe, launch: Launch, model_config: Pre
         problems.append(f"sp_size={sp} does not divide the {world} processes of this launch; use a multiple of "
                         "sp_size processes (each group of sp_size consecutive ranks shares one sequence, the "
                         "remaining factor is data-parallel)")
-    if recipe.attn_implementation in ("eager",):
+    if recipe.attn_implementation == "eager":
         problems.append(f"sp_size={sp} with attn_implementation={recipe.attn_implementation}: DeepSpeed's Ulysses "
                         "refuses eager attention (it needs a 4D mask of the whole sequence, O(length^2) memory); "
                         "use sdpa, or flash_attention_2 on GPUs")
