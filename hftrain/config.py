@@ -436,8 +436,9 @@ class Recipe:
     )
     cp_size: int = _f(
         1, "Context-parallel degree (torch ring attention through accelerate's ParallelismConfig): each sequence is "
-        "split over N processes that pass key/value blocks around a ring. Needs an FSDP2 preset on CUDA GPUs "
-        "(fsdp2_cp); not runnable on CPU (docs/long-context.md). 1 = off.",
+        "split over N consecutive processes that pass key/value blocks around a ring, so activation memory per "
+        "process is about 1/N. Needs an FSDP2 preset on CUDA GPUs (fsdp2_cp) with a multiple of N processes (the "
+        "remaining factor is data-parallel), sdpa attention and unpacked rows. docs/long-context.md. 1 = off.",
         group="parallelism",
     )
 
@@ -732,9 +733,10 @@ def _parallelism_problems(r: Recipe) -> list[str]:
     if sum(size > 1 for size in (r.tp_size, r.sp_size, r.cp_size)) > 1:
         problems.append(f"tp_size={r.tp_size}, sp_size={r.sp_size} and cp_size={r.cp_size}: hftrain runs one of "
                         "tensor, sequence (Ulysses) or context (ring) parallelism at a time; set the others to 1")
-    if r.sp_size > 1 and r.objective != "sft":
-        problems.append(f"sp_size={r.sp_size} with objective={r.objective} is not supported: preference losses need "
-                        "each row's whole log-probability on one process; use data parallelism")
+    for name in ("sp_size", "cp_size"):
+        if getattr(r, name) > 1 and r.objective != "sft":
+            problems.append(f"{name}={getattr(r, name)} with objective={r.objective} is not supported: preference "
+                            "losses need each row's whole log-probability on one process; use data parallelism")
     if r.launch_preset_reason is not None and r.launch_preset is None:
         problems.append("launch_preset_reason is set but launch_preset is not; name the preset it explains")
     return problems

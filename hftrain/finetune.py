@@ -65,13 +65,14 @@ def trained_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(accelerator, dp, model, loss_fn, dataset, collator: Collator, recipe: Recipe) -> dict[str, float]:
+def evaluate(backend, model, loss_fn, dataset, collator: Collator, recipe: Recipe) -> dict[str, float]:
     """The objective's loss over the whole eval set (token-weighted for sft, per pair for dpo/simpo), every
     data-parallel rank evaluating a disjoint shard; `loss_fn` is the loss module inside `model`'s wrapper.
 
     Ranks reduce (loss sum, units, statistics) sums, which is exact whatever the shard sizes; every rank
     runs the same number of forwards so sharded models (FSDP, ZeRO-3, tensor parallel) stay in step.
     """
+    accelerator, dp = backend.accelerator, backend.dp
     model.eval()
     shards = eval_micro_batches(len(dataset), recipe.per_device_eval_batch_size, dp.world, dp.rank)
     totals, stats = torch.zeros(2, dtype=torch.float64, device=accelerator.device), {}
@@ -79,7 +80,9 @@ def evaluate(accelerator, dp, model, loss_fn, dataset, collator: Collator, recip
                              pin_memory=recipe.dataloader_pin_memory):
         batch.pop("num_examples")
         batch = to_device(batch, accelerator.device)
-        totals += torch.stack([model(**batch).double(), loss_fn.loss_units(batch).double()])
+        with backend.micro_batch(batch) as inputs:
+            loss_sum = model(**inputs)
+        totals += torch.stack([loss_sum.double(), loss_fn.loss_units(batch).double()])
         stats = add_stats(stats, loss_fn.pop_stats())
     loss_sum, units = dp.sum(totals).tolist()
     model.train()
@@ -95,8 +98,8 @@ def optimizer_step(backend, model, optimizer, scheduler, micro_batches, scale, m
     accelerator = backend.accelerator
     step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in micro_batches:
-        with accelerator.accumulate(model):
-            loss_sum = model(**batch)
+        with accelerator.accumulate(model), backend.micro_batch(batch) as inputs:
+            loss_sum = model(**inputs)
             timer.lap("forward")
             accelerator.backward(loss_sum * scale)
             step_loss += loss_sum.detach()
@@ -234,7 +237,8 @@ class Finetune:
                               peak_tflops_override=recipe.device_peak_tflops,
                               cost_per_gpu_hour=recipe.cost_per_gpu_hour, effective_batch_size=self.plan.global_batch,
                               device_hours_before=resumed.get("device_hours", 0.0), warn=self.logger.warn,
-                              machines=self.backend.record.machines, sequence_shards=self.backend.record.sp_size)
+                              machines=self.backend.record.machines,
+                              sequence_shards=self.backend.record.sequence_shards)
 
     def precompute_reference(self) -> dict[str, torch.Tensor]:
         """dpo's reference log-probs of every training and eval pair (objectives.reference_values: from the resumed
@@ -487,8 +491,7 @@ class Finetune:
         window.reset()
 
     def evaluate(self) -> dict[str, float]:
-        return evaluate(self.accelerator, self.dp, self.model, self.token_loss, self.eval_set, self.eval_collator,
-                        self.recipe)
+        return evaluate(self.backend, self.model, self.token_loss, self.eval_set, self.eval_collator, self.recipe)
 
     def current_run_info(self) -> dict:
         """run_info with what moves during training: device-hours so far and the schedule's state (plain numbers,

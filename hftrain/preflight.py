@@ -46,7 +46,7 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += gpu_count_problems(launch, torch.cuda.device_count() if cuda else 0)
     problems += liger_problems(recipe, cuda, launch, model_config)
     problems += sequence_parallel_problems(recipe, launch, model_config)
-    problems += context_parallel_problems(recipe, launch, cuda)
+    problems += context_parallel_problems(recipe, launch, model_config)
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
     return model_config
@@ -250,32 +250,44 @@ def sequence_parallel_problems(recipe: Recipe, launch: Launch, model_config: Pre
     return problems
 
 
-def context_parallel_problems(recipe: Recipe, launch: Launch, cuda: bool) -> list[str]:
-    """cp_size: torch's ring attention through accelerate's ParallelismConfig, FSDP2 on CUDA only; a layout that
-    could run is refused too, until a GPU verifies it."""
-    cp = recipe.cp_size
+def context_parallel_problems(recipe: Recipe, launch: Launch, model_config: PretrainedConfig | None) -> list[str]:
+    """cp_size: torch's ring attention through accelerate's ParallelismConfig (built by hftrain from the recipe)
+    needs FSDP2, whole context groups, sdpa, unpacked rows and plain causal attention in every layer. (Sequence
+    lengths need no check: hftrain pads each micro-batch to a multiple of 2 x cp_size with target-less positions.
+    CUDA is checked where the accelerator is made, parallel/launch.py: accelerate refuses the mesh on a CPU one.)"""
+    cp, problems = recipe.cp_size, []
+    mesh = launch.preset_mesh
+    if mesh is not None and (mesh["cp"] != cp or mesh["tp"] > 1 or mesh["dp_replicate"] > 1):
+        sizes = ", ".join(f"{name}_size {size}" for name, size in mesh.items())
+        problems.append(f"the launch preset's parallelism_config ({sizes}) disagrees with the recipe "
+                        f"(cp_size={cp}): hftrain builds accelerate's ParallelismConfig "
+                        "from the recipe's cp_size (dp_shard_size = processes / cp_size); set cp_size in the recipe "
+                        "and drop the preset's parallelism_config section")
     if cp <= 1:
-        return []
-    problems = []
+        return problems
     if launch.kind != "fsdp2":
         problems.append(f"cp_size={cp} needs an FSDP2 preset (fsdp2_cp): accelerate runs torch's ring attention "
                         f"only with FSDP2 (ParallelismConfig cp_size); this launch is {launch.kind}. For sequence "
                         "parallelism under DeepSpeed use sp_size")
-    if not cuda:
-        problems.append(f"cp_size={cp} needs CUDA GPUs: torch's context parallel ring attention dispatches only the "
-                        "CUDA flash/efficient/cuDNN SDPA kernels and accelerate selects FSDP only for GPU-like "
-                        "devices; on CPU use sp_size with the cpu_sp preset (docs/long-context.md)")
-    if launch.world % cp:
-        problems.append(f"cp_size={cp} does not divide the {launch.world} processes of this launch")
+    elif launch.world % cp:
+        problems.append(f"cp_size={cp} does not divide the {launch.world} processes of this launch; use a multiple "
+                        "of cp_size processes (each group of cp_size consecutive ranks shares one sequence, the "
+                        "remaining factor is data-parallel)")
     if recipe.attn_implementation not in (None, "sdpa"):
         problems.append(f"cp_size={cp} with attn_implementation={recipe.attn_implementation}: torch's ring "
                         "attention replaces scaled_dot_product_attention only; use sdpa")
     if recipe.packing:
         problems.append(f"cp_size={cp} with packing: torch's ring attention is plain causal over the whole row and "
                         "would attend across packed examples (axolotl #3608); use sp_size, or packing: false")
-    if not problems:
-        problems.append(f"cp_size={cp}: hftrain does not run context parallelism yet. Its ring attention cannot run "
-                        "on the CPU machines hftrain is verified on (torch 2.13 registers no sharding strategy for "
-                        "the CPU SDPA kernel aten._scaled_dot_product_flash_attention_for_cpu), and an unverified GPU "
-                        "path is not shipped; use sp_size with the zero3_sp preset (docs/long-context.md)")
+    if model_config is not None:
+        text = model_config.get_text_config()
+        layers = set(getattr(text, "layer_types", None) or
+                     (["sliding_attention"] if getattr(text, "sliding_window", None) else [])) - {"full_attention"}
+        if layers:
+            problems.append(f"cp_size={cp} with a model whose attention layers are {sorted(layers)}: ring attention "
+                            "drops the layer's mask for plain causal attention, so those layers would train with "
+                            "full causal attention; use sp_size, or a full-attention model")
+        if router_coefficient(model_config, recipe.router_aux_loss_coef):
+            problems.append(f"cp_size={cp} with a mixture-of-experts router loss: each rank would balance its own "
+                            "shard of the tokens; set router_aux_loss_coef: 0, or cp_size: 1")
     return problems

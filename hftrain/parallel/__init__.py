@@ -7,7 +7,8 @@
 
 Backends, one file each: base.py (the interface; one process and DDP), fsdp.py (FSDP2), deepspeed.py (ZeRO 1-3,
 offload), tensor.py (tensor parallel, with data-parallel copies), sequence.py (ZeRO with DeepSpeed's Ulysses
-sequence parallelism). Nothing else in hftrain asks accelerate, the environment or the DeepSpeed JSON which strategy
+sequence parallelism), context.py (FSDP2 with torch's ring attention context parallelism).
+Nothing else in hftrain asks accelerate, the environment or the DeepSpeed JSON which strategy
 runs.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
 from hftrain.parallel.base import Backend, DataParallel, Parallelism
+from hftrain.parallel.context import ContextParallelBackend
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch, devices_record, make_accelerator, phase
@@ -41,6 +43,8 @@ def resolve(accelerator, recipe: Recipe, launch: Launch) -> Backend:
         return TensorParallelBackend(accelerator, recipe)
     if recipe.sp_size > 1:  # the preflight has refused sequence parallelism without DeepSpeed
         return SequenceParallelBackend(accelerator, recipe)
+    if selected == "FSDP" and recipe.cp_size > 1:
+        return ContextParallelBackend(accelerator, recipe)
     if selected == "FSDP":
         return FSDP2Backend(accelerator, recipe)
     if selected == "DEEPSPEED":

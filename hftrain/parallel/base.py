@@ -43,11 +43,17 @@ class Parallelism:
     backend: str | None  # process-group backend: gloo, nccl (None for one process)
     tp_size: int = 1
     sp_size: int = 1  # sequence-parallel degree: the ranks of one group share a batch, each holds a slice
+    cp_size: int = 1  # context-parallel degree (ring attention): the same, under FSDP2
     dp_world: int = 1  # data-parallel groups: each trains on its own share of the data
     dp_rank: int = 0
     zero_stage: int | None = None
     sharded: tuple[str, ...] = ()  # parts of the model state split over the processes
     offloaded: tuple[str, ...] = ()  # parts held in CPU RAM
+
+    @property
+    def sequence_shards(self) -> int:
+        """The number of processes each sequence is split over (sequence or context parallelism; 1 = whole)."""
+        return self.sp_size * self.cp_size
 
     def describe(self) -> str:
         """The start-up line in words: "1 process, no distribution", "DDP over 2 processes (gloo)"."""
@@ -138,6 +144,13 @@ class Backend:
         """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings."""
         return self.accelerator.prepare(model, optimizer)
 
+    @contextmanager
+    def micro_batch(self, batch: dict[str, torch.Tensor]):
+        """The inputs of the model's call on one micro-batch, inside whatever the strategy needs around that call's
+        forward *and* backward (context parallelism: the sequence shards, inside accelerate's maybe_context_parallel).
+        Here: the batch as it is."""
+        yield batch
+
     def local_trained_tensors(self, model) -> list[torch.Tensor]:
         """The values of the trained parameters held by this process (a DTensor's local shard), to change and compare
         in place (checkpoint preflight)."""
@@ -195,7 +208,7 @@ class Backend:
         on_device = sum(b for p, b in per_device.items() if p not in self.record.offloaded)
         on_cpu = sum(b for p, b in per_device.items() if p in self.record.offloaded)
         device_memory = device_memory_bytes(self.accelerator, self.accelerator.num_processes)
-        sp = self.record.sp_size  # sequence parallel: each device holds the activations of 1/sp of every sequence
+        sp = self.record.sequence_shards  # sequence/context parallel: each device holds 1/sp of every sequence
         tokens = self.recipe.per_device_train_batch_size * self.recipe.max_length // sp
         return {"strategy": self.record.name, "processes": self.record.processes, "bytes_per_weight": w,
                 "activation_tokens_per_device": tokens,
@@ -302,6 +315,7 @@ class Backend:
             "model_wrapper": type(model).__name__,
             "tp_size": self.record.tp_size,
             "sp_size": self.record.sp_size,
+            "cp_size": self.record.cp_size,
             "dtensor_parameters": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
             "optimizer": innermost_optimizer(optimizer),
             "mixed_precision": self.accelerator.mixed_precision,

@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, ParallelismConfig
 from accelerate.utils import InitProcessGroupKwargs, gather_object
 
 from hftrain.config import Recipe
@@ -55,6 +55,9 @@ class Launch:
     mixed_precision: str = "no"
     deepspeed_config_path: str | None = None
     deepspeed_config: dict | None = None
+    # the preset's own parallelism_config sizes (PARALLELISM_CONFIG_*_SIZE), when it has that section: hftrain
+    # builds the ParallelismConfig from the recipe and refuses a preset that says otherwise
+    preset_mesh: dict[str, int] | None = None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> Launch:
@@ -62,7 +65,10 @@ class Launch:
         per_node = int(environ.get("LOCAL_WORLD_SIZE", world))
         precision = environ.get("ACCELERATE_MIXED_PRECISION", "no")
         if _flag(environ, "ACCELERATE_USE_FSDP"):
-            return cls("fsdp2", world, per_node, precision)
+            mesh = {name: int(environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
+                    for name in ("dp_replicate", "dp_shard", "tp", "cp")}
+            return cls("fsdp2", world, per_node, precision,
+                       preset_mesh=mesh if _flag(environ, "ACCELERATE_USE_PARALLELISM_CONFIG") else None)
         if _flag(environ, "ACCELERATE_USE_DEEPSPEED"):
             path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
             path = None if path == "none" else path
@@ -89,7 +95,14 @@ def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
     # otherwise accelerate chooses (NCCL on GPU, gloo under cpu=True) and only the timeout is set.
     group = {"backend": "gloo"} if deepspeed and not cuda else {}
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.ddp_timeout), **group)]
+    mesh = parallelism_config(recipe, launch)
+    if mesh is not None and not cuda:
+        raise HftrainError(
+            f"cp_size={recipe.cp_size} needs CUDA GPUs: accelerate builds context parallelism only under FSDP2, which "
+            "it selects only for GPU-like devices, and torch's ring attention dispatches only the CUDA SDPA kernels; "
+            "on CPU use sp_size with the cpu_sp preset (docs/long-context.md)")
     return Accelerator(
+        parallelism_config=mesh,
         cpu=not cuda and not deepspeed,
         mixed_precision="bf16" if recipe.bf16 else "fp16" if recipe.fp16 else "no",
         gradient_accumulation_steps=recipe.gradient_accumulation_steps,
@@ -97,6 +110,14 @@ def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
         project_dir=recipe.output_dir,
         kwargs_handlers=handlers,
     )
+
+
+def parallelism_config(recipe: Recipe, launch: Launch) -> ParallelismConfig | None:
+    """accelerate's ParallelismConfig for context parallelism, from the recipe: FSDP2 shards over all
+    dp_shard x cp processes, each group of cp consecutive ranks splitting its sequences. None without cp."""
+    if recipe.cp_size <= 1:
+        return None
+    return ParallelismConfig(dp_shard_size=launch.world // recipe.cp_size, cp_size=recipe.cp_size)
 
 
 @contextmanager

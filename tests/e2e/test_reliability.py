@@ -402,7 +402,7 @@ BAD_INPUT = {
     "bf16 and fp16": (lambda d: ["--bf16", "--fp16"], "bf16 and fp16 are both true"),
     "fp16 on cpu": (lambda d: ["--fp16"], "fp16 needs a CUDA GPU"),
     "sp without deepspeed": (lambda d: ["--sp_size", "2"], "sp_size=2 needs a DeepSpeed preset (cpu_sp on CPU"),
-    "cp on cpu": (lambda d: ["--cp_size", "2"], "cp_size=2 needs CUDA GPUs: torch's context parallel ring"),
+    "cp without fsdp2": (lambda d: ["--cp_size", "2"], "cp_size=2 needs an FSDP2 preset (fsdp2_cp)"),
     "both warmups": (lambda d: ["--warmup_steps", "3", "--warmup_ratio", "0.1"], "both set"),
     "bad choice": (lambda d: ["--lr_scheduler_type", "exp"], "lr_scheduler_type='exp' is not one of"),
     "bad tracker": (lambda d: ["--report_to", "comet"], "unknown tracker(s) ['comet']"),

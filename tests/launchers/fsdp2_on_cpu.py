@@ -21,19 +21,24 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # 
 from hftrain.finetune import Finetune, main  # noqa: E402
 
 
+def force_fsdp2(accelerator) -> None:
+    """Mark the CPU accelerator's state as FSDP, with the plugin accelerate builds from the preset's settings."""
+    os.environ["ACCELERATE_USE_FSDP"] = "true"  # transformers reads it (e.g. cpu_ram_efficient_loading)
+    plugin = FullyShardedDataParallelPlugin()  # from the preset's FSDP_* environment, as accelerate does
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    state = AcceleratorState()
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+
+
 class FSDP2OnCPU(Finetune):
     def make_accelerator(self, launch):
         assert launch.kind == "fsdp2", "launch with an FSDP preset"
         os.environ["ACCELERATE_USE_FSDP"] = "false"  # let hftrain build its CPU (gloo) accelerator
         accelerator = super().make_accelerator(launch)
-        os.environ["ACCELERATE_USE_FSDP"] = "true"  # transformers reads it (e.g. cpu_ram_efficient_loading)
-        plugin = FullyShardedDataParallelPlugin()  # from the preset's FSDP_* environment, as accelerate does
-        if accelerator.mixed_precision != "no":
-            plugin.set_mixed_precision(accelerator.mixed_precision)
-        state = AcceleratorState()
-        state.distributed_type = DistributedType.FSDP
-        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-        state.fsdp_plugin = plugin
+        force_fsdp2(accelerator)
         return accelerator
 
 

@@ -196,23 +196,49 @@ def test_sequence_parallel_layouts_that_cannot_work_are_refused(launch, values, 
     assert sequence_parallel_problems(Recipe(sp_size=2), deepspeed(2, world=4), config) == []  # sp 2 x dp 2
 
 
-@pytest.mark.parametrize("launch, cuda, values, expected", [
-    (deepspeed(2), True, {}, "cp_size=2 needs an FSDP2 preset (fsdp2_cp)"),
-    (Launch("fsdp2", 2, 2), False, {}, "cp_size=2 needs CUDA GPUs: torch's context parallel ring attention"),
-    (Launch("fsdp2", 3, 3), True, {}, "cp_size=2 does not divide the 3 processes"),
-    (Launch("fsdp2", 2, 2), True, {"attn_implementation": "eager"}, "replaces scaled_dot_product_attention only"),
-    (Launch("fsdp2", 2, 2), True, {"packing": True}, "would attend across packed examples (axolotl #3608)"),
+@pytest.mark.parametrize("launch, values, expected", [
+    (deepspeed(2), {}, "cp_size=2 needs an FSDP2 preset (fsdp2_cp)"),
+    (Launch("fsdp2", 3, 3), {}, "cp_size=2 does not divide the 3 processes"),
+    (Launch("fsdp2", 2, 2), {"attn_implementation": "eager"}, "replaces scaled_dot_product_attention only"),
+    (Launch("fsdp2", 2, 2), {"packing": True}, "would attend across packed examples (axolotl #3608)"),
+    (Launch("fsdp2", 2, 2, preset_mesh={"dp_replicate": 1, "dp_shard": 1, "tp": 1, "cp": 4}), {},
+     "the launch preset's parallelism_config (dp_replicate_size 1, dp_shard_size 1, tp_size 1, cp_size 4) disagrees "
+     "with the recipe (cp_size=2)"),
 ])
-def test_context_parallel_layouts_that_cannot_work_are_refused(launch, cuda, values, expected):
-    problems = context_parallel_problems(Recipe(cp_size=2, **values), launch, cuda)
+def test_context_parallel_layouts_that_cannot_work_are_refused(launch, values, expected):
+    config = model_problems(Recipe(model_name_or_path=str(MODEL)))[0]
+    problems = context_parallel_problems(Recipe(cp_size=2, **values), launch, config)
     assert len(problems) == 1 and expected in problems[0]
 
 
-def test_context_parallel_is_refused_until_a_gpu_verifies_it():
-    (problem,) = context_parallel_problems(Recipe(cp_size=2), Launch("fsdp2", 2, 2), True)
-    assert "hftrain does not run context parallelism yet" in problem and "_scaled_dot_product_flash_attention_for_cpu" \
-        in problem
-    assert context_parallel_problems(Recipe(), Launch("fsdp2", 2, 2), False) == []
+def test_context_parallel_refuses_masks_it_would_drop_and_a_router_loss_it_would_split():
+    from transformers import MistralConfig, MixtralConfig
+
+    (problem,) = context_parallel_problems(Recipe(cp_size=2), Launch("fsdp2", 2, 2), MistralConfig(sliding_window=16))
+    assert "attention layers are ['sliding_attention']" in problem and "full causal attention" in problem
+    (problem,) = context_parallel_problems(Recipe(cp_size=2), Launch("fsdp2", 2, 2), MixtralConfig(sliding_window=None))
+    assert "mixture-of-experts router loss" in problem
+    assert context_parallel_problems(Recipe(cp_size=2, router_aux_loss_coef=0.0), Launch("fsdp2", 2, 2),
+                                     MixtralConfig(sliding_window=None)) == []
+
+
+def test_a_context_parallel_layout_that_can_work_passes_and_cp_on_a_preset_alone_is_refused():
+    config = model_problems(Recipe(model_name_or_path=str(MODEL)))[0]
+    assert context_parallel_problems(Recipe(cp_size=2), Launch("fsdp2", 4, 4), config) == []  # cp 2 x dp 2
+    mesh = {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "cp": 2}
+    (problem,) = context_parallel_problems(Recipe(), Launch("fsdp2", 4, 4, preset_mesh=mesh), config)
+    assert "disagrees with the recipe (cp_size=1)" in problem
+
+
+def test_context_parallel_needs_cuda_where_the_accelerator_is_made():
+    """accelerate refuses a ParallelismConfig on a CPU accelerator with a traceback; hftrain says why first."""
+    from hftrain.errors import HftrainError
+    from hftrain.parallel.launch import make_accelerator, parallelism_config
+
+    assert parallelism_config(Recipe(cp_size=2), Launch("fsdp2", 8, 8)).dp_shard_size == 4
+    assert parallelism_config(Recipe(), Launch("fsdp2", 8, 8)) is None
+    with pytest.raises(HftrainError, match="cp_size=2 needs CUDA GPUs"):
+        make_accelerator(Recipe(cp_size=2), Launch("fsdp2", 2, 2))
 
 
 def test_preset_precision_must_leave_precision_to_the_recipe():

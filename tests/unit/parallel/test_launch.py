@@ -80,3 +80,21 @@ def test_the_run_records_each_process_device_on_cpu():
     assert record["CUDA_VISIBLE_DEVICES"] == "2,3"
     (me,) = record["processes"]
     assert (me["rank"], me["type"], me["uuid"]) == (0, "cpu", None) and me["host"]
+
+
+def test_a_presets_parallelism_config_is_read_as_accelerate_reads_it(monkeypatch):
+    """The sizes hftrain compares with the recipe's cp_size are the ones accelerate's ParallelismConfig would build
+    from the same environment (a preset's parallelism_config section, passed on by `accelerate launch`)."""
+    from accelerate import ParallelismConfig
+
+    environ = {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "8", "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+               "PARALLELISM_CONFIG_DP_SHARD_SIZE": "4", "PARALLELISM_CONFIG_CP_SIZE": "2"}
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    accelerate_reads = ParallelismConfig()
+    mesh = Launch.from_environ(environ).preset_mesh
+    assert mesh == {name: getattr(accelerate_reads, f"{name}_size") for name in mesh}
+    assert sorted(mesh) == ["cp", "dp_replicate", "dp_shard", "tp"]
+    assert mesh["cp"] == 2 and mesh["dp_shard"] == 4
+    del environ["ACCELERATE_USE_PARALLELISM_CONFIG"]  # no parallelism_config section: nothing to compare
+    assert Launch.from_environ(environ).preset_mesh is None
