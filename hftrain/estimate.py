@@ -25,8 +25,11 @@ The numbers are a model of what training keeps in memory, per GPU, in bytes:
 - sequence parallelism (--sp N, DeepSpeed Ulysses, preset zero3_sp): each GPU of a group of N holds the
   activations and loss buffers of 1/N of every sequence (its slice; attention runs on 1/N of the heads over the
   whole sequence) plus, per layer, the all-to-all outputs (whole-sequence q, k, v and attention output for those
-  heads), on top of ZeRO-3's model state. Without --sp, a full fine-tuning that needs gradient checkpointing
-  or does not fit gets the smallest sp that fits as a hint.
+  heads), on top of ZeRO-3's model state. The same --sp N adds a context-parallel row (torch ring attention under
+  FSDP2, preset fsdp2_cp, recipe cp_size): 1/N of the activations plus the ring's key/value blocks of one layer
+  (the block attended to and the next one arriving), for any head count. Without --sp, a full fine-tuning that
+  needs gradient checkpointing or does not fit gets the smallest degree that fits as a hint (Ulysses where the
+  heads divide, else the ring).
 - LoRA keeps the frozen base in bf16 and trains all-linear adapters of rank r; QLoRA stores the
   base's decoder linears in 4-bit NF4 with double quantization (0.5 + ~0.016 bytes per parameter).
 
@@ -229,14 +232,22 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
                 act_ckpt, floor),
             Row("ZeRO-3", "zero3", "full", w16 * n / g + in_flight, w16 * n / g, master * n / g, act, act_ckpt, floor),
         ]
-        if sp > 1:  # each GPU holds the activations of its 1/sp slice of every sequence, plus per layer the
-            # all-to-all outputs (whole-sequence q, k, v and attention output for heads/sp heads: as large as the
-            # slice's own; measured in docs/long-context.md). Under checkpointing only the recomputed layer has them.
+        if sp > 1 and shape.heads % sp == 0:  # each GPU holds the activations of its 1/sp slice of every
+            # sequence, plus per layer the all-to-all outputs (whole-sequence q, k, v and attention output for
+            # heads/sp heads: as large as the slice's own; measured in docs/long-context.md). Under checkpointing
+            # only the recomputed layer has them.
             exchange = rows_per_step * seq // sp * (2 * shape.hidden + 2 * shape.kv_dim) * compute
             rows.append(Row(f"ZeRO-3 + Ulysses sequence parallel sp={sp}", "zero3_sp", "full",
                             w16 * n / g + in_flight, w16 * n / g, master * n / g, act / sp + shape.layers * exchange,
                             act_ckpt / sp + exchange, floor / sp + exchange,
                             note=f"{g // sp} data-parallel copies of {sp}-GPU sequence groups"))
+        if sp > 1:  # the ring: 1/cp of the activations; while one layer's attention runs, the key/value block it
+            # attends to and the next one arriving (both of 1/cp of the sequence), any head count
+            ring = rows_per_step * seq // sp * 2 * shape.kv_dim * compute * 2
+            rows.append(Row(f"FSDP full shard + ring attention context parallel cp={sp}", "fsdp2_cp", "full",
+                            4 * n / g + in_flight, 4 * n / g + unit * 4, 8 * n / g, act / sp + ring,
+                            act_ckpt / sp + ring, floor / sp + ring,
+                            note=f"{g // sp} data-parallel copies of {sp}-GPU context groups; sdpa, no packing"))
     w16 = 2 if mixed else 4
     rows += [
         Row("ZeRO-2 + optimizer offload", "zero2_offload", "full", w16 * n, w16 * n / g, 0, act, act_ckpt, floor,
@@ -277,12 +288,14 @@ def sequence_parallel_hint(plan: Plan, gpu_memory_gib: float, objective: str = "
     if plan.sp > 1 or plan.gpus < 2 or objective != "sft" or (row is not None and not ckpt):
         return None
     for sp in range(2, plan.gpus + 1):
-        if plan.gpus % sp or plan.shape.heads % sp:
+        if plan.gpus % sp:
             continue
         with_sp = estimate(plan.shape, plan.gpus, plan.batch, plan.seq, plan.precision, plan.lora_r, sp=sp)
-        peak = next(r for r in with_sp.rows if r.preset == "zero3_sp").peak(False)
+        preset = "zero3_sp" if plan.shape.heads % sp == 0 else "fsdp2_cp"  # Ulysses needs heads it can split
+        peak = next(r for r in with_sp.rows if r.preset == preset).peak(False)
         if peak <= usable_bytes(gpu_memory_gib):
-            return (f"long sequences: --sp {sp} (accelerate_configs/zero3_sp.yaml, recipe sp_size: {sp}) splits each "
+            field = "sp_size" if preset == "zero3_sp" else "cp_size"
+            return (f"long sequences: --sp {sp} (accelerate_configs/{preset}.yaml, recipe {field}: {sp}) splits each "
                     f"{plan.seq}-token sequence over {sp} GPUs and needs {peak / GIB:.1f} GiB per GPU without "
                     "gradient checkpointing")
     return None
@@ -385,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, default=2048, help="Tokens per sequence (max_length).")
     parser.add_argument("--batch", type=int, default=1, help="Sequences per GPU per micro-batch.")
     parser.add_argument("--sp", type=int, default=1,
-                        help="Sequence-parallel degree (DeepSpeed Ulysses, preset zero3_sp): adds a row whose "
+                        help="Sequence-/context-parallel degree: adds a DeepSpeed Ulysses row (preset zero3_sp; when "
+                             "it divides the attention heads) and a ring attention row (preset fsdp2_cp), whose "
                              "activations are those of 1/sp of each sequence. Must divide --gpus.")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="bf16 mixed precision (GPU default) or fp32 (CPU runs).")
@@ -411,9 +425,6 @@ def print_plan(args: argparse.Namespace) -> None:
     if problems:
         raise ConfigError(problems, "estimate arguments")
     shape = model_shape(args.model, args.trust_remote_code)
-    if shape.heads % args.sp:
-        raise ConfigError([f"--sp {args.sp} must divide the model's {shape.heads} attention heads (Ulysses gives each "
-                           "GPU of a sequence group heads/sp of them)"], "estimate arguments")
     plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective, args.sp)
     method = "qlora" if args.qlora else "lora" if args.lora else "full"
     print(format_plan(plan, args.gpu_memory, method, args.tokens))

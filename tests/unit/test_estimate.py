@@ -199,3 +199,24 @@ def test_sequence_parallel_divides_the_activations_and_is_recommended_for_long_s
     assert hint.startswith("long sequences: --sp 2 (accelerate_configs/zero3_sp.yaml, recipe sp_size: 2)")
     assert hint in format_plan(plan, gpu, "full")
     assert sequence_parallel_hint(plan, 1000.0) is None  # fits without: no hint
+
+
+def test_the_ring_row_divides_the_activations_for_any_head_count_and_is_hinted_where_ulysses_cannot_split(model_dir):
+    from hftrain.estimate import sequence_parallel_hint
+
+    shape = model_shape(str(model_dir))
+    assert shape.heads % 3, "the tiny model's heads must not divide by 3 for this test"
+    plain = {r.strategy: r for r in estimate(shape, gpus=3, batch=1, seq=65536).rows}
+    with_cp = {r.strategy: r for r in estimate(shape, gpus=3, batch=1, seq=65536, sp=3).rows}
+    assert not any(r.preset == "zero3_sp" for r in with_cp.values()), "Ulysses cannot split the heads 3 ways"
+    ring, fsdp = with_cp["FSDP full shard + ring attention context parallel cp=3"], plain["FSDP full shard"]
+    assert ring.preset == "fsdp2_cp"
+    assert (ring.weights, ring.grads, ring.optimizer) == (fsdp.weights, fsdp.grads, fsdp.optimizer)
+    blocks = 65536 // 3 * 2 * KV * 2 * 2  # one layer's key/value block attended to and the next one arriving (bf16)
+    assert (ring.activations, ring.activations_ckpt, ring.backward_floor) == \
+        (fsdp.activations / 3 + blocks, fsdp.activations_ckpt / 3 + blocks, fsdp.backward_floor / 3 + blocks)
+    gpu = ring.peak(False) / GIB / 0.9 + 1.0 + 1e-6  # the ring at cp 3 fits without checkpointing, FSDP does not
+    plan = estimate(shape, gpus=3, batch=1, seq=65536)
+    assert fsdp.peak(False) > usable_bytes(gpu)
+    assert sequence_parallel_hint(plan, gpu).startswith(
+        "long sequences: --sp 3 (accelerate_configs/fsdp2_cp.yaml, recipe cp_size: 3)")
