@@ -8,6 +8,7 @@ async_checkpointing the same folders are written by `dcp.save` from a background
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 from functools import cached_property
@@ -19,7 +20,7 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from accelerate.utils.fsdp_utils import _prepare_sd_options, fsdp2_prepare_model
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
 
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
@@ -27,6 +28,17 @@ from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
 
 class FSDP2Backend(Backend):
     async_checkpoints_by_default = True  # each rank stages and writes only its shard
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        plugin = self.accelerator.state.fsdp_plugin
+        policy = plugin.mixed_precision_policy
+        if isinstance(policy, MixedPrecisionPolicy) and policy.output_dtype is not None:
+            # accelerate casts every FSDP unit's forward outputs to the compute dtype (bf16). The root unit is
+            # hftrain's loss module: its fp32 loss sum would be rounded to 8 significant bits, in the logged loss and
+            # in the backward's scale (measured: a logged step loss of exactly 6.625). The decoder layers compute in
+            # the parameters' bf16 and return bf16 without the cast, so not casting changes only the loss.
+            plugin.mixed_precision_policy = dataclasses.replace(policy, output_dtype=None)
 
     def make_record(self, **layout) -> Parallelism:
         plugin = self.accelerator.state.fsdp_plugin

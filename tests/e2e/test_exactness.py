@@ -104,3 +104,31 @@ def test_reference_is_sharp_enough_to_catch_per_micro_batch_averaging(tiny_model
         (model(**enc, labels=labels).loss / 4).backward()
     worst = max((reference[n] - (p - p.grad)).abs().max().item() for n, p in model.named_parameters())
     assert worst > 1e-4
+
+
+def test_fsdp2_bf16_step_loss_is_the_fp32_sum_of_bf16_logits(tmp_path, tiny_model, texts):
+    """FSDP2 with bf16 computes in bf16 parameters; the loop must still get the fp32 token-loss sum. accelerate casts
+    every FSDP unit's outputs to bf16, the root (hftrain's loss module) included, which rounded the loss sum to 8
+    significant bits: a logged loss 3e-3 off and the backward scaled by a rounded factor. Reference: the HF model cast
+    to bf16, its own mean cross-entropy over one padded batch of the step's 8 examples (observed agreement ~2e-6)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.conftest import FSDP_LAUNCHER
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).to(torch.bfloat16)
+    rows = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    width = max(map(len, rows))
+    input_ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+    attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    with torch.no_grad():
+        expected = float(model(input_ids=input_ids, attention_mask=attention_mask,
+                               labels=input_ids.masked_fill(attention_mask == 0, -100)).loss)
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in texts])
+    run = launch(tmp_path / "out", "--model_name_or_path", str(tiny_model), "--dataset_name", str(data),
+                 "--validation_split_percentage", "0", "--max_steps", "1", "--logging_steps", "1", "--bf16",
+                 "--train_sampling_strategy", "sequential", "--per_device_train_batch_size", "4",
+                 preset="fsdp2", processes=2, script=FSDP_LAUNCHER)
+    assert run.state()["launch"]["distributed_type"] == "FSDP" and run.state()["launch"]["mixed_precision"] == "bf16"
+    (row,) = run.train_rows()
+    assert row["loss"] == pytest.approx(expected, rel=1e-4)
