@@ -259,9 +259,11 @@ def test_one_of_tensor_sequence_and_context_parallelism_at_a_time(in_tmp):
     assert any("hftrain runs one of tensor, sequence (Ulysses) or context (ring) parallelism at a time" in p
                for p in info.value.problems)
     assert "cp_size must be >= 1 (1 = off), got 0" in info.value.problems
-    with pytest.raises(ConfigError, match="preference losses need each row's whole log-probability on one process"):
-        recipe_from_dict(valid(in_tmp, sp_size=2, objective="simpo"))
-    assert recipe_from_dict(valid(in_tmp, sp_size=2)).sp_size == 2
+    for field in ("sp_size", "cp_size"):
+        with pytest.raises(ConfigError, match=f"{field}=2 with objective=simpo is not supported: preference losses "
+                                              "need each row's whole log-probability on one process"):
+            recipe_from_dict(valid(in_tmp, **{field: 2}, objective="simpo"))
+        assert getattr(recipe_from_dict(valid(in_tmp, **{field: 2})), field) == 2
 
 
 def test_missing_config_file(in_tmp):
