@@ -23,6 +23,7 @@ from tests.e2e.test_sequence_parallel import (
     assert_continues,
     assert_same_steps,
     resume_from_step_2,
+    signal_one_rank_then_resume,
 )
 
 pytestmark = pytest.mark.launch
@@ -93,6 +94,11 @@ def test_cp2_checkpoint_resumes_with_cp2_and_on_plain_fsdp2(chat_cp, tmp_path):
                                script=FSDP_LAUNCHER)
     assert plain.state()["launch"]["cp_size"] == 1 and plain.state()["parallelism"]["dp_world"] == 2
     assert_continues(plain, chat_cp)
+
+
+def test_a_signal_to_one_rank_of_a_context_group_stops_both_and_the_resume_equals_one_process(tmp_path):
+    signal_one_rank_then_resume(tmp_path, CP2, assert_context_parallel, preset="fsdp2_cp", processes=2,
+                                script=CP_LAUNCHER)
 
 
 def test_cp_without_the_cpu_kernel_is_refused_in_one_paragraph(tmp_path):

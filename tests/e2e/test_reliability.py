@@ -42,18 +42,19 @@ RECIPE = [*TINY_CHAT, "--max_samples", "160",
           "--save_total_limit", "none"]
 
 
-def start(output_dir: Path, *args: str, preset: str = "cpu") -> subprocess.Popen:
+def start(output_dir: Path, *args: str, preset: str = "cpu", **launch_kwargs) -> subprocess.Popen:
     """`launch` without waiting: the test sends signals to the training processes while they run."""
-    return subprocess.Popen(launch_command(output_dir, *args, preset=preset), cwd=REPO, env=launch_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(launch_command(output_dir, *args, preset=preset, **launch_kwargs), cwd=REPO,
+                            env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def trainers(launcher: subprocess.Popen, expected: int, timeout: float = 120) -> list[psutil.Process]:
-    """The training processes (not the launcher): the ones whose command line runs finetune.py."""
+def trainers(launcher: subprocess.Popen, expected: int, timeout: float = 120,
+             script: str = "finetune.py") -> list[psutil.Process]:
+    """The training processes (not the launcher): the ones whose command line runs `script`."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         found = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                 if any("finetune.py" in part for part in p.cmdline())]
+                 if any(part.endswith(script) for part in p.cmdline())]
         if len(found) == expected:
             return found
         time.sleep(0.05)

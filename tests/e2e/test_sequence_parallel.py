@@ -11,12 +11,13 @@ from __future__ import annotations
 import re
 import shutil
 import signal
+from pathlib import Path
 
 import psutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, TINY_CHAT, Run, launch, run_script
+from tests.conftest import ENTRY, REPO, TINY_CHAT, Run, launch, run_script
 from tests.e2e.test_parallelism import close, params_close
 
 pytestmark = pytest.mark.launch
@@ -124,18 +125,18 @@ def test_sp2_checkpoint_resumes_with_sp2_and_without_sequence_parallelism(chat_s
     assert_continues(plain, chat_sp)
 
 
-
-def test_a_signal_to_one_rank_of_a_sequence_group_stops_both_and_the_resume_equals_one_process(tmp_path):
-    """SIGTERM to rank 1 only: its stop vote reaches rank 0 through the group's max (the loop's one collective), both
-    save at the same step and exit 75; the resumed run equals an uninterrupted 1-process run."""
+def signal_one_rank_then_resume(tmp_path, split: list[str], assert_split, **launch_kwargs) -> None:
+    """SIGTERM to rank 1 only of a 2-process group that shares its sequences (`split`: the sp or cp flags): its stop
+    vote reaches rank 0 through the group's max (the loop's one collective), both save at the same step and exit 75;
+    the resumed run equals an uninterrupted 1-process run."""
     from tests.e2e.test_reliability import start, trainers, wait_for_step
 
     args = [*TINY_CHAT, "--max_steps", "40", "--logging_steps", "1", "--eval_steps", "none", "--save_steps", "none",
             *ONE_GROUP]
     ref = run_script(tmp_path / "ref", *args)
-    out = tmp_path / "sp"
-    launcher = start(out, *args, *SP2, preset="cpu_sp")
-    workers = trainers(launcher, 2)
+    out = tmp_path / "split"
+    launcher = start(out, *args, *split, **launch_kwargs)
+    workers = trainers(launcher, 2, script=Path(launch_kwargs.get("script", ENTRY)).name)
     wait_for_step(out, 3, launcher)
     workers[-1].send_signal(signal.SIGTERM)
     psutil.wait_procs(workers, timeout=120)
@@ -146,11 +147,15 @@ def test_a_signal_to_one_rank_of_a_sequence_group_stops_both_and_the_resume_equa
     (saved,) = out.glob("checkpoint-*")
     stopped_at = int(saved.name.split("-")[1])
     assert 3 <= stopped_at < 40 and not (out / "final").exists()
-    resumed = launch(out, *args, *SP2, "--resume_from_checkpoint", "latest", preset="cpu_sp")
+    resumed = launch(out, *args, *split, "--resume_from_checkpoint", "latest", **launch_kwargs)
     assert f"at step {stopped_at}" in resumed.stdout
-    assert_sequence_parallel(resumed, processes=2, dp_world=1)
+    assert_split(resumed, processes=2, dp_world=1)
     rows, ref_rows = resumed.train_rows(), ref.train_rows()
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == list(range(1, 41))
     close([r["loss"] for r in rows], [r["loss"] for r in ref_rows], 1e-4)
     params_close(load_file(resumed.output_dir / "final" / "model.safetensors"),
                  load_file(ref.output_dir / "final" / "model.safetensors"), rtol=1e-4, atol=1e-4)
+
+
+def test_a_signal_to_one_rank_of_a_sequence_group_stops_both_and_the_resume_equals_one_process(tmp_path):
+    signal_one_rank_then_resume(tmp_path, SP2, assert_sequence_parallel, preset="cpu_sp")
