@@ -72,9 +72,16 @@ class ModelShape:
     intermediate: int
     heads: int
     kv_dim: int  # key/value width (num_key_value_heads x head_dim)
+    kv_heads: int
     vocab: int
     lora_params_per_rank: int  # adapter parameters per unit of LoRA rank: sum of (in + out) over adapted linears
     active_params: int | None = None  # mixture-of-experts: parameters one token computes with (top-k experts)
+
+
+def ulysses_splits(heads: int, kv_heads: int, sp: int) -> bool:
+    """Whether DeepSpeed's Ulysses can give each of `sp` ranks heads/sp attention heads: sp divides the heads, and
+    divides the key/value heads or is a multiple of them (they are then replicated)."""
+    return heads % sp == 0 and (kv_heads % sp == 0 or sp % kv_heads == 0)
 
 
 def model_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
@@ -107,7 +114,8 @@ def model_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
         largest_layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
         layers=len(layers), hidden=text.hidden_size,
         intermediate=getattr(text, "intermediate_size", 4 * text.hidden_size),
-        heads=heads, kv_dim=getattr(text, "num_key_value_heads", heads) * head_dim, vocab=text.vocab_size,
+        heads=heads, kv_dim=getattr(text, "num_key_value_heads", heads) * head_dim,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads, vocab=text.vocab_size,
         lora_params_per_rank=sum(m.in_features + m.out_features for m in linears),
         active_params=_active_params(lm, text),
     )
@@ -232,10 +240,10 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
                 act_ckpt, floor),
             Row("ZeRO-3", "zero3", "full", w16 * n / g + in_flight, w16 * n / g, master * n / g, act, act_ckpt, floor),
         ]
-        if sp > 1 and shape.heads % sp == 0:  # each GPU holds the activations of its 1/sp slice of every
-            # sequence, plus per layer the all-to-all outputs (whole-sequence q, k, v and attention output for
-            # heads/sp heads: as large as the slice's own; measured in docs/long-context.md). Under checkpointing
-            # only the recomputed layer has them.
+        if sp > 1 and ulysses_splits(shape.heads, shape.kv_heads, sp):
+            # each GPU holds the activations of its 1/sp slice of every sequence, plus per layer the all-to-all
+            # outputs (whole-sequence q, k, v and attention output for heads/sp heads: as large as the slice's own;
+            # measured in docs/long-context.md). Under checkpointing only the recomputed layer has them.
             exchange = rows_per_step * seq // sp * (2 * shape.hidden + 2 * shape.kv_dim) * compute
             rows.append(Row(f"ZeRO-3 + Ulysses sequence parallel sp={sp}", "zero3_sp", "full",
                             w16 * n / g + in_flight, w16 * n / g, master * n / g, act / sp + shape.layers * exchange,
@@ -291,7 +299,8 @@ def sequence_parallel_hint(plan: Plan, gpu_memory_gib: float, objective: str = "
         if plan.gpus % sp:
             continue
         with_sp = estimate(plan.shape, plan.gpus, plan.batch, plan.seq, plan.precision, plan.lora_r, sp=sp)
-        preset = "zero3_sp" if plan.shape.heads % sp == 0 else "fsdp2_cp"  # Ulysses needs heads it can split
+        ulysses = ulysses_splits(plan.shape.heads, plan.shape.kv_heads, sp)
+        preset = "zero3_sp" if ulysses else "fsdp2_cp"
         peak = next(r for r in with_sp.rows if r.preset == preset).peak(False)
         if peak <= usable_bytes(gpu_memory_gib):
             field = "sp_size" if preset == "zero3_sp" else "cp_size"

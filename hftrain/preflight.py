@@ -24,6 +24,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError
+from hftrain.estimate import ulysses_splits
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, router_coefficient
 from hftrain.parallel.deepspeed import deepspeed_problems
 from hftrain.parallel.launch import Launch
@@ -243,10 +244,13 @@ def sequence_parallel_problems(recipe: Recipe, launch: Launch, model_config: Pre
     if model_config is not None:
         text = model_config.get_text_config()
         heads, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        if heads % sp or (kv % sp and sp % kv):
+        if not ulysses_splits(heads, kv, sp):
             problems.append(f"sp_size={sp} cannot split this model's {heads} attention heads ({kv} key/value heads): "
                             "Ulysses gives each rank of a sequence group heads/sp_size heads, so sp_size must divide "
                             "the attention heads and divide or be a multiple of the key/value heads")
+        if router_coefficient(model_config, recipe.router_aux_loss_coef):
+            problems.append(f"sp_size={sp} with a mixture-of-experts router loss: each slice would balance its own "
+                            "tokens; set router_aux_loss_coef: 0, or sp_size: 1")
     return problems
 
 

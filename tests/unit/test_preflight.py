@@ -340,3 +340,19 @@ def test_every_problem_of_machine_launch_and_model_comes_in_one_error(monkeypatc
                  "mixed_precision=bf16", "tp_size=2 needs tp_size", "max_length=1000000"):
         assert part in text
     assert preflight(Recipe(model_name_or_path=str(MODEL)), ONE, cuda=False).model_type == "llama"
+
+
+def test_sequence_parallel_refuses_a_router_loss_before_the_weights_load():
+    from transformers import MixtralConfig
+
+    moe = MixtralConfig(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)
+    (problem,) = sequence_parallel_problems(Recipe(sp_size=2), deepspeed(2), moe)
+    assert "sp_size=2 with a mixture-of-experts router loss" in problem
+    assert sequence_parallel_problems(Recipe(sp_size=2, router_aux_loss_coef=0.0), deepspeed(2), moe) == []
+
+
+def test_ulysses_splits_heads_as_deepspeed_needs():
+    from hftrain.estimate import ulysses_splits
+
+    assert ulysses_splits(8, 2, 2) and ulysses_splits(8, 2, 4) and ulysses_splits(8, 8, 8)  # kv divides or replicates
+    assert not ulysses_splits(8, 3, 2) and not ulysses_splits(6, 6, 4)
