@@ -67,6 +67,8 @@ def main() -> None:
     parser.add_argument("--hidden_size", type=int, default=64)
     parser.add_argument("--num_layers", type=int, default=2)
     parser.add_argument("--num_heads", type=int, default=4)
+    parser.add_argument("--num_kv_heads", type=int, default=None,
+                        help="llama: key/value heads (grouped-query attention below --num_heads; default: as many)")
     parser.add_argument("--vocab_size", type=int, default=1024)
     parser.add_argument("--max_position_embeddings", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
@@ -95,7 +97,8 @@ def main() -> None:
         tie_word_embeddings=False,
     )
     if args.arch == "llama":
-        config = LlamaConfig(intermediate_size=args.hidden_size * 2, num_key_value_heads=args.num_heads, **shape)
+        config = LlamaConfig(intermediate_size=args.hidden_size * 2,
+                             num_key_value_heads=args.num_kv_heads or args.num_heads, **shape)
     else:  # Qwen3-30B-A3B's layout, scaled down: grouped-query attention, every layer sparse, top-k renormalised
         config = Qwen3MoeConfig(
             num_key_value_heads=max(1, args.num_heads // 2),

@@ -54,9 +54,12 @@ def ring_inputs(batch: dict[str, torch.Tensor], cp: int) -> dict[str, torch.Tens
     rows, width = input_ids.shape
     fill = -width % (2 * cp)
     targets = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]  # shifted before sharding
-    return {"input_ids": F.pad(input_ids, (0, fill)),  # token 0 after the row: causal, target-less, unseen
+    # the fill comes after every real token (causal: no real token sees it) and has no target; its positions repeat
+    # the row's last one, so no position exceeds max_length (a learned position table ends there)
+    positions = torch.arange(width + fill, device=input_ids.device).clamp(max=width - 1)
+    return {"input_ids": F.pad(input_ids, (0, fill)),
             "shift_labels": F.pad(targets, (0, fill), value=IGNORE_INDEX),
-            "position_ids": torch.arange(width + fill, device=input_ids.device).repeat(rows, 1)}
+            "position_ids": positions.repeat(rows, 1)}
 
 
 class ContextParallelBackend(FSDP2Backend):

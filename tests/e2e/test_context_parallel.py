@@ -12,6 +12,9 @@ final weights within 1e-4.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from tests.conftest import FSDP_LAUNCHER, REPO, TINY_CHAT, Run, launch, run_script
@@ -32,6 +35,16 @@ CP_LAUNCHER = REPO / "tests" / "launchers" / "context_parallel_on_cpu.py"
 CP2 = ["--cp_size", "2"]
 
 
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory) -> list[str]:
+    """The tiny Llama with grouped-query attention (4 query heads, 2 key/value heads), as today's hub models have:
+    transformers then calls SDPA with enable_gqa, and the ring passes the smaller key/value blocks."""
+    folder = tmp_path_factory.mktemp("gqa") / "model"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(folder), "--num_kv_heads", "2",
+                    "--tokenizer", str(REPO / "models" / "tiny-llama")], check=True, capture_output=True)
+    return ["--model_name_or_path", str(folder)]
+
+
 def launch_cp(output_dir, *args: str, processes: int = 2, **kwargs) -> Run:
     return launch(output_dir, *args, *CP2, preset="fsdp2_cp", processes=processes, script=CP_LAUNCHER, **kwargs)
 
@@ -47,18 +60,19 @@ def assert_context_parallel(run: Run, processes: int, dp_world: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def chat_reference(tmp_path_factory) -> Run:
-    return run_script(tmp_path_factory.mktemp("ref") / "chat", *CHAT, *ONE_GROUP)
+def chat_reference(tmp_path_factory, gqa) -> Run:
+    return run_script(tmp_path_factory.mktemp("ref") / "chat", *CHAT, *gqa, *ONE_GROUP)
 
 
 @pytest.fixture(scope="module")
-def chat_cp(tmp_path_factory) -> Run:
-    return launch_cp(tmp_path_factory.mktemp("cp") / "chat", *CHAT, *ONE_GROUP)
+def chat_cp(tmp_path_factory, gqa) -> Run:
+    return launch_cp(tmp_path_factory.mktemp("cp") / "chat", *CHAT, *gqa, *ONE_GROUP)
 
 
 def test_cp2_equals_one_process_on_assistant_only_chat(chat_cp, chat_reference):
     """Right-padded rows of unequal length, assistant-only targets, each row padded to a multiple of 4 and split by
-    torch's head-tail load balancer: rank 0 holds quarters 1 and 4, rank 1 quarters 2 and 3."""
+    torch's head-tail load balancer: rank 0 holds quarters 1 and 4, rank 1 quarters 2 and 3; grouped-query
+    attention."""
     assert_context_parallel(chat_cp, processes=2, dp_world=1)
     assert chat_cp.state()["effective_batch_size"] == chat_reference.state()["effective_batch_size"] == 16
     assert "ring attention context parallel (cp_size=2) over 2 processes (gloo)" in chat_cp.stdout
@@ -76,21 +90,21 @@ def test_cp2_with_lora_equals_one_process(tmp_path):
     assert_same_steps(run, ref, weights="adapter_model.safetensors")
 
 
-def test_two_data_parallel_copies_of_a_context_group_equal_one_process(chat_reference, tmp_path):
-    run = launch_cp(tmp_path / "cp-dp", *CHAT, *TWO_GROUPS, processes=4)
+def test_two_data_parallel_copies_of_a_context_group_equal_one_process(chat_reference, gqa, tmp_path):
+    run = launch_cp(tmp_path / "cp-dp", *CHAT, *gqa, *TWO_GROUPS, processes=4)
     assert_context_parallel(run, processes=4, dp_world=2)
     assert "x 2 data-parallel copies over 4 processes" in run.stdout
     assert_same_steps(run, chat_reference)
 
 
-def test_cp2_checkpoint_resumes_with_cp2_and_on_plain_fsdp2(chat_cp, tmp_path):
+def test_cp2_checkpoint_resumes_with_cp2_and_on_plain_fsdp2(chat_cp, gqa, tmp_path):
     """Steps 3-4 after resuming at step 2 equal the uninterrupted run: with cp_size 2 again, and on plain FSDP2 over the
     same 2 processes (FSDP2's sharded checkpoint is over all dp_shard x cp ranks, so it loads on either mesh)."""
-    again = resume_from_step_2(chat_cp, tmp_path / "cp2", *ONE_GROUP, *CP2, preset="fsdp2_cp", processes=2,
+    again = resume_from_step_2(chat_cp, tmp_path / "cp2", *gqa, *ONE_GROUP, *CP2, preset="fsdp2_cp", processes=2,
                                script=CP_LAUNCHER)
     assert_context_parallel(again, processes=2, dp_world=1)
     assert_continues(again, chat_cp)
-    plain = resume_from_step_2(chat_cp, tmp_path / "cp1", *TWO_GROUPS, preset="fsdp2", processes=2,
+    plain = resume_from_step_2(chat_cp, tmp_path / "cp1", *gqa, *TWO_GROUPS, preset="fsdp2", processes=2,
                                script=FSDP_LAUNCHER)
     assert plain.state()["launch"]["cp_size"] == 1 and plain.state()["parallelism"]["dp_world"] == 2
     assert_continues(plain, chat_cp)

@@ -63,7 +63,8 @@ def test_zero_stages_shard_their_parts_and_offload_moves_them_to_cpu(accelerator
 def test_fsdp2_full_shard_splits_everything_and_shard_grad_op_keeps_the_weights(accelerator, reshard, expected, name):
     from torch.distributed.fsdp import OffloadPolicy
 
-    plugin = type("Plugin", (), {"reshard_after_forward": reshard, "cpu_offload": OffloadPolicy()})()
+    plugin = type("Plugin", (), {"reshard_after_forward": reshard, "cpu_offload": OffloadPolicy(),
+                                 "mixed_precision_policy": None})()
     backend = FSDP2Backend(accelerator(4, kind="FSDP", fsdp_plugin=plugin), Recipe())
     memory = backend.memory(T, P)
     assert abs(memory["per_device_bytes"] - expected) <= 3  # each part rounds down separately
