@@ -25,13 +25,17 @@ FAULTY_RANK = REPO / "tests" / "e2e" / "launchers" / "faulty_rank.py"
 MAIN_CASES = REPO / "tests" / "e2e" / "main_cases.py"
 
 
+def build_tiny_model(folder: Path, *args: str) -> Path:
+    """`scripts/make_tiny_model.py folder *args`: a random model built by the shipped script."""
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(folder), *args], check=True,
+                   capture_output=True)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random Llama built by the shipped script (checks the script and keeps tests off models/)."""
-    out = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out)], check=True,
-                   capture_output=True)
-    return out
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @dataclass

@@ -36,7 +36,7 @@ from hftrain.errors import HftrainError
 from hftrain.parallel.base import DataParallel, Parallelism
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.sequence import GroupSum
-from hftrain.parallel.tensor import tp_groups
+from hftrain.parallel.tensor import shared_batch_layout, with_copies
 
 CPU_SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
@@ -78,15 +78,12 @@ class ContextParallelBackend(FSDP2Backend):
         return self.recipe.cp_size
 
     def data_parallel(self) -> DataParallel:
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        return DataParallel(world // self.cp, rank // self.cp, self.accelerator, replicas=self.cp,
-                            groups=tp_groups(world, self.cp))
+        return shared_batch_layout(self.accelerator, self.cp)
 
     def make_record(self, **layout) -> Parallelism:
         record = super().make_record(**layout)
-        copies = record.processes // self.cp
-        name = f"{record.name} + ring attention context parallel (cp_size={self.cp})" + \
-            (f" x {copies} data-parallel copies" if copies > 1 else "")
+        name = with_copies(f"{record.name} + ring attention context parallel (cp_size={self.cp})", record.processes,
+                           self.cp)
         return dataclasses.replace(record, name=name, cp_size=self.cp)
 
     def prepare(self, model, optimizer):

@@ -35,7 +35,7 @@ from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
 from hftrain.parallel.base import DataParallel, Parallelism
 from hftrain.parallel.deepspeed import DeepSpeedBackend
-from hftrain.parallel.tensor import tp_groups
+from hftrain.parallel.tensor import shared_batch_layout, with_copies
 
 # attention kernels DeepSpeed's Ulysses wrapper can drive with documents kept apart (eager materialises a 4D mask
 # and is refused by DeepSpeed; flex_attention is rebuilt there with a plain causal mask, which would attend across
@@ -130,15 +130,11 @@ class SequenceParallelBackend(DeepSpeedBackend):
         return self.recipe.sp_size
 
     def data_parallel(self) -> DataParallel:
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        return DataParallel(world // self.sp, rank // self.sp, self.accelerator, replicas=self.sp,
-                            groups=tp_groups(world, self.sp))
+        return shared_batch_layout(self.accelerator, self.sp)
 
     def make_record(self, **layout) -> Parallelism:
         record = super().make_record(**layout)
-        copies = record.processes // self.sp
-        name = f"{record.name} + Ulysses sequence parallel (sp_size={self.sp})" + \
-            (f" x {copies} data-parallel copies" if copies > 1 else "")
+        name = with_copies(f"{record.name} + Ulysses sequence parallel (sp_size={self.sp})", record.processes, self.sp)
         return dataclasses.replace(record, name=name, sp_size=self.sp)
 
     def prepare(self, model, optimizer):

@@ -46,6 +46,19 @@ def data_share(world: int, rank: int, tp: int) -> tuple[int, int]:
     return world // tp, rank // tp
 
 
+def shared_batch_layout(accelerator, size: int) -> DataParallel:
+    """The data share of a run whose `size` consecutive ranks train on the same batches (a tensor-, sequence- or
+    context-parallel group): world/size data-parallel groups, each group's values counted once."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    return DataParallel(*data_share(world, rank, size), accelerator, replicas=size, groups=tp_groups(world, size))
+
+
+def with_copies(name: str, processes: int, size: int) -> str:
+    """The layout's name, with the number of data-parallel copies of its `size`-rank groups when there are several."""
+    copies = processes // size
+    return name + (f" x {copies} data-parallel copies" if copies > 1 else "")
+
+
 class _ReplicatedTensorParallel(DistributedConfig):
     """transformers' mesh with `dp_replicate_size` copies of the TP group, without its FSDP2 on the copies
     (transformers applies it only when dp_size > 1): hftrain averages their gradients itself."""
@@ -110,13 +123,10 @@ class TensorParallelBackend(Backend):
         return self.recipe.tp_size
 
     def data_parallel(self) -> DataParallel:
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        return DataParallel(*data_share(world, rank, self.tp), self.accelerator, replicas=self.tp,
-                            groups=tp_groups(world, self.tp))
+        return shared_batch_layout(self.accelerator, self.tp)
 
     def make_record(self, **layout) -> Parallelism:
-        copies = self.accelerator.num_processes // self.tp
-        name = f"tensor parallel (tp_size={self.tp})" + (f" x {copies} data-parallel copies" if copies > 1 else "")
+        name = with_copies(f"tensor parallel (tp_size={self.tp})", self.accelerator.num_processes, self.tp)
         return super().make_record(kind="tp", name=name, sharded=ALL_PARTS)  # norms replicated: counted split
 
     def shard_count(self) -> int:

@@ -12,12 +12,9 @@ final weights within 1e-4.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import FSDP_LAUNCHER, REPO, TINY_CHAT, Run, launch, run_script
+from tests.conftest import FSDP_LAUNCHER, REPO, TINY_CHAT, Run, build_tiny_model, launch, run_script
 from tests.e2e.test_sequence_parallel import (
     CHAT,
     LORA,
@@ -39,9 +36,8 @@ CP2 = ["--cp_size", "2"]
 def gqa(tmp_path_factory) -> list[str]:
     """The tiny Llama with grouped-query attention (4 query heads, 2 key/value heads), as today's hub models have:
     transformers then calls SDPA with enable_gqa, and the ring passes the smaller key/value blocks."""
-    folder = tmp_path_factory.mktemp("gqa") / "model"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(folder), "--num_kv_heads", "2",
-                    "--tokenizer", str(REPO / "models" / "tiny-llama")], check=True, capture_output=True)
+    folder = build_tiny_model(tmp_path_factory.mktemp("gqa") / "model", "--num_kv_heads", "2",
+                              "--tokenizer", str(REPO / "models" / "tiny-llama"))
     return ["--model_name_or_path", str(folder)]
 
 

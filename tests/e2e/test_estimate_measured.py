@@ -16,16 +16,15 @@ import sys
 import pytest
 
 from hftrain.estimate import estimate, model_shape
-from tests.conftest import REPO
+from tests.conftest import REPO, build_tiny_model
 
 pytestmark = pytest.mark.launch
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_estimate_within_25_percent_of_measured_peak(tmp_path, checkpointing):
-    model = tmp_path / "model"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(model), "--hidden_size", "512",
-                    "--num_layers", "8", "--max_position_embeddings", "256"], check=True, capture_output=True)
+    model = build_tiny_model(tmp_path / "model", "--hidden_size", "512", "--num_layers", "8",
+                             "--max_position_embeddings", "256")
     words = [json.loads(line)["text"] for line in (REPO / "data" / "text.jsonl").read_text().splitlines()]
     data = tmp_path / "long.jsonl"  # every row is longer than 256 tokens: batches are exactly 8 x 256
     data.write_text("".join(json.dumps({"text": " ".join(words[i:i + 80])}) + "\n" for i in range(0, 32 * 10, 10)))
