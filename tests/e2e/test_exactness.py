@@ -129,6 +129,8 @@ def test_fsdp2_bf16_step_loss_is_the_fp32_sum_of_bf16_logits(tmp_path, tiny_mode
                  "--validation_split_percentage", "0", "--max_steps", "1", "--logging_steps", "1", "--bf16",
                  "--train_sampling_strategy", "sequential", "--per_device_train_batch_size", "4",
                  preset="fsdp2", processes=2, script=FSDP_LAUNCHER)
-    assert run.state()["launch"]["distributed_type"] == "FSDP" and run.state()["launch"]["mixed_precision"] == "bf16"
+    info = run.state()["launch"]
+    assert (info["distributed_type"], info["num_processes"], info["model_wrapper"], info["mixed_precision"]) == \
+        ("FSDP", 2, "FSDPCausalLMTokenLoss", "bf16")
     (row,) = run.train_rows()
     assert row["loss"] == pytest.approx(expected, rel=1e-4)
