@@ -1,0 +1,165 @@
+"""GRPO's loss over fixed rollouts, as TRL 1.16 computes it (`GRPOTrainer._compute_loss` and the advantages of
+`_generate_and_score_completions`), written so that the loop's one normalisation makes it exact under gradient
+accumulation and across processes.
+
+Notation: a generation batch of N completions (all processes, all micro-batches of a generation window), G
+completions per prompt (`num_generations`), m the completion mask (tokens after the first EOS, and truncated
+completions with `mask_truncated_completions`, excluded), logp the per-token log-probs of the sampled tokens from
+logits divided by the sampling temperature.
+
+- Advantages (`group_advantages`, over the whole generation batch): R = sum_k w_k r_k (None -> NaN, nan-summed;
+  a completion whose every function returned None gets advantage 0). `group`: A = (R - group mean) / (group std +
+  1e-4), std with Bessel's correction; `batch`: the std is the whole batch's, the mean still the group's; `none`:
+  A = R - group mean.
+- Ratio (`per_token_loss`): token level rho = exp(logp - logp_old); sequence level (GSPO) one ratio per completion,
+  exp(sum_t m (logp - logp_old) / max(1, sum_t m)). logp_old is logp.detach() on the first pass over a rollout
+  (the value 1, the gradient of rho) and the stored log-probs of that first pass on later ones (num_iterations > 1).
+- Per token: l = -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A), plus beta * KL with KL = exp(ref - logp)
+  - (ref - logp) - 1, multiplied by rho (TRL's use_bias_correction_kl, on by default).
+- Aggregation (`micro_batch_loss` returns a sum, `loss_units` what it is a sum over; the loop adds both over the
+  micro-batches and processes of an optimizer step and divides once):
+    dapo     sum m l                 / completion tokens of the step on all processes (TRL: num_items_in_batch of
+                                       the generation batch / processes x accumulation / steps_per_generation, the
+                                       same number when a generation window is one optimizer step)
+    grpo     sum_i (sum_t m l / max(1, sum_t m))  / completions of the step (TRL: the mean over the micro-batch's
+                                       completions / accumulation, averaged over processes: the same for equal
+                                       micro-batches)
+    dr_grpo  sum m l / max_completion_length      / completions of the step
+    bnpo     b x (sum m l / max(1, sum m))         / completions of the step: TRL's per-micro-batch token mean,
+                                       averaged over the micro-batches (so, as in TRL, it depends on the split)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The recipe fields the loss reads (GRPOConfig's names; epsilon_high None means epsilon)."""
+
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    importance_sampling_level: str = "token"
+    max_completion_length: int = 512
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.epsilon
+
+    @property
+    def upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Standard deviation ignoring NaNs, with Bessel's correction (TRL's `nanstd`)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim)
+    count = (~torch.isnan(x)).sum(dim=dim)
+    return torch.sqrt(variance * count / (count - 1))
+
+
+def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                     scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(reward R, advantage A, whether the std used was zero) of each completion of a whole generation batch.
+
+    `rewards_per_func`: [N, K], NaN where a function returned None; rows are grouped by prompt, G consecutive rows
+    each. R is NaN for a completion that no function scored (it is left out of its group's mean and std, and its
+    advantage is 0)."""
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.to(rewards_per_func).unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    grouped = rewards.view(-1, num_generations)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    else:  # group; for none only to report groups whose rewards were all equal
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations) if num_generations > 1 \
+            else torch.zeros_like(rewards)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + STD_EPS)
+    return rewards, torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+def completion_log_probs(logits: torch.Tensor, tokens: torch.Tensor,
+                         temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each sampled token, entropy of each position's distribution) from the logits that predicted
+    them, divided by the sampling temperature as TRL does, in fp32. logits [B, T, V], tokens [B, T]."""
+    logps = F.log_softmax(logits.float() / temperature, dim=-1)
+    token_logps = logps.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logps.exp() * logps).sum(-1)
+    return token_logps, entropy
+
+
+def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
+                   advantages: torch.Tensor, mask: torch.Tensor,
+                   settings: LossSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(per-token loss [B, T], importance ratio [B, T] or [B, 1] (sequence level), per-token KL or None).
+
+    `old_logps` None: this is the first pass over the rollout (the ratio's value is 1, its gradient that of logp)."""
+    old = logps.detach() if old_logps is None else old_logps
+    log_ratio = logps - old
+    mask = mask.to(logps.dtype)
+    if settings.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.unsqueeze(-1)
+    clipped = torch.clamp(ratio, 1 - settings.epsilon_low, 1 + settings.upper)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    kl = None
+    if settings.beta != 0.0:
+        delta = ref_logps - logps
+        kl = (torch.exp(delta) - delta - 1) * ratio  # use_bias_correction_kl (TRL's default)
+        loss = loss + settings.beta * kl
+    return loss, ratio, kl
+
+
+def micro_batch_loss(loss: torch.Tensor, mask: torch.Tensor, settings: LossSettings) -> torch.Tensor:
+    """The micro-batch's share of the step's loss, as a sum over `loss_units` (module docstring's table)."""
+    mask = mask.to(loss.dtype)
+    if loss.shape[-1] == 1 and mask.shape[-1] != 1:
+        loss = loss.expand_as(mask)
+    summed = (loss * mask).sum(-1)  # per completion
+    if settings.loss_type == "dapo":
+        return summed.sum()
+    if settings.loss_type == "grpo":
+        return (summed / mask.sum(-1).clamp(min=1.0)).sum()
+    if settings.loss_type == "dr_grpo":
+        return summed.sum() / settings.max_completion_length
+    if settings.loss_type == "bnpo":
+        return len(mask) * summed.sum() / mask.sum().clamp(min=1.0)
+    raise ValueError(f"unknown loss_type {settings.loss_type!r}")
+
+
+def loss_units(mask: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """What `micro_batch_loss` sums over: completion tokens (dapo) or completions (the others), int64."""
+    if loss_type == "dapo":
+        return mask.sum().long()
+    return torch.tensor(len(mask), dtype=torch.long, device=mask.device)
+
+
+def clip_statistics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                    settings: LossSettings) -> dict[str, torch.Tensor]:
+    """Sums and counts behind TRL's clip_ratio/low_mean, high_mean and region_mean (token-weighted, or one value per
+    completion at sequence level): {name: (sum, count)} to be added over micro-batches and processes."""
+    adv = advantages.unsqueeze(-1)
+    low = (ratio < 1 - settings.epsilon_low) & (adv < 0)
+    high = (ratio > 1 + settings.upper) & (adv > 0)
+    weights = mask.to(torch.float64) if ratio.shape[-1] != 1 else torch.ones_like(ratio, dtype=torch.float64)
+    count = weights.sum()
+    return {name: torch.stack([(flag.to(torch.float64) * weights).sum(), count])
+            for name, flag in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high),
+                               ("clip_ratio/region_mean", low | high))}
