@@ -121,6 +121,15 @@ class Recipe:
         "max-autotune-no-cudagraphs. Default: torch's default.", group="model",
         choices=(None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     )
+    freeze_vision_tower: bool = _f(
+        True, "Image-text models: the vision tower gets no gradient (full fine-tuning) and no LoRA adapters "
+        "(all-linear). No effect on text models. See docs/vision.md.", group="model",
+    )
+    freeze_projector: bool = _f(
+        True, "Image-text models: the projector between the vision tower and the language model (LLaVA's "
+        "multi_modal_projector, Qwen's merger, Idefics3's connector) gets no gradient and no LoRA adapters "
+        "(all-linear). No effect on text models.", group="model",
+    )
     # ------------------------------------------------------------------------------ data
     dataset_name: str = _f(
         str(DEFAULT_DATASET),

@@ -35,6 +35,7 @@ from hftrain.data import (
     training_plan,
     training_rows,
 )
+from hftrain.data.vision import ImageChatCollator, load_image_chats
 from hftrain.errors import HftrainError, first_line, run_tool
 from hftrain.metrics import (
     FlopCounter,
@@ -53,6 +54,7 @@ from hftrain.parallel import Launch, devices_record, make_accelerator, phase, re
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
 from hftrain.preflight import preflight
 from hftrain.tracking import MetricLogger, quiet_other_ranks
+from hftrain.vision import build_processor, is_image_text
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -141,6 +143,8 @@ class Finetune:
         return make_accelerator(self.recipe, launch)
 
     def load_datasets(self, tokenizer):
+        if self.processor is not None:  # an image-text model: image chats, encoded by its processor
+            return load_image_chats(self.recipe, self.processor)
         return load_datasets(self.recipe, tokenizer)
 
     def build_model(self) -> torch.nn.Module:
@@ -153,7 +157,7 @@ class Finetune:
         recipe = self.recipe
         checkpoint.never_world_writable()
         launch = Launch.from_environ()
-        preflight(recipe, launch, torch.cuda.is_available())
+        self.model_config = preflight(recipe, launch, torch.cuda.is_available())
         self.accelerator = self.make_accelerator(launch)
         quiet_other_ranks(self.accelerator)
         self.backend = resolve(self.accelerator, recipe, launch)
@@ -167,7 +171,8 @@ class Finetune:
         """Tokenizer, datasets, training rows and the batch plan. Before the model: a bad dataset should fail in
         seconds, not after loading weights."""
         recipe, world = self.recipe, self.dp.world
-        self.tokenizer = build_tokenizer(recipe)
+        self.processor = build_processor(recipe) if is_image_text(self.model_config) else None
+        self.tokenizer = build_tokenizer(recipe) if self.processor is None else self.processor.tokenizer
         with phase(self.accelerator, "data preparation", recipe.ddp_timeout), self.accelerator.main_process_first():
             self.train_set, self.eval_set, self.data_stats = self.load_datasets(self.tokenizer)  # rank 0 caches first
         self.rows = training_rows(self.train_set, recipe.packing, recipe.max_length)
@@ -181,6 +186,11 @@ class Finetune:
         self.total_steps = recipe.max_steps if recipe.max_steps > 0 else \
             math.ceil(recipe.num_train_epochs * self.plan.steps_per_epoch)
         pad = pad_token_id(self.tokenizer)
+        if self.processor is not None:  # rows are single examples (packing is refused for image-text models)
+            self.collator = ImageChatCollator(self.train_set, self.processor, pad)
+            self.eval_collator = ImageChatCollator(self.eval_set, self.processor, pad) \
+                if self.eval_set is not None else None
+            return
         self.collator = Collator(self.train_set, pad, self.rows, packed=recipe.packing)
         self.eval_collator = Collator(self.eval_set, pad) if self.eval_set is not None else None
 
@@ -523,8 +533,8 @@ class Finetune:
         final_dir = self.output_dir / checkpoint.FINAL_DIR
         try:
             with phase(self.accelerator, "saving the final model", self.recipe.ddp_timeout):
-                checkpoint.save_final(self.backend, self.model, self.tokenizer, final_dir, self.recipe, self.progress,
-                                      self.current_run_info())
+                checkpoint.save_final(self.backend, self.model, self.processor or self.tokenizer, final_dir,
+                                      self.recipe, self.progress, self.current_run_info())
         except HftrainError:  # e.g. a collective timed out: another save would wait on the same ranks
             raise
         except Exception as exc:  # noqa: BLE001 - any failure: keep what was trained, then report

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, BitsAndBytesConfig
 
+from hftrain import vision
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError, first_line
@@ -69,7 +70,8 @@ def quantization_config(recipe: Recipe):
 
 
 def load_base_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Module:
-    """`AutoModelForCausalLM.from_pretrained` with the recipe's dtype, attention and bitsandbytes settings, plus the
+    """`AutoModelForCausalLM.from_pretrained` (`AutoModelForImageTextToText` for an image-text model) with the
+    recipe's dtype, attention and bitsandbytes settings, plus the
     parallelism backend's `load_kwargs` (tensor parallelism shards while loading). A quantized model lands on this
     process's device (transformers picks the current CUDA device, which accelerate has set per process, or the CPU)."""
     kwargs = {"dtype": DTYPES[recipe.dtype], "revision": recipe.model_revision,
@@ -79,7 +81,9 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modul
     if (quantization := quantization_config(recipe)) is not None:
         kwargs["quantization_config"] = quantization
     try:
-        model = AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, **kwargs)
+        auto = AutoModelForImageTextToText if vision.is_image_text(vision.model_config(recipe)) else \
+            AutoModelForCausalLM
+        model = auto.from_pretrained(recipe.model_name_or_path, **kwargs)
     except (OSError, ValueError) as exc:
         raise HftrainError(load_error("model", recipe.model_name_or_path, exc)) from None
     model.config.use_cache = False
@@ -127,8 +131,11 @@ def liger_fused_linear_cross_entropy() -> nn.Module:
 
 
 def build_full_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Module:
-    """The causal LM with every parameter trainable (full fine-tuning)."""
+    """The causal LM with every parameter trainable (full fine-tuning); an image-text model's vision tower and
+    projector stay frozen as the recipe says (hftrain.vision)."""
     model = load_base_model(recipe, load_kwargs)
+    if vision.is_image_text(model.config):
+        model.hftrain_notes = [vision.describe_frozen(vision.freeze(model, recipe))]
     if recipe.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=CHECKPOINTING)
     return model
@@ -181,8 +188,12 @@ def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modu
         notes.append(f"lora_dropout {recipe.lora_dropout} -> 0: all-linear adapts this mixture-of-experts model's "
                      f"fused expert weights ({len(experts)} tensors) through peft's ParamWrapper, which has no "
                      "dropout; name attention/dense layers in lora_target_modules to keep dropout there")
+    config = lora_config(recipe, dropout)
+    if vision.is_image_text(model.config) and recipe.lora_target_modules == ["all-linear"]:
+        config.target_modules = vision.lora_targets(model, recipe)  # the language model's, unless unfrozen
+        notes.append(vision.lora_note(recipe, len(config.target_modules)))
     try:
-        model = get_peft_model(model, lora_config(recipe, dropout), autocast_adapter_dtype=True)
+        model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as exc:  # e.g. target modules that the model does not have
         raise HftrainError(f"cannot add LoRA adapters to {recipe.model_name_or_path!r}: {first_line(exc)}. Check "
                            "lora_target_modules (all-linear, or names of the model's linear layers) and "
@@ -394,16 +405,18 @@ class CausalLMTokenLoss(WrapsCausalLM):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, real_tokens: torch.Tensor | None = None,
-                shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+                shift_labels: torch.Tensor | None = None, **model_inputs: torch.Tensor) -> torch.Tensor:
         """`position_ids` restarting inside a row mark packed examples (block-diagonal attention); `real_tokens`
         (not padding) is needed only for the router loss. `shift_labels` instead of `labels`: the target of every
-        position, already shifted (a sequence-parallel shard, whose last target is the next shard's first token)."""
+        position, already shifted (a sequence-parallel shard, whose last target is the next shard's first token).
+        `model_inputs`: whatever else the model takes as it is (an image-text processor's pixel_values,
+        attention_mask, image_grid_thw, ...: hftrain.data.vision)."""
         targets = labels[:, 1:] if shift_labels is None else shift_labels
         trained = targets != IGNORE_INDEX
         rows = input_ids.shape
         if position_ids is not None and self.flatten_packed:
             input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
-        inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False}
+        inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False, **model_inputs}
         with_aux = self.training and self.aux_coef > 0
         if with_aux:
             inputs["output_router_logits"] = True

@@ -22,6 +22,7 @@ import shutil
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from hftrain import vision
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError
 from hftrain.estimate import ulysses_splits
@@ -155,7 +156,7 @@ def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:
     except (OSError, ValueError) as exc:
         return None, [load_error("model", recipe.model_name_or_path, exc)]
     problems = []
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and recipe.max_length > limit:
         problems.append(f"max_length={recipe.max_length} is above the model's max_position_embeddings={limit}; "
                         "lower max_length")
@@ -168,6 +169,7 @@ def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:
                         f"{config.model_type!r} has none (a dense model, or coefficient 0); remove "
                         "router_aux_loss_scope")
     problems += saved_quantization_problems(recipe, config)
+    problems += vision.problems(recipe, config)
     return config, problems
 
 

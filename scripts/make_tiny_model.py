@@ -1,7 +1,9 @@
-"""Build a tiny random Llama (or Qwen3-MoE) with a locally trained tokenizer and a ChatML chat template.
+"""Build a tiny random Llama (or Qwen3-MoE, or LLaVA image-text model) with a locally trained tokenizer and a
+ChatML chat template.
 
     python scripts/make_tiny_model.py OUT_DIR [--hidden_size 64 --num_layers 2 --vocab_size 1024 --seed 0]
     python scripts/make_tiny_model.py OUT_DIR --arch qwen3_moe --tokenizer models/tiny-llama [--num_experts 8 ...]
+    python scripts/make_tiny_model.py OUT_DIR --arch llava --tokenizer models/tiny-llama [--image_size 28 ...]
 
 Needs no network: the byte-level BPE tokenizer is trained on the shipped data/ files
 (or any text files given with --corpus), or copied from a folder with --tokenizer. The result loads offline with
@@ -9,6 +11,13 @@ Needs no network: the byte-level BPE tokenizer is trained on the shipped data/ f
 `models/tiny-llama` in the repository was made with the defaults; `models/tiny-moe` (a Qwen3-MoE-shaped
 mixture of experts: 8 experts, 2 per token, on tiny-llama's tokenizer and chat template) with
 `python scripts/make_tiny_model.py models/tiny-moe --arch qwen3_moe --tokenizer models/tiny-llama`.
+
+`--arch llava` builds an image-text-to-text model (`AutoModelForImageTextToText` + `AutoProcessor`): a 2-layer CLIP
+vision tower on 28x28 images in 7x7 patches (16 image tokens per image), LLaVA's 2-layer projector and a tiny Llama,
+with a `<image>` token added to the tokenizer and a chat template whose message content is a list of parts (TRL's
+vision format). Its image processor is the Pillow one (CLIPImageProcessorPil): it needs no torchvision.
+`models/tiny-vlm` was made with
+`python scripts/make_tiny_model.py models/tiny-vlm --arch llava --tokenizer models/tiny-llama`.
 """
 
 import argparse
@@ -38,7 +47,8 @@ def corpus_lines(paths: list[Path]):
             if "text" in row:
                 yield row["text"]
             for message in row.get("messages", []):
-                yield message["content"]
+                content = message["content"]
+                yield content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)
 
 
 def build_tokenizer(corpus: list[Path], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -61,6 +71,42 @@ def build_tokenizer(corpus: list[Path], vocab_size: int) -> PreTrainedTokenizerF
     )
 
 
+# ChatML over TRL's vision format: content is a string or a list of parts ({"type": "image"} / {"type": "text"}).
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_llava(tokenizer, text_shape: dict, args):
+    """A tiny LLaVA (CLIP vision tower, projector, Llama) and its processor; `tokenizer` gains the image token."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    side, patch = args.image_size, args.patch_size
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    # vision_feature_select_strategy "default" drops the CLS token: (side/patch)^2 image tokens per image
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=VISION_CHAT_TEMPLATE)
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", intermediate_size=args.hidden_size * 2,
+                         num_key_value_heads=args.num_kv_heads or args.num_heads,
+                         **{**text_shape, "vocab_size": len(tokenizer)}),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=args.hidden_size // 2,
+                           intermediate_size=args.hidden_size, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=side, patch_size=patch, projection_dim=args.hidden_size // 2),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), image_seq_length=(side // patch) ** 2,
+        vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False,
+    )
+    return LlavaForConditionalGeneration(config), processor
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path)
@@ -72,7 +118,9 @@ def main() -> None:
     parser.add_argument("--vocab_size", type=int, default=1024)
     parser.add_argument("--max_position_embeddings", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arch", choices=("llama", "qwen3_moe"), default="llama")
+    parser.add_argument("--arch", choices=("llama", "qwen3_moe", "llava"), default="llama")
+    parser.add_argument("--image_size", type=int, default=28, help="llava: image side the processor resizes to")
+    parser.add_argument("--patch_size", type=int, default=7, help="llava: vision patch side")
     parser.add_argument("--num_experts", type=int, default=8, help="qwen3_moe: experts per layer")
     parser.add_argument("--num_experts_per_tok", type=int, default=2, help="qwen3_moe: experts each token uses")
     parser.add_argument("--tokenizer", type=Path, help="copy this folder's tokenizer and chat template instead of "
@@ -96,7 +144,12 @@ def main() -> None:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    if args.arch == "llama":
+    processor = None
+    if args.arch == "llava":
+        torch.manual_seed(args.seed)
+        model, processor = build_llava(tokenizer, shape, args)
+        config = model.config
+    elif args.arch == "llama":
         config = LlamaConfig(intermediate_size=args.hidden_size * 2,
                              num_key_value_heads=args.num_kv_heads or args.num_heads, **shape)
     else:  # Qwen3-30B-A3B's layout, scaled down: grouped-query attention, every layer sparse, top-k renormalised
@@ -111,14 +164,16 @@ def main() -> None:
             norm_topk_prob=True,
             **shape,
         )
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(config)
+    if processor is None:
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     args.out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out_dir)
-    tokenizer.save_pretrained(args.out_dir)
-    if args.tokenizer:  # byte for byte: save_pretrained would add loading-time keys to tokenizer_config.json
+    (processor or tokenizer).save_pretrained(args.out_dir)
+    # byte for byte: save_pretrained would add loading-time keys to tokenizer_config.json
+    if args.tokenizer and processor is None:
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
             if (args.tokenizer / name).exists():
                 shutil.copyfile(args.tokenizer / name, args.out_dir / name)

@@ -1,0 +1,330 @@
+"""Image chats (TRL's vision format) for image-text models: loading, exact masks, truncation, collation.
+
+A row is `messages` whose `content` is a list of parts ({"type": "image"}, {"type": "text", "text": ...}; a plain
+string is accepted too) for every role, and an `images` column: one image per image part, in order of appearance,
+as a path (relative paths are read from the data file's folder) or a PIL image (a saved dataset's Image feature).
+Images are opened with Pillow and converted to RGB.
+
+The model's processor encodes each example in the collator (its chat template, its image settings): pixels are never
+cached; only the token ids (for lengths and statistics) are kept from the one encoding pass at load time. Every
+processor output reaches the model (pixel_values, attention_mask, image_grid_thw, mm_token_type_ids, ...).
+
+Masks follow the text-chat rule (hftrain.data.tokenize): the conversation is rendered by the chat template with the
+image placeholders unexpanded, the assistant turns are located by rendering prefixes (each turn's content and its
+end-of-turn token, not the whitespace after it) and marked token by token through the tokenizer's offsets. The
+processor's ids are that same token sequence with each image placeholder expanded into the image's tokens (and, for
+some families, tokens around them); they are aligned token by token, and every token the processor added is an image
+token: never trained, with assistant_only_loss false too. Truncation never cuts inside an image's tokens: an example
+longer than max_length whose cut would fall inside or before an image's tokens is dropped and counted
+(`dropped_image_cut`); one whose images all fit is truncated at max_length (overlong_examples: drop drops both).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from hftrain.data.formats import ROLES
+from hftrain.data.sources import _renamed, load_raw
+from hftrain.data.tokenize import IGNORE_INDEX, DataSpec, _encode_spans, assistant_char_spans
+from hftrain.errors import HftrainError
+
+IMAGES_COLUMN = "images"
+# Per-token processor outputs: padded along the sequence (0 after the row); every other output is per image and
+# concatenated along its first dimension (pixel_values, image_sizes, image_grid_thw, pixel_attention_mask, ...).
+PER_TOKEN_PAD = {"attention_mask": 0, "token_type_ids": 0, "mm_token_type_ids": 0}
+
+
+def is_image_chat(column_names: list[str], first_row: dict, messages_field: str) -> bool:
+    """Rows in TRL's vision format: an images column, or messages whose content is a list of parts."""
+    if IMAGES_COLUMN in column_names:
+        return True
+    messages = first_row.get(messages_field)
+    return isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                                              for m in messages)
+
+
+def check_image_chat(example: dict, messages_field: str, where: str) -> tuple[list[dict], list]:
+    """(messages, image references) of one row, or HftrainError naming the row and what is wrong."""
+    messages = example.get(messages_field)
+    if not isinstance(messages, list) or not messages:
+        raise HftrainError(f"{where}: {messages_field} must be a non-empty list of {{role, content}} objects")
+    image_parts, clean = 0, []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise HftrainError(f"{where}: message {i} has role {m.get('role') if isinstance(m, dict) else m!r}; "
+                               f"roles must be one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if isinstance(content, str):
+            clean.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise HftrainError(f"{where}: message {i} ({m['role']}) has content of type {type(content).__name__}; "
+                               "an image chat's content is a list of parts ({type: image} / {type: text, text: ...})")
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image":
+                image_parts += 1
+                parts.append({"type": "image"})
+            elif kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                raise HftrainError(f"{where}: message {i} part {j} is {part!r:.80}; parts are {{type: image}} or "
+                                   "{type: text, text: <string>}")
+        clean.append({"role": m["role"], "content": parts})
+    if not any(m["role"] == "assistant" for m in clean):
+        raise HftrainError(f"{where}: the conversation has no assistant message, so nothing can be trained")
+    images = example.get(IMAGES_COLUMN) or []
+    if not isinstance(images, list):
+        images = [images]
+    if len(images) != image_parts:
+        raise HftrainError(f"{where}: {image_parts} image part(s) in the messages but {len(images)} image(s) in the "
+                           f"{IMAGES_COLUMN!r} column; give one image per {{type: image}} part, in order")
+    return clean, images
+
+
+def open_image(ref: Any, base: Path | None, where: str):
+    """A Pillow RGB image from a path (relative to `base`, the data file's folder) or a PIL image."""
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
+    if isinstance(ref, dict) and (ref.get("bytes") or ref.get("path")):  # datasets' undecoded Image feature
+        return Image.open(io.BytesIO(ref["bytes"]) if ref.get("bytes") else ref["path"]).convert("RGB")
+    if not isinstance(ref, str):
+        raise HftrainError(f"{where}: an image is {type(ref).__name__}; give a file path or a PIL image")
+    path = Path(ref).expanduser()
+    if not path.is_absolute() and base is not None and (base / path).exists():
+        path = base / path
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except OSError as exc:
+        raise HftrainError(f"{where}: cannot read image {ref!r} ({exc.__class__.__name__}: {exc}); relative paths are "
+                           f"read from the data file's folder{f' ({base})' if base else ''}") from None
+
+
+class Renderer:
+    """The processor's chat template with its tokenizer's encoding: what hftrain.data.tokenize's span finder calls
+    (a processor's own __call__ takes images first)."""
+
+    def __init__(self, processor):
+        self.processor, self.tokenizer = processor, processor.tokenizer
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self.processor.apply_chat_template(messages, **kwargs)
+
+    def __call__(self, text, **kwargs):
+        return self.tokenizer(text, **kwargs)
+
+
+def image_token_id(processor) -> int:
+    token_id = getattr(processor, "image_token_id", None)
+    if token_id is None:
+        token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    return token_id
+
+
+def encode(processor, messages: list[dict], images: list, spec: DataSpec, where: str) -> dict:
+    """One example through the processor: {"inputs": processor outputs (batch of 1, truncated), "labels": [1, L],
+    "image_tokens": int, "dropped": "" | "overlong" | "image_cut" | "no_trained_tokens", "truncated": tokens cut}."""
+    renderer = Renderer(processor)
+    if spec.assistant_only_loss:
+        first = max(i for i, m in enumerate(messages) if m["role"] == "assistant") \
+            if spec.train_on_turns == "last" else 0
+        try:
+            text, spans = assistant_char_spans(renderer, messages, first)
+        except HftrainError as exc:
+            raise HftrainError(f"{where}: {exc}") from None
+        plain, trained, _ = _encode_spans(processor.tokenizer, text, spans)
+    else:
+        text = processor.apply_chat_template(messages, tokenize=False)
+        plain = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+        trained = [True] * len(plain)
+    inputs = processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False)
+    ids, image_id = inputs["input_ids"][0].tolist(), image_token_id(processor)
+    # Align the processor's ids with the template's: the same tokens, with image placeholders expanded.
+    text_tokens = [(t, keep) for t, keep in zip(plain, trained) if t != image_id]
+    labels, j, image_tokens = [], 0, 0
+    for t in ids:
+        if t != image_id and j < len(text_tokens) and t == text_tokens[j][0]:
+            labels.append(t if text_tokens[j][1] else IGNORE_INDEX)
+            j += 1
+        else:  # a token the processor added for an image (placeholders, and tokens around them in some families)
+            labels.append(IGNORE_INDEX)
+            image_tokens += t == image_id
+    if j != len(text_tokens):
+        raise HftrainError(f"{where}: the processor's token ids are not the chat template's with the image "
+                           "placeholders expanded, so the masks cannot be placed exactly; check that the processor's "
+                           "image token is a special token of its tokenizer")
+    if labels:
+        labels[0] = IGNORE_INDEX  # never a target (tokenize.py's rule): trained-token counts stay exact
+    result = {"inputs": inputs, "labels": torch.tensor([labels]), "image_tokens": image_tokens, "dropped": "",
+              "truncated": 0, "text": text}
+    if len(ids) > spec.max_length:
+        last_image = max((k for k, t in enumerate(ids) if t == image_id), default=-1)
+        if spec.overlong_examples == "drop":
+            result["dropped"] = "overlong"
+        elif last_image >= spec.max_length:
+            result["dropped"] = "image_cut"
+        else:
+            result["truncated"] = len(ids) - spec.max_length
+            result["labels"] = result["labels"][:, :spec.max_length]
+            truncate(inputs, spec.max_length)
+    if not result["dropped"] and not (result["labels"] != IGNORE_INDEX).any():
+        result["dropped"] = "no_trained_tokens"
+    return result
+
+
+def truncate(inputs: dict, length: int) -> None:
+    """Cut the per-token processor outputs to `length` tokens (in place)."""
+    for key in ("input_ids", *PER_TOKEN_PAD):
+        if key in inputs:
+            inputs[key] = inputs[key][:, :length]
+
+
+class ImageChats:
+    """The kept rows of one image-chat set: messages, image references, the rendered conversation, and the token ids
+    and labels of the load-time encoding (tokens only: the collator runs the processor again on the text and the
+    images, and checks that it gives the same ids). Indexable like a datasets.Dataset where the batching code reads
+    it (`len`, `["input_ids"]`)."""
+
+    def __init__(self, rows: list[dict], base: Path | None, name: str):
+        self.rows, self.base, self.name = rows, base, name
+        self.column_names = ["messages", IMAGES_COLUMN, "input_ids", "labels"]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, key):
+        if key in ("input_ids", "labels"):
+            return [row[key] for row in self.rows]
+        raise KeyError(key)
+
+    def example(self, i: int, processor) -> tuple[dict, torch.Tensor]:
+        """(processor outputs for a batch of 1, labels [1, L]) of kept row i."""
+        row, where = self.rows[i], f"{self.name} example {i}"
+        images = [open_image(r, self.base, where) for r in row["images"]]
+        inputs = processor(text=[row["text"]], images=images or None, return_tensors="pt", add_special_tokens=False)
+        truncate(inputs, len(row["input_ids"]))
+        if inputs["input_ids"][0].tolist() != row["input_ids"]:
+            raise HftrainError(f"{where}: the processor encodes this example differently from the first time (at "
+                               "load); its image settings must be deterministic")
+        return inputs, torch.tensor([row["labels"]])
+
+
+def _base_folder(name: str) -> Path | None:
+    path = Path(name).expanduser()
+    return path.parent if path.is_file() else path if path.is_dir() else None
+
+
+def prepare(raw, processor, spec: DataSpec, name: str) -> tuple[ImageChats, dict]:
+    """Check and encode every row once (masks, image tokens, truncation), keep the trainable ones, count the rest."""
+    base, rows = _base_folder(name), []
+    counts = {"overlong": 0, "image_cut": 0, "no_trained_tokens": 0}
+    stats = {"format": "image_chat", "images": 0, "image_tokens": 0, "tokens": 0, "trained_tokens": 0,
+             "truncated_examples": 0, "truncated_tokens": 0}
+    for i, example in enumerate(raw):
+        where = f"dataset {name!r} example {i}"
+        messages, refs = check_image_chat(example, spec.messages_field, where)
+        encoded = encode(processor, messages, [open_image(r, base, where) for r in refs], spec, where)
+        if encoded["dropped"]:
+            counts[encoded["dropped"]] += 1
+            continue
+        ids = encoded["inputs"]["input_ids"][0].tolist()
+        rows.append({"messages": messages, "images": refs, "text": encoded["text"], "input_ids": ids,
+                     "labels": encoded["labels"][0].tolist(), "image_tokens": encoded["image_tokens"]})
+        stats["images"] += len(refs)
+        stats["image_tokens"] += encoded["image_tokens"]
+        stats["tokens"] += len(ids)
+        stats["trained_tokens"] += int((encoded["labels"][:, 1:] != IGNORE_INDEX).sum())
+        stats["truncated_examples"] += encoded["truncated"] > 0
+        stats["truncated_tokens"] += encoded["truncated"]
+    stats = {**stats, "examples": len(rows), **{f"dropped_{k}": v for k, v in counts.items()}}
+    if not rows:
+        raise HftrainError(
+            f"every example of {name} ({len(raw)}) was dropped: {counts['overlong']} over-long "
+            f"(overlong_examples=drop), {counts['image_cut']} whose max_length={spec.max_length} cut would fall inside "
+            f"or before an image's tokens, {counts['no_trained_tokens']} without a trained token; raise max_length"
+        )
+    return ImageChats(rows, base, name), stats
+
+
+def load_image_chats(recipe, processor):
+    """(train, eval or None, stats) for an image-text model: dataset_name (and eval_dataset_name, or the
+    validation_split_percentage carve-out), read as image chats."""
+    spec = DataSpec.from_recipe(recipe)
+
+    def load(name: str, split: str, columns: dict):
+        raw = _renamed(load_raw(name, recipe.dataset_config, split), columns, name)
+        if not len(raw):
+            raise HftrainError(f"dataset {name!r} split {split!r} is empty")
+        if spec.messages_field not in raw.column_names:
+            raise HftrainError(f"dataset {name!r} has columns {raw.column_names}: an image-text model trains on "
+                               f"chats ({spec.messages_field!r} with list-of-parts content and an {IMAGES_COLUMN!r} "
+                               "column, TRL's vision format; see docs/vision.md)")
+        return raw
+
+    raw = load(recipe.dataset_name, recipe.dataset_train_split, recipe.dataset_columns)
+    evaluation, stats = None, {"sources": []}
+    if recipe.eval_dataset_name:
+        evaluation, stats["eval"] = prepare(load(recipe.eval_dataset_name, recipe.eval_split, recipe.dataset_columns),
+                                            processor, spec, recipe.eval_dataset_name)
+    elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
+        n_eval = max(1, int(len(raw) * recipe.validation_split_percentage / 100))
+        if n_eval >= len(raw):
+            raise HftrainError(f"dataset {recipe.dataset_name!r} has {len(raw)} examples, too few to hold out "
+                               f"{recipe.validation_split_percentage}% for evaluation")
+        split = raw.train_test_split(test_size=n_eval, seed=recipe.order_seed, shuffle=True)
+        raw = split["train"]
+        evaluation, stats["eval"] = prepare(split["test"], processor, spec, recipe.dataset_name)
+        evaluation.name = f"{recipe.dataset_name} (eval)"
+    if recipe.max_samples is not None:
+        raw = raw.select(range(min(recipe.max_samples, len(raw))))
+    train, train_stats = prepare(raw, processor, spec, recipe.dataset_name)
+    stats["sources"].append({"name": recipe.dataset_name, "weight": 1.0, **train_stats})
+    stats["train_examples"] = len(train)
+    stats["eval_examples"] = len(evaluation) if evaluation is not None else 0
+    return train, evaluation, stats
+
+
+class ImageChatCollator:
+    """Encodes a micro-batch of image chats with the processor and right-pads it: input_ids (pad id), labels (-100),
+    per-token outputs (0); per-image outputs are concatenated in row order. An empty micro-batch becomes one fully
+    masked text row (no image). `num_examples` is popped by the loop before the forward."""
+
+    def __init__(self, dataset: ImageChats, processor, pad_token_id: int):
+        self.dataset, self.processor, self.pad_token_id = dataset, processor, pad_token_id
+        self.mark_real_tokens = False  # the Collator interface; a mixture-of-experts image-text model is not handled
+        self.reference = None
+
+    def __call__(self, row_indices: list[int]) -> dict[str, torch.Tensor]:
+        encoded = [self.dataset.example(i, self.processor) for i in row_indices]
+        if not encoded:
+            return {"input_ids": torch.tensor([[self.pad_token_id]]), "labels": torch.tensor([[IGNORE_INDEX]]),
+                    "attention_mask": torch.ones(1, 1, dtype=torch.long), "num_examples": torch.tensor(0)}
+        return {**collate([inputs for inputs, _ in encoded], [labels for _, labels in encoded], self.pad_token_id),
+                "num_examples": torch.tensor(len(encoded))}
+
+
+def collate(inputs: list[dict], labels: list[torch.Tensor], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Processor outputs of single examples as one right-padded batch (see ImageChatCollator)."""
+    width = max(x["input_ids"].shape[1] for x in inputs)
+    batch = {"input_ids": torch.full((len(inputs), width), pad_token_id, dtype=torch.long),
+             "labels": torch.full((len(inputs), width), IGNORE_INDEX, dtype=torch.long)}
+    for r, (x, lbl) in enumerate(zip(inputs, labels)):
+        batch["input_ids"][r, :x["input_ids"].shape[1]] = x["input_ids"][0]
+        batch["labels"][r, :lbl.shape[1]] = lbl[0]
+    for key in sorted({key for x in inputs for key in x} - {"input_ids"}):
+        values = [x[key] for x in inputs if key in x]
+        if key in PER_TOKEN_PAD:
+            padded = torch.full((len(inputs), width, *values[0].shape[2:]), PER_TOKEN_PAD[key], dtype=values[0].dtype)
+            for r, x in enumerate(inputs):
+                padded[r, :x[key].shape[1]] = x[key][0]
+            batch[key] = padded
+        else:
+            batch[key] = torch.cat(values)
+    return batch

@@ -1,0 +1,118 @@
+"""Image-text-to-text models: recognised from the folder's config, loaded with transformers' Auto classes, their
+processor, what trains (`freeze_vision_tower`, `freeze_projector`, LoRA's default targets) and what they refuse.
+
+A model is an image-text model when its config's type is in transformers' `AutoModelForImageTextToText` mapping
+(LLaVA, Qwen2-VL / Qwen2.5-VL, Gemma 3, Idefics3 / SmolVLM, ...): no recipe key says so. Its parts are found by the
+module names transformers 5.23 gives them: the vision tower (`vision_tower`, `visual`, `vision_model`) and the
+projector between it and the language model (`multi_modal_projector`, `connector`, or `merger` inside Qwen's
+`visual`); everything else (the language model and its head) is the language side.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import AutoConfig, AutoProcessor, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+from hftrain.errors import HftrainError, first_line
+
+VISION_TOWER_NAMES = ("vision_tower", "visual", "vision_model")
+PROJECTOR_NAMES = ("multi_modal_projector", "connector", "merger", "mm_projector")
+
+
+def is_image_text(config: PretrainedConfig | None) -> bool:
+    """An image-text-to-text model (loaded with AutoModelForImageTextToText)."""
+    return config is not None and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def model_config(recipe) -> PretrainedConfig | None:
+    """The model folder's config (None when it cannot be read: the model loader then says why)."""
+    try:
+        return AutoConfig.from_pretrained(recipe.model_name_or_path, revision=recipe.model_revision,
+                                          trust_remote_code=recipe.trust_remote_code)
+    except (OSError, ValueError):
+        return None
+
+
+def problems(recipe, config: PretrainedConfig | None) -> list[str]:
+    """What an image-text model cannot do in hftrain today, all at once (called by the preflight)."""
+    if not is_image_text(config):
+        return []
+    kind, found = config.model_type, []
+    if recipe.packing:
+        found.append(f"packing: true with the image-text model {kind!r}: rows with images are not packed (each "
+                     "example's image features must meet its own placeholder tokens); set packing: false")
+    if recipe.objective != "sft":
+        found.append(f"objective={recipe.objective} with the image-text model {kind!r}: preference pairs with images "
+                     "are not supported yet; use objective: sft")
+    if recipe.dataset_mixture:
+        found.append(f"dataset_mixture with the image-text model {kind!r}: image chats load from one dataset_name "
+                     "(plus eval_dataset_name) today; merge the files into one")
+    if recipe.use_liger_kernel:
+        found.append(f"use_liger_kernel with the image-text model {kind!r}: Liger's kernels patch text models only; "
+                     "set use_liger_kernel: false")
+    return found
+
+
+def build_processor(recipe):
+    """The model's processor (`AutoProcessor`): its tokenizer, image processor and chat template."""
+    name = recipe.tokenizer_name_or_path or recipe.model_name_or_path
+    try:
+        return AutoProcessor.from_pretrained(name, revision=recipe.model_revision,
+                                             trust_remote_code=recipe.trust_remote_code)
+    except (OSError, ValueError, ImportError) as exc:
+        raise HftrainError(f"cannot load the processor of the image-text model {name!r}: {first_line(exc)}. The "
+                           "folder needs its processor files (processor_config.json or preprocessor_config.json, "
+                           "tokenizer files, chat template); some families' image processors need torchvision") \
+            from None
+
+
+def part_of(name: str) -> str:
+    """'vision', 'projector' or 'language' for a parameter or module name."""
+    parts = name.split(".")
+    if any(p in PROJECTOR_NAMES for p in parts):
+        return "projector"
+    if any(p in VISION_TOWER_NAMES for p in parts):
+        return "vision"
+    return "language"
+
+
+def frozen_parts(recipe) -> set[str]:
+    return {part for part, frozen in (("vision", recipe.freeze_vision_tower),
+                                      ("projector", recipe.freeze_projector)) if frozen}
+
+
+def freeze(model: nn.Module, recipe) -> dict[str, int]:
+    """Full fine-tuning: no gradient for the frozen parts. Returns the frozen parameter count per part."""
+    frozen: dict[str, int] = {}
+    parts = frozen_parts(recipe)
+    for name, param in model.named_parameters():
+        part = part_of(name)
+        if part in parts:
+            param.requires_grad_(False)
+            frozen[part] = frozen.get(part, 0) + param.numel()
+    return frozen
+
+
+def lora_targets(model: nn.Module, recipe) -> list[str]:
+    """LoRA's default (`all-linear`) targets on an image-text model: every Linear layer of the language model (not
+    its output head), and of the vision tower / projector only where they are not frozen."""
+    parts = {"language", "vision", "projector"} - frozen_parts(recipe)
+    head = model.get_output_embeddings()
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and module is not head and part_of(name) in parts]
+
+
+def describe_frozen(frozen: dict[str, int]) -> str:
+    names = {"vision": "vision tower", "projector": "projector"}
+    said = ", ".join(f"the {names[p]} ({n:,} parameters)" for p, n in sorted(frozen.items()))
+    return (f"frozen: {said} (freeze_vision_tower / freeze_projector)" if said else
+            "image-text model: every part trains (freeze_vision_tower / freeze_projector are false)")
+
+
+def lora_note(recipe, layers: int) -> str:
+    trained = ["the language model"] + [f"the {name}" for part, name in (("vision", "vision tower"),
+                                                                       ("projector", "projector"))
+                                        if part not in frozen_parts(recipe)]
+    return (f"all-linear LoRA on an image-text model: adapters on {layers} linear layers of {', '.join(trained)} "
+            "(freeze_vision_tower / freeze_projector decide the rest)")
