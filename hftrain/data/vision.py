@@ -293,8 +293,10 @@ def load_image_chats(recipe, processor):
 
 class ImageChatCollator:
     """Encodes a micro-batch of image chats with the processor and right-pads it: input_ids (pad id), labels (-100),
-    per-token outputs (0); per-image outputs are concatenated in row order. An empty micro-batch becomes one fully
-    masked text row (no image). `num_examples` is popped by the loop before the forward."""
+    per-token outputs (0); per-image outputs are concatenated in row order. An empty micro-batch (the padded end of
+    an epoch) becomes the set's first example with every label -100: it trains nothing, but runs the same modules
+    (vision tower included) as the other ranks' batches, whose sharded parameter gathers (ZeRO-3, FSDP2) must match.
+    `num_examples` is popped by the loop before the forward."""
 
     def __init__(self, dataset: ImageChats, processor, pad_token_id: int):
         self.dataset, self.processor, self.pad_token_id = dataset, processor, pad_token_id
@@ -304,8 +306,9 @@ class ImageChatCollator:
     def __call__(self, row_indices: list[int]) -> dict[str, torch.Tensor]:
         encoded = [self.dataset.example(i, self.processor) for i in row_indices]
         if not encoded:
-            return {"input_ids": torch.tensor([[self.pad_token_id]]), "labels": torch.tensor([[IGNORE_INDEX]]),
-                    "attention_mask": torch.ones(1, 1, dtype=torch.long), "num_examples": torch.tensor(0)}
+            inputs, labels = self.dataset.example(0, self.processor)
+            return {**collate([inputs], [torch.full_like(labels, IGNORE_INDEX)], self.pad_token_id),
+                    "num_examples": torch.tensor(0)}
         return {**collate([inputs for inputs, _ in encoded], [labels for _, labels in encoded], self.pad_token_id),
                 "num_examples": torch.tensor(len(encoded))}
 

@@ -6,20 +6,22 @@ import json
 
 import pytest
 import torch
+from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from hftrain.data.vision import open_image
-from tests.conftest import REPO, run_script
+from hftrain.config import load_recipe
+from hftrain.data.vision import load_image_chats, open_image
+from tests.conftest import REPO, launch, run_script
 
 MODEL = REPO / "models" / "tiny-vlm"
 DATA = REPO / "data" / "image-chat.jsonl"
+COMMON = ("--config", "recipes/tiny-vlm.yaml", "--max_steps", "12", "--eval_steps", "4", "--logging_steps", "4")
 
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    return run_script(tmp_path_factory.mktemp("tiny-vlm") / "out", "--config", "recipes/tiny-vlm.yaml",
-                      "--max_steps", "12", "--eval_steps", "4", "--logging_steps", "4")
+    return run_script(tmp_path_factory.mktemp("tiny-vlm") / "out", *COMMON)
 
 
 def test_the_recipe_trains_and_its_eval_loss_falls(full_run):
@@ -51,3 +53,42 @@ def test_the_final_folder_loads_with_the_auto_classes(full_run):
     a, b = saved(text=[text], images=images, return_tensors="pt"), original(text=[text], images=images,
                                                                           return_tensors="pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_ddp_processes_train_like_one(full_run, tmp_path):
+    """4 rows per process x 2 processes = the 1-process run's 8 rows per step: the same losses, train and eval."""
+    two = launch(tmp_path / "two", *COMMON, "--per_device_train_batch_size", "4", preset="cpu_ddp")
+    assert two.state()["launch"]["model_wrapper"] == "DistributedDataParallel"
+    assert two.state()["launch"]["num_processes"] == 2
+    for rows in (lambda run: run.train_rows(), lambda run: run.eval_rows()):
+        key = "loss" if "loss" in rows(full_run)[0] else "eval_loss"
+        one_values, two_values = [r[key] for r in rows(full_run)], [r[key] for r in rows(two)]
+        assert [r["step"] for r in rows(two)] == [r["step"] for r in rows(full_run)]
+        torch.testing.assert_close(torch.tensor(two_values), torch.tensor(one_values), rtol=1e-5, atol=1e-6)
+
+
+def test_a_lora_adapter_reproduces_the_logged_eval_loss(tmp_path):
+    """LoRA's default targets are the language model's linear layers; the saved adapter on the base model, run by
+    plain transformers + peft on the processor's encoding of the eval rows, gives the logged final eval loss."""
+    run = run_script(tmp_path / "lora", *COMMON, "--use_peft", "true", "--learning_rate", "1e-2")
+    final = run.output_dir / "final"
+    adapter = json.loads((final / "adapter_config.json").read_text())
+    assert adapter["target_modules"] and all(".language_model." in t for t in adapter["target_modules"])
+    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(MODEL), final).eval()
+    processor = AutoProcessor.from_pretrained(final)
+    recipe = load_recipe(["--config", str(final / "hftrain_config.yaml")], for_training=False)
+    _, evaluation, _ = load_image_chats(recipe, processor)  # the held-out rows (fixed-seed carve-out)
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for row in evaluation.rows:
+            images = [open_image(p, DATA.parent, "test") for p in row["images"]]
+            inputs = processor(text=[row["text"]], images=images, return_tensors="pt", add_special_tokens=False)
+            logits = model(**inputs).logits[0, :-1]
+            targets = torch.tensor(row["labels"][1:])
+            loss_sum += torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100,
+                                                          reduction="sum").item()
+            tokens += int((targets != -100).sum())
+    logged = run.eval_rows()[-1]
+    assert logged["eval_tokens"] == tokens
+    assert abs(loss_sum / tokens - logged["eval_loss"]) < 1e-5
+    assert logged["eval_loss"] < run.eval_rows()[0]["eval_loss"]

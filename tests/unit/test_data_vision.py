@@ -129,8 +129,9 @@ def test_collated_batch_equals_a_plain_transformers_forward(processor, rows):
     tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
     assert abs(ours.item() / tokens.item() - expected.item()) < 1e-6
 
-    empty = ImageChatCollator(chats, processor, 0)([])
+    empty = ImageChatCollator(chats, processor, 0)([])  # trains nothing, runs the vision tower like the others
     assert int(empty["num_examples"]) == 0 and (empty["labels"] == IGNORE_INDEX).all()
+    assert empty["pixel_values"].shape[0] == len(picked[0]["images"])
 
 
 def test_collate_pads_per_token_outputs_and_concatenates_per_image_ones():
