@@ -23,13 +23,14 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import HfApi
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 if __package__ in (None, ""):  # run as a file: import the package, not sibling modules as top-level names
     _here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
     sys.path.insert(0, str(_here.parent))
 
+from hftrain import vision
 from hftrain.checkpoint import CONFIG_FILE, never_world_writable
 from hftrain.config import read_yaml, recipe_subset
 from hftrain.errors import HftrainError, first_line, run_tool
@@ -62,11 +63,11 @@ def load_dequantized_base(recipe):
     """The base in float32; quantized and dequantized again exactly as in training for a QLoRA adapter."""
     quantization = quantization_config(recipe)
     kwargs = {"dtype": torch.float32, "revision": recipe.model_revision, "trust_remote_code": recipe.trust_remote_code}
+    auto = AutoModelForImageTextToText if vision.is_image_text(vision.model_config(recipe)) else AutoModelForCausalLM
     try:
         if quantization is None:
-            return AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(recipe.model_name_or_path, quantization_config=quantization,
-                                                     **kwargs)
+            return auto.from_pretrained(recipe.model_name_or_path, **kwargs)
+        model = auto.from_pretrained(recipe.model_name_or_path, quantization_config=quantization, **kwargs)
     except (OSError, ValueError) as exc:
         raise HftrainError(load_error("base model", recipe.model_name_or_path, exc)) from None
     return model.dequantize(dtype=torch.float32)
@@ -95,8 +96,11 @@ def merge(adapter_dir: Path, output_dir: Path, base: str | None = None, dtype: s
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)
     has_tokenizer = any((adapter_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-    AutoTokenizer.from_pretrained(str(adapter_dir) if has_tokenizer else recipe.model_name_or_path,
-                                  trust_remote_code=recipe.trust_remote_code).save_pretrained(output_dir)
+    source = str(adapter_dir) if has_tokenizer else recipe.model_name_or_path
+    if vision.is_image_text(model.config):  # the processor: tokenizer, image processor and chat template
+        AutoProcessor.from_pretrained(source, trust_remote_code=recipe.trust_remote_code).save_pretrained(output_dir)
+    else:
+        AutoTokenizer.from_pretrained(source, trust_remote_code=recipe.trust_remote_code).save_pretrained(output_dir)
     quantized = "4bit" if recipe.load_in_4bit else "8bit" if recipe.load_in_8bit else None
     record = {
         "adapter": str(adapter_dir.resolve()),

@@ -7,20 +7,27 @@
 --dump N F writes the first N training rows exactly as the collator yields them (input_ids, labels and
            position_ids when packing), one JSON object per row, in the order of the first steps of a
            1-process run.
+
+For an image-text model the rows are image chats (docs/vision.md): each example shows its image placeholder runs as
+<image>xN (N image tokens, never trained), and the statistics count images, image tokens and the examples dropped
+because max_length would cut inside an image.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from hftrain.config import load_recipe
 from hftrain.data.batching import Collator, training_plan, training_rows
 from hftrain.data.sources import load_datasets
 from hftrain.data.tokenize import IGNORE_INDEX
-from hftrain.errors import run_tool
+from hftrain.data.vision import load_image_chats
+from hftrain.errors import HftrainError, run_tool
 from hftrain.model import build_tokenizer, pad_token_id
+from hftrain.vision import build_processor, is_image_text, model_config
 
 
 def marked_text(tokenizer, input_ids: list[int], labels: list[int], color: bool) -> str:
@@ -87,6 +94,12 @@ def preview(argv: list[str] | None = None) -> None:
     parser.add_argument("--dump", nargs=2, metavar=("N", "FILE"), help="write the first N collated rows to FILE")
     args, rest = parser.parse_known_args(argv)
     recipe = load_recipe(rest, for_training=False, prog="python -m hftrain.data")
+    if is_image_text(model_config(recipe)):
+        if args.dump:
+            raise HftrainError("--dump writes collated token rows of text data; for an image-text model the collator "
+                               "also makes pixel values: preview image chats with --show")
+        preview_image_chats(recipe, args.show, sys.stdout.isatty())
+        return
 
     tokenizer = build_tokenizer(recipe)
     train, evaluation, stats = load_datasets(recipe, tokenizer)
@@ -135,6 +148,32 @@ def preview(argv: list[str] | None = None) -> None:
                 if written == count:
                     break
         print(f"--- wrote {written} collated training rows to {path}")
+
+
+def preview_image_chats(recipe, show: int, color: bool) -> None:
+    """Image chats: the first examples with trained tokens marked and image token runs collapsed, then statistics."""
+    processor = build_processor(recipe)
+    train, _, stats = load_image_chats(recipe, processor)
+    tokenizer, token = processor.tokenizer, re.escape(processor.image_token)
+    for i, row in enumerate(train.rows[:show]):
+        trained = sum(label != IGNORE_INDEX for label in row["labels"])
+        print(f"--- example {i} ({len(row['input_ids'])} tokens, {len(row['images'])} image(s) = "
+              f"{row['image_tokens']} image tokens, {trained} trained)")
+        text = marked_text(tokenizer, row["input_ids"], row["labels"], color)
+        print(re.sub(f"(?:{token})+", lambda m: f"{processor.image_token}x{len(re.findall(token, m.group(0)))}", text))
+    print("--- statistics")
+    for source in stats["sources"] + ([{"name": "eval", **stats["eval"]}] if "eval" in stats else []):
+        print(f"  {source['name']} (format {source['format']}): {source['examples']} examples kept with "
+              f"{source['images']} images ({source['image_tokens']} image tokens, never trained), "
+              f"{source['dropped_overlong']} dropped as over-long, {source['dropped_image_cut']} dropped because "
+              f"max_length={recipe.max_length} would cut inside an image, {source['dropped_no_trained_tokens']} with "
+              f"no trained token, {source['truncated_examples']} truncated ({source['truncated_tokens']} tokens "
+              f"cut), {source['trained_tokens']} trained of {source['tokens']} tokens")
+    policy = "assistant turns only" if recipe.assistant_only_loss else "every text token"
+    print(f"  masks: {policy} (assistant_only_loss: {str(recipe.assistant_only_loss).lower()}); image tokens and "
+          "padding never")
+    print(f"--- length histogram (tokens per training example, max_length {recipe.max_length})")
+    print(histogram([len(ids) for ids in train["input_ids"]], recipe.max_length))
 
 
 def main(argv: list[str] | None = None) -> None:

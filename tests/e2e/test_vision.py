@@ -12,6 +12,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from hftrain.config import load_recipe
 from hftrain.data.vision import load_image_chats, open_image
+from hftrain.merge import merge
 from tests.conftest import REPO, launch, run_script
 
 MODEL = REPO / "models" / "tiny-vlm"
@@ -92,3 +93,13 @@ def test_a_lora_adapter_reproduces_the_logged_eval_loss(tmp_path):
     assert logged["eval_tokens"] == tokens
     assert abs(loss_sum / tokens - logged["eval_loss"]) < 1e-5
     assert logged["eval_loss"] < run.eval_rows()[0]["eval_loss"]
+
+    # merged into the base: a standard image-text folder (weights + processor) that computes what the adapter did
+    record = merge(final, tmp_path / "merged")
+    assert record["merged_into"] == "full-precision base"
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**inputs).logits, model(**inputs).logits, rtol=1e-5, atol=1e-5)
+    again = AutoProcessor.from_pretrained(tmp_path / "merged")(text=[row["text"]], images=images, return_tensors="pt",
+                                                               add_special_tokens=False)
+    assert all(torch.equal(again[k], inputs[k]) for k in inputs)

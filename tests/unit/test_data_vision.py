@@ -2,6 +2,7 @@
 collation, and hftrain's loss against a plain transformers forward of the same processor output."""
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -164,3 +165,23 @@ def test_image_text_models_are_recognised_and_frozen_by_part():
     assert set(unfrozen) - set(targets) == projector
     said = vision.problems(replace(recipe, packing=True, objective="dpo"), config)
     assert len(said) == 2 and "packing" in said[0] and "objective=dpo" in said[1]
+
+
+def test_the_preview_shows_image_rows_with_their_image_tokens_and_masks(capsys, tmp_path, rows):
+    from hftrain.data.__main__ import preview
+
+    preview(["--config", str(REPO / "recipes" / "tiny-vlm.yaml"), "--model_name_or_path", str(MODEL),
+             "--dataset_name", str(DATA), "--validation_split_percentage", "0", "--show", "40"])
+    out = capsys.readouterr().out
+    shown = out.split("--- example ")[1:]
+    assert len(shown) == len(rows)
+    for block in shown:  # the runs of image tokens, collapsed, add up to the example's image token count
+        head, body = block.split("\n", 1)
+        runs = [int(n) for n in re.findall(r"<image>x(\d+)", body)]
+        images = int(re.search(r"(\d+) image\(s\)", head).group(1))
+        assert f"= {sum(runs)} image tokens" in head and sum(runs) == 16 * images  # adjacent images share a run
+        trained = re.findall("⟦(.*?)⟧", body, flags=re.S)
+        assert trained and all(t.endswith("<|im_end|>") and "<image>" not in t for t in trained)
+    assert f"{len(rows)} examples kept with {sum(len(r['images']) for r in rows)} images" in out
+    with pytest.raises(HftrainError, match="--dump"):
+        preview(["--config", str(REPO / "recipes" / "tiny-vlm.yaml"), "--dump", "2", str(tmp_path / "x.jsonl")])
