@@ -226,6 +226,7 @@ class Finetune:
                               f"{self.plan.global_batch} for base_batch_size {recipe.base_batch_size})")
         self.optimizer = build_optimizer(recipe, self.model, self.learning_rate)
         self.model, self.optimizer = self.backend.prepare(self.model, self.optimizer)
+        checkpoint.check_ties(self.backend.unwrap(self.model), f"preparing the model for {self.backend.record.name}")
         self.scheduler = build_scheduler(recipe, self.optimizer, self.total_steps)  # on the optimizer that steps
         if hasattr(self.token_loss, "reference") and hasattr(self.token_loss.reference, "prepare"):
             self.token_loss.reference.prepare(self.backend)  # dpo's frozen copy, placed like the policy

@@ -14,9 +14,16 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, BitsAndBytesConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    PreTrainedModel,
+)
 
 from hftrain import vision
+from hftrain.checkpoint import held_ties
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError, first_line
@@ -344,6 +351,13 @@ class WrapsCausalLM(nn.Module):
         """The layer classes FSDP2 wraps one by one (accelerate reads them from the module it prepares)."""
         return getattr(self.lm, "_no_split_modules", None)
 
+    def tie_weights(self, *args, **kwargs) -> None:
+        """Tie the causal LM's output projection to its input embedding again, where its config says so. accelerate's
+        FSDP2 preparation moves the module it prepares to the meta device, which makes tied parameters two, and then
+        calls this to make them one tensor again, as transformers models do; without it the tied model's head and
+        embedding would be sharded and trained as two copies."""
+        self.lm.tie_weights(*args, **kwargs)
+
 
 class CausalLMTokenLoss(WrapsCausalLM):
     """Wraps a causal LM so that `forward` returns the *sum* of next-token cross-entropies.
@@ -398,9 +412,16 @@ class CausalLMTokenLoss(WrapsCausalLM):
             self.fused_ce = liger_fused_linear_cross_entropy()
 
     def save_pretrained(self, folder, state_dict: dict | None = None, is_main_process: bool = True) -> None:
-        """The causal LM's (or adapter's) from_pretrained folder; `state_dict` as gathered from this wrapper."""
+        """The causal LM's (or adapter's) from_pretrained folder; `state_dict` as gathered from this wrapper.
+
+        A tied output projection is saved once, under its source's name, as transformers saves an unsharded model: a
+        state dict gathered from shards (ZeRO, FSDP2, tensor parallel) holds it as a copy of its own, which
+        transformers' alias removal (by storage) cannot see, and the folder would hold the embedding twice."""
         if state_dict is not None:
             state_dict = {k.removeprefix("lm."): v for k, v in state_dict.items()}
+        if isinstance(self.lm, PreTrainedModel) and (aliases := held_ties(self.lm)):  # an adapter has no head copy
+            state_dict = {k: v for k, v in (self.lm.state_dict() if state_dict is None else state_dict).items()
+                          if k not in aliases}
         self.lm.save_pretrained(folder, state_dict=state_dict, is_main_process=is_main_process)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,

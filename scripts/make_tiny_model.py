@@ -1,7 +1,8 @@
-"""Build a tiny random Llama (or Qwen3-MoE, or LLaVA image-text model) with a locally trained tokenizer and a
-ChatML chat template.
+"""Build a tiny random Llama (or Qwen2, Gemma, Qwen3-MoE, or LLaVA image-text model) with a locally trained tokenizer
+and a ChatML chat template.
 
     python scripts/make_tiny_model.py OUT_DIR [--hidden_size 64 --num_layers 2 --vocab_size 1024 --seed 0]
+    python scripts/make_tiny_model.py OUT_DIR --arch qwen2 --tie   # input and output embeddings tied (one tensor)
     python scripts/make_tiny_model.py OUT_DIR --arch qwen3_moe --tokenizer models/tiny-llama [--num_experts 8 ...]
     python scripts/make_tiny_model.py OUT_DIR --arch llava --tokenizer models/tiny-llama [--image_size 28 ...]
 
@@ -18,6 +19,8 @@ with a `<image>` token added to the tokenizer and a chat template whose message 
 vision format). Its image processor is the Pillow one (CLIPImageProcessorPil): it needs no torchvision.
 `models/tiny-vlm` was made with
 `python scripts/make_tiny_model.py models/tiny-vlm --arch llava --tokenizer models/tiny-llama`.
+With `--tie` the output projection is the input embedding (`tie_word_embeddings: true`, as SmolLM2, Qwen2.5-0.5B,
+Llama-3.2-1B and Gemma ship): the saved file then holds `model.embed_tokens.weight` only.
 """
 
 import argparse
@@ -27,7 +30,15 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GemmaConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3MoeConfig,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -118,7 +129,9 @@ def main() -> None:
     parser.add_argument("--vocab_size", type=int, default=1024)
     parser.add_argument("--max_position_embeddings", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arch", choices=("llama", "qwen3_moe", "llava"), default="llama")
+    parser.add_argument("--arch", choices=("llama", "qwen2", "gemma", "qwen3_moe", "llava"), default="llama")
+    parser.add_argument("--tie", action="store_true", help="tie the output projection to the input embedding "
+                        "(tie_word_embeddings: true)")
     parser.add_argument("--image_size", type=int, default=28, help="llava: image side the processor resizes to")
     parser.add_argument("--patch_size", type=int, default=7, help="llava: vision patch side")
     parser.add_argument("--num_experts", type=int, default=8, help="qwen3_moe: experts per layer")
@@ -142,16 +155,20 @@ def main() -> None:
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=args.tie,
     )
     processor = None
+    dense = dict(intermediate_size=args.hidden_size * 2, num_key_value_heads=args.num_kv_heads or args.num_heads)
     if args.arch == "llava":
         torch.manual_seed(args.seed)
         model, processor = build_llava(tokenizer, shape, args)
         config = model.config
     elif args.arch == "llama":
-        config = LlamaConfig(intermediate_size=args.hidden_size * 2,
-                             num_key_value_heads=args.num_kv_heads or args.num_heads, **shape)
+        config = LlamaConfig(**dense, **shape)
+    elif args.arch == "qwen2":
+        config = Qwen2Config(**dense, **shape)
+    elif args.arch == "gemma":  # head_dim is its own setting in Gemma (256 by default)
+        config = GemmaConfig(**dense, head_dim=args.hidden_size // args.num_heads, **shape)
     else:  # Qwen3-30B-A3B's layout, scaled down: grouped-query attention, every layer sparse, top-k renormalised
         config = Qwen3MoeConfig(
             num_key_value_heads=max(1, args.num_heads // 2),
@@ -177,7 +194,7 @@ def main() -> None:
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
             if (args.tokenizer / name).exists():
                 shutil.copyfile(args.tokenizer / name, args.out_dir / name)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())  # a tied weight once
     print(f"tiny {config.model_type} with {n_params:,} parameters and a {len(tokenizer)}-token tokenizer in "
           f"{args.out_dir}")
 

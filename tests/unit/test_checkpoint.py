@@ -331,3 +331,68 @@ def test_only_fsdp2_writes_in_the_background_by_default():
 
     assert FSDP2Backend.async_checkpoints_by_default is True
     assert not any(b.async_checkpoints_by_default for b in (Backend, DeepSpeedBackend, TensorParallelBackend))
+
+
+# ----------------------------------------------------------------------------- tied embeddings
+class Wrapped(torch.nn.Module):
+    """The loss wrapper's layout: the causal LM under `lm`."""
+
+    def __init__(self, tie: bool):
+        super().__init__()
+        config = transformers.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                          num_attention_heads=2, tie_word_embeddings=tie)
+        self.lm = transformers.LlamaForCausalLM(config)
+
+
+def test_tied_aliases_are_found_by_identity_and_by_the_models_declaration():
+    tied, untied = Wrapped(tie=True), Wrapped(tie=False)
+    assert tied.lm.lm_head.weight is tied.lm.model.embed_tokens.weight  # what transformers built: one tensor
+    assert checkpoint.tied_groups(tied) == [{"lm.model.embed_tokens.weight", "lm.lm_head.weight"}]
+    assert checkpoint.declared_ties(tied) == [("lm.lm_head.weight", "lm.model.embed_tokens.weight")]
+    assert checkpoint.tied_groups(untied) == [] and checkpoint.declared_ties(untied) == []
+    assert checkpoint.broken_ties(tied) == []
+    tied.lm.lm_head.weight = torch.nn.Parameter(tied.lm.lm_head.weight.detach().clone())  # two copies now
+    assert checkpoint.broken_ties(tied) == ["lm.lm_head.weight / lm.model.embed_tokens.weight"]
+    assert checkpoint.tied_groups(tied) == []
+
+
+@pytest.mark.parametrize("kept", ["lm.model.embed_tokens.weight", "lm.lm_head.weight"])
+def test_a_checkpoint_holding_a_tied_weight_under_one_name_matches_the_run(tmp_path, kept):
+    """safetensors keeps a shared tensor once (accelerate's save_state drops the alias): either name restores both."""
+    model = Wrapped(tie=True)
+    state = {k: v for k, v in model.state_dict().items() if k not in checkpoint.tied_groups(model)[0] - {kept}}
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / checkpoint.MODEL_FILE))
+    backend = Backend(OneProcess(), a_recipe(tmp_path))
+    checkpoint._check_saved_weights(backend, model, tmp_path)  # no error
+    # without either name the weight is missing, and both names are reported
+    del state[kept]
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / checkpoint.MODEL_FILE))
+    with pytest.raises(HftrainError, match=r"\(2 missing, e.g. \['lm.lm_head.weight', 'lm.model.embed_tokens"):
+        checkpoint._check_saved_weights(backend, model, tmp_path)
+
+
+def test_a_load_that_unties_the_embeddings_is_refused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    model = Wrapped(tie=True)
+
+    class Untying(OneProcess):
+        def save_state(self, path):
+            from safetensors.torch import save_model
+
+            Path(path).mkdir(parents=True, exist_ok=True)
+            save_model(model, str(Path(path) / "model.safetensors"))  # drops the alias, as accelerate does
+
+        def load_state(self, path, **kwargs):  # a loader that materialised the alias as its own tensor
+            model.lm.lm_head.weight = torch.nn.Parameter(model.lm.lm_head.weight.detach().clone())
+
+    recipe = a_recipe(out)
+    backend = Backend(Untying(), recipe)
+    path = save_checkpoint(backend, out, recipe, Progress(step=1), RUN_INFO)
+    scheduler = build_scheduler(recipe, torch.optim.SGD(model.parameters(), lr=1.0), 4)
+    from hftrain.data import BatchPlan
+
+    with pytest.raises(HftrainError, match="left the model.s tied input and output embeddings as separate tensors"):
+        load_checkpoint(backend, model, scheduler, path, BatchPlan(40, 2, 1, 2, seed=0, shuffle=True))
