@@ -62,6 +62,7 @@ DS_CONFIG_FILE = "ds_config.json"  # the DeepSpeed config actually used, next to
 FULL_STATE_FILE = "full_training_state.pt"  # tensor parallel: gathered model + optimizer state
 REFERENCE_FILE = "reference_log_probs.safetensors"  # dpo with precompute_ref_log_probs: the reference's log-probs
 PREFLIGHT_DIR = ".tmp-preflight"  # output_dir/.tmp-preflight: the checkpoint round trip before step 1, then removed
+STREAM_STATE = "data_stream_process{index}.json"  # streaming: each process's stream position (hftrain.data.streaming)
 UNIVERSAL_PREFIX = ".universal-"  # output_dir/.universal-checkpoint-N: a ZeRO checkpoint converted for another world
 
 
@@ -206,9 +207,11 @@ class BackgroundSaves:
 
 def save_checkpoint(backend, output_dir: Path, recipe: Recipe, progress: Progress, extra: dict,
                     tensors: dict | None = None, saves: BackgroundSaves | None = None,
-                    background: bool = False) -> Path:
+                    background: bool = False, data_state: dict | None = None) -> Path:
     """Save the full training state after `progress.step` steps; every rank must call this. `tensors`: run data
     that a resume needs besides the training state (precomputed reference log-probs), in REFERENCE_FILE.
+    `data_state`: this process's position in a streamed training set (JSON), in STREAM_STATE, written before the
+    manifest so that it is part of the checkpoint.
 
     `saves`: the run's background saves; the one in flight is waited for first. With `background`, the state is
     staged and the returned folder appears when the background write has finished (`saves.wait()`)."""
@@ -227,6 +230,10 @@ def save_checkpoint(backend, output_dir: Path, recipe: Recipe, progress: Progres
             accelerator.save_state(str(tmp), **backend.checkpoint_save_kwargs())
         finally:
             handle.remove()
+    if data_state is not None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        path = tmp / STREAM_STATE.format(index=accelerator.process_index)
+        path.write_text(json.dumps(data_state), encoding="utf-8")
     accelerator.wait_for_everyone()  # every rank's files are written (or staged) before the manifest is made
     if accelerator.is_main_process:
         write_run_files(tmp, recipe, progress, extra)

@@ -198,6 +198,24 @@ class Recipe:
         True, "Collate batches into pinned (page-locked) memory so the copy to the GPU can overlap compute "
         "(non_blocking). CUDA only; no effect on CPU.", group="data",
     )
+    streaming: bool = _f(
+        False, "Stream the training set instead of tokenizing all of it before step 1: a datasets IterableDataset "
+        "(a data file, a folder of data files, a saved datasets folder or a hub id) read, tokenized, masked and packed "
+        "on the fly, with flat memory and start-up; the checkpoint holds the stream's position, so a resume continues "
+        "exactly. Needs max_steps. Ranks read disjoint shards when the shard count is a multiple of the data-parallel "
+        "processes, else every rank reads the whole stream. The eval set stays map-style. See docs/data.md.",
+        group="data",
+    )
+    shuffle_buffer_size: int = _f(
+        1000, "streaming with train_sampling_strategy random: raw examples held in a buffer from which each next one "
+        "is drawn at random (seeded from data_seed; saved in checkpoints). Larger mixes more, costs memory.",
+        group="data",
+    )
+    max_bad_rows: int = _f(
+        10, "streaming: raw examples that cannot be read as the dataset's format (a missing column, a wrong type, no "
+        "assistant turn) are skipped and counted per logging window; past this many the run stops with a checkpoint "
+        "and names the first.", group="data",
+    )
     # ------------------------------------------------------------------------- objective
     objective: str = _f(
         "sft", "What the loop minimises: sft (next-token cross-entropy over trained tokens), dpo (Direct Preference "
@@ -626,6 +644,7 @@ def validate(recipe: Recipe) -> list[str]:
     need(not (r.bf16 and r.fp16), "bf16 and fp16 are both true; choose one")
     need(not (r.fp16 and r.dtype == "bfloat16"), "fp16 mixed precision with dtype=bfloat16 weights; use bf16")
     problems += _validate_data(r)
+    problems += _streaming_problems(r)
     problems += _objective_problems(r)
     problems += _validate_performance(r)
     problems += _monitoring_problems(r)
@@ -663,6 +682,36 @@ def _validate_data(r: Recipe) -> list[str]:
         problems.append(f"chat_template_path {r.chat_template_path!r} is not a file")
     if r.dataset_num_proc is not None and r.dataset_num_proc < 1:
         problems.append(f"dataset_num_proc must be >= 1 or unset, got {r.dataset_num_proc}")
+    return problems
+
+
+def _streaming_problems(r: Recipe) -> list[str]:
+    """`streaming: true` and what a stream of unknown length cannot do."""
+    problems = []
+    if r.shuffle_buffer_size < 1:
+        problems.append(f"shuffle_buffer_size must be >= 1, got {r.shuffle_buffer_size}")
+    if r.max_bad_rows < 0:
+        problems.append(f"max_bad_rows must be >= 0, got {r.max_bad_rows}")
+    if not r.streaming:
+        return problems
+    why = "with streaming: true the training set is a stream of unknown length"
+    if r.max_steps <= 0:
+        problems.append(f"{why}, so epochs cannot be counted: set max_steps")
+    for kind in ("eval", "save"):
+        if getattr(r, f"{kind}_strategy") == "epoch":
+            problems.append(f"{kind}_strategy=epoch: {why}; use {kind}_strategy: steps with {kind}_steps")
+    if r.train_sampling_strategy == "group_by_length":
+        problems.append(f"train_sampling_strategy=group_by_length sorts the whole set by length, but {why}; use "
+                        "random (a shuffle buffer) or sequential")
+    if r.dataset_mixture:
+        problems.append("dataset_mixture with streaming: true is not supported yet; stream one dataset (a folder of "
+                        "data files counts as one) or set streaming: false")
+    if r.precompute_ref_log_probs:
+        problems.append(f"precompute_ref_log_probs computes every training pair's reference once, but {why}; "
+                        "turn one of them off")
+    if r.dataloader_num_workers > 0:
+        problems.append("dataloader_num_workers > 0 with streaming: true is not supported yet (collation runs in the "
+                        "training process); set dataloader_num_workers: 0")
     return problems
 
 

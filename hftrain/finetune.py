@@ -35,6 +35,8 @@ from hftrain.data import (
     training_plan,
     training_rows,
 )
+from hftrain.data.batching import IndexedFeed
+from hftrain.data.streaming import check_resume, load_stream, read_states
 from hftrain.data.vision import ImageChatCollator, load_image_chats
 from hftrain.errors import HftrainError, first_line, run_tool
 from hftrain.metrics import (
@@ -168,11 +170,13 @@ class Finetune:
         self.resume_from = checkpoint.resolve_resume(recipe)
 
     def setup_data(self) -> None:
-        """Tokenizer, datasets, training rows and the batch plan. Before the model: a bad dataset should fail in
-        seconds, not after loading weights."""
+        """Tokenizer, datasets, training rows and the batch plan (`self.feed`: the loop's micro-batches). Before the
+        model: a bad dataset should fail in seconds, not after loading weights."""
         recipe, world = self.recipe, self.dp.world
         self.processor = build_processor(recipe) if is_image_text(self.model_config) else None
         self.tokenizer = build_tokenizer(recipe) if self.processor is None else self.processor.tokenizer
+        if recipe.streaming:
+            return self.setup_stream()
         with phase(self.accelerator, "data preparation", recipe.ddp_timeout), self.accelerator.main_process_first():
             self.train_set, self.eval_set, self.data_stats = self.load_datasets(self.tokenizer)  # rank 0 caches first
         self.rows = training_rows(self.train_set, recipe.packing, recipe.max_length)
@@ -190,9 +194,37 @@ class Finetune:
             self.collator = ImageChatCollator(self.train_set, self.processor, pad)
             self.eval_collator = ImageChatCollator(self.eval_set, self.processor, pad) \
                 if self.eval_set is not None else None
-            return
-        self.collator = Collator(self.train_set, pad, self.rows, packed=recipe.packing)
+        else:
+            self.collator = Collator(self.train_set, pad, self.rows, packed=recipe.packing)
+            self.eval_collator = Collator(self.eval_set, pad) if self.eval_set is not None else None
+        self.feed = IndexedFeed(self.plan, self.collator, self.dp.rank, recipe.dataloader_num_workers,
+                                recipe.dataloader_pin_memory)
+        self.stream_state = None
+        self.data_line = (f"({self.plan.steps_per_epoch} per epoch)", f"{len(self.train_set)} training examples in "
+                          f"{len(self.rows)} rows")
+
+    def setup_stream(self) -> None:
+        """streaming: the feed reads the training set on the fly (hftrain.data.streaming); a resumed run continues from
+        the checkpoint's stream position, checked here, before the model loads."""
+        recipe = self.recipe
+        if self.processor is not None:
+            raise HftrainError(f"streaming: true with an image-text model ({recipe.model_name_or_path}) is not "
+                               "supported yet: image chats are encoded by the processor from a map-style set; set "
+                               "streaming: false")
+        with phase(self.accelerator, "data preparation", recipe.ddp_timeout), self.accelerator.main_process_first():
+            self.feed, self.eval_set, self.data_stats = load_stream(recipe, self.tokenizer, self.dp.rank, self.dp.world)
+        self.plan, self.total_steps = self.feed.plan, recipe.max_steps
+        self.train_set, self.rows = None, None
+        pad = pad_token_id(self.tokenizer)
+        self.collator = self.feed.collator
+        self.collator.pad_token_id = pad
         self.eval_collator = Collator(self.eval_set, pad) if self.eval_set is not None else None
+        self.stream_state = None
+        if self.resume_from is not None:
+            saved = read_states(self.resume_from, checkpoint.STREAM_STATE.format(index="*"))
+            self.stream_state = check_resume(saved, self.dp.world, self.feed.disjoint, self.plan.global_batch,
+                                             self.dp.rank, self.resume_from)
+        self.data_line = ("(one endless epoch)", self.feed.description)
 
     def setup_model(self) -> None:
         """The builder's model (full, LoRA, QLoRA: decided in hftrain.model), wrapped to return summed token losses."""
@@ -237,6 +269,7 @@ class Finetune:
                                                                 self.resume_from, self.plan)
             if self.lr_scaling is not None:  # the peak follows this run's effective batch, not the saved run's
                 set_peak_learning_rate(self.scheduler, self.learning_rate)
+        self.feed.start(self.progress.step, self.stream_state)  # a stream continues from the checkpoint's position
         self.saves = checkpoint.BackgroundSaves(self.backend, self.model, self.optimizer, recipe.async_checkpointing)
         if recipe.async_checkpointing and not self.saves.enabled:
             self.notes.append(f"checkpoints are saved synchronously: {self.backend.synchronous_checkpoints()}")
@@ -303,9 +336,9 @@ class Finetune:
             f"hftrain: {self.backend.record.describe()} on {self.accelerator.device}, model wrapped as "
             f"{self.run_info['launch']['model_wrapper']}; effective batch {plan.global_batch} = "
             f"{recipe.per_device_train_batch_size} per device x {self.dp.world} x {recipe.gradient_accumulation_steps} "
-            f"accumulation; {self.total_steps} optimizer steps ({plan.steps_per_epoch} per epoch); "
+            f"accumulation; {self.total_steps} optimizer steps {self.data_line[0]}; "
             f"{self.summary['method']} fine-tuning, {trained:,} of {total:,} parameters trained; "
-            f"{len(self.train_set)} training examples in {len(self.rows)} rows{resuming}"
+            f"{self.data_line[1]}{resuming}"
         )
         for note in self.notes + self.objective_notes():
             self.logger.print(f"hftrain: {note}")
@@ -357,9 +390,7 @@ class Finetune:
         try:
             with StopRequest() as stop, phase(self.accelerator, step_name, recipe.ddp_timeout):
                 while progress.step < self.total_steps:
-                    order = self.plan.micro_batches(progress.epoch, self.dp.rank, progress.step_in_epoch)
-                    batches = iter(make_loader(order, self.collator, recipe.dataloader_num_workers,
-                                               pin_memory=recipe.dataloader_pin_memory))
+                    batches = self.feed.batches(progress)
                     while progress.step_in_epoch < self.plan.steps_per_epoch and progress.step < self.total_steps:
                         self.after_step(self.train_step(batches, stop))
                     if progress.step_in_epoch >= self.plan.steps_per_epoch:
@@ -389,14 +420,20 @@ class Finetune:
         # backward divides by `accum` (accelerate, or DeepSpeed's engine): world * accum undoes both. The same
         # collective carries each rank's stop request, so all ranks stop at the same step. All int64: a float32 count
         # would stop being exact above 2**24 tokens per step.
+        # The data votes too: a stream past max_bad_rows on any rank stops every rank at this step.
         local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
                              sum(b.pop("num_examples") for b in micro_batches),
                              sum(self.token_loss.loss_units(b) for b in micro_batches),
-                             torch.tensor(int(stop.requested), device=accelerator.device)])
-        step_tokens, step_examples, step_units, stop_votes = self.dp.sum(local)
-        if stop_votes > 0:
+                             torch.tensor(int(stop.requested), device=accelerator.device),
+                             torch.tensor(int(self.feed.stop_reason is not None), device=accelerator.device)])
+        step_tokens, step_examples, step_units, stop_votes, data_votes = self.dp.sum(local)
+        if stop_votes > 0 or data_votes > 0:
             with phase(accelerator, "the preemption checkpoint", recipe.ddp_timeout):
                 saved = self.save_checkpoint()
+            if data_votes > 0:
+                reason = self.feed.stop_reason or "the training stream of another rank passed max_bad_rows"
+                raise HftrainError(f"{reason}. The state after step {self.progress.step} is in {saved}: fix or remove "
+                                   "the bad examples, or raise max_bad_rows, and resume from it")
             raise Preempted(stop.name or "a signal on another rank", self.progress.step, str(saved))
         scale = self.dp.world * accum / step_units.clamp(min=1)
         learning_rate = self.optimizer.param_groups[0]["lr"]
@@ -491,6 +528,7 @@ class Finetune:
             "grad_norm": step.grad_norm,
             "trained_tokens": progress.trained_tokens,
             "nan_skipped_steps": progress.nan_skipped_steps,
+            **self.feed.window_metrics(self.dp),
             **self.meter.window(model=self.model, step=progress.step, loss=loss, grad_norm=step.grad_norm,
                                 local_loss_sum=window.loss, global_tokens=window.tokens,
                                 global_examples=window.examples),
@@ -514,7 +552,8 @@ class Finetune:
         """checkpoint-N of the current state; the save in flight is waited for first. `background`: return once the
         state is staged (async_checkpointing), the folder appears when it is written."""
         return checkpoint.save_checkpoint(self.backend, self.output_dir, self.recipe, self.progress,
-                                          self.current_run_info(), self.reference_log_probs, self.saves, background)
+                                          self.current_run_info(), self.reference_log_probs, self.saves, background,
+                                          self.feed.state_dict(self.progress.step))
 
     # ------------------------------------------------------------------------------------------ finish
     def finish(self) -> Path:

@@ -212,3 +212,29 @@ def make_loader(batches: Iterator[list[int]] | list[list[int]], collator: Collat
         list(batches), batch_size=None, shuffle=False, collate_fn=collator, num_workers=num_workers,
         generator=torch.Generator(), pin_memory=pin_memory and torch.cuda.is_available(),
     )
+
+
+class IndexedFeed:
+    """A map-style training set's micro-batches for the loop: this rank's part of the BatchPlan, collated (possibly in
+    worker processes). The same interface as `streaming.StreamFeed`: the position lives in the progress counters, so
+    a checkpoint needs no data state."""
+
+    stop_reason = None  # map-style data is checked whole before step 1
+
+    def __init__(self, plan: BatchPlan, collator: Collator, rank: int, num_workers: int, pin_memory: bool):
+        self.plan, self.collator, self.rank = plan, collator, rank
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+
+    def batches(self, progress) -> Iterator[dict]:
+        """The micro-batches of the rest of the current epoch."""
+        order = self.plan.micro_batches(progress.epoch, self.rank, progress.step_in_epoch)
+        return iter(make_loader(order, self.collator, self.num_workers, pin_memory=self.pin_memory))
+
+    def start(self, step: int, state: None) -> None:
+        """Nothing to restore: BatchPlan finds the position from the progress counters."""
+
+    def state_dict(self, step: int) -> None:
+        return None
+
+    def window_metrics(self, dp) -> dict:
+        return {}

@@ -43,7 +43,7 @@ def described(record: Parallelism | None = None, resume_from: Path | None = None
     run.run_info = {"memory_estimate": MEMORY, "launch": {"model_wrapper": "CausalLMTokenLoss"}}
     run.parameters, run.total_steps, run.notes = (1_000, 160_000), 10, list(notes)
     run.summary = {"method": "full"}
-    run.train_set, run.rows = range(40), range(40)
+    run.data_line = ("(5 per epoch)", "40 training examples in 40 rows")  # what setup_data says of map-style data
     run.resume_from, run.progress = resume_from, SimpleNamespace(step=6)
     run.logger = Printed()
     run.describe_run()

@@ -12,10 +12,14 @@ final_save:   saving the final model's tokenizer raises (a full disk, a library 
 final_eval:   the final evaluation raises (bitsandbytes' CPU inference path did on some shapes).
 unloadable_checkpoint: loading a checkpoint raises (a strategy whose state cannot be read back).
 no_op_load:   loading a checkpoint silently restores nothing.
+sigterm_after_step_3: rank 1 (rank 0 with one process) sends itself SIGTERM right after its 3rd optimizer step, so
+              the stop is voted on in step 4, after step 4's micro-batches were taken (a streamed run must save the
+              position before them).
 Faults live here, in the test tree, never in the product code: `FaultyRank` overrides the phase object's seams.
 """
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -94,6 +98,12 @@ class FaultyRank(Finetune):
                         inner.param_groups[0]["params"][0].add_(1e-3)
 
             inner.step = before_each_call(inner.step, drift_after_third)
+
+    def after_step(self, step):
+        super().after_step(step)
+        if "sigterm_after_step_3" in faults and rank == min(1, self.accelerator.num_processes - 1) \
+                and self.progress.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 main(runner=FaultyRank)

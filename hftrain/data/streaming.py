@@ -1,0 +1,538 @@
+"""Streaming training data (`streaming: true`): read, tokenized and packed on the fly, resumed exactly.
+
+The training set is a `datasets.IterableDataset` of raw examples (local data files, a folder of them, a saved
+`datasets` folder or a hub id; `load_dataset(..., streaming=True)` / `to_iterable_dataset`). Nothing is tokenized
+or cached before step 1: `RowStream` pulls raw examples one at a time, through an optional seeded shuffle buffer,
+tokenizes and masks each with the same code as map-style data (`tokenize.tokenize_rows` / `tokenize_pair`), drops
+rows without a trained token (counted), packs rows on the fly when `packing` is on, and hands out training rows.
+
+Ranks. With a shard count divisible by the data-parallel world, `split_dataset_by_node(strategy="shards")` gives
+each rank its own shards: each rank streams, shuffles and packs its own rows and takes
+per_device_train_batch_size x gradient_accumulation_steps of them per step. Otherwise (one file, say) every rank
+reads and tokenizes the whole stream and keeps its slice of each global batch exactly as `BatchPlan` slices a
+map-style global batch, so a streamed run with sequential order and no packing trains the rows of the map-style
+run, and 2 processes train the rows of 1 process with the same global batch. (datasets' own "examples" split keeps
+one raw example in world; that would give other rows to each rank than the map-style plan does.)
+
+Exact resume. A checkpoint holds, per rank, the stream's state at the step boundary (`StreamFeed.state_dict`):
+datasets' `state_dict()` of the raw stream (position in shards and examples; on resume datasets skips whole shards
+and re-reads the current shard up to the position without decoding it into examples, and nothing is tokenized
+again), the shuffle buffer's raw examples and its generator state, rows already tokenized but not yet trained (an
+expanded conversation's later turns), the partly filled packs, and the counters. A resumed run trains exactly the
+rows the uninterrupted run would have. When the stream ends the next pass starts from its beginning (the shuffle
+buffer's generator goes on, so a shuffled pass differs from the previous one).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import pyarrow.parquet as pq
+import torch
+from datasets.distributed import split_dataset_by_node
+
+from hftrain.data.batching import Collator
+from hftrain.data.formats import detect_format
+from hftrain.data.sources import CHAT_FORMATS, FILE_BUILDERS, _check_objective, _renamed, load_raw
+from hftrain.data.tokenize import DataSpec, prepare_chat_template, tokenize_dataset, tokenize_pair, tokenize_rows
+from hftrain.errors import HftrainError, first_line
+
+PACK_OPEN_ROWS = 8  # packing on the fly: rows filled at once (best fit among them); the fullest leaves past this
+
+
+# ----------------------------------------------------------------------------------------------- sources
+def _data_files(path: Path) -> list[str] | None:
+    """The data files a local file or folder of files stands for (None: not local data files)."""
+    if path.is_file():
+        return [str(path)]
+    if path.is_dir() and not ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in FILE_BUILDERS)
+        return [str(p) for p in files] or None
+    return None
+
+
+def _count_rows(files: list[str]) -> int | None:
+    """Rows in local .jsonl / .parquet files without decoding them (None for other kinds)."""
+    total = 0
+    for name in files:
+        suffix = Path(name).suffix.lower()
+        if suffix == ".jsonl":
+            with open(name, "rb") as f:
+                total += sum(1 for line in f if line.strip())
+        elif suffix == ".parquet":
+            total += pq.ParquetFile(name).metadata.num_rows
+        else:
+            return None
+    return total
+
+
+@dataclass
+class StreamSource:
+    """One streamed dataset: how to open it (once per pass) and what is known about it before reading it."""
+
+    name: str
+    open: Callable[[], object]  # -> a fresh datasets.IterableDataset of raw examples (columns renamed)
+    num_shards: int
+    num_rows: int | None  # known without reading (local .jsonl/.parquet, saved folders), else None
+
+
+def stream_source(name: str, config: str | None, split: str, columns: dict[str, str]) -> StreamSource:
+    path = Path(name).expanduser()
+
+    def renamed(raw):
+        return raw.rename_columns(columns) if columns else raw
+
+    try:
+        files = _data_files(path)
+        if files is not None:
+            kinds = {FILE_BUILDERS.get(Path(f).suffix.lower()) for f in files}
+            if None in kinds or len(kinds) != 1:
+                raise HftrainError(f"dataset {name!r}: streamed data files must share one of the extensions "
+                                   f"{', '.join(FILE_BUILDERS)}")
+            builder = kinds.pop()
+
+            def open_files():
+                return renamed(datasets.load_dataset(builder, data_files=files, split="train", streaming=True))
+
+            return StreamSource(name, open_files, len(files), _count_rows(files))
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise HftrainError(f"saved dataset {name!r} has splits {list(loaded)}, not {split!r}")
+                loaded = loaded[split]
+            shards = max(1, len(loaded.cache_files))  # one shard per saved arrow file
+
+            def open_saved():
+                return renamed(loaded.to_iterable_dataset(num_shards=shards))
+
+            return StreamSource(name, open_saved, shards, len(loaded))
+        probe = datasets.load_dataset(name, config, split=split, streaming=True)
+        known = probe.info.splits.get(split) if probe.info and probe.info.splits else None
+
+        def open_hub():
+            return renamed(datasets.load_dataset(name, config, split=split, streaming=True))
+
+        return StreamSource(name, open_hub, probe.num_shards, known.num_examples if known else None)
+    except HftrainError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types: one message
+        raise HftrainError(
+            f"cannot stream dataset {name!r} (split {split!r}): {first_line(exc)}. Give an existing data file, a "
+            "folder of data files, a saved datasets folder, or a hub id reachable from this machine"
+        ) from None
+
+
+# ----------------------------------------------------------------------------------------------- rows
+class RowStream:
+    """Training rows of one reader (one rank, or every rank alike): raw examples -> shuffle buffer -> tokenized rows
+    -> packed rows, with its whole position in `state()` / `load_state()`.
+
+    A row is a list of examples ({input_ids, labels} and, for preference pairs, the rejected side): one example, or
+    several packed into max_length tokens. Bad raw examples (a missing column, a wrong type, no assistant turn) are
+    skipped and counted; rows without a trained token after truncation are dropped and counted, as map-style data
+    does.
+    """
+
+    def __init__(self, open_pass: Callable[[], object], tokenize: Callable[[dict, int], list[dict]], *,
+                 shuffle_buffer: int, seed: int, packing: bool, max_length: int, skip: int = 0):
+        self.open_pass, self.tokenize = open_pass, tokenize
+        self.shuffle_buffer, self.packing, self.max_length, self.skip = shuffle_buffer, packing, max_length, skip
+        self.rng = random.Random(seed)
+        self.passes = 0  # passes over the source completed
+        self.read = 0  # raw examples read in this pass (the next one's index in the source, carve-out included)
+        self.raw = None  # the pass's IterableDataset, its iterator and whether it ended
+        self.raw_iter: Iterator | None = None
+        self.source_done = False
+        self.buffer: list[tuple[int, dict]] = []  # shuffle buffer: (index, raw example)
+        self.pending: list[dict] = []  # tokenized rows of the last raw example not yet handed out
+        self.open_rows: list[list[dict]] = []  # packing: rows being filled
+        self.ready: list[list[dict]] = []  # packing: finished rows, in the order they are handed out
+        self.counts = {"examples": 0, "rows": 0, "bad": 0, "dropped": 0}  # since the start of the run
+        self.first_bad: str | None = None
+        self.raw_state: dict | None = None  # datasets' state to resume the pass from (set by load_state)
+
+    # ---------------------------------------------------------------- raw examples
+    def _next_source(self) -> tuple[int, dict] | None:
+        if self.source_done:
+            return None
+        if self.raw_iter is None:
+            self.raw = self.open_pass()
+            if self.raw_state is not None:
+                self.raw.load_state_dict(self.raw_state)
+                self.raw_state = None
+            self.raw_iter = iter(self.raw)
+        while True:
+            try:
+                example = next(self.raw_iter)
+            except StopIteration:
+                self.source_done = True
+                return None
+            index, self.read = self.read, self.read + 1
+            if index >= self.skip:  # the first `skip` examples are the eval carve-out
+                return index, example
+
+    def _next_raw(self) -> tuple[int, dict] | None:
+        """The next raw example of this pass (through the shuffle buffer), None at the end of the pass."""
+        if self.shuffle_buffer <= 1:
+            return self._next_source()
+        while len(self.buffer) < self.shuffle_buffer:
+            item = self._next_source()
+            if item is None:
+                break
+            self.buffer.append(item)
+        if not self.buffer:
+            return None
+        i = self.rng.randrange(len(self.buffer))
+        item = self.buffer[i]
+        self.buffer[i] = self.buffer[-1]
+        self.buffer.pop()
+        return item
+
+    def _new_pass(self) -> None:
+        self.passes += 1
+        self.read, self.raw, self.raw_iter, self.source_done, self.raw_state = 0, None, None, False, None
+
+    # ---------------------------------------------------------------- tokenized rows
+    def _next_example(self) -> dict:
+        """The next tokenized example; a new pass starts when the source ends."""
+        empty_passes = 0
+        while not self.pending:
+            item = self._next_raw()
+            if item is None:
+                empty_passes += 1
+                if empty_passes > 1 or (self.passes and not self.counts["rows"]):
+                    raise HftrainError(self._empty_message())
+                self._new_pass()
+                continue
+            empty_passes = 0
+            index, example = item
+            self.counts["examples"] += 1
+            try:
+                rows = self.tokenize(example, index)
+            except HftrainError as exc:
+                self.counts["bad"] += 1
+                if self.first_bad is None:
+                    self.first_bad = f"pass {self.passes + 1}, example {index}: {exc}"
+                continue
+            kept = [row for row in rows if not row["dropped"]]
+            self.counts["dropped"] += len(rows) - len(kept)
+            self.pending = [{k: v for k, v in row.items() if k.endswith(("input_ids", "labels"))} for row in kept]
+        return self.pending.pop(0)
+
+    def _empty_message(self) -> str:
+        bad = f"; the first bad one: {self.first_bad}" if self.first_bad else ""
+        return (f"the training stream holds no usable example ({self.counts['examples']} read, {self.counts['bad']} "
+                f"bad, {self.counts['dropped']} without a trained token after truncation to max_length="
+                f"{self.max_length}){bad}")
+
+    def next_row(self) -> list[dict]:
+        """The next training row: one example, or with packing several whose tokens fit max_length."""
+        if not self.packing:
+            row = [self._next_example()]
+        else:
+            row = self._next_packed()
+        self.counts["rows"] += 1
+        return row
+
+    def _next_packed(self) -> list[dict]:
+        """Best fit on the fly: each example joins the fullest open row it fits in (or opens one); a row that is full,
+        or the fullest when more than PACK_OPEN_ROWS are open, is finished. A row finished first is handed out
+        first; at the end of a pass every open row is finished, oldest first."""
+        while not self.ready:
+            end_of_pass = not self.pending and self.source_done and (self.shuffle_buffer <= 1 or not self.buffer)
+            if end_of_pass and self.open_rows:
+                self.ready, self.open_rows = self.open_rows, []
+                break
+            example = self._next_example()
+            length = len(example["input_ids"])
+            room = [(self.max_length - self._tokens(row), i) for i, row in enumerate(self.open_rows)]
+            fits = [(free, i) for free, i in room if free >= length]
+            if fits:
+                _, i = min(fits)
+                self.open_rows[i].append(example)
+            else:
+                self.open_rows.append([example])
+                i = len(self.open_rows) - 1
+            if self._tokens(self.open_rows[i]) >= self.max_length:
+                self.ready.append(self.open_rows.pop(i))
+            elif len(self.open_rows) > PACK_OPEN_ROWS:
+                fullest = max(range(len(self.open_rows)), key=lambda k: (self._tokens(self.open_rows[k]), -k))
+                self.ready.append(self.open_rows.pop(fullest))
+        return self.ready.pop(0)
+
+    @staticmethod
+    def _tokens(row: list[dict]) -> int:
+        return sum(len(example["input_ids"]) for example in row)
+
+    # ---------------------------------------------------------------- position
+    def state(self) -> dict:
+        """Everything needed to continue from here: plain JSON-able values (copies of the lists, not the rows)."""
+        raw = self.raw.state_dict() if self.raw is not None else self.raw_state
+        return {"passes": self.passes, "read": self.read, "raw": raw, "source_done": self.source_done,
+                "buffer": list(self.buffer), "rng": self.rng.getstate(), "pending": list(self.pending),
+                "open_rows": [list(row) for row in self.open_rows], "ready": list(self.ready),
+                "counts": dict(self.counts), "first_bad": self.first_bad}
+
+    def load_state(self, state: dict) -> None:
+        self.passes, self.read, self.source_done = state["passes"], state["read"], state["source_done"]
+        self.raw, self.raw_iter, self.raw_state = None, None, state["raw"]
+        self.buffer = [tuple(item) for item in state["buffer"]]
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.pending, self.open_rows, self.ready = state["pending"], state["open_rows"], state["ready"]
+        self.counts, self.first_bad = dict(state["counts"]), state["first_bad"]
+
+
+# ----------------------------------------------------------------------------------------------- batches
+class _Columns:
+    """A list of examples seen as the column view `Collator` reads (`column_names`, `dataset[indices]`)."""
+
+    def __init__(self, examples: list[dict], paired: bool):
+        self.examples = examples
+        self.column_names = ["input_ids", "labels"] + (["rejected_input_ids", "rejected_labels"] if paired else [])
+
+    def __getitem__(self, indices: list[int]) -> dict[str, list]:
+        return {key: [self.examples[i][key] for i in indices] for key in self.column_names}
+
+
+class StreamCollator:
+    """`Collator` for micro-batches given as rows (lists of examples) instead of row indices."""
+
+    def __init__(self, pad_token_id: int, packed: bool, paired: bool):
+        self.pad_token_id, self.packed, self.paired = pad_token_id, packed, paired
+        self.mark_real_tokens = False
+        self.reference = None  # precomputed reference log-probs are refused with streaming
+
+    def __call__(self, rows: list[list[dict]]):
+        examples = [example for row in rows for example in row]
+        groups, start = [], 0
+        for row in rows:
+            groups.append(list(range(start, start + len(row))))
+            start += len(row)
+        collator = Collator(_Columns(examples, self.paired), self.pad_token_id, groups, packed=self.packed)
+        collator.mark_real_tokens = self.mark_real_tokens
+        return collator(list(range(len(rows))))
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """The batch layout of a streamed run (the `BatchPlan` fields the loop and checkpoints read): one endless epoch."""
+
+    micro_batch: int
+    world: int
+    accum: int
+    num_examples: int = 2**62  # unknown: the stream goes on (a new pass after its end)
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.world * self.accum
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_examples
+
+
+STATE_VERSION = 1
+
+
+class StreamFeed:
+    """This rank's micro-batches of a streamed training set, and the stream's position at every step boundary.
+
+    `disjoint`: this rank reads its own shards (split_dataset_by_node) and takes micro_batch x accum rows per step;
+    otherwise every rank reads the whole stream, takes global batches of micro_batch x world x accum rows and keeps
+    micro-batch j's slice [(j x world + rank) x micro_batch, + micro_batch), as BatchPlan does.
+    """
+
+    def __init__(self, stream: RowStream, collator: StreamCollator, plan: StreamPlan, rank: int, disjoint: bool,
+                 max_bad_rows: int, description: str):
+        self.stream, self.collator, self.plan, self.rank, self.disjoint = stream, collator, plan, rank, disjoint
+        self.max_bad_rows, self.description = max_bad_rows, description
+        self.steps_read = 0  # steps whose rows were taken from the stream
+        self.snapshots: dict[int, dict] = {}  # steps done -> the stream's state then (the last two)
+        self.logged = {"examples": 0, "bad": 0, "dropped": 0}
+
+    def start(self, step: int, state: dict | None) -> None:
+        """Continue after `step` optimizer steps, from a checkpoint's stream state (None: the beginning)."""
+        self.steps_read = step
+        if state is not None:
+            self.stream.load_state(state["stream"])
+        self.logged = {k: self.stream.counts[k] for k in self.logged}
+
+    def batches(self, progress) -> Iterator[dict]:
+        """Collated micro-batches from the current position on (endless)."""
+        plan, readers = self.plan, 1 if self.disjoint else self.plan.world
+        place = 0 if self.disjoint else self.rank
+        while True:
+            self.snapshots = {self.steps_read: self.stream.state(),
+                              **{k: v for k, v in self.snapshots.items() if k == self.steps_read - 1}}
+            rows = [self.stream.next_row() for _ in range(plan.micro_batch * readers * plan.accum)]
+            self.steps_read += 1
+            for j in range(plan.accum):
+                first = (j * readers + place) * plan.micro_batch
+                yield self.collator(rows[first:first + plan.micro_batch])
+
+    def state_dict(self, step: int) -> dict:
+        """The stream's position after `step` optimizer steps (the rows of a step taken but not trained are not in
+        it), with what a resume checks it against."""
+        state = self.stream.state() if step == self.steps_read else self.snapshots.get(step)
+        if state is None:
+            raise RuntimeError(f"no stream state for step {step} (rows taken for {self.steps_read} steps)")
+        return {"version": STATE_VERSION, "rank": self.rank, "world": self.plan.world, "disjoint": self.disjoint,
+                "global_batch": self.plan.global_batch, "stream": state}
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run must stop (max_bad_rows passed), or None."""
+        if self.stream.counts["bad"] > self.max_bad_rows:
+            return (f"the training stream has {self.stream.counts['bad']} bad examples, more than max_bad_rows="
+                    f"{self.max_bad_rows}; the first: {self.stream.first_bad}")
+        return None
+
+    def window_metrics(self, dp) -> dict:
+        """Raw examples read, bad examples and dropped rows since the last logged row, over the data-parallel ranks
+        (every rank counts the same examples when they all read the whole stream)."""
+        counts = self.stream.counts
+        local = torch.tensor([counts[k] - self.logged[k] for k in self.logged], dtype=torch.float64,
+                             device=dp.accelerator.device)
+        self.logged = {k: counts[k] for k in self.logged}
+        total = dp.sum(local).cpu() / (1 if self.disjoint else dp.world)
+        return {"stream_examples": int(total[0]), "stream_bad_rows": int(total[1]),
+                "stream_dropped_rows": int(total[2])}
+
+
+def check_resume(saved: list[dict], world: int, disjoint: bool, global_batch: int, rank: int, path) -> dict:
+    """The saved stream state this rank continues from, or HftrainError saying why the checkpoint cannot continue the
+    stream exactly. `saved`: the states of every rank of the saved run."""
+    if not saved:
+        raise HftrainError(f"checkpoint {path} holds no stream position (it was saved by a map-style run); resume it "
+                           "with streaming: false, or start the streamed run afresh")
+    first = saved[0]
+    if first["version"] != STATE_VERSION:
+        raise HftrainError(f"checkpoint {path} holds a stream position of format {first['version']}; this hftrain "
+                           f"reads format {STATE_VERSION}")
+    if first["disjoint"] or disjoint:
+        if not (first["disjoint"] and disjoint and first["world"] == world):
+            saved_how = (f"{first['world']} ranks reading disjoint shards" if first["disjoint"]
+                         else "every rank reading the whole stream")
+            now_how = f"{world} ranks reading disjoint shards" if disjoint else "every rank reading the whole stream"
+            raise HftrainError(
+                f"checkpoint {path} was saved with {saved_how}; this run would have {now_how}, so the shards would be "
+                "assigned to other ranks and no rank's position would carry over. Resume with the saved number of "
+                f"data-parallel processes ({first['world']})"
+            )
+        return next(s for s in saved if s["rank"] == rank)
+    if first["global_batch"] != global_batch:
+        raise HftrainError(
+            f"checkpoint {path} was saved with a global batch of {first['global_batch']} rows per step, this run takes "
+            f"{global_batch}: the stream position is exact only with the same global batch "
+            "(per_device_train_batch_size x processes x gradient_accumulation_steps); keep it"
+        )
+    return first  # every rank read the whole stream: the ranks' states are the same
+
+
+# ----------------------------------------------------------------------------------------------- setup
+def _is_chat_example(fmt: str, example: dict) -> bool:
+    first = "chosen" if fmt == "preference" else "prompt"
+    return fmt in CHAT_FORMATS or (fmt in ("prompt_completion", "preference") and isinstance(example.get(first), list))
+
+
+def _first_example(source: StreamSource) -> dict:
+    try:
+        return next(iter(source.open()))
+    except StopIteration:
+        raise HftrainError(f"dataset {source.name!r} is empty") from None
+    except Exception as exc:  # noqa: BLE001
+        raise HftrainError(f"cannot read dataset {source.name!r}: {first_line(exc)}") from None
+
+
+def load_stream(recipe, tokenizer, rank: int, world: int):
+    """(StreamFeed, map-style eval set or None, stats) for `streaming: true`."""
+    spec = DataSpec.from_recipe(recipe)
+    source = stream_source(recipe.dataset_name, recipe.dataset_config, recipe.dataset_train_split,
+                           recipe.dataset_columns)
+    first = _first_example(source)
+    fmt = detect_format(list(first), recipe.dataset_format, spec.text_field, spec.messages_field, source.name)
+    _check_objective(recipe, fmt, source.name)
+
+    eval_raw, eval_fmt, held_out = None, None, 0
+    if recipe.eval_dataset_name:
+        eval_raw = _renamed(load_raw(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split),
+                            recipe.dataset_columns, recipe.eval_dataset_name)
+        eval_fmt = detect_format(eval_raw.column_names, recipe.dataset_format, spec.text_field, spec.messages_field,
+                                 recipe.eval_dataset_name)
+        _check_objective(recipe, eval_fmt, recipe.eval_dataset_name)
+    elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
+        if source.num_rows is None:
+            raise HftrainError(
+                f"streaming dataset {source.name!r} has no known length, so validation_split_percentage="
+                f"{recipe.validation_split_percentage} cannot be taken from it; set eval_dataset_name, or "
+                "validation_split_percentage: 0"
+            )
+        held_out = max(1, int(source.num_rows * recipe.validation_split_percentage / 100))
+        eval_raw, eval_fmt = datasets.Dataset.from_list(list(source.open().take(held_out))), fmt
+
+    disjoint = world > 1 and source.num_shards % world == 0
+    if disjoint and held_out:
+        raise HftrainError(
+            f"streaming dataset {source.name!r} has {source.num_shards} shards, which {world} ranks read disjointly, "
+            "so the eval carve-out (the stream's first examples) cannot be skipped by every rank alike; set "
+            "eval_dataset_name, or validation_split_percentage: 0"
+        )
+    needs_chat = _is_chat_example(fmt, first) or (eval_raw is not None and len(eval_raw) > 0
+                                                  and _is_chat_example(eval_fmt, eval_raw[0]))
+    template_note = prepare_chat_template(tokenizer, recipe.chat_template_path, needs_chat)
+
+    def open_pass():
+        raw = source.open()
+        if recipe.max_samples is not None:
+            raw = raw.take(held_out + recipe.max_samples)
+        return split_dataset_by_node(raw, rank, world, strategy="shards") if disjoint else raw
+
+    name = source.name
+
+    def tokenize(example: dict, index: int) -> list[dict]:
+        if fmt == "preference":
+            return [tokenize_pair(example, index, tokenizer, spec, name)]
+        return tokenize_rows(example, index, tokenizer, spec, fmt, name)
+
+    sequential = recipe.train_sampling_strategy == "sequential"
+    stream = RowStream(open_pass, tokenize, shuffle_buffer=1 if sequential else recipe.shuffle_buffer_size,
+                       seed=recipe.order_seed * 1_000_003 + (rank if disjoint else 0), packing=recipe.packing,
+                       max_length=recipe.max_length, skip=held_out)
+    plan = StreamPlan(recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps)
+    order = "in the files' order" if sequential else f"through a shuffle buffer of {recipe.shuffle_buffer_size}"
+    if disjoint:
+        reading = (f"{world} ranks read disjoint shards ({source.num_shards // world} of {source.num_shards} each)")
+    elif world > 1:
+        reading = (f"every rank reads and tokenizes all {source.num_shards} shard(s) ({source.num_shards} is not a "
+                   f"multiple of {world} ranks) and keeps its slice of each global batch")
+    else:
+        reading = f"one rank reads {source.num_shards} shard(s)"
+    packed = ", packed on the fly" if recipe.packing else ""
+    description = f"streaming {name!r} ({fmt}): {reading}, {order}{packed}, tokenized on the fly"
+    collator = StreamCollator(0, recipe.packing, fmt == "preference")
+    feed = StreamFeed(stream, collator, plan, rank, disjoint, recipe.max_bad_rows, description)
+
+    evaluation, stats = None, {"streaming": {"source": name, "format": fmt, "shards": source.num_shards,
+                                             "rows": source.num_rows, "disjoint_shards": disjoint,
+                                             "eval_held_out": held_out},
+                               "chat_template": template_note, "sources": []}
+    if eval_raw is not None:
+        evaluation, eval_stats = tokenize_dataset(eval_raw, tokenizer, spec, eval_fmt,
+                                                  recipe.eval_dataset_name or f"{name} (eval)",
+                                                  recipe.dataset_num_proc)
+        stats["eval"] = eval_stats
+    stats["eval_examples"] = len(evaluation) if evaluation is not None else 0
+    return feed, evaluation, stats
+
+
+def read_states(folder: Path, pattern: str) -> list[dict]:
+    """Every rank's saved stream state in a checkpoint folder (files named by `pattern` with a `*`)."""
+    return sorted((json.loads(p.read_text(encoding="utf-8")) for p in folder.glob(pattern)),
+                  key=lambda s: s["rank"])

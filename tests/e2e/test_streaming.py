@@ -1,0 +1,167 @@
+"""streaming: true trains the rows of the map-style run and resumes exactly.
+
+Runs shared by the assertions (module fixtures):
+- `mapped` and `streamed`: one process, chat data, sequential order, no packing, the same global batch of 4 rows
+  (2 per micro-batch x 2 accumulation): the streamed run must equal the map-style run (hftrain's map-style data is
+  itself checked against plain PyTorch in test_exactness.py).
+- `streamed_2proc`: 2 processes x 2 rows (one file: every rank reads the whole stream), the same global batch; it
+  saves checkpoint-3, which `resumed_1proc` continues on one process with the same global batch.
+- `shards_uninterrupted` / `shards_preempted` + `shards_resumed`: 2 processes reading disjoint shards of a saved
+  2-shard folder, packed on the fly, through a shuffle buffer, with a pass over the data ending mid-run; SIGTERM
+  right after step 3 (the stop is voted on in step 4, once step 4's rows were taken from the stream), then resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import FAULTY_RANK, REPO, launch, run_main_cases, run_script, write_jsonl
+
+pytestmark = pytest.mark.launch
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """40 chats as a .jsonl file and as a saved datasets folder of 2 shards."""
+    import datasets
+
+    folder = tmp_path_factory.mktemp("data")
+    rows = [json.loads(line) for line in (REPO / "data" / "chat.jsonl").read_text().splitlines()[:40]]
+    saved = folder / "saved"
+    datasets.Dataset.from_list(rows).save_to_disk(str(saved), num_shards=2)
+    return {"jsonl": write_jsonl(folder / "chat.jsonl", rows), "saved": saved}
+
+
+def common(tiny_model, dataset) -> list[str]:
+    return ["--model_name_or_path", str(tiny_model), "--dataset_name", str(dataset), "--assistant_only_loss", "true",
+            "--validation_split_percentage", "0", "--eval_strategy", "no", "--max_steps", str(STEPS),
+            "--logging_steps", "1", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant",
+            "--checkpoint_preflight", "false", "--report_to", "none", "--max_length", "128"]
+
+
+def sequential(tiny_model, data, batch: int, accum: int) -> list[str]:
+    return [*common(tiny_model, data["jsonl"]), "--train_sampling_strategy", "sequential",
+            "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(accum)]
+
+
+@pytest.fixture(scope="module")
+def mapped(tmp_path_factory, tiny_model, data):
+    return run_script(tmp_path_factory.mktemp("mapped") / "out", *sequential(tiny_model, data, 2, 2))
+
+
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory, tiny_model, data):
+    return run_script(tmp_path_factory.mktemp("streamed") / "out", *sequential(tiny_model, data, 2, 2),
+                      "--streaming", "true")
+
+
+@pytest.fixture(scope="module")
+def streamed_2proc(tmp_path_factory, tiny_model, data):
+    return launch(tmp_path_factory.mktemp("streamed2") / "out", *sequential(tiny_model, data, 2, 1),
+                  "--streaming", "true", "--save_steps", "3", preset="cpu_ddp")
+
+
+SHARDS = ["--streaming", "true", "--packing", "true", "--shuffle_buffer_size", "8", "--per_device_train_batch_size",
+          "2", "--save_steps", "3", "--async_checkpointing", "false"]
+
+
+@pytest.fixture(scope="module")
+def shards_uninterrupted(tmp_path_factory, tiny_model, data):
+    return launch(tmp_path_factory.mktemp("shards") / "out", *common(tiny_model, data["saved"]), *SHARDS,
+                  preset="cpu_ddp")
+
+
+@pytest.fixture(scope="module")
+def shards_preempted(tmp_path_factory, tiny_model, data):
+    return launch(tmp_path_factory.mktemp("preempted") / "out", *common(tiny_model, data["saved"]), *SHARDS,
+                  preset="cpu_ddp", script=FAULTY_RANK, env={"HFTRAIN_TEST_FAULTS": "sigterm_after_step_3"},
+                  check=False)
+
+
+def weights(run, folder: str = "final") -> dict[str, torch.Tensor]:
+    return load_file(run.output_dir / folder / "model.safetensors")
+
+
+def assert_same(run, reference, steps=range(1, STEPS + 1)) -> None:
+    """Per-step losses and learning rates of `steps`, and the final weights, within 1e-6."""
+    mine, theirs = ({r["step"]: r for r in x.train_rows()} for x in (run, reference))
+    assert sorted(mine) == list(steps) and set(steps) <= set(theirs)
+    for step in steps:
+        assert mine[step]["learning_rate"] == theirs[step]["learning_rate"]
+        assert abs(mine[step]["loss"] - theirs[step]["loss"]) < 1e-6, (step, mine[step]["loss"], theirs[step]["loss"])
+        assert mine[step]["trained_tokens"] == theirs[step]["trained_tokens"], step
+    expected = weights(reference)
+    for name, value in weights(run).items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+def test_streamed_equals_map_style(streamed, mapped):
+    assert "streaming" in streamed.stdout and "one rank reads 1 shard(s), in the files' order" in streamed.stdout
+    assert "streaming" not in mapped.stdout
+    rows = streamed.train_rows()
+    assert [r["stream_examples"] for r in rows] == [4] * STEPS and {r["stream_bad_rows"] for r in rows} == {0}
+    assert_same(streamed, mapped)
+
+
+def test_two_processes_equal_one_and_resume_on_one(streamed_2proc, mapped, tiny_model, data, tmp_path):
+    info = streamed_2proc.state()["launch"]
+    assert (info["distributed_type"], info["num_processes"], info["model_wrapper"]) == \
+        ("MULTI_CPU", 2, "DistributedDataParallel")
+    assert "every rank reads and tokenizes all 1 shard(s)" in streamed_2proc.stdout
+    assert_same(streamed_2proc, mapped)
+    # the 2-process checkpoint continues on one process with the same global batch (2 x 2 accumulation)
+    out = tmp_path / "out"
+    shutil.copytree(streamed_2proc.output_dir, out)
+    shutil.rmtree(out / "final")
+    (out / "metrics.jsonl").write_text("")
+    resumed = run_script(out, *sequential(tiny_model, data, 2, 2), "--streaming", "true",
+                         "--resume_from_checkpoint", str(out / "checkpoint-3"))
+    assert "at step 3" in resumed.stdout
+    assert_same(resumed, mapped, steps=range(4, STEPS + 1))
+
+
+def test_preempted_shards_resume_exactly(shards_uninterrupted, shards_preempted, tiny_model, data):
+    assert "2 ranks read disjoint shards (1 of 2 each)" in shards_uninterrupted.stdout
+    assert "packed on the fly" in shards_uninterrupted.stdout
+    assert shards_preempted.returncode != 0 and "stopped by SIGTERM after step 3" in shards_preempted.stderr
+    saved = shards_preempted.output_dir / "checkpoint-3"
+    states = sorted(saved.glob("data_stream_process*.json"))
+    assert len(states) == 2
+    # the checkpoint holds the position before step 4's rows: what step 3's periodic checkpoint of the uninterrupted
+    # run holds too (taken after step 3 from the live stream)
+    for path in states:
+        assert json.loads(path.read_text()) == \
+            json.loads((shards_uninterrupted.output_dir / "checkpoint-3" / path.name).read_text())
+    (shards_preempted.output_dir / "metrics.jsonl").write_text("")
+    resumed = launch(shards_preempted.output_dir, *common(tiny_model, data["saved"]), *SHARDS,
+                     "--resume_from_checkpoint", "latest", preset="cpu_ddp")
+    assert "at step 3" in resumed.stdout
+    assert_same(resumed, shards_uninterrupted, steps=range(4, STEPS + 1))
+    passes = [json.loads(p.read_text())["stream"]["passes"] for p in (resumed.output_dir / "checkpoint-6").glob(
+        "data_stream_process*.json")]
+    assert max(passes) >= 1  # a pass over the rank's shard ended mid-run: the next pass was resumed too
+
+
+def test_refusals(shards_preempted, tiny_model, data, tmp_path):
+    """One process: streaming without max_steps; a disjoint-shards checkpoint on another process count."""
+    out = tmp_path / "other-count"
+    shutil.copytree(shards_preempted.output_dir / "checkpoint-3", out / "checkpoint-3")
+    no_steps = [a for a in common(tiny_model, data["jsonl"]) if a not in ("--max_steps", str(STEPS))]
+    cases = {
+        "no_max_steps": ([*no_steps, "--streaming", "true", "--output_dir", str(tmp_path / "a")], {}),
+        "other_count": ([*common(tiny_model, data["saved"]), *SHARDS, "--output_dir", str(out),
+                         "--resume_from_checkpoint", str(out / "checkpoint-3")], {}),
+    }
+    runs = run_main_cases(cases, tmp_path)
+    said = {name: " ".join(run.stderr.split()) for name, run in runs.items()}  # one paragraph, wrapped
+    assert runs["no_max_steps"].returncode != 0 and "set max_steps" in said["no_max_steps"]
+    assert runs["other_count"].returncode != 0 and "Traceback" not in said["other_count"]
+    assert "saved with 2 ranks reading disjoint shards; this run would have every rank reading the whole stream" \
+        in said["other_count"]
+    assert "Resume with the saved number of data-parallel processes (2)" in said["other_count"]

@@ -1,0 +1,118 @@
+"""hftrain.data.streaming in-process: rows of a stream, their position, resume checks and the recipe's refusals."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+
+from hftrain.config import Recipe, validate
+from hftrain.data.streaming import RowStream, StreamCollator, check_resume
+from hftrain.errors import HftrainError
+
+N = 23
+
+
+def source(n: int = N, shards: int = 2):
+    """An IterableDataset of n raw examples {"n": i, "text": ...} in `shards` shards."""
+    data = datasets.Dataset.from_list([{"n": i, "text": "x" * (i % 7)} for i in range(n)])
+    return lambda: data.to_iterable_dataset(num_shards=shards)
+
+
+def tokenize(example: dict, index: int) -> list[dict]:
+    """Length 2 + n % 7 tokens; an empty text is a bad example; n % 5 == 4 has no trained token (dropped)."""
+    if not example["text"]:
+        raise HftrainError(f"example {index} has no text")
+    length = 2 + example["n"] % 7
+    labels = [-100] * length if example["n"] % 5 == 4 else [example["n"]] * length
+    return [{"input_ids": [example["n"]] * length, "labels": labels, "dropped": "" if labels[-1] != -100 else "x"}]
+
+
+def stream(**kwargs) -> RowStream:
+    options = {"shuffle_buffer": 1, "seed": 3, "packing": False, "max_length": 16} | kwargs
+    return RowStream(source(), tokenize, **options)
+
+
+def kept() -> list[int]:
+    return [i for i in range(N) if i % 7 and i % 5 != 4]
+
+
+def ids(rows) -> list[list[int]]:
+    return [[example["input_ids"][0] for example in row] for row in rows]
+
+
+def test_sequential_rows_follow_the_source_and_the_next_pass_starts_over():
+    s = stream()
+    rows = ids([s.next_row() for _ in range(2 * len(kept()))])
+    assert rows == [[i] for i in kept()] * 2
+    assert s.passes == 1
+    assert s.counts["bad"] == 2 * len([i for i in range(N) if i % 7 == 0]) and "example 0" in s.first_bad
+    assert s.counts["dropped"] == 2 * len([i for i in range(N) if i % 7 and i % 5 == 4])
+
+
+def test_shuffled_and_packed_rows_hold_every_example_once_per_pass_within_max_length():
+    s = stream(shuffle_buffer=5, packing=True)
+    rows = []
+    while s.passes == 0:
+        rows.append(s.next_row())
+    first_pass = [n for row in ids(rows[:-1]) for n in row]  # the last row was taken from the second pass
+    assert sorted(first_pass) == kept() and first_pass != kept()  # shuffled: every example once, another order
+    assert all(sum(len(e["input_ids"]) for e in row) <= 16 for row in rows)
+    assert any(len(row) > 1 for row in rows)
+
+
+@pytest.mark.parametrize("options", [{}, {"shuffle_buffer": 5}, {"shuffle_buffer": 5, "packing": True}])
+@pytest.mark.parametrize("at", [3, 17])  # in the first pass; in the second
+def test_a_stream_loaded_from_its_state_continues_exactly(options, at):
+    whole = stream(**options)
+    expected = ids([whole.next_row() for _ in range(at + 12)])
+    first = stream(**options)
+    assert ids([first.next_row() for _ in range(at)]) == expected[:at]
+    state = first.state()
+    resumed = stream(**options)
+    resumed.load_state(state)
+    assert ids([resumed.next_row() for _ in range(12)]) == expected[at:]
+    assert resumed.counts == whole.counts
+
+
+def test_the_collator_pads_rows_and_restarts_positions_per_packed_example():
+    collator = StreamCollator(pad_token_id=0, packed=True, paired=False)
+    rows = [[{"input_ids": [5, 6], "labels": [-100, 6]}, {"input_ids": [7], "labels": [-100]}],
+            [{"input_ids": [8, 9, 10], "labels": [-100, 9, 10]}]]
+    batch = collator(rows)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 10]]
+    assert batch["position_ids"].tolist() == [[0, 1, 0], [0, 1, 2]]
+    assert batch["labels"].tolist() == [[-100, 6, -100], [-100, 9, 10]] and int(batch["num_examples"]) == 3
+
+
+def saved(world: int, disjoint: bool, batch: int = 8) -> list[dict]:
+    return [{"version": 1, "rank": r, "world": world, "disjoint": disjoint, "global_batch": batch, "stream": {"r": r}}
+            for r in range(world)]
+
+
+def test_resume_checks():
+    # every rank read the whole stream: any process count with the same global batch continues from the same state
+    assert check_resume(saved(2, False), 1, False, 8, 0, "ckpt")["stream"] == {"r": 0}
+    assert check_resume(saved(2, False), 4, False, 8, 3, "ckpt")["stream"] == {"r": 0}
+    # disjoint shards: each rank its own state, only with the saved count
+    assert check_resume(saved(2, True), 2, True, 8, 1, "ckpt")["stream"] == {"r": 1}
+    refusals = [(saved(2, True), 1, False, 8), (saved(2, True), 4, True, 8), (saved(2, False), 2, False, 16), ([], 1,
+                False, 8)]
+    messages = []
+    for states, world, disjoint, batch in refusals:
+        with pytest.raises(HftrainError) as refused:
+            check_resume(states, world, disjoint, batch, 0, "ckpt")
+        messages.append(str(refused.value))
+    assert "Resume with the saved number of data-parallel processes (2)" in messages[0]
+    assert "2 ranks reading disjoint shards; this run would have 4 ranks reading disjoint shards" in messages[1]
+    assert "global batch of 8 rows per step, this run takes 16" in messages[2]
+    assert "saved by a map-style run" in messages[3]
+
+
+def test_streaming_refusals_are_reported_together():
+    problems = validate(Recipe(streaming=True, eval_strategy="epoch", train_sampling_strategy="group_by_length",
+                               dataloader_num_workers=2, shuffle_buffer_size=0, max_bad_rows=-1))
+    text = "\n".join(problems)
+    for expected in ("set max_steps", "eval_strategy=epoch", "group_by_length", "dataloader_num_workers > 0",
+                     "shuffle_buffer_size must be >= 1", "max_bad_rows must be >= 0"):
+        assert expected in text, expected
+    assert not any("stream" in p for p in validate(Recipe(streaming=True, max_steps=5)))
