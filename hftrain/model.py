@@ -168,6 +168,14 @@ def lora_config(recipe: Recipe, dropout: float | None = None):
     )
 
 
+def tied_modules_adapted(model: nn.Module, recipe: Recipe) -> list[str]:
+    """The recipe's modules_to_save / lora_target_modules entries that name a module whose weight the model ties
+    (`all_tied_weights_keys`: the input embedding and the output projection of SmolLM2, Qwen2.5-0.5B, Gemma)."""
+    tied = {name.rsplit(".", 2)[-2] for pair in getattr(model, "all_tied_weights_keys", {}).items() for name in pair
+            if name.endswith(".weight") and "." in name}
+    return [m for m in [*recipe.modules_to_save, *recipe.lora_target_modules] if m.rsplit(".", 1)[-1] in tied]
+
+
 def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Module:
     """LoRA / DoRA adapters (peft) on a frozen base; QLoRA when the base is loaded in 4 or 8 bits.
 
@@ -196,6 +204,12 @@ def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modu
                      f"fused expert weights ({len(experts)} tensors) through peft's ParamWrapper, which has no "
                      "dropout; name attention/dense layers in lora_target_modules to keep dropout there")
     config = lora_config(recipe, dropout)
+    if tied := tied_modules_adapted(model, recipe):
+        # the model's input and output embeddings are one tensor: their trained copies must stay one too (peft
+        # adds the other one to modules_to_save and ties the two copies), or they would train apart
+        config.ensure_weight_tying = True
+        notes.append(f"{', '.join(tied)}: this model ties its input embedding and output projection, so their "
+                     "trained copies are kept as one tensor (peft's ensure_weight_tying), as in the base model")
     if vision.is_image_text(model.config) and recipe.lora_target_modules == ["all-linear"]:
         config.target_modules = vision.lora_targets(model, recipe)  # the language model's, unless unfrozen
         notes.append(vision.lora_note(recipe, len(config.target_modules)))

@@ -93,15 +93,13 @@ def one_process(tied, tmp_path_factory) -> Run:
     return run_script(tmp_path_factory.mktemp("one") / "llama", *COMMON, *tied["llama"], *ONE_PROCESS)
 
 
-def test_one_process_saves_checkpoints_of_a_tied_model_and_resumes_exactly(one_process, tied):
+def test_one_process_saves_checkpoints_of_a_tied_model(one_process):
+    """(Its resume on one process is the DDP test's 2 -> 1 and the Qwen2 / Gemma tests' 1 -> 1.)"""
     assert_launch(one_process, "NO", 1, "CausalLMTokenLoss")
     assert_trained_and_tied(one_process)
     # the checkpoint's model file holds the tied tensor once, under the embedding's name
     saved = load_file(one_process.output_dir / "checkpoint-2" / "model.safetensors")
     assert f"lm.{EMBED}" in saved and f"lm.{HEAD}" not in saved
-    resumed = resume_from_step_2(one_process, "llama-resumed", *COMMON, *tied["llama"], *ONE_PROCESS,
-                                 runner=run_script)
-    assert_continues(resumed, one_process)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma"])
@@ -147,3 +145,30 @@ def test_fsdp2_keeps_the_tie_when_sharding_and_resumes_on_one_process(one_proces
                                     processes=1, script=FSDP_LAUNCHER)
     assert_launch(two_to_one, "FSDP", 1, "FSDPCausalLMTokenLoss")
     assert_continues(two_to_one, run, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_with_the_tied_head_in_modules_to_save_trains_one_copy_and_resumes(tied, tmp_path):
+    """modules_to_save lm_head on a tied model: peft's trained copies of the head and the embedding are one tensor
+    (ensure_weight_tying), as in the base; the checkpoint holds it once, resumes exactly, and the adapter reloads
+    with plain peft as one tensor again."""
+    args = [*COMMON, *tied["llama"], *ONE_PROCESS, "--use_peft", "true", "--modules_to_save", "lm_head"]
+    run = run_script(tmp_path / "lora", *args)
+    assert "this model ties its input embedding and output projection" in run.stdout
+    assert "checkpoint preflight: a " in run.stdout
+    resumed = resume_from_step_2(run, "lora-resumed", *args, runner=run_script)
+    rows, ref_rows = resumed.train_rows(), run.train_rows()
+    assert [r["loss"] for r in rows[2:]] == [r["loss"] for r in ref_rows[2:]]
+    adapter = load_file(resumed.output_dir / "final" / "adapter_model.safetensors")
+    assert adapter.keys() == load_file(run.output_dir / "final" / "adapter_model.safetensors").keys()
+    params_close(adapter, load_file(run.output_dir / "final" / "adapter_model.safetensors"), rtol=0, atol=0)
+
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(tied["llama"][1])
+    model = PeftModel.from_pretrained(base, run.output_dir / "final")
+    head = model.base_model.model.lm_head.modules_to_save["default"].weight
+    embed = model.base_model.model.model.embed_tokens.modules_to_save["default"].weight
+    assert head is embed  # one trained tensor
+    torch.testing.assert_close(head.detach(), adapter[f"base_model.model.{EMBED}"], rtol=0, atol=0)
+    start = AutoModelForCausalLM.from_pretrained(tied["llama"][1]).model.embed_tokens.weight
+    assert not torch.equal(head.detach(), start.detach())  # trained, not the base's

@@ -43,6 +43,15 @@ def test_shape_is_read_from_the_config_without_weights(model_dir):
     assert shape.lora_params_per_rank == L * ((H + H) + 2 * (H + KV) + (H + H) + 2 * (H + INTER) + (INTER + H))
 
 
+def test_a_tied_head_is_counted_once(tmp_path):
+    """SmolLM2, Qwen2.5-0.5B, Gemma: the output projection is the input embedding, one tensor of V x H."""
+    LlamaConfig(hidden_size=H, num_hidden_layers=L, intermediate_size=INTER, vocab_size=V, num_attention_heads=HEADS,
+                num_key_value_heads=KV_HEADS, tie_word_embeddings=True).save_pretrained(tmp_path)
+    shape = model_shape(str(tmp_path))
+    n, _ = hand_params()
+    assert (shape.params, shape.embedding_params, shape.head_params) == (n - V * H, V * H, 0)
+
+
 def hand_activations(tokens: int, c: int, r: int, ckpt: bool) -> int:
     layer = 2 * (2 * H * r + H * c) + (H + 2 * KV + H) * c + 4 * INTER * c
     layers = L * H * r if ckpt else L * layer

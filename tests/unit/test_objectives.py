@@ -164,3 +164,15 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_batch():
     (module(**whole) / 3).backward()
     for a, p in zip(accumulated, policy.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_frozen_reference_of_a_tied_model_keeps_its_tie_and_its_own_tensor():
+    """SmolLM2 / Qwen2.5-0.5B tie the head to the embedding: dpo's frozen copy holds one tensor for both, apart from
+    the policy's (which training changes)."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, tie_word_embeddings=True)).eval()
+    reference = build_loss(Recipe(objective="dpo"), policy, torch.device("cpu")).reference.module.lm
+    assert reference.lm_head.weight is reference.model.embed_tokens.weight
+    assert reference.lm_head.weight is not policy.lm_head.weight
+    assert sum(p.numel() for p in reference.parameters()) == sum(p.numel() for p in policy.parameters())
