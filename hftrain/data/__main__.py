@@ -4,6 +4,8 @@
 
 --show N   prints the first N training examples as rendered text with the trained tokens marked
            (green on a terminal, otherwise between ⟦ and ⟧), then the statistics and a length histogram.
+With streaming: true, --show N prints the first N training rows read from the stream (shuffle buffer and packing
+as in training) and the counts of bad and dropped examples met; nothing else is read.
 --dump N F writes the first N training rows exactly as the collator yields them (input_ids, labels and
            position_ids when packing), one JSON object per row, in the order of the first steps of a
            1-process run.
@@ -23,6 +25,7 @@ import sys
 from hftrain.config import load_recipe
 from hftrain.data.batching import Collator, training_plan, training_rows
 from hftrain.data.sources import load_datasets
+from hftrain.data.streaming import load_stream
 from hftrain.data.tokenize import IGNORE_INDEX
 from hftrain.data.vision import load_image_chats
 from hftrain.errors import HftrainError, run_tool
@@ -102,8 +105,10 @@ def preview(argv: list[str] | None = None) -> None:
         return
 
     tokenizer = build_tokenizer(recipe)
-    train, evaluation, stats = load_datasets(recipe, tokenizer)
     color = sys.stdout.isatty()
+    if recipe.streaming:
+        return preview_stream(recipe, tokenizer, args.show, color)
+    train, evaluation, stats = load_datasets(recipe, tokenizer)
     sides = [("", "input_ids", "labels")]
     if "rejected_input_ids" in train.column_names:  # preference pairs: both completions, trained tokens marked
         sides = [(" chosen", "input_ids", "labels"), (" rejected", "rejected_input_ids", "rejected_labels")]
@@ -174,6 +179,25 @@ def preview_image_chats(recipe, show: int, color: bool) -> None:
           "padding never")
     print(f"--- length histogram (tokens per training example, max_length {recipe.max_length})")
     print(histogram([len(ids) for ids in train["input_ids"]], recipe.max_length))
+
+
+def preview_stream(recipe, tokenizer, show: int, color: bool) -> None:
+    """streaming: true: the first `show` training rows of a 1-process run, read from the stream as training reads them
+    (shuffle buffer and packing included), and what reading them met."""
+    feed, _, stats = load_stream(recipe, tokenizer, rank=0, world=1)
+    print(f"--- {feed.description}")
+    for i in range(show):
+        row = feed.stream.next_row()
+        tokens = sum(len(example["input_ids"]) for example in row)
+        print(f"--- row {i} ({len(row)} example(s), {tokens} tokens)")
+        for example in row:
+            for prefix in ("", "rejected_") if "rejected_input_ids" in example else ("",):
+                print(marked_text(tokenizer, example[f"{prefix}input_ids"], example[f"{prefix}labels"], color))
+    counts, first_bad = feed.stream.counts, feed.stream.first_bad
+    print(f"--- read {counts['examples']} raw example(s): {counts['bad']} bad, {counts['dropped']} row(s) without a "
+          "trained token dropped" + (f"; the first bad one: {first_bad}" if first_bad else ""))
+    if stats["chat_template"]:
+        print(f"  note: {stats['chat_template']}")
 
 
 def main(argv: list[str] | None = None) -> None:

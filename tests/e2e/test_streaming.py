@@ -148,15 +148,22 @@ def test_preempted_shards_resume_exactly(shards_uninterrupted, shards_preempted,
     assert max(passes) >= 1  # a pass over the rank's shard ended mid-run: the next pass was resumed too
 
 
-def test_refusals(shards_preempted, tiny_model, data, tmp_path):
-    """One process: streaming without max_steps; a disjoint-shards checkpoint on another process count."""
+def test_refusals_and_bad_rows(shards_preempted, tiny_model, data, tmp_path):
+    """One process: streaming without max_steps; a disjoint-shards checkpoint on another process count; a stream whose
+    bad examples pass max_bad_rows in step 2 stops with checkpoint-1 and names the first."""
     out = tmp_path / "other-count"
     shutil.copytree(shards_preempted.output_dir / "checkpoint-3", out / "checkpoint-3")
     no_steps = [a for a in common(tiny_model, data["jsonl"]) if a not in ("--max_steps", str(STEPS))]
+    good = [json.loads(line) for line in data["jsonl"].read_text().splitlines()]
+    no_answer = {"messages": [{"role": "user", "content": "hello?"}]}
+    bad_data = write_jsonl(tmp_path / "bad.jsonl", [good[0], no_answer, good[1], no_answer, no_answer, *good[2:]])
     cases = {
         "no_max_steps": ([*no_steps, "--streaming", "true", "--output_dir", str(tmp_path / "a")], {}),
         "other_count": ([*common(tiny_model, data["saved"]), *SHARDS, "--output_dir", str(out),
                          "--resume_from_checkpoint", str(out / "checkpoint-3")], {}),
+        "bad_rows": ([*common(tiny_model, bad_data), "--streaming", "true", "--train_sampling_strategy", "sequential",
+                      "--per_device_train_batch_size", "2", "--max_bad_rows", "1", "--output_dir",
+                      str(tmp_path / "bad")], {}),
     }
     runs = run_main_cases(cases, tmp_path)
     said = {name: " ".join(run.stderr.split()) for name, run in runs.items()}  # one paragraph, wrapped
@@ -165,3 +172,9 @@ def test_refusals(shards_preempted, tiny_model, data, tmp_path):
     assert "saved with 2 ranks reading disjoint shards; this run would have every rank reading the whole stream" \
         in said["other_count"]
     assert "Resume with the saved number of data-parallel processes (2)" in said["other_count"]
+    bad = runs["bad_rows"]
+    assert bad.returncode != 0 and "Traceback" not in said["bad_rows"]
+    assert "3 bad examples, more than max_bad_rows=1; the first: pass 1, example 1:" in said["bad_rows"]
+    assert "has no assistant message" in said["bad_rows"] and "state after step 1 is in" in said["bad_rows"]
+    assert (bad.output_dir / "checkpoint-1" / "data_stream_process0.json").exists()
+    assert [(r["step"], r["stream_bad_rows"]) for r in bad.train_rows()] == [(1, 1)]

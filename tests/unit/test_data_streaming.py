@@ -8,6 +8,7 @@ import pytest
 from hftrain.config import Recipe, validate
 from hftrain.data.streaming import RowStream, StreamCollator, check_resume
 from hftrain.errors import HftrainError
+from tests.conftest import REPO
 
 N = 23
 
@@ -116,3 +117,28 @@ def test_streaming_refusals_are_reported_together():
                      "shuffle_buffer_size must be >= 1", "max_bad_rows must be >= 0"):
         assert expected in text, expected
     assert not any("stream" in p for p in validate(Recipe(streaming=True, max_steps=5)))
+
+
+def test_the_preview_shows_the_streams_first_rows_and_its_bad_examples(tmp_path, capsys):
+    """`python -m hftrain.data` with streaming: true: the first rows in the file's order (sequential, unpacked), each
+    answer marked as trained, then the bad example met while reading them."""
+    import json
+
+    from hftrain.data.__main__ import preview
+
+    answers = ["It is four.", "Paris.", "Blue."]
+    chats = [{"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": a}]}
+             for i, a in enumerate(answers)]
+    bad = {"messages": [{"role": "user", "content": "no answer"}]}
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in [chats[0], bad, *chats[1:]]))
+    preview(["--show", "3", "--model_name_or_path", str(REPO / "models" / "tiny-llama"), "--dataset_name", str(data),
+             "--validation_split_percentage", "0", "--streaming", "true", "--max_steps", "1",
+             "--train_sampling_strategy", "sequential"])
+    out = capsys.readouterr().out
+    assert "one rank reads 1 shard(s), in the files' order" in out
+    rows = out.split("--- row ")[1:]
+    assert len(rows) == 3
+    for row, (i, answer) in zip(rows, enumerate(answers)):
+        assert f"Question {i}?" in row and f"⟦{answer}" in row
+    assert "read 4 raw example(s): 1 bad" in out and "the first bad one: pass 1, example 1:" in out
