@@ -1,0 +1,347 @@
+"""objective grpo: the loss module (`GRPOLoss`), its reference for beta > 0, and the rollout source that the
+loop's batches come from (`Rollouts`: generation windows, rewards, advantages, rollouts.jsonl, TRL's metrics).
+
+The loop is the one of every objective: it asks the objective for its micro-batches, sums the loss module's
+`loss_units` over the step's micro-batches and processes, and divides once (hftrain.rl.loss has the table of what
+each loss_type sums over). Generation happens lazily, when the loop asks for the first micro-batch of a window: after
+the previous optimizer step, with the weights the window's rollouts are sampled from.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from accelerate.utils import gather_object
+from torch import nn
+
+from hftrain.data import IGNORE_INDEX
+from hftrain.errors import HftrainError
+from hftrain.model import CausalLMTokenLoss, WrapsCausalLM
+from hftrain.rl.loss import (
+    LossSettings,
+    clip_statistics,
+    completion_log_probs,
+    group_advantages,
+    loss_units,
+    micro_batch_loss,
+    nanstd,
+    per_token_loss,
+)
+from hftrain.rl.rewards import RewardFunction, score
+from hftrain.rl.rollouts import (
+    Completion,
+    Sampling,
+    WindowPlan,
+    collate,
+    generate_group,
+    group_seed,
+    is_conversational,
+)
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+def loss_settings(recipe) -> LossSettings:
+    return LossSettings(loss_type=recipe.loss_type, epsilon=recipe.epsilon, epsilon_high=recipe.epsilon_high,
+                        beta=recipe.beta, importance_sampling_level=recipe.importance_sampling_level,
+                        max_completion_length=recipe.max_completion_length)
+
+
+def token_log_probs(lm: nn.Module, input_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each next token [B, L-1] from the logits / temperature, fp32; the entropies, detached)."""
+    logits = lm(input_ids=input_ids, use_cache=False).logits[:, :-1]
+    return completion_log_probs(logits, input_ids[:, 1:], temperature)
+
+
+class ReferenceTokenLogProbs(WrapsCausalLM):
+    """The frozen starting model of a fully fine-tuned policy (beta > 0): `forward` returns per-token log-probs, so
+    that a strategy that wraps it gathers its weights around that forward."""
+
+    def __init__(self, lm: nn.Module, temperature: float):
+        super().__init__()
+        self.lm, self.temperature = lm.eval().requires_grad_(False), temperature
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return token_log_probs(self.lm, input_ids, self.temperature)[0]
+
+
+class FrozenTokenReference:
+    def __init__(self, lm: nn.Module, temperature: float, device: torch.device):
+        self.module = ReferenceTokenLogProbs(lm, temperature).to(device)
+        self.how = "replicated"
+
+    def prepare(self, backend) -> None:
+        self.module, self.how = backend.prepare_frozen(self.module)
+
+    def describe(self) -> str:
+        return f"a frozen copy of the starting model, {self.how}"
+
+    @torch.no_grad()
+    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.module(input_ids)
+
+
+class AdapterTokenReference:
+    """The reference of a LoRA/QLoRA policy: the same model with its adapters disabled (no second copy)."""
+
+    def __init__(self, lm: nn.Module, temperature: float):
+        self.lm, self.temperature = lm, temperature
+
+    def describe(self) -> str:
+        return "the base model with the adapters disabled (no second copy in memory)"
+
+    @torch.no_grad()
+    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with self.lm.disable_adapter():
+            return token_log_probs(self.lm, input_ids, self.temperature)[0]
+
+
+def build_token_reference(recipe, lm: nn.Module, device: torch.device,
+                          copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy):
+    if recipe.beta == 0:
+        return None
+    if hasattr(lm, "disable_adapter"):
+        return AdapterTokenReference(lm, recipe.temperature)
+    return FrozenTokenReference(copy_model(lm), recipe.temperature, device)
+
+
+class GRPOLoss(CausalLMTokenLoss):
+    """Wraps a causal LM so that `forward` returns the micro-batch's GRPO loss as a sum over `loss_units`
+    (completion tokens for dapo, completions otherwise). `collecting` (set by the rollout source): forward returns
+    the per-token log-probs instead (the old log-probs of num_iterations > 1), through the strategy's wrapper."""
+
+    examples_name = "completions"
+
+    def __init__(self, lm: nn.Module, recipe, reference):
+        super().__init__(lm, router_aux_loss_coef=0.0)
+        self.settings, self.temperature, self.reference = loss_settings(recipe), recipe.temperature, reference
+        self.unit = "tokens" if recipe.loss_type == "dapo" else "completions"
+        self.collecting = False
+        self.sums: dict[str, torch.Tensor] = {}  # (sum, count) pairs of kl, entropy and clip ratios, this rank
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return loss_units(batch["labels"][:, 1:] != IGNORE_INDEX, self.settings.loss_type)
+
+    def _add(self, name: str, value: torch.Tensor, count: torch.Tensor) -> None:
+        pair = torch.stack([value.detach().double(), count.detach().double()])
+        self.sums[name] = pair if name not in self.sums else self.sums[name] + pair
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor,
+                old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None) -> torch.Tensor:
+        logps, entropy = token_log_probs(self.lm, input_ids, self.temperature)
+        if self.collecting:
+            return logps.detach()
+        mask = labels[:, 1:] != IGNORE_INDEX
+        loss, ratio, kl = per_token_loss(logps, old_logps, ref_logps, advantages.to(logps.dtype), mask, self.settings)
+        tokens = mask.sum()
+        self._add("entropy", (entropy * mask).sum(), tokens)
+        if kl is not None:
+            self._add("kl", (kl * mask).sum(), tokens)
+        for name, (value, count) in clip_statistics(ratio, advantages, mask, self.settings).items():
+            self._add(name, value, count)
+        return micro_batch_loss(loss, mask, self.settings)
+
+    def pop_stats(self) -> dict[str, torch.Tensor]:
+        return {}  # the rollout source logs GRPO's metrics (Rollouts.metrics), with their own denominators
+
+    def pop_sums(self) -> dict[str, torch.Tensor]:
+        sums, self.sums = self.sums, {}
+        return sums
+
+
+class Rollouts:
+    """The micro-batches of objective grpo, generation window by generation window (hftrain.rl.rollouts has the
+    layout). `loader(order)` is the loop's batch iterator for the (window, micro-batch, iteration) triples of
+    `WindowPlan.micro_batches`."""
+
+    def __init__(self, recipe, plan: WindowPlan, prompts, funcs: list[RewardFunction], tokenizer, accelerator,
+                 rank: int, output_dir: Path):
+        self.recipe, self.plan, self.prompts, self.funcs = recipe, plan, prompts, funcs
+        self.tokenizer, self.accelerator, self.rank = tokenizer, accelerator, rank
+        self.file = output_dir / ROLLOUTS_FILE
+        self.sampling = Sampling(recipe.max_completion_length, recipe.temperature, recipe.top_p, recipe.top_k,
+                                 recipe.repetition_penalty, recipe.mask_truncated_completions)
+        eos = tokenizer.eos_token_id
+        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
+        self.weights = torch.tensor(recipe.reward_weights or [1.0] * len(funcs), dtype=torch.float32)
+        # old log-probs are stored when a window's later micro-batches train after an update (TRL's rule)
+        self.store_old = recipe.num_iterations > 1 or plan.steps_per_generation > plan.accum
+        self.window, self.buffer, self.truncated = None, [], False
+        self.window_metrics: list[dict[str, float]] = []
+        self.model = self.loss_fn = None  # set by the objective once the backend has prepared them
+
+    # ------------------------------------------------------------------------------------ the loop's batches
+    stop_reason = None  # the loop's data vote: rollouts never stop a run on their own
+
+    def batches(self, progress):
+        """The loop's micro-batches of the rest of the current epoch (the feed interface of data.batching)."""
+        return self.loader(self.plan.micro_batches(progress.epoch, self.rank, progress.step_in_epoch))
+
+    def state_dict(self, step: int) -> dict | None:
+        """What a checkpoint after `step` needs to continue exactly: nothing at the end of a generation window (the
+        next one is sampled from seeds and the saved weights), else this rank's buffered micro-batches, whose
+        rollouts were sampled from weights that are gone (JSON: float32 values round-trip exactly)."""
+        if step % self.plan.steps_per_window == 0 or self.window is None:
+            return None
+        return {"rank": self.rank, "world": self.plan.world, "window": self.window,
+                "micro_batches": [{k: v.tolist() for k, v in batch.items()} for batch in self.buffer]}
+
+    def start(self, step: int, state: dict | None) -> None:
+        """Before the first step: a checkpoint saved inside a window hands its buffered micro-batches back."""
+        if state is None:
+            return
+        types = {"input_ids": torch.long, "labels": torch.long, "num_examples": torch.long}
+        self.window = state["window"]
+        self.buffer = [{k: torch.tensor(v, dtype=types.get(k, torch.float32)) for k, v in batch.items()}
+                       for batch in state["micro_batches"]]
+
+    def window_metrics(self, dp) -> dict:
+        return self.metrics(dp.sum)
+
+    def loader(self, order):
+        for window, micro, iteration in order:
+            if window != self.window:
+                if (micro, iteration) != (0, 0):
+                    raise HftrainError(
+                        f"the checkpoint resumed from was saved inside generation window {window} (steps "
+                        f"{self.plan.first_step(window)}-{self.plan.first_step(window + 1) - 1}) without its "
+                        "buffered rollouts; resume from a checkpoint saved by this version of hftrain")
+                if not self.truncated:  # the first window this process samples: rows from it on are written again
+                    self.truncate_rows(window)
+                    self.truncated = True
+                self.generate(window)
+            batch = dict(self.buffer[micro])
+            if not self.store_old:
+                batch.pop("old_logps", None)
+            yield batch
+
+    # ------------------------------------------------------------------------------------------ generation
+    def completion_value(self, prompt, text: str):
+        return [{"role": "assistant", "content": text}] if is_conversational(prompt.value) else text
+
+    @torch.no_grad()
+    def generate(self, window: int) -> None:
+        """Sample this rank's completions of `window`, score them, compute the advantages over the whole window
+        (every rank's rewards gathered), collate the micro-batches and write the window's rollouts.jsonl rows."""
+        plan, recipe, G = self.plan, self.recipe, self.plan.num_generations
+        prompt_index = plan.window_prompts(window)
+        rows = plan.rank_rows(self.rank)
+        lm = self.accelerator.unwrap_model(self.model).lm
+        was_training = self.model.training
+        self.model.eval()
+        sampled: dict[int, list] = {}
+        for group in sorted({row // G for row in rows}):
+            sampled[group] = generate_group(lm, self.prompts[prompt_index[group]].ids, G, self.sampling,
+                                            group_seed(recipe.seed, window, group), self.eos_ids, self.pad_id)
+        completions = [Completion(row, row // G, prompt_index[row // G], *sampled[row // G][row % G]) for row in rows]
+        prompts = [self.prompts[c.prompt] for c in completions]
+        texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
+        columns = {k: [p.columns[k] for p in prompts] for k in prompts[0].columns}
+        local = score(self.funcs, [p.value for p in prompts], [self.completion_value(p, t) for p, t in
+                                                                 zip(prompts, texts)],
+                      [c.completion_ids for c in completions], columns)
+        # Advantages are normalised over the whole window: every rank's rewards, in window order (rank r holds
+        # rows [r x b x S, (r + 1) x b x S)), gathered onto every rank.
+        device = self.accelerator.device
+        lengths = torch.tensor([[len(c.completion_ids), float(c.truncated)] for c in completions])
+        everything = self.accelerator.gather(torch.cat([local, lengths], dim=1).to(device)).cpu()
+        all_rewards, all_lengths = everything[:, :len(self.funcs)], everything[:, len(self.funcs):]
+        rewards, advantages, zero_std = group_advantages(all_rewards, self.weights, G, recipe.scale_rewards)
+        self.window_metrics.append(self.reward_metrics(all_rewards, rewards, zero_std, all_lengths))
+        mine = slice(rows.start, rows.stop)
+        for c, r_k, r, a in zip(completions, local.tolist(), rewards[mine].tolist(), advantages[mine].tolist()):
+            c.rewards, c.reward, c.advantage = r_k, r, a
+        b = plan.micro_batch
+        self.buffer = []
+        for k in range(plan.steps_per_generation):
+            part = completions[k * b:(k + 1) * b]
+            batch = collate([p.ids for p in prompts[k * b:(k + 1) * b]], part, advantages[mine][k * b:(k + 1) * b],
+                            self.pad_id, recipe.mask_truncated_completions)
+            extra = self.rollout_log_probs(batch)
+            self.buffer.append({**batch, **extra})
+        self.window = window
+        if was_training:
+            self.model.train()
+        self.write_rows(window, completions, prompts, texts)
+
+    def rollout_log_probs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The stored old log-probs (num_iterations > 1 or steps_per_generation > accumulation) and the reference's
+        (beta > 0) of one micro-batch, in its own padding."""
+        out, device = {}, self.accelerator.device
+        inputs = {k: v.to(device) for k, v in batch.items() if k != "num_examples"}
+        if self.store_old:
+            self.loss_fn.collecting = True
+            try:
+                out["old_logps"] = self.model(**inputs).cpu()
+            finally:
+                self.loss_fn.collecting = False
+        if self.loss_fn.reference is not None:
+            out["ref_logps"] = self.loss_fn.reference.log_probs(inputs["input_ids"]).cpu()
+        return out
+
+    # ------------------------------------------------------------------------------------------- the records
+    def write_rows(self, window: int, completions: list[Completion], prompts, texts: list[str]) -> None:
+        """This window's completions, every rank's, as rows of rollouts.jsonl (written by the main process)."""
+        step = self.plan.first_step(window)
+        names = [f.name for f in self.funcs]
+        rows = [{"step": step + (c.row % (self.plan.micro_batch * self.plan.steps_per_generation))
+                 // (self.plan.micro_batch * self.plan.accum), "window": window, "group": c.group,
+                 "prompt_ids": p.ids, "completion_ids": c.completion_ids, "prompt": p.text, "completion": t,
+                 "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, c.rewards)},
+                 "reward": None if math.isnan(c.reward) else c.reward, "advantage": c.advantage,
+                 "truncated": c.truncated, "row": c.row}
+                for c, p, t in zip(completions, prompts, texts)]
+        rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
+        if self.accelerator.is_main_process:
+            seen, unique = set(), []
+            for row in sorted(rows, key=lambda r: r["row"]):
+                if row["row"] not in seen:
+                    seen.add(row["row"])
+                    unique.append(row)
+            with self.file.open("a") as f:
+                for row in unique:
+                    f.write(json.dumps(row) + "\n")
+
+    def truncate_rows(self, before_window: int) -> None:
+        """On resume: keep the rows of the windows generated before the checkpoint's next window."""
+        if not (self.accelerator.is_main_process and self.file.exists()):
+            return
+        kept = [line for line in self.file.read_text().splitlines() if json.loads(line)["window"] < before_window]
+        self.file.write_text("".join(line + "\n" for line in kept))
+
+    def reward_metrics(self, per_func: torch.Tensor, rewards: torch.Tensor, zero_std: torch.Tensor,
+                       lengths: torch.Tensor) -> dict[str, float]:
+        """TRL's reward and completion metrics of one window (all ranks)."""
+        out = {}
+        for k, f in enumerate(self.funcs):
+            out[f"rewards/{f.name}/mean"] = torch.nanmean(per_func[:, k]).item()
+            out[f"rewards/{f.name}/std"] = nanstd(per_func[:, k]).item()
+        out["reward"] = torch.nanmean(rewards).item()
+        out["reward_std"] = nanstd(rewards).item()
+        out["frac_reward_zero_std"] = zero_std.float().mean().item()
+        length, truncated = lengths[:, 0], lengths[:, 1].bool()
+        out["completions/mean_length"] = length.mean().item()
+        out["completions/min_length"] = length.min().item()
+        out["completions/max_length"] = length.max().item()
+        out["completions/clipped_ratio"] = truncated.float().mean().item()
+        return out
+
+    def metrics(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """The metrics since the last call: the windows' reward metrics averaged (TRL averages per generation) and
+        the loss's token-weighted kl / entropy / clip ratios summed over every rank (`reduce`: dp.sum)."""
+        out = {}
+        if self.window_metrics:
+            for name in self.window_metrics[0]:
+                out[name] = sum(m[name] for m in self.window_metrics) / len(self.window_metrics)
+        self.window_metrics = []
+        sums = self.loss_fn.pop_sums()
+        for name in sorted(sums):
+            value, count = reduce(sums[name].to(self.accelerator.device)).tolist()
+            out[name] = value / count if count else None
+        return out
