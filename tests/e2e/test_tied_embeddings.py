@@ -11,13 +11,24 @@ the tiny models are built by the shipped scripts/make_tiny_model.py --tie.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import FSDP_LAUNCHER, TINY_CHAT, Run, build_tiny_model, launch, run_script
+from tests.conftest import (
+    FSDP_LAUNCHER,
+    REPO,
+    TINY_CHAT,
+    Run,
+    build_tiny_model,
+    launch,
+    launch_env,
+    run_script,
+)
 from tests.e2e.test_parallelism import assert_launch, close, params_close
 
 pytestmark = pytest.mark.launch
@@ -165,10 +176,21 @@ def test_lora_with_the_tied_head_in_modules_to_save_trains_one_copy_and_resumes(
     from peft import PeftModel
 
     base = AutoModelForCausalLM.from_pretrained(tied["llama"][1])
-    model = PeftModel.from_pretrained(base, run.output_dir / "final")
+    model = PeftModel.from_pretrained(base, run.output_dir / "final").eval()
     head = model.base_model.model.lm_head.modules_to_save["default"].weight
     embed = model.base_model.model.model.embed_tokens.modules_to_save["default"].weight
     assert head is embed  # one trained tensor
     torch.testing.assert_close(head.detach(), adapter[f"base_model.model.{EMBED}"], rtol=0, atol=0)
     start = AutoModelForCausalLM.from_pretrained(tied["llama"][1]).model.embed_tokens.weight
     assert not torch.equal(head.detach(), start.detach())  # trained, not the base's
+
+    # merged into the base: a standard tied folder, the trained tensor saved once, the adapter model's logits
+    merged = tmp_path / "merged"
+    subprocess.run([sys.executable, "-m", "hftrain.merge", str(run.output_dir / "final"), str(merged)], check=True,
+                   capture_output=True, cwd=REPO, env=launch_env())
+    assert HEAD not in load_file(merged / "model.safetensors")
+    plain = AutoModelForCausalLM.from_pretrained(merged)
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)
