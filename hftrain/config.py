@@ -703,9 +703,6 @@ def _streaming_problems(r: Recipe) -> list[str]:
     if r.train_sampling_strategy == "group_by_length":
         problems.append(f"train_sampling_strategy=group_by_length sorts the whole set by length, but {why}; use "
                         "random (a shuffle buffer) or sequential")
-    if r.dataset_mixture:
-        problems.append("dataset_mixture with streaming: true is not supported yet; stream one dataset (a folder of "
-                        "data files counts as one) or set streaming: false")
     if r.precompute_ref_log_probs:
         problems.append(f"precompute_ref_log_probs computes every training pair's reference once, but {why}; "
                         "turn one of them off")

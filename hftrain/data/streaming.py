@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 import torch
 from datasets.distributed import split_dataset_by_node
 
+from hftrain.config import DatasetSource
 from hftrain.data.batching import Collator
 from hftrain.data.formats import detect_format
 from hftrain.data.sources import CHAT_FORMATS, FILE_BUILDERS, _check_objective, _renamed, load_raw
@@ -126,6 +127,29 @@ def stream_source(name: str, config: str | None, split: str, columns: dict[str, 
             f"cannot stream dataset {name!r} (split {split!r}): {first_line(exc)}. Give an existing data file, a "
             "folder of data files, a saved datasets folder, or a hub id reachable from this machine"
         ) from None
+
+
+MIXTURE_SOURCE, MIXTURE_RAW = "hftrain_source", "hftrain_raw"
+
+
+def _mixture(parts: list[StreamSource], weights: list[float], seed: int) -> StreamSource:
+    """dataset_mixture streamed: `interleave_datasets` draws each next example from a source with probability
+    weight / sum of weights (seeded; its generator state is in datasets' state_dict, so a resume continues it); a
+    source that ends starts over until every source has ended once (`all_exhausted`). Sources of different formats
+    become records {source index, the raw example as JSON}, tokenized by their own format."""
+    total = sum(weights)
+
+    def tag(index: int):
+        return lambda example: {MIXTURE_SOURCE: index, MIXTURE_RAW: json.dumps(example, default=str)}
+
+    def open_mixture():
+        streams = [part.open().map(tag(i)).select_columns([MIXTURE_SOURCE, MIXTURE_RAW]) for i, part in
+                   enumerate(parts)]
+        return datasets.interleave_datasets(streams, probabilities=[w / total for w in weights], seed=seed,
+                                            stopping_strategy="all_exhausted")
+
+    name = "mixture of " + ", ".join(f"{part.name} ({w:g})" for part, w in zip(parts, weights))
+    return StreamSource(name, open_mixture, 1, None)
 
 
 # ----------------------------------------------------------------------------------------------- rows
@@ -454,11 +478,19 @@ def _first_example(source: StreamSource) -> dict:
 def load_stream(recipe, tokenizer, rank: int, world: int):
     """(StreamFeed, map-style eval set or None, stats) for `streaming: true`."""
     spec = DataSpec.from_recipe(recipe)
-    source = stream_source(recipe.dataset_name, recipe.dataset_config, recipe.dataset_train_split,
-                           recipe.dataset_columns)
-    first = _first_example(source)
-    fmt = detect_format(list(first), recipe.dataset_format, spec.text_field, spec.messages_field, source.name)
-    _check_objective(recipe, fmt, source.name)
+    entries = recipe.dataset_mixture or [DatasetSource(recipe.dataset_name, recipe.dataset_config,
+                                                       recipe.dataset_train_split, 1.0, recipe.dataset_format,
+                                                       recipe.dataset_columns)]
+    parts, firsts, formats = [], [], []
+    for entry in entries:
+        part = stream_source(entry.name, entry.config, entry.split, entry.columns)
+        firsts.append(_first_example(part))
+        formats.append(detect_format(list(firsts[-1]), entry.format, spec.text_field, spec.messages_field, part.name))
+        _check_objective(recipe, formats[-1], part.name)
+        parts.append(part)
+    mixture = len(entries) > 1 or bool(recipe.dataset_mixture)
+    source = _mixture(parts, [e.weight for e in entries], recipe.order_seed) if mixture else parts[0]
+    fmt = formats[0]
 
     eval_raw, eval_fmt, held_out = None, None, 0
     if recipe.eval_dataset_name:
@@ -484,8 +516,8 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
             "so the eval carve-out (the stream's first examples) cannot be skipped by every rank alike; set "
             "eval_dataset_name, or validation_split_percentage: 0"
         )
-    needs_chat = _is_chat_example(fmt, first) or (eval_raw is not None and len(eval_raw) > 0
-                                                  and _is_chat_example(eval_fmt, eval_raw[0]))
+    needs_chat = any(_is_chat_example(f, x) for f, x in zip(formats, firsts)) or (
+        eval_raw is not None and len(eval_raw) > 0 and _is_chat_example(eval_fmt, eval_raw[0]))
     template_note = prepare_chat_template(tokenizer, recipe.chat_template_path, needs_chat)
 
     def open_pass():
@@ -497,9 +529,13 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
     name = source.name
 
     def tokenize(example: dict, index: int) -> list[dict]:
-        if fmt == "preference":
-            return [tokenize_pair(example, index, tokenizer, spec, name)]
-        return tokenize_rows(example, index, tokenizer, spec, fmt, name)
+        kind, where = fmt, name
+        if mixture:  # a mixture's records carry their source and the raw example as JSON
+            part = example[MIXTURE_SOURCE]
+            example, kind, where = json.loads(example[MIXTURE_RAW]), formats[part], parts[part].name
+        if kind == "preference":
+            return [tokenize_pair(example, index, tokenizer, spec, where)]
+        return tokenize_rows(example, index, tokenizer, spec, kind, where)
 
     sequential = recipe.train_sampling_strategy == "sequential"
     stream = RowStream(open_pass, tokenize, shuffle_buffer=1 if sequential else recipe.shuffle_buffer_size,
@@ -515,7 +551,8 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
     else:
         reading = f"one rank reads {source.num_shards} shard(s)"
     packed = ", packed on the fly" if recipe.packing else ""
-    description = f"streaming {name!r} ({fmt}): {reading}, {order}{packed}, tokenized on the fly"
+    kinds = "/".join(dict.fromkeys(formats))
+    description = f"streaming {name!r} ({kinds}): {reading}, {order}{packed}, tokenized on the fly"
     collator = StreamCollator(0, recipe.packing, fmt == "preference")
     feed = StreamFeed(stream, collator, plan, rank, disjoint, recipe.max_bad_rows, description)
 

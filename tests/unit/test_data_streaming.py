@@ -142,3 +142,44 @@ def test_the_preview_shows_the_streams_first_rows_and_its_bad_examples(tmp_path,
     for row, (i, answer) in zip(rows, enumerate(answers)):
         assert f"Question {i}?" in row and f"⟦{answer}" in row
     assert "read 4 raw example(s): 1 bad" in out and "the first bad one: pass 1, example 1:" in out
+
+
+def test_a_mixture_draws_by_weight_tokenizes_each_source_by_its_format_and_resumes_exactly(tmp_path):
+    """A chat file (weight 3) and a plain-text file (weight 1) interleaved: about a quarter of the rows are text, each
+    source tokenized by its own format (chat answers trained only, every text token trained), and a stream loaded
+    from its state after 10 rows continues with the rows the uninterrupted stream gives."""
+    import json
+
+    from hftrain.config import DatasetSource
+    from hftrain.data.streaming import load_stream
+    from hftrain.model import build_tokenizer
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"},
+                                                      {"role": "assistant", "content": f"Answer {i}."}]}) + "\n"
+                             for i in range(30)))
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": f"plain text number {i}"}) + "\n" for i in range(30)))
+    recipe = Recipe(model_name_or_path=str(REPO / "models" / "tiny-llama"), streaming=True, max_steps=1,
+                    validation_split_percentage=0, eval_strategy="no", train_sampling_strategy="sequential",
+                    dataset_mixture=[DatasetSource(str(chats), weight=3.0), DatasetSource(str(texts), weight=1.0)])
+    assert not validate(recipe)
+    tokenizer = build_tokenizer(recipe)
+
+    def rows(feed, n):
+        return [feed.stream.next_row()[0] for _ in range(n)]
+
+    feed, _, _ = load_stream(recipe, tokenizer, rank=0, world=1)
+    assert "mixture of" in feed.description and "(messages/text)" in feed.description
+    whole = rows(feed, 40)
+    is_text = ["plain text" in tokenizer.decode(r["input_ids"]) for r in whole]
+    assert 4 <= sum(is_text) <= 18
+    for row, text in zip(whole, is_text):
+        trained = sum(label != -100 for label in row["labels"])
+        assert trained == len(row["labels"]) - 1 if text else 0 < trained < len(row["labels"]) / 2
+    first, _, _ = load_stream(recipe, tokenizer, rank=0, world=1)
+    rows(first, 10)
+    state = first.stream.state()
+    resumed, _, _ = load_stream(recipe, tokenizer, rank=0, world=1)
+    resumed.stream.load_state(json.loads(json.dumps(state)))  # through JSON, as a checkpoint stores it
+    assert [r["input_ids"] for r in rows(resumed, 30)] == [r["input_ids"] for r in whole[10:]]
