@@ -362,8 +362,16 @@ class WrapsCausalLM(nn.Module):
 
     @property
     def _no_split_modules(self) -> list[str] | None:
-        """The layer classes FSDP2 wraps one by one (accelerate reads them from the module it prepares)."""
-        return getattr(self.lm, "_no_split_modules", None)
+        """The layer classes FSDP2 wraps one by one (accelerate reads them from the module it prepares): the model's
+        own list, less classes it does not contain (LLaVA lists CLIP's text embeddings, which its vision-only CLIP
+        lacks, and accelerate refuses a class it cannot find). An image-text model's vision layers and embeddings
+        are then units of their own; the whole tower as one unit would break transformers 5.23's capture of its
+        hidden states (LLaVA reads them: None under fully_shard)."""
+        names = getattr(self.lm, "_no_split_modules", None)
+        if names is None:
+            return None
+        present = {type(module).__name__ for module in self.lm.modules()}
+        return [name for name in names if name in present]
 
     def tie_weights(self, *args, **kwargs) -> None:
         """Tie the causal LM's output projection to its input embedding again, where its config says so. accelerate's

@@ -89,8 +89,8 @@ def freeze(model: nn.Module, recipe) -> dict[str, int]:
     for name, param in model.named_parameters():
         part = part_of(name)
         if part in parts:
-            param.requires_grad_(False)
-            frozen[part] = frozen.get(part, 0) + param.numel()
+            param.requires_grad_(False)  # ZeRO-3 loads partitioned: ds_numel is the whole parameter's size
+            frozen[part] = frozen.get(part, 0) + getattr(param, "ds_numel", param.numel())
     return frozen
 
 
@@ -116,3 +116,4 @@ def lora_note(recipe, layers: int) -> str:
                                         if part not in frozen_parts(recipe)]
     return (f"all-linear LoRA on an image-text model: adapters on {layers} linear layers of {', '.join(trained)} "
             "(freeze_vision_tower / freeze_projector decide the rest)")
+

@@ -143,7 +143,7 @@ class DeepSpeedBackend(Backend):
                                    offloaded=offloaded)
 
     def prepare(self, model, optimizer):
-        hidden = getattr(model.config, "hidden_size", None)
+        hidden = getattr(model.config.get_text_config(), "hidden_size", None)  # an image-text model's language model
         for key, size in HIDDEN_SIZE_AUTO_KEYS.items():
             if get_key(self.config, key) == "auto":
                 if hidden is None:

@@ -13,7 +13,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from hftrain.config import load_recipe
 from hftrain.data.vision import load_image_chats, open_image
 from hftrain.merge import merge
-from tests.conftest import REPO, launch, run_script
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, run_script
 
 MODEL = REPO / "models" / "tiny-vlm"
 DATA = REPO / "data" / "image-chat.jsonl"
@@ -68,10 +68,36 @@ def test_two_ddp_processes_train_like_one(full_run, tmp_path):
         torch.testing.assert_close(torch.tensor(two_values), torch.tensor(one_values), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
+def test_sharded_strategies_train_like_one_process(full_run, tmp_path, preset):
+    """ZeRO-3 and FSDP2 (through the CPU test launcher; CLIP's layers and embeddings are FSDP units of their own)
+    on 2 processes: the one-process losses, the same final weights, the frozen parts untouched."""
+    script = FSDP_LAUNCHER if preset == "fsdp2" else ENTRY
+    run = launch(tmp_path / preset, *COMMON, "--per_device_train_batch_size", "4", preset=preset, processes=2,
+                 script=script)
+    state = run.state()
+    assert state["launch"]["num_processes"] == 2
+    assert state["parallelism"]["kind"] == {"zero3": "deepspeed", "fsdp2": "fsdp2"}[preset]
+    assert state["parallelism"]["zero_stage"] == (3 if preset == "zero3" else None)
+    assert state["launch"]["model_wrapper"] == ("DeepSpeedEngine" if preset == "zero3" else "FSDPCausalLMTokenLoss")
+    assert "the vision tower (22,496 parameters)" in run.stdout
+    for key, rows in (("loss", Run.train_rows), ("eval_loss", Run.eval_rows)):
+        assert [r["step"] for r in rows(run)] == [r["step"] for r in rows(full_run)]
+        torch.testing.assert_close(torch.tensor([r[key] for r in rows(run)]),
+                                   torch.tensor([r[key] for r in rows(full_run)]), rtol=1e-4, atol=1e-5)
+    weights, reference, base = (AutoModelForImageTextToText.from_pretrained(folder).state_dict()
+                                for folder in (run.output_dir / "final", full_run.output_dir / "final", MODEL))
+    assert weights.keys() == reference.keys()
+    for name, value in reference.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        if ".vision_tower." in name or ".multi_modal_projector." in name:
+            assert torch.equal(weights[name], base[name]), name
+
+
 def test_a_lora_adapter_reproduces_the_logged_eval_loss(tmp_path):
     """LoRA's default targets are the language model's linear layers; the saved adapter on the base model, run by
     plain transformers + peft on the processor's encoding of the eval rows, gives the logged final eval loss."""
-    run = run_script(tmp_path / "lora", *COMMON, "--use_peft", "true", "--learning_rate", "1e-2")
+    run = run_script(tmp_path / "lora", *COMMON, "--use_peft", "true", "--learning_rate", "1e-2", "--max_steps", "8")
     final = run.output_dir / "final"
     adapter = json.loads((final / "adapter_config.json").read_text())
     assert adapter["target_modules"] and all(".language_model." in t for t in adapter["target_modules"])
