@@ -468,6 +468,24 @@ class Recipe:
         "remaining factor is data-parallel), sdpa attention and unpacked rows. docs/long-context.md. 1 = off.",
         group="parallelism",
     )
+    # pipeline parallelism (hftrain/parallel/pipeline.py, docs/pipeline.md): one contiguous block
+    pp_size: int = _f(
+        1, "Pipeline-parallel degree: the model's layers split into N stages by its pp plan (base_model_pp_plan), one "
+        "per process (two with Interleaved1F1B), run by torch.distributed.pipelining. Needs a DDP-type preset "
+        "(cpu_pp on CPU, pp on GPUs) with N processes, or a multiple of N for data-parallel copies of the pipeline. "
+        "docs/pipeline.md. 1 = off.", group="parallelism",
+    )
+    pp_schedule: str = _f(
+        "1F1B", "Pipeline schedule (torch's names): 1F1B (one forward, one backward: few activations in flight), "
+        "GPipe (all forwards, then all backwards), Interleaved1F1B (two stages per process: bubble halved). "
+        "ZBVZeroBubble and DualPipeV are refused (not wired yet, docs/pipeline.md).", group="parallelism",
+        choices=("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"),
+    )
+    pp_microbatches: int | None = _f(
+        None, "Microbatches per pipeline step: each per-device batch is split into this many along its rows (padded "
+        "with target-less rows to a multiple of it). Default: 2 x the pipeline stages. Bubble: (stages-1)/"
+        "microbatches.", group="parallelism",
+    )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -792,8 +810,48 @@ def _parallelism_problems(r: Recipe) -> list[str]:
         if getattr(r, name) > 1 and r.objective != "sft":
             problems.append(f"{name}={getattr(r, name)} with objective={r.objective} is not supported: preference "
                             "losses need each row's whole log-probability on one process; use data parallelism")
+    problems += _pipeline_problems(r)
     if r.launch_preset_reason is not None and r.launch_preset is None:
         problems.append("launch_preset_reason is set but launch_preset is not; name the preset it explains")
+    return problems
+
+
+def _pipeline_problems(r: Recipe) -> list[str]:
+    """pp_size / pp_schedule / pp_microbatches, from the recipe alone (the launch and the model's layers are checked
+    in the preflight: parallel.pipeline.pipeline_problems)."""
+    if r.pp_size < 1:
+        return [f"pp_size must be >= 1 (1 = off), got {r.pp_size}"]
+    if r.pp_size == 1:
+        return []
+    problems = []
+    sizes = {"tp_size": r.tp_size, "sp_size": r.sp_size, "cp_size": r.cp_size}
+    others = [f"{name}={size}" for name, size in sizes.items() if size > 1]
+    if others:
+        problems.append(f"pp_size={r.pp_size} with {', '.join(others)}: pipeline parallelism composes only with "
+                        "data-parallel copies so far (pp x tp and pp x sp/cp are not built, docs/pipeline.md); set "
+                        "them to 1")
+    if r.objective != "sft":
+        problems.append(f"pp_size={r.pp_size} with objective={r.objective}: a preference loss needs both rows of a "
+                        "pair and the reference's log-probabilities on the last stage, which hftrain's pipeline does "
+                        "not carry; use data parallelism or tensor parallelism")
+    if r.pp_schedule in ("ZBVZeroBubble", "DualPipeV"):
+        problems.append(f"pp_schedule={r.pp_schedule} is not available: it needs two stages per process placed in a V "
+                        "and a backward split into input and weight gradients, which hftrain's stages do not provide "
+                        "yet; use Interleaved1F1B (bubble (p-1)/(2m)) or 1F1B")
+    if r.pp_microbatches is not None and r.pp_microbatches < 1:
+        problems.append(f"pp_microbatches must be >= 1 or unset, got {r.pp_microbatches}")
+    elif r.pp_microbatches is not None and r.pp_schedule != "GPipe" and r.pp_microbatches < r.pp_size:
+        problems.append(f"pp_microbatches={r.pp_microbatches} with pp_schedule={r.pp_schedule}: 1F1B-type schedules "
+                        f"need at least as many microbatches as processes in the pipeline ({r.pp_size}); raise it")
+    if r.packing:
+        problems.append(f"pp_size={r.pp_size} with packing: the packed documents' position_ids would have to travel "
+                        "between stages, which hftrain's pipeline does not send yet; use packing: false")
+    if r.use_liger_kernel or r.loss_chunk_tokens:
+        problems.append(f"pp_size={r.pp_size} with use_liger_kernel / loss_chunk_tokens: the last stage computes the "
+                        "plain token loss (NeMo's fused loss silently did nothing under pp, NeMo Automodel #2681); "
+                        "turn them off")
+    if r.torch_compile:
+        problems.append(f"pp_size={r.pp_size} with torch_compile is not tested under hftrain's pipeline; turn it off")
     return problems
 
 

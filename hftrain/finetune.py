@@ -103,11 +103,7 @@ def optimizer_step(backend, model, optimizer, scheduler, micro_batches, scale, m
     step_loss = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     for batch in micro_batches:
         with accelerator.accumulate(model), backend.micro_batch(batch) as inputs:
-            loss_sum = model(**inputs)
-            timer.lap("forward")
-            accelerator.backward(loss_sum * scale)
-            step_loss += loss_sum.detach()
-            timer.lap("backward")
+            step_loss += backend.forward_backward(model, inputs, scale, timer)  # backward of loss_sum * scale
             if accelerator.sync_gradients:
                 grad_norm = backend.clip_grad_norm(model, max_norm)
                 finite = grad_norm is None or math.isfinite(grad_norm)
@@ -529,8 +525,8 @@ class Finetune:
             "trained_tokens": progress.trained_tokens,
             "nan_skipped_steps": progress.nan_skipped_steps,
             **self.feed.window_metrics(self.dp),
-            **self.meter.window(model=self.model, step=progress.step, loss=loss, grad_norm=step.grad_norm,
-                                local_loss_sum=window.loss, global_tokens=window.tokens,
+            **self.meter.window(checksum=self.backend.param_checksum(self.model), step=progress.step, loss=loss,
+                                grad_norm=step.grad_norm, local_loss_sum=window.loss, global_tokens=window.tokens,
                                 global_examples=window.examples),
         }
         row[f"{self.token_loss.examples_name}_per_second"] = row["samples_per_second"]  # pairs_per_second for dpo

@@ -267,9 +267,11 @@ class RunMeter:
         """Wall-clock hours of this run (resumed parts included) times the number of devices."""
         return self.hours_before + (time.perf_counter() - self.started) / 3600 * self.world
 
-    def window(self, *, model, step: int, loss: float | None, grad_norm: float | None, local_loss_sum: torch.Tensor,
+    def window(self, *, checksum: float, step: int, loss: float | None, grad_norm: float | None,
+               local_loss_sum: torch.Tensor,
                global_tokens: int, global_examples: int) -> dict:
-        """Metrics of the window since the last call (every rank must call it: it gathers)."""
+        """Metrics of the window since the last call (every rank must call it: it gathers). `checksum`: the backend's
+        checksum of the model's replicated parameters (`Backend.param_checksum`), equal on ranks in sync."""
         phases = self.timer.collect()
         peak, reserved = peak_memory_mb(self.accelerator.device)
         values = {"loss_sum": local_loss_sum, "trained_tokens": self.local_tokens, "examples": self.local_examples,
@@ -277,7 +279,7 @@ class RunMeter:
                   "flops": self.window_flops, **phases, "peak_memory_mb": peak, "peak_reserved_mb": reserved,
                   "step": step, "loss": loss if loss is not None else float("nan"),
                   "grad_norm": grad_norm if grad_norm is not None else float("nan"),
-                  "param_checksum": param_checksum(model), "utilization": self.utilization.window_mean()}
+                  "param_checksum": checksum, "utilization": self.utilization.window_mean()}
         mine = torch.stack([torch.as_tensor(values[k], dtype=torch.float64).to(self.accelerator.device).reshape(())
                             for k in self.FIELDS])
         table = self.accelerator.gather(mine.unsqueeze(0)).reshape(self.world, len(self.FIELDS)).cpu().tolist()

@@ -29,6 +29,7 @@ from hftrain.estimate import ulysses_splits
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, router_coefficient
 from hftrain.parallel.deepspeed import deepspeed_problems
 from hftrain.parallel.launch import Launch
+from hftrain.parallel.pipeline import pipeline_problems
 
 TP_WITH_SHARDING_REFUSED = (
     "tensor parallelism combined with FSDP or DeepSpeed is not available in hftrain: accelerate 1.15 composes TP "
@@ -49,6 +50,7 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += liger_problems(recipe, cuda, launch, model_config)
     problems += sequence_parallel_problems(recipe, launch, model_config)
     problems += context_parallel_problems(recipe, launch, model_config)
+    problems += pipeline_problems(recipe, launch, model_config)
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
     return model_config

@@ -7,7 +7,8 @@
 
 Backends, one file each: base.py (the interface; one process and DDP), fsdp.py (FSDP2), deepspeed.py (ZeRO 1-3,
 offload), tensor.py (tensor parallel, with data-parallel copies), sequence.py (ZeRO with DeepSpeed's Ulysses
-sequence parallelism), context.py (FSDP2 with torch's ring attention context parallelism).
+sequence parallelism), context.py (FSDP2 with torch's ring attention context parallelism), pipeline.py (pipeline
+stages through torch.distributed.pipelining, with data-parallel copies).
 Nothing else in hftrain asks accelerate, the environment or the DeepSpeed JSON which strategy
 runs.
 """
@@ -21,6 +22,7 @@ from hftrain.parallel.context import ContextParallelBackend
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch, devices_record, make_accelerator, phase
+from hftrain.parallel.pipeline import PipelineBackend
 from hftrain.parallel.sequence import SequenceParallelBackend
 from hftrain.parallel.tensor import TensorParallelBackend
 
@@ -39,6 +41,8 @@ def resolve(accelerator, recipe: Recipe, launch: Launch) -> Backend:
                 if wanted == "FSDP" else " unset ACCELERATE_USE_CPU (it turns DeepSpeed into DDP)")
         raise HftrainError(f"the launch preset asks for {wanted} but accelerate selected {selected} on this machine, "
                            f"which would train with another strategy than the one you chose;{hint}")
+    if recipe.pp_size > 1:  # the recipe and preflight have refused pp with tp/sp/cp, FSDP2 and DeepSpeed
+        return PipelineBackend(accelerator, recipe)
     if recipe.tp_size > 1:  # the preflight has refused tensor parallelism with FSDP2 or DeepSpeed
         return TensorParallelBackend(accelerator, recipe)
     if recipe.sp_size > 1:  # the preflight has refused sequence parallelism without DeepSpeed

@@ -27,6 +27,7 @@ from hftrain.checkpoint import MODEL_FILE, keep_trained_weights
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.estimate import GIB
+from hftrain.metrics import param_checksum
 from hftrain.model import DTYPES, parameter_count
 
 ALL_PARTS = ("weights", "gradients", "optimizer")  # the model state: what ZeRO-3 / FULL_SHARD split
@@ -44,6 +45,7 @@ class Parallelism:
     tp_size: int = 1
     sp_size: int = 1  # sequence-parallel degree: the ranks of one group share a batch, each holds a slice
     cp_size: int = 1  # context-parallel degree (ring attention): the same, under FSDP2
+    pp_size: int = 1  # pipeline stages' processes: each holds some layers, all see the same batches
     dp_world: int = 1  # data-parallel groups: each trains on its own share of the data
     dp_rank: int = 0
     zero_stage: int | None = None
@@ -150,6 +152,21 @@ class Backend:
         forward *and* backward (context parallelism: the sequence shards, inside accelerate's maybe_context_parallel).
         Here: the batch as it is."""
         yield batch
+
+    def forward_backward(self, model, inputs: dict[str, torch.Tensor], scale: torch.Tensor, timer) -> torch.Tensor:
+        """Forward and backward of one micro-batch (`model(**inputs)` returns its summed loss); returns that sum,
+        detached. The backward is of sum x `scale`, divided by the accumulation steps by accelerate's backward (and
+        by DeepSpeed's engine). Pipeline parallelism runs both inside its schedule (parallel/pipeline.py)."""
+        loss_sum = model(**inputs)
+        timer.lap("forward")
+        self.accelerator.backward(loss_sum * scale)
+        timer.lap("backward")
+        return loss_sum.detach()
+
+    def param_checksum(self, model) -> float:
+        """Sum of the replicated parameters, equal on every rank while they train the same model (the desync
+        check); every rank calls it."""
+        return param_checksum(model)
 
     def local_trained_tensors(self, model) -> list[torch.Tensor]:
         """The values of the trained parameters held by this process (a DTensor's local shard), to change and compare
@@ -276,6 +293,10 @@ class Backend:
         """Refuse a checkpoint this layout cannot load (a tensor-parallel one without tensor parallelism)."""
         if saved_launch["tp_size"] > 1:
             raise_tp_mismatch(saved_launch["tp_size"], self.recipe.tp_size)
+        if saved_launch.get("pp_size", 1) > 1:  # checkpoints older than pipeline parallelism carry no pp_size
+            raise HftrainError(f"this checkpoint was written with pp_size={saved_launch['pp_size']} and this run has "
+                               "no pipeline parallelism; resuming across pp layouts is not built yet: resume with "
+                               "the pp_size that wrote it (docs/pipeline.md)")
 
     @contextmanager
     def resume_folder(self, model, path: Path, saved_launch: dict):
@@ -316,6 +337,7 @@ class Backend:
             "tp_size": self.record.tp_size,
             "sp_size": self.record.sp_size,
             "cp_size": self.record.cp_size,
+            "pp_size": self.record.pp_size,
             "dtensor_parameters": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
             "optimizer": innermost_optimizer(optimizer),
             "mixed_precision": self.accelerator.mixed_precision,

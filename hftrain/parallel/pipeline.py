@@ -1,0 +1,449 @@
+"""Pipeline parallelism: the model's layers split into stages, run by `torch.distributed.pipelining`.
+
+`--pp_size N` splits the transformers model by hand along its own pp plan (`base_model_pp_plan`: embed_tokens, the
+layer list, norm; the causal LM's `_pp_plan`: lm_head), not with torch's tracer (it fails on HF models with rotary
+embeddings, pytorch #184361):
+
+- every process keeps the model's module tree; the modules another stage owns are replaced by parameterless
+  placeholders (`Elsewhere`), so parameter names stay the HF names (checkpoints, the final save) and each layer keeps
+  its index (`config.layer_types`, sliding windows);
+- a stage runs the model's own base forward with the other stages' layers skipped and, except on the last stage, the
+  final norm skipped (`StageForward`): positions, the causal masks and the rotary embeddings are recomputed on every
+  stage from the hidden states' shape, and only the hidden states cross between stages;
+- layers are balanced over the stages with the embedding and the head counted as one layer each (`split_layers`),
+  and every layer lives on exactly one stage (asserted);
+- the last stage computes the summed token loss on trained positions only (the head applied there), times the
+  loop's step scale: `scale_grads=False`, so the step's loss is sum(token losses) / the step's trained tokens over
+  every microbatch, accumulation step and data-parallel copy, exactly as without pp;
+- rows are padded to `max_length` and the rows of a per-device batch to a multiple of the microbatches (torch sizes
+  its receive buffers once), with target-less padding (causal attention: no real token sees it);
+- gradients: averaged over the data-parallel copies, the tied embedding's gradient summed between the first and the
+  last stage, the norm summed over the stages (each tied weight counted once) before clipping.
+
+Process layout (one DeviceMesh, pp outermost): rank = stage_rank * copies + copy. With 4 processes and pp_size=2:
+ranks {0, 2} and {1, 3} are two pipelines; {0, 1} hold the first stage, {2, 3} the last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from accelerate.utils import gather_object
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from hftrain.config import Recipe
+from hftrain.data import IGNORE_INDEX
+from hftrain.errors import HftrainError
+from hftrain.metrics import param_checksum
+from hftrain.model import HEAD_ONLY_MODEL_TYPES, router_coefficient
+from hftrain.optim import build_optimizer
+from hftrain.parallel.base import Backend, DataParallel, Parallelism
+from hftrain.parallel.launch import Launch
+
+# Causal LMs whose base forward does nothing outside the planned modules besides positions, masks and rotary
+# embeddings (read in transformers 5.23), and whose logits are lm_head(hidden states). Granite, for one, multiplies
+# the embeddings by `embedding_multiplier` inside forward(): every stage would repeat it.
+PIPELINE_MODEL_TYPES = HEAD_ONLY_MODEL_TYPES
+STAGES_PER_PROCESS = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2}
+PIPELINE_STATE_DIR = "pipeline_state"  # the checkpoint's DCP folder: model and optimizer state under HF names
+
+
+def microbatches(recipe: Recipe) -> int:
+    """Microbatches per pipeline step: the recipe's, or 2 x the pipeline's stages."""
+    stages = recipe.pp_size * STAGES_PER_PROCESS.get(recipe.pp_schedule, 1)
+    return recipe.pp_microbatches if recipe.pp_microbatches is not None else 2 * stages
+
+
+def pipeline_problems(recipe: Recipe, launch: Launch, model_config) -> list[str]:
+    """pp_size: what the launch and the model's config must allow, before the weights load."""
+    pp = recipe.pp_size
+    if pp <= 1:
+        return []
+    problems = []
+    if launch.kind in ("fsdp2", "deepspeed"):
+        problems.append(f"pp_size={pp} with a {launch.kind} preset: hftrain's pipeline runs with data-parallel copies "
+                        "of the pipeline on a DDP-type preset (cpu_pp on CPU, pp on GPUs); FSDP2 or ZeRO per stage is "
+                        "not built (docs/pipeline.md)")
+    elif launch.world % pp:
+        problems.append(f"pp_size={pp} does not divide the {launch.world} processes of this launch; use pp_size "
+                        "processes (cpu_pp / pp preset) or a multiple of it for data-parallel copies of the pipeline")
+    if recipe.use_peft or recipe.load_in_4bit or recipe.load_in_8bit:
+        problems.append(f"pp_size={pp} with use_peft / load_in_4bit / load_in_8bit is not built yet "
+                        "(docs/pipeline.md); train the full model or use data parallelism")
+    if recipe.gradient_checkpointing:
+        problems.append(f"pp_size={pp} with gradient_checkpointing is not tested under hftrain's pipeline yet; turn it "
+                        "off")
+    if model_config is None:
+        return problems
+    kind = model_config.model_type
+    plan = getattr(model_config, "base_model_pp_plan", None)
+    if not plan:
+        problems.append(f"pp_size={pp}: the model ({kind!r}) has no pipeline plan (base_model_pp_plan in its "
+                        "transformers config), so hftrain does not know how its forward splits into stages")
+    elif kind not in PIPELINE_MODEL_TYPES or list(plan) != ["embed_tokens", "layers", "norm"]:
+        problems.append(f"pp_size={pp}: the model ({kind!r}) is not one whose forward hftrain has checked for work "
+                        "outside its pipeline plan (each stage would repeat it, e.g. Granite's embedding_multiplier) "
+                        f"and whose logits are lm_head(hidden states): {', '.join(sorted(PIPELINE_MODEL_TYPES))}")
+    else:
+        stages = pp * STAGES_PER_PROCESS[recipe.pp_schedule]
+        layers = model_config.get_text_config().num_hidden_layers
+        if layers < stages:
+            problems.append(f"pp_size={pp} with pp_schedule={recipe.pp_schedule} needs {stages} stages of at least "
+                            f"one layer each, and the model has {layers} layers; use a smaller pp_size or 1F1B")
+    if router_coefficient(model_config, recipe.router_aux_loss_coef):
+        problems.append(f"pp_size={pp} with a mixture-of-experts router loss: each stage holds only its layers' "
+                        "routers and the loss would need them all on the last stage; set router_aux_loss_coef: 0")
+    return problems
+
+
+def split_layers(layers: int, stages: int) -> list[range]:
+    """Contiguous layer ranges, one per stage, balanced with the embedding (first stage) and the head (last stage)
+    each counted as one layer; every stage gets at least one layer and every layer exactly one stage."""
+    if layers < stages:
+        raise HftrainError(f"{layers} layers cannot fill {stages} pipeline stages")
+    units = layers + 2  # [embedding, layer 0 .. layer L-1, head]
+    bounds = [round(k * units / stages) for k in range(stages + 1)]
+    ranges = [range(max(lo - 1, 0), min(hi - 1, layers)) for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    if any(len(r) == 0 for r in ranges):  # few layers per stage: even split, the remainder to the middle stages
+        base, extra = divmod(layers, stages)
+        sizes = [base + (1 if 0 < k <= extra else 0) for k in range(stages)]
+        if sum(sizes) < layers:
+            sizes[0] += layers - sum(sizes)
+        starts = [sum(sizes[:k]) for k in range(stages)]
+        ranges = [range(s, s + n) for s, n in zip(starts, sizes, strict=True)]
+    owners = [k for k, r in enumerate(ranges) for _ in r]
+    assert owners == sorted(owners) and len(owners) == layers and all(len(r) for r in ranges), \
+        f"pipeline split lost or repeated a layer: {ranges}"
+    return ranges
+
+
+class Elsewhere(nn.Module):
+    """Placeholder for a module that another pipeline stage holds: no parameters, and passes its first argument
+    (hidden states) through, so the model's own forward skips it."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.held_by_another_stage = name
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+    def extra_repr(self) -> str:
+        return self.held_by_another_stage
+
+
+def causal_lm(lm: nn.Module) -> nn.Module:
+    """The transformers causal LM inside a peft wrapper, or `lm` itself."""
+    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+
+
+class StageForward(nn.Module):
+    """One pipeline stage: the base model's own forward over this stage's layers (the others skipped), from token
+    ids (first stage) or received hidden states; the final norm only on the last stage. Registers only this stage's
+    modules, so `parameters()` are the stage's."""
+
+    def __init__(self, lm: nn.Module, index: int, count: int, layers: range):
+        super().__init__()
+        self.index, self.is_first, self.is_last = index, index == 0, index == count - 1
+        decoder = causal_lm(lm).get_decoder()
+        total = len(decoder.layers)
+        self.layers = nn.ModuleList([decoder.layers[i] if i in layers else Elsewhere(f"layer {i}")
+                                     for i in range(total)])
+        self.norm = decoder.norm if self.is_last else Elsewhere("norm")
+        if self.is_first:
+            self.embed_tokens = decoder.embed_tokens
+        object.__setattr__(self, "_decoder", decoder)  # not a submodule: the rank's tree is registered elsewhere
+
+    @contextmanager
+    def _as_this_stage(self):
+        decoder = self._decoder
+        kept = decoder._modules["layers"], decoder._modules["norm"]
+        decoder._modules["layers"], decoder._modules["norm"] = self.layers, self.norm
+        try:
+            yield decoder
+        finally:
+            decoder._modules["layers"], decoder._modules["norm"] = kept
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self._as_this_stage() as decoder:
+            inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
+            return decoder(**inputs, use_cache=False).last_hidden_state
+
+
+def stage_indices(rank: int, pp: int, per_process: int) -> list[int]:
+    """The stages of pipeline rank `rank` (torch's loop placement: stage s on rank s % pp)."""
+    return [rank + k * pp for k in range(per_process)]
+
+
+def keep_only(lm: nn.Module, owned_layers: set[int], first: bool, last: bool) -> None:
+    """Replace, in the rank's module tree, what other stages hold by placeholders (parameter names kept)."""
+    hf = causal_lm(lm)
+    decoder = hf.get_decoder()
+    for i in range(len(decoder.layers)):
+        if i not in owned_layers:
+            decoder.layers[i] = Elsewhere(f"layer {i}")
+    if not first:
+        decoder.embed_tokens = Elsewhere("embed_tokens")
+    if not last:
+        decoder.norm = Elsewhere("norm")
+        hf.lm_head = Elsewhere("lm_head")
+
+
+class PipelineStages(nn.Module):
+    """The prepared model under pp: this process's stages of the loss module `module` (its placeholders in place)
+    and the schedule that runs them. `train_step` runs one pipeline step (forward and backward of every microbatch);
+    calling the module runs a forward-only step (evaluation) and returns the summed token loss on the last stage,
+    0 elsewhere."""
+
+    def __init__(self, module: nn.Module, stages: list[StageForward], schedule, microbatches: int,
+                 train_rows: int, eval_rows: int, max_length: int):
+        super().__init__()
+        self.module = module
+        self.stages = stages
+        object.__setattr__(self, "schedule", schedule)
+        self.microbatches, self.max_length = microbatches, max_length
+        self.rows = {True: train_rows, False: eval_rows}
+        self.scale = 1.0
+        self.sums: list[torch.Tensor] = []
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+
+    def token_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss_fn, on the last stage, per microbatch: the summed cross-entropy of the trained
+        positions (recorded unscaled) times the step's scale (1 / the step's trained tokens, see `train_step`)."""
+        trained = targets != IGNORE_INDEX
+        head = causal_lm(self.module.lm).get_output_embeddings()
+        loss = F.cross_entropy(head(hidden[trained]).float(), targets[trained], reduction="sum")
+        self.sums.append(loss.detach())
+        return loss * self.scale
+
+    def _inputs(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        """Fixed shapes: rows padded to this mode's row count, columns to max_length; the padding has no target.
+        Targets are the labels shifted (position t predicts token t+1), aligned with the hidden states."""
+        rows, width = input_ids.shape
+        wanted = self.rows[self.training]
+        if rows > wanted or width > self.max_length:
+            raise HftrainError(f"a micro-batch of {rows} x {width} tokens exceeds the pipeline's fixed "
+                               f"{wanted} x {self.max_length}")
+        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        input_ids = F.pad(input_ids, (0, self.max_length - width, 0, wanted - rows), value=0)
+        targets = F.pad(targets, (0, self.max_length - width, 0, wanted - rows), value=IGNORE_INDEX)
+        return input_ids, targets
+
+    def _run(self, input_ids, labels, step) -> torch.Tensor:
+        input_ids, targets = self._inputs(input_ids, labels)
+        self.sums = []
+        args = (input_ids,) if self.has_first else ()
+        step(*args, target=targets if self.has_last else None, losses=[] if self.has_last else None,
+             return_outputs=False)
+        # On a (re)initialisation (the first step, and the first after a train/eval switch) torch infers the stages'
+        # shapes by calling loss_fn once on uninitialised tensors before the real microbatches: only the last
+        # `microbatches` sums are this batch's.
+        sums, self.sums = self.sums[-self.microbatches:] if self.has_last else [], []
+        return torch.stack(sums).sum() if sums else torch.zeros((), device=input_ids.device)
+
+    def train_step(self, input_ids, labels, scale: float) -> torch.Tensor:
+        """Forward and backward of one per-device batch in `microbatches` microbatches; returns the detached summed
+        token loss (0 off the last stage). `scale` multiplies each microbatch's loss sum before its backward, and the
+        schedule does not rescale (`scale_grads=False`)."""
+        self.scale = scale
+        return self._run(input_ids, labels, self.schedule.step)
+
+    def forward(self, input_ids, labels, **_):
+        self.scale = 1.0
+        return self._run(input_ids, labels, self.schedule.eval)
+
+
+class PipelineBackend(Backend):
+    """pp_size stages per pipeline, pipelines as data-parallel copies (see the module's docstring)."""
+
+    def __post_init__(self) -> None:
+        world, pp = self.accelerator.num_processes, self.recipe.pp_size
+        device = self.accelerator.device
+        self.mesh = init_device_mesh(device.type, (pp, world // pp), mesh_dim_names=("pp", "dp"))
+        self.pp_group, self.dp_group = self.mesh["pp"].get_group(), self.mesh["dp"].get_group()
+        self.pp_rank, self.copy = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("dp")
+        # the first and last stage of each copy share the tied embedding; every rank creates every pair, in order
+        self.tie_group = None
+        copies = world // pp
+        for c in range(copies):
+            group = dist.new_group([c, (pp - 1) * copies + c])
+            if c == self.copy:
+                self.tie_group = group
+        super().__post_init__()
+
+    @property
+    def pp(self) -> int:
+        return self.recipe.pp_size
+
+    def data_parallel(self) -> DataParallel:
+        # A pipeline's ranks train on the same batches: tokens are counted once per pipeline (sum over the copies),
+        # then the max over the pipeline group spreads the last stage's loss sums (>= 0; 0 on the other stages).
+        return DataParallel(self.accelerator.num_processes // self.pp, self.copy, self.accelerator,
+                            replicas=self.pp, groups=(self.dp_group, self.pp_group))
+
+    def make_record(self, **layout) -> Parallelism:
+        copies = self.accelerator.num_processes // self.pp
+        name = (f"pipeline parallel (pp_size={self.pp}, {self.recipe.pp_schedule}, {microbatches(self.recipe)} "
+                "microbatches)" + (f" x {copies} data-parallel copies" if copies > 1 else ""))
+        record = super().make_record(kind="pp", name=name, sharded=("weights", "gradients", "optimizer"))
+        return dataclasses.replace(record, pp_size=self.pp)
+
+    def shard_count(self) -> int:
+        return self.pp
+
+    # ----------------------------------------------------------------- training
+    def prepare(self, model, optimizer):
+        """Split the loss module's causal LM into this rank's stages, build the schedule, and rebuild the optimizer
+        over the parameters this rank keeps."""
+        recipe, accelerator = self.recipe, self.accelerator
+        lm = model.lm
+        hf = causal_lm(lm)
+        head, embed = hf.get_output_embeddings(), hf.get_input_embeddings()
+        self.tied = head is not None and head.weight is embed.weight
+        per_process = STAGES_PER_PROCESS[recipe.pp_schedule]
+        count = self.pp * per_process
+        ranges = split_layers(len(hf.get_decoder().layers), count)
+        mine = stage_indices(self.pp_rank, self.pp, per_process)
+        stages = [StageForward(lm, s, count, ranges[s]) for s in mine]
+        keep_only(lm, {i for s in mine for i in ranges[s]}, first=0 in mine, last=count - 1 in mine)
+        self.layout = {"stages": count, "layers": [[r.start, r.stop] for r in ranges], "mine": mine}
+        model.to(accelerator.device)
+        if accelerator.mixed_precision != "no":
+            for stage in stages:
+                stage.forward = accelerator.autocast()(stage.forward)
+        m = microbatches(recipe)
+        pipeline_stages = [PipelineStage(stage, s, count, accelerator.device, group=self.pp_group)
+                           for stage, s in zip(stages, mine, strict=True)]
+        rows = lambda n: -(-n // m) * m  # noqa: E731 - rows padded to a multiple of the microbatches
+        prepared = PipelineStages(model, stages, None, m, rows(recipe.per_device_train_batch_size),
+                                  rows(recipe.per_device_eval_batch_size), recipe.max_length)
+        schedule_class = get_schedule_class(recipe.pp_schedule)
+        first = pipeline_stages if per_process > 1 else pipeline_stages[0]
+        object.__setattr__(prepared, "schedule", schedule_class(first, n_microbatches=m,
+                                                                loss_fn=prepared.token_loss, scale_grads=False))
+        optimizer = build_optimizer(recipe, model, optimizer.defaults["lr"])
+        self.register_checkpoint_hooks(prepared, optimizer)
+        return prepared, optimizer
+
+    def forward_backward(self, model, inputs, scale, timer) -> torch.Tensor:
+        """One pipeline step does every microbatch's forward and backward; accelerate's backward (which divides by
+        the accumulation steps) is not used, so the division is applied here."""
+        loss_sum = model.train_step(inputs["input_ids"], inputs["labels"],
+                                    float(scale) / self.recipe.gradient_accumulation_steps)
+        timer.lap("backward")
+        return loss_sum
+
+    def clip_grad_norm(self, model, max_norm: float) -> float | None:
+        """Collectives that change the gradients: the mean over the data-parallel copies (the loss already divides
+        by the step's tokens over all copies, so the mean undoes the copies' count as DDP's does), the tied
+        embedding's gradient summed between the first and the last stage, then the norm summed (squares) over the
+        stages, each tied weight counted once, and torch's clipping rule (coef = max_norm / (norm + 1e-6), at most
+        1)."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        copies = self.dp.world
+        for p in params:
+            if copies > 1:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.dp_group)
+                p.grad.div_(copies)
+        tied = self.tied_parameter(model)
+        if tied is not None and tied.grad is not None:
+            dist.all_reduce(tied.grad, op=dist.ReduceOp.SUM, group=self.tie_group)
+        counted = [p for p in params if not (tied is not None and p is tied and not model.has_first)]
+        squares = torch.zeros((), dtype=torch.float32, device=self.accelerator.device)
+        for p in counted:
+            squares += p.grad.detach().float().pow(2).sum()
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.pp_group)
+        norm = squares.sqrt()
+        if max_norm != float("inf"):
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in params:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return float(norm)
+
+    def tied_parameter(self, model) -> nn.Parameter | None:
+        """The tied input/output embedding as this rank holds it (embedding on the first stage, head on the last)."""
+        if not self.tied:
+            return None
+        hf = causal_lm(model.module.lm)
+        module = hf.get_input_embeddings() if model.has_first else hf.get_output_embeddings()
+        return getattr(module, "weight", None)
+
+    def param_checksum(self, model) -> float:
+        """The whole pipeline's sum (its stages' sums added): equal on every data-parallel copy."""
+        total = torch.tensor(param_checksum(model), dtype=torch.float64, device=self.accelerator.device)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return float(total)
+
+    # -------------------------------------------------------------- checkpoints
+    def register_checkpoint_hooks(self, model, optimizer) -> None:
+        """accelerate's save_state / load_state write and read the RNG states; the model and optimizer state of every
+        stage go through torch.distributed.checkpoint into PIPELINE_STATE_DIR, keyed by the HF parameter names, so
+        each rank reads what its stages hold whatever the layout that wrote them."""
+        options = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter and value (DCP)
+
+        def state():
+            return {"model": get_model_state_dict(model.module, options=options),
+                    "optimizer": get_optimizer_state_dict(model.module, optimizer, options=options)}
+
+        def save(models, weights, folder) -> None:
+            dcp.save(state(), checkpoint_id=str(Path(folder) / PIPELINE_STATE_DIR))
+
+        def load(models, folder) -> None:
+            loaded = state()
+            dcp.load(loaded, checkpoint_id=str(Path(folder) / PIPELINE_STATE_DIR))
+            set_model_state_dict(model.module, loaded["model"], options=options)
+            set_optimizer_state_dict(model.module, optimizer, loaded["optimizer"], options=options)
+
+        self.accelerator.register_save_state_pre_hook(save)
+        self.accelerator.register_load_state_pre_hook(load)
+
+    def synchronous_checkpoints(self) -> str | None:
+        return ("pipeline checkpoints are written by torch.distributed.checkpoint with collectives over every stage, "
+                "which a background thread cannot run beside the pipeline's own communication")
+
+    def saved_model_keys(self, folder: Path) -> set[str] | None:
+        return None  # DCP's own loader checks that every key this rank needs is in the checkpoint
+
+    def check_resumable(self, saved_launch: dict) -> None:
+        if saved_launch.get("pp_size", 1) == 1:  # older checkpoints carry no pp_size
+            raise HftrainError("this checkpoint was written without pipeline parallelism and this run has "
+                               f"pp_size={self.pp}; resuming across pp layouts is not built yet: resume with the "
+                               "layout that wrote it (docs/pipeline.md)")
+
+    def local_trained_tensors(self, model) -> list[torch.Tensor]:
+        return [p.data for p in model.parameters() if p.requires_grad]
+
+    def unwrap(self, model):
+        return model.module if isinstance(model, PipelineStages) else model
+
+    def full_state_dict(self, model) -> dict | None:
+        """Every stage's weights gathered on the main process (the first copy's; the others hold the same). A tied
+        head is left to the embedding's key, as transformers saves a tied model."""
+        tied = self.tied_parameter(model) if not model.has_first else None
+        mine = {k: v.detach().cpu() for k, v in model.module.state_dict(keep_vars=True).items()
+                if self.copy == 0 and v is not tied}
+        merged = {}
+        for part in gather_object([mine]):
+            merged.update(part)
+        return merged
+
+    def launch_info(self, model, optimizer) -> dict:
+        return {**super().launch_info(model, optimizer), "pp_size": self.pp, "pp_schedule": self.recipe.pp_schedule,
+                "pp_microbatches": microbatches(self.recipe), "pp_stages": self.layout}

@@ -1,0 +1,64 @@
+"""Pipeline splitting (parallel/pipeline.py) in one process: the layer balance, and stages that chain to the
+model's own forward with the HF parameter names kept. The distributed runs are in tests/e2e/test_pipeline.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hftrain.config import Recipe
+from hftrain.errors import HftrainError
+from hftrain.parallel.pipeline import StageForward, keep_only, microbatches, split_layers, stage_indices
+
+
+@pytest.mark.parametrize("layers, stages", [(2, 2), (4, 2), (4, 4), (5, 2), (30, 4), (32, 8), (3, 3), (7, 4)])
+def test_every_layer_on_exactly_one_stage_balanced_with_embedding_and_head(layers, stages):
+    ranges = split_layers(layers, stages)
+    assert [i for r in ranges for i in r] == list(range(layers))  # Megatron #1304 built 28 of 30
+    cost = [len(r) + (k == 0) + (k == stages - 1) for k, r in enumerate(ranges)]  # embedding and head count 1
+    assert all(len(r) >= 1 for r in ranges)
+    assert max(cost) - min(cost) <= 1 or min(len(r) for r in ranges) == 1
+
+
+def test_fewer_layers_than_stages_is_refused():
+    with pytest.raises(HftrainError, match="2 layers cannot fill 3 pipeline stages"):
+        split_layers(2, 3)
+
+
+def test_interleaved_stages_loop_over_the_ranks_and_microbatches_default_to_twice_the_stages():
+    assert [stage_indices(r, 2, 2) for r in (0, 1)] == [[0, 2], [1, 3]]
+    assert microbatches(Recipe(pp_size=2)) == 4
+    assert microbatches(Recipe(pp_size=2, pp_schedule="Interleaved1F1B")) == 8
+    assert microbatches(Recipe(pp_size=2, pp_microbatches=6)) == 6
+
+
+def tiny_llama(layers: int = 4, tied: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                         num_attention_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_stages_chain_to_the_model_forward(stages):
+    """Stage by stage (masks, positions and rotary recomputed on each) equals the model's own forward."""
+    model = tiny_llama()
+    ids = torch.randint(0, 50, (3, 11))
+    expected = model.model(input_ids=ids).last_hidden_state
+    ranges = split_layers(4, stages)
+    hidden = ids
+    for s in range(stages):
+        hidden = StageForward(model, s, stages, ranges[s])(hidden)
+    torch.testing.assert_close(hidden, expected, rtol=0, atol=0)
+
+
+def test_placeholders_keep_the_hf_names_of_what_a_rank_holds():
+    model = tiny_llama(tied=True)
+    full = dict(model.named_parameters(remove_duplicate=False))
+    keep_only(model, {2, 3}, first=False, last=True)  # the last of 2 stages
+    names = dict(model.named_parameters(remove_duplicate=False))
+    assert set(names) == {n for n in full if n.startswith(("model.layers.2.", "model.layers.3.", "model.norm."))} | \
+        {"lm_head.weight"}
+    assert all(names[n] is full[n] for n in names)  # the same tensors: the tied head keeps the embedding's
+    assert model.model.layers[0].held_by_another_stage == "layer 0" and len(model.model.layers) == 4
