@@ -1,6 +1,6 @@
 """Streaming vs map-style: time to the first optimizer step and peak memory, for generated chat sets of growing size.
 
-    python scripts/bench_streaming.py --sizes 10000 100000 [1000000] [--out results.json]
+    python scripts/bench_streaming.py --sizes 10000 100000 [1000000] [--map_up_to 100000] [--out results.json]
 
 For each size it writes N generated chats (2-4 messages, system prompt on some) as one .jsonl file, then runs
 `python hftrain/finetune.py` on the tiny model for one step (no eval, no checkpoints) twice: `streaming: false`
@@ -106,6 +106,8 @@ def resume_times(data: Path, n: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
+    parser.add_argument("--map_up_to", type=int, default=10**9,
+                        help="run the map-style contender only up to this many chats (it tokenizes them all first)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     results = []
@@ -116,7 +118,7 @@ def main() -> None:
             data = work / "chats.jsonl"
             generate(data, n)
             row = {"chats": n, "file_mib": round(data.stat().st_size / 2**20, 1),
-                   "map": run(data, False, work), "stream": run(data, True, work),
+                   "map": run(data, False, work) if n <= args.map_up_to else None, "stream": run(data, True, work),
                    "stream_resume_s_at_position": resume_times(data, n)}
             print(json.dumps(row), flush=True)
             results.append(row)

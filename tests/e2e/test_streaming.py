@@ -149,7 +149,8 @@ def test_preempted_shards_resume_exactly(shards_uninterrupted, shards_preempted,
 
 
 def test_refusals_and_bad_rows(shards_preempted, tiny_model, data, tmp_path):
-    """One process: streaming without max_steps; a disjoint-shards checkpoint on another process count; a stream whose
+    """One process: streaming without max_steps; a disjoint-shards checkpoint on another process count, or map-style;
+    a stream whose
     bad examples pass max_bad_rows in step 2 stops with checkpoint-1 and names the first."""
     out = tmp_path / "other-count"
     shutil.copytree(shards_preempted.output_dir / "checkpoint-3", out / "checkpoint-3")
@@ -161,6 +162,8 @@ def test_refusals_and_bad_rows(shards_preempted, tiny_model, data, tmp_path):
         "no_max_steps": ([*no_steps, "--streaming", "true", "--output_dir", str(tmp_path / "a")], {}),
         "other_count": ([*common(tiny_model, data["saved"]), *SHARDS, "--output_dir", str(out),
                          "--resume_from_checkpoint", str(out / "checkpoint-3")], {}),
+        "streamed_to_map_style": ([*common(tiny_model, data["saved"]), "--output_dir", str(out),
+                                   "--resume_from_checkpoint", str(out / "checkpoint-3")], {}),
         "bad_rows": ([*common(tiny_model, bad_data), "--streaming", "true", "--train_sampling_strategy", "sequential",
                       "--per_device_train_batch_size", "2", "--max_bad_rows", "1", "--output_dir",
                       str(tmp_path / "bad")], {}),
@@ -172,6 +175,8 @@ def test_refusals_and_bad_rows(shards_preempted, tiny_model, data, tmp_path):
     assert "saved with 2 ranks reading disjoint shards; this run would have every rank reading the whole stream" \
         in said["other_count"]
     assert "Resume with the saved number of data-parallel processes (2)" in said["other_count"]
+    assert runs["streamed_to_map_style"].returncode != 0 and \
+        "saved by a streamed run (streaming: true)" in said["streamed_to_map_style"]
     bad = runs["bad_rows"]
     assert bad.returncode != 0 and "Traceback" not in said["bad_rows"]
     assert "3 bad examples, more than max_bad_rows=1; the first: pass 1, example 1:" in said["bad_rows"]
