@@ -58,7 +58,10 @@ def check_messages(messages: Any, where: str) -> list[dict]:
                                "(ShareGPT data uses from/value: set dataset_format sharegpt)")
         if not isinstance(m.get("content"), str):
             raise HftrainError(f"{where}: message {i} ({m['role']}) has content of type "
-                               f"{type(m.get('content')).__name__}, not a string")
+                               f"{type(m.get('content')).__name__}, not a string"
+                               + (" (a list of parts is TRL's vision format: image chats train an image-text model, "
+                                  "one that AutoModelForImageTextToText loads; see docs/vision.md)"
+                                  if isinstance(m.get("content"), list) else ""))
     if not any(m["role"] == "assistant" for m in messages):
         raise HftrainError(f"{where}: the conversation has no assistant message, so nothing can be trained")
     return [{"role": m["role"], "content": m["content"]} for m in messages]

@@ -39,15 +39,6 @@ IMAGES_COLUMN = "images"
 PER_TOKEN_PAD = {"attention_mask": 0, "token_type_ids": 0, "mm_token_type_ids": 0}
 
 
-def is_image_chat(column_names: list[str], first_row: dict, messages_field: str) -> bool:
-    """Rows in TRL's vision format: an images column, or messages whose content is a list of parts."""
-    if IMAGES_COLUMN in column_names:
-        return True
-    messages = first_row.get(messages_field)
-    return isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list)
-                                              for m in messages)
-
-
 def check_image_chat(example: dict, messages_field: str, where: str) -> tuple[list[dict], list]:
     """(messages, image references) of one row, or HftrainError naming the row and what is wrong."""
     messages = example.get(messages_field)

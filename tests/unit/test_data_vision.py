@@ -185,3 +185,17 @@ def test_the_preview_shows_image_rows_with_their_image_tokens_and_masks(capsys, 
     assert f"{len(rows)} examples kept with {sum(len(r['images']) for r in rows)} images" in out
     with pytest.raises(HftrainError, match="--dump"):
         preview(["--config", str(REPO / "recipes" / "tiny-vlm.yaml"), "--dump", "2", str(tmp_path / "x.jsonl")])
+
+
+def test_the_preflight_refuses_packing_for_an_image_text_model_and_text_models_say_why_parts_fail():
+    from hftrain.data.formats import check_messages
+    from hftrain.preflight import model_problems
+
+    _, problems = model_problems(Recipe(model_name_or_path=str(MODEL), dataset_name=str(DATA), packing=True))
+    assert [p for p in problems if "packing: true with the image-text model 'llava'" in p]
+    _, problems = model_problems(Recipe(model_name_or_path=str(REPO / "models" / "tiny-llama"),
+                                        dataset_name=str(DATA), packing=True))
+    assert problems == []
+    row = json.loads(DATA.read_text().splitlines()[0])
+    with pytest.raises(HftrainError, match="TRL's vision format: image chats train an image-text model"):
+        check_messages(row["messages"], "example 0")
