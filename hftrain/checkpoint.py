@@ -37,33 +37,29 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from hftrain.config import Recipe
 from hftrain.errors import HftrainError, first_line
-
-if TYPE_CHECKING:  # annotations only: config imports the file names below
-    from hftrain.config import Recipe
-
-STATE_FILE = "hftrain_state.json"
-CONFIG_FILE = "hftrain_config.yaml"
-COMPLETE_FILE = "hftrain_complete.json"
-PREFIX = "checkpoint-"
-TMP_PREFIX = ".tmp-"  # output_dir/.tmp-checkpoint-N, .tmp-final: a save in progress, renamed when complete
-FINAL_DIR = "final"  # output_dir/final: the final model
-MODEL_FILE = "model.safetensors"  # accelerate's save_state model file (the trained weights)
-METRICS_FILE = "metrics.jsonl"  # output_dir/metrics.jsonl: one row per logging step and evaluation
-PROFILE_DIR = "profile"  # output_dir/profile: profiler traces
-REPORT_DIR = "report"  # output_dir/report: `hftrain report`'s plots and summary
-DS_CONFIG_FILE = "ds_config.json"  # the DeepSpeed config actually used, next to every checkpoint and final model
-FULL_STATE_FILE = "full_training_state.pt"  # tensor parallel: gathered model + optimizer state
-REFERENCE_FILE = "reference_log_probs.safetensors"  # dpo with precompute_ref_log_probs: the reference's log-probs
-PREFLIGHT_DIR = ".tmp-preflight"  # output_dir/.tmp-preflight: the checkpoint round trip before step 1, then removed
-STREAM_STATE = "data_stream_process{index}.json"  # streaming: each process's stream position (hftrain.data.streaming)
-UNIVERSAL_PREFIX = ".universal-"  # output_dir/.universal-checkpoint-N: a ZeRO checkpoint converted for another world
+from hftrain.layout import (
+    COMPLETE_FILE,
+    CONFIG_FILE,
+    DS_CONFIG_FILE,
+    FINAL_DIR,
+    METRICS_FILE,
+    PREFIX,
+    PREFLIGHT_DIR,
+    PROFILE_DIR,
+    REFERENCE_FILE,
+    REPORT_DIR,
+    STATE_FILE,
+    STREAM_STATE,
+    TMP_PREFIX,
+    UNIVERSAL_PREFIX,
+)
 
 
 @dataclass

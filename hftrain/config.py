@@ -21,8 +21,9 @@ from typing import Any
 
 import yaml
 
-from hftrain import checkpoint, from_trl
+from hftrain import from_trl
 from hftrain.errors import ConfigError, first_line
+from hftrain.layout import FINAL_DIR, PREFIX
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
 OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
@@ -911,7 +912,7 @@ def peft_problems(r: Recipe) -> list[str]:
 
 
 def _holds_a_run(out: Path) -> bool:
-    return out.is_dir() and any(out.glob(f"{checkpoint.PREFIX}*")) or (out / checkpoint.FINAL_DIR).exists()
+    return out.is_dir() and any(out.glob(f"{PREFIX}*")) or (out / FINAL_DIR).exists()
 
 
 # -------------------------------------------------------------------------- loading

@@ -39,6 +39,7 @@ from hftrain.data.batching import IndexedFeed
 from hftrain.data.streaming import check_resume, load_stream, read_states
 from hftrain.data.vision import ImageChatCollator, load_image_chats
 from hftrain.errors import HftrainError, first_line, run_tool
+from hftrain.layout import CONFIG_FILE, FINAL_DIR, PROFILE_DIR, STREAM_STATE
 from hftrain.metrics import (
     FlopCounter,
     RunMeter,
@@ -50,7 +51,7 @@ from hftrain.metrics import (
     summed_stats,
 )
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary, pad_token_id
-from hftrain.objectives import build_loss, precompute_reference_log_probs, reference_values
+from hftrain.objectives import objective_for
 from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
 from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
@@ -125,6 +126,7 @@ class Finetune:
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
+        self.objective = objective_for(recipe)  # the loss, its reference and notes: hftrain.objectives
 
     def run(self) -> Path:
         self.setup()
@@ -221,7 +223,7 @@ class Finetune:
         self.eval_collator = Collator(self.eval_set, pad) if self.eval_set is not None else None
         self.stream_state = None
         if self.resume_from is not None:
-            saved = read_states(self.resume_from, checkpoint.STREAM_STATE.format(index="*"))
+            saved = read_states(self.resume_from, STREAM_STATE.format(index="*"))
             self.stream_state = check_resume(saved, self.dp.world, self.feed.disjoint, self.plan.global_batch,
                                              self.dp.rank, self.resume_from)
         self.data_line = ("(one endless epoch)", self.feed.description)
@@ -232,8 +234,8 @@ class Finetune:
         self.memory_baseline_mb = current_memory_mb(self.accelerator.device)  # what the estimate sits on top of
         lm = self.build_model()
         fit_embeddings_to_tokenizer(lm, self.tokenizer)
-        self.model = self.token_loss = build_loss(recipe, lm, self.accelerator.device,
-                                                  lambda built: self.backend.frozen_copy(built, self.rebuild_model))
+        self.model = self.token_loss = self.objective.build_loss(
+            recipe, lm, self.accelerator.device, lambda built: self.backend.frozen_copy(built, self.rebuild_model))
         self.collator.mark_real_tokens = self.token_loss.aux_coef > 0  # the router loss excludes padding
         self.notes = list(getattr(lm, "hftrain_notes", []))
         if self.token_loss.aux_coef > 0:
@@ -260,9 +262,7 @@ class Finetune:
         self.model, self.optimizer = self.backend.prepare(self.model, self.optimizer)
         checkpoint.check_ties(self.backend.unwrap(self.model), f"preparing the model for {self.backend.record.name}")
         self.scheduler = build_scheduler(recipe, self.optimizer, self.total_steps)  # on the optimizer that steps
-        if hasattr(self.token_loss, "reference") and hasattr(self.token_loss.reference, "prepare"):
-            self.token_loss.reference.prepare(self.backend)  # dpo's frozen copy, placed like the policy
-        self.reference_log_probs = self.precompute_reference() if recipe.precompute_ref_log_probs else None
+        self.objective_tensors = self.objective.prepare(self)  # e.g. dpo's reference: placed, precomputed
         self.progress, resumed = checkpoint.Progress(world_size=self.dp.world), {}
         if self.resume_from is not None:
             self.progress, resumed = checkpoint.load_checkpoint(self.backend, self.model, self.scheduler,
@@ -284,26 +284,6 @@ class Finetune:
                               machines=self.backend.record.machines,
                               sequence_shards=self.backend.record.sequence_shards)
 
-    def precompute_reference(self) -> dict[str, torch.Tensor]:
-        """dpo's reference log-probs of every training and eval pair (objectives.reference_values: from the resumed
-        checkpoint, the cross-run cache, or one pass of the prepared starting model), handed to the collators."""
-        sets = {"train": (self.train_set, self.collator), "eval": (self.eval_set, self.eval_collator)}
-        sets = {name: pair for name, pair in sets.items() if pair[0] is not None}
-
-        def compute() -> dict[str, torch.Tensor]:
-            with phase(self.accelerator, "precomputing reference log-probs", self.recipe.ddp_timeout):
-                return {name: precompute_reference_log_probs(
-                    self.model, self.token_loss, data, Collator(data, pad_token_id(self.tokenizer)), self.dp,
-                    self.recipe.per_device_eval_batch_size, self.accelerator.device)
-                    for name, (data, _) in sets.items()}
-
-        values, self.token_loss.reference.source = reference_values(
-            self.recipe, {name: data for name, (data, _) in sets.items()}, self.accelerator, self.resume_from, compute)
-        for name, (_, collator) in sets.items():
-            collator.reference = values[name].cpu()
-        self.token_loss.reference.pairs = sum(len(data) for data, _ in sets.values())
-        return values
-
     def make_run_info(self) -> dict:
         """What this run is, recorded in every checkpoint and the final folder (hftrain_state.json)."""
         recipe = self.recipe
@@ -324,7 +304,7 @@ class Finetune:
             if self.recipe.overwrite_output_dir and self.resume_from is None:
                 checkpoint.clear_run(self.output_dir)
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self.recipe.dump(self.output_dir / checkpoint.CONFIG_FILE)
+            self.recipe.dump(self.output_dir / CONFIG_FILE)
         self.accelerator.wait_for_everyone()
 
     def describe_run(self) -> None:
@@ -340,7 +320,7 @@ class Finetune:
             f"{self.summary['method']} fine-tuning, {trained:,} of {total:,} parameters trained; "
             f"{self.data_line[1]}{resuming}"
         )
-        for note in self.notes + self.objective_notes():
+        for note in self.notes + self.objective.notes(self):
             self.logger.print(f"hftrain: {note}")
         preset = (f"; the recipe is sized for preset {recipe.launch_preset}: "
                   f"{recipe.launch_preset_reason or 'no reason given'}" if recipe.launch_preset else "")
@@ -360,20 +340,10 @@ class Finetune:
         with phase(self.accelerator, "the checkpoint preflight", recipe.ddp_timeout):
             took = checkpoint.round_trip(self.backend, self.model, self.optimizer, self.scheduler, self.output_dir,
                                          recipe, self.progress, self.current_run_info(), self.plan,
-                                         self.reference_log_probs, self.saves)
+                                         self.objective_tensors, self.saves)
         self.logger.print(f"hftrain: checkpoint preflight: a {took['megabytes']:,.1f} MiB checkpoint saved in "
                           f"{took['save_seconds']:.1f} s and loaded back in {took['load_seconds']:.1f} s, weights and "
                           "optimizer state unchanged (checkpoint_preflight: false skips this)")
-
-    def objective_notes(self) -> list[str]:
-        """The preference objective, its settings and its reference, in words."""
-        recipe = self.recipe
-        if recipe.objective == "sft":
-            return []
-        reference = getattr(self.token_loss.reference, "describe", lambda: "none (reference-free)")()
-        loss = f" ({recipe.loss_type})" if recipe.objective == "dpo" else ""
-        return [f"objective {recipe.objective}{loss}, beta {recipe.beta:g}; reference: {reference}; the loss is the "
-                "mean over the step's pairs"]
 
     # ------------------------------------------------------------------------------------------- train
     def train(self) -> None:
@@ -382,7 +352,7 @@ class Finetune:
         recipe, progress = self.recipe, self.progress
         self.bar = tqdm(total=self.total_steps, initial=progress.step, desc="training",
                         disable=recipe.disable_tqdm or not self.accelerator.is_main_process)
-        self.profiler = StepProfiler(self.output_dir / checkpoint.PROFILE_DIR, recipe.profile_steps,
+        self.profiler = StepProfiler(self.output_dir / PROFILE_DIR, recipe.profile_steps,
                                      recipe.profile_start_step, progress.step, self.dp.rank, self.accelerator.device)
         self.window = Window(torch.zeros((), dtype=torch.float64, device=self.accelerator.device))
         self.model.train()
@@ -552,7 +522,7 @@ class Finetune:
         """checkpoint-N of the current state; the save in flight is waited for first. `background`: return once the
         state is staged (async_checkpointing), the folder appears when it is written."""
         return checkpoint.save_checkpoint(self.backend, self.output_dir, self.recipe, self.progress,
-                                          self.current_run_info(), self.reference_log_probs, self.saves, background,
+                                          self.current_run_info(), self.objective_tensors, self.saves, background,
                                           self.feed.state_dict(self.progress.step))
 
     # ------------------------------------------------------------------------------------------ finish
@@ -570,7 +540,7 @@ class Finetune:
     def save_final(self) -> Path:
         """The final model (full size whatever the backend) with its run files. If saving fails, the trained state is
         kept as a checkpoint instead of being lost with the process."""
-        final_dir = self.output_dir / checkpoint.FINAL_DIR
+        final_dir = self.output_dir / FINAL_DIR
         try:
             with phase(self.accelerator, "saving the final model", self.recipe.ddp_timeout):
                 checkpoint.save_final(self.backend, self.model, self.processor or self.tokenizer, final_dir,

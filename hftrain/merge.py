@@ -31,9 +31,10 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
     sys.path.insert(0, str(_here.parent))
 
 from hftrain import vision
-from hftrain.checkpoint import CONFIG_FILE, never_world_writable
+from hftrain.checkpoint import never_world_writable
 from hftrain.config import read_yaml, recipe_subset
 from hftrain.errors import HftrainError, first_line, run_tool
+from hftrain.layout import CONFIG_FILE
 from hftrain.model import DTYPES, load_error, quantization_config
 
 MERGE_FILE = "hftrain_merge.json"

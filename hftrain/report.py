@@ -20,8 +20,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from hftrain.checkpoint import FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STATE_FILE
 from hftrain.errors import HftrainError, run_tool
+from hftrain.layout import FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STATE_FILE
 
 RANK_KEY = re.compile(r"^rank(\d+)/(.+)$")
 REWARDS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")  # dpo / simpo rows

@@ -19,9 +19,9 @@ import datasets
 import transformers
 from tqdm.auto import tqdm
 
-from hftrain.checkpoint import METRICS_FILE
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError, first_line
+from hftrain.layout import METRICS_FILE
 
 SECRET_NAME = re.compile(r"token|key|secret|password|credential", re.IGNORECASE)
 SECRET_VALUE = re.compile(r"^(hf_|sk-|ghp_|github_pat_|xox[bp]-)\w{8,}")

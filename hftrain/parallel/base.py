@@ -23,10 +23,11 @@ from accelerate.utils.other import save
 from safetensors import safe_open
 from torch.nn.parallel import DistributedDataParallel
 
-from hftrain.checkpoint import MODEL_FILE, keep_trained_weights
+from hftrain.checkpoint import keep_trained_weights
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.estimate import GIB
+from hftrain.layout import MODEL_FILE
 from hftrain.metrics import param_checksum
 from hftrain.model import DTYPES, parameter_count
 

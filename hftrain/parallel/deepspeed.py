@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from accelerate.utils import broadcast_object_list
 
-from hftrain.checkpoint import UNIVERSAL_PREFIX
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
+from hftrain.layout import UNIVERSAL_PREFIX
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
 
 # "auto" entries hftrain fills: from the recipe (and world size) at start-up, or from the model's hidden size

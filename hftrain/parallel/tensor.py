@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from transformers.distributed import DistributedConfig
 
-from hftrain.checkpoint import FULL_STATE_FILE
 from hftrain.errors import HftrainError
+from hftrain.layout import FULL_STATE_FILE
 from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism, raise_tp_mismatch
 
 

@@ -16,8 +16,6 @@ import yaml
 
 from hftrain import checkpoint
 from hftrain.checkpoint import (
-    CONFIG_FILE,
-    STATE_FILE,
     BackgroundSaves,
     Progress,
     checkpoints,
@@ -29,6 +27,7 @@ from hftrain.checkpoint import (
 )
 from hftrain.config import Recipe, recipe_from_dict
 from hftrain.errors import HftrainError
+from hftrain.layout import COMPLETE_FILE, CONFIG_FILE, STATE_FILE
 from hftrain.optim import build_scheduler, lr_factor
 from hftrain.parallel.base import Backend
 from tests.conftest import REPO
@@ -47,7 +46,7 @@ def make_checkpoint(folder: Path, complete: bool = True) -> Path:
     (folder / STATE_FILE).write_text("{}", encoding="utf-8")
     if complete:
         manifest = {"files": {STATE_FILE: (folder / STATE_FILE).stat().st_size}}
-        (folder / checkpoint.COMPLETE_FILE).write_text(json.dumps(manifest), encoding="utf-8")
+        (folder / COMPLETE_FILE).write_text(json.dumps(manifest), encoding="utf-8")
     return folder
 
 
@@ -127,7 +126,7 @@ def test_resolve_resume_explicit_folder(tmp_path):
     good = make_checkpoint(tmp_path / "out" / "checkpoint-5")
     bad = make_checkpoint(tmp_path / "out" / "checkpoint-6", complete=False)
     assert resolve_resume(a_recipe(tmp_path / "other", resume_from_checkpoint=str(good))) == good
-    with pytest.raises(HftrainError, match=checkpoint.COMPLETE_FILE):
+    with pytest.raises(HftrainError, match=COMPLETE_FILE):
         resolve_resume(a_recipe(tmp_path / "out", resume_from_checkpoint=str(bad)))
 
 

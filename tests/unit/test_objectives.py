@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +12,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
-from hftrain.objectives import PAIR_STATS, AdapterReference, FrozenReference, PreferenceLoss, build_loss
+from hftrain.objectives import (
+    OBJECTIVES,
+    PAIR_STATS,
+    AdapterReference,
+    FrozenReference,
+    PreferenceLoss,
+    build_loss,
+    objective_for,
+)
+from hftrain.objectives.preference import Preference
+from tests.conftest import REPO
 
 VOCAB = 61
 
@@ -176,3 +187,22 @@ def test_the_frozen_reference_of_a_tied_model_keeps_its_tie_and_its_own_tensor()
     assert reference.lm_head.weight is reference.model.embed_tokens.weight
     assert reference.lm_head.weight is not policy.lm_head.weight
     assert sum(p.numel() for p in reference.parameters()) == sum(p.numel() for p in policy.parameters())
+
+
+def test_every_objective_the_recipe_accepts_is_registered():
+    """The loop asks the registry for `recipe.objective`: a name the recipe accepts without an entry would fail only
+    at run time, an entry the recipe refuses could never run."""
+    field = next(f for f in dataclasses.fields(Recipe) if f.name == "objective")
+    assert set(OBJECTIVES) == set(field.metadata["choices"])
+    assert all(objective.name == name for name, objective in OBJECTIVES.items())
+    assert isinstance(objective_for(Recipe(objective="simpo")), Preference)
+    assert not objective_for(Recipe(objective="simpo")).needs_reference and OBJECTIVES["dpo"].needs_reference
+
+
+def test_the_loop_does_not_branch_on_the_objective():
+    """finetune.py asks hftrain.objectives for the loss, its preparation and notes; no objective name or
+    objective-only setting appears in it (docs/architecture.md, the house rules)."""
+    source = (REPO / "hftrain" / "finetune.py").read_text(encoding="utf-8")
+    code = "\n".join(line.split("#")[0] for line in source.splitlines())  # comments may name objectives
+    for word in ('"sft"', '"dpo"', '"simpo"', "recipe.objective", "precompute_ref_log_probs", ".reference"):
+        assert word not in code, word

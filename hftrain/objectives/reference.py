@@ -1,17 +1,12 @@
-"""What the loop minimises: the loss builders (recipe `objective`).
+"""Reference models: what an objective compares the policy with (dpo's reference; the place a KL term's reference
+comes from, e.g. grpo's).
 
-- `sft`: `model.CausalLMTokenLoss`, the summed cross-entropy of the trained tokens; the loop divides by the
-  step's trained tokens.
-- `dpo` / `simpo`: `PreferenceLoss`, the summed loss of preference pairs; the loop divides by the step's pairs.
-
-Every loss module returns a *sum* and says what it sums over (`loss_units(batch)`): the loop adds those units
-over all micro-batches and data-parallel ranks of the optimizer step and divides once, so k micro-batches of b,
-k ranks of b and one batch of k*b give the same update (TRL averages per micro-batch instead).
-
-Preference micro-batches hold b pairs as 2b rows, the b chosen rows then the b rejected rows (`data.Collator`),
-run in one forward. A row's log-probability is the sum of its completion tokens' log-probs (the prompt and padding
-are masked as SFT masks them). The reference model is chosen by `build_reference`: the base with the adapters
-disabled for LoRA/QLoRA (no second copy), a frozen copy for full fine-tuning, none for simpo.
+`build_reference` picks one: the base with the adapters disabled for LoRA/QLoRA (`AdapterReference`, no second
+copy), a frozen copy for full fine-tuning (`FrozenReference`, placed by the parallelism backend like the policy), or
+log-probs precomputed in one pass before training (`PrecomputedReference`, precompute_ref_log_probs), which are
+cached across runs under `HF_HOME/hftrain` (`reference_values`) and saved with every checkpoint.
+A row's log-probability (`sequence_log_probs`) is the sum of its trained tokens' log-probs (the prompt and padding
+are masked as SFT masks them).
 """
 
 from __future__ import annotations
@@ -30,15 +25,12 @@ from huggingface_hub import constants, try_to_load_from_cache
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from hftrain.checkpoint import TMP_PREFIX, load_run_tensors
+from hftrain.checkpoint import load_run_tensors
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX, eval_micro_batches
 from hftrain.errors import HftrainError
-from hftrain.model import HEAD_ONLY_MODEL_TYPES, CausalLMTokenLoss, WrapsCausalLM
-
-# per-pair statistics summed over a window and divided by its pairs when logged (TRL's metric names)
-PAIR_STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-              "logps/rejected")
+from hftrain.layout import TMP_PREFIX
+from hftrain.model import HEAD_ONLY_MODEL_TYPES, WrapsCausalLM
 
 
 def sequence_log_probs(lm: nn.Module, head_only: bool, input_ids: torch.Tensor,
@@ -163,102 +155,13 @@ def reference_cache_file(recipe: Recipe, sets: dict) -> Path:
     return REFERENCE_CACHE / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:32]}.safetensors"
 
 
-def pair_losses(recipe: Recipe, chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor,
-                rejected_len: torch.Tensor, ref_chosen: torch.Tensor | None, ref_rejected: torch.Tensor | None):
-    """(loss, chosen reward, rejected reward) per pair, from summed log-probs and completion lengths.
-
-    dpo: log-ratios r = log pi - log ref; sigmoid -(1-e) log s(b d) - e log s(-b d) with d = r_c - r_r (e =
-    label_smoothing), hinge relu(1 - b d), ipo (r_c/len_c - r_r/len_r - 1/(2b))^2; rewards b r.
-    simpo: d = log pi_c/len_c - log pi_r/len_r - gamma/b, the sigmoid loss of d; rewards b log pi/len.
-    """
-    beta, eps = recipe.beta, recipe.label_smoothing
-    if recipe.objective == "simpo":
-        chosen_avg, rejected_avg = chosen / chosen_len.clamp(min=1), rejected / rejected_len.clamp(min=1)
-        delta = chosen_avg - rejected_avg - recipe.simpo_gamma / beta
-        loss = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
-        return loss, beta * chosen_avg, beta * rejected_avg
-    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
-    delta = chosen_ratio - rejected_ratio
-    if recipe.loss_type == "sigmoid":
-        loss = -(1 - eps) * F.logsigmoid(beta * delta) - eps * F.logsigmoid(-beta * delta)
-    elif recipe.loss_type == "hinge":
-        loss = torch.relu(1 - beta * delta)
-    else:  # ipo, normalised per completion token as TRL (and the IPO authors' results) do
-        per_token = chosen_ratio / chosen_len.clamp(min=1) - rejected_ratio / rejected_len.clamp(min=1)
-        loss = (per_token - 1 / (2 * beta)) ** 2
-    return loss, beta * chosen_ratio, beta * rejected_ratio
-
-
-class PreferenceLoss(CausalLMTokenLoss):
-    """Wraps a causal LM so that `forward` returns the *sum* of the micro-batch's pair losses (dpo or simpo).
-
-    Padding pairs (the filler of an empty micro-batch) have no trained token and count neither in the loss nor in
-    `loss_units`. The per-pair statistics of PAIR_STATS are summed (detached) until `pop_stats`.
-    """
-
-    unit = "pairs"
-    examples_name = "pairs"  # logged as pairs_per_second next to samples_per_second
-
-    def __init__(self, lm: nn.Module, recipe: Recipe, reference: AdapterReference | FrozenReference | None):
-        super().__init__(lm, router_aux_loss_coef=recipe.router_aux_loss_coef)
-        if self.aux_coef > 0:
-            raise HftrainError(
-                f"objective={recipe.objective} on a mixture-of-experts model: the router load-balancing loss is "
-                f"not defined per pair in hftrain yet; set router_aux_loss_coef: 0 (the model's config has "
-                f"{self.aux_coef})"
-            )
-        self.recipe = recipe
-        self.reference = reference  # a plain object: its model stays out of this module's parameters
-        self.stats = None
-        self.collecting = False  # True while precomputing: forward returns each row's log-prob instead of a loss
-
-    def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Real pairs in the micro-batch: chosen rows with a trained token."""
-        chosen = batch["labels"][: len(batch["labels"]) // 2, 1:]
-        return (chosen != IGNORE_INDEX).any(dim=1).sum()
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-                real_tokens: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None) -> torch.Tensor:
-        """`ref_logps`: each row's precomputed reference log-prob (precompute_ref_log_probs)."""
-        logps, lengths = sequence_log_probs(self.lm, self.head_only, input_ids, labels)
-        if self.collecting:
-            return logps.detach()
-        ref = ref_logps
-        if ref is None and isinstance(self.reference, (AdapterReference, FrozenReference)):
-            ref = self.reference.log_probs(input_ids, labels)
-        if ref is None and self.recipe.objective == "dpo":
-            raise HftrainError("dpo needs the reference log-probs of this batch, and none were computed")
-        half = len(input_ids) // 2
-        chosen, rejected = logps[:half], logps[half:]
-        ref_chosen, ref_rejected = (ref[:half], ref[half:]) if ref is not None else (None, None)
-        losses, chosen_reward, rejected_reward = pair_losses(self.recipe, chosen, rejected, lengths[:half],
-                                                             lengths[half:], ref_chosen, ref_rejected)
-        real = (lengths[:half] > 0).to(losses.dtype)
-        with torch.no_grad():
-            stats = torch.stack([chosen_reward, rejected_reward, (chosen_reward > rejected_reward).to(losses.dtype),
-                                 chosen_reward - rejected_reward, chosen, rejected]) @ real
-            self.stats = stats if self.stats is None else self.stats + stats
-        return (losses * real).sum()
-
-    def pop_stats(self) -> dict[str, torch.Tensor]:
-        """Sums of PAIR_STATS over the pairs since the last call (detached, this rank)."""
-        stats, self.stats = self.stats, None
-        return {} if stats is None else dict(zip(PAIR_STATS, stats.double()))
-
-    def eval_metrics(self, loss_sum: float, units: int, stats: dict[str, float]) -> dict[str, float]:
-        return {"eval_loss": loss_sum / max(units, 1), "eval_pairs": int(units),
-                **{f"eval_{name}": value / max(units, 1) for name, value in stats.items()}}
-
-
 def build_reference(recipe: Recipe, lm: nn.Module, device: torch.device,
                     copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy):
-    """The reference model a preference objective compares with: none for simpo, precomputed log-probs with
+    """The reference model an objective compares with (dpo's; simpo asks for none): precomputed log-probs with
     precompute_ref_log_probs, the adapter-free base for a peft model, else a frozen copy of the built model (taken
     before any training or checkpoint loading, so a resumed run compares with the same starting model; `copy_model`:
     the parallelism backend's way to copy a model it may already have partitioned)."""
     head_only = lm.config.model_type in HEAD_ONLY_MODEL_TYPES
-    if recipe.objective == "simpo":
-        return None
     if recipe.precompute_ref_log_probs:
         return PrecomputedReference()
     if hasattr(lm, "disable_adapter"):
@@ -266,17 +169,8 @@ def build_reference(recipe: Recipe, lm: nn.Module, device: torch.device,
     return FrozenReference(copy_model(lm), head_only, device)
 
 
-def build_loss(recipe: Recipe, lm: nn.Module, device: torch.device,
-               copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> CausalLMTokenLoss:
-    """The loss module of the recipe's objective around the built model."""
-    if recipe.objective == "sft":
-        return CausalLMTokenLoss(lm, recipe.loss_chunk_tokens, recipe.use_liger_kernel, recipe.router_aux_loss_coef,
-                                 recipe.router_aux_loss_scope)
-    return PreferenceLoss(lm, recipe, build_reference(recipe, lm, device, copy_model))
-
-
 @torch.no_grad()
-def precompute_reference_log_probs(model, loss_fn: PreferenceLoss, dataset, collator, dp, batch_size: int,
+def precompute_reference_log_probs(model, loss_fn, dataset, collator, dp, batch_size: int,
                                    device: torch.device) -> torch.Tensor:
     """[pairs, 2] (chosen, rejected) log-probs of every pair of `dataset` under the prepared starting `model`.
 

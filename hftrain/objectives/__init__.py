@@ -1,0 +1,51 @@
+"""What the loop minimises: one module per objective family, chosen by the recipe's `objective` through
+`OBJECTIVES` (the loop calls `objective_for(recipe)`'s hooks, `base.Objective`, and never branches on the name).
+
+- `sft.py`: `sft`, the summed token cross-entropy (`model.CausalLMTokenLoss`); the loop divides by the step's
+  trained tokens.
+- `preference.py`: `dpo` / `simpo`, `PreferenceLoss`, the summed loss of preference pairs; the loop divides by the
+  step's pairs.
+- `reference.py`: the reference models an objective compares with (adapters disabled, a frozen copy, precomputed
+  log-probs and their cross-run cache).
+- `grpo.py` (to come) plugs in the same way: a module with its `Objective` subclass, one entry in `OBJECTIVES`,
+  the name in the recipe's `objective` choices (config.py); see docs/architecture.md, "Adding an objective".
+
+Every loss module returns a *sum* and says what it sums over (`loss_units(batch)`): the loop adds those units
+over all micro-batches and data-parallel ranks of the optimizer step and divides once, so k micro-batches of b,
+k ranks of b and one batch of k*b give the same update (TRL averages per micro-batch instead).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hftrain.config import Recipe
+from hftrain.model import CausalLMTokenLoss
+from hftrain.objectives.base import Objective
+from hftrain.objectives.preference import PAIR_STATS, Preference, PreferenceLoss, pair_losses
+from hftrain.objectives.reference import AdapterReference, FrozenReference, PrecomputedReference, build_reference
+from hftrain.objectives.sft import SFT
+
+__all__ = ["OBJECTIVES", "PAIR_STATS", "AdapterReference", "FrozenReference", "Objective", "PrecomputedReference",
+           "PreferenceLoss", "build_loss", "build_reference", "objective_for", "pair_losses"]
+
+OBJECTIVES: dict[str, Objective] = {
+    "sft": SFT(),
+    "dpo": Preference("dpo", needs_reference=True),
+    "simpo": Preference("simpo", needs_reference=False),
+}
+
+
+def objective_for(recipe: Recipe) -> Objective:
+    """The registered objective of `recipe.objective` (the recipe's choices are validated against the same names)."""
+    return OBJECTIVES[recipe.objective]
+
+
+def build_loss(recipe: Recipe, lm: nn.Module, device: torch.device,
+               copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> CausalLMTokenLoss:
+    """The loss module of the recipe's objective around the built model."""
+    return objective_for(recipe).build_loss(recipe, lm, device, copy_model)

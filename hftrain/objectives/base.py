@@ -1,0 +1,42 @@
+"""`Objective`: what the loop asks of the recipe's objective, whatever it is (`hftrain.objectives.OBJECTIVES` maps
+`recipe.objective` to one). The loop calls these hooks and never branches on the objective's name."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hftrain.config import Recipe
+from hftrain.model import CausalLMTokenLoss
+
+
+class Objective:
+    """One objective family's hooks, in the order the loop calls them.
+
+    The loss module it builds follows `model.CausalLMTokenLoss`'s contract: `forward` returns a *sum*,
+    `loss_units(batch)` says over what (tokens, pairs, ...), the loop adds those units over every micro-batch and
+    data-parallel rank of the optimizer step and divides once; `pop_stats` and `eval_metrics` give the objective's
+    own statistics.
+    """
+
+    name = ""
+
+    def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
+                   copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> CausalLMTokenLoss:
+        """The loss module around the built model (`setup_model`, before the backend wraps it). `copy_model`: the
+        parallelism backend's way to copy the built model (e.g. for a frozen reference)."""
+        raise NotImplementedError
+
+    def prepare(self, run) -> dict[str, torch.Tensor] | None:
+        """After the backend prepared the model and optimizer, before a checkpoint is loaded: place what the loss
+        needs beside the model (a frozen reference) and compute what it needs before step 1. `run` is the
+        `finetune.Finetune` (recipe, backend, model, token_loss, datasets, collators, resume_from). Returns tensors
+        saved with every checkpoint and handed back on resume (checkpoint.REFERENCE_FILE), or None."""
+        return None
+
+    def notes(self, run) -> list[str]:
+        """Start-up lines describing the objective (printed after the layout line; `run` as for `prepare`)."""
+        return []
