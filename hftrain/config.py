@@ -12,10 +12,9 @@ import argparse
 import dataclasses
 import difflib
 import math
-import os
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +22,26 @@ import yaml
 
 from hftrain import from_trl
 from hftrain.errors import ConfigError, first_line
-from hftrain.layout import FINAL_DIR, PREFIX
+from hftrain.layout import DEFAULT_DATASET as DEFAULT_DATASET  # re-exported: config's names before issue 25
+from hftrain.layout import DEFAULT_MODEL, FINAL_DIR, PREFIX
+from hftrain.layout import PRESET_DIR as PRESET_DIR
+from hftrain.layout import SHIPPED as SHIPPED
+from hftrain.recipe import recipe_field as _f
+from hftrain.recipe.data import DataFields, DatasetSource, looks_local
+from hftrain.recipe.data import problems as data_problems
+from hftrain.recipe.monitoring import MonitoringFields
+from hftrain.recipe.monitoring import problems as monitoring_problems
+from hftrain.recipe.objectives import ObjectiveFields
+from hftrain.recipe.objectives import problems as objective_problems
+from hftrain.recipe.parallel import ParallelFields
+from hftrain.recipe.parallel import problems as parallel_problems
+from hftrain.recipe.peft import PeftFields
+from hftrain.recipe.peft import problems as peft_problems
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
 OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 DEFAULT_RECIPE_NOTE = "with no --config, the embedded default recipe (tiny offline model, shipped chat data) is used"
 
-# Files shipped inside the package, laid out as in the repository (there, hftrain/shipped/ holds symlinks to the
-# top-level folders; a built wheel holds copies), so that an installed hftrain works from any folder.
-SHIPPED = Path(__file__).resolve().parent / "shipped"
-PRESET_DIR = SHIPPED / "accelerate_configs"  # the launch presets; their deepspeed_config_file is ds_configs/<name>.json
-DEFAULT_MODEL = SHIPPED / "models" / "tiny-llama"  # the embedded default: a tiny random Llama (0.16M parameters)
-DEFAULT_DATASET = SHIPPED / "data" / "chat.jsonl"  # and the demo chat data
-
-
-def _f(default: Any, help: str, *, group: str, choices: tuple | None = None, **kw) -> Any:
-    """A recipe field: default, help text (shown by --help), group heading, allowed values."""
-    meta = {"help": help, "group": group, "choices": choices}
-    if isinstance(default, (list, dict)):  # mutable defaults: a fresh copy per Recipe
-        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
-    return field(default=default, metadata=meta, **kw)
 
 
 def _cadence(action: str, every: str, none: str, note: str) -> Any:
@@ -52,20 +51,7 @@ def _cadence(action: str, every: str, none: str, note: str) -> Any:
 
 
 @dataclass
-class DatasetSource:
-    """One dataset of a mixture."""
-
-    name: str
-    config: str | None = None
-    split: str = "train"
-    weight: float = 1.0
-    format: str = "auto"
-    columns: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class Recipe:
-    # ----------------------------------------------------------------------------- model
+class ModelFields:
     model_name_or_path: str = _f(
         str(DEFAULT_MODEL),
         "Hub model id (org/name) or local folder, loaded with AutoModelForCausalLM.from_pretrained. Default: the tiny "
@@ -131,129 +117,10 @@ class Recipe:
         "multi_modal_projector, Qwen's merger, Idefics3's connector) gets no gradient and no LoRA adapters "
         "(all-linear). No effect on text models.", group="model",
     )
-    # ------------------------------------------------------------------------------ data
-    dataset_name: str = _f(
-        str(DEFAULT_DATASET),
-        "Hub dataset id, local data file (.json/.jsonl/.csv/.parquet) or a saved `datasets` folder. Default: the "
-        "chat data shipped inside hftrain.",
-        group="data",
-    )
-    dataset_config: str | None = _f(None, "Hub dataset configuration name.", group="data")
-    dataset_train_split: str = _f("train", "Split used for training.", group="data")
-    eval_dataset_name: str | None = _f(
-        None, "Separate eval dataset (same forms as dataset_name). Default: carve-out of the training set.",
-        group="data",
-    )
-    eval_split: str = _f("train", "Split of eval_dataset_name used for evaluation.", group="data")
-    validation_split_percentage: float = _f(
-        5.0, "Percent of the training set held out for evaluation (fixed seed) when no eval_dataset_name; "
-        "0 disables evaluation.", group="data",
-    )
-    dataset_format: str = _f(
-        "auto", "Data format; auto detects it from the columns (see docs/data.md for each format's shape).",
-        group="data", choices=("auto", "text", "prompt_completion", "alpaca", "messages", "sharegpt", "preference"),
-    )
-    dataset_columns: dict[str, str] = _f(
-        {}, "Rename columns before format detection, {dataset_column: expected_column}, e.g. {question: prompt}.",
-        group="data",
-    )
-    dataset_mixture: list[DatasetSource] = _f(
-        [], "Train on several datasets instead of dataset_name: a list of {name, config, split, weight, columns, "
-        "format}; weight 0.5 keeps a fixed-seed half of a dataset, 2.0 repeats it twice.", group="data",
-    )
-    dataset_text_field: str = _f("text", "Column holding raw text for plain causal-LM data.", group="data")
-    dataset_messages_field: str = _f(
-        "messages", "Column holding chat messages ({role, content} lists).", group="data"
-    )
-    chat_template_path: str | None = _f(
-        None, "Jinja chat template file to use instead of the tokenizer's. Without either, chat data gets a "
-        "ChatML template whose <|im_start|>/<|im_end|> tokens are added (embeddings resized) and <|im_end|> "
-        "becomes EOS.", group="data",
-    )
-    assistant_only_loss: bool = _f(
-        True, "For chat data, train on assistant turns only (their end-of-turn token included).", group="data"
-    )
-    train_on_turns: str = _f(
-        "all", "With assistant_only_loss, which assistant turns are trained: all (each in the context the model "
-        "sees when it writes it; a template that rewrites earlier turns, e.g. strips past <think> reasoning, "
-        "splits a conversation into one example per turn) or last (the final assistant turn only, one example "
-        "per conversation). See docs/data.md.", group="data", choices=("all", "last"),
-    )
-    completion_only_loss: bool = _f(
-        True, "For prompt/completion and alpaca data, train on the completion only (EOS included).", group="data"
-    )
-    max_length: int = _f(512, "Maximum tokens per example (before packing).", group="data")
-    overlong_examples: str = _f(
-        "truncate", "Examples longer than max_length: truncate (chat: at the last complete assistant turn that "
-        "fits, else at max_length) or drop.", group="data", choices=("truncate", "drop"),
-    )
-    packing: bool = _f(
-        False, "Pack examples into rows of max_length tokens (best-fit decreasing), padding-free, with position_ids "
-        "restarting per example so no token attends across examples.", group="data",
-    )
-    max_samples: int | None = _f(None, "Use at most this many training examples (after the eval carve-out).",
-                                 group="data")
-    dataset_num_proc: int | None = _f(None, "Processes for tokenization (datasets.map num_proc).", group="data")
-    dataloader_num_workers: int = _f(0, "Worker processes for batch collation.", group="data")
-    dataloader_pin_memory: bool = _f(
-        True, "Collate batches into pinned (page-locked) memory so the copy to the GPU can overlap compute "
-        "(non_blocking). CUDA only; no effect on CPU.", group="data",
-    )
-    streaming: bool = _f(
-        False, "Stream the training set instead of tokenizing all of it before step 1: a datasets IterableDataset "
-        "(a data file, a folder of data files, a saved datasets folder or a hub id) read, tokenized, masked and packed "
-        "on the fly, with flat memory and start-up; the checkpoint holds the stream's position, so a resume continues "
-        "exactly. Needs max_steps. Ranks read disjoint shards when the shard count is a multiple of the data-parallel "
-        "processes, else every rank reads the whole stream. The eval set stays map-style. See docs/data.md.",
-        group="data",
-    )
-    shuffle_buffer_size: int = _f(
-        1000, "streaming with train_sampling_strategy random: raw examples held in a buffer from which each next one "
-        "is drawn at random (seeded from data_seed; saved in checkpoints). Larger mixes more, costs memory.",
-        group="data",
-    )
-    max_bad_rows: int = _f(
-        10, "streaming: raw examples that cannot be read as the dataset's format (a missing column, a wrong type, no "
-        "assistant turn) are skipped and counted per logging window; past this many the run stops with a checkpoint "
-        "and names the first.", group="data",
-    )
-    # ------------------------------------------------------------------------- objective
-    objective: str = _f(
-        "sft", "What the loop minimises: sft (next-token cross-entropy over trained tokens), dpo (Direct Preference "
-        "Optimization on chosen/rejected pairs against a reference model) or simpo (SimPO: reference-free, "
-        "length-normalised). dpo and simpo need preference data (chosen, rejected and optionally prompt columns); "
-        "see docs/preference.md.", group="objective", choices=("sft", "dpo", "simpo"),
-    )
-    beta: float = _f(
-        0.1, "dpo/simpo temperature: how far the policy may move from the reference (dpo) or the reward scale "
-        "(simpo; its paper uses 2.0-2.5).", group="objective",
-    )
-    loss_type: str = _f(
-        "sigmoid", "dpo loss (TRL's names): sigmoid (the DPO paper), ipo (squared, per-token-normalised log-ratios, "
-        "as TRL), hinge (SLiC).", group="objective", choices=("sigmoid", "ipo", "hinge"),
-    )
-    label_smoothing: float = _f(
-        0.0, "Probability that a pair's preference is flipped (conservative DPO / SimPO), in [0, 0.5); for "
-        "loss_type sigmoid and simpo. TRL 1.16's DPOTrainer ignores it for sigmoid: compare with 0.",
-        group="objective",
-    )
-    simpo_gamma: float = _f(0.5, "simpo target reward margin (TRL's simpo_gamma).", group="objective")
-    precompute_ref_log_probs: bool = _f(
-        False, "dpo: compute the reference log-probs of every training and eval pair once, before training, with the "
-        "starting model under the launch's own strategy, then train without a reference model in memory (saves the "
-        "frozen copy of full fine-tuning). Saved in every checkpoint and restored on resume.",
-        group="objective",
-    )
-    max_prompt_length: int | None = _f(
-        None, "Preference data: keep at most this many prompt tokens (the last ones, next to the answer).",
-        group="objective",
-    )
-    max_completion_length: int | None = _f(
-        None, "Preference data: cut each completion to this many tokens (from the end). max_length then caps "
-        "prompt + completion; a pair whose prompt leaves no completion token is dropped and counted.",
-        group="objective",
-    )
-    # ---------------------------------------------------------------------- optimisation
+
+
+@dataclass
+class TrainingFields:
     output_dir: str = _f("outputs/tiny-chat", "Where checkpoints, metrics.jsonl and the final model go (relative: to "
                          "the current folder).",
                          group="training")
@@ -335,47 +202,10 @@ class Recipe:
     )
     bf16: bool = _f(False, "bfloat16 mixed precision (CPU and GPU).", group="training")
     fp16: bool = _f(False, "float16 mixed precision with loss scaling (CUDA only).", group="training")
-    # ------------------------------------------ parameter-efficient fine-tuning (peft LoRA/DoRA) and QLoRA
-    # Names as in TRL ModelConfig / peft LoraConfig / transformers BitsAndBytesConfig.
-    use_peft: bool = _f(
-        False, "Train LoRA adapters (peft) on a frozen base instead of every weight; the final folder then holds "
-        "the adapter only (merge it with `python -m hftrain.merge`).", group="peft",
-    )
-    lora_r: int = _f(16, "LoRA rank.", group="peft")
-    lora_alpha: int = _f(32, "LoRA scaling numerator: updates are scaled by lora_alpha / lora_r "
-                         "(lora_alpha / sqrt(lora_r) with use_rslora).", group="peft")
-    lora_dropout: float = _f(
-        0.05, "Dropout on the LoRA input. Mixture-of-experts models whose experts are fused 3-D weights (adapted "
-        "through peft's ParamWrapper, which has no dropout) train with 0, as the start-up output says.", group="peft",
-    )
-    lora_target_modules: list[str] = _f(
-        ["all-linear"], "Modules that get adapters: all-linear (every linear layer but the output head) or module "
-        "names such as q_proj,k_proj,v_proj,o_proj.", group="peft",
-    )
-    use_dora: bool = _f(False, "Weight-decomposed LoRA (DoRA): also trains a magnitude per output feature.",
-                        group="peft")
-    use_rslora: bool = _f(False, "Rank-stabilised LoRA scaling lora_alpha / sqrt(lora_r).", group="peft")
-    modules_to_save: list[str] = _f(
-        [], "Modules trained in full and saved with the adapter, e.g. lm_head,embed_tokens.", group="peft"
-    )
-    load_in_4bit: bool = _f(
-        False, "QLoRA: load the frozen base in 4 bits (bitsandbytes); needs use_peft.", group="quantization"
-    )
-    load_in_8bit: bool = _f(False, "Load the frozen base in 8 bits (bitsandbytes LLM.int8); needs use_peft.",
-                            group="quantization")
-    bnb_4bit_quant_type: str = _f("nf4", "4-bit data type.", group="quantization", choices=("nf4", "fp4"))
-    bnb_4bit_use_double_quant: bool = _f(
-        False, "Also quantize the 4-bit scaling constants (~0.4 bit per weight saved).", group="quantization"
-    )
-    bnb_4bit_compute_dtype: str = _f(
-        "float32", "dtype 4-bit weights are dequantized to for each matmul (bfloat16 is faster on GPUs).",
-        group="quantization", choices=("float32", "bfloat16", "float16"),
-    )
-    bnb_4bit_quant_storage: str = _f(
-        "uint8", "Container dtype of packed 4-bit weights. Under FSDP it must equal `dtype` so that every "
-        "parameter shards alike.", group="quantization", choices=("uint8", "float32", "bfloat16", "float16"),
-    )
-    # ----------------------------------------------------------------- logging & saving
+
+
+@dataclass
+class LoggingFields:
     logging_steps: int = _f(10, "Log training metrics every N optimizer steps (and at the first step).",
                             group="logging")
     eval_strategy: str = _cadence("evaluate", "eval_steps", "never; nothing is held out then",
@@ -414,79 +244,14 @@ class Recipe:
     )
     project_name: str = _f("hftrain", "Tracker project (W&B project).", group="logging")
     run_name: str | None = _f(None, "Tracker run name; defaults to the output_dir name.", group="logging")
-    # ------------------------------------------------------------ monitoring (see the run)
-    wandb_tags: list[str] = _f([], "W&B run tags (comma-separated on the command line).", group="monitoring")
-    wandb_group: str | None = _f(None, "W&B run group, e.g. one sweep or one experiment family.", group="monitoring")
-    disable_tqdm: bool = _f(False, "Hide the progress bar (metrics.jsonl and trackers are unaffected).",
-                            group="monitoring")
-    straggler_threshold: float = _f(
-        0.2, "Warn when a rank's own throughput (tokens per second of data wait + forward time, the parts of a "
-        "step in which it waits for nobody) is this fraction below the other ranks' median in two logging "
-        "windows in a row.", group="monitoring",
-    )
-    profile_steps: int = _f(
-        0, "Record a torch.profiler trace of this many optimizer steps (from profile_start_step) into "
-        "output_dir/profile, one Chrome/TensorBoard trace per rank; 0 = off.", group="monitoring",
-    )
-    profile_start_step: int = _f(3, "First optimizer step traced when profile_steps > 0 (skip warm-up steps).",
-                                 group="monitoring")
-    device_peak_tflops: float | None = _f(
-        None, "Peak dense bf16 TFLOP/s of one device, for MFU. Default: looked up from the GPU name (H100, A100, "
-        "L4, ...); on CPU or an unknown GPU MFU is logged only when this is set.", group="monitoring",
-    )
-    cost_per_gpu_hour: float | None = _f(
-        None, "Price of one device-hour; when set, the run logs its cost (device_hours x price).", group="monitoring"
-    )
-    # ----------------------------------------------------------------------- parallelism
-    # The strategy itself comes from the launch preset (accelerate_configs/); the recipe records which
-    # preset it was sized for and why, and `hftrain launch` uses that preset when --preset is not given.
-    launch_preset: str | None = _f(
-        None, "Name of the accelerate_configs preset this recipe is sized for (e.g. zero3); `hftrain launch` "
-        "uses it when --preset is not given, and the run logs it next to what really runs.", group="parallelism",
-    )
-    launch_preset_reason: str | None = _f(
-        None, "Why that preset, e.g. the model-state memory estimate against the GPU memory (the run logs its "
-        "own estimate for the strategy it runs).", group="parallelism",
-    )
-    tp_size: int = _f(
-        1, "Tensor-parallel degree: load the model with transformers' DistributedConfig(tp_size=N), its predefined "
-        "tensor-parallel plan (tp_plan 'auto'), so each linear layer is sharded over N processes that see the same "
-        "batches. Needs a DDP-type preset (e.g. tp) with N processes, or a multiple of N for data-parallel copies "
-        "of the split model (hftrain averages their gradients). 1 = off.",
-        group="parallelism",
-    )
-    sp_size: int = _f(
-        1, "Sequence-parallel degree (DeepSpeed Ulysses / ALST): each sequence is split over N consecutive processes "
-        "that exchange attention heads by all-to-all, so activation memory per process is about 1/N. Needs a "
-        "DeepSpeed preset (cpu_sp, zero3_sp) with a multiple of N processes (the remaining factor is "
-        "data-parallel) and attention heads divisible by N. docs/long-context.md. 1 = off.",
-        group="parallelism",
-    )
-    cp_size: int = _f(
-        1, "Context-parallel degree (torch ring attention through accelerate's ParallelismConfig): each sequence is "
-        "split over N consecutive processes that pass key/value blocks around a ring, so activation memory per "
-        "process is about 1/N. Needs an FSDP2 preset on CUDA GPUs (fsdp2_cp) with a multiple of N processes (the "
-        "remaining factor is data-parallel), sdpa attention and unpacked rows. docs/long-context.md. 1 = off.",
-        group="parallelism",
-    )
-    # pipeline parallelism (hftrain/parallel/pipeline.py, docs/pipeline.md): one contiguous block
-    pp_size: int = _f(
-        1, "Pipeline-parallel degree: the model's layers split into N stages by its pp plan (base_model_pp_plan), one "
-        "per process (two with Interleaved1F1B), run by torch.distributed.pipelining. Needs a DDP-type preset "
-        "(cpu_pp on CPU, pp on GPUs) with N processes, or a multiple of N for data-parallel copies of the pipeline. "
-        "docs/pipeline.md. 1 = off.", group="parallelism",
-    )
-    pp_schedule: str = _f(
-        "1F1B", "Pipeline schedule (torch's names): 1F1B (one forward, one backward: few activations in flight), "
-        "GPipe (all forwards, then all backwards), Interleaved1F1B (two stages per process: bubble halved). "
-        "ZBVZeroBubble and DualPipeV are refused (not wired yet, docs/pipeline.md).", group="parallelism",
-        choices=("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"),
-    )
-    pp_microbatches: int | None = _f(
-        None, "Microbatches per pipeline step: each per-device batch is split into this many along its rows (padded "
-        "with target-less rows to a multiple of it). Default: 2 x the pipeline stages. Bubble: (stages-1)/"
-        "microbatches.", group="parallelism",
-    )
+
+
+@dataclass
+class Recipe(ParallelFields, MonitoringFields, LoggingFields, PeftFields, TrainingFields, ObjectiveFields, DataFields,
+             ModelFields):
+    """One flat, typed schema: every field of every group (declared per group, in this order: model, data,
+    objective, training, peft and quantization, logging, monitoring, parallelism; dataclasses collect the bases'
+    fields from the last base to the first)."""
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -590,15 +355,6 @@ def _dataset_source(index: int, value: dict) -> DatasetSource:
 
 
 # ------------------------------------------------------------------------ validation
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow")
-
-
-def _looks_local(path: str) -> bool:
-    """A filesystem path rather than a hub id (`org/name`)."""
-    return (path.startswith((".", "/", "~")) or path.count("/") > 1 or path.lower().endswith(DATA_SUFFIXES)
-            or os.path.exists(path))
-
-
 def validate(recipe: Recipe) -> list[str]:
     """Every problem with the recipe's values and combinations; [] when it is usable."""
     r, problems = recipe, []
@@ -662,104 +418,21 @@ def validate(recipe: Recipe) -> list[str]:
     need(r.ddp_timeout >= 1, f"ddp_timeout must be >= 1 second, got {r.ddp_timeout}")
     need(not (r.bf16 and r.fp16), "bf16 and fp16 are both true; choose one")
     need(not (r.fp16 and r.dtype == "bfloat16"), "fp16 mixed precision with dtype=bfloat16 weights; use bf16")
-    problems += _validate_data(r)
-    problems += _streaming_problems(r)
-    problems += _objective_problems(r)
+    problems += data_problems(r)
+    problems += objective_problems(r)
     problems += _validate_performance(r)
-    problems += _monitoring_problems(r)
+    problems += monitoring_problems(r)
 
     problems += peft_problems(r)
 
-    if _looks_local(r.model_name_or_path) and not Path(r.model_name_or_path).expanduser().is_dir():
+    if looks_local(r.model_name_or_path) and not Path(r.model_name_or_path).expanduser().is_dir():
         problems.append(f"model_name_or_path {r.model_name_or_path!r} is not a folder; give a local model "
                         "folder or a hub id (org/name). scripts/make_tiny_model.py builds an offline one")
     for name in ("dataset_name", "eval_dataset_name"):
         path = getattr(r, name)
-        if path and _looks_local(path) and not Path(path).expanduser().exists():
+        if path and looks_local(path) and not Path(path).expanduser().exists():
             problems.append(f"{name} {path!r} does not exist; give a data file, a saved dataset folder or a hub id")
 
-    return problems
-
-
-def _validate_data(r: Recipe) -> list[str]:
-    problems = []
-    default_dataset = FIELDS["dataset_name"].default
-    if r.dataset_mixture and r.dataset_name != default_dataset:
-        problems.append("dataset_name and dataset_mixture are both set; list every dataset in dataset_mixture")
-    formats = FIELDS["dataset_format"].metadata["choices"]
-    for i, source in enumerate(r.dataset_mixture):
-        if source.weight <= 0:
-            problems.append(f"dataset_mixture entry {i} ({source.name}) has weight {source.weight}; use > 0")
-        if source.format not in formats:
-            problems.append(f"dataset_mixture entry {i} has format {source.format!r}; use one of {', '.join(formats)}")
-        if _looks_local(source.name) and not Path(source.name).expanduser().exists():
-            problems.append(f"dataset_mixture entry {i}: {source.name!r} does not exist")
-    if r.train_on_turns == "last" and not r.assistant_only_loss:
-        problems.append("train_on_turns=last picks the assistant turn to train, but assistant_only_loss=false trains "
-                        "every token; set assistant_only_loss: true or leave train_on_turns at all")
-    if r.chat_template_path and not Path(r.chat_template_path).is_file():
-        problems.append(f"chat_template_path {r.chat_template_path!r} is not a file")
-    if r.dataset_num_proc is not None and r.dataset_num_proc < 1:
-        problems.append(f"dataset_num_proc must be >= 1 or unset, got {r.dataset_num_proc}")
-    return problems
-
-
-def _streaming_problems(r: Recipe) -> list[str]:
-    """`streaming: true` and what a stream of unknown length cannot do."""
-    problems = []
-    if r.shuffle_buffer_size < 1:
-        problems.append(f"shuffle_buffer_size must be >= 1, got {r.shuffle_buffer_size}")
-    if r.max_bad_rows < 0:
-        problems.append(f"max_bad_rows must be >= 0, got {r.max_bad_rows}")
-    if not r.streaming:
-        return problems
-    why = "with streaming: true the training set is a stream of unknown length"
-    if r.max_steps <= 0:
-        problems.append(f"{why}, so epochs cannot be counted: set max_steps")
-    for kind in ("eval", "save"):
-        if getattr(r, f"{kind}_strategy") == "epoch":
-            problems.append(f"{kind}_strategy=epoch: {why}; use {kind}_strategy: steps with {kind}_steps")
-    if r.train_sampling_strategy == "group_by_length":
-        problems.append(f"train_sampling_strategy=group_by_length sorts the whole set by length, but {why}; use "
-                        "random (a shuffle buffer) or sequential")
-    if r.precompute_ref_log_probs:
-        problems.append(f"precompute_ref_log_probs computes every training pair's reference once, but {why}; "
-                        "turn one of them off")
-    if r.dataloader_num_workers > 0:
-        problems.append("dataloader_num_workers > 0 with streaming: true is not supported yet (collation runs in the "
-                        "training process); set dataloader_num_workers: 0")
-    return problems
-
-
-def _objective_problems(r: Recipe) -> list[str]:
-    """dpo / simpo settings and what a preference objective cannot be combined with."""
-    problems, preference = [], r.objective != "sft"
-    if r.beta <= 0:
-        problems.append(f"beta must be > 0, got {r.beta}")
-    if not 0 <= r.label_smoothing < 0.5:
-        problems.append(f"label_smoothing must be in [0, 0.5), got {r.label_smoothing}")
-    if r.label_smoothing > 0 and not (r.objective == "simpo" or (r.objective == "dpo" and r.loss_type == "sigmoid")):
-        problems.append(f"label_smoothing={r.label_smoothing} applies to objective dpo with loss_type sigmoid, or "
-                        f"simpo; here objective={r.objective}, loss_type={r.loss_type}")
-    if r.precompute_ref_log_probs and r.objective != "dpo":
-        problems.append(f"precompute_ref_log_probs computes dpo's reference, but objective={r.objective}")
-    if r.loss_type != "sigmoid" and r.objective != "dpo":
-        problems.append(f"loss_type={r.loss_type} is a dpo loss, but objective={r.objective}; set objective: dpo")
-    for name in ("max_prompt_length", "max_completion_length"):
-        value = getattr(r, name)
-        if value is not None and (value < 1 or not preference):
-            problems.append(f"{name}={value} needs objective dpo or simpo and a value >= 1")
-    if not preference:
-        return problems
-    if r.packing:
-        problems.append(f"packing with objective={r.objective} is refused: a pair's chosen and rejected must be "
-                        "compared as whole sequences, one per row; set packing: false")
-    if r.use_liger_kernel or r.loss_chunk_tokens:
-        problems.append(f"objective={r.objective} needs each sequence's log-probability; use_liger_kernel and "
-                        "loss_chunk_tokens compute one summed cross-entropy: turn them off")
-    if r.dataset_format not in ("auto", "preference"):
-        problems.append(f"objective={r.objective} trains on preference pairs: dataset_format must be auto or "
-                        f"preference, got {r.dataset_format}")
     return problems
 
 
@@ -792,123 +465,7 @@ def check_output_dir(r: Recipe) -> list[str]:
     elif r.resume_from_checkpoint is None and not r.overwrite_output_dir and _holds_a_run(out):
         problems.append(f"output_dir {r.output_dir!r} already holds a run; resume it with "
                         "resume_from_checkpoint=latest, pick another output_dir, or set overwrite_output_dir=true")
-    return problems + _parallelism_problems(r)
-
-
-def _parallelism_problems(r: Recipe) -> list[str]:
-    """The parallelism group: the recorded preset must be one that ships."""
-    problems = []
-    if r.launch_preset is not None and not (PRESET_DIR / f"{r.launch_preset}.yaml").is_file():
-        shipped = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
-        problems.append(f"launch_preset={r.launch_preset!r} is not a shipped preset; use one of: {shipped}")
-    for name in ("tp_size", "sp_size", "cp_size"):
-        if getattr(r, name) < 1:
-            problems.append(f"{name} must be >= 1 (1 = off), got {getattr(r, name)}")
-    if sum(size > 1 for size in (r.tp_size, r.sp_size, r.cp_size)) > 1:
-        problems.append(f"tp_size={r.tp_size}, sp_size={r.sp_size} and cp_size={r.cp_size}: hftrain runs one of "
-                        "tensor, sequence (Ulysses) or context (ring) parallelism at a time; set the others to 1")
-    for name in ("sp_size", "cp_size"):
-        if getattr(r, name) > 1 and r.objective != "sft":
-            problems.append(f"{name}={getattr(r, name)} with objective={r.objective} is not supported: preference "
-                            "losses need each row's whole log-probability on one process; use data parallelism")
-    problems += _pipeline_problems(r)
-    if r.launch_preset_reason is not None and r.launch_preset is None:
-        problems.append("launch_preset_reason is set but launch_preset is not; name the preset it explains")
-    return problems
-
-
-def _pipeline_problems(r: Recipe) -> list[str]:
-    """pp_size / pp_schedule / pp_microbatches, from the recipe alone (the launch and the model's layers are checked
-    in the preflight: parallel.pipeline.pipeline_problems)."""
-    if r.pp_size < 1:
-        return [f"pp_size must be >= 1 (1 = off), got {r.pp_size}"]
-    if r.pp_size == 1:
-        return []
-    problems = []
-    sizes = {"tp_size": r.tp_size, "sp_size": r.sp_size, "cp_size": r.cp_size}
-    others = [f"{name}={size}" for name, size in sizes.items() if size > 1]
-    if others:
-        problems.append(f"pp_size={r.pp_size} with {', '.join(others)}: pipeline parallelism composes only with "
-                        "data-parallel copies so far (pp x tp and pp x sp/cp are not built, docs/pipeline.md); set "
-                        "them to 1")
-    if r.objective != "sft":
-        problems.append(f"pp_size={r.pp_size} with objective={r.objective}: a preference loss needs both rows of a "
-                        "pair and the reference's log-probabilities on the last stage, which hftrain's pipeline does "
-                        "not carry; use data parallelism or tensor parallelism")
-    if r.pp_schedule in ("ZBVZeroBubble", "DualPipeV"):
-        problems.append(f"pp_schedule={r.pp_schedule} is not available: it needs two stages per process placed in a V "
-                        "and a backward split into input and weight gradients, which hftrain's stages do not provide "
-                        "yet; use Interleaved1F1B (bubble (p-1)/(2m)) or 1F1B")
-    if r.pp_microbatches is not None and r.pp_microbatches < 1:
-        problems.append(f"pp_microbatches must be >= 1 or unset, got {r.pp_microbatches}")
-    elif r.pp_microbatches is not None and r.pp_schedule != "GPipe" and r.pp_microbatches < r.pp_size:
-        problems.append(f"pp_microbatches={r.pp_microbatches} with pp_schedule={r.pp_schedule}: 1F1B-type schedules "
-                        f"need at least as many microbatches as processes in the pipeline ({r.pp_size}); raise it")
-    if r.packing:
-        problems.append(f"pp_size={r.pp_size} with packing: the packed documents' position_ids would have to travel "
-                        "between stages, which hftrain's pipeline does not send yet; use packing: false")
-    if r.use_liger_kernel or r.loss_chunk_tokens:
-        problems.append(f"pp_size={r.pp_size} with use_liger_kernel / loss_chunk_tokens: the last stage computes the "
-                        "plain token loss (NeMo's fused loss silently did nothing under pp, NeMo Automodel #2681); "
-                        "turn them off")
-    if r.torch_compile:
-        problems.append(f"pp_size={r.pp_size} with torch_compile is not tested under hftrain's pipeline; turn it off")
-    return problems
-
-
-def _monitoring_problems(r: Recipe) -> list[str]:
-    problems = []
-    if r.wandb_tags or r.wandb_group:
-        if "wandb" not in r.report_to:
-            problems.append("wandb_tags / wandb_group are set but report_to does not include wandb")
-        if any(len(t) > 64 for t in r.wandb_tags):
-            problems.append("wandb_tags must be at most 64 characters each (a W&B limit)")
-    if not 0 < r.straggler_threshold < 1:
-        problems.append(f"straggler_threshold must be in (0, 1) (a fraction of the median rank's throughput), "
-                        f"got {r.straggler_threshold}")
-    if r.profile_steps < 0 or r.profile_start_step < 1:
-        problems.append(f"profile_steps must be >= 0 and profile_start_step >= 1, got {r.profile_steps} and "
-                        f"{r.profile_start_step}")
-    for name in ("device_peak_tflops", "cost_per_gpu_hour"):
-        value = getattr(r, name)
-        if value is not None and value <= 0:
-            problems.append(f"{name} must be > 0 or unset, got {value}")
-    return problems
-
-
-# ------------------------------------------------- peft / quantization combinations
-def peft_problems(r: Recipe) -> list[str]:
-    """Impossible or silently ineffective LoRA / QLoRA settings, judged from the recipe alone."""
-    problems = []
-    if r.use_peft:
-        if r.lora_r < 1:
-            problems.append(f"lora_r must be >= 1, got {r.lora_r}")
-        if r.lora_alpha <= 0:
-            problems.append(f"lora_alpha must be > 0, got {r.lora_alpha}")
-        if not 0 <= r.lora_dropout < 1:
-            problems.append(f"lora_dropout must be in [0, 1), got {r.lora_dropout}")
-        if not r.lora_target_modules:
-            problems.append("lora_target_modules is empty; use all-linear or name the layers (q_proj,v_proj,...)")
-        elif "all-linear" in r.lora_target_modules and len(r.lora_target_modules) > 1:
-            problems.append(f"lora_target_modules {r.lora_target_modules} mixes all-linear with layer names; "
-                            "give either all-linear or the names")
-        if r.tp_size > 1:
-            problems.append(f"use_peft with tp_size={r.tp_size} is refused: peft's LoRA layers wrap transformers' "
-                            "tensor-parallel linear layers without being sharded themselves, so the first row-parallel "
-                            "layer (o_proj) gets a shard of the input features its adapter was not made for and the "
-                            "forward fails (peft 0.21, transformers 5.23); train adapters with data parallelism "
-                            "(DDP, ZeRO, FSDP2)")
-    else:
-        switches = [name for name in ("use_dora", "use_rslora", "load_in_4bit", "load_in_8bit") if getattr(r, name)]
-        switches += ["modules_to_save"] if r.modules_to_save else []
-        if switches:
-            quantized = " (quantized weights cannot be trained directly: that is QLoRA)" if (
-                r.load_in_4bit or r.load_in_8bit) else ""
-            problems.append(f"{', '.join(switches)} only apply to adapter training{quantized}; set use_peft: true, "
-                            f"or remove {', '.join(switches)} for full fine-tuning")
-    if r.load_in_4bit and r.load_in_8bit:
-        problems.append("load_in_4bit and load_in_8bit are both true; choose one")
-    return problems
+    return problems + parallel_problems(r)
 
 
 def _holds_a_run(out: Path) -> bool:

@@ -1,7 +1,19 @@
-"""The names of every file and folder hftrain writes in a run's `output_dir` (checkpoints, the final model, metrics,
-run files). The bottom of the house: it imports nothing, so the recipe (config, which refuses an output_dir that
-already holds a run) and the checkpoint code (which writes them) both take the names from here.
+"""Where hftrain's files are: the files shipped inside the package (presets, the default model and data) and the
+name of every file and folder hftrain writes in a run's `output_dir` (checkpoints, the final model, metrics, run
+files). The bottom of the house: it imports nothing of hftrain, so the recipe (config and its groups, which
+refuse an output_dir that already holds a run and name the shipped presets) and the code that writes or reads
+the files (checkpoint, report, the CLI) all take the names from here.
 """
+
+from pathlib import Path
+
+# Files shipped inside the package, laid out as in the repository (there, hftrain/shipped/ holds symlinks to the
+# top-level folders; a built wheel holds copies), so that an installed hftrain works from any folder.
+SHIPPED = Path(__file__).resolve().parent / "shipped"
+PRESET_DIR = SHIPPED / "accelerate_configs"  # the launch presets; their deepspeed_config_file is ds_configs/<name>.json
+DEFAULT_MODEL = SHIPPED / "models" / "tiny-llama"  # the embedded default: a tiny random Llama (0.16M parameters)
+DEFAULT_DATASET = SHIPPED / "data" / "chat.jsonl"  # and the demo chat data
+
 
 STATE_FILE = "hftrain_state.json"
 CONFIG_FILE = "hftrain_config.yaml"

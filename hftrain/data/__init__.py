@@ -6,6 +6,7 @@ Public names; the implementation lives in the submodules:
 - `tokenize`: chat templates, masks, truncation, statistics (`tokenize_dataset`)
 - `batching`: packing, `BatchPlan` (random, sequential or length-grouped order), `Collator`
 `python -m hftrain.data --config recipe.yaml --show 3` previews what will be trained.
+The data fields of the recipe and their rules (`problems`) are `hftrain/recipe/data.py`.
 """
 
 from hftrain.data.batching import (
@@ -29,10 +30,12 @@ from hftrain.data.tokenize import (
     tokenize_dataset,
     tokenize_example,
 )
+from hftrain.recipe.data import problems
 
 __all__ = [
     "BatchPlan", "Collator", "eval_micro_batches", "make_loader", "pack_best_fit_decreasing", "row_lengths",
     "training_plan", "training_rows",
     "detect_format", "to_canonical", "load_datasets", "load_raw", "CHATML_TEMPLATE", "IGNORE_INDEX",
     "DataSpec", "assistant_char_spans", "prepare_chat_template", "tokenize_dataset", "tokenize_example",
+    "problems",
 ]

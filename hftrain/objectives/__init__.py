@@ -8,7 +8,8 @@
 - `reference.py`: the reference models an objective compares with (adapters disabled, a frozen copy, precomputed
   log-probs and their cross-run cache).
 - `grpo.py` (to come) plugs in the same way: a module with its `Objective` subclass, one entry in `OBJECTIVES`,
-  the name in the recipe's `objective` choices (config.py); see docs/architecture.md, "Adding an objective".
+  the name in the recipe's `objective` choices, its fields and rules in `hftrain/recipe/objectives.py`
+  (`problems`, re-exported here); see docs/architecture.md, "Adding an objective".
 
 Every loss module returns a *sum* and says what it sums over (`loss_units(batch)`): the loop adds those units
 over all micro-batches and data-parallel ranks of the optimizer step and divides once, so k micro-batches of b,
@@ -29,9 +30,10 @@ from hftrain.objectives.base import Objective
 from hftrain.objectives.preference import PAIR_STATS, Preference, PreferenceLoss, pair_losses
 from hftrain.objectives.reference import AdapterReference, FrozenReference, PrecomputedReference, build_reference
 from hftrain.objectives.sft import SFT
+from hftrain.recipe.objectives import problems
 
 __all__ = ["OBJECTIVES", "PAIR_STATS", "AdapterReference", "FrozenReference", "Objective", "PrecomputedReference",
-           "PreferenceLoss", "build_loss", "build_reference", "objective_for", "pair_losses"]
+           "PreferenceLoss", "build_loss", "build_reference", "objective_for", "pair_losses", "problems"]
 
 OBJECTIVES: dict[str, Objective] = {
     "sft": SFT(),

@@ -10,7 +10,8 @@ offload), tensor.py (tensor parallel, with data-parallel copies), sequence.py (Z
 sequence parallelism), context.py (FSDP2 with torch's ring attention context parallelism), pipeline.py (pipeline
 stages through torch.distributed.pipelining, with data-parallel copies).
 Nothing else in hftrain asks accelerate, the environment or the DeepSpeed JSON which strategy
-runs.
+runs. The parallelism fields of the recipe and the rules judged from the recipe alone (`problems`) are
+`hftrain/recipe/parallel.py`; the rules that need the launch or the model config are in `hftrain/preflight.py`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from hftrain.parallel.launch import Launch, devices_record, make_accelerator, ph
 from hftrain.parallel.pipeline import PipelineBackend
 from hftrain.parallel.sequence import SequenceParallelBackend
 from hftrain.parallel.tensor import TensorParallelBackend
+from hftrain.recipe.parallel import problems
 
 __all__ = ["Backend", "DataParallel", "Launch", "Parallelism", "devices_record", "make_accelerator", "phase",
-           "resolve"]
+           "problems", "resolve"]
 
 SELECTED = {"fsdp2": "FSDP", "deepspeed": "DEEPSPEED"}  # accelerate's DistributedType names
 

@@ -173,3 +173,13 @@ def test_test_files_have_unique_names():
     in different folders stop the whole collection ("import file mismatch")."""
     names = [path.name for path in (REPO / "tests").rglob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def test_recipe_groups_import_nothing_that_imports_config():
+    """config composes hftrain/recipe/*: those modules may import only hftrain.layout and each other, or the
+    recipe's imports would run in a circle (docs/architecture.md)."""
+    graph = _graph(_every_import)
+    groups = [name for name in graph if name == "hftrain.recipe" or name.startswith("hftrain.recipe.")]
+    assert len(groups) >= 6
+    allowed = {"hftrain.layout", "hftrain.recipe"}
+    assert {name: graph[name] - allowed for name in groups} == {name: set() for name in groups}

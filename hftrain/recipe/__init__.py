@@ -1,0 +1,21 @@
+"""The recipe's groups, one module per concern: each declares its fields (a dataclass mixin) and `problems(recipe)`,
+the rules judged from the recipe alone. `config.Recipe` composes the mixins into one flat, typed schema and
+`config.validate` gathers every group's problems, so every problem is still reported at once.
+
+These modules import nothing of hftrain but `layout` (the recipe is passed in and read by field name): config
+imports them, so they must not import config, nor anything that does (torch, the data pipeline, the backends);
+the concern's own package re-exports its `problems` next to its code (e.g. `hftrain.objectives.problems`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+
+def recipe_field(default: Any, help: str, *, group: str, choices: tuple | None = None, **kw) -> Any:
+    """A recipe field: default, help text (shown by --help), group heading, allowed values."""
+    meta = {"help": help, "group": group, "choices": choices}
+    if isinstance(default, (list, dict)):  # mutable defaults: a fresh copy per Recipe
+        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)

@@ -1,0 +1,80 @@
+"""The objective group of the recipe: its fields (`ObjectiveFields`) and the rules judged from the recipe alone
+(`problems`); the objectives themselves are `hftrain/objectives/`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hftrain.recipe import recipe_field as _f
+
+
+@dataclass
+class ObjectiveFields:
+    objective: str = _f(
+        "sft", "What the loop minimises: sft (next-token cross-entropy over trained tokens), dpo (Direct Preference "
+        "Optimization on chosen/rejected pairs against a reference model) or simpo (SimPO: reference-free, "
+        "length-normalised). dpo and simpo need preference data (chosen, rejected and optionally prompt columns); "
+        "see docs/preference.md.", group="objective", choices=("sft", "dpo", "simpo"),
+    )
+    beta: float = _f(
+        0.1, "dpo/simpo temperature: how far the policy may move from the reference (dpo) or the reward scale "
+        "(simpo; its paper uses 2.0-2.5).", group="objective",
+    )
+    loss_type: str = _f(
+        "sigmoid", "dpo loss (TRL's names): sigmoid (the DPO paper), ipo (squared, per-token-normalised log-ratios, "
+        "as TRL), hinge (SLiC).", group="objective", choices=("sigmoid", "ipo", "hinge"),
+    )
+    label_smoothing: float = _f(
+        0.0, "Probability that a pair's preference is flipped (conservative DPO / SimPO), in [0, 0.5); for "
+        "loss_type sigmoid and simpo. TRL 1.16's DPOTrainer ignores it for sigmoid: compare with 0.",
+        group="objective",
+    )
+    simpo_gamma: float = _f(0.5, "simpo target reward margin (TRL's simpo_gamma).", group="objective")
+    precompute_ref_log_probs: bool = _f(
+        False, "dpo: compute the reference log-probs of every training and eval pair once, before training, with the "
+        "starting model under the launch's own strategy, then train without a reference model in memory (saves the "
+        "frozen copy of full fine-tuning). Saved in every checkpoint and restored on resume.",
+        group="objective",
+    )
+    max_prompt_length: int | None = _f(
+        None, "Preference data: keep at most this many prompt tokens (the last ones, next to the answer).",
+        group="objective",
+    )
+    max_completion_length: int | None = _f(
+        None, "Preference data: cut each completion to this many tokens (from the end). max_length then caps "
+        "prompt + completion; a pair whose prompt leaves no completion token is dropped and counted.",
+        group="objective",
+    )
+
+
+def problems(r) -> list[str]:
+    """dpo / simpo settings and what a preference objective cannot be combined with."""
+    problems, preference = [], r.objective != "sft"
+    if r.beta <= 0:
+        problems.append(f"beta must be > 0, got {r.beta}")
+    if not 0 <= r.label_smoothing < 0.5:
+        problems.append(f"label_smoothing must be in [0, 0.5), got {r.label_smoothing}")
+    if r.label_smoothing > 0 and not (r.objective == "simpo" or (r.objective == "dpo" and r.loss_type == "sigmoid")):
+        problems.append(f"label_smoothing={r.label_smoothing} applies to objective dpo with loss_type sigmoid, or "
+                        f"simpo; here objective={r.objective}, loss_type={r.loss_type}")
+    if r.precompute_ref_log_probs and r.objective != "dpo":
+        problems.append(f"precompute_ref_log_probs computes dpo's reference, but objective={r.objective}")
+    if r.loss_type != "sigmoid" and r.objective != "dpo":
+        problems.append(f"loss_type={r.loss_type} is a dpo loss, but objective={r.objective}; set objective: dpo")
+    for name in ("max_prompt_length", "max_completion_length"):
+        value = getattr(r, name)
+        if value is not None and (value < 1 or not preference):
+            problems.append(f"{name}={value} needs objective dpo or simpo and a value >= 1")
+    if not preference:
+        return problems
+    if r.packing:
+        problems.append(f"packing with objective={r.objective} is refused: a pair's chosen and rejected must be "
+                        "compared as whole sequences, one per row; set packing: false")
+    if r.use_liger_kernel or r.loss_chunk_tokens:
+        problems.append(f"objective={r.objective} needs each sequence's log-probability; use_liger_kernel and "
+                        "loss_chunk_tokens compute one summed cross-entropy: turn them off")
+    if r.dataset_format not in ("auto", "preference"):
+        problems.append(f"objective={r.objective} trains on preference pairs: dataset_format must be auto or "
+                        f"preference, got {r.dataset_format}")
+    return problems

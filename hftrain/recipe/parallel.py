@@ -1,0 +1,125 @@
+"""The parallelism group of the recipe: its fields (`ParallelFields`) and the rules judged from the recipe alone
+(`problems`); the backends are `hftrain/parallel/`, and the rules that need the launch or the model are in
+`hftrain/preflight.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hftrain.layout import PRESET_DIR
+from hftrain.recipe import recipe_field as _f
+
+
+@dataclass
+class ParallelFields:
+    # The strategy itself comes from the launch preset (accelerate_configs/); the recipe records which
+    # preset it was sized for and why, and `hftrain launch` uses that preset when --preset is not given.
+    launch_preset: str | None = _f(
+        None, "Name of the accelerate_configs preset this recipe is sized for (e.g. zero3); `hftrain launch` "
+        "uses it when --preset is not given, and the run logs it next to what really runs.", group="parallelism",
+    )
+    launch_preset_reason: str | None = _f(
+        None, "Why that preset, e.g. the model-state memory estimate against the GPU memory (the run logs its "
+        "own estimate for the strategy it runs).", group="parallelism",
+    )
+    tp_size: int = _f(
+        1, "Tensor-parallel degree: load the model with transformers' DistributedConfig(tp_size=N), its predefined "
+        "tensor-parallel plan (tp_plan 'auto'), so each linear layer is sharded over N processes that see the same "
+        "batches. Needs a DDP-type preset (e.g. tp) with N processes, or a multiple of N for data-parallel copies "
+        "of the split model (hftrain averages their gradients). 1 = off.",
+        group="parallelism",
+    )
+    sp_size: int = _f(
+        1, "Sequence-parallel degree (DeepSpeed Ulysses / ALST): each sequence is split over N consecutive processes "
+        "that exchange attention heads by all-to-all, so activation memory per process is about 1/N. Needs a "
+        "DeepSpeed preset (cpu_sp, zero3_sp) with a multiple of N processes (the remaining factor is "
+        "data-parallel) and attention heads divisible by N. docs/long-context.md. 1 = off.",
+        group="parallelism",
+    )
+    cp_size: int = _f(
+        1, "Context-parallel degree (torch ring attention through accelerate's ParallelismConfig): each sequence is "
+        "split over N consecutive processes that pass key/value blocks around a ring, so activation memory per "
+        "process is about 1/N. Needs an FSDP2 preset on CUDA GPUs (fsdp2_cp) with a multiple of N processes (the "
+        "remaining factor is data-parallel), sdpa attention and unpacked rows. docs/long-context.md. 1 = off.",
+        group="parallelism",
+    )
+    # pipeline parallelism (hftrain/parallel/pipeline.py, docs/pipeline.md): one contiguous block
+    pp_size: int = _f(
+        1, "Pipeline-parallel degree: the model's layers split into N stages by its pp plan (base_model_pp_plan), one "
+        "per process (two with Interleaved1F1B), run by torch.distributed.pipelining. Needs a DDP-type preset "
+        "(cpu_pp on CPU, pp on GPUs) with N processes, or a multiple of N for data-parallel copies of the pipeline. "
+        "docs/pipeline.md. 1 = off.", group="parallelism",
+    )
+    pp_schedule: str = _f(
+        "1F1B", "Pipeline schedule (torch's names): 1F1B (one forward, one backward: few activations in flight), "
+        "GPipe (all forwards, then all backwards), Interleaved1F1B (two stages per process: bubble halved). "
+        "ZBVZeroBubble and DualPipeV are refused (not wired yet, docs/pipeline.md).", group="parallelism",
+        choices=("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"),
+    )
+    pp_microbatches: int | None = _f(
+        None, "Microbatches per pipeline step: each per-device batch is split into this many along its rows (padded "
+        "with target-less rows to a multiple of it). Default: 2 x the pipeline stages. Bubble: (stages-1)/"
+        "microbatches.", group="parallelism",
+    )
+
+
+def problems(r) -> list[str]:
+    """The parallelism group: the recorded preset must be one that ships."""
+    problems = []
+    if r.launch_preset is not None and not (PRESET_DIR / f"{r.launch_preset}.yaml").is_file():
+        shipped = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
+        problems.append(f"launch_preset={r.launch_preset!r} is not a shipped preset; use one of: {shipped}")
+    for name in ("tp_size", "sp_size", "cp_size"):
+        if getattr(r, name) < 1:
+            problems.append(f"{name} must be >= 1 (1 = off), got {getattr(r, name)}")
+    if sum(size > 1 for size in (r.tp_size, r.sp_size, r.cp_size)) > 1:
+        problems.append(f"tp_size={r.tp_size}, sp_size={r.sp_size} and cp_size={r.cp_size}: hftrain runs one of "
+                        "tensor, sequence (Ulysses) or context (ring) parallelism at a time; set the others to 1")
+    for name in ("sp_size", "cp_size"):
+        if getattr(r, name) > 1 and r.objective != "sft":
+            problems.append(f"{name}={getattr(r, name)} with objective={r.objective} is not supported: preference "
+                            "losses need each row's whole log-probability on one process; use data parallelism")
+    problems += _pipeline_problems(r)
+    if r.launch_preset_reason is not None and r.launch_preset is None:
+        problems.append("launch_preset_reason is set but launch_preset is not; name the preset it explains")
+    return problems
+
+
+def _pipeline_problems(r) -> list[str]:
+    """pp_size / pp_schedule / pp_microbatches, from the recipe alone (the launch and the model's layers are checked
+    in the preflight: parallel.pipeline.pipeline_problems)."""
+    if r.pp_size < 1:
+        return [f"pp_size must be >= 1 (1 = off), got {r.pp_size}"]
+    if r.pp_size == 1:
+        return []
+    problems = []
+    sizes = {"tp_size": r.tp_size, "sp_size": r.sp_size, "cp_size": r.cp_size}
+    others = [f"{name}={size}" for name, size in sizes.items() if size > 1]
+    if others:
+        problems.append(f"pp_size={r.pp_size} with {', '.join(others)}: pipeline parallelism composes only with "
+                        "data-parallel copies so far (pp x tp and pp x sp/cp are not built, docs/pipeline.md); set "
+                        "them to 1")
+    if r.objective != "sft":
+        problems.append(f"pp_size={r.pp_size} with objective={r.objective}: a preference loss needs both rows of a "
+                        "pair and the reference's log-probabilities on the last stage, which hftrain's pipeline does "
+                        "not carry; use data parallelism or tensor parallelism")
+    if r.pp_schedule in ("ZBVZeroBubble", "DualPipeV"):
+        problems.append(f"pp_schedule={r.pp_schedule} is not available: it needs two stages per process placed in a V "
+                        "and a backward split into input and weight gradients, which hftrain's stages do not provide "
+                        "yet; use Interleaved1F1B (bubble (p-1)/(2m)) or 1F1B")
+    if r.pp_microbatches is not None and r.pp_microbatches < 1:
+        problems.append(f"pp_microbatches must be >= 1 or unset, got {r.pp_microbatches}")
+    elif r.pp_microbatches is not None and r.pp_schedule != "GPipe" and r.pp_microbatches < r.pp_size:
+        problems.append(f"pp_microbatches={r.pp_microbatches} with pp_schedule={r.pp_schedule}: 1F1B-type schedules "
+                        f"need at least as many microbatches as processes in the pipeline ({r.pp_size}); raise it")
+    if r.packing:
+        problems.append(f"pp_size={r.pp_size} with packing: the packed documents' position_ids would have to travel "
+                        "between stages, which hftrain's pipeline does not send yet; use packing: false")
+    if r.use_liger_kernel or r.loss_chunk_tokens:
+        problems.append(f"pp_size={r.pp_size} with use_liger_kernel / loss_chunk_tokens: the last stage computes the "
+                        "plain token loss (NeMo's fused loss silently did nothing under pp, NeMo Automodel #2681); "
+                        "turn them off")
+    if r.torch_compile:
+        problems.append(f"pp_size={r.pp_size} with torch_compile is not tested under hftrain's pipeline; turn it off")
+    return problems
