@@ -22,7 +22,7 @@ import yaml
 
 from hftrain import from_trl
 from hftrain.errors import ConfigError, first_line
-from hftrain.layout import DEFAULT_DATASET as DEFAULT_DATASET  # re-exported: config's names before issue 25
+from hftrain.layout import DEFAULT_DATASET as DEFAULT_DATASET  # `as`: re-exported (shipped paths, now in layout)
 from hftrain.layout import DEFAULT_MODEL, FINAL_DIR, PREFIX
 from hftrain.layout import PRESET_DIR as PRESET_DIR
 from hftrain.layout import SHIPPED as SHIPPED
@@ -41,7 +41,6 @@ from hftrain.recipe.peft import problems as peft_problems
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
 OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 DEFAULT_RECIPE_NOTE = "with no --config, the embedded default recipe (tiny offline model, shipped chat data) is used"
-
 
 
 def _cadence(action: str, every: str, none: str, note: str) -> Any:

@@ -46,10 +46,11 @@ def test_tiny_dpo_recipe_learns_the_preferences(tmp_path):
     assert (run.output_dir / "final" / "model.safetensors").exists()
 
 
-def test_dpo_step_is_the_same_over_micro_batches_and_processes(tmp_path):
+def test_dpo_step_is_the_same_over_micro_batches_and_processes(tmp_path, full_one_process):
     """4 pairs per step as 1 x 4, 2 micro-batches x 2 and 2 DDP processes x 2: the same losses, rewards, gradient
-    norms (clipping active) and final weights. The loss is the mean over the step's pairs, not of micro-batch means."""
-    one = run_script(tmp_path / "one", *EXACT, "--per_device_train_batch_size", "4")
+    norms (clipping active) and final weights. The loss is the mean over the step's pairs, not of micro-batch means.
+    The 1 x 4 run is the module's `full_one_process` (the same arguments; it also reports to W&B)."""
+    one = full_one_process
     accum = run_script(tmp_path / "accum", *EXACT, "--per_device_train_batch_size", "2",
                        "--gradient_accumulation_steps", "2")
     ddp = launch(tmp_path / "ddp", *EXACT, "--per_device_train_batch_size", "2", preset="cpu_ddp")
