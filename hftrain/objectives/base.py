@@ -34,7 +34,7 @@ class Objective:
         """After the backend prepared the model and optimizer, before a checkpoint is loaded: place what the loss
         needs beside the model (a frozen reference) and compute what it needs before step 1. `run` is the
         `finetune.Finetune` (recipe, backend, model, token_loss, datasets, collators, resume_from). Returns tensors
-        saved with every checkpoint and handed back on resume (checkpoint.REFERENCE_FILE), or None."""
+        saved with every checkpoint and handed back on resume (layout.REFERENCE_FILE), or None."""
         return None
 
     def notes(self, run) -> list[str]:
