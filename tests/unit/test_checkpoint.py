@@ -27,7 +27,7 @@ from hftrain.checkpoint import (
 )
 from hftrain.config import Recipe, recipe_from_dict
 from hftrain.errors import HftrainError
-from hftrain.layout import COMPLETE_FILE, CONFIG_FILE, STATE_FILE
+from hftrain.layout import COMPLETE_FILE, CONFIG_FILE, MODEL_FILE, STATE_FILE
 from hftrain.optim import build_scheduler, lr_factor
 from hftrain.parallel.base import Backend
 from tests.conftest import REPO
@@ -362,12 +362,12 @@ def test_a_checkpoint_holding_a_tied_weight_under_one_name_matches_the_run(tmp_p
     state = {k: v for k, v in model.state_dict().items() if k not in checkpoint.tied_groups(model)[0] - {kept}}
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / checkpoint.MODEL_FILE))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / MODEL_FILE))
     backend = Backend(OneProcess(), a_recipe(tmp_path))
     checkpoint._check_saved_weights(backend, model, tmp_path)  # no error
     # without either name the weight is missing, and both names are reported
     del state[kept]
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / checkpoint.MODEL_FILE))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / MODEL_FILE))
     with pytest.raises(HftrainError, match=r"\(2 missing, e.g. \['lm.lm_head.weight', 'lm.model.embed_tokens"):
         checkpoint._check_saved_weights(backend, model, tmp_path)
 
