@@ -175,7 +175,7 @@ class Finetune:
         self.tokenizer = build_tokenizer(recipe) if self.processor is None else self.processor.tokenizer
         if recipe.streaming:
             return self.setup_stream()
-        if self.resume_from is not None and read_states(self.resume_from, checkpoint.STREAM_STATE.format(index="*")):
+        if self.resume_from is not None and read_states(self.resume_from, STREAM_STATE.format(index="*")):
             raise HftrainError(f"checkpoint {self.resume_from} was saved by a streamed run (streaming: true): its data "
                                "position is a place in the stream, which map-style data cannot continue from; resume "
                                "with streaming: true")
