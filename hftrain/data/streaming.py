@@ -190,7 +190,9 @@ class RowStream:
             if self.raw_state is not None:
                 self.raw.load_state_dict(self.raw_state)
                 self.raw_state = None
-            self.raw_iter = iter(self.raw)
+            # .iter(batch_size=1), not iter(): in a DataLoader worker, datasets' __iter__ would give this worker a share
+            # of the shards; every worker here reads the whole stream (see StreamFeed)
+            self.raw_iter = ({key: values[0] for key, values in batch.items()} for batch in self.raw.iter(batch_size=1))
         while True:
             try:
                 example = next(self.raw_iter)
@@ -371,14 +373,20 @@ class StreamFeed:
     `disjoint`: this rank reads its own shards (split_dataset_by_node) and takes micro_batch x accum rows per step;
     otherwise every rank reads the whole stream, takes global batches of micro_batch x world x accum rows and keeps
     micro-batch j's slice [(j x world + rank) x micro_batch, + micro_batch), as BatchPlan does.
+
+    With `num_workers` > 0 the reading, tokenizing and collating run in DataLoader worker processes: each worker holds
+    a copy of the stream, reads every step's rows and collates the steps whose number (from the start) is its own
+    modulo the workers; each step comes back with the stream's state after it, which is what a checkpoint saves. So a
+    checkpoint has the same form with or without workers and resumes exactly with any number of them.
     """
 
     def __init__(self, stream: RowStream, collator: StreamCollator, plan: StreamPlan, rank: int, disjoint: bool,
-                 max_bad_rows: int, description: str):
+                 max_bad_rows: int, description: str, num_workers: int = 0):
         self.stream, self.collator, self.plan, self.rank, self.disjoint = stream, collator, plan, rank, disjoint
-        self.max_bad_rows, self.description = max_bad_rows, description
+        self.max_bad_rows, self.description, self.num_workers = max_bad_rows, description, num_workers
         self.steps_read = 0  # steps whose rows were taken from the stream
         self.snapshots: dict[int, dict] = {}  # steps done -> the stream's state then (the last two)
+        self.position: dict | None = None  # with workers: the stream's state after `steps_read` steps
         self.logged = {"examples": 0, "bad": 0, "dropped": 0}
 
     def start(self, step: int, state: dict | None) -> None:
@@ -388,23 +396,42 @@ class StreamFeed:
             self.stream.load_state(state["stream"])
         self.logged = {k: self.stream.counts[k] for k in self.logged}
 
-    def batches(self, progress) -> Iterator[dict]:
-        """Collated micro-batches from the current position on (endless)."""
+    def read_step(self) -> list[list[list[dict]]]:
+        """The rows of the next step, as this rank's micro-batches (lists of rows)."""
         plan, readers = self.plan, 1 if self.disjoint else self.plan.world
         place = 0 if self.disjoint else self.rank
-        while True:
-            self.snapshots = {self.steps_read: self.stream.state(),
-                              **{k: v for k, v in self.snapshots.items() if k == self.steps_read - 1}}
-            rows = [self.stream.next_row() for _ in range(plan.micro_batch * readers * plan.accum)]
+        rows = [self.stream.next_row() for _ in range(plan.micro_batch * readers * plan.accum)]
+        self.steps_read += 1
+        return [rows[(j * readers + place) * plan.micro_batch:][:plan.micro_batch] for j in range(plan.accum)]
+
+    def _keep(self, state: dict) -> None:
+        """Remember `state` as the position after `steps_read` steps (and the one before it)."""
+        self.snapshots = {self.steps_read: state,
+                          **{k: v for k, v in self.snapshots.items() if k == self.steps_read - 1}}
+
+    def batches(self, progress) -> Iterator[dict]:
+        """Collated micro-batches from the current position on (endless)."""
+        if self.num_workers == 0:
+            while True:
+                self._keep(self.stream.state())
+                for micro_batch in self.read_step():
+                    yield self.collator(micro_batch)
+        self.position = self.stream.state()
+        loader = torch.utils.data.DataLoader(_WorkerSteps(self), batch_size=None, num_workers=self.num_workers,
+                                             collate_fn=_as_is, generator=torch.Generator())
+        for micro_batches, after in loader:
+            self._keep(self.position)
             self.steps_read += 1
-            for j in range(plan.accum):
-                first = (j * readers + place) * plan.micro_batch
-                yield self.collator(rows[first:first + plan.micro_batch])
+            self.position = after
+            yield from micro_batches
+
+    def _state(self) -> dict:
+        return self.stream.state() if self.num_workers == 0 or self.position is None else self.position
 
     def state_dict(self, step: int) -> dict:
         """The stream's position after `step` optimizer steps (the rows of a step taken but not trained are not in
         it), with what a resume checks it against."""
-        state = self.stream.state() if step == self.steps_read else self.snapshots.get(step)
+        state = self._state() if step == self.steps_read else self.snapshots.get(step)
         if state is None:
             raise RuntimeError(f"no stream state for step {step} (rows taken for {self.steps_read} steps)")
         return {"version": STATE_VERSION, "rank": self.rank, "world": self.plan.world, "disjoint": self.disjoint,
@@ -413,21 +440,42 @@ class StreamFeed:
     @property
     def stop_reason(self) -> str | None:
         """Why the run must stop (max_bad_rows passed), or None."""
-        if self.stream.counts["bad"] > self.max_bad_rows:
-            return (f"the training stream has {self.stream.counts['bad']} bad examples, more than max_bad_rows="
-                    f"{self.max_bad_rows}; the first: {self.stream.first_bad}")
+        state = self._state()
+        if state["counts"]["bad"] > self.max_bad_rows:
+            return (f"the training stream has {state['counts']['bad']} bad examples, more than max_bad_rows="
+                    f"{self.max_bad_rows}; the first: {state['first_bad']}")
         return None
 
     def window_metrics(self, dp) -> dict:
         """Raw examples read, bad examples and dropped rows since the last logged row, over the data-parallel ranks
         (every rank counts the same examples when they all read the whole stream)."""
-        counts = self.stream.counts
+        counts = self._state()["counts"]
         local = torch.tensor([counts[k] - self.logged[k] for k in self.logged], dtype=torch.float64,
                              device=dp.accelerator.device)
         self.logged = {k: counts[k] for k in self.logged}
         total = dp.sum(local).cpu() / (1 if self.disjoint else dp.world)
         return {"stream_examples": int(total[0]), "stream_bad_rows": int(total[1]),
                 "stream_dropped_rows": int(total[2])}
+
+
+def _as_is(item):
+    return item
+
+
+class _WorkerSteps(torch.utils.data.IterableDataset):
+    """A StreamFeed's steps for DataLoader workers: (collated micro-batches, the stream's state after the step)."""
+
+    def __init__(self, feed: StreamFeed):
+        self.feed = feed
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        feed, first = self.feed, self.feed.steps_read  # each worker has its own copy (forked)
+        while True:
+            micro_batches = feed.read_step()
+            if (feed.steps_read - 1 - first) % workers == worker:
+                yield [feed.collator(rows) for rows in micro_batches], feed.stream.state()
 
 
 def check_resume(saved: list[dict], world: int, disjoint: bool, global_batch: int, rank: int, path) -> dict:
@@ -554,7 +602,10 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
     kinds = "/".join(dict.fromkeys(formats))
     description = f"streaming {name!r} ({kinds}): {reading}, {order}{packed}, tokenized on the fly"
     collator = StreamCollator(0, recipe.packing, fmt == "preference")
-    feed = StreamFeed(stream, collator, plan, rank, disjoint, recipe.max_bad_rows, description)
+    if recipe.dataloader_num_workers:
+        description += f", in {recipe.dataloader_num_workers} worker process(es)"
+    feed = StreamFeed(stream, collator, plan, rank, disjoint, recipe.max_bad_rows, description,
+                      recipe.dataloader_num_workers)
 
     evaluation, stats = None, {"streaming": {"source": name, "format": fmt, "shards": source.num_shards,
                                              "rows": source.num_rows, "disjoint_shards": disjoint,

@@ -170,7 +170,4 @@ def _streaming_problems(r) -> list[str]:
     if r.precompute_ref_log_probs:
         problems.append(f"precompute_ref_log_probs computes every training pair's reference once, but {why}; "
                         "turn one of them off")
-    if r.dataloader_num_workers > 0:
-        problems.append("dataloader_num_workers > 0 with streaming: true is not supported yet (collation runs in the "
-                        "training process); set dataloader_num_workers: 0")
     return problems

@@ -9,6 +9,8 @@ Runs shared by the assertions (module fixtures):
 - `shards_uninterrupted` / `shards_preempted` + `shards_resumed`: 2 processes reading disjoint shards of a saved
   2-shard folder, packed on the fly, through a shuffle buffer, with a pass over the data ending mid-run; SIGTERM
   right after step 3 (the stop is voted on in step 4, once step 4's rows were taken from the stream), then resumed.
+  The preempted and resumed runs read the stream in 2 DataLoader worker processes per rank, the uninterrupted one in
+  the training process.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def streamed_2proc(tmp_path_factory, tiny_model, data):
                   "--streaming", "true", "--save_steps", "3", preset="cpu_ddp")
 
 
+WORKERS = ["--dataloader_num_workers", "2"]  # the preempted and resumed runs read the stream in worker processes
 SHARDS = ["--streaming", "true", "--packing", "true", "--shuffle_buffer_size", "8", "--per_device_train_batch_size",
           "2", "--save_steps", "3", "--async_checkpointing", "false"]
 
@@ -80,7 +83,7 @@ def shards_uninterrupted(tmp_path_factory, tiny_model, data):
 @pytest.fixture(scope="module")
 def shards_preempted(tmp_path_factory, tiny_model, data):
     return launch(tmp_path_factory.mktemp("preempted") / "out", *common(tiny_model, data["saved"]), *SHARDS,
-                  preset="cpu_ddp", script=FAULTY_RANK, env={"HFTRAIN_TEST_FAULTS": "sigterm_after_step_3"},
+                  *WORKERS, preset="cpu_ddp", script=FAULTY_RANK, env={"HFTRAIN_TEST_FAULTS": "sigterm_after_step_3"},
                   check=False)
 
 
@@ -128,6 +131,7 @@ def test_two_processes_equal_one_and_resume_on_one(streamed_2proc, mapped, tiny_
 
 def test_preempted_shards_resume_exactly(shards_uninterrupted, shards_preempted, tiny_model, data):
     assert "2 ranks read disjoint shards (1 of 2 each)" in shards_uninterrupted.stdout
+    assert "in 2 worker process(es)" in shards_preempted.stdout
     assert "packed on the fly" in shards_uninterrupted.stdout
     assert shards_preempted.returncode != 0 and "stopped by SIGTERM after step 3" in shards_preempted.stderr
     saved = shards_preempted.output_dir / "checkpoint-3"
@@ -139,7 +143,7 @@ def test_preempted_shards_resume_exactly(shards_uninterrupted, shards_preempted,
         assert json.loads(path.read_text()) == \
             json.loads((shards_uninterrupted.output_dir / "checkpoint-3" / path.name).read_text())
     (shards_preempted.output_dir / "metrics.jsonl").write_text("")
-    resumed = launch(shards_preempted.output_dir, *common(tiny_model, data["saved"]), *SHARDS,
+    resumed = launch(shards_preempted.output_dir, *common(tiny_model, data["saved"]), *SHARDS, *WORKERS,
                      "--resume_from_checkpoint", "latest", preset="cpu_ddp")
     assert "at step 3" in resumed.stdout
     assert_same(resumed, shards_uninterrupted, steps=range(4, STEPS + 1))

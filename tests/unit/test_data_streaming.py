@@ -111,9 +111,9 @@ def test_resume_checks():
 
 def test_streaming_refusals_are_reported_together():
     problems = validate(Recipe(streaming=True, eval_strategy="epoch", train_sampling_strategy="group_by_length",
-                               dataloader_num_workers=2, shuffle_buffer_size=0, max_bad_rows=-1))
+                               shuffle_buffer_size=0, max_bad_rows=-1))
     text = "\n".join(problems)
-    for expected in ("set max_steps", "eval_strategy=epoch", "group_by_length", "dataloader_num_workers > 0",
+    for expected in ("set max_steps", "eval_strategy=epoch", "group_by_length",
                      "shuffle_buffer_size must be >= 1", "max_bad_rows must be >= 0"):
         assert expected in text, expected
     assert not any("stream" in p for p in validate(Recipe(streaming=True, max_steps=5)))
@@ -183,3 +183,46 @@ def test_a_mixture_draws_by_weight_tokenizes_each_source_by_its_format_and_resum
     resumed, _, _ = load_stream(recipe, tokenizer, rank=0, world=1)
     resumed.stream.load_state(json.loads(json.dumps(state)))  # through JSON, as a checkpoint stores it
     assert [r["input_ids"] for r in rows(resumed, 30)] == [r["input_ids"] for r in whole[10:]]
+
+
+def test_worker_processes_give_the_same_batches_and_positions_and_resume_from_either(tmp_path):
+    """dataloader_num_workers: 2 (tokenizing and collating in forked workers, packed, shuffled) gives the micro-batches
+    and the per-step stream positions of the in-process feed, and a feed with workers started from the in-process
+    feed's position after step 3 continues with its steps 4 and 5."""
+    import json
+
+    from hftrain.data.streaming import load_stream
+    from hftrain.model import build_tokenizer
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"},
+                                                      {"role": "assistant", "content": "Answer " * (i % 9 + 1)}]})
+                             + "\n" for i in range(30)))
+    options = {"model_name_or_path": str(REPO / "models" / "tiny-llama"), "streaming": True, "max_steps": 5,
+               "validation_split_percentage": 0, "eval_strategy": "no", "dataset_name": str(chats), "packing": True,
+               "max_length": 64, "shuffle_buffer_size": 5, "per_device_train_batch_size": 2,
+               "gradient_accumulation_steps": 2}
+
+    def feed(workers: int):
+        recipe = Recipe(**options, dataloader_num_workers=workers)
+        made, _, _ = load_stream(recipe, build_tokenizer(recipe), rank=0, world=1)
+        made.collator.pad_token_id = 0
+        return made
+
+    def steps(made, n):
+        batches = made.batches(None)
+        out = []
+        for _ in range(n):
+            out.append([next(batches)["input_ids"].tolist() for _ in range(2)])
+            out[-1].append(made.state_dict(made.steps_read)["stream"])
+        return out
+
+    alone, workers = feed(0), feed(2)
+    assert "in 2 worker process(es)" in workers.description
+    expected = steps(alone, 5)
+    assert steps(workers, 5) == expected
+    at_3 = feed(0)
+    steps(at_3, 3)
+    resumed = feed(2)
+    resumed.start(3, json.loads(json.dumps(at_3.state_dict(3))))
+    assert steps(resumed, 2) == expected[3:]
