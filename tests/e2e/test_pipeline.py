@@ -1,5 +1,6 @@
 """Pipeline parallelism (pp_size, parallel/pipeline.py) through `accelerate launch` with the cpu_pp preset (2 gloo
-processes, one 2-stage pipeline) against one process on the same global batch.
+processes, one 2-stage pipeline; GPipe on 4: two data-parallel copies of the pipeline) against one process on the
+same global batch of 16 examples.
 
 The model is a 4-layer tiny Llama built by scripts/make_tiny_model.py, and the same weights with tied input/output
 embeddings. The data is the assistant-only chat set: the 4 microbatches of 2 rows of each per-device batch hold
@@ -27,7 +28,7 @@ COMMON = [*TINY_CHAT, "--max_steps", "4", "--logging_steps", "1", "--eval_steps"
           "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5",
           "--max_length", "128", "--ddp_timeout", "60"]
 PP = ["--pp_size", "2", "--pp_microbatches", "4"]
-# The references save no checkpoints: a 1-process checkpoint of a tied model is refused on main today (issue 24)
+# The references need no checkpoints (the pp runs save checkpoint-2: DCP under HF names)
 NO_SAVES, SAVES = ["--save_steps", "100", "--checkpoint_preflight", "false"], ["--save_steps", "2"]
 
 
@@ -53,12 +54,15 @@ def runs(models, tmp_path_factory) -> dict[str, Run]:
     out = {f"ref-{kind}": run_script(root / f"ref-{kind}", *COMMON, *NO_SAVES, "--model_name_or_path", str(path))
            for kind, path in models.items()}
     for schedule, kind in (("1F1B", "tied"), ("GPipe", "untied"), ("Interleaved1F1B", "untied")):
+        copies = COPIES.get(schedule, 1)  # the global batch stays 16: per-device rows / copies
         out[schedule] = launch(root / schedule, *COMMON, *SAVES, *PP, "--pp_schedule", schedule,
-                               "--model_name_or_path", str(models[kind]), preset="cpu_pp")
+                               "--per_device_train_batch_size", str(8 // copies),
+                               "--model_name_or_path", str(models[kind]), preset="cpu_pp", processes=2 * copies)
     return out
 
 
 REFERENCE = {"1F1B": "ref-tied", "GPipe": "ref-untied", "Interleaved1F1B": "ref-untied"}
+COPIES = {"GPipe": 2}  # pp 2 x 2 data-parallel copies on 4 processes
 
 
 def close(a: list[float], b: list[float], tol: float = 1e-4) -> None:
@@ -71,8 +75,10 @@ def test_pp2_trains_like_one_process(runs, schedule):
     """Per-step loss, gradient norm (clipped: above 0.5), learning rate, evaluation and final weights."""
     run, ref = runs[schedule], runs[REFERENCE[schedule]]
     info = run.state()["launch"]
+    copies = COPIES.get(schedule, 1)
     assert (info["distributed_type"], info["num_processes"], info["backend"], info["model_wrapper"]) == \
-        ("MULTI_CPU", 2, "gloo", "PipelineStages")
+        ("MULTI_CPU", 2 * copies, "gloo", "PipelineStages")
+    assert run.state()["parallelism"]["dp_world"] == copies
     assert (info["pp_size"], info["pp_schedule"], info["pp_microbatches"]) == (2, schedule, 4)
     stages = 4 if schedule == "Interleaved1F1B" else 2
     assert info["pp_stages"]["stages"] == stages
