@@ -168,11 +168,17 @@ class Finetune:
         self.resume_from = checkpoint.resolve_resume(recipe)
 
     def setup_data(self) -> None:
-        """Tokenizer, datasets, training rows and the batch plan (`self.feed`: the loop's micro-batches). Before the
-        model: a bad dataset should fail in seconds, not after loading weights."""
-        recipe, world = self.recipe, self.dp.world
+        """Tokenizer, then the objective's data (`objective.setup_data`: for sft/dpo `setup_examples`, streamed or
+        not; `self.feed`: the loop's micro-batches). Before the model: a bad dataset should fail in seconds, not after
+        loading weights."""
+        recipe = self.recipe
         self.processor = build_processor(recipe) if is_image_text(self.model_config) else None
         self.tokenizer = build_tokenizer(recipe) if self.processor is None else self.processor.tokenizer
+        self.objective.setup_data(self)
+
+    def setup_examples(self) -> None:
+        """Datasets of examples, training rows, the batch plan, the collators and the feed (sft, dpo, simpo)."""
+        recipe, world = self.recipe, self.dp.world
         if recipe.streaming:
             return self.setup_stream()
         if self.resume_from is not None and read_states(self.resume_from, STREAM_STATE.format(index="*")):
@@ -236,7 +242,8 @@ class Finetune:
         fit_embeddings_to_tokenizer(lm, self.tokenizer)
         self.model = self.token_loss = self.objective.build_loss(
             recipe, lm, self.accelerator.device, lambda built: self.backend.frozen_copy(built, self.rebuild_model))
-        self.collator.mark_real_tokens = self.token_loss.aux_coef > 0  # the router loss excludes padding
+        if self.collator is not None:  # an objective that collates examples (grpo's batches are its rollouts)
+            self.collator.mark_real_tokens = self.token_loss.aux_coef > 0  # the router loss excludes padding
         self.notes = list(getattr(lm, "hftrain_notes", []))
         if self.token_loss.aux_coef > 0:
             self.notes.append(self.token_loss.router_note())

@@ -24,6 +24,15 @@ class Objective:
 
     name = ""
 
+    def setup_data(self, run) -> None:
+        """The training data (`setup_data`, after the tokenizer, before the model): sets `run.train_set`,
+        `run.eval_set`, `run.data_stats`, `run.rows`, `run.plan` (`checkpoint.realign` reads its `global_batch`,
+        `steps_per_epoch`, `num_examples`, `world`, `accum`), `run.total_steps`, `run.collator`, `run.eval_collator`,
+        `run.feed` (the loop's micro-batches: `batches(progress)`, `start`, `state_dict`, `window_metrics`,
+        `stop_reason`, as `data.batching.IndexedFeed`), `run.stream_state` and `run.data_line`. Examples from
+        datasets, streamed or not: `run.setup_examples`."""
+        run.setup_examples()
+
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> CausalLMTokenLoss:
         """The loss module around the built model (`setup_model`, before the backend wraps it). `copy_model`: the
