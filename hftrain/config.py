@@ -29,6 +29,8 @@ from hftrain.layout import SHIPPED as SHIPPED
 from hftrain.recipe import recipe_field as _f
 from hftrain.recipe.data import DataFields, DatasetSource, looks_local
 from hftrain.recipe.data import problems as data_problems
+from hftrain.recipe.grpo import OBJECTIVE_DEFAULTS, GRPOFields
+from hftrain.recipe.grpo import problems as grpo_problems
 from hftrain.recipe.monitoring import MonitoringFields
 from hftrain.recipe.monitoring import problems as monitoring_problems
 from hftrain.recipe.objectives import ObjectiveFields
@@ -246,8 +248,8 @@ class LoggingFields:
 
 
 @dataclass
-class Recipe(ParallelFields, MonitoringFields, LoggingFields, PeftFields, TrainingFields, ObjectiveFields, DataFields,
-             ModelFields):
+class Recipe(ParallelFields, MonitoringFields, LoggingFields, PeftFields, TrainingFields, GRPOFields, ObjectiveFields,
+             DataFields, ModelFields):
     """One flat, typed schema: every field of every group (declared per group, in this order: model, data,
     objective, training, peft and quantization, logging, monitoring, parallelism; dataclasses collect the bases'
     fields from the last base to the first)."""
@@ -353,6 +355,12 @@ def _dataset_source(index: int, value: dict) -> DatasetSource:
     return source
 
 
+def with_objective_defaults(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` plus the objective's own defaults (recipe.grpo.OBJECTIVE_DEFAULTS: TRL's GRPOConfig differs from
+    DPOConfig there) for the fields they leave unset."""
+    return {**OBJECTIVE_DEFAULTS.get(values.get("objective"), {}), **values}
+
+
 # ------------------------------------------------------------------------ validation
 def validate(recipe: Recipe) -> list[str]:
     """Every problem with the recipe's values and combinations; [] when it is usable."""
@@ -419,6 +427,7 @@ def validate(recipe: Recipe) -> list[str]:
     need(not (r.fp16 and r.dtype == "bfloat16"), "fp16 mixed precision with dtype=bfloat16 weights; use bf16")
     problems += data_problems(r)
     problems += objective_problems(r)
+    problems += grpo_problems(r)
     problems += _validate_performance(r)
     problems += monitoring_problems(r)
 
@@ -495,7 +504,7 @@ def _coerce_all(values: dict[str, Any], from_cli: bool) -> tuple[dict[str, Any],
 def recipe_from_dict(values: dict[str, Any], source: str = "recipe", for_training: bool = True) -> Recipe:
     """Build a validated Recipe from a mapping (e.g. a YAML file), or raise ConfigError with every problem."""
     clean, problems = _coerce_all(values, from_cli=False)
-    recipe = Recipe(**clean)
+    recipe = Recipe(**with_objective_defaults(clean))
     problems += validate(recipe)  # wrongly typed fields keep their defaults here
     problems += check_output_dir(recipe) if for_training else []
     if problems:
@@ -509,7 +518,7 @@ def recipe_subset(values: dict[str, Any], names: tuple[str, ...], source: str) -
     clean, problems = _coerce_all({k: v for k, v in values.items() if k in names}, from_cli=False)
     if problems:
         raise ConfigError(problems, source)
-    return Recipe(**clean)
+    return Recipe(**with_objective_defaults(clean))
 
 
 def read_yaml(path: str) -> dict[str, Any]:
@@ -569,7 +578,7 @@ def load_recipe(argv: list[str] | None = None, for_training: bool = True, prog: 
     from_file, file_problems = _coerce_all({k: v for k, v in file_values.items() if k not in cli_values},
                                            from_cli=False)
     problems += file_problems + cli_problems
-    recipe = Recipe(**{**from_file, **from_cli})
+    recipe = Recipe(**with_objective_defaults({**from_file, **from_cli}))
     problems += validate(recipe)  # wrongly typed fields keep their defaults here
     problems += check_output_dir(recipe) if for_training else []
     if problems:

@@ -105,6 +105,18 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
                 ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
         made.append(_save(fig, ax, folder / "rewards.png"))
 
+    if any("reward_std" in r for r in train):  # grpo: the mean reward of each window's completions (TRL's names)
+        fig, ax = _figure("Reward (grpo: mean over each step's completions)", "reward")
+        steps, mean = series(train, "reward")
+        _, std = series(train, "reward_std")
+        ax.plot(steps, mean, label="reward", marker=".", linewidth=2)
+        if len(std) == len(mean):
+            ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2,
+                            label="± reward_std")
+        for key in sorted({k for r in train for k in r if k.startswith("rewards/") and k.endswith("/mean")}):
+            ax.plot(*series(train, key), label=key, linestyle="--")
+        made.append(_save(fig, ax, folder / "reward.png"))
+
     fig, ax = _figure("Learning rate", "learning rate")
     ax.plot(*series(train, "learning_rate"), marker=".")
     made.append(_save(fig, ax, folder / "learning_rate.png"))
@@ -172,6 +184,10 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
         f"- loss: first {_fmt(train[0]['loss'])}, last {_fmt(last['loss'])}, "
         f"lowest {_fmt(min(r['loss'] for r in train))}",
     ]
+    if "reward_std" in last:  # grpo
+        lines.append(f"- reward (grpo): first {_fmt(train[0].get('reward'))}, last {_fmt(last.get('reward'))}, "
+                     f"highest {_fmt(max(r['reward'] for r in train if r.get('reward') is not None))}; rollouts in "
+                     "rollouts.jsonl")
     if evals:
         best = min(evals, key=lambda r: r["eval_loss"])
         perplexity = f" (perplexity {_fmt(evals[-1]['eval_perplexity'])})" if "eval_perplexity" in evals[-1] else ""

@@ -7,7 +7,8 @@
   step's pairs.
 - `reference.py`: the reference models an objective compares with (adapters disabled, a frozen copy, precomputed
   log-probs and their cross-run cache).
-- `grpo.py` (to come) plugs in the same way: a module with its `Objective` subclass, one entry in `OBJECTIVES`,
+- `grpo.py`: `grpo`, online RL (generation windows, rewards, TRL's GRPO loss; pieces in hftrain/rl/). It plugged in
+  the way any objective does: a module with its `Objective` subclass, one entry in `OBJECTIVES`,
   the name in the recipe's `objective` choices, its fields and rules in `hftrain/recipe/objectives.py`
   (`problems`, re-exported here); see docs/architecture.md, "Adding an objective".
 
@@ -27,6 +28,7 @@ from torch import nn
 from hftrain.config import Recipe
 from hftrain.model import CausalLMTokenLoss
 from hftrain.objectives.base import Objective
+from hftrain.objectives.grpo import GRPO
 from hftrain.objectives.preference import PAIR_STATS, Preference, PreferenceLoss, pair_losses
 from hftrain.objectives.reference import AdapterReference, FrozenReference, PrecomputedReference, build_reference
 from hftrain.objectives.sft import SFT
@@ -39,6 +41,7 @@ OBJECTIVES: dict[str, Objective] = {
     "sft": SFT(),
     "dpo": Preference("dpo", needs_reference=True),
     "simpo": Preference("simpo", needs_reference=False),
+    "grpo": GRPO(),
 }
 
 

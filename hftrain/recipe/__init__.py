@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
+GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")  # loss_type values of objective grpo (objectives and grpo groups)
+
 
 def recipe_field(default: Any, help: str, *, group: str, choices: tuple | None = None, **kw) -> Any:
     """A recipe field: default, help text (shown by --help), group heading, allowed values."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hftrain.recipe import GRPO_LOSS_TYPES
 from hftrain.recipe import recipe_field as _f
 
 
@@ -14,16 +15,22 @@ class ObjectiveFields:
     objective: str = _f(
         "sft", "What the loop minimises: sft (next-token cross-entropy over trained tokens), dpo (Direct Preference "
         "Optimization on chosen/rejected pairs against a reference model) or simpo (SimPO: reference-free, "
-        "length-normalised). dpo and simpo need preference data (chosen, rejected and optionally prompt columns); "
-        "see docs/preference.md.", group="objective", choices=("sft", "dpo", "simpo"),
+        "length-normalised) or grpo (online RL: completions sampled from the model, scored by reward_funcs, TRL's "
+        "GRPO loss). dpo and simpo need preference data (chosen, rejected and optionally prompt columns), see "
+        "docs/preference.md; grpo a prompt column, see docs/grpo.md.", group="objective",
+        choices=("sft", "dpo", "simpo", "grpo"),
     )
     beta: float = _f(
         0.1, "dpo/simpo temperature: how far the policy may move from the reference (dpo) or the reward scale "
-        "(simpo; its paper uses 2.0-2.5).", group="objective",
+        "(simpo; its paper uses 2.0-2.5). grpo: the KL coefficient to the reference, default 0.0 there as in TRL "
+        "(0 = no reference model).", group="objective",
     )
     loss_type: str = _f(
         "sigmoid", "dpo loss (TRL's names): sigmoid (the DPO paper), ipo (squared, per-token-normalised log-ratios, "
-        "as TRL), hinge (SLiC).", group="objective", choices=("sigmoid", "ipo", "hinge"),
+        "as TRL), hinge (SLiC). grpo (default dapo there, as TRL): dapo (token mean over the step's completion "
+        "tokens), grpo (mean of each completion's token mean), bnpo (TRL's per-micro-batch token mean), dr_grpo "
+        "(token sum / max_completion_length).", group="objective",
+        choices=("sigmoid", "ipo", "hinge", "dapo", "grpo", "bnpo", "dr_grpo"),
     )
     label_smoothing: float = _f(
         0.0, "Probability that a pair's preference is flipped (conservative DPO / SimPO), in [0, 0.5); for "
@@ -38,19 +45,22 @@ class ObjectiveFields:
         group="objective",
     )
     max_prompt_length: int | None = _f(
-        None, "Preference data: keep at most this many prompt tokens (the last ones, next to the answer).",
+        None, "Preference data and grpo: keep at most this many prompt tokens (the last ones, next to the answer).",
         group="objective",
     )
     max_completion_length: int | None = _f(
         None, "Preference data: cut each completion to this many tokens (from the end). max_length then caps "
-        "prompt + completion; a pair whose prompt leaves no completion token is dropped and counted.",
+        "prompt + completion; a pair whose prompt leaves no completion token is dropped and counted. grpo: the "
+        "most tokens generated per completion (default 512 there, as TRL).",
         group="objective",
     )
 
 
 def problems(r) -> list[str]:
-    """dpo / simpo settings and what a preference objective cannot be combined with."""
-    problems, preference = [], r.objective != "sft"
+    """dpo / simpo settings and what a preference objective cannot be combined with (grpo's: recipe/grpo.py)."""
+    problems, preference = [], r.objective in ("dpo", "simpo")
+    if r.objective == "grpo":
+        return problems
     if r.beta <= 0:
         problems.append(f"beta must be > 0, got {r.beta}")
     if not 0 <= r.label_smoothing < 0.5:
@@ -61,7 +71,9 @@ def problems(r) -> list[str]:
     if r.precompute_ref_log_probs and r.objective != "dpo":
         problems.append(f"precompute_ref_log_probs computes dpo's reference, but objective={r.objective}")
     if r.loss_type != "sigmoid" and r.objective != "dpo":
-        problems.append(f"loss_type={r.loss_type} is a dpo loss, but objective={r.objective}; set objective: dpo")
+        problems.append(f"loss_type={r.loss_type} is a {'grpo' if r.loss_type in GRPO_LOSS_TYPES else 'dpo'} loss, "
+                        f"but objective={r.objective}; set objective: "
+                        f"{'grpo' if r.loss_type in GRPO_LOSS_TYPES else 'dpo'}")
     for name in ("max_prompt_length", "max_completion_length"):
         value = getattr(r, name)
         if value is not None and (value < 1 or not preference):

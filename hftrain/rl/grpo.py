@@ -173,7 +173,7 @@ class Rollouts:
         # old log-probs are stored when a window's later micro-batches train after an update (TRL's rule)
         self.store_old = recipe.num_iterations > 1 or plan.steps_per_generation > plan.accum
         self.window, self.buffer, self.truncated = None, [], False
-        self.window_metrics: list[dict[str, float]] = []
+        self.generated_metrics: list[dict[str, float]] = []
         self.model = self.loss_fn = None  # set by the objective once the backend has prepared them
 
     # ------------------------------------------------------------------------------------ the loop's batches
@@ -253,7 +253,7 @@ class Rollouts:
         everything = self.accelerator.gather(torch.cat([local, lengths], dim=1).to(device)).cpu()
         all_rewards, all_lengths = everything[:, :len(self.funcs)], everything[:, len(self.funcs):]
         rewards, advantages, zero_std = group_advantages(all_rewards, self.weights, G, recipe.scale_rewards)
-        self.window_metrics.append(self.reward_metrics(all_rewards, rewards, zero_std, all_lengths))
+        self.generated_metrics.append(self.reward_metrics(all_rewards, rewards, zero_std, all_lengths))
         mine = slice(rows.start, rows.stop)
         for c, r_k, r, a in zip(completions, local.tolist(), rewards[mine].tolist(), advantages[mine].tolist()):
             c.rewards, c.reward, c.advantage = r_k, r, a
@@ -336,10 +336,10 @@ class Rollouts:
         """The metrics since the last call: the windows' reward metrics averaged (TRL averages per generation) and
         the loss's token-weighted kl / entropy / clip ratios summed over every rank (`reduce`: dp.sum)."""
         out = {}
-        if self.window_metrics:
-            for name in self.window_metrics[0]:
-                out[name] = sum(m[name] for m in self.window_metrics) / len(self.window_metrics)
-        self.window_metrics = []
+        if self.generated_metrics:
+            for name in self.generated_metrics[0]:
+                out[name] = sum(m[name] for m in self.generated_metrics) / len(self.generated_metrics)
+        self.generated_metrics = []
         sums = self.loss_fn.pop_sums()
         for name in sorted(sums):
             value, count = reduce(sums[name].to(self.accelerator.device)).tolist()

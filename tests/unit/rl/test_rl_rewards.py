@@ -1,5 +1,5 @@
-"""Reward functions (hftrain.rl.rewards) and the window layout and micro-batches of hftrain.rl.rollouts,
-in-process."""
+"""Reward functions (hftrain.rl.rewards), grpo's recipe rules (config.grpo_problems) and the window layout and
+micro-batches of hftrain.rl.rollouts, in-process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
+from hftrain.config import load_recipe
 from hftrain.data import IGNORE_INDEX
+from hftrain.errors import ConfigError
 from hftrain.rl.rewards import RewardFailure, column_problems, load_reward_functions, score
 from hftrain.rl.rollouts import Completion, WindowPlan, collate, group_seed
 
@@ -52,6 +54,34 @@ def test_bad_outputs_name_the_function(tmp_path):
         funcs, _ = load_reward_functions([f"{file}:{name}"])
         with pytest.raises(RewardFailure, match=message):
             score(funcs, ["a", "b"], ["x", "y"], [[1], [2]], {})
+
+
+def _problems(tmp_path, *extra: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_recipe(["--config", "recipes/tiny-grpo.yaml", "--output_dir", str(tmp_path / "o"), *extra])
+    return str(info.value)
+
+
+def test_grpo_recipe_defaults_and_refusals(tmp_path):
+    recipe = load_recipe(["--config", "recipes/tiny-grpo.yaml", "--output_dir", str(tmp_path / "o"),
+                          "--loss_type", "grpo"])
+    assert (recipe.beta, recipe.loss_type, recipe.epsilon, recipe.epsilon_high, recipe.scale_rewards) == \
+        (0.0, "grpo", 0.2, None, "group")
+    bare = load_recipe(["--objective", "grpo", "--reward_funcs", GOOD, "--eval_strategy", "no",
+                        "--output_dir", str(tmp_path / "p")])
+    assert (bare.beta, bare.loss_type, bare.max_completion_length, bare.num_generations) == (0.0, "dapo", 512, 8)
+    dpo = load_recipe(["--objective", "dpo", "--output_dir", str(tmp_path / "q"),
+                       "--dataset_name", "data/preference.jsonl"])
+    assert (dpo.beta, dpo.loss_type) == (0.1, "sigmoid")  # dpo keeps its own defaults
+    text = _problems(tmp_path, "--reward_funcs", "nope.f", "--reward_weights", "1,2", "--loss_type", "sigmoid",
+                     "--num_generations", "1", "--steps_per_generation", "3", "--gradient_accumulation_steps", "2",
+                     "--packing", "true", "--eval_strategy", "steps", "--temperature", "0")
+    for expected in ["reward_weights has 2 weights for 1 reward_funcs",
+                     "loss_type=sigmoid is a dpo loss", "num_generations must be >= 2",
+                     "steps_per_generation=3 must be a multiple of gradient_accumulation_steps=2",
+                     "packing with objective grpo", "has no evaluation yet", "temperature must be > 0"]:
+        assert expected in text, expected
+    assert "reward_funcs is set but objective=sft" in _problems(tmp_path, "--objective", "sft")
 
 
 def test_window_layout():

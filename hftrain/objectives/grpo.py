@@ -1,0 +1,115 @@
+"""objective grpo (online RL with TRL's GRPO loss): the `Objective` the loop asks by `recipe.objective`. The
+pieces live in hftrain/rl/: the loss over fixed rollouts (rl.loss), the reward functions (rl.rewards), the windows
+and generation (rl.rollouts), the loss module and the rollout source (rl.grpo)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from hftrain.config import Recipe
+from hftrain.data.sources import _renamed, _sources, load_raw
+from hftrain.data.streaming import read_states
+from hftrain.data.tokenize import prepare_chat_template
+from hftrain.errors import HftrainError
+from hftrain.layout import STREAM_STATE
+from hftrain.model import CausalLMTokenLoss
+from hftrain.objectives.base import Objective
+from hftrain.rl.grpo import GRPOLoss, Rollouts, build_token_reference
+from hftrain.rl.rewards import column_problems, load_reward_functions
+from hftrain.rl.rollouts import WindowPlan, is_conversational, render_prompts
+
+
+class GRPO(Objective):
+    name = "grpo"
+
+    def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
+                   copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> CausalLMTokenLoss:
+        return GRPOLoss(lm, recipe, build_token_reference(recipe, lm, device, copy_model))
+
+    def setup_data(self, run) -> None:
+        """The prompts (a `prompt` column, text or chat messages; the other columns go to the reward functions),
+        the reward functions checked against those columns, and the generation windows' plan."""
+        recipe, world = run.recipe, run.dp.world
+        source = _sources(recipe)[0]
+        with run.accelerator.main_process_first():
+            raw = _renamed(load_raw(source.name, source.config, source.split), source.columns, source.name)
+        problems = []
+        if "prompt" not in raw.column_names:
+            problems.append(f"dataset {source.name!r} has no prompt column (columns: {', '.join(raw.column_names)}); "
+                            "objective grpo samples completions of each row's prompt (text or chat messages); rename "
+                            "a column with dataset_columns: {your_column: prompt}")
+        funcs, reward_problems = load_reward_functions(recipe.reward_funcs)
+        problems += reward_problems
+        others = [c for c in raw.column_names if c not in ("prompt", "completion", "completion_ids")]
+        problems += column_problems(funcs, others)
+        steps_per_generation = recipe.steps_per_generation or recipe.gradient_accumulation_steps
+        window = recipe.per_device_train_batch_size * world * steps_per_generation
+        if window % recipe.num_generations:
+            problems.append(f"a generation batch holds per_device_train_batch_size "
+                            f"{recipe.per_device_train_batch_size} x {world} processes x steps_per_generation "
+                            f"{steps_per_generation} = {window} "
+                            f"completions, not whole groups of num_generations={recipe.num_generations}; make it a "
+                            "multiple")
+        if recipe.max_samples is not None:
+            raw = raw.select(range(min(recipe.max_samples, len(raw))))
+        if problems:
+            raise HftrainError("; ".join(problems))
+        chat = any(is_conversational(row) for row in raw["prompt"])
+        template_note = prepare_chat_template(run.tokenizer, recipe.chat_template_path, chat)
+        run.train_set, run.eval_set, run.collator, run.eval_collator = raw, None, None, None
+        run.prompts = render_prompts(raw, run.tokenizer, recipe.max_prompt_length)
+        run.rows = run.prompts
+        run.reward_funcs = funcs
+        run.plan = WindowPlan(len(raw), recipe.num_generations, recipe.per_device_train_batch_size, world,
+                              recipe.gradient_accumulation_steps, steps_per_generation, recipe.num_iterations,
+                              recipe.order_seed, shuffle=recipe.train_sampling_strategy != "sequential")
+        if run.plan.windows_per_epoch < 1:
+            raise HftrainError(f"dataset {source.name!r} has {len(raw)} prompts, fewer than one generation batch's "
+                               f"{run.plan.prompts_per_window} ({window} completions / num_generations); use a "
+                               "smaller batch or more prompts")
+        run.total_steps = recipe.max_steps if recipe.max_steps > 0 else \
+            math.ceil(recipe.num_train_epochs * run.plan.steps_per_epoch)
+        run.feed = Rollouts(recipe, run.plan, run.prompts, funcs, run.tokenizer, run.accelerator, run.dp.rank,
+                            run.output_dir)
+        run.stream_state = None
+        if run.resume_from is not None:  # a checkpoint inside a generation window holds each rank's buffer
+            saved = read_states(run.resume_from, STREAM_STATE.format(index="*"))
+            if saved and saved[0]["world"] != world:
+                raise HftrainError(f"checkpoint {run.resume_from} was saved inside a generation window by "
+                                   f"{saved[0]['world']} processes; its buffered rollouts are per process: resume with "
+                                   f"{saved[0]['world']} processes, or from a checkpoint at the end of a window")
+            run.stream_state = next((state for state in saved if state["rank"] == run.dp.rank), None)
+        run.data_line = (f"({run.plan.steps_per_epoch} per epoch)",
+                         f"{len(raw)} prompts, {run.plan.prompts_per_window} per generation batch")
+        lengths = [len(p.ids) for p in run.prompts]
+        run.data_stats = {"sources": [{"name": source.name, "prompts": len(raw)}], "chat_template": template_note,
+                          "prompt_tokens":
+                          {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)}}
+
+    def prepare(self, run):
+        backend = run.backend
+        if backend.record.zero_stage == 3 or backend.record.kind in ("fsdp2", "tp"):
+            raise HftrainError(f"objective grpo generates with the model's own generate, which needs whole weights: "
+                               f"{backend.record.describe()} shards them and hftrain does not gather them for "
+                               "generation yet; use DDP or ZeRO-1/2")
+        reference = run.token_loss.reference
+        if reference is not None and hasattr(reference, "prepare"):
+            reference.prepare(backend)
+        run.feed.model, run.feed.loss_fn = run.model, run.token_loss  # generation runs the prepared model
+        return None
+
+    def notes(self, run) -> list[str]:
+        recipe, plan = run.recipe, run.plan
+        reference = run.token_loss.reference
+        ref = reference.describe() if reference is not None else "none (beta 0)"
+        return [f"objective grpo ({recipe.loss_type}, {recipe.importance_sampling_level}-level ratios, epsilon "
+                f"{recipe.epsilon:g}/{recipe.epsilon_high if recipe.epsilon_high is not None else recipe.epsilon:g}, "
+                f"beta {recipe.beta:g}; reference: {ref}); reward functions "
+                f"{', '.join(f.name for f in run.reward_funcs)}; each generation batch: {plan.prompts_per_window} "
+                f"prompts x {plan.num_generations} completions, trained for {plan.steps_per_window} optimizer "
+                f"step(s); every completion in {run.output_dir / 'rollouts.jsonl'}"]

@@ -1,0 +1,228 @@
+"""objective grpo end to end on the tiny model: the shipped recipe learns (its mean reward rises), every completion
+is in rollouts.jsonl, TRL's metric names are logged; the first optimizer step equals the same step written in plain
+PyTorch from the rollouts' tokens; accumulation 1 x 8 == 4 x 2 == 2 processes x 2 x 2; bad input is refused in one
+paragraph before the model loads.
+
+Runs are shared by the assertions (module fixtures); each is 3 steps of 8 completions of <= 6 tokens, with SGD: its
+update is proportional to the gradient, where AdamW's first step (g / (|g| + eps)) would blow a float rounding
+difference in a near-zero gradient up to the size of the learning rate.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from hftrain.report import write_report
+from tests.conftest import REPO, launch, run_main_cases, run_script, write_jsonl
+
+TINY = str(REPO / "models" / "tiny-llama")
+REWARD = "hftrain.rl.example_rewards.vowel_share"
+BASE = ["--model_name_or_path", TINY, "--dataset_name", str(REPO / "data" / "prompt_completion.jsonl"),
+        "--objective", "grpo", "--reward_funcs", REWARD, "--num_generations", "4", "--max_completion_length", "6",
+        "--max_steps", "3", "--optim", "sgd", "--learning_rate", "1.0", "--weight_decay", "0",
+        "--lr_scheduler_type", "constant", "--max_grad_norm", "1.0",
+        "--eval_strategy", "no", "--save_strategy", "no", "--logging_steps", "1", "--report_to", "none",
+        "--seed", "3", "--ddp_timeout", "120"]
+ONE_BY_EIGHT = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1"]
+FOUR_BY_TWO = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"]
+TWO_PROCS = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+
+
+def rollouts(run) -> list[dict]:
+    return [json.loads(line) for line in (run.output_dir / "rollouts.jsonl").read_text().splitlines()]
+
+
+def weights(run, folder: str = "final") -> dict[str, torch.Tensor]:
+    return load_file(run.output_dir / folder / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grpo")
+    return {
+        "1x8": run_script(tmp / "1x8", *BASE, *ONE_BY_EIGHT, "--save_strategy", "steps", "--save_steps", "1",
+                          "--checkpoint_preflight", "false"),
+        "4x2": run_script(tmp / "4x2", *BASE, *FOUR_BY_TWO),
+        "2procs": launch(tmp / "2procs", *BASE, *TWO_PROCS, preset="cpu_ddp"),
+        "grpo-1x8": run_script(tmp / "grpo-1x8", *BASE, *ONE_BY_EIGHT, "--loss_type", "grpo"),
+        "grpo-4x2": run_script(tmp / "grpo-4x2", *BASE, *FOUR_BY_TWO, "--loss_type", "grpo"),
+        "iterations": run_script(tmp / "iterations", *BASE, *ONE_BY_EIGHT, "--num_iterations", "2", "--beta", "0.5",
+                                 "--save_strategy", "steps", "--save_steps", "1",
+                                 "--checkpoint_preflight", "false"),
+    }
+
+
+def test_rollouts_file_and_metrics(runs):
+    run = runs["1x8"]
+    rows = rollouts(run)
+    assert len(rows) == 3 * 8 and [r["step"] for r in rows] == [s for s in (1, 2, 3) for _ in range(8)]
+    assert [r["group"] for r in rows[:8]] == [0, 0, 0, 0, 1, 1, 1, 1]
+    for r in rows:
+        assert set(r) >= {"step", "group", "prompt_ids", "completion_ids", "prompt", "completion", "rewards", "reward",
+                          "advantage"}
+        assert 1 <= len(r["completion_ids"]) <= 6 and list(r["rewards"]) == ["vowel_share"]
+        assert r["reward"] == pytest.approx(r["rewards"]["vowel_share"])
+    for step in (1, 2, 3):  # advantages: (R - group mean) / (group std + 1e-4), std with Bessel's correction
+        for group in (0, 1):
+            rewards = torch.tensor([r["reward"] for r in rows if (r["step"], r["group"]) == (step, group)])
+            adv = [r["advantage"] for r in rows if (r["step"], r["group"]) == (step, group)]
+            expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+            torch.testing.assert_close(torch.tensor(adv), expected, rtol=1e-4, atol=1e-5)
+    metrics = run.train_rows()
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for name in ("reward", "reward_std", "rewards/vowel_share/mean", "rewards/vowel_share/std",
+                 "completions/mean_length", "completions/clipped_ratio", "entropy", "clip_ratio/region_mean",
+                 "clip_ratio/low_mean", "clip_ratio/high_mean", "frac_reward_zero_std"):
+        assert all(name in m for m in metrics), name
+    for m, step in zip(metrics, (1, 2, 3)):
+        step_rows = [r for r in rows if r["step"] == step]
+        assert m["reward"] == pytest.approx(sum(r["reward"] for r in step_rows) / 8, rel=1e-5)
+        assert m["completions/mean_length"] == pytest.approx(sum(len(r["completion_ids"]) for r in step_rows) / 8)
+        assert m["clip_ratio/region_mean"] == 0  # one pass over each rollout: every ratio is 1
+
+
+def test_first_step_equals_plain_pytorch(runs):
+    """Step 1 written out: the starting model's log-probs of the rollouts' completion tokens (logits / temperature
+    1), the dapo loss -sum(A_i * exp(logp - logp.detach())) / completion tokens, clipping at 1.0, one SGD step."""
+    run = runs["1x8"]
+    rows = [r for r in rollouts(run) if r["step"] == 1]
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    loss, tokens = 0.0, sum(len(r["completion_ids"]) for r in rows)
+    for r in rows:
+        ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
+        logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+        n = len(r["completion_ids"])
+        token_logps = logps[-n:].gather(1, torch.tensor(r["completion_ids"]).unsqueeze(1)).squeeze(1)
+        loss = loss - (r["advantage"] * torch.exp(token_logps - token_logps.detach())).sum()
+    (loss / tokens).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    got = {k.removeprefix("lm."): v for k, v in weights(run, "checkpoint-1").items()}  # the loss wrapper's names
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def token_log_probs(model, row) -> torch.Tensor:
+    ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
+    logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+    n = len(row["completion_ids"])
+    return logps[-n:].gather(1, torch.tensor(row["completion_ids"]).unsqueeze(1)).squeeze(1)
+
+
+def test_second_iteration_uses_the_stored_log_probs_and_the_reference(runs):
+    """num_iterations 2, beta 0.5, full fine-tuning: step 2 trains step 1's rollouts again (no new generation), with
+    the ratio against the log-probs stored at generation (the starting model's) and the KL to the frozen starting
+    model, written out here from checkpoint-1's weights: rho = exp(logp - logp_start), per token
+    -min(rho A, clip(rho, 0.8, 1.2) A) + 0.5 (exp(ref - logp) - (ref - logp) - 1) rho, summed / tokens, one SGD
+    step with clipping at 1.0 -> checkpoint-2."""
+    run = runs["iterations"]
+    rows = rollouts(run)
+    assert [r["step"] for r in rows] == [1] * 8 + [3] * 8  # one generation for each two steps
+    start = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    model.load_state_dict({k.removeprefix("lm."): v for k, v in weights(run, "checkpoint-1").items()})
+    rows = rows[:8]
+    loss, tokens = 0.0, sum(len(r["completion_ids"]) for r in rows)
+    for r in rows:
+        logp = token_log_probs(model, r)
+        with torch.no_grad():
+            old = ref = token_log_probs(start, r)
+        rho = torch.exp(logp - old)
+        a = r["advantage"]
+        kl = (torch.exp(ref - logp) - (ref - logp) - 1) * rho
+        loss = loss + (-torch.min(rho * a, torch.clamp(rho, 0.8, 1.2) * a) + 0.5 * kl).sum()
+    (loss / tokens).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    got = {k.removeprefix("lm."): v for k, v in weights(run, "checkpoint-2").items()}
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
+    second = run.train_rows()[1]
+    assert second["kl"] > 0 and second["clip_ratio/region_mean"] > 0  # the ratios moved away from 1 and clipped
+
+
+@pytest.mark.parametrize("loss_type, one, other", [("dapo", "1x8", "4x2"), ("dapo", "1x8", "2procs"),
+                                                   ("grpo", "grpo-1x8", "grpo-4x2")])
+def test_accumulation_and_processes_give_the_same_training(runs, loss_type, one, other):
+    """The same completions are sampled (seeded per prompt group), the same advantages computed and the same
+    weights trained, whatever the split of the 8 completions of a step over micro-batches and processes."""
+    a, b = runs[one], runs[other]
+    if other == "2procs":
+        info = b.state()["launch"]
+        assert (info["distributed_type"], info["num_processes"], info["model_wrapper"]) == \
+            ("MULTI_CPU", 2, "DistributedDataParallel")
+    keys = ("step", "group", "completion_ids", "prompt_ids")
+    rows_a, rows_b = rollouts(a), rollouts(b)
+    assert [tuple(str(r[k]) for k in keys) for r in rows_a] == [tuple(str(r[k]) for k in keys) for r in rows_b]
+    torch.testing.assert_close(torch.tensor([r["advantage"] for r in rollouts(b)]),
+                               torch.tensor([r["advantage"] for r in rollouts(a)]), rtol=1e-5, atol=1e-6)
+    for x, y in zip(a.train_rows(), b.train_rows()):
+        assert x["loss"] == pytest.approx(y["loss"], abs=1e-6) and x["grad_norm"] == pytest.approx(y["grad_norm"],
+                                                                                                   rel=1e-4)
+    wa, wb = weights(a), weights(b)
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_bad_input_is_refused_before_the_model_loads(tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def two_args(prompts, completions):\n    return [0.0] * len(prompts)\n"
+                       "def wants_answer(prompts, completions, completion_ids, answer):\n"
+                       "    return [0.0] * len(prompts)\n")
+    no_prompt = write_jsonl(tmp_path / "no_prompt.jsonl", [{"question": "q", "answer": "a"}] * 8)
+    cases = {
+        "reward": ([*BASE, *ONE_BY_EIGHT, "--reward_funcs", f"{rewards}:two_args,nope.missing",
+                    "--output_dir", str(tmp_path / "reward")], {}),
+        "columns": ([*BASE, *ONE_BY_EIGHT, "--reward_funcs", f"{rewards}:wants_answer", "--dataset_name",
+                     str(no_prompt), "--output_dir", str(tmp_path / "columns")], {}),
+        "groups": ([*BASE, "--per_device_train_batch_size", "3", "--output_dir", str(tmp_path / "groups")], {}),
+        "weights": ([*BASE, *ONE_BY_EIGHT, "--reward_weights", "1,2", "--output_dir", str(tmp_path / "weights")], {}),
+    }
+    out = run_main_cases(cases, tmp_path)
+    text = {name: " ".join(run.stderr.split()) for name, run in out.items()}  # the paragraph is wrapped
+    for name, run in out.items():
+        assert run.returncode != 0 and "Traceback" not in run.stderr, (name, run.stderr)
+        assert not (run.output_dir / "final").exists()
+    assert "two_args': it cannot take the keyword arguments prompts, completions, completion_ids" in text["reward"]
+    assert "'nope.missing' does not load" in text["reward"]
+    assert "has no prompt column" in text["columns"]
+    assert "wants_answer' with the dataset's columns: it cannot take the keyword arguments prompts, completions, " \
+        "completion_ids, question, answer" in text["columns"]  # every problem at once: no **kwargs for question
+    assert "3 completions, not whole groups of num_generations=4" in text["groups"]
+    assert "reward_weights has 2 weights for 1 reward_funcs" in text["weights"]
+
+
+def test_tiny_grpo_recipe_learns(tmp_path):
+    """recipes/tiny-grpo.yaml as shipped: the mean reward of the last 5 steps is above the first 5 steps'."""
+    run = run_script(tmp_path / "tiny-grpo", "--config", str(REPO / "recipes" / "tiny-grpo.yaml"), "--logging_steps",
+                     "1")
+    rewards = [m["reward"] for m in run.train_rows()]
+    assert len(rewards) == 30
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.05, rewards
+    assert len(rollouts(run)) == 30 * 16
+    report = write_report(run.output_dir)
+    assert (report.parent / "reward.png").stat().st_size > 0 and "- reward (grpo): first" in report.read_text()
+
+
+def test_resume_inside_a_generation_window_is_exact(runs, tmp_path):
+    """The num_iterations 2 run's folder as it was after step 1 (checkpoint-1 lies inside the first generation
+    window: its buffered rollouts and stored log-probs are in the checkpoint), resumed: step 2 trains the buffered
+    rollouts, step 3 samples the next window again from the same seeds and weights; the same rows in rollouts.jsonl
+    and the same final weights as the uninterrupted run."""
+    done = runs["iterations"]
+    folder = tmp_path / "resumed"
+    shutil.copytree(done.output_dir, folder, ignore=shutil.ignore_patterns("final", "checkpoint-2", "checkpoint-3"))
+    assert list((folder / "checkpoint-1").glob("data_stream_process*.json"))  # the window's buffer
+    run = run_script(folder, *BASE, *ONE_BY_EIGHT, "--num_iterations", "2", "--beta", "0.5",
+                     "--resume_from_checkpoint", str(folder / "checkpoint-1"))
+    assert "resuming from" in run.stdout
+    assert rollouts(run) == rollouts(done)
+    wa, wb = weights(done), weights(run)
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
