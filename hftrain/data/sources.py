@@ -45,7 +45,8 @@ def load_raw(name: str, config: str | None, split: str):
         ) from None
 
 
-def _renamed(raw, columns: dict[str, str], name: str):
+def renamed(raw, columns: dict[str, str], name: str):
+    """`raw` with the recipe's column renames applied (each renamed column must exist)."""
     missing = sorted(set(columns) - set(raw.column_names))
     if missing:
         raise HftrainError(f"dataset {name!r} has no column(s) {missing} to rename (columns: {raw.column_names})")
@@ -61,19 +62,40 @@ def _weighted(dataset, weight: float, seed: int):
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
-def _sources(recipe: Recipe) -> list[DatasetSource]:
+def training_sources(recipe: Recipe) -> list[DatasetSource]:
+    """The recipe's training sources: its mixture, or the one dataset as a source of weight 1."""
     if recipe.dataset_mixture:
         return recipe.dataset_mixture
     return [DatasetSource(recipe.dataset_name, recipe.dataset_config, recipe.dataset_train_split, 1.0,
                           recipe.dataset_format, recipe.dataset_columns)]
 
 
-def _check_objective(recipe: Recipe, fmt: str, name: str) -> None:
+def check_objective(recipe: Recipe, fmt: str, name: str) -> None:
     """Preference pairs train dpo/simpo, everything else sft."""
     if (fmt == "preference") != (recipe.objective != "sft"):
         wanted = "preference pairs (chosen, rejected, optional prompt)" if recipe.objective != "sft" else \
             "SFT data (a preference dataset needs objective: dpo or simpo)"
         raise HftrainError(f"dataset {name!r} has format {fmt} but objective={recipe.objective} trains on {wanted}")
+
+
+def load_eval_set(recipe: Recipe, spec: DataSpec):
+    """(raw eval dataset, its format) of `eval_dataset_name`, renamed and checked against the objective."""
+    raw = renamed(load_raw(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split),
+                  recipe.dataset_columns, recipe.eval_dataset_name)
+    fmt = detect_format(raw.column_names, recipe.dataset_format, spec.text_field, spec.messages_field,
+                        recipe.eval_dataset_name)
+    check_objective(recipe, fmt, recipe.eval_dataset_name)
+    return raw, fmt
+
+
+def hold_out(raw, recipe: Recipe, name: str):
+    """(train, eval) of a map-style dataset: validation_split_percentage of it held out with the order seed."""
+    n_eval = max(1, int(len(raw) * recipe.validation_split_percentage / 100))
+    if n_eval >= len(raw):
+        raise HftrainError(f"dataset {name!r} has {len(raw)} examples, too few to hold out "
+                           f"{recipe.validation_split_percentage}% for evaluation")
+    split = raw.train_test_split(test_size=n_eval, seed=recipe.order_seed, shuffle=True)
+    return split["train"], split["test"]
 
 
 def _is_chat(fmt: str, raw) -> bool:
@@ -90,20 +112,14 @@ def load_datasets(recipe: Recipe, tokenizer):
     """
     spec = DataSpec.from_recipe(recipe)
     loaded = []
-    for source in _sources(recipe):
-        raw = _renamed(load_raw(source.name, source.config, source.split), source.columns, source.name)
+    for source in training_sources(recipe):
+        raw = renamed(load_raw(source.name, source.config, source.split), source.columns, source.name)
         if not len(raw):
             raise HftrainError(f"dataset {source.name!r} split {source.split!r} is empty")
         fmt = detect_format(raw.column_names, source.format, spec.text_field, spec.messages_field, source.name)
-        _check_objective(recipe, fmt, source.name)
+        check_objective(recipe, fmt, source.name)
         loaded.append((source, raw, fmt))
-    eval_raw = None
-    if recipe.eval_dataset_name:
-        eval_raw = _renamed(load_raw(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split),
-                            recipe.dataset_columns, recipe.eval_dataset_name)
-        eval_fmt = detect_format(eval_raw.column_names, recipe.dataset_format, spec.text_field, spec.messages_field,
-                                 recipe.eval_dataset_name)
-        _check_objective(recipe, eval_fmt, recipe.eval_dataset_name)
+    eval_raw, eval_fmt = load_eval_set(recipe, spec) if recipe.eval_dataset_name else (None, None)
     needs_chat = any(_is_chat(fmt, raw) for _, raw, fmt in loaded) or (eval_raw is not None and
                                                                         _is_chat(eval_fmt, eval_raw))
     template_note = prepare_chat_template(tokenizer, recipe.chat_template_path, needs_chat)
@@ -111,13 +127,8 @@ def load_datasets(recipe: Recipe, tokenizer):
     trains, evals, stats = [], [], {"sources": [], "chat_template": template_note}
     for source, raw, fmt in loaded:
         if not recipe.eval_dataset_name and recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
-            n_eval = max(1, int(len(raw) * recipe.validation_split_percentage / 100))
-            if n_eval >= len(raw):
-                raise HftrainError(f"dataset {source.name!r} has {len(raw)} examples, too few to hold out "
-                                   f"{recipe.validation_split_percentage}% for evaluation")
-            split = raw.train_test_split(test_size=n_eval, seed=recipe.order_seed, shuffle=True)
-            raw = split["train"]
-            evaluation, _ = tokenize_dataset(split["test"], tokenizer, spec, fmt, f"{source.name} (eval)",
+            raw, held_out = hold_out(raw, recipe, source.name)
+            evaluation, _ = tokenize_dataset(held_out, tokenizer, spec, fmt, f"{source.name} (eval)",
                                              recipe.dataset_num_proc)
             evals.append(evaluation)
         if recipe.max_samples is not None and not recipe.dataset_mixture:

@@ -39,7 +39,7 @@ from datasets.distributed import split_dataset_by_node
 from hftrain.config import DatasetSource
 from hftrain.data.batching import Collator
 from hftrain.data.formats import detect_format
-from hftrain.data.sources import CHAT_FORMATS, FILE_BUILDERS, _check_objective, _renamed, load_raw
+from hftrain.data.sources import CHAT_FORMATS, FILE_BUILDERS, check_objective, load_eval_set
 from hftrain.data.tokenize import DataSpec, prepare_chat_template, tokenize_dataset, tokenize_pair, tokenize_rows
 from hftrain.errors import HftrainError, first_line
 
@@ -534,7 +534,7 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
         part = stream_source(entry.name, entry.config, entry.split, entry.columns)
         firsts.append(_first_example(part))
         formats.append(detect_format(list(firsts[-1]), entry.format, spec.text_field, spec.messages_field, part.name))
-        _check_objective(recipe, formats[-1], part.name)
+        check_objective(recipe, formats[-1], part.name)
         parts.append(part)
     mixture = len(entries) > 1 or bool(recipe.dataset_mixture)
     source = _mixture(parts, [e.weight for e in entries], recipe.order_seed) if mixture else parts[0]
@@ -542,11 +542,7 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
 
     eval_raw, eval_fmt, held_out = None, None, 0
     if recipe.eval_dataset_name:
-        eval_raw = _renamed(load_raw(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split),
-                            recipe.dataset_columns, recipe.eval_dataset_name)
-        eval_fmt = detect_format(eval_raw.column_names, recipe.dataset_format, spec.text_field, spec.messages_field,
-                                 recipe.eval_dataset_name)
-        _check_objective(recipe, eval_fmt, recipe.eval_dataset_name)
+        eval_raw, eval_fmt = load_eval_set(recipe, spec)
     elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
         if source.num_rows is None:
             raise HftrainError(

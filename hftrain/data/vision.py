@@ -29,7 +29,7 @@ import torch
 from PIL import Image
 
 from hftrain.data.formats import ROLES
-from hftrain.data.sources import _renamed, load_raw
+from hftrain.data.sources import hold_out, load_raw, renamed
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec, _encode_spans, assistant_char_spans
 from hftrain.errors import HftrainError
 
@@ -250,7 +250,7 @@ def load_image_chats(recipe, processor):
     spec = DataSpec.from_recipe(recipe)
 
     def load(name: str, split: str, columns: dict):
-        raw = _renamed(load_raw(name, recipe.dataset_config, split), columns, name)
+        raw = renamed(load_raw(name, recipe.dataset_config, split), columns, name)
         if not len(raw):
             raise HftrainError(f"dataset {name!r} split {split!r} is empty")
         if spec.messages_field not in raw.column_names:
@@ -265,13 +265,8 @@ def load_image_chats(recipe, processor):
         evaluation, stats["eval"] = prepare(load(recipe.eval_dataset_name, recipe.eval_split, recipe.dataset_columns),
                                             processor, spec, recipe.eval_dataset_name)
     elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
-        n_eval = max(1, int(len(raw) * recipe.validation_split_percentage / 100))
-        if n_eval >= len(raw):
-            raise HftrainError(f"dataset {recipe.dataset_name!r} has {len(raw)} examples, too few to hold out "
-                               f"{recipe.validation_split_percentage}% for evaluation")
-        split = raw.train_test_split(test_size=n_eval, seed=recipe.order_seed, shuffle=True)
-        raw = split["train"]
-        evaluation, stats["eval"] = prepare(split["test"], processor, spec, recipe.dataset_name)
+        raw, held_out = hold_out(raw, recipe, recipe.dataset_name)
+        evaluation, stats["eval"] = prepare(held_out, processor, spec, recipe.dataset_name)
         evaluation.name = f"{recipe.dataset_name} (eval)"
     if recipe.max_samples is not None:
         raw = raw.select(range(min(recipe.max_samples, len(raw))))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hftrain.config import Recipe
-from hftrain.data.sources import _renamed, _sources, load_raw
+from hftrain.data.sources import load_raw, renamed, training_sources
 from hftrain.data.streaming import read_states
 from hftrain.data.tokenize import prepare_chat_template
 from hftrain.errors import HftrainError
@@ -35,9 +35,9 @@ class GRPO(Objective):
         """The prompts (a `prompt` column, text or chat messages; the other columns go to the reward functions),
         the reward functions checked against those columns, and the generation windows' plan."""
         recipe, world = run.recipe, run.dp.world
-        source = _sources(recipe)[0]
+        source = training_sources(recipe)[0]
         with run.accelerator.main_process_first():
-            raw = _renamed(load_raw(source.name, source.config, source.split), source.columns, source.name)
+            raw = renamed(load_raw(source.name, source.config, source.split), source.columns, source.name)
         problems = []
         if "prompt" not in raw.column_names:
             problems.append(f"dataset {source.name!r} has no prompt column (columns: {', '.join(raw.column_names)}); "
