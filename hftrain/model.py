@@ -94,11 +94,25 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modul
     except (OSError, ValueError) as exc:
         raise HftrainError(load_error("model", recipe.model_name_or_path, exc)) from None
     model.config.use_cache = False
+    keep_used_conversions(model)
     if recipe.load_in_4bit:
         keep_4bit_layout(model)
     if recipe.use_liger_kernel:
         apply_liger_kernels(model)
     return model
+
+
+def keep_used_conversions(model: nn.Module) -> None:
+    """Keep only the checkpoint-name conversions that matched the checkpoint, so that the final save writes the names
+    the checkpoint had whatever the strategy. transformers renames a checkpoint's keys while loading (LLaVA's
+    `language_model.model.layers.*` become `model.language_model.layers.*`) and reverts the renamings it keeps in
+    `model._weight_conversions` on save_pretrained. Its usual load path keeps the ones that matched; its ZeRO-3 load
+    path (5.23, `_load_state_dict_into_zero3_model`) keeps every candidate, and reverting the unused ones on save
+    invents names (`language_model.model.model.layers.*`, `vision_tower.vision_model.*`) that only transformers' own
+    key mapping reads back. A no-op on the usual path."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [conversion for conversion in conversions if conversion.was_used()]
 
 
 def keep_4bit_layout(model: nn.Module) -> int:
