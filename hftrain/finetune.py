@@ -408,9 +408,9 @@ class Finetune:
             with phase(accelerator, "the preemption checkpoint", recipe.ddp_timeout):
                 saved = self.save_checkpoint()
             if data_votes > 0:
-                reason = self.feed.stop_reason or "the training stream of another rank passed max_bad_rows"
-                raise HftrainError(f"{reason}. The state after step {self.progress.step} is in {saved}: fix or remove "
-                                   "the bad examples, or raise max_bad_rows, and resume from it")
+                reason = self.feed.stop_reason or "the training data of another rank stopped the run"
+                raise HftrainError(f"{reason}. The state after step {self.progress.step} is in {saved}: resume from "
+                                   "it once fixed")
             raise Preempted(stop.name or "a signal on another rank", self.progress.step, str(saved))
         scale = self.dp.world * accum / step_units.clamp(min=1)
         learning_rate = self.optimizer.param_groups[0]["lr"]

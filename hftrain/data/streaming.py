@@ -443,7 +443,8 @@ class StreamFeed:
         state = self._state()
         if state["counts"]["bad"] > self.max_bad_rows:
             return (f"the training stream has {state['counts']['bad']} bad examples, more than max_bad_rows="
-                    f"{self.max_bad_rows}; the first: {state['first_bad']}")
+                    f"{self.max_bad_rows}; the first: {state['first_bad']}; fix or remove the bad examples, or raise "
+                    "max_bad_rows")
         return None
 
     def window_metrics(self, dp) -> dict:

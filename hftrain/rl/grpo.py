@@ -32,7 +32,7 @@ from hftrain.rl.loss import (
     nanstd,
     per_token_loss,
 )
-from hftrain.rl.rewards import RewardFunction, score
+from hftrain.rl.rewards import RewardFailure, RewardFunction, score
 from hftrain.rl.rollouts import (
     Completion,
     Sampling,
@@ -175,9 +175,11 @@ class Rollouts:
         self.window, self.buffer, self.truncated = None, [], False
         self.generated_metrics: list[dict[str, float]] = []
         self.model = self.loss_fn = None  # set by the objective once the backend has prepared them
+        # The loop's data vote: set on every rank when a reward function failed on any rank (generate), so that all
+        # ranks stop at the same step with a checkpoint instead of waiting in a collective until ddp_timeout.
+        self.stop_reason: str | None = None
 
     # ------------------------------------------------------------------------------------ the loop's batches
-    stop_reason = None  # the loop's data vote: rollouts never stop a run on their own
 
     def batches(self, progress):
         """The loop's micro-batches of the rest of the current epoch (the feed interface of data.batching)."""
@@ -233,7 +235,7 @@ class Rollouts:
         prompt_index = plan.window_prompts(window)
         rows = plan.rank_rows(self.rank)
         lm = self.accelerator.unwrap_model(self.model).lm
-        was_training = self.model.training
+        self.model_was_training = self.model.training
         self.model.eval()
         sampled: dict[int, list] = {}
         for group in sorted({row // G for row in rows}):
@@ -243,15 +245,23 @@ class Rollouts:
         prompts = [self.prompts[c.prompt] for c in completions]
         texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
         columns = {k: [p.columns[k] for p in prompts] for k in prompts[0].columns}
-        local = score(self.funcs, [p.value for p in prompts], [self.completion_value(p, t) for p, t in
-                                                                 zip(prompts, texts)],
-                      [c.completion_ids for c in completions], columns)
+        try:
+            local = score(self.funcs, [p.value for p in prompts], [self.completion_value(p, t) for p, t in
+                                                                     zip(prompts, texts)],
+                          [c.completion_ids for c in completions], columns)
+            failure = None
+        except RewardFailure as exc:  # still take part in the gather below: the other ranks are waiting in it
+            local, failure = torch.full((len(completions), len(self.funcs)), math.nan), str(exc)
         # Advantages are normalised over the whole window: every rank's rewards, in window order (rank r holds
-        # rows [r x b x S, (r + 1) x b x S)), gathered onto every rank.
+        # rows [r x b x S, (r + 1) x b x S)), gathered onto every rank, with each rank's failure flag.
         device = self.accelerator.device
-        lengths = torch.tensor([[len(c.completion_ids), float(c.truncated)] for c in completions])
+        lengths = torch.tensor([[len(c.completion_ids), float(c.truncated), float(failure is not None)]
+                                for c in completions])
         everything = self.accelerator.gather(torch.cat([local, lengths], dim=1).to(device)).cpu()
-        all_rewards, all_lengths = everything[:, :len(self.funcs)], everything[:, len(self.funcs):]
+        all_rewards, all_lengths = everything[:, :len(self.funcs)], everything[:, len(self.funcs):-1]
+        if everything[:, -1].any():
+            self.stop_on_failure(window, failure, completions, prompts)
+            return
         rewards, advantages, zero_std = group_advantages(all_rewards, self.weights, G, recipe.scale_rewards)
         self.generated_metrics.append(self.reward_metrics(all_rewards, rewards, zero_std, all_lengths))
         mine = slice(rows.start, rows.stop)
@@ -266,9 +276,27 @@ class Rollouts:
             extra = self.rollout_log_probs(batch)
             self.buffer.append({**batch, **extra})
         self.window = window
-        if was_training:
+        if self.model_was_training:
             self.model.train()
         self.write_rows(window, completions, prompts, texts)
+
+    def stop_on_failure(self, window: int, failure: str | None, completions: list[Completion], prompts) -> None:
+        """A reward function failed on some rank: every rank sets the loop's stop reason (the failing rank's message,
+        naming the function) and hands the loop micro-batches that are never trained (the vote comes before the
+        forward), so that the loop's collective vote stops all ranks at this step with a checkpoint of the state
+        before the window; a resume samples the window again. No rollouts.jsonl rows or metrics for it."""
+        failures = gather_object([failure]) if self.accelerator.num_processes > 1 else [failure]
+        rank, message = next((r, m) for r, m in enumerate(failures) if m is not None)
+        where = f" on process {rank}" if self.accelerator.num_processes > 1 else ""
+        self.stop_reason = (f"{message}{where}, scoring the completions of generation batch {window} (training step "
+                            f"{self.plan.first_step(window)}); fix the function")
+        b, zeros = self.plan.micro_batch, torch.zeros(len(completions))
+        self.buffer = [collate([p.ids for p in prompts[k * b:(k + 1) * b]], completions[k * b:(k + 1) * b],
+                               zeros[k * b:(k + 1) * b], self.pad_id, self.recipe.mask_truncated_completions)
+                       for k in range(self.plan.steps_per_generation)]
+        self.window = window
+        if self.model_was_training:
+            self.model.train()
 
     def rollout_log_probs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The stored old log-probs (num_iterations > 1 or steps_per_generation > accumulation) and the reference's

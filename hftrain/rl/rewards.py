@@ -114,7 +114,10 @@ def score(funcs: Sequence[RewardFunction], prompts: list, completions: list, com
     """[completions, functions] float32 rewards, NaN where a function returned None."""
     out = torch.full((len(completions), len(funcs)), math.nan, dtype=torch.float32)
     for k, f in enumerate(funcs):
-        values = f.func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        try:
+            values = f.func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as exc:  # noqa: BLE001 - user code: every failure stops the run the same way, named
+            raise RewardFailure(f"reward function {f.spec!r} raised {type(exc).__name__}: {exc}") from exc
         try:
             values = list(values)
         except TypeError:

@@ -229,3 +229,32 @@ def test_resume_inside_a_generation_window_is_exact(runs, tmp_path):
     wa, wb = weights(done), weights(run)
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_failing_reward_function_stops_the_run_with_a_checkpoint(tmp_path):
+    """A reward function that returns the wrong count or a non-number at its second call (step 2): the run
+    stops in one paragraph naming it, exits non-zero, and keeps the state after step 1 in checkpoint-1 (the loop's
+    collective stop vote, so other ranks would stop with it); step 1's rollouts stay, step 2 writes none."""
+    rewards = tmp_path / "late_rewards.py"
+    rewards.write_text("calls = []\n"
+                       "def short(prompts, completions, completion_ids, **kwargs):\n"
+                       "    calls.append(1)\n"
+                       "    return [0.5] * (len(completions) - (len(calls) > 1))\n"
+                       "def words(prompts, completions, completion_ids, **kwargs):\n"
+                       "    calls.append(1)\n"
+                       "    return [0.5 if len(calls) == 1 else 'high'] * len(completions)\n")
+    cases = {name: ([*BASE, *ONE_BY_EIGHT, "--num_iterations", "1", "--beta", "0", "--reward_funcs",
+                     f"{REWARD},{rewards}:{name}", "--output_dir", str(tmp_path / name)], {})
+             for name in ("short", "words")}
+    out = run_main_cases(cases, tmp_path)
+    said = {name: " ".join(run.stderr.split()) for name, run in out.items()}
+    for name, run in out.items():
+        assert run.returncode != 0 and "Traceback" not in run.stderr, (name, run.stderr)
+        assert f"reward function '{rewards}:{name}'" in said[name], said[name]
+        assert "(training step 2)" in said[name] and "checkpoint-1" in said[name], said[name]
+        checkpoint = run.output_dir / "checkpoint-1"
+        assert (checkpoint / "model.safetensors").stat().st_size > 0, sorted(p.name for p in checkpoint.iterdir())
+        assert not (run.output_dir / "final").exists() and not (run.output_dir / "checkpoint-2").exists()
+        assert {r["step"] for r in rollouts(run)} == {1} and len(rollouts(run)) == 8
+    assert "returned 7 rewards for 8 completions" in said["short"]
+    assert "returned 'high' for completion 0" in said["words"]

@@ -48,9 +48,11 @@ def test_bad_outputs_name_the_function(tmp_path):
     file.write_text("def short(prompts, completions, completion_ids, **kw):\n    return [1.0]\n"
                     "def text(prompts, completions, completion_ids, **kw):\n    return ['1', 2]\n"
                     "def nan(prompts, completions, completion_ids, **kw):\n    return [float('nan'), 2]\n"
-                    "def scalar(prompts, completions, completion_ids, **kw):\n    return 1.0\n")
+                    "def scalar(prompts, completions, completion_ids, **kw):\n    return 1.0\n"
+                    "def raises(prompts, completions, completion_ids, **kw):\n    return {}['answer']\n")
     for name, message in [("short", "returned 1 rewards for 2 completions"), ("text", "returned '1' for completion 0"),
-                          ("nan", "returned nan for completion 0"), ("scalar", "returned a float, not a list")]:
+                          ("nan", "returned nan for completion 0"), ("scalar", "returned a float, not a list"),
+                          ("raises", "raises' raised KeyError: 'answer'")]:
         funcs, _ = load_reward_functions([f"{file}:{name}"])
         with pytest.raises(RewardFailure, match=message):
             score(funcs, ["a", "b"], ["x", "y"], [[1], [2]], {})
