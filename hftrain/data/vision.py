@@ -279,24 +279,30 @@ def load_image_chats(recipe, processor):
 
 class ImageChatCollator:
     """Encodes a micro-batch of image chats with the processor and right-pads it: input_ids (pad id), labels (-100),
-    per-token outputs (0); per-image outputs are concatenated in row order. An empty micro-batch (the padded end of
-    an epoch) becomes the set's first example with every label -100: it trains nothing, but runs the same modules
-    (vision tower included) as the other ranks' batches, whose sharded parameter gathers (ZeRO-3, FSDP2) must match.
-    `num_examples` is popped by the loop before the forward."""
+    per-token outputs (0); per-image outputs are concatenated in row order.
+
+    Every micro-batch runs the vision tower when the set has an image anywhere: under ZeRO-3 and FSDP2 its forward
+    gathers sharded parameters, a collective every process must join, and DDP reduces a trained tower's gradients
+    from every process. A micro-batch without an image (text-only chats, or none: the padded end of an epoch) gets
+    one more row, the set's first chat with an image, with every label -100: it trains nothing and changes no loss
+    (the rows are right-padded and causal, so the others' logits are their own), and `num_examples` counts the real
+    rows only. The loop pops `num_examples` before the forward."""
 
     def __init__(self, dataset: ImageChats, processor, pad_token_id: int):
         self.dataset, self.processor, self.pad_token_id = dataset, processor, pad_token_id
         self.mark_real_tokens = False  # the Collator interface; a mixture-of-experts image-text model is not handled
         self.reference = None
+        # the filler row: the first chat with an image (or the first chat, when the set has no image at all: then no
+        # micro-batch anywhere runs the vision tower, and the empty one still needs a row)
+        self.filler = next((i for i, row in enumerate(dataset.rows) if row["images"]), 0)
 
     def __call__(self, row_indices: list[int]) -> dict[str, torch.Tensor]:
         encoded = [self.dataset.example(i, self.processor) for i in row_indices]
-        if not encoded:
-            inputs, labels = self.dataset.example(0, self.processor)
-            return {**collate([inputs], [torch.full_like(labels, IGNORE_INDEX)], self.pad_token_id),
-                    "num_examples": torch.tensor(0)}
+        if not encoded or not any(self.dataset.rows[i]["images"] for i in row_indices):
+            inputs, labels = self.dataset.example(self.filler, self.processor)
+            encoded.append((inputs, torch.full_like(labels, IGNORE_INDEX)))
         return {**collate([inputs for inputs, _ in encoded], [labels for _, labels in encoded], self.pad_token_id),
-                "num_examples": torch.tensor(len(encoded))}
+                "num_examples": torch.tensor(len(row_indices))}
 
 
 def collate(inputs: list[dict], labels: list[torch.Tensor], pad_token_id: int) -> dict[str, torch.Tensor]:

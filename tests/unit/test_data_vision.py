@@ -135,6 +135,41 @@ def test_collated_batch_equals_a_plain_transformers_forward(processor, rows):
     assert empty["pixel_values"].shape[0] == len(picked[0]["images"])
 
 
+def test_a_micro_batch_without_an_image_still_runs_the_vision_tower(processor, rows):
+    """Text-only chats beside image chats: a micro-batch of text-only rows (or none) carries one more row, the set's
+    first image chat, training nothing, so every process runs the vision tower (sharded gathers stay matched); the
+    loss of the real rows is a plain transformers forward of those rows alone, without images."""
+    import datasets
+    text_only = [{"messages": [{"role": "user", "content": [{"type": "text", "text": question}]},
+                               {"role": "assistant", "content": [{"type": "text", "text": answer}]}], "images": []}
+                 for question, answer in (("Name a shape.", "A circle."), ("And a colour?", "Red, as a rule."))]
+    picked = [*text_only, rows[0]]
+    chats, _ = prepare(datasets.Dataset.from_list(picked), processor, SPEC, str(DATA))
+    collator = ImageChatCollator(chats, processor, processor.tokenizer.pad_token_id)
+    batch = collator([0, 1])
+    assert int(batch.pop("num_examples")) == 2
+    assert batch["input_ids"].shape[0] == 3 and (batch["labels"][2] == IGNORE_INDEX).all()
+    assert batch["pixel_values"].shape[0] == len(rows[0]["images"])
+
+    model = AutoModelForImageTextToText.from_pretrained(MODEL).eval()
+    plain = processor.tokenizer([r["text"] for r in chats.rows[:2]], return_tensors="pt", padding=True,
+                                add_special_tokens=False)
+    width = plain["input_ids"].shape[1]
+    assert torch.equal(plain["input_ids"][plain["attention_mask"].bool()],
+                       batch["input_ids"][:2][batch["attention_mask"][:2].bool()])
+    with torch.no_grad():
+        expected = model(**plain, labels=batch["labels"][:2, :width]).loss  # no image: the tower never runs
+        ours = CausalLMTokenLoss(model)(**batch)
+    tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    assert tokens > 0 and abs(ours.item() / tokens.item() - expected.item()) < 1e-6
+
+    empty = collator([])  # the padded end of an epoch: the filler is the first chat with an image, not row 0
+    assert int(empty["num_examples"]) == 0 and (empty["labels"] == IGNORE_INDEX).all()
+    assert empty["pixel_values"].shape[0] == len(rows[0]["images"])
+    with_image = collator([1, 2])  # an image already in the micro-batch: no filler
+    assert with_image["input_ids"].shape[0] == 2 and int(with_image["num_examples"]) == 2
+
+
 def test_collate_pads_per_token_outputs_and_concatenates_per_image_ones():
     a = {"input_ids": torch.tensor([[1, 2, 3]]), "mm_token_type_ids": torch.tensor([[0, 1, 1]]),
          "image_grid_thw": torch.tensor([[1, 2, 2]]), "pixel_values": torch.ones(4, 5)}
