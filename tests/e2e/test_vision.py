@@ -68,19 +68,19 @@ def test_two_ddp_processes_train_like_one(full_run, tmp_path):
         torch.testing.assert_close(torch.tensor(two_values), torch.tensor(one_values), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
+@pytest.mark.parametrize("preset", ["zero2", "zero3", "fsdp2"])
 def test_sharded_strategies_train_like_one_process(full_run, tmp_path, preset):
-    """ZeRO-3 and FSDP2 (through the CPU test launcher; CLIP's layers and embeddings are FSDP units of their own)
-    on 2 processes: the one-process losses, the same final weights under the same tensor names, the frozen parts
+    """ZeRO-2, ZeRO-3 and FSDP2 (through the CPU test launcher; CLIP's layers and embeddings are FSDP units of their
+    own) on 2 processes: the one-process losses, the same final weights under the same tensor names, the frozen parts
     untouched."""
     script = FSDP_LAUNCHER if preset == "fsdp2" else ENTRY
     run = launch(tmp_path / preset, *COMMON, "--per_device_train_batch_size", "4", preset=preset, processes=2,
                  script=script)
     state = run.state()
     assert state["launch"]["num_processes"] == 2
-    assert state["parallelism"]["kind"] == {"zero3": "deepspeed", "fsdp2": "fsdp2"}[preset]
-    assert state["parallelism"]["zero_stage"] == (3 if preset == "zero3" else None)
-    assert state["launch"]["model_wrapper"] == ("DeepSpeedEngine" if preset == "zero3" else "FSDPCausalLMTokenLoss")
+    assert state["parallelism"]["kind"] == ("fsdp2" if preset == "fsdp2" else "deepspeed")
+    assert state["parallelism"]["zero_stage"] == {"zero2": 2, "zero3": 3, "fsdp2": None}[preset]
+    assert state["launch"]["model_wrapper"] == ("FSDPCausalLMTokenLoss" if preset == "fsdp2" else "DeepSpeedEngine")
     assert "the vision tower (22,496 parameters)" in run.stdout
     for key, rows in (("loss", Run.train_rows), ("eval_loss", Run.eval_rows)):
         assert [r["step"] for r in rows(run)] == [r["step"] for r in rows(full_run)]
