@@ -99,14 +99,10 @@ def test_sharded_strategies_train_like_one_process(full_run, tmp_path, preset):
             assert torch.equal(weights[name], base[name]), name
 
 
-def test_a_lora_adapter_reproduces_the_logged_eval_loss(tmp_path):
-    """LoRA's default targets are the language model's linear layers; the saved adapter on the base model, run by
-    plain transformers + peft on the processor's encoding of the eval rows, gives the logged final eval loss."""
-    run = run_script(tmp_path / "lora", *COMMON, "--use_peft", "true", "--learning_rate", "1e-2", "--max_steps", "8")
-    final = run.output_dir / "final"
-    adapter = json.loads((final / "adapter_config.json").read_text())
-    assert adapter["target_modules"] and all(".language_model." in t for t in adapter["target_modules"])
-    model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(MODEL), final).eval()
+def adapter_eval_loss(model, final) -> tuple:
+    """(token loss sum, trained tokens) of the adapter in `final` on `model` (plain transformers + peft), on the
+    processor's encoding of the run's held-out rows; and the last row's inputs and images."""
+    model = PeftModel.from_pretrained(model, final).eval()
     processor = AutoProcessor.from_pretrained(final)
     recipe = load_recipe(["--config", str(final / "hftrain_config.yaml")], for_training=False)
     _, evaluation, _ = load_image_chats(recipe, processor)  # the held-out rows (fixed-seed carve-out)
@@ -120,6 +116,18 @@ def test_a_lora_adapter_reproduces_the_logged_eval_loss(tmp_path):
             loss_sum += torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100,
                                                           reduction="sum").item()
             tokens += int((targets != -100).sum())
+    return loss_sum, tokens, model, row, inputs, images
+
+
+def test_a_lora_adapter_reproduces_the_logged_eval_loss(tmp_path):
+    """LoRA's default targets are the language model's linear layers; the saved adapter on the base model, run by
+    plain transformers + peft on the processor's encoding of the eval rows, gives the logged final eval loss."""
+    run = run_script(tmp_path / "lora", *COMMON, "--use_peft", "true", "--learning_rate", "1e-2", "--max_steps", "8")
+    final = run.output_dir / "final"
+    adapter = json.loads((final / "adapter_config.json").read_text())
+    assert adapter["target_modules"] and all(".language_model." in t for t in adapter["target_modules"])
+    loss_sum, tokens, model, row, inputs, images = adapter_eval_loss(
+        AutoModelForImageTextToText.from_pretrained(MODEL), final)
     logged = run.eval_rows()[-1]
     assert logged["eval_tokens"] == tokens
     assert abs(loss_sum / tokens - logged["eval_loss"]) < 1e-5
@@ -134,3 +142,25 @@ def test_a_lora_adapter_reproduces_the_logged_eval_loss(tmp_path):
     again = AutoProcessor.from_pretrained(tmp_path / "merged")(text=[row["text"]], images=images, return_tensors="pt",
                                                                add_special_tokens=False)
     assert all(torch.equal(again[k], inputs[k]) for k in inputs)
+
+
+def test_a_qlora_adapter_on_image_chats_reproduces_the_logged_eval_loss(tmp_path):
+    """QLoRA (bitsandbytes NF4 on the CPU): the adapter trains on image chats, and on the base quantized by plain
+    transformers with the same settings it gives the logged eval loss (4-bit kernels: 1e-4)."""
+    from transformers import BitsAndBytesConfig
+
+    run = run_script(tmp_path / "qlora", *COMMON, "--use_peft", "true", "--load_in_4bit", "true",
+                     "--learning_rate", "1e-2", "--max_steps", "8")
+    final = run.output_dir / "final"
+    assert json.loads((final / "adapter_config.json").read_text())["target_modules"]
+    base = AutoModelForImageTextToText.from_pretrained(MODEL, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32))
+    quantized = [m for m in base.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    assert quantized  # Linear4bit layers; their bf16 repacking at an eval forward is off, as in the run
+    for module in quantized:
+        module.support_avx512bf16_for_cpu = False
+    loss_sum, tokens, *_ = adapter_eval_loss(base, final)
+    logged = run.eval_rows()[-1]
+    assert logged["eval_tokens"] == tokens
+    assert abs(loss_sum / tokens - logged["eval_loss"]) < 1e-4
+    assert logged["eval_loss"] < run.eval_rows()[0]["eval_loss"]
