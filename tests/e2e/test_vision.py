@@ -3,6 +3,7 @@ parts stay as they were, and the final folder loads with transformers' Auto clas
 as the base one."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -164,3 +165,33 @@ def test_a_qlora_adapter_on_image_chats_reproduces_the_logged_eval_loss(tmp_path
     assert logged["eval_tokens"] == tokens
     assert abs(loss_sum / tokens - logged["eval_loss"]) < 1e-4
     assert logged["eval_loss"] < run.eval_rows()[0]["eval_loss"]
+
+
+@pytest.mark.skipif(not os.environ.get("HFTRAIN_TEST_MIXED_CHATS"),
+                    reason="opt-in (HFTRAIN_TEST_MIXED_CHATS=1, ~50 s: two more runs beyond the CI budget); the "
+                           "collator's filler row is tested in tests/unit/test_data_vision.py")
+def test_text_only_chats_beside_image_chats_under_zero3_train_like_one_process(tmp_path):
+    """A set that mixes text-only chats with image chats, one row per process and micro-batch, the projector trained:
+    ZeRO-3 on 2 processes gives the 1-process losses. Without the collator's filler row, a process whose micro-batch
+    has no image skips the vision tower and projector while the other gathers their shards: gloo reports a collective
+    mismatch ("Received data size doesn't match expected size") at the first step."""
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()][:12]
+    mixed = []
+    for i, row in enumerate(rows):
+        mixed.append({**row, "images": [str(DATA.parent / path) for path in row["images"]]})
+        if i % 2 == 0:
+            mixed.append({"messages": [{"role": "user", "content": [{"type": "text", "text": f"Say {i}."}]},
+                                       {"role": "assistant", "content": [{"type": "text", "text": f"{i}."}]}],
+                          "images": []})
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in mixed))
+    args = ("--config", "recipes/tiny-vlm.yaml", "--dataset_name", str(data), "--max_steps", "6", "--eval_steps", "3",
+            "--logging_steps", "1", "--freeze_projector", "false")
+    one = run_script(tmp_path / "one", *args, "--per_device_train_batch_size", "2")
+    two = launch(tmp_path / "zero3", *args, "--per_device_train_batch_size", "1", "--ddp_timeout", "60",
+                 preset="zero3", processes=2)
+    assert two.state()["launch"]["model_wrapper"] == "DeepSpeedEngine" and two.state()["launch"]["num_processes"] == 2
+    for key, rows_of in (("loss", Run.train_rows), ("eval_loss", Run.eval_rows)):
+        assert [r["step"] for r in rows_of(two)] == [r["step"] for r in rows_of(one)]
+        torch.testing.assert_close(torch.tensor([r[key] for r in rows_of(two)]),
+                                   torch.tensor([r[key] for r in rows_of(one)]), rtol=1e-4, atol=1e-5)
