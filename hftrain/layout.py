@@ -30,4 +30,5 @@ FULL_STATE_FILE = "full_training_state.pt"  # tensor parallel: gathered model + 
 REFERENCE_FILE = "reference_log_probs.safetensors"  # dpo with precompute_ref_log_probs: the reference's log-probs
 PREFLIGHT_DIR = ".tmp-preflight"  # output_dir/.tmp-preflight: the checkpoint round trip before step 1, then removed
 STREAM_STATE = "data_stream_process{index}.json"  # streaming: each process's stream position (hftrain.data.streaming)
+PIPELINE_CONVERTED_PREFIX = ".unpipelined-"  # output_dir/.unpipelined-checkpoint-N: a pp checkpoint for 1 process
 UNIVERSAL_PREFIX = ".universal-"  # output_dir/.universal-checkpoint-N: a ZeRO checkpoint converted for another world

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate.checkpointing import save_accelerator_state
+from accelerate.utils import DistributedType
 from accelerate.utils.constants import OPTIMIZER_NAME
 from accelerate.utils.other import save
 from safetensors import safe_open
@@ -294,15 +295,24 @@ class Backend:
         """Refuse a checkpoint this layout cannot load (a tensor-parallel one without tensor parallelism)."""
         if saved_launch["tp_size"] > 1:
             raise_tp_mismatch(saved_launch["tp_size"], self.recipe.tp_size)
-        if saved_launch.get("pp_size", 1) > 1:  # checkpoints older than pipeline parallelism carry no pp_size
-            raise HftrainError(f"this checkpoint was written with pp_size={saved_launch['pp_size']} and this run has "
-                               "no pipeline parallelism; resuming across pp layouts is not built yet: resume with "
-                               "the pp_size that wrote it (docs/pipeline.md)")
+        sharded = self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        if saved_launch.get("pp_size", 1) > 1 and sharded:  # checkpoints older than pp carry no pp_size
+            raise HftrainError(f"this checkpoint was written with pp_size={saved_launch['pp_size']} and this run "
+                               f"shards the model with {self.accelerator.distributed_type}; a pipeline checkpoint "
+                               "resumes under pp (any pp_size), on one process or under DDP: resume with one of those "
+                               "(docs/pipeline.md)")
 
     @contextmanager
     def resume_folder(self, model, path: Path, saved_launch: dict):
         """The folder `accelerator.load_state` reads checkpoint `path` from: `path` itself, unless the backend
-        must convert it for this number of processes first."""
+        must convert it for this number of processes first: a pipeline checkpoint (pp_size > 1) becomes one
+        process's files (`pipeline.unpipelined`)."""
+        if saved_launch.get("pp_size", 1) > 1:
+            from hftrain.parallel.pipeline import unpipelined  # pipeline.py builds on this module
+
+            with unpipelined(self, model, path) as folder:
+                yield folder
+            return
         yield path
 
     def unwrap(self, model):

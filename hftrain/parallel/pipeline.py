@@ -27,6 +27,7 @@ ranks {0, 2} and {1, 3} are two pipelines; {0, 1} hold the first stage, {2, 3} t
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,8 +35,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils.constants import OPTIMIZER_NAME
+from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -47,9 +51,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from hftrain.checkpoint import held_ties
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
+from hftrain.layout import MODEL_FILE, PIPELINE_CONVERTED_PREFIX
 from hftrain.metrics import param_checksum
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, router_coefficient
 from hftrain.optim import build_optimizer
@@ -270,6 +276,125 @@ class PipelineStages(nn.Module):
         return self._run(input_ids, labels, self.schedule.eval)
 
 
+# ------------------------------------------------------ resume across layouts
+# A pp checkpoint is a DCP folder keyed by HF names ("model": {name: tensor}; "optimizer": torch's flattened optimizer
+# state, "state.<name>.<key>" and "param_groups.<name>.<key>"); a checkpoint without pp is accelerate's files
+# (model.safetensors by name, optimizer.bin numbered by torch: parameter k of the optimizer's groups in order). The
+# numbering is that of `build_optimizer` over the whole model, which both conversions below rebuild.
+
+
+def optimizer_layout(recipe: Recipe, model: nn.Module) -> tuple[list[list[str]], dict[str, int]]:
+    """For the optimizer hftrain builds over the whole `model` without pp (`build_optimizer`): the parameter names of
+    each group in order (one name per tensor, a tied pair under its first name), and the number torch's state dict
+    gives each trained parameter name (both names of a tied pair: one number)."""
+    groups = build_optimizer(recipe, model).param_groups  # no state is allocated before the first step
+    number = {id(p): k for k, p in enumerate(p for group in groups for p in group["params"])}
+    first_name = {id(p): name for name, p in model.named_parameters()}
+    names = [[first_name[id(p)] for p in group["params"]] for group in groups]
+    ids = {name: number[id(p)] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in number}
+    return names, ids
+
+
+def _by_name(flat: dict, section: str) -> dict[str, dict]:
+    """torch's flattened optimizer entries of one section ("state" / "param_groups") as {name: {key: value}} (AdamW's
+    and SGD's per-parameter values are not nested)."""
+    out: dict[str, dict] = {}
+    for key, value in flat.items():
+        if key.startswith(f"{section}."):
+            name, _, field = key[len(section) + 1:].rpartition(".")
+            out.setdefault(name, {})[field] = value
+    return out
+
+
+def write_unpipelined(path: Path, folder: Path, module: nn.Module, recipe: Recipe) -> None:
+    """Checkpoint `path` written under pp, as the files one process (or DDP) reads, in `folder`: model.safetensors
+    (each tensor once, under the names `module`'s state dict has; a tied pair under one name) and optimizer.bin
+    numbered as `build_optimizer` numbers `module`'s parameters, beside links to the checkpoint's other files (RNG
+    states, run files)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    whole = folder / "pipeline_state.pt"
+    dcp_to_torch_save(path / PIPELINE_STATE_DIR, whole)  # every stage's state, read on this process
+    saved = torch.load(whole, weights_only=True)
+    whole.unlink()
+    weights, flat = saved["model"], saved["optimizer"]
+    aliases = set(held_ties(module))
+    wanted = [k for k in module.state_dict() if k not in aliases]
+    missing = [k for k in wanted if k not in weights]
+    if missing:
+        raise HftrainError(f"its pipeline state lacks {len(missing)} of this model's weights (e.g. {missing[:2]}): it "
+                           "was written for another model")
+    save_file({k: weights[k].contiguous() for k in wanted}, folder / MODEL_FILE, metadata={"format": "pt"})
+    groups, _ = optimizer_layout(recipe, module)
+    hyper, state = _by_name(flat, "param_groups"), _by_name(flat, "state")
+    optimizer = {"state": {}, "param_groups": []}
+    number = 0
+    for names in groups:
+        optimizer["param_groups"].append({**hyper[names[0]], "params": list(range(number, number + len(names)))})
+        for name in names:
+            if name in state:
+                optimizer["state"][number] = state[name]
+            number += 1
+    torch.save(optimizer, folder / f"{OPTIMIZER_NAME}.bin")
+    for item in path.iterdir():
+        if item.name != PIPELINE_STATE_DIR:
+            (folder / item.name).symlink_to(item.resolve())
+
+
+@contextmanager
+def unpipelined(backend: Backend, model, path: Path):
+    """A pp checkpoint for a run without pp (one process, DDP): converted by the main process into
+    `.unpipelined-checkpoint-N` next to it (`write_unpipelined`), loaded by every rank, then removed."""
+    accelerator = backend.accelerator
+    folder = path.parent / f"{PIPELINE_CONVERTED_PREFIX}{path.name}"
+    error = None
+    if accelerator.is_main_process:
+        try:
+            write_unpipelined(path, folder, backend.unwrap(model), backend.recipe)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it rather than wait at a barrier
+            error = str(exc) if isinstance(exc, HftrainError) else f"{type(exc).__name__}: {exc}"
+    error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise HftrainError(f"cannot read the pipeline checkpoint {str(path)!r} without pp: {error}; resume with the "
+                           "pp_size that wrote it")
+    yield folder
+    accelerator.wait_for_everyone()  # every rank has loaded: the converted copy can go
+    if accelerator.is_main_process:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def pipelined_state(folder: Path, module: nn.Module, ids: dict[str, int]) -> tuple[dict, dict]:
+    """A checkpoint without pp (`folder`: accelerate's model.safetensors and optimizer.bin) as the flattened, HF-named
+    model and optimizer state of what this rank's stages hold (`module`, its placeholders in place); `ids`: the
+    optimizer numbering of the whole model (`optimizer_layout`). A tied head takes the embedding's tensor and state."""
+    weights = load_file(folder / MODEL_FILE)  # on the CPU: loading the state copies it to the device
+    saved = torch.load(folder / f"{OPTIMIZER_NAME}.bin", weights_only=True, map_location="cpu")
+    group_of = {k: group for group in saved["param_groups"] for k in group["params"]}
+    names_of: dict[int, list[str]] = {}
+    for name, k in ids.items():
+        names_of.setdefault(k, []).append(name)
+
+    def saved_name(name: str) -> str:
+        found = [n for n in ([name] + names_of.get(ids.get(name), [])) if n in weights]
+        if not found:
+            raise HftrainError(f"checkpoint {str(folder)!r} holds no weight {name!r}: it was written for another "
+                               "model or fine-tuning method")
+        return found[0]
+
+    model_state = {name: weights[saved_name(name)] for name in module.state_dict()}
+    optimizer_state = {}
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        k = ids[name]
+        for key, value in saved["state"].get(k, {}).items():
+            optimizer_state[f"state.{name}.{key}"] = value
+        for key, value in group_of[k].items():
+            if key != "params":
+                optimizer_state[f"param_groups.{name}.{key}"] = value
+    return model_state, optimizer_state
+
+
 class PipelineBackend(Backend):
     """pp_size stages per pipeline, pipelines as data-parallel copies (see the module's docstring)."""
 
@@ -322,6 +447,8 @@ class PipelineBackend(Backend):
         ranges = split_layers(len(hf.get_decoder().layers), count)
         mine = stage_indices(self.pp_rank, self.pp, per_process)
         stages = [StageForward(lm, s, count, ranges[s]) for s in mine]
+        # the optimizer numbering of the whole model, as a run without pp would save it (resuming its checkpoints)
+        self.unsplit_ids = optimizer_layout(recipe, model)[1]
         keep_only(lm, {i for s in mine for i in ranges[s]}, first=0 in mine, last=count - 1 in mine)
         self.layout = {"stages": count, "layers": [[r.start, r.stop] for r in ranges], "mine": mine}
         model.to(accelerator.device)
@@ -406,6 +533,11 @@ class PipelineBackend(Backend):
             dcp.save(state(), checkpoint_id=str(Path(folder) / PIPELINE_STATE_DIR))
 
         def load(models, folder) -> None:
+            if not (Path(folder) / PIPELINE_STATE_DIR).exists():  # written without pp: accelerate's files
+                weights, moments = pipelined_state(Path(folder), model.module, self.unsplit_ids)
+                set_model_state_dict(model.module, weights, options=options)
+                set_optimizer_state_dict(model.module, optimizer, moments, options=options)
+                return
             loaded = state()
             dcp.load(loaded, checkpoint_id=str(Path(folder) / PIPELINE_STATE_DIR))
             set_model_state_dict(model.module, loaded["model"], options=options)
@@ -422,10 +554,22 @@ class PipelineBackend(Backend):
         return None  # DCP's own loader checks that every key this rank needs is in the checkpoint
 
     def check_resumable(self, saved_launch: dict) -> None:
-        if saved_launch.get("pp_size", 1) == 1:  # older checkpoints carry no pp_size
-            raise HftrainError("this checkpoint was written without pipeline parallelism and this run has "
-                               f"pp_size={self.pp}; resuming across pp layouts is not built yet: resume with the "
-                               "layout that wrote it (docs/pipeline.md)")
+        """Any pp checkpoint (another pp_size, schedule or number of copies: DCP reads each rank's names), and one
+        written by one process or DDP (accelerate's files, `pipelined_state`); not FSDP2's, ZeRO's or tensor-parallel
+        sharded files."""
+        if saved_launch.get("pp_size", 1) > 1:  # older checkpoints carry no pp_size
+            return
+        other = ("tensor parallelism" if saved_launch["tp_size"] > 1 else
+                 "DeepSpeed" if saved_launch["deepspeed_config"] is not None else
+                 "FSDP2" if saved_launch["sharded_modules"] else None)
+        if other:
+            raise HftrainError(f"this checkpoint was written with {other} and this run has pp_size={self.pp}; a "
+                               "pipeline run resumes pp checkpoints and those of one process or DDP only: resume "
+                               "with the layout that wrote it (docs/pipeline.md)")
+
+    @contextmanager
+    def resume_folder(self, model, path: Path, saved_launch: dict):
+        yield path  # pp checkpoints and those without pp: the load hook reads either (`register_checkpoint_hooks`)
 
     def local_trained_tensors(self, model) -> list[torch.Tensor]:
         return [p.data for p in model.parameters() if p.requires_grad]

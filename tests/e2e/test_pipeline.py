@@ -28,8 +28,10 @@ COMMON = [*TINY_CHAT, "--max_steps", "4", "--logging_steps", "1", "--eval_steps"
           "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5",
           "--max_length", "128", "--ddp_timeout", "60"]
 PP = ["--pp_size", "2", "--pp_microbatches", "4"]
-# The references need no checkpoints (the pp runs save checkpoint-2: DCP under HF names)
+# The untied reference needs no checkpoints; the tied one saves checkpoint-2 (accelerate's files, resumed under pp) and
+# so do the pp runs (DCP under HF names; 1F1B's is resumed on one process)
 NO_SAVES, SAVES = ["--save_steps", "100", "--checkpoint_preflight", "false"], ["--save_steps", "2"]
+REF_SAVES = {"tied": ["--save_steps", "2", "--checkpoint_preflight", "false"], "untied": NO_SAVES}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def models(tmp_path_factory) -> dict:
 def runs(models, tmp_path_factory) -> dict[str, Run]:
     """One process per model, then the three schedules under pp 2 (1F1B on the tied model)."""
     root = tmp_path_factory.mktemp("pp-runs")
-    out = {f"ref-{kind}": run_script(root / f"ref-{kind}", *COMMON, *NO_SAVES, "--model_name_or_path", str(path))
+    out = {f"ref-{kind}": run_script(root / f"ref-{kind}", *COMMON, *REF_SAVES[kind], "--model_name_or_path", str(path))
            for kind, path in models.items()}
     for schedule, kind in (("1F1B", "tied"), ("GPipe", "untied"), ("Interleaved1F1B", "untied")):
         copies = COPIES.get(schedule, 1)  # the global batch stays 16: per-device rows / copies
@@ -121,6 +123,45 @@ def test_pipeline_checkpoint_holds_hf_names(runs):
     weights = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
     expected = set(load_file(runs["ref-untied"].output_dir / "final" / "model.safetensors"))
     assert {k.removeprefix("lm.") for k in weights} == expected
+
+
+@pytest.fixture(scope="module")
+def resumed(runs, models, tmp_path_factory) -> dict[str, Run]:
+    """checkpoint-2 of the pp 2 1F1B run continued on one process, and checkpoint-2 of the one-process run continued on
+    pp 2 with Interleaved1F1B (4 stages: the numbering of the whole model's optimizer mapped onto each rank's two
+    stages); both on the tied model (the head's weight and state come from the embedding's, and back)."""
+    root = tmp_path_factory.mktemp("pp-resumed")
+    tied = ["--model_name_or_path", str(models["tied"])]
+    return {
+        "pp2-to-one": run_script(root / "pp2-to-one", *COMMON, *NO_SAVES, *tied, "--resume_from_checkpoint",
+                                 str(runs["1F1B"].output_dir / "checkpoint-2")),
+        "one-to-pp2": launch(root / "one-to-pp2", *COMMON, *NO_SAVES, *PP, "--pp_schedule", "Interleaved1F1B", *tied,
+                             "--resume_from_checkpoint", str(runs["ref-tied"].output_dir / "checkpoint-2"),
+                             preset="cpu_pp", processes=2),
+    }
+
+
+@pytest.mark.parametrize("name", ["pp2-to-one", "one-to-pp2"])
+def test_resume_across_pp_layouts(runs, resumed, name):
+    """Steps 3-4 after the other layout's checkpoint-2 equal the uninterrupted one-process run: step 3's loss checks
+    the weights, step 4's loss and grad norm and the final weights the optimizer state (AdamW's moments and step, by
+    HF name), the learning rates the scheduler."""
+    run, ref = resumed[name], runs["ref-tied"]
+    info = run.state()["launch"]
+    pp = name == "one-to-pp2"
+    assert (info["num_processes"], info["pp_size"], info["model_wrapper"]) == \
+        ((2, 2, "PipelineStages") if pp else (1, 1, "CausalLMTokenLoss"))
+    rows, ref_rows = run.train_rows(), ref.train_rows()[2:]
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [3, 4]
+    assert [r["learning_rate"] for r in rows] == [r["learning_rate"] for r in ref_rows]
+    close([r["loss"] for r in rows], [r["loss"] for r in ref_rows])
+    close([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows])
+    final, expected = load_file(run.output_dir / "final" / "model.safetensors"), \
+        load_file(ref.output_dir / "final" / "model.safetensors")
+    assert final.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(final[key], value, rtol=1e-4, atol=1e-4, msg=lambda m, n=key: f"{n}: {m}")
+    assert not list(runs["1F1B"].output_dir.glob(".unpipelined-*"))  # the converted copy is removed
 
 
 TINY_LLAMA = json.loads((REPO / "models" / "tiny-llama" / "config.json").read_text())
