@@ -172,6 +172,102 @@ def backward_floor_bytes(s: ModelShape, batch: int, seq: int, compute_bytes: int
     return layer_activation_bytes(s, tokens, compute_bytes, residual_bytes) + 2 * tokens * s.intermediate * 4
 
 
+# ------------------------------------------------------------------------------ pipeline
+@dataclass(frozen=True)
+class StageMemory:
+    """What one process of a pipeline (pp_size, `hftrain/parallel/pipeline.py`) holds, in bytes."""
+
+    rank: int  # position in the pipeline (stages rank, rank + pp, ... with Interleaved1F1B)
+    layers: int  # decoder layers of its stages
+    params: int  # weights of its stages: its layers, the embedding (first stage), the final norm and head (last)
+    weights: float
+    grads: float
+    optimizer: float
+    in_flight: int  # microbatch-stage chunks whose activations it holds at once
+    activations: float
+
+    def peak(self) -> float:
+        """Weights, gradients and optimizer state, plus the activations in flight: under a pipeline, gradients
+        accumulate from the first microbatch's backward on while later microbatches' activations are still held."""
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def pipeline_bubble(pp: int, schedule: str, microbatches: int) -> float:
+    """The idle share of a pipeline step: (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved (v stages a process)."""
+    from hftrain.parallel.pipeline import STAGES_PER_PROCESS  # pipeline.py builds on modules that import this one
+
+    return (pp - 1) / (STAGES_PER_PROCESS[schedule] * microbatches)
+
+
+def chunks_in_flight(rank: int, pp: int, schedule: str, microbatches: int) -> int:
+    """How many (microbatch, stage) activations process `rank` holds at most, in torch's schedules (2.13,
+    torch/distributed/pipelining/schedules.py): GPipe runs every forward first (m); 1F1B's stage s does min(m, p - s)
+    forwards before its first backward; Interleaved1F1B's warm-up is (v-1) x (microbatches per round) + 2 (p-1-rank)
+    forwards, plus the one its first forward-backward pair adds, at most v m."""
+    m = microbatches
+    if schedule == "GPipe":
+        return m
+    if schedule == "1F1B":
+        return min(m, pp - rank)
+    v = 2  # Interleaved1F1B: two stages per process (STAGES_PER_PROCESS)
+    per_round = m // max(1, m // pp)
+    return min((v - 1) * per_round + 2 * (pp - 1 - rank) + 1, v * m)
+
+
+def pipeline_memory(shape: ModelShape, pp: int, schedule: str, microbatches: int, batch: int, seq: int,
+                    precision: str = "bf16") -> list[StageMemory]:
+    """Memory of each process of a pp-stage pipeline for full fine-tuning with AdamW, as hftrain runs it: the layers
+    split by `split_layers` (the embedding and the head counted as one layer each), fp32 weights, gradients and two
+    fp32 moments of what its stages hold (plus autocast's bf16 copies), a tied head as its own copy on the last stage
+    (its gradient is summed with the embedding's); each per-pipeline batch of `batch` rows split into `microbatches`
+    (rows padded to a multiple of them), the activations of `chunks_in_flight` microbatch-stages (each a stage's layers
+    on one microbatch; the last stage adds the final norm and the loss buffers of each microbatch it holds).
+    Data-parallel copies of the pipeline change none of this (hftrain averages their gradients in place)."""
+    from hftrain.parallel.pipeline import STAGES_PER_PROCESS, split_layers, stage_indices
+
+    per_process = STAGES_PER_PROCESS[schedule]
+    count = pp * per_process
+    ranges = split_layers(shape.layers, count)
+    mixed = precision == "bf16"
+    compute, residual = (2, 4) if mixed else (4, 4)
+    tokens = -(-batch // microbatches) * seq  # one microbatch's rows (padded) x the fixed length
+    layer_params = shape.largest_layer_params
+    head = shape.head_params or shape.embedding_params  # a tied head is a copy on the last stage
+    rest = max(shape.params - shape.embedding_params - shape.head_params - shape.layers * layer_params, 0)  # norm
+    loss = tokens * shape.hidden * (2 * residual + compute) + tokens * shape.vocab * 12  # as `activation_bytes`
+    out = []
+    for rank in range(pp):
+        stages = stage_indices(rank, pp, per_process)
+        layers = sum(len(ranges[s]) for s in stages)
+        params = layers * layer_params + (shape.embedding_params if 0 in stages else 0) \
+            + (head + rest if count - 1 in stages else 0)
+        chunks = chunks_in_flight(rank, pp, schedule, microbatches)
+        per_chunk = layers / per_process * layer_activation_bytes(shape, tokens, compute, residual)
+        last_stage_chunks = min(chunks, microbatches if schedule == "GPipe" else 1) if count - 1 in stages else 0
+        out.append(StageMemory(rank, layers, params, (4 + (2 if mixed else 0)) * params, 4 * params, 8 * params,
+                               chunks, chunks * per_chunk + last_stage_chunks * loss))
+    return out
+
+
+def format_pipeline(shape: ModelShape, pp: int, schedule: str, microbatches: int, batch: int, seq: int,
+                    precision: str, gpus: int, gpu_memory_gib: float) -> list[str]:
+    """The per-stage lines of `hftrain estimate --pp N`."""
+    stages = pipeline_memory(shape, pp, schedule, microbatches, batch, seq, precision)
+    budget = usable_bytes(gpu_memory_gib)
+    lines = ["", f"pipeline parallel pp={pp} ({schedule}, {microbatches} microbatches of {-(-batch // microbatches)} "
+             f"rows; {gpus // pp} data-parallel cop{'y' if gpus // pp == 1 else 'ies'}; preset cpu_pp on CPU), "
+             "full fine-tuning, GiB per process:",
+             f"{'rank':>4} {'layers':>6} {'weights':>8} {'grads':>8} {'optim':>8} {'in flight':>9} {'activ.':>8} "
+             f"{'peak':>8}"]
+    for st in stages:
+        lines.append(f"{st.rank:>4} {st.layers:>6} {st.weights / GIB:>8.2f} {st.grads / GIB:>8.2f} "
+                     f"{st.optimizer / GIB:>8.2f} {st.in_flight:>9} {st.activations / GIB:>8.2f} "
+                     f"{st.peak() / GIB:>8.2f}" + ("" if st.peak() <= budget else " !"))
+    lines.append(f"bubble: {pipeline_bubble(pp, schedule, microbatches):.1%} of each step idle ((p-1)/"
+                 f"{'(v m)' if schedule == 'Interleaved1F1B' else 'm'}); more microbatches shrink it")
+    return lines
+
+
 # -------------------------------------------------------------------------- strategies
 @dataclass
 class Row:
@@ -204,6 +300,9 @@ class Plan:
     lora_r: int
     rows: list[Row] = field(default_factory=list)
     sp: int = 1
+    pp: int = 1  # --pp: a pipeline's per-stage lines (`format_pipeline`)
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 1
 
 
 def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str = "bf16", lora_r: int = 16,
@@ -388,6 +487,9 @@ def format_plan(plan: Plan, gpu_memory_gib: float, method: str, planned_tokens: 
         lines.append(f"recommendation: accelerate_configs/{row.preset}.yaml{missing} with gradient_checkpointing: "
                      f"{str(ckpt).lower()}" + (f", {method} r={plan.lora_r}" if method != "full" else ""))
         lines.append(f"reason: {why}.")
+    if plan.pp > 1 and method == "full":
+        lines += format_pipeline(s, plan.pp, plan.pp_schedule, plan.pp_microbatches, plan.batch, plan.seq,
+                                 plan.precision, plan.gpus, gpu_memory_gib)
     hint = sequence_parallel_hint(plan, gpu_memory_gib) if method == "full" else None
     if hint:
         lines.append(hint)
@@ -410,6 +512,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Sequence-/context-parallel degree: adds a DeepSpeed Ulysses row (preset zero3_sp; when "
                              "it divides the attention heads) and a ring attention row (preset fsdp2_cp), whose "
                              "activations are those of 1/sp of each sequence. Must divide --gpus.")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="Pipeline-parallel stages (recipe pp_size): adds each stage's memory (its layers' "
+                             "weights, gradients and optimizer state, the activations its schedule keeps in flight) "
+                             "and the bubble. --batch is then the rows each pipeline takes per micro-batch. Must "
+                             "divide --gpus (the rest are data-parallel copies).")
+    parser.add_argument("--pp_schedule", choices=("1F1B", "GPipe", "Interleaved1F1B"), default="1F1B",
+                        help="The pipeline schedule (recipe pp_schedule).")
+    parser.add_argument("--pp_microbatches", type=int, default=None,
+                        help="Microbatches per pipeline step (recipe pp_microbatches); default 2 x the stages.")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="bf16 mixed precision (GPU default) or fp32 (CPU runs).")
     parser.add_argument("--objective", choices=("sft", "dpo", "simpo"), default="sft",
@@ -427,6 +538,11 @@ def print_plan(args: argparse.Namespace) -> None:
                 if getattr(args, k) < 1]
     if args.sp > 1 and args.gpus % args.sp:
         problems.append(f"--sp {args.sp} must divide --gpus {args.gpus} (the rest of the GPUs are data-parallel)")
+    if args.pp < 1 or (args.pp > 1 and args.gpus % args.pp):
+        problems.append(f"--pp {args.pp} must be >= 1 and divide --gpus {args.gpus} (the rest of the GPUs are "
+                        "data-parallel copies of the pipeline)")
+    if args.pp_microbatches is not None and args.pp_microbatches < 1:
+        problems.append(f"--pp_microbatches must be >= 1, got {args.pp_microbatches}")
     if args.tokens is not None and args.tokens < 1:
         problems.append(f"--tokens must be >= 1, got {args.tokens}")
     if args.gpu_memory <= CUDA_OVERHEAD_GIB:
@@ -435,6 +551,13 @@ def print_plan(args: argparse.Namespace) -> None:
         raise ConfigError(problems, "estimate arguments")
     shape = model_shape(args.model, args.trust_remote_code)
     plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective, args.sp)
+    if args.pp > 1:
+        stages = args.pp * (2 if args.pp_schedule == "Interleaved1F1B" else 1)
+        if shape.layers < stages:
+            raise ConfigError([f"--pp {args.pp} with {args.pp_schedule} needs {stages} stages of at least one layer "
+                               f"each, and {args.model} has {shape.layers} layers"], "estimate arguments")
+        plan.pp, plan.pp_schedule = args.pp, args.pp_schedule
+        plan.pp_microbatches = args.pp_microbatches or 2 * stages
     method = "qlora" if args.qlora else "lora" if args.lora else "full"
     print(format_plan(plan, args.gpu_memory, method, args.tokens))
 

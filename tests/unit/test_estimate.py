@@ -229,3 +229,73 @@ def test_the_ring_row_divides_the_activations_for_any_head_count_and_is_hinted_w
     assert fsdp.peak(False) > usable_bytes(gpu)
     assert sequence_parallel_hint(plan, gpu).startswith(
         "long sequences: --sp 3 (accelerate_configs/fsdp2_cp.yaml, recipe cp_size: 3)")
+
+
+def test_pipeline_stages_match_the_hand_formulas(model_dir):
+    """pp 2 on the 4-layer config, 8 rows per pipeline in 4 microbatches of 2 rows x 128 tokens, bf16. By hand: the
+    embedding and the head count as one layer each, so 6 units split 3 / 3: rank 0 holds the embedding and layers 0-1,
+    rank 1 layers 2-3, the final norm and the head (Interleaved1F1B: 4 stages of one layer, rank 0 holding stages 0
+    and 2). Bytes: 6 per weight (fp32 + bf16 autocast copy), 4 per gradient, 8 of AdamW moments; activations of the
+    (microbatch, stage) chunks torch's schedule keeps before its first backward, the last stage adding the final
+    norm's and the loss's buffers for each microbatch whose backward is pending."""
+    from hftrain.estimate import chunks_in_flight, pipeline_bubble, pipeline_memory
+
+    _, linear = hand_params()
+    shape = model_shape(str(model_dir))
+    unit = linear // L + 2 * H  # one decoder layer: its linears and two norms
+    tokens = 2 * 128
+    layer = tokens * (2 * (2 * H * 4 + H * 2) + (H + 2 * KV + H) * 2 + 4 * INTER * 2)
+    loss = tokens * (H * (2 * 4 + 2) + 12 * V)
+    first, last = 2 * unit + V * H, 2 * unit + H + V * H
+
+    def check(stages, expected):  # expected: [(layers, params, chunks, activations)] per rank
+        got = [(st.layers, st.params, st.in_flight, st.activations) for st in stages]
+        assert got == expected
+        for st in stages:
+            assert (st.weights, st.grads, st.optimizer) == (6 * st.params, 4 * st.params, 8 * st.params)
+            assert st.peak() == 18 * st.params + st.activations
+
+    # 1F1B: stage s runs min(m, p - s) forwards before its first backward
+    check(pipeline_memory(shape, 2, "1F1B", 4, 8, 128), [(2, first, 2, 2 * 2 * layer), (2, last, 1, 2 * layer + loss)])
+    # GPipe: every forward before any backward, on every stage (the loss buffers of all 4 on the last)
+    check(pipeline_memory(shape, 2, "GPipe", 4, 8, 128),
+          [(2, first, 4, 4 * 2 * layer), (2, last, 4, 4 * 2 * layer + 4 * loss)])
+    # Interleaved1F1B: warm-up (v-1) x (m per round: 4 // (4 // 2) = 2) + 2 (p-1-rank), plus one
+    check(pipeline_memory(shape, 2, "Interleaved1F1B", 4, 8, 128),
+          [(2, V * H + 2 * unit, 5, 5 * layer), (2, 2 * unit + H + V * H, 3, 3 * layer + loss)])
+    # ... which is torch's own warm-up count (torch/distributed/pipelining/schedules.py) plus the first pair's forward
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    for p, m in ((2, 4), (4, 8), (4, 16), (8, 8)):
+        for rank in range(p):
+            assert chunks_in_flight(rank, p, "Interleaved1F1B", m) == \
+                min(_get_warmup_ops(rank, 2, m // max(1, m // p), p, m) + 1, 2 * m)
+    # rows padded to a multiple of the microbatches: 7 rows in 4 microbatches run as 4 x 2
+    assert pipeline_memory(shape, 2, "1F1B", 4, 7, 128) == pipeline_memory(shape, 2, "1F1B", 4, 8, 128)
+    assert pipeline_bubble(2, "1F1B", 4) == pipeline_bubble(2, "GPipe", 4) == 1 / 4
+    assert pipeline_bubble(4, "1F1B", 8) == 3 / 8 and pipeline_bubble(4, "Interleaved1F1B", 8) == 3 / 16
+
+
+def test_pipeline_keeps_a_tied_head_on_the_last_stage(tmp_path):
+    """Tied embeddings (SmolLM2): the last stage holds the head as its own copy of the V x H embedding."""
+    from hftrain.estimate import pipeline_memory
+
+    LlamaConfig(hidden_size=H, num_hidden_layers=L, intermediate_size=INTER, vocab_size=V, num_attention_heads=HEADS,
+                num_key_value_heads=KV_HEADS, tie_word_embeddings=True).save_pretrained(tmp_path)
+    _, linear = hand_params()
+    unit = linear // L + 2 * H
+    stages = pipeline_memory(model_shape(str(tmp_path)), 2, "1F1B", 4, 8, 128)
+    assert [st.params for st in stages] == [2 * unit + V * H, 2 * unit + H + V * H]
+
+
+def test_cli_prints_the_pipeline_stages_and_bubble(model_dir):
+    proc = subprocess.run([sys.executable, "-m", "hftrain.estimate", "--model", str(model_dir), "--gpus", "4",
+                           "--pp", "2", "--pp_schedule", "Interleaved1F1B", "--batch", "8", "--seq", "128"],
+                          capture_output=True, text=True, cwd=REPO, env=OFFLINE)
+    assert proc.returncode == 0, proc.stderr
+    assert "pipeline parallel pp=2 (Interleaved1F1B, 8 microbatches of 1 rows; 2 data-parallel copies" in proc.stdout
+    assert re.search(r"\n\s+0\s+2 .*\n\s+1\s+2 ", proc.stdout)
+    assert "bubble: 6.2% of each step idle ((p-1)/(v m))" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "hftrain.estimate", "--model", str(model_dir), "--gpus", "3",
+                          "--pp", "2"], capture_output=True, text=True, cwd=REPO, env=OFFLINE)
+    assert bad.returncode == 2 and "--pp 2 must be >= 1 and divide --gpus 3" in " ".join(bad.stderr.split())
