@@ -49,6 +49,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from hftrain.config import PRESET_DIR
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
 from hftrain.metrics import active_expert_fraction
+from hftrain.stages import STAGES_PER_PROCESS, split_layers, stage_indices
 
 GIB = 2**30  # the one unit for memory sizes (parallel/base.py imports it)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weights, 8-bit absmax per 64 weights, fp32 absmax per 256 blocks
@@ -194,8 +195,6 @@ class StageMemory:
 
 def pipeline_bubble(pp: int, schedule: str, microbatches: int) -> float:
     """The idle share of a pipeline step: (p-1)/m for GPipe and 1F1B, (p-1)/(v m) interleaved (v stages a process)."""
-    from hftrain.parallel.pipeline import STAGES_PER_PROCESS  # pipeline.py builds on modules that import this one
-
     return (pp - 1) / (STAGES_PER_PROCESS[schedule] * microbatches)
 
 
@@ -223,8 +222,6 @@ def pipeline_memory(shape: ModelShape, pp: int, schedule: str, microbatches: int
     (rows padded to a multiple of them), the activations of `chunks_in_flight` microbatch-stages (each a stage's layers
     on one microbatch; the last stage adds the final norm and the loss buffers of each microbatch it holds).
     Data-parallel copies of the pipeline change none of this (hftrain averages their gradients in place)."""
-    from hftrain.parallel.pipeline import STAGES_PER_PROCESS, split_layers, stage_indices
-
     per_process = STAGES_PER_PROCESS[schedule]
     count = pp * per_process
     ranges = split_layers(shape.layers, count)

@@ -31,6 +31,7 @@ from hftrain.estimate import GIB
 from hftrain.layout import MODEL_FILE
 from hftrain.metrics import param_checksum
 from hftrain.model import DTYPES, parameter_count
+from hftrain.stages import unpipelined
 
 ALL_PARTS = ("weights", "gradients", "optimizer")  # the model state: what ZeRO-3 / FULL_SHARD split
 
@@ -306,10 +307,8 @@ class Backend:
     def resume_folder(self, model, path: Path, saved_launch: dict):
         """The folder `accelerator.load_state` reads checkpoint `path` from: `path` itself, unless the backend
         must convert it for this number of processes first: a pipeline checkpoint (pp_size > 1) becomes one
-        process's files (`pipeline.unpipelined`)."""
+        process's files (`stages.unpipelined`)."""
         if saved_launch.get("pp_size", 1) > 1:
-            from hftrain.parallel.pipeline import unpipelined  # pipeline.py builds on this module
-
             with unpipelined(self, model, path) as folder:
                 yield folder
             return
