@@ -53,7 +53,7 @@ from hftrain.metrics import (
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary, pad_token_id
 from hftrain.objectives import objective_for
 from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
-from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve
+from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve, run_process
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
 from hftrain.preflight import preflight
 from hftrain.tracking import MetricLogger, quiet_other_ranks
@@ -584,4 +584,4 @@ def main(argv: list[str] | None = None, runner: type[Finetune] = Finetune) -> No
 
 
 if __name__ == "__main__":
-    main()
+    run_process(main)

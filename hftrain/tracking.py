@@ -151,5 +151,7 @@ class MetricLogger:
             tqdm.write(f"hftrain: warning: {message}", file=sys.stderr)
 
     def close(self) -> None:
-        if self.trackers:
-            self.accelerator.end_training()
+        """Finish the trackers (W&B uploads or closes its run file). Not `accelerator.end_training()`: it also
+        destroys the process group, which can deadlock gloo (see hftrain.parallel.launch.run_process)."""
+        for tracker in self.accelerator.trackers if self.trackers else ():
+            tracker.finish()

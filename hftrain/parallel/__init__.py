@@ -22,14 +22,14 @@ from hftrain.parallel.base import Backend, DataParallel, Parallelism
 from hftrain.parallel.context import ContextParallelBackend
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
-from hftrain.parallel.launch import Launch, devices_record, make_accelerator, phase
+from hftrain.parallel.launch import Launch, devices_record, make_accelerator, phase, run_process
 from hftrain.parallel.pipeline import PipelineBackend
 from hftrain.parallel.sequence import SequenceParallelBackend
 from hftrain.parallel.tensor import TensorParallelBackend
 from hftrain.recipe.parallel import problems
 
 __all__ = ["Backend", "DataParallel", "Launch", "Parallelism", "devices_record", "make_accelerator", "phase",
-           "problems", "resolve"]
+           "problems", "resolve", "run_process"]
 
 SELECTED = {"fsdp2": "FSDP", "deepspeed": "DEEPSPEED"}  # accelerate's DistributedType names
 

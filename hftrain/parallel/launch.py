@@ -9,15 +9,20 @@ requested explicitly.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import platform
 import socket
+import sys
+import threading
+import traceback
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from accelerate import Accelerator, ParallelismConfig
@@ -178,3 +183,47 @@ def devices_record(accelerator, environ: Mapping[str, str] = os.environ) -> dict
             "listing as many GPUs as --num_processes per machine)"
         )
     return {"CUDA_VISIBLE_DEVICES": environ.get("CUDA_VISIBLE_DEVICES"), "processes": records}
+
+
+def run_process(main: Callable[[], object]) -> NoReturn:
+    """Run an entry point as the whole life of this process, then exit with its code.
+
+    A process that leaves a gloo process group to interpreter teardown can abort (SIGABRT, "terminate called without
+    an active exception") after its work is done: gloo's worker threads may still hold the last collective's tensors,
+    and freeing them needs the GIL of an interpreter that is being torn down (pytorch/pytorch#190489; #179291 tried
+    an atexit fix in torch and was abandoned). `destroy_process_group` is no cure on CPU: ~ProcessGroupGloo joins
+    those threads while the caller holds the GIL they wait for. So a distributed run, once every rank is through
+    (a barrier when it succeeded), finishes what Python's exit would (non-daemon threads such as an async
+    checkpoint writer, atexit handlers such as W&B's, the standard streams) and leaves with `os._exit`, skipping
+    the teardown; the process group ends with the process, as it does when torchrun stops a group. One-process
+    runs exit the ordinary way."""
+    code = 0
+    try:
+        main()
+    except SystemExit as stop:
+        if isinstance(stop.code, str):  # sys.exit("message"): Python prints it and exits 1
+            print(stop.code, file=sys.stderr)
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:  # noqa: BLE001 - printed as Python prints an uncaught exception
+        if not _process_group_alive():
+            raise
+        traceback.print_exc()
+        code = 1
+    if not _process_group_alive():
+        sys.exit(code)
+    if code == 0:
+        try:
+            torch.distributed.barrier()
+        except Exception:  # noqa: BLE001 - a peer that died has reported its own failure; this one is done
+            pass
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def _process_group_alive() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()

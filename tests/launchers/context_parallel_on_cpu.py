@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 from torch.distributed.tensor.experimental._context_parallel import _attention  # noqa: E402
 
 from hftrain.finetune import Finetune, main  # noqa: E402
+from hftrain.parallel import run_process  # noqa: E402
 from hftrain.parallel.launch import make_accelerator, parallelism_config  # noqa: E402
 
 aten = torch.ops.aten
@@ -78,4 +79,4 @@ class ContextParallelOnCPU(Finetune):
 
 
 if __name__ == "__main__":
-    main(runner=ContextParallelOnCPU)
+    run_process(lambda: main(runner=ContextParallelOnCPU))

@@ -19,6 +19,7 @@ from accelerate.state import AcceleratorState, PartialState  # noqa: E402
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
 
 from hftrain.finetune import Finetune, main  # noqa: E402
+from hftrain.parallel import run_process  # noqa: E402
 
 
 def force_fsdp2(accelerator) -> None:
@@ -43,4 +44,4 @@ class FSDP2OnCPU(Finetune):
 
 
 if __name__ == "__main__":
-    main(runner=FSDP2OnCPU)
+    run_process(lambda: main(runner=FSDP2OnCPU))

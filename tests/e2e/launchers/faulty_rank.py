@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import torch  # noqa: E402
 
 from hftrain.finetune import Finetune, main  # noqa: E402
+from hftrain.parallel import run_process  # noqa: E402
 
 faults = set(os.environ["HFTRAIN_TEST_FAULTS"].split(","))
 stall = float(os.environ.get("HFTRAIN_TEST_STALL", "0"))
@@ -106,4 +107,4 @@ class FaultyRank(Finetune):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-main(runner=FaultyRank)
+run_process(lambda: main(runner=FaultyRank))
