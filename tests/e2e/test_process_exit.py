@@ -5,8 +5,6 @@ teardown, and still finish what Python's exit would have."""
 import subprocess
 import sys
 
-import pytest
-
 from tests.conftest import REPO, launch_env
 
 SCRIPT = REPO / "tests" / "e2e" / "launchers" / "gloo_exit.py"
@@ -19,10 +17,9 @@ def _launch(folder, code: int) -> subprocess.CompletedProcess:
                           env=launch_env(None), cwd=REPO, timeout=300)
 
 
-@pytest.mark.parametrize("attempt", range(2))
-def test_ranks_exit_zero_after_finishing_python_exit_work(tmp_path, attempt):
-    """Two launches in a row (the unguarded script aborts on about 4 in 10): exit 0, no abort, and every rank's
-    non-daemon thread, atexit handler and unflushed stdout line got out."""
+def test_ranks_exit_zero_after_finishing_python_exit_work(tmp_path):
+    """Exit 0, no abort (the unguarded script aborted on 3 of 8 launches; the whole suite's distributed launches
+    repeat the check), and every rank's non-daemon thread, atexit handler and unflushed stdout line got out."""
     proc = _launch(tmp_path / "run", 0)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
