@@ -494,9 +494,10 @@ class Finetune:
         loss_sum = self.dp.sum(window.loss).item()
         loss = loss_sum / window.units if window.units else None
         stats = {name: value / window.units for name, value in summed_stats(self.dp, window.stats or {}).items()}
+        data = self.feed.window_metrics(self.dp)  # a stream counts its own epochs (passes)
         row = {
             "step": progress.step,
-            "epoch": round((progress.epoch + progress.step_in_epoch / self.plan.steps_per_epoch), 4),
+            "epoch": data.pop("epoch", round((progress.epoch + progress.step_in_epoch / self.plan.steps_per_epoch), 4)),
             "loss": loss,
             **stats,
             **({"aux_loss": self.dp.sum(window.aux).item() / window.tokens} if window.aux is not None
@@ -505,7 +506,7 @@ class Finetune:
             "grad_norm": step.grad_norm,
             "trained_tokens": progress.trained_tokens,
             "nan_skipped_steps": progress.nan_skipped_steps,
-            **self.feed.window_metrics(self.dp),
+            **data,
             **self.meter.window(checksum=self.backend.param_checksum(self.model), step=progress.step, loss=loss,
                                 grad_norm=step.grad_norm, local_loss_sum=window.loss, global_tokens=window.tokens,
                                 global_examples=window.examples),

@@ -15,12 +15,14 @@ run, and 2 processes train the rows of 1 process with the same global batch. (da
 one raw example in world; that would give other rows to each rank than the map-style plan does.)
 
 Exact resume. A checkpoint holds, per rank, the stream's state at the step boundary (`StreamFeed.state_dict`):
-datasets' `state_dict()` of the raw stream (position in shards and examples; on resume datasets skips whole shards
-and re-reads the current shard up to the position without decoding it into examples, and nothing is tokenized
-again), the shuffle buffer's raw examples and its generator state, rows already tokenized but not yet trained (an
-expanded conversation's later turns), the partly filled packs, and the counters. A resumed run trains exactly the
-rows the uninterrupted run would have. When the stream ends the next pass starts from its beginning (the shuffle
-buffer's generator goes on, so a shuffled pass differs from the previous one).
+datasets' `state_dict()` of the raw stream (position in shards and examples; on resume datasets skips whole shards;
+`.jsonl` files, read by `jsonlines`, seek to the byte offset of the next line, while datasets' other readers re-read
+the current shard up to the position without decoding it into examples; nothing is tokenized again), the shuffle
+buffer's raw examples and its generator state, rows already tokenized but not yet trained (an expanded
+conversation's later turns), the partly filled packs, and the counters. A resumed run trains exactly the rows the
+uninterrupted run would have. When the stream ends the next pass (epoch) starts from its beginning; with random
+order its shards come in a new order (datasets' `set_epoch`, seeded by data_seed and the pass) and the shuffle
+buffer's generator goes on, so a shuffled pass differs from the previous one.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from datasets.distributed import split_dataset_by_node
 from hftrain.config import DatasetSource
 from hftrain.data.batching import Collator
 from hftrain.data.formats import detect_format
+from hftrain.data.jsonlines import BAD_LINE, json_lines_dataset
 from hftrain.data.sources import CHAT_FORMATS, FILE_BUILDERS, check_objective, load_eval_set
 from hftrain.data.tokenize import DataSpec, prepare_chat_template, tokenize_dataset, tokenize_pair, tokenize_rows
 from hftrain.errors import HftrainError, first_line
@@ -96,6 +99,8 @@ def stream_source(name: str, config: str | None, split: str, columns: dict[str, 
                 raise HftrainError(f"dataset {name!r}: streamed data files must share one of the extensions "
                                    f"{', '.join(FILE_BUILDERS)}")
             builder = kinds.pop()
+            if all(Path(f).suffix.lower() == ".jsonl" for f in files):  # hftrain's reader: bad lines, seeking resume
+                return StreamSource(name, lambda: json_lines_dataset(files, columns), len(files), _count_rows(files))
 
             def open_files():
                 return renamed(datasets.load_dataset(builder, data_files=files, split="train", streaming=True))
@@ -163,7 +168,7 @@ class RowStream:
     does.
     """
 
-    def __init__(self, open_pass: Callable[[], object], tokenize: Callable[[dict, int], list[dict]], *,
+    def __init__(self, open_pass: Callable[[int], object], tokenize: Callable[[dict, int], list[dict]], *,
                  shuffle_buffer: int, seed: int, packing: bool, max_length: int, skip: int = 0):
         self.open_pass, self.tokenize = open_pass, tokenize
         self.shuffle_buffer, self.packing, self.max_length, self.skip = shuffle_buffer, packing, max_length, skip
@@ -186,7 +191,7 @@ class RowStream:
         if self.source_done:
             return None
         if self.raw_iter is None:
-            self.raw = self.open_pass()
+            self.raw = self.open_pass(self.passes)
             if self.raw_state is not None:
                 self.raw.load_state_dict(self.raw_state)
                 self.raw_state = None
@@ -381,9 +386,10 @@ class StreamFeed:
     """
 
     def __init__(self, stream: RowStream, collator: StreamCollator, plan: StreamPlan, rank: int, disjoint: bool,
-                 max_bad_rows: int, description: str, num_workers: int = 0):
+                 max_bad_rows: int, description: str, num_workers: int = 0, examples_per_pass: int | None = None):
         self.stream, self.collator, self.plan, self.rank, self.disjoint = stream, collator, plan, rank, disjoint
         self.max_bad_rows, self.description, self.num_workers = max_bad_rows, description, num_workers
+        self.examples_per_pass = examples_per_pass  # raw examples a pass reads (carve-out included), when known
         self.steps_read = 0  # steps whose rows were taken from the stream
         self.snapshots: dict[int, dict] = {}  # steps done -> the stream's state then (the last two)
         self.position: dict | None = None  # with workers: the stream's state after `steps_read` steps
@@ -447,16 +453,24 @@ class StreamFeed:
                     "max_bad_rows")
         return None
 
+    def epoch(self, state: dict) -> float:
+        """Passes over the stream completed, plus the read part of the current one when its length is known."""
+        done = state["read"] / self.examples_per_pass if self.examples_per_pass else 0.0
+        return state["passes"] + min(1.0, done)
+
     def window_metrics(self, dp) -> dict:
         """Raw examples read, bad examples and dropped rows since the last logged row, over the data-parallel ranks
-        (every rank counts the same examples when they all read the whole stream)."""
-        counts = self._state()["counts"]
-        local = torch.tensor([counts[k] - self.logged[k] for k in self.logged], dtype=torch.float64,
-                             device=dp.accelerator.device)
+        (every rank counts the same examples when they all read the whole stream), and the epoch: the ranks' mean
+        of `epoch` (ranks reading disjoint shards may be in different passes)."""
+        state = self._state()
+        counts = state["counts"]
+        local = torch.tensor([counts[k] - self.logged[k] for k in self.logged] + [self.epoch(state)],
+                             dtype=torch.float64, device=dp.accelerator.device)
         self.logged = {k: counts[k] for k in self.logged}
-        total = dp.sum(local).cpu() / (1 if self.disjoint else dp.world)
-        return {"stream_examples": int(total[0]), "stream_bad_rows": int(total[1]),
-                "stream_dropped_rows": int(total[2])}
+        total = dp.sum(local).cpu()
+        counted = total[:3] / (1 if self.disjoint else dp.world)
+        return {"epoch": round(float(total[3]) / dp.world, 4), "stream_examples": int(counted[0]),
+                "stream_bad_rows": int(counted[1]), "stream_dropped_rows": int(counted[2])}
 
 
 def _as_is(item):
@@ -516,10 +530,11 @@ def _is_chat_example(fmt: str, example: dict) -> bool:
 
 
 def _first_example(source: StreamSource) -> dict:
+    """The first example that is a JSON object (its columns decide the format)."""
     try:
-        return next(iter(source.open()))
+        return next(example for example in source.open() if BAD_LINE not in example)
     except StopIteration:
-        raise HftrainError(f"dataset {source.name!r} is empty") from None
+        raise HftrainError(f"dataset {source.name!r} holds no example (no line that is a JSON object)") from None
     except Exception as exc:  # noqa: BLE001
         raise HftrainError(f"cannot read dataset {source.name!r}: {first_line(exc)}") from None
 
@@ -565,10 +580,14 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
         eval_raw is not None and len(eval_raw) > 0 and _is_chat_example(eval_fmt, eval_raw[0]))
     template_note = prepare_chat_template(tokenizer, recipe.chat_template_path, needs_chat)
 
-    def open_pass():
+    sequential = recipe.train_sampling_strategy == "sequential"
+
+    def open_pass(passes: int):
         raw = source.open()
         if recipe.max_samples is not None:
-            raw = raw.take(held_out + recipe.max_samples)
+            raw = raw.take(held_out + recipe.max_samples)  # take() keeps the shard order (datasets refuses to shuffle)
+        if not sequential:  # datasets shuffles the shards when the epoch is not 0: seeded by data_seed and the pass
+            raw.set_epoch(1 + passes + 1_000_003 * recipe.order_seed)
         return split_dataset_by_node(raw, rank, world, strategy="shards") if disjoint else raw
 
     name = source.name
@@ -578,11 +597,12 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
         if mixture:  # a mixture's records carry their source and the raw example as JSON
             part = example[MIXTURE_SOURCE]
             example, kind, where = json.loads(example[MIXTURE_RAW]), formats[part], parts[part].name
+        if BAD_LINE in example:
+            raise HftrainError(example[BAD_LINE])
         if kind == "preference":
             return [tokenize_pair(example, index, tokenizer, spec, where)]
         return tokenize_rows(example, index, tokenizer, spec, kind, where)
 
-    sequential = recipe.train_sampling_strategy == "sequential"
     stream = RowStream(open_pass, tokenize, shuffle_buffer=1 if sequential else recipe.shuffle_buffer_size,
                        seed=recipe.order_seed * 1_000_003 + (rank if disjoint else 0), packing=recipe.packing,
                        max_length=recipe.max_length, skip=held_out)
@@ -601,8 +621,11 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
     collator = StreamCollator(0, recipe.packing, fmt == "preference")
     if recipe.dataloader_num_workers:
         description += f", in {recipe.dataloader_num_workers} worker process(es)"
+    per_pass = None  # raw examples a pass reads, when known (for the logged epoch)
+    if source.num_rows is not None and not disjoint:
+        per_pass = min(source.num_rows, held_out + (recipe.max_samples or source.num_rows))
     feed = StreamFeed(stream, collator, plan, rank, disjoint, recipe.max_bad_rows, description,
-                      recipe.dataloader_num_workers)
+                      recipe.dataloader_num_workers, per_pass)
 
     evaluation, stats = None, {"streaming": {"source": name, "format": fmt, "shards": source.num_shards,
                                              "rows": source.num_rows, "disjoint_shards": disjoint,

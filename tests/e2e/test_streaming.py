@@ -109,6 +109,7 @@ def test_streamed_equals_map_style(streamed, mapped):
     assert "streaming" not in mapped.stdout
     rows = streamed.train_rows()
     assert [r["stream_examples"] for r in rows] == [4] * STEPS and {r["stream_bad_rows"] for r in rows} == {0}
+    assert [r["epoch"] for r in rows] == [round(4 * step / 40, 4) for step in range(1, STEPS + 1)]  # 4 of 40 a step
     assert_same(streamed, mapped)
 
 
@@ -150,18 +151,23 @@ def test_preempted_shards_resume_exactly(shards_uninterrupted, shards_preempted,
     passes = [json.loads(p.read_text())["stream"]["passes"] for p in (resumed.output_dir / "checkpoint-6").glob(
         "data_stream_process*.json")]
     assert max(passes) >= 1  # a pass over the rank's shard ended mid-run: the next pass was resumed too
+    # epoch: the ranks' mean of passes completed (a rank's shard length is not known before reading it)
+    epochs = [r["epoch"] for r in shards_uninterrupted.train_rows()]
+    assert epochs == sorted(epochs) and epochs[0] == 0 and epochs[-1] == sum(passes) / 2
 
 
 def test_refusals_and_bad_rows(shards_preempted, tiny_model, data, tmp_path):
     """One process: streaming without max_steps; a disjoint-shards checkpoint on another process count, or map-style;
-    a stream whose
-    bad examples pass max_bad_rows in step 2 stops with checkpoint-1 and names the first."""
+    a stream whose bad examples (a line that is not JSON, chats without an answer) pass max_bad_rows in step 2 stops
+    with checkpoint-1 and names the first (the line that is not JSON, by file and line)."""
     out = tmp_path / "other-count"
     shutil.copytree(shards_preempted.output_dir / "checkpoint-3", out / "checkpoint-3")
     no_steps = [a for a in common(tiny_model, data["jsonl"]) if a not in ("--max_steps", str(STEPS))]
     good = [json.loads(line) for line in data["jsonl"].read_text().splitlines()]
     no_answer = {"messages": [{"role": "user", "content": "hello?"}]}
     bad_data = write_jsonl(tmp_path / "bad.jsonl", [good[0], no_answer, good[1], no_answer, no_answer, *good[2:]])
+    lines = bad_data.read_text().splitlines(keepends=True)
+    bad_data.write_text("".join([lines[0], "{not json\n", *lines[2:]]))  # the first bad example: a line not JSON
     cases = {
         "no_max_steps": ([*no_steps, "--streaming", "true", "--output_dir", str(tmp_path / "a")], {}),
         "other_count": ([*common(tiny_model, data["saved"]), *SHARDS, "--output_dir", str(out),
@@ -184,6 +190,6 @@ def test_refusals_and_bad_rows(shards_preempted, tiny_model, data, tmp_path):
     bad = runs["bad_rows"]
     assert bad.returncode != 0 and "Traceback" not in said["bad_rows"]
     assert "3 bad examples, more than max_bad_rows=1; the first: pass 1, example 1:" in said["bad_rows"]
-    assert "has no assistant message" in said["bad_rows"] and "state after step 1 is in" in said["bad_rows"]
+    assert f"{bad_data}, line 2: not JSON" in said["bad_rows"] and "state after step 1 is in" in said["bad_rows"]
     assert (bad.output_dir / "checkpoint-1" / "data_stream_process0.json").exists()
     assert [(r["step"], r["stream_bad_rows"]) for r in bad.train_rows()] == [(1, 1)]

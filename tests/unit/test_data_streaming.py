@@ -16,7 +16,7 @@ N = 23
 def source(n: int = N, shards: int = 2):
     """An IterableDataset of n raw examples {"n": i, "text": ...} in `shards` shards."""
     data = datasets.Dataset.from_list([{"n": i, "text": "x" * (i % 7)} for i in range(n)])
-    return lambda: data.to_iterable_dataset(num_shards=shards)
+    return lambda passes: data.to_iterable_dataset(num_shards=shards)
 
 
 def tokenize(example: dict, index: int) -> list[dict]:
@@ -226,3 +226,94 @@ def test_worker_processes_give_the_same_batches_and_positions_and_resume_from_ei
     resumed = feed(2)
     resumed.start(3, json.loads(json.dumps(at_3.state_dict(3))))
     assert steps(resumed, 2) == expected[3:]
+
+
+def chat_lines(first: int, n: int) -> list[str]:
+    import json
+
+    return [json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"},
+                                     {"role": "assistant", "content": f"Answer {i}."}]}) + "\n"
+            for i in range(first, first + n)]
+
+
+def stream_feed(dataset, **options):
+    from hftrain.data.streaming import load_stream
+    from hftrain.model import build_tokenizer
+
+    recipe = Recipe(model_name_or_path=str(REPO / "models" / "tiny-llama"), streaming=True, max_steps=1,
+                    validation_split_percentage=0, eval_strategy="no", dataset_name=str(dataset), **options)
+    feed, _, _ = load_stream(recipe, build_tokenizer(recipe), rank=0, world=1)
+    return feed
+
+
+def questions(feed, n: int) -> list[int]:
+    """The question numbers of the next n rows (one chat per row)."""
+    import re
+
+    from hftrain.model import build_tokenizer
+
+    tokenizer = build_tokenizer(Recipe(model_name_or_path=str(REPO / "models" / "tiny-llama")))
+    return [int(re.search(r"Question (\d+)\?", tokenizer.decode(feed.stream.next_row()[0]["input_ids"])).group(1))
+            for _ in range(n)]
+
+
+def test_a_line_that_is_not_json_is_a_counted_bad_example_and_a_resume_seeks_past_the_read_lines(tmp_path):
+    """A .jsonl stream with a line that is not JSON, a JSON array line and a blank line: the other lines train in the
+    file's order, the two bad lines are counted and the first named by file and line. A stream loaded from its state
+    after 5 rows continues with the uninterrupted stream's rows even when every line before the saved position was
+    overwritten since (with as many bytes): it seeks to the position instead of reading the file up to it."""
+    import json
+
+    lines = chat_lines(0, 12)
+    lines[3:3] = ["{this is not json\n", "\n"]
+    lines[8:8] = ["[1, 2]\n"]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(lines))
+    whole = stream_feed(data, train_sampling_strategy="sequential")
+    assert questions(whole, 12) == list(range(12))
+    counts = whole.stream.counts
+    assert (counts["examples"], counts["bad"]) == (14, 2)
+    assert whole.stream.first_bad.startswith(f"pass 1, example 3: {data}, line 4: not JSON")
+    assert questions(whole, 2) == [0, 1]  # the next pass
+    first = stream_feed(data, train_sampling_strategy="sequential")
+    questions(first, 5)
+    state = json.loads(json.dumps(first.stream.state()))
+    offset = state["raw"]["examples_iterable"]["offset"]
+    text = data.read_bytes()
+    assert text[:offset].decode().count("\n") == 7  # 5 chats, the bad line and the blank line read so far
+    data.write_bytes(b"x" * (offset - 1) + b"\n" + text[offset:])  # the read part is now one line of garbage
+    resumed = stream_feed(data, train_sampling_strategy="sequential")
+    resumed.stream.load_state(state)
+    assert questions(resumed, 7) == list(range(5, 12))
+    assert resumed.stream.counts["bad"] == 2
+
+
+def test_shards_are_shuffled_per_pass_seeded_and_a_resume_across_the_pass_boundary_is_exact(tmp_path):
+    """A folder of 4 .jsonl files (3 chats each), random order with a shuffle buffer of 1 (so the rows follow the
+    shards): each pass reads every file whole, in a file order that changes from pass to pass and is the same for
+    the same data_seed; `epoch` counts passes (and the read part of the current one); a stream loaded from its state
+    in the last file of pass 1 continues into pass 2 as the uninterrupted stream does."""
+    import json
+
+    for k in range(4):
+        (tmp_path / f"part{k}.jsonl").write_text("".join(chat_lines(3 * k, 3)))
+    options = {"shuffle_buffer_size": 1, "data_seed": 5}
+    whole = stream_feed(tmp_path, **options)
+    assert "one rank reads 4 shard(s)" in whole.description
+    rows = questions(whole, 36)
+    passes = [rows[i:i + 12] for i in range(0, 36, 12)]
+    orders = [[p[i] // 3 for i in range(0, 12, 3)] for p in passes]
+    for p, order in zip(passes, orders):
+        assert sorted(order) == [0, 1, 2, 3] and p == [3 * k + i for k in order for i in range(3)]
+    assert len({tuple(o) for o in orders}) > 1 and orders[0] != [0, 1, 2, 3]
+    assert questions(stream_feed(tmp_path, **options), 36) == rows  # seeded
+    assert questions(stream_feed(tmp_path, shuffle_buffer_size=1, data_seed=6), 36) != rows
+    assert questions(stream_feed(tmp_path, train_sampling_strategy="sequential"), 12) == list(range(12))
+    assert whole.epoch(whole.stream.state()) == 3.0
+    first = stream_feed(tmp_path, **options)
+    questions(first, 10)
+    assert first.epoch(first.stream.state()) == 10 / 12
+    state = json.loads(json.dumps(first.stream.state()))
+    resumed = stream_feed(tmp_path, **options)
+    resumed.stream.load_state(state)
+    assert questions(resumed, 26) == rows[10:]
