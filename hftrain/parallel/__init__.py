@@ -43,7 +43,7 @@ def resolve(accelerator, recipe: Recipe, launch: Launch) -> Backend:
                 if wanted == "FSDP" else " unset ACCELERATE_USE_CPU (it turns DeepSpeed into DDP)")
         raise HftrainError(f"the launch preset asks for {wanted} but accelerate selected {selected} on this machine, "
                            f"which would train with another strategy than the one you chose;{hint}")
-    if recipe.pp_size > 1:  # the recipe and preflight have refused pp with tp/sp/cp, FSDP2 and DeepSpeed
+    if recipe.pp_size > 1:  # tp_size runs inside its stages; the recipe and preflight refused sp/cp, FSDP2, DeepSpeed
         return PipelineBackend(accelerator, recipe)
     if recipe.tp_size > 1:  # the preflight has refused tensor parallelism with FSDP2 or DeepSpeed
         return TensorParallelBackend(accelerator, recipe)

@@ -293,8 +293,9 @@ class Backend:
             return set(f.keys())
 
     def check_resumable(self, saved_launch: dict) -> None:
-        """Refuse a checkpoint this layout cannot load (a tensor-parallel one without tensor parallelism)."""
-        if saved_launch["tp_size"] > 1:
+        """Refuse a checkpoint this layout cannot load (a tensor-parallel one without tensor parallelism; one of pp x
+        tp is a pipeline checkpoint: DCP, read whole by `resume_folder`)."""
+        if saved_launch["tp_size"] > 1 and saved_launch.get("pp_size", 1) == 1:
             raise_tp_mismatch(saved_launch["tp_size"], self.recipe.tp_size)
         sharded = self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         if saved_launch.get("pp_size", 1) > 1 and sharded:  # checkpoints older than pp carry no pp_size

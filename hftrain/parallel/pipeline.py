@@ -20,8 +20,16 @@ embeddings, pytorch #184361):
 - gradients: averaged over the data-parallel copies, the tied embedding's gradient summed between the first and the
   last stage, the norm summed over the stages (each tied weight counted once) before clipping.
 
-Process layout (one DeviceMesh, pp outermost): rank = stage_rank * copies + copy. With 4 processes and pp_size=2:
-ranks {0, 2} and {1, 3} are two pipelines; {0, 1} hold the first stage, {2, 3} the last.
+Process layout (one DeviceMesh ("pp", "dp", "tp"), pp outermost, tp innermost): rank = (stage_rank * copies + copy)
+* tp_size + tp_rank. With 4 processes and pp_size=2: ranks {0, 2} and {1, 3} are two pipelines; {0, 1} hold the
+first stage, {2, 3} the last. With tp_size=2 as well (pp x tp, 4 processes): {0, 1} hold the first stage's layers
+split in two by transformers' tensor-parallel plan, {2, 3} the last stage's; ranks 0 -> 2 and 1 -> 3 exchange the
+(replicated) hidden states. 8 processes with pp_size=2, tp_size=2: two such pipelines, one per data-parallel copy
+("3D": data x tensor x pipeline).
+
+pp x tp: every rank loads the model with transformers' tp plan over its tp group (`tensor.model_load_kwargs`: each
+rank reads 1/tp of every layer), then keeps only its stage's layers, so the plan applies per stage to the layers the
+stage owns; the stage's forward runs transformers' sharded layers (their collectives inside the tp group).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor, Replicate
 
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
@@ -55,6 +64,7 @@ from hftrain.model import HEAD_ONLY_MODEL_TYPES, router_coefficient
 from hftrain.optim import build_optimizer
 from hftrain.parallel.base import Backend, DataParallel, Parallelism
 from hftrain.parallel.launch import Launch
+from hftrain.parallel.tensor import model_load_kwargs
 from hftrain.stages import (
     PIPELINE_STATE_DIR,
     STAGES_PER_PROCESS,
@@ -86,9 +96,10 @@ def pipeline_problems(recipe: Recipe, launch: Launch, model_config) -> list[str]
         problems.append(f"pp_size={pp} with a {launch.kind} preset: hftrain's pipeline runs with data-parallel copies "
                         "of the pipeline on a DDP-type preset (cpu_pp on CPU, pp on GPUs); FSDP2 or ZeRO per stage is "
                         "not built (docs/pipeline.md)")
-    elif launch.world % pp:
-        problems.append(f"pp_size={pp} does not divide the {launch.world} processes of this launch; use pp_size "
-                        "processes (cpu_pp / pp preset) or a multiple of it for data-parallel copies of the pipeline")
+    elif launch.world % (pp * recipe.tp_size):
+        size = f"pp_size={pp}" + (f" x tp_size={recipe.tp_size}" if recipe.tp_size > 1 else "")
+        problems.append(f"{size} does not divide the {launch.world} processes of this launch; use {size} processes "
+                        "(cpu_pp / pp preset) or a multiple of it for data-parallel copies of the pipeline")
     if recipe.use_peft or recipe.load_in_4bit or recipe.load_in_8bit:
         problems.append(f"pp_size={pp} with use_peft / load_in_4bit / load_in_8bit is not built yet "
                         "(docs/pipeline.md); train the full model or use data parallelism")
@@ -116,6 +127,56 @@ def pipeline_problems(recipe: Recipe, launch: Launch, model_config) -> list[str]
         problems.append(f"pp_size={pp} with a mixture-of-experts router loss: each stage holds only its layers' "
                         "routers and the loss would need them all on the last stage; set router_aux_loss_coef: 0")
     return problems
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (sharing its storage), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def sharded(tensor: torch.Tensor) -> bool:
+    """Whether a DTensor is split over its tp group (each rank holds a part); a plain tensor or a replicated DTensor
+    is whole on every rank. transformers' tp plans give weights and gradients Shard or Replicate placements."""
+    placements = getattr(tensor, "placements", ())
+    if any(p.is_partial() for p in placements):
+        raise HftrainError(f"a gradient with a partial placement ({placements}): reduce it before clipping")
+    return any(p.is_shard() for p in placements)
+
+
+def sum_whole(grad: torch.Tensor, group) -> None:
+    """Sum `grad` in place over `group` (the tied embedding's first and last stage), as whole tensors: under tp the
+    two sides' gradients can be laid out differently (transformers' embedding gives its sharded weight a replicated
+    gradient, the head a vocabulary shard), so a shard is gathered inside its tp group, summed whole, and this rank's
+    part taken back."""
+    if not isinstance(grad, DTensor):
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        return
+    whole = grad.full_tensor()
+    dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=group)
+    replicated = DTensor.from_local(whole, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim, run_check=False)
+    grad.to_local().copy_(replicated.redistribute(grad.device_mesh, grad.placements).to_local())
+
+
+def placed_like(module: nn.Module, weights: dict, moments: dict) -> tuple[dict, dict]:
+    """Whole tensors (a checkpoint written without tp) laid out as `module`'s tensor-parallel parameters: each
+    weight, and each optimizer value of a parameter's shape, becomes a DTensor with its parameter's placements (this
+    rank's slice; no communication). Plain parameters keep plain values."""
+    params = dict(module.state_dict(keep_vars=True))
+
+    def like(value, param):
+        if not isinstance(param, DTensor) or isinstance(value, DTensor) or value.shape != param.shape:
+            return value
+        whole = DTensor.from_local(value.to(param.device), param.device_mesh,
+                                   [Replicate()] * param.device_mesh.ndim, run_check=False)
+        return whole.redistribute(param.device_mesh, param.placements)
+
+    weights = {name: like(value, params[name]) for name, value in weights.items()}
+    out = {}
+    for key, value in moments.items():
+        section, _, rest = key.partition(".")
+        name = rest.rpartition(".")[0]
+        out[key] = like(value, params[name]) if section == "state" and name in params else value
+    return weights, out
 
 
 class Elsewhere(nn.Module):
@@ -254,39 +315,60 @@ class PipelineBackend(Backend):
     """pp_size stages per pipeline, pipelines as data-parallel copies (see the module's docstring)."""
 
     def __post_init__(self) -> None:
-        world, pp = self.accelerator.num_processes, self.recipe.pp_size
+        world, pp, tp = self.accelerator.num_processes, self.recipe.pp_size, self.recipe.tp_size
+        copies = world // (pp * tp)
         device = self.accelerator.device
-        self.mesh = init_device_mesh(device.type, (pp, world // pp), mesh_dim_names=("pp", "dp"))
+        self.mesh = init_device_mesh(device.type, (pp, copies, tp), mesh_dim_names=("pp", "dp", "tp"))
         self.pp_group, self.dp_group = self.mesh["pp"].get_group(), self.mesh["dp"].get_group()
         self.pp_rank, self.copy = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("dp")
-        # the first and last stage of each copy share the tied embedding; every rank creates every pair, in order
-        self.tie_group = None
-        copies = world // pp
+        self.tp_rank = self.mesh.get_local_rank("tp")
+        ranks = self.mesh.mesh  # [stage, copy, tp rank] -> global rank
+        # Every rank creates every group, in the same order. The ranks that train on one batch (a copy's stages and
+        # tp shards): the loop's sums take the max over them. The first and last stage of each (copy, tp rank) share
+        # the tied embedding (the same shard of it under tp).
+        self.batch_group = self.tie_group = None
         for c in range(copies):
-            group = dist.new_group([c, (pp - 1) * copies + c])
+            group = dist.new_group(ranks[:, c, :].flatten().tolist())
             if c == self.copy:
-                self.tie_group = group
+                self.batch_group = group
+        for c in range(copies):
+            for t in range(tp):
+                group = dist.new_group([int(ranks[0, c, t]), int(ranks[pp - 1, c, t])])
+                if (c, t) == (self.copy, self.tp_rank):
+                    self.tie_group = group
         super().__post_init__()
 
     @property
     def pp(self) -> int:
         return self.recipe.pp_size
 
+    @property
+    def tp(self) -> int:
+        return self.recipe.tp_size
+
     def data_parallel(self) -> DataParallel:
-        # A pipeline's ranks train on the same batches: tokens are counted once per pipeline (sum over the copies),
-        # then the max over the pipeline group spreads the last stage's loss sums (>= 0; 0 on the other stages).
-        return DataParallel(self.accelerator.num_processes // self.pp, self.copy, self.accelerator,
-                            replicas=self.pp, groups=(self.dp_group, self.pp_group))
+        # A pipeline's ranks (its stages and their tp shards) train on the same batches: tokens are counted once per
+        # pipeline (sum over the copies), then the max over the pipeline's ranks spreads the last stage's loss sums
+        # (>= 0; 0 on the other stages).
+        copies = self.accelerator.num_processes // (self.pp * self.tp)
+        return DataParallel(copies, self.copy, self.accelerator, replicas=self.pp * self.tp,
+                            groups=(self.dp_group, self.batch_group))
+
+    def model_load_kwargs(self) -> dict:
+        """pp x tp: transformers' tp plan over groups of tp_size consecutive ranks (the mesh's innermost axis), every
+        layer sharded at load; `prepare` then keeps this stage's."""
+        return model_load_kwargs(self.tp, self.accelerator.num_processes) if self.tp > 1 else {}
 
     def make_record(self, **layout) -> Parallelism:
-        copies = self.accelerator.num_processes // self.pp
+        copies = self.accelerator.num_processes // (self.pp * self.tp)
         name = (f"pipeline parallel (pp_size={self.pp}, {self.recipe.pp_schedule}, {microbatches(self.recipe)} "
-                "microbatches)" + (f" x {copies} data-parallel copies" if copies > 1 else ""))
+                "microbatches)" + (f" x tensor parallel (tp_size={self.tp})" if self.tp > 1 else "") +
+                (f" x {copies} data-parallel copies" if copies > 1 else ""))
         record = super().make_record(kind="pp", name=name, sharded=("weights", "gradients", "optimizer"))
         return dataclasses.replace(record, pp_size=self.pp)
 
     def shard_count(self) -> int:
-        return self.pp
+        return self.pp * self.tp
 
     # ----------------------------------------------------------------- training
     def prepare(self, model, optimizer):
@@ -335,28 +417,32 @@ class PipelineBackend(Backend):
     def clip_grad_norm(self, model, max_norm: float) -> float | None:
         """Collectives that change the gradients: the mean over the data-parallel copies (the loss already divides
         by the step's tokens over all copies, so the mean undoes the copies' count as DDP's does), the tied
-        embedding's gradient summed between the first and the last stage, then the norm summed (squares) over the
-        stages, each tied weight counted once, and torch's clipping rule (coef = max_norm / (norm + 1e-6), at most
-        1)."""
+        embedding's gradient summed between the first and the last stage, then the norm: the squares of every
+        gradient summed over the stages and, for a tensor sharded by tp, over its shards (a tensor that every tp rank
+        holds whole is counted once, and a tied weight once), and torch's clipping rule (coef = max_norm / (norm +
+        1e-6), at most 1)."""
         params = [p for p in model.parameters() if p.grad is not None]
+        grads = [local(p.grad) for p in params]  # a DTensor's shard: what this rank holds
         copies = self.dp.world
-        for p in params:
+        for g in grads:
             if copies > 1:
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.dp_group)
-                p.grad.div_(copies)
+                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.dp_group)
+                g.div_(copies)
         tied = self.tied_parameter(model)
         if tied is not None and tied.grad is not None:
-            dist.all_reduce(tied.grad, op=dist.ReduceOp.SUM, group=self.tie_group)
-        counted = [p for p in params if not (tied is not None and p is tied and not model.has_first)]
+            sum_whole(tied.grad, self.tie_group)
         squares = torch.zeros((), dtype=torch.float32, device=self.accelerator.device)
-        for p in counted:
-            squares += p.grad.detach().float().pow(2).sum()
-        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.pp_group)
+        for p, g in zip(params, grads, strict=True):
+            if tied is not None and p is tied and not model.has_first:
+                continue  # the head's copy of the tied weight: counted on the first stage
+            if sharded(p.grad) or self.tp_rank == 0:  # a whole tensor: once per tp group
+                squares += g.detach().float().pow(2).sum()
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.batch_group)  # the stages and tp shards of a copy
         norm = squares.sqrt()
         if max_norm != float("inf"):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for p in params:
-                p.grad.mul_(coef.to(p.grad.dtype))
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
         return float(norm)
 
     def tied_parameter(self, model) -> nn.Parameter | None:
@@ -390,6 +476,7 @@ class PipelineBackend(Backend):
         def load(models, folder) -> None:
             if not (Path(folder) / PIPELINE_STATE_DIR).exists():  # written without pp: accelerate's files
                 weights, moments = pipelined_state(Path(folder), model.module, self.unsplit_ids)
+                weights, moments = placed_like(model.module, weights, moments)
                 set_model_state_dict(model.module, weights, options=options)
                 set_optimizer_state_dict(model.module, optimizer, moments, options=options)
                 return
@@ -427,21 +514,34 @@ class PipelineBackend(Backend):
         yield path  # pp checkpoints and those without pp: the load hook reads either (`register_checkpoint_hooks`)
 
     def local_trained_tensors(self, model) -> list[torch.Tensor]:
-        return [p.data for p in model.parameters() if p.requires_grad]
+        return [local(p.data) for p in model.parameters() if p.requires_grad]
 
     def unwrap(self, model):
         return model.module if isinstance(model, PipelineStages) else model
 
     def full_state_dict(self, model) -> dict | None:
-        """Every stage's weights gathered on the main process (the first copy's; the others hold the same). A tied
+        """Every stage's weights gathered on the main process (the first copy's; the others hold the same); under tp
+        each tensor's shards are gathered first, inside its tp group (every rank of the first copy calls). A tied
         head is left to the embedding's key, as transformers saves a tied model."""
         tied = self.tied_parameter(model) if not model.has_first else None
-        mine = {k: v.detach().cpu() for k, v in model.module.state_dict(keep_vars=True).items()
-                if self.copy == 0 and v is not tied}
+        mine = {}
+        if self.copy == 0:
+            for k, v in model.module.state_dict(keep_vars=True).items():
+                if v is not tied:
+                    mine[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
         merged = {}
-        for part in gather_object([mine]):
+        for part in gather_object([mine if self.tp_rank == 0 else {}]):
             merged.update(part)
         return merged
+
+    def save_pretrained(self, model, folder: Path) -> None:
+        """The main process writes the gathered weights. A model loaded with transformers' tp plan ends its
+        save_pretrained with a barrier over every rank, so under tp every rank calls it (the others with nothing to
+        write)."""
+        state_dict = self.full_state_dict(model)
+        if self.accelerator.is_main_process or self.tp > 1:
+            main = self.accelerator.is_main_process
+            self.unwrap(model).save_pretrained(folder, state_dict=state_dict if main else {}, is_main_process=main)
 
     def launch_info(self, model, optimizer) -> dict:
         return {**super().launch_info(model, optimizer), "pp_size": self.pp, "pp_schedule": self.recipe.pp_schedule,

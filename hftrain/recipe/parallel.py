@@ -48,8 +48,9 @@ class ParallelFields:
     pp_size: int = _f(
         1, "Pipeline-parallel degree: the model's layers split into N stages by its pp plan (base_model_pp_plan), one "
         "per process (two with Interleaved1F1B), run by torch.distributed.pipelining. Needs a DDP-type preset "
-        "(cpu_pp on CPU, pp on GPUs) with N processes, or a multiple of N for data-parallel copies of the pipeline. "
-        "docs/pipeline.md. 1 = off.", group="parallelism",
+        "(cpu_pp on CPU, pp on GPUs) with N processes (N x tp_size with tensor parallelism inside each stage), or a "
+        "multiple of it for data-parallel copies of the pipeline (3D: data x tensor x pipeline). docs/pipeline.md. "
+        "1 = off.", group="parallelism",
     )
     pp_schedule: str = _f(
         "1F1B", "Pipeline schedule (torch's names): 1F1B (one forward, one backward: few activations in flight), "
@@ -94,12 +95,13 @@ def _pipeline_problems(r) -> list[str]:
     if r.pp_size == 1:
         return []
     problems = []
-    sizes = {"tp_size": r.tp_size, "sp_size": r.sp_size, "cp_size": r.cp_size}
+    sizes = {"sp_size": r.sp_size, "cp_size": r.cp_size}
     others = [f"{name}={size}" for name, size in sizes.items() if size > 1]
     if others:
-        problems.append(f"pp_size={r.pp_size} with {', '.join(others)}: pipeline parallelism composes only with "
-                        "data-parallel copies so far (pp x tp and pp x sp/cp are not built, docs/pipeline.md); set "
-                        "them to 1")
+        problems.append(f"pp_size={r.pp_size} with {', '.join(others)}: pipeline parallelism composes with tensor "
+                        "parallelism (tp_size) and data-parallel copies only (pp x sp/cp is not built: the sequence "
+                        "shards' positions and attention exchanges would have to cross the stages, docs/pipeline.md); "
+                        "set them to 1")
     if r.objective != "sft":
         problems.append(f"pp_size={r.pp_size} with objective={r.objective}: a preference loss needs both rows of a "
                         "pair and the reference's log-probabilities on the last stage, which hftrain's pipeline does "

@@ -1,19 +1,21 @@
 """Pipeline parallelism (pp_size, parallel/pipeline.py) through `accelerate launch` with the cpu_pp preset (2 gloo
-processes, one 2-stage pipeline; GPipe on 4: two data-parallel copies of the pipeline) against one process on the
-same global batch of 16 examples.
+processes, one 2-stage pipeline; GPipe on 4: two data-parallel copies of the pipeline; pp2xtp2 on 4: each stage's
+layers split by transformers' tp plan; opt-in, pp2xtp2xdp2 on 8: the 3D layout) against one process on the same
+global batch of 16 examples.
 
 The model is a 4-layer tiny Llama built by scripts/make_tiny_model.py, and the same weights with tied input/output
 embeddings. The data is the assistant-only chat set: the 4 microbatches of 2 rows of each per-device batch hold
 unequal numbers of trained tokens, so a per-microbatch mean (Megatron's default, #4590) would differ from the
 step's token-weighted loss. Steps use accumulation 2 and max_grad_norm 0.5 (the norms are 2-4: clipping is active),
-so the norm summed over stages, the tied gradient summed between the first and the last stage and the loss
-normalisation all show in the per-step numbers and the final weights. The three schedules share one reference
-each; the refusals run in one process (tests/e2e/main_cases.py).
+so the norm summed over stages (and tp shards), the tied gradient summed between the first and the last stage and
+the loss normalisation all show in the per-step numbers and the final weights. The layouts share one reference per
+model; the refusals run in one process (tests/e2e/main_cases.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -49,22 +51,33 @@ def models(tmp_path_factory) -> dict:
     return {"untied": untied, "tied": tied}
 
 
+# name: (schedule, data-parallel copies, tp_size, model). The global batch stays 16 (per-device rows / copies).
+LAYOUTS = {
+    "1F1B": ("1F1B", 1, 1, "tied"),
+    "GPipe": ("GPipe", 2, 1, "untied"),  # pp 2 x 2 data-parallel copies on 4 processes
+    # each stage's layers split by transformers' tp plan over 2 processes (4 in all), on the tied model
+    "pp2xtp2": ("1F1B", 1, 2, "tied"),
+    "Interleaved1F1B": ("Interleaved1F1B", 1, 1, "untied"),
+}
+THREE_D = {"pp2xtp2xdp2": ("1F1B", 2, 2, "untied")}  # 8 processes: opt-in (test_3d_trains_like_one_process)
+
+
+def launch_layout(folder, name: str, models: dict) -> Run:
+    schedule, copies, tp, kind = {**LAYOUTS, **THREE_D}[name]
+    return launch(folder, *COMMON, *SAVES, *PP, "--pp_schedule", schedule, "--tp_size", str(tp),
+                  "--per_device_train_batch_size", str(8 // copies), "--model_name_or_path", str(models[kind]),
+                  preset="cpu_pp", processes=2 * copies * tp)
+
+
 @pytest.fixture(scope="module")
 def runs(models, tmp_path_factory) -> dict[str, Run]:
-    """One process per model, then the three schedules under pp 2 (1F1B on the tied model)."""
+    """One process per model, then the layouts under pp 2."""
     root = tmp_path_factory.mktemp("pp-runs")
     out = {f"ref-{kind}": run_script(root / f"ref-{kind}", *COMMON, *REF_SAVES[kind], "--model_name_or_path", str(path))
            for kind, path in models.items()}
-    for schedule, kind in (("1F1B", "tied"), ("GPipe", "untied"), ("Interleaved1F1B", "untied")):
-        copies = COPIES.get(schedule, 1)  # the global batch stays 16: per-device rows / copies
-        out[schedule] = launch(root / schedule, *COMMON, *SAVES, *PP, "--pp_schedule", schedule,
-                               "--per_device_train_batch_size", str(8 // copies),
-                               "--model_name_or_path", str(models[kind]), preset="cpu_pp", processes=2 * copies)
+    for name in LAYOUTS:
+        out[name] = launch_layout(root / name, name, models)
     return out
-
-
-REFERENCE = {"1F1B": "ref-tied", "GPipe": "ref-untied", "Interleaved1F1B": "ref-untied"}
-COPIES = {"GPipe": 2}  # pp 2 x 2 data-parallel copies on 4 processes
 
 
 def close(a: list[float], b: list[float], tol: float = 1e-4) -> None:
@@ -72,16 +85,32 @@ def close(a: list[float], b: list[float], tol: float = 1e-4) -> None:
                                rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("schedule", REFERENCE)
-def test_pp2_trains_like_one_process(runs, schedule):
-    """Per-step loss, gradient norm (clipped: above 0.5), learning rate, evaluation and final weights."""
-    run, ref = runs[schedule], runs[REFERENCE[schedule]]
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_pp2_trains_like_one_process(runs, name):
+    """Per-step loss, gradient norm (clipped: above 0.5), learning rate, evaluation and final weights. pp2xtp2: the
+    norm sums the stages and the tp shards (replicated tensors once), and the tied gradient, a vocabulary shard on
+    the last stage and a whole tensor on the first, is summed whole."""
+    assert_pp_run(runs[name], runs[f"ref-{LAYOUTS[name][3]}"], name)
+
+
+@pytest.mark.skipif(not os.environ.get("HFTRAIN_TEST_3D"),
+                    reason="opt-in (HFTRAIN_TEST_3D=1, ~35-60 s: 8 gloo processes on the CI's 2 cores, beyond its "
+                           "budget); pp x tp and pp x data-parallel copies run in CI: test_pp2_trains_like_one_process")
+def test_3d_trains_like_one_process(runs, models, tmp_path):
+    """pp 2 x tp 2 x 2 data-parallel copies (8 processes, the untied model): one DeviceMesh ("pp", "dp", "tp"), the
+    token count summed over the 2 copies only, the copies' gradients averaged shard by shard."""
+    assert_pp_run(launch_layout(tmp_path / "3d", "pp2xtp2xdp2", models), runs["ref-untied"], "pp2xtp2xdp2")
+
+
+def assert_pp_run(run: Run, ref: Run, name: str) -> None:
+    schedule, copies, tp, _ = {**LAYOUTS, **THREE_D}[name]
     info = run.state()["launch"]
-    copies = COPIES.get(schedule, 1)
     assert (info["distributed_type"], info["num_processes"], info["backend"], info["model_wrapper"]) == \
-        ("MULTI_CPU", 2 * copies, "gloo", "PipelineStages")
+        ("MULTI_CPU", 2 * copies * tp, "gloo", "PipelineStages")
     assert run.state()["parallelism"]["dp_world"] == copies
-    assert (info["pp_size"], info["pp_schedule"], info["pp_microbatches"]) == (2, schedule, 4)
+    assert (info["pp_size"], info["pp_schedule"], info["pp_microbatches"], info["tp_size"]) == (2, schedule, 4, tp)
+    # rank 0 holds the embedding and layers 0-1: with tp, DTensors (the tp plan's 7 linear layers each, the embedding)
+    assert info["dtensor_parameters"] == (15 if tp > 1 else 0)
     stages = 4 if schedule == "Interleaved1F1B" else 2
     assert info["pp_stages"]["stages"] == stages
     layers = [layer for start, stop in info["pp_stages"]["layers"] for layer in range(start, stop)]
@@ -102,11 +131,13 @@ def test_pp2_trains_like_one_process(runs, schedule):
     assert "desync" not in run.stdout + run.stderr
 
 
-def test_final_pipeline_model_loads_at_full_size(runs, models):
-    """The pp run's final folder is one from_pretrained model with every layer (tied head included)."""
+@pytest.mark.parametrize("name", ["1F1B", "pp2xtp2"])
+def test_final_pipeline_model_loads_at_full_size(runs, models, name):
+    """The pp run's final folder is one from_pretrained model with every layer (tied head included), gathered from
+    the stages and, under pp x tp, from the tp shards."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(runs["1F1B"].output_dir / "final")
+    model = AutoModelForCausalLM.from_pretrained(runs[name].output_dir / "final")
     reference = AutoModelForCausalLM.from_pretrained(models["tied"])
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     assert len(model.model.layers) == 4
@@ -178,7 +209,10 @@ REFUSALS = {  # name: (extra argv, environment, config.json override or None, te
                      "need at least as many microbatches as processes"),
     "dpo": (["--pp_size", "2", "--objective", "dpo", "--dataset_name", str(REPO / "data" / "preference.jsonl")], {},
             None, "with objective=dpo"),
-    "sp": (["--pp_size", "2", "--sp_size", "2"], {}, None, "pipeline parallelism composes only with data-parallel"),
+    "sp": (["--pp_size", "2", "--sp_size", "2"], {}, None, "pipeline parallelism composes with tensor parallelism "
+           "(tp_size) and data-parallel copies only"),
+    "pp_tp_processes": ([*PP, "--tp_size", "2"], {"WORLD_SIZE": "2"}, None,
+                        "pp_size=2 x tp_size=2 does not divide the 2 processes"),
     "deepspeed": (PP, {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true",
                        "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(REPO / "ds_configs" / "zero2.json")}, None,
                   "pp_size=2 with a deepspeed preset"),
