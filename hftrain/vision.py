@@ -10,9 +10,12 @@ projector between it and the language model (`multi_modal_projector`, `connector
 
 from __future__ import annotations
 
+import transformers
 from torch import nn
 from transformers import AutoConfig, AutoProcessor, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+from transformers.utils import is_torchvision_available
 
 from hftrain.errors import HftrainError, first_line
 
@@ -34,11 +37,35 @@ def model_config(recipe) -> PretrainedConfig | None:
         return None
 
 
+def torchvision_problem(config: PretrainedConfig | None) -> str | None:
+    """Why this model's processor cannot be built here, when its family's processor has a video processor (Qwen2-VL,
+    Qwen2.5-VL, Qwen3-VL, SmolVLM, LLaVA-OneVision, ...) and torchvision is not installed; else None.
+
+    transformers 5.23 cannot build such a processor without torchvision, even for images only: ProcessorMixin's
+    constructor checks every attribute's class, `video_processor=None` included, against BaseVideoProcessor, which
+    transformers defines only with torchvision (the lookup then fails on the placeholder VIDEO_PROCESSOR_MAPPING:
+    "has no attribute '_extra_content'"), and AutoProcessor first loads the video processor, which requires it."""
+    if config is None or is_torchvision_available():
+        return None
+    name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
+    cls = getattr(transformers, name, None) if name else None
+    if cls is None or "video_processor" not in cls.get_attributes():
+        return None
+    return (f"the image-text model {config.model_type!r} needs torchvision, which is not installed: its processor "
+            f"({name}) has a video processor, and transformers {transformers.__version__} cannot build such a "
+            "processor without torchvision, even for images only (its constructor checks the video processor's class "
+            "against one that exists only with torchvision). Install the torchvision build that matches your torch "
+            "(torchvision 0.28.x for torch 2.13, 0.29.x needs torch>=2.14; the CPU build on a CPU-only machine). "
+            "Families that train without torchvision: LLaVA, Gemma 3, Idefics3 (SmolVLM v1); see docs/vision.md")
+
+
 def problems(recipe, config: PretrainedConfig | None) -> list[str]:
     """What an image-text model cannot do in hftrain today, all at once (called by the preflight)."""
     if not is_image_text(config):
         return []
     kind, found = config.model_type, []
+    if (needs := torchvision_problem(config)) is not None:
+        found.append(needs)
     if recipe.packing:
         found.append(f"packing: true with the image-text model {kind!r}: rows with images are not packed (each "
                      "example's image features must meet its own placeholder tokens); set packing: false")
@@ -57,6 +84,8 @@ def problems(recipe, config: PretrainedConfig | None) -> list[str]:
 def build_processor(recipe):
     """The model's processor (`AutoProcessor`): its tokenizer, image processor and chat template."""
     name = recipe.tokenizer_name_or_path or recipe.model_name_or_path
+    if (needs := torchvision_problem(model_config(recipe))) is not None:
+        raise HftrainError(needs)
     try:
         return AutoProcessor.from_pretrained(name, revision=recipe.model_revision,
                                              trust_remote_code=recipe.trust_remote_code)

@@ -1,10 +1,12 @@
-"""Build a tiny random Llama (or Qwen2, Gemma, Qwen3-MoE, or LLaVA image-text model) with a locally trained tokenizer
-and a ChatML chat template.
+"""Build a tiny random Llama (or Qwen2, Gemma, Qwen3-MoE, or a LLaVA / Gemma 3 / Idefics3 image-text model) with a
+locally trained tokenizer and a ChatML chat template.
 
     python scripts/make_tiny_model.py OUT_DIR [--hidden_size 64 --num_layers 2 --vocab_size 1024 --seed 0]
     python scripts/make_tiny_model.py OUT_DIR --arch qwen2 --tie   # input and output embeddings tied (one tensor)
     python scripts/make_tiny_model.py OUT_DIR --arch qwen3_moe --tokenizer models/tiny-llama [--num_experts 8 ...]
     python scripts/make_tiny_model.py OUT_DIR --arch llava --tokenizer models/tiny-llama [--image_size 28 ...]
+    python scripts/make_tiny_model.py OUT_DIR --arch gemma3 --tokenizer models/tiny-llama [--image_tokens 4]
+    python scripts/make_tiny_model.py OUT_DIR --arch idefics3 --tokenizer models/tiny-llama [--split_edge 56]
 
 Needs no network: the byte-level BPE tokenizer is trained on the shipped data/ files
 (or any text files given with --corpus), or copied from a folder with --tokenizer. The result loads offline with
@@ -19,6 +21,14 @@ with a `<image>` token added to the tokenizer and a chat template whose message 
 vision format). Its image processor is the Pillow one (CLIPImageProcessorPil): it needs no torchvision.
 `models/tiny-vlm` was made with
 `python scripts/make_tiny_model.py models/tiny-vlm --arch llava --tokenizer models/tiny-llama`.
+`--arch gemma3`: a SigLIP tower on 28x28 images (16 patches average-pooled to --image_tokens), Gemma 3's projector and
+a 2-layer Gemma 3 text model (one sliding-window layer, one global; tied embeddings), Gemma 3's processor (each image
+becomes "\n\n<start_of_image>" + <image_soft_token> x N + "<end_of_image>\n\n"; token_type_ids mark the image tokens,
+which attend to each other both ways) and a Gemma-3-shaped chat template (<start_of_turn>user / model).
+`--arch idefics3` (SmolVLM v1's architecture): an image is resized to --split_edge and split into 28x28 tiles, each tile
+and the whole image giving 4 <image> tokens (pixel shuffle) between <fake_token_around_image> and <row_i_col_j> /
+<global-img> tags; a Llama; SmolVLM's chat template ("User:<image>...<end_of_utterance>\nAssistant: ...").
+Both use their family's Pillow image processor (no torchvision); the tests build them at run time (tests/conftest.py).
 With `--tie` the output projection is the input embedding (`tie_word_embeddings: true`, as SmolLM2, Qwen2.5-0.5B,
 Llama-3.2-1B and Gemma ship): the saved file then holds `model.embed_tokens.weight` only.
 """
@@ -118,7 +128,105 @@ def build_llava(tokenizer, text_shape: dict, args):
     return LlavaForConditionalGeneration(config), processor
 
 
-def main() -> None:
+# Gemma 3's chat template in shape: the system message folded into the first user turn, the assistant role called
+# "model", <start_of_turn> / <end_of_turn>, an image part rendered as <start_of_image> (the processor expands it).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(prefix='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% set ns.prefix = (message['content'] if message['content'] is string else "
+    "message['content'] | map(attribute='text') | join('')) + '\n\n' %}"
+    "{% else %}<start_of_turn>{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n{{ ns.prefix }}"
+    "{% set ns.prefix = '' %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+# SmolVLM's (Idefics3) chat template:
+# "<|im_start|>User:<image>Describe.<end_of_utterance>\nAssistant: A red circle.<end_of_utterance>\n"
+IDEFICS3_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is string %}{{ ': ' + message['content'] }}"
+    "{% else %}{{ ':' if message['content'][0]['type'] == 'image' else ': ' }}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def build_gemma3(tokenizer, text_shape: dict, args):
+    """A tiny Gemma 3 (SigLIP vision tower, Gemma 3's pooling projector, a Gemma 3 text model with a sliding-window
+    layer and a global one, tied embeddings) and its processor with the Pillow image processor; `tokenizer` gains
+    <bos>, the turn tokens and the image tokens (<start_of_image>, <image_soft_token>, <end_of_image>)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    image_tokens = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tokenizer.add_special_tokens({"bos_token": "<bos>", "extra_special_tokens": [
+        "<start_of_turn>", "<end_of_turn>", *image_tokens.values()]}, replace_extra_special_tokens=False)
+    tokenizer._set_model_specific_special_tokens(image_tokens)  # tokenizer.boi_token etc., as Gemma 3's tokenizer has
+    tokenizer.eos_token = "<end_of_turn>"
+    side, patch, per_image = args.image_size, args.patch_size, args.image_tokens
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": side, "width": side}),
+                                tokenizer=tokenizer, image_seq_length=per_image, chat_template=GEMMA3_CHAT_TEMPLATE)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in image_tokens.items()}
+    text = {**text_shape, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": tokenizer.bos_token_id, "tie_word_embeddings": True}
+    config = Gemma3Config(
+        text_config=dict(model_type="gemma3_text", intermediate_size=args.hidden_size * 2,
+                         num_key_value_heads=max(1, args.num_heads // 2), head_dim=args.hidden_size // args.num_heads,
+                         query_pre_attn_scalar=args.hidden_size // args.num_heads, sliding_window=32,
+                         layer_types=["sliding_attention", "full_attention"][:args.num_layers]
+                         + ["full_attention"] * (args.num_layers - 2), **text),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=args.hidden_size // 2,
+                           intermediate_size=args.hidden_size, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=side, patch_size=patch, vision_use_head=False),
+        mm_tokens_per_image=per_image, boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"], tie_word_embeddings=True,
+    )
+    model = Gemma3ForConditionalGeneration(config)
+    # transformers starts the projection at zero (a checkpoint overwrites it): random here, or no image would reach
+    # the language model and no test could tell images from their absence
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=config.initializer_range)
+    return model, processor
+
+
+def build_idefics3(tokenizer, text_shape: dict, args):
+    """A tiny Idefics3 / SmolVLM (SigLIP-like vision tower, pixel-shuffle connector, a Llama) and its processor with
+    the Pillow image processor: an image is resized to --split_edge and split into --image_size tiles, each tile and
+    the whole image (resized to one tile) give (image_size/patch_size)^2/4 image tokens, between
+    <fake_token_around_image> and <row_i_col_j> / <global-img> tags; `tokenizer` gains those tokens."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tags = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
+    tokenizer.add_special_tokens({"extra_special_tokens": [
+        "<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tags]},
+        replace_extra_special_tokens=False)
+    tokenizer.eos_token = "<end_of_utterance>"
+    side, patch, scale = args.image_size, args.patch_size, 2
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": args.split_edge},
+                                                max_image_size={"longest_edge": side})
+    per_tile = (side // patch) ** 2 // scale**2
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=per_tile,
+                                  chat_template=IDEFICS3_CHAT_TEMPLATE)
+    config = Idefics3Config(
+        text_config=dict(model_type="llama", intermediate_size=args.hidden_size * 2,
+                         num_key_value_heads=args.num_kv_heads or args.num_heads,
+                         **{**text_shape, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id}),
+        vision_config=dict(hidden_size=args.hidden_size // 2, intermediate_size=args.hidden_size,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=side, patch_size=patch),
+        scale_factor=scale, image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return Idefics3ForConditionalGeneration(config), processor
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--hidden_size", type=int, default=64)
@@ -129,18 +237,23 @@ def main() -> None:
     parser.add_argument("--vocab_size", type=int, default=1024)
     parser.add_argument("--max_position_embeddings", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arch", choices=("llama", "qwen2", "gemma", "qwen3_moe", "llava"), default="llama")
+    parser.add_argument("--arch", default="llama",
+                        choices=("llama", "qwen2", "gemma", "qwen3_moe", "llava", "gemma3", "idefics3"))
     parser.add_argument("--tie", action="store_true", help="tie the output projection to the input embedding "
                         "(tie_word_embeddings: true)")
     parser.add_argument("--image_size", type=int, default=28, help="llava: image side the processor resizes to")
     parser.add_argument("--patch_size", type=int, default=7, help="llava: vision patch side")
+    parser.add_argument("--image_tokens", type=int, default=4, help="gemma3: image tokens per image (the vision "
+                        "tower's patches average-pooled to this many)")
+    parser.add_argument("--split_edge", type=int, default=56, help="idefics3: the longest image side before the "
+                        "image is split into --image_size tiles")
     parser.add_argument("--num_experts", type=int, default=8, help="qwen3_moe: experts per layer")
     parser.add_argument("--num_experts_per_tok", type=int, default=2, help="qwen3_moe: experts each token uses")
     parser.add_argument("--tokenizer", type=Path, help="copy this folder's tokenizer and chat template instead of "
                         "training one (e.g. models/tiny-llama)")
     parser.add_argument("--corpus", type=Path, nargs="*", default=[REPO / "data" / "chat.jsonl",
                                                                       REPO / "data" / "text.jsonl"])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.tokenizer:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
@@ -159,9 +272,10 @@ def main() -> None:
     )
     processor = None
     dense = dict(intermediate_size=args.hidden_size * 2, num_key_value_heads=args.num_kv_heads or args.num_heads)
-    if args.arch == "llava":
+    vision = {"llava": build_llava, "gemma3": build_gemma3, "idefics3": build_idefics3}
+    if args.arch in vision:
         torch.manual_seed(args.seed)
-        model, processor = build_llava(tokenizer, shape, args)
+        model, processor = vision[args.arch](tokenizer, shape, args)
         config = model.config
     elif args.arch == "llama":
         config = LlamaConfig(**dense, **shape)

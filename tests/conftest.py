@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -36,6 +37,25 @@ def build_tiny_model(folder: Path, *args: str) -> Path:
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random Llama built by the shipped script (checks the script and keeps tests off models/)."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def image_text_model(tmp_path_factory):
+    """arch -> a tiny random image-text model folder (weights + processor) built once per session by
+    `scripts/make_tiny_model.py FOLDER --arch ARCH --tokenizer models/tiny-llama`, in this process (no import cost)."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "scripts" / "make_tiny_model.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    built: dict[str, Path] = {}
+
+    def build(arch: str) -> Path:
+        if arch not in built:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+            script.main([str(folder), "--arch", arch, "--tokenizer", str(REPO / "models" / "tiny-llama")])
+            built[arch] = folder
+        return built[arch]
+
+    return build
 
 
 @dataclass

@@ -27,7 +27,7 @@ from hftrain.data.batching import Collator, training_plan, training_rows
 from hftrain.data.sources import load_datasets
 from hftrain.data.streaming import load_stream
 from hftrain.data.tokenize import IGNORE_INDEX
-from hftrain.data.vision import load_image_chats
+from hftrain.data.vision import image_token_ids, load_image_chats
 from hftrain.errors import HftrainError, run_tool
 from hftrain.model import build_tokenizer, pad_token_id
 from hftrain.vision import build_processor, is_image_text, model_config
@@ -159,13 +159,15 @@ def preview_image_chats(recipe, show: int, color: bool) -> None:
     """Image chats: the first examples with trained tokens marked and image token runs collapsed, then statistics."""
     processor = build_processor(recipe)
     train, _, stats = load_image_chats(recipe, processor)
-    tokenizer, token = processor.tokenizer, re.escape(processor.image_token)
+    tokenizer = processor.tokenizer
+    shown = tokenizer.convert_ids_to_tokens(sorted(image_token_ids(processor)))[0]  # <image>, <image_soft_token>, ...
+    token = re.escape(shown)
     for i, row in enumerate(train.rows[:show]):
         trained = sum(label != IGNORE_INDEX for label in row["labels"])
         print(f"--- example {i} ({len(row['input_ids'])} tokens, {len(row['images'])} image(s) = "
               f"{row['image_tokens']} image tokens, {trained} trained)")
         text = marked_text(tokenizer, row["input_ids"], row["labels"], color)
-        print(re.sub(f"(?:{token})+", lambda m: f"{processor.image_token}x{len(re.findall(token, m.group(0)))}", text))
+        print(re.sub(f"(?:{token})+", lambda m: f"{shown}x{len(re.findall(token, m.group(0)))}", text))
     print("--- statistics")
     for source in stats["sources"] + ([{"name": "eval", **stats["eval"]}] if "eval" in stats else []):
         print(f"  {source['name']} (format {source['format']}): {source['examples']} examples kept with "

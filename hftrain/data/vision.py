@@ -10,13 +10,14 @@ cached; only the token ids (for lengths and statistics) are kept from the one en
 processor output reaches the model (pixel_values, attention_mask, image_grid_thw, mm_token_type_ids, ...).
 
 Masks follow the text-chat rule (hftrain.data.tokenize): the conversation is rendered by the chat template with the
-image placeholders unexpanded, the assistant turns are located by rendering prefixes (each turn's content and its
-end-of-turn token, not the whitespace after it) and marked token by token through the tokenizer's offsets. The
-processor's ids are that same token sequence with each image placeholder expanded into the image's tokens (and, for
-some families, tokens around them); they are aligned token by token, and every token the processor added is an image
-token: never trained, with assistant_only_loss false too. Truncation never cuts inside an image's tokens: an example
-longer than max_length whose cut would fall inside or before an image's tokens is dropped and counted
-(`dropped_image_cut`); one whose images all fit is truncated at max_length (overlong_examples: drop drops both).
+image placeholders unexpanded and the assistant turns are located by rendering prefixes (each turn's content and its
+end-of-turn token, not the whitespace after it). The processor expands each placeholder into the image's tokens (with
+tags, separators or newlines around them in some families: Gemma 3's <start_of_image> ... <end_of_image>, Idefics3's
+tiles with <row_i_col_j> tags) and reports where; its tokenizer's character offsets place every token: one holding a
+character of an expansion is an image token, never trained, with assistant_only_loss false too; any other is trained
+when it holds a character of an assistant turn. Truncation never cuts inside an image's tokens: an example longer than
+max_length whose cut would fall inside or before an image's tokens is dropped and counted (`dropped_image_cut`); one
+whose images all fit is truncated at max_length (overlong_examples: drop drops both).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from PIL import Image
 
 from hftrain.data.formats import ROLES
 from hftrain.data.sources import hold_out, load_raw, renamed
-from hftrain.data.tokenize import IGNORE_INDEX, DataSpec, _encode_spans, assistant_char_spans
+from hftrain.data.tokenize import IGNORE_INDEX, DataSpec, assistant_char_spans
 from hftrain.errors import HftrainError
 
 IMAGES_COLUMN = "images"
-# Per-token processor outputs: padded along the sequence (0 after the row); every other output is per image and
-# concatenated along its first dimension (pixel_values, image_sizes, image_grid_thw, pixel_attention_mask, ...).
+# Per-token processor outputs: padded along the sequence (0 after the row); every other output is per image or per
+# row and concatenated along its first dimension (pixel_values, image_sizes, image_grid_thw, pixel_attention_mask,
+# ...), zero-padded in its other dimensions to the largest (Idefics3's tiles per row).
 PER_TOKEN_PAD = {"attention_mask": 0, "token_type_ids": 0, "mm_token_type_ids": 0}
 
 
@@ -112,51 +114,71 @@ class Renderer:
         return self.tokenizer(text, **kwargs)
 
 
-def image_token_id(processor) -> int:
-    token_id = getattr(processor, "image_token_id", None)
-    if token_id is None:
-        token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    return token_id
+def image_token_ids(processor) -> set[int]:
+    """The ids of the tokens the model fills with image features (LLaVA's and Idefics3's <image>, Gemma 3's
+    <image_soft_token>; not the tags, separators or <start_of_image> / <end_of_image> around them)."""
+    ids = {t for t in getattr(processor, "image_token_ids", None) or [] if t is not None}
+    return ids or {processor.tokenizer.convert_tokens_to_ids(processor.image_token)}
+
+
+def expanded_spans(processor, inputs, images: list, where: str) -> list[tuple[int, int, int]]:
+    """(start, end, shift) of each image placeholder's expansion in the processor's text: characters [start, end) of
+    the expanded text replace one placeholder, and text after `end` sits `shift` characters later than in the
+    template's text (the processor reports them: return_text_replacement_offsets)."""
+    offsets = inputs.pop("text_replacement_offsets", None)
+    if offsets is None:
+        if images:
+            raise HftrainError(f"{where}: the processor ({type(processor).__name__}) does not report where it "
+                               "expands the image placeholders (return_text_replacement_offsets), so the masks cannot "
+                               "be placed exactly; hftrain trains the families in docs/vision.md")
+        return []
+    spans, shift = [], 0
+    for entry in offsets[0]:
+        (old_start, old_end), (new_start, new_end) = entry["span"], entry["new_span"]
+        shift += (new_end - new_start) - (old_end - old_start)
+        spans.append((new_start, new_end, shift))
+    return spans
 
 
 def encode(processor, messages: list[dict], images: list, spec: DataSpec, where: str) -> dict:
     """One example through the processor: {"inputs": processor outputs (batch of 1, truncated), "labels": [1, L],
-    "image_tokens": int, "dropped": "" | "overlong" | "image_cut" | "no_trained_tokens", "truncated": tokens cut}."""
-    renderer = Renderer(processor)
+    "image_tokens": feature tokens, "added_tokens": every token of the images' expansions, "dropped": "" |
+    "overlong" | "image_cut" | "no_trained_tokens", "truncated": tokens cut}.
+
+    Every token is placed by its characters: the processor expands each image placeholder of the template's text
+    into the image's tokens (with tags, separators or newlines around them in some families) and reports where; a
+    token holding any character of an expansion is an image token (a BPE merge across its edge included), never
+    trained; any other token maps back to the template's text, where it is trained when it holds a character of an
+    assistant turn (hftrain.data.tokenize's rule)."""
     if spec.assistant_only_loss:
         first = max(i for i, m in enumerate(messages) if m["role"] == "assistant") \
             if spec.train_on_turns == "last" else 0
         try:
-            text, spans = assistant_char_spans(renderer, messages, first)
+            text, turns = assistant_char_spans(Renderer(processor), messages, first)
         except HftrainError as exc:
             raise HftrainError(f"{where}: {exc}") from None
-        plain, trained, _ = _encode_spans(processor.tokenizer, text, spans)
     else:
         text = processor.apply_chat_template(messages, tokenize=False)
-        plain = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-        trained = [True] * len(plain)
-    inputs = processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False)
-    ids, image_id = inputs["input_ids"][0].tolist(), image_token_id(processor)
-    # Align the processor's ids with the template's: the same tokens, with image placeholders expanded.
-    text_tokens = [(t, keep) for t, keep in zip(plain, trained) if t != image_id]
-    labels, j, image_tokens = [], 0, 0
-    for t in ids:
-        if t != image_id and j < len(text_tokens) and t == text_tokens[j][0]:
-            labels.append(t if text_tokens[j][1] else IGNORE_INDEX)
-            j += 1
-        else:  # a token the processor added for an image (placeholders, and tokens around them in some families)
-            labels.append(IGNORE_INDEX)
-            image_tokens += t == image_id
-    if j != len(text_tokens):
-        raise HftrainError(f"{where}: the processor's token ids are not the chat template's with the image "
-                           "placeholders expanded, so the masks cannot be placed exactly; check that the processor's "
-                           "image token is a special token of its tokenizer")
+        turns = [(0, len(text))]
+    inputs = processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False,
+                       return_offsets_mapping=True, return_text_replacement_offsets=True)
+    expansions = expanded_spans(processor, inputs, images, where)
+    char_offsets = inputs.pop("offset_mapping")[0].tolist()
+    ids, feature_ids = inputs["input_ids"][0].tolist(), image_token_ids(processor)
+    labels, added = [], []
+    for t, (start, end) in zip(ids, char_offsets):
+        inside = any(start < e and end > s for s, e, _ in expansions) or t in feature_ids
+        shift = next((sh for s, e, sh in reversed(expansions) if e <= start), 0)  # expansions before the token
+        original = (start - shift, end - shift)
+        trained = not inside and any(original[0] < e and original[1] > s for s, e in turns)
+        labels.append(t if trained else IGNORE_INDEX)
+        added.append(inside)
     if labels:
         labels[0] = IGNORE_INDEX  # never a target (tokenize.py's rule): trained-token counts stay exact
-    result = {"inputs": inputs, "labels": torch.tensor([labels]), "image_tokens": image_tokens, "dropped": "",
-              "truncated": 0, "text": text}
+    result = {"inputs": inputs, "labels": torch.tensor([labels]), "dropped": "", "truncated": 0, "text": text,
+              "image_tokens": sum(t in feature_ids for t in ids), "added_tokens": sum(added)}
     if len(ids) > spec.max_length:
-        last_image = max((k for k, t in enumerate(ids) if t == image_id), default=-1)
+        last_image = max((k for k, inside in enumerate(added) if inside), default=-1)
         if spec.overlong_examples == "drop":
             result["dropped"] = "overlong"
         elif last_image >= spec.max_length:
@@ -320,6 +342,10 @@ def collate(inputs: list[dict], labels: list[torch.Tensor], pad_token_id: int) -
             for r, x in enumerate(inputs):
                 padded[r, :x[key].shape[1]] = x[key][0]
             batch[key] = padded
-        else:
-            batch[key] = torch.cat(values)
+        else:  # per image (LLaVA: [images, 3, H, W]) or per row (Idefics3: [1, tiles, 3, H, W], padded as the
+            # processor pads a batch: zeros after each row's tiles, which the model skips as padding images)
+            shape = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]
+            batch[key] = torch.cat([torch.nn.functional.pad(v, [p for d in reversed(range(1, v.dim()))
+                                                               for p in (0, shape[d - 1] - v.shape[d])])
+                                    for v in values])
     return batch

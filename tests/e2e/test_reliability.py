@@ -404,6 +404,8 @@ BAD_INPUT = {
     "fp16 on cpu": (lambda d: ["--fp16"], "fp16 needs a CUDA GPU"),
     "sp without deepspeed": (lambda d: ["--sp_size", "2"], "sp_size=2 needs a DeepSpeed preset (cpu_sp on CPU"),
     "cp without fsdp2": (lambda d: ["--cp_size", "2"], "cp_size=2 needs an FSDP2 preset (fsdp2_cp)"),
+    "packing image chats": (lambda d: ["--config", str(REPO / "recipes" / "tiny-vlm.yaml"), "--packing", "true"],
+                            "packing: true with the image-text model 'llava': rows with images are not packed"),
     "both warmups": (lambda d: ["--warmup_steps", "3", "--warmup_ratio", "0.1"], "both set"),
     "bad choice": (lambda d: ["--lr_scheduler_type", "exp"], "lr_scheduler_type='exp' is not one of"),
     "bad tracker": (lambda d: ["--report_to", "comet"], "unknown tracker(s) ['comet']"),

@@ -11,6 +11,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from hftrain import vision
 from hftrain.config import load_recipe
 from hftrain.data.vision import load_image_chats, open_image
 from hftrain.merge import merge
@@ -103,7 +104,12 @@ def test_sharded_strategies_train_like_one_process(full_run, tmp_path, preset):
 def adapter_eval_loss(model, final) -> tuple:
     """(token loss sum, trained tokens) of the adapter in `final` on `model` (plain transformers + peft), on the
     processor's encoding of the run's held-out rows; and the last row's inputs and images."""
-    model = PeftModel.from_pretrained(model, final).eval()
+    return plain_eval_loss(PeftModel.from_pretrained(model, final).eval(), final)
+
+
+def plain_eval_loss(model, final) -> tuple:
+    """(token loss sum, trained tokens) of `model` (plain transformers) on the processor's encoding of the held-out
+    rows of the run whose final folder is `final`; and the last row's inputs and images."""
     processor = AutoProcessor.from_pretrained(final)
     recipe = load_recipe(["--config", str(final / "hftrain_config.yaml")], for_training=False)
     _, evaluation, _ = load_image_chats(recipe, processor)  # the held-out rows (fixed-seed carve-out)
@@ -195,3 +201,40 @@ def test_text_only_chats_beside_image_chats_under_zero3_train_like_one_process(t
         assert [r["step"] for r in rows_of(two)] == [r["step"] for r in rows_of(one)]
         torch.testing.assert_close(torch.tensor([r[key] for r in rows_of(two)]),
                                    torch.tensor([r[key] for r in rows_of(one)]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "idefics3"])
+def test_gemma3_and_idefics3_train_and_their_final_folder_loads(image_text_model, tmp_path, arch):
+    """The families beyond LLaVA through the real entry script (2 steps of recipes/tiny-vlm.yaml on a tiny random
+    Gemma 3 / Idefics3 built by scripts/make_tiny_model.py): the final folder loads with the Auto classes, the frozen
+    parts are the base's, its processor encodes exactly as the base one, and plain transformers on the final weights
+    gives the logged eval loss (every processor output reached the model: Gemma 3's token_type_ids, Idefics3's tiles
+    and pixel_attention_mask)."""
+    base = image_text_model(arch)
+    run = run_script(tmp_path / arch, "--config", "recipes/tiny-vlm.yaml", "--model_name_or_path", str(base),
+                     "--max_steps", "2", "--eval_steps", "2", "--logging_steps", "1")
+    final = run.output_dir / "final"
+    source = run.state()["data"]["sources"][0]
+    assert source["format"] == "image_chat" and source["image_tokens"] > source["images"] > 0
+    model = AutoModelForImageTextToText.from_pretrained(final).eval()
+    assert type(model) is type(AutoModelForImageTextToText.from_pretrained(base))
+    trained, start = load_file(final / "model.safetensors"), load_file(base / "model.safetensors")
+    assert trained.keys() == start.keys()
+    for name, value in start.items():  # the vision tower and the projector frozen, the language model trained
+        frozen = vision.part_of(name) in ("vision", "projector")
+        assert torch.equal(trained[name], value) == frozen, name
+
+    saved, original = AutoProcessor.from_pretrained(final), AutoProcessor.from_pretrained(base)
+    assert type(saved) is type(original)
+    row = next(json.loads(line) for line in DATA.read_text().splitlines() if len(json.loads(line)["images"]) == 2)
+    images = [open_image(p, DATA.parent, "test") for p in row["images"]]
+    text = original.apply_chat_template(row["messages"], tokenize=False)
+    assert saved.apply_chat_template(row["messages"], tokenize=False) == text
+    a, b = saved(text=[text], images=images, return_tensors="pt"), original(text=[text], images=images,
+                                                                          return_tensors="pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    loss_sum, tokens, *_ = plain_eval_loss(model, final)
+    logged = run.eval_rows()[-1]
+    assert logged["step"] == 2 and logged["eval_tokens"] == tokens
+    assert abs(loss_sum / tokens - logged["eval_loss"]) < 1e-5

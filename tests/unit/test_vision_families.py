@@ -1,0 +1,189 @@
+"""Image chats on the families beyond LLaVA, each a tiny random model and processor built offline by
+scripts/make_tiny_model.py: Gemma 3 (SigLIP tower, pooled image tokens between <start_of_image> and <end_of_image>,
+bidirectional attention over an image's tokens through `token_type_ids`) and Idefics3 / SmolVLM (each image split
+into tiles, many image tokens per image with row/column tags). Masks, image token counts against the processor's own,
+truncation, and hftrain's loss against a plain transformers forward of the same processor output."""
+
+import json
+from dataclasses import replace
+
+import datasets
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers.utils import is_torchvision_available
+
+from hftrain import vision
+from hftrain.config import Recipe
+from hftrain.data.tokenize import IGNORE_INDEX, DataSpec
+from hftrain.data.vision import ImageChatCollator, encode, open_image, prepare
+from hftrain.model import CausalLMTokenLoss
+from tests.conftest import REPO
+
+DATA = REPO / "data" / "image-chat.jsonl"
+SPEC = DataSpec("text", "messages", assistant_only_loss=True, completion_only_loss=True, max_length=512,
+                overlong_examples="truncate")
+# what assistant-only training trains of each answer, written out from the families' chat templates: the answer and
+# its end-of-turn token (SmolVLM's template puts a space after "Assistant:", which the answer's first token holds)
+ANSWER = {"gemma3": ("", "<end_of_turn>"), "idefics3": (" ", "<end_of_utterance>")}
+# the tokens each family's processor writes for an image (the model fills the first with image features)
+IMAGE_VOCABULARY = {"gemma3": ["<image_soft_token>", "<start_of_image>", "<end_of_image>"],
+                    "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>",
+                                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]}
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    return [json.loads(line) for line in DATA.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module", params=["gemma3", "idefics3"])
+def family(request, image_text_model):
+    folder = image_text_model(request.param)
+    return request.param, folder, AutoProcessor.from_pretrained(folder)
+
+
+def images_of(row) -> list:
+    return [open_image(path, DATA.parent, "test") for path in row["images"]]
+
+
+def expected_image_tokens(arch, processor, images) -> tuple[int, int]:
+    """(feature tokens, all tokens the processor writes for these images), from the processor's own counts."""
+    counts = processor._get_num_multimodal_tokens(image_sizes=[im.size[::-1] for im in images])
+    if arch == "gemma3":  # num_image_tokens: the soft tokens; each image's sequence adds <boi>, <eoi> and newlines
+        per_image = len(processor.tokenizer(processor.full_image_sequence, add_special_tokens=False)["input_ids"])
+        return sum(counts["num_image_tokens"]), per_image * len(images)
+    # Idefics3: num_image_tokens counts every token of an image's expansion; <image> tokens fill each tile
+    return processor.image_seq_len * sum(counts["num_image_patches"]), sum(counts["num_image_tokens"])
+
+
+def test_the_families_load_through_the_auto_classes_without_torchvision(family):
+    arch, folder, processor = family
+    recipe = Recipe(model_name_or_path=str(folder), dataset_name=str(DATA))
+    assert vision.is_image_text(vision.model_config(recipe))
+    assert type(vision.build_processor(recipe)) is type(processor)
+    assert type(processor.image_processor).__name__.endswith("ImageProcessorPil")  # the Pillow one
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    assert type(model).__name__ == {"gemma3": "Gemma3ForConditionalGeneration",
+                                    "idefics3": "Idefics3ForConditionalGeneration"}[arch]
+    vision.freeze(model, recipe)  # the vision tower and the projector are found by name in each family
+    frozen = {name.split(".")[1] for name, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {"gemma3": {"vision_tower", "multi_modal_projector"},
+                      "idefics3": {"vision_model", "connector"}}[arch]
+    targets = vision.lora_targets(model, recipe)  # LoRA's default: the language model's linear layers only
+    assert targets and all(t.startswith({"gemma3": "model.language_model.", "idefics3": "model.text_model."}[arch])
+                           for t in targets)
+
+
+@pytest.mark.parametrize("assistant_only", [True, False])
+def test_masks_train_answers_only_and_never_image_tokens(family, rows, assistant_only):
+    arch, _, processor = family
+    spec, tokenizer = replace(SPEC, assistant_only_loss=assistant_only), processor.tokenizer
+    image_vocabulary = tokenizer.convert_tokens_to_ids(IMAGE_VOCABULARY[arch])
+    lead, end = ANSWER[arch]
+    layouts = set()
+    for i, row in enumerate(rows):
+        images = images_of(row)
+        out = encode(processor, row["messages"], images, spec, f"row {i}")
+        ids, labels = out["inputs"]["input_ids"][0], out["labels"][0]
+        features, written = expected_image_tokens(arch, processor, images)
+        assert int((ids == image_vocabulary[0]).sum()) == features == out["image_tokens"]
+        assert out["added_tokens"] == written
+        assert (labels[torch.isin(ids, torch.tensor(image_vocabulary))] == IGNORE_INDEX).all()
+        trained = labels != IGNORE_INDEX
+        assert labels[0] == IGNORE_INDEX and torch.equal(labels[trained], ids[trained])
+        if assistant_only:
+            assert tokenizer.decode(ids[trained]) == "".join(
+                lead + part["text"] + end for m in row["messages"] if m["role"] == "assistant" for part in m["content"])
+        else:  # every token but the first and the images' own
+            assert int(trained.sum()) == len(ids) - 1 - written
+        parts = [sum(p["type"] == "image" for p in m["content"]) for m in row["messages"]]
+        layouts |= {"two in one turn"} if 2 in parts else set()
+        layouts |= {"in a later turn"} if any(parts[2:]) else set()
+    assert layouts == {"two in one turn", "in a later turn"}
+
+
+def test_truncation_never_cuts_inside_an_image(family, rows):
+    arch, _, processor = family
+    row = next(r for r in rows if len(r["images"]) == 2 and len(r["messages"]) == 4)  # image in the later turn
+    full = encode(processor, row["messages"], images_of(row), SPEC, "row")
+    ids = full["inputs"]["input_ids"][0].tolist()
+    feature_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_VOCABULARY[arch][0])
+    features = [k for k, t in enumerate(ids) if t == feature_id]
+    inside = encode(processor, row["messages"], images_of(row), replace(SPEC, max_length=features[-1]), "row")
+    assert inside["dropped"] == "image_cut"
+    cut = encode(processor, row["messages"], images_of(row), replace(SPEC, max_length=len(ids) - 2), "row")
+    assert cut["dropped"] == "" and cut["truncated"] == 2
+    assert {v.shape[1] for k, v in cut["inputs"].items() if k != "pixel_values" and v.dim() == 2} == {len(ids) - 2}
+    assert cut["labels"].shape[1] == len(ids) - 2
+
+
+def test_collated_batch_equals_a_plain_transformers_forward(family, rows, tmp_path):
+    """Every processor output reaches the model (Gemma 3's token_type_ids, Idefics3's pixel_attention_mask and tiles
+    padded per row) and hftrain's summed token loss / trained tokens equals transformers' own loss on the processor's
+    batch of the same rows; one row has a wide image (Idefics3: fewer tiles than the others)."""
+    arch, folder, processor = family
+    wide = tmp_path / "wide.png"
+    Image.new("RGB", (60, 20), (200, 30, 30)).save(wide)
+    odd = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this?"}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": "A red bar."}]}],
+           "images": [str(wide)]}
+    picked = [rows[0], next(r for r in rows if len(r["images"]) == 2), odd, rows[3]]
+    chats, _ = prepare(datasets.Dataset.from_list(picked), processor, SPEC, str(DATA))
+    batch = ImageChatCollator(chats, processor, processor.tokenizer.pad_token_id)([0, 1, 2, 3])
+    assert int(batch.pop("num_examples")) == 4
+
+    plain = processor(text=[r["text"] for r in chats.rows], images=[images_of(r) for r in picked], return_tensors="pt",
+                      padding=True, add_special_tokens=False)
+    assert set(batch) == set(plain) | {"labels"}
+    assert {"gemma3": "token_type_ids", "idefics3": "pixel_attention_mask"}[arch] in batch
+    for key in set(plain) - {"input_ids", "attention_mask", "token_type_ids"}:  # per image / per row: as the processor
+        assert torch.equal(plain[key], batch[key]), key
+    width = plain["input_ids"].shape[1]
+    for key in ("input_ids", "attention_mask", "token_type_ids"):
+        if key in plain:
+            assert torch.equal(plain[key], batch[key][:, :width]), key
+    if arch == "idefics3":
+        assert len({plain["pixel_attention_mask"][r].flatten(1).any(1).sum().item() for r in range(4)}) > 1
+
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    labels = batch["labels"][:, :width]
+    with torch.no_grad():
+        expected = model(**plain, labels=labels).loss  # transformers' mean over the shifted trained tokens
+        ours = CausalLMTokenLoss(model)(**batch)
+        if arch == "gemma3":  # the comparison sees token_type_ids: without them image tokens attend causally only,
+            # which moves the loss by 10x the tolerance below even in this tiny random model
+            causal = model(**{k: v for k, v in plain.items() if k != "token_type_ids"}, labels=labels).loss
+            assert abs(causal.item() - expected.item()) > 1e-5
+    tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    assert abs(ours.item() / tokens.item() - expected.item()) < 1e-6
+
+
+@pytest.mark.skipif(is_torchvision_available(), reason="torchvision is installed: Qwen2-VL's processor can be built")
+def test_qwen2_vl_without_torchvision_is_refused_up_front_with_the_reason(tmp_path):
+    """transformers 5.23 cannot build a Qwen2-VL processor without torchvision, even with the Pillow image processor
+    and no video processor (its constructor checks video_processor=None against a class defined only with
+    torchvision): the preflight and the processor loader say so in one paragraph instead of a deep traceback."""
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from hftrain.errors import HftrainError
+    from hftrain.preflight import model_problems
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
+    with pytest.raises(AttributeError, match="_extra_content"):  # the reason, as transformers 5.23 has it
+        Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer, video_processor=None)
+    Qwen2VLConfig(text_config={"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                               "num_key_value_heads": 4, "vocab_size": len(tokenizer)},
+                  vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2}
+                  ).save_pretrained(tmp_path)
+    recipe = Recipe(model_name_or_path=str(tmp_path), dataset_name=str(DATA))
+    _, problems = model_problems(recipe)
+    said = [p for p in problems if "needs torchvision" in p]
+    assert len(said) == 1 and "'qwen2_vl'" in said[0] and "Qwen2VLProcessor" in said[0] and "0.28" in said[0]
+    with pytest.raises(HftrainError, match="'qwen2_vl' needs torchvision"):
+        vision.build_processor(recipe)
+    # the families tested here are not refused
+    assert vision.torchvision_problem(vision.model_config(replace(recipe, model_name_or_path=str(REPO / "models" /
+                                                                                                  "tiny-vlm")))) is None
