@@ -70,14 +70,18 @@ def launch_layout(folder, name: str, models: dict) -> Run:
 
 
 @pytest.fixture(scope="module")
-def runs(models, tmp_path_factory) -> dict[str, Run]:
-    """One process per model, then the layouts under pp 2."""
+def references(models, tmp_path_factory) -> dict[str, Run]:
+    """One process per model: {"ref-tied": ..., "ref-untied": ...}."""
+    root = tmp_path_factory.mktemp("pp-refs")
+    return {f"ref-{kind}": run_script(root / f"ref-{kind}", *COMMON, *REF_SAVES[kind], "--model_name_or_path",
+                                      str(path)) for kind, path in models.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(models, references, tmp_path_factory) -> dict[str, Run]:
+    """The references, then the layouts under pp 2."""
     root = tmp_path_factory.mktemp("pp-runs")
-    out = {f"ref-{kind}": run_script(root / f"ref-{kind}", *COMMON, *REF_SAVES[kind], "--model_name_or_path", str(path))
-           for kind, path in models.items()}
-    for name in LAYOUTS:
-        out[name] = launch_layout(root / name, name, models)
-    return out
+    return {**references, **{name: launch_layout(root / name, name, models) for name in LAYOUTS}}
 
 
 def close(a: list[float], b: list[float], tol: float = 1e-4) -> None:
@@ -96,10 +100,10 @@ def test_pp2_trains_like_one_process(runs, name):
 @pytest.mark.skipif(not os.environ.get("HFTRAIN_TEST_3D"),
                     reason="opt-in (HFTRAIN_TEST_3D=1, ~35-60 s: 8 gloo processes on the CI's 2 cores, beyond its "
                            "budget); pp x tp and pp x data-parallel copies run in CI: test_pp2_trains_like_one_process")
-def test_3d_trains_like_one_process(runs, models, tmp_path):
+def test_3d_trains_like_one_process(references, models, tmp_path):
     """pp 2 x tp 2 x 2 data-parallel copies (8 processes, the untied model): one DeviceMesh ("pp", "dp", "tp"), the
     token count summed over the 2 copies only, the copies' gradients averaged shard by shard."""
-    assert_pp_run(launch_layout(tmp_path / "3d", "pp2xtp2xdp2", models), runs["ref-untied"], "pp2xtp2xdp2")
+    assert_pp_run(launch_layout(tmp_path / "3d", "pp2xtp2xdp2", models), references["ref-untied"], "pp2xtp2xdp2")
 
 
 def assert_pp_run(run: Run, ref: Run, name: str) -> None:

@@ -25,7 +25,8 @@ PRESET_NAMES = [p.stem for p in PRESETS]
 # How each preset is verified (the README table says the same); GPU-only ones are parsed and validated here.
 RUN_ON_CPU = {"cpu", "cpu_ddp", "zero2", "zero2_offload", "zero3", "fsdp2", "fsdp2_shard_grad_op",
               "multi_node_ddp", "multi_node_zero3", "tp", "cpu_sp", "fsdp2_cp", "cpu_pp"}
-GPU_ONLY = {"single_gpu", "multi_gpu", "zero1", "zero3_offload", "fsdp2_hybrid_multinode", "zero3_sp"}
+GPU_ONLY = {"single_gpu", "multi_gpu", "zero1", "zero3_offload", "fsdp2_hybrid_multinode", "zero3_sp", "pp",
+            "multi_node_3d"}
 
 
 def test_the_issue_presets_are_shipped():
