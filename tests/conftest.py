@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -39,13 +40,20 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@functools.cache
+def tiny_model_script():
+    """scripts/make_tiny_model.py as a module (its builders and `main(argv)`), loaded once in this process."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "scripts" / "make_tiny_model.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 @pytest.fixture(scope="session")
 def image_text_model(tmp_path_factory):
     """arch -> a tiny random image-text model folder (weights + processor) built once per session by
     `scripts/make_tiny_model.py FOLDER --arch ARCH --tokenizer models/tiny-llama`, in this process (no import cost)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "scripts" / "make_tiny_model.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = tiny_model_script()
     built: dict[str, Path] = {}
 
     def build(arch: str) -> Path:

@@ -4,6 +4,7 @@ bidirectional attention over an image's tokens through `token_type_ids`) and Ide
 into tiles, many image tokens per image with row/column tags). Masks, image token counts against the processor's own,
 truncation, and hftrain's loss against a plain transformers forward of the same processor output."""
 
+import argparse
 import json
 from dataclasses import replace
 
@@ -19,7 +20,7 @@ from hftrain.config import Recipe
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec
 from hftrain.data.vision import ImageChatCollator, encode, open_image, prepare
 from hftrain.model import CausalLMTokenLoss
-from tests.conftest import REPO
+from tests.conftest import REPO, tiny_model_script
 
 DATA = REPO / "data" / "image-chat.jsonl"
 SPEC = DataSpec("text", "messages", assistant_only_loss=True, completion_only_loss=True, max_length=512,
@@ -117,6 +118,36 @@ def test_truncation_never_cuts_inside_an_image(family, rows):
     assert cut["dropped"] == "" and cut["truncated"] == 2
     assert {v.shape[1] for k, v in cut["inputs"].items() if k != "pixel_values" and v.dim() == 2} == {len(ids) - 2}
     assert cut["labels"].shape[1] == len(ids) - 2
+
+
+def test_a_token_merged_across_an_images_edge_is_an_image_token(rows, tmp_path):
+    """Gemma 3's processor writes "\n\n" before <start_of_image>; after the template's "user\n" a tokenizer with
+    newline merges (as Gemma's has) makes one token of the template's newline and the first of the image's. That token
+    is an image token (never trained), and the answers are still trained exactly."""
+    script = tiny_model_script()
+    corpus = tmp_path / "newlines.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"user\n\n\nword {i}\n\n"}) + "\n" for i in range(50)))
+    tokenizer = script.build_tokenizer([corpus, REPO / "data" / "chat.jsonl"], 600)
+    assert tokenizer.convert_ids_to_tokens(tokenizer("a\n\n\nb")["input_ids"]) == ["a", "ĊĊ", "Ċ", "b"]
+    args = argparse.Namespace(image_size=28, patch_size=7, image_tokens=4, hidden_size=64, num_heads=4, num_layers=2)
+    _, processor = script.build_gemma3(tokenizer, dict(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                                       num_attention_heads=4, pad_token_id=tokenizer.pad_token_id),
+                                       args)
+    merged = 0
+    for i, row in enumerate(rows):
+        images = images_of(row)
+        out = encode(processor, row["messages"], images, SPEC, f"row {i}")
+        ids, labels = out["inputs"]["input_ids"][0], out["labels"][0]
+        plain = processor(text=[out["text"]], images=images or None, add_special_tokens=False,
+                          return_offsets_mapping=True, return_text_replacement_offsets=True)
+        starts = [entry["new_span"][0] for entry in plain["text_replacement_offsets"][0]]
+        across = [k for k, (s, e) in enumerate(plain["offset_mapping"][0]) if any(s < start < e for start in starts)]
+        merged += len(across)
+        assert all(labels[k] == IGNORE_INDEX for k in across)
+        answers = [part["text"] for m in row["messages"] if m["role"] == "assistant" for part in m["content"]]
+        assert processor.tokenizer.decode(ids[labels != IGNORE_INDEX]) == "".join(a + "<end_of_turn>" for a in answers)
+        assert out["image_tokens"] == args.image_tokens * len(images)
+    assert merged > 10  # chats that open with an image after "user\n"
 
 
 def test_collated_batch_equals_a_plain_transformers_forward(family, rows, tmp_path):
