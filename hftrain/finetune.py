@@ -232,7 +232,8 @@ class Finetune:
             saved = read_states(self.resume_from, STREAM_STATE.format(index="*"))
             self.stream_state = check_resume(saved, self.dp.world, self.feed.disjoint, self.plan.global_batch,
                                              self.dp.rank, self.resume_from)
-        self.data_line = ("(one endless epoch)", self.feed.description)
+        self.data_line = ("(one endless epoch)", self.feed.description + (
+            self.feed.resume_note(self.stream_state) if self.stream_state is not None else ""))
 
     def setup_model(self) -> None:
         """The builder's model (full, LoRA, QLoRA: decided in hftrain.model), wrapped to return summed token losses."""

@@ -8,8 +8,12 @@ For each size it writes N generated chats (2-4 messages, system prompt on some) 
 map-style run pays its tokenization (a cold start, what a user's first run costs). Measured per run: seconds from
 the process start to the first metrics row (step 1) and the peak resident memory of the process, sampled every
 50 ms. It also measures the streamed resume: the time for `RowStream.load_state` + the first row at several
-positions of the file (datasets re-reads the current shard up to the position without decoding it, nothing is
-tokenized again).
+positions of the file (hftrain's .jsonl reader seeks to the saved byte offset; nothing is tokenized again).
+
+    python scripts/bench_streaming.py --resume_only --sizes 10000 100000 1000000
+
+measures only the resume, at the start, 1k, the middle and the end of one file, for the .jsonl file (hftrain's
+reader) and for the same chats as one .parquet file (datasets' reader, which re-reads the shard up to the position).
 """
 
 from __future__ import annotations
@@ -74,33 +78,63 @@ def run(data: Path, streaming: bool, work: Path) -> dict:
     return {"first_step_s": round(first_step, 1), "peak_rss_mib": round(peak / 2**20)}
 
 
-def resume_times(data: Path, n: int) -> dict:
-    """Seconds to load a stream's state at a position and produce the next row (no tokenizer work but one row)."""
-    import datasets
-
+def resume_times(open_source, positions: list[int], repeats: int = 3) -> dict:
+    """Milliseconds for a streamed run's resume at each position (the least of `repeats`): `RowStream.load_state` with
+    the state saved there, plus the first row after it (one tokenize call, a stub here: the position is what is
+    measured, not the tokenizer). `open_source()` gives the raw IterableDataset a run would read."""
     from hftrain.data.streaming import RowStream
 
-    def open_pass():
-        return datasets.load_dataset("json", data_files=str(data), split="train", streaming=True)
-
-    def tokenize(example, index):  # the position is what is measured, not the tokenizer
+    def tokenize(example, index):
         return [{"input_ids": [1, 2], "labels": [-100, 2], "dropped": ""}]
 
+    def fresh():
+        return RowStream(lambda passes: open_source(), tokenize, shuffle_buffer=1, seed=0, packing=False,
+                         max_length=256)
+
     times = {}
-    for position in sorted({min(1000, n - 1), n // 2, n - 10}):
-        stream = RowStream(open_pass, tokenize, shuffle_buffer=1, seed=0, packing=False, max_length=256)
-        stream.raw = open_pass()
+    for position in positions:
+        stream = fresh()
+        stream.raw = open_source()
         stream.raw_iter = iter(stream.raw)
         for _ in range(position):  # reach the position once (this is what a resume must not repeat)
             next(stream.raw_iter)
         stream.read = position
-        state = stream.state()
-        started = time.perf_counter()
-        resumed = RowStream(open_pass, tokenize, shuffle_buffer=1, seed=0, packing=False, max_length=256)
-        resumed.load_state(state)
-        resumed.next_row()
-        times[position] = round(time.perf_counter() - started, 2)
+        state = json.loads(json.dumps(stream.state()))  # as a checkpoint stores it
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            resumed = fresh()
+            resumed.load_state(state)
+            resumed.next_row()
+            best = min(best, time.perf_counter() - started)
+        times[position] = round(best * 1000, 1)  # milliseconds
     return times
+
+
+def resume_row(data: Path, n: int) -> dict:
+    """Resume times at the start, 1k, the middle and the end of one file of n chats: the .jsonl file through the
+    source a run uses (hftrain's reader: a seek), the same file through datasets' JSON reader (what hftrain used
+    before), and the same chats as one .parquet file (datasets' reader)."""
+    import datasets
+
+    from hftrain.data.streaming import stream_source
+
+    parquet = to_parquet(data)
+    positions = sorted({0, min(1000, n - 1), n // 2, n - 10})
+    return {"chats": n, "jsonl_mib": round(data.stat().st_size / 2**20, 1),
+            "parquet_mib": round(parquet.stat().st_size / 2**20, 1),
+            "jsonl_hftrain_ms": resume_times(stream_source(str(data), None, "train", {}).open, positions),
+            "jsonl_datasets_ms": resume_times(lambda: datasets.load_dataset(
+                "json", data_files=str(data), split="train", streaming=True), positions),
+            "parquet_datasets_ms": resume_times(stream_source(str(parquet), None, "train", {}).open, positions)}
+
+
+def to_parquet(data: Path) -> Path:
+    import datasets
+
+    out = data.with_suffix(".parquet")
+    datasets.load_dataset("json", data_files=str(data), split="train").to_parquet(str(out))
+    return out
 
 
 def main() -> None:
@@ -109,8 +143,20 @@ def main() -> None:
     parser.add_argument("--map_up_to", type=int, default=10**9,
                         help="run the map-style contender only up to this many chats (it tokenizes them all first)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--resume_only", action="store_true",
+                        help="only the resume times (.jsonl by hftrain and by datasets, .parquet by datasets)")
     args = parser.parse_args()
     results = []
+    if args.resume_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            for n in args.sizes:
+                data = Path(tmp) / f"chats{n}.jsonl"
+                generate(data, n)
+                results.append(resume_row(data, n))
+                print(json.dumps(results[-1]), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.sizes:
             work = Path(tmp) / str(n)
@@ -119,7 +165,7 @@ def main() -> None:
             generate(data, n)
             row = {"chats": n, "file_mib": round(data.stat().st_size / 2**20, 1),
                    "map": run(data, False, work) if n <= args.map_up_to else None, "stream": run(data, True, work),
-                   "stream_resume_s_at_position": resume_times(data, n)}
+                   "stream_resume": resume_row(data, n)}
             print(json.dumps(row), flush=True)
             results.append(row)
     if args.out:

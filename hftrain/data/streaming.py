@@ -83,6 +83,7 @@ class StreamSource:
     open: Callable[[], object]  # -> a fresh datasets.IterableDataset of raw examples (columns renamed)
     num_shards: int
     num_rows: int | None  # known without reading (local .jsonl/.parquet, saved folders), else None
+    seeks: bool = False  # a resume seeks to the position (hftrain's .jsonl reader); else datasets re-reads the shard
 
 
 def stream_source(name: str, config: str | None, split: str, columns: dict[str, str]) -> StreamSource:
@@ -100,7 +101,8 @@ def stream_source(name: str, config: str | None, split: str, columns: dict[str, 
                                    f"{', '.join(FILE_BUILDERS)}")
             builder = kinds.pop()
             if all(Path(f).suffix.lower() == ".jsonl" for f in files):  # hftrain's reader: bad lines, seeking resume
-                return StreamSource(name, lambda: json_lines_dataset(files, columns), len(files), _count_rows(files))
+                return StreamSource(name, lambda: json_lines_dataset(files, columns), len(files), _count_rows(files),
+                                    seeks=True)
 
             def open_files():
                 return renamed(datasets.load_dataset(builder, data_files=files, split="train", streaming=True))
@@ -154,7 +156,7 @@ def _mixture(parts: list[StreamSource], weights: list[float], seed: int) -> Stre
                                             stopping_strategy="all_exhausted")
 
     name = "mixture of " + ", ".join(f"{part.name} ({w:g})" for part, w in zip(parts, weights))
-    return StreamSource(name, open_mixture, 1, None)
+    return StreamSource(name, open_mixture, 1, None, seeks=all(part.seeks for part in parts))
 
 
 # ----------------------------------------------------------------------------------------------- rows
@@ -386,10 +388,12 @@ class StreamFeed:
     """
 
     def __init__(self, stream: RowStream, collator: StreamCollator, plan: StreamPlan, rank: int, disjoint: bool,
-                 max_bad_rows: int, description: str, num_workers: int = 0, examples_per_pass: int | None = None):
+                 max_bad_rows: int, description: str, num_workers: int = 0, examples_per_pass: int | None = None,
+                 seeks: bool = False):
         self.stream, self.collator, self.plan, self.rank, self.disjoint = stream, collator, plan, rank, disjoint
         self.max_bad_rows, self.description, self.num_workers = max_bad_rows, description, num_workers
         self.examples_per_pass = examples_per_pass  # raw examples a pass reads (carve-out included), when known
+        self.seeks = seeks  # a resume seeks to the saved position (else datasets re-reads the current shard)
         self.steps_read = 0  # steps whose rows were taken from the stream
         self.snapshots: dict[int, dict] = {}  # steps done -> the stream's state then (the last two)
         self.position: dict | None = None  # with workers: the stream's state after `steps_read` steps
@@ -452,6 +456,15 @@ class StreamFeed:
                     f"{self.max_bad_rows}; the first: {state['first_bad']}; fix or remove the bad examples, or raise "
                     "max_bad_rows")
         return None
+
+    def resume_note(self, state: dict) -> str:
+        """What a resume from `state` (a checkpoint's, see check_resume) reads again, for the start-up line."""
+        if self.seeks:
+            return "; the stream resumes by seeking to the saved line of its file (nothing before it is read again)"
+        read = state["stream"]["read"]
+        return (f"; datasets re-reads the current shard up to the saved position (at most the {read:,} examples of "
+                "this pass before it, without tokenizing them; whole shards before it are skipped, so the time grows "
+                "with the position inside a shard: see docs/data.md)")
 
     def epoch(self, state: dict) -> float:
         """Passes over the stream completed, plus the read part of the current one when its length is known."""
@@ -567,7 +580,12 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
                 "validation_split_percentage: 0"
             )
         held_out = max(1, int(source.num_rows * recipe.validation_split_percentage / 100))
-        eval_raw, eval_fmt = datasets.Dataset.from_list(list(source.open().take(held_out))), fmt
+        # the carve-out's lines that are not JSON are left out of the eval set (the training stream skips them too);
+        # every key of any example becomes a column (from_list would keep only the first example's keys)
+        carved = [example for example in source.open().take(held_out) if BAD_LINE not in example]
+        keys = dict.fromkeys(key for example in carved for key in example)
+        eval_raw = datasets.Dataset.from_list([{key: example.get(key) for key in keys} for example in carved])
+        eval_fmt = fmt
 
     disjoint = world > 1 and source.num_shards % world == 0
     if disjoint and held_out:
@@ -617,15 +635,16 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
         reading = f"one rank reads {source.num_shards} shard(s)"
     packed = ", packed on the fly" if recipe.packing else ""
     kinds = "/".join(dict.fromkeys(formats))
-    description = f"streaming {name!r} ({kinds}): {reading}, {order}{packed}, tokenized on the fly"
+    workers = f", in {recipe.dataloader_num_workers} worker process(es)" if recipe.dataloader_num_workers else ""
+    resumes = ("a resume seeks to the saved line" if source.seeks else
+               "a resume re-reads the current shard up to the saved position (datasets)")
+    description = f"streaming {name!r} ({kinds}): {reading}, {order}{packed}, tokenized on the fly{workers}; {resumes}"
     collator = StreamCollator(0, recipe.packing, fmt == "preference")
-    if recipe.dataloader_num_workers:
-        description += f", in {recipe.dataloader_num_workers} worker process(es)"
     per_pass = None  # raw examples a pass reads, when known (for the logged epoch)
     if source.num_rows is not None and not disjoint:
         per_pass = min(source.num_rows, held_out + (recipe.max_samples or source.num_rows))
     feed = StreamFeed(stream, collator, plan, rank, disjoint, recipe.max_bad_rows, description,
-                      recipe.dataloader_num_workers, per_pass)
+                      recipe.dataloader_num_workers, per_pass, source.seeks)
 
     evaluation, stats = None, {"streaming": {"source": name, "format": fmt, "shards": source.num_shards,
                                              "rows": source.num_rows, "disjoint_shards": disjoint,

@@ -16,6 +16,7 @@ Runs shared by the assertions (module fixtures):
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -106,6 +107,7 @@ def assert_same(run, reference, steps=range(1, STEPS + 1)) -> None:
 
 def test_streamed_equals_map_style(streamed, mapped):
     assert "streaming" in streamed.stdout and "one rank reads 1 shard(s), in the files' order" in streamed.stdout
+    assert "a resume seeks to the saved line" in streamed.stdout  # a .jsonl file: hftrain's reader
     assert "streaming" not in mapped.stdout
     rows = streamed.train_rows()
     assert [r["stream_examples"] for r in rows] == [4] * STEPS and {r["stream_bad_rows"] for r in rows} == {0}
@@ -126,7 +128,7 @@ def test_two_processes_equal_one_and_resume_on_one(streamed_2proc, mapped, tiny_
     (out / "metrics.jsonl").write_text("")
     resumed = run_script(out, *sequential(tiny_model, data, 2, 2), "--streaming", "true",
                          "--resume_from_checkpoint", str(out / "checkpoint-3"))
-    assert "at step 3" in resumed.stdout
+    assert "at step 3" in resumed.stdout and "the stream resumes by seeking to the saved line" in resumed.stdout
     assert_same(resumed, mapped, steps=range(4, STEPS + 1))
 
 
@@ -147,6 +149,11 @@ def test_preempted_shards_resume_exactly(shards_uninterrupted, shards_preempted,
     resumed = launch(shards_preempted.output_dir, *common(tiny_model, data["saved"]), *SHARDS, *WORKERS,
                      "--resume_from_checkpoint", "latest", preset="cpu_ddp")
     assert "at step 3" in resumed.stdout
+    # a saved folder is read by datasets, which re-reads the rank's current shard up to the position: at most the
+    # examples of the pass read before it (rank 0's, as its checkpoint says)
+    said = r"datasets re-reads the current shard up to the saved position \(at most the (\d+) examples of this pass"
+    rank0 = json.loads((saved / "data_stream_process0.json").read_text())["stream"]["read"]
+    assert [int(n) for n in re.findall(said, resumed.stdout)] == [rank0]
     assert_same(resumed, shards_uninterrupted, steps=range(4, STEPS + 1))
     passes = [json.loads(p.read_text())["stream"]["passes"] for p in (resumed.output_dir / "checkpoint-6").glob(
         "data_stream_process*.json")]

@@ -236,14 +236,15 @@ def chat_lines(first: int, n: int) -> list[str]:
             for i in range(first, first + n)]
 
 
-def stream_feed(dataset, **options):
+def stream_feed(dataset, with_eval: bool = False, **options):
     from hftrain.data.streaming import load_stream
     from hftrain.model import build_tokenizer
 
-    recipe = Recipe(model_name_or_path=str(REPO / "models" / "tiny-llama"), streaming=True, max_steps=1,
-                    validation_split_percentage=0, eval_strategy="no", dataset_name=str(dataset), **options)
-    feed, _, _ = load_stream(recipe, build_tokenizer(recipe), rank=0, world=1)
-    return feed
+    recipe = Recipe(**{"model_name_or_path": str(REPO / "models" / "tiny-llama"), "streaming": True, "max_steps": 1,
+                       "validation_split_percentage": 0, "eval_strategy": "no", "dataset_name": str(dataset),
+                       **options})
+    feed, evaluation, _ = load_stream(recipe, build_tokenizer(recipe), rank=0, world=1)
+    return (feed, evaluation) if with_eval else feed
 
 
 def questions(feed, n: int) -> list[int]:
@@ -286,6 +287,11 @@ def test_a_line_that_is_not_json_is_a_counted_bad_example_and_a_resume_seeks_pas
     resumed.stream.load_state(state)
     assert questions(resumed, 7) == list(range(5, 12))
     assert resumed.stream.counts["bad"] == 2
+    # an eval carve-out of the first 30% of the 14 lines that are not blank (4 lines) keeps the 3 chats among them
+    data.write_text("".join(lines))
+    carved, evaluation = stream_feed(data, with_eval=True, train_sampling_strategy="sequential",
+                                     validation_split_percentage=30, eval_strategy="steps")
+    assert len(evaluation) == 3 and questions(carved, 2) == [3, 4]
 
 
 def test_shards_are_shuffled_per_pass_seeded_and_a_resume_across_the_pass_boundary_is_exact(tmp_path):
@@ -317,3 +323,4 @@ def test_shards_are_shuffled_per_pass_seeded_and_a_resume_across_the_pass_bounda
     resumed = stream_feed(tmp_path, **options)
     resumed.stream.load_state(state)
     assert questions(resumed, 26) == rows[10:]
+
