@@ -35,7 +35,9 @@ TP_WITH_SHARDING_REFUSED = (
     "tensor parallelism combined with FSDP or DeepSpeed is not available in hftrain: accelerate 1.15 composes TP "
     "with data parallelism only through ParallelismConfig, which needs FSDP2 with a sharded data dimension "
     "(dp_shard_size > 1; it refuses TP with pure replication) and accepts only FSDP2, DeepSpeed or multi-GPU "
-    "launches, while accelerate selects FSDP only for GPU-like devices. Use a DDP-type preset (tp, or cpu_ddp / "
+    "launches, while accelerate selects FSDP only for GPU-like devices; and its FSDP2 x TP preparation "
+    "(Accelerator._prepare_tp) imports transformers' ReplicateParallel for every parameter the tp plan leaves whole "
+    "(the norms), which transformers 5.23 no longer has. Use a DDP-type preset (tp, or cpu_ddp / "
     "multi_gpu with --num_processes a multiple of tp_size): hftrain then averages the gradients of the tp_size-way "
     "sharded copies itself"
 )

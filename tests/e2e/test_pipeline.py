@@ -162,30 +162,34 @@ def test_pipeline_checkpoint_holds_hf_names(runs):
 
 @pytest.fixture(scope="module")
 def resumed(runs, models, tmp_path_factory) -> dict[str, Run]:
-    """checkpoint-2 of the pp 2 1F1B run continued on one process, and checkpoint-2 of the one-process run continued on
-    pp 2 with Interleaved1F1B (4 stages: the numbering of the whole model's optimizer mapped onto each rank's two
-    stages); both on the tied model (the head's weight and state come from the embedding's, and back)."""
+    """checkpoint-2 of the pp 2 x tp 2 run (DCP: every stage's tensors, the tp-sharded ones in shards) continued on one
+    process, and checkpoint-2 of the one-process run continued on pp 2 x tp 2 with Interleaved1F1B (4 stages: the
+    numbering of the whole model's optimizer mapped onto each rank's two stages, whole tensors placed as the
+    parameters' DTensor shards); both on the tied model (the head's weight and state come from the embedding's, and
+    back)."""
     root = tmp_path_factory.mktemp("pp-resumed")
     tied = ["--model_name_or_path", str(models["tied"])]
     return {
-        "pp2-to-one": run_script(root / "pp2-to-one", *COMMON, *NO_SAVES, *tied, "--resume_from_checkpoint",
-                                 str(runs["1F1B"].output_dir / "checkpoint-2")),
-        "one-to-pp2": launch(root / "one-to-pp2", *COMMON, *NO_SAVES, *PP, "--pp_schedule", "Interleaved1F1B", *tied,
-                             "--resume_from_checkpoint", str(runs["ref-tied"].output_dir / "checkpoint-2"),
-                             preset="cpu_pp", processes=2),
+        "pp2xtp2-to-one": run_script(root / "pp2xtp2-to-one", *COMMON, *NO_SAVES, *tied, "--resume_from_checkpoint",
+                                     str(runs["pp2xtp2"].output_dir / "checkpoint-2")),
+        "one-to-pp2xtp2": launch(root / "one-to-pp2xtp2", *COMMON, *NO_SAVES, *PP, "--pp_schedule", "Interleaved1F1B",
+                                 "--tp_size", "2", *tied, "--resume_from_checkpoint",
+                                 str(runs["ref-tied"].output_dir / "checkpoint-2"), preset="cpu_pp", processes=4),
     }
 
 
-@pytest.mark.parametrize("name", ["pp2-to-one", "one-to-pp2"])
+@pytest.mark.parametrize("name", ["pp2xtp2-to-one", "one-to-pp2xtp2"])
 def test_resume_across_pp_layouts(runs, resumed, name):
     """Steps 3-4 after the other layout's checkpoint-2 equal the uninterrupted one-process run: step 3's loss checks
     the weights, step 4's loss and grad norm and the final weights the optimizer state (AdamW's moments and step, by
     HF name), the learning rates the scheduler."""
     run, ref = resumed[name], runs["ref-tied"]
     info = run.state()["launch"]
-    pp = name == "one-to-pp2"
-    assert (info["num_processes"], info["pp_size"], info["model_wrapper"]) == \
-        ((2, 2, "PipelineStages") if pp else (1, 1, "CausalLMTokenLoss"))
+    pp = name == "one-to-pp2xtp2"
+    assert (info["num_processes"], info["pp_size"], info["tp_size"], info["model_wrapper"]) == \
+        ((4, 2, 2, "PipelineStages") if pp else (1, 1, 1, "CausalLMTokenLoss"))
+    if pp:
+        assert info["pp_stages"]["stages"] == 4 and info["dtensor_parameters"] > 0
     rows, ref_rows = run.train_rows(), ref.train_rows()[2:]
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [3, 4]
     assert [r["learning_rate"] for r in rows] == [r["learning_rate"] for r in ref_rows]
@@ -196,7 +200,7 @@ def test_resume_across_pp_layouts(runs, resumed, name):
     assert final.keys() == expected.keys()
     for key, value in expected.items():
         torch.testing.assert_close(final[key], value, rtol=1e-4, atol=1e-4, msg=lambda m, n=key: f"{n}: {m}")
-    assert not list(runs["1F1B"].output_dir.glob(".unpipelined-*"))  # the converted copy is removed
+    assert not list(runs["pp2xtp2"].output_dir.glob(".unpipelined-*"))  # the converted copy is removed
 
 
 TINY_LLAMA = json.loads((REPO / "models" / "tiny-llama" / "config.json").read_text())
