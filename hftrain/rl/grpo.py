@@ -38,9 +38,9 @@ from hftrain.rl.rollouts import (
     Sampling,
     WindowPlan,
     collate,
-    generate_group,
-    group_seed,
+    generate_rows,
     is_conversational,
+    row_seed,
 )
 
 ROLLOUTS_FILE = "rollouts.jsonl"
@@ -237,11 +237,10 @@ class Rollouts:
         lm = self.accelerator.unwrap_model(self.model).lm
         self.model_was_training = self.model.training
         self.model.eval()
-        sampled: dict[int, list] = {}
-        for group in sorted({row // G for row in rows}):
-            sampled[group] = generate_group(lm, self.prompts[prompt_index[group]].ids, G, self.sampling,
-                                            group_seed(recipe.seed, window, group), self.eos_ids, self.pad_id)
-        completions = [Completion(row, row // G, prompt_index[row // G], *sampled[row // G][row % G]) for row in rows]
+        sampled = generate_rows(lm, [self.prompts[prompt_index[row // G]].ids for row in rows],
+                                [row_seed(recipe.seed, window, row // G, row % G) for row in rows], self.sampling,
+                                self.eos_ids, self.pad_id)
+        completions = [Completion(row, row // G, prompt_index[row // G], *sample) for row, sample in zip(rows, sampled)]
         prompts = [self.prompts[c.prompt] for c in completions]
         texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
         columns = {k: [p.columns[k] for p in prompts] for k in prompts[0].columns}

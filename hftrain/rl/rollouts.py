@@ -1,16 +1,16 @@
 """Rollouts of objective grpo: which prompts a generation window holds (`WindowPlan`), sampling them with
-transformers' `generate` (`generate_group`), the window's buffer (`Window`) and its rows of rollouts.jsonl.
+transformers' `generate` (`generate_rows`), collation into micro-batches.
 
 Layout. A generation window holds per_device_train_batch_size x processes x steps_per_generation completions:
 `prompts_per_window` prompts (a permutation of the data seeded by (seed, epoch)), each sampled num_generations
 times. Rank r trains the window's completions [r x b x S, (r + 1) x b x S), micro-batch k the b after k x b of them.
 A window is trained for steps_per_generation x num_iterations / gradient_accumulation_steps optimizer steps.
 
-Sampling is seeded per prompt group: the group's generator seed depends only on (seed, window, group), so the
-same run on any number of processes, with any accumulation, samples the same completions, and a resumed run samples
-what the uninterrupted run sampled (no RNG state has to travel). A rank generates the whole groups its
-completions belong to (when b x S is not a multiple of num_generations two ranks generate a shared group, and each
-keeps its own completions).
+Sampling. A rank samples all its completions of a window in one `generate` call (its prompts left-padded), and each
+completion draws its sampling noise from a generator of its own, seeded by (seed, window, group, index in the group)
+(`row_seed`, `RowSeededSampling`). So the same run on any number of processes, with any accumulation, samples the
+same completions (up to the float rounding of a differently padded batch), and a resumed run samples what the
+uninterrupted run sampled: the seeds are derived, no RNG state has to travel in a checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +20,14 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from hftrain.data import IGNORE_INDEX
 
@@ -130,8 +138,11 @@ class WindowPlan:
         return window * self.steps_per_window + 1
 
 
-def group_seed(seed: int, window: int, group: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{window}:{group}".encode()).digest()[:8], "little") % 2**63
+def row_seed(seed: int, window: int, group: int, index: int) -> int:
+    """The seed of one completion's sampling noise: completion `index` of prompt `group` of generation window
+    `window` (independent of the process count, the accumulation and the other rows of its batch)."""
+    key = f"{seed}:{window}:{group}:{index}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") % 2**63
 
 
 @dataclass(frozen=True)
@@ -146,23 +157,51 @@ class Sampling:
     mask_truncated_completions: bool = False
 
 
+class RowSeededSampling(LogitsProcessor):
+    """Multinomial sampling with one generator per row, by the Gumbel-max trick: argmax(scores + G) with G =
+    -log(-log(U)), U uniform, is a sample of softmax(scores). Last in generate's processor list (after the repetition
+    penalty, temperature, top-k and top-p, the order of transformers' sampling) with greedy decoding, so each row's
+    tokens depend only on its own generator and the model's scores for that row: a batch of any composition samples
+    what the rows would sample alone, and the caller's RNG is untouched."""
+
+    def __init__(self, seeds: list[int], device: torch.device):
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device)
+                               for g in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(uniform.dtype).tiny)))
+        return scores.float() + gumbel
+
+
 @torch.no_grad()
-def generate_group(lm, prompt_ids: list[int], n: int, sampling: Sampling, seed: int, eos_ids: set[int],
-                   pad_id: int) -> list[tuple[list[int], bool]]:
-    """`n` completions of one prompt, sampled with a generator seeded by `seed` (the caller's RNG is untouched):
-    each (its tokens up to and including the first EOS, whether it was truncated at max_completion_length)."""
+def generate_rows(lm, prompts: list[list[int]], seeds: list[int], sampling: Sampling, eos_ids: set[int],
+                  pad_id: int) -> list[tuple[list[int], bool]]:
+    """One completion of each prompt, all in one `generate` call (prompts left-padded), row i sampled with the
+    generator seeded by seeds[i] (RowSeededSampling): each (its tokens up to and including the first EOS, whether it
+    was truncated at max_completion_length)."""
     device = next(lm.parameters()).device
-    input_ids = torch.tensor([prompt_ids] * n, device=device)
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        out = lm.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
-                          max_new_tokens=sampling.max_completion_length, temperature=sampling.temperature,
-                          top_p=sampling.top_p, top_k=sampling.top_k or None,
-                          repetition_penalty=sampling.repetition_penalty, pad_token_id=pad_id,
-                          eos_token_id=sorted(eos_ids), use_cache=True)
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p):] = torch.tensor(p)
+        attention_mask[i, width - len(p):] = 1
+    warpers = [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
+    if sampling.top_k:
+        warpers.append(TopKLogitsWarper(sampling.top_k))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    # greedy over the noised scores is sampling; every sampling setting is explicit, so the model's own
+    # generation_config (do_sample, temperature, top_k, ...) cannot add a second warper
+    config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_completion_length, temperature=1.0,
+                              top_k=None, top_p=1.0, repetition_penalty=sampling.repetition_penalty,
+                              pad_token_id=pad_id, eos_token_id=sorted(eos_ids), use_cache=True)
+    out = lm.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                      generation_config=config,
+                      logits_processor=LogitsProcessorList([*warpers, RowSeededSampling(seeds, device)]))
     completions = []
-    for row in out[:, len(prompt_ids):].tolist():
+    for row in out[:, width:].tolist():
         end = next((i for i, token in enumerate(row) if token in eos_ids), None)
         completions.append((row if end is None else row[:end + 1], end is None))
     return completions

@@ -12,7 +12,7 @@ from hftrain.config import load_recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import ConfigError
 from hftrain.rl.rewards import RewardFailure, column_problems, load_reward_functions, score
-from hftrain.rl.rollouts import Completion, WindowPlan, collate, group_seed
+from hftrain.rl.rollouts import Completion, WindowPlan, collate, row_seed
 
 GOOD = "hftrain.rl.example_rewards.vowel_share"
 
@@ -100,7 +100,7 @@ def test_window_layout():
     assert order[2:4] == [(3, 0, 0), (3, 1, 0)] and len(order) == 10
     first, second = plan.window_prompts(0), plan.window_prompts(1)
     assert len(set(first + second)) == 8 and plan.window_prompts(2) != first  # a new permutation per epoch
-    assert group_seed(1, 2, 3) == group_seed(1, 2, 3) != group_seed(1, 3, 2)
+    assert row_seed(1, 2, 3, 0) == row_seed(1, 2, 3, 0) != row_seed(1, 3, 2, 0) != row_seed(1, 2, 3, 1)
 
 
 def test_collate_trains_exactly_the_completion_tokens():
