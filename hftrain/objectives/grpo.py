@@ -19,9 +19,21 @@ from hftrain.errors import HftrainError
 from hftrain.layout import STREAM_STATE
 from hftrain.model import CausalLMTokenLoss
 from hftrain.objectives.base import Objective
-from hftrain.rl.grpo import GRPOLoss, Rollouts, build_token_reference
+from hftrain.objectives.reference import AdapterReference, FrozenReference
+from hftrain.rl.grpo import GRPOLoss, ReferenceTokenLogProbs, Rollouts, reference_token_log_probs
 from hftrain.rl.rewards import column_problems, load_reward_functions
 from hftrain.rl.rollouts import WindowPlan, is_conversational, render_prompts
+
+
+def build_token_reference(recipe, lm: nn.Module, device: torch.device,
+                          copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy):
+    """beta > 0: dpo's references (hftrain.objectives.reference) reading per-token log-probs: the policy with its
+    adapters disabled for LoRA/QLoRA, else a frozen copy of the starting model."""
+    if recipe.beta == 0:
+        return None
+    if hasattr(lm, "disable_adapter"):
+        return AdapterReference(lm, reference_token_log_probs(recipe.temperature))
+    return FrozenReference(ReferenceTokenLogProbs(copy_model(lm), recipe.temperature), device)
 
 
 class GRPO(Objective):

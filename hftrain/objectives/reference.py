@@ -52,31 +52,39 @@ def sequence_log_probs(lm: nn.Module, head_only: bool, input_ids: torch.Tensor,
     return logps, trained.sum(dim=1)
 
 
-class AdapterReference:
-    """The reference of a LoRA/QLoRA policy: the same model with its adapters disabled (no second copy)."""
+def summed_log_probs(head_only: bool) -> Callable[..., torch.Tensor]:
+    """dpo's reference computation: `(lm, input_ids, labels) -> each row's summed log-prob of its trained tokens`."""
+    return lambda lm, input_ids, labels: sequence_log_probs(lm, head_only, input_ids, labels)[0]
 
-    def __init__(self, lm: nn.Module, head_only: bool):
-        self.lm, self.head_only = lm, head_only
+
+class AdapterReference:
+    """The reference of a LoRA/QLoRA policy: the same model with its adapters disabled (no second copy). `compute`
+    is what the objective reads from it, `(lm, *inputs) -> log-probs` (dpo: `summed_log_probs`, each row's sum;
+    grpo: the per-token log-probs)."""
+
+    def __init__(self, lm: nn.Module, compute: Callable[..., torch.Tensor]):
+        self.lm, self.compute = lm, compute
 
     def describe(self) -> str:
         return "the base model with the adapters disabled (no second copy in memory)"
 
     @torch.no_grad()
-    def log_probs(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def log_probs(self, *inputs: torch.Tensor) -> torch.Tensor:
         with self.lm.disable_adapter():
-            return sequence_log_probs(self.lm, self.head_only, input_ids, labels)[0]
+            return self.compute(self.lm, *inputs)
 
 
 class ReferenceLogProbs(WrapsCausalLM):
-    """The frozen copy as a module of its own: `forward` returns each row's summed log-prob, so that a strategy that
-    wraps it (ZeRO-3 partitions, FSDP2 shards with this module as root) gathers its weights around that forward."""
+    """dpo's frozen copy as a module of its own: `forward` returns each row's summed log-prob, so that a strategy
+    that wraps it (ZeRO-3 partitions, FSDP2 shards with this module as root) gathers its weights around that
+    forward."""
 
     def __init__(self, lm: nn.Module, head_only: bool):
         super().__init__()
-        self.lm, self.head_only = lm.eval().requires_grad_(False), head_only
+        self.lm, self.sums = lm.eval().requires_grad_(False), summed_log_probs(head_only)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return sequence_log_probs(self.lm, self.head_only, input_ids, labels)[0]
+        return self.sums(self.lm, input_ids, labels)
 
 
 def local_bytes(module: nn.Module) -> int:
@@ -92,10 +100,11 @@ class FrozenReference:
     """The reference of a fully fine-tuned policy: a frozen copy of the starting model, kept off the policy's module
     tree (not in its state dict, optimizer or wrapper) and prepared by the parallelism backend like the policy
     (`prepare`: replicated for one process, DDP and ZeRO-1/2, partitioned under ZeRO-3, sharded under FSDP2); a
-    resumed run copies the rebuilt starting model again."""
+    resumed run copies the rebuilt starting model again. `module` wraps the copy and computes what the objective
+    reads from it in its forward (dpo: `ReferenceLogProbs`, grpo: per-token log-probs)."""
 
-    def __init__(self, lm: nn.Module, head_only: bool, device: torch.device):
-        self.module = ReferenceLogProbs(lm, head_only).to(device)
+    def __init__(self, module: WrapsCausalLM, device: torch.device):
+        self.module = module.to(device)
         self.how = "replicated"
 
     def prepare(self, backend) -> None:
@@ -106,8 +115,8 @@ class FrozenReference:
         return f"a frozen copy of the starting model, {self.how} (+{size:,.1f} MiB per device)"
 
     @torch.no_grad()
-    def log_probs(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.module(input_ids, labels)
+    def log_probs(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.module(*inputs)
 
 
 class PrecomputedReference:
@@ -165,8 +174,8 @@ def build_reference(recipe: Recipe, lm: nn.Module, device: torch.device,
     if recipe.precompute_ref_log_probs:
         return PrecomputedReference()
     if hasattr(lm, "disable_adapter"):
-        return AdapterReference(lm, head_only)
-    return FrozenReference(copy_model(lm), head_only, device)
+        return AdapterReference(lm, summed_log_probs(head_only))
+    return FrozenReference(ReferenceLogProbs(copy_model(lm), head_only), device)
 
 
 @torch.no_grad()

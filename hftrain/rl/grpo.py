@@ -9,7 +9,6 @@ the previous optimizer step, with the weights the window's rollouts are sampled 
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from collections.abc import Callable
@@ -58,56 +57,21 @@ def token_log_probs(lm: nn.Module, input_ids: torch.Tensor, temperature: float) 
     return completion_log_probs(logits, input_ids[:, 1:], temperature)
 
 
+def reference_token_log_probs(temperature: float) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """grpo's reference computation: `(lm, input_ids) -> per-token log-probs` from logits / temperature."""
+    return lambda lm, input_ids: token_log_probs(lm, input_ids, temperature)[0]
+
+
 class ReferenceTokenLogProbs(WrapsCausalLM):
     """The frozen starting model of a fully fine-tuned policy (beta > 0): `forward` returns per-token log-probs, so
     that a strategy that wraps it gathers its weights around that forward."""
 
     def __init__(self, lm: nn.Module, temperature: float):
         super().__init__()
-        self.lm, self.temperature = lm.eval().requires_grad_(False), temperature
+        self.lm, self.compute = lm.eval().requires_grad_(False), reference_token_log_probs(temperature)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return token_log_probs(self.lm, input_ids, self.temperature)[0]
-
-
-class FrozenTokenReference:
-    def __init__(self, lm: nn.Module, temperature: float, device: torch.device):
-        self.module = ReferenceTokenLogProbs(lm, temperature).to(device)
-        self.how = "replicated"
-
-    def prepare(self, backend) -> None:
-        self.module, self.how = backend.prepare_frozen(self.module)
-
-    def describe(self) -> str:
-        return f"a frozen copy of the starting model, {self.how}"
-
-    @torch.no_grad()
-    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.module(input_ids)
-
-
-class AdapterTokenReference:
-    """The reference of a LoRA/QLoRA policy: the same model with its adapters disabled (no second copy)."""
-
-    def __init__(self, lm: nn.Module, temperature: float):
-        self.lm, self.temperature = lm, temperature
-
-    def describe(self) -> str:
-        return "the base model with the adapters disabled (no second copy in memory)"
-
-    @torch.no_grad()
-    def log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        with self.lm.disable_adapter():
-            return token_log_probs(self.lm, input_ids, self.temperature)[0]
-
-
-def build_token_reference(recipe, lm: nn.Module, device: torch.device,
-                          copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy):
-    if recipe.beta == 0:
-        return None
-    if hasattr(lm, "disable_adapter"):
-        return AdapterTokenReference(lm, recipe.temperature)
-    return FrozenTokenReference(copy_model(lm), recipe.temperature, device)
+        return self.compute(self.lm, input_ids)
 
 
 class GRPOLoss(CausalLMTokenLoss):

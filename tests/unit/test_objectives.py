@@ -22,6 +22,7 @@ from hftrain.objectives import (
     objective_for,
 )
 from hftrain.objectives.preference import Preference
+from hftrain.objectives.reference import ReferenceLogProbs, summed_log_probs
 from tests.conftest import REPO
 
 VOCAB = 61
@@ -111,7 +112,8 @@ def test_loss_stats_and_gradients_equal_the_formulas(fields, head_only):
     recipe = Recipe(**fields)
     policy, reference = tiny_llama(0), tiny_llama(1)
     batch = pair_batch(3, filler=True)
-    ref = None if recipe.objective == "simpo" else FrozenReference(reference, head_only, torch.device("cpu"))
+    ref = None if recipe.objective == "simpo" else \
+        FrozenReference(ReferenceLogProbs(reference, head_only), torch.device("cpu"))
     module = PreferenceLoss(policy, recipe, ref)
     module.head_only = head_only
     got = module(**batch)
@@ -148,8 +150,9 @@ def test_lora_reference_by_disabling_adapters_equals_a_frozen_copy_of_the_base()
     frozen_base = copy.deepcopy(base)
     policy = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     batch = pair_batch(3)
-    by_disabling = AdapterReference(policy, head_only=True).log_probs(batch["input_ids"], batch["labels"])
-    by_copy = FrozenReference(frozen_base, True, torch.device("cpu")).log_probs(batch["input_ids"], batch["labels"])
+    inputs = batch["input_ids"], batch["labels"]
+    by_disabling = AdapterReference(policy, summed_log_probs(head_only=True)).log_probs(*inputs)
+    by_copy = FrozenReference(ReferenceLogProbs(frozen_base, True), torch.device("cpu")).log_probs(*inputs)
     torch.testing.assert_close(by_disabling, by_copy, rtol=0, atol=1e-6)
     with_adapters = plain_log_probs(policy, batch)[0]
     assert (with_adapters - by_copy).abs().max() > 1e-3  # the adapters do change the policy: the test can fail
@@ -163,7 +166,8 @@ def test_accumulated_micro_batches_give_the_gradient_of_one_batch():
     with micro-batches of unequal real pair counts (TRL's mean of micro-batch means differs here)."""
     recipe = Recipe(objective="dpo")
     policy = tiny_llama(0)
-    module = PreferenceLoss(policy, recipe, FrozenReference(tiny_llama(1), True, torch.device("cpu")))
+    reference = FrozenReference(ReferenceLogProbs(tiny_llama(1), True), torch.device("cpu"))
+    module = PreferenceLoss(policy, recipe, reference)
     whole = pair_batch(3)
     first = {k: torch.cat([v[:1], v[3:4]]) for k, v in whole.items()}
     second = {k: torch.cat([v[1:3], v[4:6]]) for k, v in whole.items()}

@@ -1,6 +1,7 @@
-"""The reference of beta > 0 (hftrain.rl.grpo.build_token_reference) against plain transformers on the same tokens:
-for LoRA the policy with its adapters disabled, for full fine-tuning a frozen copy of the starting model; both give
-the starting model's log-probs of the next tokens from logits / temperature, whatever the policy has become."""
+"""The reference of beta > 0 (hftrain.objectives.grpo.build_token_reference) against plain transformers on the same
+tokens: for LoRA the policy with its adapters disabled, for full fine-tuning a frozen copy of the starting model;
+both give the starting model's log-probs of the next tokens from logits / temperature, whatever the policy
+has become."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from hftrain.rl.grpo import AdapterTokenReference, FrozenTokenReference, build_token_reference
+from hftrain.objectives.grpo import build_token_reference
+from hftrain.objectives.reference import AdapterReference, FrozenReference
 from tests.conftest import REPO
 
 TINY = REPO / "models" / "tiny-llama"
@@ -35,7 +37,7 @@ def test_references_give_the_starting_models_log_probs():
     # LoRA: random A and B (init_lora_weights False), so the adapters change what the policy predicts
     policy = get_peft_model(load(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     reference = build_token_reference(RECIPE, policy, torch.device("cpu"))
-    assert isinstance(reference, AdapterTokenReference)
+    assert isinstance(reference, AdapterReference)
     with_adapters = plain_log_probs(policy, ids)
     assert (with_adapters - start).abs().max() > 1e-3
     torch.testing.assert_close(reference.log_probs(ids), start, rtol=1e-5, atol=1e-6)
@@ -44,7 +46,7 @@ def test_references_give_the_starting_models_log_probs():
     # full fine-tuning: a frozen copy, unchanged when the policy's weights move
     policy = load()
     reference = build_token_reference(RECIPE, policy, torch.device("cpu"))
-    assert isinstance(reference, FrozenTokenReference)
+    assert isinstance(reference, FrozenReference)
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
