@@ -13,6 +13,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -72,6 +73,15 @@ def quiet_other_ranks(accelerator) -> None:
     transformers.utils.logging.disable_progress_bar()
     datasets.utils.logging.set_verbosity_warning()
     datasets.disable_progress_bars()
+
+
+@dataclass
+class Table:
+    """A table in a metrics row (grpo's log_completions): sent to W&B as a wandb.Table; metrics.jsonl and the
+    scalar trackers leave it out (its rows are in a file of the run, e.g. rollouts.jsonl)."""
+
+    columns: list[str]
+    rows: list[list]
 
 
 class MetricLogger:
@@ -134,13 +144,21 @@ class MetricLogger:
         return ids
 
     def log(self, row: dict) -> None:
-        """Append one row (must hold `step`) to metrics.jsonl and send it to the trackers."""
+        """Append one row (must hold `step`) to metrics.jsonl and send it to the trackers (its `Table` values to
+        W&B only)."""
+        tables = {k: v for k, v in row.items() if isinstance(v, Table)}
+        row = {k: v for k, v in row.items() if k not in tables}
         if self.main:
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(clean) + "\n")
         if self.trackers:
             self.accelerator.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+        if tables and self.main and "wandb" in self.trackers:
+            import wandb
+
+            self.accelerator.get_tracker("wandb").log(
+                {k: wandb.Table(columns=t.columns, data=t.rows) for k, t in tables.items()}, step=row["step"])
 
     def print(self, message: str) -> None:
         self.accelerator.print(message)

@@ -89,7 +89,7 @@ def run_hftrain(model: Path, prompts: Path, steps: int, out: Path) -> dict:
                   optim="adamw_torch", max_steps=steps, logging_steps=1, output_dir=str(out),
                   overwrite_output_dir=True, eval_strategy="no", save_strategy="no", report_to=["none"],
                   disable_tqdm=True, **SETTINGS)
-    path = out.parent / f"{out.name}.json"
+    path = out.parent / f"{out.name}-recipe.json"  # beside the run's result file, {out.name}.json
     path.write_text(json.dumps(recipe))  # JSON is YAML
     proc = subprocess.run([sys.executable, "-m", "hftrain.finetune", "--config", str(path)], capture_output=True,
                           text=True)

@@ -58,8 +58,9 @@ class GRPOFields:
         choices=("token", "sequence"),
     )
     log_completions: bool = _f(
-        False, "grpo: also log a table of completions to W&B (not implemented yet: refused; rollouts.jsonl always has "
-        "every one).", group="grpo",
+        False, "grpo: also log TRL's table of completions (step, prompt, completion, each reward, advantage) of the "
+        "latest generation batch to W&B with each metrics row; needs wandb in report_to (rollouts.jsonl always has "
+        "every completion).", group="grpo",
     )
 
 
@@ -106,8 +107,8 @@ def problems(r) -> list[str]:
         (not r.eval_dataset_name and (r.validation_split_percentage == 0 or r.eval_strategy == "no"),
          "objective grpo has no evaluation yet (it would generate): set eval_strategy: no and remove "
          "eval_dataset_name"),
-        (not r.log_completions, "log_completions (a W&B table of completions) is not implemented yet; every "
-         "completion is in output_dir/rollouts.jsonl: remove log_completions"),
+        (not r.log_completions or "wandb" in r.report_to, "log_completions logs a W&B table: add wandb to report_to, "
+         "or remove log_completions (output_dir/rollouts.jsonl has every completion)"),
         (not r.router_aux_loss_coef, "objective grpo does not add a router load-balancing loss yet; remove "
          "router_aux_loss_coef"),
     ]

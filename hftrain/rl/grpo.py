@@ -41,6 +41,7 @@ from hftrain.rl.rollouts import (
     is_conversational,
     row_seed,
 )
+from hftrain.tracking import Table
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 
@@ -138,6 +139,7 @@ class Rollouts:
         self.store_old = recipe.num_iterations > 1 or plan.steps_per_generation > plan.accum
         self.window, self.buffer, self.truncated = None, [], False
         self.generated_metrics: list[dict[str, float]] = []
+        self.latest_rows: list[dict] = []  # log_completions: the last window's rollouts.jsonl rows (main process)
         self.model = self.loss_fn = None  # set by the objective once the backend has prepared them
         # The loop's data vote: set on every rank when a reward function failed on any rank (generate), so that all
         # ranks stop at the same step with a checkpoint instead of waiting in a collective until ddp_timeout.
@@ -298,6 +300,7 @@ class Rollouts:
             with self.file.open("a") as f:
                 for row in unique:
                     f.write(json.dumps(row) + "\n")
+            self.latest_rows = unique
 
     def truncate_rows(self, before_window: int) -> None:
         """On resume: keep the rows of the windows generated before the checkpoint's next window."""
@@ -323,6 +326,15 @@ class Rollouts:
         out["completions/clipped_ratio"] = truncated.float().mean().item()
         return out
 
+    def completions_table(self, rows: list[dict]) -> Table:
+        """log_completions: TRL's W&B completions table of the latest generation batch, every process's completions:
+        step (here the optimizer step that trains the completion), prompt, completion, one column per reward function
+        (None where it gave no reward), advantage."""
+        names = [f.name for f in self.funcs]
+        return Table(["step", "prompt", "completion", *names, "advantage"],
+                     [[r["step"], r["prompt"], r["completion"], *(r["rewards"][n] for n in names), r["advantage"]]
+                      for r in rows])
+
     def metrics(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
         """The metrics since the last call: the windows' reward metrics averaged (TRL averages per generation) and
         the loss's token-weighted kl / entropy / clip ratios summed over every rank (`reduce`: dp.sum)."""
@@ -331,6 +343,9 @@ class Rollouts:
             for name in self.generated_metrics[0]:
                 out[name] = sum(m[name] for m in self.generated_metrics) / len(self.generated_metrics)
         self.generated_metrics = []
+        if self.recipe.log_completions and self.latest_rows:
+            out["completions"] = self.completions_table(self.latest_rows)
+            self.latest_rows = []
         sums = self.loss_fn.pop_sums()
         for name in sorted(sums):
             value, count = reduce(sums[name].to(self.accelerator.device)).tolist()

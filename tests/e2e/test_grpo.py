@@ -1,9 +1,11 @@
 """objective grpo end to end on the tiny model: the shipped recipe learns (its mean reward rises), every completion
 is in rollouts.jsonl, TRL's metric names are logged; the first optimizer step equals the same step written in plain
-PyTorch from the rollouts' tokens; accumulation 1 x 8 == 4 x 2 == 2 processes x 2 x 2; bad input is refused in one
-paragraph before the model loads.
+PyTorch from the rollouts' tokens; accumulation 1 x 8 == 4 x 2 == 2 processes x 2 x 2; a SIGTERM inside a generation
+window resumes exactly; LoRA with beta > 0 trains against the adapter-off model (step 2 recomputed with peft), and
+log_completions' W&B table (offline) holds rollouts.jsonl's rows; bad input is refused in one paragraph before the
+model loads.
 
-Runs are shared by the assertions (module fixtures); each is 3 steps of 8 completions of <= 6 tokens, with SGD: its
+Runs are shared by the assertions (module fixtures); each is 2-3 steps of 8 completions of <= 6 tokens, with SGD: its
 update is proportional to the gradient, where AdamW's first step (g / (|g| + eps)) would blow a float rounding
 difference in a near-zero gradient up to the size of the learning rate.
 """
@@ -11,15 +13,17 @@ difference in a near-zero gradient up to the size of the learning rate.
 from __future__ import annotations
 
 import json
-import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hftrain.report import write_report
-from tests.conftest import REPO, launch, run_main_cases, run_script, write_jsonl
+from tests.conftest import FAULTY_RANK, REPO, launch, run_main_cases, run_script, write_jsonl
+from tests.wandb_records import summary
 
 TINY = str(REPO / "models" / "tiny-llama")
 REWARD = "hftrain.rl.example_rewards.vowel_share"
@@ -35,6 +39,9 @@ BASE = ["--model_name_or_path", TINY, "--dataset_name", str(REPO / "data" / "pro
 ONE_BY_EIGHT = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1"]
 FOUR_BY_TWO = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"]
 TWO_PROCS = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+# no dropout: the forward is deterministic, so runs and the plain computation agree
+LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0", "--lora_target_modules",
+        "q_proj,v_proj"]
 
 
 def rollouts(run) -> list[dict]:
@@ -42,19 +49,28 @@ def rollouts(run) -> list[dict]:
 
 
 def weights(run, folder: str = "final") -> dict[str, torch.Tensor]:
-    return load_file(run.output_dir / folder / "model.safetensors")
+    """The trained tensors: the model's, or the adapter's for a LoRA run's final folder."""
+    adapter = run.output_dir / folder / "adapter_model.safetensors"
+    return load_file(adapter if adapter.exists() else run.output_dir / folder / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo")
+    wandb_dir = tmp / "wandb"
+    wandb_dir.mkdir()
     return {
         "1x8": run_script(tmp / "1x8", *BASE, *ONE_BY_EIGHT, "--save_strategy", "steps", "--save_steps", "1",
                           "--checkpoint_preflight", "false"),  # checkpoint-1 is inside the first window
         "4x2": run_script(tmp / "4x2", *BASE, *FOUR_BY_TWO),
         "2procs": launch(tmp / "2procs", *BASE, *TWO_PROCS, preset="cpu_ddp"),
-        "grpo-1x8": run_script(tmp / "grpo-1x8", *BASE, *ONE_BY_EIGHT, "--loss_type", "grpo"),
-        "grpo-4x2": run_script(tmp / "grpo-4x2", *BASE, *FOUR_BY_TWO, "--loss_type", "grpo"),
+        # LoRA with beta 0.5: the reference is the adapter-off model; 1x8 also logs to W&B offline with
+        # log_completions and keeps every step's checkpoint
+        "grpo-1x8": run_script(tmp / "grpo-1x8", *BASE, *ONE_BY_EIGHT, "--loss_type", "grpo", *LORA,
+                               "--save_strategy", "steps", "--save_steps", "1", "--checkpoint_preflight", "false",
+                               "--report_to", "wandb", "--log_completions", "true",
+                               env={"WANDB_DIR": str(wandb_dir), "WANDB_MODE": "offline"}),
+        "grpo-4x2": run_script(tmp / "grpo-4x2", *BASE, *FOUR_BY_TWO, "--loss_type", "grpo", *LORA),
     }
 
 
@@ -214,16 +230,25 @@ def test_tiny_grpo_recipe_learns(tmp_path):
     assert (report.parent / "reward.png").stat().st_size > 0 and "- reward (grpo): first" in report.read_text()
 
 
-def test_resume_inside_a_generation_window_is_exact(runs, tmp_path):
-    """The num_iterations 2 run's folder as it was after step 1 (checkpoint-1 lies inside the first generation
-    window: its buffered rollouts and stored log-probs are in the checkpoint), resumed: step 2 trains the buffered
-    rollouts, step 3 samples the next window again from the same seeds and weights; the same rows in rollouts.jsonl
-    and the same final weights as the uninterrupted run."""
+def test_sigterm_inside_a_generation_window_resumes_exactly(runs, tmp_path):
+    """The num_iterations 2 run stopped by SIGTERM right after step 1 (tests/e2e/launchers/faulty_rank.py; no periodic
+    checkpoints): the stop is voted on in step 2, once step 2's micro-batches (step 1's buffered rollouts) were taken,
+    and the preemption checkpoint-1 lies inside the first generation window. It holds the same buffer (rollouts,
+    advantages, stored old and reference log-probs) and weights as the uninterrupted run's periodic checkpoint-1.
+    Resumed from it: step 2 trains the buffered rollouts, step 3 samples the next window again from the same seeds
+    and weights; the same rows in rollouts.jsonl and the same final weights as the uninterrupted run."""
     done = runs["1x8"]
-    folder = tmp_path / "resumed"
-    shutil.copytree(done.output_dir, folder, ignore=shutil.ignore_patterns("final", "checkpoint-2", "checkpoint-3"))
-    assert list((folder / "checkpoint-1").glob("data_stream_process*.json"))  # the window's buffer
-    run = run_script(folder, *BASE, *ONE_BY_EIGHT, "--resume_from_checkpoint", str(folder / "checkpoint-1"))
+    folder = tmp_path / "preempted"
+    stopped = run_script(folder, *BASE, *ONE_BY_EIGHT, "--checkpoint_preflight", "false", script=FAULTY_RANK,
+                         env={"HFTRAIN_TEST_FAULTS": "sigterm_after_step_1"}, check=False)
+    assert stopped.returncode != 0 and "stopped by SIGTERM after step 1" in stopped.stderr, stopped.stderr[-2000:]
+    assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-1"]
+    (state,) = (folder / "checkpoint-1").glob("data_stream_process*.json")  # the window's buffer
+    assert json.loads(state.read_text()) == json.loads((done.output_dir / "checkpoint-1" / state.name).read_text())
+    for name, value in weights(done, "checkpoint-1").items():
+        assert torch.equal(weights(stopped, "checkpoint-1")[name], value), name
+    assert rollouts(stopped) == rollouts(done)[:8]
+    run = run_script(folder, *BASE, *ONE_BY_EIGHT, "--resume_from_checkpoint", "latest")
     assert "resuming from" in run.stdout
     assert rollouts(run) == rollouts(done)
     wa, wb = weights(done), weights(run)
@@ -258,3 +283,67 @@ def test_a_failing_reward_function_stops_the_run_with_a_checkpoint(tmp_path):
         assert {r["step"] for r in rollouts(run)} == {1} and len(rollouts(run)) == 8
     assert "returned 7 rewards for 8 completions" in said["short"]
     assert "returned 'high' for completion 0" in said["words"]
+
+
+def test_lora_with_beta_trains_against_the_adapter_off_model(runs):
+    """The grpo-loss LoRA run's step 2 written out with peft and plain transformers: the policy is the base with
+    checkpoint-1's adapter, the reference and the stored old log-probs the plain base model (the adapter starts at
+    zero, so step 1 sampled from the base); per token -min(rho A, clip(rho, 0.8, 1.2) A) + 0.5 kl, each completion's
+    token mean averaged over the 8 completions. The logged loss and kl of step 2 and the adapter after one SGD step
+    from its gradient (clipping at 1.0) equal the run's checkpoint-2. With the adapter-on model as the reference the
+    kl would be 0."""
+    run = runs["grpo-1x8"]
+    rows = [r for r in rollouts(run) if r["step"] == 1]
+    assert len(rows) == 8
+    base = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32),
+                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    trained = {k.removeprefix("lm."): v for k, v in weights(run, "checkpoint-1").items()}
+    assert trained and all("lora_" in k for k in trained)  # the checkpoint holds the adapter only
+    missing, unexpected = policy.load_state_dict(trained, strict=False)
+    assert not unexpected and not [k for k in missing if "lora_" in k]
+    loss, kl_sum, tokens = 0.0, 0.0, sum(len(r["completion_ids"]) for r in rows)
+    for r in rows:
+        logp = token_log_probs(policy, r)
+        with torch.no_grad():
+            old = ref = token_log_probs(base, r)
+        rho = torch.exp(logp - old)
+        a = r["advantage"]
+        kl = (torch.exp(ref - logp) - (ref - logp) - 1) * rho
+        loss = loss + (-torch.min(rho * a, torch.clamp(rho, 0.8, 1.2) * a) + 0.5 * kl).mean() / len(rows)
+        kl_sum += kl.sum().item()
+    second = run.train_rows()[1]
+    assert second["step"] == 2 and kl_sum / tokens > 1e-6
+    assert second["kl"] == pytest.approx(kl_sum / tokens, rel=1e-4)
+    assert second["loss"] == pytest.approx(loss.item(), rel=1e-4, abs=1e-7)
+    loss.backward()
+    params = [p for p in policy.parameters() if p.requires_grad]
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    torch.optim.SGD(params, lr=1.0).step()
+    got = {k.removeprefix("lm."): v for k, v in weights(run, "checkpoint-2").items()}
+    expected = {k: v for k, v in policy.state_dict().items() if "lora_" in k}
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_log_completions_writes_trls_table_to_wandb(runs):
+    """log_completions with W&B (offline), the grpo-1x8 run: its history holds a `completions` table at the steps
+    that sample (1 and 3), whose files have TRL's columns and the rows of rollouts.jsonl (step, prompt, completion,
+    the reward function's value, advantage); metrics.jsonl stays scalar."""
+    run = runs["grpo-1x8"]
+    (run_file,) = run.output_dir.parent.glob("wandb/wandb/offline-run-*/run-*.wandb")
+    # the table's reference is a nested value (wandb writes completions/_type, /path, /nrows, ...), beside the
+    # completions/mean_length metrics, as in TRL
+    history = [h for h in summary(run_file)["history"] if "completions/_type" in h]
+    assert [h["_step"] for h in history] == [1, 3], history
+    for h in history:
+        assert h["completions/_type"] == "table-file" and h["completions/nrows"] == 8, h
+        table = json.loads(Path(run_file.parent, "files", h["completions/path"]).read_text())
+        assert table["columns"] == ["step", "prompt", "completion", "vowel_share", "advantage"]
+        expected = [[r["step"], r["prompt"], r["completion"], r["rewards"]["vowel_share"], r["advantage"]]
+                    for r in rollouts(run) if r["step"] == h["_step"]]
+        assert len(table["data"]) == len(expected) == 8
+        for got, want in zip(table["data"], expected):
+            assert got[:3] == want[:3] and got[3:] == pytest.approx(want[3:], rel=1e-6)
+    assert all("completions" not in m for m in run.metrics())

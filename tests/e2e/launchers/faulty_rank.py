@@ -12,9 +12,9 @@ final_save:   saving the final model's tokenizer raises (a full disk, a library 
 final_eval:   the final evaluation raises (bitsandbytes' CPU inference path did on some shapes).
 unloadable_checkpoint: loading a checkpoint raises (a strategy whose state cannot be read back).
 no_op_load:   loading a checkpoint silently restores nothing.
-sigterm_after_step_3: rank 1 (rank 0 with one process) sends itself SIGTERM right after its 3rd optimizer step, so
-              the stop is voted on in step 4, after step 4's micro-batches were taken (a streamed run must save the
-              position before them).
+sigterm_after_step_N: rank 1 (rank 0 with one process) sends itself SIGTERM right after its Nth optimizer step, so
+              the stop is voted on in step N + 1, after step N + 1's micro-batches were taken (a streamed run must save
+              the position before them; a grpo run inside a generation window, the window's buffered rollouts).
 Faults live here, in the test tree, never in the product code: `FaultyRank` overrides the phase object's seams.
 """
 
@@ -33,7 +33,9 @@ from hftrain.parallel import run_process  # noqa: E402
 
 faults = set(os.environ["HFTRAIN_TEST_FAULTS"].split(","))
 stall = float(os.environ.get("HFTRAIN_TEST_STALL", "0"))
-rank = int(os.environ["RANK"])
+rank = int(os.environ.get("RANK", "0"))  # unset when run without accelerate's launcher (one process)
+sigterm_step = next((int(f.removeprefix("sigterm_after_step_")) for f in faults if f.startswith("sigterm_after_step_")),
+                    None)
 
 
 def before_each_call(function, before):
@@ -102,8 +104,8 @@ class FaultyRank(Finetune):
 
     def after_step(self, step):
         super().after_step(step)
-        if "sigterm_after_step_3" in faults and rank == min(1, self.accelerator.num_processes - 1) \
-                and self.progress.step == 3:
+        if sigterm_step is not None and rank == min(1, self.accelerator.num_processes - 1) \
+                and self.progress.step == sigterm_step:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
