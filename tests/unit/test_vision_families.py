@@ -6,6 +6,7 @@ truncation, and hftrain's loss against a plain transformers forward of the same 
 
 import argparse
 import json
+import re
 from dataclasses import replace
 
 import datasets
@@ -218,3 +219,19 @@ def test_qwen2_vl_without_torchvision_is_refused_up_front_with_the_reason(tmp_pa
     # the families tested here are not refused
     assert vision.torchvision_problem(vision.model_config(replace(recipe, model_name_or_path=str(REPO / "models" /
                                                                                                   "tiny-vlm")))) is None
+
+
+def test_the_preview_collapses_each_familys_feature_tokens(family, capsys):
+    """`python -m hftrain.data --show` writes each run of the tokens the model fills with image features as one
+    `<token>xN` (Gemma 3's <image_soft_token>, Idefics3's <image> per tile), with the processor's counts."""
+    from hftrain.data.__main__ import preview
+
+    arch, folder, processor = family
+    preview(["--config", str(REPO / "recipes" / "tiny-vlm.yaml"), "--model_name_or_path", str(folder),
+             "--validation_split_percentage", "0", "--show", "1"])
+    out = capsys.readouterr().out
+    token = IMAGE_VOCABULARY[arch][0]
+    runs = [int(n) for n in re.findall(re.escape(token) + r"x(\d+)", out.split("--- statistics")[0])]
+    row = json.loads(DATA.read_text().splitlines()[0])
+    assert sum(runs) == expected_image_tokens(arch, processor, images_of(row))[0] and len(runs) == {
+        "gemma3": 1, "idefics3": 5}[arch]  # one image: Gemma 3 one run; Idefics3 4 tiles and the whole image
