@@ -392,7 +392,7 @@ class StreamFeed:
                  seeks: bool = False):
         self.stream, self.collator, self.plan, self.rank, self.disjoint = stream, collator, plan, rank, disjoint
         self.max_bad_rows, self.description, self.num_workers = max_bad_rows, description, num_workers
-        self.examples_per_pass = examples_per_pass  # raw examples a pass reads (carve-out included), when known
+        self.examples_per_pass = examples_per_pass  # raw training examples in a pass (after the carve-out), if known
         self.seeks = seeks  # a resume seeks to the saved position (else datasets re-reads the current shard)
         self.steps_read = 0  # steps whose rows were taken from the stream
         self.snapshots: dict[int, dict] = {}  # steps done -> the stream's state then (the last two)
@@ -467,8 +467,10 @@ class StreamFeed:
                 "with the position inside a shard: see docs/data.md)")
 
     def epoch(self, state: dict) -> float:
-        """Passes over the stream completed, plus the read part of the current one when its length is known."""
-        done = state["read"] / self.examples_per_pass if self.examples_per_pass else 0.0
+        """Passes over the stream completed, plus the part of the current one drawn so far (read, less what waits in
+        the shuffle buffer) when its length is known."""
+        drawn = max(0, state["read"] - len(state["buffer"]) - self.stream.skip)  # the eval carve-out is not drawn
+        done = drawn / self.examples_per_pass if self.examples_per_pass else 0.0
         return state["passes"] + min(1.0, done)
 
     def window_metrics(self, dp) -> dict:
@@ -640,9 +642,9 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
                "a resume re-reads the current shard up to the saved position (datasets)")
     description = f"streaming {name!r} ({kinds}): {reading}, {order}{packed}, tokenized on the fly{workers}; {resumes}"
     collator = StreamCollator(0, recipe.packing, fmt == "preference")
-    per_pass = None  # raw examples a pass reads, when known (for the logged epoch)
+    per_pass = None  # raw training examples in a pass, when known (for the logged epoch)
     if source.num_rows is not None and not disjoint:
-        per_pass = min(source.num_rows, held_out + (recipe.max_samples or source.num_rows))
+        per_pass = min(source.num_rows - held_out, recipe.max_samples or source.num_rows) or None
     feed = StreamFeed(stream, collator, plan, rank, disjoint, recipe.max_bad_rows, description,
                       recipe.dataloader_num_workers, per_pass, source.seeks)
 

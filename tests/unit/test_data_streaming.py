@@ -292,6 +292,7 @@ def test_a_line_that_is_not_json_is_a_counted_bad_example_and_a_resume_seeks_pas
     carved, evaluation = stream_feed(data, with_eval=True, train_sampling_strategy="sequential",
                                      validation_split_percentage=30, eval_strategy="steps")
     assert len(evaluation) == 3 and questions(carved, 2) == [3, 4]
+    assert carved.epoch(carved.stream.state()) == 2 / 10  # 2 of the 10 lines after the carve-out drawn
 
 
 def test_shards_are_shuffled_per_pass_seeded_and_a_resume_across_the_pass_boundary_is_exact(tmp_path):
@@ -316,6 +317,9 @@ def test_shards_are_shuffled_per_pass_seeded_and_a_resume_across_the_pass_bounda
     assert questions(stream_feed(tmp_path, shuffle_buffer_size=1, data_seed=6), 36) != rows
     assert questions(stream_feed(tmp_path, train_sampling_strategy="sequential"), 12) == list(range(12))
     assert whole.epoch(whole.stream.state()) == 3.0
+    buffered = stream_feed(tmp_path, shuffle_buffer_size=100)  # the whole pass waits in the buffer: 3 of 12 drawn
+    questions(buffered, 3)
+    assert buffered.epoch(buffered.stream.state()) == 3 / 12
     first = stream_feed(tmp_path, **options)
     questions(first, 10)
     assert first.epoch(first.stream.state()) == 10 / 12
