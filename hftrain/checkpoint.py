@@ -299,7 +299,7 @@ def resolve_resume(recipe: Recipe) -> Path | None:
     return path
 
 
-def _trained_names(model) -> set[str]:
+def trained_names(model) -> set[str]:
     """State-dict keys of trainable parameters (tied aliases included) and buffers."""
     return ({n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
             | {n for n, _ in model.named_buffers(remove_duplicate=False)})
@@ -350,7 +350,7 @@ def keep_trained_weights(models, weights, output_dir) -> None:
     `weights` is empty for FSDP and DeepSpeed, which save their own (sharded) files.
     """
     for model, state_dict in zip(models, weights, strict=False):  # no weights under FSDP / DeepSpeed
-        keep = _trained_names(model)
+        keep = trained_names(model)
         for key in [k for k in state_dict if k not in keep]:
             del state_dict[key]
 
@@ -374,7 +374,7 @@ def _check_saved_weights(backend, model, path: Path) -> None:
     keys = set(model.state_dict())
     # a tied tensor is saved once, under one of its names: the others count as saved with it
     saved_with_aliases = saved.union(*(group for group in tied_groups(model) if group & saved))
-    missing = sorted((_trained_names(model) & keys) - saved_with_aliases)
+    missing = sorted((trained_names(model) & keys) - saved_with_aliases)
     unknown = sorted(saved - keys)
     if missing or unknown:
         raise HftrainError(

@@ -21,6 +21,7 @@ from transformers import (
     BitsAndBytesConfig,
     PreTrainedModel,
 )
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hftrain import vision
 from hftrain.checkpoint import held_ties
@@ -285,7 +286,8 @@ def parameter_count(param: torch.Tensor) -> int:
 
 def model_summary(model: nn.Module) -> dict:
     """What the builder really produced (read from the modules, not from the recipe): method, quantized layers,
-    trained and total parameters. Recorded in hftrain_state.json."""
+    trained and total parameters, layers that recompute their activations in backward (gradient checkpointing).
+    Recorded in hftrain_state.json."""
     quantized: dict[str, int] = {}
     for module in model.modules():
         name = type(module).__name__
@@ -303,6 +305,8 @@ def model_summary(model: nn.Module) -> dict:
         "trainable_parameters": sum(parameter_count(p) for p in params if p.requires_grad),
         "parameters": sum(parameter_count(p) for p in params),
         "compiled_blocks": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
+        "checkpointed_layers": sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+                                   for m in model.modules()),
     }
 
 

@@ -19,9 +19,12 @@ from hftrain.config import Recipe
 BNB_ADAMW = {"adamw_bnb_8bit": (8, False), "paged_adamw_8bit": (8, True), "paged_adamw_32bit": (32, True)}
 
 
-def build_optimizer(recipe: Recipe, model: nn.Module, learning_rate: float | None = None) -> torch.optim.Optimizer:
+def build_optimizer(recipe: Recipe, model: nn.Module, learning_rate: float | None = None,
+                    allow_empty: bool = False) -> torch.optim.Optimizer:
     """AdamW (torch's for-each or fused implementation) or SGD, with weight decay on matrices only (never on
     biases and norm weights), or bitsandbytes AdamW; at `learning_rate` (the scaled one) or the recipe's.
+    `allow_empty`: a model part without trained parameters (a pipeline stage whose layers hold no adapter) gets an
+    optimizer of one empty group, which steps nothing but carries the learning rate the schedule sets.
 
     bitsandbytes AdamW (as transformers' `adamw_bnb_8bit`, `paged_adamw_8bit`, `paged_adamw_32bit`) keeps 8-bit
     optimizer state for tensors of 4096+ elements and 32-bit state for smaller ones; paging needs CUDA and is a
@@ -33,7 +36,7 @@ def build_optimizer(recipe: Recipe, model: nn.Module, learning_rate: float | Non
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    groups = [g for g in groups if g["params"]]
+    groups = [g for g in groups if g["params"]] or (groups[1:] if allow_empty else [])
     adam = {"lr": learning_rate, "betas": (recipe.adam_beta1, recipe.adam_beta2), "eps": recipe.adam_epsilon}
     if recipe.optim == "sgd":
         return torch.optim.SGD(groups, lr=learning_rate, momentum=recipe.sgd_momentum)

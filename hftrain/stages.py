@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from hftrain.checkpoint import held_ties
+from hftrain.checkpoint import held_ties, trained_names
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
 from hftrain.layout import MODEL_FILE, PIPELINE_CONVERTED_PREFIX
@@ -59,6 +59,28 @@ def stage_indices(rank: int, pp: int, per_process: int) -> list[int]:
 
 
 # ------------------------------------------------------ resume across layouts
+def resume_layout_problem(saved_launch: dict, pp_size: int, sharded_by: str | None) -> str | None:
+    """Why a checkpoint with launch record `saved_launch` cannot resume in a run with `pp_size` whose model is sharded
+    by `sharded_by` ("FSDP2", "DeepSpeed", None), as far as pipelines go; None if it can. A pp checkpoint resumes under
+    any pp layout, on one process and under DDP; a pp run reads pp checkpoints and those of one process or DDP. The
+    sharded files of FSDP2, ZeRO and tensor parallelism are not converted (checked at resume, and in the preflight
+    for a named checkpoint folder)."""
+    saved_pp = saved_launch.get("pp_size", 1)  # checkpoints older than pp carry no pp_size
+    if saved_pp > 1 and sharded_by:
+        return (f"this checkpoint was written with pp_size={saved_pp} and this run shards the model with "
+                f"{sharded_by}; a pipeline checkpoint resumes under pp (any pp_size), on one process or under DDP: "
+                "resume with one of those (docs/pipeline.md)")
+    if pp_size > 1 and saved_pp <= 1:
+        other = ("tensor parallelism" if saved_launch["tp_size"] > 1 else
+                 "DeepSpeed" if saved_launch["deepspeed_config"] is not None else
+                 "FSDP2" if saved_launch["sharded_modules"] else None)
+        if other:
+            return (f"this checkpoint was written with {other} and this run has pp_size={pp_size}; a pipeline run "
+                    "resumes pp checkpoints and those of one process or DDP only: resume with the layout that wrote "
+                    "it (docs/pipeline.md)")
+    return None
+
+
 def optimizer_layout(recipe: Recipe, model: nn.Module) -> tuple[list[list[str]], dict[str, int]]:
     """For the optimizer hftrain builds over the whole `model` without pp (`build_optimizer`): the parameter names of
     each group in order (one name per tensor, a tied pair under its first name), and the number torch's state dict
@@ -84,7 +106,7 @@ def _by_name(flat: dict, section: str) -> dict[str, dict]:
 
 def write_unpipelined(path: Path, folder: Path, module: nn.Module, recipe: Recipe) -> None:
     """Checkpoint `path` written under pp, as the files one process (or DDP) reads, in `folder`: model.safetensors
-    (each tensor once, under the names `module`'s state dict has; a tied pair under one name) and optimizer.bin
+    (each trained tensor once, under the names `module`'s state dict has; a tied pair under one name) and optimizer.bin
     numbered as `build_optimizer` numbers `module`'s parameters, beside links to the checkpoint's other files (RNG
     states, run files)."""
     shutil.rmtree(folder, ignore_errors=True)
@@ -94,8 +116,8 @@ def write_unpipelined(path: Path, folder: Path, module: nn.Module, recipe: Recip
     saved = torch.load(whole, weights_only=True)
     whole.unlink()
     weights, flat = saved["model"], saved["optimizer"]
-    aliases = set(held_ties(module))
-    wanted = [k for k in module.state_dict() if k not in aliases]
+    aliases, trained = set(held_ties(module)), trained_names(module)  # frozen weights come from the base model
+    wanted = [k for k in module.state_dict() if k not in aliases and k in trained]
     missing = [k for k in wanted if k not in weights]
     if missing:
         raise HftrainError(f"its pipeline state lacks {len(missing)} of this model's weights (e.g. {missing[:2]}): it "
@@ -157,7 +179,8 @@ def pipelined_state(folder: Path, module: nn.Module, ids: dict[str, int]) -> tup
                                "model or fine-tuning method")
         return found[0]
 
-    model_state = {name: weights[saved_name(name)] for name in module.state_dict()}
+    trained = trained_names(module)  # frozen weights (a LoRA base) are not in checkpoints: the builder loaded them
+    model_state = {name: weights[saved_name(name)] for name in module.state_dict() if name in trained}
     optimizer_state = {}
     for name, p in module.named_parameters():
         if not p.requires_grad:

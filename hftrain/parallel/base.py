@@ -31,7 +31,7 @@ from hftrain.estimate import GIB
 from hftrain.layout import MODEL_FILE
 from hftrain.metrics import param_checksum
 from hftrain.model import DTYPES, parameter_count
-from hftrain.stages import unpipelined
+from hftrain.stages import resume_layout_problem, unpipelined
 
 ALL_PARTS = ("weights", "gradients", "optimizer")  # the model state: what ZeRO-3 / FULL_SHARD split
 
@@ -297,12 +297,10 @@ class Backend:
         tp is a pipeline checkpoint: DCP, read whole by `resume_folder`)."""
         if saved_launch["tp_size"] > 1 and saved_launch.get("pp_size", 1) == 1:
             raise_tp_mismatch(saved_launch["tp_size"], self.recipe.tp_size)
-        sharded = self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-        if saved_launch.get("pp_size", 1) > 1 and sharded:  # checkpoints older than pp carry no pp_size
-            raise HftrainError(f"this checkpoint was written with pp_size={saved_launch['pp_size']} and this run "
-                               f"shards the model with {self.accelerator.distributed_type}; a pipeline checkpoint "
-                               "resumes under pp (any pp_size), on one process or under DDP: resume with one of those "
-                               "(docs/pipeline.md)")
+        sharded_by = {DistributedType.FSDP: "FSDP2", DistributedType.DEEPSPEED: "DeepSpeed"}.get(
+            self.accelerator.distributed_type)
+        if problem := resume_layout_problem(saved_launch, 1, sharded_by):  # a pp checkpoint under FSDP2 / ZeRO
+            raise HftrainError(problem)
 
     @contextmanager
     def resume_folder(self, model, path: Path, saved_launch: dict):

@@ -35,6 +35,7 @@ stage owns; the stage's forward runs transformers' sharded layers (their collect
 from __future__ import annotations
 
 import dataclasses
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -43,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from accelerate.utils import gather_object
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -56,9 +58,11 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor, Replicate
 
+from hftrain.checkpoint import trained_names
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
+from hftrain.layout import STATE_FILE
 from hftrain.metrics import param_checksum
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, router_coefficient
 from hftrain.optim import build_optimizer
@@ -70,6 +74,7 @@ from hftrain.stages import (
     STAGES_PER_PROCESS,
     optimizer_layout,
     pipelined_state,
+    resume_layout_problem,
     split_layers,
     stage_indices,
 )
@@ -86,12 +91,30 @@ def microbatches(recipe: Recipe) -> int:
     return recipe.pp_microbatches if recipe.pp_microbatches is not None else 2 * stages
 
 
+def resume_problems(recipe: Recipe, launch: Launch) -> list[str]:
+    """A named resume_from_checkpoint folder whose layout this run cannot read (`resume_layout_problem`: pp checkpoints
+    under FSDP2 / DeepSpeed, FSDP2 / ZeRO / tensor-parallel ones under pp), before the weights load. `latest` is
+    resolved and checked at resume."""
+    path = recipe.resume_from_checkpoint
+    state = Path(path) / STATE_FILE if path not in (None, "latest") else None
+    if state is None or not state.is_file():
+        return []  # no checkpoint, or one that resolve_resume reports as incomplete
+    try:
+        saved = json.loads(state.read_text(encoding="utf-8"))["launch"]
+    except (ValueError, KeyError):
+        return []  # a damaged record: resolve_resume's check names it
+    sharded_by = {"fsdp2": "FSDP2", "deepspeed": "DeepSpeed"}.get(launch.kind)
+    problem = resume_layout_problem(saved, recipe.pp_size, sharded_by)
+    return [f"resume_from_checkpoint {path!r}: {problem}"] if problem else []
+
+
 def pipeline_problems(recipe: Recipe, launch: Launch, model_config) -> list[str]:
-    """pp_size: what the launch and the model's config must allow, before the weights load."""
+    """pp_size: what the launch and the model's config must allow, before the weights load (and a checkpoint to
+    resume whose layout a pipeline cannot read, or a pipeline checkpoint that this launch cannot)."""
+    problems = resume_problems(recipe, launch)
     pp = recipe.pp_size
     if pp <= 1:
-        return []
-    problems = []
+        return problems
     if launch.kind in ("fsdp2", "deepspeed"):
         problems.append(f"pp_size={pp} with a {launch.kind} preset: hftrain's pipeline runs with data-parallel copies "
                         "of the pipeline on a DDP-type preset (cpu_pp on CPU, pp on GPUs); FSDP2 or ZeRO per stage is "
@@ -100,12 +123,6 @@ def pipeline_problems(recipe: Recipe, launch: Launch, model_config) -> list[str]
         size = f"pp_size={pp}" + (f" x tp_size={recipe.tp_size}" if recipe.tp_size > 1 else "")
         problems.append(f"{size} does not divide the {launch.world} processes of this launch; use {size} processes "
                         "(cpu_pp / pp preset) or a multiple of it for data-parallel copies of the pipeline")
-    if recipe.use_peft or recipe.load_in_4bit or recipe.load_in_8bit:
-        problems.append(f"pp_size={pp} with use_peft / load_in_4bit / load_in_8bit is not built yet "
-                        "(docs/pipeline.md); train the full model or use data parallelism")
-    if recipe.gradient_checkpointing:
-        problems.append(f"pp_size={pp} with gradient_checkpointing is not tested under hftrain's pipeline yet; turn it "
-                        "off")
     if model_config is None:
         return problems
     kind = model_config.model_type
@@ -229,7 +246,12 @@ class StageForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self._as_this_stage() as decoder:
             inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
-            return decoder(**inputs, use_cache=False).last_hidden_state
+            hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        if torch.is_grad_enabled() and not hidden.requires_grad:
+            # a first stage that trains nothing (LoRA adapters only on later stages' modules): torch's schedule still
+            # runs its backward, which needs an output in the graph; as a leaf it receives the gradient and stops
+            hidden = hidden.detach().requires_grad_()
+        return hidden
 
 
 def keep_only(lm: nn.Module, owned_layers: set[int], first: bool, last: bool) -> None:
@@ -389,9 +411,12 @@ class PipelineBackend(Backend):
         keep_only(lm, {i for s in mine for i in ranges[s]}, first=0 in mine, last=count - 1 in mine)
         self.layout = {"stages": count, "layers": [[r.start, r.stop] for r in ranges], "mine": mine}
         model.to(accelerator.device)
-        if accelerator.mixed_precision != "no":
+        # autocast (bf16) around every stage's forward and the head's loss: as accelerate wraps the whole loss
+        # module's forward without pp
+        autocast = accelerator.autocast() if accelerator.mixed_precision != "no" else None
+        if autocast is not None:
             for stage in stages:
-                stage.forward = accelerator.autocast()(stage.forward)
+                stage.forward = autocast(stage.forward)
         m = microbatches(recipe)
         pipeline_stages = [PipelineStage(stage, s, count, accelerator.device, group=self.pp_group)
                            for stage, s in zip(stages, mine, strict=True)]
@@ -401,8 +426,10 @@ class PipelineBackend(Backend):
         schedule_class = get_schedule_class(recipe.pp_schedule)
         first = pipeline_stages if per_process > 1 else pipeline_stages[0]
         object.__setattr__(prepared, "schedule", schedule_class(first, n_microbatches=m,
-                                                                loss_fn=prepared.token_loss, scale_grads=False))
-        optimizer = build_optimizer(recipe, model, optimizer.defaults["lr"])
+                                                                loss_fn=prepared.token_loss if autocast is None
+                                                                else autocast(prepared.token_loss),
+                                                                scale_grads=False))
+        optimizer = build_optimizer(recipe, model, optimizer.defaults["lr"], allow_empty=True)  # this rank's part
         self.register_checkpoint_hooks(prepared, optimizer)
         return prepared, optimizer
 
@@ -453,6 +480,17 @@ class PipelineBackend(Backend):
         module = hf.get_input_embeddings() if model.has_first else hf.get_output_embeddings()
         return getattr(module, "weight", None)
 
+    def parameter_counts(self, model) -> tuple[int, int]:
+        """(trainable, total) of the whole pipeline: every stage's counts added, a tied head counted with the
+        embedding only (as the model without pp counts it)."""
+        tied = self.tied_parameter(model) if not model.has_first else None
+        params = [p for p in model.parameters() if p is not tied]
+        counts = torch.tensor([sum(self.parameter_size(p) for p in params if p.requires_grad),
+                               sum(self.parameter_size(p) for p in params)], dtype=torch.int64,
+                              device=self.accelerator.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return int(counts[0]), int(counts[1])
+
     def param_checksum(self, model) -> float:
         """The whole pipeline's sum (its stages' sums added): equal on every data-parallel copy."""
         total = torch.tensor(param_checksum(model), dtype=torch.float64, device=self.accelerator.device)
@@ -464,26 +502,34 @@ class PipelineBackend(Backend):
         """accelerate's save_state / load_state write and read the RNG states; the model and optimizer state of every
         stage go through torch.distributed.checkpoint into PIPELINE_STATE_DIR, keyed by the HF parameter names, so
         each rank reads what its stages hold whatever the layout that wrote them."""
-        options = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter and value (DCP)
+        # one key per parameter and value (DCP); frozen weights (a LoRA / QLoRA base, its quantization state) are
+        # not saved, as in every hftrain checkpoint: the builder rebuilds them from the base model on resume
+        options = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+        trained = trained_names(model.module)
+        # a stage that trains nothing (adapters only on other stages) has an optimizer without parameters, whose
+        # state torch's state-dict functions refuse as empty: it saves and loads no optimizer state
+        steps = any(group["params"] for group in optimizer.param_groups)
 
         def state():
-            return {"model": get_model_state_dict(model.module, options=options),
-                    "optimizer": get_optimizer_state_dict(model.module, optimizer, options=options)}
+            weights = get_model_state_dict(model.module, options=options)
+            return {"model": {k: v for k, v in weights.items() if k in trained},
+                    "optimizer": get_optimizer_state_dict(model.module, optimizer, options=options) if steps else {}}
+
+        def set_state(weights: dict, moments: dict) -> None:
+            set_model_state_dict(model.module, weights, options=options)
+            if steps:
+                set_optimizer_state_dict(model.module, optimizer, moments, options=options)
 
         def save(models, weights, folder) -> None:
             dcp.save(state(), checkpoint_id=str(Path(folder) / PIPELINE_STATE_DIR))
 
         def load(models, folder) -> None:
             if not (Path(folder) / PIPELINE_STATE_DIR).exists():  # written without pp: accelerate's files
-                weights, moments = pipelined_state(Path(folder), model.module, self.unsplit_ids)
-                weights, moments = placed_like(model.module, weights, moments)
-                set_model_state_dict(model.module, weights, options=options)
-                set_optimizer_state_dict(model.module, optimizer, moments, options=options)
+                set_state(*placed_like(model.module, *pipelined_state(Path(folder), model.module, self.unsplit_ids)))
                 return
             loaded = state()
             dcp.load(loaded, checkpoint_id=str(Path(folder) / PIPELINE_STATE_DIR))
-            set_model_state_dict(model.module, loaded["model"], options=options)
-            set_optimizer_state_dict(model.module, optimizer, loaded["optimizer"], options=options)
+            set_state(loaded["model"], loaded["optimizer"])
 
         self.accelerator.register_save_state_pre_hook(save)
         self.accelerator.register_load_state_pre_hook(load)
@@ -498,16 +544,9 @@ class PipelineBackend(Backend):
     def check_resumable(self, saved_launch: dict) -> None:
         """Any pp checkpoint (another pp_size, schedule or number of copies: DCP reads each rank's names), and one
         written by one process or DDP (accelerate's files, `pipelined_state`); not FSDP2's, ZeRO's or tensor-parallel
-        sharded files."""
-        if saved_launch.get("pp_size", 1) > 1:  # older checkpoints carry no pp_size
-            return
-        other = ("tensor parallelism" if saved_launch["tp_size"] > 1 else
-                 "DeepSpeed" if saved_launch["deepspeed_config"] is not None else
-                 "FSDP2" if saved_launch["sharded_modules"] else None)
-        if other:
-            raise HftrainError(f"this checkpoint was written with {other} and this run has pp_size={self.pp}; a "
-                               "pipeline run resumes pp checkpoints and those of one process or DDP only: resume "
-                               "with the layout that wrote it (docs/pipeline.md)")
+        sharded files (`resume_layout_problem`, also checked in the preflight for a named folder)."""
+        if problem := resume_layout_problem(saved_launch, self.pp, None):
+            raise HftrainError(problem)
 
     @contextmanager
     def resume_folder(self, model, path: Path, saved_launch: dict):
@@ -535,9 +574,27 @@ class PipelineBackend(Backend):
         return merged
 
     def save_pretrained(self, model, folder: Path) -> None:
-        """The main process writes the gathered weights. A model loaded with transformers' tp plan ends its
-        save_pretrained with a barrier over every rank, so under tp every rank calls it (the others with nothing to
-        write)."""
+        """The full model (`full_state_dict`; the main process writes it, and under tp every rank calls
+        save_pretrained, since a model loaded with transformers' tp plan ends it with a barrier over every rank), or
+        for a peft model the adapter of every stage: peft finds adapter weights by walking the model's LoRA layers
+        (`get_peft_model_state_dict`), and the main process's tree holds placeholders for the other stages' layers, so
+        each rank takes its own stages' adapter weights under peft's names with peft's function, and the main process
+        writes their union in place of the file peft's save_pretrained wrote from its own stages (config and model
+        card are peft's)."""
+        lm = model.module.lm
+        if hasattr(lm, "peft_config"):  # LoRA with tp_size > 1 is refused (recipe/peft.py)
+            from peft import get_peft_model_state_dict
+            from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
+
+            mine = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(lm).items()} \
+                if self.copy == 0 else {}
+            merged = {}
+            for part in gather_object([mine]):
+                merged.update(part)
+            if self.accelerator.is_main_process:
+                lm.save_pretrained(folder)
+                save_file(merged, Path(folder) / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
+            return
         state_dict = self.full_state_dict(model)
         if self.accelerator.is_main_process or self.tp > 1:
             main = self.accelerator.is_main_process

@@ -203,6 +203,103 @@ def test_resume_across_pp_layouts(runs, resumed, name):
     assert not list(runs["pp2xtp2"].output_dir.glob(".unpipelined-*"))  # the converted copy is removed
 
 
+# QLoRA (LoRA adapters on a 4-bit NF4 base) under pp: each stage trains the adapters of its layers. lora_dropout 0:
+# dropout draws differ between one process and the stages' processes.
+QLORA = ["--use_peft", "true", "--lora_dropout", "0", "--load_in_4bit", "true"]
+
+
+@pytest.fixture(scope="module")
+def adapters(models, tmp_path_factory) -> dict[str, Run]:
+    """QLoRA on the untied 4-layer model: one process (saves checkpoint-2), pp 2 (1F1B) with gradient checkpointing
+    (saves checkpoint-2, with the checkpoint preflight's round trip), and the pp run's checkpoint-2 continued on one
+    process."""
+    root = tmp_path_factory.mktemp("pp-qlora")
+    model = ["--model_name_or_path", str(models["untied"])]
+    out = {"ref": run_script(root / "ref", *COMMON, *QLORA, *model, *REF_SAVES["tied"]),
+           "pp": launch(root / "pp", *COMMON, *QLORA, *model, *SAVES, *PP, "--gradient_checkpointing", "true",
+                        preset="cpu_pp", processes=2)}
+    out["pp-to-one"] = run_script(root / "pp-to-one", *COMMON, *QLORA, *model, *NO_SAVES, "--resume_from_checkpoint",
+                                  str(out["pp"].output_dir / "checkpoint-2"))
+    return out
+
+
+def assert_same_adapter(folder, expected_folder) -> dict:
+    final, expected = load_file(folder / "adapter_model.safetensors"), \
+        load_file(expected_folder / "adapter_model.safetensors")
+    assert final.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(final[key], value, rtol=1e-4, atol=1e-4, msg=lambda m, n=key: f"{n}: {m}")
+    return final
+
+
+def test_pp2_qlora_with_gradient_checkpointing_trains_like_one_process(adapters, models):
+    """Per-step loss, gradient norm (clipped), learning rate, evaluation and the saved adapter (every stage's LoRA
+    weights under peft's names) equal one process without gradient checkpointing; the adapter loads with peft on one
+    process with every layer's trained weights."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    run, ref = adapters["pp"], adapters["ref"]
+    info, model = run.state()["launch"], run.state()["model"]
+    assert (info["distributed_type"], info["num_processes"], info["model_wrapper"], info["pp_size"]) == \
+        ("MULTI_CPU", 2, "PipelineStages", 2)
+    assert (model["method"], model["quantized_linear_layers"], model["checkpointed_layers"]) == \
+        ("lora", {"Linear4bit": 28}, 4)  # 7 projections x 4 layers; every decoder layer recomputes in backward
+    assert ref.state()["model"]["checkpointed_layers"] == 0
+    # the whole pipeline's counts (each stage's added), as one process counts them
+    assert "69,632 of 330,432 parameters trained" in run.stdout and "69,632 of 330,432 parameters trained" in ref.stdout
+    rows, ref_rows = run.train_rows(), ref.train_rows()
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [1, 2, 3, 4]
+    assert [r["learning_rate"] for r in rows] == [r["learning_rate"] for r in ref_rows]
+    assert min(r["grad_norm"] for r in ref_rows) > 0.5  # clipping active
+    close([r["loss"] for r in rows], [r["loss"] for r in ref_rows])
+    close([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows])
+    close([r["eval_loss"] for r in run.eval_rows()], [r["eval_loss"] for r in ref.eval_rows()])
+    saved = assert_same_adapter(run.output_dir / "final", ref.output_dir / "final")
+    assert {k.split(".layers.")[1].split(".")[0] for k in saved} == {"0", "1", "2", "3"}  # both stages' layers
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models["untied"]), run.output_dir / "final")
+    state = get_peft_model_state_dict(loaded)
+    assert state.keys() == saved.keys()
+    for key, value in saved.items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+        assert "lora_B" not in key or value.abs().sum() > 0  # trained (peft initialises lora_B to zeros)
+
+
+def test_pp_qlora_checkpoint_holds_the_adapter_and_resumes_on_one_process(adapters):
+    """checkpoint-2 of the pp run holds the adapter weights only (the 4-bit base is rebuilt from the base model), by
+    the names one process saves; continued on one process, steps 3-4 and the final adapter equal the uninterrupted
+    one-process run (step 4 and the adapter depend on the restored AdamW moments)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run, ref = adapters["pp-to-one"], adapters["ref"]
+    folder = adapters["pp"].output_dir / "checkpoint-2" / "pipeline_state"
+    keys = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    weights = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+    assert weights == set(load_file(ref.output_dir / "checkpoint-2" / "model.safetensors"))  # lm.base_model...lora_*
+    assert (run.state()["launch"]["num_processes"], run.state()["launch"]["pp_size"]) == (1, 1)
+    rows, ref_rows = run.train_rows(), ref.train_rows()[2:]
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [3, 4]
+    assert [r["learning_rate"] for r in rows] == [r["learning_rate"] for r in ref_rows]
+    close([r["loss"] for r in rows], [r["loss"] for r in ref_rows])
+    close([r["grad_norm"] for r in rows], [r["grad_norm"] for r in ref_rows])
+    assert_same_adapter(run.output_dir / "final", ref.output_dir / "final")
+
+
+# Resumes that cross layouts a pipeline cannot read, refused in the preflight from the checkpoint's launch record
+# (hftrain_state.json): the pp 1F1B run's checkpoint-2 under a DeepSpeed launch, and a checkpoint whose record says
+# tensor parallelism / FSDP2 (a copy of the one-process checkpoint-2 with that record) under pp.
+ZERO2 = {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true",
+         "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(REPO / "ds_configs" / "zero2.json")}
+RESUME_REFUSALS = {  # name: (extra argv, environment, checkpoint: (run, launch record override), text of the refusal)
+    "pp_checkpoint_under_deepspeed": ([], ZERO2, ("1F1B", {}),
+                                      "was written with pp_size=2 and this run shards the model with DeepSpeed"),
+    "tp_checkpoint_under_pp": (PP, {}, ("ref-tied", {"tp_size": 2}),
+                               "was written with tensor parallelism and this run has pp_size=2"),
+    "fsdp2_checkpoint_under_pp": (PP, {}, ("ref-tied", {"sharded_modules": ["FSDPModule"]}),
+                                  "was written with FSDP2 and this run has pp_size=2"),
+}
+
+
 TINY_LLAMA = json.loads((REPO / "models" / "tiny-llama" / "config.json").read_text())
 REFUSALS = {  # name: (extra argv, environment, config.json override or None, text(s) of the refusal)
     "no_pp_plan": (PP, {}, {"model_type": "gpt2", "n_layer": 4, "n_embd": 64, "n_head": 4},
@@ -224,17 +321,24 @@ REFUSALS = {  # name: (extra argv, environment, config.json override or None, te
     # FSDP2 per stage is not built, and accelerate 1.15's FSDP2 x TP preparation fails with transformers 5.23
     "pp_tp_fsdp2": ([*PP, "--tp_size", "2"], {"WORLD_SIZE": "4", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
                     None, ("pp_size=2 with a fsdp2 preset", "imports transformers' ReplicateParallel")),
-    "deepspeed": (PP, {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true",
-                       "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(REPO / "ds_configs" / "zero2.json")}, None,
-                  "pp_size=2 with a deepspeed preset"),
+    "deepspeed": (PP, ZERO2, None, "pp_size=2 with a deepspeed preset"),
     "odd_processes": (PP, {"WORLD_SIZE": "3"}, None, "pp_size=2 does not divide the 3 processes"),
 }
 
 
 @pytest.fixture(scope="module")
-def refusals(tmp_path_factory) -> dict[str, Run]:
+def refusals(runs, tmp_path_factory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("pp-refused")
     cases = {}
+    for name, (args, env, (run, record), _) in RESUME_REFUSALS.items():
+        folder = runs[run].output_dir / "checkpoint-2"
+        if record:
+            folder = shutil.copytree(folder, root / name / "checkpoint-2", symlinks=True)
+            state = json.loads((folder / "hftrain_state.json").read_text())
+            state["launch"].update(record)
+            (folder / "hftrain_state.json").write_text(json.dumps(state))
+        cases[name] = (["--config", str(REPO / "recipes" / "tiny-chat.yaml"), "--output_dir", str(root / name / "out"),
+                        "--resume_from_checkpoint", str(folder), *args], env)
     for name, (args, env, config, _) in REFUSALS.items():
         model = REPO / "models" / "tiny-llama"
         if config is not None:  # a config only: a refusal after the weights load would fail on their absence
@@ -246,9 +350,9 @@ def refusals(tmp_path_factory) -> dict[str, Run]:
     return run_main_cases(cases, root)
 
 
-@pytest.mark.parametrize("name", REFUSALS)
+@pytest.mark.parametrize("name", [*REFUSALS, *RESUME_REFUSALS])
 def test_refused_before_the_weights_load(refusals, name):
-    run, expected = refusals[name], REFUSALS[name][3]
+    run, expected = refusals[name], {**REFUSALS, **RESUME_REFUSALS}[name][3]
     assert run.returncode == 2, run.stderr
     message = " ".join(run.stderr.split())  # the paragraph is wrapped
     texts = (expected,) if isinstance(expected, str) else expected  # every problem reported at once
