@@ -16,7 +16,11 @@ embeddings, pytorch #184361):
   loop's step scale: `scale_grads=False`, so the step's loss is sum(token losses) / the step's trained tokens over
   every microbatch, accumulation step and data-parallel copy, exactly as without pp;
 - rows are padded to `max_length` and the rows of a per-device batch to a multiple of the microbatches (torch sizes
-  its receive buffers once), with target-less padding (causal attention: no real token sees it);
+  its receive buffers once), with target-less padding (causal attention: no real token sees it); packed rows'
+  position_ids travel with the hidden states, so every stage keeps the documents apart;
+- LoRA / QLoRA: the adapters are added before the split, so each stage trains its layers' own (a stage may train
+  nothing); checkpoints hold trained weights only, and the final adapter is written from every stage's
+  (`PipelineBackend.save_pretrained`);
 - gradients: averaged over the data-parallel copies, the tied embedding's gradient summed between the first and the
   last stage, the norm summed over the stages (each tied weight counted once) before clipping.
 
@@ -219,11 +223,14 @@ def causal_lm(lm: nn.Module) -> nn.Module:
 class StageForward(nn.Module):
     """One pipeline stage: the base model's own forward over this stage's layers (the others skipped), from token
     ids (first stage) or received hidden states; the final norm only on the last stage. Registers only this stage's
-    modules, so `parameters()` are the stage's."""
+    modules, so `parameters()` are the stage's. `packed`: rows hold several documents, whose position_ids (restarting
+    at each document) travel with the hidden states to every stage, where transformers' masks keep the documents
+    apart as without pp."""
 
-    def __init__(self, lm: nn.Module, index: int, count: int, layers: range):
+    def __init__(self, lm: nn.Module, index: int, count: int, layers: range, packed: bool = False):
         super().__init__()
         self.index, self.is_first, self.is_last = index, index == 0, index == count - 1
+        self.packed = packed
         decoder = causal_lm(lm).get_decoder()
         total = len(decoder.layers)
         self.layers = nn.ModuleList([decoder.layers[i] if i in layers else Elsewhere(f"layer {i}")
@@ -243,15 +250,15 @@ class StageForward(nn.Module):
         finally:
             decoder._modules["layers"], decoder._modules["norm"] = kept
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None):
         with self._as_this_stage() as decoder:
             inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
-            hidden = decoder(**inputs, use_cache=False).last_hidden_state
+            hidden = decoder(**inputs, position_ids=position_ids, use_cache=False).last_hidden_state
         if torch.is_grad_enabled() and not hidden.requires_grad:
             # a first stage that trains nothing (LoRA adapters only on later stages' modules): torch's schedule still
             # runs its backward, which needs an output in the graph; as a leaf it receives the gradient and stops
             hidden = hidden.detach().requires_grad_()
-        return hidden
+        return (hidden, position_ids) if self.packed and not self.is_last else hidden
 
 
 def keep_only(lm: nn.Module, owned_layers: set[int], first: bool, last: bool) -> None:
@@ -282,6 +289,7 @@ class PipelineStages(nn.Module):
         object.__setattr__(self, "schedule", schedule)
         self.microbatches, self.max_length = microbatches, max_length
         self.rows = {True: train_rows, False: eval_rows}
+        self.packed = stages[0].packed
         self.scale = 1.0
         self.sums: list[torch.Tensor] = []
         self.has_first = any(s.is_first for s in stages)
@@ -296,23 +304,27 @@ class PipelineStages(nn.Module):
         self.sums.append(loss.detach())
         return loss * self.scale
 
-    def _inputs(self, input_ids: torch.Tensor, labels: torch.Tensor):
+    def _inputs(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None):
         """Fixed shapes: rows padded to this mode's row count, columns to max_length; the padding has no target.
-        Targets are the labels shifted (position t predicts token t+1), aligned with the hidden states."""
+        Targets are the labels shifted (position t predicts token t+1), aligned with the hidden states. Packed rows'
+        position_ids are padded with 0: each padding token is a document of its own, after every real token."""
         rows, width = input_ids.shape
         wanted = self.rows[self.training]
         if rows > wanted or width > self.max_length:
             raise HftrainError(f"a micro-batch of {rows} x {width} tokens exceeds the pipeline's fixed "
                                f"{wanted} x {self.max_length}")
-        targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        input_ids = F.pad(input_ids, (0, self.max_length - width, 0, wanted - rows), value=0)
-        targets = F.pad(targets, (0, self.max_length - width, 0, wanted - rows), value=IGNORE_INDEX)
-        return input_ids, targets
+        pad = (0, self.max_length - width, 0, wanted - rows)
+        targets = F.pad(F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX), pad, value=IGNORE_INDEX)
+        if self.packed:  # every batch carries them (an unpacked one: one document per row), so shapes stay fixed
+            position_ids = torch.arange(width, device=input_ids.device).expand(rows, width) \
+                if position_ids is None else position_ids
+            return (F.pad(input_ids, pad, value=0), F.pad(position_ids, pad, value=0)), targets
+        return (F.pad(input_ids, pad, value=0),), targets
 
-    def _run(self, input_ids, labels, step) -> torch.Tensor:
-        input_ids, targets = self._inputs(input_ids, labels)
+    def _run(self, input_ids, labels, position_ids, step) -> torch.Tensor:
+        inputs, targets = self._inputs(input_ids, labels, position_ids)
         self.sums = []
-        args = (input_ids,) if self.has_first else ()
+        args = inputs if self.has_first else ()
         step(*args, target=targets if self.has_last else None, losses=[] if self.has_last else None,
              return_outputs=False)
         # On a (re)initialisation (the first step, and the first after a train/eval switch) torch infers the stages'
@@ -321,16 +333,16 @@ class PipelineStages(nn.Module):
         sums, self.sums = self.sums[-self.microbatches:] if self.has_last else [], []
         return torch.stack(sums).sum() if sums else torch.zeros((), device=input_ids.device)
 
-    def train_step(self, input_ids, labels, scale: float) -> torch.Tensor:
+    def train_step(self, input_ids, labels, scale: float, position_ids=None) -> torch.Tensor:
         """Forward and backward of one per-device batch in `microbatches` microbatches; returns the detached summed
         token loss (0 off the last stage). `scale` multiplies each microbatch's loss sum before its backward, and the
         schedule does not rescale (`scale_grads=False`)."""
         self.scale = scale
-        return self._run(input_ids, labels, self.schedule.step)
+        return self._run(input_ids, labels, position_ids, self.schedule.step)
 
-    def forward(self, input_ids, labels, **_):
+    def forward(self, input_ids, labels, position_ids=None, **_):
         self.scale = 1.0
-        return self._run(input_ids, labels, self.schedule.eval)
+        return self._run(input_ids, labels, position_ids, self.schedule.eval)
 
 
 class PipelineBackend(Backend):
@@ -405,7 +417,7 @@ class PipelineBackend(Backend):
         count = self.pp * per_process
         ranges = split_layers(len(hf.get_decoder().layers), count)
         mine = stage_indices(self.pp_rank, self.pp, per_process)
-        stages = [StageForward(lm, s, count, ranges[s]) for s in mine]
+        stages = [StageForward(lm, s, count, ranges[s], packed=recipe.packing) for s in mine]
         # the optimizer numbering of the whole model, as a run without pp would save it (resuming its checkpoints)
         self.unsplit_ids = optimizer_layout(recipe, model)[1]
         keep_only(lm, {i for s in mine for i in ranges[s]}, first=0 in mine, last=count - 1 in mine)
@@ -437,7 +449,7 @@ class PipelineBackend(Backend):
         """One pipeline step does every microbatch's forward and backward; accelerate's backward (which divides by
         the accumulation steps) is not used, so the division is applied here."""
         loss_sum = model.train_step(inputs["input_ids"], inputs["labels"],
-                                    float(scale) / self.recipe.gradient_accumulation_steps)
+                                    float(scale) / self.recipe.gradient_accumulation_steps, inputs.get("position_ids"))
         timer.lap("backward")
         return loss_sum
 

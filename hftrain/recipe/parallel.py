@@ -115,9 +115,6 @@ def _pipeline_problems(r) -> list[str]:
     elif r.pp_microbatches is not None and r.pp_schedule != "GPipe" and r.pp_microbatches < r.pp_size:
         problems.append(f"pp_microbatches={r.pp_microbatches} with pp_schedule={r.pp_schedule}: 1F1B-type schedules "
                         f"need at least as many microbatches as processes in the pipeline ({r.pp_size}); raise it")
-    if r.packing:
-        problems.append(f"pp_size={r.pp_size} with packing: the packed documents' position_ids would have to travel "
-                        "between stages, which hftrain's pipeline does not send yet; use packing: false")
     if r.use_liger_kernel or r.loss_chunk_tokens:
         problems.append(f"pp_size={r.pp_size} with use_liger_kernel / loss_chunk_tokens: the last stage computes the "
                         "plain token loss (NeMo's fused loss silently did nothing under pp, NeMo Automodel #2681); "

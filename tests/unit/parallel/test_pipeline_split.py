@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hftrain.config import Recipe
+from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
-from hftrain.parallel.pipeline import StageForward, keep_only, microbatches, split_layers, stage_indices
+from hftrain.model import CausalLMTokenLoss
+from hftrain.parallel.pipeline import (
+    PipelineStages,
+    StageForward,
+    keep_only,
+    microbatches,
+    split_layers,
+    stage_indices,
+)
 
 
 @pytest.mark.parametrize("layers, stages", [(2, 2), (4, 2), (4, 4), (5, 2), (30, 4), (32, 8), (3, 3), (7, 4)])
@@ -62,3 +72,44 @@ def test_placeholders_keep_the_hf_names_of_what_a_rank_holds():
         {"lm_head.weight"}
     assert all(names[n] is full[n] for n in names)  # the same tensors: the tied head keeps the embedding's
     assert model.model.layers[0].held_by_another_stage == "layer 0" and len(model.model.layers) == 4
+
+
+def test_stages_and_head_under_autocast_give_the_one_process_bf16_loss():
+    """bf16 under pp: each stage's forward and the last stage's token loss under autocast (as PipelineBackend.prepare
+    wraps them) give the loss of the whole loss module under autocast (accelerate's wrapping without pp), bit for bit
+    on the same rows; and it differs from the fp32 loss, so autocast really applies."""
+    model = tiny_llama()
+    loss_module = CausalLMTokenLoss(model)
+    ids = torch.randint(0, 50, (2, 11))
+    labels = ids.clone()
+    labels[:, :4] = IGNORE_INDEX  # prompt positions: no target
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with bf16:
+        expected = loss_module(ids, labels)
+    ranges = split_layers(4, 2)
+    stages = [StageForward(model, s, 2, ranges[s]) for s in range(2)]
+    hidden = ids
+    for stage in stages:
+        hidden = bf16(stage)(hidden)
+    pipeline = PipelineStages(loss_module, stages, None, 1, 2, 2, 11)
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    torch.testing.assert_close(bf16(pipeline.token_loss)(hidden, targets), expected, rtol=0, atol=0)
+    assert not torch.allclose(loss_module(ids, labels), expected, rtol=0, atol=1e-6)
+
+
+def test_packed_stages_pass_the_documents_positions_on():
+    """Packed rows: the position_ids go with the hidden states from stage to stage (the last returns the hidden
+    states only), and the chain equals the model's own forward with them: attention stays inside each document."""
+    model = tiny_llama()
+    ids = torch.randint(0, 50, (2, 10))
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    expected = model.model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+    alone = model.model(input_ids=ids[:1, 4:7], use_cache=False).last_hidden_state  # row 0's second document
+    torch.testing.assert_close(expected[:1, 4:7], alone, rtol=1e-5, atol=1e-5)  # the masks keep documents apart
+    ranges = split_layers(4, 4)
+    out = (ids, positions)
+    for s in range(4):
+        out = StageForward(model, s, 4, ranges[s], packed=True)(*out)
+        if s < 3:
+            assert isinstance(out, tuple) and out[1] is positions
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
