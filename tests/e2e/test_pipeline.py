@@ -9,7 +9,9 @@ unequal numbers of trained tokens, so a per-microbatch mean (Megatron's default,
 step's token-weighted loss. Steps use accumulation 2 and max_grad_norm 0.5 (the norms are 2-4: clipping is active),
 so the norm summed over stages (and tp shards), the tied gradient summed between the first and the last stage and
 the loss normalisation all show in the per-step numbers and the final weights. The layouts share one reference per
-model; the refusals run in one process (tests/e2e/main_cases.py).
+model; the refusals (the layout ones, and resumes that cross layouts a pipeline cannot read) run in one process
+(tests/e2e/main_cases.py). QLoRA on packed rows with gradient checkpointing runs once under pp and once on one process
+(without checkpointing), and the pp run's checkpoint-2 continues on one process.
 """
 
 from __future__ import annotations
