@@ -52,7 +52,6 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -523,8 +522,14 @@ class PipelineBackend(Backend):
         steps = any(group["params"] for group in optimizer.param_groups)
 
         def state():
-            weights = get_model_state_dict(model.module, options=options)
-            return {"model": {k: v for k, v in weights.items() if k in trained},
+            # the trained tensors by name, read from the parameters and persistent buffers rather than through
+            # state_dict(), which would also serialise the frozen base: bitsandbytes' 8-bit layers fail there on CPU
+            # ('Linear8bitLt' object has no attribute 'SCB')
+            tensors = {n: p.detach() for n, p in model.module.named_parameters(remove_duplicate=False)}
+            for prefix, module in model.module.named_modules(remove_duplicate=False):
+                tensors.update({f"{prefix}.{n}" if prefix else n: b for n, b in module.named_buffers(recurse=False)
+                                if n not in module._non_persistent_buffers_set})
+            return {"model": {k: v for k, v in tensors.items() if k in trained},
                     "optimizer": get_optimizer_state_dict(model.module, optimizer, options=options) if steps else {}}
 
         def set_state(weights: dict, moments: dict) -> None:
