@@ -26,20 +26,11 @@ from tqdm.auto import tqdm
 
 from hftrain import checkpoint
 from hftrain.config import Recipe, load_recipe
-from hftrain.data import (
-    IGNORE_INDEX,
-    Collator,
-    eval_micro_batches,
-    load_datasets,
-    make_loader,
-    training_plan,
-    training_rows,
-)
-from hftrain.data.batching import IndexedFeed
-from hftrain.data.streaming import check_resume, load_stream, read_states
-from hftrain.data.vision import ImageChatCollator, load_image_chats
+from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader
+from hftrain.data.feeds import setup_examples
+from hftrain.data.vision import load_image_chats
 from hftrain.errors import HftrainError, first_line, run_tool
-from hftrain.layout import CONFIG_FILE, FINAL_DIR, PROFILE_DIR, STREAM_STATE
+from hftrain.layout import CONFIG_FILE, FINAL_DIR, PROFILE_DIR
 from hftrain.metrics import (
     FlopCounter,
     RunMeter,
@@ -50,7 +41,7 @@ from hftrain.metrics import (
     current_memory_mb,
     summed_stats,
 )
-from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary, pad_token_id
+from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary
 from hftrain.objectives import objective_for
 from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
 from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve, run_process
@@ -177,63 +168,9 @@ class Finetune:
         self.objective.setup_data(self)
 
     def setup_examples(self) -> None:
-        """Datasets of examples, training rows, the batch plan, the collators and the feed (sft, dpo, simpo)."""
-        recipe, world = self.recipe, self.dp.world
-        if recipe.streaming:
-            return self.setup_stream()
-        if self.resume_from is not None and read_states(self.resume_from, STREAM_STATE.format(index="*")):
-            raise HftrainError(f"checkpoint {self.resume_from} was saved by a streamed run (streaming: true): its data "
-                               "position is a place in the stream, which map-style data cannot continue from; resume "
-                               "with streaming: true")
-        with phase(self.accelerator, "data preparation", recipe.ddp_timeout), self.accelerator.main_process_first():
-            self.train_set, self.eval_set, self.data_stats = self.load_datasets(self.tokenizer)  # rank 0 caches first
-        self.rows = training_rows(self.train_set, recipe.packing, recipe.max_length)
-        self.plan = training_plan(recipe, self.train_set, self.rows, world)
-        if len(self.rows) < self.plan.global_batch:
-            raise HftrainError(
-                f"the training set has {len(self.rows)} usable {'packed rows' if recipe.packing else 'examples'}, "
-                f"fewer than one global batch of {self.plan.global_batch} (per_device_train_batch_size x {world} "
-                "processes x gradient_accumulation_steps); use a smaller batch or more data"
-            )
-        self.total_steps = recipe.max_steps if recipe.max_steps > 0 else \
-            math.ceil(recipe.num_train_epochs * self.plan.steps_per_epoch)
-        pad = pad_token_id(self.tokenizer)
-        if self.processor is not None:  # rows are single examples (packing is refused for image-text models)
-            self.collator = ImageChatCollator(self.train_set, self.processor, pad)
-            self.eval_collator = ImageChatCollator(self.eval_set, self.processor, pad) \
-                if self.eval_set is not None else None
-        else:
-            self.collator = Collator(self.train_set, pad, self.rows, packed=recipe.packing)
-            self.eval_collator = Collator(self.eval_set, pad) if self.eval_set is not None else None
-        self.feed = IndexedFeed(self.plan, self.collator, self.dp.rank, recipe.dataloader_num_workers,
-                                recipe.dataloader_pin_memory)
-        self.stream_state = None
-        self.data_line = (f"({self.plan.steps_per_epoch} per epoch)", f"{len(self.train_set)} training examples in "
-                          f"{len(self.rows)} rows")
-
-    def setup_stream(self) -> None:
-        """streaming: the feed reads the training set on the fly (hftrain.data.streaming); a resumed run continues from
-        the checkpoint's stream position, checked here, before the model loads."""
-        recipe = self.recipe
-        if self.processor is not None:
-            raise HftrainError(f"streaming: true with an image-text model ({recipe.model_name_or_path}) is not "
-                               "supported yet: image chats are encoded by the processor from a map-style set; set "
-                               "streaming: false")
-        with phase(self.accelerator, "data preparation", recipe.ddp_timeout), self.accelerator.main_process_first():
-            self.feed, self.eval_set, self.data_stats = load_stream(recipe, self.tokenizer, self.dp.rank, self.dp.world)
-        self.plan, self.total_steps = self.feed.plan, recipe.max_steps
-        self.train_set, self.rows = None, None
-        pad = pad_token_id(self.tokenizer)
-        self.collator = self.feed.collator
-        self.collator.pad_token_id = pad
-        self.eval_collator = Collator(self.eval_set, pad) if self.eval_set is not None else None
-        self.stream_state = None
-        if self.resume_from is not None:
-            saved = read_states(self.resume_from, STREAM_STATE.format(index="*"))
-            self.stream_state = check_resume(saved, self.dp.world, self.feed.disjoint, self.plan.global_batch,
-                                             self.dp.rank, self.resume_from)
-        self.data_line = ("(one endless epoch)", self.feed.description + (
-            self.feed.resume_note(self.stream_state) if self.stream_state is not None else ""))
+        """Examples from datasets, map-style or streamed (sft, dpo, simpo): hftrain.data.feeds fills the data
+        attributes `Objective.setup_data` lists, reading them through this run's `load_datasets` seam."""
+        setup_examples(self)
 
     def setup_model(self) -> None:
         """The builder's model (full, LoRA, QLoRA: decided in hftrain.model), wrapped to return summed token losses."""
