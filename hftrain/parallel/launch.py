@@ -193,9 +193,10 @@ def run_process(main: Callable[[], object]) -> NoReturn:
     and freeing them needs the GIL of an interpreter that is being torn down (pytorch/pytorch#190489; #179291 tried
     an atexit fix in torch and was abandoned). `destroy_process_group` is no cure on CPU: ~ProcessGroupGloo joins
     those threads while the caller holds the GIL they wait for. So a distributed run, once every rank is through
-    (a barrier when it succeeded), finishes what Python's exit would (non-daemon threads such as an async
-    checkpoint writer, atexit handlers such as W&B's, the standard streams) and leaves with `os._exit`, skipping
-    the teardown; the process group ends with the process, as it does when torchrun stops a group. One-process
+    (a barrier when it succeeded), finishes what Python's exit would, in its order (`threading._shutdown`: the
+    executors' exit hooks, e.g. inductor's compile pool, then the non-daemon threads such as an async checkpoint
+    writer; then atexit handlers such as W&B's; the standard streams) and leaves with `os._exit`, skipping the
+    teardown; the process group ends with the process, as it does when torchrun stops a group. One-process
     runs exit the ordinary way."""
     code = 0
     try:
@@ -216,9 +217,7 @@ def run_process(main: Callable[[], object]) -> NoReturn:
             torch.distributed.barrier()
         except Exception:  # noqa: BLE001 - a peer that died has reported its own failure; this one is done
             pass
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # what Python's exit does first: stop executors' workers, then join non-daemon threads
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

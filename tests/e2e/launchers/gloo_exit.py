@@ -4,14 +4,16 @@
 
 Without `run_process` this script aborts in interpreter teardown on a few launches in ten ("terminate called without
 an active exception", pytorch/pytorch#190489). Each rank also leaves work for Python's exit to finish: a non-daemon
-thread that writes `<folder>/thread-<rank>` half a second later, an atexit handler that writes `<folder>/atexit-<rank>`
-and a line on stdout that is not flushed.
+thread that writes `<folder>/thread-<rank>` half a second later, a thread pool left running (its idle worker ends only
+when Python's exit tells executors to stop, as inductor's compile pool under torch_compile), an atexit handler that
+writes `<folder>/atexit-<rank>` and a line on stdout that is not flushed.
 """
 
 import atexit
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
@@ -22,6 +24,7 @@ import torch.distributed as dist  # noqa: E402
 from hftrain.parallel import run_process  # noqa: E402
 
 FOLDER, EXIT_CODE = Path(sys.argv[1]), int(sys.argv[2])
+POOL = ThreadPoolExecutor(max_workers=1)
 
 
 def body() -> None:
@@ -42,6 +45,7 @@ def body() -> None:
         (FOLDER / f"thread-{rank}").write_text("written")
 
     threading.Thread(target=late_write).start()
+    POOL.submit(time.sleep, 0.1)  # never shut down (and referenced): only Python's exit stops its worker
     atexit.register(lambda: (FOLDER / f"atexit-{rank}").write_text("written"))
     print(f"rank {rank} done", end="\n", flush=False)
     sys.exit(EXIT_CODE)
