@@ -37,6 +37,19 @@ def test_the_recipe_trains_and_its_eval_loss_falls(full_run):
     assert state["data"]["train_examples"] + state["data"]["eval_examples"] == len(DATA.read_text().splitlines())
 
 
+def assert_processor_encodes_like_its_base(final, base, row) -> None:
+    """The final folder's processor is the base's class and renders and encodes `row` (chat template, images)
+    exactly as the base processor does."""
+    saved, original = AutoProcessor.from_pretrained(final), AutoProcessor.from_pretrained(base)
+    assert type(saved) is type(original)
+    images = [open_image(p, DATA.parent, "test") for p in row["images"]]
+    text = original.apply_chat_template(row["messages"], tokenize=False)
+    assert saved.apply_chat_template(row["messages"], tokenize=False) == text
+    a, b = saved(text=[text], images=images, return_tensors="pt"), original(text=[text], images=images,
+                                                                          return_tensors="pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_the_final_folder_loads_with_the_auto_classes(full_run):
     final = full_run.output_dir / "final"
     model = AutoModelForImageTextToText.from_pretrained(final)
@@ -48,14 +61,7 @@ def test_the_final_folder_loads_with_the_auto_classes(full_run):
         assert torch.equal(trained[name], value) == frozen, name
     assert type(model) is type(base)
 
-    saved, original = AutoProcessor.from_pretrained(final), AutoProcessor.from_pretrained(MODEL)
-    row = json.loads(DATA.read_text().splitlines()[0])
-    images = [open_image(p, DATA.parent, "test") for p in row["images"]]
-    text = original.apply_chat_template(row["messages"], tokenize=False)
-    assert saved.apply_chat_template(row["messages"], tokenize=False) == text
-    a, b = saved(text=[text], images=images, return_tensors="pt"), original(text=[text], images=images,
-                                                                          return_tensors="pt")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_processor_encodes_like_its_base(final, MODEL, json.loads(DATA.read_text().splitlines()[0]))
 
 
 def test_two_ddp_processes_train_like_one(full_run, tmp_path):
@@ -224,15 +230,8 @@ def test_gemma3_and_idefics3_train_and_their_final_folder_loads(image_text_model
         frozen = vision.part_of(name) in ("vision", "projector")
         assert torch.equal(trained[name], value) == frozen, name
 
-    saved, original = AutoProcessor.from_pretrained(final), AutoProcessor.from_pretrained(base)
-    assert type(saved) is type(original)
     row = next(json.loads(line) for line in DATA.read_text().splitlines() if len(json.loads(line)["images"]) == 2)
-    images = [open_image(p, DATA.parent, "test") for p in row["images"]]
-    text = original.apply_chat_template(row["messages"], tokenize=False)
-    assert saved.apply_chat_template(row["messages"], tokenize=False) == text
-    a, b = saved(text=[text], images=images, return_tensors="pt"), original(text=[text], images=images,
-                                                                          return_tensors="pt")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert_processor_encodes_like_its_base(final, base, row)
 
     loss_sum, tokens, *_ = plain_eval_loss(model, final)
     logged = run.eval_rows()[-1]
