@@ -276,6 +276,18 @@ def clear_run(output_dir: Path) -> None:
     (output_dir / METRICS_FILE).unlink(missing_ok=True)
 
 
+def newest_intact(output_dir: Path, warn: bool = False) -> Path | None:
+    """The newest checkpoint in `output_dir` that passes `verify` (what `resume_from_checkpoint: latest` resumes), or
+    None; with `warn`, a warning about each damaged newer one."""
+    for candidate in reversed(checkpoints(output_dir)):
+        problems = verify(candidate)
+        if not problems:
+            return candidate
+        if warn:
+            warnings.warn(f"hftrain: skipping damaged checkpoint {candidate}: {'; '.join(problems)}", stacklevel=3)
+    return None
+
+
 def resolve_resume(recipe: Recipe) -> Path | None:
     """The checkpoint folder to resume from, or None to start fresh.
 
@@ -284,11 +296,8 @@ def resolve_resume(recipe: Recipe) -> Path | None:
     if recipe.resume_from_checkpoint is None:
         return None
     if recipe.resume_from_checkpoint == "latest":
-        for candidate in reversed(checkpoints(Path(recipe.output_dir))):
-            problems = verify(candidate)
-            if not problems:
-                return candidate
-            warnings.warn(f"hftrain: skipping damaged checkpoint {candidate}: {'; '.join(problems)}", stacklevel=2)
+        if (newest := newest_intact(Path(recipe.output_dir), warn=True)) is not None:
+            return newest
         raise HftrainError(f"resume_from_checkpoint=latest but {recipe.output_dir!r} holds no complete, intact "
                            "checkpoint; drop resume_from_checkpoint to start fresh")
     path = Path(recipe.resume_from_checkpoint)

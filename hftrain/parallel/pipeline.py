@@ -61,7 +61,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor, Replicate
 
-from hftrain.checkpoint import trained_names
+from hftrain.checkpoint import newest_intact, trained_names
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
@@ -95,11 +95,15 @@ def microbatches(recipe: Recipe) -> int:
 
 
 def resume_problems(recipe: Recipe, launch: Launch) -> list[str]:
-    """A named resume_from_checkpoint folder whose layout this run cannot read (`resume_layout_problem`: pp checkpoints
+    """A resume_from_checkpoint folder whose layout this run cannot read (`resume_layout_problem`: pp checkpoints
     under FSDP2 / DeepSpeed, FSDP2 / ZeRO / tensor-parallel ones under pp), before the weights load. `latest` is
-    resolved and checked at resume."""
+    the checkpoint resolve_resume will take (the newest intact one in output_dir)."""
     path = recipe.resume_from_checkpoint
-    state = Path(path) / STATE_FILE if path not in (None, "latest") else None
+    label = f"resume_from_checkpoint {path!r}"
+    if path == "latest" and (newest := newest_intact(Path(recipe.output_dir))) is not None:
+        label, state = f"resume_from_checkpoint latest ({newest})", newest / STATE_FILE
+    else:
+        state = Path(path) / STATE_FILE if path not in (None, "latest") else None
     if state is None or not state.is_file():
         return []  # no checkpoint, or one that resolve_resume reports as incomplete
     try:
@@ -108,7 +112,7 @@ def resume_problems(recipe: Recipe, launch: Launch) -> list[str]:
         return []  # a damaged record: resolve_resume's check names it
     sharded_by = {"fsdp2": "FSDP2", "deepspeed": "DeepSpeed"}.get(launch.kind)
     problem = resume_layout_problem(saved, recipe.pp_size, sharded_by)
-    return [f"resume_from_checkpoint {path!r}: {problem}"] if problem else []
+    return [f"{label}: {problem}"] if problem else []
 
 
 def pipeline_problems(recipe: Recipe, launch: Launch, model_config) -> list[str]:

@@ -302,6 +302,9 @@ RESUME_REFUSALS = {  # name: (extra argv, environment, checkpoint: (run, launch 
                                "was written with tensor parallelism and this run has pp_size=2"),
     "fsdp2_checkpoint_under_pp": (PP, {}, ("ref-tied", {"sharded_modules": ["FSDPModule"]}),
                                   "was written with FSDP2 and this run has pp_size=2"),
+    # `latest`: the newest intact checkpoint of output_dir (a damaged newer one is passed over, as at resume)
+    "latest_fsdp2_checkpoint_under_pp": (PP, {}, ("ref-tied", {"sharded_modules": ["FSDPModule"]}),
+                                         "resume_from_checkpoint latest ("),
 }
 
 
@@ -337,13 +340,19 @@ def refusals(runs, tmp_path_factory) -> dict[str, Run]:
     cases = {}
     for name, (args, env, (run, record), _) in RESUME_REFUSALS.items():
         folder = runs[run].output_dir / "checkpoint-2"
+        latest = name.startswith("latest")
         if record:
-            folder = shutil.copytree(folder, root / name / "checkpoint-2", symlinks=True)
+            folder = shutil.copytree(folder, root / name / ("out" if latest else "") / "checkpoint-2", symlinks=True)
             state = json.loads((folder / "hftrain_state.json").read_text())
             state["launch"].update(record)
             (folder / "hftrain_state.json").write_text(json.dumps(state))
+            marker = json.loads((folder / "hftrain_complete.json").read_text())  # still intact for `latest`
+            marker["files"]["hftrain_state.json"] = (folder / "hftrain_state.json").stat().st_size
+            (folder / "hftrain_complete.json").write_text(json.dumps(marker))
+        if latest:  # a newer checkpoint that was never completed: resume's `latest` passes over it
+            (root / name / "out" / "checkpoint-3").mkdir()
         cases[name] = (["--config", str(REPO / "recipes" / "tiny-chat.yaml"), "--output_dir", str(root / name / "out"),
-                        "--resume_from_checkpoint", str(folder), *args], env)
+                        "--resume_from_checkpoint", "latest" if latest else str(folder), *args], env)
     for name, (args, env, config, _) in REFUSALS.items():
         model = REPO / "models" / "tiny-llama"
         if config is not None:  # a config only: a refusal after the weights load would fail on their absence
@@ -362,4 +371,8 @@ def test_refused_before_the_weights_load(refusals, name):
     message = " ".join(run.stderr.split())  # the paragraph is wrapped
     texts = (expected,) if isinstance(expected, str) else expected  # every problem reported at once
     assert all(text in message for text in texts) and "Traceback" not in message
-    assert not run.output_dir.exists()
+    if name.startswith("latest"):  # the intact checkpoint-2 is named; nothing was added to the folder
+        assert f"latest ({run.output_dir / 'checkpoint-2'})" in message
+        assert sorted(p.name for p in run.output_dir.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    else:
+        assert not run.output_dir.exists()
