@@ -67,8 +67,11 @@ class Progress:
     """Where training stands after `step` optimizer steps."""
 
     step: int = 0
-    epoch: int = 0  # epoch the next step belongs to
-    step_in_epoch: int = 0  # optimizer steps of that epoch already done
+    # map-style: the epoch the next step belongs to (int); a stream (one endless epoch): its passes so far as the log
+    # counts them (StreamFeed.recorded_progress: completed passes + the part of the current one drawn, a float, as
+    # Trainer's trainer_state.json `epoch`)
+    epoch: int | float = 0
+    step_in_epoch: int = 0  # optimizer steps of that epoch already done (a stream: every step of the run)
     trained_tokens: int = 0  # global count of trained (label != -100) tokens so far
     world_size: int = 1
     nan_skipped_steps: int = 0  # steps without an update because the gradient norm was NaN/inf

@@ -464,10 +464,15 @@ class Finetune:
         self.run_info.update(device_hours=self.meter.device_hours(), scheduler=self.scheduler.state_dict())
         return self.run_info
 
+    def recorded_progress(self) -> checkpoint.Progress:
+        """The progress a checkpoint or the final folder records (every rank calls it: a stream's passes are summed
+        over the data-parallel ranks, as logged)."""
+        return self.feed.recorded_progress(self.progress, self.dp)
+
     def save_checkpoint(self, background: bool = False) -> Path:
         """checkpoint-N of the current state; the save in flight is waited for first. `background`: return once the
         state is staged (async_checkpointing), the folder appears when it is written."""
-        return checkpoint.save_checkpoint(self.backend, self.output_dir, self.recipe, self.progress,
+        return checkpoint.save_checkpoint(self.backend, self.output_dir, self.recipe, self.recorded_progress(),
                                           self.current_run_info(), self.objective_tensors, self.saves, background,
                                           self.feed.state_dict(self.progress.step))
 
@@ -490,7 +495,7 @@ class Finetune:
         try:
             with phase(self.accelerator, "saving the final model", self.recipe.ddp_timeout):
                 checkpoint.save_final(self.backend, self.model, self.processor or self.tokenizer, final_dir,
-                                      self.recipe, self.progress, self.current_run_info())
+                                      self.recipe, self.recorded_progress(), self.current_run_info())
         except HftrainError:  # e.g. a collective timed out: another save would wait on the same ranks
             raise
         except Exception as exc:  # noqa: BLE001 - any failure: keep what was trained, then report

@@ -236,5 +236,9 @@ class IndexedFeed:
     def state_dict(self, step: int) -> None:
         return None
 
+    def recorded_progress(self, progress, dp):
+        """What a checkpoint records: the loop's counters are the position."""
+        return progress
+
     def window_metrics(self, dp) -> dict:
         return {}

@@ -58,11 +58,7 @@ def setup_examples(run) -> None:
 def setup_stream(run) -> None:
     """streaming: the feed reads the training set on the fly (hftrain.data.streaming); a resumed run continues from
     the checkpoint's stream position, checked here, before the model loads."""
-    recipe = run.recipe
-    if run.processor is not None:
-        raise HftrainError(f"streaming: true with an image-text model ({recipe.model_name_or_path}) is not "
-                           "supported yet: image chats are encoded by the processor from a map-style set; set "
-                           "streaming: false")
+    recipe = run.recipe  # an image-text model (run.processor) is refused with streaming in the preflight
     with phase(run.accelerator, "data preparation", recipe.ddp_timeout), run.accelerator.main_process_first():
         run.feed, run.eval_set, run.data_stats = load_stream(recipe, run.tokenizer, run.dp.rank, run.dp.world)
     run.plan, run.total_steps = run.feed.plan, recipe.max_steps

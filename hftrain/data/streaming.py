@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import datasets
@@ -473,6 +473,13 @@ class StreamFeed:
         done = drawn / self.examples_per_pass if self.examples_per_pass else 0.0
         return state["passes"] + min(1.0, done)
 
+    def recorded_progress(self, progress, dp):
+        """`progress` as a checkpoint or the final folder records it: `epoch` is the logged epoch at that step (the
+        ranks' mean of `epoch`), not the loop's 0 of the one endless epoch. A collective: every rank calls it."""
+        local = torch.tensor([self.epoch(self.state_dict(progress.step)["stream"])], dtype=torch.float64,
+                             device=dp.accelerator.device)
+        return replace(progress, epoch=round(float(dp.sum(local)[0]) / dp.world, 4))
+
     def window_metrics(self, dp) -> dict:
         """Raw examples read, bad examples and dropped rows since the last logged row, over the data-parallel ranks
         (every rank counts the same examples when they all read the whole stream), and the epoch: the ranks' mean
@@ -635,6 +642,8 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
                    f"multiple of {world} ranks) and keeps its slice of each global batch")
     else:
         reading = f"one rank reads {source.num_shards} shard(s)"
+    if recipe.pp_size > 1:  # the loop's data-parallel rank is a copy of the pipeline: its stages train on one batch
+        reading += f" (a rank is one copy of the {recipe.pp_size}-stage pipeline: its stages read the same rows)"
     packed = ", packed on the fly" if recipe.packing else ""
     kinds = "/".join(dict.fromkeys(formats))
     workers = f", in {recipe.dataloader_num_workers} worker process(es)" if recipe.dataloader_num_workers else ""

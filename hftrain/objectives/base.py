@@ -28,9 +28,9 @@ class Objective:
         """The training data (`setup_data`, after the tokenizer, before the model): sets `run.train_set`,
         `run.eval_set`, `run.data_stats`, `run.rows`, `run.plan` (`checkpoint.realign` reads its `global_batch`,
         `steps_per_epoch`, `num_examples`, `world`, `accum`), `run.total_steps`, `run.collator`, `run.eval_collator`,
-        `run.feed` (the loop's micro-batches: `batches(progress)`, `start`, `state_dict`, `window_metrics`,
-        `stop_reason`, as `data.batching.IndexedFeed`), `run.stream_state` and `run.data_line`. Examples from
-        datasets, streamed or not: `run.setup_examples`."""
+        `run.feed` (the loop's micro-batches: `batches(progress)`, `start`, `state_dict`, `recorded_progress`,
+        `window_metrics`, `stop_reason`, as `data.batching.IndexedFeed`), `run.stream_state` and `run.data_line`.
+        Examples from datasets, streamed or not: `run.setup_examples`."""
         run.setup_examples()
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,

@@ -172,6 +172,10 @@ class Rollouts:
     def window_metrics(self, dp) -> dict:
         return self.metrics(dp.sum)
 
+    def recorded_progress(self, progress, dp):
+        """What a checkpoint records: the loop's counters are the position (as data.batching.IndexedFeed)."""
+        return progress
+
     def loader(self, order):
         for window, micro, iteration in order:
             if window != self.window:

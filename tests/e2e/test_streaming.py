@@ -11,6 +11,9 @@ Runs shared by the assertions (module fixtures):
   right after step 3 (the stop is voted on in step 4, once step 4's rows were taken from the stream), then resumed.
   The preempted and resumed runs read the stream in 2 DataLoader worker processes per rank, the uninterrupted one in
   the training process.
+- `shards_pipeline`: the `shards_uninterrupted` recipe on 4 processes as 2 data-parallel copies of a 2-stage pipeline
+  (pp_size 2, cpu_pp): each copy must read the stream of one DDP rank (both stages of a copy the same rows, padded to
+  max_length), so it must train as `shards_uninterrupted` does.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hftrain.layout import STREAM_STATE
 from tests.conftest import FAULTY_RANK, REPO, launch, run_main_cases, run_script, write_jsonl
 
 pytestmark = pytest.mark.launch
@@ -88,21 +92,27 @@ def shards_preempted(tmp_path_factory, tiny_model, data):
                   check=False)
 
 
+@pytest.fixture(scope="module")
+def shards_pipeline(tmp_path_factory, tiny_model, data):
+    return launch(tmp_path_factory.mktemp("pipeline") / "out", *common(tiny_model, data["saved"]), *SHARDS,
+                  "--pp_size", "2", "--ddp_timeout", "60", preset="cpu_pp", processes=4)
+
+
 def weights(run, folder: str = "final") -> dict[str, torch.Tensor]:
     return load_file(run.output_dir / folder / "model.safetensors")
 
 
-def assert_same(run, reference, steps=range(1, STEPS + 1)) -> None:
-    """Per-step losses and learning rates of `steps`, and the final weights, within 1e-6."""
+def assert_same(run, reference, steps=range(1, STEPS + 1), tol: float = 1e-6) -> None:
+    """Per-step losses and learning rates of `steps`, and the final weights, within `tol`."""
     mine, theirs = ({r["step"]: r for r in x.train_rows()} for x in (run, reference))
     assert sorted(mine) == list(steps) and set(steps) <= set(theirs)
     for step in steps:
         assert mine[step]["learning_rate"] == theirs[step]["learning_rate"]
-        assert abs(mine[step]["loss"] - theirs[step]["loss"]) < 1e-6, (step, mine[step]["loss"], theirs[step]["loss"])
+        assert abs(mine[step]["loss"] - theirs[step]["loss"]) < tol, (step, mine[step]["loss"], theirs[step]["loss"])
         assert mine[step]["trained_tokens"] == theirs[step]["trained_tokens"], step
     expected = weights(reference)
     for name, value in weights(run).items():
-        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=tol)
 
 
 def test_streamed_equals_map_style(streamed, mapped):
@@ -121,6 +131,9 @@ def test_two_processes_equal_one_and_resume_on_one(streamed_2proc, mapped, tiny_
         ("MULTI_CPU", 2, "DistributedDataParallel")
     assert "every rank reads and tokenizes all 1 shard(s)" in streamed_2proc.stdout
     assert_same(streamed_2proc, mapped)
+    # the recorded progress counts the pass as the log does: 4 of the file's 40 chats a step
+    for folder, step in (("checkpoint-3", 3), ("final", STEPS)):
+        assert streamed_2proc.state(folder)["progress"]["epoch"] == round(4 * step / 40, 4)
     # the 2-process checkpoint continues on one process with the same global batch (2 x 2 accumulation)
     out = tmp_path / "out"
     shutil.copytree(streamed_2proc.output_dir, out)
@@ -161,6 +174,33 @@ def test_preempted_shards_resume_exactly(shards_uninterrupted, shards_preempted,
     # epoch: the ranks' mean of passes completed (a rank's shard length is not known before reading it)
     epochs = [r["epoch"] for r in shards_uninterrupted.train_rows()]
     assert epochs == sorted(epochs) and epochs[0] == 0 and epochs[-1] == sum(passes) / 2
+    # the checkpoints and the final folder record those passes as `epoch` (the loop's own epoch of a stream stays 0):
+    # the preempted run's checkpoint-3 as the uninterrupted one's, the resumed run's checkpoint-6 as logged at step 6
+    logged = {r["step"]: r["epoch"] for r in shards_uninterrupted.train_rows()}
+    assert shards_preempted.state("checkpoint-3")["progress"]["epoch"] == logged[3] == \
+        shards_uninterrupted.state("checkpoint-3")["progress"]["epoch"]
+    for folder in ("checkpoint-6", "final"):
+        assert resumed.state(folder)["progress"]["epoch"] == sum(passes) / 2 == \
+            shards_uninterrupted.state(folder)["progress"]["epoch"] > 0
+
+
+def test_pipeline_copies_read_the_streams_of_ddp_ranks(shards_pipeline, shards_uninterrupted):
+    """pp 2 x 2 data-parallel copies: the stream is split by copy (2 ranks reading disjoint shards), not by process;
+    each process's stream state is its copy's, the same as the DDP rank's, and the run trains as DDP does."""
+    info = shards_pipeline.state()["launch"]
+    assert (info["distributed_type"], info["num_processes"], info["model_wrapper"], info["pp_size"]) == \
+        ("MULTI_CPU", 4, "PipelineStages", 2)
+    assert shards_pipeline.state()["parallelism"]["dp_world"] == 2
+    assert "2 ranks read disjoint shards (1 of 2 each) (a rank is one copy of the 2-stage pipeline: its stages read " \
+        "the same rows)" in shards_pipeline.stdout
+    # process = stage x 2 + copy (parallel/pipeline.py): processes 0 and 2 are copy 0's stages, 1 and 3 copy 1's
+    for folder in ("checkpoint-3", "checkpoint-6"):
+        for process in range(4):
+            ours, ddp = STREAM_STATE.format(index=process), STREAM_STATE.format(index=process % 2)
+            assert json.loads((shards_pipeline.output_dir / folder / ours).read_text()) == \
+                json.loads((shards_uninterrupted.output_dir / folder / ddp).read_text())
+        assert shards_pipeline.state(folder)["progress"] == shards_uninterrupted.state(folder)["progress"]
+    assert_same(shards_pipeline, shards_uninterrupted, tol=1e-4)  # Adam amplifies the stages' float rounding
 
 
 def test_refusals_and_bad_rows(shards_preempted, tiny_model, data, tmp_path):
