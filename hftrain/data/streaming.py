@@ -389,11 +389,14 @@ class StreamFeed:
 
     def __init__(self, stream: RowStream, collator: StreamCollator, plan: StreamPlan, rank: int, disjoint: bool,
                  max_bad_rows: int, description: str, num_workers: int = 0, examples_per_pass: int | None = None,
-                 seeks: bool = False):
+                 seeks: bool = False, pin_memory: bool = False):
         self.stream, self.collator, self.plan, self.rank, self.disjoint = stream, collator, plan, rank, disjoint
         self.max_bad_rows, self.description, self.num_workers = max_bad_rows, description, num_workers
         self.examples_per_pass = examples_per_pass  # raw training examples in a pass (after the carve-out), if known
         self.seeks = seeks  # a resume seeks to the saved position (else datasets re-reads the current shard)
+        # dataloader_pin_memory: batches in page-locked memory (the loop copies them non_blocking), on CUDA only, as
+        # map-style batches (data.batching.make_loader)
+        self.pin_memory = pin_memory and torch.cuda.is_available()
         self.steps_read = 0  # steps whose rows were taken from the stream
         self.snapshots: dict[int, dict] = {}  # steps done -> the stream's state then (the last two)
         self.position: dict | None = None  # with workers: the stream's state after `steps_read` steps
@@ -425,10 +428,12 @@ class StreamFeed:
             while True:
                 self._keep(self.stream.state())
                 for micro_batch in self.read_step():
-                    yield self.collator(micro_batch)
+                    batch = self.collator(micro_batch)
+                    yield {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
         self.position = self.stream.state()
         loader = torch.utils.data.DataLoader(_WorkerSteps(self), batch_size=None, num_workers=self.num_workers,
-                                             collate_fn=_as_is, generator=torch.Generator())
+                                             collate_fn=_as_is, generator=torch.Generator(),
+                                             pin_memory=self.pin_memory)
         for micro_batches, after in loader:
             self._keep(self.position)
             self.steps_read += 1
@@ -655,7 +660,7 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
     if source.num_rows is not None and not disjoint:
         per_pass = min(source.num_rows - held_out, recipe.max_samples or source.num_rows) or None
     feed = StreamFeed(stream, collator, plan, rank, disjoint, recipe.max_bad_rows, description,
-                      recipe.dataloader_num_workers, per_pass, source.seeks)
+                      recipe.dataloader_num_workers, per_pass, source.seeks, recipe.dataloader_pin_memory)
 
     evaluation, stats = None, {"streaming": {"source": name, "format": fmt, "shards": source.num_shards,
                                              "rows": source.num_rows, "disjoint_shards": disjoint,
