@@ -220,6 +220,8 @@ def test_the_preview_shows_image_rows_with_their_image_tokens_and_masks(capsys, 
     assert f"{len(rows)} examples kept with {sum(len(r['images']) for r in rows)} images" in out
     with pytest.raises(HftrainError, match="--dump"):
         preview(["--config", str(REPO / "recipes" / "tiny-vlm.yaml"), "--dump", "2", str(tmp_path / "x.jsonl")])
+    with pytest.raises(HftrainError, match="streaming: true with the image-text model 'llava' is not built yet"):
+        preview(["--config", str(REPO / "recipes" / "tiny-vlm.yaml"), "--streaming", "true", "--max_steps", "2"])
 
 
 def test_the_preflight_refuses_packing_for_an_image_text_model_and_text_models_say_why_parts_fail():
