@@ -1,7 +1,8 @@
 """Memory per GPU before launching: every strategy side by side, and the cheapest launch preset that fits.
 
     python -m hftrain.estimate --model Qwen/Qwen2.5-7B --gpus 8 --gpu_memory 80 [--lora | --qlora] \
-        [--seq 4096 --batch 4] [--sp 4]
+        [--seq 4096 --batch 4] [--sp 4] [--pp 4 --tp 8 --pp_schedule 1F1B]
+    python -m hftrain.estimate --model models/llama-3-70b-shape --nodes 4 --gpus_per_node 8 --gpu_memory_gib 80
 
 Only the model's config is read (the model is built on the meta device: no weights are downloaded).
 The numbers are a model of what training keeps in memory, per GPU, in bytes:
@@ -30,6 +31,11 @@ The numbers are a model of what training keeps in memory, per GPU, in bytes:
   (the block attended to and the next one arriving), for any head count. Without --sp, a full fine-tuning that
   needs gradient checkpointing or does not fit gets the smallest degree that fits as a hint (Ulysses where the
   heads divide, else the ring).
+- pipeline parallelism (--pp N, with --tp T inside each stage): per process, its stages' weights, gradients and
+  optimizer state (the shards transformers' tp plan gives the largest tp rank) and the activations its schedule keeps
+  in flight, and the bubble (`pipeline_memory`). --nodes / --gpus_per_node search the 3D layouts (data x tensor x
+  pipeline) of a cluster and recommend one with its preset and recipe fields (`search_layouts`, `format_layouts`;
+  what they leave out: `NOT_MODELLED`). `models/llama-3-70b-shape` is a config-only Llama-3-70B (no weights).
 - LoRA keeps the frozen base in bf16 and trains all-linear adapters of rank r; QLoRA stores the
   base's decoder linears in 4-bit NF4 with double quantization (0.5 + ~0.016 bytes per parameter).
 
@@ -77,6 +83,15 @@ class ModelShape:
     vocab: int
     lora_params_per_rank: int  # adapter parameters per unit of LoRA rank: sum of (in + out) over adapted linears
     active_params: int | None = None  # mixture-of-experts: parameters one token computes with (top-k experts)
+    model_type: str = ""
+    pipeline_plan: bool = False  # its base_model_pp_plan is embed_tokens, layers, norm (what hftrain's stages split)
+    # transformers' tensor-parallel plan (`tp_plan`, resolved on the model), as (elements, size of the sharded
+    # dimension, 0 = replicated) per parameter: one decoder layer's, the input embedding's, the output projection's
+    layer_tp: tuple[tuple[int, int], ...] = ()
+    embedding_tp: tuple[int, int] = (0, 0)
+    head_tp: tuple[int, int] = (0, 0)
+    tp_plan: bool = False  # the model has a tp plan
+    tp_unmodelled: tuple[str, ...] = ()  # plan styles whose placement this estimate does not model (packed, experts)
 
 
 def ulysses_splits(heads: int, kv_heads: int, sp: int) -> bool:
@@ -103,6 +118,11 @@ def model_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
     inp, out = lm.get_input_embeddings(), lm.get_output_embeddings()
     tied = out is not None and out.weight is inp.weight
     layers = _decoder_layers(lm)
+    split, unmodelled = _tp_split(lm)
+    names = {id(m): n for n, m in lm.named_modules()}
+    largest = max(layers, key=lambda layer: sum(p.numel() for p in layer.parameters()))
+    head_module = out if out is not None else inp
+    pp_plan = getattr(config, "base_model_pp_plan", None) or {}
     linears = [m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -119,7 +139,57 @@ def model_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, vocab=text.vocab_size,
         lora_params_per_rank=sum(m.in_features + m.out_features for m in linears),
         active_params=_active_params(lm, text),
+        model_type=config.model_type, pipeline_plan=list(pp_plan) == ["embed_tokens", "layers", "norm"],
+        layer_tp=tuple(split.get(f"{names[id(largest)]}.{n}", (p.numel(), 0)) for n, p in largest.named_parameters()),
+        embedding_tp=split.get(f"{names[id(inp)]}.weight", (inp.weight.numel(), 0)),
+        head_tp=split.get(f"{names[id(head_module)]}.weight", (head_module.weight.numel(), 0)),
+        tp_plan=bool(split), tp_unmodelled=unmodelled,
     )
+
+
+def _tp_split(lm) -> tuple[dict[str, tuple[int, int]], tuple[str, ...]]:
+    """How transformers' tensor-parallel plan places each parameter (`apply_tensor_parallelism` in
+    transformers/distributed/tensor_parallel.py, 5.23): {name: (elements, size of the sharded dimension)}, 0 for a
+    replicated one (norms, and what the plan does not name), and the plan's styles this estimate does not model.
+    colwise styles shard a weight's output rows (dim ndim-2: a bias too), rowwise ones a weight's input columns (the
+    bias replicated), embedding styles their `shard_dim` (Llama's plan adds `embed_tokens: embedding_rowwise`, the
+    vocabulary). Empty for a model without a plan."""
+    plan = getattr(lm, "tp_plan", None) or {}
+    expand = getattr(lm, "_expand_parallel_plan", None)
+    if not plan or expand is None:
+        return {}, ()
+    from transformers.distributed.tensor_parallel import (
+        ALL_PARALLEL_STYLES,
+        ColwiseParallel,
+        EmbeddingParallel,
+        RowwiseParallel,
+        TensorParallelLayer,
+    )
+
+    styles = expand(plan)
+    split, unmodelled = {}, set()
+    for module_name, module in lm.named_modules():
+        for short, p in module.named_parameters(recurse=False):  # a tied head's weight under its own name too
+            name = f"{module_name}.{short}" if module_name else short
+            style = styles.get(name)
+            kind = ALL_PARALLEL_STYLES[style] if style is not None else None
+            dim = None
+            if isinstance(kind, ColwiseParallel):
+                dim = (p.ndim - 2) % p.ndim
+            elif isinstance(kind, RowwiseParallel):
+                dim = None if short == "bias" else p.ndim - 1
+            elif isinstance(kind, EmbeddingParallel):
+                dim = kind.shard_dim
+            elif kind is not None and type(kind) is not TensorParallelLayer:  # "replicate" is the plain base class
+                unmodelled.add(style)
+            split[name] = (p.numel(), 0 if dim is None else p.shape[dim])
+    return split, tuple(sorted(unmodelled))
+
+
+def tp_elements(parts, tp: int) -> int:
+    """Elements the largest tp rank holds of parameters `parts` ((elements, sharded size) pairs): torch's Shard
+    gives rank 0 ceil(size / tp) slices of a dimension that tp does not divide."""
+    return sum(n // size * -(-size // tp) if size else n for n, size in parts)
 
 
 def _active_params(lm, config) -> int | None:
@@ -141,17 +211,21 @@ def _decoder_layers(lm):
 
 
 # ------------------------------------------------------------------------ activations
-def layer_activation_bytes(s: ModelShape, tokens: int, compute_bytes: int, residual_bytes: int) -> int:
+def layer_activation_bytes(s: ModelShape, tokens: int, compute_bytes: int, residual_bytes: int, tp: int = 1) -> int:
     """Bytes one decoder layer saves for backward (SDPA/flash attention, no dropout).
 
     Per token: each of the two norms keeps its input and normalised output (residual dtype) and the
     next matmul keeps its (cast) input; attention keeps q, k, v and the output projection's input;
-    the MLP keeps gate, silu(gate), up and their product.
+    the MLP keeps gate, silu(gate), up and their product. Under tensor parallelism (`tp` ranks, transformers' plan:
+    q/k/v, gate and up column-wise, o and down row-wise, no sequence parallelism) each rank keeps 1/tp of the
+    attention and MLP tensors (its heads, its slice of the intermediate width) and the norms' tensors whole: the
+    row-wise outputs are all-reduced back to the full hidden width.
     """
     h, kv, i = s.hidden, s.kv_dim, s.intermediate
+    part = lambda width: -(-width // tp)  # noqa: E731 - this rank's share of a sharded width
     norms = 2 * (2 * h * residual_bytes + h * compute_bytes)
-    attention = (h + 2 * kv + h) * compute_bytes
-    mlp = 4 * i * compute_bytes
+    attention = (part(h) + 2 * part(kv) + part(h)) * compute_bytes
+    mlp = 4 * part(i) * compute_bytes
     return tokens * (norms + attention + mlp)
 
 
@@ -214,54 +288,249 @@ def chunks_in_flight(rank: int, pp: int, schedule: str, microbatches: int) -> in
 
 
 def pipeline_memory(shape: ModelShape, pp: int, schedule: str, microbatches: int, batch: int, seq: int,
-                    precision: str = "bf16") -> list[StageMemory]:
+                    precision: str = "bf16", tp: int = 1, checkpointing: bool = False) -> list[StageMemory]:
     """Memory of each process of a pp-stage pipeline for full fine-tuning with AdamW, as hftrain runs it: the layers
     split by `split_layers` (the embedding and the head counted as one layer each), fp32 weights, gradients and two
     fp32 moments of what its stages hold (plus autocast's bf16 copies), a tied head as its own copy on the last stage
     (its gradient is summed with the embedding's); each per-pipeline batch of `batch` rows split into `microbatches`
     (rows padded to a multiple of them), the activations of `chunks_in_flight` microbatch-stages (each a stage's layers
     on one microbatch; the last stage adds the final norm and the loss buffers of each microbatch it holds).
-    Data-parallel copies of the pipeline change none of this (hftrain averages their gradients in place)."""
+    Data-parallel copies of the pipeline change none of this (hftrain averages their gradients in place).
+
+    `tp` > 1 (pp x tp, each stage's layers loaded with transformers' tp plan over tp ranks): the numbers are those of
+    the largest tp rank of each stage. Its parameters are the plan's shards (`ModelShape.layer_tp`: attention and MLP
+    linears 1/tp, norms whole; Llama's embedding and head 1/tp of the vocabulary), their gradients and moments alike,
+    except the vocabulary-parallel embedding's gradient, which transformers 5.23 leaves whole (replicated) on every tp
+    rank (`sum_whole` in parallel/pipeline.py relies on it); activations per `layer_activation_bytes`; the loss
+    buffers whole (the head gathers the logits: `colwise_gather_output`). pp == 1 with tp: the tensor-parallel
+    backend, one microbatch (`batch` rows) at a time. `checkpointing`: each chunk keeps only its layers' inputs,
+    and backward recomputes one layer at a time."""
     per_process = STAGES_PER_PROCESS[schedule]
     count = pp * per_process
     ranges = split_layers(shape.layers, count)
     mixed = precision == "bf16"
     compute, residual = (2, 4) if mixed else (4, 4)
     tokens = -(-batch // microbatches) * seq  # one microbatch's rows (padded) x the fixed length
-    layer_params = shape.largest_layer_params
-    head = shape.head_params or shape.embedding_params  # a tied head is a copy on the last stage
-    rest = max(shape.params - shape.embedding_params - shape.head_params - shape.layers * layer_params, 0)  # norm
+    whole = lambda parts: tp_elements(parts, 1)  # noqa: E731
+    sharded = tp > 1 and shape.tp_plan
+    layer_params = tp_elements(shape.layer_tp, tp) if sharded else shape.largest_layer_params
+    embedding = tp_elements([shape.embedding_tp], tp) if sharded else shape.embedding_params
+    head = tp_elements([shape.head_tp], tp) if sharded else shape.head_params or shape.embedding_params  # tied: copy
+    rest = max(shape.params - shape.embedding_params - shape.head_params - shape.layers * shape.largest_layer_params,
+               0)  # the final norm
+    whole_embedding_grad = sharded and shape.embedding_tp[1] > 0 and not (shape.head_params == 0 and pp == 1)
     loss = tokens * shape.hidden * (2 * residual + compute) + tokens * shape.vocab * 12  # as `activation_bytes`
+    layer_activations = layer_activation_bytes(shape, tokens, compute, residual, tp if sharded else 1)
     out = []
     for rank in range(pp):
         stages = stage_indices(rank, pp, per_process)
         layers = sum(len(ranges[s]) for s in stages)
-        params = layers * layer_params + (shape.embedding_params if 0 in stages else 0) \
-            + (head + rest if count - 1 in stages else 0)
+        first, last = 0 in stages, count - 1 in stages
+        tied_here = first and shape.head_params == 0  # pp == 1: the tied head is the embedding itself
+        params = layers * layer_params + (embedding if first else 0) + ((0 if tied_here else head) + rest if last
+                                                                        else 0)
+        grads = params + (whole([shape.embedding_tp]) - embedding if first and whole_embedding_grad else 0)
         chunks = chunks_in_flight(rank, pp, schedule, microbatches)
-        per_chunk = layers / per_process * layer_activation_bytes(shape, tokens, compute, residual)
-        last_stage_chunks = min(chunks, microbatches if schedule == "GPipe" else 1) if count - 1 in stages else 0
-        out.append(StageMemory(rank, layers, params, (4 + (2 if mixed else 0)) * params, 4 * params, 8 * params,
-                               chunks, chunks * per_chunk + last_stage_chunks * loss))
+        if checkpointing:
+            per_chunk = layers / per_process * tokens * shape.hidden * residual
+            recomputed = layer_activations  # the layer whose backward runs, its activations rebuilt
+        else:
+            per_chunk, recomputed = layers / per_process * layer_activations, 0
+        last_stage_chunks = min(chunks, microbatches if schedule == "GPipe" else 1) if last else 0
+        out.append(StageMemory(rank, layers, params, (4 + (2 if mixed else 0)) * params, 4 * grads, 8 * params,
+                               chunks, chunks * per_chunk + recomputed + last_stage_chunks * loss))
     return out
 
 
 def format_pipeline(shape: ModelShape, pp: int, schedule: str, microbatches: int, batch: int, seq: int,
-                    precision: str, gpus: int, gpu_memory_gib: float) -> list[str]:
-    """The per-stage lines of `hftrain estimate --pp N`."""
-    stages = pipeline_memory(shape, pp, schedule, microbatches, batch, seq, precision)
+                    precision: str, gpus: int, gpu_memory_gib: float, tp: int = 1) -> list[str]:
+    """The per-stage lines of `hftrain estimate --pp N [--tp T]` (and of `--tp T` alone: one line)."""
+    stages = pipeline_memory(shape, pp, schedule, microbatches, batch, seq, precision, tp)
     budget = usable_bytes(gpu_memory_gib)
-    lines = ["", f"pipeline parallel pp={pp} ({schedule}, {microbatches} microbatches of {-(-batch // microbatches)} "
-             f"rows; {gpus // pp} data-parallel cop{'y' if gpus // pp == 1 else 'ies'}; preset cpu_pp on CPU), "
-             "full fine-tuning, GiB per process:",
+    copies = gpus // (pp * tp)
+    copies_text = f"{copies} data-parallel cop{'y' if copies == 1 else 'ies'}"
+    per_tp = f", each of its {tp} tp ranks (the largest share)" if tp > 1 else ""
+    if pp == 1:
+        title = f"tensor parallel tp={tp} ({copies_text}; preset tp), full fine-tuning, GiB per process:"
+    else:
+        title = (f"pipeline parallel pp={pp}{f' x tensor parallel tp={tp}' if tp > 1 else ''} ({schedule}, "
+                 f"{microbatches} microbatches of {-(-batch // microbatches)} rows; {copies_text}; preset cpu_pp on "
+                 f"CPU), full fine-tuning, GiB per process{per_tp}:")
+    lines = ["", title,
              f"{'rank':>4} {'layers':>6} {'weights':>8} {'grads':>8} {'optim':>8} {'in flight':>9} {'activ.':>8} "
              f"{'peak':>8}"]
     for st in stages:
         lines.append(f"{st.rank:>4} {st.layers:>6} {st.weights / GIB:>8.2f} {st.grads / GIB:>8.2f} "
                      f"{st.optimizer / GIB:>8.2f} {st.in_flight:>9} {st.activations / GIB:>8.2f} "
                      f"{st.peak() / GIB:>8.2f}" + ("" if st.peak() <= budget else " !"))
-    lines.append(f"bubble: {pipeline_bubble(pp, schedule, microbatches):.1%} of each step idle ((p-1)/"
-                 f"{'(v m)' if schedule == 'Interleaved1F1B' else 'm'}); more microbatches shrink it")
+    if pp > 1:
+        lines.append(f"bubble: {pipeline_bubble(pp, schedule, microbatches):.1%} of each step idle ((p-1)/"
+                     f"{'(v m)' if schedule == 'Interleaved1F1B' else 'm'}); more microbatches shrink it")
+    return lines
+
+
+# ------------------------------------------------------------------------ 3D layouts
+DEFAULT_GLOBAL_BATCH = 128  # rows per optimizer step the 3D search assumes unless --global_batch says otherwise
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One data x tensor x pipeline layout of a cluster and its memory (`pipeline_memory`) per process."""
+
+    dp: int
+    tp: int
+    pp: int
+    schedule: str  # "" without a pipeline (pp == 1: the tensor-parallel backend)
+    microbatches: int  # per pipeline step; pp == 1: gradient accumulation steps
+    checkpointing: bool
+    stages: tuple[StageMemory, ...]
+
+    def peak(self) -> float:
+        return max(st.peak() for st in self.stages)
+
+    def bubble(self) -> float:
+        return pipeline_bubble(self.pp, self.schedule, self.microbatches) if self.pp > 1 else 0.0
+
+    def name(self) -> str:
+        pipe = f" pp={self.pp} {self.schedule} m={self.microbatches}" if self.pp > 1 else " pp=1"
+        return f"dp={self.dp} tp={self.tp}{pipe}" + (" + checkpointing" if self.checkpointing else "")
+
+
+def layout_problems(shape: ModelShape, tp: int, pp: int, schedule: str) -> list[str]:
+    """Why hftrain cannot run `shape` with tensor-parallel degree `tp` and `pp` stages (`schedule`): the estimate's
+    own refusals, matching the run's preflight."""
+    problems = []
+    if tp > 1:
+        if not shape.tp_plan:
+            problems.append(f"--tp {tp}: {shape.name} ({shape.model_type}) has no tensor-parallel plan in transformers")
+        elif shape.tp_unmodelled:
+            problems.append(f"--tp {tp}: {shape.name}'s tp plan uses styles this estimate does not model "
+                            f"({', '.join(shape.tp_unmodelled)})")
+        if shape.heads % tp or shape.kv_heads % tp:
+            problems.append(f"--tp {tp} must divide the attention heads ({shape.heads}) and the key/value heads "
+                            f"({shape.kv_heads}) of {shape.name}: each tp rank computes whole heads")
+    stages = pp * STAGES_PER_PROCESS.get(schedule, 1)
+    if pp > 1 and shape.layers < stages:
+        problems.append(f"--pp {pp} with {schedule} needs {stages} stages of at least one layer each, and "
+                        f"{shape.name} has {shape.layers} layers")
+    if pp > 1 and not shape.pipeline_plan:
+        problems.append(f"--pp {pp}: {shape.name} ({shape.model_type}) has no pipeline plan of embed_tokens, layers "
+                        "and norm, which hftrain's stages split")
+    return problems
+
+
+def search_layouts(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_memory_gib: float, global_batch: int,
+                   batch: int, seq: int, precision: str = "bf16") -> tuple[list[Layout], list[Layout]]:
+    """Every 3D layout of `nodes` x `gpus_per_node` GPUs hftrain can run for full fine-tuning of `shape`, as
+    (those that fit, ranked best first; all of them). The seeds' rule (shared/seeds, docs/pipeline.md): tensor
+    parallel inside a node (tp divides gpus_per_node, so a tp group is consecutive ranks of one node, and the heads
+    and key/value heads), pipeline stages across the rest (at least one layer per stage, balanced by `split_layers`
+    with the embedding and the head counted), data-parallel copies of what remains. Each optimizer step takes
+    `global_batch` rows of `seq` tokens in microbatches of `batch` rows: a pipeline runs global_batch / (dp x batch)
+    microbatches per step (at least pp; Interleaved1F1B: a whole number of rounds), a layout without a pipeline as
+    many accumulation steps. tp = pp = 1 (DDP, FSDP, ZeRO) is the table above.
+
+    Ranking: fits (peak under the usable memory of every process) without gradient checkpointing before with it
+    (~30% more compute); then the smallest bubble (p-1)/(v m); then the smallest tp (fewer, smaller all-reduces on
+    every layer's critical path); then the lowest peak (the widest margin)."""
+    world = nodes * gpus_per_node
+    budget = usable_bytes(gpu_memory_gib)
+    every = []
+    for tp in (t for t in range(1, gpus_per_node + 1) if gpus_per_node % t == 0):
+        for pp in (p for p in range(1, world // tp + 1) if (world // tp) % p == 0):
+            if tp == pp == 1:
+                continue
+            dp = world // (tp * pp)
+            steps, rest = divmod(global_batch, dp * batch)
+            if rest or steps < max(pp, 1):
+                continue
+            for schedule in (("1F1B", "Interleaved1F1B") if pp > 1 else ("",)):
+                if layout_problems(shape, tp, pp, schedule or "1F1B"):
+                    continue
+                if schedule == "Interleaved1F1B" and steps % max(1, steps // pp):
+                    continue  # torch: the microbatches must fill whole rounds
+                for checkpointing in (False, True):
+                    stages = pipeline_memory(shape, pp, schedule or "1F1B", steps if pp > 1 else 1,
+                                             batch * (steps if pp > 1 else 1), seq, precision, tp, checkpointing)
+                    every.append(Layout(dp, tp, pp, schedule, steps, checkpointing, tuple(stages)))
+    fitting = [layout for layout in every if layout.peak() <= budget]
+    fitting.sort(key=lambda x: (x.checkpointing, x.bubble(), x.tp, x.peak()))
+    return fitting, every
+
+
+def layout_launch(layout: Layout, nodes: int, batch: int, seq: int) -> tuple[str, str]:
+    """(the preset and its launch sizes, the recipe fields) that run `layout`."""
+    world = layout.dp * layout.tp * layout.pp
+    if nodes > 1:
+        preset = (f"accelerate_configs/multi_node_3d.yaml with num_machines: {nodes}, num_processes: {world} (each "
+                  "node runs it with its --machine_rank)")
+    else:
+        preset = f"accelerate_configs/{'pp' if layout.pp > 1 else 'tp'}.yaml with num_processes: {world}"
+    fields = [f"tp_size: {layout.tp}"]
+    if layout.pp > 1:
+        fields += [f"pp_size: {layout.pp}", f"pp_schedule: {layout.schedule}",
+                   f"pp_microbatches: {layout.microbatches}",
+                   f"per_device_train_batch_size: {layout.microbatches * batch}", "gradient_accumulation_steps: 1"]
+    else:
+        fields += [f"per_device_train_batch_size: {batch}", f"gradient_accumulation_steps: {layout.microbatches}"]
+    fields += [f"gradient_checkpointing: {str(layout.checkpointing).lower()}", f"max_length: {seq}"]
+    return preset, ", ".join(fields)
+
+
+NOT_MODELLED = ("not modelled: communication time (tp all-reduces, stage-to-stage sends, data-parallel gradient "
+                "averaging) and compute speed; sequence parallelism inside tp (transformers' plan keeps norms and "
+                "residuals whole on every tp rank, as counted); FSDP2 / ZeRO inside a stage (hftrain refuses them "
+                "under pp); LoRA / QLoRA, dpo and offload under 3D; receive buffers and allocator fragmentation "
+                f"beyond the {1 - USABLE_FRACTION:.0%} margin; per-rank differences other than layer counts, the "
+                "embedding and the head")
+
+
+def format_layouts(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_memory_gib: float, global_batch: int,
+                   batch: int, seq: int, precision: str, show: int = 5, simpler: str | None = None) -> list[str]:
+    """The 3D section of `hftrain estimate --nodes N --gpus_per_node G`: the best layouts that fit, the
+    recommendation with its reason, preset and recipe fields, or why none fits. `simpler`: a strategy without tp or
+    pp that fits without gradient checkpointing (the table's recommendation), named first."""
+    fitting, every = search_layouts(shape, nodes, gpus_per_node, gpu_memory_gib, global_batch, batch, seq, precision)
+    budget = usable_bytes(gpu_memory_gib)
+    lines = ["", f"3D layouts (data x tensor x pipeline) on {nodes} node(s) x {gpus_per_node} GPUs x "
+             f"{gpu_memory_gib:g} GiB, full fine-tuning, {global_batch} rows of {seq} tokens per optimizer step in "
+             f"microbatches of {batch} row(s); tp inside a node, pipeline stages across, the rest data-parallel.",
+             "ranked: fits without gradient checkpointing before with it, then smallest bubble (p-1)/(v m), then "
+             "smallest tp (fewer all-reduces), then lowest peak."]
+    if not every:
+        lines.append(f"none fits: no layout of {nodes * gpus_per_node} GPUs splits {shape.name} ({shape.heads} heads, "
+                     f"{shape.kv_heads} key/value heads, {shape.layers} layers) into whole heads and stages with at "
+                     f"least pp microbatches from {global_batch} rows; change --global_batch or --batch")
+        return lines + [NOT_MODELLED]
+    if not fitting:
+        low = min(every, key=Layout.peak)
+        lines.append(f"none fits: the smallest peak is {low.peak() / GIB:.1f} GiB per GPU ({low.name()}) of the "
+                     f"{budget / GIB:.1f} GiB usable on a {gpu_memory_gib:g} GiB GPU; use more nodes, GPUs with more "
+                     "memory, shorter sequences, or LoRA / QLoRA (the table above)")
+        return lines + [NOT_MODELLED]
+    lines.append(f"{'layout':<56} {'bubble':>7} {'peak GiB':>9} {'stage layers':>14}")
+    for layout in fitting[:show]:
+        lines.append(f"{layout.name():<56} {layout.bubble():>7.1%} {layout.peak() / GIB:>9.1f} "
+                     f"{'/'.join(str(st.layers) for st in layout.stages):>14}")
+    best = fitting[0]
+    worst = max(best.stages, key=StageMemory.peak)
+    preset, fields = layout_launch(best, nodes, batch, seq)
+    bubble = (f"bubble {best.bubble():.1%} = ({best.pp}-1)/"
+              f"{'(2 x ' + str(best.microbatches) + ')' if best.schedule == 'Interleaved1F1B' else best.microbatches}"
+              if best.pp > 1 else "no pipeline bubble")
+    fullest = f" (pipeline rank {worst.rank} the fullest)" if best.pp > 1 else ""
+    why = (f"fits in {best.peak() / GIB:.1f} of {budget / GIB:.1f} GiB usable{fullest}"
+           f"{' only with gradient checkpointing' if best.checkpointing else ' without gradient checkpointing'}"
+           f"; {bubble}; " + (f"tp={best.tp} keeps every all-reduce inside one node" if best.tp > 1 else
+                                  "no tensor-parallel all-reduces"))
+    if len(fitting) > 1:
+        runner = fitting[1]
+        why += f"; next: {runner.name()} (bubble {runner.bubble():.1%}, {runner.peak() / GIB:.1f} GiB)"
+    lines += [f"recommendation: {best.name()}", f"reason: {why}.", f"preset: {preset}", f"recipe: {fields}"]
+    if simpler:
+        lines.append(f"note: {simpler} (the table's recommendation) fits without tensor or pipeline parallelism and "
+                     "without gradient checkpointing: prefer it, the seeds add tp and pp only when it does not")
+    lines.append(NOT_MODELLED)
     return lines
 
 
@@ -300,6 +569,7 @@ class Plan:
     pp: int = 1  # --pp: a pipeline's per-stage lines (`format_pipeline`)
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 1
+    tp: int = 1  # --tp: tensor parallel inside each stage (or alone), in the per-stage lines
 
 
 def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str = "bf16", lora_r: int = 16,
@@ -484,9 +754,9 @@ def format_plan(plan: Plan, gpu_memory_gib: float, method: str, planned_tokens: 
         lines.append(f"recommendation: accelerate_configs/{row.preset}.yaml{missing} with gradient_checkpointing: "
                      f"{str(ckpt).lower()}" + (f", {method} r={plan.lora_r}" if method != "full" else ""))
         lines.append(f"reason: {why}.")
-    if plan.pp > 1 and method == "full":
+    if (plan.pp > 1 or plan.tp > 1) and method == "full":
         lines += format_pipeline(s, plan.pp, plan.pp_schedule, plan.pp_microbatches, plan.batch, plan.seq,
-                                 plan.precision, plan.gpus, gpu_memory_gib)
+                                 plan.precision, plan.gpus, gpu_memory_gib, plan.tp)
     hint = sequence_parallel_hint(plan, gpu_memory_gib) if method == "full" else None
     if hint:
         lines.append(hint)
@@ -497,8 +767,18 @@ def format_plan(plan: Plan, gpu_memory_gib: float, method: str, planned_tokens: 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hftrain estimate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hub id or local folder (only its config is read).")
-    parser.add_argument("--gpus", type=int, default=1, help="GPUs in the job (all nodes).")
-    parser.add_argument("--gpu_memory", type=float, default=80.0, help="Memory of one GPU in GiB.")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs in the job (all nodes); default 1, or --nodes x --gpus_per_node.")
+    parser.add_argument("--gpu_memory", "--gpu_memory_gib", dest="gpu_memory", type=float, default=80.0,
+                        help="Memory of one GPU in GiB.")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="Nodes of the cluster, with --gpus_per_node: adds the best 3D layouts (data x tensor x "
+                             "pipeline) for full fine-tuning, the recommended one with its preset and recipe fields.")
+    parser.add_argument("--gpus_per_node", type=int, default=None,
+                        help="GPUs per node (tensor parallel stays inside a node: tp divides this).")
+    parser.add_argument("--global_batch", type=int, default=None,
+                        help=f"Rows per optimizer step for the 3D layouts (default {DEFAULT_GLOBAL_BATCH}); "
+                             "a pipeline runs global_batch / (data-parallel copies x --batch) microbatches.")
     method = parser.add_mutually_exclusive_group()
     method.add_argument("--lora", action="store_true", help="Recommend for LoRA fine-tuning.")
     method.add_argument("--qlora", action="store_true", help="Recommend for QLoRA (4-bit base) fine-tuning.")
@@ -514,6 +794,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "weights, gradients and optimizer state, the activations its schedule keeps in flight) "
                              "and the bubble. --batch is then the rows each pipeline takes per micro-batch. Must "
                              "divide --gpus (the rest are data-parallel copies).")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="Tensor-parallel degree inside each pipeline stage (recipe tp_size; with --pp 1: "
+                             "tensor parallel alone): the per-process lines count the shards transformers' tp plan "
+                             "gives each rank. Must divide the attention and key/value heads; --pp x --tp must "
+                             "divide --gpus.")
     parser.add_argument("--pp_schedule", choices=("1F1B", "GPipe", "Interleaved1F1B"), default="1F1B",
                         help="The pipeline schedule (recipe pp_schedule).")
     parser.add_argument("--pp_microbatches", type=int, default=None,
@@ -531,15 +816,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def print_plan(args: argparse.Namespace) -> None:
-    problems = [f"--{k} must be >= 1, got {getattr(args, k)}" for k in ("gpus", "seq", "batch", "lora_r", "sp")
-                if getattr(args, k) < 1]
+    cluster = args.nodes is not None or args.gpus_per_node is not None
+    problems = []
+    if cluster:
+        if args.nodes is None or args.gpus_per_node is None:
+            problems.append("--nodes and --gpus_per_node go together (the 3D layouts need both)")
+        elif min(args.nodes, args.gpus_per_node) < 1:
+            problems.append(f"--nodes and --gpus_per_node must be >= 1, got {args.nodes} and {args.gpus_per_node}")
+        elif args.gpus is not None and args.gpus != args.nodes * args.gpus_per_node:
+            problems.append(f"--gpus {args.gpus} is not --nodes {args.nodes} x --gpus_per_node {args.gpus_per_node}; "
+                            "leave --gpus out")
+        else:
+            args.gpus = args.nodes * args.gpus_per_node
+    if args.gpus is None:
+        args.gpus = 1
+    problems += [f"--{k} must be >= 1, got {getattr(args, k)}" for k in ("gpus", "seq", "batch", "lora_r", "sp", "tp")
+                 if getattr(args, k) < 1]
     if args.sp > 1 and args.gpus % args.sp:
         problems.append(f"--sp {args.sp} must divide --gpus {args.gpus} (the rest of the GPUs are data-parallel)")
-    if args.pp < 1 or (args.pp > 1 and args.gpus % args.pp):
+    if args.pp < 1 or (args.pp > 1 and args.tp == 1 and args.gpus % args.pp):
         problems.append(f"--pp {args.pp} must be >= 1 and divide --gpus {args.gpus} (the rest of the GPUs are "
                         "data-parallel copies of the pipeline)")
+    elif args.tp > 1 and args.gpus % (args.pp * args.tp):
+        problems.append(f"--pp {args.pp} x --tp {args.tp} must divide --gpus {args.gpus} (the rest of the GPUs are "
+                        "data-parallel copies)")
+    if args.tp > 1 and args.gpus_per_node is not None and args.gpus_per_node % args.tp:
+        problems.append(f"--tp {args.tp} must divide --gpus_per_node {args.gpus_per_node}: a tensor-parallel group "
+                        "stays inside one node")
     if args.pp_microbatches is not None and args.pp_microbatches < 1:
         problems.append(f"--pp_microbatches must be >= 1, got {args.pp_microbatches}")
+    if args.global_batch is not None and (args.global_batch < 1 or not cluster):
+        problems.append(f"--global_batch {args.global_batch} needs --nodes and --gpus_per_node and must be >= 1")
     if args.tokens is not None and args.tokens < 1:
         problems.append(f"--tokens must be >= 1, got {args.tokens}")
     if args.gpu_memory <= CUDA_OVERHEAD_GIB:
@@ -548,15 +855,20 @@ def print_plan(args: argparse.Namespace) -> None:
         raise ConfigError(problems, "estimate arguments")
     shape = model_shape(args.model, args.trust_remote_code)
     plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective, args.sp)
-    if args.pp > 1:
-        stages = args.pp * (2 if args.pp_schedule == "Interleaved1F1B" else 1)
-        if shape.layers < stages:
-            raise ConfigError([f"--pp {args.pp} with {args.pp_schedule} needs {stages} stages of at least one layer "
-                               f"each, and {args.model} has {shape.layers} layers"], "estimate arguments")
-        plan.pp, plan.pp_schedule = args.pp, args.pp_schedule
-        plan.pp_microbatches = args.pp_microbatches or 2 * stages
+    problems = layout_problems(shape, args.tp, args.pp, args.pp_schedule)
+    if problems:
+        raise ConfigError(problems, "estimate arguments")
+    if args.pp > 1 or args.tp > 1:
+        stages = args.pp * STAGES_PER_PROCESS[args.pp_schedule]
+        plan.pp, plan.pp_schedule, plan.tp = args.pp, args.pp_schedule, args.tp
+        plan.pp_microbatches = args.pp_microbatches or (2 * stages if args.pp > 1 else 1)
     method = "qlora" if args.qlora else "lora" if args.lora else "full"
     print(format_plan(plan, args.gpu_memory, method, args.tokens))
+    if cluster:
+        row, ckpt = recommend(plan, args.gpu_memory, "full")[:2]
+        print("\n".join(format_layouts(shape, args.nodes, args.gpus_per_node, args.gpu_memory,
+                                        args.global_batch or DEFAULT_GLOBAL_BATCH, args.batch, args.seq,
+                                        args.precision, simpler=row.strategy if row and not ckpt else None)))
 
 
 def main(argv: list[str] | None = None) -> None:
