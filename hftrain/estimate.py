@@ -51,6 +51,13 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.distributed.tensor_parallel import (
+    ALL_PARALLEL_STYLES,
+    ColwiseParallel,
+    EmbeddingParallel,
+    RowwiseParallel,
+    TensorParallelLayer,
+)
 
 from hftrain.config import PRESET_DIR
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
@@ -158,14 +165,6 @@ def _tp_split(lm) -> tuple[dict[str, tuple[int, int]], tuple[str, ...]]:
     expand = getattr(lm, "_expand_parallel_plan", None)
     if not plan or expand is None:
         return {}, ()
-    from transformers.distributed.tensor_parallel import (
-        ALL_PARALLEL_STYLES,
-        ColwiseParallel,
-        EmbeddingParallel,
-        RowwiseParallel,
-        TensorParallelLayer,
-    )
-
     styles = expand(plan)
     split, unmodelled = {}, set()
     for module_name, module in lm.named_modules():
