@@ -62,14 +62,25 @@ class GRPOFields:
         "latest generation batch to W&B with each metrics row; needs wandb in report_to (rollouts.jsonl always has "
         "every completion).", group="grpo",
     )
+    use_vllm: bool = _f(
+        False, "grpo: sample with vLLM (TRL's colocated mode) instead of transformers' generate. Not available: "
+        "hftrain has not implemented it, because no CUDA GPU was available to test it; true is refused. Generation "
+        "uses transformers' generate under every strategy (DDP, ZeRO-3 gathered, FSDP2, LoRA/QLoRA).", group="grpo",
+    )
+
+
+VLLM_REFUSED = ("use_vllm: true is refused: hftrain does not implement vLLM generation (TRL's colocated mode needs a "
+                "CUDA GPU and vLLM, and none was available to test it); remove use_vllm: completions are sampled with "
+                "transformers' generate under every strategy (DDP, ZeRO-3 gathered, FSDP2, LoRA/QLoRA)")
 
 
 def problems(r) -> list[str]:
     """objective grpo's settings (GRPOConfig's rules) and what it cannot be combined with yet. Other objectives:
     reward_funcs unset."""
     if r.objective != "grpo":
-        return ([f"reward_funcs is set but objective={r.objective}; set objective: grpo"] if r.reward_funcs else [])
-    problems = []
+        return ([f"reward_funcs is set but objective={r.objective}; set objective: grpo"] if r.reward_funcs else []) + \
+            ([f"use_vllm is grpo's generation setting, but objective={r.objective}; remove it"] if r.use_vllm else [])
+    problems = [VLLM_REFUSED] if r.use_vllm else []
     if r.loss_type not in LOSS_TYPES:
         problems.append(f"loss_type={r.loss_type} is a dpo loss; grpo takes {', '.join(LOSS_TYPES)}")
     if not r.reward_funcs:
@@ -111,5 +122,9 @@ def problems(r) -> list[str]:
          "or remove log_completions (output_dir/rollouts.jsonl has every completion)"),
         (not r.router_aux_loss_coef, "objective grpo does not add a router load-balancing loss yet; remove "
          "router_aux_loss_coef"),
+        (r.tp_size <= 1, f"tp_size={r.tp_size} with objective grpo is refused: its completions are sampled with "
+         "transformers' generate on whole weights (DDP, ZeRO-1/2), gathered ones (ZeRO-3) or through the FSDP2 "
+         "shards, and hftrain has not made generate run on transformers' tensor-parallel shards (each tp group's "
+         "ranks would have to sample the same completions in lockstep); use a DDP, zero3 or fsdp2 preset"),
     ]
     return problems + [message for ok, message in checks if not ok]
