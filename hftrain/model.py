@@ -391,6 +391,12 @@ class WrapsCausalLM(nn.Module):
         present = {type(module).__name__ for module in self.lm.modules()}
         return [name for name in names if name in present]
 
+    def generate(self, **kwargs):
+        """The causal LM's `generate`, called through this module (the one the strategies prepare): FSDP2 registers
+        it as a forward method of the root unit, so that the root's weights are gathered around it (objective
+        grpo's sampling, `Backend.generation_context`)."""
+        return self.lm.generate(**kwargs)
+
     def tie_weights(self, *args, **kwargs) -> None:
         """Tie the causal LM's output projection to its input embedding again, where its config says so. accelerate's
         FSDP2 preparation moves the module it prepares to the meta device, which makes tied parameters two, and then

@@ -105,14 +105,12 @@ class GRPO(Objective):
 
     def prepare(self, run):
         backend = run.backend
-        if backend.record.zero_stage == 3 or backend.record.kind in ("fsdp2", "tp"):
-            raise HftrainError(f"objective grpo generates with the model's own generate, which needs whole weights: "
-                               f"{backend.record.describe()} shards them and hftrain does not gather them for "
-                               "generation yet; use DDP or ZeRO-1/2")
         reference = run.token_loss.reference
         if reference is not None and hasattr(reference, "prepare"):
             reference.prepare(backend)
-        run.feed.model, run.feed.loss_fn = run.model, run.token_loss  # generation runs the prepared model
+        # generation runs the prepared model, inside the backend's generation_context (ZeRO-3 gathers the weights,
+        # FSDP2 generates through the sharded model)
+        run.feed.model, run.feed.loss_fn, run.feed.backend = run.model, run.token_loss, backend
         return None
 
     def notes(self, run) -> list[str]:

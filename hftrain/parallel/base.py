@@ -191,6 +191,16 @@ class Backend:
         without gradients)."""
         return module.to(self.accelerator.device).eval(), "replicated on every process"
 
+    @contextmanager
+    def generation_context(self, model):
+        """For sampling with transformers' `generate` (objective grpo), every rank at once: yields (module, synced):
+        the loss wrapper whose `generate` (`WrapsCausalLM.generate`, the causal LM's) may be called inside the
+        context, and generate's `synced_gpus`: True where that call's forwards hold collectives, so that a rank whose
+        completions have all ended keeps calling forward until every rank's have (transformers 5.23 decides it only
+        for ZeRO-3 and for modules sharded by its own FSDP2 code, so hftrain passes it). One process and DDP: every
+        rank holds the whole model; DDP's wrapper is needed only for the backward, so the module is unwrapped."""
+        yield self.unwrap(model), False
+
     def clip_grad_norm(self, model, max_norm: float) -> float | None:
         """Clip to `max_norm` (inf: only measure) and return the global gradient norm before clipping."""
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)

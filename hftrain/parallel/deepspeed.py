@@ -194,6 +194,25 @@ class DeepSpeedBackend(Backend):
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)  # the DeepSpeedEngine's module
 
+    @contextmanager
+    def generation_context(self, model):
+        """ZeRO-1/2: every rank holds the whole weights (the base class). ZeRO-3, as TRL 1.16 by default
+        (`unwrap_model_for_generation` with ds3_gather_for_generation=True, trl/models/utils.py): the whole model
+        gathered on every rank for the call, the engine's partitioning hooks removed meanwhile and registered again
+        after -- DeepSpeed 0.19.8's own `deepspeed.runtime.zero.unwrap_model_for_generation`, which is TRL's code. So
+        generate's many small forwards run on local weights, without collectives (synced_gpus False), at the cost of
+        one full copy of the weights per rank while sampling. The alternative, generate through the hooks with
+        synced_gpus (TRL's ds3_gather_for_generation=False, for a model that does not fit one device whole),
+        re-gathers every layer for every token; hftrain does not offer it."""
+        if self.record.zero_stage != 3:
+            with super().generation_context(model) as generating:
+                yield generating
+            return
+        from deepspeed.runtime.zero import unwrap_model_for_generation
+
+        with unwrap_model_for_generation(model):
+            yield self.unwrap(model), False
+
     def full_state_dict(self, model) -> dict | None:
         return self.accelerator.get_state_dict(model)  # ZeRO-3: the 16-bit weights gathered on the main process
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
@@ -20,7 +21,7 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from accelerate.utils.fsdp_utils import _prepare_sd_options, fsdp2_prepare_model
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, register_fsdp_forward_method
 from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
 
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
@@ -55,6 +56,20 @@ class FSDP2Backend(Backend):
 
     def full_state_dict(self, model) -> dict | None:
         return self.accelerator.get_state_dict(model)  # the full state dict, gathered on the main process
+
+    @contextmanager
+    def generation_context(self, model):
+        """generate through the sharded model, as TRL 1.16 does under FSDP2 (its `summon_full_params` is a no-op
+        for FSDP2): the loss wrapper is the root FSDP unit, and its `generate` is registered as a forward method
+        (torch's `register_fsdp_forward_method`), so the root's pre-forward runs first (lazy init as the root, its
+        own weights -- embeddings, final norm, head -- all-gathered) and each decoder layer all-gathers its weights
+        in its own pre-forward hook and frees them after, at every decoding step. Memory stays that of a training
+        forward (one layer's full weights at a time, no whole-model copy); the price is one all-gather per layer
+        and generated token. Those all-gathers are collectives, so `synced_gpus`: a rank whose completions have
+        ended keeps running forwards until every rank's have."""
+        if "generate" not in vars(model):  # registered once per prepared model (an instance attribute)
+            register_fsdp_forward_method(model, "generate")
+        yield model, True
 
     def clip_grad_norm(self, model, max_norm: float) -> float | None:
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)

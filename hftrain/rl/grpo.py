@@ -140,7 +140,7 @@ class Rollouts:
         self.window, self.buffer, self.truncated = None, [], False
         self.generated_metrics: list[dict[str, float]] = []
         self.latest_rows: list[dict] = []  # log_completions: the last window's rollouts.jsonl rows (main process)
-        self.model = self.loss_fn = None  # set by the objective once the backend has prepared them
+        self.model = self.loss_fn = self.backend = None  # set by the objective once the backend has prepared them
         # The loop's data vote: set on every rank when a reward function failed on any rank (generate), so that all
         # ranks stop at the same step with a checkpoint instead of waiting in a collective until ddp_timeout.
         self.stop_reason: str | None = None
@@ -204,12 +204,12 @@ class Rollouts:
         plan, recipe, G = self.plan, self.recipe, self.plan.num_generations
         prompt_index = plan.window_prompts(window)
         rows = plan.rank_rows(self.rank)
-        lm = self.accelerator.unwrap_model(self.model).lm
         self.model_was_training = self.model.training
         self.model.eval()
-        sampled = generate_rows(lm, [self.prompts[prompt_index[row // G]].ids for row in rows],
-                                [row_seed(recipe.seed, window, row // G, row % G) for row in rows], self.sampling,
-                                self.eos_ids, self.pad_id)
+        with self.backend.generation_context(self.model) as (lm, synced_gpus):  # every rank, whole weights
+            sampled = generate_rows(lm, [self.prompts[prompt_index[row // G]].ids for row in rows],
+                                    [row_seed(recipe.seed, window, row // G, row % G) for row in rows], self.sampling,
+                                    self.eos_ids, self.pad_id, synced_gpus)
         completions = [Completion(row, row // G, prompt_index[row // G], *sample) for row, sample in zip(rows, sampled)]
         prompts = [self.prompts[c.prompt] for c in completions]
         texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]

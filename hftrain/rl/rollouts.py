@@ -176,10 +176,11 @@ class RowSeededSampling(LogitsProcessor):
 
 @torch.no_grad()
 def generate_rows(lm, prompts: list[list[int]], seeds: list[int], sampling: Sampling, eos_ids: set[int],
-                  pad_id: int) -> list[tuple[list[int], bool]]:
-    """One completion of each prompt, all in one `generate` call (prompts left-padded), row i sampled with the
+                  pad_id: int, synced_gpus: bool = False) -> list[tuple[list[int], bool]]:
+    """One completion of each prompt, all in one `lm.generate` call (prompts left-padded), row i sampled with the
     generator seeded by seeds[i] (RowSeededSampling): each (its tokens up to and including the first EOS, whether it
-    was truncated at max_completion_length)."""
+    was truncated at max_completion_length). `lm` and `synced_gpus`: what the backend's `generation_context` gives
+    (a causal LM, or the loss wrapper whose generate is the causal LM's)."""
     device = next(lm.parameters()).device
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -198,7 +199,7 @@ def generate_rows(lm, prompts: list[list[int]], seeds: list[int], sampling: Samp
                               top_k=None, top_p=1.0, repetition_penalty=sampling.repetition_penalty,
                               pad_token_id=pad_id, eos_token_id=sorted(eos_ids), use_cache=True)
     out = lm.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                      generation_config=config,
+                      generation_config=config, synced_gpus=synced_gpus,
                       logits_processor=LogitsProcessorList([*warpers, RowSeededSampling(seeds, device)]))
     completions = []
     for row in out[:, width:].tolist():

@@ -1,33 +1,36 @@
 """objective grpo end to end on the tiny model: the shipped recipe learns (its mean reward rises), every completion
 is in rollouts.jsonl, TRL's metric names are logged; the first optimizer step equals the same step written in plain
-PyTorch from the rollouts' tokens; accumulation 1 x 8 == 4 x 2 == 2 processes x 2 x 2; a SIGTERM inside a generation
-window resumes exactly; LoRA with beta > 0 trains against the adapter-off model (step 2 recomputed with peft), and
-log_completions' W&B table (offline) holds rollouts.jsonl's rows; bad input is refused in one paragraph before the
-model loads.
+PyTorch from the rollouts' tokens; accumulation 1 x 8 == 4 x 2 == 2 processes x 2 x 2, the 2 processes generating
+under DDP, ZeRO-3 and FSDP2; a SIGTERM inside a generation window resumes exactly; LoRA with beta > 0 trains against
+the adapter-off model (step 2 recomputed with peft), and log_completions' W&B table (offline) holds rollouts.jsonl's
+rows; bad input (use_vllm and tp_size included) is refused in one paragraph before the model loads.
 
 Runs are shared by the assertions (module fixtures); each is 2-3 steps of 8 completions of <= 6 tokens, with SGD: its
 update is proportional to the gradient, where AdamW's first step (g / (|g| + eps)) would blow a float rounding
-difference in a near-zero gradient up to the size of the learning rate.
+difference in a near-zero gradient up to the size of the learning rate. The exactness runs use a tiny model that
+often ends its completions (`ending_model`).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hftrain.report import write_report
-from tests.conftest import FAULTY_RANK, REPO, launch, run_main_cases, run_script, write_jsonl
+from tests.conftest import FAULTY_RANK, FSDP_LAUNCHER, REPO, launch, run_main_cases, run_script, write_jsonl
 from tests.wandb_records import summary
 
 TINY = str(REPO / "models" / "tiny-llama")
+DATA = REPO / "data" / "prompt_completion.jsonl"
 REWARD = "hftrain.rl.example_rewards.vowel_share"
-BASE = ["--model_name_or_path", TINY, "--dataset_name", str(REPO / "data" / "prompt_completion.jsonl"),
+BASE = ["--model_name_or_path", TINY, "--dataset_name", str(DATA),
         "--objective", "grpo", "--reward_funcs", REWARD, "--num_generations", "4", "--max_completion_length", "6",
         "--max_steps", "3", "--optim", "sgd", "--learning_rate", "1.0", "--weight_decay", "0",
         "--lr_scheduler_type", "constant", "--max_grad_norm", "1.0",
@@ -44,6 +47,33 @@ LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0
         "q_proj,v_proj"]
 
 
+def on(model: Path) -> list[str]:
+    """BASE with another model."""
+    return [str(model) if arg == TINY else arg for arg in BASE]
+
+
+@pytest.fixture(scope="module")
+def ending_model(tmp_path_factory) -> Path:
+    """The tiny Llama with a likely EOS: its head's EOS row set to 1.8 x the unit mean of its final hidden states
+    on the data's prompts (about 1 in 2 tokens is EOS, where the random model samples it 1 in 750 times), so
+    completions end at different lengths (dapo's token count differs from grpo's completion count), and under FSDP2
+    a rank whose completions have all ended keeps running generate's forwards until the other's have (the
+    synced_gpus that transformers 5.23 does not set by itself for accelerate's fully_shard: without it the ranks'
+    collectives mismatch and the run aborts)."""
+    folder = tmp_path_factory.mktemp("ending-llama")
+    shutil.copytree(TINY, folder, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    prompts = [json.loads(line)["prompt"] for line in DATA.read_text().splitlines()[:50]]
+    with torch.no_grad():
+        hidden = torch.cat([model(**tokenizer(p, return_tensors="pt"), output_hidden_states=True).hidden_states[-1][0]
+                            for p in prompts])
+        mean = hidden.mean(0)
+        model.lm_head.weight[tokenizer.eos_token_id] = 1.8 * mean / mean.norm()
+    model.save_pretrained(folder)
+    return folder
+
+
 def rollouts(run) -> list[dict]:
     return [json.loads(line) for line in (run.output_dir / "rollouts.jsonl").read_text().splitlines()]
 
@@ -55,22 +85,26 @@ def weights(run, folder: str = "final") -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, ending_model):
     tmp = tmp_path_factory.mktemp("grpo")
+    base = on(ending_model)
     wandb_dir = tmp / "wandb"
     wandb_dir.mkdir()
     return {
-        "1x8": run_script(tmp / "1x8", *BASE, *ONE_BY_EIGHT, "--save_strategy", "steps", "--save_steps", "1",
+        "1x8": run_script(tmp / "1x8", *base, *ONE_BY_EIGHT, "--save_strategy", "steps", "--save_steps", "1",
                           "--checkpoint_preflight", "false"),  # checkpoint-1 is inside the first window
-        "4x2": run_script(tmp / "4x2", *BASE, *FOUR_BY_TWO),
-        "2procs": launch(tmp / "2procs", *BASE, *TWO_PROCS, preset="cpu_ddp"),
+        "4x2": run_script(tmp / "4x2", *base, *FOUR_BY_TWO),
+        "2procs": launch(tmp / "2procs", *base, *TWO_PROCS, preset="cpu_ddp"),
+        # generation under sharded weights: ZeRO-3 gathers them around generate, FSDP2 generates through the shards
+        "zero3": launch(tmp / "zero3", *base, *TWO_PROCS, preset="zero3"),
+        "fsdp2": launch(tmp / "fsdp2", *base, *TWO_PROCS, preset="fsdp2", processes=2, script=FSDP_LAUNCHER),
         # LoRA with beta 0.5: the reference is the adapter-off model; 1x8 also logs to W&B offline with
         # log_completions and keeps every step's checkpoint
-        "grpo-1x8": run_script(tmp / "grpo-1x8", *BASE, *ONE_BY_EIGHT, "--loss_type", "grpo", *LORA,
+        "grpo-1x8": run_script(tmp / "grpo-1x8", *base, *ONE_BY_EIGHT, "--loss_type", "grpo", *LORA,
                                "--save_strategy", "steps", "--save_steps", "1", "--checkpoint_preflight", "false",
                                "--report_to", "wandb", "--log_completions", "true",
                                env={"WANDB_DIR": str(wandb_dir), "WANDB_MODE": "offline"}),
-        "grpo-4x2": run_script(tmp / "grpo-4x2", *BASE, *FOUR_BY_TWO, "--loss_type", "grpo", *LORA),
+        "grpo-4x2": run_script(tmp / "grpo-4x2", *base, *FOUR_BY_TWO, "--loss_type", "grpo", *LORA),
     }
 
 
@@ -106,13 +140,13 @@ def test_rollouts_file_and_metrics(runs):
     assert "reward" not in metrics[1]  # step 2 samples nothing
 
 
-def test_first_step_equals_plain_pytorch(runs):
+def test_first_step_equals_plain_pytorch(runs, ending_model):
     """Step 1 written out: the starting model's log-probs of the rollouts' completion tokens (logits / temperature
     1), the dapo loss -sum(A_i * exp(logp - logp.detach())) / completion tokens (the KL to the reference, the
     starting model itself, is 0 with gradient 0 here), clipping at 1.0, one SGD step."""
     run = runs["1x8"]
     rows = [r for r in rollouts(run) if r["step"] == 1]
-    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(ending_model, dtype=torch.float32)
     loss, tokens = 0.0, sum(len(r["completion_ids"]) for r in rows)
     for r in rows:
         ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
@@ -135,7 +169,7 @@ def token_log_probs(model, row) -> torch.Tensor:
     return logps[-n:].gather(1, torch.tensor(row["completion_ids"]).unsqueeze(1)).squeeze(1)
 
 
-def test_second_iteration_uses_the_stored_log_probs_and_the_reference(runs):
+def test_second_iteration_uses_the_stored_log_probs_and_the_reference(runs, ending_model):
     """num_iterations 2, beta 0.5, full fine-tuning: step 2 trains step 1's rollouts again (no new generation), with
     the ratio against the log-probs stored at generation (the starting model's) and the KL to the frozen starting
     model, written out here from checkpoint-1's weights: rho = exp(logp - logp_start), per token
@@ -144,8 +178,8 @@ def test_second_iteration_uses_the_stored_log_probs_and_the_reference(runs):
     run = runs["1x8"]
     rows = rollouts(run)
     assert [r["step"] for r in rows] == [1] * 8 + [3] * 8  # one generation for each two steps
-    start = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(ending_model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(ending_model, dtype=torch.float32)
     model.load_state_dict({k.removeprefix("lm."): v for k, v in weights(run, "checkpoint-1").items()})
     rows = rows[:8]
     loss, tokens = 0.0, sum(len(r["completion_ids"]) for r in rows)
@@ -167,16 +201,35 @@ def test_second_iteration_uses_the_stored_log_probs_and_the_reference(runs):
     assert second["kl"] > 0 and second["clip_ratio/region_mean"] > 0  # the ratios moved away from 1 and clipped
 
 
+LAUNCHED = {"2procs": ("MULTI_CPU", "DistributedDataParallel"), "zero3": ("DEEPSPEED", "DeepSpeedEngine"),
+            "fsdp2": ("FSDP", "FSDPGRPOLoss")}
+
+
 @pytest.mark.parametrize("loss_type, one, other", [("dapo", "1x8", "4x2"), ("dapo", "1x8", "2procs"),
+                                                   ("dapo", "1x8", "zero3"), ("dapo", "1x8", "fsdp2"),
                                                    ("grpo", "grpo-1x8", "grpo-4x2")])
 def test_accumulation_and_processes_give_the_same_training(runs, loss_type, one, other):
     """The same completions are sampled (seeded per prompt group), the same advantages computed and the same
-    weights trained, whatever the split of the 8 completions of a step over micro-batches and processes."""
+    weights trained, whatever the split of the 8 completions of a step over micro-batches and processes, and
+    whatever holds the weights while the 2 processes sample: DDP (whole copies), ZeRO-3 (partitions gathered
+    around generate) or FSDP2 (generate through the shards, one layer gathered at a time); with num_iterations 2
+    and beta 0.5 this also covers the stored old log-probs and the frozen reference placed like the model."""
     a, b = runs[one], runs[other]
-    if other == "2procs":
+    if other in LAUNCHED:
         info = b.state()["launch"]
-        assert (info["distributed_type"], info["num_processes"], info["model_wrapper"]) == \
-            ("MULTI_CPU", 2, "DistributedDataParallel")
+        assert (info["distributed_type"], info["num_processes"], info["model_wrapper"]) == (*LAUNCHED[other][:1], 2,
+                                                                                            LAUNCHED[other][1])
+        assert info["backend"] == "gloo"
+        if other == "zero3":
+            assert info["deepspeed_config"]["zero_optimization"]["stage"] == 3
+        if other == "fsdp2":
+            assert info["sharded_modules"] == ["FSDPGRPOLoss", "FSDPLlamaDecoderLayer"]  # generate's weights: shards
+            # what synced_gpus is for happened: in some window one rank's completions all ended before the other's
+            longest = {}
+            for r in rollouts(b):
+                key = (r["window"], r["row"] // 4)  # rank r holds rows [4r, 4r + 4) of a window (2 x 2 each)
+                longest[key] = max(longest.get(key, 0), len(r["completion_ids"]))
+            assert any(longest[(w, 0)] != longest[(w, 1)] for w, _ in longest), longest
     keys = ("step", "group", "completion_ids", "prompt_ids")
     rows_a, rows_b = rollouts(a), rollouts(b)
     assert [tuple(str(r[k]) for k in keys) for r in rows_a] == [tuple(str(r[k]) for k in keys) for r in rows_b]
@@ -203,6 +256,8 @@ def test_bad_input_is_refused_before_the_model_loads(tmp_path):
                      str(no_prompt), "--output_dir", str(tmp_path / "columns")], {}),
         "groups": ([*BASE, "--per_device_train_batch_size", "3", "--output_dir", str(tmp_path / "groups")], {}),
         "weights": ([*BASE, *ONE_BY_EIGHT, "--reward_weights", "1,2", "--output_dir", str(tmp_path / "weights")], {}),
+        "vllm": ([*BASE, *ONE_BY_EIGHT, "--use_vllm", "true", "--output_dir", str(tmp_path / "vllm")], {}),
+        "tp": ([*BASE, *ONE_BY_EIGHT, "--tp_size", "2", "--output_dir", str(tmp_path / "tp")], {}),
     }
     out = run_main_cases(cases, tmp_path)
     text = {name: " ".join(run.stderr.split()) for name, run in out.items()}  # the paragraph is wrapped
@@ -216,6 +271,10 @@ def test_bad_input_is_refused_before_the_model_loads(tmp_path):
         "completion_ids, question, answer" in text["columns"]  # every problem at once: no **kwargs for question
     assert "3 completions, not whole groups of num_generations=4" in text["groups"]
     assert "reward_weights has 2 weights for 1 reward_funcs" in text["weights"]
+    assert "use_vllm: true is refused: hftrain does not implement vLLM generation" in text["vllm"]
+    assert "needs a CUDA GPU and vLLM, and none was available to test it" in text["vllm"]
+    assert "tp_size=2 with objective grpo is refused" in text["tp"]
+    assert "generate run on transformers' tensor-parallel shards" in text["tp"]
 
 
 def test_tiny_grpo_recipe_learns(tmp_path):
@@ -230,7 +289,7 @@ def test_tiny_grpo_recipe_learns(tmp_path):
     assert (report.parent / "reward.png").stat().st_size > 0 and "- reward (grpo): first" in report.read_text()
 
 
-def test_sigterm_inside_a_generation_window_resumes_exactly(runs, tmp_path):
+def test_sigterm_inside_a_generation_window_resumes_exactly(runs, ending_model, tmp_path):
     """The num_iterations 2 run stopped by SIGTERM right after step 1 (tests/e2e/launchers/faulty_rank.py; no periodic
     checkpoints): the stop is voted on in step 2, once step 2's micro-batches (step 1's buffered rollouts) were taken,
     and the preemption checkpoint-1 lies inside the first generation window. It holds the same buffer (rollouts,
@@ -239,8 +298,8 @@ def test_sigterm_inside_a_generation_window_resumes_exactly(runs, tmp_path):
     and weights; the same rows in rollouts.jsonl and the same final weights as the uninterrupted run."""
     done = runs["1x8"]
     folder = tmp_path / "preempted"
-    stopped = run_script(folder, *BASE, *ONE_BY_EIGHT, "--checkpoint_preflight", "false", script=FAULTY_RANK,
-                         env={"HFTRAIN_TEST_FAULTS": "sigterm_after_step_1"}, check=False)
+    stopped = run_script(folder, *on(ending_model), *ONE_BY_EIGHT, "--checkpoint_preflight", "false",
+                         script=FAULTY_RANK, env={"HFTRAIN_TEST_FAULTS": "sigterm_after_step_1"}, check=False)
     assert stopped.returncode != 0 and "stopped by SIGTERM after step 1" in stopped.stderr, stopped.stderr[-2000:]
     assert sorted(p.name for p in folder.glob("checkpoint-*")) == ["checkpoint-1"]
     (state,) = (folder / "checkpoint-1").glob("data_stream_process*.json")  # the window's buffer
@@ -248,7 +307,7 @@ def test_sigterm_inside_a_generation_window_resumes_exactly(runs, tmp_path):
     for name, value in weights(done, "checkpoint-1").items():
         assert torch.equal(weights(stopped, "checkpoint-1")[name], value), name
     assert rollouts(stopped) == rollouts(done)[:8]
-    run = run_script(folder, *BASE, *ONE_BY_EIGHT, "--resume_from_checkpoint", "latest")
+    run = run_script(folder, *on(ending_model), *ONE_BY_EIGHT, "--resume_from_checkpoint", "latest")
     assert "resuming from" in run.stdout
     assert rollouts(run) == rollouts(done)
     wa, wb = weights(done), weights(run)
@@ -285,7 +344,7 @@ def test_a_failing_reward_function_stops_the_run_with_a_checkpoint(tmp_path):
     assert "returned 'high' for completion 0" in said["words"]
 
 
-def test_lora_with_beta_trains_against_the_adapter_off_model(runs):
+def test_lora_with_beta_trains_against_the_adapter_off_model(runs, ending_model):
     """The grpo-loss LoRA run's step 2 written out with peft and plain transformers: the policy is the base with
     checkpoint-1's adapter, the reference and the stored old log-probs the plain base model (the adapter starts at
     zero, so step 1 sampled from the base); per token -min(rho A, clip(rho, 0.8, 1.2) A) + 0.5 kl, each completion's
@@ -295,8 +354,8 @@ def test_lora_with_beta_trains_against_the_adapter_off_model(runs):
     run = runs["grpo-1x8"]
     rows = [r for r in rollouts(run) if r["step"] == 1]
     assert len(rows) == 8
-    base = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
-    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32),
+    base = AutoModelForCausalLM.from_pretrained(ending_model, dtype=torch.float32)
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(ending_model, dtype=torch.float32),
                             LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     trained = {k.removeprefix("lm."): v for k, v in weights(run, "checkpoint-1").items()}
     assert trained and all("lora_" in k for k in trained)  # the checkpoint holds the adapter only
