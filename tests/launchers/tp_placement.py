@@ -1,13 +1,14 @@
 """Test-only: what transformers' tensor-parallel plan really places on each tp rank, without launching a group.
 
-    python tests/launchers/tp_placement.py MODEL_FOLDER TP_SIZE
+    python tests/launchers/tp_placement.py TP_SIZE MODEL_FOLDER [MODEL_FOLDER ...]
 
-For each tp rank, in a process forked after the imports: joins torch's fake process group (`torch.testing`'s
+For each folder and tp rank, in a process forked after the imports: joins torch's fake process group (`torch.testing`'s
 FakeStore: collectives return without communicating, shapes and placements are the real ones) as that rank, loads
 MODEL_FOLDER with `DistributedConfig(tp_size=...)` (the plan hftrain's tp / pp x tp loading uses,
 `parallel/tensor.model_load_kwargs`), runs one forward and backward and one AdamW step, and prints a JSON line
-{parameter name: [weight, gradient, optimizer-state elements on this rank]} (each of the DTensor's local shard),
-rank 0 first. One rank per process: transformers keeps the mesh of the first load.
+[folder, rank, {parameter name: [weight, gradient, optimizer-state elements on this rank]}] (each of the DTensor's
+local shard; a tied head under its own name too). One rank per process: transformers keeps the mesh of the first
+load.
 """
 
 import json
@@ -34,18 +35,19 @@ def main(folder: str, tp: int, rank: int) -> None:
     optimizer.step()
     placed = {name: [local_elements(p), local_elements(p.grad),
                      sum(local_elements(v) for k, v in optimizer.state[p].items() if k != "step")]
-              for name, p in model.named_parameters()}
-    print(json.dumps(placed), flush=True)
+              for name, p in model.named_parameters(remove_duplicate=False)}
+    print(json.dumps([folder, rank, placed]), flush=True)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    folder, tp = sys.argv[1], int(sys.argv[2])
-    for rank in range(tp):
-        child = os.fork()
-        if child == 0:
-            main(folder, tp, rank)
-            os._exit(0)
-        _, status = os.waitpid(child, 0)
-        if status:
-            sys.exit(f"tp rank {rank} failed (wait status {status})")
+    tp = int(sys.argv[1])
+    for folder in sys.argv[2:]:
+        for rank in range(tp):
+            child = os.fork()
+            if child == 0:
+                main(folder, tp, rank)
+                os._exit(0)
+            _, status = os.waitpid(child, 0)
+            if status:
+                sys.exit(f"{folder}: tp rank {rank} failed (wait status {status})")

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hftrain.estimate import (
     GIB,
@@ -35,47 +35,64 @@ LLAMA_70B = REPO / "models" / "llama-3-70b-shape"  # config.json only
 
 
 @pytest.fixture(scope="module")
-def placed() -> list[dict[str, list[int]]]:
-    """Per tp rank of tp 2: {name: [weight, gradient, AdamW state elements]} as transformers places them."""
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "launchers" / "tp_placement.py"), str(TINY), "2"],
-                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                          timeout=300)
+def placed(tmp_path_factory) -> dict[str, tuple[str, list[dict[str, list[int]]]]]:
+    """For the tiny Llama and a tied twin (SmolLM2-style: lm_head is embed_tokens, 2 key/value heads): (its folder,
+    per tp rank of tp 2 {name: [weight, gradient, AdamW state elements]} as transformers places them)."""
+    tied = tmp_path_factory.mktemp("tied-llama")
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=753,
+                                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+                     ).save_pretrained(tied)
+    folders = {"untied": str(TINY), "tied": str(tied)}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "launchers" / "tp_placement.py"), "2",
+                           *folders.values()], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    placed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(placed) == 2, proc.stdout[-2000:]
-    return placed
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
+    out = {kind: (folder, [p for f, _, p in sorted(lines, key=lambda x: x[1]) if f == folder])
+           for kind, folder in folders.items()}
+    assert [len(ranks) for _, ranks in out.values()] == [2, 2], proc.stdout[-2000:]
+    return out
 
 
-def stage_names(pp: int, rank: int) -> set[str]:
+def stage_names(folder: str, pp: int, rank: int) -> set[str]:
     """The parameter names hftrain's pipeline keeps on pipeline rank `rank` of `pp` (its own split functions)."""
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY))
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     ranges = split_layers(len(lm.model.layers), pp)
     mine = stage_indices(rank, pp, 1)
     keep_only(lm, {i for s in mine for i in ranges[s]}, first=0 in mine, last=pp - 1 in mine)
-    return {name for name, _ in lm.named_parameters()}
+    return {name for name, _ in lm.named_parameters()}  # a tied pair once: its head on a last stage without it
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_tp_stage_bytes_equal_what_transformers_places_on_each_rank(placed, pp):
+@pytest.mark.parametrize("kind, pp", [("untied", 1), ("untied", 2), ("tied", 1), ("tied", 2)])
+def test_tp_stage_bytes_equal_what_transformers_places_on_each_rank(placed, kind, pp):
     """pp x tp 2 (and tp 2 alone): each pipeline rank's weights (fp32 + autocast's bf16 copy), gradients and AdamW
     moments, for the fullest tp rank, equal the elements really held: the vocabulary split 377 / 376 between the tp
-    ranks, the embedding's gradient whole, norms replicated."""
-    shape = model_shape(str(TINY))
-    assert placed[0]["model.embed_tokens.weight"] == [377 * 64, 753 * 64, 2 * 377 * 64]  # the gradient is whole
-    assert placed[1]["lm_head.weight"] == [376 * 64, 376 * 64, 2 * 376 * 64]
+    ranks, the embedding's gradient whole, norms replicated. A tied pair is one shard; its gradient (the embedding's
+    whole one plus the head's shard) is a shard when one process holds both (pp 1), and the first stage of a
+    pipeline, holding the embedding alone, gets the whole one as in the untied model (not reproduced here: this
+    backward runs the whole model)."""
+    folder, ranks = placed[kind]
+    shape = model_shape(folder)
+    if kind == "untied":
+        assert ranks[0]["model.embed_tokens.weight"] == [377 * 64, 753 * 64, 2 * 377 * 64]  # the gradient is whole
+        assert ranks[1]["lm_head.weight"] == [376 * 64, 376 * 64, 2 * 376 * 64]
+    else:
+        assert ranks[0]["model.embed_tokens.weight"] == ranks[0]["lm_head.weight"] == [377 * 64] * 2 + [2 * 377 * 64]
     stages = pipeline_memory(shape, pp, "1F1B", 4 if pp > 1 else 1, 8, 128, "bf16", tp=2)
     assert [st.rank for st in stages] == list(range(pp))
     for st in stages:
-        names = stage_names(pp, st.rank)
-        weights, grads, moments = (max(sum(rank[n][k] for n in names) for rank in placed) for k in range(3))
-        assert (st.params, st.weights, st.grads, st.optimizer) == (weights, 6 * weights, 4 * grads, 4 * moments)
+        names = stage_names(folder, pp, st.rank)
+        weights, grads, moments = (max(sum(rank[n][k] for n in names) for rank in ranks) for k in range(3))
+        assert (st.params, st.weights, st.optimizer) == (weights, 6 * weights, 4 * moments)
+        if not (kind == "tied" and pp > 1 and st.rank == 0):
+            assert st.grads == 4 * grads
     # activations of one tp rank by hand: norms whole (2 x (input and output fp32, bf16 matmul input)), q/k/v/o
     # and the four MLP tensors halved; 2 rows x 128 tokens per microbatch
     tokens, h, i = 2 * 128, 64, 128
     layer = tokens * (2 * (2 * h * 4 + h * 2) + 4 * (h // 2) * 2 + 4 * (i // 2) * 2)
     loss = tokens * (h * (2 * 4 + 2) + 12 * 753)  # final norm and the gathered (whole) logits' buffers
-    if pp == 2:  # 1F1B: rank 0 holds 2 microbatches of its 1 layer, rank 1 one and its loss buffers
+    if kind == "untied" and pp == 2:  # 1F1B: rank 0 holds 2 microbatches of its layer, rank 1 one and the loss
         assert [st.activations for st in stages] == [2 * layer, layer + loss]
 
 
@@ -104,7 +121,7 @@ def test_the_70b_layout_on_4_nodes_of_8_gpus_fits_and_keeps_tp_in_a_node(llama_7
     stages = pipeline_memory(s, 4, "1F1B", 128, 128, 2048, "bf16", 8)
     assert [st.params for st in stages] == [19 * layer + vocab, 21 * layer, 21 * layer, 19 * layer + vocab + 8192]
     assert stages[0].grads == 4 * (19 * layer + 8 * vocab)  # the embedding's gradient is whole
-    # more tp ranks per stage cut every rank's model state: tp 8 x pp 4 against tp 4 x pp 8 (same ranks per layer)
+    # the search covers tensor parallel alone, pipeline alone and both
     assert {(x.tp, x.pp) for x in every} >= {(8, 4), (4, 8), (8, 1), (1, 32)}
 
 
