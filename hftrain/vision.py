@@ -75,11 +75,6 @@ def problems(recipe, config: PretrainedConfig | None) -> list[str]:
     if recipe.dataset_mixture:
         found.append(f"dataset_mixture with the image-text model {kind!r}: image chats load from one dataset_name "
                      "(plus eval_dataset_name) today; merge the files into one")
-    if recipe.streaming:
-        found.append(f"streaming: true with the image-text model {kind!r} is not built yet: image chats are checked "
-                     "and encoded by the processor from a map-style set, and hftrain's stream (tokenized on the fly, "
-                     "resumed exactly from its saved buffer and pending rows) holds text rows only; set streaming: "
-                     "false")
     if recipe.use_liger_kernel:
         found.append(f"use_liger_kernel with the image-text model {kind!r}: Liger's kernels patch text models only; "
                      "set use_liger_kernel: false")

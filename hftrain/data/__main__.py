@@ -31,7 +31,6 @@ from hftrain.data.vision import image_token_ids, load_image_chats
 from hftrain.errors import HftrainError, run_tool
 from hftrain.model import build_tokenizer, pad_token_id
 from hftrain.vision import build_processor, is_image_text, model_config
-from hftrain.vision import problems as vision_problems
 
 
 def marked_text(tokenizer, input_ids: list[int], labels: list[int], color: bool) -> str:
@@ -98,10 +97,7 @@ def preview(argv: list[str] | None = None) -> None:
     parser.add_argument("--dump", nargs=2, metavar=("N", "FILE"), help="write the first N collated rows to FILE")
     args, rest = parser.parse_known_args(argv)
     recipe = load_recipe(rest, for_training=False, prog="python -m hftrain.data")
-    config = model_config(recipe)
-    if is_image_text(config):
-        if recipe.streaming:  # training refuses it (vision.problems): the preview would show rows no run trains
-            raise HftrainError(next(p for p in vision_problems(recipe, config) if p.startswith("streaming")))
+    if is_image_text(model_config(recipe)):
         if args.dump:
             raise HftrainError("--dump writes collated token rows of text data; for an image-text model the collator "
                                "also makes pixel values: preview image chats with --show")

@@ -58,15 +58,21 @@ def setup_examples(run) -> None:
 def setup_stream(run) -> None:
     """streaming: the feed reads the training set on the fly (hftrain.data.streaming); a resumed run continues from
     the checkpoint's stream position, checked here, before the model loads."""
-    recipe = run.recipe  # an image-text model (run.processor) is refused with streaming in the preflight
+    recipe = run.recipe
     with phase(run.accelerator, "data preparation", recipe.ddp_timeout), run.accelerator.main_process_first():
-        run.feed, run.eval_set, run.data_stats = load_stream(recipe, run.tokenizer, run.dp.rank, run.dp.world)
+        run.feed, run.eval_set, run.data_stats = load_stream(recipe, run.tokenizer, run.dp.rank, run.dp.world,
+                                                             run.processor)
     run.plan, run.total_steps = run.feed.plan, recipe.max_steps
     run.train_set, run.rows = None, None
     pad = pad_token_id(run.tokenizer)
     run.collator = run.feed.collator
     run.collator.pad_token_id = pad
-    run.eval_collator = Collator(run.eval_set, pad) if run.eval_set is not None else None
+    if run.eval_set is None:
+        run.eval_collator = None
+    elif run.processor is not None:  # image chats: the eval set is map-style ImageChats
+        run.eval_collator = ImageChatCollator(run.eval_set, run.processor, pad)
+    else:
+        run.eval_collator = Collator(run.eval_set, pad)
     run.stream_state = None
     if run.resume_from is not None:
         saved = read_states(run.resume_from, STREAM_STATE.format(index="*"))

@@ -39,6 +39,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 
 from hftrain.config import DatasetSource
+from hftrain.data import vision as vision_data
 from hftrain.data.batching import Collator
 from hftrain.data.formats import detect_format
 from hftrain.data.jsonlines import BAD_LINE, json_lines_dataset
@@ -46,6 +47,7 @@ from hftrain.data.sources import CHAT_FORMATS, FILE_BUILDERS, check_objective, l
 from hftrain.data.tokenize import DataSpec, prepare_chat_template, tokenize_dataset, tokenize_pair, tokenize_rows
 from hftrain.errors import HftrainError, first_line
 
+IMAGE_KEYS = ("text", "images")  # an image chat's row also keeps its rendered text and image paths (data.vision)
 PACK_OPEN_ROWS = 8  # packing on the fly: rows filled at once (best fit among them); the fullest leaves past this
 
 
@@ -255,7 +257,8 @@ class RowStream:
                 continue
             kept = [row for row in rows if not row["dropped"]]
             self.counts["dropped"] += len(rows) - len(kept)
-            self.pending = [{k: v for k, v in row.items() if k.endswith(("input_ids", "labels"))} for row in kept]
+            self.pending = [{k: v for k, v in row.items() if k.endswith(("input_ids", "labels")) or k in IMAGE_KEYS}
+                            for row in kept]
         return self.pending.pop(0)
 
     def _empty_message(self) -> str:
@@ -566,8 +569,10 @@ def _first_example(source: StreamSource) -> dict:
         raise HftrainError(f"cannot read dataset {source.name!r}: {first_line(exc)}") from None
 
 
-def load_stream(recipe, tokenizer, rank: int, world: int):
-    """(StreamFeed, map-style eval set or None, stats) for `streaming: true`."""
+def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
+    """(StreamFeed, map-style eval set or None, stats) for `streaming: true`. `processor`: an image-text model's, whose
+    image chats are encoded by it (data.vision.stream_row), their images opened when a row is read and when it is
+    collated, never kept."""
     spec = DataSpec.from_recipe(recipe)
     entries = recipe.dataset_mixture or [DatasetSource(recipe.dataset_name, recipe.dataset_config,
                                                        recipe.dataset_train_split, 1.0, recipe.dataset_format,
@@ -610,7 +615,9 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
         )
     needs_chat = any(_is_chat_example(f, x) for f, x in zip(formats, firsts)) or (
         eval_raw is not None and len(eval_raw) > 0 and _is_chat_example(eval_fmt, eval_raw[0]))
-    template_note = prepare_chat_template(tokenizer, recipe.chat_template_path, needs_chat)
+    # an image-text model renders with its processor's own template (as map-style image chats)
+    template_note = prepare_chat_template(tokenizer, recipe.chat_template_path, needs_chat) if processor is None \
+        else None
 
     sequential = recipe.train_sampling_strategy == "sequential"
 
@@ -624,7 +631,11 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
 
     name = source.name
 
+    base = vision_data.base_folder(name)
+
     def tokenize(example: dict, index: int) -> list[dict]:
+        if processor is not None:
+            return [vision_data.stream_row(example, processor, spec, base, f"dataset {name!r} example {index}")]
         kind, where = fmt, name
         if mixture:  # a mixture's records carry their source and the raw example as JSON
             part = example[MIXTURE_SOURCE]
@@ -655,7 +666,12 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
     resumes = ("a resume seeks to the saved line" if source.seeks else
                "a resume re-reads the current shard up to the saved position (datasets)")
     description = f"streaming {name!r} ({kinds}): {reading}, {order}{packed}, tokenized on the fly{workers}; {resumes}"
-    collator = StreamCollator(0, recipe.packing, fmt == "preference")
+    if processor is None:
+        collator = StreamCollator(0, recipe.packing, fmt == "preference")
+    else:  # a dataset of images as bytes (an Image feature) is refused here, before its bytes reach a checkpoint
+        vision_data.check_image_paths(firsts[0], f"dataset {name!r} example 0")
+        filler = vision_data.filler_row(source.open().take(vision_data.FILLER_SCAN), processor, spec, base, name)
+        collator = vision_data.StreamImageCollator(processor, 0, base, name, filler)
     per_pass = None  # raw training examples in a pass, when known (for the logged epoch)
     if source.num_rows is not None and not disjoint:
         per_pass = min(source.num_rows - held_out, recipe.max_samples or source.num_rows) or None
@@ -666,7 +682,10 @@ def load_stream(recipe, tokenizer, rank: int, world: int):
                                              "rows": source.num_rows, "disjoint_shards": disjoint,
                                              "eval_held_out": held_out},
                                "chat_template": template_note, "sources": []}
-    if eval_raw is not None:
+    if eval_raw is not None and processor is not None:
+        evaluation, stats["eval"] = vision_data.prepare(eval_raw, processor, spec, recipe.eval_dataset_name or name)
+        evaluation.name = recipe.eval_dataset_name or f"{name} (eval)"
+    elif eval_raw is not None:
         evaluation, eval_stats = tokenize_dataset(eval_raw, tokenizer, spec, eval_fmt,
                                                   recipe.eval_dataset_name or f"{name} (eval)",
                                                   recipe.dataset_num_proc)

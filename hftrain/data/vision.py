@@ -229,14 +229,14 @@ class ImageChats:
         return inputs, torch.tensor([row["labels"]])
 
 
-def _base_folder(name: str) -> Path | None:
+def base_folder(name: str) -> Path | None:
     path = Path(name).expanduser()
     return path.parent if path.is_file() else path if path.is_dir() else None
 
 
 def prepare(raw, processor, spec: DataSpec, name: str) -> tuple[ImageChats, dict]:
     """Check and encode every row once (masks, image tokens, truncation), keep the trainable ones, count the rest."""
-    base, rows = _base_folder(name), []
+    base, rows = base_folder(name), []
     counts = {"overlong": 0, "image_cut": 0, "no_trained_tokens": 0}
     stats = {"format": "image_chat", "images": 0, "image_tokens": 0, "tokens": 0, "trained_tokens": 0,
              "truncated_examples": 0, "truncated_tokens": 0}
@@ -325,6 +325,64 @@ class ImageChatCollator:
             encoded.append((inputs, torch.full_like(labels, IGNORE_INDEX)))
         return {**collate([inputs for inputs, _ in encoded], [labels for _, labels in encoded], self.pad_token_id),
                 "num_examples": torch.tensor(len(row_indices))}
+
+
+# ----------------------------------------------------------------------------------------------- streaming
+FILLER_SCAN = 1000  # streaming: the filler row is the first image chat among the stream's first examples
+
+
+def stream_row(example: dict, processor, spec: DataSpec, base: Path | None, where: str) -> dict:
+    """One raw image chat of a stream as a training row: {input_ids, labels, text (rendered), images (paths),
+    dropped}; images are opened to encode it and again by the collator, never kept. A checkpoint holds the stream's
+    buffered raw examples and rows as JSON, so images must be file paths."""
+    messages, refs = check_image_chat(example, spec.messages_field, where)
+    check_image_paths(example, where)
+    encoded = encode(processor, messages, [open_image(ref, base, where) for ref in refs], spec, where)
+    return {"input_ids": encoded["inputs"]["input_ids"][0].tolist(), "labels": encoded["labels"][0].tolist(),
+            "text": encoded["text"], "images": refs, "dropped": bool(encoded["dropped"])}
+
+
+def check_image_paths(example: dict, where: str) -> None:
+    """A streamed image chat's images must be file paths (HftrainError otherwise): a checkpoint holds the stream's
+    buffered raw examples and rows as JSON, which image bytes or PIL images are not."""
+    refs = example.get(IMAGES_COLUMN) or []
+    if not all(isinstance(ref, str) for ref in (refs if isinstance(refs, list) else [refs])):
+        raise HftrainError(f"{where}: a streamed image chat gives its {IMAGES_COLUMN!r} as file paths (a checkpoint "
+                           "holds the stream's buffered examples as JSON, which image bytes are not); give paths, or "
+                           "set streaming: false")
+
+
+def filler_row(examples, processor, spec: DataSpec, base: Path | None, name: str) -> dict | None:
+    """The row ImageChatCollator adds to a micro-batch without an image (labels all -100: it trains nothing): the
+    first kept image chat among `examples` (the stream's first FILLER_SCAN, every rank the same), else the first kept
+    chat."""
+    first = None
+    for i, example in enumerate(examples):
+        try:
+            row = stream_row(example, processor, spec, base, f"dataset {name!r} example {i}")
+        except HftrainError:
+            continue
+        if not row["dropped"]:
+            if row["images"]:
+                return row
+            first = first or row
+    return first
+
+
+class StreamImageCollator:
+    """ImageChatCollator for a stream's micro-batches, given as rows (lists of one `stream_row`) instead of indices;
+    `filler`: the row for a micro-batch without an image (`filler_row`)."""
+
+    def __init__(self, processor, pad_token_id: int, base: Path | None, name: str, filler: dict | None):
+        self.processor, self.pad_token_id, self.filler = processor, pad_token_id, filler
+        self.base, self.name = base, name
+        self.mark_real_tokens = False  # the Collator interface
+        self.reference = None
+
+    def __call__(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
+        examples = [example for row in rows for example in row]
+        chats = ImageChats([*examples, *([self.filler] if self.filler else [])], self.base, self.name)
+        return ImageChatCollator(chats, self.processor, self.pad_token_id)(list(range(len(examples))))
 
 
 def collate(inputs: list[dict], labels: list[torch.Tensor], pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -14,6 +14,8 @@ Runs shared by the assertions (module fixtures):
 - `shards_pipeline`: the `shards_uninterrupted` recipe on 4 processes as 2 data-parallel copies of a 2-stage pipeline
   (pp_size 2, cpu_pp): each copy must read the stream of one DDP rank (both stages of a copy the same rows, padded to
   max_length), so it must train as `shards_uninterrupted` does.
+- `images_mapped` / `images_streamed`: the tiny LLaVA on the shipped image chats, sequential, map-style and streamed
+  (images read by the collator); the streamed run's checkpoint-2 is resumed in the test.
 """
 
 from __future__ import annotations
@@ -96,6 +98,29 @@ def shards_preempted(tmp_path_factory, tiny_model, data):
 def shards_pipeline(tmp_path_factory, tiny_model, data):
     return launch(tmp_path_factory.mktemp("pipeline") / "out", *common(tiny_model, data["saved"]), *SHARDS,
                   "--pp_size", "2", "--ddp_timeout", "60", preset="cpu_pp", processes=4)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> list[str]:
+    """The tiny LLaVA recipe, sequential, 4 steps of 4 image chats, evaluated at the end on the file's last 4 chats
+    (a map-style eval set; their image paths made absolute)."""
+    chats = [json.loads(line) for line in (REPO / "data" / "image-chat.jsonl").read_text().splitlines()]
+    held = [{**chat, "images": [str(REPO / "data" / path) for path in chat["images"]]} for chat in chats[-4:]]
+    return ["--config", str(REPO / "recipes" / "tiny-vlm.yaml"), "--max_steps", "4", "--logging_steps", "1",
+            "--train_sampling_strategy", "sequential", "--per_device_train_batch_size", "4",
+            "--validation_split_percentage", "0", "--eval_steps", "100", "--checkpoint_preflight", "false",
+            "--eval_dataset_name", str(write_jsonl(tmp_path_factory.mktemp("images") / "eval.jsonl", held))]
+
+
+@pytest.fixture(scope="module")
+def images_mapped(tmp_path_factory, images):
+    return run_script(tmp_path_factory.mktemp("images-mapped") / "out", *images)
+
+
+@pytest.fixture(scope="module")
+def images_streamed(tmp_path_factory, images):
+    return run_script(tmp_path_factory.mktemp("images-streamed") / "out", *images, "--streaming", "true",
+                      "--save_strategy", "steps", "--save_steps", "2")
 
 
 def weights(run, folder: str = "final") -> dict[str, torch.Tensor]:
@@ -201,6 +226,24 @@ def test_pipeline_copies_read_the_streams_of_ddp_ranks(shards_pipeline, shards_u
                 json.loads((shards_uninterrupted.output_dir / folder / ddp).read_text())
         assert shards_pipeline.state(folder)["progress"] == shards_uninterrupted.state(folder)["progress"]
     assert_same(shards_pipeline, shards_uninterrupted, tol=1e-4)  # Adam amplifies the stages' float rounding
+
+
+def test_streamed_image_chats_equal_map_style_and_resume_exactly(images_streamed, images_mapped, images, tmp_path):
+    """An image-text model on a stream: the rows, losses, final eval (the map-style eval set) and weights of the
+    map-style run; checkpoint-2 continues with steps 3 and 4 of it."""
+    assert "streaming" in images_streamed.stdout and "frozen: the projector" in images_streamed.stdout
+    assert_same(images_streamed, images_mapped, steps=range(1, 5))
+    evals = [[r["eval_loss"] for r in run.eval_rows()] for run in (images_streamed, images_mapped)]
+    assert len(evals[0]) == 1 and evals[0] == evals[1]
+    assert images_streamed.state("checkpoint-2")["progress"]["epoch"] == 0.2  # 8 of the file's 40 chats
+    out = tmp_path / "out"
+    shutil.copytree(images_streamed.output_dir, out)
+    shutil.rmtree(out / "final")
+    (out / "metrics.jsonl").write_text("")
+    resumed = run_script(out, *images, "--streaming", "true", "--resume_from_checkpoint", str(out / "checkpoint-2"))
+    assert "at step 2" in resumed.stdout and "the stream resumes by seeking to the saved line" in resumed.stdout
+    assert_same(resumed, images_mapped, steps=range(3, 5))
+    assert [r["eval_loss"] for r in resumed.eval_rows()] == evals[1]
 
 
 def test_refusals_and_bad_rows(shards_preempted, tiny_model, data, tmp_path):

@@ -198,8 +198,8 @@ def test_image_text_models_are_recognised_and_frozen_by_part():
     unfrozen = vision.lora_targets(model, replace(recipe, freeze_projector=False))
     projector = {"model.multi_modal_projector.linear_1", "model.multi_modal_projector.linear_2"}
     assert set(unfrozen) - set(targets) == projector
-    said = vision.problems(replace(recipe, packing=True, objective="dpo", streaming=True, max_steps=5), config)
-    assert len(said) == 3 and "packing" in said[0] and "objective=dpo" in said[1] and "streaming: true" in said[2]
+    said = vision.problems(replace(recipe, packing=True, objective="dpo"), config)
+    assert len(said) == 2 and "packing" in said[0] and "objective=dpo" in said[1]
 
 
 def test_the_preview_shows_image_rows_with_their_image_tokens_and_masks(capsys, tmp_path, rows):
@@ -220,8 +220,6 @@ def test_the_preview_shows_image_rows_with_their_image_tokens_and_masks(capsys, 
     assert f"{len(rows)} examples kept with {sum(len(r['images']) for r in rows)} images" in out
     with pytest.raises(HftrainError, match="--dump"):
         preview(["--config", str(REPO / "recipes" / "tiny-vlm.yaml"), "--dump", "2", str(tmp_path / "x.jsonl")])
-    with pytest.raises(HftrainError, match="streaming: true with the image-text model 'llava' is not built yet"):
-        preview(["--config", str(REPO / "recipes" / "tiny-vlm.yaml"), "--streaming", "true", "--max_steps", "2"])
 
 
 def test_the_preflight_refuses_packing_for_an_image_text_model_and_text_models_say_why_parts_fail():
@@ -236,3 +234,34 @@ def test_the_preflight_refuses_packing_for_an_image_text_model_and_text_models_s
     row = json.loads(DATA.read_text().splitlines()[0])
     with pytest.raises(HftrainError, match="TRL's vision format: image chats train an image-text model"):
         check_messages(row["messages"], "example 0")
+
+
+def test_streamed_image_rows_collate_as_the_map_style_set(processor, rows):
+    """streaming: true: a raw image chat becomes a row when read (`stream_row`: ids, labels, rendered text, image
+    paths) and is encoded again with its images by the collator; micro-batches equal those of the map-style set's
+    collator, the filler row (the stream's first image chat, after a bad and a text-only example) included. Images
+    given as anything but paths cannot sit in a checkpointed stream state: refused, naming the example."""
+    import datasets
+
+    from hftrain.data.vision import StreamImageCollator, filler_row, stream_row
+
+    text_only = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Name a shape."}]},
+                              {"role": "assistant", "content": [{"type": "text", "text": "A circle."}]}], "images": []}
+    picked = [text_only, rows[0], rows[2]]
+    chats, _ = prepare(datasets.Dataset.from_list(picked), processor, SPEC, str(DATA))
+    pad = processor.tokenizer.pad_token_id
+    mapped = ImageChatCollator(chats, processor, pad)
+    streamed = [stream_row(example, processor, SPEC, DATA.parent, f"example {i}") for i, example in enumerate(picked)]
+    assert not any(row["dropped"] for row in streamed)
+    assert json.loads(json.dumps(streamed)) == streamed  # what a checkpoint holds of them
+    filler = filler_row([{"messages": "not a chat"}, text_only, rows[0], rows[2]], processor, SPEC, DATA.parent, "d")
+    assert filler == streamed[1]
+    collator = StreamImageCollator(processor, pad, DATA.parent, str(DATA), filler)
+    for indices in ([0], [0, 1], [1, 2]):  # a text-only micro-batch gets the filler row, as map-style
+        ours, theirs = collator([[streamed[i]] for i in indices]), mapped(indices)
+        assert sorted(ours) == sorted(theirs)
+        for key, value in theirs.items():
+            assert torch.equal(ours[key], value), key
+    assert collator([[streamed[0]]])["input_ids"].shape[0] == 2
+    with pytest.raises(HftrainError, match="example 7: a streamed image chat gives its 'images' as file paths"):
+        stream_row({**rows[0], "images": images_of(rows[0])}, processor, SPEC, DATA.parent, "example 7")
