@@ -185,8 +185,10 @@ def test_two_processes_equal_one_and_resume_on_one(streamed_2proc, mapped, tiny_
 
 def test_preempted_shards_resume_exactly(shards_uninterrupted, shards_preempted, tiny_model, data):
     assert "2 ranks read disjoint shards (1 of 2 each)" in shards_uninterrupted.stdout
-    assert "in 2 worker process(es)" in shards_preempted.stdout
-    assert "packed on the fly" in shards_uninterrupted.stdout
+    # the issue's case list: SIGTERM at step 3, then resumed, with packing, a shuffle buffer, 2 workers, 2 processes
+    for run in (shards_uninterrupted, shards_preempted):
+        assert "through a shuffle buffer of 8, packed on the fly" in run.stdout
+    assert "in 2 worker process(es)" in shards_preempted.stdout and "worker" not in shards_uninterrupted.stdout
     assert shards_preempted.returncode != 0 and "stopped by SIGTERM after step 3" in shards_preempted.stderr
     saved = shards_preempted.output_dir / "checkpoint-3"
     states = sorted(saved.glob("data_stream_process*.json"))
@@ -199,7 +201,10 @@ def test_preempted_shards_resume_exactly(shards_uninterrupted, shards_preempted,
     (shards_preempted.output_dir / "metrics.jsonl").write_text("")
     resumed = launch(shards_preempted.output_dir, *common(tiny_model, data["saved"]), *SHARDS, *WORKERS,
                      "--resume_from_checkpoint", "latest", preset="cpu_ddp")
-    assert "at step 3" in resumed.stdout
+    assert "at step 3" in resumed.stdout and "in 2 worker process(es)" in resumed.stdout
+    info = resumed.state()["launch"]
+    assert (info["distributed_type"], info["num_processes"], info["model_wrapper"]) == \
+        ("MULTI_CPU", 2, "DistributedDataParallel")
     # a saved folder is read by datasets, which re-reads the rank's current shard up to the position: at most the
     # examples of the pass read before it (rank 0's, as its checkpoint says)
     said = r"datasets re-reads the current shard up to the saved position \(at most the (\d+) examples of this pass"
