@@ -28,7 +28,7 @@ from hftrain.errors import HftrainError
 from hftrain.layout import MODEL_FILE, PIPELINE_CONVERTED_PREFIX
 from hftrain.optim import build_optimizer
 
-STAGES_PER_PROCESS = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2}
+STAGES_PER_PROCESS = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2, "DualPipeV": 2}
 PIPELINE_STATE_DIR = "pipeline_state"  # the checkpoint's DCP folder: model and optimizer state under HF names
 
 
@@ -53,8 +53,11 @@ def split_layers(layers: int, stages: int) -> list[range]:
     return ranges
 
 
-def stage_indices(rank: int, pp: int, per_process: int) -> list[int]:
-    """The stages of pipeline rank `rank` (torch's loop placement: stage s on rank s % pp)."""
+def stage_indices(rank: int, pp: int, per_process: int, v: bool = False) -> list[int]:
+    """The stages of pipeline rank `rank`: torch's loop placement (stage s on rank s % pp), or with `v` its V
+    placement for ZBVZeroBubble / DualPipeV (rank r holds stages r and 2 pp - 1 - r: down the ranks and back)."""
+    if v:
+        return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(per_process)]
 
 

@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _ComputationType, get_schedule_class
 from torch.distributed.tensor import DTensor, Replicate
 
 from hftrain.checkpoint import newest_intact, trained_names
@@ -72,6 +72,7 @@ from hftrain.optim import build_optimizer
 from hftrain.parallel.base import Backend, DataParallel, Parallelism
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.tensor import model_load_kwargs
+from hftrain.recipe.parallel import V_SCHEDULES
 from hftrain.stages import (
     PIPELINE_STATE_DIR,
     STAGES_PER_PROCESS,
@@ -241,6 +242,9 @@ class StageForward(nn.Module):
         self.norm = decoder.norm if self.is_last else Elsewhere("norm")
         if self.is_first:
             self.embed_tokens = decoder.embed_tokens
+        if self.is_last:  # applied in the schedule's loss_fn (token_loss); registered here so that the V schedules'
+            # split backward, which computes weight gradients for the stage module's parameters only, reaches it
+            self.lm_head = causal_lm(lm).get_output_embeddings()
         object.__setattr__(self, "_decoder", decoder)  # not a submodule: the rank's tree is registered elsewhere
 
     @contextmanager
@@ -278,6 +282,20 @@ def keep_only(lm: nn.Module, owned_layers: set[int], first: bool, last: bool) ->
         hf.lm_head = Elsewhere("lm_head")
 
 
+def forward_only_order(schedule, pp: int, microbatches: int) -> dict:
+    """For a ZBVZeroBubble / DualPipeV `schedule`: a forward-only order of its actions, for evaluation. torch 2.13's V
+    schedules run their training order in `eval()` too, whose backward actions then fail ("can't steal_bwd_input if
+    this stage doesn't have backward"). Each rank runs its first stage for every microbatch, then its second (stages r
+    and 2 pp - 1 - r): a rank's second stage waits only on the next rank, which finished its first stage's part
+    without waiting on anyone later, so the order cannot deadlock. torch's lowering adds the sends and receives
+    (`_add_send_recv`, what its schedules' `_prepare_schedule_with_comms` runs after a validation that demands a
+    backward per forward; private in torch 2.13). The schedule itself runs it (`PipelineStages.forward` swaps it in):
+    a second schedule over the same stages would leave them initialised for forward only behind the first's back."""
+    order = {rank: [_Action(stage, _ComputationType.FORWARD, mb) for stage in (rank, 2 * pp - 1 - rank)
+                    for mb in range(microbatches)] for rank in range(pp)}
+    return _add_send_recv(order, stage_to_rank=schedule.stage_index_to_group_rank.get, num_stages=2 * pp)
+
+
 class PipelineStages(nn.Module):
     """The prepared model under pp: this process's stages of the loss module `module` (its placeholders in place)
     and the schedule that runs them. `train_step` runs one pipeline step (forward and backward of every microbatch);
@@ -290,6 +308,7 @@ class PipelineStages(nn.Module):
         self.module = module
         self.stages = stages
         object.__setattr__(self, "schedule", schedule)
+        self.eval_order: dict | None = None  # a V schedule's forward-only order (`forward_only_order`)
         self.microbatches, self.max_length = microbatches, max_length
         self.rows = {True: train_rows, False: eval_rows}
         self.packed = stages[0].packed
@@ -345,7 +364,14 @@ class PipelineStages(nn.Module):
 
     def forward(self, input_ids, labels, position_ids=None, **_):
         self.scale = 1.0
-        return self._run(input_ids, labels, position_ids, self.schedule.eval)
+        if self.eval_order is None:
+            return self._run(input_ids, labels, position_ids, self.schedule.eval)
+        train_order = self.schedule.pipeline_order_with_comms
+        self.schedule.pipeline_order_with_comms = self.eval_order
+        try:
+            return self._run(input_ids, labels, position_ids, self.schedule.eval)
+        finally:
+            self.schedule.pipeline_order_with_comms = train_order
 
 
 class PipelineBackend(Backend):
@@ -419,7 +445,7 @@ class PipelineBackend(Backend):
         per_process = STAGES_PER_PROCESS[recipe.pp_schedule]
         count = self.pp * per_process
         ranges = split_layers(len(hf.get_decoder().layers), count)
-        mine = stage_indices(self.pp_rank, self.pp, per_process)
+        mine = stage_indices(self.pp_rank, self.pp, per_process, v=recipe.pp_schedule in V_SCHEDULES)
         stages = [StageForward(lm, s, count, ranges[s], packed=recipe.packing) for s in mine]
         # the optimizer numbering of the whole model, as a run without pp would save it (resuming its checkpoints)
         self.unsplit_ids = optimizer_layout(recipe, model)[1]
@@ -440,10 +466,11 @@ class PipelineBackend(Backend):
                                   rows(recipe.per_device_eval_batch_size), recipe.max_length)
         schedule_class = get_schedule_class(recipe.pp_schedule)
         first = pipeline_stages if per_process > 1 else pipeline_stages[0]
-        object.__setattr__(prepared, "schedule", schedule_class(first, n_microbatches=m,
-                                                                loss_fn=prepared.token_loss if autocast is None
-                                                                else autocast(prepared.token_loss),
+        loss_fn = prepared.token_loss if autocast is None else autocast(prepared.token_loss)
+        object.__setattr__(prepared, "schedule", schedule_class(first, n_microbatches=m, loss_fn=loss_fn,
                                                                 scale_grads=False))
+        if recipe.pp_schedule in V_SCHEDULES:
+            prepared.eval_order = forward_only_order(prepared.schedule, self.pp, m)
         optimizer = build_optimizer(recipe, model, optimizer.defaults["lr"], allow_empty=True)  # this rank's part
         self.register_checkpoint_hooks(prepared, optimizer)
         return prepared, optimizer
@@ -471,8 +498,8 @@ class PipelineBackend(Backend):
                 dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.dp_group)
                 g.div_(copies)
         tied = self.tied_parameter(model)
-        if tied is not None and tied.grad is not None:
-            sum_whole(tied.grad, self.tie_group)
+        if tied is not None and tied.grad is not None and not (model.has_first and model.has_last):
+            sum_whole(tied.grad, self.tie_group)  # (in a V the first and last stage share rank 0: one tensor there)
         squares = torch.zeros((), dtype=torch.float32, device=self.accelerator.device)
         for p, g in zip(params, grads, strict=True):
             if tied is not None and p is tied and not model.has_first:

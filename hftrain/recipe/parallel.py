@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from hftrain.layout import PRESET_DIR
 from hftrain.recipe import recipe_field as _f
 
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per process placed in a V (rank 0: the first and last)
+
 
 @dataclass
 class ParallelFields:
@@ -54,8 +56,9 @@ class ParallelFields:
     )
     pp_schedule: str = _f(
         "1F1B", "Pipeline schedule (torch's names): 1F1B (one forward, one backward: few activations in flight), "
-        "GPipe (all forwards, then all backwards), Interleaved1F1B (two stages per process: bubble halved). "
-        "ZBVZeroBubble and DualPipeV are refused (not wired yet, docs/pipeline.md).", group="parallelism",
+        "GPipe (all forwards, then all backwards), Interleaved1F1B (two stages per process: bubble halved); "
+        "opt-in ZBVZeroBubble and DualPipeV (two stages per process placed in a V, the backward split into input and "
+        "weight gradients to fill the bubble; docs/pipeline.md).", group="parallelism",
         choices=("1F1B", "GPipe", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"),
     )
     pp_microbatches: int | None = _f(
@@ -106,12 +109,11 @@ def _pipeline_problems(r) -> list[str]:
         problems.append(f"pp_size={r.pp_size} with objective={r.objective}: a preference loss needs both rows of a "
                         "pair and the reference's log-probabilities on the last stage, which hftrain's pipeline does "
                         "not carry; use data parallelism or tensor parallelism")
-    if r.pp_schedule in ("ZBVZeroBubble", "DualPipeV"):
-        problems.append(f"pp_schedule={r.pp_schedule} is not available: it needs two stages per process placed in a V "
-                        "and a backward split into input and weight gradients, which hftrain's stages do not provide "
-                        "yet; use Interleaved1F1B (bubble (p-1)/(2m)) or 1F1B")
     if r.pp_microbatches is not None and r.pp_microbatches < 1:
         problems.append(f"pp_microbatches must be >= 1 or unset, got {r.pp_microbatches}")
+    elif r.pp_microbatches is not None and r.pp_schedule in V_SCHEDULES and r.pp_microbatches < 2 * r.pp_size:
+        problems.append(f"pp_microbatches={r.pp_microbatches} with pp_schedule={r.pp_schedule}: its V of two stages "
+                        f"per process needs at least as many microbatches as stages ({2 * r.pp_size}); raise it")
     elif r.pp_microbatches is not None and r.pp_schedule != "GPipe" and r.pp_microbatches < r.pp_size:
         problems.append(f"pp_microbatches={r.pp_microbatches} with pp_schedule={r.pp_schedule}: 1F1B-type schedules "
                         f"need at least as many microbatches as processes in the pipeline ({r.pp_size}); raise it")

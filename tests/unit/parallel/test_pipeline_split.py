@@ -113,3 +113,23 @@ def test_packed_stages_pass_the_documents_positions_on():
         if s < 3:
             assert isinstance(out, tuple) and out[1] is positions
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_v_placement_is_torchs_and_puts_the_first_and_last_stage_on_rank_0(pp):
+    """ZBVZeroBubble / DualPipeV: each rank's two stages are where torch's V schedules send their activations."""
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    torch_ranks = generate_stage_to_rank_mapping(pp, 2 * pp, style="v")
+    mine = {s: r for r in range(pp) for s in stage_indices(r, pp, 2, v=True)}
+    assert mine == torch_ranks
+    assert stage_indices(0, pp, 2, v=True) == [0, 2 * pp - 1]
+
+
+def test_v_schedules_need_a_microbatch_per_stage():
+    from hftrain.recipe.parallel import _pipeline_problems
+
+    short = _pipeline_problems(Recipe(pp_size=2, pp_schedule="ZBVZeroBubble", pp_microbatches=3))
+    assert any("at least as many microbatches as stages (4)" in p for p in short)
+    assert _pipeline_problems(Recipe(pp_size=2, pp_schedule="DualPipeV", pp_microbatches=4)) == []
+    assert microbatches(Recipe(pp_size=2, pp_schedule="ZBVZeroBubble")) == 8
