@@ -82,8 +82,10 @@ def problems(r) -> list[str]:
                         "tensor, sequence (Ulysses) or context (ring) parallelism at a time; set the others to 1")
     for name in ("sp_size", "cp_size"):
         if getattr(r, name) > 1 and r.objective != "sft":
-            problems.append(f"{name}={getattr(r, name)} with objective={r.objective} is not supported: preference "
-                            "losses need each row's whole log-probability on one process; use data parallelism")
+            needs = ("GRPO needs each completion's token log-probabilities and its whole rows for generation"
+                     if r.objective == "grpo" else "preference losses need each row's whole log-probability")
+            problems.append(f"{name}={getattr(r, name)} with objective={r.objective} is not supported: {needs} on one "
+                            "process; use data parallelism")
     problems += _pipeline_problems(r)
     if r.launch_preset_reason is not None and r.launch_preset is None:
         problems.append("launch_preset_reason is set but launch_preset is not; name the preset it explains")
