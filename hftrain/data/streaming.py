@@ -671,7 +671,7 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
     else:  # a dataset of images as bytes (an Image feature) is refused here, before its bytes reach a checkpoint
         vision_data.check_image_paths(firsts[0], f"dataset {name!r} example 0")
         filler = vision_data.filler_row(source.open().take(vision_data.FILLER_SCAN), processor, spec, base, name)
-        collator = vision_data.StreamImageCollator(processor, 0, base, name, filler)
+        collator = vision_data.StreamImageCollator(processor, 0, base, name, filler, world)
     per_pass = None  # raw training examples in a pass, when known (for the logged epoch)
     if source.num_rows is not None and not disjoint:
         per_pass = min(source.num_rows - held_out, recipe.max_samples or source.num_rows) or None

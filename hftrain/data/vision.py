@@ -371,16 +371,27 @@ def filler_row(examples, processor, spec: DataSpec, base: Path | None, name: str
 
 class StreamImageCollator:
     """ImageChatCollator for a stream's micro-batches, given as rows (lists of one `stream_row`) instead of indices;
-    `filler`: the row for a micro-batch without an image (`filler_row`)."""
+    `filler`: the row for a micro-batch without an image (`filler_row`). With several `processes` and a filler
+    without an image (the stream's first FILLER_SCAN examples held none), an image chat met later stops the run: its
+    micro-batch would run the vision tower on this process only, and the others would wait in ZeRO-3's / FSDP2's
+    gathers or DDP's reduction (a hang, not an error)."""
 
-    def __init__(self, processor, pad_token_id: int, base: Path | None, name: str, filler: dict | None):
+    def __init__(self, processor, pad_token_id: int, base: Path | None, name: str, filler: dict | None,
+                 processes: int = 1):
         self.processor, self.pad_token_id, self.filler = processor, pad_token_id, filler
         self.base, self.name = base, name
         self.mark_real_tokens = False  # the Collator interface
         self.reference = None
+        self.no_image_filler = processes > 1 and not (filler and filler["images"])
 
     def __call__(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
         examples = [example for row in rows for example in row]
+        if self.no_image_filler and any(example["images"] for example in examples):
+            raise HftrainError(f"dataset {self.name!r}: an image chat came after the stream's first {FILLER_SCAN} "
+                               "examples, which held none; on several processes every micro-batch must be able to "
+                               "run the vision tower (a micro-batch without an image borrows one of those first "
+                               "image chats), so put an image chat among the first examples (or shuffle the files), "
+                               "or train on one process")
         chats = ImageChats([*examples, *([self.filler] if self.filler else [])], self.base, self.name)
         return ImageChatCollator(chats, self.processor, self.pad_token_id)(list(range(len(examples))))
 

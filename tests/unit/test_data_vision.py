@@ -263,5 +263,11 @@ def test_streamed_image_rows_collate_as_the_map_style_set(processor, rows):
         for key, value in theirs.items():
             assert torch.equal(ours[key], value), key
     assert collator([[streamed[0]]])["input_ids"].shape[0] == 2
+    # on several processes, a filler without an image cannot stand in for a later image chat: stopped, not hung
+    late = StreamImageCollator(processor, pad, DATA.parent, str(DATA), streamed[0], processes=2)
+    assert late([[streamed[0]]])["input_ids"].shape[0] == 2  # text-only micro-batches still run
+    with pytest.raises(HftrainError, match="an image chat came after the stream's first 1000 examples"):
+        late([[streamed[1]]])
+    assert StreamImageCollator(processor, pad, DATA.parent, str(DATA), streamed[0])([[streamed[1]]])  # one process
     with pytest.raises(HftrainError, match="example 7: a streamed image chat gives its 'images' as file paths"):
         stream_row({**rows[0], "images": images_of(rows[0])}, processor, SPEC, DATA.parent, "example 7")
