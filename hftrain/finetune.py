@@ -227,7 +227,8 @@ class Finetune:
                               cost_per_gpu_hour=recipe.cost_per_gpu_hour, effective_batch_size=self.plan.global_batch,
                               device_hours_before=resumed.get("device_hours", 0.0), warn=self.logger.warn,
                               machines=self.backend.record.machines,
-                              sequence_shards=self.backend.record.sequence_shards)
+                              sequence_shards=self.backend.record.sequence_shards,
+                              peers=self.backend.equal_work_groups())
 
     def make_run_info(self) -> dict:
         """What this run is, recorded in every checkpoint and the final folder (hftrain_state.json)."""

@@ -227,8 +227,12 @@ class RunMeter:
     def __init__(self, accelerator, flops: FlopCounter, *, straggler_threshold: float,
                  peak_tflops_override: float | None, cost_per_gpu_hour: float | None, effective_batch_size: int,
                  device_hours_before: float, warn: Callable[[str], None], machines: int = 1,
-                 utilization: UtilizationSampler | None = None, sequence_shards: int = 1):
+                 utilization: UtilizationSampler | None = None, sequence_shards: int = 1,
+                 peers: list[list[int]] | None = None):
         self.accelerator = accelerator
+        # ranks that do the same work each step, among which a straggler is sought: all of them, or under pp the
+        # ranks of one stage (a stage's copies and tp shards; stages hold unequal layers, embedding and head)
+        self.peers = peers if peers is not None else [list(range(accelerator.num_processes))]
         self.shards = sequence_shards  # sequence parallel: each rank processes 1/shards of every micro-batch
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.flops = flops
@@ -367,15 +371,19 @@ class RunMeter:
         return row
 
     def _straggler(self, own: list[float], warn: bool) -> dict:
-        """The slowest rank; a warning when the same rank is below the threshold in two windows in a row
-        (one slow window is scheduling noise more often than a slow device)."""
-        ratios = [own[i] / max(statistics.median(own[:i] + own[i + 1:]), 1e-9) for i in range(len(own))]
-        slowest = min(range(len(own)), key=ratios.__getitem__)
+        """The slowest rank, each rank against the median of its peers (`peers`: ranks doing the same work); a
+        warning when the same rank is below the threshold in two windows in a row (one slow window is scheduling
+        noise more often than a slow device). Nothing when no rank has a peer (a pipeline of one copy)."""
+        ratios = {i: own[i] / max(statistics.median([own[j] for j in group if j != i]), 1e-9)
+                  for group in self.peers if len(group) > 1 for i in group}
+        if not ratios:
+            return {}
+        slowest = min(ratios, key=ratios.__getitem__)
         below = warn and ratios[slowest] < 1 - self.threshold
         repeated, self.suspect = below and self.suspect == slowest, slowest if below else None
         if repeated:
             self.warn(f"straggler: rank {slowest} processes {own[slowest]:,.0f} tokens/s of its own time, "
-                      f"{1 - ratios[slowest]:.0%} below the other ranks' median ({own[slowest] / ratios[slowest]:,.0f}"
+                      f"{1 - ratios[slowest]:.0%} below its peers' median ({own[slowest] / ratios[slowest]:,.0f}"
                       f"); every rank waits for it (straggler_threshold={self.threshold})")
         return {"slowest_rank": slowest, "slowest_rank_ratio": ratios[slowest]}
 

@@ -226,6 +226,10 @@ class Backend:
         """Processes the parts in `record.sharded` are split over."""
         return self.accelerator.num_processes
 
+    def equal_work_groups(self) -> list[list[int]] | None:
+        """Groups of ranks that do the same work each step, among which the straggler check compares (None: all)."""
+        return None
+
     def memory(self, n_trainable: int, n_params: int) -> dict:
         """Model-state memory per device for this layout (activations and buffers not included).
 

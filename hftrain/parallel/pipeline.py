@@ -433,6 +433,11 @@ class PipelineBackend(Backend):
     def shard_count(self) -> int:
         return self.pp * self.tp
 
+    def equal_work_groups(self) -> list[list[int]]:
+        """The ranks of each stage position (its data-parallel copies and tp shards): stages hold unequal layers, the
+        embedding and the head, so a rank is compared only with those (no check without data-parallel copies)."""
+        return [self.mesh.mesh[s].flatten().tolist() for s in range(self.pp)]
+
     # ----------------------------------------------------------------- training
     def prepare(self, model, optimizer):
         """Split the loss module's causal LM into this rank's stages, build the schedule, and rebuild the optimizer

@@ -117,6 +117,30 @@ def test_straggler_is_the_rank_slow_in_its_own_time_not_in_wall_clock():
     assert row["tokens_per_second"] == pytest.approx(1600 / 1.6) and row["step_time"] == pytest.approx(1.6 / 5)
 
 
+def test_under_pp_a_rank_is_compared_only_with_its_stage_peers():
+    """pp 2 x 2 copies: ranks {0, 1} hold stage 0 and {2, 3} stage 1, which does half the work per token here. Against
+    all ranks both stage-0 ranks would look 50% slow every window; against their peers nobody is a straggler, and a
+    slow copy of stage 1 is found. A pipeline of one copy has no peers: no check."""
+    warnings: list[str] = []
+    accelerator = SimpleNamespace(num_processes=4, process_index=0, device=torch.device("cpu"))
+    meter = RunMeter(accelerator, FlopCounter(llama()), straggler_threshold=0.2, peak_tflops_override=None,
+                     cost_per_gpu_hour=None, effective_batch_size=8, device_hours_before=0.0, warn=warnings.append,
+                     peers=[[0, 1], [2, 3]])
+    stages = [rank(0.9), rank(0.9), rank(0.4), rank(0.4)]
+    for _ in range(3):
+        row = meter._metrics(stages, 5, 1600, 40)
+    assert row["slowest_rank_ratio"] == pytest.approx(1.0) and warnings == []
+    slow_copy = [rank(0.9), rank(0.9), rank(0.4), rank(0.9)]
+    for _ in range(2):
+        row = meter._metrics(slow_copy, 5, 1600, 40)
+    assert row["slowest_rank"] == 3 and row["slowest_rank_ratio"] == pytest.approx(0.5)
+    assert len(warnings) == 1 and "straggler: rank 3" in warnings[0] and "below its peers' median" in warnings[0]
+    alone = RunMeter(SimpleNamespace(num_processes=2, process_index=0, device=torch.device("cpu")),
+                     FlopCounter(llama()), straggler_threshold=0.2, peak_tflops_override=None, cost_per_gpu_hour=None,
+                     effective_batch_size=8, device_hours_before=0.0, warn=warnings.append, peers=[[0], [1]])
+    assert "slowest_rank" not in alone._metrics([rank(0.9), rank(0.4)], 5, 800, 40)
+
+
 def test_within_threshold_is_not_a_straggler():
     warnings: list[str] = []
     row = fake_meter(2, warnings)._metrics([rank(0.4), rank(0.5)], 5, 800, 40)  # 2000 vs 1667 tok/s: 17% slower
