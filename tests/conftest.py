@@ -34,6 +34,26 @@ def build_tiny_model(folder: Path, *args: str) -> Path:
     return folder
 
 
+FILE_SECONDS = REPO / "tests" / "file_seconds.json"  # seconds each test file took in CI: scripts/file_seconds.py
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the longest test files first: `make test` hands out whole files (`--dist loadfile
+    --no-loadscope-reorder`), in this order, to whichever worker is free, so a long file never starts while the
+    other worker is finishing the short ones (longest-first keeps the two workers' ends close). Tests keep their
+    order within a file. A file missing from FILE_SECONDS counts as one minute (end to end) or one second (unit).
+    Runs without xdist are left in pytest's order."""
+    if not hasattr(config, "workerinput"):  # only xdist workers collect for the scheduler
+        return
+    seconds = json.loads(FILE_SECONDS.read_text())
+
+    def cost(item) -> float:
+        path = item.nodeid.split("::", 1)[0]
+        return seconds.get(path, 60.0 if path.startswith("tests/e2e/") else 1.0)
+
+    items.sort(key=cost, reverse=True)  # stable: a file's tests stay together and in order
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random Llama built by the shipped script (checks the script and keeps tests off models/)."""
