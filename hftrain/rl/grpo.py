@@ -206,7 +206,7 @@ class Rollouts:
         rows = plan.rank_rows(self.rank)
         self.model_was_training = self.model.training
         self.model.eval()
-        with self.backend.generation_context(self.model) as (lm, synced_gpus):  # every rank, whole weights
+        with self.backend.generation_context(self.model) as (lm, synced_gpus):  # every rank at once
             sampled = generate_rows(lm, [self.prompts[prompt_index[row // G]].ids for row in rows],
                                     [row_seed(recipe.seed, window, row // G, row % G) for row in rows], self.sampling,
                                     self.eos_ids, self.pad_id, synced_gpus)
