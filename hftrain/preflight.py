@@ -31,17 +31,14 @@ from hftrain.parallel.deepspeed import deepspeed_problems
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.pipeline import pipeline_problems
 
-TP_WITH_SHARDING_REFUSED = (
-    "tensor parallelism combined with FSDP or DeepSpeed is not available in hftrain: accelerate 1.15 composes TP "
-    "with data parallelism only through ParallelismConfig, which needs FSDP2 with a sharded data dimension "
-    "(dp_shard_size > 1; it refuses TP with pure replication) and accepts only FSDP2, DeepSpeed or multi-GPU "
-    "launches, while accelerate selects FSDP only for GPU-like devices; and its FSDP2 x TP preparation "
-    "(Accelerator._prepare_tp) imports transformers' ReplicateParallel for every parameter the tp plan leaves whole "
-    "(the norms), which transformers 5.23 no longer has. Use a DDP-type preset (tp, or cpu_ddp / "
-    "multi_gpu with --num_processes a multiple of tp_size): hftrain then averages the gradients of the tp_size-way "
-    "sharded copies itself"
+TP_WITH_DEEPSPEED_REFUSED = (
+    "tensor parallelism combined with DeepSpeed is not available in hftrain: accelerate 1.15 composes TP with "
+    "DeepSpeed only through ParallelismConfig, whose TP preparation (Accelerator._prepare_tp) imports transformers' "
+    "ReplicateParallel, which transformers 5.23 no longer has, and transformers' own DistributedConfig, which "
+    "hftrain loads tensor-parallel models with, composes TP with FSDP2, not with ZeRO. Use an FSDP2 preset (fsdp2, "
+    "with --num_processes a multiple of tp_size: FSDP2 x TP) or a DDP-type one (tp, cpu_ddp, multi_gpu: "
+    "data-parallel copies)"
 )
-ACCELERATE_NAMES = {"fsdp2": "FSDP", "deepspeed": "DEEPSPEED"}
 
 
 def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | None:
@@ -141,8 +138,10 @@ def tensor_parallel_problems(recipe: Recipe, launch: Launch) -> list[str]:
     tp, world = recipe.tp_size, launch.world
     if tp <= 1:
         return []
-    if launch.kind in ACCELERATE_NAMES:
-        return [f"tp_size={tp} with a {ACCELERATE_NAMES[launch.kind]} preset: {TP_WITH_SHARDING_REFUSED}"]
+    if launch.kind == "deepspeed":
+        return [f"tp_size={tp} with a DEEPSPEED preset: {TP_WITH_DEEPSPEED_REFUSED}"]
+    if launch.kind == "fsdp2":
+        return fsdp2_tensor_parallel_problems(recipe, launch)
     if launch.kind == "single":
         return [f"tp_size={tp} needs tp_size (or a multiple of it) processes on a DDP-type preset (e.g. tp, or "
                 f"cpu_ddp with --num_processes {tp}); this launch is 1 process"]
@@ -150,6 +149,26 @@ def tensor_parallel_problems(recipe: Recipe, launch: Launch) -> list[str]:
         return [f"tp_size={tp} does not divide the {world} processes of this launch; use a multiple of tp_size "
                 "processes (each group of tp_size consecutive ranks shards one copy of the model)"]
     return []
+
+
+def fsdp2_tensor_parallel_problems(recipe: Recipe, launch: Launch) -> list[str]:
+    """FSDP2 x tensor parallel (parallel/tensor.py's FSDP2TensorParallelBackend): transformers' 2D mesh of
+    fsdp_size = processes / tp_size data-parallel shards of tp_size-way split weights."""
+    tp, world, problems = recipe.tp_size, launch.world, []
+    if world % tp or world < 2 * tp:
+        problems.append(f"tp_size={tp} with an FSDP2 preset shards each tensor-parallel shard over processes / "
+                        f"tp_size data-parallel ranks (FSDP2 x TP), so it needs a multiple of tp_size processes, at "
+                        f"least {2 * tp}; this launch is {world}. Pass --num_processes {2 * tp} (or another "
+                        f"multiple), or use the tp preset for tensor parallelism alone")
+    if recipe.fp16:
+        problems.append(f"fp16 with tp_size={tp} under FSDP2: transformers' FSDP2 x TP mixed precision is bf16 only "
+                        "(DistributedConfig.fsdp_mixed_precision); use bf16: true")
+    if recipe.objective != "sft":
+        problems.append(f"objective {recipe.objective} with tp_size={tp} under FSDP2 is refused: FSDP2 x TP is "
+                        "verified for the token loss (objective sft) only; a reference model or a second forward "
+                        "through transformers' FSDP2 units is not. Use the tp or cpu_ddp preset (data-parallel "
+                        "copies) for preference objectives with tensor parallelism")
+    return problems
 
 
 def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:

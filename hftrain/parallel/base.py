@@ -362,6 +362,7 @@ class Backend:
             "cp_size": self.record.cp_size,
             "pp_size": self.record.pp_size,
             "dtensor_parameters": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
+            "dtensor_meshes": dtensor_meshes(model),
             "optimizer": innermost_optimizer(optimizer),
             "mixed_precision": self.accelerator.mixed_precision,
             "device": str(self.accelerator.device),
@@ -369,6 +370,15 @@ class Backend:
                                        if type(m).__name__.startswith("FSDP")}),
             "deepspeed_config": self.config_used(),
         }
+
+
+def dtensor_meshes(model) -> list[str]:
+    """The device meshes the model's DTensor parameters lie on, e.g. ["fsdp=2 x tp=2", "fsdp=2"] under FSDP2 x TP
+    (the norms, whole over TP, are sharded over fsdp only)."""
+    meshes = {p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")}
+    return sorted(" x ".join(f"{name}={size}" for name, size in
+                             zip(m.mesh_dim_names or [f"dim{i}" for i in range(m.ndim)], m.shape, strict=True))
+                  for m in meshes)
 
 
 def raise_tp_mismatch(saved: int, now: int) -> None:

@@ -10,6 +10,11 @@ does not depend on the layout.
 Process layout (transformers' device mesh, TP innermost): rank = dp_rank * tp + tp_rank. With 4 processes and
 tp_size=2: TP groups {0,1} {2,3} hold the two halves of every linear layer; data-parallel groups {0,2} {1,3} hold
 the same half, train on different batches and average their gradients.
+
+Under an FSDP2 preset (`FSDP2TensorParallelBackend`) the data-parallel ranks shard instead of copying: transformers
+loads with `DistributedConfig(tp_size=T, fsdp_size=processes/T)` and applies FSDP2 itself (`fully_shard` on the
+fsdp dimension of its ("fsdp", "tp") mesh, per the model's `_fsdp_plan`), so every weight is a DTensor on that 2D
+mesh and FSDP2's reduce-scatter does what `ReplicaGradients` does for copies.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers.distributed import DistributedConfig
 
 from hftrain.errors import HftrainError
@@ -117,6 +125,39 @@ class FullTrainingState:
                        optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
 
 
+class FullStateSlices(FullTrainingState):
+    """`FullTrainingState` for FSDP2 x TP: the same file, loaded by each rank copying its own block of every full
+    tensor into its shards (no collective). torch's full-state loading (`set_state_dict(full_state_dict=True)`)
+    scatters each tensor with `distribute_tensor`, which refuses a dimension that the 2D mesh does not split evenly
+    (an AssertionError in `_StridedShard._shard_tensor`; the tiny model's 753-token vocabulary over 4 ranks)."""
+
+    def load(self, folder: str) -> None:
+        full = torch.load(os.path.join(folder, FULL_STATE_FILE), map_location="cpu", weights_only=True)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # this rank's shards (DTensors)
+        set_state_dict(self.model, self.optimizer, model_state_dict=_local_blocks(model_state, full["model"]),
+                       optim_state_dict=_local_blocks(optimizer_state, full["optimizer"]))
+
+
+def _local_blocks(local, full, path: str = ""):
+    """`full` (a state dict of full tensors) with each value that `local` holds as a DTensor cut to this rank's block
+    of it (its offset and shape on the mesh); everything else (plain tensors, steps, param_groups) as in `full`."""
+    if isinstance(local, dict):
+        if local.keys() - full.keys():
+            missing = sorted(local.keys() - full.keys())[:3]
+            raise HftrainError(f"the checkpoint lacks {missing} under {path or 'the top'}")
+        return {key: _local_blocks(local[key], full[key], f"{path}.{key}") if key in local else full[key]
+                for key in full}
+    if not isinstance(local, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(full.shape, local.device_mesh, local.placements)
+    if tuple(full.shape) != tuple(local.shape) or tuple(shape) != tuple(local.to_local().shape):
+        raise HftrainError(f"{path}: the checkpoint's {tuple(full.shape)} does not fit this layout's "
+                           f"{tuple(local.shape)} (local block {tuple(local.to_local().shape)})")
+    block = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    return DTensor.from_local(block.to(local.dtype).contiguous(), local.device_mesh, local.placements,
+                              shape=local.shape, stride=local.stride())
+
+
 class TensorParallelBackend(Backend):
     @property
     def tp(self) -> int:
@@ -184,3 +225,75 @@ class TensorParallelBackend(Backend):
     def save_pretrained(self, model, folder: Path) -> None:
         """Every rank: transformers gathers the shards, the main process writes."""
         model.save_pretrained(folder, is_main_process=self.accelerator.is_main_process)
+
+
+class FSDP2TensorParallelBackend(TensorParallelBackend):
+    """FSDP2 x tensor parallel, the 2D layout: an FSDP2 preset with tp_size T and processes = F x T. transformers
+    shards every linear layer over the T ranks of a TP group while it loads and applies FSDP2 over the F ranks that
+    hold the same TP shard (`DistributedConfig(tp_size=T, fsdp_size=F)`): each weight is a DTensor on the
+    ("fsdp", "tp") mesh, each rank holds 1/(F x T) of it, and FSDP2's reduce-scatter averages the gradients over the
+    F data-parallel ranks, as DDP's mean does (the loop's loss scale counts on that mean). The model is not prepared
+    by accelerate (its FSDP2 x TP path, `Accelerator._prepare_tp`, imports transformers' removed ReplicateParallel);
+    checkpoints are full state (`FullTrainingState`), as for tensor parallelism alone, so they resume on any tp or
+    fsdp size."""
+
+    def model_load_kwargs(self) -> dict:
+        plugin = self.accelerator.state.fsdp_plugin
+        return {"distributed_config": DistributedConfig(
+            tp_size=self.tp, fsdp_size=self.accelerator.num_processes // self.tp,
+            fsdp_cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy),  # OffloadPolicy(): none
+            # transformers' FSDP2 mixed precision: bf16 compute, fp32 gradient reduction, outputs not cast (the fp32
+            # loss sum keeps its precision, as FSDP2Backend ensures for accelerate's policy); fp16 is refused by the
+            # preflight
+            fsdp_mixed_precision=self.accelerator.mixed_precision == "bf16")}
+
+    @property
+    def full_shard(self) -> bool:
+        return self.accelerator.state.fsdp_plugin.reshard_after_forward is True  # SHARD_GRAD_OP keeps them gathered
+
+    def make_record(self, **layout) -> Parallelism:
+        fsdp = self.accelerator.num_processes // self.tp
+        name = (f"FSDP2 {'FULL_SHARD' if self.full_shard else 'SHARD_GRAD_OP'} (fsdp_size={fsdp}) x tensor parallel "
+                f"(tp_size={self.tp})")
+        sharded = ALL_PARTS if self.full_shard else ("gradients", "optimizer")
+        offloaded = ALL_PARTS if isinstance(self.accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy) else ()
+        return Backend.make_record(self, kind="fsdp2_tp", name=name + (" + offload" if offloaded else ""),
+                                   sharded=sharded, offloaded=offloaded)
+
+    def shard_count(self) -> int:
+        return self.accelerator.num_processes  # TP-split weights further sharded over the fsdp ranks
+
+    def prepare(self, model, optimizer):
+        """The loss wrapper becomes the root FSDP2 unit over transformers' units (embeddings, each decoder layer, the
+        final norm with the head, the causal LM), on the same fsdp mesh and policy: the wrapper calls the causal LM's
+        decoder and head directly (`CausalLMTokenLoss`), so the causal LM's own unit cannot be the one whose forward
+        starts every step (lazy initialisation, the final gradient reduction), and accelerate's `no_sync` (gradient
+        accumulation) reaches every unit through the root's `set_requires_gradient_sync`."""
+        accelerator, tp, world = self.accelerator, self.tp, self.accelerator.num_processes
+        layout = torch.arange(world).reshape(world // tp, tp)  # the data split's assumption: tp consecutive ranks
+        meshes = {p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")}
+        if not any(m.mesh_dim_names == ("fsdp", "tp") for m in meshes) or \
+                any(m.ndim == 2 and not torch.equal(m.mesh.cpu(), layout) for m in meshes):
+            raise HftrainError(f"transformers laid the weights out on {sorted(m.mesh.tolist() for m in meshes)} "
+                               f"{[m.mesh_dim_names for m in meshes]}, not on the (fsdp, tp) mesh {layout.tolist()} "
+                               "hftrain assumes for the data split")
+        if accelerator.mixed_precision != "no":
+            model.forward = accelerator.autocast()(model.forward)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if accelerator.mixed_precision == "bf16" else MixedPrecisionPolicy()
+        offload = {"offload_policy": CPUOffloadPolicy()} if self.record.offloaded else {}
+        fully_shard(model, mesh=model.lm._mesh_manager.get_mesh("fsdp"), mp_policy=policy, **offload)
+        if not self.full_shard:
+            model.set_reshard_after_forward(False)  # SHARD_GRAD_OP: every unit keeps its weights after forward
+        if not isinstance(model, FSDPModule):
+            raise HftrainError("FSDP2 x tensor parallel: the loss wrapper did not become an FSDP2 module")
+        state = FullStateSlices(accelerator, model, optimizer)
+        accelerator.register_save_state_pre_hook(lambda models, weights, folder: state.save(folder))
+        accelerator.register_load_state_pre_hook(lambda models, folder: state.load(folder))
+        return model, optimizer
+
+    def clip_grad_norm(self, model, max_norm: float) -> float | None:
+        """accelerate's DTensor-aware clipping: the TP-split weights' gradients on the 2D mesh and the norms' (whole
+        over TP) on the fsdp mesh, each group's norm over all its shards, combined into one global norm."""
+        norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        return None if norm is None else float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
