@@ -422,4 +422,4 @@ def test_tensor_parallel_with_data_parallel_under_four_ranks(reference, tmp_path
     refused = launch(tmp_path / "refused", *COMMON, "--tp_size", "2", preset="zero2", check=False)
     assert refused.returncode != 0
     message = refused.stderr.replace("\n", " ")
-    assert "tp_size=2 with a DEEPSPEED preset" in message and "ParallelismConfig, which needs FSDP2" in message
+    assert "tp_size=2 with a DEEPSPEED preset" in message and "composes TP with FSDP2, not with ZeRO" in message

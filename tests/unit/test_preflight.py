@@ -167,16 +167,32 @@ def test_quantized_launches_allowed(launch, values):
     assert quantization_problems(qlora(**values), launch) == []
 
 
-@pytest.mark.parametrize("launch, expected", [
-    (deepspeed(2, world=4), "tp_size=2 with a DEEPSPEED preset: tensor parallelism combined with FSDP or DeepSpeed"),
-    (Launch("fsdp2", 4, 4), "ParallelismConfig, which needs FSDP2 with a sharded data dimension"),
-    (ONE, "tp_size=2 needs tp_size (or a multiple of it) processes on a DDP-type preset"),
-    (Launch("ddp", 3, 3), "tp_size=2 does not divide the 3 processes of this launch"),
+@pytest.mark.parametrize("launch, tp, expected", [
+    (deepspeed(2, world=4), 2, "tp_size=2 with a DEEPSPEED preset: tensor parallelism combined with DeepSpeed"),
+    (ONE, 2, "tp_size=2 needs tp_size (or a multiple of it) processes on a DDP-type preset"),
+    (Launch("ddp", 3, 3), 2, "tp_size=2 does not divide the 3 processes of this launch"),
+    # FSDP2 x TP: a whole number of TP groups, at least two of them (the fsdp dimension)
+    (Launch("fsdp2", 2, 2), 2, "needs a multiple of tp_size processes, at least 4; this launch is 2"),
+    (Launch("fsdp2", 6, 6), 4, "needs a multiple of tp_size processes, at least 8; this launch is 6"),
 ])
-def test_tensor_parallel_layouts_hftrain_does_not_run_are_refused(launch, expected):
-    (problem,) = tensor_parallel_problems(Recipe(tp_size=2), launch)
+def test_tensor_parallel_layouts_hftrain_does_not_run_are_refused(launch, tp, expected):
+    (problem,) = tensor_parallel_problems(Recipe(tp_size=tp), launch)
     assert expected in problem
     assert tensor_parallel_problems(Recipe(tp_size=2), Launch("ddp", 4, 4)) == []
+
+
+@pytest.mark.parametrize("launch", [Launch("fsdp2", 4, 4), Launch("fsdp2", 8, 8), Launch("fsdp2", 16, 8)])
+def test_fsdp2_x_tensor_parallel_is_allowed_with_two_or_more_data_parallel_shards(launch):
+    assert tensor_parallel_problems(Recipe(tp_size=2), launch) == []
+
+
+@pytest.mark.parametrize("values, expected", [
+    ({"fp16": True}, "fp16 with tp_size=2 under FSDP2: transformers' FSDP2 x TP mixed precision is bf16 only"),
+    ({"objective": "dpo"}, "objective dpo with tp_size=2 under FSDP2 is refused"),
+])
+def test_fsdp2_x_tensor_parallel_refuses_what_it_does_not_run(values, expected):
+    (problem,) = tensor_parallel_problems(Recipe(tp_size=2, **values), Launch("fsdp2", 4, 4))
+    assert expected in problem
 
 
 @pytest.mark.parametrize("launch, values, expected", [

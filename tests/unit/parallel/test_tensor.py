@@ -1,12 +1,30 @@
-"""parallel/tensor.py: the tensor-parallel data split, transformers' load arguments, checkpoint compatibility."""
+"""parallel/tensor.py: the tensor-parallel data split, transformers' load arguments, checkpoint compatibility, and
+FSDP2 x TP's full-state loading by local blocks (on a fake 4-rank process group: meshes without communication)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from types import SimpleNamespace
+
 import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import OffloadPolicy
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hftrain.errors import HftrainError
 from hftrain.parallel.base import Backend
-from hftrain.parallel.tensor import TensorParallelBackend, data_share, model_load_kwargs
+from hftrain.parallel.tensor import (
+    FSDP2TensorParallelBackend,
+    TensorParallelBackend,
+    _local_blocks,
+    data_share,
+    model_load_kwargs,
+)
 
 
 @pytest.mark.parametrize("processes, index, expected", [(2, 1, (1, 0)), (4, 1, (2, 0)), (4, 2, (2, 1)), (6, 5, (3, 2))])
@@ -28,3 +46,63 @@ def test_tensor_parallel_checkpoints_resume_only_with_tensor_parallelism(backend
     unbound.recipe = type("R", (), {"tp_size": 1 if backend is Backend else 2})()
     with pytest.raises(HftrainError, match=f"written with tp_size={saved_tp} and this run has tp_size="):
         unbound.check_resumable({"tp_size": saved_tp, "num_processes": 2})
+
+
+def test_fsdp2_x_tensor_parallel_loads_on_transformers_fsdp_by_tp_mesh(accelerator):
+    """8 processes, tp_size=2: transformers' mesh is 4 fsdp ranks x 2 tp ranks, and it applies FSDP2 (dp_size > 1)."""
+    unbound = object.__new__(FSDP2TensorParallelBackend)  # model_load_kwargs reads the recipe and the accelerator
+    unbound.recipe = SimpleNamespace(tp_size=2)
+    unbound.accelerator = accelerator(8, kind="FSDP", fsdp_plugin=SimpleNamespace(cpu_offload=OffloadPolicy()))
+    config = unbound.model_load_kwargs()["distributed_config"]
+    assert (config.tp_size, config.fsdp_size, config.dp_replicate_size, config.dp_size) == (2, 4, 1, 4)
+    assert not config.fsdp_cpu_offload and not config.fsdp_mixed_precision  # fp32 on CPU: no policy
+
+
+@contextmanager
+def fake_rank(rank: int, world: int):
+    """This process as `rank` of a `world`-rank fake process group (no communication): enough for a DeviceMesh."""
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("fsdp", "tp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def shard_of(full: torch.Tensor, mesh, placements) -> DTensor:
+    """A DTensor of this rank's shape, filled with zeros: what `get_state_dict` returns for the rank's shard."""
+    shape, _ = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    return DTensor.from_local(torch.zeros(shape), mesh, placements, shape=full.shape, stride=full.stride())
+
+
+# the placements FSDP2 x TP gives a weight: FSDP's dim-0 shard of a TP shard (colwise: dim 0; rowwise: dim 1)
+COLWISE, ROWWISE = (_StridedShard(0, split_factor=2), Shard(0)), (Shard(0), Shard(1))
+
+
+@pytest.mark.parametrize("placements", [COLWISE, ROWWISE])
+def test_full_state_is_cut_into_each_ranks_block_as_torch_distributes_it(placements):
+    """Where torch's own scatter works (dimensions the 2x2 mesh splits evenly), each rank's block is what
+    `distribute_tensor` gives it (local split, no communication); plain values come from the full state."""
+    full = torch.randn(12, 8)
+    for rank in range(4):
+        with fake_rank(rank, 4) as mesh:
+            state = _local_blocks({"w": shard_of(full, mesh, placements), "step": 0}, {"w": full, "step": 7})
+            expected = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+            assert torch.equal(state["w"].to_local(), expected) and state["step"] == 7
+
+
+def test_an_uneven_vocabulary_is_cut_into_blocks_that_tile_it():
+    """753 rows (the tiny model's vocabulary) over tp 2 then fsdp 2, which torch's scatter refuses: TP rank 0 holds
+    rows 0-376, TP rank 1 rows 377-752, each split 189/188 and 188/188 by FSDP; every row exactly once."""
+    full = torch.arange(753 * 3, dtype=torch.float32).reshape(753, 3)
+    rows = {}
+    for rank in range(4):
+        with fake_rank(rank, 4) as mesh:
+            rows[rank] = _local_blocks({"w": shard_of(full, mesh, COLWISE)}, {"w": full})["w"].to_local()
+    fsdp_tp = {(r // 2, r % 2): rows[r] for r in rows}  # rank = fsdp_rank * tp + tp_rank
+    assert [len(fsdp_tp[k]) for k in [(0, 0), (1, 0), (0, 1), (1, 1)]] == [189, 188, 188, 188]
+    assert torch.equal(torch.cat([fsdp_tp[k] for k in [(0, 0), (1, 0), (0, 1), (1, 1)]]), full)
+
+
+def test_a_checkpoint_without_a_weight_of_this_model_is_refused():
+    with pytest.raises(HftrainError, match=r"the checkpoint lacks \['lm.w'\]"):
+        _local_blocks({"lm.w": torch.zeros(1), "b": torch.zeros(1)}, {"b": torch.ones(1)})
