@@ -29,7 +29,8 @@ class ParallelFields:
         1, "Tensor-parallel degree: load the model with transformers' DistributedConfig(tp_size=N), its predefined "
         "tensor-parallel plan (tp_plan 'auto'), so each linear layer is sharded over N processes that see the same "
         "batches. Needs a DDP-type preset (e.g. tp) with N processes, or a multiple of N for data-parallel copies "
-        "of the split model (hftrain averages their gradients). 1 = off.",
+        "of the split model (hftrain averages their gradients); or an FSDP2 preset with a multiple of N processes, at "
+        "least 2N: FSDP2 x TP, each split weight further sharded over processes / N ranks. 1 = off.",
         group="parallelism",
     )
     sp_size: int = _f(

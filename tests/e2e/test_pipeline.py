@@ -339,9 +339,9 @@ REFUSALS = {  # name: (extra argv, environment, config.json override or None, te
            "(tp_size) and data-parallel copies only"),
     "pp_tp_processes": ([*PP, "--tp_size", "2"], {"WORLD_SIZE": "2"}, None,
                         "pp_size=2 x tp_size=2 does not divide the 2 processes"),
-    # FSDP2 per stage is not built, and accelerate 1.15's FSDP2 x TP preparation fails with transformers 5.23
+    # FSDP2 per stage is not built (FSDP2 x TP without pp is: tests/e2e/test_fsdp_tp.py)
     "pp_tp_fsdp2": ([*PP, "--tp_size", "2"], {"WORLD_SIZE": "4", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
-                    None, ("pp_size=2 with a fsdp2 preset", "imports transformers' ReplicateParallel")),
+                    None, "pp_size=2 with a fsdp2 preset"),
     "deepspeed": (PP, ZERO2, None, "pp_size=2 with a deepspeed preset"),
     "odd_processes": (PP, {"WORLD_SIZE": "3"}, None, "pp_size=2 does not divide the 3 processes"),
 }
