@@ -234,8 +234,7 @@ class FSDP2TensorParallelBackend(TensorParallelBackend):
     ("fsdp", "tp") mesh, each rank holds 1/(F x T) of it, and FSDP2's reduce-scatter averages the gradients over the
     F data-parallel ranks, as DDP's mean does (the loop's loss scale counts on that mean). The model is not prepared
     by accelerate (its FSDP2 x TP path, `Accelerator._prepare_tp`, imports transformers' removed ReplicateParallel);
-    checkpoints are full state (`FullTrainingState`), as for tensor parallelism alone, so they resume on any tp or
-    fsdp size."""
+    checkpoints are tensor parallelism's full-state file, loaded back by each rank's own blocks (`FullStateSlices`)."""
 
     def model_load_kwargs(self) -> dict:
         plugin = self.accelerator.state.fsdp_plugin
@@ -265,10 +264,11 @@ class FSDP2TensorParallelBackend(TensorParallelBackend):
 
     def prepare(self, model, optimizer):
         """The loss wrapper becomes the root FSDP2 unit over transformers' units (embeddings, each decoder layer, the
-        final norm with the head, the causal LM), on the same fsdp mesh and policy: the wrapper calls the causal LM's
-        decoder and head directly (`CausalLMTokenLoss`), so the causal LM's own unit cannot be the one whose forward
-        starts every step (lazy initialisation, the final gradient reduction), and accelerate's `no_sync` (gradient
-        accumulation) reaches every unit through the root's `set_requires_gradient_sync`."""
+        final norm with the head, the causal LM), on the same fsdp mesh and policy. torch takes the first unit whose
+        forward runs as the root (`FSDPState._lazy_init`), and the wrapper calls the causal LM's decoder and head
+        directly (`CausalLMTokenLoss`), not the causal LM's forward: without a root of its own the embeddings' unit
+        would be taken, and the norm-with-head unit (two modules) would then refuse to be a second root. As root,
+        accelerate's `no_sync` (gradient accumulation) reaches every unit through `set_requires_gradient_sync`."""
         accelerator, tp, world = self.accelerator, self.tp, self.accelerator.num_processes
         layout = torch.arange(world).reshape(world // tp, tp)  # the data split's assumption: tp consecutive ranks
         meshes = {p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")}
