@@ -17,7 +17,9 @@ numbers measured, the bound they are held to, and the exit status of the process
 - throughput: scripts/bench.py --size gpu (a 1.24B Llama at max_length 4096, packed chat data) with hftrain's
   recommended GPU setting, transformers Trainer and TRL SFTTrainer (padding and packing): tokens/s, peak CUDA
   memory, MFU, and the issue's targets;
-- memory: `hftrain.estimate` against the peak CUDA memory of 2-step runs, full, LoRA and QLoRA.
+- memory: `hftrain.estimate` against the peak CUDA memory of 2-step runs, full, LoRA and QLoRA;
+- grpo_pp: GRPO on CUDA (1 x 8 completions = 4 x 2 accumulation; a resume inside a generation window = the
+  uninterrupted run) and pipeline parallelism's refusal on one process.
 
 Each part fits one device call of at most 10 minutes (throughput with its contenders split over two calls,
 --contenders); results are rewritten after every check into OUT/gpu_proof.json and OUT/gpu_proof.md, so a call
@@ -34,6 +36,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,7 +51,7 @@ MANIFEST = REPO / "scripts" / "gpu_bundle.json"
 BUNDLE = REPO / ".gpu-bundle"
 MIB = 2**20
 TINY = REPO / "models" / "tiny-llama"
-PARTS = ("env", "correctness", "throughput", "memory")
+PARTS = ("env", "correctness", "throughput", "memory", "grpo_pp")
 
 
 # ------------------------------------------------------------------------------------------- the bundle
@@ -506,6 +509,15 @@ DRY_CONTENDERS = ["hftrain_packed", "trl_packing"]  # the dry run: CPU-runnable 
 TARGETS = {"mfu": 0.40, "vs_trl": 1.3}
 
 
+def keep_failed_logs(row: dict, dest: Path, lines: int = 200) -> str:
+    """Copy the end of a failed contender's logs next to the report (the bench's working folder stays on the device
+    machine and is lost with it); return their last lines for the check's detail."""
+    text = "".join(f"== {log}\n" + "\n".join(Path(log).read_text(errors="replace").splitlines()[-lines:]) + "\n"
+                   for log in row.get("failed_logs", []) if Path(log).exists())
+    dest.write_text(text or "no log was kept\n")
+    return " / ".join(text.splitlines()[-6:])[-1200:]
+
+
 def part_throughput(report: Report, mode: Mode) -> None:
     out = report.out / "bench"
     names = mode.contenders or (DRY_CONTENDERS if mode.dry_run else GPU_CONTENDERS)
@@ -527,11 +539,13 @@ def part_throughput(report: Report, mode: Mode) -> None:
             return Check("", "", "FAIL", exit=proc.returncode, detail=(proc.stdout + proc.stderr)[-1500:])
         state["report"] = json.loads((out / "benchmarks.json").read_text())
         failed = [n for n, r in state["report"]["results"].items() if "tokens_per_second" not in r]
+        tails = {n: keep_failed_logs(state["report"]["results"][n], out / f"failed-{n}.log") for n in failed}
         return Check("", "", "FAIL" if proc.returncode or failed else "pass", exit=proc.returncode,
                      measured=f"{len(names) - len(failed)}/{len(names)} contenders ran",
                      detail=f"{state['report']['model_parameters']:,} parameters, max_length "
                             f"{state['report']['data']['max_length']}; failed: {', '.join(failed) or 'none'}; "
-                            f"tables in bench/benchmarks.md" + (proc.stderr[-800:] if failed else ""))
+                            f"tables in bench/benchmarks.md" + "".join(f"; {n}'s log ends: {t}"
+                                                                       for n, t in tails.items()))
 
     timed(report, "throughput", "scripts/bench.py " + " ".join(cmd[3:9]), bench)
     results = state.get("report", {}).get("results", {})
@@ -589,6 +603,7 @@ def part_memory(report: Report, mode: Mode) -> None:
         else:
             spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
             bench = importlib.util.module_from_spec(spec)
+            sys.modules["bench"] = bench  # its dataclasses look their module up while the class is made
             spec.loader.exec_module(bench)
             if not (model / "config.json").exists():
                 bench.build_model(bench.GPU, model)
@@ -634,6 +649,102 @@ def part_memory(report: Report, mode: Mode) -> None:
                          " (dry run: peak RSS - baseline of a 0.2M-parameter model, not judged)"),
                          numbers={"estimated_mib": estimated, "measured_mib": measured, "ratio": ratio})
         timed(report, "memory", f"estimate vs measured peak, {method}", measure)
+
+
+# ---------------------------------------------------------------------------------------- part: grpo_pp
+GRPO = ["--model_name_or_path", str(TINY), "--dataset_name", str(REPO / "data" / "prompt_completion.jsonl"),
+        "--objective", "grpo", "--reward_funcs", "hftrain.rl.example_rewards.vowel_share", "--num_generations", "4",
+        "--max_completion_length", "6", "--max_steps", "3", "--optim", "sgd", "--learning_rate", "1.0",
+        "--weight_decay", "0", "--lr_scheduler_type", "constant", "--max_grad_norm", "1.0", "--eval_strategy", "no",
+        "--logging_steps", "1", "--seed", "3", "--num_iterations", "2", "--beta", "0.5"]
+# tests/e2e/test_grpo.py's settings: step 1 trains the first generation window on-policy, step 2 the same rollouts
+# against the stored old log-probs and the frozen reference, step 3 samples a new window
+
+
+def part_grpo_pp(report: Report, mode: Mode) -> None:
+    """GRPO on CUDA (generation with per-completion seeded sampling, the reference, num_iterations 2): accumulation
+    gives the same training as one micro-batch, and a resume inside a generation window gives the uninterrupted
+    run's rollouts and weights; and the pipeline-parallel refusal on one process (pp needs a process per stage)."""
+    from safetensors.torch import load_file
+
+    runs = {}
+
+    def grpo(name: str, *extra: str) -> tuple[int, Path, str]:
+        if name not in runs:
+            runs[name] = hftrain_run(mode, f"grpo-{name}", *GRPO, *extra)
+        return runs[name]
+
+    def rows(out: Path) -> list[dict]:
+        return [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+
+    def train_rows(out: Path) -> list[dict]:
+        return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    def worst(a: Path, b: Path) -> float:
+        wa, wb = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
+        return max((wa[n].float() - wb[n].float()).abs().max().item() for n in wa)
+
+    def one_batch() -> tuple[int, Path, str]:  # 1 x 8 completions, a checkpoint inside the first window
+        return grpo("1x8", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
+                    "--save_strategy", "steps", "--save_steps", "1", "--checkpoint_preflight", "false")
+
+    def accumulation() -> Check:
+        code, a, err = one_batch()
+        if code != 0:
+            return Check("", "", "FAIL", exit=code, detail=err)
+        code, b, err = grpo("4x2", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4",
+                            "--save_strategy", "no")
+        if code != 0:
+            return Check("", "", "FAIL", exit=code, detail=err)
+        same_rollouts = rows(a) == rows(b)
+        losses = [(x["loss"], y["loss"]) for x, y in zip(train_rows(a), train_rows(b))]
+        loss_err = max(abs(x - y) for x, y in losses)
+        weight_err = worst(a, b)
+        ok = same_rollouts and len(losses) == 3 and loss_err <= 1e-5 and weight_err <= 1e-4
+        return Check("", "", "pass" if ok else "FAIL", measured=f"rollouts equal: {same_rollouts}; loss "
+                     f"{loss_err:.1e}, weights {weight_err:.1e}", bound="equal; <= 1e-5; <= 1e-4", exit=code,
+                     detail=f"{len(rows(a))} completions; losses {[round(x, 6) for x, _ in losses]}",
+                     numbers={"loss_error": loss_err, "weight_error": weight_err, "rollouts_equal": same_rollouts})
+
+    def resume() -> Check:
+        code, a, err = one_batch()
+        if code != 0:
+            return Check("", "", "FAIL", exit=code, detail=err)
+        b = mode.work / "runs" / "grpo-resumed"
+        shutil.rmtree(b, ignore_errors=True)
+        b.mkdir(parents=True)
+        shutil.copytree(a / "checkpoint-1", b / "checkpoint-1")  # what a SIGTERM after step 1 leaves
+        first = [r for r in rows(a) if r["step"] == 1]
+        (b / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
+        cmd = [sys.executable, "-m", "hftrain.finetune", "--output_dir", str(b), "--disable_tqdm", "true",
+               "--report_to", "none", *GRPO, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps",
+               "1", "--resume_from_checkpoint", "latest"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=mode.timeout)
+        if proc.returncode != 0:
+            return Check("", "", "FAIL", exit=proc.returncode, detail=proc.stderr[-1500:])
+        same_rollouts = rows(a) == rows(b)
+        weight_err = worst(a, b)
+        ok = same_rollouts and weight_err <= 1e-5
+        return Check("", "", "pass" if ok else "FAIL", measured=f"rollouts equal: {same_rollouts}; weights "
+                     f"{weight_err:.1e}", bound="equal; <= 1e-5", exit=proc.returncode,
+                     detail=f"resumed from checkpoint-1 (inside the first window of num_iterations 2); "
+                            f"{len(first)} of {len(rows(a))} rows before the stop",
+                     numbers={"weight_error": weight_err, "rollouts_equal": same_rollouts})
+
+    def pp_refusal() -> Check:
+        start = time.time()
+        code, out, err = hftrain_run(mode, "pp-one-process", "--pp_size", "2", "--max_steps", "1")
+        said = " ".join(err.split())
+        ok = (code == 2 and "pp_size=2 does not divide" in said and "Traceback" not in err
+              and not (out / "final").exists())
+        return Check("", "", "pass" if ok else "FAIL", measured=f"exit {code} after {time.time() - start:.0f} s",
+                     bound="exit 2, one paragraph, nothing written", exit=code, detail=said[-400:])
+
+    covered = "covered on CPU by tests/e2e/test_grpo.py; the dry run checks the orchestration of the other parts"
+    skip_on_cpu = (lambda fn: fn) if mode.cuda else (lambda fn: lambda: Check("", "", "skip", detail=covered))
+    timed(report, "grpo_pp", "GRPO: 1x8 = 4x2 accumulation (rollouts, loss, weights)", skip_on_cpu(accumulation))
+    timed(report, "grpo_pp", "GRPO: resume inside a generation window = uninterrupted", skip_on_cpu(resume))
+    timed(report, "grpo_pp", "pp_size 2 on one process: refused before loading", pp_refusal)
 
 
 # ------------------------------------------------------------------------------------------------- main
@@ -683,7 +794,8 @@ def main(argv: list[str] | None = None) -> None:
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.dry_run else "CPU",
             "versions": versions(), "work": str(work)}
     report = Report(args.out, meta)
-    runners = {"env": part_env, "correctness": part_correctness, "throughput": part_throughput, "memory": part_memory}
+    runners = {"env": part_env, "correctness": part_correctness, "throughput": part_throughput, "memory": part_memory,
+               "grpo_pp": part_grpo_pp}
     for part in parts:
         runners[part](report, mode)
         if torch.cuda.is_available():  # the next part's child processes get the GPU memory this one cached

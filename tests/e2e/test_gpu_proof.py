@@ -99,7 +99,7 @@ def test_dry_run_goes_through_every_part(tmp_path):
     report = json.loads((out / "gpu_proof.json").read_text())
     checks = report["checks"]
     assert report["dry_run"] and report["device"] == "CPU"
-    assert {c["part"] for c in checks} == {"env", "correctness", "throughput", "memory"}
+    assert {c["part"] for c in checks} == {"env", "correctness", "throughput", "memory", "grpo_pp"}
     assert {c["status"] for c in checks} <= {"pass", "skip", "info"}
     assert all(c["detail"] for c in checks if c["status"] == "skip")  # every skip says why
     exact = [c for c in checks if c["name"].startswith("one step = plain PyTorch")]
@@ -116,3 +116,16 @@ def test_dry_run_goes_through_every_part(tmp_path):
     assert page.startswith("# GPU proof (dry run on CPU)")
     assert "| part | check | status | measured | bound | exit | s | detail |" in page
     assert all(f"| {c['part']} | {c['name']} | {c['status']} |" in page for c in checks)
+
+
+def test_a_failed_contenders_log_comes_back_with_the_report(tmp_path):
+    """The bench keeps a failed run's log in its working folder, which stays on the device machine: the report's
+    folder gets its last lines (the 2026-11-27 H100 run lost hftrain_gpu's reason this way)."""
+    log = tmp_path / "log.txt"
+    log.write_text("".join(f"line {i}\n" for i in range(500)) + "RuntimeError: the reason\n")
+    dest = tmp_path / "out" / "failed-x.log"
+    dest.parent.mkdir()
+    tail = gpu_proof().keep_failed_logs({"failed_logs": [str(log), str(tmp_path / "gone.txt")]}, dest)
+    kept = dest.read_text().splitlines()
+    assert kept[0] == f"== {log}" and kept[-1] == "RuntimeError: the reason" and len(kept) == 201
+    assert tail.endswith("RuntimeError: the reason") and "line 499" in tail
