@@ -456,6 +456,11 @@ def _validate_performance(r: Recipe) -> list[str]:
         problems.append("torch_compile with tp_size > 1 is refused: compiling transformers' tensor-parallel layers "
                         "(DTensor weights) fails in backward with torch 2.13 (a RecursionError in a view's backward); "
                         "use tensor parallelism or torch_compile, not both")
+    if r.use_liger_kernel and r.tp_size > 1:
+        problems.append(f"use_liger_kernel with tp_size={r.tp_size} is refused: Liger's fused loss reads "
+                        "lm_head.weight directly, and under tensor parallelism that is a DTensor holding 1/tp_size of "
+                        "the vocabulary (transformers' tp plan splits the head), which its Triton kernel cannot "
+                        "take as the whole head; use tensor parallelism or Liger, not both")
     if r.packing and r.train_sampling_strategy == "group_by_length":
         problems.append("train_sampling_strategy=group_by_length with packing=true has nothing to group: packed rows "
                         "all hold close to max_length tokens; use random with packing, or turn packing off")

@@ -242,6 +242,16 @@ def test_compile_mode_without_compile_is_refused_with_the_other_problems(in_tmp)
         recipe_from_dict(valid(in_tmp, torch_compile=True, tp_size=2))
 
 
+def test_liger_under_tensor_parallelism_is_refused_with_the_reason(in_tmp):
+    """The fused loss takes lm_head.weight as the whole head; transformers' tp plan leaves each rank a vocabulary
+    shard (hftrain.estimate's tp placement test shows the split), so the pair is refused from the recipe alone."""
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict(valid(in_tmp, use_liger_kernel=True, tp_size=2))
+    (problem,) = info.value.problems
+    assert problem.startswith("use_liger_kernel with tp_size=2 is refused") and "1/tp_size of the vocabulary" in problem
+    assert recipe_from_dict(valid(in_tmp, use_liger_kernel=True)).use_liger_kernel  # alone: the machine decides
+
+
 def test_lora_under_tensor_parallelism_is_refused_with_the_reason(in_tmp):
     """peft's adapters are not sharded with the layers they wrap: measured to fail in the first forward (sft and
     dpo alike), so the recipe is refused before anything loads; full fine-tuning under tp_size stays allowed."""
