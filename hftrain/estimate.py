@@ -37,7 +37,8 @@ The numbers are a model of what training keeps in memory, per GPU, in bytes:
   pipeline) of a cluster and recommend one with its preset and recipe fields (`search_layouts`, `format_layouts`;
   what they leave out: `NOT_MODELLED`). `models/llama-3-70b-shape` is a config-only Llama-3-70B (no weights).
 - LoRA keeps the frozen base in bf16 and trains all-linear adapters of rank r; QLoRA stores the
-  base's decoder linears in 4-bit NF4 with double quantization (0.5 + ~0.016 bytes per parameter).
+  base's decoder linears in 4-bit NF4 with double quantization (0.5 + ~0.016 bytes per parameter) and, as
+  peft's `prepare_model_for_kbit_training` leaves them, every other weight (embeddings, norms, head) in fp32.
 
 Checked against measured peaks of real CPU runs (docs/memory-estimates.md): within +-25%.
 A GPU also needs ~1 GiB for the CUDA context and communication buffers, and fragmentation takes a
@@ -637,7 +638,7 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
             base * n + 4 * adapters, 4 * adapters * (2 if g > 1 else 1), 8 * adapters, act, act_ckpt, floor,
             note=f"{adapters / 1e6:,.1f}M adapter parameters"),
         Row(f"QLoRA r={lora_r} ({'DDP' if g > 1 else 'single GPU'})", lora_preset, "qlora",
-            NF4_BYTES * shape.layer_linear_params + 2 * others + 4 * adapters + 2 * unit,
+            NF4_BYTES * shape.layer_linear_params + 4 * others + 4 * adapters + 2 * unit,
             4 * adapters * (2 if g > 1 else 1), 8 * adapters, act, act_ckpt, floor, note="base in 4-bit NF4"),
     ]
     if reference:

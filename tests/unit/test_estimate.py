@@ -85,7 +85,10 @@ def test_every_strategy_matches_the_hand_formulas(model_dir):
     adapters = 8 * model_shape(str(model_dir)).lora_params_per_rank
     lora, qlora = rows["LoRA r=8 (DDP)"], rows["QLoRA r=8 (DDP)"]
     assert (lora.weights, lora.grads, lora.optimizer) == (2 * n + 4 * adapters, 8 * adapters, 8 * adapters)
-    assert qlora.weights == pytest.approx(NF4_BYTES * linear + 2 * (n - linear) + 4 * adapters + 2 * unit)
+    # the non-quantized weights in fp32: what hftrain's QLoRA builder leaves them as (peft's upcast, asserted in
+    # test_model_peft.py::test_qlora_builder_follows_peft_recipe); counted as bf16 until an H100 run measured
+    # the 1.24B QLoRA peak 27% above the estimate (docs/gpu-proof.md)
+    assert qlora.weights == pytest.approx(NF4_BYTES * linear + 4 * (n - linear) + 4 * adapters + 2 * unit)
     assert NF4_BYTES == pytest.approx(0.5 + 0.0159, abs=1e-4)  # 4-bit + double-quantized constants
 
 
