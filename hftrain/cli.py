@@ -11,16 +11,25 @@ hftrain/shipped/accelerate_configs; as TRL's `--accelerate_config zero3`) or a p
 config. A DeepSpeed preset's `deepspeed_config_file` is passed on as an absolute path, so the command
 works from any folder, as does the embedded default (its model and data ship in the package too).
 Launcher options (process and node counts, rendezvous) go to `accelerate launch`; every other argument
-goes to hftrain/finetune.py. `--dry_run` prints the command instead of running it.
+goes to hftrain/finetune.py. `--dry_run` prints the command instead of running it. When the run fails, the
+processes' own errors are shown as they print them, and the launcher's closing traceback (accelerate's
+`CalledProcessError`, torchrun's `ChildFailedError` and its summary), which only says that a process exited
+non-zero, is replaced by one line naming the process and its exit status.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import importlib
+import os
+import re
+import signal
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TextIO
 
 import yaml
 
@@ -30,6 +39,10 @@ from hftrain.errors import ConfigError, HftrainError, run_tool
 ENTRY = Path(__file__).resolve().parent / "finetune.py"
 TOOLS = {"finetune": "hftrain.finetune", "merge": "hftrain.merge", "estimate": "hftrain.estimate",
          "report": "hftrain.report", "data": "hftrain.data.__main__"}
+# the exceptions with which accelerate's launcher reports a process that exited non-zero (single process / DeepSpeed
+# multi-node: CalledProcessError; torchrun: ChildFailedError, followed by its failure summary)
+LAUNCHER_FAILURES = ("subprocess.CalledProcessError: Command",
+                     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:")
 LAUNCHER_OPTIONS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
                     "rdzv_backend", "max_restarts", "monitor_interval")
 
@@ -128,7 +141,82 @@ def main(argv: list[str] | None = None) -> None:
     if "--dry_run" in argv[1:]:
         print(" ".join(cmd))
         return
-    sys.exit(subprocess.call(cmd))
+    sys.exit(run_launcher(cmd))
+
+
+def run_launcher(cmd: list[str]) -> int:
+    """Run accelerate's launcher with its standard error relayed through `relay_errors`. This process only relays:
+    Ctrl-C reaches the launcher and its processes from the terminal (ignored here), a SIGTERM sent to it is passed
+    to the launcher, and it relays until the launcher's output ends, so no process writes into a closed pipe."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    relay_errors((decoder.decode(block) for block in iter(lambda: os.read(proc.stderr.fileno(), 65536), b"")),
+                 sys.stderr)
+    return proc.wait()
+
+
+TRACEBACK = "Traceback (most recent call last):"
+
+
+def relay_errors(chunks: Iterable[str], out: TextIO) -> None:
+    """Pass the launch's standard error on as it comes (progress bars' partial lines at once), except the launcher's
+    own closing traceback: a traceback is held until its exception line; the launcher's (`LAUNCHER_FAILURES`), with
+    what follows it (torchrun's summary), becomes one line; any other (a process's own error) is passed on whole."""
+    held: list[str] = []  # a traceback so far; held[0] == "" once it is the launcher's
+    partial, sent = "", 0  # the unfinished last line, and how much of it was passed on already
+
+    def complete(line: str) -> None:
+        nonlocal held
+        if held and held[0] == "":
+            held.append(line)
+        elif line.startswith(TRACEBACK):
+            out.writelines(held)
+            held = [line]
+        elif held and line.startswith((" ", "\t")):
+            held.append(line)
+        elif held and line.startswith(LAUNCHER_FAILURES):
+            held = ["", line]
+        else:
+            out.writelines(held)
+            held = []
+            out.write(line)
+
+    for chunk in chunks:
+        partial += chunk
+        while "\n" in partial:
+            line, partial = partial.split("\n", 1)
+            if sent:  # its start went out as a partial line: not a traceback's
+                out.write(line[sent:] + "\n")
+                sent = 0
+            else:
+                complete(line + "\n")
+        may_be_traceback = TRACEBACK.startswith(partial) or partial.startswith(TRACEBACK)
+        if partial and not held and (sent or not may_be_traceback):
+            out.write(partial[sent:])
+            sent = len(partial)
+        out.flush()
+    if partial and not sent:
+        complete(partial)
+    elif partial[sent:]:
+        out.write(partial[sent:])
+    if held and held[0] == "":
+        out.write(launcher_failure_line("".join(held)))
+    else:
+        out.writelines(held)
+    out.flush()
+
+
+def launcher_failure_line(text: str) -> str:
+    """One line for the launcher's report that a process failed: torchrun's root-cause rank and exit status."""
+    cause = text.split("Root Cause", 1)[-1]
+    rank, code = re.search(r"rank\s*:\s*(\d+)", cause), re.search(r"exitcode\s*:\s*(-?\d+)", cause)
+    if rank and code:
+        return (f"hftrain launch: process {rank.group(1)} exited with status {code.group(1)} (its error is above); "
+                "the launcher stopped the others\n")
+    code = re.search(r"non-zero exit status (-?\d+)", text)
+    return f"hftrain launch: the run exited with status {code.group(1) if code else 'non-zero'} (its error is above)\n"
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ Two processes against one with the same global batch: test_parallelism.py (DDP a
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -94,9 +97,6 @@ def test_resume_mid_epoch_reproduces_uninterrupted_run(tmp_path):
 
 def test_text_data_bf16_with_python_m(tmp_path):
     """`python -m hftrain.finetune` works without the launcher; bf16 autocast is really on."""
-    import subprocess
-    import sys
-
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "hftrain.finetune", "--dataset_name", str(REPO / "data" / "text.jsonl"),
@@ -178,3 +178,18 @@ def test_scale_lr_follows_the_effective_batch_and_a_resume_with_another_batch(tm
     assert resumed.state()["lr_scaling"]["effective_batch_size"] == 16
     assert [r["learning_rate"] for r in resumed.train_rows() if r["step"] > 2] == pytest.approx([1e-3 * .5,
                                                                                                 1e-3 * .25])
+
+
+def test_hftrain_launch_shows_the_processes_error_without_the_launchers_traceback(tmp_path):
+    """`hftrain launch` on 2 processes with a bad recipe: each process's one-paragraph error, then one line for
+    torchrun's ChildFailedError traceback and summary (which only say that rank 0 exited with status 2)."""
+    proc = subprocess.run([sys.executable, "-m", "hftrain", "launch", "--preset", "cpu_ddp", "--config",
+                           str(REPO / "recipes" / "tiny-chat.yaml"), "--learning_rate", "-1", "--output_dir",
+                           str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode != 0
+    assert "learning_rate must be > 0" in " ".join(proc.stderr.split())
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.rstrip().endswith("hftrain launch: process 0 exited with status 2 (its error is above); "
+                                         "the launcher stopped the others")
+    assert not (tmp_path / "out").exists()

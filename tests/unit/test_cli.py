@@ -3,11 +3,12 @@ files shipped inside the package (presets, DeepSpeed JSON, the embedded default'
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
 
-from hftrain.cli import deepspeed_config_file, launch_command, list_presets, main, resolve_preset
+from hftrain.cli import deepspeed_config_file, launch_command, list_presets, main, relay_errors, resolve_preset
 from hftrain.config import DEFAULT_DATASET, DEFAULT_MODEL, PRESET_DIR, SHIPPED, Recipe, recipe_from_dict
 from hftrain.errors import ConfigError
 from tests.conftest import REPO
@@ -113,3 +114,57 @@ def test_recipe_launch_preset_must_ship(tmp_path, monkeypatch):
         recipe_from_dict({"launch_preset_reason": "because", "overwrite_output_dir": True})
     assert recipe_from_dict({"launch_preset": "zero3", "overwrite_output_dir": True}).launch_preset == "zero3"
     assert Recipe().launch_preset is None
+
+
+# Standard error of real failed launches (accelerate 1.15, torch 2.13; paths shortened to /repo): a recipe error in
+# every process, then the launcher's own traceback saying a process exited non-zero
+LAUNCHER_OUTPUT = Path(__file__).parent / "launcher_output"
+
+
+def relayed(chunks: list[str]) -> str:
+    out = io.StringIO()
+    relay_errors(chunks, out)
+    return out.getvalue()
+
+
+def test_torchruns_closing_traceback_becomes_one_line():
+    text = (LAUNCHER_OUTPUT / "torchrun_child_failed.txt").read_text()
+    shown = relayed([text[i:i + 100] for i in range(0, len(text), 100)])  # arriving in pieces
+    assert "Traceback" not in shown and "ChildFailedError" not in shown and "Root Cause" not in shown
+    assert shown.count("hftrain: error: invalid recipe") == 2  # each process's own error, as printed
+    assert "failed (exitcode: 2) local_rank: 0" in shown  # torch's log line stays
+    assert shown.endswith("hftrain launch: process 0 exited with status 2 (its error is above); the launcher "
+                          "stopped the others\n")
+    assert shown == text[:text.index("Traceback")] + shown.splitlines(keepends=True)[-1]
+
+
+def test_a_single_process_launchers_traceback_becomes_one_line():
+    text = (LAUNCHER_OUTPUT / "simple_called_process_error.txt").read_text()
+    shown = relayed([text])
+    closing = "hftrain launch: the run exited with status 2 (its error is above)\n"
+    assert shown == text[:text.index("Traceback")] + closing
+
+
+def test_a_processs_own_traceback_is_passed_on_whole():
+    own = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n    boom()\n"
+           "RuntimeError: boom\n")
+    launcher = (LAUNCHER_OUTPUT / "simple_called_process_error.txt").read_text()
+    launcher = launcher[launcher.index("Traceback"):]
+    shown = relayed([own[:20], own[20:], "next line\n", launcher])
+    assert shown.startswith(own + "next line\n") and shown.endswith("exited with status 2 (its error is above)\n")
+    assert relayed([own[:-1]]) == own[:-1]  # an unfinished traceback at the end is not lost
+
+
+def test_progress_bars_partial_lines_go_out_at_once():
+    out, seen = io.StringIO(), []
+
+    def chunks():  # what had gone out when each chunk was taken in
+        for chunk in ("\rtraining: 1/3", "\rtraining: 2/3", "\rtraining: 3/3\n", "Trace",
+                      "back (most recent call last):\n"):
+            yield chunk
+            seen.append(out.getvalue())
+
+    relay_errors(chunks(), out)
+    assert seen[:2] == ["\rtraining: 1/3", "\rtraining: 1/3\rtraining: 2/3"]  # each piece as it comes
+    assert out.getvalue() == "\rtraining: 1/3\rtraining: 2/3\rtraining: 3/3\nTraceback (most recent call last):\n"
+    assert seen[3] == seen[4] == "\rtraining: 1/3\rtraining: 2/3\rtraining: 3/3\n"  # a traceback's start is held
