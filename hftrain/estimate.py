@@ -354,8 +354,8 @@ def format_pipeline(shape: ModelShape, pp: int, schedule: str, microbatches: int
         title = f"tensor parallel tp={tp} ({copies_text}; preset tp), full fine-tuning, GiB per process:"
     else:
         title = (f"pipeline parallel pp={pp}{f' x tensor parallel tp={tp}' if tp > 1 else ''} ({schedule}, "
-                 f"{microbatches} microbatches of {-(-batch // microbatches)} rows; {copies_text}; preset cpu_pp on "
-                 f"CPU), full fine-tuning, GiB per process{per_tp}:")
+                 f"{microbatches} microbatches of {-(-batch // microbatches)} rows; {copies_text}; preset pp on one "
+                 f"node, multi_node_3d on several, cpu_pp on CPU), full fine-tuning, GiB per process{per_tp}:")
     lines = ["", title,
              f"{'rank':>4} {'layers':>6} {'weights':>8} {'grads':>8} {'optim':>8} {'in flight':>9} {'activ.':>8} "
              f"{'peak':>8}"]

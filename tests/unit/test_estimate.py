@@ -297,6 +297,7 @@ def test_cli_prints_the_pipeline_stages_and_bubble(model_dir):
                           capture_output=True, text=True, cwd=REPO, env=OFFLINE)
     assert proc.returncode == 0, proc.stderr
     assert "pipeline parallel pp=2 (Interleaved1F1B, 8 microbatches of 1 rows; 2 data-parallel copies" in proc.stdout
+    assert "preset pp on one node, multi_node_3d on several, cpu_pp on CPU)" in proc.stdout  # GPUs' presets first
     assert re.search(r"\n\s+0\s+2 .*\n\s+1\s+2 ", proc.stdout)
     assert "bubble: 6.2% of each step idle ((p-1)/(v m))" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "hftrain.estimate", "--model", str(model_dir), "--gpus", "3",
