@@ -228,6 +228,7 @@ class Finetune:
                               device_hours_before=resumed.get("device_hours", 0.0), warn=self.logger.warn,
                               machines=self.backend.record.machines,
                               sequence_shards=self.backend.record.sequence_shards,
+                              model_shards=self.backend.record.model_shards,
                               peers=self.backend.equal_work_groups())
 
     def make_run_info(self) -> dict:

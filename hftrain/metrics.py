@@ -227,13 +227,16 @@ class RunMeter:
     def __init__(self, accelerator, flops: FlopCounter, *, straggler_threshold: float,
                  peak_tflops_override: float | None, cost_per_gpu_hour: float | None, effective_batch_size: int,
                  device_hours_before: float, warn: Callable[[str], None], machines: int = 1,
-                 utilization: UtilizationSampler | None = None, sequence_shards: int = 1,
+                 utilization: UtilizationSampler | None = None, sequence_shards: int = 1, model_shards: int = 1,
                  peers: list[list[int]] | None = None):
         self.accelerator = accelerator
         # ranks that do the same work each step, among which a straggler is sought: all of them, or under pp the
         # ranks of one stage (a stage's copies and tp shards; stages hold unequal layers, embedding and head)
         self.peers = peers if peers is not None else [list(range(accelerator.num_processes))]
         self.shards = sequence_shards  # sequence parallel: each rank processes 1/shards of every micro-batch
+        # tensor / pipeline parallel: `model_shards` ranks see every token of a batch and do 1/model_shards of its
+        # FLOPs, so the run's totals count each rank's tokens and FLOPs that many times over
+        self.model_shards = model_shards
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.flops = flops
         self.timer = StepTimer(accelerator.device)
@@ -298,7 +301,7 @@ class RunMeter:
         """`first`: the first window after (re)start, whose timings hold one-time warm-up (no straggler warning)."""
         busy = [sum(r[p] for p in TIMER_PHASES) for r in ranks]
         train_time = max(max(busy), 1e-9)  # the window's training time (eval, saving and logging excluded)
-        processed = sum(r["processed_tokens"] for r in ranks)
+        processed = sum(r["processed_tokens"] for r in ranks) / self.model_shards
         row = {
             "tokens_per_second": global_tokens / train_time,
             "total_tokens_per_second": processed / train_time,
@@ -314,7 +317,7 @@ class RunMeter:
         }
         if self.accelerator.device.type == "cuda":
             row["peak_memory_reserved_mb"] = round(max(r["peak_reserved_mb"] for r in ranks), 1)
-        achieved = sum(r["flops"] for r in ranks) / train_time / self.world / 1e12
+        achieved = sum(r["flops"] for r in ranks) / self.model_shards / train_time / self.world / 1e12
         row["tflops_per_device"] = achieved
         if self.peak is not None:
             row["mfu"] = achieved / self.peak

@@ -60,6 +60,12 @@ class Parallelism:
         """The number of processes each sequence is split over (sequence or context parallelism; 1 = whole)."""
         return self.sp_size * self.cp_size
 
+    @property
+    def model_shards(self) -> int:
+        """The processes that share one model copy's work on the same batches (tensor- and pipeline-parallel groups):
+        each token's FLOPs are done once among them, though every one of them sees the token."""
+        return self.tp_size * self.pp_size
+
     def describe(self) -> str:
         """The start-up line in words: "1 process, no distribution", "DDP over 2 processes (gloo)"."""
         if self.processes == 1:

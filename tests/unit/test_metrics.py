@@ -253,3 +253,23 @@ def test_the_cpu_sampler_measures_this_process():
         sum(i * i for i in range(1000))
     sampler.stop()
     assert sampler.name == "cpu_utilization" and 0 < sampler.window_mean() <= 100
+
+
+def test_tensor_and_pipeline_groups_count_each_tokens_work_once():
+    """pp 2 x tp 2 on 4 processes, one model copy: every rank sees the step's 2 rows of 64 tokens and does a quarter
+    of their FLOPs. The window's totals are one copy's: 128 processed tokens and FlopCounter's FLOPs of the batch per
+    step, spread over the 4 devices; without the division the run claimed 4x both (MFU under pp counted the whole
+    model on every stage)."""
+    flops = FlopCounter(llama())
+    accelerator = SimpleNamespace(num_processes=4, process_index=0, device=torch.device("cpu"))
+    meter = RunMeter(accelerator, flops, straggler_threshold=0.2, peak_tflops_override=None, cost_per_gpu_hour=None,
+                     effective_batch_size=2, device_hours_before=0.0, warn=[].append, model_shards=4,
+                     peers=[[0, 1], [2, 3]])
+    meter.count([{"input_ids": torch.zeros(2, 64, dtype=torch.long)}], torch.tensor(100.0))
+    assert meter.processed == 128 and meter.window_flops == flops.batch(2, 64)  # what this rank saw
+    ranks = [rank(0.4, processed_tokens=meter.processed, flops=meter.window_flops) for _ in range(4)]
+    row = meter._metrics(ranks, steps=1, global_tokens=100, global_examples=2)
+    train_time = 1.1  # each rank's phases: data 0.1 + forward 0.4 + backward 0.5 + optimizer 0.1
+    assert row["total_tokens_per_second"] == pytest.approx(2 * 64 / train_time)
+    assert row["tflops_per_device"] == pytest.approx(flops.batch(2, 64) / train_time / 4 / 1e12)
+    assert row["rank0/own_tokens_per_second"] == pytest.approx(128 / 0.5)  # a rank's own rate: every token it saw
