@@ -100,6 +100,33 @@ class DataParallel:
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=tp_group)
         return total
 
+    def check_replicas_agree(self, tensor: torch.Tensor, what: str) -> None:
+        """Every process: raise on all of them if the ranks of some tensor- (sequence-) parallel group hold different
+        values of `tensor` (same shape on each), which they must compute identically (e.g. the completions they
+        sampled together). No collective without replicas."""
+        if self.replicas == 1:
+            return
+        value = tensor.to(torch.float64)
+        low, high = value.clone(), value.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.groups[1])
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.groups[1])
+        differs = torch.tensor([float(not torch.equal(low, high))], device=tensor.device)
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX)  # every group stops, not only the one that differs
+        if differs.item():
+            raise HftrainError(f"the {self.replicas} ranks of a tensor-parallel group computed different {what}, "
+                               "which they must compute identically from the same inputs; this is a bug in hftrain "
+                               "or a non-deterministic kernel: please report it with the recipe")
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every data-parallel rank's `tensor` (the same shape on each), concatenated along dim 0 in data-parallel rank
+        order, on every rank: each batch once. With replicas, the first rank of each tensor- (sequence-) parallel
+        group speaks for it (its ranks hold the same batch); the gather itself spans every process (rank = dp_rank
+        x replicas + replica)."""
+        everything = self.accelerator.gather(tensor)
+        if self.replicas == 1:
+            return everything
+        return everything.reshape(self.world, self.replicas, *tensor.shape)[:, 0].reshape(-1, *tensor.shape[1:])
+
 
 def innermost_optimizer(optimizer) -> str:
     """Class of the optimizer doing the update under accelerate's / ZeRO's wrappers (e.g. DeepSpeedCPUAdam)."""

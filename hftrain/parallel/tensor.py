@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -210,6 +211,18 @@ class TensorParallelBackend(Backend):
         accelerator.register_save_state_pre_hook(lambda models, weights, folder: state.save(folder))
         accelerator.register_load_state_pre_hook(lambda models, folder: state.load(folder))
         return model, optimizer
+
+    @contextmanager
+    def generation_context(self, model):
+        """generate through the shards, as transformers supports for the models it sharded: every rank of a tp group
+        calls `generate` at once on the same prompts (they share a data-parallel rank, so the same rows and row
+        seeds), each sharded layer's all-reduce / all-gather hands every rank the same activations and the whole,
+        identical logits, so the ranks sample the same tokens in lockstep. Memory as a training forward: each rank
+        its shards and 1/tp of the KV cache. `synced_gpus` True: one flag all-reduce per token over every process,
+        so that tp groups (data-parallel copies) that finish at different steps, or a rank that ever sampled
+        differently from its group (`DataParallel.check_replicas_agree` then says so), keep their collectives
+        matched instead of hanging."""
+        yield model, True
 
     def synchronous_checkpoints(self) -> str | None:
         return ("a tensor-parallel checkpoint gathers the full model and optimizer state with collectives inside "

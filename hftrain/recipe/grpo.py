@@ -122,9 +122,5 @@ def problems(r) -> list[str]:
          "or remove log_completions (output_dir/rollouts.jsonl has every completion)"),
         (not r.router_aux_loss_coef, "objective grpo does not add a router load-balancing loss yet; remove "
          "router_aux_loss_coef"),
-        (r.tp_size <= 1, f"tp_size={r.tp_size} with objective grpo is refused: its completions are sampled with "
-         "transformers' generate on whole weights (DDP, ZeRO-1/2), gathered ones (ZeRO-3) or through the FSDP2 "
-         "shards, and hftrain has not made generate run on transformers' tensor-parallel shards (each tp group's "
-         "ranks would have to sample the same completions in lockstep); use a DDP, zero3 or fsdp2 preset"),
     ]
     return problems + [message for ok, message in checks if not ok]

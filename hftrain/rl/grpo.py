@@ -9,6 +9,7 @@ the previous optimizer step, with the weights the window's rollouts are sampled 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable
@@ -75,6 +76,16 @@ class ReferenceTokenLogProbs(WrapsCausalLM):
         return self.compute(self.lm, input_ids)
 
 
+def fingerprint(sequences: list[list[int]]) -> torch.Tensor:
+    """Per sequence: its length and two 48-bit parts of a SHA-256 of its tokens (exact in float64): equal for
+    equal sequences, different (but for a hash collision) for different ones."""
+    rows = []
+    for s in sequences:
+        digest = hashlib.sha256(",".join(map(str, s)).encode()).digest()
+        rows.append([len(s), int.from_bytes(digest[:6], "little"), int.from_bytes(digest[6:12], "little")])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
 class GRPOLoss(CausalLMTokenLoss):
     """Wraps a causal LM so that `forward` returns the micro-batch's GRPO loss as a sum over `loss_units`
     (completion tokens for dapo, completions otherwise). `collecting` (set by the rollout source): forward returns
@@ -125,9 +136,11 @@ class Rollouts:
     `WindowPlan.micro_batches`."""
 
     def __init__(self, recipe, plan: WindowPlan, prompts, funcs: list[RewardFunction], tokenizer, accelerator,
-                 rank: int, output_dir: Path):
+                 dp, output_dir: Path):
         self.recipe, self.plan, self.prompts, self.funcs = recipe, plan, prompts, funcs
-        self.tokenizer, self.accelerator, self.rank = tokenizer, accelerator, rank
+        # dp: the data share (parallel.base.DataParallel). The ranks of one tensor-parallel group hold the same
+        # data-parallel rank, so the same prompts, row seeds and completions; gathers count each group once.
+        self.tokenizer, self.accelerator, self.dp, self.rank = tokenizer, accelerator, dp, dp.rank
         self.file = output_dir / ROLLOUTS_FILE
         self.sampling = Sampling(recipe.max_completion_length, recipe.temperature, recipe.top_p, recipe.top_k,
                                  recipe.repetition_penalty, recipe.mask_truncated_completions)
@@ -211,6 +224,7 @@ class Rollouts:
                                     [row_seed(recipe.seed, window, row // G, row % G) for row in rows], self.sampling,
                                     self.eos_ids, self.pad_id, synced_gpus)
         completions = [Completion(row, row // G, prompt_index[row // G], *sample) for row, sample in zip(rows, sampled)]
+        self.dp.check_replicas_agree(fingerprint([c.completion_ids for c in completions]), "completions")
         prompts = [self.prompts[c.prompt] for c in completions]
         texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
         columns = {k: [p.columns[k] for p in prompts] for k in prompts[0].columns}
@@ -226,7 +240,7 @@ class Rollouts:
         device = self.accelerator.device
         lengths = torch.tensor([[len(c.completion_ids), float(c.truncated), float(failure is not None)]
                                 for c in completions])
-        everything = self.accelerator.gather(torch.cat([local, lengths], dim=1).to(device)).cpu()
+        everything = self.dp.gather(torch.cat([local, lengths], dim=1).to(device)).cpu()
         all_rewards, all_lengths = everything[:, :len(self.funcs)], everything[:, len(self.funcs):-1]
         if everything[:, -1].any():
             self.stop_on_failure(window, failure, completions, prompts)
