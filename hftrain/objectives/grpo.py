@@ -93,8 +93,9 @@ class GRPO(Objective):
             saved = read_states(run.resume_from, STREAM_STATE.format(index="*"))
             if saved and saved[0]["world"] != world:
                 raise HftrainError(f"checkpoint {run.resume_from} was saved inside a generation window by "
-                                   f"{saved[0]['world']} processes; its buffered rollouts are per process: resume with "
-                                   f"{saved[0]['world']} processes, or from a checkpoint at the end of a window")
+                                   f"{saved[0]['world']} data-parallel ranks; its buffered rollouts are per "
+                                   "data-parallel rank (a process, or a tensor-parallel group): resume with "
+                                   f"{saved[0]['world']} of them, or from a checkpoint at the end of a window")
             run.stream_state = next((state for state in saved if state["rank"] == run.dp.rank), None)
         run.data_line = (f"({run.plan.steps_per_epoch} per epoch)",
                          f"{len(raw)} prompts, {run.plan.prompts_per_window} per generation batch")

@@ -1,8 +1,10 @@
-"""parallel/tensor.py: the tensor-parallel data split, transformers' load arguments, checkpoint compatibility, and
-FSDP2 x TP's full-state loading by local blocks (on a fake 4-rank process group: meshes without communication)."""
+"""parallel/tensor.py: the tensor-parallel data split, transformers' load arguments, checkpoint compatibility,
+FSDP2 x TP's full-state loading by local blocks (on a fake 4-rank process group: meshes without communication), and
+the data-parallel gather and agreement check of tp groups (parallel/base.py's DataParallel)."""
 
 from __future__ import annotations
 
+import multiprocessing
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -17,7 +19,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hftrain.errors import HftrainError
-from hftrain.parallel.base import Backend
+from hftrain.parallel.base import Backend, DataParallel
 from hftrain.parallel.tensor import (
     FSDP2TensorParallelBackend,
     TensorParallelBackend,
@@ -106,3 +108,50 @@ def test_an_uneven_vocabulary_is_cut_into_blocks_that_tile_it():
 def test_a_checkpoint_without_a_weight_of_this_model_is_refused():
     with pytest.raises(HftrainError, match=r"the checkpoint lacks \['lm.w'\]"):
         _local_blocks({"lm.w": torch.zeros(1), "b": torch.zeros(1)}, {"b": torch.ones(1)})
+
+
+def test_data_parallel_gather_counts_each_tensor_parallel_group_once(accelerator):
+    """4 processes, tp_size 2 (rank = dp_rank x 2 + tp_rank): the world gather holds each group's rows twice; the
+    data-parallel gather keeps one copy per group, in data-parallel rank order."""
+    rows = {rank: torch.tensor([[10.0 * (rank // 2), 1.0], [10.0 * (rank // 2) + 1, 2.0]]) for rank in range(4)}
+    fake = accelerator(4, 1)
+    fake.gather = lambda tensor: torch.cat([rows[r] for r in range(4)])  # accelerate's: every process's, in order
+    dp = DataParallel(2, 0, fake, replicas=2, groups=(None, None))
+    torch.testing.assert_close(dp.gather(rows[1]), torch.cat([rows[0], rows[2]]))
+    fake.gather = lambda tensor: torch.cat([rows[0], rows[0]])  # one tp group of 2, no copies
+    torch.testing.assert_close(DataParallel(1, 0, fake, replicas=2, groups=(None, None)).gather(rows[0]), rows[0])
+
+
+def _check_agreement(rank: int, store_path: str, same: bool, results) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        fake = SimpleNamespace(num_processes=2, process_index=rank, device=torch.device("cpu"))
+        dp = DataParallel(1, 0, fake, replicas=2, groups=(None, dist.new_group([0, 1])))
+        sampled = torch.tensor([[3.0, 7.0], [2.0, 5.0 + (0 if same else rank)]])
+        try:
+            dp.check_replicas_agree(sampled, "completions")
+            results.put((rank, None))
+        except HftrainError as exc:
+            results.put((rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_tensor_parallel_group_that_sampled_differently_stops_on_every_rank(tmp_path, same):
+    """check_replicas_agree on a real 2-process gloo group (forked): equal values pass, one differing value raises
+    on both ranks (not only on the one that differs)."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    workers = [context.Process(target=_check_agreement, args=(rank, str(tmp_path / "store"), same, results))
+               for rank in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    said = dict(results.get(timeout=5) for _ in range(2))
+    if same:
+        assert said == {0: None, 1: None}
+    else:
+        assert all(m and "the 2 ranks of a tensor-parallel group computed different completions" in m
+                   for m in said.values()), said
