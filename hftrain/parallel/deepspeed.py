@@ -196,17 +196,24 @@ class DeepSpeedBackend(Backend):
 
     @contextmanager
     def generation_context(self, model):
-        """ZeRO-1/2: every rank holds the whole weights (the base class). ZeRO-3, as TRL 1.16 by default
-        (`unwrap_model_for_generation` with ds3_gather_for_generation=True, trl/models/utils.py): the whole model
-        gathered on every rank for the call, the engine's partitioning hooks removed meanwhile and registered again
-        after -- DeepSpeed 0.19.8's own `deepspeed.runtime.zero.unwrap_model_for_generation`, which is TRL's code. So
-        generate's many small forwards run on local weights, without collectives (synced_gpus False), at the cost of
-        one full copy of the weights per rank while sampling. The alternative, generate through the hooks with
-        synced_gpus (TRL's ds3_gather_for_generation=False, for a model that does not fit one device whole),
-        re-gathers every layer for every token; hftrain does not offer it."""
+        """ZeRO-1/2: every rank holds the whole weights (the base class). ZeRO-3, as TRL 1.16's
+        `unwrap_model_for_generation` (trl/models/utils.py) by `ds3_gather_for_generation`:
+
+        - true (TRL's default): the whole model gathered on every rank for the call, the engine's partitioning hooks
+          removed meanwhile and registered again after -- DeepSpeed 0.19.8's own
+          `deepspeed.runtime.zero.unwrap_model_for_generation`, which is TRL's code. generate's many small forwards
+          run on local weights, without collectives (synced_gpus False), at the cost of one full copy of the
+          weights per rank while sampling.
+        - false: the engine's module as it is, partitioning hooks in place: each submodule's pre-forward hook gathers
+          its weights (all-gather) and its post-forward hook releases them, at every decoding step, so memory stays
+          that of a training forward. Those gathers are collectives: synced_gpus, so that a rank whose completions
+          have ended keeps running forwards until every rank's have (without it the run aborts: seen)."""
         if self.record.zero_stage != 3:
             with super().generation_context(model) as generating:
                 yield generating
+            return
+        if not self.recipe.ds3_gather_for_generation:
+            yield self.unwrap(model), True
             return
         from deepspeed.runtime.zero import unwrap_model_for_generation
 

@@ -67,6 +67,15 @@ class GRPOFields:
         "hftrain has not implemented it, because no CUDA GPU was available to test it; true is refused. Generation "
         "uses transformers' generate under every strategy (DDP, ZeRO-3 gathered, FSDP2, LoRA/QLoRA).", group="grpo",
     )
+    ds3_gather_for_generation: bool = _f(
+        True, "grpo, DeepSpeed ZeRO-3 (TRL's name and default): true gathers the whole model on every process for "
+        "each generation batch (fast sampling; one full copy of the weights per process meanwhile); false samples "
+        "through the ZeRO-3 partitions, each layer gathered by DeepSpeed's hooks for every generated token (memory as "
+        "a training forward, for a model whose weights do not fit one device whole; slower). Other strategies never "
+        "gather the whole model for generation (one process, DDP and ZeRO-1/2 hold it whole already, FSDP2 and "
+        "tensor parallelism generate through their shards), so there false changes nothing, as in TRL.",
+        group="grpo",
+    )
 
 
 VLLM_REFUSED = ("use_vllm: true is refused: hftrain does not implement vLLM generation (TRL's colocated mode needs a "
@@ -78,8 +87,11 @@ def problems(r) -> list[str]:
     """objective grpo's settings (GRPOConfig's rules) and what it cannot be combined with yet. Other objectives:
     reward_funcs unset."""
     if r.objective != "grpo":
-        return ([f"reward_funcs is set but objective={r.objective}; set objective: grpo"] if r.reward_funcs else []) + \
-            ([f"use_vllm is grpo's generation setting, but objective={r.objective}; remove it"] if r.use_vllm else [])
+        misplaced = [(r.reward_funcs, f"reward_funcs is set but objective={r.objective}; set objective: grpo"),
+                     (r.use_vllm, f"use_vllm is grpo's generation setting, but objective={r.objective}; remove it"),
+                     (not r.ds3_gather_for_generation, "ds3_gather_for_generation: false is grpo's generation "
+                      f"setting, but objective={r.objective}; remove it")]
+        return [message for is_set, message in misplaced if is_set]
     problems = [VLLM_REFUSED] if r.use_vllm else []
     if r.loss_type not in LOSS_TYPES:
         problems.append(f"loss_type={r.loss_type} is a dpo loss; grpo takes {', '.join(LOSS_TYPES)}")

@@ -85,6 +85,8 @@ def test_grpo_recipe_defaults_and_refusals(tmp_path):
                      "log_completions logs a W&B table: add wandb to report_to"]:
         assert expected in text, expected
     assert "reward_funcs is set but objective=sft" in _problems(tmp_path, "--objective", "sft")
+    assert "ds3_gather_for_generation: false is grpo's generation setting, but objective=sft; remove it" in \
+        _problems(tmp_path, "--objective", "sft", "--ds3_gather_for_generation", "false")
 
 
 def test_window_layout():
