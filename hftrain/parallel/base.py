@@ -100,6 +100,12 @@ class DataParallel:
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=tp_group)
         return total
 
+    @property
+    def leads_group(self) -> bool:
+        """Whether this process speaks for its tensor- (sequence-) parallel group (the group's first rank; every
+        process without replicas): the one whose values `gather` keeps."""
+        return self.accelerator.process_index % self.replicas == 0
+
     def check_replicas_agree(self, tensor: torch.Tensor, what: str) -> None:
         """Every process: raise on all of them if the ranks of some tensor- (sequence-) parallel group hold different
         values of `tensor` (same shape on each), which they must compute identically (e.g. the completions they

@@ -228,15 +228,16 @@ class Rollouts:
         prompts = [self.prompts[c.prompt] for c in completions]
         texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
         columns = {k: [p.columns[k] for p in prompts] for k in prompts[0].columns}
-        try:
-            local = score(self.funcs, [p.value for p in prompts], [self.completion_value(p, t) for p, t in
-                                                                     zip(prompts, texts)],
-                          [c.completion_ids for c in completions], columns)
-            failure = None
-        except RewardFailure as exc:  # still take part in the gather below: the other ranks are waiting in it
-            local, failure = torch.full((len(completions), len(self.funcs)), math.nan), str(exc)
-        # Advantages are normalised over the whole window: every rank's rewards, in window order (rank r holds
-        # rows [r x b x S, (r + 1) x b x S)), gathered onto every rank, with each rank's failure flag.
+        local, failure = torch.full((len(completions), len(self.funcs)), math.nan), None
+        if self.dp.leads_group:  # the ranks of a tensor-parallel group hold the same completions: scored once
+            try:
+                local = score(self.funcs, [p.value for p in prompts], [self.completion_value(p, t) for p, t in
+                                                                         zip(prompts, texts)],
+                              [c.completion_ids for c in completions], columns)
+            except RewardFailure as exc:  # still take part in the gather below: the other ranks are waiting in it
+                failure = str(exc)
+        # Advantages are normalised over the whole window: every data-parallel rank's rewards, in window order (rank r
+        # holds rows [r x b x S, (r + 1) x b x S)), gathered onto every rank, with each rank's failure flag.
         device = self.accelerator.device
         lengths = torch.tensor([[len(c.completion_ids), float(c.truncated), float(failure is not None)]
                                 for c in completions])
@@ -248,7 +249,8 @@ class Rollouts:
         rewards, advantages, zero_std = group_advantages(all_rewards, self.weights, G, recipe.scale_rewards)
         self.generated_metrics.append(self.reward_metrics(all_rewards, rewards, zero_std, all_lengths))
         mine = slice(rows.start, rows.stop)
-        for c, r_k, r, a in zip(completions, local.tolist(), rewards[mine].tolist(), advantages[mine].tolist()):
+        for c, r_k, r, a in zip(completions, all_rewards[mine].tolist(), rewards[mine].tolist(),
+                                advantages[mine].tolist()):
             c.rewards, c.reward, c.advantage = r_k, r, a
         b = plan.micro_batch
         self.buffer = []

@@ -87,6 +87,19 @@ def weights(run, folder: str = "final") -> dict[str, torch.Tensor]:
     return load_file(adapter if adapter.exists() else run.output_dir / folder / "model.safetensors")
 
 
+def counted_reward(folder: Path) -> Path:
+    """A reward-function file: vowel_share, each call appending "<process rank> <completions scored>" to the file
+    named by HFTRAIN_TEST_REWARD_LOG."""
+    path = folder / "counted.py"
+    path.write_text("import os\n"
+                    "from hftrain.rl.example_rewards import vowel_share\n\n\n"
+                    "def counted_vowel_share(prompts, completions, completion_ids, **kwargs):\n"
+                    "    with open(os.environ['HFTRAIN_TEST_REWARD_LOG'], 'a') as f:\n"
+                    "        f.write(f\"{os.environ.get('RANK', '0')} {len(completions)}\\n\")\n"
+                    "    return vowel_share(prompts, completions, completion_ids)\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, ending_model):
     tmp = tmp_path_factory.mktemp("grpo")
@@ -101,8 +114,11 @@ def runs(tmp_path_factory, ending_model):
         # generation under sharded weights: ZeRO-3 gathers them around generate, FSDP2 generates through the shards
         "zero3": launch(tmp / "zero3", *base, *TWO_PROCS, preset="zero3"),
         "fsdp2": launch(tmp / "fsdp2", *base, *TWO_PROCS, preset="fsdp2", processes=2, script=FSDP_LAUNCHER),
-        # tensor parallelism: both ranks hold the same 8 completions' rows and generate through the shards together
-        "tp": launch(tmp / "tp", *base, *ONE_BY_EIGHT, "--tp_size", "2", preset="tp"),
+        # tensor parallelism: both ranks hold the same 8 completions' rows and generate through the shards together;
+        # its reward function is vowel_share that also logs which process scored how many completions
+        "tp": launch(tmp / "tp", *base, *ONE_BY_EIGHT, "--tp_size", "2", "--reward_funcs",
+                     f"{counted_reward(tmp)}:counted_vowel_share", preset="tp",
+                     env={"HFTRAIN_TEST_REWARD_LOG": str(tmp / "tp-rewards.log")}),
         # LoRA with beta 0.5: the reference is the adapter-off model; 1x8 also logs to W&B offline with
         # log_completions and keeps every step's checkpoint
         "grpo-1x8": run_script(tmp / "grpo-1x8", *base, *ONE_BY_EIGHT, "--loss_type", "grpo", *LORA,
@@ -218,9 +234,10 @@ def test_accumulation_and_processes_give_the_same_training(runs, loss_type, one,
     weights trained, whatever the split of the 8 completions of a step over micro-batches and processes, and
     whatever holds the weights while the 2 processes sample: DDP (whole copies), ZeRO-3 (partitions gathered
     around generate), FSDP2 (generate through the shards, one layer gathered at a time) or tensor parallelism
-    (tp_size 2: both ranks sample the same 8 completions through the shards, and the window's rewards, rollouts.jsonl
-    and metrics count them once); with num_iterations 2 and beta 0.5 this also covers the stored old log-probs and
-    the frozen reference placed like the model (under tp: loaded again, sharded the same way)."""
+    (tp_size 2: both ranks sample the same 8 completions through the shards, the group's first rank scores them, and
+    the window's rewards, rollouts.jsonl and metrics count them once); with num_iterations 2 and beta 0.5 this also
+    covers the stored old log-probs and the frozen reference placed like the model (under tp: loaded again, sharded
+    the same way)."""
     a, b = runs[one], runs[other]
     if other in LAUNCHED:
         info = b.state()["launch"]
@@ -229,6 +246,9 @@ def test_accumulation_and_processes_give_the_same_training(runs, loss_type, one,
         assert info["backend"] == "gloo"
         if other == "tp":
             assert info["tp_size"] == 2 and info["dtensor_parameters"] > 0
+            # the reward function ran once per completion, on the group's first rank: 2 windows of 8
+            calls = (b.output_dir.parent / "tp-rewards.log").read_text().split()
+            assert calls == ["0", "8", "0", "8"], calls
         if other == "zero3":
             assert info["deepspeed_config"]["zero_optimization"]["stage"] == 3
         if other == "fsdp2":
