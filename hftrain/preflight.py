@@ -167,7 +167,7 @@ def fsdp2_tensor_parallel_problems(recipe: Recipe, launch: Launch) -> list[str]:
         problems.append(f"objective {recipe.objective} with tp_size={tp} under FSDP2 is refused: FSDP2 x TP is "
                         "verified for the token loss (objective sft) only; a reference model or a second forward "
                         "through transformers' FSDP2 units is not. Use the tp or cpu_ddp preset (data-parallel "
-                        "copies) for preference objectives with tensor parallelism")
+                        "copies) for dpo, simpo or grpo with tensor parallelism")
     return problems
 
 
