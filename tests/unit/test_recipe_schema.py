@@ -47,12 +47,27 @@ def _current() -> dict[str, dict]:
     return rows
 
 
+# Deliberate changes after the regrouping, each with the feature that made it: (field, attribute) -> why. The
+# attribute is then not compared; everything else of the field still is.
+LATER_CHANGES = {
+    ("tp_size", "help"): "ad5ab8a, FSDP2 x tensor parallel: the help names the fsdp2 preset's 2D layout",
+}
+
+
+def _without_later_changes(row: dict) -> dict:
+    return {k: v for k, v in _by_name(row).items() if (row["name"], k) not in LATER_CHANGES}
+
+
 def test_every_old_field_keeps_its_type_default_group_and_help():
     now = _current()
     missing = [row["name"] for row in BEFORE["fields"] if row["name"] not in now]
     assert not missing
-    changed = [(row, now[row["name"]]) for row in BEFORE["fields"] if _by_name(now[row["name"]]) != _by_name(row)]
+    changed = [(row, now[row["name"]]) for row in BEFORE["fields"]
+               if _without_later_changes(now[row["name"]]) != _without_later_changes(row)]
     assert not changed, changed[0]
+    for name, attribute in LATER_CHANGES:  # each listed change is real: otherwise the entry is stale
+        (old,) = [row for row in BEFORE["fields"] if row["name"] == name]
+        assert now[name][attribute] != old[attribute], (name, attribute)
 
 
 def test_a_mixture_entry_keeps_its_fields():
