@@ -64,12 +64,13 @@ def stage_indices(rank: int, pp: int, per_process: int, v: bool = False) -> list
 # ------------------------------------------------------ resume across layouts
 def resume_layout_problem(saved_launch: dict, pp_size: int, sharded_by: str | None) -> str | None:
     """Why a checkpoint with launch record `saved_launch` cannot resume in a run with `pp_size` whose model is sharded
-    by `sharded_by` ("FSDP2", "DeepSpeed", None), as far as pipelines go; None if it can. A pp checkpoint resumes under
-    any pp layout, on one process and under DDP; a pp run reads pp checkpoints and those of one process or DDP. The
-    sharded files of FSDP2, ZeRO and tensor parallelism are not converted (checked at resume, and in the preflight
-    for a named checkpoint folder)."""
+    by `sharded_by` ("FSDP2", "DeepSpeed", None), as far as pipelines go; None if it can. A pp checkpoint (DCP under
+    HF names, also one of pp x FSDP2) resumes under any pp layout (with FSDP2 per stage too), on one process and under
+    DDP; a pp run reads pp checkpoints and those of one process or DDP. The sharded files of FSDP2 without pp, ZeRO
+    and tensor parallelism are not converted (checked at resume, and in the preflight for a named checkpoint
+    folder)."""
     saved_pp = saved_launch.get("pp_size", 1)  # checkpoints older than pp carry no pp_size
-    if saved_pp > 1 and sharded_by:
+    if saved_pp > 1 and sharded_by and pp_size <= 1:
         return (f"this checkpoint was written with pp_size={saved_pp} and this run shards the model with "
                 f"{sharded_by}; a pipeline checkpoint resumes under pp (any pp_size), on one process or under DDP: "
                 "resume with one of those (docs/pipeline.md)")

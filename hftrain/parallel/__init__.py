@@ -8,7 +8,8 @@
 Backends, one file each: base.py (the interface; one process and DDP), fsdp.py (FSDP2), deepspeed.py (ZeRO 1-3,
 offload), tensor.py (tensor parallel, with data-parallel copies, or FSDP2 x TP under an FSDP2 preset), sequence.py
 (ZeRO with DeepSpeed's Ulysses sequence parallelism), context.py (FSDP2 with torch's ring attention context
-parallelism), pipeline.py (pipeline stages through torch.distributed.pipelining, with data-parallel copies).
+parallelism), pipeline.py (pipeline stages through torch.distributed.pipelining, with data-parallel copies, or each stage
+sharded by FSDP2 under an FSDP2 preset).
 Nothing else in hftrain asks accelerate, the environment or the DeepSpeed JSON which strategy
 runs. The parallelism fields of the recipe and the rules judged from the recipe alone (`problems`) are
 `hftrain/recipe/parallel.py`; the rules that need the launch or the model config are in `hftrain/preflight.py`.
@@ -23,7 +24,7 @@ from hftrain.parallel.context import ContextParallelBackend
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch, devices_record, make_accelerator, phase, run_process
-from hftrain.parallel.pipeline import PipelineBackend
+from hftrain.parallel.pipeline import PipelineBackend, PipelineFSDP2Backend
 from hftrain.parallel.sequence import SequenceParallelBackend
 from hftrain.parallel.tensor import FSDP2TensorParallelBackend, TensorParallelBackend
 from hftrain.recipe.parallel import problems
@@ -43,8 +44,9 @@ def resolve(accelerator, recipe: Recipe, launch: Launch) -> Backend:
                 if wanted == "FSDP" else " unset ACCELERATE_USE_CPU (it turns DeepSpeed into DDP)")
         raise HftrainError(f"the launch preset asks for {wanted} but accelerate selected {selected} on this machine, "
                            f"which would train with another strategy than the one you chose;{hint}")
-    if recipe.pp_size > 1:  # tp_size runs inside its stages; the recipe and preflight refused sp/cp, FSDP2, DeepSpeed
-        return PipelineBackend(accelerator, recipe)
+    if recipe.pp_size > 1:  # tp_size runs inside its stages; the recipe and preflight refused sp/cp, DeepSpeed
+        # FSDP2 presets shard each stage over its data-parallel ranks; DDP-type ones hold whole copies
+        return (PipelineFSDP2Backend if selected == "FSDP" else PipelineBackend)(accelerator, recipe)
     if recipe.tp_size > 1 and selected == "FSDP":  # the 2D layout; the preflight has refused TP with DeepSpeed
         return FSDP2TensorParallelBackend(accelerator, recipe)
     if recipe.tp_size > 1:

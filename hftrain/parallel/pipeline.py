@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -57,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _ComputationType, get_schedule_class
 from torch.distributed.tensor import DTensor, Replicate
@@ -69,7 +71,7 @@ from hftrain.layout import STATE_FILE
 from hftrain.metrics import param_checksum
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, router_coefficient
 from hftrain.optim import build_optimizer
-from hftrain.parallel.base import Backend, DataParallel, Parallelism
+from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.tensor import model_load_kwargs
 from hftrain.recipe.parallel import V_SCHEDULES
@@ -123,10 +125,12 @@ def pipeline_problems(recipe: Recipe, launch: Launch, model_config) -> list[str]
     pp = recipe.pp_size
     if pp <= 1:
         return problems
-    if launch.kind in ("fsdp2", "deepspeed"):
-        problems.append(f"pp_size={pp} with a {launch.kind} preset: hftrain's pipeline runs with data-parallel copies "
-                        "of the pipeline on a DDP-type preset (cpu_pp on CPU, pp on GPUs); FSDP2 or ZeRO per stage is "
-                        "not built (docs/pipeline.md)")
+    if launch.kind == "deepspeed":
+        problems.append(f"pp_size={pp} with a deepspeed preset: hftrain's pipeline runs with data-parallel copies of "
+                        "the pipeline on a DDP-type preset (cpu_pp on CPU, pp on GPUs) or with each stage sharded by "
+                        "FSDP2 (an fsdp2 preset); ZeRO per stage is not built (docs/pipeline.md)")
+    elif launch.kind == "fsdp2":
+        problems += fsdp2_stage_problems(recipe, launch)
     elif launch.world % (pp * recipe.tp_size):
         size = f"pp_size={pp}" + (f" x tp_size={recipe.tp_size}" if recipe.tp_size > 1 else "")
         problems.append(f"{size} does not divide the {launch.world} processes of this launch; use {size} processes "
@@ -151,6 +155,29 @@ def pipeline_problems(recipe: Recipe, launch: Launch, model_config) -> list[str]
     if router_coefficient(model_config, recipe.router_aux_loss_coef):
         problems.append(f"pp_size={pp} with a mixture-of-experts router loss: each stage holds only its layers' "
                         "routers and the loss would need them all on the last stage; set router_aux_loss_coef: 0")
+    return problems
+
+
+def fsdp2_stage_problems(recipe: Recipe, launch: Launch) -> list[str]:
+    """pp_size under an FSDP2 preset (`PipelineFSDP2Backend`): each stage sharded by FSDP2 over its data-parallel
+    ranks. What that layout does not run."""
+    pp, world, problems = recipe.pp_size, launch.world, []
+    layout = f"pp_size={pp} with an fsdp2 preset (each stage sharded by FSDP2 over its data-parallel ranks)"
+    if recipe.tp_size > 1:
+        problems.append(f"{layout} and tp_size={recipe.tp_size}: tensor parallelism inside FSDP2-sharded stages is "
+                        "not built; use the cpu_pp / pp preset for pp x tp (data-parallel copies of the pipeline)")
+    elif world % pp or world < 2 * pp:
+        problems.append(f"{layout} needs a multiple of pp_size processes, at least {2 * pp} (2 data-parallel ranks "
+                        f"per stage); this launch is {world}. For a pipeline without copies use the cpu_pp / pp preset")
+    if recipe.pp_schedule in V_SCHEDULES:
+        problems.append(f"{layout} and pp_schedule={recipe.pp_schedule}: its V puts the first and the last stage on "
+                        "one process, so a tied embedding and head would be one parameter in two FSDP2 roots, and "
+                        "torch's split weight backward is not tested under FSDP2 here; use 1F1B, GPipe or "
+                        "Interleaved1F1B")
+    if recipe.use_peft or recipe.load_in_4bit or recipe.load_in_8bit:
+        problems.append(f"{layout} and LoRA / QLoRA (use_peft, load_in_4bit / load_in_8bit): adapters and quantized "
+                        "bases in FSDP2-sharded stages are not built (their save gathers, and bitsandbytes' weights "
+                        "under torch's fully_shard, are untested); use the cpu_pp / pp preset")
     return problems
 
 
@@ -362,6 +389,12 @@ class PipelineStages(nn.Module):
         self.scale = scale
         return self._run(input_ids, labels, position_ids, self.schedule.step)
 
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """What accelerate's `no_sync` calls on an FSDP2 model between accumulation steps: nothing here. Under pp x
+        FSDP2 torch's schedule decides each microbatch's sync itself and reduce-scatters at the end of every pipeline
+        step (`PipelineStage.perform_reduce_grad` sets it back to True), so the sync cannot be deferred to the last
+        accumulation step; the reduced blocks accumulate in the sharded gradients."""
+
     def forward(self, input_ids, labels, position_ids=None, **_):
         self.scale = 1.0
         if self.eval_order is None:
@@ -457,6 +490,7 @@ class PipelineBackend(Backend):
         keep_only(lm, {i for s in mine for i in ranges[s]}, first=0 in mine, last=count - 1 in mine)
         self.layout = {"stages": count, "layers": [[r.start, r.stop] for r in ranges], "mine": mine}
         model.to(accelerator.device)
+        self.shard_stages(stages)
         # autocast (bf16) around every stage's forward and the head's loss: as accelerate wraps the whole loss
         # module's forward without pp
         autocast = accelerator.autocast() if accelerator.mixed_precision != "no" else None
@@ -480,6 +514,9 @@ class PipelineBackend(Backend):
         self.register_checkpoint_hooks(prepared, optimizer)
         return prepared, optimizer
 
+    def shard_stages(self, stages: list[StageForward]) -> None:
+        """Data-parallel copies hold their stages whole (FSDP2 per stage: `PipelineFSDP2Backend`)."""
+
     def forward_backward(self, model, inputs, scale, timer) -> torch.Tensor:
         """One pipeline step does every microbatch's forward and backward; accelerate's backward (which divides by
         the accumulation steps) is not used, so the division is applied here."""
@@ -497,27 +534,39 @@ class PipelineBackend(Backend):
         1e-6), at most 1)."""
         params = [p for p in model.parameters() if p.grad is not None]
         grads = [local(p.grad) for p in params]  # a DTensor's shard: what this rank holds
-        copies = self.dp.world
-        for g in grads:
-            if copies > 1:
-                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.dp_group)
-                g.div_(copies)
+        self.average_copies(grads)
         tied = self.tied_parameter(model)
         if tied is not None and tied.grad is not None and not (model.has_first and model.has_last):
-            sum_whole(tied.grad, self.tie_group)  # (in a V the first and last stage share rank 0: one tensor there)
+            self.sum_tied(tied.grad)  # (in a V the first and last stage share rank 0: one tensor there)
         squares = torch.zeros((), dtype=torch.float32, device=self.accelerator.device)
         for p, g in zip(params, grads, strict=True):
             if tied is not None and p is tied and not model.has_first:
                 continue  # the head's copy of the tied weight: counted on the first stage
             if sharded(p.grad) or self.tp_rank == 0:  # a whole tensor: once per tp group
                 squares += g.detach().float().pow(2).sum()
-        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.batch_group)  # the stages and tp shards of a copy
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.norm_group)
         norm = squares.sqrt()
         if max_norm != float("inf"):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef.to(g.dtype))
         return float(norm)
+
+    def average_copies(self, grads: list[torch.Tensor]) -> None:
+        """The mean of each gradient over the data-parallel copies (each holds the whole stage), as DDP's."""
+        if self.dp.world > 1:
+            for g in grads:
+                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.dp_group)
+                g.div_(self.dp.world)
+
+    def sum_tied(self, grad: torch.Tensor) -> None:
+        """The tied embedding's gradient summed between the first and the last stage of this copy (and tp rank)."""
+        sum_whole(grad, self.tie_group)
+
+    @property
+    def norm_group(self):
+        """The ranks whose gradients make up the whole gradient once: a copy's stages and tp shards."""
+        return self.batch_group
 
     def tied_parameter(self, model) -> nn.Parameter | None:
         """The tied input/output embedding as this rank holds it (embedding on the first stage, head on the last)."""
@@ -656,3 +705,105 @@ class PipelineBackend(Backend):
     def launch_info(self, model, optimizer) -> dict:
         return {**super().launch_info(model, optimizer), "pp_size": self.pp, "pp_schedule": self.recipe.pp_schedule,
                 "pp_microbatches": microbatches(self.recipe), "pp_stages": self.layout}
+
+
+class PipelineFSDP2Backend(PipelineBackend):
+    """pp x FSDP2 (torchtitan's layout): pp_size stages per pipeline, each stage's weights, gradients and AdamW state
+    sharded by torch's `fully_shard` over the stage's data-parallel ranks (the mesh's "dp" axis: the ranks that hold
+    the same stage), instead of whole copies averaged DDP-style. An FSDP2 preset with `--pp_size P` and P x D
+    processes (D >= 2; tp inside sharded stages is refused by the preflight).
+
+    - Units: each decoder layer the stage owns, the head on the last stage (the schedule's loss_fn applies it, outside
+      the stage's forward), and the stage module itself as the root (the embedding, the final norm), on the stage's
+      dp sub-mesh; FULL_SHARD re-gathers a unit's weights for each microbatch's forward and backward, SHARD_GRAD_OP
+      keeps them from the forward to the backward (the preset's fsdp_reshard_after_forward).
+    - torch's schedules drive FSDP2 themselves (`PipelineStage.backward_maybe_with_nosync`: every microbatch's backward
+      without gradient sync; `perform_reduce_grad` after the last one: `set_requires_gradient_sync(True)` and each
+      unit's `post_backward`, i.e. one reduce-scatter per pipeline step, which with gradient accumulation is one per
+      accumulation step, accumulated into the sharded gradients).
+    - The numbers: FSDP2's reduce-scatter averages over the D ranks (its default divide factor D), which is the mean
+      DDP-style copies take, so the loop's scale (dp_world x accumulation / the step's tokens over every rank) gives
+      the step's token-weighted gradient exactly as without sharding; no further averaging. The tied embedding's
+      gradient is a Shard(0) block of the same rows on the first and the last stage of a copy (both tensors have the
+      vocabulary's rows, split the same way over D ranks), so the local blocks are summed directly. The norm sums
+      every rank's local squares over all processes (each element is held by exactly one rank of one stage; the
+      head's copy of a tied weight skipped).
+    - Loading: every rank loads the whole model and keeps its stage's layers, as pp without FSDP2 does; transformers'
+      rank-0-only loading (the preset's fsdp_cpu_ram_efficient_loading, read from FSDP_CPU_RAM_EFFICIENT_LOADING at
+      load time) would leave the other stages' ranks with weights on the meta device that no broadcast fills, so it
+      is turned off for this process.
+    - Checkpoints: the pipeline's DCP folder under HF names; the sharded parameters and AdamW moments are DTensors,
+      which DCP writes as each rank's blocks and reads into any layout (`register_checkpoint_hooks`, unchanged)."""
+
+    def __post_init__(self) -> None:
+        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"  # see the class docstring: before the model loads
+        super().__post_init__()
+
+    @property
+    def full_shard(self) -> bool:
+        return self.accelerator.state.fsdp_plugin.reshard_after_forward is True  # SHARD_GRAD_OP: False
+
+    def make_record(self, **layout) -> Parallelism:
+        copies = self.accelerator.num_processes // self.pp
+        name = (f"pipeline parallel (pp_size={self.pp}, {self.recipe.pp_schedule}, {microbatches(self.recipe)} "
+                f"microbatches) x FSDP2 {'FULL_SHARD' if self.full_shard else 'SHARD_GRAD_OP'} (each stage over "
+                f"{copies} data-parallel ranks)")
+        sharded = ALL_PARTS if self.full_shard else ("gradients", "optimizer")
+        record = Backend.make_record(self, kind="pp_fsdp2", name=name, sharded=sharded)
+        return dataclasses.replace(record, pp_size=self.pp)
+
+    def shard_count(self) -> int:
+        return self.accelerator.num_processes  # the stages, each over its data-parallel ranks
+
+    def shard_stages(self, stages: list[StageForward]) -> None:
+        """fully_shard each of this rank's stages over the stage's data-parallel ranks (see the class docstring)."""
+        mesh = self.mesh["dp"]
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.accelerator.mixed_precision == "bf16" else MixedPrecisionPolicy()
+        options = {"mesh": mesh, "reshard_after_forward": self.full_shard, "mp_policy": policy}
+        for stage in stages:
+            for layer in stage.layers:
+                if not isinstance(layer, Elsewhere):
+                    fully_shard(layer, **options)
+            if stage.is_last:
+                fully_shard(stage.lm_head, **options)
+            fully_shard(stage, **options)
+            if not isinstance(stage, FSDPModule):
+                raise HftrainError("pp x FSDP2: a pipeline stage did not become an FSDP2 module")
+
+    def average_copies(self, grads: list[torch.Tensor]) -> None:
+        """Nothing: FSDP2's reduce-scatter has averaged each gradient block over the stage's data-parallel ranks."""
+
+    def sum_tied(self, grad: torch.Tensor) -> None:
+        """The first stage's embedding gradient and the last stage's head gradient are Shard(0) blocks of the same
+        vocabulary rows on copy c (same shape, same split over the same number of ranks): sum the blocks."""
+        if not isinstance(grad, DTensor) or [p.is_shard(0) for p in grad.placements] != [True]:
+            raise HftrainError(f"pp x FSDP2: the tied gradient is laid out as {getattr(grad, 'placements', None)}, "
+                               "not one Shard(0) block per data-parallel rank")
+        dist.all_reduce(grad.to_local(), op=dist.ReduceOp.SUM, group=self.tie_group)
+
+    @property
+    def norm_group(self):
+        return None  # every process: each holds its own block of its stage's gradients
+
+    def full_state_dict(self, model) -> dict | None:
+        """Every stage's weights gathered on the main process: each sharded tensor gathered over its stage's
+        data-parallel ranks (every copy takes part in each gather; the first keeps them), then every stage's merged
+        on the main process. A tied head is left to the embedding's key."""
+        tied = self.tied_parameter(model) if not model.has_first else None
+        mine = {}
+        for k, v in model.module.state_dict(keep_vars=True).items():
+            if v is not tied:
+                whole = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                if self.copy == 0:
+                    mine[k] = whole
+        merged = {}
+        for part in gather_object([mine]):
+            merged.update(part)
+        return merged
+
+    def launch_info(self, model, optimizer) -> dict:
+        """Also how the main process's stage weights are placed: FSDP2's Shard(0) over the stage's "dp" mesh."""
+        placements = {", ".join(str(p) for p in param.placements) for param in model.parameters()
+                      if isinstance(param, DTensor)}
+        return {**super().launch_info(model, optimizer), "dtensor_placements": sorted(placements)}
