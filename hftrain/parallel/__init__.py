@@ -8,8 +8,8 @@
 Backends, one file each: base.py (the interface; one process and DDP), fsdp.py (FSDP2), deepspeed.py (ZeRO 1-3,
 offload), tensor.py (tensor parallel, with data-parallel copies, or FSDP2 x TP under an FSDP2 preset), sequence.py
 (ZeRO with DeepSpeed's Ulysses sequence parallelism), context.py (FSDP2 with torch's ring attention context
-parallelism), pipeline.py (pipeline stages through torch.distributed.pipelining, with data-parallel copies, or each stage
-sharded by FSDP2 under an FSDP2 preset).
+parallelism), pipeline.py (pipeline stages through torch.distributed.pipelining, with data-parallel copies, or
+each stage sharded by FSDP2 under an FSDP2 preset).
 Nothing else in hftrain asks accelerate, the environment or the DeepSpeed JSON which strategy
 runs. The parallelism fields of the recipe and the rules judged from the recipe alone (`problems`) are
 `hftrain/recipe/parallel.py`; the rules that need the launch or the model config are in `hftrain/preflight.py`.

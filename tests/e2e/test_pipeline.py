@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import REPO, TINY_CHAT, Run, build_tiny_model, launch, run_main_cases, run_script
+from tests.conftest import FSDP_LAUNCHER, REPO, TINY_CHAT, Run, build_tiny_model, launch, run_main_cases, run_script
 
 pytestmark = pytest.mark.launch
 
@@ -66,6 +66,9 @@ LAYOUTS = {
 }
 THREE_D = {"pp2xtp2xdp2": ("1F1B", 2, 2, "untied")}  # 8 processes: opt-in (test_3d_trains_like_one_process)
 DUALPIPEV = {"DualPipeV": ("DualPipeV", 1, 1, "untied")}  # ZBV's V and split backward: opt-in (test_dualpipev_...)
+# pp 2 x FSDP2 on 4 processes (the fsdp2 preset through tests/launchers/fsdp2_on_cpu.py): each stage sharded over its
+# 2 data-parallel ranks (test_pp2_x_fsdp2_...)
+PP_FSDP2 = {"pp2xfsdp2": ("1F1B", 2, 1, "tied")}
 
 
 def launch_layout(folder, name: str, models: dict) -> Run:
@@ -122,14 +125,16 @@ def test_dualpipev_trains_like_one_process(references, models, tmp_path):
 
 
 def assert_pp_run(run: Run, ref: Run, name: str) -> None:
-    schedule, copies, tp, _ = {**LAYOUTS, **THREE_D, **DUALPIPEV}[name]
+    schedule, copies, tp, _ = {**LAYOUTS, **THREE_D, **DUALPIPEV, **PP_FSDP2}[name]
+    fsdp2 = name in PP_FSDP2
     info = run.state()["launch"]
     assert (info["distributed_type"], info["num_processes"], info["backend"], info["model_wrapper"]) == \
-        ("MULTI_CPU", 2 * copies * tp, "gloo", "PipelineStages")
+        ("FSDP" if fsdp2 else "MULTI_CPU", 2 * copies * tp, "gloo", "PipelineStages")
     assert run.state()["parallelism"]["dp_world"] == copies
     assert (info["pp_size"], info["pp_schedule"], info["pp_microbatches"], info["tp_size"]) == (2, schedule, 4, tp)
-    # rank 0 holds the embedding and layers 0-1: with tp, DTensors (the tp plan's 7 linear layers each, the embedding)
-    assert info["dtensor_parameters"] == (15 if tp > 1 else 0)
+    # rank 0 holds the embedding and layers 0-1: with tp, DTensors (the tp plan's 7 linear layers each, the embedding);
+    # under FSDP2 every one of its 19 weights (the embedding, 9 per layer) is a DTensor
+    assert info["dtensor_parameters"] == (15 if tp > 1 else 19 if fsdp2 else 0)
     stages = 2 if schedule in ("1F1B", "GPipe") else 4  # Interleaved1F1B and the V schedules: two per process
     assert info["pp_stages"]["stages"] == stages
     layers = [layer for start, stop in info["pp_stages"]["layers"] for layer in range(start, stop)]
@@ -151,6 +156,71 @@ def assert_pp_run(run: Run, ref: Run, name: str) -> None:
     for name, value in expected.items():
         torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
     assert "desync" not in run.stdout + run.stderr
+
+
+@pytest.fixture(scope="module")
+def pp_fsdp2(models, tmp_path_factory) -> Run:
+    """pp 2 x FSDP2 (FULL_SHARD) on 4 processes, the tied model, checkpoint-2 saved (after the checkpoint preflight's
+    round trip): one run for every assertion below."""
+    schedule, copies, _, kind = PP_FSDP2["pp2xfsdp2"]
+    return launch(tmp_path_factory.mktemp("pp-fsdp2") / "run", *COMMON, *SAVES, *PP, "--pp_schedule", schedule,
+                  "--per_device_train_batch_size", str(8 // copies), "--model_name_or_path", str(models[kind]),
+                  preset="fsdp2", processes=4, script=FSDP_LAUNCHER)
+
+
+def test_pp2_x_fsdp2_trains_like_one_process_with_sharded_stages(pp_fsdp2, references):
+    """Each stage's weights sharded by FSDP2 over its 2 data-parallel ranks equal one process: per-step loss, gradient
+    norm (clipped; summed over stages and shards), learning rate, evaluation and final weights. FSDP2's reduce-scatter
+    averages over the 2 ranks where the copies' mean was, and the tied embedding's gradient is summed block by block
+    between the first and the last stage. Sharded, not copied: the main process's weights are Shard(0) DTensors on the
+    stage's "dp" mesh, and checkpoint-2 holds each stage's tensors as 2 blocks (one per rank) under their HF names."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run = pp_fsdp2
+    assert_pp_run(run, references["ref-tied"], "pp2xfsdp2")
+    layout = ("pipeline parallel (pp_size=2, 1F1B, 4 microbatches) x FSDP2 FULL_SHARD (each stage over 2 "
+              "data-parallel ranks) over 4 processes (gloo)")
+    assert f"hftrain: {layout}" in run.stdout
+    info = run.state()["launch"]
+    assert (info["dtensor_meshes"], info["dtensor_placements"]) == (["dp=2"], ["Shard(dim=0)"])
+    assert "FSDPLlamaDecoderLayer" in info["sharded_modules"]
+    metadata = FileSystemReader(str(run.output_dir / "checkpoint-2" / "pipeline_state")).read_metadata()
+    weights = {k.removeprefix("model.lm."): v for k, v in metadata.state_dict_metadata.items()
+               if k.startswith("model.")}
+    # every HF name once; the tied head also under its own name (the last stage's tensor, as pp saves it)
+    assert set(weights) == {*load_file(references["ref-tied"].output_dir / "final" / "model.safetensors"),
+                            "lm_head.weight"}
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.layers.3.mlp.up_proj.weight"):
+        chunks = weights[name].chunks
+        assert len(chunks) == 2 and sum(c.sizes[0] for c in chunks) == weights[name].size[0], name
+
+
+@pytest.mark.skipif(not os.environ.get("HFTRAIN_TEST_PP_FSDP2_RESUME"),
+                    reason="opt-in (HFTRAIN_TEST_PP_FSDP2_RESUME=1, ~20 s more: a second 4-process launch); checked "
+                           "by hand (docs/pipeline.md)")
+def test_pp2_x_fsdp2_resumes_from_its_checkpoint(pp_fsdp2, models, tmp_path):
+    """checkpoint-2 of the pp 2 x FSDP2 run (DCP blocks of the sharded weights and AdamW moments) continued on the same
+    layout: steps 3-4 and the final weights equal the uninterrupted run's."""
+    folder = tmp_path / "resumed"
+    shutil.copytree(pp_fsdp2.output_dir, folder)
+    for later in ("final", "checkpoint-4"):
+        shutil.rmtree(folder / later)
+    schedule, copies, _, kind = PP_FSDP2["pp2xfsdp2"]
+    model = ["--model_name_or_path", str(models[kind])]
+    resumed = launch(folder, *COMMON, *SAVES, *PP, "--pp_schedule", schedule, "--per_device_train_batch_size",
+                     str(8 // copies), *model, "--resume_from_checkpoint", "latest", preset="fsdp2", processes=4,
+                     script=FSDP_LAUNCHER)
+    assert "resuming from" in resumed.stdout and "at step 2" in resumed.stdout
+    rows, again = pp_fsdp2.train_rows(), resumed.train_rows()
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    assert [(r["learning_rate"], r["trained_tokens"]) for r in again[2:]] == \
+        [(r["learning_rate"], r["trained_tokens"]) for r in rows[2:]]
+    close([r["loss"] for r in again[2:]], [r["loss"] for r in rows[2:]], 1e-6)
+    close([r["grad_norm"] for r in again[2:]], [r["grad_norm"] for r in rows[2:]], 1e-6)
+    final, expected = (load_file(r.output_dir / "final" / "model.safetensors") for r in (resumed, pp_fsdp2))
+    assert final.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(final[key], value, rtol=1e-6, atol=1e-6, msg=lambda m, n=key: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("name", ["1F1B", "pp2xtp2"])
@@ -342,9 +412,10 @@ REFUSALS = {  # name: (extra argv, environment, config.json override or None, te
            "(tp_size) and data-parallel copies only"),
     "pp_tp_processes": ([*PP, "--tp_size", "2"], {"WORLD_SIZE": "2"}, None,
                         "pp_size=2 x tp_size=2 does not divide the 2 processes"),
-    # FSDP2 per stage is not built (FSDP2 x TP without pp is: tests/e2e/test_fsdp_tp.py)
+    # pp x FSDP2 runs (test_pp2_x_fsdp2_...), FSDP2 x TP without pp too (tests/e2e/test_fsdp_tp.py); tp inside
+    # FSDP2-sharded stages is not built
     "pp_tp_fsdp2": ([*PP, "--tp_size", "2"], {"WORLD_SIZE": "4", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
-                    None, "pp_size=2 with a fsdp2 preset"),
+                    None, "and tp_size=2: tensor parallelism inside FSDP2-sharded stages is not built"),
     "deepspeed": (PP, ZERO2, None, "pp_size=2 with a deepspeed preset"),
     "odd_processes": (PP, {"WORLD_SIZE": "3"}, None, "pp_size=2 does not divide the 3 processes"),
 }

@@ -12,6 +12,7 @@ from hftrain.config import Recipe
 from hftrain.errors import ConfigError
 from hftrain.model import LIGER_MODEL_TYPES
 from hftrain.parallel.launch import Launch
+from hftrain.parallel.pipeline import pipeline_problems
 from hftrain.preflight import (
     context_parallel_problems,
     launch_problems,
@@ -23,6 +24,7 @@ from hftrain.preflight import (
     sequence_parallel_problems,
     tensor_parallel_problems,
 )
+from hftrain.stages import resume_layout_problem
 from tests.conftest import REPO
 from tests.unit.test_model import tiny_config_kwargs
 
@@ -193,6 +195,50 @@ def test_fsdp2_x_tensor_parallel_is_allowed_with_two_or_more_data_parallel_shard
 def test_fsdp2_x_tensor_parallel_refuses_what_it_does_not_run(values, expected):
     (problem,) = tensor_parallel_problems(Recipe(tp_size=2, **values), Launch("fsdp2", 4, 4))
     assert expected in problem
+
+
+def llama(layers: int = 4):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=layers)
+
+
+@pytest.mark.parametrize("launch, values", [
+    (Launch("fsdp2", 4, 4), {}),  # pp 2 x FSDP2 over 2 ranks per stage
+    (Launch("fsdp2", 6, 6), {"pp_schedule": "GPipe"}),  # 3 ranks per stage
+    (Launch("fsdp2", 8, 8), {"pp_schedule": "Interleaved1F1B"}),  # two FSDP2 roots per process
+    (Launch("fsdp2", 4, 4), {"gradient_checkpointing": True}),
+])
+def test_pp_x_fsdp2_is_allowed(launch, values):
+    assert pipeline_problems(Recipe(pp_size=2, **values), launch, llama()) == []
+
+
+@pytest.mark.parametrize("launch, values, expected", [
+    (Launch("fsdp2", 8, 8), {"tp_size": 2},
+     "and tp_size=2: tensor parallelism inside FSDP2-sharded stages is not built"),
+    (Launch("fsdp2", 2, 2), {}, "needs a multiple of pp_size processes, at least 4 (2 data-parallel ranks per stage); "
+                                "this launch is 2"),
+    (Launch("fsdp2", 5, 5), {}, "needs a multiple of pp_size processes, at least 4"),
+    (Launch("fsdp2", 4, 4), {"pp_schedule": "ZBVZeroBubble"}, "and pp_schedule=ZBVZeroBubble: its V puts the first"),
+    (Launch("fsdp2", 4, 4), {"pp_schedule": "DualPipeV", "pp_microbatches": 4}, "and pp_schedule=DualPipeV"),
+    (Launch("fsdp2", 4, 4), {"use_peft": True}, "and LoRA / QLoRA (use_peft, load_in_4bit / load_in_8bit)"),
+    (deepspeed(2, world=4), {}, "pp_size=2 with a deepspeed preset: hftrain's pipeline runs with data-parallel copies"),
+])
+def test_pipeline_layouts_hftrain_does_not_run_are_refused(launch, values, expected):
+    (problem,) = pipeline_problems(Recipe(pp_size=2, **values), launch, llama())
+    assert expected in problem
+
+
+def test_pipeline_checkpoints_resume_under_pp_x_fsdp2_and_not_under_fsdp2_alone():
+    """A pp checkpoint (DCP under HF names, any sharding) resumes under pp with FSDP2 per stage; FSDP2 without pp does
+    not read it, and a pp run does not read FSDP2's own sharded files."""
+    pp_fsdp2 = {"pp_size": 2, "tp_size": 1, "deepspeed_config": None, "sharded_modules": ["FSDPLlamaDecoderLayer"]}
+    assert resume_layout_problem(pp_fsdp2, 2, "FSDP2") is None
+    assert resume_layout_problem(pp_fsdp2, 4, None) is None  # pp x DDP copies, another pp_size
+    assert resume_layout_problem(pp_fsdp2, 1, None) is None  # one process / DDP: converted (stages.unpipelined)
+    assert "this run shards the model with FSDP2" in resume_layout_problem(pp_fsdp2, 1, "FSDP2")
+    fsdp2 = {**pp_fsdp2, "pp_size": 1}
+    assert "was written with FSDP2 and this run has pp_size=2" in resume_layout_problem(fsdp2, 2, "FSDP2")
 
 
 @pytest.mark.parametrize("launch, values, expected", [
