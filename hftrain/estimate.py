@@ -479,10 +479,11 @@ def layout_launch(layout: Layout, nodes: int, batch: int, seq: int) -> tuple[str
 
 NOT_MODELLED = ("not modelled: communication time (tp all-reduces, stage-to-stage sends, data-parallel gradient "
                 "averaging) and compute speed; sequence parallelism inside tp (transformers' plan keeps norms and "
-                "residuals whole on every tp rank, as counted); FSDP2 / ZeRO inside a stage (hftrain refuses them "
-                "under pp); LoRA / QLoRA, dpo and offload under 3D; receive buffers and allocator fragmentation "
-                f"beyond the {1 - USABLE_FRACTION:.0%} margin; per-rank differences other than layer counts, the "
-                "embedding and the head")
+                "residuals whole on every tp rank, as counted); FSDP2 per stage (an fsdp2 preset with pp_size: each "
+                "stage's state / its data-parallel ranks, not counted here) and ZeRO per stage (refused); LoRA / "
+                "QLoRA, dpo and offload under 3D; receive buffers and allocator fragmentation beyond the "
+                f"{1 - USABLE_FRACTION:.0%} margin; per-rank differences other than layer counts, the embedding and "
+                "the head")
 
 
 def format_layouts(shape: ModelShape, nodes: int, gpus_per_node: int, gpu_memory_gib: float, global_batch: int,

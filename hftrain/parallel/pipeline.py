@@ -31,6 +31,9 @@ split in two by transformers' tensor-parallel plan, {2, 3} the last stage's; ran
 (replicated) hidden states. 8 processes with pp_size=2, tp_size=2: two such pipelines, one per data-parallel copy
 ("3D": data x tensor x pipeline).
 
+pp x FSDP2 (an FSDP2 preset, `PipelineFSDP2Backend`): the same mesh with tp_size 1, each stage sharded by torch's
+`fully_shard` over its "dp" ranks instead of held whole by each copy (torchtitan's pp x fsdp; see the class).
+
 pp x tp: every rank loads the model with transformers' tp plan over its tp group (`tensor.model_load_kwargs`: each
 rank reads 1/tp of every layer), then keeps only its stage's layers, so the plan applies per stage to the layers the
 stage owns; the stage's forward runs transformers' sharded layers (their collectives inside the tp group).
@@ -526,8 +529,9 @@ class PipelineBackend(Backend):
         return loss_sum
 
     def clip_grad_norm(self, model, max_norm: float) -> float | None:
-        """Collectives that change the gradients: the mean over the data-parallel copies (the loss already divides
-        by the step's tokens over all copies, so the mean undoes the copies' count as DDP's does), the tied
+        """Collectives that change the gradients: the mean over the data-parallel copies (`average_copies`; the loss
+        already divides by the step's tokens over all copies, so the mean undoes the copies' count as DDP's does; under
+        pp x FSDP2 the reduce-scatter has taken it), the tied
         embedding's gradient summed between the first and the last stage, then the norm: the squares of every
         gradient summed over the stages and, for a tensor sharded by tp, over its shards (a tensor that every tp rank
         holds whole is counted once, and a tied weight once), and torch's clipping rule (coef = max_norm / (norm +
@@ -804,6 +808,6 @@ class PipelineFSDP2Backend(PipelineBackend):
 
     def launch_info(self, model, optimizer) -> dict:
         """Also how the main process's stage weights are placed: FSDP2's Shard(0) over the stage's "dp" mesh."""
-        placements = {", ".join(str(p) for p in param.placements) for param in model.parameters()
+        placements = {", ".join(repr(p) for p in param.placements) for param in model.parameters()
                       if isinstance(param, DTensor)}
         return {**super().launch_info(model, optimizer), "dtensor_placements": sorted(placements)}
