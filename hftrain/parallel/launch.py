@@ -63,6 +63,7 @@ class Launch:
     # the preset's own parallelism_config sizes (PARALLELISM_CONFIG_*_SIZE), when it has that section: hftrain
     # builds the ParallelismConfig from the recipe and refuses a preset that says otherwise
     preset_mesh: dict[str, int] | None = None
+    fsdp_offload: bool = False  # the FSDP preset's fsdp_offload_params (FSDP_OFFLOAD_PARAMS)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> Launch:
@@ -73,7 +74,8 @@ class Launch:
             mesh = {name: int(environ.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1"))
                     for name in ("dp_replicate", "dp_shard", "tp", "cp")}
             return cls("fsdp2", world, per_node, precision,
-                       preset_mesh=mesh if _flag(environ, "ACCELERATE_USE_PARALLELISM_CONFIG") else None)
+                       preset_mesh=mesh if _flag(environ, "ACCELERATE_USE_PARALLELISM_CONFIG") else None,
+                       fsdp_offload=_flag(environ, "FSDP_OFFLOAD_PARAMS"))
         if _flag(environ, "ACCELERATE_USE_DEEPSPEED"):
             path = environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
             path = None if path == "none" else path

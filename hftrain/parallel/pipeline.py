@@ -172,6 +172,10 @@ def fsdp2_stage_problems(recipe: Recipe, launch: Launch) -> list[str]:
     elif world % pp or world < 2 * pp:
         problems.append(f"{layout} needs a multiple of pp_size processes, at least {2 * pp} (2 data-parallel ranks "
                         f"per stage); this launch is {world}. For a pipeline without copies use the cpu_pp / pp preset")
+    if launch.fsdp_offload:
+        problems.append(f"{layout} and fsdp_offload_params: true: CPU offload of sharded stages is not built (the "
+                        "pipeline's receive buffers, loss and clipping stay on the device); set it to false in the "
+                        "preset, or use FSDP2 without pp_size")
     if recipe.pp_schedule in V_SCHEDULES:
         problems.append(f"{layout} and pp_schedule={recipe.pp_schedule}: its V puts the first and the last stage on "
                         "one process, so a tied embedding and head would be one parameter in two FSDP2 roots, and "

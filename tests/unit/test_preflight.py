@@ -222,6 +222,7 @@ def test_pp_x_fsdp2_is_allowed(launch, values):
     (Launch("fsdp2", 4, 4), {"pp_schedule": "ZBVZeroBubble"}, "and pp_schedule=ZBVZeroBubble: its V puts the first"),
     (Launch("fsdp2", 4, 4), {"pp_schedule": "DualPipeV", "pp_microbatches": 4}, "and pp_schedule=DualPipeV"),
     (Launch("fsdp2", 4, 4), {"use_peft": True}, "and LoRA / QLoRA (use_peft, load_in_4bit / load_in_8bit)"),
+    (Launch("fsdp2", 4, 4, fsdp_offload=True), {}, "and fsdp_offload_params: true: CPU offload of sharded stages"),
     (deepspeed(2, world=4), {}, "pp_size=2 with a deepspeed preset: hftrain's pipeline runs with data-parallel copies"),
 ])
 def test_pipeline_layouts_hftrain_does_not_run_are_refused(launch, values, expected):

@@ -19,6 +19,8 @@ def test_launch_reads_what_accelerate_launch_passes(tmp_path):
     fsdp = Launch.from_environ({"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2",
                                 "ACCELERATE_MIXED_PRECISION": "bf16"})
     assert (fsdp.kind, fsdp.world, fsdp.mixed_precision, fsdp.zero_stage) == ("fsdp2", 2, "bf16", None)
+    assert not fsdp.fsdp_offload
+    assert Launch.from_environ({"ACCELERATE_USE_FSDP": "true", "FSDP_OFFLOAD_PARAMS": "true"}).fsdp_offload
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_batch_size": "auto"}))
     launch = Launch.from_environ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ds)})
