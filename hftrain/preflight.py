@@ -8,7 +8,8 @@ preflight runs at the start of training, once the launch is known (`parallel.Lau
             under strategies that cannot run them;
 - model:    the model's config (read without weights): it exists, max_length fits, the architecture suits
             loss_chunk_tokens;
-- Liger:    every use_liger_kernel rule in one place.
+- Liger:    every use_liger_kernel rule in one place;
+- vLLM:     use_vllm's CUDA, vllm package and strategy rules (`vllm_problems`).
 
 All problems come out as one ConfigError, in one paragraph, before the accelerator, the data or the weights load.
 """
@@ -30,6 +31,7 @@ from hftrain.model import HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, 
 from hftrain.parallel.deepspeed import deepspeed_problems
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.pipeline import pipeline_problems
+from hftrain.recipe.grpo import VLLM_REQUIREMENT
 
 TP_WITH_DEEPSPEED_REFUSED = (
     "tensor parallelism combined with DeepSpeed is not available in hftrain: accelerate 1.15 composes TP with "
@@ -50,9 +52,33 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += sequence_parallel_problems(recipe, launch, model_config)
     problems += context_parallel_problems(recipe, launch, model_config)
     problems += pipeline_problems(recipe, launch, model_config)
+    problems += vllm_problems(recipe, launch, cuda)
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
     return model_config
+
+
+def vllm_problems(recipe: Recipe, launch: Launch, cuda: bool) -> list[str]:
+    """use_vllm (grpo's colocated vLLM generation, hftrain.rl.vllm_generation): what the machine and the launch must
+    give it. Its recipe-only rules are hftrain.recipe.grpo's."""
+    if not recipe.use_vllm:
+        return []
+    problems = []
+    if not cuda:
+        problems.append("use_vllm: true needs a CUDA GPU (vLLM's engine runs on the GPU of each training process) and "
+                        "this machine has none; set use_vllm: false to sample with transformers' generate")
+    if importlib.util.find_spec("vllm") is None:
+        problems.append(f"use_vllm: true needs the vllm package, which is not installed: pip install 'hftrain[vllm]' "
+                        f"on a CUDA machine ({VLLM_REQUIREMENT}, TRL 1.16's newest supported vLLM; its wheel requires "
+                        "transformers < 5.18 while hftrain pins 5.23, so pip refuses the pair until a vLLM release "
+                        "accepts transformers 5.23), or set use_vllm: false")
+    if launch.kind == "fsdp2" or (launch.kind == "deepspeed" and launch.zero_stage == 3):
+        strategy = "FSDP2" if launch.kind == "fsdp2" else "DeepSpeed ZeRO-3"
+        problems.append(f"use_vllm with {strategy} is refused: each push of the trained weights into vLLM would "
+                        "have to gather them from the shards (TRL gathers them parameter by parameter, and a LoRA's "
+                        "whole model at once), which hftrain has not written; use a DDP or ZeRO-1/2 preset, or "
+                        "use_vllm: false (transformers' generate works under every strategy)")
+    return problems
 
 
 def gpu_count_problems(launch: Launch, gpus: int) -> list[str]:

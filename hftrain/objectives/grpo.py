@@ -20,6 +20,7 @@ from hftrain.layout import STREAM_STATE
 from hftrain.model import CausalLMTokenLoss
 from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import AdapterReference, FrozenReference
+from hftrain.rl.generation import build_generator
 from hftrain.rl.grpo import GRPOLoss, ReferenceTokenLogProbs, Rollouts, reference_token_log_probs
 from hftrain.rl.rewards import column_problems, load_reward_functions
 from hftrain.rl.rollouts import WindowPlan, is_conversational, render_prompts
@@ -109,9 +110,13 @@ class GRPO(Objective):
         reference = run.token_loss.reference
         if reference is not None and hasattr(reference, "prepare"):
             reference.prepare(backend)
-        # generation runs the prepared model, inside the backend's generation_context (ZeRO-3 gathers the weights,
-        # FSDP2 generates through the sharded model)
-        run.feed.model, run.feed.loss_fn, run.feed.backend = run.model, run.token_loss, backend
+        # the generator samples from the prepared model: transformers' generate inside the backend's
+        # generation_context (ZeRO-3 gathers the weights, FSDP2 generates through the sharded model), or vLLM, which
+        # receives the causal LM's weights before each generation batch
+        feed = run.feed
+        feed.model, feed.loss_fn = run.model, run.token_loss
+        feed.generator = build_generator(run.recipe, backend, run.model, run.token_loss.lm, run.accelerator,
+                                         feed.sampling, feed.eos_ids, feed.pad_id)
         return None
 
     def notes(self, run) -> list[str]:
@@ -120,7 +125,7 @@ class GRPO(Objective):
         ref = reference.describe() if reference is not None else "none (beta 0)"
         return [f"objective grpo ({recipe.loss_type}, {recipe.importance_sampling_level}-level ratios, epsilon "
                 f"{recipe.epsilon:g}/{recipe.epsilon_high if recipe.epsilon_high is not None else recipe.epsilon:g}, "
-                f"beta {recipe.beta:g}; reference: {ref}); reward functions "
-                f"{', '.join(f.name for f in run.reward_funcs)}; each generation batch: {plan.prompts_per_window} "
-                f"prompts x {plan.num_generations} completions, trained for {plan.steps_per_window} optimizer "
-                f"step(s); every completion in {run.output_dir / 'rollouts.jsonl'}"]
+                f"beta {recipe.beta:g}; reference: {ref}); sampled with {run.feed.generator.describe()}; reward "
+                f"functions {', '.join(f.name for f in run.reward_funcs)}; each generation batch: "
+                f"{plan.prompts_per_window} prompts x {plan.num_generations} completions, trained for "
+                f"{plan.steps_per_window} optimizer step(s); every completion in {run.output_dir / 'rollouts.jsonl'}"]

@@ -6,7 +6,7 @@ max_completion_length are the objective group's fields, shared with dpo; their g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from hftrain.recipe import GRPO_LOSS_TYPES as LOSS_TYPES
 from hftrain.recipe import recipe_field as _f
@@ -63,9 +63,55 @@ class GRPOFields:
         "every completion).", group="grpo",
     )
     use_vllm: bool = _f(
-        False, "grpo: sample with vLLM (TRL's colocated mode) instead of transformers' generate. Not available: "
-        "hftrain has not implemented it, because no CUDA GPU was available to test it; true is refused. Generation "
-        "uses transformers' generate under every strategy (DDP, ZeRO-3 gathered, FSDP2, LoRA/QLoRA).", group="grpo",
+        False, "grpo: sample with vLLM instead of transformers' generate, in TRL's colocated mode: every process runs "
+        "its own vLLM engine (vllm.LLM with the external_launcher executor) on its GPU beside the trained model, the "
+        "trained weights are pushed into it before each generation batch, each completion is one request with its "
+        "own seed, and the loss is corrected for vLLM's sampling log-probs (vllm_importance_sampling_*). Needs a "
+        "CUDA GPU and the vllm package (pip install 'hftrain[vllm]'); one process, DDP or ZeRO-1/2, full fine-tuning "
+        "or LoRA. Written from TRL 1.16's and vLLM's code, not yet run on a GPU (docs/grpo.md).", group="grpo",
+    )
+    vllm_mode: str = _f(
+        "colocate", "grpo, use_vllm: colocate (vLLM inside each training process, sharing its GPU). TRL's server "
+        "mode (a separate `trl vllm-serve` process that receives the weights over NCCL) is refused.", group="grpo",
+        choices=("colocate", "server"),
+    )
+    vllm_gpu_memory_utilization: float = _f(
+        0.3, "grpo, use_vllm: the share of the GPU's memory vLLM's engine takes (weights and KV cache), the rest "
+        "being left to training.", group="grpo",
+    )
+    vllm_max_model_length: int | None = _f(
+        None, "grpo, use_vllm: vLLM's context length (max_model_len); at least the longest prompt plus "
+        "max_completion_length (default: from the model's config).", group="grpo",
+    )
+    vllm_tensor_parallel_size: int = _f(
+        1, "grpo, use_vllm: vLLM's tensor-parallel size; only 1 (one engine per process) is implemented.",
+        group="grpo",
+    )
+    vllm_enable_sleep_mode: bool = _f(
+        False, "grpo, use_vllm: put vLLM's weights and KV cache to sleep (level 2: freed) between generation batches, "
+        "waking the weights before they are pushed and the cache before sampling: less memory during the training "
+        "steps, more transfer time.", group="grpo",
+    )
+    vllm_model_impl: str = _f(
+        "vllm", "grpo, use_vllm: the model implementation vLLM runs: its own (vllm) or transformers' "
+        "(transformers).", group="grpo", choices=("vllm", "transformers"),
+    )
+    vllm_importance_sampling_correction: bool = _f(
+        True, "grpo, use_vllm: multiply each token's loss by the importance ratio between the trained model's "
+        "log-probs at generation and vLLM's sampling log-probs (truncated or masked, vllm_importance_sampling_mode), "
+        "as TRL; the generation-time log-probs are then stored and used as the ratio's denominator.", group="grpo",
+    )
+    vllm_importance_sampling_mode: str = _f(
+        "sequence_mask", "grpo, use_vllm: token_truncate / token_mask: one ratio per token, clipped to [clip_min, "
+        "clip_max] / set to 0 outside it; sequence_truncate / sequence_mask: one ratio per completion, exp of the "
+        "summed log-prob differences.", group="grpo",
+        choices=("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    )
+    vllm_importance_sampling_clip_max: float | None = _f(
+        3.0, "grpo, use_vllm: upper bound of the importance ratio (none: no upper bound).", group="grpo",
+    )
+    vllm_importance_sampling_clip_min: float | None = _f(
+        None, "grpo, use_vllm: lower bound of the importance ratio (none: no lower bound).", group="grpo",
     )
     ds3_gather_for_generation: bool = _f(
         True, "grpo, DeepSpeed ZeRO-3 (TRL's name and default): true gathers the whole model on every process for "
@@ -78,21 +124,69 @@ class GRPOFields:
     )
 
 
-VLLM_REFUSED = ("use_vllm: true is refused: hftrain does not implement vLLM generation (TRL's colocated mode needs a "
-                "CUDA GPU and vLLM, and none was available to test it); remove use_vllm: completions are sampled with "
-                "transformers' generate under every strategy (DDP, ZeRO-3 gathered, FSDP2, LoRA/QLoRA)")
+# TRL 1.16's newest supported vLLM (its vllm extra: vllm>=0.22.0,<=0.31.0); pyproject.toml's vllm extra
+VLLM_REQUIREMENT = "vllm==0.31.0"
+VLLM_FIELDS = ("vllm_mode", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size",
+               "vllm_enable_sleep_mode", "vllm_model_impl", "vllm_importance_sampling_correction",
+               "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+               "vllm_importance_sampling_clip_min")
+
+
+def vllm_problems(r) -> list[str]:
+    """use_vllm's settings judged from the recipe alone (TRL's GRPOConfig rules, and what hftrain's colocated
+    generation does not run); the machine (CUDA, the vllm package) and the launch (ZeRO-3, FSDP2) are preflight's."""
+    if not r.use_vllm:
+        return []
+    checks = [
+        (r.vllm_mode == "colocate", "vllm_mode: server is refused: hftrain implements TRL's colocated mode only (a "
+         "vLLM engine inside each training process); server mode needs a separate `trl vllm-serve` process and "
+         "an NCCL weight-update group with it, which hftrain has not written; use vllm_mode: colocate"),
+        (r.vllm_tensor_parallel_size == 1, f"vllm_tensor_parallel_size={r.vllm_tensor_parallel_size} is refused: "
+         "hftrain runs one vLLM engine per process (TRL's tp groups gather the prompts of several processes into "
+         "one engine, which hftrain has not written); use 1"),
+        (0 < r.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1], got "
+         f"{r.vllm_gpu_memory_utilization}"),
+        (r.vllm_max_model_length is None or r.vllm_max_model_length >= 1,
+         f"vllm_max_model_length must be >= 1 or unset, got {r.vllm_max_model_length}"),
+        (r.vllm_importance_sampling_clip_min is None or r.vllm_importance_sampling_clip_max is None
+         or r.vllm_importance_sampling_clip_min < r.vllm_importance_sampling_clip_max,
+         f"vllm_importance_sampling_clip_min ({r.vllm_importance_sampling_clip_min}) must be less than "
+         f"vllm_importance_sampling_clip_max ({r.vllm_importance_sampling_clip_max})"),
+        (not (r.vllm_importance_sampling_correction and r.vllm_importance_sampling_mode.endswith("_truncate")
+              and r.vllm_importance_sampling_clip_min is None and r.vllm_importance_sampling_clip_max is None),
+         f"vllm_importance_sampling_mode={r.vllm_importance_sampling_mode} clips the ratio: set "
+         "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max (or both)"),
+        (r.tp_size <= 1, f"use_vllm with tp_size={r.tp_size} is refused: the trained weights would have to be "
+         "gathered from transformers' tensor-parallel shards for each push into vLLM, which hftrain has not written; "
+         "use DDP (or transformers' generate under tp)"),
+        (r.pp_size <= 1, f"use_vllm with pp_size={r.pp_size} is refused: each pipeline stage holds some layers only, "
+         "and the push into vLLM needs every weight on each process"),
+        (not (r.load_in_4bit or r.load_in_8bit), "use_vllm with load_in_4bit / load_in_8bit (QLoRA) is refused: "
+         "pushing a LoRA merged into a bitsandbytes base into vLLM (TRL loads vLLM with quantization=bitsandbytes) "
+         "has not been written; use LoRA on a bf16 base, or use_vllm: false"),
+    ]
+    return [message for ok, message in checks if not ok]
+
+
+def vllm_defaults_changed(r) -> list[str]:
+    """The vllm_* fields set away from their defaults (a recipe without use_vllm: true must not set them)."""
+    defaults = {f.name: f.default for f in fields(GRPOFields)}
+    return [name for name in VLLM_FIELDS if getattr(r, name) != defaults[name]]
 
 
 def problems(r) -> list[str]:
     """objective grpo's settings (GRPOConfig's rules) and what it cannot be combined with yet. Other objectives:
     reward_funcs unset."""
+    stray = [] if r.use_vllm else vllm_defaults_changed(r)
+    stray = [f"{', '.join(stray)} set without use_vllm: true; they configure vLLM generation: add use_vllm: true "
+             "(objective grpo) or remove them"] if stray else []
     if r.objective != "grpo":
         misplaced = [(r.reward_funcs, f"reward_funcs is set but objective={r.objective}; set objective: grpo"),
                      (r.use_vllm, f"use_vllm is grpo's generation setting, but objective={r.objective}; remove it"),
                      (not r.ds3_gather_for_generation, "ds3_gather_for_generation: false is grpo's generation "
                       f"setting, but objective={r.objective}; remove it")]
-        return [message for is_set, message in misplaced if is_set]
-    problems = [VLLM_REFUSED] if r.use_vllm else []
+        return [message for is_set, message in misplaced if is_set] + stray
+    problems = stray + vllm_problems(r)
     if r.loss_type not in LOSS_TYPES:
         problems.append(f"loss_type={r.loss_type} is a dpo loss; grpo takes {', '.join(LOSS_TYPES)}")
     if not r.reward_funcs:

@@ -22,6 +22,7 @@ from torch import nn
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
 from hftrain.model import CausalLMTokenLoss, WrapsCausalLM
+from hftrain.rl.generation import RolloutGenerator
 from hftrain.rl.loss import (
     LossSettings,
     clip_statistics,
@@ -31,6 +32,7 @@ from hftrain.rl.loss import (
     micro_batch_loss,
     nanstd,
     per_token_loss,
+    vllm_importance_sampling_ratio,
 )
 from hftrain.rl.rewards import RewardFailure, RewardFunction, score
 from hftrain.rl.rollouts import (
@@ -38,9 +40,9 @@ from hftrain.rl.rollouts import (
     Sampling,
     WindowPlan,
     collate,
-    generate_rows,
     is_conversational,
     row_seed,
+    sampling_log_probs,
 )
 from hftrain.tracking import Table
 
@@ -108,12 +110,14 @@ class GRPOLoss(CausalLMTokenLoss):
         self.sums[name] = pair if name not in self.sums else self.sums[name] + pair
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor,
-                old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None) -> torch.Tensor:
+                old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
+                sampling_weights: torch.Tensor | None = None) -> torch.Tensor:
         logps, entropy = token_log_probs(self.lm, input_ids, self.temperature)
         if self.collecting:
             return logps.detach()
         mask = labels[:, 1:] != IGNORE_INDEX
-        loss, ratio, kl = per_token_loss(logps, old_logps, ref_logps, advantages.to(logps.dtype), mask, self.settings)
+        loss, ratio, kl = per_token_loss(logps, old_logps, ref_logps, advantages.to(logps.dtype), mask, self.settings,
+                                         sampling_weights)
         tokens = mask.sum()
         self._add("entropy", (entropy * mask).sum(), tokens)
         if kl is not None:
@@ -148,12 +152,17 @@ class Rollouts:
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
         self.weights = torch.tensor(recipe.reward_weights or [1.0] * len(funcs), dtype=torch.float32)
-        # old log-probs are stored when a window's later micro-batches train after an update (TRL's rule)
-        self.store_old = recipe.num_iterations > 1 or plan.steps_per_generation > plan.accum
+        # old log-probs are stored when a window's later micro-batches train after an update, and with vLLM's
+        # importance-sampling correction, whose ratio they are the numerator of (TRL's rules)
+        self.correct_sampling = recipe.use_vllm and recipe.vllm_importance_sampling_correction
+        self.store_old = recipe.num_iterations > 1 or plan.steps_per_generation > plan.accum or self.correct_sampling
         self.window, self.buffer, self.truncated = None, [], False
         self.generated_metrics: list[dict[str, float]] = []
         self.latest_rows: list[dict] = []  # log_completions: the last window's rollouts.jsonl rows (main process)
-        self.model = self.loss_fn = self.backend = None  # set by the objective once the backend has prepared them
+        # set by the objective once the backend has prepared the model: the model (its old log-probs), the loss
+        # module, and the generator that samples the completions (rl.generation.build_generator)
+        self.model = self.loss_fn = None
+        self.generator: RolloutGenerator | None = None
         # The loop's data vote: set on every rank when a reward function failed on any rank (generate), so that all
         # ranks stop at the same step with a checkpoint instead of waiting in a collective until ddp_timeout.
         self.stop_reason: str | None = None
@@ -219,11 +228,10 @@ class Rollouts:
         rows = plan.rank_rows(self.rank)
         self.model_was_training = self.model.training
         self.model.eval()
-        with self.backend.generation_context(self.model) as (lm, synced_gpus):  # every rank at once
-            sampled = generate_rows(lm, [self.prompts[prompt_index[row // G]].ids for row in rows],
-                                    [row_seed(recipe.seed, window, row // G, row % G) for row in rows], self.sampling,
-                                    self.eos_ids, self.pad_id, synced_gpus)
-        completions = [Completion(row, row // G, prompt_index[row // G], *sample) for row, sample in zip(rows, sampled)]
+        sampled = self.generator.sample([self.prompts[prompt_index[row // G]].ids for row in rows],
+                                        [row_seed(recipe.seed, window, row // G, row % G) for row in rows])
+        completions = [Completion(row, row // G, prompt_index[row // G], s.completion_ids, s.truncated,
+                                  sampling_logps=s.sampling_logps) for row, s in zip(rows, sampled)]
         self.dp.check_replicas_agree(fingerprint([c.completion_ids for c in completions]), "completions")
         prompts = [self.prompts[c.prompt] for c in completions]
         texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
@@ -256,9 +264,12 @@ class Rollouts:
         self.buffer = []
         for k in range(plan.steps_per_generation):
             part = completions[k * b:(k + 1) * b]
-            batch = collate([p.ids for p in prompts[k * b:(k + 1) * b]], part, advantages[mine][k * b:(k + 1) * b],
-                            self.pad_id, recipe.mask_truncated_completions)
-            extra = self.rollout_log_probs(batch)
+            prompt_ids = [p.ids for p in prompts[k * b:(k + 1) * b]]
+            batch = collate(prompt_ids, part, advantages[mine][k * b:(k + 1) * b], self.pad_id,
+                            recipe.mask_truncated_completions)
+            sampling = (sampling_log_probs(prompt_ids, part, batch["input_ids"].shape[1]) if self.correct_sampling
+                        else None)
+            extra = self.rollout_log_probs(batch, sampling)
             self.buffer.append({**batch, **extra})
         self.window = window
         if self.model_was_training:
@@ -283,9 +294,11 @@ class Rollouts:
         if self.model_was_training:
             self.model.train()
 
-    def rollout_log_probs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The stored old log-probs (num_iterations > 1 or steps_per_generation > accumulation) and the reference's
-        (beta > 0) of one micro-batch, in its own padding."""
+    def rollout_log_probs(self, batch: dict[str, torch.Tensor],
+                          sampling_logps: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The stored old log-probs (num_iterations > 1, steps_per_generation > accumulation, or vLLM's correction),
+        the reference's (beta > 0) and, with vLLM's importance-sampling correction (`sampling_logps`: vLLM's
+        log-probs of the sampled tokens), the weights of each token's loss, of one micro-batch, in its own padding."""
         out, device = {}, self.accelerator.device
         inputs = {k: v.to(device) for k, v in batch.items() if k != "num_examples"}
         if self.store_old:
@@ -296,6 +309,11 @@ class Rollouts:
                 self.loss_fn.collecting = False
         if self.loss_fn.reference is not None:
             out["ref_logps"] = self.loss_fn.reference.log_probs(inputs["input_ids"]).cpu()
+        if sampling_logps is not None:
+            r, mask = self.recipe, batch["labels"][:, 1:] != IGNORE_INDEX
+            out["sampling_weights"] = vllm_importance_sampling_ratio(
+                out["old_logps"], sampling_logps, mask, r.vllm_importance_sampling_mode,
+                r.vllm_importance_sampling_clip_min, r.vllm_importance_sampling_clip_max)
         return out
 
     # ------------------------------------------------------------------------------------------- the records

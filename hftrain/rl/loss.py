@@ -16,6 +16,10 @@ logits divided by the sampling temperature.
   (the value 1, the gradient of rho) and the stored log-probs of that first pass on later ones (num_iterations > 1).
 - Per token: l = -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A), plus beta * KL with KL = exp(ref - logp)
   - (ref - logp) - 1, multiplied by rho (TRL's use_bias_correction_kl, on by default).
+- vLLM's importance-sampling correction (use_vllm, `vllm_importance_sampling_ratio`, computed once per rollout at
+  generation): w from d = m (logp_old - logp_vllm) (NaN -> 0), per token (token_*) or summed per completion
+  (sequence_*), w = exp(d) clamped to [clip_min, clip_max] (*_truncate) or set to 0 outside it (*_mask); l is
+  multiplied by w before the beta KL term is added (TRL's `_generate_and_score_completions` / `_compute_loss`).
 - Aggregation (`micro_batch_loss` returns a sum, `loss_units` what it is a sum over; the loop adds both over the
   micro-batches and processes of an optimizer step and divides once):
     dapo     sum m l                 / completion tokens of the step on all processes (TRL: num_items_in_batch of
@@ -31,6 +35,7 @@ logits divided by the sampling temperature.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -104,12 +109,35 @@ def completion_log_probs(logits: torch.Tensor, tokens: torch.Tensor,
     return token_logps, entropy
 
 
+VLLM_IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def vllm_importance_sampling_ratio(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+                                   mode: str, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """TRL 1.16's correction for the mismatch between the sampler (vLLM) and the trained model: [B, T] (token_*) or
+    [B, 1] (sequence_*) weights of each token's loss, from the trained model's log-probs at generation `old_logps`
+    and vLLM's log-probs of the sampled tokens `sampling_logps` (NaN where vLLM gave none: no correction there)."""
+    diff = torch.nan_to_num((old_logps - sampling_logps) * mask.to(old_logps.dtype), nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if mode.endswith("_mask"):
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    raise ValueError(f"vllm_importance_sampling_mode={mode}; one of {', '.join(VLLM_IMPORTANCE_SAMPLING_MODES)}")
+
+
 def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
-                   advantages: torch.Tensor, mask: torch.Tensor,
-                   settings: LossSettings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   advantages: torch.Tensor, mask: torch.Tensor, settings: LossSettings,
+                   sampling_weights: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(per-token loss [B, T], importance ratio [B, T] or [B, 1] (sequence level), per-token KL or None).
 
-    `old_logps` None: this is the first pass over the rollout (the ratio's value is 1, its gradient that of logp)."""
+    `old_logps` None: this is the first pass over the rollout (the ratio's value is 1, its gradient that of logp).
+    `sampling_weights`: vLLM's importance-sampling correction (`vllm_importance_sampling_ratio`), or None."""
     old = logps.detach() if old_logps is None else old_logps
     log_ratio = logps - old
     mask = mask.to(logps.dtype)
@@ -119,6 +147,8 @@ def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logp
     adv = advantages.unsqueeze(-1)
     clipped = torch.clamp(ratio, 1 - settings.epsilon_low, 1 + settings.upper)
     loss = -torch.min(ratio * adv, clipped * adv)
+    if sampling_weights is not None:
+        loss = loss * sampling_weights
     kl = None
     if settings.beta != 0.0:
         delta = ref_logps - logps

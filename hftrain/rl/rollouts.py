@@ -209,6 +209,23 @@ def generate_rows(lm, prompts: list[list[int]], seeds: list[int], sampling: Samp
 
 
 @dataclass
+class Sampled:
+    """One completion as a generator returns it."""
+
+    completion_ids: list[int]
+    truncated: bool
+    sampling_logps: list[float] | None = None  # the sampler's log-prob of each completion token (NaN: none given)
+
+
+def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> tuple[list[int], bool, int]:
+    """(tokens up to and including the first EOS, truncated: no EOS, the kept length): the same rule for every
+    generator, so rows of rollouts.jsonl depend on the tokens only."""
+    end = next((i for i, token in enumerate(tokens) if token in eos_ids), None)
+    kept = tokens if end is None else tokens[:end + 1]
+    return kept, end is None, len(kept)
+
+
+@dataclass
 class Completion:
     """One rollout: the group (prompt index within the window) it belongs to, its tokens and its score."""
 
@@ -220,6 +237,18 @@ class Completion:
     rewards: list[float] = field(default_factory=list)  # per function, NaN for None
     reward: float = math.nan
     advantage: float = 0.0
+    sampling_logps: list[float] | None = None  # the sampler's log-prob of each token (vLLM), NaN where none
+
+
+def sampling_log_probs(prompt_ids: list[list[int]], completions: list[Completion], width: int) -> torch.Tensor:
+    """The sampler's per-token log-probs of a micro-batch laid out as the trained log-probs ([B, width - 1]: position
+    t predicts token t + 1, so completion token j of a prompt of length P sits at P - 1 + j), 0 elsewhere; NaN where
+    the sampler gave none."""
+    out = torch.zeros((len(completions), width - 1), dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
+        values = c.sampling_logps if c.sampling_logps is not None else [math.nan] * len(c.completion_ids)
+        out[i, len(p) - 1:len(p) - 1 + len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
 
 
 def collate(prompt_ids: list[list[int]], completions: list[Completion], advantages: torch.Tensor, pad_id: int,
