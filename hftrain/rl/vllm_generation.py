@@ -12,8 +12,8 @@ completions differ only through the engine's one RNG stream; hftrain samples eac
   memory, logprobs_mode="processed_logprobs" (the log-probs after temperature / top-k / top-p, which the correction
   needs), and sleeps (level 2) between generation windows with vllm_enable_sleep_mode;
 - before each window's sampling, the trained weights are pushed into the engine (`load_weights` of vLLM's model,
-  under the Hugging Face names: `vllm_weight_name`), a LoRA merged into its base for the push and unmerged after
-  (peft's `merge_adapter` / `unmerge_adapter`), then the prefix cache is reset. Only whole weights on every process
+  under the Hugging Face names: `vllm_weight_name`), a LoRA merged into a copy of its base weight (peft's safe
+  merge; TRL merges in place and unmerges), then the prefix cache is reset. Only whole weights on every process
   are pushed (one process, DDP, ZeRO-1/2): ZeRO-3 and FSDP2 are refused by the preflight;
 - each completion comes back with vLLM's log-prob of each sampled token (`logprobs=0`), for the importance-sampling
   correction (`rl.loss.vllm_importance_sampling_ratio`).
@@ -55,20 +55,36 @@ def vllm_weight_name(name: str, peft_prefix: str | None = None) -> str | None:
     return name
 
 
+def merged_weight(layer) -> torch.Tensor:
+    """A peft LoRA layer's base weight with its active adapters merged in, as a new tensor: peft's own safe merge
+    (`LoraLayer.merge(safe_merge=True)`: base + `get_delta_weight`, or the variant's `merge_safe` for DoRA) on a copy,
+    so that the trained model's base weights are not touched (TRL merges in place and unmerges after, which leaves
+    the rounding of W + BA - BA in the frozen base after every push)."""
+    merged = layer.get_base_layer().weight.data.clone()
+    for adapter in layer.active_adapters:
+        if adapter not in layer.lora_A:
+            continue
+        if adapter in layer.lora_variant:
+            merged = layer.lora_variant[adapter].merge_safe(layer, adapter, merged)
+        else:
+            merged += layer.get_delta_weight(adapter).to(merged.dtype)
+    return merged
+
+
 def named_weights(lm):
-    """(vLLM name, tensor) of every weight of `lm` (a causal LM or a peft model, whole on this process), with a LoRA
-    merged into its base while the pairs are read (and unmerged after)."""
-    peft_prefix = getattr(lm, "prefix", None) if hasattr(lm, "merge_adapter") else None
+    """(vLLM name, tensor) of every weight of `lm` (a causal LM or a peft model, whole on this process), a LoRA-adapted
+    base weight with its adapter merged in (`merged_weight`)."""
+    peft_prefix = getattr(lm, "prefix", None) if hasattr(lm, "peft_config") else None
+    adapted = {}
     if peft_prefix is not None:
-        lm.merge_adapter()
-    try:
-        for name, param in lm.named_parameters():  # tied weights come once, as vLLM wants
-            target = vllm_weight_name(name, peft_prefix)
-            if target is not None:
-                yield target, param.data
-    finally:
-        if peft_prefix is not None:
-            lm.unmerge_adapter()
+        from peft.tuners.lora import LoraLayer
+
+        adapted = {f"{name}.base_layer.weight": module for name, module in lm.named_modules()
+                   if isinstance(module, LoraLayer)}
+    for name, param in lm.named_parameters():  # tied weights come once, as vLLM wants
+        target = vllm_weight_name(name, peft_prefix)
+        if target is not None:
+            yield target, merged_weight(adapted[name]) if name in adapted else param.data
 
 
 def completion_logps(logprobs, length: int) -> list[float]:

@@ -366,8 +366,8 @@ def test_bad_input_is_refused_before_the_model_loads(tmp_path):
         "completion_ids, question, answer" in text["columns"]  # every problem at once: no **kwargs for question
     assert "3 completions, not whole groups of num_generations=4" in text["groups"]
     assert "reward_weights has 2 weights for 1 reward_funcs" in text["weights"]
-    assert "use_vllm: true is refused: hftrain does not implement vLLM generation" in text["vllm"]
-    assert "needs a CUDA GPU and vLLM, and none was available to test it" in text["vllm"]
+    assert "use_vllm: true needs a CUDA GPU" in text["vllm"]  # the preflight, before the model loads
+    assert "use_vllm: true needs the vllm package, which is not installed: pip install 'hftrain[vllm]'" in text["vllm"]
 
 
 def test_tiny_grpo_recipe_learns(tmp_path):
