@@ -261,7 +261,7 @@ class Rollouts:
                                 advantages[mine].tolist()):
             c.rewards, c.reward, c.advantage = r_k, r, a
         b = plan.micro_batch
-        self.buffer = []
+        self.buffer, sampled_with = [], []
         for k in range(plan.steps_per_generation):
             part = completions[k * b:(k + 1) * b]
             prompt_ids = [p.ids for p in prompts[k * b:(k + 1) * b]]
@@ -271,6 +271,9 @@ class Rollouts:
                         else None)
             extra = self.rollout_log_probs(batch, sampling)
             self.buffer.append({**batch, **extra})
+            sampled_with.append(sampling)
+        if self.correct_sampling:
+            self.generated_metrics[-1].update(self.sampling_metrics(sampled_with))
         self.window = window
         if self.model_was_training:
             self.model.train()
@@ -315,6 +318,35 @@ class Rollouts:
                 out["old_logps"], sampling_logps, mask, r.vllm_importance_sampling_mode,
                 r.vllm_importance_sampling_clip_min, r.vllm_importance_sampling_clip_max)
         return out
+
+    def sampling_metrics(self, sampling_logps: list[torch.Tensor]) -> dict[str, float]:
+        """TRL's vLLM metrics of this window, every rank's tokens: |old - sampling log-prob| over the trained tokens
+        (mean and max; tokens vLLM gave no log-prob left out) and the importance weights (min, mean, max over the
+        trained tokens, or over completions for sequence_* modes). TRL averages per-rank means; here the means are
+        over the window's tokens (or completions) on all ranks."""
+        deltas, weights = [], []
+        sequence = self.recipe.vllm_importance_sampling_mode.startswith("sequence")
+        for batch, sampling in zip(self.buffer, sampling_logps):
+            mask = batch["labels"][:, 1:] != IGNORE_INDEX
+            delta = (batch["old_logps"] - sampling).abs()[mask]
+            deltas.append(delta[~torch.isnan(delta)])
+            weights.append(batch["sampling_weights"].flatten() if sequence else batch["sampling_weights"][mask])
+        delta, weight = torch.cat(deltas).double(), torch.cat(weights).double()
+        nan = torch.tensor(math.nan, dtype=torch.float64)
+        local = torch.stack([delta.sum(), torch.tensor(len(delta)), delta.max() if len(delta) else nan, weight.sum(),
+                             torch.tensor(len(weight)), weight.min() if len(weight) else nan,
+                             weight.max() if len(weight) else nan]).double()[None]
+        every = self.accelerator.gather(local.to(self.accelerator.device)).cpu()
+
+        def over_ranks(column: int, reduce) -> float:  # TRL's nanmin / nanmax over the ranks (0 when none)
+            values = every[:, column][~torch.isnan(every[:, column])]
+            return reduce(values).item() if len(values) else 0.0
+
+        return {"sampling/sampling_logp_difference/mean": (every[:, 0].sum() / every[:, 1].sum().clamp(min=1)).item(),
+                "sampling/sampling_logp_difference/max": over_ranks(2, torch.max),
+                "sampling/importance_sampling_ratio/min": over_ranks(5, torch.min),
+                "sampling/importance_sampling_ratio/mean": (every[:, 3].sum() / every[:, 4].sum().clamp(min=1)).item(),
+                "sampling/importance_sampling_ratio/max": over_ranks(6, torch.max)}
 
     # ------------------------------------------------------------------------------------------- the records
     def write_rows(self, window: int, completions: list[Completion], prompts, texts: list[str]) -> None:

@@ -283,6 +283,11 @@ def test_the_vllm_path_writes_the_same_rollout_rows_as_generate_given_the_same_t
         assert mine["sampling_weights"].shape == (len(mine["input_ids"]), 1)  # sequence_mask: one per completion
         assert torch.allclose(mine["sampling_weights"], torch.ones_like(mine["sampling_weights"]))
     assert "sampling_weights" not in plain.buffer[0]
+    metrics = fast.generated_metrics[-1]  # TRL's vLLM metrics of the window
+    assert metrics["sampling/sampling_logp_difference/mean"] == pytest.approx(0, abs=1e-6)
+    assert [metrics[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")] == \
+        pytest.approx([1, 1, 1])
+    assert not any(name.startswith("sampling/") for name in plain.generated_metrics[-1])
 
 
 # ------------------------------------------------------------------------- TRL's importance-sampling correction
