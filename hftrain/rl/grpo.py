@@ -336,7 +336,7 @@ class Rollouts:
         local = torch.stack([delta.sum(), torch.tensor(len(delta)), delta.max() if len(delta) else nan, weight.sum(),
                              torch.tensor(len(weight)), weight.min() if len(weight) else nan,
                              weight.max() if len(weight) else nan]).double()[None]
-        every = self.accelerator.gather(local.to(self.accelerator.device)).cpu()
+        every = self.dp.gather(local.to(self.accelerator.device)).cpu()
 
         def over_ranks(column: int, reduce) -> float:  # TRL's nanmin / nanmax over the ranks (0 when none)
             values = every[:, column][~torch.isnan(every[:, column])]

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hftrain.config import load_recipe
 from hftrain.errors import ConfigError
+from hftrain.parallel.base import DataParallel
 from hftrain.parallel.launch import Launch
 from hftrain.preflight import vllm_problems
 from hftrain.rl.generation import TransformersGenerator, build_generator
@@ -228,7 +229,8 @@ def rollouts(r, tmp_path, name: str):
     plan = WindowPlan(len(prompts), r.num_generations, r.per_device_train_batch_size, 1,
                       r.gradient_accumulation_steps, r.steps_per_generation, r.num_iterations, r.order_seed)
     (tmp_path / name).mkdir()
-    feed = Rollouts(r, plan, prompts, funcs, tokenizer, accelerator(), 0, tmp_path / name)
+    feed = Rollouts(r, plan, prompts, funcs, tokenizer, accelerator(), DataParallel(1, 0, accelerator()),
+                    tmp_path / name)
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
     feed.model = feed.loss_fn = GRPOLoss(lm, r, None)
