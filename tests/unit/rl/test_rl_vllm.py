@@ -176,13 +176,14 @@ def test_full_model_weights_go_under_their_checkpoint_names(tmp_path, fake_vllm)
     assert all(torch.equal(pushed[name], state[name]) for name in pushed)
 
 
-def test_a_lora_is_pushed_merged_into_its_base_which_stays_untouched(tmp_path, fake_vllm):
+@pytest.mark.parametrize("dora", [False, True])
+def test_a_lora_is_pushed_merged_into_its_base_which_stays_untouched(tmp_path, fake_vllm, dora):
     from peft import LoraConfig, get_peft_model
 
     base = AutoModelForCausalLM.from_pretrained(TINY)
     expected_names = {name for name, _ in base.named_parameters()}
     lm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                         modules_to_save=["norm"]))
+                                         modules_to_save=["norm"], use_dora=dora))
     with torch.no_grad():
         for name, param in lm.named_parameters():
             if "lora_B" in name or "modules_to_save" in name:
