@@ -92,7 +92,10 @@ def fake_vllm(monkeypatch):
     module.script = lambda ids, params: ([7, EOS], [-1.0, -2.0])
     monkeypatch.setitem(sys.modules, "vllm", module)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)  # VLLMGenerator sets them; monkeypatch puts the old ones back
+        # VLLMGenerator sets them: setenv first so that monkeypatch restores (or removes) each afterwards; a
+        # WORLD_SIZE left behind would make a later test's process group wait for a second rank
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return module
 
 
