@@ -181,10 +181,10 @@ def fsdp2_stage_problems(recipe: Recipe, launch: Launch) -> list[str]:
                         "one process, so a tied embedding and head would be one parameter in two FSDP2 roots, and "
                         "torch's split weight backward is not tested under FSDP2 here; use 1F1B, GPipe or "
                         "Interleaved1F1B")
-    if recipe.use_peft or recipe.load_in_4bit or recipe.load_in_8bit:
-        problems.append(f"{layout} and LoRA / QLoRA (use_peft, load_in_4bit / load_in_8bit): adapters and quantized "
-                        "bases in FSDP2-sharded stages are not built (their save gathers, and bitsandbytes' weights "
-                        "under torch's fully_shard, are untested); use the cpu_pp / pp preset")
+    if recipe.load_in_4bit or recipe.load_in_8bit:
+        problems.append(f"{layout} and QLoRA (load_in_4bit / load_in_8bit): bitsandbytes' quantized weights under "
+                        "torch's fully_shard in hftrain's stages are not built (accelerate's FSDP2 preparation, which "
+                        "handles their storage, wraps one whole model); use the cpu_pp / pp preset")
     return problems
 
 
@@ -673,15 +673,20 @@ class PipelineBackend(Backend):
         each tensor's shards are gathered first, inside its tp group (every rank of the first copy calls). A tied
         head is left to the embedding's key, as transformers saves a tied model."""
         tied = self.tied_parameter(model) if not model.has_first else None
-        mine = {}
-        if self.copy == 0:
-            for k, v in model.module.state_dict(keep_vars=True).items():
-                if v is not tied:
-                    mine[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+        mine = self.first_copy_whole({k: v for k, v in model.module.state_dict(keep_vars=True).items()
+                                      if v is not tied})
         merged = {}
         for part in gather_object([mine if self.tp_rank == 0 else {}]):
             merged.update(part)
         return merged
+
+    def first_copy_whole(self, tensors: dict) -> dict:
+        """`tensors` whole, on the CPU, on the first data-parallel copy ({} on the others): a tp-sharded DTensor
+        gathered inside its tp group (every rank of the first copy calls)."""
+        if self.copy != 0:
+            return {}
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().contiguous()
+                for k, v in tensors.items()}
 
     def save_pretrained(self, model, folder: Path) -> None:
         """The full model (`full_state_dict`; the main process writes it, and under tp every rank calls
@@ -696,13 +701,12 @@ class PipelineBackend(Backend):
             from peft import get_peft_model_state_dict
             from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
 
-            mine = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(lm).items()} \
-                if self.copy == 0 else {}
+            mine = self.first_copy_whole(get_peft_model_state_dict(lm))
             merged = {}
             for part in gather_object([mine]):
                 merged.update(part)
-            if self.accelerator.is_main_process:
-                lm.save_pretrained(folder)
+            if self.accelerator.is_main_process:  # peft's config and model card; its weights file is ours
+                lm.save_pretrained(folder, state_dict={})  # (its own would be this stage's tensors, maybe shards)
                 save_file(merged, Path(folder) / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
             return
         state_dict = self.full_state_dict(model)
@@ -794,21 +798,12 @@ class PipelineFSDP2Backend(PipelineBackend):
     def norm_group(self):
         return None  # every process: each holds its own block of its stage's gradients
 
-    def full_state_dict(self, model) -> dict | None:
-        """Every stage's weights gathered on the main process: each sharded tensor gathered over its stage's
-        data-parallel ranks (every copy takes part in each gather; the first keeps them), then every stage's merged
-        on the main process. A tied head is left to the embedding's key."""
-        tied = self.tied_parameter(model) if not model.has_first else None
-        mine = {}
-        for k, v in model.module.state_dict(keep_vars=True).items():
-            if v is not tied:
-                whole = (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-                if self.copy == 0:
-                    mine[k] = whole
-        merged = {}
-        for part in gather_object([mine]):
-            merged.update(part)
-        return merged
+    def first_copy_whole(self, tensors: dict) -> dict:
+        """Each sharded tensor gathered over its stage's data-parallel ranks: every copy takes part in each gather
+        (in the same order: the same names on every copy of a stage), the first keeps them."""
+        whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().contiguous()
+                 for k, v in tensors.items()}
+        return whole if self.copy == 0 else {}
 
     def launch_info(self, model, optimizer) -> dict:
         """Also how the main process's stage weights are placed: FSDP2's Shard(0) over the stage's "dp" mesh."""

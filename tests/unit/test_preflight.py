@@ -208,6 +208,7 @@ def llama(layers: int = 4):
     (Launch("fsdp2", 6, 6), {"pp_schedule": "GPipe"}),  # 3 ranks per stage
     (Launch("fsdp2", 8, 8), {"pp_schedule": "Interleaved1F1B"}),  # two FSDP2 roots per process
     (Launch("fsdp2", 4, 4), {"gradient_checkpointing": True}),
+    (Launch("fsdp2", 4, 4), {"use_peft": True}),  # LoRA: the frozen base sharded too, the adapter gathered to save
 ])
 def test_pp_x_fsdp2_is_allowed(launch, values):
     assert pipeline_problems(Recipe(pp_size=2, **values), launch, llama()) == []
@@ -221,7 +222,8 @@ def test_pp_x_fsdp2_is_allowed(launch, values):
     (Launch("fsdp2", 5, 5), {}, "needs a multiple of pp_size processes, at least 4"),
     (Launch("fsdp2", 4, 4), {"pp_schedule": "ZBVZeroBubble"}, "and pp_schedule=ZBVZeroBubble: its V puts the first"),
     (Launch("fsdp2", 4, 4), {"pp_schedule": "DualPipeV", "pp_microbatches": 4}, "and pp_schedule=DualPipeV"),
-    (Launch("fsdp2", 4, 4), {"use_peft": True}, "and LoRA / QLoRA (use_peft, load_in_4bit / load_in_8bit)"),
+    (Launch("fsdp2", 4, 4), {"use_peft": True, "load_in_4bit": True, "bnb_4bit_quant_storage": "float32"},
+     "and QLoRA (load_in_4bit / load_in_8bit): bitsandbytes' quantized weights under torch's fully_shard"),
     (Launch("fsdp2", 4, 4, fsdp_offload=True), {}, "and fsdp_offload_params: true: CPU offload of sharded stages"),
     (deepspeed(2, world=4), {}, "pp_size=2 with a deepspeed preset: hftrain's pipeline runs with data-parallel copies"),
 ])
