@@ -11,6 +11,8 @@ trained model itself).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 from hftrain.rl.rollouts import Sampled, Sampling, generate_rows
@@ -26,13 +28,19 @@ class RolloutGenerator(Protocol):
 class TransformersGenerator:
     """transformers' `generate` on the trained model, inside the backend's `generation_context` (ZeRO-3 gathers the
     weights, FSDP2 generates through its shards; `rollouts.generate_rows`: one call per window, Gumbel-max noise from
-    each completion's own generator)."""
+    each completion's own generator) and inside `autocast`, the accelerator's mixed-precision context: the training
+    forward runs under it (prepare wraps the loss module's forward, not the causal LM's that generate calls), so with
+    bf16 the completions are sampled from the policy the loss trains, at its speed, as TRL's generate runs inside
+    accelerate's autocast-wrapped forward (a no-op without mixed precision, and under DeepSpeed, whose engine holds
+    bf16 weights)."""
 
-    def __init__(self, backend, model, sampling: Sampling, eos_ids: set[int], pad_id: int):
+    def __init__(self, backend, model, sampling: Sampling, eos_ids: set[int], pad_id: int,
+                 autocast: Callable[[], AbstractContextManager] = nullcontext):
         self.backend, self.model, self.sampling, self.eos_ids, self.pad_id = backend, model, sampling, eos_ids, pad_id
+        self.autocast = autocast
 
     def sample(self, prompts: list[list[int]], seeds: list[int]) -> list[Sampled]:
-        with self.backend.generation_context(self.model) as (lm, synced_gpus):  # every rank at once
+        with self.backend.generation_context(self.model) as (lm, synced_gpus), self.autocast():  # every rank at once
             rows = generate_rows(lm, prompts, seeds, self.sampling, self.eos_ids, self.pad_id, synced_gpus)
         return [Sampled(ids, truncated) for ids, truncated in rows]
 
@@ -46,4 +54,4 @@ def build_generator(recipe, backend, model, lm, accelerator, sampling: Sampling,
     loss wrapper, whose weights vLLM receives). The vllm package is imported only when a recipe asks for it."""
     if recipe.use_vllm:
         return VLLMGenerator(recipe, lm, accelerator, sampling, eos_ids)
-    return TransformersGenerator(backend, model, sampling, eos_ids, pad_id)
+    return TransformersGenerator(backend, model, sampling, eos_ids, pad_id, autocast=accelerator.autocast)

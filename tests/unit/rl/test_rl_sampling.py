@@ -4,9 +4,14 @@ sampled tokens follow softmax(logits / temperature) restricted to the top-k, com
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
+
 import torch
 from transformers import AutoModelForCausalLM
 
+from hftrain.config import Recipe
+from hftrain.rl.generation import build_generator
 from hftrain.rl.rollouts import Sampling, generate_rows
 from tests.conftest import REPO
 
@@ -50,3 +55,29 @@ def test_first_tokens_follow_the_tempered_top_k_distribution():
     freq = counts[top.indices] / n
     stderr = (probs * (1 - probs) / n).sqrt()
     assert ((freq - probs).abs() <= 4.5 * stderr + 1e-9).all(), (freq, probs)
+
+
+def test_generation_runs_under_the_accelerators_autocast():
+    """build_generator hands TransformersGenerator the accelerator's autocast: with bf16 every forward of generate
+    runs in it (what the training forward does, inside the loss wrapper's autocast), without mixed precision none."""
+    model = load()
+    seen = []
+    model.model.layers[0].register_forward_hook(lambda module, args, out: seen.append(
+        (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
+
+    @contextmanager
+    def whole_model(m):
+        yield m, False
+
+    backend = SimpleNamespace(generation_context=whole_model)
+    sampling = Sampling(max_completion_length=3)
+    for autocast, expected in ((lambda: torch.autocast("cpu", dtype=torch.bfloat16), (True, torch.bfloat16)),
+                               (nullcontext, (False, None))):
+        accelerator = SimpleNamespace(autocast=autocast)
+        generator = build_generator(Recipe(), backend, model, model, accelerator, sampling, EOS, PAD)
+        seen.clear()
+        (sampled,) = generator.sample([[1, 45, 300]], [11])
+        assert len(seen) >= 1 and len(sampled.completion_ids) <= 3
+        assert {enabled for enabled, _ in seen} == {expected[0]}
+        if expected[0]:
+            assert {dtype for _, dtype in seen} == {expected[1]}
