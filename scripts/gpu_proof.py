@@ -255,11 +255,13 @@ def child_env(extra: dict | None = None) -> dict:
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
-def hftrain_run(mode: Mode, name: str, *args: str, env: dict | None = None) -> tuple[int, Path, str]:
-    """`python -m hftrain.finetune` (the real entry point, one process): (exit status, output_dir, stderr tail)."""
+def hftrain_run(mode: Mode, name: str, *args: str, env: dict | None = None,
+                overwrite: bool = True) -> tuple[int, Path, str]:
+    """`python -m hftrain.finetune` (the real entry point, one process): (exit status, output_dir, stderr tail).
+    `overwrite` False keeps what output_dir holds (a resume)."""
     out = mode.work / "runs" / name
-    cmd = [sys.executable, "-m", "hftrain.finetune", "--output_dir", str(out), "--overwrite_output_dir", "true",
-           "--disable_tqdm", "true", "--report_to", "none", *args]
+    cmd = [sys.executable, "-m", "hftrain.finetune", "--output_dir", str(out), "--disable_tqdm", "true",
+           "--report_to", "none", *(["--overwrite_output_dir", "true"] if overwrite else []), *args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env(env),
                               timeout=mode.timeout)
@@ -716,17 +718,16 @@ def part_grpo_pp(report: Report, mode: Mode) -> None:
         shutil.copytree(a / "checkpoint-1", b / "checkpoint-1")  # what a SIGTERM after step 1 leaves
         first = [r for r in rows(a) if r["step"] == 1]
         (b / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first))
-        cmd = [sys.executable, "-m", "hftrain.finetune", "--output_dir", str(b), "--disable_tqdm", "true",
-               "--report_to", "none", *GRPO, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps",
-               "1", "--resume_from_checkpoint", "latest"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=mode.timeout)
-        if proc.returncode != 0:
-            return Check("", "", "FAIL", exit=proc.returncode, detail=proc.stderr[-1500:])
+        code, _, err = hftrain_run(mode, b.name, *GRPO, "--per_device_train_batch_size", "8",
+                                   "--gradient_accumulation_steps", "1", "--resume_from_checkpoint", "latest",
+                                   overwrite=False)
+        if code != 0:
+            return Check("", "", "FAIL", exit=code, detail=err)
         same_rollouts = rows(a) == rows(b)
         weight_err = worst(a, b)
         ok = same_rollouts and weight_err <= 1e-5
         return Check("", "", "pass" if ok else "FAIL", measured=f"rollouts equal: {same_rollouts}; weights "
-                     f"{weight_err:.1e}", bound="equal; <= 1e-5", exit=proc.returncode,
+                     f"{weight_err:.1e}", bound="equal; <= 1e-5", exit=code,
                      detail=f"resumed from checkpoint-1 (inside the first window of num_iterations 2); "
                             f"{len(first)} of {len(rows(a))} rows before the stop",
                      numbers={"weight_error": weight_err, "rollouts_equal": same_rollouts})
