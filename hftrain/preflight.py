@@ -31,6 +31,7 @@ from hftrain.model import HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, 
 from hftrain.parallel.deepspeed import deepspeed_problems
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.pipeline import pipeline_problems
+from hftrain.parallel.tensor import fsdp_tp_blocks_disagree
 from hftrain.recipe.grpo import VLLM_REQUIREMENT
 
 TP_WITH_DEEPSPEED_REFUSED = (
@@ -51,6 +52,7 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += liger_problems(recipe, cuda, launch, model_config)
     problems += sequence_parallel_problems(recipe, launch, model_config)
     problems += context_parallel_problems(recipe, launch, model_config)
+    problems += fsdp2_tp_shard_problems(recipe, launch, model_config)
     problems += pipeline_problems(recipe, launch, model_config)
     problems += vllm_problems(recipe, launch, cuda)
     if problems:
@@ -186,6 +188,10 @@ def fsdp2_tensor_parallel_problems(recipe: Recipe, launch: Launch) -> list[str]:
                         f"tp_size data-parallel ranks (FSDP2 x TP), so it needs a multiple of tp_size processes, at "
                         f"least {2 * tp}; this launch is {world}. Pass --num_processes {2 * tp} (or another "
                         f"multiple), or use the tp preset for tensor parallelism alone")
+    elif recipe.cp_size > 1 and world % (tp * recipe.cp_size):
+        problems.append(f"tp_size={tp} with cp_size={recipe.cp_size} under FSDP2 needs a multiple of tp_size x cp_size "
+                        f"= {tp * recipe.cp_size} processes (each data-parallel rank's batches are shared by cp x tp "
+                        f"consecutive ranks); this launch is {world}")
     if recipe.fp16:
         problems.append(f"fp16 with tp_size={tp} under FSDP2: transformers' FSDP2 x TP mixed precision is bf16 only "
                         "(DistributedConfig.fsdp_mixed_precision); use bf16: true")
@@ -195,6 +201,32 @@ def fsdp2_tensor_parallel_problems(recipe: Recipe, launch: Launch) -> list[str]:
                         "through transformers' FSDP2 units is not. Use the tp or cpu_ddp preset (data-parallel "
                         "copies) for dpo, simpo or grpo with tensor parallelism")
     return problems
+
+
+def fsdp2_tp_shard_problems(recipe: Recipe, launch: Launch, model_config: PretrainedConfig | None) -> list[str]:
+    """FSDP2 x TP: the model dimensions that tp_size and fsdp_size both split (the vocabulary, the column-wise
+    projections' rows) must be cut alike by transformers' loader and by FSDP2 (`fsdp_tp_blocks_disagree`), or
+    transformers raises from inside from_pretrained on some ranks."""
+    tp = recipe.tp_size
+    if tp <= 1 or launch.kind != "fsdp2" or recipe.pp_size > 1 or model_config is None or launch.world % tp:
+        return []
+    fsdp, text = launch.world // tp, model_config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    sizes = {"vocab_size": getattr(text, "vocab_size", None),
+             "num_attention_heads x head_dim": heads * head_dim if heads and head_dim else None,
+             "num_key_value_heads x head_dim": (getattr(text, "num_key_value_heads", None) or heads or 0) *
+             (head_dim or 0) or None,
+             "intermediate_size": getattr(text, "intermediate_size", None)}
+    uneven = [f"{name} {size}" for name, size in sizes.items()
+              if isinstance(size, int) and fsdp_tp_blocks_disagree(size, fsdp, tp)]
+    if not uneven:
+        return []
+    return [f"tp_size={tp} x fsdp_size={fsdp} (FSDP2 x TP over {launch.world} processes) cannot load this model: "
+            f"{', '.join(uneven)} split over {tp} x {fsdp} ranks would be cut into blocks of one length by "
+            "transformers' loader and of another by FSDP2, and transformers refuses the load on some ranks. Use a "
+            f"process count whose fsdp_size cuts it alike (a tp_size x fsdp_size that divides it always does), or pad "
+            "the vocabulary to a multiple of it"]
 
 
 def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
 from hftrain.parallel.base import Backend, DataParallel, Parallelism
-from hftrain.parallel.context import ContextParallelBackend
+from hftrain.parallel.context import ContextParallelBackend, TensorContextParallelBackend
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch, devices_record, make_accelerator, phase, run_process
@@ -48,7 +48,8 @@ def resolve(accelerator, recipe: Recipe, launch: Launch) -> Backend:
         # FSDP2 presets shard each stage over its data-parallel ranks; DDP-type ones hold whole copies
         return (PipelineFSDP2Backend if selected == "FSDP" else PipelineBackend)(accelerator, recipe)
     if recipe.tp_size > 1 and selected == "FSDP":  # the 2D layout; the preflight has refused TP with DeepSpeed
-        return FSDP2TensorParallelBackend(accelerator, recipe)
+        return (TensorContextParallelBackend if recipe.cp_size > 1 else FSDP2TensorParallelBackend)(accelerator,
+                                                                                                      recipe)
     if recipe.tp_size > 1:
         return TensorParallelBackend(accelerator, recipe)
     if recipe.sp_size > 1:  # the preflight has refused sequence parallelism without DeepSpeed

@@ -103,7 +103,7 @@ def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
     group = {"backend": "gloo"} if deepspeed and not cuda else {}
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.ddp_timeout), **group)]
     mesh = parallelism_config(recipe, launch)
-    if mesh is not None and not cuda:
+    if recipe.cp_size > 1 and not cuda:
         raise HftrainError(
             f"cp_size={recipe.cp_size} needs CUDA GPUs: accelerate builds context parallelism only under FSDP2, which "
             "it selects only for GPU-like devices, and torch's ring attention dispatches only the CUDA SDPA kernels; "
@@ -121,8 +121,10 @@ def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
 
 def parallelism_config(recipe: Recipe, launch: Launch) -> ParallelismConfig | None:
     """accelerate's ParallelismConfig for context parallelism, from the recipe: FSDP2 shards over all
-    dp_shard x cp processes, each group of cp consecutive ranks splitting its sequences. None without cp."""
-    if recipe.cp_size <= 1:
+    dp_shard x cp processes, each group of cp consecutive ranks splitting its sequences. None without cp, and for
+    tp x cp, whose mesh hftrain builds itself (parallel/context.py's TensorContextParallelBackend: accelerate's TP
+    preparation imports transformers' removed ReplicateParallel)."""
+    if recipe.cp_size <= 1 or recipe.tp_size > 1:
         return None
     return ParallelismConfig(dp_shard_size=launch.world // recipe.cp_size, cp_size=recipe.cp_size)
 

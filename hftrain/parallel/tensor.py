@@ -68,6 +68,30 @@ def with_copies(name: str, processes: int, size: int) -> str:
     return name + (f" x {copies} data-parallel copies" if copies > 1 else "")
 
 
+def _shard(size: int, parts: int, index: int) -> int:
+    """The length of block `index` when `size` is cut into `parts` as torch cuts (torch.chunk, DTensor's Shard):
+    blocks of ceil(size / parts), the last ones short or empty."""
+    block = -(-size // parts)
+    start = min(size, index * block)
+    return min(size, start + block) - start
+
+
+def fsdp_tp_blocks_disagree(size: int, fsdp: int, tp: int) -> bool:
+    """Whether transformers' FSDP2 x TP loader and FSDP2 cut a dimension of `size` split by both (dim 0 of the
+    embedding, the head and the column-wise projections) into blocks of different lengths on some rank. FSDP2 cuts
+    each tp rank's block into fsdp pieces (`fully_shard`: torch.chunk); transformers' loader (`DtensorShardOperation`
+    for [_StridedShard(0, sf=tp), Shard(0)]) takes piece f of every tp block and re-cuts their concatenation into tp
+    equal parts. The two agree when, for every f, piece f has the length of its re-cut part (always when tp x fsdp
+    divides the size). Otherwise transformers refuses its own load ("Reinit due to size mismatch"): the tiny
+    model's 753-token vocabulary over fsdp 4 x tp 2 gives one rank 93 rows for FSDP2's 92."""
+    blocks = [_shard(size, tp, t) for t in range(tp)]
+    for f in range(fsdp):
+        pieces = [_shard(block, fsdp, f) for block in blocks]
+        if any(_shard(sum(pieces), tp, t) != piece for t, piece in enumerate(pieces)):
+            return True
+    return False
+
+
 class _ReplicatedTensorParallel(DistributedConfig):
     """transformers' mesh with `dp_replicate_size` copies of the TP group, without its FSDP2 on the copies
     (transformers applies it only when dp_size > 1): hftrain averages their gradients itself."""

@@ -44,7 +44,9 @@ class ParallelFields:
         1, "Context-parallel degree (torch ring attention through accelerate's ParallelismConfig): each sequence is "
         "split over N consecutive processes that pass key/value blocks around a ring, so activation memory per "
         "process is about 1/N. Needs an FSDP2 preset on CUDA GPUs (fsdp2_cp) with a multiple of N processes (the "
-        "remaining factor is data-parallel), sdpa attention and unpacked rows. docs/long-context.md. 1 = off.",
+        "remaining factor is data-parallel), sdpa attention and unpacked rows. With tp_size T under an FSDP2 preset: "
+        "tp x cp, processes a multiple of N x T (each tensor-parallel rank rings its own heads). "
+        "docs/long-context.md. 1 = off.",
         group="parallelism",
     )
     # pipeline parallelism (hftrain/parallel/pipeline.py, docs/pipeline.md): one contiguous block
@@ -78,9 +80,11 @@ def problems(r) -> list[str]:
     for name in ("tp_size", "sp_size", "cp_size"):
         if getattr(r, name) < 1:
             problems.append(f"{name} must be >= 1 (1 = off), got {getattr(r, name)}")
-    if sum(size > 1 for size in (r.tp_size, r.sp_size, r.cp_size)) > 1:
-        problems.append(f"tp_size={r.tp_size}, sp_size={r.sp_size} and cp_size={r.cp_size}: hftrain runs one of "
-                        "tensor, sequence (Ulysses) or context (ring) parallelism at a time; set the others to 1")
+    if r.sp_size > 1 and (r.tp_size > 1 or r.cp_size > 1):
+        problems.append(f"sp_size={r.sp_size} with tp_size={r.tp_size} / cp_size={r.cp_size}: Ulysses sequence "
+                        "parallelism runs under DeepSpeed, which hftrain does not combine with tensor or ring "
+                        "attention context parallelism; for long sequences with tensor parallelism use tp_size with "
+                        "cp_size under an FSDP2 preset, and set sp_size: 1")
     for name in ("sp_size", "cp_size"):
         if getattr(r, name) > 1 and r.objective != "sft":
             needs = ("GRPO needs each completion's token log-probabilities and its whole rows for generation"

@@ -11,7 +11,8 @@ product code:
 Everything else -- accelerate's ParallelismConfig mesh, `maybe_context_parallel` sharding the buffers, its
 attention-mask hooks, FSDP2 over dp_shard x cp, hftrain's shifted labels and group loss -- is the product path.
 Used as `accelerate launch --config_file accelerate_configs/fsdp2_cp.yaml --num_processes 2
-tests/launchers/context_parallel_on_cpu.py --config ... --cp_size 2`.
+tests/launchers/context_parallel_on_cpu.py --config ... --cp_size 2`, and for tp x cp with `--tp_size 2` on 4
+processes (no accelerate mesh then: the backend builds its own, as on GPUs).
 """
 
 import dataclasses
@@ -71,6 +72,8 @@ class ContextParallelOnCPU(Finetune):
         accelerator = make_accelerator(dataclasses.replace(self.recipe, cp_size=1), launch)
         force_fsdp2(accelerator)
         config = parallelism_config(self.recipe, launch)
+        if config is None:  # tp x cp: hftrain builds its ("dp", "cp", "tp") mesh itself, in the backend
+            return accelerator
         state = AcceleratorState()
         state.parallelism_config = config
         state.device_mesh = config.get_device_mesh("cpu")

@@ -263,12 +263,17 @@ def test_lora_under_tensor_parallelism_is_refused_with_the_reason(in_tmp):
                                   dataset_name=str(REPO / "data" / "preference.jsonl"))).tp_size == 2
 
 
-def test_one_of_tensor_sequence_and_context_parallelism_at_a_time(in_tmp):
+def test_sequence_parallelism_alone_tensor_and_context_parallelism_together(in_tmp):
+    for sizes in ({"tp_size": 2, "sp_size": 2}, {"cp_size": 2, "sp_size": 2}):
+        with pytest.raises(ConfigError) as info:
+            recipe_from_dict(valid(in_tmp, **sizes))
+        assert any(p.startswith("sp_size=2 with tp_size=") and "Ulysses sequence parallelism runs under DeepSpeed"
+                   in p for p in info.value.problems)
     with pytest.raises(ConfigError) as info:
-        recipe_from_dict(valid(in_tmp, tp_size=2, sp_size=2, cp_size=0))
-    assert any("hftrain runs one of tensor, sequence (Ulysses) or context (ring) parallelism at a time" in p
-               for p in info.value.problems)
+        recipe_from_dict(valid(in_tmp, cp_size=0))
     assert "cp_size must be >= 1 (1 = off), got 0" in info.value.problems
+    both = recipe_from_dict(valid(in_tmp, tp_size=2, cp_size=2))  # tp x cp: the launch is checked in the preflight
+    assert (both.tp_size, both.cp_size) == (2, 2)
     for field in ("sp_size", "cp_size"):
         with pytest.raises(ConfigError, match=f"{field}=2 with objective=simpo is not supported: preference losses "
                                               "need each row's whole log-probability on one process"):

@@ -15,6 +15,7 @@ from hftrain.parallel.launch import Launch
 from hftrain.parallel.pipeline import pipeline_problems
 from hftrain.preflight import (
     context_parallel_problems,
+    fsdp2_tp_shard_problems,
     launch_problems,
     liger_problems,
     machine_problems,
@@ -197,6 +198,21 @@ def test_fsdp2_x_tensor_parallel_refuses_what_it_does_not_run(values, expected):
     assert expected in problem
 
 
+def test_fsdp2_x_tp_refuses_a_dimension_its_loader_and_fsdp2_would_cut_differently():
+    """The tiny model (753-token vocabulary): fsdp 2 x tp 2 loads (tests/e2e/test_fsdp_tp.py), fsdp 4 x tp 2 would
+    fail inside transformers' from_pretrained on ranks 6 and 7 (tests/unit/parallel/test_tensor.py loads it)."""
+    from transformers import AutoConfig
+
+    tiny = AutoConfig.from_pretrained(REPO / "models" / "tiny-llama")
+    assert fsdp2_tp_shard_problems(Recipe(tp_size=2), Launch("fsdp2", 4, 4), tiny) == []
+    (problem,) = fsdp2_tp_shard_problems(Recipe(tp_size=2, cp_size=2), Launch("fsdp2", 8, 8), tiny)
+    assert problem.startswith("tp_size=2 x fsdp_size=4 (FSDP2 x TP over 8 processes) cannot load this model: "
+                              "vocab_size 753 split over 2 x 4 ranks")
+    tiny.vocab_size = 768
+    assert fsdp2_tp_shard_problems(Recipe(tp_size=2), Launch("fsdp2", 8, 8), tiny) == []
+    assert fsdp2_tp_shard_problems(Recipe(tp_size=2), Launch("ddp", 8, 8), tiny) == []  # no FSDP2: nothing to cut
+
+
 def llama(layers: int = 4):
     from transformers import LlamaConfig
 
@@ -302,8 +318,29 @@ def test_context_parallel_needs_cuda_where_the_accelerator_is_made():
 
     assert parallelism_config(Recipe(cp_size=2), Launch("fsdp2", 8, 8)).dp_shard_size == 4
     assert parallelism_config(Recipe(), Launch("fsdp2", 8, 8)) is None
-    with pytest.raises(HftrainError, match="cp_size=2 needs CUDA GPUs"):
-        make_accelerator(Recipe(cp_size=2), Launch("fsdp2", 2, 2))
+    # tp x cp: hftrain builds the mesh in its backend (accelerate's TP preparation is broken with transformers 5)
+    assert parallelism_config(Recipe(cp_size=2, tp_size=2), Launch("fsdp2", 8, 8)) is None
+    for recipe in (Recipe(cp_size=2), Recipe(cp_size=2, tp_size=2)):
+        with pytest.raises(HftrainError, match="cp_size=2 needs CUDA GPUs"):
+            make_accelerator(recipe, Launch("fsdp2", 4, 4))
+
+
+@pytest.mark.parametrize("launch, expected", [
+    (Launch("fsdp2", 6, 6), ["tp_size=2 with cp_size=2 under FSDP2 needs a multiple of tp_size x cp_size = 4 "
+                             "processes"]),
+    (Launch("fsdp2", 4, 4), []),  # one data-parallel rank: fsdp over its 2 context ranks
+    (Launch("fsdp2", 8, 8), []),  # 2 data-parallel ranks
+    (Launch("fsdp2", 16, 8), []),
+])
+def test_tp_x_cp_needs_whole_groups_of_tp_x_cp_processes(launch, expected):
+    problems = tensor_parallel_problems(Recipe(tp_size=2, cp_size=2), launch)
+    assert [p for p in problems if not any(e in p for e in expected)] == [] and len(problems) == len(expected)
+    assert context_parallel_problems(Recipe(cp_size=2, tp_size=2), launch, None) == []  # cp alone divides them
+
+
+def test_tp_x_cp_needs_an_fsdp2_preset():
+    (problem,) = context_parallel_problems(Recipe(cp_size=2, tp_size=2), Launch("ddp", 4, 4), None)
+    assert problem.startswith("cp_size=2 needs an FSDP2 preset (fsdp2_cp)")
 
 
 def test_preset_precision_must_leave_precision_to_the_recipe():

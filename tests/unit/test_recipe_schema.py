@@ -51,6 +51,7 @@ def _current() -> dict[str, dict]:
 # attribute is then not compared; everything else of the field still is.
 LATER_CHANGES = {
     ("tp_size", "help"): "ad5ab8a, FSDP2 x tensor parallel: the help names the fsdp2 preset's 2D layout",
+    ("cp_size", "help"): "tp x cp under FSDP2: the help names the composed layout and its process count",
 }
 
 

@@ -5,6 +5,8 @@ the data-parallel gather and agreement check of tp groups (parallel/base.py's Da
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -14,7 +16,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor._utils import (
+    _compute_local_shape_and_global_offset,
+    compute_local_shape_and_global_offset,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -25,8 +30,10 @@ from hftrain.parallel.tensor import (
     TensorParallelBackend,
     _local_blocks,
     data_share,
+    fsdp_tp_blocks_disagree,
     model_load_kwargs,
 )
+from tests.conftest import REPO
 
 
 @pytest.mark.parametrize("processes, index, expected", [(2, 1, (1, 0)), (4, 1, (2, 0)), (4, 2, (2, 1)), (6, 5, (3, 2))])
@@ -155,3 +162,47 @@ def test_a_tensor_parallel_group_that_sampled_differently_stops_on_every_rank(tm
     else:
         assert all(m and "the 2 ranks of a tensor-parallel group computed different completions" in m
                    for m in said.values()), said
+
+
+def loader_and_fsdp2_lengths(size: int, fsdp: int, tp: int):
+    """Each rank's block length of a dimension split by tp and fsdp, two ways, both computed by torch: as the DTensor
+    spec [_StridedShard(0, sf=tp), Shard(0)] places it (what transformers' loader slices from the checkpoint) and as
+    FSDP2 cuts each tp rank's block (torch.chunk of torch.chunk)."""
+    for f in range(fsdp):
+        for t in range(tp):
+            (spec,), _ = _compute_local_shape_and_global_offset((size,), (fsdp, tp), [f, t],
+                                                                [_StridedShard(0, split_factor=tp), Shard(0)])
+            blocks = torch.arange(size).chunk(tp)
+            pieces = blocks[t].chunk(fsdp) if t < len(blocks) else ()
+            yield spec, len(pieces[f]) if f < len(pieces) else 0
+
+
+@pytest.mark.parametrize("fsdp, tp", [(2, 2), (4, 2), (2, 4), (3, 2), (4, 4), (8, 2)])
+def test_the_fsdp_x_tp_split_check_agrees_with_torch(fsdp, tp):
+    verdicts = {size: fsdp_tp_blocks_disagree(size, fsdp, tp) for size in range(1, 400)}
+    assert verdicts == {size: any(a != b for a, b in loader_and_fsdp2_lengths(size, fsdp, tp)) for size in verdicts}
+    assert not any(verdicts[size] for size in verdicts if size % (fsdp * tp) == 0)  # an even split always agrees
+
+
+LOAD = """
+import sys, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+rank, fsdp, tp = map(int, sys.argv[1:])
+dist.init_process_group("fake", rank=rank, world_size=fsdp * tp, store=FakeStore())
+config = DistributedConfig(tp_size=tp, fsdp_size=fsdp)
+AutoModelForCausalLM.from_pretrained("models/tiny-llama", distributed_config=config)
+"""
+
+
+@pytest.mark.parametrize("fsdp, tp", [(4, 2), (2, 4)])
+def test_the_check_predicts_transformers_own_load(fsdp, tp):
+    """The tiny model's 753-token vocabulary, loaded by transformers as rank 6 of a fake process group (no
+    communication): over fsdp 4 x tp 2 transformers refuses its load ("size mismatch", the check's verdict); over
+    fsdp 2 x tp 4 it loads."""
+    proc = subprocess.run([sys.executable, "-c", LOAD, "6", str(fsdp), str(tp)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert fsdp_tp_blocks_disagree(753, fsdp, tp) == (proc.returncode != 0)
+    if proc.returncode:
+        assert "size mismatch" in proc.stdout + proc.stderr
