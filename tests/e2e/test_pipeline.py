@@ -1,7 +1,7 @@
 """Pipeline parallelism (pp_size, parallel/pipeline.py) through `accelerate launch` with the cpu_pp preset (2 gloo
 processes, one 2-stage pipeline; GPipe on 4: two data-parallel copies of the pipeline; pp2xtp2 on 4: each stage's
-layers split by transformers' tp plan; opt-in, pp2xtp2xdp2 on 8: the 3D layout) against one process on the same
-global batch of 16 examples.
+layers split by transformers' tp plan; the 3D layout, pp2xtp2xdp2 on 8, continuing a one-process checkpoint, and
+opt-in from step 1) against one process on the same global batch of 16 examples.
 
 The model is a 4-layer tiny Llama built by scripts/make_tiny_model.py, and the same weights with tied input/output
 embeddings. The data is the assistant-only chat set: the 4 microbatches of 2 rows of each per-device batch hold
@@ -108,7 +108,9 @@ def test_pp2_trains_like_one_process(runs, name):
 
 @pytest.mark.skipif(not os.environ.get("HFTRAIN_TEST_3D"),
                     reason="opt-in (HFTRAIN_TEST_3D=1, ~35-60 s: 8 gloo processes on the CI's 2 cores, beyond its "
-                           "budget); pp x tp and pp x data-parallel copies run in CI: test_pp2_trains_like_one_process")
+                           "budget); in CI the 3D layout continues a one-process checkpoint (test_resume_across_pp_"
+                           "layouts[one-to-3d]), and pp x tp and pp x copies run from step 1 (test_pp2_trains_like_"
+                           "one_process)")
 def test_3d_trains_like_one_process(references, models, tmp_path):
     """pp 2 x tp 2 x 2 data-parallel copies (8 processes, the untied model): one DeviceMesh ("pp", "dp", "tp"), the
     token count summed over the 2 copies only, the copies' gradients averaged shard by shard."""
@@ -248,33 +250,38 @@ def test_pipeline_checkpoint_holds_hf_names(runs):
 @pytest.fixture(scope="module")
 def resumed(runs, models, tmp_path_factory) -> dict[str, Run]:
     """checkpoint-2 of the pp 2 x tp 2 run (DCP: every stage's tensors, the tp-sharded ones in shards) continued on one
-    process, and checkpoint-2 of the one-process run continued on pp 2 x tp 2 with Interleaved1F1B (4 stages: the
-    numbering of the whole model's optimizer mapped onto each rank's two stages, whole tensors placed as the
-    parameters' DTensor shards); both on the tied model (the head's weight and state come from the embedding's, and
-    back)."""
+    process, and checkpoint-2 of the one-process run continued in 3D: pp 2 x tp 2 x 2 data-parallel copies on 8
+    processes with Interleaved1F1B (4 stages: the numbering of the whole model's optimizer mapped onto each rank's
+    two stages, whole tensors placed as the parameters' DTensor shards; each copy trains on half of the global batch
+    of 16 and the copies average their gradients shard by shard); both on the tied model (the head's weight and
+    state come from the embedding's, and back). The 3D layout's steps 3-4 are its CI exactness check (steps 1-4 from
+    scratch: the opt-in test_3d_trains_like_one_process)."""
     root = tmp_path_factory.mktemp("pp-resumed")
     tied = ["--model_name_or_path", str(models["tied"])]
     return {
         "pp2xtp2-to-one": run_script(root / "pp2xtp2-to-one", *COMMON, *NO_SAVES, *tied, "--resume_from_checkpoint",
                                      str(runs["pp2xtp2"].output_dir / "checkpoint-2")),
-        "one-to-pp2xtp2": launch(root / "one-to-pp2xtp2", *COMMON, *NO_SAVES, *PP, "--pp_schedule", "Interleaved1F1B",
-                                 "--tp_size", "2", *tied, "--resume_from_checkpoint",
-                                 str(runs["ref-tied"].output_dir / "checkpoint-2"), preset="cpu_pp", processes=4),
+        "one-to-3d": launch(root / "one-to-3d", *COMMON, *NO_SAVES, *PP, "--pp_schedule", "Interleaved1F1B",
+                            "--tp_size", "2", "--per_device_train_batch_size", "4", *tied, "--resume_from_checkpoint",
+                            str(runs["ref-tied"].output_dir / "checkpoint-2"), preset="cpu_pp", processes=8),
     }
 
 
-@pytest.mark.parametrize("name", ["pp2xtp2-to-one", "one-to-pp2xtp2"])
+@pytest.mark.parametrize("name", ["pp2xtp2-to-one", "one-to-3d"])
 def test_resume_across_pp_layouts(runs, resumed, name):
     """Steps 3-4 after the other layout's checkpoint-2 equal the uninterrupted one-process run: step 3's loss checks
     the weights, step 4's loss and grad norm and the final weights the optimizer state (AdamW's moments and step, by
     HF name), the learning rates the scheduler."""
     run, ref = resumed[name], runs["ref-tied"]
     info = run.state()["launch"]
-    pp = name == "one-to-pp2xtp2"
+    pp = name == "one-to-3d"
     assert (info["num_processes"], info["pp_size"], info["tp_size"], info["model_wrapper"]) == \
-        ((4, 2, 2, "PipelineStages") if pp else (1, 1, 1, "CausalLMTokenLoss"))
+        ((8, 2, 2, "PipelineStages") if pp else (1, 1, 1, "CausalLMTokenLoss"))
     if pp:
         assert info["pp_stages"]["stages"] == 4 and info["dtensor_parameters"] > 0
+        assert run.state()["parallelism"]["dp_world"] == 2  # two copies of the 4-process pipeline
+        assert "effective batch 16 = 4 per device x 2 x 2 accumulation" in run.stdout
+        assert [r["trained_tokens"] for r in run.train_rows()] == [r["trained_tokens"] for r in ref.train_rows()[2:]]
     rows, ref_rows = run.train_rows(), ref.train_rows()[2:]
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [3, 4]
     assert [r["learning_rate"] for r in rows] == [r["learning_rate"] for r in ref_rows]
