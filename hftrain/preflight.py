@@ -20,17 +20,18 @@ import importlib.util
 import os
 import shutil
 
+import psutil
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from hftrain import vision
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError
 from hftrain.estimate import ulysses_splits
-from hftrain.model import HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, router_coefficient
+from hftrain.model import DTYPES, HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, router_coefficient
 from hftrain.parallel.deepspeed import deepspeed_problems
 from hftrain.parallel.launch import Launch
-from hftrain.parallel.pipeline import pipeline_problems
+from hftrain.parallel.pipeline import PIPELINE_MODEL_TYPES, pipeline_problems
 from hftrain.parallel.tensor import fsdp_tp_blocks_disagree
 from hftrain.recipe.grpo import VLLM_REQUIREMENT
 
@@ -54,6 +55,7 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += context_parallel_problems(recipe, launch, model_config)
     problems += fsdp2_tp_shard_problems(recipe, launch, model_config)
     problems += pipeline_problems(recipe, launch, model_config)
+    problems += host_memory_problems(recipe, launch, model_config)
     problems += vllm_problems(recipe, launch, cuda)
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
@@ -227,6 +229,32 @@ def fsdp2_tp_shard_problems(recipe: Recipe, launch: Launch, model_config: Pretra
             "transformers' loader and of another by FSDP2, and transformers refuses the load on some ranks. Use a "
             f"process count whose fsdp_size cuts it alike (a tp_size x fsdp_size that divides it always does), or pad "
             "the vocabulary to a multiple of it"]
+
+
+def host_memory_problems(recipe: Recipe, launch: Launch, model_config: PretrainedConfig | None,
+                         available: int | None = None) -> list[str]:
+    """pp_size: every process loads the whole model into host memory (1/tp of it under pp x tp: transformers reads
+    only its shards) before it keeps its own stages (a per-stage load is not built, docs/pipeline.md), so the
+    processes of one machine hold per_node x that at once: a 70B model in float32 is 280 GB per process. Refused
+    when that exceeds the machine's available memory (`available`, bytes: psutil's), which would otherwise end in the
+    kernel's OOM killer during the load. Quantized loads are not estimated."""
+    if recipe.pp_size <= 1 or model_config is None or recipe.load_in_4bit or recipe.load_in_8bit or \
+            model_config.model_type not in PIPELINE_MODEL_TYPES:  # other models: pipeline_problems refuses them
+        return []
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
+    per_process = params * DTYPES[recipe.dtype].itemsize // recipe.tp_size
+    need = per_process * launch.per_node
+    available = psutil.virtual_memory().available if available is None else available
+    if need <= available:
+        return []
+    gib, tp = 2**30, recipe.tp_size
+    share = f", 1/{tp} of it under tp_size={tp}" if tp > 1 else ""
+    return [f"pp_size={recipe.pp_size}: each process loads the whole model ({params / 1e9:.2f}B parameters in "
+            f"{recipe.dtype}{share}: {per_process / gib:.1f} GiB) into host memory before keeping its stages, so "
+            f"the {launch.per_node} processes of this machine need {need / gib:.1f} GiB at once and "
+            f"{available / gib:.1f} GiB is available. Use tp_size inside the machine (each process then reads 1/tp "
+            "of the weights), dtype: bfloat16, or fewer processes per machine"]
 
 
 def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:

@@ -16,6 +16,7 @@ from hftrain.parallel.pipeline import pipeline_problems
 from hftrain.preflight import (
     context_parallel_problems,
     fsdp2_tp_shard_problems,
+    host_memory_problems,
     launch_problems,
     liger_problems,
     machine_problems,
@@ -211,6 +212,24 @@ def test_fsdp2_x_tp_refuses_a_dimension_its_loader_and_fsdp2_would_cut_different
     tiny.vocab_size = 768
     assert fsdp2_tp_shard_problems(Recipe(tp_size=2), Launch("fsdp2", 8, 8), tiny) == []
     assert fsdp2_tp_shard_problems(Recipe(tp_size=2), Launch("ddp", 8, 8), tiny) == []  # no FSDP2: nothing to cut
+
+
+def test_pp_refuses_a_load_the_machines_memory_cannot_hold():
+    """Every process of a pipeline loads the whole model (1/tp under pp x tp) before keeping its stages: a
+    Llama-3.2-1B-shaped model (1.24B parameters) in float32 is 4.6 GiB per process, 37 GiB for 8 processes."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
+    gib = 2**30
+    (problem,) = host_memory_problems(Recipe(pp_size=2), Launch("ddp", 8, 8), config, available=16 * gib)
+    assert problem.startswith("pp_size=2: each process loads the whole model (1.24B parameters in float32: 4.6 GiB)")
+    assert "the 8 processes of this machine need 36.8 GiB at once and 16.0 GiB is available" in problem
+    assert host_memory_problems(Recipe(pp_size=2), Launch("ddp", 8, 8), config, available=64 * gib) == []
+    # bfloat16 and tp 2: 1.2 GiB per process, 9.2 GiB for the machine
+    assert host_memory_problems(Recipe(pp_size=2, tp_size=2, dtype="bfloat16"), Launch("ddp", 16, 8), config,
+                                available=16 * gib) == []
+    assert host_memory_problems(Recipe(), Launch("ddp", 8, 8), config, available=gib) == []  # not pp: not checked
 
 
 def llama(layers: int = 4):
