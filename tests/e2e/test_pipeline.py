@@ -250,12 +250,12 @@ def test_pipeline_checkpoint_holds_hf_names(runs):
 @pytest.fixture(scope="module")
 def resumed(runs, models, tmp_path_factory) -> dict[str, Run]:
     """checkpoint-2 of the pp 2 x tp 2 run (DCP: every stage's tensors, the tp-sharded ones in shards) continued on one
-    process, and checkpoint-2 of the one-process run continued in 3D: pp 2 x tp 2 x 2 data-parallel copies on 8
-    processes with Interleaved1F1B (4 stages: the numbering of the whole model's optimizer mapped onto each rank's
-    two stages, whole tensors placed as the parameters' DTensor shards; each copy trains on half of the global batch
-    of 16 and the copies average their gradients shard by shard); both on the tied model (the head's weight and
-    state come from the embedding's, and back). The 3D layout's steps 3-4 are its CI exactness check (steps 1-4 from
-    scratch: the opt-in test_3d_trains_like_one_process)."""
+    process, the pp 2 (1F1B) run's continued on pp 4, and checkpoint-2 of the one-process run continued in 3D: pp 2 x
+    tp 2 x 2 data-parallel copies on 8 processes with Interleaved1F1B (4 stages: the numbering of the whole model's
+    optimizer mapped onto each rank's two stages, whole tensors placed as the parameters' DTensor shards; each copy
+    trains on half of the global batch of 16 and the copies average their gradients shard by shard); all on the tied
+    model (the head's weight and state come from the embedding's, and back). The 3D layout's steps 3-4 are its CI
+    exactness check (steps 1-4 from scratch: the opt-in test_3d_trains_like_one_process)."""
     root = tmp_path_factory.mktemp("pp-resumed")
     tied = ["--model_name_or_path", str(models["tied"])]
     return {
@@ -264,10 +264,15 @@ def resumed(runs, models, tmp_path_factory) -> dict[str, Run]:
         "one-to-3d": launch(root / "one-to-3d", *COMMON, *NO_SAVES, *PP, "--pp_schedule", "Interleaved1F1B",
                             "--tp_size", "2", "--per_device_train_batch_size", "4", *tied, "--resume_from_checkpoint",
                             str(runs["ref-tied"].output_dir / "checkpoint-2"), preset="cpu_pp", processes=8),
+        # the 1F1B run's checkpoint (2 stages) read by 4 stages of one layer each (rank 0: the embedding and layer 0,
+        # rank 3: layer 3 and the tied head), each rank taking its names from the other layout's DCP folder
+        "pp2-to-pp4": launch(root / "pp2-to-pp4", *COMMON, *NO_SAVES, "--pp_size", "4", "--pp_microbatches", "4",
+                             *tied, "--resume_from_checkpoint", str(runs["1F1B"].output_dir / "checkpoint-2"),
+                             preset="cpu_pp", processes=4),
     }
 
 
-@pytest.mark.parametrize("name", ["pp2xtp2-to-one", "one-to-3d"])
+@pytest.mark.parametrize("name", ["pp2xtp2-to-one", "one-to-3d", "pp2-to-pp4"])
 def test_resume_across_pp_layouts(runs, resumed, name):
     """Steps 3-4 after the other layout's checkpoint-2 equal the uninterrupted one-process run: step 3's loss checks
     the weights, step 4's loss and grad norm and the final weights the optimizer state (AdamW's moments and step, by
@@ -275,8 +280,11 @@ def test_resume_across_pp_layouts(runs, resumed, name):
     run, ref = resumed[name], runs["ref-tied"]
     info = run.state()["launch"]
     pp = name == "one-to-3d"
-    assert (info["num_processes"], info["pp_size"], info["tp_size"], info["model_wrapper"]) == \
-        ((8, 2, 2, "PipelineStages") if pp else (1, 1, 1, "CausalLMTokenLoss"))
+    expected = {"pp2xtp2-to-one": (1, 1, 1, "CausalLMTokenLoss"), "one-to-3d": (8, 2, 2, "PipelineStages"),
+                "pp2-to-pp4": (4, 4, 1, "PipelineStages")}[name]
+    assert (info["num_processes"], info["pp_size"], info["tp_size"], info["model_wrapper"]) == expected
+    if name == "pp2-to-pp4":
+        assert info["pp_stages"]["layers"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
     if pp:
         assert info["pp_stages"]["stages"] == 4 and info["dtensor_parameters"] > 0
         assert run.state()["parallelism"]["dp_world"] == 2  # two copies of the 4-process pipeline
