@@ -139,7 +139,9 @@ class Finetune:
         return load_datasets(self.recipe, tokenizer)
 
     def build_model(self) -> torch.nn.Module:
-        return build_model(self.recipe, self.backend.model_load_kwargs())
+        layers = self.model_config.get_text_config().num_hidden_layers if self.model_config is not None else None
+        return build_model(self.recipe, self.backend.model_load_kwargs(),
+                           self.backend.layers_to_load(layers) if layers else None)
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:

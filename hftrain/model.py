@@ -77,11 +77,12 @@ def quantization_config(recipe: Recipe):
     return None
 
 
-def load_base_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Module:
+def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set[int] | None = None) -> nn.Module:
     """`AutoModelForCausalLM.from_pretrained` (`AutoModelForImageTextToText` for an image-text model) with the
     recipe's dtype, attention and bitsandbytes settings, plus the
     parallelism backend's `load_kwargs` (tensor parallelism shards while loading). A quantized model lands on this
-    process's device (transformers picks the current CUDA device, which accelerate has set per process, or the CPU)."""
+    process's device (transformers picks the current CUDA device, which accelerate has set per process, or the CPU).
+    `layers`: the decoder layers to read (a pipeline stage's, `load_decoder_layers`); None reads them all."""
     kwargs = {"dtype": DTYPES[recipe.dtype], "revision": recipe.model_revision,
               "trust_remote_code": recipe.trust_remote_code, **(load_kwargs or {})}
     if recipe.attn_implementation:
@@ -89,9 +90,10 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modul
     if (quantization := quantization_config(recipe)) is not None:
         kwargs["quantization_config"] = quantization
     try:
-        auto = AutoModelForImageTextToText if vision.is_image_text(vision.model_config(recipe)) else \
-            AutoModelForCausalLM
-        model = auto.from_pretrained(recipe.model_name_or_path, **kwargs)
+        config = vision.model_config(recipe)
+        auto = AutoModelForImageTextToText if vision.is_image_text(config) else AutoModelForCausalLM
+        model = auto.from_pretrained(recipe.model_name_or_path, **kwargs) if layers is None else \
+            load_decoder_layers(auto._model_mapping[type(config)], recipe.model_name_or_path, kwargs, layers)
     except (OSError, ValueError) as exc:
         raise HftrainError(load_error("model", recipe.model_name_or_path, exc)) from None
     model.config.use_cache = False
@@ -100,6 +102,40 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modul
         keep_4bit_layout(model)
     if recipe.use_liger_kernel:
         apply_liger_kernels(model)
+    return model
+
+
+def load_decoder_layers(model_class: type, path: str, kwargs: dict, layers: set[int]) -> nn.Module:
+    """`model_class.from_pretrained` that reads only the decoder layers in `layers` (a pipeline stage's) from the
+    checkpoint: the other layers stay on the meta device (no memory; their names, shapes, dtypes and order kept, so
+    everything that counts or numbers parameters sees the whole model until the pipeline drops them). transformers
+    builds the model on the meta device and loads every key its state dict has (`convert_and_load_state_dict_in_model`),
+    so the other layers are swapped for parameterless stand-ins in between (its `_load_pretrained_model` step, after
+    tensor parallelism is applied and before any weight is read) and their checkpoint keys are declared expected to
+    be unused (`_keys_to_ignore_on_load_unexpected`); then the meta layers are put back. The embeddings, the final
+    norm and the head load on every rank (a tied head must be tied to a loaded embedding; the pipeline drops them
+    where not owned)."""
+    skipped: dict[int, nn.Module] = {}
+
+    def load_owned_layers(model, *args, **kwargs):
+        decoder = model.get_decoder()
+        for index, layer in enumerate(decoder.layers):
+            if index not in layers:
+                skipped[index] = layer
+                decoder.layers[index] = nn.Identity()
+        if skipped:
+            other = "|".join(str(index) for index in sorted(skipped))
+            model._keys_to_ignore_on_load_unexpected = {*(model._keys_to_ignore_on_load_unexpected or ()),
+                                                        rf"(^|\.)layers\.({other})\."}
+        return model_class._load_pretrained_model(model, *args, **kwargs)
+
+    stage_class = type(model_class.__name__, (model_class,), {
+        "_load_pretrained_model": staticmethod(load_owned_layers), "__module__": model_class.__module__})
+    model = stage_class.from_pretrained(path, **kwargs)
+    model.__class__ = model_class
+    decoder = model.get_decoder()
+    for index, layer in skipped.items():
+        decoder.layers[index] = layer.train(model.training)
     return model
 
 
@@ -152,10 +188,11 @@ def liger_fused_linear_cross_entropy() -> nn.Module:
     return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def build_full_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Module:
+def build_full_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set[int] | None = None) -> nn.Module:
     """The causal LM with every parameter trainable (full fine-tuning); an image-text model's vision tower and
-    projector stay frozen as the recipe says (hftrain.vision)."""
-    model = load_base_model(recipe, load_kwargs)
+    projector stay frozen as the recipe says (hftrain.vision). `layers`: the decoder layers to read (the others stay
+    on the meta device), or all."""
+    model = load_base_model(recipe, load_kwargs, layers)
     if vision.is_image_text(model.config):
         model.hftrain_notes = [vision.describe_frozen(vision.freeze(model, recipe))]
     if recipe.gradient_checkpointing:
@@ -241,12 +278,16 @@ def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modu
     return model
 
 
-def build_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Module:
+def build_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set[int] | None = None) -> nn.Module:
     """The builder chosen by the recipe's fine-tuning method: full fine-tuning or (Q)LoRA / DoRA, then compiled
     block by block when the recipe asks for it. `load_kwargs`: extra from_pretrained arguments of the parallelism
-    backend."""
-    builder = build_peft_model if recipe.use_peft else build_full_model
-    model = builder(recipe, load_kwargs or {})
+    backend; `layers`: the decoder layers this process reads (a pipeline stage's; full fine-tuning only: peft
+    initialises each adapter from the global generator in module order, so adapters are added over the whole model
+    to draw as one process does)."""
+    if recipe.use_peft and layers is not None:
+        raise HftrainError("a per-stage load (layers) is for full fine-tuning; LoRA loads every layer")
+    model = build_peft_model(recipe, load_kwargs or {}) if recipe.use_peft else \
+        build_full_model(recipe, load_kwargs or {}, layers)
     if recipe.torch_compile:
         compile_blocks(model, recipe.torch_compile_mode)
     return model

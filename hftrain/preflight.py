@@ -34,6 +34,8 @@ from hftrain.parallel.launch import Launch
 from hftrain.parallel.pipeline import PIPELINE_MODEL_TYPES, pipeline_problems
 from hftrain.parallel.tensor import fsdp_tp_blocks_disagree
 from hftrain.recipe.grpo import VLLM_REQUIREMENT
+from hftrain.recipe.parallel import V_SCHEDULES
+from hftrain.stages import STAGES_PER_PROCESS, split_layers, stage_indices
 
 TP_WITH_DEEPSPEED_REFUSED = (
     "tensor parallelism combined with DeepSpeed is not available in hftrain: accelerate 1.15 composes TP with "
@@ -233,28 +235,42 @@ def fsdp2_tp_shard_problems(recipe: Recipe, launch: Launch, model_config: Pretra
 
 def host_memory_problems(recipe: Recipe, launch: Launch, model_config: PretrainedConfig | None,
                          available: int | None = None) -> list[str]:
-    """pp_size: every process loads the whole model into host memory (1/tp of it under pp x tp: transformers reads
-    only its shards) before it keeps its own stages (a per-stage load is not built, docs/pipeline.md), so the
-    processes of one machine hold per_node x that at once: a 70B model in float32 is 280 GB per process. Refused
-    when that exceeds the machine's available memory (`available`, bytes: psutil's), which would otherwise end in the
-    kernel's OOM killer during the load. Quantized loads are not estimated."""
-    if recipe.pp_size <= 1 or model_config is None or recipe.load_in_4bit or recipe.load_in_8bit or \
+    """pp_size: what the processes of one machine hold in host memory at once while they load. Full fine-tuning
+    reads each rank's stages' decoder layers, the embeddings, the final norm and the head (`model.load_decoder_layers`;
+    the largest rank's share is counted); with adapters every rank reads the whole model (peft's initialisation draws
+    over it); 1/tp of either under pp x tp (transformers reads only its shards). Refused when per_node x that exceeds
+    the machine's available memory (`available`, bytes: psutil's), which would otherwise end in the kernel's OOM
+    killer during the load. Quantized loads are not estimated."""
+    pp = recipe.pp_size
+    if pp <= 1 or model_config is None or recipe.load_in_4bit or recipe.load_in_8bit or \
             model_config.model_type not in PIPELINE_MODEL_TYPES:  # other models: pipeline_problems refuses them
         return []
     with torch.device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
-    per_process = params * DTYPES[recipe.dtype].itemsize // recipe.tp_size
-    need = per_process * launch.per_node
+        lm = AutoModelForCausalLM.from_config(model_config)
+    params = sum(p.numel() for p in lm.parameters())
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in lm.get_decoder().layers]
+    if recipe.use_peft:
+        read, what = params, "the whole model (adapters are added over it)"
+    else:
+        per_process, v = STAGES_PER_PROCESS[recipe.pp_schedule], recipe.pp_schedule in V_SCHEDULES
+        if len(layers) < pp * per_process:  # fewer layers than stages: pipeline_problems says so
+            return []
+        ranges = split_layers(len(layers), pp * per_process)
+        read = params - sum(layers) + max(sum(layers[i] for s in stage_indices(rank, pp, per_process, v=v)
+                                               for i in ranges[s]) for rank in range(pp))
+        what = "its stages' layers, the embeddings and the head"
+    tp, gib = recipe.tp_size, 2**30
+    per_process_bytes = read * DTYPES[recipe.dtype].itemsize // tp
+    need = per_process_bytes * launch.per_node
     available = psutil.virtual_memory().available if available is None else available
     if need <= available:
         return []
-    gib, tp = 2**30, recipe.tp_size
-    share = f", 1/{tp} of it under tp_size={tp}" if tp > 1 else ""
-    return [f"pp_size={recipe.pp_size}: each process loads the whole model ({params / 1e9:.2f}B parameters in "
-            f"{recipe.dtype}{share}: {per_process / gib:.1f} GiB) into host memory before keeping its stages, so "
+    share = f", 1/{tp} of them under tp_size={tp}" if tp > 1 else ""
+    return [f"pp_size={pp}: each process reads {what} into host memory while it loads ({read / 1e9:.2f}B of the "
+            f"model's {params / 1e9:.2f}B parameters in {recipe.dtype}{share}: {per_process_bytes / gib:.1f} GiB), so "
             f"the {launch.per_node} processes of this machine need {need / gib:.1f} GiB at once and "
             f"{available / gib:.1f} GiB is available. Use tp_size inside the machine (each process then reads 1/tp "
-            "of the weights), dtype: bfloat16, or fewer processes per machine"]
+            "of the weights), a larger pp_size, dtype: bfloat16, or fewer processes per machine"]
 
 
 def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:

@@ -184,6 +184,11 @@ class Backend:
         """Extra `from_pretrained` arguments (tensor parallelism shards the weights while they load)."""
         return {}
 
+    def layers_to_load(self, num_layers: int) -> set[int] | None:
+        """The decoder layers (of `num_layers`) this process reads from the checkpoint; None: all of them (every
+        backend but the pipeline's, whose stages read their own)."""
+        return None
+
     def prepare(self, model, optimizer):
         """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings."""
         return self.accelerator.prepare(model, optimizer)

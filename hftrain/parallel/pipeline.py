@@ -34,9 +34,15 @@ split in two by transformers' tensor-parallel plan, {2, 3} the last stage's; ran
 pp x FSDP2 (an FSDP2 preset, `PipelineFSDP2Backend`): the same mesh with tp_size 1, each stage sharded by torch's
 `fully_shard` over its "dp" ranks instead of held whole by each copy (torchtitan's pp x fsdp; see the class).
 
+Loading: with full fine-tuning each rank reads only its stages' decoder layers from the checkpoint, plus the
+embeddings, the final norm and the head (`layers_to_load` -> `model.load_decoder_layers`: the other layers stay on the
+meta device, with their names and shapes, until `prepare` drops them), so a machine's processes hold the model about
+once in host memory, not once each. With adapters every rank reads the whole model: peft draws each adapter's
+initialisation from the global generator in module order, and one process's draws are kept only over the whole model.
+
 pp x tp: every rank loads the model with transformers' tp plan over its tp group (`tensor.model_load_kwargs`: each
-rank reads 1/tp of every layer), then keeps only its stage's layers, so the plan applies per stage to the layers the
-stage owns; the stage's forward runs transformers' sharded layers (their collectives inside the tp group).
+rank reads 1/tp of every layer it reads), then keeps only its stage's layers, so the plan applies per stage to the
+layers the stage owns; the stage's forward runs transformers' sharded layers (their collectives inside the tp group).
 """
 
 from __future__ import annotations
@@ -462,6 +468,22 @@ class PipelineBackend(Backend):
         layer sharded at load; `prepare` then keeps this stage's."""
         return model_load_kwargs(self.tp, self.accelerator.num_processes) if self.tp > 1 else {}
 
+    def stage_layout(self, num_layers: int) -> tuple[list[range], list[int]]:
+        """(each stage's decoder layers, the stages this rank runs)."""
+        per_process = STAGES_PER_PROCESS[self.recipe.pp_schedule]
+        ranges = split_layers(num_layers, self.pp * per_process)
+        return ranges, stage_indices(self.pp_rank, self.pp, per_process, v=self.recipe.pp_schedule in V_SCHEDULES)
+
+    def layers_to_load(self, num_layers: int) -> set[int] | None:
+        """Full fine-tuning reads only this rank's stages' decoder layers (`model.load_decoder_layers`: the others
+        stay on the meta device until `prepare` drops them), so a machine's processes hold the model about once in
+        host memory, not once each. With adapters every layer loads (peft draws each adapter's initialisation from
+        the global generator in module order: the whole model keeps one process's draws)."""
+        if self.recipe.use_peft:
+            return None
+        ranges, mine = self.stage_layout(num_layers)
+        return {index for stage in mine for index in ranges[stage]}
+
     def make_record(self, **layout) -> Parallelism:
         copies = self.accelerator.num_processes // (self.pp * self.tp)
         name = (f"pipeline parallel (pp_size={self.pp}, {self.recipe.pp_schedule}, {microbatches(self.recipe)} "
@@ -489,13 +511,19 @@ class PipelineBackend(Backend):
         self.tied = head is not None and head.weight is embed.weight
         per_process = STAGES_PER_PROCESS[recipe.pp_schedule]
         count = self.pp * per_process
-        ranges = split_layers(len(hf.get_decoder().layers), count)
-        mine = stage_indices(self.pp_rank, self.pp, per_process, v=recipe.pp_schedule in V_SCHEDULES)
+        ranges, mine = self.stage_layout(len(hf.get_decoder().layers))
         stages = [StageForward(lm, s, count, ranges[s], packed=recipe.packing) for s in mine]
         # the optimizer numbering of the whole model, as a run without pp would save it (resuming its checkpoints)
         self.unsplit_ids = optimizer_layout(recipe, model)[1]
-        keep_only(lm, {i for s in mine for i in ranges[s]}, first=0 in mine, last=count - 1 in mine)
-        self.layout = {"stages": count, "layers": [[r.start, r.stop] for r in ranges], "mine": mine}
+        # the layers this rank read from the checkpoint (the others stayed on the meta device: `layers_to_load`)
+        read = [i for i, layer in enumerate(hf.get_decoder().layers) if not any(p.is_meta for p in layer.parameters())]
+        owned = {i for s in mine for i in ranges[s]}
+        if not owned <= set(read):
+            raise HftrainError(f"rank {accelerator.process_index}: layers {sorted(owned - set(read))} of its pipeline "
+                               "stages were not loaded")
+        keep_only(lm, owned, first=0 in mine, last=count - 1 in mine)
+        self.layout = {"stages": count, "layers": [[r.start, r.stop] for r in ranges], "mine": mine,
+                       "layers_read": read}
         model.to(accelerator.device)
         self.shard_stages(stages)
         # autocast (bf16) around every stage's forward and the head's loss: as accelerate wraps the whole loss
@@ -740,10 +768,10 @@ class PipelineFSDP2Backend(PipelineBackend):
       vocabulary's rows, split the same way over D ranks), so the local blocks are summed directly. The norm sums
       every rank's local squares over all processes (each element is held by exactly one rank of one stage; the
       head's copy of a tied weight skipped).
-    - Loading: every rank loads the whole model and keeps its stage's layers, as pp without FSDP2 does; transformers'
-      rank-0-only loading (the preset's fsdp_cpu_ram_efficient_loading, read from FSDP_CPU_RAM_EFFICIENT_LOADING at
-      load time) would leave the other stages' ranks with weights on the meta device that no broadcast fills, so it
-      is turned off for this process.
+    - Loading: every rank reads its stages' layers (full fine-tuning; the whole model with adapters), as pp without
+      FSDP2 does (`PipelineBackend.layers_to_load`); transformers' rank-0-only loading (the preset's
+      fsdp_cpu_ram_efficient_loading, read from FSDP_CPU_RAM_EFFICIENT_LOADING at load time) would leave the other
+      stages' ranks with weights on the meta device that no broadcast fills, so it is turned off for this process.
     - Checkpoints: the pipeline's DCP folder under HF names; the sharded parameters and AdamW moments are DTensors,
       which DCP writes as each rank's blocks and reads into any layout (`register_checkpoint_hooks`, unchanged)."""
 

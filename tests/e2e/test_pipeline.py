@@ -141,6 +141,9 @@ def assert_pp_run(run: Run, ref: Run, name: str) -> None:
     assert info["pp_stages"]["stages"] == stages
     layers = [layer for start, stop in info["pp_stages"]["layers"] for layer in range(start, stop)]
     assert layers == [0, 1, 2, 3]  # every layer on exactly one stage
+    # full fine-tuning: rank 0 read only its stages' layers from the checkpoint (the others stayed on the meta device)
+    owned = sorted(layer for s in info["pp_stages"]["mine"] for layer in range(*info["pp_stages"]["layers"][s]))
+    assert info["pp_stages"]["layers_read"] == owned and len(owned) < 4
     rows, ref_rows = run.train_rows(), ref.train_rows()
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [1, 2, 3, 4]
     assert [r["learning_rate"] for r in rows] == [r["learning_rate"] for r in ref_rows]
@@ -347,6 +350,8 @@ def test_pp2_packed_qlora_with_gradient_checkpointing_trains_like_one_process(ad
         ("MULTI_CPU", 2, "PipelineStages", 2)
     assert (model["method"], model["quantized_linear_layers"], model["checkpointed_layers"]) == \
         ("lora", {"Linear4bit": 28}, 4)  # 7 projections x 4 layers; every decoder layer recomputes in backward
+    # adapters: every rank reads every layer (peft's initial draws as one process's), then keeps its stage's
+    assert info["pp_stages"]["layers_read"] == [0, 1, 2, 3]
     assert ref.state()["model"]["checkpointed_layers"] == 0
     # the whole pipeline's counts (each stage's added), as one process counts them
     for r in (run, ref):

@@ -12,10 +12,12 @@ from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
 from hftrain.model import (
+    DTYPES,
     LIGER_KERNELS,
     LIGER_MODEL_TYPES,
     CausalLMTokenLoss,
     build_full_model,
+    build_model,
     build_peft_model,
     build_tokenizer,
     compile_blocks,
@@ -188,6 +190,29 @@ def test_build_full_model_and_tokenizer():
 def test_build_model_in_bfloat16():
     model = build_full_model(Recipe(model_name_or_path=str(MODEL), dtype="bfloat16"))
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_stage_load_reads_only_its_decoder_layers(dtype, capfd):
+    """A pipeline stage's load (layers={1} of the tiny model's 2): layer 1, the embeddings, the final norm and the
+    head equal the whole model's load; layer 0 stays on the meta device (no memory) with its names, shapes and dtype;
+    the class is transformers' own; the other layer's checkpoint keys are not reported as unexpected."""
+    recipe = Recipe(model_name_or_path=str(MODEL), dtype=dtype, gradient_checkpointing=True)
+    whole = dict(build_full_model(recipe).named_parameters())
+    capfd.readouterr()
+    stage = build_model(recipe, {}, layers={1})
+    assert type(stage) is type(AutoModelForCausalLM.from_pretrained(MODEL)) and stage.is_activation_checkpointing
+    assert "UNEXPECTED" not in "".join(capfd.readouterr())
+    params = dict(stage.named_parameters())
+    assert params.keys() == whole.keys()  # the whole model's names, in order
+    for name, value in params.items():
+        assert value.shape == whole[name].shape and value.dtype == whole[name].dtype == DTYPES[dtype], name
+        if name.startswith("model.layers.0."):
+            assert value.is_meta, name
+        else:
+            assert not value.is_meta and torch.equal(value, whole[name]), name
+    with pytest.raises(HftrainError, match="per-stage load"):
+        build_model(Recipe(model_name_or_path=str(MODEL), use_peft=True), {}, layers={1})
 
 
 def test_missing_model_is_a_user_error(tmp_path):
