@@ -61,9 +61,11 @@ LAYOUTS = {
     "pp2xtp2": ("1F1B", 1, 2, "tied"),
     "Interleaved1F1B": ("Interleaved1F1B", 1, 1, "untied"),
     # two stages per process in a V (rank 0: stages 0 and 3, so the tied embedding and head are one tensor there),
-    # the backward split into input and weight gradients, evaluation in a forward-only order
+    # the backward split into input and weight gradients, evaluation in a forward-only order; with gradient
+    # checkpointing (each decoder layer recomputed inside the split backward: the same numbers as without)
     "ZBVZeroBubble": ("ZBVZeroBubble", 1, 1, "tied"),
 }
+EXTRA = {"ZBVZeroBubble": ["--gradient_checkpointing", "true"]}  # layout-specific recipe fields
 THREE_D = {"pp2xtp2xdp2": ("1F1B", 2, 2, "untied")}  # 8 processes: opt-in (test_3d_trains_like_one_process)
 DUALPIPEV = {"DualPipeV": ("DualPipeV", 1, 1, "untied")}  # ZBV's V and split backward: opt-in (test_dualpipev_...)
 # pp 2 x FSDP2 on 4 processes (the fsdp2 preset through tests/launchers/fsdp2_on_cpu.py): each stage sharded over its
@@ -75,7 +77,7 @@ def launch_layout(folder, name: str, models: dict) -> Run:
     schedule, copies, tp, kind = {**LAYOUTS, **THREE_D, **DUALPIPEV}[name]
     return launch(folder, *COMMON, *SAVES, *PP, "--pp_schedule", schedule, "--tp_size", str(tp),
                   "--per_device_train_batch_size", str(8 // copies), "--model_name_or_path", str(models[kind]),
-                  preset="cpu_pp", processes=2 * copies * tp)
+                  *EXTRA.get(name, []), preset="cpu_pp", processes=2 * copies * tp)
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +106,7 @@ def test_pp2_trains_like_one_process(runs, name):
     norm sums the stages and the tp shards (replicated tensors once), and the tied gradient, a vocabulary shard on
     the last stage and a whole tensor on the first, is summed whole."""
     assert_pp_run(runs[name], runs[f"ref-{LAYOUTS[name][3]}"], name)
+    assert runs[name].state()["model"]["checkpointed_layers"] == (4 if name in EXTRA else 0)
 
 
 @pytest.mark.skipif(not os.environ.get("HFTRAIN_TEST_3D"),
