@@ -278,11 +278,14 @@ class Backend:
         """Model-state memory per device for this layout (activations and buffers not included).
 
         ZeRO paper accounting, with P parameters of which T are trained: weights w*P, gradients w*T, optimizer state
-        k*T (`bytes_per_param`). The parts in `record.sharded` are split over `shard_count()` processes, those in
-        `record.offloaded` live in CPU RAM instead."""
+        k*T (`bytes_per_param`). The parts in `record.sharded` are split over `shard_count()` processes, the others
+        over the processes that split the model itself (`record.model_shards`: tensor-parallel shards and pipeline
+        stages; under FSDP2 SHARD_GRAD_OP with tp or pp each rank keeps its shard's or its stage's weights whole, not
+        the model's), and those in `record.offloaded` live in CPU RAM instead."""
         w, k = self.bytes_per_param()
         parts = {"weights": w * n_params, "gradients": w * n_trainable, "optimizer": k * n_trainable}
-        per_device = {p: b // self.shard_count() if p in self.record.sharded else b for p, b in parts.items()}
+        per_device = {p: b // (self.shard_count() if p in self.record.sharded else self.record.model_shards)
+                      for p, b in parts.items()}
         on_device = sum(b for p, b in per_device.items() if p not in self.record.offloaded)
         on_cpu = sum(b for p, b in per_device.items() if p in self.record.offloaded)
         device_memory = device_memory_bytes(self.accelerator, self.accelerator.num_processes)

@@ -89,3 +89,21 @@ def test_sequence_parallel_devices_hold_the_activations_of_a_slice_of_each_seque
     memory = backend.memory(T, P)
     assert memory["activation_tokens_per_device"] == 1024
     assert memory["activations"] == "activations extra: at most 1,024 tokens per device, 1/2 of each sequence"
+
+
+@pytest.mark.parametrize("reshard, expected", [(True, (4 * P + 4 * T + 8 * T) // 4),
+                                               (False, 4 * P // 2 + (4 * T + 8 * T) // 4)])
+def test_fsdp2_x_tp_shard_grad_op_keeps_each_ranks_tp_shard_of_the_weights(accelerator, monkeypatch, reshard,
+                                                                          expected):
+    """FSDP2 x TP on 4 processes (fsdp 2 x tp 2): FULL_SHARD splits every part over all 4; SHARD_GRAD_OP keeps the
+    weights gathered over fsdp only, so each rank holds its tp shard of them (half), not the whole model."""
+    from torch.distributed.fsdp import OffloadPolicy
+
+    from hftrain.parallel.tensor import FSDP2TensorParallelBackend
+
+    monkeypatch.setattr("hftrain.parallel.tensor.tp_groups", lambda world, tp: (None, None))  # no process group here
+    plugin = type("Plugin", (), {"reshard_after_forward": reshard, "cpu_offload": OffloadPolicy(),
+                                 "mixed_precision_policy": None})()
+    backend = FSDP2TensorParallelBackend(accelerator(4, kind="FSDP", fsdp_plugin=plugin), Recipe(tp_size=2))
+    assert backend.record.model_shards == 2
+    assert abs(backend.memory(T, P)["per_device_bytes"] - expected) <= 3  # each part rounds down separately
