@@ -203,29 +203,32 @@ def test_pp2_x_fsdp2_trains_like_one_process_with_sharded_stages(pp_fsdp2, refer
         assert len(chunks) == 2 and sum(c.sizes[0] for c in chunks) == weights[name].size[0], name
 
 
-def test_pp2_x_fsdp2_resumes_from_its_checkpoint(pp_fsdp2, models, tmp_path):
-    """checkpoint-2 of the pp 2 x FSDP2 run (DCP blocks of the sharded weights and AdamW moments) continued on the same
-    layout: steps 3-4 and the final weights equal the uninterrupted run's (a second 4-process launch, ~13-18 s)."""
-    folder = tmp_path / "resumed"
-    shutil.copytree(pp_fsdp2.output_dir, folder)
-    for later in ("final", "checkpoint-4"):
-        shutil.rmtree(folder / later)
-    schedule, copies, _, kind = PP_FSDP2["pp2xfsdp2"]
-    model = ["--model_name_or_path", str(models[kind])]
-    resumed = launch(folder, *COMMON, *NO_SAVES, *PP, "--pp_schedule", schedule, "--per_device_train_batch_size",
-                     str(8 // copies), *model, "--resume_from_checkpoint", "latest", preset="fsdp2", processes=4,
-                     script=FSDP_LAUNCHER)
-    assert "resuming from" in resumed.stdout and "at step 2" in resumed.stdout
-    rows, again = pp_fsdp2.train_rows(), resumed.train_rows()
-    assert [r["step"] for r in again] == [1, 2, 3, 4]
-    assert [(r["learning_rate"], r["trained_tokens"]) for r in again[2:]] == \
-        [(r["learning_rate"], r["trained_tokens"]) for r in rows[2:]]
-    close([r["loss"] for r in again[2:]], [r["loss"] for r in rows[2:]], 1e-6)
-    close([r["grad_norm"] for r in again[2:]], [r["grad_norm"] for r in rows[2:]], 1e-6)
-    final, expected = (load_file(r.output_dir / "final" / "model.safetensors") for r in (resumed, pp_fsdp2))
-    assert final.keys() == expected.keys()
-    for key, value in expected.items():
-        torch.testing.assert_close(final[key], value, rtol=1e-6, atol=1e-6, msg=lambda m, n=key: f"{n}: {m}")
+def test_pp2_x_fsdp2_checkpoint_continues_on_pp4(pp_fsdp2, references, models, tmp_path):
+    """checkpoint-2 of the pp 2 x FSDP2 run (DCP: each stage's weights and AdamW moments as 2 blocks) continued on
+    pp 4 without FSDP2 (the cpu_pp preset: 4 stages of one layer, rank 0 the embedding and layer 0, rank 3 layer 3 and
+    the tied head), each rank reading its names from the other layout's blocks: steps 3-4 and the final weights equal
+    the uninterrupted run and one process. (The FSDP2 stages' own load is checked before step 1 of every run that
+    saves: the checkpoint preflight's round trip.)"""
+    tied = ["--model_name_or_path", str(models["tied"])]
+    resumed = launch(tmp_path / "pp4", *COMMON, *NO_SAVES, "--pp_size", "4", "--pp_microbatches", "4", *tied,
+                     "--resume_from_checkpoint", str(pp_fsdp2.output_dir / "checkpoint-2"), preset="cpu_pp",
+                     processes=4)
+    info = resumed.state()["launch"]
+    assert (info["num_processes"], info["pp_size"], info["distributed_type"]) == (4, 4, "MULTI_CPU")
+    assert info["pp_stages"]["layers"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    rows, again, ref_rows = pp_fsdp2.train_rows(), resumed.train_rows(), references["ref-tied"].train_rows()
+    assert [r["step"] for r in again] == [3, 4]
+    assert [(r["learning_rate"], r["trained_tokens"]) for r in again] == \
+        [(r["learning_rate"], r["trained_tokens"]) for r in ref_rows[2:]]
+    for key in ("loss", "grad_norm"):
+        close([r[key] for r in again], [r[key] for r in rows[2:]], 1e-5)
+        close([r[key] for r in again], [r[key] for r in ref_rows[2:]])
+    final = load_file(resumed.output_dir / "final" / "model.safetensors")
+    for run, tol in ((pp_fsdp2, 1e-5), (references["ref-tied"], 1e-4)):
+        expected = load_file(run.output_dir / "final" / "model.safetensors")
+        assert final.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(final[key], value, rtol=tol, atol=tol, msg=lambda m, n=key: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("name", ["1F1B", "pp2xtp2"])
@@ -256,11 +259,11 @@ def test_pipeline_checkpoint_holds_hf_names(runs):
 @pytest.fixture(scope="module")
 def resumed(runs, models, tmp_path_factory) -> dict[str, Run]:
     """checkpoint-2 of the pp 2 x tp 2 run (DCP: every stage's tensors, the tp-sharded ones in shards) continued on one
-    process, the pp 2 (1F1B) run's continued on pp 4, and checkpoint-2 of the one-process run continued in 3D: pp 2 x
-    tp 2 x 2 data-parallel copies on 8 processes with Interleaved1F1B (4 stages: the numbering of the whole model's
-    optimizer mapped onto each rank's two stages, whole tensors placed as the parameters' DTensor shards; each copy
-    trains on half of the global batch of 16 and the copies average their gradients shard by shard); all on the tied
-    model (the head's weight and state come from the embedding's, and back). The 3D layout's steps 3-4 are its CI
+    process, and checkpoint-2 of the one-process run continued in 3D: pp 2 x tp 2 x 2 data-parallel copies on 8
+    processes with Interleaved1F1B (4 stages: the numbering of the whole model's optimizer mapped onto each rank's
+    two stages, whole tensors placed as the parameters' DTensor shards; each copy trains on half of the global batch
+    of 16 and the copies average their gradients shard by shard); both on the tied model (the head's weight and
+    state come from the embedding's, and back). The 3D layout's steps 3-4 are its CI
     exactness check (steps 1-4 from scratch: the opt-in test_3d_trains_like_one_process)."""
     root = tmp_path_factory.mktemp("pp-resumed")
     tied = ["--model_name_or_path", str(models["tied"])]
@@ -270,15 +273,10 @@ def resumed(runs, models, tmp_path_factory) -> dict[str, Run]:
         "one-to-3d": launch(root / "one-to-3d", *COMMON, *NO_SAVES, *PP, "--pp_schedule", "Interleaved1F1B",
                             "--tp_size", "2", "--per_device_train_batch_size", "4", *tied, "--resume_from_checkpoint",
                             str(runs["ref-tied"].output_dir / "checkpoint-2"), preset="cpu_pp", processes=8),
-        # the 1F1B run's checkpoint (2 stages) read by 4 stages of one layer each (rank 0: the embedding and layer 0,
-        # rank 3: layer 3 and the tied head), each rank taking its names from the other layout's DCP folder
-        "pp2-to-pp4": launch(root / "pp2-to-pp4", *COMMON, *NO_SAVES, "--pp_size", "4", "--pp_microbatches", "4",
-                             *tied, "--resume_from_checkpoint", str(runs["1F1B"].output_dir / "checkpoint-2"),
-                             preset="cpu_pp", processes=4),
     }
 
 
-@pytest.mark.parametrize("name", ["pp2xtp2-to-one", "one-to-3d", "pp2-to-pp4"])
+@pytest.mark.parametrize("name", ["pp2xtp2-to-one", "one-to-3d"])
 def test_resume_across_pp_layouts(runs, resumed, name):
     """Steps 3-4 after the other layout's checkpoint-2 equal the uninterrupted one-process run: step 3's loss checks
     the weights, step 4's loss and grad norm and the final weights the optimizer state (AdamW's moments and step, by
@@ -286,11 +284,8 @@ def test_resume_across_pp_layouts(runs, resumed, name):
     run, ref = resumed[name], runs["ref-tied"]
     info = run.state()["launch"]
     pp = name == "one-to-3d"
-    expected = {"pp2xtp2-to-one": (1, 1, 1, "CausalLMTokenLoss"), "one-to-3d": (8, 2, 2, "PipelineStages"),
-                "pp2-to-pp4": (4, 4, 1, "PipelineStages")}[name]
-    assert (info["num_processes"], info["pp_size"], info["tp_size"], info["model_wrapper"]) == expected
-    if name == "pp2-to-pp4":
-        assert info["pp_stages"]["layers"] == [[0, 1], [1, 2], [2, 3], [3, 4]]
+    assert (info["num_processes"], info["pp_size"], info["tp_size"], info["model_wrapper"]) == \
+        ((8, 2, 2, "PipelineStages") if pp else (1, 1, 1, "CausalLMTokenLoss"))
     if pp:
         assert info["pp_stages"]["stages"] == 4 and info["dtensor_parameters"] > 0
         assert run.state()["parallelism"]["dp_world"] == 2  # two copies of the 4-process pipeline
