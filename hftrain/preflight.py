@@ -34,8 +34,7 @@ from hftrain.parallel.launch import Launch
 from hftrain.parallel.pipeline import PIPELINE_MODEL_TYPES, pipeline_problems
 from hftrain.parallel.tensor import fsdp_tp_blocks_disagree
 from hftrain.recipe.grpo import VLLM_REQUIREMENT
-from hftrain.recipe.parallel import V_SCHEDULES
-from hftrain.stages import STAGES_PER_PROCESS, split_layers, stage_indices
+from hftrain.stages import STAGES_PER_PROCESS, stage_layout
 
 TP_WITH_DEEPSPEED_REFUSED = (
     "tensor parallelism combined with DeepSpeed is not available in hftrain: accelerate 1.15 composes TP with "
@@ -252,12 +251,10 @@ def host_memory_problems(recipe: Recipe, launch: Launch, model_config: Pretraine
     if recipe.use_peft:
         read, what = params, "the whole model (adapters are added over it)"
     else:
-        per_process, v = STAGES_PER_PROCESS[recipe.pp_schedule], recipe.pp_schedule in V_SCHEDULES
-        if len(layers) < pp * per_process:  # fewer layers than stages: pipeline_problems says so
+        if len(layers) < pp * STAGES_PER_PROCESS[recipe.pp_schedule]:  # fewer layers than stages: pipeline_problems
             return []
-        ranges = split_layers(len(layers), pp * per_process)
-        read = params - sum(layers) + max(sum(layers[i] for s in stage_indices(rank, pp, per_process, v=v)
-                                               for i in ranges[s]) for rank in range(pp))
+        stages = [stage_layout(len(layers), pp, recipe.pp_schedule, rank) for rank in range(pp)]
+        read = params - sum(layers) + max(sum(layers[i] for s in mine for i in ranges[s]) for ranges, mine in stages)
         what = "its stages' layers, the embeddings and the head"
     tp, gib = recipe.tp_size, 2**30
     per_process_bytes = read * DTYPES[recipe.dtype].itemsize // tp

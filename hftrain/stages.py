@@ -27,6 +27,7 @@ from hftrain.config import Recipe
 from hftrain.errors import HftrainError
 from hftrain.layout import MODEL_FILE, PIPELINE_CONVERTED_PREFIX
 from hftrain.optim import build_optimizer
+from hftrain.recipe.parallel import V_SCHEDULES
 
 STAGES_PER_PROCESS = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2, "DualPipeV": 2}
 PIPELINE_STATE_DIR = "pipeline_state"  # the checkpoint's DCP folder: model and optimizer state under HF names
@@ -59,6 +60,12 @@ def stage_indices(rank: int, pp: int, per_process: int, v: bool = False) -> list
     if v:
         return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(per_process)]
+
+
+def stage_layout(num_layers: int, pp: int, schedule: str, rank: int) -> tuple[list[range], list[int]]:
+    """(each stage's decoder layers, the stages pipeline rank `rank` runs) for `pp` ranks under torch's `schedule`."""
+    per_process = STAGES_PER_PROCESS[schedule]
+    return split_layers(num_layers, pp * per_process), stage_indices(rank, pp, per_process, v=schedule in V_SCHEDULES)
 
 
 # ------------------------------------------------------ resume across layouts

@@ -32,7 +32,8 @@ def worker(rank: int, args, port: int, results) -> None:
     from torch.distributed.pipelining.schedules import get_schedule_class
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hftrain.parallel.pipeline import StageForward, keep_only, split_layers, stage_indices
+    from hftrain.parallel.pipeline import StageForward, keep_only
+    from hftrain.stages import split_layers, stage_indices
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))

@@ -90,8 +90,7 @@ from hftrain.stages import (
     optimizer_layout,
     pipelined_state,
     resume_layout_problem,
-    split_layers,
-    stage_indices,
+    stage_layout,
 )
 
 # Causal LMs whose base forward does nothing outside the planned modules besides positions, masks and rotary
@@ -468,12 +467,6 @@ class PipelineBackend(Backend):
         layer sharded at load; `prepare` then keeps this stage's."""
         return model_load_kwargs(self.tp, self.accelerator.num_processes) if self.tp > 1 else {}
 
-    def stage_layout(self, num_layers: int) -> tuple[list[range], list[int]]:
-        """(each stage's decoder layers, the stages this rank runs)."""
-        per_process = STAGES_PER_PROCESS[self.recipe.pp_schedule]
-        ranges = split_layers(num_layers, self.pp * per_process)
-        return ranges, stage_indices(self.pp_rank, self.pp, per_process, v=self.recipe.pp_schedule in V_SCHEDULES)
-
     def layers_to_load(self, num_layers: int) -> set[int] | None:
         """Full fine-tuning reads only this rank's stages' decoder layers (`model.load_decoder_layers`: the others
         stay on the meta device until `prepare` drops them), so a machine's processes hold the model about once in
@@ -481,7 +474,7 @@ class PipelineBackend(Backend):
         the global generator in module order: the whole model keeps one process's draws)."""
         if self.recipe.use_peft:
             return None
-        ranges, mine = self.stage_layout(num_layers)
+        ranges, mine = stage_layout(num_layers, self.pp, self.recipe.pp_schedule, self.pp_rank)
         return {index for stage in mine for index in ranges[stage]}
 
     def make_record(self, **layout) -> Parallelism:
@@ -511,7 +504,7 @@ class PipelineBackend(Backend):
         self.tied = head is not None and head.weight is embed.weight
         per_process = STAGES_PER_PROCESS[recipe.pp_schedule]
         count = self.pp * per_process
-        ranges, mine = self.stage_layout(len(hf.get_decoder().layers))
+        ranges, mine = stage_layout(len(hf.get_decoder().layers), self.pp, recipe.pp_schedule, self.pp_rank)
         stages = [StageForward(lm, s, count, ranges[s], packed=recipe.packing) for s in mine]
         # the optimizer numbering of the whole model, as a run without pp would save it (resuming its checkpoints)
         self.unsplit_ids = optimizer_layout(recipe, model)[1]

@@ -17,9 +17,8 @@ from hftrain.parallel.pipeline import (
     StageForward,
     keep_only,
     microbatches,
-    split_layers,
-    stage_indices,
 )
+from hftrain.stages import split_layers, stage_indices
 
 
 @pytest.mark.parametrize("layers, stages", [(2, 2), (4, 2), (4, 4), (5, 2), (30, 4), (32, 8), (3, 3), (7, 4)])
