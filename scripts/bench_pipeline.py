@@ -2,7 +2,7 @@
 
     python scripts/bench_pipeline.py [--layers 8 --hidden 256 --rows 32 --length 128 --steps 4]
 
-Two gloo processes on this machine (pp 2), a random Llama split by `hftrain.parallel.pipeline` (split_layers,
+Two gloo processes on this machine (pp 2), a random Llama split by hftrain (`stages.split_layers`, `parallel.pipeline`'s
 StageForward), torch.distributed.pipelining's schedules with scale_grads=False, the same global batch for every
 microbatch count; the median of `--steps` timed steps after one warm-up step. Prints a markdown table with the
 bubble formula's prediction next to it, for docs/pipeline.md. A benchmark, not a test: CPU numbers on a shared
