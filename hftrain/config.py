@@ -307,10 +307,44 @@ def _coerce(name: str, value: Any, from_cli: bool) -> Any:
             raise ValueError("expected a list of {name, config, split, weight, columns, format} mappings")
         return [_dataset_source(i, v) for i, v in enumerate(value)]
     if typing.get_origin(tp) is list:
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-            raise ValueError(f"expected a list of strings, got {value!r}")
-        return [i.strip() for i in items if i.strip()]
+        return _coerce_list(typing.get_args(tp)[0], value, from_cli)
+    return _coerce_scalar(tp, value, name)
+
+
+# what an item of each type is called in a problem ("expected a list of numbers")
+_NOUNS = {bool: ("true or false", "true/false values"), int: ("an integer", "integers"),
+          float: ("a number", "numbers"), str: ("a string", "strings")}
+
+
+def _coerce_list(item_type: type, value: Any, from_cli: bool) -> list:
+    """A list field, every item read as `item_type` (YAML `[1.0, 0.5]`; on the command line `--f 1.0 0.5`, `--f
+    1.0,0.5` or `--f '[1.0, 0.5]'`), or ValueError naming the first item that is not one."""
+    words = [value] if isinstance(value, str) else value
+    if isinstance(value, str) or from_cli and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = words
+        if len(value) == 1 and value[0].lstrip().startswith("["):  # a YAML flow list: --reward_weights '[1, 0.5]'
+            try:
+                value = yaml.safe_load(value[0])
+            except yaml.YAMLError:
+                raise ValueError(f"expected a list of {_NOUNS[item_type][1]}, got {value[0]!r}") from None
+        else:  # argparse hands over the words (nargs +), each may hold comma-separated items
+            value = [item.strip() for word in value for item in word.split(",") if item.strip()]
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list of {_NOUNS[item_type][1]}, got {value!r}")
+    items = []
+    for i, item in enumerate(value, 1):
+        if item_type is str and not isinstance(item, str):  # YAML read it as another type: refuse, do not guess
+            raise ValueError(f"expected a list of strings; item {i} is {item!r} (quote it)")
+        try:
+            items.append(_coerce_scalar(item_type, item.strip() if isinstance(item, str) else item))
+        except ValueError:
+            raise ValueError(f"expected a list of {_NOUNS[item_type][1]}; item {i} is {item!r}, not "
+                             f"{_NOUNS[item_type][0]}") from None
+    return [item for item in items if item != ""] if item_type is str else items
+
+
+def _coerce_scalar(tp: Any, value: Any, name: str = "") -> Any:
+    """`value` as a bool, int, float or str (a field, or an item of a list field), or ValueError."""
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -545,7 +579,8 @@ def build_arg_parser(prog: str = "hftrain.finetune") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Fine-tune a causal LM. Fields come from --config (YAML) and are overridden by --<field> "
-        f"value on the command line; {DEFAULT_RECIPE_NOTE}.",
+        f"value on the command line (a list field takes its items as words or comma-separated: --reward_weights 1 "
+        f"0.5); {DEFAULT_RECIPE_NOTE}.",
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", help="Recipe YAML file.")
@@ -557,6 +592,8 @@ def build_arg_parser(prog: str = "hftrain.finetune") -> argparse.ArgumentParser:
         kind = {bool: "BOOL", int: "INT", float: "FLOAT"}.get(tp) or {list: "LIST", dict: "MAP"}.get(
             typing.get_origin(tp), "STR")
         extra = {"nargs": "?", "const": "true"} if tp is bool else {}
+        if typing.get_origin(tp) is list and typing.get_args(tp)[0] in _NOUNS:  # TRL's form: --reward_weights 1 0.5
+            extra = {"nargs": "+"}
         text = f"{f.metadata['help']} (default: {default})".replace("%", "%%")  # argparse formats help with %
         group.add_argument(f"--{name}", metavar=kind, help=text, **extra)
     return parser

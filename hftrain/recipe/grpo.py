@@ -182,6 +182,8 @@ def problems(r) -> list[str]:
              "(objective grpo) or remove them"] if stray else []
     if r.objective != "grpo":
         misplaced = [(r.reward_funcs, f"reward_funcs is set but objective={r.objective}; set objective: grpo"),
+                     (r.reward_weights is not None, f"reward_weights is set but objective={r.objective}; set "
+                      "objective: grpo"),
                      (r.use_vllm, f"use_vllm is grpo's generation setting, but objective={r.objective}; remove it"),
                      (not r.ds3_gather_for_generation, "ds3_gather_for_generation: false is grpo's generation "
                       f"setting, but objective={r.objective}; remove it")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,10 @@ import yaml
 
 from hftrain.config import (
     FIELDS,
+    TYPES,
     Recipe,
+    _base_type,
+    _coerce_all,
     build_arg_parser,
     load_recipe,
     read_yaml,
@@ -103,6 +107,51 @@ def test_report_to_none_in_yaml(in_tmp):
     for text in ("report_to: none", "report_to: [none]"):
         recipe = recipe_from_dict(valid(in_tmp, **yaml.safe_load(text)))
         assert recipe.report_to == ["none"]
+
+
+# every list field of the schema by its item type; a new list[int] field is covered by the same tests
+LIST_FIELDS = {name: typing.get_args(_base_type(TYPES[name])[0])[0] for name in FIELDS
+               if typing.get_origin(_base_type(TYPES[name])[0]) is list and name != "dataset_mixture"}
+GOOD_ITEMS = {str: ["q_proj", "v_proj"], float: [1.0, 0.5], int: [3, 4], bool: [True, False]}
+BAD_ITEMS = {str: ("[q_proj, 1.5]", None), float: ("[1.0, abc]", "1,abc"), int: ("[3, 2.5]", "3,2.5"),
+             bool: ("[true, maybe]", "true,maybe")}
+
+
+def test_the_list_fields_are_the_ones_these_tests_know():
+    assert {"reward_weights", "reward_funcs", "report_to", "lora_target_modules"} <= set(LIST_FIELDS)
+    assert set(LIST_FIELDS.values()) <= set(GOOD_ITEMS), LIST_FIELDS
+
+
+@pytest.mark.parametrize("name", sorted(LIST_FIELDS))
+def test_a_list_field_reads_its_item_type_from_yaml_and_the_command_line(name):
+    """`reward_weights: [1.0, 0.5]` (TRL's form) was refused as "expected a list of strings", and `--reward_weights
+    1,2` was read as strings that failed later in torch.tensor."""
+    good = GOOD_ITEMS[LIST_FIELDS[name]]
+    words = [str(v).lower() for v in good]
+    forms = {"yaml": (yaml.safe_load(f"{name}: [{', '.join(words)}]"), False)}
+    for label, argv in {"commas": [",".join(words)], "words": words, "flow": [f"[{', '.join(words)}]"]}.items():
+        forms[label] = ({name: build_arg_parser().parse_args([f"--{name}", *argv]).__dict__[name]}, True)
+    for label, (values, from_cli) in forms.items():
+        typed, problems = _coerce_all(values, from_cli=from_cli)
+        assert not problems, (label, problems)
+        assert typed[name] == good and [type(v) for v in typed[name]] == [type(v) for v in good], label
+
+
+@pytest.mark.parametrize("name", sorted(LIST_FIELDS))
+def test_a_list_item_of_another_type_is_a_one_line_problem(name):
+    in_yaml, on_cli = BAD_ITEMS[LIST_FIELDS[name]]
+    _, problems = _coerce_all(yaml.safe_load(f"{name}: {in_yaml}"), from_cli=False)
+    assert len(problems) == 1 and problems[0].startswith(f"{name}: expected a list of") and "item 2" in problems[0]
+    assert "\n" not in problems[0]
+    if on_cli is not None:  # on the command line every word is a string
+        _, problems = _coerce_all({name: [on_cli]}, from_cli=True)
+        assert len(problems) == 1 and "item 2" in problems[0], problems
+
+
+def test_reward_weights_from_the_command_line_reach_the_recipe_as_numbers(in_tmp):
+    recipe = load_recipe([*cli(in_tmp), "--objective", "grpo", "--reward_funcs", "a.f", "b.g", "--reward_weights",
+                          "1,0.5", "--eval_strategy", "no"], for_training=False)
+    assert recipe.reward_funcs == ["a.f", "b.g"] and recipe.reward_weights == [1.0, 0.5]
 
 
 def test_optional_field_none_from_cli(in_tmp):
