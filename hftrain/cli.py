@@ -1,10 +1,5 @@
-"""`hftrain`: pick a launch preset by name and run the training entry point through `accelerate launch`.
-
-    hftrain launch --preset zero3 --config recipes/my.yaml [--num_processes 8] [--learning_rate 1e-4 ...]
-    hftrain launch --config recipes/my.yaml          # the recipe's launch_preset, else `cpu`
-    hftrain launch --preset cpu [--max_steps 20]     # no recipe: the embedded default (tiny model, demo data)
-    hftrain presets                                  # the shipped presets, one line each
-    hftrain finetune|merge|estimate|report|data ...  # = python -m hftrain.<command> ...
+"""`hftrain`: the command line. `hftrain launch` picks a launch preset by name and runs the training entry point
+through `accelerate launch`; the other commands list what ships or run one of hftrain's tools in this process.
 
 `--preset` takes a shipped name (accelerate_configs/<name>.yaml, inside the installed package as
 hftrain/shipped/accelerate_configs; as TRL's `--accelerate_config zero3`) or a path to any accelerate
@@ -22,17 +17,22 @@ from __future__ import annotations
 import argparse
 import codecs
 import importlib
+import importlib.metadata
 import os
+import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TextIO
 
 import yaml
 
+import hftrain
 from hftrain.config import PRESET_DIR, SHIPPED, read_yaml
 from hftrain.errors import ConfigError, HftrainError, run_tool
 
@@ -43,8 +43,42 @@ TOOLS = {"finetune": "hftrain.finetune", "merge": "hftrain.merge", "estimate": "
 # multi-node: CalledProcessError; torchrun: ChildFailedError, followed by its failure summary)
 LAUNCHER_FAILURES = ("subprocess.CalledProcessError: Command",
                      "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:")
-LAUNCHER_OPTIONS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
-                    "rdzv_backend", "max_restarts", "monitor_interval")
+LAUNCHER_OPTIONS = {  # accelerate launch's options that `hftrain launch` takes, with what they do
+    "num_processes": "processes in all, over every machine (default: the preset's)",
+    "num_machines": "machines (nodes) the processes are spread over (default: the preset's)",
+    "machine_rank": "this machine's rank, 0 to num_machines - 1 (each node runs the command with its own)",
+    "main_process_ip": "address of machine 0, reachable from every machine",
+    "main_process_port": "port on machine 0 for the rendezvous (0: a free one, one machine only)",
+    "rdzv_backend": "torchrun rendezvous backend: static (the presets' default) or c10d",
+    "max_restarts": "times torchrun restarts the processes after a failure (default 0)",
+    "monitor_interval": "seconds between torchrun's checks of its processes",
+}
+VERSIONS_OF = ("torch", "accelerate", "transformers", "peft", "datasets", "deepspeed")  # shown by --version
+
+USAGE = """\
+usage: hftrain <command> [options]
+
+Fine-tune causal LMs with one Accelerator loop, one typed recipe and a launch preset per machine.
+
+commands:
+  launch     train a recipe under a launch preset through accelerate launch (hftrain launch --help)
+  presets    the shipped launch presets, what each is for
+  finetune   train in this process, without a launcher (= python -m hftrain.finetune; --help lists every
+             recipe field)
+  data       preview what a recipe trains on: tokens, masks, lengths (= python -m hftrain.data)
+  estimate   memory per GPU of a model under every strategy, and the preset that fits (= python -m hftrain.estimate)
+  report     plots and a summary of a run's metrics.jsonl (= python -m hftrain.report)
+  merge      merge a LoRA / DoRA run's adapter into its base model (= python -m hftrain.merge)
+
+options:
+  -h, --help     show this text; `hftrain <command> --help` shows a command's own
+  -V, --version  hftrain's version and those of the libraries it runs on
+
+examples:
+  hftrain launch --preset cpu                                  the demo: the tiny model on the shipped chat data
+  hftrain launch --preset zero3 --config my.yaml --num_processes 8 --learning_rate 1e-4
+  hftrain launch --config my.yaml                              the recipe's launch_preset, else cpu
+"""
 
 
 def resolve_preset(name: str) -> Path:
@@ -88,13 +122,41 @@ def recipe_preset(args: list[str]) -> str | None:
     return None
 
 
+def launch_parser() -> argparse.ArgumentParser:
+    """`hftrain launch`'s own options; every other argument is the recipe's (`--config`, `--<field> value`)."""
+    parser = argparse.ArgumentParser(
+        prog="hftrain launch", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="hftrain launch [--preset NAME|FILE] [--dry_run] [launcher options] [--config RECIPE] "
+              "[--<field> VALUE ...]",
+        description="Train a recipe: start the processes of a launch preset with accelerate launch, each running\n"
+                    "hftrain's training entry point (hftrain/finetune.py) on the recipe.",
+        epilog=textwrap.dedent("""\
+            recipe arguments (passed on to every process):
+              --config RECIPE       the recipe YAML file; without it, each field takes its default
+              --<field> VALUE       any recipe field, overriding the file (e.g. --max_steps 20 --learning_rate 1e-4)
+            Every recipe field, with its default and meaning: hftrain finetune --help (= python -m hftrain.finetune
+            --help). The shipped presets: hftrain presets.
+
+            examples:
+              hftrain launch --preset cpu --max_steps 20
+              hftrain launch --preset cpu_ddp --config my.yaml --num_processes 2
+              hftrain launch --preset zero3 --config my.yaml --bf16 --dry_run"""))
+    options = parser.add_argument_group("options")
+    options.add_argument("-h", "--help", action="help", help="show this text and exit")
+    options.add_argument("--preset", metavar="NAME|FILE",
+                         help="a shipped launch preset (hftrain presets lists them) or an accelerate config file; "
+                              "default: the recipe's launch_preset, else cpu")
+    options.add_argument("--dry_run", action="store_true",
+                         help="print the accelerate launch command instead of running it")
+    launcher = parser.add_argument_group("launcher options (passed to accelerate launch; default: the preset's)")
+    for option, text in LAUNCHER_OPTIONS.items():
+        launcher.add_argument(f"--{option}", metavar="N" if option in ("num_processes", "num_machines",
+                              "machine_rank", "max_restarts") else "VALUE", help=text)
+    return parser
+
+
 def launch_command(argv: list[str]) -> list[str]:
-    parser = argparse.ArgumentParser(prog="hftrain launch", add_help=False)
-    parser.add_argument("--preset")
-    parser.add_argument("--dry_run", action="store_true")
-    for option in LAUNCHER_OPTIONS:
-        parser.add_argument(f"--{option}")
-    known, rest = parser.parse_known_args(argv)
+    known, rest = launch_parser().parse_known_args(argv)
     preset = resolve_preset(known.preset or recipe_preset(rest) or "cpu")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(preset)]
     ds_file = deepspeed_config_file(preset)
@@ -106,12 +168,40 @@ def launch_command(argv: list[str]) -> list[str]:
     return cmd + [str(ENTRY), *rest]
 
 
-def list_presets() -> str:
+def list_presets(width: int | None = None) -> str:
+    """Each shipped preset's name and the first sentence of its leading comment, wrapped to `width` (the
+    terminal's)."""
+    width = width or shutil.get_terminal_size().columns
+    paths = sorted(PRESET_DIR.glob("*.yaml"))
+    column = max(len(path.stem) for path in paths) + 2
     lines = []
-    for path in sorted(PRESET_DIR.glob("*.yaml")):
-        first = path.read_text(encoding="utf-8").splitlines()[0].lstrip("# ").strip()
-        lines.append(f"{path.stem:24} {first}")
+    for path in paths:
+        lines.append(textwrap.fill(preset_summary(path), width=max(width, column + 40), break_on_hyphens=False,
+                                   initial_indent=path.stem.ljust(column), subsequent_indent=" " * column))
     return "\n".join(lines)
+
+
+def preset_summary(path: Path) -> str:
+    """The first sentence of a preset's leading comment (the prose before its first command example)."""
+    prose = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#") or line.startswith("#   "):
+            break
+        prose.append(line.lstrip("#").strip())
+    text = " ".join(prose)
+    end = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", text)  # the first full stop that is not an abbreviation's
+    return text[:end.start() + 1] if end else text
+
+
+def version() -> str:
+    """hftrain's version, Python's, and those of the libraries a run depends on (for a bug report)."""
+    found = []
+    for name in VERSIONS_OF:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} not installed")
+    return f"hftrain {hftrain.__version__} (Python {platform.python_version()}; {', '.join(found)})"
 
 
 def _command(command: str, rest: list[str]) -> list[str] | None:
@@ -126,14 +216,17 @@ def _command(command: str, rest: list[str]) -> list[str] | None:
         return None
     if command != "launch":
         raise HftrainError(f"unknown command {command!r}; use `hftrain launch`, `hftrain presets` or one of "
-                           f"{', '.join(TOOLS)}")
+                           f"{', '.join(TOOLS)} (hftrain --help describes them)")
     return launch_command(rest)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(USAGE, end="")
+        return
+    if argv[0] in ("-V", "--version"):
+        print(version())
         return
     cmd = run_tool(_command, argv[0], argv[1:])
     if cmd is None:

@@ -4,6 +4,7 @@ files shipped inside the package (presets, DeepSpeed JSON, the embedded default'
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -63,9 +64,54 @@ def test_dry_run_prints_the_command(capsys):
     assert "--dry_run" not in out
 
 
-def test_presets_listing_shows_every_shipped_preset():
-    listing = list_presets().splitlines()
-    assert [line.split()[0] for line in listing] == sorted(p.stem for p in (REPO / "accelerate_configs").glob("*.yaml"))
+def test_presets_listing_shows_every_shipped_preset_in_whole_sentences_wrapped_to_the_terminal():
+    listing = list_presets(width=90).splitlines()
+    names = [line.split()[0] for line in listing if not line.startswith(" ")]
+    assert names == sorted(p.stem for p in (REPO / "accelerate_configs").glob("*.yaml"))
+    assert all(len(line) <= 90 for line in listing)
+    entries = " ".join(listing).split()
+    starts = [entries.index(name) for name in names] + [len(entries)]
+    for name, start, end in zip(names, starts, starts[1:]):
+        text = " ".join(entries[start + 1:end])
+        comment = " ".join(line.lstrip("#").strip() for line in
+                           (REPO / "accelerate_configs" / f"{name}.yaml").read_text().splitlines()
+                           if line.startswith("#"))
+        assert text.endswith(".") and comment.startswith(text), (name, text)  # the comment's opening, whole
+
+
+def test_version_names_hftrains_and_its_libraries(capsys):
+    import importlib.metadata
+
+    main(["--version"])
+    out = capsys.readouterr().out
+    project = re.search(r'^version = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    assert out.startswith(f"hftrain {project} (Python ")
+    assert f"torch {importlib.metadata.version('torch')}" in out
+    main(["-V"])
+    assert capsys.readouterr().out == out
+
+
+def test_launch_help_shows_its_own_options_and_points_to_the_recipe_fields(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["launch", "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and out.startswith("usage: hftrain launch")
+    for option in ("--preset", "--dry_run", "--num_processes", "--num_machines", "--machine_rank",
+                   "--main_process_ip", "--main_process_port", "--config"):
+        assert f"  {option} " in out, option
+    assert "hftrain finetune --help" in out and "hftrain presets" in out
+    assert "--learning_rate FLOAT" not in out and len(out.splitlines()) < 60  # not every recipe field
+
+
+def test_hftrain_help_lists_every_command(capsys):
+    from hftrain.cli import TOOLS
+
+    main(["--help"])
+    out = capsys.readouterr().out
+    commands = {line.split()[0] for line in out.split("commands:")[1].split("options:")[0].splitlines()
+                if line.startswith("  ") and not line.startswith("   ")}
+    assert commands == {"launch", "presets", *TOOLS}
+    assert "--version" in out
 
 
 def test_the_shipped_files_are_the_repositorys_own():
