@@ -209,11 +209,12 @@ class TrainingFields:
 class LoggingFields:
     logging_steps: int = _f(10, "Log training metrics every N optimizer steps (and at the first step).",
                             group="logging")
-    eval_strategy: str = _cadence("evaluate", "eval_steps", "never; nothing is held out then",
+    eval_strategy: str = _cadence("evaluate", "eval_steps", "never; nothing is held out, and eval_steps and "
+                                  "eval_dataset_name are not used",
                                   "Any but no also evaluates at the end.")
     eval_steps: int | None = _f(None, "Evaluate every N optimizer steps (eval_strategy steps); always at the end.",
                                 group="logging")
-    save_strategy: str = _cadence("save checkpoint-N", "save_steps", "no checkpoints",
+    save_strategy: str = _cadence("save checkpoint-N", "save_steps", "no checkpoints; save_steps is not used",
                                   "The final model is saved all the same.")
     save_steps: int | None = _f(None, "Save checkpoint-N every N optimizer steps (save_strategy steps).",
                                 group="logging")
@@ -259,6 +260,11 @@ class Recipe(ParallelFields, MonitoringFields, LoggingFields, PeftFields, Traini
     def order_seed(self) -> int:
         """The seed of everything data: order, eval hold-out and mixture sampling."""
         return self.seed if self.data_seed is None else self.data_seed
+
+    @property
+    def reads_eval_dataset(self) -> bool:
+        """eval_dataset_name is loaded: set, and evaluation not turned off (eval_strategy no)."""
+        return bool(self.eval_dataset_name) and self.eval_strategy != "no"
 
     def warmup_for(self, total_steps: int) -> int:
         return self.warmup_steps if self.warmup_steps > 0 else math.ceil(self.warmup_ratio * total_steps)
@@ -417,12 +423,11 @@ def validate(recipe: Recipe) -> list[str]:
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                  "logging_steps"):
         need(getattr(r, name) >= 1, f"{name} must be >= 1, got {getattr(r, name)}")
-    for kind in ("eval", "save"):
+    for kind in ("eval", "save"):  # `no` turns the cadence off whatever its steps say (unused_settings notes them)
         strategy, steps = getattr(r, f"{kind}_strategy"), getattr(r, f"{kind}_steps")
-        need(steps is None or strategy == "steps", f"{kind}_steps={steps} applies to {kind}_strategy=steps, but "
-             f"{kind}_strategy={strategy}; remove {kind}_steps or set {kind}_strategy: steps")
-    need(not (r.eval_strategy == "no" and r.eval_dataset_name), "eval_strategy=no never evaluates, but "
-         "eval_dataset_name is set; remove one")
+        need(steps is None or strategy != "epoch", f"{kind}_steps={steps} applies to {kind}_strategy=steps, but "
+             f"{kind}_strategy=epoch; remove {kind}_steps (on the command line: --{kind}_steps null) or set "
+             f"{kind}_strategy: steps")
     for name in ("eval_steps", "save_steps", "save_total_limit", "max_samples"):
         value = getattr(r, name)
         need(value is None or value >= 1, f"{name} must be >= 1 or unset, got {value}")
@@ -476,6 +481,15 @@ def validate(recipe: Recipe) -> list[str]:
             problems.append(f"{name} {path!r} does not exist; give a data file, a saved dataset folder or a hub id")
 
     return problems
+
+
+def unused_settings(r: Recipe) -> list[str]:
+    """Start-up notes for settings that a cadence turned off leaves without effect (they stay in the resolved recipe
+    as given: `--eval_strategy no` on a recipe with eval_steps needs nothing more)."""
+    unused = {"eval": [name for name in ("eval_steps", "eval_dataset_name") if getattr(r, name) is not None],
+              "save": [name for name in ("save_steps", "save_total_limit") if getattr(r, name) is not None]}
+    return [f"{kind}_strategy no: {', '.join(f'{name}={getattr(r, name)}' for name in names)} not used"
+            for kind, names in unused.items() if names and getattr(r, f"{kind}_strategy") == "no"]
 
 
 def _validate_performance(r: Recipe) -> list[str]:

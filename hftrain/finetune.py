@@ -25,7 +25,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from hftrain import checkpoint
-from hftrain.config import Recipe, load_recipe
+from hftrain.config import Recipe, load_recipe, unused_settings
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.data.feeds import setup_examples
 from hftrain.data.vision import load_image_chats
@@ -269,7 +269,7 @@ class Finetune:
             f"{self.summary['method']} fine-tuning, {trained:,} of {total:,} parameters trained; "
             f"{self.data_line[1]}{resuming}"
         )
-        for note in self.notes + self.objective.notes(self):
+        for note in self.notes + unused_settings(recipe) + self.objective.notes(self):
             self.logger.print(f"hftrain: {note}")
         preset = (f"; the recipe is sized for preset {recipe.launch_preset}: "
                   f"{recipe.launch_preset_reason or 'no reason given'}" if recipe.launch_preset else "")

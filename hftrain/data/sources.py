@@ -119,7 +119,7 @@ def load_datasets(recipe: Recipe, tokenizer):
         fmt = detect_format(raw.column_names, source.format, spec.text_field, spec.messages_field, source.name)
         check_objective(recipe, fmt, source.name)
         loaded.append((source, raw, fmt))
-    eval_raw, eval_fmt = load_eval_set(recipe, spec) if recipe.eval_dataset_name else (None, None)
+    eval_raw, eval_fmt = load_eval_set(recipe, spec) if recipe.reads_eval_dataset else (None, None)
     needs_chat = any(_is_chat(fmt, raw) for _, raw, fmt in loaded) or (eval_raw is not None and
                                                                         _is_chat(eval_fmt, eval_raw))
     template_note = prepare_chat_template(tokenizer, recipe.chat_template_path, needs_chat)

@@ -589,7 +589,7 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
     fmt = formats[0]
 
     eval_raw, eval_fmt, held_out = None, None, 0
-    if recipe.eval_dataset_name:
+    if recipe.reads_eval_dataset:
         eval_raw, eval_fmt = load_eval_set(recipe, spec)
     elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
         if source.num_rows is None:

@@ -283,7 +283,7 @@ def load_image_chats(recipe, processor):
 
     raw = load(recipe.dataset_name, recipe.dataset_train_split, recipe.dataset_columns)
     evaluation, stats = None, {"sources": []}
-    if recipe.eval_dataset_name:
+    if recipe.reads_eval_dataset:
         evaluation, stats["eval"] = prepare(load(recipe.eval_dataset_name, recipe.eval_split, recipe.dataset_columns),
                                             processor, spec, recipe.eval_dataset_name)
     elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":

@@ -195,3 +195,15 @@ def test_hftrain_launch_shows_the_processes_error_without_the_launchers_tracebac
     assert re.fullmatch(r"hftrain launch: process [01] exited with status 2 \(its error is above\); the launcher "
                         r"stopped the others", last), last
     assert not (tmp_path / "out").exists()
+
+
+def test_eval_and_save_strategy_no_on_the_command_line_turn_the_shipped_recipes_cadence_off(tmp_path):
+    """tiny-chat.yaml sets eval_steps and save_steps: `--eval_strategy no --save_strategy no` alone runs (it was
+    refused until --eval_steps null --save_steps null were added), with no evaluation and no checkpoint."""
+    run = run_script(tmp_path / "out", *TINY_CHAT, "--max_steps", "2", "--eval_strategy", "no", "--save_strategy",
+                     "no")
+    assert not run.eval_rows() and [r["step"] for r in run.train_rows()] == [1, 2]
+    assert not list(run.output_dir.glob("checkpoint-*")) and (run.output_dir / "final").is_dir()
+    assert "eval_strategy no: eval_steps=30 not used" in run.stdout
+    assert "save_strategy no: save_steps=30, save_total_limit=2 not used" in run.stdout
+    assert run.state()["data"]["eval_examples"] == 0  # nothing held out

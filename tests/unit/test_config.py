@@ -20,6 +20,7 @@ from hftrain.config import (
     load_recipe,
     read_yaml,
     recipe_from_dict,
+    unused_settings,
 )
 from hftrain.errors import ConfigError, HftrainError, report_and_exit
 from tests.conftest import REPO
@@ -158,6 +159,22 @@ def test_optional_field_none_from_cli(in_tmp):
     cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp, "eval_steps: 5\n"))
     assert load_recipe(["--config", str(cfg)]).eval_steps == 5
     assert load_recipe(["--config", str(cfg), "--eval_steps", "none"]).eval_steps is None
+
+
+def test_eval_or_save_strategy_no_alone_turns_a_recipes_cadence_off(in_tmp):
+    """`--eval_strategy no` on a recipe with eval_steps (tiny-chat.yaml has eval_steps: 30, save_steps: 30) was
+    refused until `--eval_steps null` was added too; the recipe's values stay as given, noted as unused."""
+    cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp, f"eval_steps: 30\nsave_steps: 30\nsave_total_limit: 2\n"
+                                                          f"eval_dataset_name: {CHAT}\n"
+                                                          "validation_split_percentage: 0\n"))
+    recipe = load_recipe(["--config", str(cfg), "--eval_strategy", "no", "--save_strategy", "no"])
+    assert (recipe.eval_strategy, recipe.eval_steps, recipe.save_strategy, recipe.save_steps) == ("no", 30, "no", 30)
+    assert not recipe.reads_eval_dataset
+    assert unused_settings(recipe) == [f"eval_strategy no: eval_steps=30, eval_dataset_name={CHAT} not used",
+                                       "save_strategy no: save_steps=30, save_total_limit=2 not used"]
+    assert unused_settings(load_recipe(["--config", str(cfg)])) == []
+    with pytest.raises(ConfigError, match="eval_steps=30 applies to eval_strategy=steps.*--eval_steps null"):
+        load_recipe(["--config", str(cfg), "--eval_strategy", "epoch"])
 
 
 # --------------------------------------------------------------------------- precedence

@@ -90,7 +90,6 @@ def test_all_sft_config_fields_are_known():
     ({"shuffle_dataset": True, "train_sampling_strategy": "sequential"}, "keep one"),
     ({"eval_strategy": "epoch", "eval_steps": 5}, "eval_steps=5 applies to eval_strategy=steps"),
     ({"save_strategy": "best"}, "save_strategy"),
-    ({"eval_strategy": "no", "eval_dataset_name": "data/chat.jsonl"}, "eval_strategy=no never evaluates"),
 ])
 def test_contradictions_and_unmappable_values_are_one_paragraph_problems(tmp_path, values, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

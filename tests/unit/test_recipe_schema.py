@@ -52,6 +52,8 @@ def _current() -> dict[str, dict]:
 LATER_CHANGES = {
     ("tp_size", "help"): "ad5ab8a, FSDP2 x tensor parallel: the help names the fsdp2 preset's 2D layout",
     ("cp_size", "help"): "tp x cp under FSDP2: the help names the composed layout and its process count",
+    ("eval_strategy", "help"): "issue 36: no leaves eval_steps and eval_dataset_name unused (no longer refused)",
+    ("save_strategy", "help"): "issue 36: no leaves save_steps unused (no longer refused)",
     ("lora_target_modules", "nargs"): "issue 36: list items as words too, as TRL",
     ("modules_to_save", "nargs"): "issue 36: list items as words too, as TRL",
     ("report_to", "nargs"): "issue 36: list items as words too, as TRL",
