@@ -612,7 +612,9 @@ class CausalLMTokenLoss(WrapsCausalLM):
 
     def _head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         head = self.lm.get_output_embeddings()
-        if self.fused_ce is not None:
+        # A micro-batch without trained tokens (an epoch's last step, short of rows; an all-prompt example) takes the
+        # plain path: Liger's chunking divides by a chunk size of 0 when it gets no rows (ZeroDivisionError on CUDA).
+        if self.fused_ce is not None and len(hidden):
             return self.fused_ce(head.weight, hidden, targets, head.bias)
         logits = head(hidden)
         return F.cross_entropy(logits.float(), targets, reduction="sum")

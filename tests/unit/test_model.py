@@ -277,6 +277,8 @@ class PlainTorchFusedLinearCE(torch.nn.Module):
         self.calls = []
 
     def forward(self, lin_weight, _input, target, bias=None):
+        if not len(_input):  # liger-kernel 0.8.5: chunk_size = next_power_of_2(cdiv(0, inc)) = 0, then cdiv(0, 0)
+            raise ZeroDivisionError("integer division or modulo by zero")
         self.calls.append((lin_weight, _input.detach().clone(), target.clone(), bias))
         logits = torch.nn.functional.linear(_input, lin_weight, bias)
         return torch.nn.functional.cross_entropy(logits.float(), target, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -313,6 +315,23 @@ def test_liger_loss_wiring_passes_head_weight_trained_hidden_and_targets(tiny, m
     assert fused_loss.item() == pytest.approx(plain_loss.item(), rel=1e-6)
     for name in names:
         torch.testing.assert_close(fused_grads[name], plain_grads[name])
+
+
+def test_liger_loss_of_a_micro_batch_without_trained_tokens_is_zero_with_the_head_in_the_graph(tiny, monkeypatch):
+    """An epoch's last step can hold a micro-batch whose labels are all ignored (the GPU proof's 1.24B run died at
+    its last step so, inside Liger): the loss is 0, Liger is not called with no rows, and the head and the decoder
+    still get (zero) gradients, as every rank's backward must reach the same parameters."""
+    fake = PlainTorchFusedLinearCE()
+    monkeypatch.setattr("hftrain.model.liger_fused_linear_cross_entropy", lambda: fake)
+    input_ids, labels, _ = padded_batch(tiny.config.vocab_size)
+    tiny.zero_grad(set_to_none=True)
+    loss = CausalLMTokenLoss(tiny, fused_cross_entropy=True)(input_ids, torch.full_like(labels, IGNORE_INDEX))
+    loss.backward()
+    assert loss.item() == 0.0 and fake.calls == []
+    for name in ("lm_head.weight", "model.layers.1.mlp.down_proj.weight"):
+        grad = dict(tiny.named_parameters())[name].grad
+        assert grad is not None and not grad.any()
+    tiny.zero_grad(set_to_none=True)
 
 
 def test_liger_loss_is_refused_when_the_head_is_an_adapter(tiny, monkeypatch):
