@@ -33,8 +33,9 @@ from typing import TextIO
 import yaml
 
 import hftrain
-from hftrain.config import PRESET_DIR, SHIPPED, read_yaml
+from hftrain.config import PRESET_DIR, SHIPPED, read_yaml, recipe_file, shipped_recipes
 from hftrain.errors import ConfigError, HftrainError, run_tool
+from hftrain.layout import DEMO_RECIPE
 
 ENTRY = Path(__file__).resolve().parent / "finetune.py"
 TOOLS = {"finetune": "hftrain.finetune", "merge": "hftrain.merge", "estimate": "hftrain.estimate",
@@ -63,6 +64,7 @@ Fine-tune causal LMs with one Accelerator loop, one typed recipe and a launch pr
 commands:
   launch     train a recipe under a launch preset through accelerate launch (hftrain launch --help)
   presets    the shipped launch presets, what each is for
+  recipes    the shipped recipes (--config NAME trains one); `hftrain recipes copy NAME` copies one here to edit
   finetune   train in this process, without a launcher (= python -m hftrain.finetune; --help lists every
              recipe field)
   data       preview what a recipe trains on: tokens, masks, lengths (= python -m hftrain.data)
@@ -75,7 +77,9 @@ options:
   -V, --version  hftrain's version and those of the libraries it runs on
 
 examples:
-  hftrain launch --preset cpu                                  the demo: the tiny model on the shipped chat data
+  hftrain launch --preset cpu                                  the demo (recipe tiny-chat: the tiny model on
+                                                               the shipped chat data; as `make demo`)
+  hftrain launch --config tiny-dpo                             a shipped recipe, by name
   hftrain launch --preset zero3 --config my.yaml --num_processes 8 --learning_rate 1e-4
   hftrain launch --config my.yaml                              the recipe's launch_preset, else cpu
 """
@@ -118,7 +122,7 @@ def recipe_preset(args: list[str]) -> str | None:
             value = args[args.index(flag) + 1]
             if flag == "--launch_preset":
                 return value
-            return read_yaml(value).get("launch_preset")
+            return read_yaml(recipe_file(value)).get("launch_preset")
     return None
 
 
@@ -132,7 +136,8 @@ def launch_parser() -> argparse.ArgumentParser:
                     "hftrain's training entry point (hftrain/finetune.py) on the recipe.",
         epilog=textwrap.dedent("""\
             recipe arguments (passed on to every process):
-              --config RECIPE       the recipe YAML file; without it, each field takes its default
+              --config RECIPE       a recipe YAML file, or a shipped recipe's name (hftrain recipes lists
+                                    them); without it, the demo recipe tiny-chat
               --<field> VALUE       any recipe field, overriding the file (e.g. --max_steps 20 --learning_rate 1e-4)
             Every recipe field, with its default and meaning: hftrain finetune --help (= python -m hftrain.finetune
             --help). The shipped presets: hftrain presets.
@@ -155,8 +160,16 @@ def launch_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def with_demo_recipe(args: list[str]) -> list[str]:
+    """A recipe's arguments, with `--config` naming the demo recipe when they name none: `hftrain launch` without a
+    recipe trains what `make demo` trains."""
+    named = any(arg == "--config" or arg.startswith("--config=") for arg in args)
+    return args if named else ["--config", str(DEMO_RECIPE), *args]
+
+
 def launch_command(argv: list[str]) -> list[str]:
     known, rest = launch_parser().parse_known_args(argv)
+    rest = with_demo_recipe(rest)
     preset = resolve_preset(known.preset or recipe_preset(rest) or "cpu")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(preset)]
     ds_file = deepspeed_config_file(preset)
@@ -193,6 +206,40 @@ def preset_summary(path: Path) -> str:
     return text[:end.start() + 1] if end else text
 
 
+def list_recipes(width: int | None = None) -> str:
+    """Each shipped recipe's name and the first sentence of its leading comment, wrapped to `width`."""
+    width = width or shutil.get_terminal_size().columns
+    paths = shipped_recipes()
+    column = max(len(path.stem) for path in paths) + 2
+    lines = [textwrap.fill(preset_summary(path), width=max(width, column + 40), break_on_hyphens=False,
+                           initial_indent=path.stem.ljust(column), subsequent_indent=" " * column) for path in paths]
+    return "\n".join([*lines, "", "Train one with `hftrain launch --config NAME`; `hftrain recipes copy NAME` writes "
+                       "NAME.yaml here to edit."])
+
+
+def recipes_command(argv: list[str]) -> None:
+    """`hftrain recipes`: list the shipped recipes; `hftrain recipes copy NAME [FILE]`: copy one to edit."""
+    parser = argparse.ArgumentParser(prog="hftrain recipes", description="List the recipes shipped with hftrain, "
+                                     "or copy one into the current folder to edit.")
+    sub = parser.add_subparsers(dest="action")
+    copy = sub.add_parser("copy", help="copy a shipped recipe to a file (default: ./NAME.yaml)")
+    copy.add_argument("name", help="a shipped recipe's name, e.g. tiny-dpo")
+    copy.add_argument("file", nargs="?", help="where to write it (default: NAME.yaml in the current folder)")
+    args = parser.parse_args(argv)
+    if args.action is None:
+        print(list_recipes())
+        return
+    source = next((path for path in shipped_recipes() if path.stem == args.name), None)
+    if source is None:
+        raise HftrainError(f"{args.name!r} is not a shipped recipe; hftrain ships "
+                           f"{', '.join(path.stem for path in shipped_recipes())}")
+    target = Path(args.file or f"{args.name}.yaml")
+    if target.exists():
+        raise HftrainError(f"{target} already exists; name another file: hftrain recipes copy {args.name} FILE")
+    shutil.copyfile(source, target)
+    print(f"wrote {target}; edit it, then train it: hftrain launch --config {target}")
+
+
 def version() -> str:
     """hftrain's version, Python's, and those of the libraries a run depends on (for a bug report)."""
     found = []
@@ -209,13 +256,16 @@ def _command(command: str, rest: list[str]) -> list[str] | None:
     if command == "presets":
         print(list_presets())
         return None
+    if command == "recipes":
+        recipes_command(rest)
+        return None
     if command in TOOLS:  # one process, no launcher: python -m hftrain.<module>
         tool = importlib.import_module(TOOLS[command]).main
         extra = {"prog": "hftrain merge"} if command == "merge" else {}
-        tool(rest, **extra)
+        tool(with_demo_recipe(rest) if command in ("finetune", "data") else rest, **extra)
         return None
     if command != "launch":
-        raise HftrainError(f"unknown command {command!r}; use `hftrain launch`, `hftrain presets` or one of "
+        raise HftrainError(f"unknown command {command!r}; use `hftrain launch`, `presets`, `recipes` or one of "
                            f"{', '.join(TOOLS)} (hftrain --help describes them)")
     return launch_command(rest)
 

@@ -23,7 +23,7 @@ import yaml
 from hftrain import from_trl
 from hftrain.errors import ConfigError, first_line
 from hftrain.layout import DEFAULT_DATASET as DEFAULT_DATASET  # `as`: re-exported (shipped paths, now in layout)
-from hftrain.layout import DEFAULT_MODEL, FINAL_DIR, PREFIX
+from hftrain.layout import DEFAULT_MODEL, FINAL_DIR, PREFIX, RECIPE_DIR
 from hftrain.layout import PRESET_DIR as PRESET_DIR
 from hftrain.layout import SHIPPED as SHIPPED
 from hftrain.recipe import recipe_field as _f
@@ -42,7 +42,12 @@ from hftrain.recipe.peft import problems as peft_problems
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
 OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
-DEFAULT_RECIPE_NOTE = "with no --config, the embedded default recipe (tiny offline model, shipped chat data) is used"
+DEFAULT_RECIPE_NOTE = ("with no --config, each field takes the default shown (the tiny offline model and the chat "
+                       "data shipped inside hftrain); `hftrain launch`, `hftrain finetune` and `hftrain data` with no "
+                       "--config use the demo recipe tiny-chat instead")
+# fields that name a file or folder: a relative one that is not under the current folder may be a shipped file
+PATH_FIELDS = ("model_name_or_path", "tokenizer_name_or_path", "dataset_name", "eval_dataset_name",
+               "chat_template_path")
 
 
 def _cadence(action: str, every: str, none: str, note: str) -> Any:
@@ -551,7 +556,28 @@ def _coerce_all(values: dict[str, Any], from_cli: bool) -> tuple[dict[str, Any],
             clean[key] = _coerce(key, value, from_cli)
         except ValueError as exc:
             problems.append(f"{key}: {exc}")
-    return clean, problems
+    return with_shipped_paths(clean), problems
+
+
+def shipped_path(value: str) -> str:
+    """A relative path that is not under the current folder but is one of the files shipped inside hftrain
+    (models/tiny-llama, data/chat.jsonl...: the repository's recipes name them so) becomes that shipped file's
+    absolute path, so that a shipped recipe, or a copy of one, runs from any folder as from the repository. Anything
+    else (an existing path, an absolute one, a hub id) is returned unchanged."""
+    path = Path(value)
+    if path.is_absolute() or value.startswith("~") or path.exists() or not (SHIPPED / path).exists():
+        return value
+    return str(SHIPPED / path)
+
+
+def with_shipped_paths(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with `shipped_path` applied to the PATH_FIELDS and to dataset_mixture's names."""
+    values = {key: shipped_path(value) if key in PATH_FIELDS and isinstance(value, str) else value
+              for key, value in values.items()}
+    if isinstance(values.get("dataset_mixture"), list):
+        values["dataset_mixture"] = [dataclasses.replace(source, name=shipped_path(source.name))
+                                     for source in values["dataset_mixture"]]
+    return values
 
 
 def recipe_from_dict(values: dict[str, Any], source: str = "recipe", for_training: bool = True) -> Recipe:
@@ -572,6 +598,26 @@ def recipe_subset(values: dict[str, Any], names: tuple[str, ...], source: str) -
     if problems:
         raise ConfigError(problems, source)
     return Recipe(**with_objective_defaults(clean))
+
+
+def shipped_recipes() -> list[Path]:
+    """The recipes shipped inside hftrain (the repository's recipes/), by name."""
+    return sorted(RECIPE_DIR.glob("*.yaml"), key=lambda path: path.stem)
+
+
+def recipe_file(name: str) -> str:
+    """`--config`'s value: a recipe file; else a shipped recipe, by name (`tiny-dpo`) or by its path in the repository
+    (`recipes/tiny-dpo.yaml`, as the docs write it), so that both work from any folder."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return name
+    if not path.is_absolute() and ".." not in path.parts:
+        for shipped in (SHIPPED / path, RECIPE_DIR / path, RECIPE_DIR / f"{name}.yaml"):
+            if shipped.is_file():
+                return str(shipped)
+    names = ", ".join(p.stem for p in shipped_recipes())
+    raise ConfigError([f"cannot read recipe file {name!r}: there is no such file, nor a recipe of that name among "
+                       f"those shipped with hftrain ({names}; `hftrain recipes` describes them)"], "command line")
 
 
 def read_yaml(path: str) -> dict[str, Any]:
@@ -629,7 +675,7 @@ def load_recipe(argv: list[str] | None = None, for_training: bool = True, prog: 
             problems.append(f"unexpected value {item!r} (fields are given as --name value)")
     cli_values = {k: v for k, v in vars(args).items() if k != "config"}
     from_cli, cli_problems = _coerce_all(cli_values, from_cli=True)
-    file_values = read_yaml(config_path) if config_path else {}
+    file_values = read_yaml(recipe_file(config_path)) if config_path else {}
     # a file value overridden on the command line is not used, so its problems do not count
     from_file, file_problems = _coerce_all({k: v for k, v in file_values.items() if k not in cli_values},
                                            from_cli=False)

@@ -1,6 +1,7 @@
 """hftrain as a real package: the built wheel holds every module and the shipped files (launch presets, DeepSpeed
-JSON, the embedded default's model and data), and once installed, not editable, `hftrain presets` and
-`hftrain launch --preset cpu` (no recipe: the embedded default) work from a folder outside the checkout.
+JSON, the recipes, the tiny models and the data they name), and once installed, not editable, `hftrain presets`,
+`hftrain recipes` and `hftrain launch --preset cpu` (no recipe: the demo recipe) work from a folder outside the
+checkout, the last training exactly what `make demo` trains.
 
 The venv is fresh (its own interpreter, site-packages and `hftrain` script) but borrows the already installed
 dependencies through a .pth line naming this interpreter's site-packages; a .pth line adds a folder to sys.path
@@ -25,7 +26,8 @@ import pytest
 from tests.conftest import REPO
 
 FULL_INSTALL = os.environ.get("HFTRAIN_TEST_FRESH_VENV") == "1"
-LINKED = ["accelerate_configs", "ds_configs", "data", "models/tiny-llama"]  # the folders hftrain/shipped links to
+LINKED = ["accelerate_configs", "ds_configs", "data", "recipes", "models/tiny-llama", "models/tiny-moe",
+          "models/tiny-vlm"]  # the folders hftrain/shipped links to
 
 
 def git_files() -> list[str]:
@@ -59,7 +61,8 @@ def test_the_wheel_holds_every_module_and_a_copy_of_every_shipped_file(wheel):
         shipped = {f"hftrain/shipped/{path.relative_to(REPO)}": path for folder in LINKED
                    for path in (REPO / folder).iterdir() if path.is_file()}
         for required in ("accelerate_configs/cpu.yaml", "ds_configs/zero2.json", "data/chat.jsonl",
-                         "models/tiny-llama/model.safetensors", "models/tiny-llama/tokenizer.json"):
+                         "recipes/tiny-chat.yaml", "recipes/tiny-dpo.yaml", "models/tiny-llama/model.safetensors",
+                         "models/tiny-llama/tokenizer.json"):
             assert f"hftrain/shipped/{required}" in shipped
         for name, path in shipped.items():  # the content, not a link: the wheel cannot depend on the checkout
             assert name in names, f"{name} is not in the wheel"
@@ -93,7 +96,7 @@ def venv(wheel, tmp_path_factory) -> Path:
 def run(venv: Path, cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """A command of the venv from `cwd`, with none of this process's environment (no PYTHONPATH to the checkout)."""
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": os.environ.get("HOME", str(cwd)), "HF_HUB_OFFLINE": "1",
-           "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+           "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([str(venv / "bin" / args[0]), *args[1:]], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
@@ -117,13 +120,33 @@ def test_the_installed_package_trains_the_embedded_default_from_any_folder(venv,
     assert config_file == package / "shipped" / "accelerate_configs" / "zero2.yaml" and config_file.is_file()
     assert ds_file == package / "shipped" / "ds_configs" / "zero2.json" and ds_file.is_file()
 
-    run(venv, tmp_path, "hftrain", "launch", "--preset", "cpu", "--max_steps", "2")
+    recipes = run(venv, tmp_path, "hftrain", "recipes").stdout.splitlines()
+    assert [line.split()[0] for line in recipes if line and not line.startswith(" ")][:-1] == \
+        sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    run(venv, tmp_path, "hftrain", "recipes", "copy", "tiny-dpo")
+    assert (tmp_path / "tiny-dpo.yaml").read_bytes() == (REPO / "recipes" / "tiny-dpo.yaml").read_bytes()
+
+    # `make demo` (the repository's recipe, from the checkout, one process) beside the installed package's default
+    demo_dir, demo_log = tmp_path / "demo", tmp_path / "demo.log"
+    with demo_log.open("w") as log:
+        demo = subprocess.Popen([sys.executable, str(REPO / "hftrain" / "finetune.py"), "--config",
+                                 "recipes/tiny-chat.yaml", "--output_dir", str(demo_dir)], cwd=REPO, stdout=log,
+                                stderr=log, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+        default = run(venv, tmp_path, "hftrain", "launch", "--preset", "cpu")
+        assert demo.wait(timeout=300) == 0, demo_log.read_text()[-4000:]
     out = tmp_path / "outputs" / "tiny-chat"  # the default output_dir, under the current folder
     assert (out / "final" / "model.safetensors").stat().st_size > 100_000
     assert (out / "final" / "config.json").is_file() and (out / "final" / "tokenizer.json").is_file()
     state = json.loads((out / "final" / "hftrain_state.json").read_text())
-    assert state["progress"]["step"] == 2 and state["total_steps"] == 2
+    assert state["progress"]["step"] == 60 and state["total_steps"] == 60
     config = (out / "hftrain_config.yaml").read_text()
     assert f"model_name_or_path: {package / 'shipped' / 'models' / 'tiny-llama'}" in config
     assert f"dataset_name: {package / 'shipped' / 'data' / 'chat.jsonl'}" in config
-    assert [row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
+
+    def eval_losses(folder: Path) -> list[float]:
+        return [row["eval_loss"] for row in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+                if "eval_loss" in row]
+
+    assert len(eval_losses(out)) >= 2 and eval_losses(out) == pytest.approx(eval_losses(demo_dir), rel=1e-6)
+    final = f"hftrain: eval_loss {eval_losses(demo_dir)[-1]:.4f} after 60 steps"
+    assert final in default.stdout + default.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hftrain.cli import deepspeed_config_file, launch_command, list_presets, main, relay_errors, resolve_preset
-from hftrain.config import DEFAULT_DATASET, DEFAULT_MODEL, PRESET_DIR, SHIPPED, Recipe, recipe_from_dict
+from hftrain.config import DEFAULT_DATASET, DEFAULT_MODEL, PRESET_DIR, SHIPPED, Recipe, load_recipe, recipe_from_dict
 from hftrain.errors import ConfigError
 from tests.conftest import REPO
 
@@ -110,7 +110,7 @@ def test_hftrain_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     commands = {line.split()[0] for line in out.split("commands:")[1].split("options:")[0].splitlines()
                 if line.startswith("  ") and not line.startswith("   ")}
-    assert commands == {"launch", "presets", *TOOLS}
+    assert commands == {"launch", "presets", "recipes", *TOOLS}
     assert "--version" in out
 
 
@@ -122,6 +122,7 @@ def test_the_shipped_files_are_the_repositorys_own():
     assert (SHIPPED / "ds_configs").resolve() == REPO / "ds_configs"
     assert DEFAULT_MODEL.resolve() == REPO / "models" / "tiny-llama"
     assert DEFAULT_DATASET.resolve() == REPO / "data" / "chat.jsonl"
+    assert (SHIPPED / "recipes").resolve() == REPO / "recipes"
 
 
 def test_a_presets_deepspeed_json_is_found_beside_it_else_among_the_shipped(tmp_path, monkeypatch):
@@ -147,8 +148,71 @@ def test_the_embedded_default_is_valid_from_any_folder(tmp_path, monkeypatch):
     assert Path(recipe.model_name_or_path) == DEFAULT_MODEL and (DEFAULT_MODEL / "config.json").is_file()
     assert Path(recipe.dataset_name) == DEFAULT_DATASET
     assert recipe.output_dir == "outputs/tiny-chat"  # relative: written under the current folder
+
+
+def test_launch_without_a_recipe_trains_the_demo_recipe(tmp_path, monkeypatch):
+    """`hftrain launch --preset cpu` trains what `make demo` trains: the repository's recipes/tiny-chat.yaml."""
+    monkeypatch.chdir(tmp_path)
     cmd = launch_command(["--max_steps", "2"])
-    assert option(cmd, "--config_file") == str((PRESET_DIR / "cpu.yaml").resolve()) and "--config" not in cmd
+    assert option(cmd, "--config_file") == str((PRESET_DIR / "cpu.yaml").resolve())
+    assert Path(option(cmd, "--config")).resolve() == REPO / "recipes" / "tiny-chat.yaml"
+    assert cmd[-2:] == ["--max_steps", "2"]
+    (tmp_path / "mine.yaml").write_text("max_steps: 3\n")
+    mine = launch_command(["--config", "mine.yaml"])
+    assert mine.count("--config") == 1 and option(mine, "--config") == "mine.yaml"
+    recipe = load_recipe(cmd[cmd.index("--config"):])  # valid from a folder without models/ or data/
+    assert recipe.model_name_or_path == str(SHIPPED / "models" / "tiny-llama")
+    assert recipe.dataset_name == str(SHIPPED / "data" / "chat.jsonl")
+    assert (recipe.max_steps, recipe.learning_rate, recipe.assistant_only_loss) == (2, 3e-3, True)
+
+
+@pytest.mark.parametrize("config", ["tiny-dpo", "tiny-dpo.yaml", "recipes/tiny-dpo.yaml"])
+def test_a_shipped_recipe_runs_by_name_from_any_folder(config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = load_recipe(["--config", config, "--max_steps", "1"])
+    assert recipe.objective == "dpo"
+    assert recipe.model_name_or_path == str(SHIPPED / "models" / "tiny-llama")  # its relative paths: shipped files
+    assert recipe.dataset_name == str(SHIPPED / "data" / "preference.jsonl")
+    assert recipe.output_dir == "outputs/tiny-dpo"  # still written under the current folder
+
+
+def test_a_file_in_the_current_folder_comes_before_a_shipped_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "chat.jsonl").write_text((REPO / "data" / "chat.jsonl").read_text())
+    (tmp_path / "tiny-chat.yaml").write_text("dataset_name: data/chat.jsonl\nmax_steps: 7\n")
+    recipe = load_recipe(["--config", "tiny-chat.yaml"])
+    assert recipe.max_steps == 7 and recipe.dataset_name == "data/chat.jsonl"
+    mixture = load_recipe(["--config", "tiny-mixture"]).dataset_mixture
+    assert [source.name for source in mixture] == ["data/chat.jsonl", str(SHIPPED / "data" / "alpaca.jsonl"),
+                                                   str(SHIPPED / "data" / "sharegpt.jsonl")]
+
+
+def test_a_missing_recipe_names_the_shipped_ones(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        load_recipe(["--config", "tiny-dop"])
+    message = " ".join(str(error.value).split())
+    assert "cannot read recipe file 'tiny-dop'" in message and "tiny-dpo, tiny-grpo" in message
+    assert "hftrain recipes" in message
+
+
+def test_hftrain_recipes_lists_the_shipped_ones_and_copies_one_to_edit(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    main(["recipes"])
+    listing = capsys.readouterr().out.splitlines()
+    names = [line.split()[0] for line in listing if line and not line.startswith(" ")][:-1]
+    assert names == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    main(["recipes", "copy", "tiny-grpo"])
+    assert "hftrain launch --config tiny-grpo.yaml" in capsys.readouterr().out
+    assert (tmp_path / "tiny-grpo.yaml").read_bytes() == (REPO / "recipes" / "tiny-grpo.yaml").read_bytes()
+    assert load_recipe(["--config", "tiny-grpo.yaml"]).reward_funcs  # the copy runs from here
+    with pytest.raises(SystemExit) as exit_info:
+        main(["recipes", "copy", "tiny-grpo"])  # never over an existing file
+    assert exit_info.value.code == 2 and "tiny-grpo.yaml already exists" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["recipes", "copy", "tiny-grop"])
+    assert "'tiny-grop' is not a shipped recipe" in capsys.readouterr().err
 
 
 def test_recipe_launch_preset_must_ship(tmp_path, monkeypatch):
