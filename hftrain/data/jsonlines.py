@@ -14,7 +14,7 @@ one with `json.loads`:
   from one line is missing, not None.
 
 It subclasses datasets' examples-iterable base class (`datasets.iterable_dataset._BaseExamplesIterable`, the
-interface every datasets source implements; datasets is pinned in pyproject.toml).
+interface every datasets source implements; checked on the datasets of constraints/lock.txt and constraints/lower.txt).
 """
 
 from __future__ import annotations

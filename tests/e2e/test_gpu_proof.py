@@ -1,8 +1,9 @@
 """The GPU proof's bundle and orchestration, checked on CPU (the GPU run itself needs a lent GPU machine).
 
 The bundle is what travels to the GPU machine besides the repository (docs/gpu-proof.md): its manifest must
-name hftrain's pinned versions, fit the device's 64 MiB with the repository, and assemble from PyPI into exactly
-the recorded bytes. The dry run goes through every part of `scripts/gpu_proof.py run` on CPU with the tiny model.
+name the locked versions (constraints/lock.txt), fit the device's 64 MiB with the repository, and assemble from PyPI
+into exactly the recorded bytes. The dry run goes through every part of `scripts/gpu_proof.py run` on CPU with
+the tiny model.
 """
 
 from __future__ import annotations
@@ -32,19 +33,23 @@ def gpu_proof():
     return module
 
 
-def pinned() -> dict[str, str]:
-    """name -> version of every `name==version` in pyproject.toml (dependencies and extras)."""
-    text = (REPO / "pyproject.toml").read_text()
-    return {m.group(1).lower(): m.group(2) for m in re.finditer(r'"([A-Za-z0-9_.-]+)==([^"]+)"', text)}
+def locked() -> dict[str, str]:
+    """name -> version of every `name==version` line of constraints/lock.txt (the versions the suite runs on)."""
+    text = (REPO / "constraints" / "lock.txt").read_text()
+    return {m.group(1).lower().replace("_", "-"): m.group(2) for m in re.finditer(r"(?m)^([A-Za-z0-9_.-]+)==(\S+)$",
+                                                                                   text)}
 
 
-def test_carried_versions_are_hftrains_pins():
-    pins = pinned()
+def test_carried_versions_are_the_locked_ones():
+    """The GPU proof runs the suite's versions: each carried wheel is at its version in the lock, so what the proof
+    shows on the GPU is what CI tests on CPU."""
+    lock = locked()
     carried = {w["name"]: w["version"] for w in MANIFEST["wheels"]}
+    assert {"transformers", "peft", "trl"} <= set(lock)
     for name, version in carried.items():
-        if name in pins:
-            assert version == pins[name], name
-    # what the proof needs and the image lacks (docs/gpu-proof.md): all pinned ones are carried at their pin
+        if name in lock:
+            assert version == lock[name], name
+    # what the proof needs and the image lacks (docs/gpu-proof.md): all are carried at their locked version
     assert {"transformers", "tokenizers", "peft", "datasets", "trl", "liger-kernel", "bitsandbytes"} <= set(carried)
     assert "torch" not in carried  # the image's torch 2.11 is used: a CUDA torch wheel is GBs
 
