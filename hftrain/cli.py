@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import importlib
 import importlib.metadata
 import os
@@ -30,12 +31,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TextIO
 
+import psutil
 import yaml
 
 import hftrain
 from hftrain.config import PRESET_DIR, SHIPPED, read_yaml, recipe_file, shipped_recipes
 from hftrain.errors import ConfigError, HftrainError, run_tool
 from hftrain.layout import DEMO_RECIPE
+from hftrain.preemption import EXIT_PREEMPTED
 
 ENTRY = Path(__file__).resolve().parent / "finetune.py"
 TOOLS = {"finetune": "hftrain.finetune", "merge": "hftrain.merge", "estimate": "hftrain.estimate",
@@ -288,30 +291,53 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_launcher(cmd: list[str]) -> int:
-    """Run accelerate's launcher with its standard error relayed through `relay_errors`. This process only relays:
-    Ctrl-C reaches the launcher and its processes from the terminal (ignored here), a SIGTERM sent to it is passed
-    to the launcher, and it relays until the launcher's output ends, so no process writes into a closed pipe."""
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+    """Run accelerate's launcher with its standard error relayed through `relay_errors`, and return the training
+    processes' exit status (75, EXIT_PREEMPTED, after a stop with a checkpoint).
+
+    The launcher runs in a session of its own, so a Ctrl-C at the terminal reaches this process only. It passes
+    SIGINT and SIGTERM (SIGHUP as SIGTERM) on to the training processes, the launcher's children (the launcher itself
+    while it has none yet), which stop at the next step boundary with a checkpoint and say so in one line. The
+    launcher never sees the signal: accelerate's prints a KeyboardInterrupt traceback, and torchrun's agent
+    kills its workers 30 s later, whatever they are saving. This process relays until the launch's output ends, so
+    no process writes into a closed pipe."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True)
+
+    def forward(signum: int, frame) -> None:
+        sent = signal.SIGTERM if signum == signal.SIGHUP else signum
+        try:
+            targets = psutil.Process(proc.pid).children() or [psutil.Process(proc.pid)]
+        except psutil.NoSuchProcess:
+            return
+        for target in targets:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                target.send_signal(sent)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    relay_errors((decoder.decode(block) for block in iter(lambda: os.read(proc.stderr.fileno(), 65536), b"")),
-                 sys.stderr)
-    return proc.wait()
+    status = relay_errors((decoder.decode(block) for block in iter(lambda: os.read(proc.stderr.fileno(), 65536),
+                                                                     b"")), sys.stderr)
+    code = proc.wait()
+    return status if code and status is not None else code
 
 
 TRACEBACK = "Traceback (most recent call last):"
+PREEMPTED_LOG = re.compile(rf"elastic/multiprocessing/api\.py:\d+\] failed \(exitcode: {EXIT_PREEMPTED}\)")
 
 
-def relay_errors(chunks: Iterable[str], out: TextIO) -> None:
+def relay_errors(chunks: Iterable[str], out: TextIO) -> int | None:
     """Pass the launch's standard error on as it comes (progress bars' partial lines at once), except the launcher's
     own closing traceback: a traceback is held until its exception line; the launcher's (`LAUNCHER_FAILURES`), with
-    what follows it (torchrun's summary), becomes one line; any other (a process's own error) is passed on whole."""
+    what follows it (torchrun's summary), becomes one line (none after a stop with a checkpoint, which the training
+    process has announced); any other (a process's own error) is passed on whole. Returns the failed process's exit
+    status that the launcher reported, if it did."""
     held: list[str] = []  # a traceback so far; held[0] == "" once it is the launcher's
     partial, sent = "", 0  # the unfinished last line, and how much of it was passed on already
 
     def complete(line: str) -> None:
         nonlocal held
+        if PREEMPTED_LOG.search(line):  # torchrun's log of a worker's exit 75: the worker's own line says it all
+            return
         if held and held[0] == "":
             held.append(line)
         elif line.startswith(TRACEBACK):
@@ -344,22 +370,31 @@ def relay_errors(chunks: Iterable[str], out: TextIO) -> None:
         complete(partial)
     elif partial[sent:]:
         out.write(partial[sent:])
+    status = None
     if held and held[0] == "":
-        out.write(launcher_failure_line("".join(held)))
+        line, status = launcher_failure_line("".join(held))
+        out.write(line)
     else:
         out.writelines(held)
     out.flush()
+    return status
 
 
-def launcher_failure_line(text: str) -> str:
-    """One line for the launcher's report that a process failed: torchrun's root-cause rank and exit status."""
+def launcher_failure_line(text: str) -> tuple[str, int | None]:
+    """One line for the launcher's report that a process failed (torchrun's root-cause rank) and the exit status;
+    no line for EXIT_PREEMPTED, which the training process has explained."""
     cause = text.split("Root Cause", 1)[-1]
     rank, code = re.search(r"rank\s*:\s*(\d+)", cause), re.search(r"exitcode\s*:\s*(-?\d+)", cause)
-    if rank and code:
-        return (f"hftrain launch: process {rank.group(1)} exited with status {code.group(1)} (its error is above); "
-                "the launcher stopped the others\n")
-    code = re.search(r"non-zero exit status (-?\d+)", text)
-    return f"hftrain launch: the run exited with status {code.group(1) if code else 'non-zero'} (its error is above)\n"
+    if not (rank and code):
+        rank, code = None, re.search(r"non-zero exit status (-?\d+)", text)
+    status = int(code.group(1)) if code else None
+    if status == EXIT_PREEMPTED:
+        return "", status
+    if rank:
+        return (f"hftrain launch: process {rank.group(1)} exited with status {status} (its error is above); "
+                "the launcher stopped the others\n"), status
+    return (f"hftrain launch: the run exited with status {status if code else 'non-zero'} (its error is above)\n",
+            status)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ runs the phases in order; each fills named attributes that the next ones read.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -45,7 +46,7 @@ from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokeni
 from hftrain.objectives import objective_for
 from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
 from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve, run_process
-from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest
+from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest, signal_names
 from hftrain.preflight import preflight
 from hftrain.tracking import MetricLogger, quiet_other_ranks
 from hftrain.vision import build_processor, is_image_text
@@ -315,8 +316,10 @@ class Finetune:
                     if progress.step_in_epoch >= self.plan.steps_per_epoch:
                         progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
         except (HftrainError, Preempted):  # already handled: a refusal, a timeout, a preemption checkpoint
+            self.bar.close()  # the bar's last line ends, so the message that follows has a line of its own
             raise
         except Exception as exc:  # noqa: BLE001 - an unexpected error: keep the last completed step if that is safe
+            self.bar.close()
             self.rescue(exc)
         with phase(self.accelerator, "checkpointing", recipe.ddp_timeout):
             self.saves.wait()  # the last periodic checkpoint is complete before the final save
@@ -343,17 +346,18 @@ class Finetune:
         local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
                              sum(b.pop("num_examples") for b in micro_batches),
                              sum(self.token_loss.loss_units(b) for b in micro_batches),
-                             torch.tensor(int(stop.requested), device=accelerator.device),
-                             torch.tensor(int(self.feed.stop_reason is not None), device=accelerator.device)])
-        step_tokens, step_examples, step_units, stop_votes, data_votes = self.dp.sum(local)
-        if stop_votes > 0 or data_votes > 0:
+                             torch.tensor(int(self.feed.stop_reason is not None), device=accelerator.device),
+                             *(torch.tensor(vote, device=accelerator.device) for vote in stop.votes())])
+        step_tokens, step_examples, step_units, data_votes, *stop_votes = self.dp.sum(local)
+        if any(stop_votes) or data_votes > 0:
             with phase(accelerator, "the preemption checkpoint", recipe.ddp_timeout):
                 saved = self.save_checkpoint()
             if data_votes > 0:
                 reason = self.feed.stop_reason or "the training data of another rank stopped the run"
                 raise HftrainError(f"{reason}. The state after step {self.progress.step} is in {saved}: resume from "
                                    "it once fixed")
-            raise Preempted(stop.name or "a signal on another rank", self.progress.step, str(saved))
+            raise Preempted(signal_names([int(v) for v in stop_votes]), self.progress.step, str(saved),
+                            announce=accelerator.is_main_process)
         scale = self.dp.world * accum / step_units.clamp(min=1)
         learning_rate = self.optimizer.param_groups[0]["lr"]
         timer.lap("token_sync")
@@ -527,8 +531,13 @@ def main(argv: list[str] | None = None, runner: type[Finetune] = Finetune) -> No
     try:
         run_tool(lambda: runner(load_recipe(argv)).run())
     except Preempted as stopped:
-        print(f"hftrain: {stopped}", file=sys.stderr, flush=True)
+        if stopped.announce:
+            print(f"hftrain: {stopped}", file=sys.stderr, flush=True)
         sys.exit(EXIT_PREEMPTED)
+    except KeyboardInterrupt:  # Ctrl-C before training started, or a second one during it: stop without saving
+        if os.environ.get("RANK", "0") == "0":
+            print("hftrain: interrupted; nothing was saved after the last checkpoint", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -142,8 +142,9 @@ def signal_one_rank_then_resume(tmp_path, split: list[str], assert_split, **laun
     psutil.wait_procs(workers, timeout=120)
     launcher.wait(timeout=60)
     stderr = launcher.stderr.read()
-    assert stderr.count("stopped by SIGTERM after step") == 1 and stderr.count("stopped by a signal on another rank") \
-        == 1, stderr[-3000:]
+    # the main process names the signal that reached rank 1; the other rank stops in silence
+    assert stderr.count("stopped by SIGTERM after step") == 1 and stderr.count("hftrain: stopped by") == 1, \
+        stderr[-3000:]
     (saved,) = out.glob("checkpoint-*")
     stopped_at = int(saved.name.split("-")[1])
     assert 3 <= stopped_at < 40 and not (out / "final").exists()
