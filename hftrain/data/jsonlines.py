@@ -29,6 +29,20 @@ from datasets.iterable_dataset import _BaseExamplesIterable
 BAD_LINE = "hftrain_bad_line"  # the one column of the example standing for a line that is not a JSON object
 
 
+def parse_line(text: bytes, name: str, line: int, columns: dict[str, str] | None = None) -> dict:
+    """One line of a JSON-lines file as an example, or `{BAD_LINE: "file, line N: why"}` when it is not a JSON
+    object (also how `origin.bad_json_line` names the line that datasets' reader failed on)."""
+    try:
+        example = json.loads(text.rstrip())
+    except json.JSONDecodeError as exc:
+        return {BAD_LINE: f"{name}, line {line}: not JSON ({exc.msg} at column {exc.colno})"}
+    except ValueError as exc:  # UnicodeDecodeError
+        return {BAD_LINE: f"{name}, line {line}: not JSON ({exc})"}
+    if not isinstance(example, dict):
+        return {BAD_LINE: f"{name}, line {line}: a JSON {type(example).__name__}, not an object"}
+    return {columns.get(key, key): value for key, value in example.items()} if columns else example
+
+
 class JsonLinesExamples(_BaseExamplesIterable):
     """The examples of JSON-lines files, one shard per file, positioned by byte offset."""
 
@@ -41,15 +55,6 @@ class JsonLinesExamples(_BaseExamplesIterable):
         self._state_dict = {"shard_idx": 0, "shard_example_idx": 0, "offset": 0, "line": 0,
                             "type": self.__class__.__name__}
         return self._state_dict
-
-    def _example(self, text: bytes, name: str, line: int) -> dict:
-        try:
-            example = json.loads(text)
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-            return {BAD_LINE: f"{name}, line {line}: not JSON ({exc})"}
-        if not isinstance(example, dict):
-            return {BAD_LINE: f"{name}, line {line}: a JSON {type(example).__name__}, not an object"}
-        return {self.columns.get(key, key): value for key, value in example.items()} if self.columns else example
 
     def __iter__(self):
         state = self._state_dict
@@ -66,7 +71,7 @@ class JsonLinesExamples(_BaseExamplesIterable):
                         if state is not None:
                             state["offset"], state["line"] = offset, line
                         continue
-                    example = self._example(text, name, line)
+                    example = parse_line(text, name, line, self.columns)
                     if state is not None:  # datasets' convention: the state counts the examples handed out
                         state["offset"], state["line"] = offset, line
                         state["shard_example_idx"] += 1

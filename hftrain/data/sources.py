@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import datasets
 
 from hftrain.config import DatasetSource, Recipe
 from hftrain.data.formats import detect_format
+from hftrain.data.origin import ROW_COLUMN, RowOrigin, bad_json_line
 from hftrain.data.tokenize import DataSpec, prepare_chat_template, tokenize_dataset
 from hftrain.errors import HftrainError, first_line
 
@@ -39,6 +41,12 @@ def load_raw(name: str, config: str | None, split: str):
     except Exception as exc:  # datasets raises many types (DatasetNotFoundError, ArrowInvalid, ...): one message
         if isinstance(exc, StopIteration) or "corresponds to no data" in str(exc):  # how datasets says "empty"
             raise HftrainError(f"dataset {name!r} split {split!r} is empty") from None
+        if path.is_file():  # it exists: say what in it cannot be read (pyarrow's JSON errors name no line)
+            bad = bad_json_line(path) if FILE_BUILDERS.get(path.suffix.lower()) == "json" else None
+            if bad:
+                raise HftrainError(f"dataset file {bad}; fix or remove that line") from None
+            raise HftrainError(f"dataset file {name!r} cannot be read: {first_line(exc.__cause__ or exc)}; fix the "
+                               "file") from None
         raise HftrainError(
             f"cannot load dataset {name!r} (split {split!r}): {first_line(exc)}. Give an existing data file, a saved "
             "datasets folder, or a hub id reachable from this machine (HF_HUB_OFFLINE=1 allows cached ones only)"
@@ -51,6 +59,20 @@ def renamed(raw, columns: dict[str, str], name: str):
     if missing:
         raise HftrainError(f"dataset {name!r} has no column(s) {missing} to rename (columns: {raw.column_names})")
     return raw.rename_columns(columns) if columns else raw
+
+
+def numbered(raw):
+    """`raw` with each row's number in its source (origin.ROW_COLUMN), taken before anything reorders the rows, so
+    that a bad row is named by its place in the file; tokenization drops the column."""
+    return raw.add_column(ROW_COLUMN, list(range(len(raw))))
+
+
+def row_origin(name: str, in_mixture: bool) -> RowOrigin:
+    """Where the rows of source `name` come from: a local file (lines are counted in it) or a dataset."""
+    path = Path(name).expanduser()
+    label = f"dataset {name!r}" if not path.is_file() else name
+    return RowOrigin(label, str(path) if path.is_file() else None, " (a source of dataset_mixture)" if in_mixture
+                     else "")
 
 
 def _weighted(dataset, weight: float, seed: int):
@@ -118,7 +140,7 @@ def load_datasets(recipe: Recipe, tokenizer):
             raise HftrainError(f"dataset {source.name!r} split {source.split!r} is empty")
         fmt = detect_format(raw.column_names, source.format, spec.text_field, spec.messages_field, source.name)
         check_objective(recipe, fmt, source.name)
-        loaded.append((source, raw, fmt))
+        loaded.append((source, numbered(raw), fmt))
     eval_raw, eval_fmt = load_eval_set(recipe, spec) if recipe.reads_eval_dataset else (None, None)
     needs_chat = any(_is_chat(fmt, raw) for _, raw, fmt in loaded) or (eval_raw is not None and
                                                                         _is_chat(eval_fmt, eval_raw))
@@ -126,22 +148,25 @@ def load_datasets(recipe: Recipe, tokenizer):
 
     trains, evals, stats = [], [], {"sources": [], "chat_template": template_note}
     for source, raw, fmt in loaded:
+        origin = row_origin(source.name, len(loaded) > 1)
         if not recipe.eval_dataset_name and recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
             raw, held_out = hold_out(raw, recipe, source.name)
             evaluation, _ = tokenize_dataset(held_out, tokenizer, spec, fmt, f"{source.name} (eval)",
-                                             recipe.dataset_num_proc)
+                                             recipe.dataset_num_proc,
+                                             replace(origin, note=origin.note + ", held out for evaluation"))
             evals.append(evaluation)
         if recipe.max_samples is not None and not recipe.dataset_mixture:
             raw = raw.select(range(min(recipe.max_samples, len(raw))))
-        train, train_stats = tokenize_dataset(raw, tokenizer, spec, fmt, source.name, recipe.dataset_num_proc)
+        train, train_stats = tokenize_dataset(raw, tokenizer, spec, fmt, source.name, recipe.dataset_num_proc, origin)
         trains.append(_weighted(train, source.weight, recipe.order_seed))
         stats["sources"].append({"name": source.name, "weight": source.weight, **train_stats})
     train = trains[0] if len(trains) == 1 else datasets.concatenate_datasets(trains)
     if recipe.max_samples is not None and recipe.dataset_mixture:  # a fixed-seed sample of the whole mixture
         train = train.shuffle(seed=recipe.order_seed).select(range(min(recipe.max_samples, len(train))))
     if eval_raw is not None:
-        evaluation, eval_stats = tokenize_dataset(eval_raw, tokenizer, spec, eval_fmt, recipe.eval_dataset_name,
-                                                  recipe.dataset_num_proc)
+        evaluation, eval_stats = tokenize_dataset(numbered(eval_raw), tokenizer, spec, eval_fmt,
+                                                  recipe.eval_dataset_name, recipe.dataset_num_proc,
+                                                  row_origin(recipe.eval_dataset_name, False))
         evals, stats["eval"] = [evaluation], eval_stats
     evaluation = None if not evals else evals[0] if len(evals) == 1 else datasets.concatenate_datasets(evals)
     stats["train_examples"] = len(train)

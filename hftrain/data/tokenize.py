@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hftrain.data.formats import to_canonical
+from hftrain.data.origin import ROW_COLUMN, RowOrigin
 from hftrain.errors import HftrainError
 
 IGNORE_INDEX = -100
@@ -268,13 +269,16 @@ def _row(ids: list[int], trained: list[bool], turn_ends: list[int], spec: DataSp
             "num_truncated": 0 if dropped else num_tokens - len(ids), "dropped": dropped}
 
 
-def tokenize_rows(example: dict, index: int, tokenizer, spec: DataSpec, fmt: str, name: str) -> list[dict]:
+def tokenize_rows(example: dict, index: int, tokenizer, spec: DataSpec, fmt: str, name: str,
+                  where: object = None) -> list[dict]:
     """The training rows of one raw example (several when a conversation is expanded), with their mask method.
+    A problem names the example as `where` (e.g. its file and line: `origin.Where`), by default `name example index`.
 
     `method` and `extra_tokens` are on the first row only (so statistics count raw examples): how the mask was
     found, and what expanding cost, the tokens of all rows less the longest one.
     """
-    canonical = to_canonical(example, fmt, spec.text_field, spec.messages_field, f"{name} example {index}")
+    where = f"{name} example {index}" if where is None else where
+    canonical = to_canonical(example, fmt, spec.text_field, spec.messages_field, where)
     method, encodings = encode(canonical, tokenizer, spec)
     rows = [{**_row(*encoding, spec), "method": "", "extra_tokens": 0} for encoding in encodings]
     rows[0]["method"] = method
@@ -314,14 +318,14 @@ def _pair_side(ids: list[int], trained: list[bool], spec: DataSpec) -> tuple[lis
     return ids, labels, prompt, dropped
 
 
-def tokenize_pair(example: dict, index: int, tokenizer, spec: DataSpec, name: str) -> dict:
+def tokenize_pair(example: dict, index: int, tokenizer, spec: DataSpec, name: str, where: object = None) -> dict:
     """One preference pair as two rows that share the prompt: chosen (input_ids, labels) and rejected
     (rejected_input_ids, rejected_labels), each completion's tokens located as SFT completions are.
 
     A template that renders the prompt differently before the two completions is refused; an identical pair, one
     without a completion token or one whose prompt fills max_length is dropped (and counted).
     """
-    where = f"{name} example {index}"
+    where = f"{name} example {index}" if where is None else where
     pair = to_canonical(example, "preference", spec.text_field, spec.messages_field, where)
     completion_spec = replace(spec, completion_only_loss=True, assistant_only_loss=True, train_on_turns="all")
     sides, methods, lengths = [], [], []
@@ -352,15 +356,28 @@ def tokenize_pair(example: dict, index: int, tokenizer, spec: DataSpec, name: st
             "method": methods[0] if methods else "", "extra_tokens": 0}
 
 
-def _tokenize_pairs_batch(batch: dict, indices: list[int], tokenizer, spec: DataSpec, fmt: str, name: str) -> dict:
-    rows = [tokenize_pair(dict(zip(batch, values)), i, tokenizer, spec, name)
-            for values, i in zip(zip(*batch.values()), indices)]
+def _examples(batch, indices: list[int], name: str, origin: RowOrigin | None) -> list[tuple[dict, int, object]]:
+    """(example, index, where) of a batch of raw rows: a row numbered by load_datasets (ROW_COLUMN) is named by its
+    origin (file and line), whatever its position now."""
+    batch = dict(batch)
+    numbers = batch.pop(ROW_COLUMN, None)
+    examples = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    places = [origin.where(n) for n in numbers] if numbers is not None and origin is not None else \
+        [f"{name} example {i}" for i in indices]
+    return list(zip(examples, indices, places))
+
+
+def _tokenize_pairs_batch(batch: dict, indices: list[int], tokenizer, spec: DataSpec, fmt: str, name: str,
+                          origin: RowOrigin | None) -> dict:
+    rows = [tokenize_pair(example, i, tokenizer, spec, name, where)
+            for example, i, where in _examples(batch, indices, name, origin)]
     return {key: [row[key] for row in rows] for key in PAIR_COLUMNS}
 
 
-def _tokenize_batch(batch: dict, indices: list[int], **kwargs) -> dict:
-    examples = [dict(zip(batch, values)) for values in zip(*batch.values())]
-    rows = [row for example, i in zip(examples, indices) for row in tokenize_rows(example, i, **kwargs)]
+def _tokenize_batch(batch: dict, indices: list[int], tokenizer, spec: DataSpec, fmt: str, name: str,
+                    origin: RowOrigin | None) -> dict:
+    rows = [row for example, i, where in _examples(batch, indices, name, origin)
+            for row in tokenize_rows(example, i, tokenizer, spec, fmt, name, where)]
     return {key: [row[key] for row in rows] for key in ROW_COLUMNS}
 
 
@@ -373,14 +390,16 @@ def _fingerprint(raw, tokenizer, spec: DataSpec, fmt: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
-def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_proc: int | None = None):
-    """(tokenized examples that have trained tokens, statistics). Cached by `datasets` under a content key."""
+def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_proc: int | None = None,
+                     origin: RowOrigin | None = None):
+    """(tokenized examples that have trained tokens, statistics). Cached by `datasets` under a content key. A bad
+    row is named by `origin` (its file and line) when `raw` has load_datasets' row numbers, else by position."""
     key = _fingerprint(raw, tokenizer, spec, fmt)
     pairs = fmt == "preference"
     tokenized = raw.map(
         _tokenize_pairs_batch if pairs else _tokenize_batch, batched=True, with_indices=True,
         remove_columns=raw.column_names, num_proc=num_proc,
-        fn_kwargs={"tokenizer": tokenizer, "spec": spec, "fmt": fmt, "name": name},
+        fn_kwargs={"tokenizer": tokenizer, "spec": spec, "fmt": fmt, "name": name, "origin": origin},
         new_fingerprint=key, desc=f"tokenizing {name}",
     )
     kept = tokenized.filter(lambda d: d == "", input_columns="dropped", new_fingerprint=key + "-kept",

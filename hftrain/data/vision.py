@@ -30,7 +30,8 @@ import torch
 from PIL import Image
 
 from hftrain.data.formats import ROLES
-from hftrain.data.sources import hold_out, load_raw, renamed
+from hftrain.data.origin import ROW_COLUMN
+from hftrain.data.sources import hold_out, load_raw, numbered, renamed, row_origin
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec, assistant_char_spans
 from hftrain.errors import HftrainError
 
@@ -240,8 +241,10 @@ def prepare(raw, processor, spec: DataSpec, name: str) -> tuple[ImageChats, dict
     counts = {"overlong": 0, "image_cut": 0, "no_trained_tokens": 0}
     stats = {"format": "image_chat", "images": 0, "image_tokens": 0, "tokens": 0, "trained_tokens": 0,
              "truncated_examples": 0, "truncated_tokens": 0}
+    origin = row_origin(name, False)
     for i, example in enumerate(raw):
-        where = f"dataset {name!r} example {i}"
+        number = example.pop(ROW_COLUMN, None)  # load_image_chats numbers the rows before the hold-out shuffles them
+        where = origin.where(number) if number is not None else f"dataset {name!r} example {i}"
         messages, refs = check_image_chat(example, spec.messages_field, where)
         encoded = encode(processor, messages, [open_image(r, base, where) for r in refs], spec, where)
         if encoded["dropped"]:
@@ -279,7 +282,7 @@ def load_image_chats(recipe, processor):
             raise HftrainError(f"dataset {name!r} has columns {raw.column_names}: an image-text model trains on "
                                f"chats ({spec.messages_field!r} with list-of-parts content and an {IMAGES_COLUMN!r} "
                                "column, TRL's vision format; see docs/vision.md)")
-        return raw
+        return numbered(raw)
 
     raw = load(recipe.dataset_name, recipe.dataset_train_split, recipe.dataset_columns)
     evaluation, stats = None, {"sources": []}

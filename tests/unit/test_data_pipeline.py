@@ -22,6 +22,7 @@ from hftrain.data import (
     DataSpec,
     detect_format,
     load_datasets,
+    load_raw,
     pack_best_fit_decreasing,
     prepare_chat_template,
     to_canonical,
@@ -399,3 +400,51 @@ def test_tokenization_is_cached_by_content_not_by_unrelated_fields(tmp_path, mon
     assert first == 30
     assert load(learning_rate=1e-3, seed=42) == first  # same data fields: read from the cache
     assert load(max_length=8) == first + 30  # a data field changed: tokenized again
+
+
+# ------------------------------------------------------------------ naming the bad line or row (issue 36)
+def chat_lines(n: int) -> list[str]:
+    return [json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                     {"role": "assistant", "content": f"answer {i}"}]}) for i in range(n)]
+
+
+def test_a_line_that_is_not_json_is_named_by_file_and_line(tmp_path):
+    """datasets' reader names no line and hftrain said "Give an existing data file" of a file that exists."""
+    lines = chat_lines(60)
+    lines[41] = lines[41][:-3]  # line 42 cut short
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n")
+    with pytest.raises(HftrainError) as info:
+        load_datasets(Recipe(model_name_or_path=str(MODEL), dataset_name=str(jsonl)),
+                      AutoTokenizer.from_pretrained(MODEL))
+    message = str(info.value)
+    assert f"{jsonl}, line 42: not JSON" in message and "existing data file" not in message
+    lines[41] = "[1, 2]"
+    jsonl.write_text("\n".join(lines) + "\n")
+    with pytest.raises(HftrainError, match=r"bad.jsonl, line 42: a JSON list, not an object"):
+        load_raw(str(jsonl), None, "train")
+    array = tmp_path / "bad.json"  # one JSON array over several lines: the line where it stops being JSON
+    array.write_text('[\n{"text": "a"},\n{"text": "b"\n{"text": "c"}\n]\n')
+    with pytest.raises(HftrainError, match=r"bad.json, line 4 column 1: not JSON"):
+        load_raw(str(array), None, "train")
+
+
+def test_a_bad_row_is_named_by_its_file_and_line_not_its_position_after_the_shuffle(tmp_path):
+    """The eval hold-out shuffles the rows (and a mixture concatenates its sources): a bad row was named "example
+    580" for line 42 of its file. Here line 43 (a blank line before it) has no assistant message."""
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    lines = chat_lines(100)
+    lines[41] = json.dumps({"messages": [{"role": "user", "content": "a question, no answer"}]})
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines[:10]) + "\n\n" + "\n".join(lines[10:]) + "\n")
+    good = tmp_path / "good.jsonl"
+    good.write_text("\n".join(chat_lines(50)) + "\n")
+    for values in ({"dataset_name": str(bad)},  # the 5% hold-out shuffles the rows
+                   {"dataset_name": str(bad), "validation_split_percentage": 0},
+                   {"dataset_mixture": [DatasetSource(str(good)), DatasetSource(str(bad), weight=0.5)]},
+                   {"dataset_name": str(good), "eval_dataset_name": str(bad), "validation_split_percentage": 0}):
+        with pytest.raises(HftrainError) as info:
+            load_datasets(Recipe(model_name_or_path=str(MODEL), **values), tok)
+        message = str(info.value)
+        assert message.startswith(f"{bad}, line 43") and "the conversation has no assistant message" in message
+        assert ("line 43 (a source of dataset_mixture):" in message) == ("dataset_mixture" in values)
