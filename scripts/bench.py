@@ -82,7 +82,10 @@ QUICK = Size(hidden=64, layers=2, heads=4, intermediate=128, chats=32, median_to
 GPU = Size(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab_size=128256, tie_embeddings=True,
            chats=256, median_tokens=1000, min_tokens=64, max_tokens=4000, max_length=4096, reps=1, threads=None,
            bf16=True, optim="adamw_torch_fused", accum=4)
-SIZES = {"full": FULL, "quick": QUICK, "gpu": GPU}
+# The same with twice the chats (about 56 steps): the first ~10 steps of a run carry Triton's and the allocator's
+# warm-up, which one 28-step epoch cannot amortise
+GPU_LONG = replace(GPU, chats=512)
+SIZES = {"full": FULL, "quick": QUICK, "gpu": GPU, "gpu_long": GPU_LONG}
 SCALING = {  # tokens/s and peak memory against sequence length and model size (--scaling), hftrain_accum only
     "8M params, max_length 256": replace(FULL, median_tokens=60, max_tokens=230, max_length=256),
     "8M params, max_length 512": replace(FULL, median_tokens=115, max_tokens=460, max_length=512),
@@ -130,6 +133,10 @@ CONTENDERS = {
     "hftrain_gpu": Contender("hftrain", "hftrain, packing, Liger kernels, fused AdamW, 1 dataloader worker",
                              {"packing": True, "use_liger_kernel": True, "optim": "adamw_torch_fused",
                               "dataloader_num_workers": 1}, packed=True, lever=True),
+    "hftrain_gpu_noliger": Contender("hftrain", "hftrain_gpu without Liger's kernels (torch's RMSNorm, SwiGLU, RoPE and "
+                                                "cross-entropy)", {"packing": True, "optim": "adamw_torch_fused",
+                                                                   "dataloader_num_workers": 1},
+                                     packed=True, lever=True),
     "hftrain_gpu_compile": Contender("hftrain", "hftrain, packing, torch_compile, fused AdamW, 1 dataloader worker",
                                      {"packing": True, "torch_compile": True, "optim": "adamw_torch_fused",
                                       "dataloader_num_workers": 1}, packed=True, lever=True),
