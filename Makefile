@@ -30,9 +30,10 @@ $(STAMP): pyproject.toml $(LOCK)
 
 env: $(STAMP)
 
+# hftrain launch = accelerate launch --config_file accelerate_configs/cpu.yaml hftrain/finetune.py ..., plus one line
+# instead of a traceback at Ctrl-C (docs/running.md)
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml \
-		hftrain/finetune.py --config recipes/tiny-chat.yaml --overwrite_output_dir
+	HF_HUB_OFFLINE=1 $(BIN)/hftrain launch --preset cpu --config recipes/tiny-chat.yaml --overwrite_output_dir
 
 # Whole files to two workers, longest first (tests/file_seconds.json, see tests/conftest.py); the JUnit report holds
 # every test's seconds, from which `scripts/file_seconds.py .cache/test-report.xml` refreshes that order.
