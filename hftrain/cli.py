@@ -6,7 +6,9 @@ hftrain/shipped/accelerate_configs; as TRL's `--accelerate_config zero3`) or a p
 config. A DeepSpeed preset's `deepspeed_config_file` is passed on as an absolute path, so the command
 works from any folder, as does the embedded default (its model and data ship in the package too).
 Launcher options (process and node counts, rendezvous) go to `accelerate launch`; every other argument
-goes to hftrain/finetune.py. `--dry_run` prints the command instead of running it. When the run fails, the
+goes to hftrain/finetune.py. Before it starts several processes, `hftrain launch` checks the recipe and the preset
+against this machine as each process would (`hftrain.preflight.before_launch`), so that a refusal is printed once,
+in seconds. `--dry_run` prints the command instead of checking and running it. When the run fails, the
 processes' own errors are shown as they print them, and the launcher's closing traceback (accelerate's
 `CalledProcessError`, torchrun's `ChildFailedError` and its summary), which only says that a process exited
 non-zero, is replaced by one line naming the process and its exit status.
@@ -35,7 +37,7 @@ import psutil
 import yaml
 
 import hftrain
-from hftrain.config import PRESET_DIR, SHIPPED, read_yaml, recipe_file, shipped_recipes
+from hftrain.config import PRESET_DIR, SHIPPED, load_recipe, read_yaml, recipe_file, shipped_recipes
 from hftrain.errors import ConfigError, HftrainError, run_tool
 from hftrain.layout import DEMO_RECIPE
 from hftrain.preemption import EXIT_PREEMPTED
@@ -170,6 +172,22 @@ def with_demo_recipe(args: list[str]) -> list[str]:
     return args if named else ["--config", str(DEMO_RECIPE), *args]
 
 
+def check_launch(argv: list[str]) -> None:
+    """Refuse, before any process starts, what every process would refuse (`hftrain.preflight.before_launch`), when
+    the launch starts several: a single process prints its refusal once anyway, without this process's seconds of
+    imports (torch, transformers), which `hftrain presets` or `--help` need not pay, hence the import here."""
+    known, rest = launch_parser().parse_known_args(argv)
+    rest = with_demo_recipe(rest)
+    preset = resolve_preset(known.preset or recipe_preset(rest) or "cpu")
+    config = yaml.safe_load(preset.read_text(encoding="utf-8")) or {}
+    if int(known.num_processes or config.get("num_processes") or 1) <= 1:
+        return
+    recipe = load_recipe(rest)  # first: the recipe alone needs none of the preflight's imports
+    ds_file = deepspeed_config_file(preset)
+    importlib.import_module("hftrain.preflight").before_launch(
+        recipe, config, str(ds_file) if ds_file else None, known.num_processes, known.num_machines)
+
+
 def launch_command(argv: list[str]) -> list[str]:
     known, rest = launch_parser().parse_known_args(argv)
     rest = with_demo_recipe(rest)
@@ -287,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--dry_run" in argv[1:]:
         print(" ".join(cmd))
         return
+    run_tool(check_launch, argv[1:])
     sys.exit(run_launcher(cmd))
 
 

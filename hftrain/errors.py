@@ -1,8 +1,11 @@
 """User-facing errors: one paragraph on stderr, a non-zero exit, no library traceback."""
 
+import os
 import sys
 import textwrap
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -15,6 +18,7 @@ class HftrainError(Exception):
     """
 
     exit_code = 2
+    same_in_every_process = False  # set by `same_in_every_process()`: see `report_and_exit`
 
 
 class ConfigError(HftrainError):
@@ -27,8 +31,30 @@ class ConfigError(HftrainError):
         super().__init__(f"invalid {source}, {len(self.problems)} {noun}: {numbered}")
 
 
+# How long a process that is not its machine's first waits, after an error every process meets alike, for the
+# launcher to stop it once the first process has reported the error and exited; past that it reports it itself.
+ALIKE_WAIT_SECONDS = 60
+
+
+@contextmanager
+def same_in_every_process() -> Iterator[None]:
+    """Mark the HftrainErrors raised inside as ones that every process of a machine meets alike, because they come
+    from what all of them read (the recipe, the launch preset, the machine), not from a process's own share."""
+    try:
+        yield
+    except HftrainError as error:
+        error.same_in_every_process = True
+        raise
+
+
 def report_and_exit(error: HftrainError) -> None:
-    """Print `error` as one wrapped paragraph on stderr and exit with its code."""
+    """Print `error` as one wrapped paragraph on stderr and exit with its code.
+
+    An error that every process meets alike is printed by each machine's first process (LOCAL_RANK 0) only: the
+    others wait, silent, for the launcher, which stops every process once one has exited with an error (torchrun);
+    a process still running after ALIKE_WAIT_SECONDS (its first process did not fail) reports the error itself."""
+    if error.same_in_every_process and os.environ.get("LOCAL_RANK", "0") != "0":
+        time.sleep(ALIKE_WAIT_SECONDS)
     text = textwrap.fill(f"hftrain: error: {error}", width=100, break_on_hyphens=False, break_long_words=False)
     print(text, file=sys.stderr, flush=True)
     sys.exit(error.exit_code)

@@ -30,7 +30,7 @@ from hftrain.config import Recipe, load_recipe, unused_settings
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.data.feeds import setup_examples
 from hftrain.data.vision import load_image_chats
-from hftrain.errors import HftrainError, first_line, run_tool
+from hftrain.errors import HftrainError, first_line, run_tool, same_in_every_process
 from hftrain.layout import CONFIG_FILE, FINAL_DIR, PROFILE_DIR
 from hftrain.metrics import (
     FlopCounter,
@@ -151,10 +151,12 @@ class Finetune:
         recipe = self.recipe
         checkpoint.never_world_writable()
         launch = Launch.from_environ()
-        self.model_config = preflight(recipe, launch, torch.cuda.is_available())
+        with same_in_every_process():  # from the recipe, the preset and the machine: one process of each reports
+            self.model_config = preflight(recipe, launch, torch.cuda.is_available())
         self.accelerator = self.make_accelerator(launch)
         quiet_other_ranks(self.accelerator)
-        self.backend = resolve(self.accelerator, recipe, launch)
+        with same_in_every_process():
+            self.backend = resolve(self.accelerator, recipe, launch)
         self.devices = devices_record(self.accelerator)  # refuses two processes on one GPU
         self.dp = self.backend.dp  # the ranks of one tensor-parallel group share their data
         set_seed(recipe.seed)
@@ -528,8 +530,13 @@ class Finetune:
 
 def main(argv: list[str] | None = None, runner: type[Finetune] = Finetune) -> None:
     """`runner`: the phase object; test launchers pass a subclass."""
+    def run() -> Path:
+        with same_in_every_process():  # every process reads the same recipe
+            recipe = load_recipe(argv)
+        return runner(recipe).run()
+
     try:
-        run_tool(lambda: runner(load_recipe(argv)).run())
+        run_tool(run)
     except Preempted as stopped:
         if stopped.announce:
             print(f"hftrain: {stopped}", file=sys.stderr, flush=True)

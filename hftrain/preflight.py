@@ -30,7 +30,7 @@ from hftrain.errors import ConfigError
 from hftrain.estimate import ulysses_splits
 from hftrain.model import DTYPES, HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, router_coefficient
 from hftrain.parallel.deepspeed import deepspeed_problems
-from hftrain.parallel.launch import Launch
+from hftrain.parallel.launch import Launch, strategy_problems
 from hftrain.parallel.pipeline import PIPELINE_MODEL_TYPES, pipeline_problems
 from hftrain.parallel.tensor import fsdp_tp_blocks_disagree
 from hftrain.recipe.grpo import VLLM_REQUIREMENT
@@ -61,6 +61,23 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
     return model_config
+
+
+def before_launch(recipe: Recipe, preset: dict, deepspeed_config_path: str | None = None,
+                  num_processes: int | None = None, num_machines: int | None = None) -> None:
+    """`hftrain launch`, before it starts any process (the recipe as every process will read it, already loaded):
+    what accelerate would select instead of the preset's strategy on this machine, and the whole preflight against the
+    launch the preset describes. A refusal is then printed once, in seconds, instead of once per process after the
+    launcher has started them all."""
+    launch = Launch.from_preset(preset, deepspeed_config_path, num_processes, num_machines)
+    cuda = torch.cuda.is_available()
+    problems = strategy_problems(launch, cuda)
+    try:
+        preflight(recipe, launch, cuda)
+    except ConfigError as error:
+        problems += error.problems
+    if problems:
+        raise ConfigError(problems, "recipe for this machine and launch")
 
 
 def vllm_problems(recipe: Recipe, launch: Launch, cuda: bool) -> list[str]:

@@ -23,7 +23,7 @@ from hftrain.parallel.base import Backend, DataParallel, Parallelism
 from hftrain.parallel.context import ContextParallelBackend, TensorContextParallelBackend
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
-from hftrain.parallel.launch import Launch, devices_record, make_accelerator, phase, run_process
+from hftrain.parallel.launch import Launch, devices_record, make_accelerator, not_selected, phase, run_process
 from hftrain.parallel.pipeline import PipelineBackend, PipelineFSDP2Backend
 from hftrain.parallel.sequence import SequenceParallelBackend
 from hftrain.parallel.tensor import FSDP2TensorParallelBackend, TensorParallelBackend
@@ -40,10 +40,7 @@ def resolve(accelerator, recipe: Recipe, launch: Launch) -> Backend:
     selected = str(accelerator.distributed_type).split(".")[-1]
     wanted = SELECTED.get(launch.kind)
     if wanted is not None and selected != wanted:
-        hint = (" accelerate selects FSDP only for GPU-like devices; on a CPU machine use cpu_ddp or a zero* preset"
-                if wanted == "FSDP" else " unset ACCELERATE_USE_CPU (it turns DeepSpeed into DDP)")
-        raise HftrainError(f"the launch preset asks for {wanted} but accelerate selected {selected} on this machine, "
-                           f"which would train with another strategy than the one you chose;{hint}")
+        raise HftrainError(not_selected(wanted, selected))
     if recipe.pp_size > 1:  # tp_size runs inside its stages; the recipe and preflight refused sp/cp, DeepSpeed
         # FSDP2 presets shard each stage over its data-parallel ranks; DDP-type ones hold whole copies
         return (PipelineFSDP2Backend if selected == "FSDP" else PipelineBackend)(accelerator, recipe)

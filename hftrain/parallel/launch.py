@@ -83,11 +83,56 @@ class Launch:
             return cls("deepspeed", world, per_node, precision, path, config)
         return cls("ddp" if world > 1 else "single", world, per_node, precision)
 
+    @classmethod
+    def from_preset(cls, preset: Mapping, deepspeed_config_path: str | None = None, num_processes: int | None = None,
+                    num_machines: int | None = None) -> Launch:
+        """The launch an accelerate config file (a parsed preset) describes, as `from_environ` will read it in each
+        process once accelerate's launcher has started them: `hftrain launch` checks it before starting any.
+        `num_processes` / `num_machines`: the command line's, which override the preset's."""
+        world = int(num_processes or preset.get("num_processes") or 1)
+        per_node = max(world // int(num_machines or preset.get("num_machines") or 1), 1)
+        precision = str(preset.get("mixed_precision") or "no")
+        kind = str(preset.get("distributed_type", "NO"))
+        if kind == "FSDP":
+            sizes = preset.get("parallelism_config")
+            mesh = {name: int(sizes.get(f"parallelism_config_{name}_size", 1))
+                    for name in ("dp_replicate", "dp_shard", "tp", "cp")} if sizes else None
+            offload = str((preset.get("fsdp_config") or {}).get("fsdp_offload_params", False)).lower() == "true"
+            return cls("fsdp2", world, per_node, precision, preset_mesh=mesh, fsdp_offload=offload)
+        if kind == "DEEPSPEED":
+            config = read_deepspeed_config(deepspeed_config_path) if deepspeed_config_path else None
+            return cls("deepspeed", world, per_node, precision, deepspeed_config_path, config)
+        return cls("ddp" if world > 1 else "single", world, per_node, precision)
+
     @property
     def zero_stage(self) -> int | None:
         """The ZeRO stage of the preset's DeepSpeed JSON (None without DeepSpeed or without a stage)."""
         stage = (self.deepspeed_config or {}).get("zero_optimization", {}).get("stage")
         return int(stage) if str(stage).isdigit() else None
+
+
+# Why accelerate would not select the strategy a preset asks for (`resolve` checks what it selected; the launcher
+# checks the same before any process starts: `strategy_problems`)
+NOT_SELECTED = {
+    "FSDP": "accelerate selects FSDP only for GPU-like devices; on a CPU machine use cpu_ddp or a zero* preset",
+    "DEEPSPEED": "unset ACCELERATE_USE_CPU (it turns DeepSpeed into DDP)",
+}
+
+
+def not_selected(wanted: str, selected: str, verb: str = "selected") -> str:
+    return (f"the launch preset asks for {wanted} but accelerate {verb} {selected} on this machine, which would train "
+            f"with another strategy than the one you chose; {NOT_SELECTED[wanted]}")
+
+
+def strategy_problems(launch: Launch, cuda: bool, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """What accelerate would select instead of the preset's strategy on this machine, known before any process
+    starts: FSDP without CUDA (hftrain's CPU accelerator is never FSDP), DeepSpeed under ACCELERATE_USE_CPU."""
+    instead = "MULTI_CPU" if launch.world > 1 else "NO"
+    if launch.kind == "fsdp2" and not cuda:
+        return [not_selected("FSDP", instead, "would select")]
+    if launch.kind == "deepspeed" and environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes"):
+        return [not_selected("DEEPSPEED", instead, "would select")]
+    return []
 
 
 def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:

@@ -182,18 +182,36 @@ def test_scale_lr_follows_the_effective_batch_and_a_resume_with_another_batch(tm
 
 
 def test_hftrain_launch_shows_the_processes_error_without_the_launchers_traceback(tmp_path):
-    """`hftrain launch` on 2 processes with a bad recipe: each process's one-paragraph error, then one line for
-    torchrun's ChildFailedError traceback and summary (which only say that a rank exited with status 2)."""
+    """`hftrain launch` on 2 processes that fail after they started (resume_from_checkpoint latest with no checkpoint
+    is found in setup): each process's one-paragraph error, then one line for torchrun's ChildFailedError traceback
+    and summary (which only say that a rank exited with status 2)."""
     proc = subprocess.run([sys.executable, "-m", "hftrain", "launch", "--preset", "cpu_ddp", "--config",
-                           str(REPO / "recipes" / "tiny-chat.yaml"), "--learning_rate", "-1", "--output_dir",
-                           str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                           str(REPO / "recipes" / "tiny-chat.yaml"), "--resume_from_checkpoint", "latest",
+                           "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode != 0
-    assert "learning_rate must be > 0" in " ".join(proc.stderr.split())
+    assert "resume_from_checkpoint=latest but" in " ".join(proc.stderr.split())
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.rstrip().splitlines()[-1]  # torchrun names whichever process failed first
     assert re.fullmatch(r"hftrain launch: process [01] exited with status 2 \(its error is above\); the launcher "
                         r"stopped the others", last), last
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--preset", "cpu_ddp", "--learning_rate", "-1"], "learning_rate must be > 0"),  # the recipe
+    (["--preset", "fsdp2", "--max_steps", "1"], "asks for FSDP but accelerate would select MULTI_CPU"),  # the machine
+])
+def test_hftrain_launch_refuses_once_before_starting_the_processes(tmp_path, args, expected):
+    """What every process would refuse is refused by `hftrain launch` itself, before it starts them: one paragraph,
+    exit status 2, no launcher (the fsdp2 preset on a CPU machine started 8 processes that each printed it)."""
+    if "fsdp2" in args and torch.cuda.is_available():
+        pytest.skip("FSDP is refused only on a machine without CUDA")
+    proc = subprocess.run([sys.executable, "-m", "hftrain", "launch", *args, "--output_dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("hftrain: error:") == 1 and expected in " ".join(proc.stderr.split()), proc.stderr
+    assert "hftrain launch: process" not in proc.stderr and "torch.distributed" not in proc.stderr  # none started
     assert not (tmp_path / "out").exists()
 
 

@@ -306,10 +306,12 @@ def test_fsdp2_checkpoint_resumes_on_another_number_of_processes(reference, tmp_
     ("zero2", {"ACCELERATE_USE_CPU": "1"}, "asks for DEEPSPEED but accelerate selected MULTI_CPU"),
 ])
 def test_a_strategy_accelerate_would_silently_swap_is_refused(tmp_path, preset, env, expected):
+    """Through `accelerate launch` (`hftrain launch` refuses before starting the processes: test_finetune.py), and
+    printed once: the same refusal in every process is reported by the first only."""
     run = launch(tmp_path / "out", *COMMON, preset=preset, processes=2, env=env, check=False)
     assert run.returncode != 0
     message = run.stderr[run.stderr.index("hftrain: error:"):].replace("\n", " ")
-    assert expected in message
+    assert expected in message and run.stderr.count("hftrain: error:") == 1
     assert not (tmp_path / "out").exists()
 
 

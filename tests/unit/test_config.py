@@ -468,3 +468,26 @@ def test_report_and_exit_plain_error(capsys):
         report_and_exit(HftrainError("dataset 'x' is empty"))
     assert info.value.code == 2
     assert capsys.readouterr().err == "hftrain: error: dataset 'x' is empty\n"
+
+
+def test_an_error_every_process_meets_is_left_to_each_machines_first_process(monkeypatch, capsys):
+    """A recipe error in every process of a launch: the first process of the machine (LOCAL_RANK 0, or no launcher)
+    reports it at once; the others wait for the launcher to stop them (the first has exited with the error), and
+    report it themselves only if that does not happen."""
+    from hftrain import errors, finetune
+
+    waits = []
+    monkeypatch.setattr(errors.time, "sleep", waits.append)
+    for local_rank, waited in ((None, []), ("0", []), ("1", [errors.ALIKE_WAIT_SECONDS])):
+        if local_rank is None:
+            monkeypatch.delenv("LOCAL_RANK", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_RANK", local_rank)
+        waits.clear()
+        with pytest.raises(SystemExit) as info:
+            finetune.main(["--learning_rate", "-1", "--output_dir", "/nonexistent/out"])
+        assert info.value.code == 2 and waits == waited
+        assert "learning_rate must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # an error of this process's own is reported at once
+        report_and_exit(HftrainError("rank 1 timed out"))
+    assert waits == [errors.ALIKE_WAIT_SECONDS] and "rank 1 timed out" in capsys.readouterr().err

@@ -7,10 +7,56 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
+from hftrain.cli import deepspeed_config_file
+from hftrain.config import PRESET_DIR
 from hftrain.errors import ConfigError, HftrainError
-from hftrain.parallel.launch import Launch, devices_record, phase, shared_devices
+from hftrain.parallel.launch import Launch, devices_record, phase, shared_devices, strategy_problems
 from hftrain.preflight import gpu_count_problems
+
+
+def accelerate_environment(preset, *launcher: str) -> dict[str, str]:
+    """The environment accelerate 1.15's launcher gives its processes for `preset` (its own parsing and environment
+    builders; WORLD_SIZE and LOCAL_WORLD_SIZE are torchrun's: processes in all and per machine)."""
+
+    ds_file = deepspeed_config_file(preset)
+    extra = ["--deepspeed_config_file", str(ds_file)] if ds_file else []
+    args = launch_command_parser().parse_args(["--config_file", str(preset), *extra, *launcher, "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    if args.use_deepspeed:
+        args.deepspeed_fields_from_accelerate_config = []  # set by launch_command; not read by hftrain
+        env = prepare_deepspeed_cmd_env(args)[1]
+    elif args.multi_gpu or args.use_fsdp:
+        env = prepare_multi_gpu_env(args)
+    else:
+        env = prepare_simple_launcher_cmd_env(args)[1]
+    return {**env, "WORLD_SIZE": str(args.num_processes),
+            "LOCAL_WORLD_SIZE": str(args.num_processes // args.num_machines)}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_DIR.glob("*.yaml")), ids=lambda path: path.stem)
+def test_a_presets_launch_is_known_before_the_launcher_starts_the_processes(preset):
+    """`hftrain launch` checks the launch a preset describes before starting any process: Launch.from_preset gives
+    what each process will read from the environment accelerate's launcher gives it, with the command line's
+    process and machine counts too."""
+    config = yaml.safe_load(preset.read_text())
+    ds_file = deepspeed_config_file(preset)
+    assert Launch.from_preset(config, str(ds_file) if ds_file else None) == \
+        Launch.from_environ(accelerate_environment(preset))
+    if config.get("num_machines", 1) == 1 and config.get("distributed_type") != "NO":
+        assert Launch.from_preset(config, str(ds_file) if ds_file else None, num_processes=4) == \
+            Launch.from_environ(accelerate_environment(preset, "--num_processes", "4"))
+
+
+def test_a_strategy_accelerate_would_swap_is_known_before_the_launch():
+    fsdp, zero = Launch("fsdp2", 2, 2), Launch("deepspeed", 2, 2)
+    assert "asks for FSDP but accelerate would select MULTI_CPU" in strategy_problems(fsdp, cuda=False, environ={})[0]
+    assert strategy_problems(fsdp, cuda=True, environ={}) == []
+    assert strategy_problems(zero, cuda=False, environ={}) == []  # DeepSpeed runs on CPU (gloo)
+    assert "unset ACCELERATE_USE_CPU" in strategy_problems(zero, cuda=True, environ={"ACCELERATE_USE_CPU": "true"})[0]
 
 
 def test_launch_reads_what_accelerate_launch_passes(tmp_path):
