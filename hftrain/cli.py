@@ -41,6 +41,7 @@ from hftrain.config import PRESET_DIR, SHIPPED, load_recipe, read_yaml, recipe_f
 from hftrain.errors import ConfigError, HftrainError, run_tool
 from hftrain.layout import DEMO_RECIPE
 from hftrain.preemption import EXIT_PREEMPTED
+from hftrain.presets import layout_problems, needs
 
 ENTRY = Path(__file__).resolve().parent / "finetune.py"
 TOOLS = {"finetune": "hftrain.finetune", "merge": "hftrain.merge", "estimate": "hftrain.estimate",
@@ -173,19 +174,25 @@ def with_demo_recipe(args: list[str]) -> list[str]:
 
 
 def check_launch(argv: list[str]) -> None:
-    """Refuse, before any process starts, what every process would refuse (`hftrain.preflight.before_launch`), when
-    the launch starts several: a single process prints its refusal once anyway, without this process's seconds of
+    """Refuse, before any process starts, what every process would refuse, and a recipe without the layout the
+    preset is for (`hftrain.presets`). The preflight against the launch (`hftrain.preflight.before_launch`) runs only
+    for a launch of several processes: one process prints its refusal once anyway, without this process's seconds of
     imports (torch, transformers), which `hftrain presets` or `--help` need not pay, hence the import here."""
     known, rest = launch_parser().parse_known_args(argv)
     rest = with_demo_recipe(rest)
     preset = resolve_preset(known.preset or recipe_preset(rest) or "cpu")
-    config = yaml.safe_load(preset.read_text(encoding="utf-8")) or {}
-    if int(known.num_processes or config.get("num_processes") or 1) <= 1:
-        return
     recipe = load_recipe(rest)  # first: the recipe alone needs none of the preflight's imports
-    ds_file = deepspeed_config_file(preset)
-    importlib.import_module("hftrain.preflight").before_launch(
-        recipe, config, str(ds_file) if ds_file else None, known.num_processes, known.num_machines)
+    problems = layout_problems(preset, recipe)
+    config = yaml.safe_load(preset.read_text(encoding="utf-8")) or {}
+    if int(known.num_processes or config.get("num_processes") or 1) > 1:
+        ds_file = deepspeed_config_file(preset)
+        try:
+            importlib.import_module("hftrain.preflight").before_launch(
+                recipe, config, str(ds_file) if ds_file else None, known.num_processes, known.num_machines)
+        except ConfigError as error:
+            problems += error.problems
+    if problems:
+        raise ConfigError(problems, "recipe for this machine and launch")
 
 
 def launch_command(argv: list[str]) -> list[str]:
@@ -210,7 +217,9 @@ def list_presets(width: int | None = None) -> str:
     column = max(len(path.stem) for path in paths) + 2
     lines = []
     for path in paths:
-        lines.append(textwrap.fill(preset_summary(path), width=max(width, column + 40), break_on_hyphens=False,
+        need = needs(path)
+        text = preset_summary(path) + (f" [needs {need[0]} > 1]" if need else "")
+        lines.append(textwrap.fill(text, width=max(width, column + 40), break_on_hyphens=False,
                                    initial_indent=path.stem.ljust(column), subsequent_indent=" " * column))
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hftrain.layout import PRESET_DIR
+from hftrain.presets import layout_problems
 from hftrain.recipe import recipe_field as _f
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per process placed in a V (rank 0: the first and last)
@@ -72,11 +73,14 @@ class ParallelFields:
 
 
 def problems(r) -> list[str]:
-    """The parallelism group: the recorded preset must be one that ships."""
+    """The parallelism group: the recorded preset must be one that ships, and the recipe must have the layout that
+    preset is for (hftrain.presets)."""
     problems = []
     if r.launch_preset is not None and not (PRESET_DIR / f"{r.launch_preset}.yaml").is_file():
         shipped = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
         problems.append(f"launch_preset={r.launch_preset!r} is not a shipped preset; use one of: {shipped}")
+    elif r.launch_preset is not None:
+        problems += layout_problems(PRESET_DIR / f"{r.launch_preset}.yaml", r)
     for name in ("tp_size", "sp_size", "cp_size"):
         if getattr(r, name) < 1:
             problems.append(f"{name} must be >= 1 (1 = off), got {getattr(r, name)}")

@@ -72,7 +72,7 @@ def test_presets_listing_shows_every_shipped_preset_in_whole_sentences_wrapped_t
     entries = " ".join(listing).split()
     starts = [entries.index(name) for name in names] + [len(entries)]
     for name, start, end in zip(names, starts, starts[1:]):
-        text = " ".join(entries[start + 1:end])
+        text = re.sub(r" \[needs \w+_size > 1\]$", "", " ".join(entries[start + 1:end]))  # hftrain.presets
         comment = " ".join(line.lstrip("#").strip() for line in
                            (REPO / "accelerate_configs" / f"{name}.yaml").read_text().splitlines()
                            if line.startswith("#"))

@@ -18,6 +18,7 @@ from hftrain.parallel.deepspeed import (
     get_key,
     set_key,
 )
+from hftrain.presets import needs
 
 PRESETS = sorted(PRESET_DIR.glob("*.yaml"))
 DS_CONFIGS = sorted((SHIPPED / "ds_configs").glob("*.json"))
@@ -115,3 +116,51 @@ def test_ds_config_is_valid_for_deepspeed_once_filled_from_the_recipe(path):
     if ds.zero_optimization_stage == 3:
         assert ds.zero_config.gather_16bit_weights_on_model_save, "else no consolidated final model"
         assert (ds.zero_config.offload_param is not None) == ("offload" in path.stem)
+
+
+# ------------------------------------------------------------------------------------- the layout a preset is for
+LAYOUT_FIELDS = ("pp_size", "tp_size", "sp_size", "cp_size")
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=PRESET_NAMES)
+def test_a_preset_written_for_one_layout_declares_it(preset):
+    """The presets whose every example command sets a layout field (their own header says what they are for) declare
+    it for hftrain (`# hftrain-needs:`), naming a shipped preset of no layout to use without it; no other does."""
+    header = preset.read_text().split("\ncompute_environment")[0]
+    examples = []  # each example command, with its continuation lines
+    for line in header.splitlines():
+        if re.match(r"^#\s+(accelerate|hftrain) launch", line):
+            examples.append(line)
+        elif examples and re.match(r"^#\s{5,}\S|^#\s{3}--", line) and examples[-1].rstrip().endswith("\\"):
+            examples[-1] += line
+    in_every = [field for field in LAYOUT_FIELDS if examples and all(f"--{field}" in line for line in examples)]
+    declared = needs(preset)
+    assert (declared[0] if declared else None) == (in_every[0] if in_every else None), preset.name
+    if declared:
+        instead = PRESET_DIR / f"{declared[1].split()[0]}.yaml"
+        assert instead.is_file() and needs(instead) is None
+
+
+def test_a_recipe_without_the_presets_layout_is_refused(tmp_path, monkeypatch):
+    """`--preset cpu_pp` without `--pp_size` trained plain DDP: `hftrain launch` now refuses it before starting any
+    process, and a recipe whose launch_preset is cpu_pp refuses a pp_size of 1."""
+    from hftrain import cli
+    from hftrain.config import recipe_from_dict
+    from hftrain.errors import ConfigError
+    from hftrain.presets import layout_problems
+
+    (problem,) = layout_problems(PRESET_DIR / "cpu_pp.yaml", Recipe())
+    assert "cpu_pp is for pipeline parallelism (pp_size > 1) but the recipe has pp_size=1" in problem
+    assert "--preset cpu_ddp" in problem
+    assert layout_problems(PRESET_DIR / "cpu_pp.yaml", Recipe(pp_size=2)) == []
+    assert layout_problems(PRESET_DIR / "cpu_ddp.yaml", Recipe()) == []
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="launch preset cpu_sp is for sequence parallelism"):
+        recipe_from_dict({"launch_preset": "cpu_sp"})
+    assert recipe_from_dict({"launch_preset": "cpu_sp", "sp_size": 2}).sp_size == 2
+
+    started = []
+    monkeypatch.setattr(cli, "run_launcher", lambda cmd: started.append(cmd) or 0)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["launch", "--preset", "cpu_pp", "--max_steps", "1"])
+    assert info.value.code == 2 and started == []
