@@ -466,6 +466,11 @@ class Finetune:
         window.reset()
 
     def evaluate(self) -> dict[str, float]:
+        """The objective's evaluation (`Objective.evaluate`: the eval loss, or grpo's rewards of generated
+        completions)."""
+        return self.objective.evaluate(self)
+
+    def evaluate_loss(self) -> dict[str, float]:
         return evaluate(self.backend, self.model, self.token_loss, self.eval_set, self.eval_collator, self.recipe)
 
     def current_run_info(self) -> dict:
@@ -525,7 +530,9 @@ class Finetune:
             raise HftrainError(f"the final evaluation failed ({first_line(exc)}); the trained model was saved to "
                                f"{final_dir} before it") from exc
         self.logger.log({"step": self.progress.step, **metrics})
-        self.logger.print(f"hftrain: eval_loss {metrics['eval_loss']:.4f} after {self.progress.step} steps")
+        headline = self.objective.eval_headline
+        if metrics.get(headline) is not None:
+            self.logger.print(f"hftrain: {headline} {metrics[headline]:.4f} after {self.progress.step} steps")
 
 
 def main(argv: list[str] | None = None, runner: type[Finetune] = Finetune) -> None:

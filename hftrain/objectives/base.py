@@ -46,6 +46,13 @@ class Objective:
         saved with every checkpoint and handed back on resume (layout.REFERENCE_FILE), or None."""
         return None
 
+    eval_headline = "eval_loss"  # the metric the final evaluation's line shows
+
+    def evaluate(self, run) -> dict[str, float]:
+        """The evaluation's metrics (every rank calls it at once, when `run.eval_set` is set): the loss module's loss
+        over the eval set (`finetune.evaluate`), e.g. eval_loss."""
+        return run.evaluate_loss()
+
     def notes(self, run) -> list[str]:
         """Start-up lines describing the objective (printed after the layout line; `run` as for `prepare`)."""
         return []

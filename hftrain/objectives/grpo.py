@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hftrain.config import Recipe
-from hftrain.data.sources import load_raw, renamed, training_sources
+from hftrain.data.sources import hold_out, load_raw, renamed, training_sources
 from hftrain.data.streaming import read_states
 from hftrain.data.tokenize import prepare_chat_template
 from hftrain.errors import HftrainError
@@ -39,6 +39,11 @@ def build_token_reference(recipe, lm: nn.Module, device: torch.device,
 
 class GRPO(Objective):
     name = "grpo"
+    eval_headline = "eval_reward"
+
+    def evaluate(self, run) -> dict[str, float]:
+        """TRL's GRPO evaluation: the eval prompts completed and scored, no update (`Rollouts.evaluate`)."""
+        return run.feed.evaluate(run.eval_set, run.progress.step)
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> CausalLMTokenLoss:
@@ -60,6 +65,20 @@ class GRPO(Objective):
         problems += reward_problems
         others = [c for c in raw.column_names if c not in ("prompt", "completion", "completion_ids")]
         problems += column_problems(funcs, others)
+        eval_raw = None
+        if recipe.reads_eval_dataset:  # TRL evaluates on the eval dataset it is given, and holds nothing out
+            with run.accelerator.main_process_first():
+                eval_raw = renamed(load_raw(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split),
+                                   recipe.dataset_columns, recipe.eval_dataset_name)
+            eval_others = [c for c in eval_raw.column_names if c not in ("prompt", "completion", "completion_ids")]
+            if "prompt" not in eval_raw.column_names:
+                problems.append(f"eval dataset {recipe.eval_dataset_name!r} has no prompt column (columns: "
+                                f"{', '.join(eval_raw.column_names)}); rename one with dataset_columns")
+            if set(eval_others) != set(others):
+                problems += [f"eval dataset {recipe.eval_dataset_name!r}: {problem}"
+                             for problem in column_problems(funcs, eval_others)]
+        elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no" and "prompt" in raw.column_names:
+            raw, eval_raw = hold_out(raw, recipe, source.name)
         steps_per_generation = recipe.steps_per_generation or recipe.gradient_accumulation_steps
         window = recipe.per_device_train_batch_size * world * steps_per_generation
         if window % recipe.num_generations:
@@ -72,9 +91,13 @@ class GRPO(Objective):
             raw = raw.select(range(min(recipe.max_samples, len(raw))))
         if problems:
             raise HftrainError("; ".join(problems))
-        chat = any(is_conversational(row) for row in raw["prompt"])
+        chat = any(is_conversational(row) for row in raw["prompt"]) or (
+            eval_raw is not None and any(is_conversational(row) for row in eval_raw["prompt"]))
         template_note = prepare_chat_template(run.tokenizer, recipe.chat_template_path, chat)
-        run.train_set, run.eval_set, run.collator, run.eval_collator = raw, None, None, None
+        run.train_set, run.collator, run.eval_collator = raw, None, None
+        # the eval set: its prompts, rendered as the training ones (grpo evaluates by generating: Objective.evaluate)
+        run.eval_set = render_prompts(eval_raw, run.tokenizer, recipe.max_prompt_length) if eval_raw is not None \
+            else None
         run.prompts = render_prompts(raw, run.tokenizer, recipe.max_prompt_length)
         run.rows = run.prompts
         run.reward_funcs = funcs
@@ -98,10 +121,13 @@ class GRPO(Objective):
                                    "data-parallel rank (a process, or a tensor-parallel group): resume with "
                                    f"{saved[0]['world']} of them, or from a checkpoint at the end of a window")
             run.stream_state = next((state for state in saved if state["rank"] == run.dp.rank), None)
+        evaluated = (f"; each evaluation completes {len(run.eval_set)} eval prompts x {recipe.num_generations} "
+                     "(eval_rollouts.jsonl)" if run.eval_set is not None else "")
         run.data_line = (f"({run.plan.steps_per_epoch} per epoch)",
-                         f"{len(raw)} prompts, {run.plan.prompts_per_window} per generation batch")
+                         f"{len(raw)} prompts, {run.plan.prompts_per_window} per generation batch{evaluated}")
         lengths = [len(p.ids) for p in run.prompts]
         run.data_stats = {"sources": [{"name": source.name, "prompts": len(raw)}], "chat_template": template_note,
+                          "eval_prompts": len(run.eval_set) if run.eval_set is not None else 0,
                           "prompt_tokens":
                           {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)}}
 

@@ -13,7 +13,10 @@ from hftrain.recipe import recipe_field as _f
 
 # GRPOConfig's defaults where they differ from DPOConfig's for the fields the two share; load_recipe applies them
 # to the fields a grpo recipe and its command line leave unset, so the resolved recipe shows them
-OBJECTIVE_DEFAULTS = {"grpo": {"beta": 0.0, "loss_type": "dapo", "max_completion_length": 512}}
+# (and TRL holds no prompts out for evaluation: a grpo run evaluates on eval_dataset_name, or on a carve-out it asks
+# for with validation_split_percentage)
+OBJECTIVE_DEFAULTS = {"grpo": {"beta": 0.0, "loss_type": "dapo", "max_completion_length": 512,
+                               "validation_split_percentage": 0.0}}
 
 
 @dataclass
@@ -223,9 +226,6 @@ def problems(r) -> list[str]:
         (r.label_smoothing == 0, "label_smoothing is a dpo/simpo setting; remove it with objective grpo"),
         (not r.dataset_mixture, "objective grpo reads one dataset_name (with a prompt column); dataset_mixture is not "
          "supported with it yet"),
-        (not r.eval_dataset_name and (r.validation_split_percentage == 0 or r.eval_strategy == "no"),
-         "objective grpo has no evaluation yet (it would generate): set eval_strategy: no and remove "
-         "eval_dataset_name"),
         (not r.log_completions or "wandb" in r.report_to, "log_completions logs a W&B table: add wandb to report_to, "
          "or remove log_completions (output_dir/rollouts.jsonl has every completion)"),
         (not r.router_aux_loss_coef, "objective grpo does not add a router load-balancing loss yet; remove "

@@ -37,6 +37,7 @@ from hftrain.rl.loss import (
 from hftrain.rl.rewards import RewardFailure, RewardFunction, score
 from hftrain.rl.rollouts import (
     Completion,
+    Prompt,
     Sampling,
     WindowPlan,
     collate,
@@ -47,6 +48,10 @@ from hftrain.rl.rollouts import (
 from hftrain.tracking import Table
 
 ROLLOUTS_FILE = "rollouts.jsonl"
+EVAL_ROLLOUTS_FILE = "eval_rollouts.jsonl"  # every evaluation's completions, with the step it evaluated
+# the generation "window" of the evaluation's row seeds: every evaluation samples each eval completion with the same
+# seed (the same noise), so evaluations differ by the model only; training windows count from 0
+EVAL_WINDOW = -1
 
 
 def loss_settings(recipe) -> LossSettings:
@@ -183,7 +188,12 @@ class Rollouts:
                 "micro_batches": [{k: v.tolist() for k, v in batch.items()} for batch in self.buffer]}
 
     def start(self, step: int, state: dict | None) -> None:
-        """Before the first step: a checkpoint saved inside a window hands its buffered micro-batches back."""
+        """Before the first step: a checkpoint saved inside a window hands its buffered micro-batches back; the
+        evaluations after `step` (of the run resumed, or of a run this one overwrites) leave eval_rollouts.jsonl."""
+        evaluations = self.file.parent / EVAL_ROLLOUTS_FILE
+        if self.accelerator.is_main_process and evaluations.exists():
+            kept = [line for line in evaluations.read_text().splitlines() if json.loads(line)["step"] <= step]
+            evaluations.write_text("".join(line + "\n" for line in kept))
         if state is None:
             return
         types = {"input_ids": torch.long, "labels": torch.long, "num_examples": torch.long}
@@ -278,6 +288,70 @@ class Rollouts:
         if self.model_was_training:
             self.model.train()
         self.write_rows(window, completions, prompts, texts)
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, prompts: list[Prompt], step: int) -> dict[str, float]:
+        """TRL's GRPO evaluation: each eval prompt completed num_generations times with the run's generation settings
+        (the generator that samples the training completions), scored by the reward functions, no update; TRL's
+        metrics of those completions with the eval_ prefix (eval_reward, eval_rewards/<func>/mean, ...), over the
+        whole eval set. The prompt x generation rows are split over the data-parallel ranks in order (a rank past the
+        end completes row 0 again, left out, so that every rank generates as often as the others), sampled per
+        row seed (the same for every evaluation, whatever the process count), gathered, and written to
+        eval_rollouts.jsonl with `step`."""
+        G, dp, recipe = self.plan.num_generations, self.dp, self.recipe
+        total = len(prompts) * G
+        per_rank = math.ceil(total / dp.world)
+        mine = range(dp.rank * per_rank, (dp.rank + 1) * per_rank)
+        rows = [row if row < total else 0 for row in mine]
+        was_training = self.model.training
+        self.model.eval()
+        sampled, b = [], recipe.per_device_eval_batch_size
+        try:
+            for k in range(0, per_rank, b):
+                chunk = rows[k:k + b]
+                seeds = [row_seed(recipe.seed, EVAL_WINDOW, row // G, row % G) for row in chunk]
+                sampled += self.generator.sample([prompts[row // G].ids for row in chunk], seeds)
+        finally:
+            if was_training:
+                self.model.train()
+        ids = [s.completion_ids for s in sampled]
+        dp.check_replicas_agree(fingerprint(ids), "eval completions")
+        rows_prompts = [prompts[row // G] for row in rows]
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in ids]
+        local, failure = torch.full((len(rows), len(self.funcs)), math.nan), None
+        if dp.leads_group:
+            columns = {k: [p.columns[k] for p in rows_prompts] for k in rows_prompts[0].columns}
+            try:
+                local = score(self.funcs, [p.value for p in rows_prompts],
+                              [self.completion_value(p, t) for p, t in zip(rows_prompts, texts)], ids, columns)
+            except RewardFailure as exc:  # still take part in the gather: the other ranks wait in it
+                failure = str(exc)
+        extra = torch.tensor([[len(c), float(s.truncated), float(row < total), float(failure is not None)]
+                              for c, s, row in zip(ids, sampled, mine)])
+        everything = dp.gather(torch.cat([local, extra], dim=1).to(self.accelerator.device)).cpu()
+        if everything[:, -1].any():
+            failures = gather_object([failure]) if self.accelerator.num_processes > 1 else [failure]
+            raise HftrainError(f"{next(m for m in failures if m is not None)}, scoring the evaluation's completions "
+                               f"after step {step}; fix the function")
+        everything = everything[everything[:, -2].bool()]  # the rows of every rank in order, fillers left out
+        per_func, lengths = everything[:, :len(self.funcs)], everything[:, len(self.funcs):-2]
+        rewards, _, zero_std = group_advantages(per_func, self.weights, G, recipe.scale_rewards)
+        names = [f.name for f in self.funcs]
+        records = [{"step": step, "group": row // G, "prompt_ids": p.ids, "completion_ids": c, "prompt": p.text,
+                    "completion": t, "rewards": {n: (None if math.isnan(v) else v)
+                                                 for n, v in zip(names, per_func[row].tolist())},
+                    "reward": None if math.isnan(rewards[row]) else rewards[row].item(), "truncated": s.truncated,
+                    "row": row}
+                   for row, p, c, t, s in zip(mine, rows_prompts, ids, texts, sampled) if row < total]
+        records = gather_object(records) if self.accelerator.num_processes > 1 else records
+        if self.accelerator.is_main_process:
+            unique = {r["row"]: r for r in records}  # a tensor-parallel group's ranks hold the same rows
+            with (self.file.parent / EVAL_ROLLOUTS_FILE).open("a") as f:
+                for row in sorted(unique):
+                    f.write(json.dumps(unique[row]) + "\n")
+        return {f"eval_{name}": value
+                for name, value in self.reward_metrics(per_func, rewards, zero_std, lengths).items()}
 
     def stop_on_failure(self, window: int, failure: str | None, completions: list[Completion], prompts) -> None:
         """A reward function failed on some rank: every rank sets the loop's stop reason (the failing rank's message,

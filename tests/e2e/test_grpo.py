@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -77,6 +78,11 @@ def ending_model(tmp_path_factory) -> Path:
     return folder
 
 
+def without_eval_strategy(args: list[str]) -> list[str]:
+    i = args.index("--eval_strategy")
+    return args[:i] + args[i + 2:]
+
+
 def rollouts(run) -> list[dict]:
     return [json.loads(line) for line in (run.output_dir / "rollouts.jsonl").read_text().splitlines()]
 
@@ -100,17 +106,26 @@ def counted_reward(folder: Path) -> Path:
     return path
 
 
+def evaluating(folder: Path) -> list[str]:
+    """Evaluation after step 2 and at the end (step 3) on 3 prompts the training data does not start with, 3
+    completions per generate call (12 rows: 4 calls, the last of 3 rows on one process, 2 + 1 rows per rank on 2)."""
+    prompts = write_jsonl(folder / "eval.jsonl", [json.loads(line) for line in DATA.read_text().splitlines()[-3:]])
+    return ["--eval_strategy", "steps", "--eval_steps", "2", "--eval_dataset_name", str(prompts),
+            "--per_device_eval_batch_size", "3"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, ending_model):
     tmp = tmp_path_factory.mktemp("grpo")
     base = on(ending_model)
     wandb_dir = tmp / "wandb"
     wandb_dir.mkdir()
+    evals = evaluating(tmp)
     return {
         "1x8": run_script(tmp / "1x8", *base, *ONE_BY_EIGHT, "--save_strategy", "steps", "--save_steps", "1",
-                          "--checkpoint_preflight", "false"),  # checkpoint-1 is inside the first window
-        "4x2": run_script(tmp / "4x2", *base, *FOUR_BY_TWO),
-        "2procs": launch(tmp / "2procs", *base, *TWO_PROCS, preset="cpu_ddp"),
+                          "--checkpoint_preflight", "false", *evals),  # checkpoint-1 is inside the first window
+        "4x2": run_script(tmp / "4x2", *base, *FOUR_BY_TWO, *evals),
+        "2procs": launch(tmp / "2procs", *base, *TWO_PROCS, *evals, preset="cpu_ddp"),
         # generation under sharded weights: ZeRO-3 gathers them around generate, FSDP2 generates through the shards
         "zero3": launch(tmp / "zero3", *base, *TWO_PROCS, preset="zero3"),
         "fsdp2": launch(tmp / "fsdp2", *base, *TWO_PROCS, preset="fsdp2", processes=2, script=FSDP_LAUNCHER),
@@ -125,7 +140,9 @@ def runs(tmp_path_factory, ending_model):
                                "--save_strategy", "steps", "--save_steps", "1", "--checkpoint_preflight", "false",
                                "--report_to", "wandb", "--log_completions", "true",
                                env={"WANDB_DIR": str(wandb_dir), "WANDB_MODE": "offline"}),
-        "grpo-4x2": run_script(tmp / "grpo-4x2", *base, *FOUR_BY_TWO, "--loss_type", "grpo", *LORA),
+        # and the recipe's default evaluation (eval_strategy steps) without an eval dataset: nothing is evaluated
+        "grpo-4x2": run_script(tmp / "grpo-4x2", *without_eval_strategy(base), *FOUR_BY_TWO, "--loss_type", "grpo",
+                               *LORA),
     }
 
 
@@ -159,6 +176,76 @@ def test_rollouts_file_and_metrics(runs):
         assert m["clip_ratio/region_mean"] == 0  # the first pass over a window: every ratio is 1
     assert metrics[0]["kl"] == pytest.approx(0, abs=1e-6) and metrics[2]["kl"] > 0  # the policy left the reference
     assert "reward" not in metrics[1]  # step 2 samples nothing
+
+
+def eval_rows(run) -> list[dict]:
+    return [m for m in run.metrics() if "eval_reward" in m]
+
+
+def eval_rollouts(run) -> list[dict]:
+    return [json.loads(line) for line in (run.output_dir / "eval_rollouts.jsonl").read_text().splitlines()]
+
+
+def test_evaluation_completes_and_scores_the_eval_prompts_as_trl_names_it(runs, ending_model):
+    """TRL's GRPO evaluation: after step 2 and at the end, each of the 3 eval prompts completed 4 times with the
+    run's sampling, scored by the reward function, no update; TRL's eval_ metrics. Checked against the reward function
+    applied here to the logged completions, and the final evaluation's completions against a plain token-by-token
+    sampling loop on the final weights with the same per-row noise; 2 processes (rows split and gathered) and 4 x 2
+    accumulation evaluate exactly as 1 process. Without an eval dataset (grpo-4x2, eval_strategy left at its
+    default) nothing is evaluated, and the run does not fail."""
+    from hftrain.rl.example_rewards import vowel_share
+    from hftrain.rl.grpo import EVAL_WINDOW
+    from hftrain.rl.rollouts import row_seed
+
+    tokenizer = AutoTokenizer.from_pretrained(ending_model)
+    eval_prompts = [json.loads(line)["prompt"] for line in DATA.read_text().splitlines()[-3:]]
+    one = runs["1x8"]
+    assert [m["step"] for m in eval_rows(one)] == [2, 3] and not one.eval_rows()  # no eval_loss: nothing to score
+    assert "eval_reward" in one.stdout and "after 3 steps" in one.stdout
+    rows = eval_rollouts(one)
+    assert [(r["step"], r["row"]) for r in rows] == [(s, i) for s in (2, 3) for i in range(12)]
+    for metrics in eval_rows(one):
+        mine = [r for r in rows if r["step"] == metrics["step"]]
+        assert [r["prompt"] for r in mine] == [p for p in eval_prompts for _ in range(4)]
+        assert all(tokenizer.decode(r["completion_ids"], skip_special_tokens=True) == r["completion"] for r in mine)
+        rewards = torch.tensor(vowel_share(None, [r["completion"] for r in mine], None), dtype=torch.float64)
+        torch.testing.assert_close(torch.tensor([r["reward"] for r in mine], dtype=torch.float64), rewards)
+        groups = rewards.view(3, 4)
+        lengths = torch.tensor([len(r["completion_ids"]) for r in mine], dtype=torch.float64)
+        ended = [r["completion_ids"][-1] == tokenizer.eos_token_id for r in mine]
+        expected = {"eval_reward": rewards.mean(), "eval_reward_std": rewards.std(),
+                    "eval_rewards/vowel_share/mean": rewards.mean(), "eval_rewards/vowel_share/std": rewards.std(),
+                    "eval_frac_reward_zero_std": (groups.std(dim=1) == 0).double().mean(),
+                    "eval_completions/mean_length": lengths.mean(), "eval_completions/min_length": lengths.min(),
+                    "eval_completions/max_length": lengths.max(),
+                    "eval_completions/clipped_ratio": 1 - sum(ended) / 12}
+        for name, value in expected.items():
+            assert metrics[name] == pytest.approx(float(value), rel=1e-5, abs=1e-7), name
+    assert len({len(r["completion_ids"]) for r in rows}) > 1  # the ending model ends some completions early
+
+    model = AutoModelForCausalLM.from_pretrained(one.output_dir / "final", dtype=torch.float32).eval()
+    for r in [r for r in rows if r["step"] == 3]:  # the final evaluation samples from the final weights
+        ids, generator = list(r["prompt_ids"]), torch.Generator().manual_seed(row_seed(3, EVAL_WINDOW, r["group"],
+                                                                                        r["row"] % 4))
+        for _ in range(6):
+            with torch.no_grad():
+                scores = model(torch.tensor([ids])).logits[0, -1].float()
+            uniform = torch.rand(scores.shape[-1], generator=generator)
+            ids.append(int((scores - torch.log(-torch.log(uniform.clamp_min(torch.finfo(uniform.dtype).tiny))))
+                           .argmax()))
+            if ids[-1] == tokenizer.eos_token_id:
+                break
+        assert ids[len(r["prompt_ids"]):] == r["completion_ids"], r["row"]
+
+    for other in ("2procs", "4x2"):
+        assert [(r["step"], r["row"], r["completion_ids"]) for r in eval_rollouts(runs[other])] == \
+            [(r["step"], r["row"], r["completion_ids"]) for r in rows], other
+        for x, y in zip(eval_rows(one), eval_rows(runs[other]), strict=True):
+            assert x == pytest.approx(y, rel=1e-5, abs=1e-7), other
+    unevaluated = runs["grpo-4x2"]
+    assert not eval_rows(unevaluated) and not (unevaluated.output_dir / "eval_rollouts.jsonl").exists()
+    resolved = yaml.safe_load((unevaluated.output_dir / "hftrain_config.yaml").read_text())
+    assert (resolved["eval_strategy"], resolved["validation_split_percentage"]) == ("steps", 0)  # TRL's: none held out
 
 
 def test_first_step_equals_plain_pytorch(runs, ending_model):

@@ -69,9 +69,10 @@ def test_grpo_recipe_defaults_and_refusals(tmp_path):
                           "--loss_type", "grpo"])
     assert (recipe.beta, recipe.loss_type, recipe.epsilon, recipe.epsilon_high, recipe.scale_rewards) == \
         (0.0, "grpo", 0.2, None, "group")
-    bare = load_recipe(["--objective", "grpo", "--reward_funcs", GOOD, "--eval_strategy", "no",
-                        "--output_dir", str(tmp_path / "p")])
+    # the default eval_strategy (steps) is accepted: without an eval dataset nothing is held out, as in TRL
+    bare = load_recipe(["--objective", "grpo", "--reward_funcs", GOOD, "--output_dir", str(tmp_path / "p")])
     assert (bare.beta, bare.loss_type, bare.max_completion_length, bare.num_generations) == (0.0, "dapo", 512, 8)
+    assert (bare.eval_strategy, bare.validation_split_percentage) == ("steps", 0)
     dpo = load_recipe(["--objective", "dpo", "--output_dir", str(tmp_path / "q"),
                        "--dataset_name", "data/preference.jsonl"])
     assert (dpo.beta, dpo.loss_type) == (0.1, "sigmoid")  # dpo keeps its own defaults
@@ -81,7 +82,7 @@ def test_grpo_recipe_defaults_and_refusals(tmp_path):
     for expected in ["reward_weights has 2 weights for 1 reward_funcs",
                      "loss_type=sigmoid is a dpo loss", "num_generations must be >= 2",
                      "steps_per_generation=3 must be a multiple of gradient_accumulation_steps=2",
-                     "packing with objective grpo", "has no evaluation yet", "temperature must be > 0",
+                     "packing with objective grpo", "temperature must be > 0",
                      "log_completions logs a W&B table: add wandb to report_to"]:
         assert expected in text, expected
     assert "reward_funcs is set but objective=sft" in _problems(tmp_path, "--objective", "sft")
