@@ -49,6 +49,7 @@ from hftrain.layout import (
     CONFIG_FILE,
     DS_CONFIG_FILE,
     FINAL_DIR,
+    HUB_UPLOAD_DIR,
     METRICS_FILE,
     PREFIX,
     PREFLIGHT_DIR,
@@ -274,7 +275,8 @@ def clear_run(output_dir: Path) -> None:
     """Remove a previous run's checkpoints, final model, metrics, profiler traces and report (overwrite_output_dir)."""
     for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f"{TMP_PREFIX}{PREFIX}*"),
                 output_dir / f"{TMP_PREFIX}{FINAL_DIR}", *output_dir.glob(f"{UNIVERSAL_PREFIX}{PREFIX}*"),
-                output_dir / FINAL_DIR, output_dir / PROFILE_DIR, output_dir / REPORT_DIR, output_dir / PREFLIGHT_DIR]:
+                output_dir / FINAL_DIR, output_dir / PROFILE_DIR, output_dir / REPORT_DIR, output_dir / PREFLIGHT_DIR,
+                output_dir / HUB_UPLOAD_DIR, output_dir / f"{TMP_PREFIX}{HUB_UPLOAD_DIR}"]:
         shutil.rmtree(old, ignore_errors=True)
     (output_dir / METRICS_FILE).unlink(missing_ok=True)
 
@@ -510,11 +512,13 @@ def realign(progress: Progress, saved_global_batch: int, plan) -> Progress:
     return replace(progress, step_in_epoch=step_in_epoch, world_size=plan.world)
 
 
-def save_final(backend, model, tokenizer, folder: Path, recipe: Recipe, progress: Progress, run_info: dict) -> None:
+def save_final(backend, model, tokenizer, folder: Path, recipe: Recipe, progress: Progress, run_info: dict,
+               describe: Callable[[Path], object] | None = None) -> None:
     """A standard folder from the wrapped model, + tokenizer and run files: `AutoModelForCausalLM.from_pretrained`
     loads a full fine-tune, `PeftModel.from_pretrained(base, folder)` an adapter (peft's save_pretrained keeps only
     the adapter weights of the state dict it is given). Written to `.tmp-final` and renamed when complete: a save that
-    fails midway leaves no `final/` that looks valid."""
+    fails midway leaves no `final/` that looks valid. `describe(tmp)`: the main process adds the model card before
+    the rename (it replaces peft's empty template)."""
     accelerator = backend.accelerator
     tmp = folder.with_name(f"{TMP_PREFIX}{folder.name}")
     if accelerator.is_main_process:
@@ -524,6 +528,8 @@ def save_final(backend, model, tokenizer, folder: Path, recipe: Recipe, progress
     if accelerator.is_main_process:
         tokenizer.save_pretrained(tmp)
         write_run_files(tmp, recipe, progress, run_info)
+        if describe is not None:
+            describe(tmp)
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
         _fsync(folder.parent)

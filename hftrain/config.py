@@ -31,6 +31,8 @@ from hftrain.recipe.data import DataFields, DatasetSource, looks_local
 from hftrain.recipe.data import problems as data_problems
 from hftrain.recipe.grpo import OBJECTIVE_DEFAULTS, GRPOFields
 from hftrain.recipe.grpo import problems as grpo_problems
+from hftrain.recipe.hub import SECRET_FIELDS, HubFields
+from hftrain.recipe.hub import problems as hub_problems
 from hftrain.recipe.monitoring import MonitoringFields
 from hftrain.recipe.monitoring import problems as monitoring_problems
 from hftrain.recipe.objectives import ObjectiveFields
@@ -254,10 +256,10 @@ class LoggingFields:
 
 
 @dataclass
-class Recipe(ParallelFields, MonitoringFields, LoggingFields, PeftFields, TrainingFields, GRPOFields, ObjectiveFields,
-             DataFields, ModelFields):
+class Recipe(HubFields, ParallelFields, MonitoringFields, LoggingFields, PeftFields, TrainingFields, GRPOFields,
+             ObjectiveFields, DataFields, ModelFields):
     """One flat, typed schema: every field of every group (declared per group, in this order: model, data,
-    objective, training, peft and quantization, logging, monitoring, parallelism; dataclasses collect the bases'
+    objective, training, peft and quantization, logging, monitoring, parallelism, hub; dataclasses collect the bases'
     fields from the last base to the first)."""
 
     # ------------------------------------------------------------------ derived values
@@ -277,9 +279,13 @@ class Recipe(ParallelFields, MonitoringFields, LoggingFields, PeftFields, Traini
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_record(self) -> dict[str, Any]:
+        """The recipe as the run's files record it: credentials (hub_token) left out, written as null."""
+        return {**self.to_dict(), **dict.fromkeys(SECRET_FIELDS)}
+
     def dump(self, path: Path) -> None:
-        """Write the resolved recipe as YAML (a checkpoint's hftrain_config.yaml)."""
-        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
+        """Write the resolved recipe as YAML (a checkpoint's hftrain_config.yaml), without credentials."""
+        path.write_text(yaml.safe_dump(self.to_record(), sort_keys=False), encoding="utf-8")
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
@@ -474,6 +480,7 @@ def validate(recipe: Recipe) -> list[str]:
     problems += grpo_problems(r)
     problems += _validate_performance(r)
     problems += monitoring_problems(r)
+    problems += hub_problems(r)
 
     problems += peft_problems(r)
 

@@ -25,13 +25,14 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from hftrain import checkpoint
+from hftrain import card, checkpoint
 from hftrain.config import Recipe, load_recipe, unused_settings
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.data.feeds import setup_examples
 from hftrain.data.vision import load_image_chats
 from hftrain.errors import HftrainError, first_line, run_tool, same_in_every_process
-from hftrain.layout import CONFIG_FILE, FINAL_DIR, PROFILE_DIR
+from hftrain.hub import HubPush, repo_url
+from hftrain.layout import CONFIG_FILE, FINAL_DIR, HUB_UPLOAD_DIR, PROFILE_DIR
 from hftrain.metrics import (
     FlopCounter,
     RunMeter,
@@ -227,6 +228,10 @@ class Finetune:
         self.start_output_dir()
         self.logger = MetricLogger(self.accelerator, recipe, self.progress.step, self.run_info, resumed)
         self.run_info.update(self.logger.run_ids())  # e.g. the W&B run id, so that a resumed run continues it
+        self.hub = HubPush(recipe, self.accelerator.is_main_process, self.logger.print, self.logger.warn)
+        if recipe.push_to_hub:
+            self.notes.append(f"pushing to {repo_url(self.hub.repo_id)} (hub_strategy {recipe.hub_strategy}"
+                              f"{', branch ' + recipe.hub_revision if recipe.hub_revision else ''})")
         self.meter = RunMeter(self.accelerator, self.flops, straggler_threshold=recipe.straggler_threshold,
                               peak_tflops_override=recipe.device_peak_tflops,
                               cost_per_gpu_hour=recipe.cost_per_gpu_hour, effective_batch_size=self.plan.global_batch,
@@ -412,7 +417,35 @@ class Finetune:
             self.logger.log({"step": progress.step, **metrics})
         if self.due(recipe.save_strategy, recipe.save_steps):
             with phase(self.accelerator, "checkpointing", recipe.ddp_timeout):
-                self.save_checkpoint(background=True)
+                saved = self.save_checkpoint(background=True)
+                self.push_at_save(saved)
+
+    def push_at_save(self, saved: Path) -> None:
+        """hub_strategy every_save / checkpoint / all_checkpoints: the model for use as of this save, written by every
+        rank as the final model is (card included) into output_dir/.hub-upload, then uploaded in the background by the
+        main process, with the checkpoint the strategy names. Skipped on every rank while the previous upload runs."""
+        if not self.hub.at_saves:
+            return
+        busy = torch.tensor(float(self.hub.busy()), device=self.accelerator.device)
+        if self.accelerator.reduce(busy, reduction="sum").item():
+            self.logger.print(f"hftrain: the hub upload before step {self.progress.step} still runs; this save is "
+                              "not pushed")
+            return
+        model_dir = self.output_dir / HUB_UPLOAD_DIR
+        checkpoint.save_final(self.backend, self.model, self.processor or self.tokenizer, model_dir, self.recipe,
+                              self.recorded_progress(), self.current_run_info(), describe=self.card_writer(model_dir))
+        written = self.saves.pending[1] if self.saves.pending and self.saves.pending[0] == saved else None
+        self.hub.at_save(self.progress.step, model_dir, saved, written)
+
+    def card_writer(self, location: Path):
+        """What `checkpoint.save_final` calls on the main process to add the model card to the folder it writes."""
+        return lambda folder: self.write_card(folder, location)
+
+    def write_card(self, folder: Path, location: Path) -> Path:
+        """README.md of a folder for use (hftrain.card), from its run files and metrics.jsonl so far."""
+        return card.run_card(folder, self.output_dir, kind="adapter" if self.recipe.use_peft else "model",
+                             device_hours=self.meter.device_hours(),
+                             repo_id=self.hub.repo_id if self.recipe.push_to_hub else None, location=location)
 
     def rescue(self, exc: Exception) -> None:
         """An unexpected error inside training. One process whose parameters are those of the last completed step
@@ -493,14 +526,20 @@ class Finetune:
 
     # ------------------------------------------------------------------------------------------ finish
     def finish(self) -> Path:
-        """The final model first, then the final evaluation: whatever the evaluation does, the trained model is kept."""
+        """The final model first (with its card), then the final evaluation (whatever it does, the trained model is
+        kept) and the card again with its result, then the push to the hub after the uploads in flight."""
         final_dir = self.save_final()
         if self.eval_set is not None:
             self.final_evaluation(final_dir)
+            if self.accelerator.is_main_process:
+                self.write_card(final_dir, final_dir)
         device_hours = self.meter.device_hours()
         cost = f" (cost {device_hours * self.recipe.cost_per_gpu_hour:.2f})" if self.recipe.cost_per_gpu_hour else ""
         self.logger.print(f"hftrain: final model saved to {final_dir}; {device_hours:.4f} device-hours{cost}")
-        self.logger.close()
+        try:
+            self.hub.finish(final_dir, self.output_dir / HUB_UPLOAD_DIR if self.hub.at_saves else None)
+        finally:
+            self.logger.close()
         return final_dir
 
     def save_final(self) -> Path:
@@ -510,7 +549,8 @@ class Finetune:
         try:
             with phase(self.accelerator, "saving the final model", self.recipe.ddp_timeout):
                 checkpoint.save_final(self.backend, self.model, self.processor or self.tokenizer, final_dir,
-                                      self.recipe, self.recorded_progress(), self.current_run_info())
+                                      self.recipe, self.recorded_progress(), self.current_run_info(),
+                                      describe=self.card_writer(final_dir))
         except HftrainError:  # e.g. a collective timed out: another save would wait on the same ranks
             raise
         except Exception as exc:  # noqa: BLE001 - any failure: keep what was trained, then report

@@ -27,6 +27,7 @@ MODEL_FILE = "model.safetensors"  # accelerate's save_state model file (the trai
 METRICS_FILE = "metrics.jsonl"  # output_dir/metrics.jsonl: one row per logging step and evaluation
 PROFILE_DIR = "profile"  # output_dir/profile: profiler traces
 REPORT_DIR = "report"  # output_dir/report: `hftrain report`'s plots and summary
+HUB_UPLOAD_DIR = ".hub-upload"  # output_dir/.hub-upload: the model for use a save pushes to the hub (push_to_hub)
 DS_CONFIG_FILE = "ds_config.json"  # the DeepSpeed config actually used, next to every checkpoint and final model
 FULL_STATE_FILE = "full_training_state.pt"  # tensor parallel: gathered model + optimizer state
 REFERENCE_FILE = "reference_log_probs.safetensors"  # dpo with precompute_ref_log_probs: the reference's log-probs

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
-from huggingface_hub import HfApi
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 if __package__ in (None, ""):  # run as a file: import the package, not sibling modules as top-level names
@@ -30,10 +30,10 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
     sys.path.insert(0, str(_here.parent))
 
-from hftrain import vision
+from hftrain import card, hub, vision
 from hftrain.checkpoint import never_world_writable
 from hftrain.config import read_yaml, recipe_subset
-from hftrain.errors import HftrainError, first_line, run_tool
+from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
 from hftrain.layout import CONFIG_FILE
 from hftrain.model import DTYPES, load_error, quantization_config
 
@@ -115,20 +115,34 @@ def merge(adapter_dir: Path, output_dir: Path, base: str | None = None, dtype: s
     return record
 
 
+def push_problems(repo_id: str) -> list[str]:
+    """Why `--push_to_hub repo_id` cannot work here (checked before the merge loads anything)."""
+    problems = []
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        problems.append(f"--push_to_hub {repo_id!r} is not a valid hub repo id: "
+                        f"{str(exc).replace(' Use `repo_type` argument if needed.', '')} Give 'name' or 'org/name'")
+    if hub.token_of(None) is None:
+        problems.append("--push_to_hub needs a hub token with write access and none is set: log in with "
+                        "`hf auth login` (`huggingface-cli login`) or export HF_TOKEN")
+    if hub.offline():
+        problems.append("--push_to_hub with HF_HUB_OFFLINE=1: huggingface_hub refuses every upload in offline mode; "
+                        "unset HF_HUB_OFFLINE")
+    return problems
+
+
 def push_to_hub(folder: Path, repo_id: str, private: bool, dry_run: bool) -> list[str]:
     """Upload `folder` to the hub model repo `repo_id`; with dry_run only list what would be uploaded."""
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     if dry_run:
         return files
     try:
-        api = HfApi()
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                          commit_message="Upload model merged with hftrain")
+        hub.upload(folder, repo_id, "Upload model merged with hftrain", private=private or None)
     except Exception as exc:  # network, auth and offline errors all end the same way for the user
         raise HftrainError(f"cannot push {folder} to the hub repo {repo_id!r}: {first_line(exc)}. The merged model is "
                            "saved locally; log in with `hf auth login` (or set HF_TOKEN), unset HF_HUB_OFFLINE and "
-                           "push again") from None
+                           f"push again with `hf upload {repo_id} {folder} .`") from None
     return files
 
 
@@ -151,7 +165,10 @@ def build_arg_parser(prog: str = "hftrain.merge") -> argparse.ArgumentParser:
 def merge_and_push(args: argparse.Namespace) -> None:
     if args.dry_run and not args.push_to_hub:
         raise HftrainError("--dry_run only applies to --push_to_hub; add --push_to_hub org/name or drop it")
+    if args.push_to_hub and (problems := push_problems(args.push_to_hub) if not args.dry_run else []):
+        raise ConfigError(problems, "command line")
     record = merge(args.adapter_dir, args.output_dir, args.base_model_name_or_path, args.dtype)
+    card.merged_card(args.output_dir, args.adapter_dir, record, load_from=args.push_to_hub)
     print(f"hftrain: merged {args.adapter_dir} into the {record['merged_into']} {record['base_model_name_or_path']}"
           f" ({record['dtype']}): {args.output_dir}")
     if args.push_to_hub:

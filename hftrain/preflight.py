@@ -9,7 +9,8 @@ preflight runs at the start of training, once the launch is known (`parallel.Lau
 - model:    the model's config (read without weights): it exists, max_length fits, the architecture suits
             loss_chunk_tokens;
 - Liger:    every use_liger_kernel rule in one place;
-- vLLM:     use_vllm's CUDA, vllm package and strategy rules (`vllm_problems`).
+- vLLM:     use_vllm's CUDA, vllm package and strategy rules (`vllm_problems`);
+- hub:      push_to_hub's token and online mode (`hftrain.hub.preflight_problems`).
 
 All problems come out as one ConfigError, in one paragraph, before the accelerator, the data or the weights load.
 """
@@ -24,7 +25,7 @@ import psutil
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from hftrain import vision
+from hftrain import hub, vision
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError
 from hftrain.estimate import ulysses_splits
@@ -58,6 +59,7 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += pipeline_problems(recipe, launch, model_config)
     problems += host_memory_problems(recipe, launch, model_config)
     problems += vllm_problems(recipe, launch, cuda)
+    problems += hub.preflight_problems(recipe)
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
     return model_config

@@ -88,14 +88,19 @@ def _save(fig, ax, path: Path) -> Path:
     return path
 
 
-def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
-    made = []
+def plot_loss(train: list[dict], evals: list[dict], path: Path) -> Path:
+    """The train and eval loss curves (also the model card's figure)."""
     pairs = any(REWARDS[0] in r for r in train)
     fig, ax = _figure("Loss", "loss (mean over pairs)" if pairs else "loss (token-weighted)")
     ax.plot(*series(train, "loss"), label="train loss", marker=".")
     if evals:
         ax.plot(*series(evals, "eval_loss"), label="eval loss", marker="o")
-    made.append(_save(fig, ax, folder / "loss.png"))
+    return _save(fig, ax, path)
+
+
+def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
+    made = [plot_loss(train, evals, folder / "loss.png")]
+    pairs = any(REWARDS[0] in r for r in train)
 
     if pairs:
         fig, ax = _figure("Rewards (beta x log-ratio to the reference; simpo: length-normalised)", "reward")

@@ -156,14 +156,17 @@ def run_script(output_dir: Path, *args: str, env: dict | None = None, check: boo
     return run
 
 
-def run_main_cases(cases: dict[str, tuple[list[str], dict]], workdir: Path, timeout: int = 900) -> dict[str, Run]:
+def run_main_cases(cases: dict[str, tuple[list[str], dict]], workdir: Path, timeout: int = 900,
+                   process_env: dict | None = None) -> dict[str, Run]:
     """{name: (argv, extra environment)} -> {name: Run}: `hftrain.finetune.main(argv)` per case, all cases in one
     Python process (tests/e2e/main_cases.py), for refusals that never reach training. The environment is minimal:
-    nothing of the caller's (no PYTHONPATH, no tracker settings) reaches the entry point."""
+    nothing of the caller's (no PYTHONPATH, no tracker settings) reaches the entry point; `process_env` adds to it
+    what libraries read once at import (e.g. HF_HOME)."""
     spec, results = workdir / "cases.json", workdir / "results.json"
     spec.write_text(json.dumps({name: {"argv": argv, "env": env} for name, (argv, env) in cases.items()}))
     proc = subprocess.run([sys.executable, str(MAIN_CASES), str(spec), str(results)], capture_output=True, text=True,
-                          cwd=REPO, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}, timeout=timeout)
+                          cwd=REPO, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", **(process_env or {})},
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(results.read_text())
     return {name: Run(r["exit_code"], "", r["stderr"], Path(cases[name][0][cases[name][0].index("--output_dir") + 1]))

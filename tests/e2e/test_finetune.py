@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import REPO, TINY_CHAT, launch, run_script
+from tests.model_cards import check_card
 
 pytestmark = pytest.mark.launch
 
@@ -66,6 +67,9 @@ def test_default_recipe_single_process(tmp_path):
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     start = AutoModelForCausalLM.from_pretrained(REPO / "models" / "tiny-llama")
     assert not torch.equal(model.model.embed_tokens.weight, start.model.embed_tokens.weight)
+    # its model card: the hub's parser reads it, the losses are the logged ones, the quick start runs
+    check_card(run.output_dir / "final", library="transformers", base_model=str(REPO / "models" / "tiny-llama"),
+               tags={"sft", "full"}, rows=run.metrics(), run_quick_start=True)
 
 
 def test_resume_mid_epoch_reproduces_uninterrupted_run(tmp_path):

@@ -19,6 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.conftest import REPO, launch, run_main_cases, run_script, write_jsonl
+from tests.hub_server import FakeHub
+from tests.model_cards import check_card
 
 pytestmark = pytest.mark.launch
 N_EVAL = 16
@@ -29,6 +31,7 @@ METHODS = {  # the flags that turn the same recipe into each method
     "lora_8bit": ["--load_in_8bit", "--optim", "paged_adamw_8bit"],
 }
 QUANTIZED = {"qlora_4bit": "Linear4bit", "lora_8bit": "Linear8bitLt"}
+CARD_TAGS = {"lora": "lora", "dora": "dora", "qlora_4bit": "qlora", "lora_8bit": "lora"}  # the method's hub tag
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +149,9 @@ def test_each_method_trains_and_saves_an_adapter(trained, tiny_model, eval_texts
         checkpoint_keys = set(f.keys())
     assert checkpoint_keys and all(".lora_" in k for k in checkpoint_keys)
     assert len(checkpoint_keys) == len(adapter_keys)
+    # a model card instead of peft's empty template; the adapter's quick start (peft's AutoPeftModel) runs
+    check_card(final, library="peft", base_model=str(tiny_model.resolve()), tags={"sft", CARD_TAGS[method]},
+               rows=run.metrics(), run_quick_start=method == "lora")
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -199,9 +205,9 @@ def test_qlora_two_process_ddp_with_checkpointing_matches_one_process(tmp_path, 
 
 
 # --------------------------------------------------------------------------------- merge
-def run_merge(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def run_merge(*args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "hftrain.merge", *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -223,6 +229,9 @@ def test_merged_model_equals_the_adapter_model(trained, tiny_model, tmp_path, me
     assert merged_tensors.keys() == load_file(tiny_model / "model.safetensors").keys()
     assert {t.dtype for t in merged_tensors.values()} == {torch.float32}
     assert AutoTokenizer.from_pretrained(merged_dir).chat_template
+
+    check_card(merged_dir, library="transformers", base_model=str(tiny_model.resolve()),
+               tags={"sft", "merge", CARD_TAGS[method]}, rows=run.metrics())
 
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     got = logits(merged, tiny_model)
@@ -259,11 +268,32 @@ def test_merge_dtype_and_push_to_hub_dry_run(trained, tmp_path):
     record = json.loads((merged_dir / "hftrain_merge.json").read_text())
     assert record["dtype"] == "bfloat16" and record["merged_into"] == "full-precision base"
 
+    # the same push for real, to a local fake hub: the repo is created private and holds the merged folder, card
+    # included, byte for byte
+    pushed_dir = tmp_path / "merged-pushed"
+    with FakeHub() as hub:
+        proc = run_merge(str(run.output_dir / "final"), str(pushed_dir), "--push_to_hub", "someone/tiny-lora-merged",
+                         "--private", env={"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_fake_token", "HF_HUB_OFFLINE": "0"})
+    assert f"uploaded {len(list(pushed_dir.iterdir()))} files to" in proc.stdout
+    repo = hub.repos["someone/tiny-lora-merged"]
+    assert repo.private is True and [message for _, message, _ in repo.commits] == ["Upload model merged with hftrain"]
+    assert repo.branches["main"] == {p.name: p.read_bytes() for p in pushed_dir.iterdir()}
+    card = check_card(pushed_dir, library="transformers", base_model=str(Path(record["base_model_name_or_path"])
+                                                                          .resolve()), tags={"merge", "lora"})
+    assert 'from_pretrained("someone/tiny-lora-merged")' in card.text
+
 
 def test_merge_refuses_bad_input(tmp_path):
     proc = run_merge(str(tmp_path), str(tmp_path / "merged"), check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("hftrain: error:") and "adapter_config.json" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # a push that cannot work is refused before the merge loads anything: a repo id the hub refuses, no token
+    proc = run_merge(str(tmp_path), str(tmp_path / "merged"), "--push_to_hub", "a/b/c", check=False,
+                     env={"HF_HOME": str(tmp_path / "hf_home"), "HF_TOKEN": ""})
+    message = " ".join(proc.stderr.split())
+    assert proc.returncode == 2 and message.startswith("hftrain: error: invalid command line, 3 problems")
+    assert "--push_to_hub 'a/b/c' is not a valid hub repo id" in message and "none is set" in message
+    assert "HF_HUB_OFFLINE=1" in message and "Traceback" not in message and not (tmp_path / "merged").exists()
 
 
 # ------------------------------------------------------------------------ refused combos

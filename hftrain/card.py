@@ -1,0 +1,311 @@
+"""Model cards: the README.md of every folder hftrain writes for use (output_dir/final: a full model or an adapter; the
+model `hftrain merge` writes), in the hub's conventions so that `huggingface_hub.ModelCard.load` parses it and the hub
+files the model under its base, library, task and datasets.
+
+Front matter: `base_model` (the recipe's model id or folder), `library_name` (transformers, or peft for an adapter),
+`pipeline_tag`, `tags` (hftrain, the objective, the method), `datasets` (those that are hub ids), `license` (from the
+base model's card or config, when either gives one). Body: what was trained and how, the final losses (rewards for
+grpo, preference rewards for dpo/simpo), device-hours, the loss curve (loss.png beside the card, drawn as
+`hftrain report` draws it), a quick start that loads the folder, the recipe's own settings and the framework
+versions. Everything comes from the folder's run files (hftrain_state.json, hftrain_config.yaml) and the run's
+metrics.jsonl; the card is written atomically (a temporary file renamed over README.md), so it can be rewritten
+once the final evaluation has run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata as md
+import json
+import os
+from pathlib import Path
+
+import yaml
+from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
+
+from hftrain.config import Recipe
+from hftrain.layout import CONFIG_FILE, METRICS_FILE, STATE_FILE
+from hftrain.recipe.data import looks_local
+from hftrain.recipe.hub import SECRET_FIELDS
+from hftrain.report import plot_loss
+
+CARD_FILE = "README.md"
+LOSS_FIGURE = "loss.png"
+OBJECTIVES = {
+    "sft": "supervised fine-tuning (next-token cross-entropy on the trained tokens)",
+    "dpo": "Direct Preference Optimization on chosen/rejected pairs",
+    "simpo": "SimPO (reference-free, length-normalised preference optimization)",
+    "grpo": "GRPO (online RL: completions sampled from the model and scored by reward functions)",
+}
+PIPELINE_TAG = "text-generation"
+
+
+# ------------------------------------------------------------------------------------------------ facts
+def read_metrics(output_dir: Path) -> list[dict]:
+    """The run's metrics rows ([] when there is no metrics.jsonl; a line cut short by a crash is skipped)."""
+    path = output_dir / METRICS_FILE
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    return rows
+
+
+def method_of(recipe: dict, summary: dict) -> tuple[str, str]:
+    """(tag, description) of the fine-tuning method."""
+    if not recipe.get("use_peft"):
+        return "full", "full fine-tuning (every weight trained)"
+    name = "dora" if recipe.get("use_dora") else "lora"
+    bits = 4 if recipe.get("load_in_4bit") else 8 if recipe.get("load_in_8bit") else None
+    tag = "qlora" if bits == 4 else name
+    adapters = (f"{'DoRA' if name == 'dora' else 'LoRA'} adapters (r={recipe['lora_r']}, alpha={recipe['lora_alpha']}"
+                f"{', rsLoRA scaling' if recipe.get('use_rslora') else ''}) on "
+                f"{', '.join(recipe.get('lora_target_modules') or [])}")
+    if bits is not None:
+        quant = f"{recipe.get('bnb_4bit_quant_type', 'nf4')} 4-bit" if bits == 4 else "LLM.int8 8-bit"
+        adapters += f" over a {quant} quantized base (bitsandbytes)"
+    return tag, adapters
+
+
+def base_license(model: str, revision: str | None) -> str | None:
+    """The license the base model's card (README.md front matter) or config names, read locally: from the folder, or
+    from the hub cache for a hub id (no download)."""
+    for name in ("README.md", "config.json"):
+        if Path(model).is_dir():
+            path = Path(model) / name
+        else:
+            cached = try_to_load_from_cache(model, name, revision=revision)
+            path = Path(cached) if isinstance(cached, str) else None
+        if path is None or not path.is_file():
+            continue
+        try:
+            if name == "README.md":
+                found = ModelCard.load(path).data.to_dict().get("license")
+            else:
+                found = json.loads(path.read_text(encoding="utf-8")).get("license")
+        except (ValueError, OSError, yaml.YAMLError):
+            continue
+        if isinstance(found, str) and found:
+            return found
+    return None
+
+
+def hub_datasets(recipe: dict) -> list[str]:
+    names = [recipe.get("dataset_name"), recipe.get("eval_dataset_name"),
+             *[source["name"] for source in recipe.get("dataset_mixture") or []]]
+    return list(dict.fromkeys(n for n in names if n and not looks_local(n)))
+
+
+def recipe_settings(recipe: dict) -> dict:
+    """The fields whose value differs from hftrain's default (what the recipe and command line set), credentials
+    left out."""
+    defaults = dataclasses.asdict(Recipe())
+    return {k: v for k, v in recipe.items() if k not in SECRET_FIELDS and k in defaults and v != defaults[k]}
+
+
+def final_rows(rows: list[dict], step: int) -> tuple[dict | None, dict | None]:
+    """(last training row, evaluation row of the final step), either None when absent."""
+    train = [r for r in rows if r.get("loss") is not None and r["step"] <= step]
+    evals = [r for r in rows if "eval_loss" in r and r["step"] == step]
+    return (train[-1] if train else None), (evals[-1] if evals else None)
+
+
+# ------------------------------------------------------------------------------------------------ the card
+def _epochs(rows: list[dict], step: int) -> float | None:
+    """The epoch the log gives at the last step (fractional, as Trainer logs it)."""
+    logged = [r["epoch"] for r in rows if r.get("epoch") is not None and r["step"] == step]
+    return logged[-1] if logged else None
+
+
+def _fmt(value, digits: int = 4) -> str:
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _quick_start(load_from: str, kind: str, chat: bool) -> str:
+    if kind == "adapter":
+        head = ("from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
+                f'model = AutoPeftModelForCausalLM.from_pretrained("{load_from}")  # the base model, then this adapter')
+    else:
+        head = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+                f'model = AutoModelForCausalLM.from_pretrained("{load_from}")')
+    head += f'\ntokenizer = AutoTokenizer.from_pretrained("{load_from}")\n'
+    if chat:
+        body = ('messages = [{"role": "user", "content": "Hello! What can you do?"}]\n'
+                "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
+                "return_dict=True)\n")
+    else:
+        body = 'inputs = tokenizer("Once upon a time", return_tensors="pt")\n'
+    body += ("output = model.generate(**inputs, max_new_tokens=64)\n"
+             'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))')
+    return f"```python\n{head}{body}\n```"
+
+
+def _versions_section(state: dict) -> list[str]:
+    versions = state.get("versions") or {"hftrain": _version("hftrain"), "transformers": _version("transformers"),
+                                         "peft": _version("peft"), "torch": _version("torch")}
+    return ["## Framework versions", "", *[f"- {name}: {version}" for name, version in versions.items()], ""]
+
+
+def _version(package: str) -> str:
+    try:
+        return md.version(package)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kind: str, device_hours: float | None,
+               name: str, load_from: str | None = None, merged_from: dict | None = None
+               ) -> tuple[ModelCard, str | None]:
+    """The card of `folder` and the name of the loss figure to draw beside it (None: too few points).
+
+    kind: model (a full fine-tune's folder), adapter (peft), merged (an adapter merged into its base: `merged_from`
+    is hftrain_merge.json's record). `recipe` and `state` are the training run's (its hftrain_config.yaml and
+    hftrain_state.json), `rows` its metrics.jsonl. `name`: the model's name (the hub repo id, or the run's folder
+    name); `load_from`: what the quick start loads (the hub repo id; default the folder's path)."""
+    progress, summary = state.get("progress", {}), state.get("model", {})
+    step = progress.get("step", 0)
+    method_tag, method = method_of(recipe, summary)
+    objective = recipe.get("objective", "sft")
+    base = recipe["model_name_or_path"] if merged_from is None else merged_from["base_model_name_or_path"]
+    base = str(Path(base).expanduser().resolve()) if Path(base).expanduser().is_dir() else base  # a local folder
+    tags = ["hftrain", *([objective] if state else []), method_tag, *(["merge"] if kind == "merged" else [])]
+    data = ModelCardData(
+        base_model=base, library_name="peft" if kind == "adapter" else "transformers", pipeline_tag=PIPELINE_TAG,
+        tags=list(dict.fromkeys(tags)), datasets=hub_datasets(recipe) or None,
+        license=base_license(base, recipe.get("model_revision")),
+        model_name=name)
+    title = name
+    what = {"model": "a fine-tune", "adapter": "a peft adapter", "merged": "a fine-tune (adapter merged into its base)"}
+    base_link = base if looks_local(base) or Path(base).is_dir() else f"[{base}](https://huggingface.co/{base})"
+    datasets = [s["name"] for s in state.get("data", {}).get("sources", [])] or [recipe.get("dataset_name")]
+    how = (f", trained with hftrain by {OBJECTIVES.get(objective, objective)} on "
+           f"{', '.join(f'`{d}`' for d in datasets if d)}" if state else ", merged with hftrain")
+    lines = [f"# {title}", "", f"This is {what[kind]} of {base_link}{how}.", ""]
+    if merged_from is not None:
+        lines += [f"The adapter `{merged_from['adapter']}` was merged into the {merged_from['merged_into']} in "
+                  f"float32 and saved as {merged_from['dtype']}.", ""]
+
+    lines += ["## Quick start", "", _quick_start(load_from or str(folder.resolve()),
+                                                 "adapter" if kind == "adapter" else "model",
+                                                 (folder / "chat_template.jinja").exists()), ""]
+
+    if not state:  # an adapter trained elsewhere, merged by hftrain: its training is not known here
+        lines += ["## Training", "", f"The adapter was not trained by hftrain (no {STATE_FILE} beside it), so its "
+                  "training is not described here.", ""]
+        lines += _versions_section(state)
+        return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)), None
+
+    parallelism = state.get("parallelism", {})
+    launch = state.get("launch", {})
+    schedule = (f"{recipe.get('lr_scheduler_type')} schedule"
+                + (f", {recipe['warmup_steps']} warmup steps" if recipe.get("warmup_steps") else "")
+                + (f", warmup ratio {recipe['warmup_ratio']}" if recipe.get("warmup_ratio") else ""))
+    learning_rate = (state.get("lr_scaling") or {}).get("learning_rate", recipe.get("learning_rate"))
+    precision = "bf16 mixed precision" if recipe.get("bf16") else "fp16 mixed precision" if recipe.get("fp16") else \
+        launch.get("mixed_precision", "no") if launch.get("mixed_precision", "no") != "no" else \
+        f"{recipe.get('dtype', 'float32')} weights, no mixed precision"
+    trained, total = summary.get("trainable_parameters"), summary.get("parameters")
+    table = [
+        ("objective", f"`{objective}`: {OBJECTIVES.get(objective, objective)}"),
+        ("method", method + (f"; {_fmt(trained)} of {_fmt(total)} parameters trained" if trained and total else "")),
+        ("strategy", f"{parallelism.get('name', 'single process')}"
+                     + (f", {processes} processes" if (processes := parallelism.get("processes", 1)) > 1 else "")
+                     + f" on {launch.get('device', 'cpu')}"),
+        ("steps", f"{_fmt(step)} optimizer steps" + (f" ({_fmt(epochs)} epochs)" if (epochs := _epochs(rows, step))
+                                                      is not None else "")),
+        ("tokens trained", _fmt(progress.get("trained_tokens", 0))),
+        ("effective batch", f"{_fmt(state.get('effective_batch_size'))} examples per step "
+                            f"({recipe.get('per_device_train_batch_size')} per device x "
+                            f"{parallelism.get('dp_world', 1)} data-parallel x "
+                            f"{recipe.get('gradient_accumulation_steps')} accumulation)"),
+        ("learning rate", f"{_fmt(learning_rate)} peak, {schedule}, optimizer {recipe.get('optim')}"),
+        ("sequence length", f"{recipe.get('max_length')} tokens{', packed' if recipe.get('packing') else ''}"),
+        ("precision", precision),
+    ]
+    if device_hours is not None:
+        table.append(("device-hours", _fmt(device_hours)))
+    lines += ["## Training", "", "| | |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in table], ""]
+
+    train_row, eval_row = final_rows(rows, step)
+    results = []
+    if train_row is not None:
+        results.append(("train loss", f"{_fmt(train_row['loss'])} (logged at step {train_row['step']})"))
+    if eval_row is not None:
+        results.append(("eval loss", f"{_fmt(eval_row['eval_loss'])} (after step {step})"))
+        if "eval_perplexity" in eval_row:
+            results.append(("eval perplexity", _fmt(eval_row["eval_perplexity"])))
+    for key in ("reward", "reward_std", "rewards/accuracies", "rewards/margins"):
+        if train_row is not None and train_row.get(key) is not None:
+            results.append((key, _fmt(train_row[key])))
+        if eval_row is not None and eval_row.get(f"eval_{key}") is not None:
+            results.append((f"eval_{key}", _fmt(eval_row[f"eval_{key}"])))
+    figure = None
+    if results:
+        lines += ["## Results", "", "| | final |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in results], ""]
+        if len([r for r in rows if r.get("loss") is not None]) >= 2:
+            figure = LOSS_FIGURE
+            lines += [f"![Train and eval loss]({LOSS_FIGURE})", ""]
+    else:
+        lines += ["## Results", "", "No metrics.jsonl was found beside this folder, so the losses are not shown; "
+                  f"the run's progress is in {STATE_FILE}.", ""]
+
+    settings = recipe_settings(recipe)
+    lines += ["## Recipe", "", f"The settings that differ from hftrain's defaults (the whole resolved recipe is "
+              f"{CONFIG_FILE}):", "", "```yaml",
+              yaml.safe_dump(settings, sort_keys=False).rstrip() if settings else "# hftrain's defaults", "```", ""]
+    lines += _versions_section(state)
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+    return card, figure
+
+
+def write_card(folder: Path, card: ModelCard, figure: str | None, rows: list[dict]) -> Path:
+    """README.md (and the loss figure) in `folder`, each written to a temporary file and renamed into place."""
+    if figure is not None:
+        tmp = folder / f".{figure}.tmp.png"
+        plot_loss([r for r in rows if r.get("loss") is not None], [r for r in rows if "eval_loss" in r], tmp)
+        os.replace(tmp, folder / figure)
+    tmp = folder / f".{CARD_FILE}.tmp"
+    tmp.write_text(str(card), encoding="utf-8")
+    os.replace(tmp, folder / CARD_FILE)
+    return folder / CARD_FILE
+
+
+def run_card(folder: Path, output_dir: Path, *, kind: str, device_hours: float | None, repo_id: str | None = None,
+             location: Path | None = None) -> Path:
+    """The card of a run's folder for use (final/, or the model a save pushes), from its run files and the run's
+    metrics.jsonl. `repo_id`: the hub repo it is pushed to (its name and what the quick start loads); `location`:
+    where the folder ends up (it may be written under a temporary name first)."""
+    recipe = yaml.safe_load((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+    rows = read_metrics(output_dir)
+    card, figure = build_card(folder, recipe, state, rows, kind=kind, device_hours=device_hours,
+                              name=repo_id or output_dir.resolve().name,
+                              load_from=repo_id or str((location or folder).resolve()))
+    return write_card(folder, card, figure, rows)
+
+
+def merged_card(merged_dir: Path, adapter_dir: Path, record: dict, load_from: str | None = None) -> Path:
+    """The card of a merged model: the adapter's training run (its run files, and metrics.jsonl of the output_dir
+    it sits in) with the merge's record."""
+    config, state_file = adapter_dir / CONFIG_FILE, adapter_dir / STATE_FILE
+    if config.is_file():
+        recipe = yaml.safe_load(config.read_text(encoding="utf-8"))
+    else:  # an adapter from elsewhere: what its adapter_config.json says
+        adapter = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+        targets = adapter.get("target_modules") or []
+        recipe = {"model_name_or_path": record["base_model_name_or_path"], "use_peft": True,
+                  "use_dora": bool(adapter.get("use_dora")), "lora_r": adapter.get("r"),
+                  "lora_alpha": adapter.get("lora_alpha"),
+                  "lora_target_modules": sorted(targets) if isinstance(targets, list) else [targets]}
+    state = json.loads(state_file.read_text(encoding="utf-8")) if state_file.is_file() else {}
+    rows = read_metrics(adapter_dir.resolve().parent) if state else []
+    card, figure = build_card(merged_dir, recipe, state, rows, kind="merged",
+                              device_hours=state.get("device_hours"), name=load_from or merged_dir.resolve().name,
+                              load_from=load_from, merged_from=record)
+    return write_card(merged_dir, card, figure, rows)

@@ -1,0 +1,101 @@
+"""hftrain.card on hand-made run files (no training): the hub metadata each kind of folder gets, what the body takes
+from the run files and metrics, and what it must leave out. The cards of real runs are checked where e2e tests already
+produce them (tests/model_cards.py: a full fine-tune, each adapter method, merges, a pushed run)."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+from huggingface_hub import ModelCard
+
+from hftrain.card import build_card, merged_card, recipe_settings, run_card, write_card
+from hftrain.config import Recipe
+
+STATE = {
+    "progress": {"step": 6, "epoch": 0, "trained_tokens": 1234},
+    "model": {"method": "lora", "trainable_parameters": 100, "parameters": 1000},
+    "parallelism": {"name": "DDP", "processes": 2, "dp_world": 2},
+    "launch": {"device": "cpu", "mixed_precision": "no"},
+    "effective_batch_size": 8,
+    "data": {"sources": [{"name": "org/chat-data"}]},
+    "versions": {"hftrain": "0.1.0", "torch": "2.13.0"},
+}
+
+
+def recipe(**changes) -> dict:
+    return {**Recipe().to_record(), **changes}
+
+
+def test_adapter_card_metadata_and_body(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: apache-2.0\n---\n# base\n")
+    rows = [{"step": 5, "epoch": 0.5, "loss": 2.0}, {"step": 6, "epoch": 0.6, "loss": 1.5},
+            {"step": 6, "eval_loss": 1.75, "eval_perplexity": 5.75}]
+    r = recipe(model_name_or_path=str(base), use_peft=True, load_in_4bit=True, lora_r=8, lora_alpha=16,
+               dataset_name="org/chat-data", eval_dataset_name="data/eval.jsonl", hub_token="hf_secret_value_123")
+    card, figure = build_card(tmp_path, r, STATE, rows, kind="adapter", device_hours=0.25, name="org/m",
+                              load_from="org/m")
+    data = card.data.to_dict()
+    assert data["base_model"] == str(base) and data["library_name"] == "peft"
+    assert data["tags"] == ["hftrain", "sft", "qlora"] and data["datasets"] == ["org/chat-data"]
+    assert data["license"] == "apache-2.0" and data["pipeline_tag"] == "text-generation"
+    text = card.text
+    assert "LoRA adapters (r=8, alpha=16) on all-linear over a nf4 4-bit quantized base" in text
+    assert "| strategy | DDP, 2 processes on cpu |" in text and "| tokens trained | 1,234 |" in text
+    assert "| steps | 6 optimizer steps (0.6 epochs) |" in text
+    assert "8 examples per step (8 per device x 2 data-parallel x 1 accumulation)" in text
+    assert "| train loss | 1.5 (logged at step 6) |" in text and "| eval loss | 1.75 (after step 6) |" in text
+    assert "| device-hours | 0.25 |" in text and figure == "loss.png"
+    assert 'AutoPeftModelForCausalLM.from_pretrained("org/m")' in text
+    assert "hf_secret" not in text and "hub_token" not in text
+    settings = yaml.safe_load(text.split("```yaml\n")[1].split("```")[0])
+    assert settings["lora_r"] == 8 and "learning_rate" not in settings  # only what differs from the defaults
+
+
+def test_grpo_rewards_and_a_final_step_without_evaluation(tmp_path):
+    rows = [{"step": 4, "loss": 0.1, "reward": 0.5, "reward_std": 0.25}, {"step": 2, "eval_loss": 3.0}]
+    card, _ = build_card(tmp_path, recipe(objective="grpo"), {**STATE, "progress": {"step": 4}}, rows, kind="model",
+                         device_hours=None, name="run")
+    assert "| reward | 0.5 |" in card.text and "| reward_std | 0.25 |" in card.text
+    assert "eval loss" not in card.text  # the step-2 evaluation is not the final one
+    assert card.data.to_dict()["library_name"] == "transformers" and "grpo" in card.data.tags
+
+
+def test_no_metrics_says_so_and_draws_nothing(tmp_path):
+    card, figure = build_card(tmp_path, recipe(), STATE, [], kind="model", device_hours=None, name="run")
+    assert figure is None and "No metrics.jsonl was found" in card.text and "loss.png" not in card.text
+
+
+def test_run_card_is_written_atomically_and_parses(tmp_path):
+    folder, out = tmp_path / "out" / "final", tmp_path / "out"
+    folder.mkdir(parents=True)
+    Recipe(output_dir=str(out), hub_token="hf_secret_value_123").dump(folder / "hftrain_config.yaml")
+    (folder / "hftrain_state.json").write_text(json.dumps(STATE))
+    (out / "metrics.jsonl").write_text('{"step": 5, "loss": 2.0}\n{"step": 6, "loss": 1.5}\n{"step": 6, "lo')
+    path = run_card(folder, out, kind="model", device_hours=1.0)
+    assert ModelCard.load(path).data.model_name == "out"
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "hftrain_config.yaml", "hftrain_state.json",
+                                                        "loss.png"]
+    assert "hf_secret" not in path.read_text() and "hf_secret" not in (folder / "hftrain_config.yaml").read_text()
+    write_card(folder, ModelCard("---\ntags: [x]\n---\nnew"), None, [])
+    assert ModelCard.load(path).text.strip() == "new"
+
+
+def test_merged_card_of_an_adapter_from_elsewhere(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}))
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    record = {"adapter": str(adapter), "base_model_name_or_path": "org/base", "merged_into": "full-precision base",
+              "dtype": "float32"}
+    card = ModelCard.load(merged_card(merged, adapter, record))
+    assert card.data.base_model == "org/base" and card.data.tags == ["hftrain", "lora", "merge"]
+    assert "not trained by hftrain" in card.text and "None" not in card.text
+
+
+def test_recipe_settings_leave_out_defaults_and_credentials():
+    values = Recipe(learning_rate=1e-3, hub_token="hf_abcdefgh12345").to_dict()
+    assert recipe_settings(values) == {"learning_rate": 1e-3}

@@ -1,0 +1,76 @@
+"""hftrain.hub and the recipe's hub group, against the fake hub of tests/hub_server.py (huggingface_hub's endpoint
+pointed at it): the refusals, and a run's pushes without training (the trained run is tests/e2e/test_hub.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from huggingface_hub import constants
+
+from hftrain.config import Recipe, validate
+from hftrain.errors import HftrainError
+from hftrain.hub import HubPush, preflight_problems
+from tests.hub_server import FakeHub
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    def start(**fail):
+        hub = FakeHub(fail=fail)
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)  # what HF_ENDPOINT sets at import
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_TOKEN", "hf_fake_unit_token")
+        return hub
+    return start
+
+
+def hub_problems(**fields) -> list[str]:
+    return [p for p in validate(Recipe(**fields)) if "hub" in p]
+
+
+def test_recipe_rules():
+    assert hub_problems(push_to_hub=True, hub_model_id="org/name") == []
+    assert hub_problems(push_to_hub=True, output_dir="outputs/tiny-chat") == []  # the default repo: the folder name
+    assert "not a valid hub repo id" in hub_problems(push_to_hub=True, hub_model_id="org/na--me")[0]
+    assert "'my run', which is not a valid hub repo id" in hub_problems(push_to_hub=True, output_dir="out/my run")[0]
+    assert hub_problems(hub_private_repo=True, hub_revision="dev") == [
+        "hub_private_repo, hub_revision are set but push_to_hub is false: nothing is pushed; set push_to_hub: true "
+        "or remove them"]
+
+
+def test_preflight_needs_a_token_and_online_mode(monkeypatch, tmp_path):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))  # no `hf auth login` token
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    problems = preflight_problems(Recipe(push_to_hub=True, hub_model_id="org/name"))
+    assert len(problems) == 2 and "none is set" in problems[0] and "HF_HUB_OFFLINE=1" in problems[1]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert preflight_problems(Recipe(push_to_hub=True, hub_model_id="org/name", hub_token="hf_given")) == []
+    assert preflight_problems(Recipe()) == []
+
+
+def test_pushes_at_saves_skip_while_busy_and_a_failed_final_push_is_one_paragraph(fake_hub, tmp_path):
+    model, final = tmp_path / "model", tmp_path / "final"
+    for folder, content in ((model, b"step 2"), (final, b"final")):
+        folder.mkdir()
+        (folder / "weights.bin").write_bytes(content)
+    lines = []
+    with fake_hub(create={3}) as hub:
+        push = HubPush(Recipe(push_to_hub=True, hub_model_id="org/m", hub_strategy="all_checkpoints"), True,
+                       lines.append, lines.append)
+        release = threading.Event()
+        push._submit("a slow upload", release.wait)  # an upload in flight: the next save is not pushed by the loop
+        assert push.busy()
+        release.set()
+        push.executor.submit(lambda: None).result()
+        assert not push.busy()
+        push.at_save(2, model, model, None)  # model to the root, the "checkpoint" to checkpoint-2/
+        push.executor.submit(lambda: None).result()
+        assert hub.repos["org/m"].branches["main"] == {"weights.bin": b"step 2", "model/weights.bin": b"step 2"}
+        with pytest.raises(HftrainError) as refused:
+            push.finish(final)  # the third repo creation answers 500
+    message = str(refused.value)
+    assert message.startswith(f"pushing {final} to the hub repo 'org/m' failed (Server error '500")
+    assert f"Push it again with `hf upload org/m {final} .`" in message
+    assert hub.repos["org/m"].branches["main"]["weights.bin"] == b"step 2"  # the repo is as it was
