@@ -18,8 +18,6 @@ import re
 import statistics
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
 from hftrain.errors import HftrainError, run_tool
 from hftrain.layout import FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STATE_FILE
 
@@ -71,6 +69,8 @@ def rank_keys(rows: list[dict], metric: str) -> list[str]:
 
 # --------------------------------------------------------------------------------- plots
 def _figure(title: str, ylabel: str):
+    from matplotlib.figure import Figure  # here: every training process imports this module for the model card
+
     fig = Figure(figsize=(7, 4), dpi=100)  # no pyplot: no GUI backend, no global figure list to close
     ax = fig.subplots()
     ax.set_title(title)

@@ -22,6 +22,8 @@ LAZY_ALLOWED = {
     "wandb": "only with report_to: wandb; slow to import",
     "tensorboard": "only with report_to: tensorboard",
     "vllm": "CUDA-only extra (pip install hftrain[vllm]); only grpo with use_vllm: true needs it",
+    "matplotlib": "drawn only when a report or a model card's loss curve is; every training process (each rank of a "
+                  "launch) would otherwise import it (~0.5 s) for the card's module",
 }
 
 
@@ -163,7 +165,7 @@ def test_function_local_imports_are_only_optional_heavy_packages():
 
 
 def test_importing_finetune_loads_no_optional_heavy_package():
-    heavy = ("deepspeed", "bitsandbytes", "wandb", "mlflow", "vllm")
+    heavy = ("deepspeed", "bitsandbytes", "wandb", "mlflow", "vllm", "matplotlib")
     code = f"import sys, hftrain.finetune; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
