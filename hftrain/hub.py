@@ -44,8 +44,9 @@ def preflight_problems(recipe) -> list[str]:
         return []
     problems = []
     if token_of(recipe.hub_token) is None:
-        problems.append(f"push_to_hub needs a hub token with write access to {recipe_repo_id(recipe)!r} and none is "
-                        "set: log in with `hf auth login` (`huggingface-cli login`), export HF_TOKEN, or set "
+        named = "" if recipe.hub_model_id else " (output_dir's name; hub_model_id chooses another)"
+        problems.append(f"push_to_hub needs a hub token with write access to {recipe_repo_id(recipe)!r}{named} and "
+                        "none is set: log in with `hf auth login` (`huggingface-cli login`), export HF_TOKEN, or set "
                         "hub_token")
     if offline():
         problems.append("push_to_hub with HF_HUB_OFFLINE=1: huggingface_hub refuses every upload in offline mode; "
