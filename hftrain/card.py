@@ -110,7 +110,7 @@ def recipe_settings(recipe: dict) -> dict:
 def final_rows(rows: list[dict], step: int) -> tuple[dict | None, dict | None]:
     """(last training row, evaluation row of the final step), either None when absent."""
     train = [r for r in rows if r.get("loss") is not None and r["step"] <= step]
-    evals = [r for r in rows if "eval_loss" in r and r["step"] == step]
+    evals = [r for r in rows if r["step"] == step and any(k.startswith("eval_") for k in r)]  # grpo: eval_reward
     return (train[-1] if train else None), (evals[-1] if evals else None)
 
 
@@ -236,7 +236,7 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
     results = []
     if train_row is not None:
         results.append(("train loss", f"{_fmt(train_row['loss'])} (logged at step {train_row['step']})"))
-    if eval_row is not None:
+    if eval_row is not None and eval_row.get("eval_loss") is not None:
         results.append(("eval loss", f"{_fmt(eval_row['eval_loss'])} (after step {step})"))
         if "eval_perplexity" in eval_row:
             results.append(("eval perplexity", _fmt(eval_row["eval_perplexity"])))

@@ -55,11 +55,13 @@ def test_adapter_card_metadata_and_body(tmp_path):
 
 
 def test_grpo_rewards_and_a_final_step_without_evaluation(tmp_path):
-    rows = [{"step": 4, "loss": 0.1, "reward": 0.5, "reward_std": 0.25}, {"step": 2, "eval_loss": 3.0}]
+    rows = [{"step": 4, "loss": 0.1, "reward": 0.5, "reward_std": 0.25}, {"step": 2, "eval_loss": 3.0},
+            {"step": 4, "eval_reward": 0.75}]
     card, _ = build_card(tmp_path, recipe(objective="grpo"), {**STATE, "progress": {"step": 4}}, rows, kind="model",
                          device_hours=None, name="run")
     assert "| reward | 0.5 |" in card.text and "| reward_std | 0.25 |" in card.text
     assert "eval loss" not in card.text  # the step-2 evaluation is not the final one
+    assert "| eval_reward | 0.75 |" in card.text  # grpo's evaluation scores completions
     assert card.data.to_dict()["library_name"] == "transformers" and "grpo" in card.data.tags
 
 
