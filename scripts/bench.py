@@ -128,15 +128,14 @@ CONTENDERS = {
                                  {**ACCUM, "torch_compile": True}, lever=True),
     "hftrain_ddp2": Contender("hftrain", "hftrain_accum as 2-process DDP (gloo, 1 thread each): 1 x 4 per process",
                               {**ACCUM, "per_device_train_batch_size": BATCH // 8}, processes=2, lever=True),
-    # The recommended GPU setting (docs/gpu-proof.md): packed rows, Liger's kernels (no fp32 logits), fused AdamW,
-    # one dataloader worker; bf16 comes from the size. And the same with torch.compile instead of Liger.
+    # The GPU settings (docs/gpu-proof.md): packed rows, fused AdamW, one dataloader worker, bf16 from the size; with
+    # Liger's kernels (no fp32 logits), without them (the faster on an H200: docs/benchmarks.md), with torch.compile.
     "hftrain_gpu": Contender("hftrain", "hftrain, packing, Liger kernels, fused AdamW, 1 dataloader worker",
                              {"packing": True, "use_liger_kernel": True, "optim": "adamw_torch_fused",
                               "dataloader_num_workers": 1}, packed=True, lever=True),
-    "hftrain_gpu_noliger": Contender("hftrain", "hftrain_gpu without Liger's kernels (torch's RMSNorm, SwiGLU, RoPE and "
-                                                "cross-entropy)", {"packing": True, "optim": "adamw_torch_fused",
-                                                                   "dataloader_num_workers": 1},
-                                     packed=True, lever=True),
+    "hftrain_gpu_noliger": Contender(
+        "hftrain", "hftrain_gpu without Liger's kernels (torch's RMSNorm, SwiGLU, RoPE and cross-entropy)",
+        {"packing": True, "optim": "adamw_torch_fused", "dataloader_num_workers": 1}, packed=True, lever=True),
     "hftrain_gpu_compile": Contender("hftrain", "hftrain, packing, torch_compile, fused AdamW, 1 dataloader worker",
                                      {"packing": True, "torch_compile": True, "optim": "adamw_torch_fused",
                                       "dataloader_num_workers": 1}, packed=True, lever=True),
