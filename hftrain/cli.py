@@ -45,7 +45,7 @@ from hftrain.presets import layout_problems, needs
 
 ENTRY = Path(__file__).resolve().parent / "finetune.py"
 TOOLS = {"finetune": "hftrain.finetune", "merge": "hftrain.merge", "estimate": "hftrain.estimate",
-         "report": "hftrain.report", "data": "hftrain.data.__main__"}
+         "report": "hftrain.report", "data": "hftrain.data.__main__", "env": "hftrain.versions"}
 # the exceptions with which accelerate's launcher reports a process that exited non-zero (single process / DeepSpeed
 # multi-node: CalledProcessError; torchrun: ChildFailedError, followed by its failure summary)
 LAUNCHER_FAILURES = ("subprocess.CalledProcessError: Command",
@@ -77,6 +77,8 @@ commands:
   estimate   memory per GPU of a model under every strategy, and the preset that fits (= python -m hftrain.estimate)
   report     plots and a summary of a run's metrics.jsonl (= python -m hftrain.report)
   merge      merge a LoRA / DoRA run's adapter into its base model (= python -m hftrain.merge)
+  env        the versions in use, whether each is inside the tested range, and which version-gated features
+             are available here (for a bug report; = python -m hftrain.versions)
 
 options:
   -h, --help     show this text; `hftrain <command> --help` shows a command's own

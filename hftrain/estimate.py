@@ -52,10 +52,10 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.distributed import tensor_parallel
 from transformers.distributed.tensor_parallel import (
     ALL_PARALLEL_STYLES,
     ColwiseParallel,
-    EmbeddingParallel,
     RowwiseParallel,
     TensorParallelLayer,
 )
@@ -64,6 +64,10 @@ from hftrain.config import PRESET_DIR
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
 from hftrain.metrics import active_expert_fraction
 from hftrain.stages import STAGES_PER_PROCESS, split_layers, stage_indices
+
+# transformers >= 5.21 gives embeddings a style of their own (EmbeddingParallel, its `shard_dim`); before, none: it
+# shards an nn.Embedding under the colwise style on the hidden dim (1) and under rowwise on the vocabulary (0) itself
+EmbeddingParallel = getattr(tensor_parallel, "EmbeddingParallel", None)
 
 GIB = 2**30  # the one unit for memory sizes (parallel/base.py imports it)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weights, 8-bit absmax per 64 weights, fp32 absmax per 256 blocks
@@ -174,11 +178,12 @@ def _tp_split(lm) -> tuple[dict[str, tuple[int, int]], tuple[str, ...]]:
             style = styles.get(name)
             kind = ALL_PARALLEL_STYLES[style] if style is not None else None
             dim = None
+            own_embedding = EmbeddingParallel is None and isinstance(module, torch.nn.Embedding)
             if isinstance(kind, ColwiseParallel):
-                dim = (p.ndim - 2) % p.ndim
+                dim = 1 if own_embedding else (p.ndim - 2) % p.ndim
             elif isinstance(kind, RowwiseParallel):
-                dim = None if short == "bias" else p.ndim - 1
-            elif isinstance(kind, EmbeddingParallel):
+                dim = 0 if own_embedding else None if short == "bias" else p.ndim - 1
+            elif EmbeddingParallel is not None and isinstance(kind, EmbeddingParallel):
                 dim = kind.shard_dim
             elif kind is not None and type(kind) is not TensorParallelLayer:  # "replicate" is the plain base class
                 unmodelled.add(style)

@@ -62,6 +62,16 @@ def pad_token_id(tokenizer) -> int:
 CHECKPOINTING = {"use_reentrant": False}
 
 
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer: transformers 5.23's
+    `activation_checkpointing_enable`, named `gradient_checkpointing_enable` before (5.17 to 5.22)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=CHECKPOINTING)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING)
+
 def quantization_config(recipe: Recipe):
     """The bitsandbytes config the recipe asks for (load_in_4bit / load_in_8bit), or None."""
     if recipe.load_in_4bit:
@@ -196,7 +206,7 @@ def build_full_model(recipe: Recipe, load_kwargs: dict | None = None, layers: se
     if vision.is_image_text(model.config):
         model.hftrain_notes = [vision.describe_frozen(vision.freeze(model, recipe))]
     if recipe.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=CHECKPOINTING)
+        enable_activation_checkpointing(model)
     return model
 
 
@@ -245,7 +255,7 @@ def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modu
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.gradient_checkpointing,
                                                 gradient_checkpointing_kwargs=CHECKPOINTING)
     elif recipe.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=CHECKPOINTING)
+        enable_activation_checkpointing(model)
     # all-linear on a mixture-of-experts model also adapts its fused 3-D expert weights, through peft's
     # ParamWrapper, which refuses lora_dropout != 0: the working setting is chosen and said at start-up.
     dropout, notes = None, []

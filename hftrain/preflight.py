@@ -36,6 +36,7 @@ from hftrain.parallel.pipeline import PIPELINE_MODEL_TYPES, pipeline_problems
 from hftrain.parallel.tensor import fsdp_tp_blocks_disagree
 from hftrain.recipe.grpo import VLLM_REQUIREMENT
 from hftrain.stages import STAGES_PER_PROCESS, stage_layout
+from hftrain.versions import feature_problem
 
 TP_WITH_DEEPSPEED_REFUSED = (
     "tensor parallelism combined with DeepSpeed is not available in hftrain: accelerate 1.15 composes TP with "
@@ -188,6 +189,8 @@ def tensor_parallel_problems(recipe: Recipe, launch: Launch) -> list[str]:
     tp, world = recipe.tp_size, launch.world
     if tp <= 1:
         return []
+    if (too_old := feature_problem("tensor_parallel")) is not None:
+        return [f"tp_size={tp}: {too_old}"]
     if launch.kind == "deepspeed":
         return [f"tp_size={tp} with a DEEPSPEED preset: {TP_WITH_DEEPSPEED_REFUSED}"]
     if launch.kind == "fsdp2":

@@ -6,16 +6,20 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from transformers import TrainingArguments
 
 from hftrain.config import FIELDS, recipe_from_dict
 from hftrain.errors import ConfigError
 from hftrain.from_trl import MAPPED, REFUSED
 
+# TrainingArguments' name for it: activation_checkpointing from transformers 5.23, gradient_checkpointing before
+CHECKPOINTING_FIELD = next(name for name in ("activation_checkpointing", "gradient_checkpointing")
+                           if name in TrainingArguments.__dataclass_fields__)
 ACCEPTED = dict(
     learning_rate=1e-4, num_train_epochs=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
     lr_scheduler_type="cosine", warmup_steps=0.1, logging_steps=5, logging_first_step=True, seed=3, data_seed=7,
     eval_strategy="epoch", save_strategy="no", shuffle_dataset=True, max_length=256, packing=True,
-    activation_checkpointing=False, gradient_checkpointing_kwargs={"use_reentrant": False}, project="tulu",
+    **{CHECKPOINTING_FIELD: False}, gradient_checkpointing_kwargs={"use_reentrant": False}, project="tulu",
     model_init_kwargs={"dtype": "bfloat16", "attn_implementation": "sdpa", "revision": "v1.0"},
     assistant_only_loss=True, dataset_text_field="body", max_grad_norm=0.5, weight_decay=0.01,
 )

@@ -180,7 +180,7 @@ def test_build_full_model_and_tokenizer():
     recipe = Recipe(model_name_or_path=str(MODEL), gradient_checkpointing=True)
     model = build_full_model(recipe)
     assert model.config.use_cache is False
-    assert model.is_activation_checkpointing
+    assert model.is_gradient_checkpointing
     assert all(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
     tokenizer = build_tokenizer(recipe)
     assert tokenizer.eos_token == "<|im_end|>"
@@ -201,7 +201,7 @@ def test_a_stage_load_reads_only_its_decoder_layers(dtype, capfd):
     whole = dict(build_full_model(recipe).named_parameters())
     capfd.readouterr()
     stage = build_model(recipe, {}, layers={1})
-    assert type(stage) is type(AutoModelForCausalLM.from_pretrained(MODEL)) and stage.is_activation_checkpointing
+    assert type(stage) is type(AutoModelForCausalLM.from_pretrained(MODEL)) and stage.is_gradient_checkpointing
     assert "UNEXPECTED" not in "".join(capfd.readouterr())
     params = dict(stage.named_parameters())
     assert params.keys() == whole.keys()  # the whole model's names, in order

@@ -12,6 +12,7 @@ from dataclasses import replace
 import datasets
 import pytest
 import torch
+import transformers
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from transformers.utils import is_torchvision_available
@@ -43,7 +44,13 @@ def rows() -> list[dict]:
 @pytest.fixture(scope="module", params=["gemma3", "idefics3"])
 def family(request, image_text_model):
     folder = image_text_model(request.param)
-    return request.param, folder, AutoProcessor.from_pretrained(folder)
+    try:
+        return request.param, folder, AutoProcessor.from_pretrained(folder)
+    except ValueError as e:  # transformers 5.17 marks Idefics3's Pillow image processor as needing torchvision too
+        if is_torchvision_available() or "Missing optional dependencies: torchvision" not in str(e):
+            raise
+        pytest.skip(f"transformers {transformers.__version__} builds {request.param}'s processor only with "
+                    f"torchvision (5.23 does without): {str(e)[:200]}")
 
 
 def images_of(row) -> list:
@@ -204,7 +211,8 @@ def test_qwen2_vl_without_torchvision_is_refused_up_front_with_the_reason(tmp_pa
     from hftrain.preflight import model_problems
 
     tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
-    with pytest.raises(AttributeError, match="_extra_content"):  # the reason, as transformers 5.23 has it
+    # the reason, as transformers 5.23 has it (AttributeError) and as 5.17 does (TypeError)
+    with pytest.raises((AttributeError, TypeError), match="_extra_content|a BaseVideoProcessor was expected"):
         Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer, video_processor=None)
     Qwen2VLConfig(text_config={"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
                                "num_key_value_heads": 4, "vocab_size": len(tokenizer)},

@@ -33,14 +33,18 @@ from hftrain.parallel.tensor import (
     fsdp_tp_blocks_disagree,
     model_load_kwargs,
 )
+from hftrain.versions import available, feature_problem
 from tests.conftest import REPO
 
+# transformers' own tensor-parallel load as hftrain runs it (refused by the preflight on an older transformers)
+NEEDS_TP = pytest.mark.skipif(not available("tensor_parallel"), reason=str(feature_problem("tensor_parallel")))
 
 @pytest.mark.parametrize("processes, index, expected", [(2, 1, (1, 0)), (4, 1, (2, 0)), (4, 2, (2, 1)), (6, 5, (3, 2))])
 def test_tensor_parallel_groups_of_consecutive_ranks_share_one_data_share(processes, index, expected):
     assert data_share(processes, index, 2) == expected
 
 
+@NEEDS_TP
 def test_tensor_parallel_copies_keep_transformers_mesh_without_its_fsdp():
     config = model_load_kwargs(2, world=4)["distributed_config"]
     assert (config.tp_size, config.dp_replicate_size, config.fsdp_size) == (2, 2, 1)  # the mesh covers 4 ranks
@@ -57,6 +61,7 @@ def test_tensor_parallel_checkpoints_resume_only_with_tensor_parallelism(backend
         unbound.check_resumable({"tp_size": saved_tp, "num_processes": 2})
 
 
+@NEEDS_TP
 def test_fsdp2_x_tensor_parallel_loads_on_transformers_fsdp_by_tp_mesh(accelerator):
     """8 processes, tp_size=2: transformers' mesh is 4 fsdp ranks x 2 tp ranks, and it applies FSDP2 (dp_size > 1)."""
     unbound = object.__new__(FSDP2TensorParallelBackend)  # model_load_kwargs reads the recipe and the accelerator
@@ -189,6 +194,7 @@ import sys, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
+
 rank, fsdp, tp = map(int, sys.argv[1:])
 dist.init_process_group("fake", rank=rank, world_size=fsdp * tp, store=FakeStore())
 config = DistributedConfig(tp_size=tp, fsdp_size=fsdp)
@@ -196,6 +202,7 @@ AutoModelForCausalLM.from_pretrained("models/tiny-llama", distributed_config=con
 """
 
 
+@NEEDS_TP
 @pytest.mark.parametrize("fsdp, tp", [(4, 2), (2, 4)])
 def test_the_check_predicts_transformers_own_load(fsdp, tp):
     """The tiny model's 753-token vocabulary, loaded by transformers as rank 6 of a fake process group (no
