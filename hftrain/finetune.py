@@ -51,6 +51,7 @@ from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest, signal_na
 from hftrain.preflight import preflight
 from hftrain.tracking import MetricLogger, quiet_other_ranks
 from hftrain.vision import build_processor, is_image_text
+from hftrain.watchdog import Watchdog
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -163,6 +164,7 @@ class Finetune:
         set_seed(recipe.seed)
         self.output_dir = Path(recipe.output_dir)
         self.resume_from = checkpoint.resolve_resume(recipe)
+        self.watchdog = Watchdog.for_run(self.accelerator, recipe, checkpoint.newest_intact)  # hangs: watchdog.py
 
     def setup_data(self) -> None:
         """Tokenizer, then the objective's data (`objective.setup_data`: for sft/dpo `setup_examples`, streamed or
@@ -239,7 +241,7 @@ class Finetune:
                               machines=self.backend.record.machines,
                               sequence_shards=self.backend.record.sequence_shards,
                               model_shards=self.backend.record.model_shards,
-                              peers=self.backend.equal_work_groups())
+                              peers=self.backend.equal_work_groups(), on_lap=self.watchdog.lap)
 
     def make_run_info(self) -> dict:
         """What this run is, recorded in every checkpoint and the final folder (hftrain_state.json)."""
@@ -315,7 +317,8 @@ class Finetune:
         self.model.train()
         step_name = lambda: f"training step {progress.step + 1}"  # noqa: E731 - named when a timeout happens
         try:
-            with StopRequest() as stop, phase(self.accelerator, step_name, recipe.ddp_timeout):
+            with StopRequest() as stop, self.watchdog.watching(), \
+                    phase(self.accelerator, step_name, recipe.ddp_timeout):
                 while progress.step < self.total_steps:
                     batches = self.feed.batches(progress)
                     while progress.step_in_epoch < self.plan.steps_per_epoch and progress.step < self.total_steps:
@@ -357,7 +360,8 @@ class Finetune:
                              *(torch.tensor(vote, device=accelerator.device) for vote in stop.votes())])
         step_tokens, step_examples, step_units, data_votes, *stop_votes = self.dp.sum(local)
         if any(stop_votes) or data_votes > 0:
-            with phase(accelerator, "the preemption checkpoint", recipe.ddp_timeout):
+            with phase(accelerator, "the preemption checkpoint", recipe.ddp_timeout), \
+                    self.watchdog.window("the preemption checkpoint"):
                 saved = self.save_checkpoint()
             if data_votes > 0:
                 reason = self.feed.stop_reason or "the training data of another rank stopped the run"
@@ -407,16 +411,18 @@ class Finetune:
         progress.step += 1
         progress.step_in_epoch += 1
         progress.trained_tokens += step.tokens
+        self.watchdog.step_done(progress.step)
         self.bar.update(1)
         if progress.step % recipe.logging_steps == 0 or progress.step in (1, self.total_steps):
             self.log_window(step)
         if self.eval_set is not None and self.due(recipe.eval_strategy, recipe.eval_steps) \
                 and progress.step < self.total_steps:  # the last step's evaluation is the final one
-            with phase(self.accelerator, "evaluation", recipe.ddp_timeout):
+            with phase(self.accelerator, "evaluation", recipe.ddp_timeout), self.watchdog.window("evaluation"):
                 metrics = self.evaluate()
             self.logger.log({"step": progress.step, **metrics})
         if self.due(recipe.save_strategy, recipe.save_steps):
-            with phase(self.accelerator, "checkpointing", recipe.ddp_timeout):
+            with phase(self.accelerator, "checkpointing", recipe.ddp_timeout), \
+                    self.watchdog.window("a checkpoint save"):
                 saved = self.save_checkpoint(background=True)
                 self.push_at_save(saved)
 
@@ -488,6 +494,7 @@ class Finetune:
             "trained_tokens": progress.trained_tokens,
             "nan_skipped_steps": progress.nan_skipped_steps,
             **data,
+            **self.watchdog.metrics(),
             **self.meter.window(checksum=self.backend.param_checksum(self.model), step=progress.step, loss=loss,
                                 grad_norm=step.grad_norm, local_loss_sum=window.loss, global_tokens=window.tokens,
                                 global_examples=window.examples),

@@ -131,10 +131,12 @@ def peak_memory_mb(device: torch.device) -> tuple[float, float]:
 
 
 class StepTimer:
-    """Cheap phase timers: `lap(name)` adds the time since the previous mark to `name`."""
+    """Cheap phase timers: `lap(name)` adds the time since the previous mark to `name` (and tells `on_lap`, e.g. the
+    hang watchdog, that the step moved on)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, on_lap: Callable[[str], None] | None = None):
         self.cuda = device.type == "cuda"
+        self.on_lap = on_lap
         self.totals: dict[str, float] = defaultdict(float)
         self.pending: list[tuple[str, object, object]] = []
         self.last = self._mark()
@@ -151,6 +153,8 @@ class StepTimer:
         self.last = self._mark()
 
     def lap(self, name: str) -> None:
+        if self.on_lap is not None:
+            self.on_lap(name)
         now = self._mark()
         if self.cuda:
             self.pending.append((name, self.last, now))
@@ -228,7 +232,7 @@ class RunMeter:
                  peak_tflops_override: float | None, cost_per_gpu_hour: float | None, effective_batch_size: int,
                  device_hours_before: float, warn: Callable[[str], None], machines: int = 1,
                  utilization: UtilizationSampler | None = None, sequence_shards: int = 1, model_shards: int = 1,
-                 peers: list[list[int]] | None = None):
+                 peers: list[list[int]] | None = None, on_lap: Callable[[str], None] | None = None):
         self.accelerator = accelerator
         # ranks that do the same work each step, among which a straggler is sought: all of them, or under pp the
         # ranks of one stage (a stage's copies and tp shards; stages hold unequal layers, embedding and head)
@@ -239,7 +243,7 @@ class RunMeter:
         self.model_shards = model_shards
         self.world, self.rank = accelerator.num_processes, accelerator.process_index
         self.flops = flops
-        self.timer = StepTimer(accelerator.device)
+        self.timer = StepTimer(accelerator.device, on_lap)
         self.peak = peak_tflops(accelerator.device, peak_tflops_override)
         self.threshold = straggler_threshold
         self.cost_per_hour = cost_per_gpu_hour

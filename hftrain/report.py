@@ -3,10 +3,11 @@
     python -m hftrain.report outputs/tiny-chat        # writes outputs/tiny-chat/report/{report.md,*.png}
 
 Plots: loss and eval loss, learning rate, tokens/sec (global and per rank), per-rank own-time
-throughput (stragglers stand out), step time split, peak memory per rank, and for dpo/simpo runs the
-rewards (TRL's rewards/* metrics, train and eval). The summary states what ran (from the newest
-hftrain_state.json), final and best losses, the rewards, throughput, step-time split, memory, MFU,
-device-hours and cost, and any straggler or desync the run reported.
+throughput (stragglers stand out), step time split, peak memory per rank, heartbeat lag per rank against
+hang_timeout (a rank drifting toward a hang stands out), and for dpo/simpo runs the rewards (TRL's rewards/*
+metrics, train and eval). The summary states what ran (from the newest hftrain_state.json), final and best
+losses, the rewards, throughput, step-time split, memory, MFU, device-hours and cost, the largest heartbeat
+lag, and any straggler or desync the run reported.
 """
 
 from __future__ import annotations
@@ -156,6 +157,14 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
     if any("peak_memory_reserved_mb" in r for r in train):
         ax.plot(*series(train, "peak_memory_reserved_mb"), label="reserved (CUDA)", linestyle=":")
     made.append(_save(fig, ax, folder / "memory.png"))
+
+    lags = rank_keys(train, "heartbeat_lag")
+    if lags:  # several processes with the hang watchdog on
+        fig, ax = _figure("Heartbeat lag per rank (seen by rank 0; the job stops at hang_timeout)", "seconds")
+        for key in lags:
+            ax.plot(*series(train, key), label=key.split("/")[0], marker=".")
+        ax.plot(*series(train, "hang_timeout"), label="hang_timeout", color="red", linestyle="--")
+        made.append(_save(fig, ax, folder / "heartbeat_lag.png"))
     return made
 
 
@@ -237,6 +246,11 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
         worst = min(stragglers, key=lambda r: r["slowest_rank_ratio"])
         lines.append(f"- slowest rank: rank {worst['slowest_rank']} at {worst['slowest_rank_ratio']:.0%} of the "
                      f"others' own-time throughput (step {worst['step']})")
+    lagged = [(r[key], key.split("/")[0], r["step"], r.get("hang_timeout")) for key in rank_keys(train, "heartbeat_lag")
+              for r in train if r.get(key) is not None]
+    if lagged:
+        lag, rank, step, limit = max(lagged)
+        lines.append(f"- largest heartbeat lag: {lag:.1f} s ({rank}, step {step}; hang_timeout {_fmt(limit)} s)")
     if desync:
         lines.append(f"- DESYNC: ranks disagreed at steps {desync[:10]}{' ...' if len(desync) > 10 else ''}")
     lines.append("")

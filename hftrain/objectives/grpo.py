@@ -111,7 +111,7 @@ class GRPO(Objective):
         run.total_steps = recipe.max_steps if recipe.max_steps > 0 else \
             math.ceil(recipe.num_train_epochs * run.plan.steps_per_epoch)
         run.feed = Rollouts(recipe, run.plan, run.prompts, funcs, run.tokenizer, run.accelerator, run.dp,
-                            run.output_dir)
+                            run.output_dir, run.watchdog.window)
         run.stream_state = None
         if run.resume_from is not None:  # a checkpoint inside a generation window holds each rank's buffer
             saved = read_states(run.resume_from, STREAM_STATE.format(index="*"))

@@ -30,6 +30,7 @@ from accelerate.utils import InitProcessGroupKwargs, gather_object
 
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError, HftrainError
+from hftrain.watchdog import set_nccl_environment
 
 
 def _flag(environ: Mapping[str, str], name: str) -> bool:
@@ -146,6 +147,7 @@ def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
     # Naming a backend makes accelerate start a process group, so only DeepSpeed on CPU names one (gloo);
     # otherwise accelerate chooses (NCCL on GPU, gloo under cpu=True) and only the timeout is set.
     group = {"backend": "gloo"} if deepspeed and not cuda else {}
+    set_nccl_environment(recipe.hang_timeout)  # read when the NCCL process group is created, below
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.ddp_timeout), **group)]
     mesh = parallelism_config(recipe, launch)
     if recipe.cp_size > 1 and not cuda:

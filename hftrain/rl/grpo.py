@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -145,8 +146,9 @@ class Rollouts:
     `WindowPlan.micro_batches`."""
 
     def __init__(self, recipe, plan: WindowPlan, prompts, funcs: list[RewardFunction], tokenizer, accelerator,
-                 dp, output_dir: Path):
+                 dp, output_dir: Path, busy=lambda name: nullcontext()):
         self.recipe, self.plan, self.prompts, self.funcs = recipe, plan, prompts, funcs
+        self.busy = busy  # busy(name): a stretch that counts as progress for the hang watchdog (hftrain.watchdog)
         # dp: the data share (parallel.base.DataParallel). The ranks of one tensor-parallel group hold the same
         # data-parallel rank, so the same prompts, row seeds and completions; gathers count each group once.
         self.tokenizer, self.accelerator, self.dp, self.rank = tokenizer, accelerator, dp, dp.rank
@@ -219,7 +221,8 @@ class Rollouts:
                 if not self.truncated:  # the first window this process samples: rows from it on are written again
                     self.truncate_rows(window)
                     self.truncated = True
-                self.generate(window)
+                with self.busy("generation"):
+                    self.generate(window)
             batch = dict(self.buffer[micro])
             if not self.store_old:
                 batch.pop("old_logps", None)

@@ -117,3 +117,17 @@ def test_a_dpo_run_reports_its_rewards_and_pairs(tmp_path):
 def test_an_sft_report_has_no_rewards(run_dir):
     report = write_report(run_dir)
     assert not (report.parent / "rewards.png").exists() and "rewards" not in report.read_text()
+
+
+def test_heartbeat_lag_per_rank_is_plotted_against_hang_timeout_and_its_largest_summarised(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lags = {1: (0.4, 0.5), 2: (0.3, 2.5), 3: (0.2, 1.0), 4: (0.5, 0.4)}  # step: (rank 0's, rank 1's), as logged
+    for row in rows:
+        if "loss" in row:
+            row.update({"hang_timeout": 300.0, "rank0/heartbeat_lag": lags[row["step"]][0],
+                        "rank1/heartbeat_lag": lags[row["step"]][1]})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = write_report(run_dir)
+    with Image.open(report.parent / "heartbeat_lag.png") as image:
+        assert image.size == (700, 400) and len(image.convert("L").getcolors(maxcolors=256)) > 10
+    assert "- largest heartbeat lag: 2.5 s (rank1, step 2; hang_timeout 300 s)" in report.read_text()

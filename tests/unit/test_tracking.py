@@ -46,6 +46,8 @@ def test_harmless_values_are_not_redacted(tmp_path):
     ({"profile_steps": -1}, "profile_steps must be >= 0"),
     ({"device_peak_tflops": 0}, "device_peak_tflops must be > 0"),
     ({"cost_per_gpu_hour": -2}, "cost_per_gpu_hour must be > 0"),
+    ({"hang_timeout": -1}, "hang_timeout must be >= 0 seconds (0 = off) or unset (automatic), got -1"),
+    ({"hang_timeout": 600, "ddp_timeout": 300}, "hang_timeout (600s) must be below ddp_timeout (300s)"),
 ])
 def test_monitoring_fields_are_validated(tmp_path, values, message):
     with pytest.raises(ConfigError) as error:

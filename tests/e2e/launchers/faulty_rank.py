@@ -7,6 +7,7 @@ slow_forward: rank 1 sleeps 0.1 s before each forward (a slow GPU, a throttled n
 diverge:      after its 3rd optimizer step rank 1 adds 1e-3 to one parameter (a replica drifting apart).
 stuck_data:   rank 0 sleeps HFTRAIN_TEST_STALL seconds before preparing the data (a huge tokenization job).
 stuck_step:   rank 1 sleeps HFTRAIN_TEST_STALL seconds in its 3rd forward (a hung device, a stuck input).
+slow_step:    rank 1 sleeps HFTRAIN_TEST_SLOW seconds in its 3rd forward (a slow step that is no hang).
 step_error:   the first forward of step 13 raises on rank 0 (a bad batch, a device error), after 12 completed steps.
 final_save:   saving the final model's tokenizer raises (a full disk, a library that cannot serialise the model).
 final_eval:   the final evaluation raises (bitsandbytes' CPU inference path did on some shapes).
@@ -33,6 +34,7 @@ from hftrain.parallel import run_process  # noqa: E402
 
 faults = set(os.environ["HFTRAIN_TEST_FAULTS"].split(","))
 stall = float(os.environ.get("HFTRAIN_TEST_STALL", "0"))
+slow = float(os.environ.get("HFTRAIN_TEST_SLOW", "0"))
 rank = int(os.environ.get("RANK", "0"))  # unset when run without accelerate's launcher (one process)
 sigterm_step = next((int(f.removeprefix("sigterm_after_step_")) for f in faults if f.startswith("sigterm_after_step_")),
                     None)
@@ -85,6 +87,8 @@ class FaultyRank(Finetune):
             self.model.forward = before_each_call(self.model.forward, fail_in_step_13)
         if rank == 1 and "stuck_step" in faults:
             self.model.forward = before_each_call(self.model.forward, lambda n: time.sleep(stall) if n == 3 else None)
+        if rank == 1 and "slow_step" in faults:
+            self.model.forward = before_each_call(self.model.forward, lambda n: time.sleep(slow) if n == 3 else None)
 
     def setup_optimizer(self):
         super().setup_optimizer()

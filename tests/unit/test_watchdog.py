@@ -1,0 +1,149 @@
+"""hftrain.watchdog: the verdict on heartbeats (who holds a job up), two ranks' watchdogs exchanging heartbeats through
+one store, the automatic hang_timeout and the NCCL settings. The launched proofs (a frozen rank, a frozen node, a
+stalled step) are in tests/e2e/test_reliability.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from hftrain import watchdog as wd
+from hftrain.watchdog import Verdict, Watchdog, judge
+
+
+def rec(step: int, lap: int = 0, window: str = "", done: bool = False, node: int = 0) -> dict:
+    return {"step": step, "lap": lap, "where": "forward" if lap else "", "window": window, "done": done,
+            "node": node, "host": "h"}
+
+
+def test_nothing_is_named_while_every_rank_beats_and_moves_within_the_timeout():
+    records = {0: rec(5, 3), 1: rec(5, 2)}
+    assert judge(records, {0: 0.5, 1: 4.9}, {0: 4.9, 1: 4.9}, timeout=5) is None
+
+
+def test_a_silent_rank_is_named_first_even_when_every_rank_stands_still():
+    records = {0: rec(5, 3), 1: rec(5, 3), 2: rec(5, 3)}
+    assert judge(records, {0: 0, 1: 0.4, 2: 7.0}, {0: 9, 1: 9, 2: 9}, timeout=5) == Verdict("silent", [2], 7.0)
+
+
+def test_the_rank_behind_the_others_is_named_when_the_job_stands_still():
+    """Rank 1 is stuck in its forward (lap 2: after data_wait and token_sync); ranks 0 and 2 went on to the
+    backward's all-reduce (lap 3) and wait there: only rank 1 is named, by every observer."""
+    records = {0: rec(4, 3), 1: rec(4, 2), 2: rec(4, 3)}
+    verdict = judge(records, {0: 0, 1: 0.3, 2: 0.2}, {0: 6.0, 1: 6.5, 2: 6.1}, timeout=5)
+    assert verdict == Verdict("stalled", [1], 6.5)
+    behind_a_step = {0: rec(5, 0), 1: rec(4, 4)}  # rank 1 has not finished step 5's optimizer
+    assert judge(behind_a_step, {0: 0, 1: 0}, {0: 6, 1: 6}, timeout=5).ranks == [1]
+
+
+def test_every_rank_is_named_when_all_stand_at_one_point():
+    records = {0: rec(4, 3), 1: rec(4, 3)}
+    assert judge(records, {0: 0, 1: 0}, {0: 6, 1: 5.5}, timeout=5) == Verdict("stuck", [0, 1], 6)
+
+
+def test_windows_count_as_progress_and_finished_ranks_are_never_named():
+    evaluating = {0: rec(4, 0, window="evaluation"), 1: rec(4, 0, window="evaluation")}
+    assert judge(evaluating, {0: 0, 1: 0}, {0: 600, 1: 600}, timeout=5) is None
+    done = {0: rec(10, done=True), 1: rec(10, 1)}  # rank 0 left the loop; its beats stopped
+    assert judge(done, {0: 60, 1: 0}, {0: 60, 1: 1}, timeout=5) is None
+
+
+def pair(tmp_path, timeout=5.0, checkpoint=None):
+    store = torch.distributed.HashStore()
+    return [Watchdog(lambda: store, r, 2, r, timeout, tmp_path, lambda d: checkpoint, interval=0.1) for r in (0, 1)]
+
+
+def test_two_watchdogs_through_one_store_name_a_frozen_peer_with_its_node(tmp_path):
+    w0, w1 = pair(tmp_path, checkpoint=tmp_path / "checkpoint-4")
+    now = time.monotonic()
+    for w in (w0, w1):
+        w.step_done(4)
+    for t in (now, now + 1):
+        w1._observe(t)
+        w0._observe(t)  # sees rank 1's beat of time t
+    assert w0.check(now + 1) is None
+    w0.lap("data_wait")  # rank 0 moves on; rank 1 (frozen) publishes nothing more
+    w0._observe(now + 6.5)
+    line = w0.check(now + 6.5)
+    assert line.startswith("hftrain: error: hang detected by rank 0: rank 1 (node 1, host ")
+    assert "sent no heartbeat for 6s" in line and "(hang_timeout 5s)" in line  # 5.5 s, rounded
+    assert f"Last finished step heard from each rank: 0: 4, 1: 4; last complete checkpoint {tmp_path}/checkpoint-4 " \
+        in line
+    assert "\n" not in line
+
+
+def test_a_rank_stalled_in_its_step_is_named_by_itself_and_by_its_peer(tmp_path):
+    w0, w1 = pair(tmp_path)
+    for w in (w0, w1):
+        w.step_done(2)
+        w.lap("data_wait")
+        w.lap("token_sync")
+    w0.lap("forward")  # rank 0 reaches the backward's all-reduce; rank 1's forward hangs
+    start = time.monotonic()
+    for t in (start, start + 0.5, start + 6, start + 6.2):  # both threads keep beating
+        w0._observe(t)
+        w1._observe(t)
+    for w in (w0, w1):
+        line = w.check(start + 6.2)
+        assert f"hang detected by rank {w.rank}: rank 1 (node 1, host " in line
+        assert "made no progress for 6s in training step 3 after token_sync while the other ranks wait" in line
+
+
+def test_nothing_is_judged_before_the_first_step(tmp_path):
+    w0, w1 = pair(tmp_path)
+    now = time.monotonic()
+    w0._observe(now)
+    w1._observe(now)
+    w0._observe(now + 600)  # a start-up of 10 minutes: rank 1 loading a dataset, its thread not yet beating
+    assert w0.check(now + 600) is None
+
+
+def test_the_automatic_timeout_is_the_larger_of_five_minutes_and_ten_median_steps(tmp_path):
+    (w,) = [Watchdog(torch.distributed.HashStore, 0, 1, 0, None, tmp_path, lambda d: None)]
+    assert w.timeout == 300 and w.interval == 5
+    w.step_times.extend([20.0, 45.0, 50.0, 400.0])  # the median (47.5 s) x 10
+    assert w.timeout == 475
+    assert Watchdog(torch.distributed.HashStore, 0, 1, 0, 30, tmp_path, lambda d: None).timeout == 30
+
+
+def test_metrics_give_each_ranks_heartbeat_lag(tmp_path):
+    w0, w1 = pair(tmp_path)
+    now = time.monotonic()
+    w1._observe(now)
+    w0._observe(now)
+    w0._observe(now + 2)  # rank 1 published nothing since: 2 s behind
+    metrics = w0.metrics()
+    assert metrics["hang_timeout"] == 5 and metrics["rank0/heartbeat_lag"] == 0
+    assert 2 <= metrics["rank1/heartbeat_lag"] < 3
+
+
+def test_nccl_settings_come_from_hang_timeout_and_leave_the_users(monkeypatch):
+    assert wd.nccl_environment(120) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "1",
+                                        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "120"}
+    assert wd.nccl_environment(None)["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "300"
+    environ = {"TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "900"}
+    if not torch.cuda.is_available():
+        assert wd.set_nccl_environment(120, environ) == {}  # no NCCL: nothing set
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    assert wd.set_nccl_environment(120, environ) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+                                                     "TORCH_NCCL_ENABLE_MONITORING": "1",
+                                                     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "900"}
+
+
+@pytest.mark.parametrize("value", [0])
+def test_hang_timeout_zero_turns_the_watchdog_off(value, tmp_path):
+    class Accelerator:
+        num_processes, process_index = 2, 0
+
+    class Recipe:
+        hang_timeout, output_dir = value, str(tmp_path)
+
+    off = Watchdog.for_run(Accelerator(), Recipe(), lambda d: None)
+    assert isinstance(off, wd.Unwatched)
+    with off.watching(), off.window("evaluation"):
+        off.lap("forward")
+        off.step_done(1)
+    assert off.metrics() == {}
