@@ -97,7 +97,8 @@ def judge(records: Mapping[int, Mapping], beat_age: Mapping[int, float], progres
         return None
     front = max(position(records[r]) for r in live)
     behind = [r for r in live if position(records[r]) < front]
-    return Verdict("stalled" if behind else "stuck", behind or live, max(progress_age[r] for r in stuck))
+    kind = "stalled" if behind or len(live) == 1 else "stuck"  # one rank left: nobody else to wait for
+    return Verdict(kind, behind or live, max(progress_age[r] for r in stuck))
 
 
 def describe(verdict: Verdict, records: Mapping[int, Mapping], timeout: float, checkpoint: Path | None,
@@ -115,8 +116,9 @@ def describe(verdict: Verdict, records: Mapping[int, Mapping], timeout: float, c
         what = (f"{names} sent no heartbeat for {verdict.seconds:.0f}s: frozen, its machine lost or the network to it "
                 "cut")
     elif verdict.kind == "stalled":
-        what = (f"{names} made no progress for {verdict.seconds:.0f}s {where} while the other ranks wait for it: a "
-                "hung kernel or device, a deadlock in a data worker, a stuck input")
+        waiting = " while the other ranks wait for it" if len(records) > 1 else ""
+        what = (f"{names} made no progress for {verdict.seconds:.0f}s {where}{waiting}: a hung kernel or device, a "
+                "deadlock in a data worker, a stuck input")
     else:
         what = (f"every rank ({names}) stands still {where} for {verdict.seconds:.0f}s: a collective that does not "
                 "complete (network), or every rank hung at once")

@@ -43,6 +43,10 @@ def test_every_rank_is_named_when_all_stand_at_one_point():
     assert judge(records, {0: 0, 1: 0}, {0: 6, 1: 5.5}, timeout=5) == Verdict("stuck", [0, 1], 6)
 
 
+def test_a_single_process_stalled_in_its_step_is_named_as_stalled():
+    assert judge({0: rec(7, 4)}, {0: 0}, {0: 9}, timeout=5) == Verdict("stalled", [0], 9)
+
+
 def test_windows_count_as_progress_and_finished_ranks_are_never_named():
     evaluating = {0: rec(4, 0, window="evaluation"), 1: rec(4, 0, window="evaluation")}
     assert judge(evaluating, {0: 0, 1: 0}, {0: 600, 1: 600}, timeout=5) is None
