@@ -583,6 +583,22 @@ def test_a_rank_stalled_in_a_step_is_named_by_itself_and_its_peer(tmp_path):
     assert not (tmp_path / "out" / "final").exists()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a hung GPU kernel needs a CUDA GPU (torch.cuda._sleep)")
+def test_a_hung_gpu_kernel_is_named_by_its_own_watchdog(tmp_path):
+    """One process whose 3rd forward launches a kernel that spins for minutes: its training thread blocks at the
+    step's first synchronisation, its watchdog thread names it after hang_timeout and the process exits 2 (the GPU is
+    freed with it), leaving the checkpoint of step 2."""
+    started = time.time()
+    run = run_script(tmp_path / "out", *HANG_RECIPE, "--max_steps", "10", "--hang_timeout", "10", script=FAULTY_RANK,
+                     env={"HFTRAIN_TEST_FAULTS": "hung_kernel", "RANK": "0"}, check=False, timeout=300)
+    assert run.returncode == 2, run.stderr[-3000:]
+    (line,) = hang_lines(run.stderr)
+    assert re.search(r"hang detected by rank 0: rank 0 \(node 0, host \S+\) made no progress for 1\ds in training "
+                     r"step 3 after \w+: a hung kernel", line), line
+    assert f"last complete checkpoint {tmp_path / 'out' / 'checkpoint-2'} " in line
+    assert time.time() - started < 240 and not (tmp_path / "out" / "final").exists()
+
+
 def test_a_frozen_rank_is_named_within_hang_timeout_a_slow_start_up_and_step_are_not(tmp_path, reference_2proc):
     """One launch, three behaviours: rank 0 sleeps 8 s before preparing the data (start-up longer than hang_timeout)
     and rank 1 sleeps 3 s in step 3 (a slow step shorter than it): neither stops the run. Then rank 1 is frozen

@@ -8,6 +8,7 @@ diverge:      after its 3rd optimizer step rank 1 adds 1e-3 to one parameter (a 
 stuck_data:   rank 0 sleeps HFTRAIN_TEST_STALL seconds before preparing the data (a huge tokenization job).
 stuck_step:   rank 1 sleeps HFTRAIN_TEST_STALL seconds in its 3rd forward (a hung device, a stuck input).
 slow_step:    rank 1 sleeps HFTRAIN_TEST_SLOW seconds in its 3rd forward (a slow step that is no hang).
+hung_kernel:  the last rank's 3rd forward launches a CUDA kernel that spins for about 20 minutes (a hung GPU).
 step_error:   the first forward of step 13 raises on rank 0 (a bad batch, a device error), after 12 completed steps.
 final_save:   saving the final model's tokenizer raises (a full disk, a library that cannot serialise the model).
 final_eval:   the final evaluation raises (bitsandbytes' CPU inference path did on some shapes).
@@ -87,6 +88,9 @@ class FaultyRank(Finetune):
             self.model.forward = before_each_call(self.model.forward, fail_in_step_13)
         if rank == 1 and "stuck_step" in faults:
             self.model.forward = before_each_call(self.model.forward, lambda n: time.sleep(stall) if n == 3 else None)
+        if rank == self.accelerator.num_processes - 1 and "hung_kernel" in faults:
+            self.model.forward = before_each_call(self.model.forward,
+                                                  lambda n: torch.cuda._sleep(2 ** 41) if n == 3 else None)
         if rank == 1 and "slow_step" in faults:
             self.model.forward = before_each_call(self.model.forward, lambda n: time.sleep(slow) if n == 3 else None)
 
