@@ -143,7 +143,7 @@ class Watchdog:
                  latest_checkpoint, key_prefix: str = "hftrain/heartbeat", interval: float | None = None):
         """`connect()`: a store client (called again after a failed exchange: a timed-out client is not reused);
         `latest_checkpoint(output_dir)`: the last complete checkpoint or None; `timeout` None: automatic."""
-        self.connect, self.store = connect, connect()
+        self.connect, self.store = connect, None
         self.rank, self.world, self.node = rank, world, node
         self.fixed_timeout = timeout
         self.output_dir, self.latest_checkpoint = output_dir, latest_checkpoint
@@ -163,7 +163,10 @@ class Watchdog:
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="hftrain-watchdog", daemon=True)
-        self._publish()
+        try:
+            self._publish()  # the peers see this rank from its first exchange on
+        except Exception:  # noqa: BLE001 - the thread connects again; only a store silent for hang_timeout counts
+            self.store = None
 
     @classmethod
     def for_run(cls, accelerator, recipe, latest_checkpoint, environ: Mapping[str, str] = os.environ) -> Watchdog:

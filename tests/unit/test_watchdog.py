@@ -151,3 +151,30 @@ def test_hang_timeout_zero_turns_the_watchdog_off(value, tmp_path):
         off.lap("forward")
         off.step_done(1)
     assert off.metrics() == {}
+
+
+def test_a_store_that_does_not_answer_is_retried_and_named_once_silent_for_the_timeout(tmp_path, monkeypatch):
+    """The store (node 0's launcher) refuses at first: the watchdog is still made and its thread connects again; once
+    the store stays silent for hang_timeout after the first step, the job stops naming it."""
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    store, answering = torch.distributed.HashStore(), [False]
+
+    def connect():
+        if not answering[0]:
+            raise RuntimeError("connection refused")
+        return store
+
+    w = Watchdog(connect, 1, 2, 1, 5.0, tmp_path, lambda d: None, interval=0.1)
+    answering[0] = True
+    now = time.monotonic()
+    w._observe(now)
+    assert w.store is store and w.store_ok == now
+    w.step_done(3)
+    answering[0] = False
+    w.store = None  # the connection broke
+    w._observe(now + 7)
+    line = w.check(now + 7)
+    assert line.startswith("hftrain: error: hang detected by rank 1: the job's rendezvous store at node0:29500 (node "
+                           "0's launcher) did not answer for 7s")
+    assert "This rank finished step 3; no complete checkpoint in" in line
