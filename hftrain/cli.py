@@ -59,6 +59,8 @@ LAUNCHER_OPTIONS = {  # accelerate launch's options that `hftrain launch` takes,
     "rdzv_backend": "torchrun rendezvous backend: static (the presets' default) or c10d",
     "max_restarts": "times torchrun restarts the processes after a failure (default 0)",
     "monitor_interval": "seconds between torchrun's checks of its processes",
+    "num_cpu_threads_per_process": "compute threads of each process on a CPU preset (default: the machine's "
+                                   "physical cores over the processes per machine, or OMP_NUM_THREADS)",
 }
 VERSIONS_OF = ("torch", "accelerate", "transformers", "peft", "datasets", "deepspeed")  # shown by --version
 
@@ -208,7 +210,24 @@ def launch_command(argv: list[str]) -> list[str]:
     for option in LAUNCHER_OPTIONS:
         if getattr(known, option) is not None:
             cmd += [f"--{option}", getattr(known, option)]
+    threads = cpu_threads(preset, known)
+    if threads is not None:
+        cmd += ["--num_cpu_threads_per_process", str(threads)]
     return cmd + [str(ENTRY), *rest]
+
+
+def cpu_threads(preset: Path, known: argparse.Namespace) -> int | None:
+    """For a CPU preset launched without num_cpu_threads_per_process or OMP_NUM_THREADS, the threads accelerate's
+    launcher would choose (physical cores over the processes per machine, at least 1), given explicitly: left to
+    choose, it prints a four-line warning block on every launch to say it chose them. None: accelerate's own rule
+    stays silent (OMP_NUM_THREADS set, the option given, or a GPU preset)."""
+    config = yaml.safe_load(preset.read_text(encoding="utf-8")) or {}
+    if known.num_cpu_threads_per_process is not None or os.environ.get("OMP_NUM_THREADS") \
+            or not config.get("use_cpu"):
+        return None
+    processes = int(known.num_processes or config.get("num_processes") or 1)
+    machines = int(known.num_machines or config.get("num_machines") or 1)
+    return max((psutil.cpu_count(logical=False) or 1) // max(processes // machines, 1), 1)
 
 
 def list_presets(width: int | None = None) -> str:

@@ -23,10 +23,9 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
 
 import torch
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
 from hftrain import card, checkpoint
-from hftrain.config import Recipe, load_recipe, unused_settings
+from hftrain.config import PRESET_DIR, Recipe, load_recipe, read_yaml, unused_settings
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.data.feeds import setup_examples
 from hftrain.data.vision import load_image_chats
@@ -49,7 +48,7 @@ from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate
 from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve, run_process
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest, signal_names
 from hftrain.preflight import preflight
-from hftrain.tracking import MetricLogger, quiet_other_ranks
+from hftrain.tracking import MetricLogger, ProgressDisplay, quiet_other_ranks
 from hftrain.vision import build_processor, is_image_text
 from hftrain.watchdog import Watchdog
 
@@ -88,6 +87,12 @@ def evaluate(backend, model, loss_fn, dataset, collator: Collator, recipe: Recip
     return loss_fn.eval_metrics(loss_sum, int(units), summed_stats(dp, stats))
 
 
+def preset_processes(name: str | None) -> int | None:
+    """The process count of a shipped launch preset (None without one)."""
+    path = PRESET_DIR / f"{name}.yaml"
+    return int(read_yaml(str(path)).get("num_processes") or 1) if name and path.is_file() else None
+
+
 def optimizer_step(backend, model, optimizer, scheduler, micro_batches, scale, max_norm, timer):
     """Forward/backward every micro-batch of one optimizer step, clip, then step -- unless the gradient norm
     is NaN/inf, in which case nothing is updated. Returns (summed local token loss, grad norm, updated?).
@@ -120,6 +125,7 @@ class Finetune:
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
+        self.last_headline: dict[str, str] = {}  # the headline metrics' last logged values (`headline`)
         self.objective = objective_for(recipe)  # the loss, its reference and notes: hftrain.objectives
 
     def run(self) -> Path:
@@ -268,16 +274,16 @@ class Finetune:
 
     def describe_run(self) -> None:
         """The start-up lines: layout, batch, method, data; model-state memory per device and the preset's reason."""
-        recipe, plan, memory = self.recipe, self.plan, self.run_info["memory_estimate"]
+        recipe, memory = self.recipe, self.run_info["memory_estimate"]
         trained, total = self.parameters
         resuming = f"; resuming from {self.resume_from} at step {self.progress.step}" if self.resume_from else ""
+        quantized = self.summary["quantized_linear_layers"]
+        bits = "a 4-bit" if "Linear4bit" in quantized else "an 8-bit" if "Linear8bitLt" in quantized else None
+        method = f"{self.summary['method']} fine-tuning" + (f" of {bits} quantized base" if bits else "")
         self.logger.print(
             f"hftrain: {self.backend.record.describe()} on {self.accelerator.device}, model wrapped as "
-            f"{self.run_info['launch']['model_wrapper']}; effective batch {plan.global_batch} = "
-            f"{recipe.per_device_train_batch_size} per device x {self.dp.world} x {recipe.gradient_accumulation_steps} "
-            f"accumulation; {self.total_steps} optimizer steps {self.data_line[0]}; "
-            f"{self.summary['method']} fine-tuning, {trained:,} of {total:,} parameters trained; "
-            f"{self.data_line[1]}{resuming}"
+            f"{self.run_info['launch']['model_wrapper']}; {self.batch_words()}; {self.total_steps} optimizer steps "
+            f"{self.data_line[0]}; {method}, {trained:,} of {total:,} parameters trained; {self.data_line[1]}{resuming}"
         )
         for note in self.notes + unused_settings(recipe) + self.objective.notes(self):
             self.logger.print(f"hftrain: {note}")
@@ -288,6 +294,23 @@ class Finetune:
             f"device (+{memory['offloaded_gib']} GiB offloaded to CPU; {memory['activations']}) of "
             f"{memory['device_memory_gib']} GiB{preset}"
         )
+
+    def batch_words(self) -> str:
+        """The effective batch and its factors; when the recipe names a preset of another data-parallel size, what
+        this launch multiplied (a recipe written for one process, launched on 4, trains on 4x its batch)."""
+        recipe, world = self.recipe, self.dp.world
+        if world == self.accelerator.num_processes:
+            copies = "process" if world == 1 else "processes"
+        else:  # groups of ranks (tensor, pipeline, sequence parallel) share a batch: one data-parallel copy each
+            copies = "data-parallel copy" if world == 1 else "data-parallel copies"
+        words = (f"effective batch {self.plan.global_batch} = {recipe.per_device_train_batch_size} per device x "
+                 f"{recipe.gradient_accumulation_steps} accumulation x {world} {copies}")
+        sized_for = preset_processes(recipe.launch_preset)
+        if sized_for is not None and sized_for != world and self.accelerator.num_processes == world:
+            words += (f" (the recipe's launch_preset {recipe.launch_preset} runs {sized_for} "
+                      f"process{'es' if sized_for != 1 else ''}: effective batch "
+                      f"{self.plan.global_batch // world * sized_for} there)")
+        return words
 
     def check_checkpoints(self) -> None:
         """checkpoint_preflight: one save and load of the initial state before step 1 (checkpoint.round_trip), when the
@@ -309,8 +332,8 @@ class Finetune:
         """Optimizer steps until total_steps, epoch after epoch; logging, evaluation and checkpoints at their
         cadence. A stop signal on any rank ends every rank at the same step with a checkpoint."""
         recipe, progress = self.recipe, self.progress
-        self.bar = tqdm(total=self.total_steps, initial=progress.step, desc="training",
-                        disable=recipe.disable_tqdm or not self.accelerator.is_main_process)
+        self.bar = ProgressDisplay(self.total_steps, progress.step,
+                                   enabled=not recipe.disable_tqdm and self.accelerator.is_main_process)
         self.profiler = StepProfiler(self.output_dir / PROFILE_DIR, recipe.profile_steps,
                                      recipe.profile_start_step, progress.step, self.dp.rank, self.accelerator.device)
         self.window = Window(torch.zeros((), dtype=torch.float64, device=self.accelerator.device))
@@ -420,6 +443,8 @@ class Finetune:
             with phase(self.accelerator, "evaluation", recipe.ddp_timeout), self.watchdog.window("evaluation"):
                 metrics = self.evaluate()
             self.logger.log({"step": progress.step, **metrics})
+            if self.accelerator.is_main_process:
+                self.bar.write(f"hftrain: eval_loss {metrics['eval_loss']:.4f} at step {progress.step}")
         if self.due(recipe.save_strategy, recipe.save_steps):
             with phase(self.accelerator, "checkpointing", recipe.ddp_timeout), \
                     self.watchdog.window("a checkpoint save"):
@@ -501,9 +526,17 @@ class Finetune:
         }
         row[f"{self.token_loss.examples_name}_per_second"] = row["samples_per_second"]  # pairs_per_second for dpo
         self.logger.log(row)
-        self.bar.set_postfix(loss=f"{loss:.4f}" if loss is not None else "skipped",
-                             tokens_per_s=f"{row['tokens_per_second']:,.0f}")
+        self.bar.show(progress.step, {**self.headline(row), "tokens/s": f"{row['tokens_per_second']:,.0f}"})
         window.reset()
+
+    def headline(self, row: dict) -> dict[str, str]:
+        """The objective's headline metrics of a logged row (`headline` of its loss module: the loss; grpo's reward
+        first, logged at the steps that sample), as the progress display shows them; the closing line shows the last
+        logged value of each."""
+        shown = {name: "skipped" if row[name] is None else f"{row[name]:.4f}"
+                 for name in self.token_loss.headline if name in row}
+        self.last_headline.update(shown)
+        return shown
 
     def evaluate(self) -> dict[str, float]:
         """The objective's evaluation (`Objective.evaluate`: the eval loss, or grpo's rewards of generated
@@ -542,7 +575,9 @@ class Finetune:
                 self.write_card(final_dir, final_dir)
         device_hours = self.meter.device_hours()
         cost = f" (cost {device_hours * self.recipe.cost_per_gpu_hour:.2f})" if self.recipe.cost_per_gpu_hour else ""
-        self.logger.print(f"hftrain: final model saved to {final_dir}; {device_hours:.4f} device-hours{cost}")
+        last = ", ".join(f"{name} {value}" for name, value in self.last_headline.items())
+        self.logger.print(f"hftrain: final model saved to {final_dir}; {device_hours:.4f} device-hours{cost}"
+                          + (f"; last logged {last}" if last else ""))
         try:
             self.hub.finish(final_dir, self.output_dir / HUB_UPLOAD_DIR if self.hub.at_saves else None)
         finally:

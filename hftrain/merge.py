@@ -35,7 +35,7 @@ from hftrain.checkpoint import never_world_writable
 from hftrain.config import read_yaml, recipe_subset
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
 from hftrain.layout import CONFIG_FILE
-from hftrain.model import DTYPES, load_error, quantization_config
+from hftrain.model import DTYPES, load_error, name_deepspeeds_cpu_accelerator, quantization_config, quiet_peft
 
 MERGE_FILE = "hftrain_merge.json"
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
@@ -86,7 +86,8 @@ def merge(adapter_dir: Path, output_dir: Path, base: str | None = None, dtype: s
     recipe, from_hftrain = training_recipe(adapter_dir, base)
     model = load_dequantized_base(recipe)
     base_dtype = model.config.dtype
-    model = PeftModel.from_pretrained(model, str(adapter_dir), torch_device="cpu")
+    with quiet_peft():
+        model = PeftModel.from_pretrained(model, str(adapter_dir), torch_device="cpu")
     model = model.merge_and_unload(safe_merge=True)
     out_dtype = DTYPES[dtype] if dtype != "auto" else base_dtype
     model = model.to(out_dtype)
@@ -95,6 +96,7 @@ def merge(adapter_dir: Path, output_dir: Path, base: str | None = None, dtype: s
         if hasattr(model.config, leftover):
             delattr(model.config, leftover)
     output_dir.mkdir(parents=True, exist_ok=True)
+    name_deepspeeds_cpu_accelerator()
     model.save_pretrained(output_dir, safe_serialization=True)
     has_tokenizer = any((adapter_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     source = str(adapter_dir) if has_tokenizer else recipe.model_name_or_path

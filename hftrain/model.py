@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -62,7 +65,6 @@ def pad_token_id(tokenizer) -> int:
 CHECKPOINTING = {"use_reentrant": False}
 
 
-
 def enable_activation_checkpointing(model: nn.Module) -> None:
     """Non-reentrant activation checkpointing of every decoder layer: transformers 5.23's
     `activation_checkpointing_enable`, named `gradient_checkpointing_enable` before (5.17 to 5.22)."""
@@ -71,6 +73,25 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         enable(activation_checkpointing_kwargs=CHECKPOINTING)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING)
+
+
+@contextmanager
+def quiet_peft() -> Iterator[None]:
+    """peft's get_peft_model / PeftModel.from_pretrained (peft 0.21.2) read `model.is_gradient_checkpointing`, which
+    transformers 5.23 deprecates with a FutureWarning on every LoRA run and merge: a note to peft's authors, not to
+    hftrain's users. Only that message is ignored, only around these calls; a user's own warnings still show."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def name_deepspeeds_cpu_accelerator() -> None:
+    """transformers' save_pretrained imports DeepSpeed (through accelerate's unwrap_model) whenever it is installed,
+    used or not; on a machine without CUDA, naming the CPU accelerator it would detect anyway spares every run and
+    merge DeepSpeed's warning "Setting accelerator to CPU". A DS_ACCELERATOR the user set is kept."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
 
 def quantization_config(recipe: Recipe):
     """The bitsandbytes config the recipe asks for (load_in_4bit / load_in_8bit), or None."""
@@ -276,7 +297,8 @@ def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modu
         config.target_modules = vision.lora_targets(model, recipe)  # the language model's, unless unfrozen
         notes.append(vision.lora_note(recipe, len(config.target_modules)))
     try:
-        model = get_peft_model(model, config, autocast_adapter_dtype=True)
+        with quiet_peft():
+            model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as exc:  # e.g. target modules that the model does not have
         raise HftrainError(f"cannot add LoRA adapters to {recipe.model_name_or_path!r}: {first_line(exc)}. Check "
                            "lora_target_modules (all-linear, or names of the model's linear layers) and "
@@ -602,6 +624,7 @@ class CausalLMTokenLoss(WrapsCausalLM):
 
     unit = "tokens"  # what the summed loss is normalised by: the step's trained tokens
     examples_name = "samples"  # what one example of the data is called in throughput metrics (samples_per_second)
+    headline = ("loss",)  # the logged metrics the progress display and the closing line show
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Trained tokens of a micro-batch (labels are shifted by the loss)."""

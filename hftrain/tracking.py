@@ -75,6 +75,42 @@ def quiet_other_ranks(accelerator) -> None:
     datasets.disable_progress_bars()
 
 
+class ProgressDisplay:
+    """The main process's training progress. On a terminal, a tqdm bar redrawn in place with the headline metrics;
+    when standard error is a file or a pipe (a log, a job's output), where a bar becomes one line of thousands of
+    characters, one plain line per logged step instead. `enabled` False (other ranks, disable_tqdm): nothing."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, stream=None):
+        self.stream = stream or sys.stderr
+        self.total = total
+        interactive = enabled and self.stream.isatty()
+        self.bar = tqdm(total=total, initial=initial, desc="training", file=self.stream) if interactive else None
+        self.plain = enabled and not interactive
+
+    def update(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def show(self, step: int, fields: dict[str, str]) -> None:
+        """The metrics of the step just logged: the bar's postfix, or one line."""
+        if self.bar is not None:
+            self.bar.set_postfix(fields)
+        elif self.plain:
+            shown = ", ".join(f"{name} {value}" for name, value in fields.items())
+            print(f"training: step {step}/{self.total}: {shown}", file=self.stream, flush=True)
+
+    def write(self, line: str) -> None:
+        """A line above the bar (on standard output), or in the plain sequence."""
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)
+        elif self.plain:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 @dataclass
 class Table:
     """A table in a metrics row (grpo's log_completions): sent to W&B as a wandb.Table; metrics.jsonl and the

@@ -30,6 +30,7 @@ from accelerate.utils import InitProcessGroupKwargs, gather_object
 
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError, HftrainError
+from hftrain.model import name_deepspeeds_cpu_accelerator
 from hftrain.watchdog import set_nccl_environment
 
 
@@ -139,11 +140,7 @@ def strategy_problems(launch: Launch, cuda: bool, environ: Mapping[str, str] = o
 def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
     cuda = torch.cuda.is_available()
     deepspeed = launch.kind == "deepspeed"
-    if not cuda:
-        # transformers' save_pretrained imports DeepSpeed (through accelerate's unwrap_model) whenever it is installed,
-        # even when it is not used; naming the CPU accelerator it would detect anyway spares every run its warning
-        # "Setting accelerator to CPU".
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    name_deepspeeds_cpu_accelerator()
     # Naming a backend makes accelerate start a process group, so only DeepSpeed on CPU names one (gloo);
     # otherwise accelerate chooses (NCCL on GPU, gloo under cpu=True) and only the timeout is set.
     group = {"backend": "gloo"} if deepspeed and not cuda else {}

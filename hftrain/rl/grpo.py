@@ -100,6 +100,7 @@ class GRPOLoss(CausalLMTokenLoss):
     the per-token log-probs instead (the old log-probs of num_iterations > 1), through the strategy's wrapper."""
 
     examples_name = "completions"
+    headline = ("reward", "loss")  # the loss is ~0 by construction at num_iterations 1; the reward is the signal
 
     def __init__(self, lm: nn.Module, recipe, reference):
         super().__init__(lm, router_aux_loss_coef=0.0)

@@ -229,3 +229,23 @@ def test_eval_and_save_strategy_no_on_the_command_line_turn_the_shipped_recipes_
     assert "eval_strategy no: eval_steps=30 not used" in run.stdout
     assert "save_strategy no: save_steps=30, save_total_limit=2 not used" in run.stdout
     assert run.state()["data"]["eval_examples"] == 0  # nothing held out
+
+
+def test_a_one_process_cpu_launch_prints_no_launcher_warning(tmp_path):
+    """accelerate's launcher, left to choose the CPU threads of a process (no OMP_NUM_THREADS), prints a warning block
+    on every launch to say it chose physical cores / processes; `hftrain launch` passes that same number itself."""
+    import psutil
+
+    cores = psutil.cpu_count(logical=False) or 1
+    if cores < 2:
+        pytest.skip("accelerate warns only when it picks more than one thread per process")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cmd = [sys.executable, "-m", "hftrain", "launch", "--preset", "cpu", *TINY_CHAT, "--output_dir",
+           str(tmp_path / "out"), "--max_steps", "2", "--eval_steps", "none", "--save_steps", "none"]
+    dry = subprocess.run([*cmd, "--dry_run"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert f" --num_cpu_threads_per_process {cores} " in dry.stdout, dry.stdout
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**env, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "num_cpu_threads_per_process" not in proc.stderr and "were not passed to" not in proc.stderr, proc.stderr
+    assert "Warning" not in proc.stderr, proc.stderr

@@ -461,8 +461,17 @@ def test_tiny_grpo_recipe_learns(tmp_path):
     """recipes/tiny-grpo.yaml as shipped: the mean reward of the last 5 steps is above the first 5 steps'."""
     run = run_script(tmp_path / "tiny-grpo", "--config", str(REPO / "recipes" / "tiny-grpo.yaml"), "--logging_steps",
                      "1")
-    rewards = [m["reward"] for m in run.train_rows()]
+    rows = run.train_rows()
+    rewards = [m["reward"] for m in rows]
     assert len(rewards) == 20
+    # the console, in a log (standard error not a terminal): one plain line per logged step with the reward first
+    # (the loss is ~0 by construction at num_iterations 1), and the closing line with the last logged reward
+    for m in rows:
+        assert f"training: step {m['step']}/20: reward {m['reward']:.4f}, loss {m['loss']:.4f}, tokens/s " \
+            in run.stderr, run.stderr[-2000:]
+    (closing,) = [line for line in run.stdout.splitlines() if line.startswith("hftrain: final model saved")]
+    assert closing.endswith(f"; last logged reward {rewards[-1]:.4f}, loss {rows[-1]['loss']:.4f}")
+    assert "\rtraining" not in run.stderr
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.05, rewards
     assert len(rollouts(run)) == 20 * 16
     report = write_report(run.output_dir)

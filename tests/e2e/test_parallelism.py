@@ -385,7 +385,8 @@ def test_tensor_parallel_tp_plan_under_two_ranks(reference, tmp_path):
     assert info["dtensor_parameters"] == 16  # embeddings, lm_head and the 7 linear layers of each of 2 blocks
     assert_memory_estimate(run, "tensor parallel (tp_size=2)", 16 / 2)
     # one data-parallel group: the global batch is 16 examples, and token counts are not doubled
-    assert run.state()["effective_batch_size"] == 16 and "effective batch 16 = 16 per device x 1" in run.stdout
+    assert run.state()["effective_batch_size"] == 16
+    assert "effective batch 16 = 16 per device x 1 accumulation x 1 data-parallel copy" in run.stdout
     assert_same_training(run, reference)
     # checkpoints hold full (gathered) model and optimizer state, not one rank's shards
     full = torch.load(run.output_dir / "checkpoint-3" / "full_training_state.pt", weights_only=True)
@@ -406,7 +407,8 @@ def test_tensor_parallel_with_data_parallel_under_four_ranks(reference, tmp_path
     run = launch(tmp_path / "tp-dp", *COMMON, *TWO_PROCESSES, "--tp_size", "2", preset="cpu_ddp", processes=4,
                  timeout=900)
     assert_launch(run, "MULTI_CPU", 4, "CausalLMTokenLoss", tp_size=2, dtensor_parameters=16)
-    assert run.state()["effective_batch_size"] == 16 and "effective batch 16 = 8 per device x 2 x 1" in run.stdout
+    assert run.state()["effective_batch_size"] == 16
+    assert "effective batch 16 = 8 per device x 1 accumulation x 2 data-parallel copies" in run.stdout
     estimate = run.state()["memory_estimate"]
     assert estimate["strategy"] == "tensor parallel (tp_size=2) x 2 data-parallel copies"
     assert estimate["per_device_bytes"] == 16 * TINY_PARAMS // 2  # split over the 2 ranks of a TP group only

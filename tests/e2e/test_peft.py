@@ -129,6 +129,9 @@ def test_each_method_trains_and_saves_an_adapter(trained, tiny_model, eval_texts
     assert summary["method"] == ("dora" if method == "dora" else "lora")
     assert summary["quantized_linear_layers"] == ({QUANTIZED[method]: 14} if method in QUANTIZED else {})
     assert f"{summary['trainable_parameters']:,} of {summary['parameters']:,} parameters trained" in run.stdout
+    base = {"qlora_4bit": " of a 4-bit quantized base", "lora_8bit": " of an 8-bit quantized base"}.get(method, "")
+    assert f"{summary['method']} fine-tuning{base}, " in run.stdout
+    assert "FutureWarning" not in run.stderr, run.stderr[-2000:]  # transformers' note to peft, around peft's calls
 
     rows = run.train_rows()
     assert [r["step"] for r in rows] == list(range(1, 17))
@@ -137,6 +140,11 @@ def test_each_method_trains_and_saves_an_adapter(trained, tiny_model, eval_texts
     untrained = eval_loss(base_model(tiny_model, method if method in QUANTIZED else None), tokenizer, eval_texts)
     evals = [r["eval_loss"] for r in run.eval_rows()]
     assert len(evals) == 2 and evals[1] < evals[0] < untrained - 0.05
+    # each evaluation is printed, not only the last; in a log, one plain line per logged step instead of a bar
+    assert f"hftrain: eval_loss {evals[0]:.4f} at step 8\n" in run.stdout
+    assert f"hftrain: eval_loss {evals[1]:.4f} after 16 steps\n" in run.stdout
+    assert [line.split(":")[1] for line in run.stderr.splitlines() if line.startswith("training: step")] == \
+        [f" step {step}/16" for step in range(1, 17)]
 
     final = run.output_dir / "final"
     names = {p.name for p in final.iterdir()}
@@ -221,6 +229,7 @@ def test_merged_model_equals_the_adapter_model(trained, tiny_model, tmp_path, me
     merged_dir = tmp_path / "merged"
     proc = run_merge(str(run.output_dir / "final"), str(merged_dir))
     assert f"into the {'dequantized' if method in QUANTIZED else 'full-precision'} base" in proc.stdout
+    assert "FutureWarning" not in proc.stderr and "Setting accelerator" not in proc.stderr, proc.stderr[-2000:]
 
     # a standard folder: no quantization or peft leftovers, the base's tensor names, one float dtype
     config = json.loads((merged_dir / "config.json").read_text())
@@ -281,6 +290,20 @@ def test_merge_dtype_and_push_to_hub_dry_run(trained, tmp_path):
     card = check_card(pushed_dir, library="transformers", base_model=str(Path(record["base_model_name_or_path"])
                                                                           .resolve()), tags={"merge", "lora"})
     assert 'from_pretrained("someone/tiny-lora-merged")' in card.text
+
+
+def test_merge_silences_only_its_libraries_notes(trained, tmp_path):
+    """The FutureWarning transformers raises at peft's reads and DeepSpeed's accelerator warning are silenced where
+    hftrain triggers them; a warning of the calling program, after the merge, still shows."""
+    run = trained("lora")
+    code = ("import sys, warnings; from hftrain.merge import main; main(sys.argv[1:]); "
+            "warnings.warn('the caller deprecates something', FutureWarning)")
+    proc = subprocess.run([sys.executable, "-c", code, str(run.output_dir / "final"), str(tmp_path / "merged")],
+                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FutureWarning: the caller deprecates something" in proc.stderr
+    assert proc.stderr.count("Warning") == 1 and "Setting accelerator" not in proc.stderr, proc.stderr
 
 
 def test_merge_refuses_bad_input(tmp_path):

@@ -31,7 +31,8 @@ class Printed:
         self.lines.append(message)
 
 
-def described(record: Parallelism | None = None, resume_from: Path | None = None, notes=(), **recipe) -> list[str]:
+def described(record: Parallelism | None = None, resume_from: Path | None = None, notes=(), summary=None,
+              **recipe) -> list[str]:
     """The lines `describe_run` prints for a run set up as the phases before it would leave it."""
     run = Finetune(Recipe(per_device_train_batch_size=2, gradient_accumulation_steps=4, **recipe))
     run.accelerator = fake_accelerator(record.processes if record else 1)
@@ -42,7 +43,7 @@ def described(record: Parallelism | None = None, resume_from: Path | None = None
     run.plan = SimpleNamespace(global_batch=8 * run.dp.world, steps_per_epoch=5)
     run.run_info = {"memory_estimate": MEMORY, "launch": {"model_wrapper": "CausalLMTokenLoss"}}
     run.parameters, run.total_steps, run.notes = (1_000, 160_000), 10, list(notes)
-    run.summary = {"method": "full"}
+    run.summary = summary or {"method": "full", "quantized_linear_layers": {}}
     run.data_line = ("(5 per epoch)", "40 training examples in 40 rows")  # what setup_data says of map-style data
     run.resume_from, run.progress = resume_from, SimpleNamespace(step=6)
     run.logger = Printed()
@@ -53,7 +54,7 @@ def described(record: Parallelism | None = None, resume_from: Path | None = None
 def test_one_process_is_described_in_words():
     lines = described()
     assert lines[0].startswith("hftrain: 1 process, no distribution on cpu, model wrapped as CausalLMTokenLoss; ")
-    assert "effective batch 8 = 2 per device x 1 x 4 accumulation; 10 optimizer steps (5 per epoch)" in lines[0]
+    assert "effective batch 8 = 2 per device x 4 accumulation x 1 process; 10 optimizer steps (5 per epoch)" in lines[0]
     assert "full fine-tuning, 1,000 of 160,000 parameters trained; 40 training examples in 40 rows" in lines[0]
     assert lines[-1] == ("hftrain: parallelism 1 process, no distribution: model state ~0.003 GiB per device "
                          "(+0.0 GiB offloaded to CPU; activations extra: at most 2,048 tokens per device) of 15.6 GiB")
@@ -63,8 +64,24 @@ def test_one_process_is_described_in_words():
 def test_ddp_is_described_with_its_process_count_and_process_group_backend():
     lines = described(Parallelism("ddp", "DDP", 2, 1, "gloo", dp_world=2))
     assert lines[0].startswith("hftrain: DDP over 2 processes (gloo) on cpu, ")
-    assert "effective batch 16 = 2 per device x 2 x 4 accumulation" in lines[0]
+    assert "effective batch 16 = 2 per device x 4 accumulation x 2 processes" in lines[0]
     assert lines[-1].startswith("hftrain: parallelism DDP over 2 processes (gloo): model state ")
+
+
+def test_a_quantized_base_is_named_with_its_bits():
+    lines = described(summary={"method": "lora", "quantized_linear_layers": {"Linear4bit": 14}})
+    assert "lora fine-tuning of a 4-bit quantized base, 1,000 of 160,000 parameters trained" in lines[0]
+    lines = described(summary={"method": "lora", "quantized_linear_layers": {"Linear8bitLt": 14}})
+    assert "lora fine-tuning of an 8-bit quantized base" in lines[0]
+
+
+def test_a_launch_with_more_processes_than_the_recipes_preset_says_what_it_multiplied():
+    """A recipe sized for the one-process `cpu` preset launched on 4 DDP processes: 4x its effective batch."""
+    lines = described(Parallelism("ddp", "DDP", 4, 1, "gloo", dp_world=4), launch_preset="cpu")
+    assert ("effective batch 32 = 2 per device x 4 accumulation x 4 processes (the recipe's launch_preset cpu runs 1 "
+            "process: effective batch 8 there)") in lines[0]
+    assert "launch_preset" not in described(Parallelism("ddp", "DDP", 2, 1, "gloo", dp_world=2),
+                                            launch_preset="cpu_ddp")[0]
 
 
 def test_resume_notes_and_preset_reason_are_in_the_start_up_lines():
