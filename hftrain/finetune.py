@@ -301,8 +301,8 @@ class Finetune:
         recipe, world = self.recipe, self.dp.world
         if world == self.accelerator.num_processes:
             copies = "process" if world == 1 else "processes"
-        else:  # groups of ranks (tensor, pipeline, sequence parallel) share a batch: one data-parallel copy each
-            copies = "data-parallel copy" if world == 1 else "data-parallel copies"
+        else:  # groups of ranks (tensor, pipeline, sequence parallel) share a batch: one data-parallel group each
+            copies = "data-parallel group" if world == 1 else "data-parallel groups"
         words = (f"effective batch {self.plan.global_batch} = {recipe.per_device_train_batch_size} per device x "
                  f"{recipe.gradient_accumulation_steps} accumulation x {world} {copies}")
         sized_for = preset_processes(recipe.launch_preset)

@@ -72,7 +72,7 @@ def test_fsdp2_x_tensor_parallel_equals_one_process(fsdp_tp_run, reference):
     assert info["dtensor_parameters"] == 21
     assert info["dtensor_meshes"] == ["fsdp=2", "fsdp=2 x tp=2"]
     assert run.state()["parallelism"]["dp_world"] == 2  # token counts summed over 2 data-parallel ranks, not 4
-    assert "effective batch 16 = 4 per device x 2 accumulation x 2 data-parallel copies" in run.stdout
+    assert "effective batch 16 = 4 per device x 2 accumulation x 2 data-parallel groups" in run.stdout
 
     rows, ref_rows = run.train_rows(), ref.train_rows()
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [1, 2, 3, 4]
@@ -98,7 +98,7 @@ def test_its_checkpoint_continues_under_tp_x_cp_like_one_process(fsdp_tp_run, re
     layout = ("FSDP2 FULL_SHARD (fsdp_size=2) x tensor parallel (tp_size=2) + ring attention context parallel "
               "(cp_size=2) over 4 processes (gloo)")
     assert f"hftrain: {layout} on cpu:0" in resumed.stdout
-    assert "effective batch 16 = 8 per device x 2 accumulation x 1 data-parallel copy" in resumed.stdout
+    assert "effective batch 16 = 8 per device x 2 accumulation x 1 data-parallel group" in resumed.stdout
     assert "1/2 of each sequence" in resumed.stdout
     state = resumed.state()
     assert (state["launch"]["tp_size"], state["launch"]["cp_size"], state["parallelism"]["dp_world"]) == (2, 2, 1)

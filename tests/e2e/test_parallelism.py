@@ -386,7 +386,7 @@ def test_tensor_parallel_tp_plan_under_two_ranks(reference, tmp_path):
     assert_memory_estimate(run, "tensor parallel (tp_size=2)", 16 / 2)
     # one data-parallel group: the global batch is 16 examples, and token counts are not doubled
     assert run.state()["effective_batch_size"] == 16
-    assert "effective batch 16 = 16 per device x 1 accumulation x 1 data-parallel copy" in run.stdout
+    assert "effective batch 16 = 16 per device x 1 accumulation x 1 data-parallel group" in run.stdout
     assert_same_training(run, reference)
     # checkpoints hold full (gathered) model and optimizer state, not one rank's shards
     full = torch.load(run.output_dir / "checkpoint-3" / "full_training_state.pt", weights_only=True)
@@ -408,7 +408,7 @@ def test_tensor_parallel_with_data_parallel_under_four_ranks(reference, tmp_path
                  timeout=900)
     assert_launch(run, "MULTI_CPU", 4, "CausalLMTokenLoss", tp_size=2, dtensor_parameters=16)
     assert run.state()["effective_batch_size"] == 16
-    assert "effective batch 16 = 8 per device x 1 accumulation x 2 data-parallel copies" in run.stdout
+    assert "effective batch 16 = 8 per device x 1 accumulation x 2 data-parallel groups" in run.stdout
     estimate = run.state()["memory_estimate"]
     assert estimate["strategy"] == "tensor parallel (tp_size=2) x 2 data-parallel copies"
     assert estimate["per_device_bytes"] == 16 * TINY_PARAMS // 2  # split over the 2 ranks of a TP group only

@@ -289,7 +289,7 @@ def test_resume_across_pp_layouts(runs, resumed, name):
     if pp:
         assert info["pp_stages"]["stages"] == 4 and info["dtensor_parameters"] > 0
         assert run.state()["parallelism"]["dp_world"] == 2  # two copies of the 4-process pipeline
-        assert "effective batch 16 = 4 per device x 2 accumulation x 2 data-parallel copies" in run.stdout
+        assert "effective batch 16 = 4 per device x 2 accumulation x 2 data-parallel groups" in run.stdout
         assert [r["trained_tokens"] for r in run.train_rows()] == [r["trained_tokens"] for r in ref.train_rows()[2:]]
     rows, ref_rows = run.train_rows(), ref.train_rows()[2:]
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [3, 4]
