@@ -23,6 +23,8 @@ from hftrain.errors import HftrainError, run_tool
 from hftrain.layout import FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STATE_FILE
 
 RANK_KEY = re.compile(r"^rank(\d+)/(.+)$")
+# what the loop times as data wait: for grpo, mostly the sampling of each generation window's completions
+WAIT_WORDS = {False: "data wait", True: "generation + data wait"}
 REWARDS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")  # dpo / simpo rows
 
 
@@ -81,7 +83,22 @@ def _figure(title: str, ylabel: str):
     return fig, ax
 
 
-def _save(fig, ax, path: Path) -> Path:
+def step_axis_start(steps: list[int]) -> float:
+    """Where the step axis starts: just before the first logged step (matplotlib's margin would show a step 0, or a
+    negative one, that no run has)."""
+    return min(steps) - 0.5 * bar_width(steps) if steps else 0.0
+
+
+def bar_width(steps: list[int]) -> float:
+    return max(0.8, 0.6 * _spacing(steps))
+
+
+def _save(fig, ax, path: Path, steps: list[int] | None = None) -> Path:
+    from matplotlib.ticker import MaxNLocator  # here, as Figure in _figure
+
+    if steps:
+        ax.set_xlim(left=step_axis_start(steps))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
     fig.tight_layout()
@@ -96,11 +113,13 @@ def plot_loss(train: list[dict], evals: list[dict], path: Path) -> Path:
     ax.plot(*series(train, "loss"), label="train loss", marker=".")
     if evals:
         ax.plot(*series(evals, "eval_loss"), label="eval loss", marker="o")
-    return _save(fig, ax, path)
+    return _save(fig, ax, path, sorted({r["step"] for r in train}))
 
 
 def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
-    made = [plot_loss(train, evals, folder / "loss.png")]
+    made, steps = [plot_loss(train, evals, folder / "loss.png")], sorted({r["step"] for r in train})
+    generation = any("reward_std" in r for r in train)  # grpo samples its rollouts where the loop waits for data
+    many_ranks = len(rank_keys(train, "tokens_per_second")) > 1  # one process: its rank0 line is the total
     pairs = any(REWARDS[0] in r for r in train)
 
     if pairs:
@@ -109,7 +128,7 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
             ax.plot(*series(train, key), label=key, marker=".")
             if evals:
                 ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
-        made.append(_save(fig, ax, folder / "rewards.png"))
+        made.append(_save(fig, ax, folder / "rewards.png", steps))
 
     if any("reward_std" in r for r in train):  # grpo: the mean reward of each window's completions (TRL's names)
         fig, ax = _figure("Reward (grpo: mean over each step's completions)", "reward")
@@ -121,42 +140,43 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
                             label="± reward_std")
         for key in sorted({k for r in train for k in r if k.startswith("rewards/") and k.endswith("/mean")}):
             ax.plot(*series(train, key), label=key, linestyle="--")
-        made.append(_save(fig, ax, folder / "reward.png"))
+        made.append(_save(fig, ax, folder / "reward.png", steps))
 
     fig, ax = _figure("Learning rate", "learning rate")
     ax.plot(*series(train, "learning_rate"), marker=".")
-    made.append(_save(fig, ax, folder / "learning_rate.png"))
+    made.append(_save(fig, ax, folder / "learning_rate.png", steps))
 
     fig, ax = _figure("Throughput", "trained tokens / s")
     ax.plot(*series(train, "tokens_per_second"), label="global", linewidth=2)
-    for key in rank_keys(train, "tokens_per_second"):
+    for key in rank_keys(train, "tokens_per_second") if many_ranks else []:
         ax.plot(*series(train, key), label=key.replace("/tokens_per_second", " (wall-clock)"), linestyle="--")
-    made.append(_save(fig, ax, folder / "tokens_per_second.png"))
+    made.append(_save(fig, ax, folder / "tokens_per_second.png", steps))
 
-    fig, ax = _figure("Per-rank throughput in its own time (a straggler stands out)",
-                      "processed tokens / s of data wait + forward")
-    for key in rank_keys(train, "own_tokens_per_second"):
-        ax.plot(*series(train, key), label=key.split("/")[0], marker=".")
-    made.append(_save(fig, ax, folder / "rank_throughput.png"))
+    if many_ranks:
+        fig, ax = _figure("Per-rank throughput in its own time (a straggler stands out)",
+                          "processed tokens / s of data wait + forward")
+        for key in rank_keys(train, "own_tokens_per_second"):
+            ax.plot(*series(train, key), label=key.split("/")[0], marker=".")
+        made.append(_save(fig, ax, folder / "rank_throughput.png", steps))
 
     fig, ax = _figure("Step time split (mean per step)", "seconds")
-    steps, _ = series(train, "step_time")
-    bottom = [0.0] * len(steps)
-    for key, label in (("data_wait_time", "data wait"), ("forward_backward_time", "forward + backward"),
+    timed, _ = series(train, "step_time")
+    bottom = [0.0] * len(timed)
+    for key, label in (("data_wait_time", WAIT_WORDS[generation]), ("forward_backward_time", "forward + backward"),
                        ("optimizer_time", "optimizer")):
         _, values = series(train, key)
-        if len(values) == len(steps):
-            ax.bar(steps, values, bottom=bottom, label=label, width=max(1.0, 0.6 * _spacing(steps)))
+        if len(values) == len(timed):
+            ax.bar(timed, values, bottom=bottom, label=label, width=bar_width(timed))
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    made.append(_save(fig, ax, folder / "step_time.png"))
+    made.append(_save(fig, ax, folder / "step_time.png", steps))
 
     fig, ax = _figure("Peak memory", "MiB")
     ax.plot(*series(train, "peak_memory_mb"), label="max over ranks", linewidth=2)
-    for key in rank_keys(train, "peak_memory_mb"):
+    for key in rank_keys(train, "peak_memory_mb") if many_ranks else []:
         ax.plot(*series(train, key), label=key.split("/")[0], linestyle="--")
     if any("peak_memory_reserved_mb" in r for r in train):
         ax.plot(*series(train, "peak_memory_reserved_mb"), label="reserved (CUDA)", linestyle=":")
-    made.append(_save(fig, ax, folder / "memory.png"))
+    made.append(_save(fig, ax, folder / "memory.png", steps))
 
     lags = rank_keys(train, "heartbeat_lag")
     if lags:  # several processes with the hang watchdog on
@@ -164,7 +184,7 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
         for key in lags:
             ax.plot(*series(train, key), label=key.split("/")[0], marker=".")
         ax.plot(*series(train, "hang_timeout"), label="hang_timeout", color="red", linestyle="--")
-        made.append(_save(fig, ax, folder / "heartbeat_lag.png"))
+        made.append(_save(fig, ax, folder / "heartbeat_lag.png", steps))
     return made
 
 
@@ -225,7 +245,8 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
             step = statistics.fmean(r["step_time"] for r in steady)
             parts = {k: statistics.fmean(r[k] for r in steady)
                      for k in ("data_wait_time", "forward_backward_time", "optimizer_time")}
-            lines.append(f"- step time {_fmt(step)} s: data wait {parts['data_wait_time'] / step:.0%}, forward + "
+            lines.append(f"- step time {_fmt(step)} s: {WAIT_WORDS[any('reward_std' in r for r in train)]} "
+                         f"{parts['data_wait_time'] / step:.0%}, forward + "
                          f"backward {parts['forward_backward_time'] / step:.0%}, optimizer "
                          f"{parts['optimizer_time'] / step:.0%}")
         if all("mfu" in r for r in steady):

@@ -9,7 +9,7 @@ import sys
 import pytest
 from PIL import Image
 
-from hftrain.report import write_report
+from hftrain.report import step_axis_start, write_report
 from tests.conftest import REPO
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -131,3 +131,16 @@ def test_heartbeat_lag_per_rank_is_plotted_against_hang_timeout_and_its_largest_
     with Image.open(report.parent / "heartbeat_lag.png") as image:
         assert image.size == (700, 400) and len(image.convert("L").getcolors(maxcolors=256)) > 10
     assert "- largest heartbeat lag: 2.5 s (rank1, step 2; hang_timeout 300 s)" in report.read_text()
+
+
+def test_one_process_gets_no_per_rank_chart_and_no_step_before_its_first(tmp_path):
+    """One process: its rank0 columns are the totals, so no per-rank chart; the step axis starts just before step 1
+    (matplotlib's margin drew a step 0). A grpo run's data wait is where it samples: labelled so."""
+    one = [{k: v for k, v in train_row(step, 5.0 - step).items() if not k.startswith("rank1/")} | {"reward": 0.1,
+           "reward_std": 0.01} for step in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in one))
+    report = write_report(tmp_path)
+    assert sorted(p.name for p in report.parent.glob("*.png")) == [
+        "learning_rate.png", "loss.png", "memory.png", "reward.png", "step_time.png", "tokens_per_second.png"]
+    assert "- step time 2 s: generation + data wait 25%, forward + backward 50%, optimizer 25%" in report.read_text()
+    assert 0 < step_axis_start([1, 2, 3, 4]) < 1 and 0 < step_axis_start([10, 20, 30]) < 10
