@@ -309,7 +309,8 @@ _TRUE, _FALSE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}
 def _coerce(name: str, value: Any, from_cli: bool) -> Any:
     """Convert `value` to the field's type or raise ValueError with a readable reason."""
     tp, optional = _base_type(TYPES[name])
-    if value is None or (optional and from_cli and isinstance(value, str) and value.lower() in {"none", "null"}):
+    word = value[0] if isinstance(value, list) and len(value) == 1 else value  # a list field's words (nargs +)
+    if value is None or (optional and from_cli and isinstance(word, str) and word.lower() in {"none", "null"}):
         if optional:  # `--eval_steps none` unsets; for other fields "none" is a value (`--report_to none`)
             return None
         raise ValueError("may not be empty")

@@ -153,6 +153,9 @@ def test_reward_weights_from_the_command_line_reach_the_recipe_as_numbers(in_tmp
     recipe = load_recipe([*cli(in_tmp), "--objective", "grpo", "--reward_funcs", "a.f", "b.g", "--reward_weights",
                           "1,0.5", "--eval_strategy", "no"], for_training=False)
     assert recipe.reward_funcs == ["a.f", "b.g"] and recipe.reward_weights == [1.0, 0.5]
+    cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp, "reward_weights: [1.0, 0.5]\n"))
+    for word in ("none", "null"):  # an optional list field is unset on the command line as any optional field
+        assert load_recipe(["--config", str(cfg), "--reward_weights", word], for_training=False).reward_weights is None
 
 
 def test_optional_field_none_from_cli(in_tmp):
