@@ -94,9 +94,9 @@ def vllm_problems(recipe: Recipe, launch: Launch, cuda: bool) -> list[str]:
                         "this machine has none; set use_vllm: false to sample with transformers' generate")
     if importlib.util.find_spec("vllm") is None:
         problems.append(f"use_vllm: true needs the vllm package, which is not installed: pip install 'hftrain[vllm]' "
-                        f"on a CUDA machine ({VLLM_REQUIREMENT}, TRL 1.16's newest supported vLLM; its wheel requires "
-                        "transformers < 5.18 while hftrain pins 5.23, so pip refuses the pair until a vLLM release "
-                        "accepts transformers 5.23), or set use_vllm: false")
+                        f"on a CUDA machine ({VLLM_REQUIREMENT}, TRL 1.16's newest supported vLLM; it requires "
+                        "transformers < 5.18, so pip installs transformers 5.17.x beside it, the lower end hftrain is "
+                        "tested on), or set use_vllm: false")
     if launch.kind == "fsdp2" or (launch.kind == "deepspeed" and launch.zero_stage == 3):
         strategy = "FSDP2" if launch.kind == "fsdp2" else "DeepSpeed ZeRO-3"
         problems.append(f"use_vllm with {strategy} is refused: each push of the trained weights into vLLM would "

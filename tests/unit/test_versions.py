@@ -4,10 +4,12 @@ transformers is refused in one paragraph naming the version that brings it."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 
+import pytest
 import tomllib
 
 from hftrain import versions
@@ -81,3 +83,47 @@ def test_hftrain_env_prints_the_installed_versions_and_the_features():
     info = json.loads(as_json)
     assert info["packages"]["transformers"]["version"] == transformers.__version__
     assert set(info["features"]) == set(versions.FEATURES)
+
+
+def pip_report(*args: str, timeout: int = 900) -> dict:
+    """`pip install --dry-run --ignore-installed --report` of `args`: what pip would install, from the index's metadata
+    (no wheel is downloaded where the index serves a wheel's metadata on its own); skips when the index is not
+    reachable."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                           "--report", "-", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if proc.returncode != 0 and re.search(r"No matching distribution|Could not fetch|connection|NewConnectionError|"
+                                          r"Temporary failure", proc.stderr, re.I):
+        pytest.skip(f"the package index is not reachable: {proc.stderr.strip()[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_the_vllm_extra_installs_beside_the_lower_end():
+    """`pip install 'hftrain[vllm]'` resolves: every requirement vLLM has on a package hftrain also requires is met
+    by the lower end (constraints/lower.txt), which pyproject.toml's ranges admit (make test-lower checks pip keeps
+    it). vLLM's own metadata is read from the index (one wheel's metadata, seconds, no CUDA download)."""
+    from packaging.requirements import Requirement
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    (vllm,) = pip_report("--no-deps", *extra)["install"]
+    lower = exact(REPO / "constraints" / "lower.txt")
+    shared = {}
+    for text in vllm["metadata"]["requires_dist"]:
+        requirement = Requirement(text)
+        name = requirement.name.lower().replace("_", "-")
+        if name in lower and (requirement.marker is None or requirement.marker.evaluate({"extra": ""})):
+            shared[name] = requirement.specifier
+    assert {"transformers", "torch", "tokenizers", "huggingface-hub", "safetensors"} <= set(shared)
+    for name, specifier in shared.items():
+        assert specifier.contains(lower[name], prereleases=True), (name, str(specifier), lower[name])
+
+
+@pytest.mark.skipif(os.environ.get("HFTRAIN_TEST_VLLM_RESOLVE") != "1",
+                    reason="the whole resolution of hftrain[vllm] reads ~200 packages' metadata (7 min here): "
+                           "HFTRAIN_TEST_VLLM_RESOLVE=1")
+def test_pip_resolves_hftrain_with_the_vllm_extra():
+    report = pip_report("--no-build-isolation", f"{REPO}[vllm]", timeout=1800)
+    chosen = {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in report["install"]}
+    assert chosen["vllm"] == "0.31.0" and chosen["transformers"].startswith("5.17.")

@@ -400,7 +400,7 @@ def test_the_preflight_refuses_a_machine_or_strategy_vllm_cannot_run_on(tmp_path
     text = " ".join(vllm_problems(r, launch("single"), cuda=False))
     assert "use_vllm: true needs a CUDA GPU" in text
     assert "needs the vllm package, which is not installed: pip install 'hftrain[vllm]'" in text
-    assert "vllm==0.31.0" in text and "transformers < 5.18" in text
+    assert "vllm==0.31.0" in text and "transformers < 5.18, so pip installs transformers 5.17.x beside it" in text
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else
                         real_find_spec(name, *a))
     assert vllm_problems(r, launch("ddp"), cuda=True) == []
