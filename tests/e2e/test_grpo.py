@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hftrain.report import write_report
 from tests.conftest import FAULTY_RANK, FSDP_LAUNCHER, REPO, launch, run_main_cases, run_script, write_jsonl
+from tests.model_cards import check_card
 from tests.wandb_records import summary
 
 TINY = str(REPO / "models" / "tiny-llama")
@@ -222,6 +223,9 @@ def test_evaluation_completes_and_scores_the_eval_prompts_as_trl_names_it(runs, 
         for name, value in expected.items():
             assert metrics[name] == pytest.approx(float(value), rel=1e-5, abs=1e-7), name
     assert len({len(r["completion_ids"]) for r in rows}) > 1  # the ending model ends some completions early
+    card = check_card(one.output_dir / "final", library="transformers", base_model=str(ending_model.resolve()),
+                      tags={"grpo", "full"}, rows=one.metrics())
+    assert f"| eval_reward | {eval_rows(one)[-1]['eval_reward']:.4g} |" in card.text  # the final evaluation's
 
     model = AutoModelForCausalLM.from_pretrained(one.output_dir / "final", dtype=torch.float32).eval()
     for r in [r for r in rows if r["step"] == 3]:  # the final evaluation samples from the final weights

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, launch_env, run_script, write_jsonl
+from tests.model_cards import check_card
 from tests.wandb_records import summary
 
 pytestmark = pytest.mark.launch
@@ -44,6 +45,9 @@ def test_tiny_dpo_recipe_learns_the_preferences(tmp_path):
     assert rows[-1]["pairs_per_second"] == rows[-1]["samples_per_second"] > 0
     assert run.state()["data"]["sources"][0]["format"] == "preference"
     assert (run.output_dir / "final" / "model.safetensors").exists()
+    card = check_card(run.output_dir / "final", library="transformers", base_model=str(REPO / "models" / "tiny-llama"),
+                      tags={"dpo", "full"}, rows=run.metrics())
+    assert f"| eval_rewards/accuracies | {evals[-1]['eval_rewards/accuracies']:.4g} |" in card.text
 
 
 def test_dpo_step_is_the_same_over_micro_batches_and_processes(tmp_path, full_one_process):

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.conftest import REPO, TINY_CHAT, run_main_cases, run_script
+from tests.conftest import REPO, TINY_CHAT, launch, run_main_cases
 from tests.hub_server import FakeHub
 from tests.model_cards import check_card
 
@@ -27,12 +27,15 @@ def folder_files(folder, prefix: str = "") -> dict[str, bytes]:
 
 
 def test_push_during_and_after_training_with_a_failed_upload_retried(tmp_path):
+    """DDP over 2 processes: both write the model for use at a save (gathered as for the final save), only the main
+    process uploads (each push arrives once)."""
     out = tmp_path / "out"
     with FakeHub(fail={"create": {1}}) as hub:
-        run = run_script(out, *TINY_CHAT, "--max_steps", "8", "--logging_steps", "2", "--save_steps", "2",
-                         "--eval_steps", "4", "--push_to_hub", "--hub_model_id", "org/tiny-push",
-                         "--hub_private_repo", "true", "--hub_strategy", "checkpoint",
-                         env={"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_OFFLINE": "0"})
+        run = launch(out, *TINY_CHAT, "--per_device_train_batch_size", "4", "--max_steps", "8", "--logging_steps", "2",
+                     "--save_steps", "2", "--eval_steps", "4", "--push_to_hub", "--hub_model_id", "org/tiny-push",
+                     "--hub_private_repo", "true", "--hub_strategy", "checkpoint", preset="cpu_ddp", processes=2,
+                     env={"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_OFFLINE": "0"})
+    assert run.state()["launch"]["num_processes"] == 2
     assert f"pushing to {hub.url}/org/tiny-push (hub_strategy checkpoint)" in run.stdout
     # the first save's upload failed: reported once, in one line, and training went on
     failures = [line for line in run.stderr.splitlines() if "hub push to 'org/tiny-push' failed" in line]
@@ -46,6 +49,7 @@ def test_push_during_and_after_training_with_a_failed_upload_retried(tmp_path):
     in_training = [int(m.split()[-1]) for m in messages if re.fullmatch(r"Training in progress, step \d+", m)]
     assert in_training and in_training[0] > 2, messages  # step 2's upload failed; a later save pushed again
     assert "Training in progress, step 2" not in messages
+    assert len(messages) == len(set(messages)) and hub.counts["create"] == len(messages) + 1  # one uploader
 
     # the repo's root is output_dir/final, byte for byte (card included); last-checkpoint/ the newest pushed
     # checkpoint-N, byte for byte
