@@ -367,6 +367,7 @@ class Finetune:
         timer.restart()
         micro_batches = [to_device(next(batches), accelerator.device) for _ in range(accum)]
         timer.lap("data_wait")
+        timer.move("data_wait", "generation", self.feed.pop_generation_seconds())  # grpo samples while the loop waits
         # The loss of an optimizer step is sum(token losses over all micro-batches and data-parallel ranks) divided by
         # the step's trained tokens over those ranks (for preference objectives: pair losses by the step's pairs,
         # `loss_units`). Gradients are averaged over the data-parallel ranks

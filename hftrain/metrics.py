@@ -48,8 +48,9 @@ PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("RTX 6000 Ada", 364.0), ("RTX 4090", 165.2), ("RTX 3090", 71.0),
     ("MI300X", 1307.0), ("MI250X", 383.0), ("MI250", 362.0),
 )
-TIMER_PHASES = ("data_wait", "token_sync", "forward", "backward", "optimizer")
-PHASE_WORDS = {"data_wait": "data wait (the loader is slower than the device: dataloader_num_workers, pre-tokenized "
+TIMER_PHASES = ("data_wait", "generation", "token_sync", "forward", "backward", "optimizer")
+PHASE_WORDS = {"generation": "generation (sampling the completions: use_vllm, a larger generation batch)",
+               "data_wait": "data wait (the loader is slower than the device: dataloader_num_workers, pre-tokenized "
                "data)", "token_sync": "the token-count collective (a slow link or a straggling rank)",
                "optimizer": "the optimizer step and its gradient collectives (fused optimizer, bucket sizes, offload)",
                "compute": "the device's own forward and backward (kernels too small to fill it: a larger "
@@ -161,6 +162,13 @@ class StepTimer:
         else:
             self.totals[name] += now - self.last
         self.last = now
+
+    def move(self, source: str, target: str, seconds: float) -> None:
+        """Count `seconds` of what was lapped as `source` as `target` instead: a part of the phase that its owner timed
+        itself (grpo's feed samples a generation window inside the loop's wait for micro-batches)."""
+        if seconds:
+            self.totals[source] -= seconds
+            self.totals[target] += seconds
 
     def collect(self) -> dict[str, float]:
         """Seconds per phase since the last collect (synchronises with the device on GPU)."""
@@ -314,6 +322,8 @@ class RunMeter:
             "effective_batch_size": self.effective_batch_size,
             "step_time": train_time / steps,
             "data_wait_time": statistics.fmean(r["data_wait"] for r in ranks) / steps,
+            **({"generation_time": statistics.fmean(r["generation"] for r in ranks) / steps}
+               if any(r["generation"] for r in ranks) else {}),
             "forward_backward_time": statistics.fmean(r["token_sync"] + r["forward"] + r["backward"]
                                                       for r in ranks) / steps,
             "optimizer_time": statistics.fmean(r["optimizer"] for r in ranks) / steps,
@@ -328,7 +338,7 @@ class RunMeter:
         row["device_hours"] = self.device_hours()
         if self.cost_per_hour is not None:
             row["cost"] = row["device_hours"] * self.cost_per_hour
-        own = [r["processed_tokens"] / max(r["data_wait"] + r["forward"], 1e-9) for r in ranks]
+        own = [r["processed_tokens"] / max(r["data_wait"] + r["generation"] + r["forward"], 1e-9) for r in ranks]
         for i, r in enumerate(ranks):
             row[f"rank{i}/tokens_per_second"] = r["trained_tokens"] / train_time
             row[f"rank{i}/own_tokens_per_second"] = own[i]
@@ -355,7 +365,7 @@ class RunMeter:
         row.update({f"rank{r}/{name}": v for r, v in measured.items()})
         low = name == "gpu_utilization" and measured[i] < LOW_UTILIZATION
         if low and self.low_before and warn:
-            phases = {p: ranks[i][p] for p in ("data_wait", "token_sync", "optimizer")}
+            phases = {p: ranks[i][p] for p in ("data_wait", "generation", "token_sync", "optimizer")}
             phases["compute"] = ranks[i]["forward"] + ranks[i]["backward"]
             worst = max(phases, key=phases.get)
             share = phases[worst] / max(sum(phases.values()), 1e-9)

@@ -23,8 +23,14 @@ from hftrain.errors import HftrainError, run_tool
 from hftrain.layout import FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STATE_FILE
 
 RANK_KEY = re.compile(r"^rank(\d+)/(.+)$")
-# what the loop times as data wait: for grpo, mostly the sampling of each generation window's completions
+# what the loop timed as data wait: for a grpo run logged before generation_time was split from it, mostly the
+# sampling of each generation window's completions
 WAIT_WORDS = {False: "data wait", True: "generation + data wait"}
+
+
+def wait_words(train: list[dict]) -> str:
+    """The data wait's label: it holds grpo's generation unless the run logged generation_time apart."""
+    return WAIT_WORDS[any("reward_std" in r for r in train) and not any("generation_time" in r for r in train)]
 REWARDS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")  # dpo / simpo rows
 
 
@@ -118,7 +124,6 @@ def plot_loss(train: list[dict], evals: list[dict], path: Path) -> Path:
 
 def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
     made, steps = [plot_loss(train, evals, folder / "loss.png")], sorted({r["step"] for r in train})
-    generation = any("reward_std" in r for r in train)  # grpo samples its rollouts where the loop waits for data
     many_ranks = len(rank_keys(train, "tokens_per_second")) > 1  # one process: its rank0 line is the total
     pairs = any(REWARDS[0] in r for r in train)
 
@@ -162,10 +167,12 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
     fig, ax = _figure("Step time split (mean per step)", "seconds")
     timed, _ = series(train, "step_time")
     bottom = [0.0] * len(timed)
-    for key, label in (("data_wait_time", WAIT_WORDS[generation]), ("forward_backward_time", "forward + backward"),
-                       ("optimizer_time", "optimizer")):
-        _, values = series(train, key)
-        if len(values) == len(timed):
+    for key, label in (("generation_time", "generation"), ("data_wait_time", wait_words(train)),
+                       ("forward_backward_time", "forward + backward"), ("optimizer_time", "optimizer")):
+        values = [r.get(key, 0.0) if key == "generation_time" else r.get(key) for r in train if "step_time" in r]
+        if key == "generation_time" and not any(values):
+            continue
+        if None not in values and len(values) == len(timed):
             ax.bar(timed, values, bottom=bottom, label=label, width=bar_width(timed))
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     made.append(_save(fig, ax, folder / "step_time.png", steps))
@@ -243,9 +250,10 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
                      f"{unit}/s")
         if all("step_time" in r for r in steady):
             step = statistics.fmean(r["step_time"] for r in steady)
-            parts = {k: statistics.fmean(r[k] for r in steady)
-                     for k in ("data_wait_time", "forward_backward_time", "optimizer_time")}
-            lines.append(f"- step time {_fmt(step)} s: {WAIT_WORDS[any('reward_std' in r for r in train)]} "
+            parts = {k: statistics.fmean(r.get(k, 0.0) for r in steady)
+                     for k in ("generation_time", "data_wait_time", "forward_backward_time", "optimizer_time")}
+            generated = f"generation {parts['generation_time'] / step:.0%}, " if parts["generation_time"] else ""
+            lines.append(f"- step time {_fmt(step)} s: {generated}{wait_words(train)} "
                          f"{parts['data_wait_time'] / step:.0%}, forward + "
                          f"backward {parts['forward_backward_time'] / step:.0%}, optimizer "
                          f"{parts['optimizer_time'] / step:.0%}")

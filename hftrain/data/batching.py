@@ -240,5 +240,9 @@ class IndexedFeed:
         """What a checkpoint records: the loop's counters are the position."""
         return progress
 
+    def pop_generation_seconds(self) -> float:
+        """Seconds spent generating the data since the last call: none here (grpo's feed samples rollouts)."""
+        return 0.0
+
     def window_metrics(self, dp) -> dict:
         return {}

@@ -488,6 +488,10 @@ class StreamFeed:
                              device=dp.accelerator.device)
         return replace(progress, epoch=round(float(dp.sum(local)[0]) / dp.world, 4))
 
+    def pop_generation_seconds(self) -> float:
+        """Seconds spent generating the data since the last call: none here (grpo's feed samples rollouts)."""
+        return 0.0
+
     def window_metrics(self, dp) -> dict:
         """Raw examples read, bad examples and dropped rows since the last logged row, over the data-parallel ranks
         (every rank counts the same examples when they all read the whole stream), and the epoch: the ranks' mean

@@ -29,7 +29,8 @@ class Objective:
         `run.eval_set`, `run.data_stats`, `run.rows`, `run.plan` (`checkpoint.realign` reads its `global_batch`,
         `steps_per_epoch`, `num_examples`, `world`, `accum`), `run.total_steps`, `run.collator`, `run.eval_collator`,
         `run.feed` (the loop's micro-batches: `batches(progress)`, `start`, `state_dict`, `recorded_progress`,
-        `window_metrics`, `stop_reason`, as `data.batching.IndexedFeed`), `run.stream_state` and `run.data_line`.
+        `window_metrics`, `pop_generation_seconds`, `stop_reason`, as `data.batching.IndexedFeed`), `run.stream_state`
+        and `run.data_line`.
         Examples from datasets, streamed or not: `run.setup_examples`."""
         run.setup_examples()
 

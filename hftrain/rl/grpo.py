@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -165,6 +166,7 @@ class Rollouts:
         self.correct_sampling = recipe.use_vllm and recipe.vllm_importance_sampling_correction
         self.store_old = recipe.num_iterations > 1 or plan.steps_per_generation > plan.accum or self.correct_sampling
         self.window, self.buffer, self.truncated = None, [], False
+        self.generation_seconds = 0.0  # since the loop last asked (pop_generation_seconds)
         self.generated_metrics: list[dict[str, float]] = []
         self.latest_rows: list[dict] = []  # log_completions: the last window's rollouts.jsonl rows (main process)
         # set by the objective once the backend has prepared the model: the model (its old log-probs), the loss
@@ -207,6 +209,13 @@ class Rollouts:
     def window_metrics(self, dp) -> dict:
         return self.metrics(dp.sum)
 
+    def pop_generation_seconds(self) -> float:
+        """Wall-clock seconds this rank spent sampling and scoring generation windows since the last call (the loop
+        counts them as generation_time, not as data wait; generate synchronises with the device when it reads the
+        completions back)."""
+        seconds, self.generation_seconds = self.generation_seconds, 0.0
+        return seconds
+
     def recorded_progress(self, progress, dp):
         """What a checkpoint records: the loop's counters are the position (as data.batching.IndexedFeed)."""
         return progress
@@ -223,7 +232,9 @@ class Rollouts:
                     self.truncate_rows(window)
                     self.truncated = True
                 with self.busy("generation"):
-                    self.generate(window)
+                    started = time.perf_counter()
+                self.generate(window)
+                self.generation_seconds += time.perf_counter() - started
             batch = dict(self.buffer[micro])
             if not self.store_old:
                 batch.pop("old_logps", None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -476,10 +477,14 @@ def test_tiny_grpo_recipe_learns(tmp_path):
     (closing,) = [line for line in run.stdout.splitlines() if line.startswith("hftrain: final model saved")]
     assert closing.endswith(f"; last logged reward {rewards[-1]:.4f}, loss {rows[-1]['loss']:.4f}")
     assert "\rtraining" not in run.stderr
+    # every step samples its window (num_iterations 1): its sampling time is generation, not data wait
+    assert all(m["generation_time"] > m["data_wait_time"] for m in rows), [
+        (m["generation_time"], m["data_wait_time"]) for m in rows]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.05, rewards
     assert len(rollouts(run)) == 20 * 16
     report = write_report(run.output_dir)
     assert (report.parent / "reward.png").stat().st_size > 0 and "- reward (grpo): first" in report.read_text()
+    assert re.search(r"- step time \S+ s: generation \d+%, data wait \d+%", report.read_text())
 
 
 def test_sigterm_inside_a_generation_window_resumes_exactly(runs, ending_model, tmp_path):

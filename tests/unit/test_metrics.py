@@ -86,6 +86,24 @@ def test_step_timer_splits_phases_and_skips_time_between_steps():
     assert timer.collect()["forward"] == 0  # collect starts a new window
 
 
+def test_generation_timed_by_the_feed_moves_out_of_the_data_wait():
+    """grpo's feed samples a generation window inside the loop's wait for micro-batches and says how long it took:
+    those seconds are generation, the rest of the wait stays data wait, and the step's total is unchanged."""
+    timer = StepTimer(torch.device("cpu"))
+    timer.restart()
+    time.sleep(0.05)
+    timer.lap("data_wait")
+    timer.move("data_wait", "generation", 0.03)
+    got = timer.collect()
+    assert got["generation"] == 0.03 and 0.02 <= got["data_wait"] < 0.05
+    ranks = [rank(0.4, data_wait=0.1, generation=0.3), rank(0.4, data_wait=0.2, generation=0.5)]
+    row = fake_meter(2, [])._metrics(ranks, steps=2, global_tokens=800, global_examples=20)
+    assert row["generation_time"] == pytest.approx(0.4 / 2) and row["data_wait_time"] == pytest.approx(0.15 / 2)
+    assert row["step_time"] == pytest.approx((0.2 + 0.5 + 0.4 + 0.5 + 0.1) / 2)  # rank 1's busy time, per step
+    assert "generation_time" not in fake_meter(2, [])._metrics([rank(0.4), rank(0.4)], steps=2, global_tokens=800,
+                                                               global_examples=20)
+
+
 def fake_meter(world: int, warnings: list[str], threshold: float = 0.2) -> RunMeter:
     accelerator = SimpleNamespace(num_processes=world, process_index=0, device=torch.device("cpu"))
     return RunMeter(accelerator, FlopCounter(llama()), straggler_threshold=threshold, peak_tflops_override=None,

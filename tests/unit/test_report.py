@@ -144,3 +144,11 @@ def test_one_process_gets_no_per_rank_chart_and_no_step_before_its_first(tmp_pat
         "learning_rate.png", "loss.png", "memory.png", "reward.png", "step_time.png", "tokens_per_second.png"]
     assert "- step time 2 s: generation + data wait 25%, forward + backward 50%, optimizer 25%" in report.read_text()
     assert 0 < step_axis_start([1, 2, 3, 4]) < 1 and 0 < step_axis_start([10, 20, 30]) < 10
+
+
+def test_a_grpo_runs_generation_time_is_its_own_part_of_the_step(tmp_path):
+    rows = [{k: v for k, v in train_row(step, 1.0).items() if not k.startswith("rank1/")}
+            | {"reward": 0.1, "reward_std": 0.01, "data_wait_time": 0.1, "generation_time": 0.4} for step in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = write_report(tmp_path).read_text()
+    assert "- step time 2 s: generation 20%, data wait 5%, forward + backward 50%, optimizer 25%" in text
