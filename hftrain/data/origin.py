@@ -10,7 +10,7 @@ datasets' reader (pyarrow, which names no line) failed on.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hftrain.data.jsonlines import BAD_LINE, parse_line
@@ -52,6 +52,9 @@ class RowOrigin:
     name: str
     path: str | None = None
     note: str = ""
+    # the last row located: (row, its line, the byte offset after it); a later row is found reading on from there,
+    # so naming the bad rows of a stream in order reads its file once
+    _last: dict = field(default_factory=dict, compare=False, repr=False)
 
     def describe(self, row: int) -> str:
         path = Path(self.path) if self.path else None
@@ -63,14 +66,18 @@ class RowOrigin:
             place = f"{self.name}, row {row + 1}"
         return place + self.note
 
-    @staticmethod
-    def _line(path: Path, row: int) -> int:
-        """The line holding row `row` (0-based) of a JSON-lines file: datasets skips blank lines."""
-        seen = -1
+    def _line(self, path: Path, row: int) -> int:
+        """The line holding row `row` (0-based) of a JSON-lines file: datasets (and hftrain's stream reader) skip
+        blank lines."""
+        last = self._last.get("at", (-1, 0, 0))
+        seen, line, offset = last if row > last[0] else (-1, 0, 0)
         with path.open("rb") as f:
-            for line, text in enumerate(f, 1):
+            f.seek(offset)
+            for text in f:
+                line, offset = line + 1, offset + len(text)
                 seen += bool(text.strip())
-                if seen == row:
+                if seen == row and text.strip():
+                    self._last["at"] = (seen, line, offset)
                     return line
         raise ValueError(f"{path} has fewer than {row + 1} rows")
 

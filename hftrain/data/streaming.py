@@ -43,7 +43,7 @@ from hftrain.data import vision as vision_data
 from hftrain.data.batching import Collator
 from hftrain.data.formats import detect_format
 from hftrain.data.jsonlines import BAD_LINE, json_lines_dataset
-from hftrain.data.sources import CHAT_FORMATS, FILE_BUILDERS, check_objective, load_eval_set
+from hftrain.data.sources import CHAT_FORMATS, FILE_BUILDERS, check_objective, load_eval_set, row_origin
 from hftrain.data.tokenize import DataSpec, prepare_chat_template, tokenize_dataset, tokenize_pair, tokenize_rows
 from hftrain.errors import HftrainError, first_line
 
@@ -634,6 +634,9 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
         return split_dataset_by_node(raw, rank, world, strategy="shards") if disjoint else raw
 
     name = source.name
+    # one local JSON-lines file read by hftrain's reader: a raw example's index is its row in the file (blank lines
+    # skipped), so a bad one is named by its line
+    origin = row_origin(name, False) if source.seeks and source.num_shards == 1 and not mixture else None
 
     base = vision_data.base_folder(name)
 
@@ -646,9 +649,10 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
             example, kind, where = json.loads(example[MIXTURE_RAW]), formats[part], parts[part].name
         if BAD_LINE in example:
             raise HftrainError(example[BAD_LINE])
+        place = origin.where(index) if origin is not None else None
         if kind == "preference":
-            return [tokenize_pair(example, index, tokenizer, spec, where)]
-        return tokenize_rows(example, index, tokenizer, spec, kind, where)
+            return [tokenize_pair(example, index, tokenizer, spec, where, place)]
+        return tokenize_rows(example, index, tokenizer, spec, kind, where, place)
 
     stream = RowStream(open_pass, tokenize, shuffle_buffer=1 if sequential else recipe.shuffle_buffer_size,
                        seed=recipe.order_seed * 1_000_003 + (rank if disjoint else 0), packing=recipe.packing,

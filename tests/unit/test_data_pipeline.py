@@ -448,3 +448,17 @@ def test_a_bad_row_is_named_by_its_file_and_line_not_its_position_after_the_shuf
         message = str(info.value)
         assert message.startswith(f"{bad}, line 43") and "the conversation has no assistant message" in message
         assert ("line 43 (a source of dataset_mixture):" in message) == ("dataset_mixture" in values)
+
+
+def test_a_row_origin_names_rows_in_any_order(tmp_path):
+    """RowOrigin reads on from the last row it located (a stream names its bad rows in order): rows asked for in any
+    order get the line that counting the file's non-blank lines gives."""
+    from hftrain.data.origin import RowOrigin
+
+    data = tmp_path / "d.jsonl"
+    text = ["\n", '{"text": "a"}\n', "\n", "\n", '{"text": "b"}\n', '{"text": "c"}\n', "  \n", '{"text": "d"}\n']
+    data.write_text("".join(text))
+    lines = [i + 1 for i, t in enumerate(text) if t.strip()]  # the line of each row
+    origin = RowOrigin("d.jsonl", str(data))
+    for row in (2, 0, 3, 3, 1, 3):
+        assert origin.describe(row) == f"d.jsonl, line {lines[row]}", row

@@ -328,3 +328,20 @@ def test_shards_are_shuffled_per_pass_seeded_and_a_resume_across_the_pass_bounda
     resumed.stream.load_state(state)
     assert questions(resumed, 26) == rows[10:]
 
+
+
+def test_a_streamed_bad_row_is_named_by_its_file_and_line(tmp_path):
+    """A streamed .jsonl file: the bad rows (no assistant message) are named by their line, blank lines counted, as the
+    map-style reader names them; the stream goes on and counts them."""
+    import json
+
+    lines = chat_lines(0, 12)
+    no_answer = json.dumps({"messages": [{"role": "user", "content": "Question 99?"}]}) + "\n"
+    lines[5:5] = ["\n", no_answer, "\n"]  # line 7
+    lines[11:11] = [no_answer]  # line 12
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(lines))
+    feed = stream_feed(data, train_sampling_strategy="sequential")
+    assert questions(feed, 12) == list(range(12))
+    assert feed.stream.counts["bad"] == 2
+    assert f"{data}, line 7: the conversation has no assistant message" in feed.stream.first_bad
