@@ -33,6 +33,7 @@ from hftrain.recipe.grpo import OBJECTIVE_DEFAULTS, GRPOFields
 from hftrain.recipe.grpo import problems as grpo_problems
 from hftrain.recipe.hub import SECRET_FIELDS, HubFields
 from hftrain.recipe.hub import problems as hub_problems
+from hftrain.recipe.hub import unused as hub_unused
 from hftrain.recipe.monitoring import MonitoringFields
 from hftrain.recipe.monitoring import problems as monitoring_problems
 from hftrain.recipe.objectives import ObjectiveFields
@@ -497,12 +498,12 @@ def validate(recipe: Recipe) -> list[str]:
 
 
 def unused_settings(r: Recipe) -> list[str]:
-    """Start-up notes for settings that a cadence turned off leaves without effect (they stay in the resolved recipe
-    as given: `--eval_strategy no` on a recipe with eval_steps needs nothing more)."""
+    """Start-up notes for settings that a cadence or push_to_hub turned off leaves without effect (they stay in the
+    resolved recipe as given: `--eval_strategy no` on a recipe with eval_steps needs nothing more)."""
     unused = {"eval": [name for name in ("eval_steps", "eval_dataset_name") if getattr(r, name) is not None],
               "save": [name for name in ("save_steps", "save_total_limit") if getattr(r, name) is not None]}
     return [f"{kind}_strategy no: {', '.join(f'{name}={getattr(r, name)}' for name in names)} not used"
-            for kind, names in unused.items() if names and getattr(r, f"{kind}_strategy") == "no"]
+            for kind, names in unused.items() if names and getattr(r, f"{kind}_strategy") == "no"] + hub_unused(r)
 
 
 def _validate_performance(r: Recipe) -> list[str]:

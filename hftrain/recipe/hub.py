@@ -51,12 +51,18 @@ def repo_id(r) -> str:
     return r.hub_model_id or Path(r.output_dir).expanduser().absolute().name
 
 
+def unused(r) -> list[str]:
+    """A start-up note for hub settings that push_to_hub false leaves without effect (a recipe that pushes, run with
+    --push_to_hub false for a try, needs nothing more; the token's value is not shown)."""
+    names = [name for name in ("hub_model_id", "hub_private_repo", "hub_token", "hub_revision")
+             if getattr(r, name) is not None]
+    shown = [name if name in SECRET_FIELDS else f"{name}={getattr(r, name)}" for name in names]
+    return [f"push_to_hub false: {', '.join(shown)} not used"] if names and not r.push_to_hub else []
+
+
 def problems(r) -> list[str]:
     if not r.push_to_hub:
-        unused = [name for name in ("hub_model_id", "hub_private_repo", "hub_token", "hub_revision")
-                  if getattr(r, name) is not None]
-        return [f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} set but push_to_hub is false: nothing "
-                "is pushed; set push_to_hub: true or remove them"] if unused else []
+        return []
     target = repo_id(r)
     try:
         validate_repo_id(target)

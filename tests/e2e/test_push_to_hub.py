@@ -78,7 +78,6 @@ def test_push_refusals_before_anything_loads(tmp_path):
         "no_token": [*base, "--output_dir", str(tmp_path / "a"), "--push_to_hub", "--hub_model_id", "org/name"],
         "bad_repo_id": [*base, "--output_dir", str(tmp_path / "b"), "--push_to_hub", "--hub_model_id", "org/x/y"],
         "bad_default_repo_id": [*base, "--output_dir", str(tmp_path / "my run"), "--push_to_hub"],
-        "hub_fields_without_push": [*base, "--output_dir", str(tmp_path / "c"), "--hub_model_id", "org/name"],
     }
     runs = run_main_cases({name: (argv, {}) for name, argv in cases.items()}, tmp_path,
                           process_env={"HF_HOME": str(tmp_path / "hf_home")})
@@ -93,4 +92,3 @@ def test_push_refusals_before_anything_loads(tmp_path):
     assert "hub_model_id 'org/x/y' is not a valid hub repo id" in message["bad_repo_id"]
     assert "pushes to a repo named after output_dir, 'my run', which is not a valid hub repo id" in \
         message["bad_default_repo_id"] and "Set hub_model_id" in message["bad_default_repo_id"]
-    assert "hub_model_id is set but push_to_hub is false" in message["hub_fields_without_push"]

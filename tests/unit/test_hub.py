@@ -8,7 +8,7 @@ import threading
 import pytest
 from huggingface_hub import constants
 
-from hftrain.config import Recipe, validate
+from hftrain.config import Recipe, unused_settings, validate
 from hftrain.errors import HftrainError
 from hftrain.hub import HubPush, preflight_problems
 from tests.hub_server import FakeHub
@@ -34,9 +34,10 @@ def test_recipe_rules():
     assert hub_problems(push_to_hub=True, output_dir="outputs/tiny-chat") == []  # the default repo: the folder name
     assert "not a valid hub repo id" in hub_problems(push_to_hub=True, hub_model_id="org/na--me")[0]
     assert "'my run', which is not a valid hub repo id" in hub_problems(push_to_hub=True, output_dir="out/my run")[0]
-    assert hub_problems(hub_private_repo=True, hub_revision="dev") == [
-        "hub_private_repo, hub_revision are set but push_to_hub is false: nothing is pushed; set push_to_hub: true "
-        "or remove them"]
+    # a recipe that pushes, run with --push_to_hub false: accepted, its hub settings named as unused at start-up
+    off = Recipe(hub_model_id="org/m", hub_private_repo=True, hub_token="hf_secret_value")
+    assert hub_problems(**vars(off)) == []
+    assert unused_settings(off) == ["push_to_hub false: hub_model_id=org/m, hub_private_repo=True, hub_token not used"]
 
 
 def test_preflight_needs_a_token_and_online_mode(monkeypatch, tmp_path):
