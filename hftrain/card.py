@@ -160,14 +160,15 @@ def _version(package: str) -> str:
 
 
 def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kind: str, device_hours: float | None,
-               name: str, load_from: str | None = None, merged_from: dict | None = None
+               name: str, load_from: str | None = None, merged_from: dict | None = None, curve: bool = True
                ) -> tuple[ModelCard, str | None]:
     """The card of `folder` and the name of the loss figure to draw beside it (None: too few points).
 
     kind: model (a full fine-tune's folder), adapter (peft), merged (an adapter merged into its base: `merged_from`
     is hftrain_merge.json's record). `recipe` and `state` are the training run's (its hftrain_config.yaml and
     hftrain_state.json), `rows` its metrics.jsonl. `name`: the model's name (the hub repo id, or the run's folder
-    name); `load_from`: what the quick start loads (the hub repo id; default the folder's path)."""
+    name); `load_from`: what the quick start loads (the hub repo id; default the folder's path); `curve`: show the
+    loss curve (false: a card about to be rewritten, e.g. before the final evaluation, skips drawing it)."""
     progress, summary = state.get("progress", {}), state.get("model", {})
     step = progress.get("step", 0)
     method_tag, method = method_of(recipe, summary)
@@ -248,7 +249,7 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
     figure = None
     if results:
         lines += ["## Results", "", "| | final |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in results], ""]
-        if len([r for r in rows if r.get("loss") is not None]) >= 2:
+        if curve and len([r for r in rows if r.get("loss") is not None]) >= 2:
             figure = LOSS_FIGURE
             lines += [f"![Train and eval loss]({LOSS_FIGURE})", ""]
     else:
@@ -277,7 +278,7 @@ def write_card(folder: Path, card: ModelCard, figure: str | None, rows: list[dic
 
 
 def run_card(folder: Path, output_dir: Path, *, kind: str, device_hours: float | None, repo_id: str | None = None,
-             location: Path | None = None) -> Path:
+             location: Path | None = None, curve: bool = True) -> Path:
     """The card of a run's folder for use (final/, or the model a save pushes), from its run files and the run's
     metrics.jsonl. `repo_id`: the hub repo it is pushed to (its name and what the quick start loads); `location`:
     where the folder ends up (it may be written under a temporary name first)."""
@@ -286,7 +287,7 @@ def run_card(folder: Path, output_dir: Path, *, kind: str, device_hours: float |
     rows = read_metrics(output_dir)
     card, figure = build_card(folder, recipe, state, rows, kind=kind, device_hours=device_hours,
                               name=repo_id or output_dir.resolve().name,
-                              load_from=repo_id or str((location or folder).resolve()))
+                              load_from=repo_id or str((location or folder).resolve()), curve=curve)
     return write_card(folder, card, figure, rows)
 
 

@@ -469,15 +469,17 @@ class Finetune:
         written = self.saves.pending[1] if self.saves.pending and self.saves.pending[0] == saved else None
         self.hub.at_save(self.progress.step, model_dir, saved, written)
 
-    def card_writer(self, location: Path):
+    def card_writer(self, location: Path, curve: bool = True):
         """What `checkpoint.save_final` calls on the main process to add the model card to the folder it writes."""
-        return lambda folder: self.write_card(folder, location)
+        return lambda folder: self.write_card(folder, location, curve)
 
-    def write_card(self, folder: Path, location: Path) -> Path:
-        """README.md of a folder for use (hftrain.card), from its run files and metrics.jsonl so far."""
+    def write_card(self, folder: Path, location: Path, curve: bool = True) -> Path:
+        """README.md of a folder for use (hftrain.card), from its run files and metrics.jsonl so far; `curve`: draw
+        the loss curve (matplotlib, ~0.5 s: skipped for final/'s first card when the final evaluation rewrites it)."""
         return card.run_card(folder, self.output_dir, kind="adapter" if self.recipe.use_peft else "model",
                              device_hours=self.meter.device_hours(),
-                             repo_id=self.hub.repo_id if self.recipe.push_to_hub else None, location=location)
+                             repo_id=self.hub.repo_id if self.recipe.push_to_hub else None, location=location,
+                             curve=curve)
 
     def rescue(self, exc: Exception) -> None:
         """An unexpected error inside training. One process whose parameters are those of the last completed step
@@ -593,7 +595,7 @@ class Finetune:
             with phase(self.accelerator, "saving the final model", self.recipe.ddp_timeout):
                 checkpoint.save_final(self.backend, self.model, self.processor or self.tokenizer, final_dir,
                                       self.recipe, self.recorded_progress(), self.current_run_info(),
-                                      describe=self.card_writer(final_dir))
+                                      describe=self.card_writer(final_dir, curve=self.eval_set is None))
         except HftrainError:  # e.g. a collective timed out: another save would wait on the same ranks
             raise
         except Exception as exc:  # noqa: BLE001 - any failure: keep what was trained, then report

@@ -81,6 +81,9 @@ def test_run_card_is_written_atomically_and_parses(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["README.md", "hftrain_config.yaml", "hftrain_state.json",
                                                         "loss.png"]
     assert "hf_secret" not in path.read_text() and "hf_secret" not in (folder / "hftrain_config.yaml").read_text()
+    (folder / "loss.png").unlink()
+    run_card(folder, out, kind="model", device_hours=1.0, curve=False)  # a card the final evaluation rewrites
+    assert "loss.png" not in path.read_text() and not (folder / "loss.png").exists()
     write_card(folder, ModelCard("---\ntags: [x]\n---\nnew"), None, [])
     assert ModelCard.load(path).text.strip() == "new"
 
