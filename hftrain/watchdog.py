@@ -162,7 +162,10 @@ class Watchdog:
         self.lags: dict[int, float] = {}
         self.lock = threading.Lock()
         self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="hftrain-watchdog", daemon=True)
+        # two threads: the courier exchanges heartbeats with the store (a call may block while the store's host is
+        # frozen), the judge decides from what was heard, whether or not the courier is stuck
+        self.courier = threading.Thread(target=self._exchange, name="hftrain-heartbeat", daemon=True)
+        self.thread = threading.Thread(target=self._judge, name="hftrain-watchdog", daemon=True)
         try:
             self._publish()  # the peers see this rank from its first exchange on
         except Exception:  # noqa: BLE001 - the thread connects again; only a store silent for hang_timeout counts
@@ -227,18 +230,16 @@ class Watchdog:
         """Run the watchdog over the training loop; on the way out this rank says it is done (never named)."""
         with self.lock:
             self.last_step_at = self.moved = self.store_ok = time.monotonic()  # step 1's time counts (warm-up)
+        self.courier.start()
         self.thread.start()
         try:
             yield self
         finally:
+            with self.lock:
+                self.record["done"] = True  # the courier's last heartbeat says so
             self.stopped.set()
             self.thread.join(timeout=10)
-            with self.lock:
-                self.record["done"] = True
-            try:
-                self._publish()
-            except Exception:  # noqa: BLE001 - the store may be gone with a failed peer: nothing waits on this
-                pass
+            self.courier.join(timeout=2 * self.interval + 1)  # not forever: the store may be gone with a peer
 
     @property
     def timeout(self) -> float:
@@ -302,36 +303,44 @@ class Watchdog:
     def check(self, now: float) -> str | None:
         """The line to print when the job is hung, as seen now."""
         timeout = self.timeout
-        if not self.armed:
-            return None
-        if now - self.store_ok > timeout:
-            return self._store_lost(now - self.store_ok, timeout)
-        beat_age = {r: now - self.beat_seen[r] for r in self.seen}
-        progress_age = {r: now - self.moved_seen[r] for r in self.seen}
+        with self.lock:
+            if not self.armed:
+                return None
+            if now - self.store_ok > timeout:
+                return self._store_lost(now - self.store_ok, timeout)
+            seen = {r: dict(rec) for r, rec in self.seen.items()}
+            seen[self.rank] = dict(self.record)
+            beat_age = {r: now - self.beat_seen.get(r, now) for r in seen}
+            progress_age = {r: now - self.moved_seen.get(r, now) for r in seen}
+        progress_age[self.rank] = now - self.moved  # this rank's own progress, to the moment
         beat_age[self.rank] = 0.0
-        verdict = judge(self.seen, beat_age, progress_age, timeout)
+        verdict = judge(seen, beat_age, progress_age, timeout)
         if verdict is None:
             return None
-        return describe(verdict, self.seen, timeout, self.latest_checkpoint(self.output_dir), self.output_dir,
-                        self.rank)
+        return describe(verdict, seen, timeout, self.latest_checkpoint(self.output_dir), self.output_dir, self.rank)
 
     def _store_lost(self, seconds: float, timeout: float) -> str:
         host = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         checkpoint = self.latest_checkpoint(self.output_dir)
         saved = (f"last complete checkpoint {checkpoint}" if checkpoint else
                  f"no complete checkpoint in {self.output_dir}")
-        return (f"hftrain: error: hang detected by rank {self.rank}: the job's rendezvous store at {host} (node 0's "
-                f"launcher) did not answer for {seconds:.0f}s: node 0 is frozen, lost or cut off (hang_timeout "
-                f"{timeout:.0f}s). This rank finished step {self.record['step']}; {saved}. Stopping the job.")
+        return (f"hftrain: error: hang detected by rank {self.rank}: the job's rendezvous store at {host} did not "
+                f"answer for {seconds:.0f}s: the machine that hosts it (node 0's launcher under a static rendezvous) "
+                f"is frozen, lost or cut off (hang_timeout {timeout:.0f}s). This rank finished step "
+                f"{self.record['step']}; {saved}. Stopping the job.")
 
-    def _run(self) -> None:
+    def _exchange(self) -> None:
         while not self.stopped.wait(self.interval):
-            now = time.monotonic()
-            self._observe(now)
-            if self.stopped.is_set():
-                return
-            line = self.check(now)
-            if line is not None:
+            self._observe(time.monotonic())
+        try:
+            self._publish()  # the last heartbeat: done (a rank that left the loop is never named)
+        except Exception:  # noqa: BLE001 - the store may be gone with a failed peer: nothing waits on this
+            pass
+
+    def _judge(self) -> None:
+        while not self.stopped.wait(self.interval):
+            line = self.check(time.monotonic())
+            if line is not None and not self.stopped.is_set():
                 self._stop_job(line)
 
     def _stop_job(self, line: str) -> None:

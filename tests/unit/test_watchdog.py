@@ -4,6 +4,7 @@ stalled step) are in tests/e2e/test_reliability.py."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -175,6 +176,36 @@ def test_a_store_that_does_not_answer_is_retried_and_named_once_silent_for_the_t
     w.store = None  # the connection broke
     w._observe(now + 7)
     line = w.check(now + 7)
-    assert line.startswith("hftrain: error: hang detected by rank 1: the job's rendezvous store at node0:29500 (node "
-                           "0's launcher) did not answer for 7s")
+    assert line.startswith("hftrain: error: hang detected by rank 1: the job's rendezvous store at node0:29500 did "
+                           "not answer for 7s: the machine that hosts it (node 0's launcher under a static rendezvous)")
     assert "This rank finished step 3; no complete checkpoint in" in line
+
+
+def test_a_store_call_that_never_returns_does_not_stop_the_judge(tmp_path):
+    """Node 0 frozen: its store accepts a call and never answers. The heartbeat thread is stuck in that call; the
+    judging thread still names the store after hang_timeout (found by freezing node 0 of a 2-node job, whose node 1
+    had waited in its collective while its single watchdog thread waited on the store)."""
+    frozen, lines = threading.Event(), []
+
+    class Store(dict):
+        def set(self, key, value):
+            if frozen.is_set():
+                threading.Event().wait()  # never returns
+            self[key] = value
+
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+        def get(self, key):
+            return self[key]
+
+    store = Store()
+    w = Watchdog(lambda: store, 1, 2, 1, 0.6, tmp_path, lambda d: None, interval=0.05)
+    w._stop_job = lines.append  # instead of printing and leaving the test process
+    started = time.monotonic()
+    with w.watching():
+        w.step_done(1)
+        frozen.set()
+        while not lines and time.monotonic() - started < 10:
+            time.sleep(0.05)
+    assert lines and "the job's rendezvous store at" in lines[0] and time.monotonic() - started < 5
