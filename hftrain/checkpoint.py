@@ -46,6 +46,7 @@ from hftrain.config import Recipe
 from hftrain.errors import HftrainError, first_line
 from hftrain.layout import (
     COMPLETE_FILE,
+    COMPLETIONS_FILE,
     CONFIG_FILE,
     DS_CONFIG_FILE,
     FINAL_DIR,
@@ -272,13 +273,15 @@ def load_run_tensors(folder: Path) -> dict | None:
 
 
 def clear_run(output_dir: Path) -> None:
-    """Remove a previous run's checkpoints, final model, metrics, profiler traces and report (overwrite_output_dir)."""
+    """Remove a previous run's checkpoints, final model, metrics, completions, profiler traces and report
+    (overwrite_output_dir)."""
     for old in [*output_dir.glob(f"{PREFIX}*"), *output_dir.glob(f"{TMP_PREFIX}{PREFIX}*"),
                 output_dir / f"{TMP_PREFIX}{FINAL_DIR}", *output_dir.glob(f"{UNIVERSAL_PREFIX}{PREFIX}*"),
                 output_dir / FINAL_DIR, output_dir / PROFILE_DIR, output_dir / REPORT_DIR, output_dir / PREFLIGHT_DIR,
                 output_dir / HUB_UPLOAD_DIR, output_dir / f"{TMP_PREFIX}{HUB_UPLOAD_DIR}"]:
         shutil.rmtree(old, ignore_errors=True)
     (output_dir / METRICS_FILE).unlink(missing_ok=True)
+    (output_dir / COMPLETIONS_FILE).unlink(missing_ok=True)
 
 
 def newest_intact(output_dir: Path, warn: bool = False) -> Path | None:

@@ -45,7 +45,8 @@ from hftrain.presets import layout_problems, needs
 
 ENTRY = Path(__file__).resolve().parent / "finetune.py"
 TOOLS = {"finetune": "hftrain.finetune", "merge": "hftrain.merge", "estimate": "hftrain.estimate",
-         "report": "hftrain.report", "data": "hftrain.data.__main__", "env": "hftrain.versions"}
+         "report": "hftrain.report", "data": "hftrain.data.__main__", "env": "hftrain.versions",
+         "chat": "hftrain.chat", "eval": "hftrain.eval_tasks"}
 # the exceptions with which accelerate's launcher reports a process that exited non-zero (single process / DeepSpeed
 # multi-node: CalledProcessError; torchrun: ChildFailedError, followed by its failure summary)
 LAUNCHER_FAILURES = ("subprocess.CalledProcessError: Command",
@@ -81,6 +82,8 @@ commands:
   merge      merge a LoRA / DoRA run's adapter into its base model (= python -m hftrain.merge)
   env        the versions in use, whether each is inside the tested range, and which version-gated features
              are available here (for a bug report; = python -m hftrain.versions)
+  chat       talk to a trained folder: final, merged, adapter or checkpoint-N (= python -m hftrain.chat)
+  eval       lm-evaluation-harness tasks on a trained folder (= python -m hftrain.eval_tasks; needs hftrain[eval])
 
 options:
   -h, --help     show this text; `hftrain <command> --help` shows a command's own
@@ -312,7 +315,7 @@ def _command(command: str, rest: list[str]) -> list[str] | None:
         return None
     if command in TOOLS:  # one process, no launcher: python -m hftrain.<module>
         tool = importlib.import_module(TOOLS[command]).main
-        extra = {"prog": "hftrain merge"} if command == "merge" else {}
+        extra = {"prog": f"hftrain {command}"} if command in ("merge", "chat", "eval") else {}
         tool(with_demo_recipe(rest) if command in ("finetune", "data") else rest, **extra)
         return None
     if command != "launch":

@@ -29,6 +29,8 @@ from hftrain.layout import SHIPPED as SHIPPED
 from hftrain.recipe import recipe_field as _f
 from hftrain.recipe.data import DataFields, DatasetSource, looks_local
 from hftrain.recipe.data import problems as data_problems
+from hftrain.recipe.evaluation import EvaluationFields
+from hftrain.recipe.evaluation import problems as evaluation_problems
 from hftrain.recipe.grpo import OBJECTIVE_DEFAULTS, GRPOFields
 from hftrain.recipe.grpo import problems as grpo_problems
 from hftrain.recipe.hub import SECRET_FIELDS, HubFields
@@ -257,11 +259,11 @@ class LoggingFields:
 
 
 @dataclass
-class Recipe(HubFields, ParallelFields, MonitoringFields, LoggingFields, PeftFields, TrainingFields, GRPOFields,
-             ObjectiveFields, DataFields, ModelFields):
+class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, LoggingFields, PeftFields, TrainingFields,
+             GRPOFields, ObjectiveFields, DataFields, ModelFields):
     """One flat, typed schema: every field of every group (declared per group, in this order: model, data,
-    objective, training, peft and quantization, logging, monitoring, parallelism, hub; dataclasses collect the bases'
-    fields from the last base to the first)."""
+    objective, training, peft and quantization, logging, evaluation, monitoring, parallelism, hub; dataclasses collect
+    the bases' fields from the last base to the first)."""
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -483,6 +485,7 @@ def validate(recipe: Recipe) -> list[str]:
     problems += _validate_performance(r)
     problems += monitoring_problems(r)
     problems += hub_problems(r)
+    problems += evaluation_problems(r)
 
     problems += peft_problems(r)
 

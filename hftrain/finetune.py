@@ -30,6 +30,7 @@ from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datase
 from hftrain.data.feeds import setup_examples
 from hftrain.data.vision import load_image_chats
 from hftrain.errors import HftrainError, first_line, run_tool, same_in_every_process
+from hftrain.eval_tasks import TaskEvaluation
 from hftrain.hub import HubPush, repo_url
 from hftrain.layout import CONFIG_FILE, FINAL_DIR, HUB_UPLOAD_DIR, PROFILE_DIR
 from hftrain.metrics import (
@@ -48,6 +49,7 @@ from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate
 from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve, run_process
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest, signal_names
 from hftrain.preflight import preflight
+from hftrain.samples import CompletionSamples
 from hftrain.tracking import MetricLogger, ProgressDisplay, quiet_other_ranks
 from hftrain.vision import build_processor, is_image_text
 from hftrain.watchdog import Watchdog
@@ -171,6 +173,8 @@ class Finetune:
         self.output_dir = Path(recipe.output_dir)
         self.resume_from = checkpoint.resolve_resume(recipe)
         self.watchdog = Watchdog.for_run(self.accelerator, recipe, checkpoint.newest_intact)  # hangs: watchdog.py
+        # eval_tasks: lm-eval's tasks checked and loaded now, before the data and the model
+        self.task_evaluation = TaskEvaluation(recipe, self.backend) if recipe.eval_tasks else None
 
     def setup_data(self) -> None:
         """Tokenizer, then the objective's data (`objective.setup_data`: for sft/dpo `setup_examples`, streamed or
@@ -180,6 +184,10 @@ class Finetune:
         self.processor = build_processor(recipe) if is_image_text(self.model_config) else None
         self.tokenizer = build_tokenizer(recipe) if self.processor is None else self.processor.tokenizer
         self.objective.setup_data(self)
+        # what each evaluation runs on the live model after the objective's own evaluation
+        samples = recipe.log_completions and self.objective.completes_eval_prompts and self.eval_set is not None
+        self.eval_addons = [addon for addon in (self.task_evaluation, CompletionSamples(self) if samples else None)
+                            if addon is not None]
 
     def setup_examples(self) -> None:
         """Examples from datasets, map-style or streamed (sft, dpo, simpo): hftrain.data.feeds fills the data
@@ -439,7 +447,7 @@ class Finetune:
         self.bar.update(1)
         if progress.step % recipe.logging_steps == 0 or progress.step in (1, self.total_steps):
             self.log_window(step)
-        if self.eval_set is not None and self.due(recipe.eval_strategy, recipe.eval_steps) \
+        if self.evaluates and self.due(recipe.eval_strategy, recipe.eval_steps) \
                 and progress.step < self.total_steps:  # the last step's evaluation is the final one
             with phase(self.accelerator, "evaluation", recipe.ddp_timeout), self.watchdog.window("evaluation"):
                 metrics = self.evaluate()
@@ -541,10 +549,19 @@ class Finetune:
         self.last_headline.update(shown)
         return shown
 
-    def evaluate(self) -> dict[str, float]:
-        """The objective's evaluation (`Objective.evaluate`: the eval loss, or grpo's rewards of generated
-        completions)."""
-        return self.objective.evaluate(self)
+    @property
+    def evaluates(self) -> bool:
+        """Whether evaluations run anything: the objective's (with an eval set), eval_tasks or log_completions."""
+        return self.eval_set is not None or bool(self.eval_addons)
+
+    def evaluate(self) -> dict:
+        """One evaluation row, every rank calling: the objective's evaluation when there is an eval set
+        (`Objective.evaluate`: the eval loss, or grpo's rewards of generated completions), then each add-on on the
+        live model (eval_tasks' benchmarks, log_completions' samples)."""
+        metrics = self.objective.evaluate(self) if self.eval_set is not None else {}
+        for addon in self.eval_addons:
+            metrics.update(addon(self))
+        return metrics
 
     def evaluate_loss(self) -> dict[str, float]:
         return evaluate(self.backend, self.model, self.token_loss, self.eval_set, self.eval_collator, self.recipe)
@@ -572,7 +589,7 @@ class Finetune:
         """The final model first (with its card), then the final evaluation (whatever it does, the trained model is
         kept) and the card again with its result, then the push to the hub after the uploads in flight."""
         final_dir = self.save_final()
-        if self.eval_set is not None:
+        if self.evaluates:
             self.final_evaluation(final_dir)
             if self.accelerator.is_main_process:
                 self.write_card(final_dir, final_dir)

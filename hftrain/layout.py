@@ -25,6 +25,7 @@ TMP_PREFIX = ".tmp-"  # output_dir/.tmp-checkpoint-N, .tmp-final: a save in prog
 FINAL_DIR = "final"  # output_dir/final: the final model
 MODEL_FILE = "model.safetensors"  # accelerate's save_state model file (the trained weights)
 METRICS_FILE = "metrics.jsonl"  # output_dir/metrics.jsonl: one row per logging step and evaluation
+COMPLETIONS_FILE = "completions.jsonl"  # log_completions (sft, dpo, simpo): eval prompts' completions per evaluation
 PROFILE_DIR = "profile"  # output_dir/profile: profiler traces
 REPORT_DIR = "report"  # output_dir/report: `hftrain report`'s plots and summary
 HUB_UPLOAD_DIR = ".hub-upload"  # output_dir/.hub-upload: the model for use a save pushes to the hub (push_to_hub)

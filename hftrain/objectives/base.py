@@ -48,6 +48,9 @@ class Objective:
         return None
 
     eval_headline = "eval_loss"  # the metric the final evaluation's line shows
+    # log_completions: the eval examples' prompts are completed at each evaluation (hftrain.samples); an objective
+    # whose evaluation and log_completions already show generated text (grpo) says False
+    completes_eval_prompts = True
 
     def evaluate(self, run) -> dict[str, float]:
         """The evaluation's metrics (every rank calls it at once, when `run.eval_set` is set): the loss module's loss

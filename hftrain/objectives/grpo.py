@@ -40,6 +40,7 @@ def build_token_reference(recipe, lm: nn.Module, device: torch.device,
 class GRPO(Objective):
     name = "grpo"
     eval_headline = "eval_reward"
+    completes_eval_prompts = False  # its evaluation completes them (eval_rollouts.jsonl); log_completions: rollouts
 
     def evaluate(self, run) -> dict[str, float]:
         """TRL's GRPO evaluation: the eval prompts completed and scored, no update (`Rollouts.evaluate`)."""

@@ -63,7 +63,10 @@ class GRPOFields:
     log_completions: bool = _f(
         False, "grpo: also log TRL's table of completions (step, prompt, completion, each reward, advantage) of the "
         "latest generation batch to W&B with each metrics row; needs wandb in report_to (rollouts.jsonl always has "
-        "every completion).", group="grpo",
+        "every completion). sft, dpo, simpo: at each evaluation, complete the first num_completion_prompts eval "
+        "prompts (greedy, up to completion_max_new_tokens) with the live model, append them to "
+        "output_dir/completions.jsonl (step, prompt, completion), log them as a W&B table (report_to wandb) and print "
+        "num_completions_to_print of them.", group="grpo",
     )
     use_vllm: bool = _f(
         False, "grpo: sample with vLLM instead of transformers' generate, in TRL's colocated mode: every process runs "
