@@ -25,7 +25,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import REPO, launch_env, run_script, write_jsonl
+from tests.conftest import REPO, launch, launch_env, run_script, write_jsonl
 from tests.wandb_records import summary
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the eval and dev extras (pip install -e '.[dev]')")
@@ -219,6 +219,23 @@ def test_completions_at_each_evaluation(full):
     assert table["columns"] == ["step", "prompt", "completion"]
     assert table["data"] == [[r["step"], r["prompt"], r["completion"]] for r in rows[2:]]
     assert all("completions" not in m for m in full.metrics())
+
+
+@pytest.mark.launch
+def test_eval_tasks_and_completions_under_ddp(tmp_path, task_file):
+    """2 DDP processes: the main process runs lm-eval on its whole replica while the other waits, so the final row
+    equals simple_evaluate on the saved folder; completions are written once, by the main process."""
+    run = launch(tmp_path / "run", *TINY_CHAT, "--eval_tasks", str(task_file), "--eval_tasks_limit", str(LIMIT),
+                 "--log_completions", "true", "--num_completion_prompts", "2", "--completion_max_new_tokens", "4",
+                 preset="cpu_ddp", processes=2)
+    want = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={run.output_dir / 'final'},dtype=float32",
+                                   tasks=[str(task_file)], task_manager=TaskManager(include_defaults=False),
+                                   limit=LIMIT, device="cpu")["results"][TASK]
+    (row,) = [r for r in run.metrics() if f"eval/{TASK}/acc" in r]  # eval_steps 30: the final evaluation only
+    assert (row["step"], row[f"eval/{TASK}/acc"], row[f"eval/{TASK}/acc_norm"]) == \
+        (2, want["acc,none"], want["acc_norm,none"])
+    rows = [json.loads(line) for line in (run.output_dir / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 2]
 
 
 # ------------------------------------------------------------------------------------------------- bad input
