@@ -110,7 +110,8 @@ def recipe_settings(recipe: dict) -> dict:
 def final_rows(rows: list[dict], step: int) -> tuple[dict | None, dict | None]:
     """(last training row, evaluation row of the final step), either None when absent."""
     train = [r for r in rows if r.get("loss") is not None and r["step"] <= step]
-    evals = [r for r in rows if r["step"] == step and any(k.startswith("eval_") for k in r)]  # grpo: eval_reward
+    # grpo: eval_reward; eval_tasks without an eval set: only eval/<task>/<metric>
+    evals = [r for r in rows if r["step"] == step and any(k.startswith(("eval_", "eval/")) for k in r)]
     return (train[-1] if train else None), (evals[-1] if evals else None)
 
 
@@ -246,6 +247,13 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
             results.append((key, _fmt(train_row[key])))
         if eval_row is not None and eval_row.get(f"eval_{key}") is not None:
             results.append((f"eval_{key}", _fmt(eval_row[f"eval_{key}"])))
+    benchmarks = {k: v for k, v in (eval_row or {}).items() if k.startswith("eval/") and "_stderr" not in k}
+    for key, value in benchmarks.items():  # eval_tasks: lm-eval's results, eval/<task>/<metric>
+        task, metric = key.removeprefix("eval/").split("/", 1)
+        name, _, kept_filter = metric.partition(",")  # exact_match,strict-match: its stderr exact_match_stderr,...
+        stderr = eval_row.get(f"eval/{task}/{name}_stderr" + (f",{kept_filter}" if kept_filter else ""))
+        shown = _fmt(value) + (f" ± {_fmt(stderr)}" if stderr is not None else "")
+        results.append((f"{task} {metric} (lm-eval)", shown))
     figure = None
     if results:
         lines += ["## Results", "", "| | final |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in results], ""]

@@ -191,6 +191,8 @@ def test_eval_tasks_during_training(full, reference_eval):
     assert rows[-1][f"eval/{TASK}/acc_norm"] == want["acc_norm,none"]
     assert rows[-1][f"eval/{TASK}/acc_stderr"] == pytest.approx(want["acc_stderr,none"])
     assert "eval_loss" in rows[-1]
+    card = (full.output_dir / "final" / "README.md").read_text()
+    assert f"| {TASK} acc (lm-eval) | {want['acc,none']:.4g} ± " in card  # the model card's results
     (run_file,) = full.output_dir.parent.glob("wandb/offline-run-*/run-*.wandb")
     logged = [h for h in summary(run_file)["history"] if f"eval/{TASK}/acc" in h]
     assert [h["_step"] for h in logged] == [1, 2]

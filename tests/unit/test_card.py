@@ -65,6 +65,19 @@ def test_grpo_rewards_and_a_final_step_without_evaluation(tmp_path):
     assert card.data.to_dict()["library_name"] == "transformers" and "grpo" in card.data.tags
 
 
+def test_eval_tasks_results_are_in_the_final_results(tmp_path):
+    """eval_tasks' lm-eval metrics of the final evaluation (eval/<task>/<metric>, with their stderr) are results,
+    also in a run without an eval set (no eval_loss in the row)."""
+    rows = [{"step": 6, "loss": 1.5}, {"step": 3, "eval/arc_easy/acc": 0.25},
+            {"step": 6, "eval/arc_easy/acc": 0.5, "eval/arc_easy/acc_stderr": 0.125,
+             "eval/gsm8k/exact_match,strict-match": 0.75}]
+    card, _ = build_card(tmp_path, recipe(eval_tasks=["arc_easy", "gsm8k"]), STATE, rows, kind="model",
+                         device_hours=None, name="run")
+    assert "| arc_easy acc (lm-eval) | 0.5 ± 0.125 |" in card.text
+    assert "| gsm8k exact_match,strict-match (lm-eval) | 0.75 |" in card.text
+    assert "0.25" not in card.text  # not the final evaluation
+
+
 def test_no_metrics_says_so_and_draws_nothing(tmp_path):
     card, figure = build_card(tmp_path, recipe(), STATE, [], kind="model", device_hours=None, name="run")
     assert figure is None and "No metrics.jsonl was found" in card.text and "loss.png" not in card.text
