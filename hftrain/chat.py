@@ -150,7 +150,7 @@ def chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = sys.
 
 
 def build_arg_parser(prog: str = "hftrain chat") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].strip("`"),
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("`", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     parser.add_argument("folder", type=Path, help="final, merged, adapter or checkpoint-N folder")
