@@ -302,8 +302,8 @@ class Watchdog:
 
     def check(self, now: float) -> str | None:
         """The line to print when the job is hung, as seen now."""
-        timeout = self.timeout
-        with self.lock:
+        with self.lock:  # the training thread appends step times and moves the record meanwhile
+            timeout = self.timeout
             if not self.armed:
                 return None
             if now - self.store_ok > timeout:
@@ -317,11 +317,17 @@ class Watchdog:
         verdict = judge(seen, beat_age, progress_age, timeout)
         if verdict is None:
             return None
-        return describe(verdict, seen, timeout, self.latest_checkpoint(self.output_dir), self.output_dir, self.rank)
+        return describe(verdict, seen, timeout, self._last_checkpoint(), self.output_dir, self.rank)
+
+    def _last_checkpoint(self) -> Path | None:
+        try:
+            return self.latest_checkpoint(self.output_dir)
+        except OSError:  # e.g. a network filesystem that went with the lost node: the verdict matters more
+            return None
 
     def _store_lost(self, seconds: float, timeout: float) -> str:
         host = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-        checkpoint = self.latest_checkpoint(self.output_dir)
+        checkpoint = self._last_checkpoint()
         saved = (f"last complete checkpoint {checkpoint}" if checkpoint else
                  f"no complete checkpoint in {self.output_dir}")
         return (f"hftrain: error: hang detected by rank {self.rank}: the job's rendezvous store at {host} did not "
@@ -338,10 +344,14 @@ class Watchdog:
             pass
 
     def _judge(self) -> None:
-        while not self.stopped.wait(self.interval):
-            line = self.check(time.monotonic())
-            if line is not None and not self.stopped.is_set():
-                self._stop_job(line)
+        try:
+            while not self.stopped.wait(self.interval):
+                line = self.check(time.monotonic())
+                if line is not None and not self.stopped.is_set():
+                    self._stop_job(line)
+        except Exception as exc:  # noqa: BLE001 - training goes on without it, said once (collectives: ddp_timeout)
+            print(f"hftrain: warning: rank {self.rank}'s hang watchdog stopped ({type(exc).__name__}: {exc}); hangs "
+                  "now wait for ddp_timeout", file=sys.stderr, flush=True)
 
     def _stop_job(self, line: str) -> None:
         """Print the verdict and leave at once: the training thread may be blocked in a collective or a kernel that
