@@ -452,8 +452,9 @@ class Finetune:
             with phase(self.accelerator, "evaluation", recipe.ddp_timeout), self.watchdog.window("evaluation"):
                 metrics = self.evaluate()
             self.logger.log({"step": progress.step, **metrics})
-            if self.accelerator.is_main_process:
-                self.bar.write(f"hftrain: eval_loss {metrics['eval_loss']:.4f} at step {progress.step}")
+            headline = self.objective.eval_headline  # eval_loss, grpo's eval_reward
+            if self.accelerator.is_main_process and metrics.get(headline) is not None:
+                self.bar.write(f"hftrain: {headline} {metrics[headline]:.4f} at step {progress.step}")
         if self.due(recipe.save_strategy, recipe.save_steps):
             with phase(self.accelerator, "checkpointing", recipe.ddp_timeout), \
                     self.watchdog.window("a checkpoint save"):
