@@ -233,8 +233,8 @@ class Rollouts:
                     self.truncated = True
                 with self.busy("generation"):
                     started = time.perf_counter()
-                self.generate(window)
-                self.generation_seconds += time.perf_counter() - started
+                    self.generate(window)
+                    self.generation_seconds += time.perf_counter() - started
             batch = dict(self.buffer[micro])
             if not self.store_old:
                 batch.pop("old_logps", None)

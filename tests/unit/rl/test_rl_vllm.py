@@ -417,3 +417,26 @@ def test_the_dev_extra_does_not_pull_vllm():
     assert extras["vllm"] == ["vllm==0.31.0"]
     assert not any(req.startswith("vllm") or "[vllm" in req for name in extras if name != "vllm"
                    for req in extras[name])
+
+
+def test_a_generation_window_counts_as_progress_for_the_hang_watchdog(tmp_path):
+    """The loop's batches sample a window's completions inside `busy("generation")` (the run passes its watchdog's
+    window): a generation longer than hang_timeout is not taken for a stalled step."""
+    feed, _ = rollouts(recipe(tmp_path, "--num_generations", "4", "--per_device_train_batch_size", "4",
+                              "--steps_per_generation", "2"), tmp_path, "busy")
+    events = []
+
+    @contextmanager
+    def busy(name):
+        events.append(("enter", name))
+        yield
+        events.append(("leave", name))
+
+    def generate(window):
+        events.append(("generate", window))
+        feed.window, feed.buffer = window, [{"input_ids": torch.ones(1)}, {"input_ids": torch.ones(1)}]
+
+    feed.busy, feed.generate, feed.truncate_rows = busy, generate, lambda window: None
+    assert len(list(feed.loader([(0, 0, 0), (0, 1, 0), (1, 0, 0)]))) == 3
+    assert events == [("enter", "generation"), ("generate", 0), ("leave", "generation"),
+                      ("enter", "generation"), ("generate", 1), ("leave", "generation")]
