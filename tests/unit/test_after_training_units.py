@@ -5,6 +5,7 @@ folders that are not trained models."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,7 +16,7 @@ from hftrain.errors import HftrainError
 from hftrain.eval_tasks import TaskEvaluation, metrics
 from hftrain.parallel.base import Backend, Parallelism
 from hftrain.recipe.evaluation import problems
-from hftrain.samples import prompt_ids
+from hftrain.samples import CompletionSamples, prompt_ids
 from tests.unit.parallel.conftest import fake_accelerator
 
 
@@ -85,3 +86,19 @@ def test_inspect_refuses_what_is_not_a_trained_folder(tmp_path):
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
     with pytest.raises(HftrainError, match="names no base model"):
         trained.inspect(adapter)
+
+
+def test_completions_file_continues_from_the_resumed_checkpoint(tmp_path):
+    """A resumed run keeps completions.jsonl's rows up to its checkpoint's step (later ones were made by the run
+    that was cut short); a new run starts the file empty."""
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    (checkpoint / "hftrain_state.json").write_text(json.dumps({"progress": {"step": 2}}))
+    samples = CompletionSamples.__new__(CompletionSamples)  # only the file's part: no model, no eval set
+    samples.file = tmp_path / "completions.jsonl"
+    rows = [{"step": s, "prompt": "p", "completion": "c"} for s in (1, 2, 3)]
+    samples.file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples.start_file(SimpleNamespace(resume_from=checkpoint))
+    assert [json.loads(line)["step"] for line in samples.file.read_text().splitlines()] == [1, 2]
+    samples.start_file(SimpleNamespace(resume_from=None))
+    assert samples.file.read_text() == ""
