@@ -60,6 +60,7 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += pipeline_problems(recipe, launch, model_config)
     problems += host_memory_problems(recipe, launch, model_config)
     problems += vllm_problems(recipe, launch, cuda)
+    problems += evaluation_problems(recipe, launch, model_config)
     problems += hub.preflight_problems(recipe)
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
@@ -103,6 +104,33 @@ def vllm_problems(recipe: Recipe, launch: Launch, cuda: bool) -> list[str]:
                         "have to gather them from the shards (TRL gathers them parameter by parameter, and a LoRA's "
                         "whole model at once), which hftrain has not written; use a DDP or ZeRO-1/2 preset, or "
                         "use_vllm: false (transformers' generate works under every strategy)")
+    return problems
+
+
+def evaluation_problems(recipe: Recipe, launch: Launch, model_config: PretrainedConfig | None) -> list[str]:
+    """eval_tasks and log_completions against the launch: lm-eval installed; eval_tasks evaluates the main process's
+    whole model (`eval_tasks.TaskEvaluation` checks the resolved layout again), log_completions generates with
+    transformers' generate, which pipeline stages and sequence shards cannot run."""
+    r, problems = recipe, []
+    if r.eval_tasks and importlib.util.find_spec("lm_eval") is None:
+        problems.append("eval_tasks needs lm-evaluation-harness, which is not installed: pip install 'hftrain[eval]'")
+    split = ("FSDP2 shards the weights" if launch.kind == "fsdp2" else
+             "DeepSpeed ZeRO-3 shards the weights" if launch.kind == "deepspeed" and launch.zero_stage == 3 else
+             next((f"{name}={getattr(r, name)} splits the {what}" for name, what in (
+                 ("tp_size", "model"), ("pp_size", "model"), ("sp_size", "sequences"), ("cp_size", "sequences"))
+                 if getattr(r, name) > 1), None))
+    if r.eval_tasks and split:
+        problems.append(f"eval_tasks runs lm-eval on the main process's whole model while the other processes wait, "
+                        f"but {split}, so no process holds it whole. Remove eval_tasks and run `hftrain eval "
+                        "output_dir/final --tasks ...` after training, or train with one process, DDP or DeepSpeed "
+                        "ZeRO-1/2")
+    if r.eval_tasks and vision.is_image_text(model_config):
+        problems.append("eval_tasks runs lm-eval's text model on the causal LM, but this is an image-text model; "
+                        "remove eval_tasks")
+    if r.log_completions and max(r.pp_size, r.sp_size, r.cp_size) > 1:
+        problems.append("log_completions generates with transformers' generate, which cannot run the model split "
+                        "into pipeline stages or sequence shards (pp_size, sp_size, cp_size); remove log_completions "
+                        "and try the final folder with `hftrain chat`")
     return problems
 
 

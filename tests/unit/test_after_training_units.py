@@ -15,6 +15,8 @@ from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
 from hftrain.eval_tasks import TaskEvaluation, metrics
 from hftrain.parallel.base import Backend, Parallelism
+from hftrain.parallel.launch import Launch
+from hftrain.preflight import evaluation_problems
 from hftrain.recipe.evaluation import problems
 from hftrain.samples import CompletionSamples, prompt_ids
 from tests.unit.parallel.conftest import fake_accelerator
@@ -102,3 +104,21 @@ def test_completions_file_continues_from_the_resumed_checkpoint(tmp_path):
     assert [json.loads(line)["step"] for line in samples.file.read_text().splitlines()] == [1, 2]
     samples.start_file(SimpleNamespace(resume_from=None))
     assert samples.file.read_text() == ""
+
+
+@pytest.mark.parametrize(("launch", "fields", "said"), [
+    (Launch("fsdp2", 2, 2), {}, "but FSDP2 shards the weights, so no process holds it whole"),
+    (Launch("ddp", 4, 4), {"tp_size": 2}, "but tp_size=2 splits the model"),
+    (Launch("ddp", 2, 2), {"sp_size": 2}, "but sp_size=2 splits the sequences"),
+])
+def test_the_preflight_refuses_eval_tasks_where_no_process_holds_the_model(launch, fields, said):
+    """Before any process starts (`hftrain launch` runs the preflight first): the same rule as TaskEvaluation's."""
+    found = evaluation_problems(Recipe(eval_tasks=["arc_easy"], **fields), launch, None)
+    assert len(found) == 1 and said in found[0] and "hftrain eval output_dir/final" in found[0], found
+    assert evaluation_problems(Recipe(eval_tasks=["arc_easy"]), Launch("ddp", 2, 2), None) == []
+    assert evaluation_problems(Recipe(eval_tasks=["arc_easy"]), Launch("single", 1, 1), None) == []
+
+
+def test_the_preflight_refuses_completions_from_a_split_model():
+    found = evaluation_problems(Recipe(log_completions=True, pp_size=2), Launch("ddp", 2, 2), None)
+    assert len(found) == 1 and "log_completions generates with transformers' generate" in found[0]
