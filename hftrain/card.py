@@ -35,6 +35,7 @@ OBJECTIVES = {
     "sft": "supervised fine-tuning (next-token cross-entropy on the trained tokens)",
     "dpo": "Direct Preference Optimization on chosen/rejected pairs",
     "simpo": "SimPO (reference-free, length-normalised preference optimization)",
+    "orpo": "ORPO (reference-free odds-ratio preference optimization with the chosen answers' NLL)",
     "grpo": "GRPO (online RL: completions sampled from the model and scored by reward functions)",
 }
 PIPELINE_TAG = "text-generation"

@@ -811,8 +811,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Microbatches per pipeline step (recipe pp_microbatches); default 2 x the stages.")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="bf16 mixed precision (GPU default) or fp32 (CPU runs).")
-    parser.add_argument("--objective", choices=("sft", "dpo", "simpo"), default="sft",
-                        help="dpo / simpo: --batch counts preference pairs (two sequences each); dpo's full "
+    parser.add_argument("--objective", choices=("sft", "dpo", "simpo", "orpo"), default="sft",
+                        help="dpo / simpo / orpo: --batch counts preference pairs (two sequences each); dpo's full "
                              "fine-tuning on one GPU or DDP adds the frozen reference copy.")
     parser.add_argument("--tokens", type=int, default=None,
                         help="Tokens the run plans to train (steps x effective batch x tokens per sequence), shown "

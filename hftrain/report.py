@@ -4,10 +4,10 @@
 
 Plots: loss and eval loss, learning rate, tokens/sec (global and per rank), per-rank own-time
 throughput (stragglers stand out), step time split, peak memory per rank, heartbeat lag per rank against
-hang_timeout (a rank drifting toward a hang stands out), and for dpo/simpo runs the rewards (TRL's rewards/*
-metrics, train and eval). The summary states what ran (from the newest hftrain_state.json), final and best
-losses, the rewards, throughput, step-time split, memory, MFU, device-hours and cost, the largest heartbeat
-lag, and any straggler or desync the run reported.
+hang_timeout (a rank drifting toward a hang stands out), and for dpo/simpo/orpo runs the rewards (TRL's
+rewards/* metrics, train and eval), for orpo its terms (nll_loss, log_odds_*). The summary states what ran (from
+the newest hftrain_state.json), final and best losses, the rewards, throughput, step-time split, memory, MFU,
+device-hours and cost, the largest heartbeat lag, and any straggler or desync the run reported.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ WAIT_WORDS = {False: "data wait", True: "generation + data wait"}
 def wait_words(train: list[dict]) -> str:
     """The data wait's label: it holds grpo's generation unless the run logged generation_time apart."""
     return WAIT_WORDS[any("reward_std" in r for r in train) and not any("generation_time" in r for r in train)]
-REWARDS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")  # dpo / simpo rows
+
+
+REWARDS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")  # dpo / simpo / orpo rows
+ORPO_TERMS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")  # orpo's two loss terms and its log odds (TRL's names)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -128,12 +131,21 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
     pairs = any(REWARDS[0] in r for r in train)
 
     if pairs:
-        fig, ax = _figure("Rewards (beta x log-ratio to the reference; simpo: length-normalised)", "reward")
+        fig, ax = _figure("Rewards (beta x log-ratio to the reference; simpo, orpo: beta x mean token log-prob)",
+                          "reward")
         for key in REWARDS[1:]:
             ax.plot(*series(train, key), label=key, marker=".")
             if evals:
                 ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
         made.append(_save(fig, ax, folder / "rewards.png", steps))
+
+    if any(ORPO_TERMS[1] in r for r in train):  # orpo: the NLL term, log sigmoid(log odds) and the log odds
+        fig, ax = _figure("ORPO terms (loss = nll_loss - beta x log_odds_ratio)", "value")
+        for key in ORPO_TERMS:
+            ax.plot(*series(train, key), label=key, marker=".")
+            if evals:
+                ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
+        made.append(_save(fig, ax, folder / "orpo.png", steps))
 
     if any("reward_std" in r for r in train):  # grpo: the mean reward of each window's completions (TRL's names)
         fig, ax = _figure("Reward (grpo: mean over each step's completions)", "reward")
@@ -240,6 +252,9 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
             lines.append(f"- eval rewards at step {evals[-1]['step']}: " + ", ".join(
                 f"{key} {_fmt(evals[-1].get(f'eval_{key}'))}" for key in REWARDS) + f"; first eval (step "
                 f"{evals[0]['step']}) accuracies {_fmt(evals[0].get(f'eval_{REWARDS[0]}'))}")
+    if any(ORPO_TERMS[1] in r for r in train):
+        lines.append("- orpo terms (last train window): " + ", ".join(f"{key} {_fmt(last.get(key))}"
+                                                                     for key in ORPO_TERMS))
     timed = [r for r in train if r.get("tokens_per_second") is not None]
     steady = timed[1:] or timed  # the first window holds one-time warm-up
     if steady:

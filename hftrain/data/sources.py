@@ -93,10 +93,10 @@ def training_sources(recipe: Recipe) -> list[DatasetSource]:
 
 
 def check_objective(recipe: Recipe, fmt: str, name: str) -> None:
-    """Preference pairs train dpo/simpo, everything else sft."""
+    """Preference pairs train dpo/simpo/orpo, everything else sft."""
     if (fmt == "preference") != (recipe.objective != "sft"):
         wanted = "preference pairs (chosen, rejected, optional prompt)" if recipe.objective != "sft" else \
-            "SFT data (a preference dataset needs objective: dpo or simpo)"
+            "SFT data (a preference dataset needs objective: dpo, simpo or orpo)"
         raise HftrainError(f"dataset {name!r} has format {fmt} but objective={recipe.objective} trains on {wanted}")
 
 

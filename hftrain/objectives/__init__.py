@@ -5,6 +5,8 @@
   trained tokens.
 - `preference.py`: `dpo` / `simpo`, `PreferenceLoss`, the summed loss of preference pairs; the loop divides by the
   step's pairs.
+- `orpo.py`: `orpo`, `ORPOLoss`: TRL's ORPO (chosen-row NLL, prompt included, minus beta x log sigmoid(log odds)),
+  reference-free; the NLL is the mean over the step's chosen tokens, the odds-ratio term over its pairs.
 - `reference.py`: the reference models an objective compares with (adapters disabled, a frozen copy, precomputed
   log-probs and their cross-run cache).
 - `grpo.py`: `grpo`, online RL (generation windows, rewards, TRL's GRPO loss; pieces in hftrain/rl/). It plugged in
@@ -29,6 +31,7 @@ from hftrain.config import Recipe
 from hftrain.model import CausalLMTokenLoss
 from hftrain.objectives.base import Objective
 from hftrain.objectives.grpo import GRPO
+from hftrain.objectives.orpo import ORPO
 from hftrain.objectives.preference import PAIR_STATS, Preference, PreferenceLoss, pair_losses
 from hftrain.objectives.reference import AdapterReference, FrozenReference, PrecomputedReference, build_reference
 from hftrain.objectives.sft import SFT
@@ -41,6 +44,7 @@ OBJECTIVES: dict[str, Objective] = {
     "sft": SFT(),
     "dpo": Preference("dpo", needs_reference=True),
     "simpo": Preference("simpo", needs_reference=False),
+    "orpo": ORPO(),
     "grpo": GRPO(),
 }
 

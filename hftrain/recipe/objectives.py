@@ -14,15 +14,17 @@ from hftrain.recipe import recipe_field as _f
 class ObjectiveFields:
     objective: str = _f(
         "sft", "What the loop minimises: sft (next-token cross-entropy over trained tokens), dpo (Direct Preference "
-        "Optimization on chosen/rejected pairs against a reference model) or simpo (SimPO: reference-free, "
-        "length-normalised) or grpo (online RL: completions sampled from the model, scored by reward_funcs, TRL's "
-        "GRPO loss). dpo and simpo need preference data (chosen, rejected and optionally prompt columns), see "
-        "docs/preference.md; grpo a prompt column, see docs/grpo.md.", group="objective",
-        choices=("sft", "dpo", "simpo", "grpo"),
+        "Optimization on chosen/rejected pairs against a reference model), simpo (SimPO: reference-free, "
+        "length-normalised), orpo (ORPO: reference-free, NLL of the chosen answers plus an odds-ratio term) or grpo "
+        "(online RL: completions sampled from the model, scored by reward_funcs, TRL's GRPO loss). dpo, simpo and "
+        "orpo need preference data (chosen, rejected and optionally prompt columns), see docs/preference.md; grpo a "
+        "prompt column, see docs/grpo.md.", group="objective",
+        choices=("sft", "dpo", "simpo", "orpo", "grpo"),
     )
     beta: float = _f(
         0.1, "dpo/simpo temperature: how far the policy may move from the reference (dpo) or the reward scale "
-        "(simpo; its paper uses 2.0-2.5). grpo: the KL coefficient to the reference, default 0.0 there as in TRL "
+        "(simpo; its paper uses 2.0-2.5). orpo: the weight of the odds-ratio term (TRL's ORPOConfig.beta, the paper's "
+        "lambda). grpo: the KL coefficient to the reference, default 0.0 there as in TRL "
         "(0 = no reference model).", group="objective",
     )
     loss_type: str = _f(
@@ -58,7 +60,7 @@ class ObjectiveFields:
 
 def problems(r) -> list[str]:
     """dpo / simpo settings and what a preference objective cannot be combined with (grpo's: recipe/grpo.py)."""
-    problems, preference = [], r.objective in ("dpo", "simpo")
+    problems, preference = [], r.objective in ("dpo", "simpo", "orpo")
     if r.objective == "grpo":
         return problems
     if r.beta <= 0:
@@ -77,7 +79,7 @@ def problems(r) -> list[str]:
     for name in ("max_prompt_length", "max_completion_length"):
         value = getattr(r, name)
         if value is not None and (value < 1 or not preference):
-            problems.append(f"{name}={value} needs objective dpo or simpo and a value >= 1")
+            problems.append(f"{name}={value} needs objective dpo, simpo or orpo and a value >= 1")
     if not preference:
         return problems
     if r.packing:

@@ -13,11 +13,12 @@ import yaml
 from tests.conftest import REPO, launch, run_script
 
 pytestmark = pytest.mark.launch
-# tiny-dpo.yaml trains preferences: tests/e2e/test_preference.py runs it with its own assertions; tiny-vlm.yaml (an
-# image-text model) is run by tests/e2e/test_vision.py; tiny-grpo.yaml (a policy-gradient loss, near 0 at every step
-# by construction, so "the loss falls" says nothing) by tests/e2e/test_grpo.py, which asserts that its reward rises
+# tiny-dpo.yaml and tiny-orpo.yaml train preferences: tests/e2e/test_preference.py and test_orpo.py run them with their
+# own assertions; tiny-vlm.yaml (an image-text model) is run by tests/e2e/test_vision.py; tiny-grpo.yaml (a
+# policy-gradient loss, near 0 at every step by construction, so "the loss falls" says nothing) by
+# tests/e2e/test_grpo.py, which asserts that its reward rises
 TINY_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("tiny-*.yaml")
-                      if p.name not in ("tiny-dpo.yaml", "tiny-vlm.yaml", "tiny-grpo.yaml"))
+                      if p.name not in ("tiny-dpo.yaml", "tiny-orpo.yaml", "tiny-vlm.yaml", "tiny-grpo.yaml"))
 
 
 def test_every_tiny_recipe_is_covered():

@@ -210,3 +210,59 @@ def test_the_loop_does_not_branch_on_the_objective():
     code = "\n".join(line.split("#")[0] for line in source.splitlines())  # comments may name objectives
     for word in ('"sft"', '"dpo"', '"simpo"', "recipe.objective", "precompute_ref_log_probs", ".reference"):
         assert word not in code, word
+
+
+def plain_orpo(lm, batch: dict[str, torch.Tensor], beta: float, lengths: list[int]) -> dict[str, torch.Tensor]:
+    """ORPO from the paper's formula with TRL's NLL (the chosen rows' token mean over every real token after the
+    first, prompt included), row by row on the unpadded rows (`lengths`) with full logits."""
+    half = len(batch["input_ids"]) // 2
+    means, nll_sum, nll_tokens = [], 0.0, 0
+    for r, (ids, labels) in enumerate(zip(batch["input_ids"], batch["labels"])):
+        ids, labels = ids[:lengths[r]], labels[:lengths[r]]
+        logp = torch.log_softmax(lm(input_ids=ids[None]).logits[0].float(), -1)[:-1].gather(1, ids[1:, None])[:, 0]
+        trained = labels[1:] != IGNORE_INDEX
+        means.append(logp[trained].mean())
+        if r < half:
+            nll_sum, nll_tokens = nll_sum - logp.sum(), nll_tokens + len(logp)
+    chosen, rejected = torch.stack(means[:half]), torch.stack(means[half:])
+    odds = lambda p: p - torch.log(1 - torch.exp(p))  # noqa: E731 - log(p / (1 - p)) of a mean log-prob
+    log_odds = odds(chosen) - odds(rejected)
+    ratio = torch.nn.functional.logsigmoid(log_odds)
+    return {"loss": nll_sum / nll_tokens - beta * ratio.mean(), "nll_loss": nll_sum / nll_tokens,
+            "log_odds_ratio": ratio.mean(), "log_odds_chosen": log_odds.mean(), "logps/chosen": chosen.mean(),
+            "rewards/margins": beta * (chosen - rejected).mean()}
+
+
+def test_orpo_loss_gradient_and_statistics_equal_the_formula_over_two_micro_batches():
+    """ORPOLoss over micro-batches of 1 and 2 pairs (the step's counts from `prepare_step`) gives the loss, gradient
+    and TRL-named statistics of the formula applied to all 3 pairs at once; evaluation gives the same eval_loss."""
+    from hftrain.objectives.orpo import ORPOLoss
+
+    beta = 0.25
+    policy = tiny_llama(0)
+    whole = pair_batch(3)
+    lengths = [int((row != IGNORE_INDEX).nonzero().max()) + 1 for row in whole["labels"]]
+    expected = plain_orpo(policy, whole, beta, lengths)
+    expected["loss"].backward()
+    grads = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    module = ORPOLoss(policy, Recipe(objective="orpo", beta=beta))
+    first = {k: torch.cat([v[:1], v[3:4]]) for k, v in whole.items()}
+    second = {k: torch.cat([v[1:3], v[4:6]]) for k, v in whole.items()}
+    module.train()
+    module.prepare_step(module, [first, second], lambda t: t)
+    loss = sum(module(**b) for b in (first, second)) / 3
+    loss.backward()
+    torch.testing.assert_close(loss, expected["loss"], rtol=1e-5, atol=1e-6)
+    for a, p in zip(grads, policy.parameters()):
+        torch.testing.assert_close(p.grad, a, rtol=1e-4, atol=1e-6)
+    stats = module.pop_stats()
+    for name in ("nll_loss", "log_odds_ratio", "log_odds_chosen", "logps/chosen", "rewards/margins"):
+        torch.testing.assert_close(stats[name].float() / 3, expected[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
+    module.eval()
+    with torch.no_grad():
+        loss_sum = module(**whole)
+    metrics = module.eval_metrics(float(loss_sum), 3, {k: float(v) for k, v in module.pop_stats().items()})
+    assert metrics["eval_loss"] == pytest.approx(float(expected["loss"]), rel=1e-5)
+    assert metrics["eval_nll_loss"] == pytest.approx(float(expected["nll_loss"]), rel=1e-5)
+    assert metrics["eval_log_odds_chosen"] == pytest.approx(float(expected["log_odds_chosen"]), rel=1e-4, abs=1e-7)

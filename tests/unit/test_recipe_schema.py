@@ -58,6 +58,9 @@ LATER_CHANGES = {
     ("modules_to_save", "nargs"): "issue 36: list items as words too, as TRL",
     ("report_to", "nargs"): "issue 36: list items as words too, as TRL",
     ("wandb_tags", "nargs"): "issue 36: list items as words too, as TRL",
+    ("objective", "help"): "issue 40: objective orpo",
+    ("objective", "choices"): "issue 40: objective orpo",
+    ("beta", "help"): "issue 40: orpo's beta",
 }
 
 

@@ -152,3 +152,20 @@ def test_a_grpo_runs_generation_time_is_its_own_part_of_the_step(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = write_report(tmp_path).read_text()
     assert "- step time 2 s: generation 20%, data wait 5%, forward + backward 50%, optimizer 25%" in text
+
+
+def test_an_orpo_run_reports_its_terms(tmp_path):
+    """orpo rows carry TRL's nll_loss / log_odds_ratio / log_odds_chosen: orpo.png plots them, the summary states the
+    last train window's values (numbers made up here)."""
+    rows = [{**{k: v for k, v in train_row(step, 6.0 - step).items() if not k.startswith("rank")},
+             "rewards/accuracies": 0.5, "rewards/margins": 0.01 * step, "rewards/chosen": -0.6,
+             "rewards/rejected": -0.7,
+             "nll_loss": 5.9 - step, "log_odds_ratio": -0.69 + 0.05 * step, "log_odds_chosen": 0.1 * step}
+            for step in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = write_report(tmp_path)
+    with Image.open(report.parent / "orpo.png") as image:
+        assert len(image.convert("L").getcolors(maxcolors=256)) > 10, "orpo.png looks blank"
+    text = report.read_text()
+    assert "orpo terms (last train window): nll_loss 2.9, log_odds_ratio -0.54, log_odds_chosen 0.3" in text
+    assert "![orpo](orpo.png)" in text
