@@ -15,8 +15,6 @@ from typing import Any
 
 PARALLELISM = ("parallelism comes from the accelerate config you launch with (accelerate_configs/, or "
                "launch_preset): DDP, FSDP2, DeepSpeed ZeRO and tensor parallelism are chosen there")
-HUB = ("hftrain writes the model to output_dir/final and does not upload during training; push it afterwards "
-       "(python -m hftrain.merge ... --push_to_hub ORG/NAME for adapters)")
 LOADER = "hftrain's data loader is set by dataloader_num_workers and dataloader_pin_memory only"
 LOGGING = "hftrain logs every logging_steps optimizer steps and at the first and last step"
 EVALUATION = ("hftrain evaluates by eval_strategy / eval_steps and at the end, on the held-out or eval dataset, "
@@ -27,8 +25,8 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("fsdp", "fsdp_config", "deepspeed", "accelerator_config", "parallelism_config", "ddp_backend",
                      "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph",
                      "local_rank", "use_cpu"), PARALLELISM),
-    **dict.fromkeys(("push_to_hub", "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
-                     "hub_always_push", "hub_revision"), HUB),
+    "hub_always_push": "hftrain's push_to_hub (Trainer's hub_* fields) skips a save whose previous upload is still "
+                       "running, as Trainer does without hub_always_push, and pushes again at the next save",
     **dict.fromkeys(("dataloader_persistent_workers", "dataloader_prefetch_factor",
                      "dataloader_multiprocessing_context", "remove_unused_columns", "label_names",
                      "length_column_name"), LOADER),
