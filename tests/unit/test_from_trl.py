@@ -24,7 +24,7 @@ ACCEPTED = dict(
     assistant_only_loss=True, dataset_text_field="body", max_grad_norm=0.5, weight_decay=0.01,
 )
 REFUSED_HERE = dict(
-    neftune_noise_alpha=5.0, label_smoothing_factor=0.1, hub_model_id="org/model", packing_strategy="wrapped",
+    neftune_noise_alpha=5.0, label_smoothing_factor=0.1, hub_always_push=True, packing_strategy="wrapped",
     save_only_model=True, tf32=False, eval_on_start=True, dataloader_drop_last=True, padding_free=True,
     lr_scheduler_kwargs={"min_lr": 1e-6},
 )
