@@ -656,7 +656,7 @@ def build_arg_parser(prog: str = "hftrain.finetune") -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", help="Recipe YAML file.")
-    groups: dict[str, argparse._ArgumentGroup] = {}
+    groups: dict = {}  # group name -> the parser's argument group
     for name, f in FIELDS.items():
         group = groups.setdefault(f.metadata["group"], parser.add_argument_group(f.metadata["group"]))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

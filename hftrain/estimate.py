@@ -60,6 +60,7 @@ from transformers.distributed.tensor_parallel import (
     TensorParallelLayer,
 )
 
+from hftrain.compat.transformers import expanded_parallel_plan
 from hftrain.config import PRESET_DIR
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
 from hftrain.metrics import active_expert_fraction
@@ -167,10 +168,9 @@ def _tp_split(lm) -> tuple[dict[str, tuple[int, int]], tuple[str, ...]]:
     bias replicated), embedding styles their `shard_dim` (Llama's plan adds `embed_tokens: embedding_rowwise`, the
     vocabulary). Empty for a model without a plan."""
     plan = getattr(lm, "tp_plan", None) or {}
-    expand = getattr(lm, "_expand_parallel_plan", None)
-    if not plan or expand is None:
+    styles = expanded_parallel_plan(lm, plan) if plan else None
+    if styles is None:
         return {}, ()
-    styles = expand(plan)
     split, unmodelled = {}, set()
     for module_name, module in lm.named_modules():
         for short, p in module.named_parameters(recurse=False):  # a tied head's weight under its own name too

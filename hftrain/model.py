@@ -28,6 +28,14 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hftrain import vision
 from hftrain.checkpoint import held_ties
+from hftrain.compat.liger import apply_liger_kernel_to_instance
+from hftrain.compat.torch import is_compiled
+from hftrain.compat.transformers import (
+    attn_implementation,
+    keep_used_conversions,
+    load_decoder_layers,
+    no_split_modules,
+)
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError, first_line
@@ -113,7 +121,8 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set
     recipe's dtype, attention and bitsandbytes settings, plus the
     parallelism backend's `load_kwargs` (tensor parallelism shards while loading). A quantized model lands on this
     process's device (transformers picks the current CUDA device, which accelerate has set per process, or the CPU).
-    `layers`: the decoder layers to read (a pipeline stage's, `load_decoder_layers`); None reads them all."""
+    `layers`: the decoder layers to read (a pipeline stage's: `compat.transformers.load_decoder_layers`); None reads
+    them all."""
     kwargs = {"dtype": DTYPES[recipe.dtype], "revision": recipe.model_revision,
               "trust_remote_code": recipe.trust_remote_code, **(load_kwargs or {})}
     if recipe.attn_implementation:
@@ -124,7 +133,7 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set
         config = vision.model_config(recipe)
         auto = AutoModelForImageTextToText if vision.is_image_text(config) else AutoModelForCausalLM
         model = auto.from_pretrained(recipe.model_name_or_path, **kwargs) if layers is None else \
-            load_decoder_layers(auto._model_mapping[type(config)], recipe.model_name_or_path, kwargs, layers)
+            load_decoder_layers(auto, config, recipe.model_name_or_path, kwargs, layers)
     except (OSError, ValueError) as exc:
         raise HftrainError(load_error("model", recipe.model_name_or_path, exc)) from None
     model.config.use_cache = False
@@ -134,53 +143,6 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set
     if recipe.use_liger_kernel:
         apply_liger_kernels(model)
     return model
-
-
-def load_decoder_layers(model_class: type, path: str, kwargs: dict, layers: set[int]) -> nn.Module:
-    """`model_class.from_pretrained` that reads only the decoder layers in `layers` (a pipeline stage's) from the
-    checkpoint: the other layers stay on the meta device (no memory; their names, shapes, dtypes and order kept, so
-    everything that counts or numbers parameters sees the whole model until the pipeline drops them). transformers
-    builds the model on the meta device and loads every key its state dict has (`convert_and_load_state_dict_in_model`),
-    so the other layers are swapped for parameterless stand-ins in between (its `_load_pretrained_model` step, after
-    tensor parallelism is applied and before any weight is read) and their checkpoint keys are declared expected to
-    be unused (`_keys_to_ignore_on_load_unexpected`); then the meta layers are put back. The embeddings, the final
-    norm and the head load on every rank (a tied head must be tied to a loaded embedding; the pipeline drops them
-    where not owned)."""
-    skipped: dict[int, nn.Module] = {}
-
-    def load_owned_layers(model, *args, **kwargs):
-        decoder = model.get_decoder()
-        for index, layer in enumerate(decoder.layers):
-            if index not in layers:
-                skipped[index] = layer
-                decoder.layers[index] = nn.Identity()
-        if skipped:
-            other = "|".join(str(index) for index in sorted(skipped))
-            model._keys_to_ignore_on_load_unexpected = {*(model._keys_to_ignore_on_load_unexpected or ()),
-                                                        rf"(^|\.)layers\.({other})\."}
-        return model_class._load_pretrained_model(model, *args, **kwargs)
-
-    stage_class = type(model_class.__name__, (model_class,), {
-        "_load_pretrained_model": staticmethod(load_owned_layers), "__module__": model_class.__module__})
-    model = stage_class.from_pretrained(path, **kwargs)
-    model.__class__ = model_class
-    decoder = model.get_decoder()
-    for index, layer in skipped.items():
-        decoder.layers[index] = layer.train(model.training)
-    return model
-
-
-def keep_used_conversions(model: nn.Module) -> None:
-    """Keep only the checkpoint-name conversions that matched the checkpoint, so that the final save writes the names
-    the checkpoint had whatever the strategy. transformers renames a checkpoint's keys while loading (LLaVA's
-    `language_model.model.layers.*` become `model.language_model.layers.*`) and reverts the renamings it keeps in
-    `model._weight_conversions` on save_pretrained. Its usual load path keeps the ones that matched; its ZeRO-3 load
-    path (5.23, `_load_state_dict_into_zero3_model`) keeps every candidate, and reverting the unused ones on save
-    invents names (`language_model.model.model.layers.*`, `vision_tower.vision_model.*`) that only transformers' own
-    key mapping reads back. A no-op on the usual path."""
-    conversions = getattr(model, "_weight_conversions", None)
-    if conversions:
-        model._weight_conversions = [conversion for conversion in conversions if conversion.was_used()]
 
 
 def keep_4bit_layout(model: nn.Module) -> int:
@@ -206,9 +168,7 @@ def apply_liger_kernels(model: nn.Module) -> None:
     """Liger's RMSNorm, SwiGLU/GeGLU and RoPE kernels in the loaded model (before any adapter is added). Liger binds
     new forwards to this instance's modules, and also replaces the architecture's rotary function and norm/MLP
     classes in transformers' modeling module, i.e. for every later model of that type in this process."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-    _apply_liger_kernel_to_instance(model=model, **LIGER_KERNELS)
+    apply_liger_kernel_to_instance(model, **LIGER_KERNELS)
 
 
 def liger_fused_linear_cross_entropy() -> nn.Module:
@@ -377,7 +337,7 @@ def model_summary(model: nn.Module) -> dict:
         "quantized_linear_layers": quantized,
         "trainable_parameters": sum(parameter_count(p) for p in params if p.requires_grad),
         "parameters": sum(parameter_count(p) for p in params),
-        "compiled_blocks": sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()),
+        "compiled_blocks": sum(is_compiled(m) for m in model.modules()),
         "checkpointed_layers": sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
                                    for m in model.modules()),
     }
@@ -458,7 +418,7 @@ class WrapsCausalLM(nn.Module):
         lacks, and accelerate refuses a class it cannot find). An image-text model's vision layers and embeddings
         are then units of their own; the whole tower as one unit would break transformers 5.23's capture of its
         hidden states (LLaVA reads them: None under fully_shard)."""
-        names = getattr(self.lm, "_no_split_modules", None)
+        names = no_split_modules(self.lm)
         if names is None:
             return None
         present = {type(module).__name__ for module in self.lm.modules()}
@@ -517,7 +477,7 @@ class CausalLMTokenLoss(WrapsCausalLM):
         self.chunk_tokens = chunk_tokens  # > 0: logits of this many trained tokens at a time (head-only models)
         # transformers' flash attention tells packed examples apart by their position_ids only in a batch of one
         # row (`_is_packed_sequence`); with more rows it would attend across them. One row of rows x length is exact.
-        self.flatten_packed = str(getattr(lm.config, "_attn_implementation", None)).startswith("flash_attention")
+        self.flatten_packed = str(attn_implementation(lm.config)).startswith("flash_attention")
         self.fused_ce = None
         if fused_cross_entropy:
             head = lm.get_output_embeddings()

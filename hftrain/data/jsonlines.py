@@ -13,8 +13,8 @@ one with `json.loads`:
 - examples are the JSON objects as written (columns renamed by `columns`), not Arrow-typed rows: a key missing
   from one line is missing, not None.
 
-It subclasses datasets' examples-iterable base class (`datasets.iterable_dataset._BaseExamplesIterable`, the
-interface every datasets source implements; checked on the datasets of constraints/lock.txt and constraints/lower.txt).
+It subclasses datasets' examples-iterable base class (`compat.datasets.ExamplesIterable`, the interface every datasets
+source implements; private in datasets, so checked by version there).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from copy import deepcopy
 
 import datasets
 import numpy as np
-from datasets.iterable_dataset import _BaseExamplesIterable
+
+from hftrain.compat.datasets import ExamplesIterable, require_examples_iterable
 
 BAD_LINE = "hftrain_bad_line"  # the one column of the example standing for a line that is not a JSON object
 
@@ -43,10 +44,11 @@ def parse_line(text: bytes, name: str, line: int, columns: dict[str, str] | None
     return {columns.get(key, key): value for key, value in example.items()} if columns else example
 
 
-class JsonLinesExamples(_BaseExamplesIterable):
+class JsonLinesExamples(ExamplesIterable):
     """The examples of JSON-lines files, one shard per file, positioned by byte offset."""
 
     def __init__(self, files: list[str], columns: dict[str, str] | None = None):
+        require_examples_iterable()
         super().__init__()
         self.files, self.columns = list(files), dict(columns or {})
         self._sleep_on_threads_shutdown = False  # read by interleave_datasets: no reader threads here

@@ -27,6 +27,7 @@ import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from hftrain.compat.datasets import fingerprint
 from hftrain.data.formats import to_canonical
 from hftrain.data.origin import ROW_COLUMN, RowOrigin
 from hftrain.errors import HftrainError
@@ -384,7 +385,7 @@ def _tokenize_batch(batch: dict, indices: list[int], tokenizer, spec: DataSpec, 
 def _fingerprint(raw, tokenizer, spec: DataSpec, fmt: str) -> str:
     """Cache key: raw data, tokenizer (vocab, special tokens, chat template), spec, format and this code."""
     backend = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer)
-    parts = [raw._fingerprint, backend, str(tokenizer.chat_template), str(tokenizer.all_special_tokens),
+    parts = [fingerprint(raw), backend, str(tokenizer.chat_template), str(tokenizer.all_special_tokens),
              json.dumps(asdict(spec), sort_keys=True), fmt, inspect.getsource(inspect.getmodule(_fingerprint)),
              inspect.getsource(inspect.getmodule(to_canonical))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]

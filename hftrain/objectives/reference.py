@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hftrain.checkpoint import load_run_tensors
+from hftrain.compat.datasets import fingerprint
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX, eval_micro_batches
 from hftrain.errors import HftrainError
@@ -160,7 +161,7 @@ def reference_cache_file(recipe: Recipe, sets: dict) -> Path:
     the model's files (name, size, modification time) and the code that computes the log-probs."""
     parts = [json.dumps({k: getattr(recipe, k) for k in REFERENCE_KEY_FIELDS}, sort_keys=True, default=str),
              *_model_files(recipe), inspect.getsource(sequence_log_probs)]
-    parts += [f"{name}:{data._fingerprint}:{len(data)}" for name, data in sorted(sets.items())]
+    parts += [f"{name}:{fingerprint(data)}:{len(data)}" for name, data in sorted(sets.items())]
     return REFERENCE_CACHE / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:32]}.safetensors"
 
 

@@ -33,13 +33,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from accelerate.big_modeling import _attach_context_parallel_hooks
 from accelerate.utils import TorchContextParallelConfig
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
-from torch.distributed.tensor.experimental._attention import set_rotate_method
-from torch.distributed.tensor.experimental._context_parallel import _attention  # torch's ring attention
 
+from hftrain.compat.accelerate import attach_context_parallel_hooks
+from hftrain.compat.torch import ring_attention_kernels, set_ring_rotate_method
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
@@ -53,7 +52,7 @@ CPU_SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
 def ring_kernels() -> set[str]:
     """The SDPA kernels torch's ring attention dispatches (its custom DTensor handlers), by name."""
-    return {str(op) for op in _attention.custom_ops}
+    return ring_attention_kernels()
 
 
 def ring_inputs(batch: dict[str, torch.Tensor], cp: int) -> dict[str, torch.Tensor]:
@@ -166,8 +165,8 @@ class TensorContextParallelBackend(RingAttention, FSDP2TensorParallelBackend):
         return dataclasses.replace(record, kind="fsdp2_tp", name=with_copies(name, processes, cp * tp), cp_size=cp)
 
     def prepare(self, model, optimizer):
-        set_rotate_method(TorchContextParallelConfig().cp_comm_strategy)  # accelerate's default (allgather) or env
-        _attach_context_parallel_hooks(model)  # accelerate's: the attention mask dropped for is_causal
+        set_ring_rotate_method(TorchContextParallelConfig().cp_comm_strategy)  # accelerate's default or env
+        attach_context_parallel_hooks(model)  # accelerate's: the attention mask dropped for is_causal
         self.sum_over_context_group(model, self.mesh["cp"].get_group())
         return super().prepare(model, optimizer)
 

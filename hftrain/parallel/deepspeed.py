@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import broadcast_object_list
 
+from hftrain.compat.deepspeed import loading_universal_checkpoint
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.layout import UNIVERSAL_PREFIX
@@ -301,11 +302,8 @@ class DeepSpeedBackend(Backend):
         if error is not None:
             raise HftrainError(f"cannot convert the DeepSpeed checkpoint {str(path)!r} (written by {saved} processes) "
                                f"into a universal checkpoint for {world}: {error}; resume with {saved} processes")
-        model._config.load_universal_checkpoint = True  # DeepSpeedEngine.load_universal_checkpoint() reads it
-        try:
+        with loading_universal_checkpoint(model):
             yield folder
-        finally:
-            model._config.load_universal_checkpoint = False
         self.accelerator.wait_for_everyone()  # every rank has loaded: the converted copy can go
         if self.accelerator.is_main_process:
             shutil.rmtree(folder, ignore_errors=True)

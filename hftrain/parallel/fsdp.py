@@ -18,12 +18,13 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
-from accelerate.utils.fsdp_utils import _prepare_sd_options, fsdp2_prepare_model
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, register_fsdp_forward_method
 from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
 
+from hftrain.compat.accelerate import fsdp_state_dict_options
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
 
 
@@ -95,7 +96,7 @@ class FSDP2Backend(Backend):
         process (DCP's coordinator) the writer returns after DCP has gathered every rank's write results and written
         the metadata, so every rank's files are on disk when the checkpoint is sealed."""
         self.save_rng_states(folder)
-        options = _prepare_sd_options(self.accelerator.state.fsdp_plugin)  # accelerate's own, for equal files
+        options = fsdp_state_dict_options(self.accelerator.state.fsdp_plugin)  # accelerate's own, for equal files
         staged = stager.stage({"model": get_model_state_dict(model, options=options),
                                "optimizer": get_optimizer_state_dict(model, optimizer, options=options)})
         folders = {"model": folder / f"{FSDP_MODEL_NAME}_0", "optimizer": folder / f"{OPTIMIZER_NAME}_0"}

@@ -9,13 +9,11 @@ requested explicitly.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import platform
 import socket
 import sys
-import threading
 import traceback
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
@@ -28,8 +26,9 @@ import torch
 from accelerate import Accelerator, ParallelismConfig
 from accelerate.utils import InitProcessGroupKwargs, gather_object
 
+from hftrain.compat.cpython import exit_without_teardown, require_exit_without_teardown
 from hftrain.config import Recipe
-from hftrain.errors import ConfigError, HftrainError
+from hftrain.errors import ConfigError, HftrainError, run_tool
 from hftrain.model import name_deepspeeds_cpu_accelerator
 from hftrain.watchdog import set_nccl_environment
 
@@ -246,6 +245,7 @@ def run_process(main: Callable[[], object]) -> NoReturn:
     writer; then atexit handlers such as W&B's; the standard streams) and leaves with `os._exit`, skipping the
     teardown; the process group ends with the process, as it does when torchrun stops a group. One-process
     runs exit the ordinary way."""
+    run_tool(require_exit_without_teardown)
     code = 0
     try:
         main()
@@ -265,11 +265,7 @@ def run_process(main: Callable[[], object]) -> NoReturn:
             torch.distributed.barrier()
         except Exception:  # noqa: BLE001 - a peer that died has reported its own failure; this one is done
             pass
-    threading._shutdown()  # what Python's exit does first: stop executors' workers, then join non-daemon threads
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    exit_without_teardown(code)
 
 
 def _process_group_alive() -> bool:

@@ -69,10 +69,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _ComputationType, get_schedule_class
+from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor, Replicate
 
 from hftrain.checkpoint import newest_intact, trained_names
+from hftrain.compat.torch import forward_order_with_comms, persistent_buffers, running_order
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
@@ -289,12 +290,12 @@ class StageForward(nn.Module):
     @contextmanager
     def _as_this_stage(self):
         decoder = self._decoder
-        kept = decoder._modules["layers"], decoder._modules["norm"]
-        decoder._modules["layers"], decoder._modules["norm"] = self.layers, self.norm
+        kept = decoder.layers, decoder.norm
+        decoder.layers, decoder.norm = self.layers, self.norm
         try:
             yield decoder
         finally:
-            decoder._modules["layers"], decoder._modules["norm"] = kept
+            decoder.layers, decoder.norm = kept
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None):
         with self._as_this_stage() as decoder:
@@ -327,12 +328,11 @@ def forward_only_order(schedule, pp: int, microbatches: int) -> dict:
     this stage doesn't have backward"). Each rank runs its first stage for every microbatch, then its second (stages r
     and 2 pp - 1 - r): a rank's second stage waits only on the next rank, which finished its first stage's part
     without waiting on anyone later, so the order cannot deadlock. torch's lowering adds the sends and receives
-    (`_add_send_recv`, what its schedules' `_prepare_schedule_with_comms` runs after a validation that demands a
-    backward per forward; private in torch 2.13). The schedule itself runs it (`PipelineStages.forward` swaps it in):
+    (`compat.torch.forward_order_with_comms`). The schedule itself runs it (`PipelineStages.forward` swaps it in):
     a second schedule over the same stages would leave them initialised for forward only behind the first's back."""
-    order = {rank: [_Action(stage, _ComputationType.FORWARD, mb) for stage in (rank, 2 * pp - 1 - rank)
-                    for mb in range(microbatches)] for rank in range(pp)}
-    return _add_send_recv(order, stage_to_rank=schedule.stage_index_to_group_rank.get, num_stages=2 * pp)
+    order = {rank: [(stage, mb) for stage in (rank, 2 * pp - 1 - rank) for mb in range(microbatches)]
+             for rank in range(pp)}
+    return forward_order_with_comms(order, stage_to_rank=schedule.stage_index_to_group_rank.get, num_stages=2 * pp)
 
 
 class PipelineStages(nn.Module):
@@ -411,12 +411,8 @@ class PipelineStages(nn.Module):
         self.scale = 1.0
         if self.eval_order is None:
             return self._run(input_ids, labels, position_ids, self.schedule.eval)
-        train_order = self.schedule.pipeline_order_with_comms
-        self.schedule.pipeline_order_with_comms = self.eval_order
-        try:
+        with running_order(self.schedule, self.eval_order):
             return self._run(input_ids, labels, position_ids, self.schedule.eval)
-        finally:
-            self.schedule.pipeline_order_with_comms = train_order
 
 
 class PipelineBackend(Backend):
@@ -641,8 +637,7 @@ class PipelineBackend(Backend):
             # ('Linear8bitLt' object has no attribute 'SCB')
             tensors = {n: p.detach() for n, p in model.module.named_parameters(remove_duplicate=False)}
             for prefix, module in model.module.named_modules(remove_duplicate=False):
-                tensors.update({f"{prefix}.{n}" if prefix else n: b for n, b in module.named_buffers(recurse=False)
-                                if n not in module._non_persistent_buffers_set})
+                tensors.update({f"{prefix}.{n}" if prefix else n: b for n, b in persistent_buffers(module).items()})
             return {"model": {k: v for k, v in tensors.items() if k in trained},
                     "optimizer": get_optimizer_state_dict(model.module, optimizer, options=options) if steps else {}}
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from hftrain.compat.transformers import attn_implementation
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
 from hftrain.parallel.base import DataParallel, Parallelism
@@ -64,7 +65,7 @@ def register_ulysses(lm, sp: int):
     process); returns its sequence-parallel group. Micro-batches reach it as one row (`ShardedTokenLoss`)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    kernel = lm.config._attn_implementation
+    kernel = attn_implementation(lm.config)
     if kernel not in SP_ATTENTION:
         raise HftrainError(f"sp_size={sp} needs attn_implementation sdpa or flash_attention_2, the model runs "
                            f"{kernel!r}")

@@ -29,9 +29,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers.distributed import DistributedConfig
 
+from hftrain.compat.torch import local_block
+from hftrain.compat.transformers import device_mesh
 from hftrain.errors import HftrainError
 from hftrain.layout import FULL_STATE_FILE
 from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism, raise_tp_mismatch
@@ -174,7 +175,7 @@ def _local_blocks(local, full, path: str = ""):
                 for key in full}
     if not isinstance(local, DTensor):
         return full
-    shape, offset = compute_local_shape_and_global_offset(full.shape, local.device_mesh, local.placements)
+    shape, offset = local_block(full.shape, local.device_mesh, local.placements)
     if tuple(full.shape) != tuple(local.shape) or tuple(shape) != tuple(local.to_local().shape):
         raise HftrainError(f"{path}: the checkpoint's {tuple(full.shape)} does not fit this layout's "
                            f"{tuple(local.shape)} (local block {tuple(local.to_local().shape)})")
@@ -319,7 +320,7 @@ class FSDP2TensorParallelBackend(TensorParallelBackend):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if accelerator.mixed_precision == "bf16" else MixedPrecisionPolicy()
         offload = {"offload_policy": CPUOffloadPolicy()} if self.record.offloaded else {}
-        fully_shard(model, mesh=model.lm._mesh_manager.get_mesh("fsdp"), mp_policy=policy, **offload)
+        fully_shard(model, mesh=device_mesh(model.lm, "fsdp"), mp_policy=policy, **offload)
         if not self.full_shard:
             model.set_reshard_after_forward(False)  # SHARD_GRAD_OP: every unit keeps its weights after forward
         if not isinstance(model, FSDPModule):

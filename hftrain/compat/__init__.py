@@ -1,0 +1,57 @@
+"""Every use of a library's private API, one module per library, each gated by the versions it was checked on.
+
+hftrain reaches past a few libraries' public APIs where they offer no public way (torch's pipelining lowering, the
+partial load of a pipeline stage inside transformers' loader, CPython's exit sequence, ...). Each such use lives in
+`hftrain.compat.<library>` as a small function whose docstring says what it relies on, and calls `require` with the
+versions it was checked on (run by the test suite, or read in the library's source where the docstring says so).
+Outside them the use stops with one paragraph naming the feature, the library internal, the checked versions and
+the installed one, instead of an AttributeError deep inside a run or, worse, different numbers. Nothing is checked
+at import: a run that never uses pipeline evaluation never asks which torch schedules it would need.
+
+Updating a library: run the suite on the new version, fix what moved, and widen the `CHECKED` range of the module
+(or of the one use that differs). tests/unit/test_compat.py checks that no module outside hftrain/compat imports a
+private name or reads a private attribute of a library.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import platform
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from hftrain.errors import HftrainError
+
+
+@functools.cache
+def installed_version(library: str) -> str | None:
+    """The installed version of a distribution (`python` for the interpreter), None when it is not installed."""
+    if library == "python":
+        return platform.python_version()
+    try:
+        return importlib.metadata.version(library)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def within(library: str, versions: str) -> bool:
+    """Whether the installed `library` is in `versions` (a PEP 440 specifier; local labels such as +cpu ignored)."""
+    installed = installed_version(library)
+    return installed is not None and Version(installed).public in SpecifierSet(versions)
+
+
+def require(library: str, versions: str, use: str) -> None:
+    """Stop with a clear error unless the installed `library` is within `versions`, the versions on which `use` (what
+    hftrain does with the library's internals, in a few words) was checked."""
+    if within(library, versions):
+        return
+    installed = installed_version(library) or "none"
+    fix = "use a Python in that range" if library == "python" else \
+        f"install a {library} in that range (pip install '{library}{versions}')"
+    raise HftrainError(
+        f"{use} relies on {library} internals that hftrain checked on {library}{versions}, and {library} {installed} "
+        f"is installed: {fix}, or run without this feature; hftrain/compat/ lists every such use and the versions "
+        "it was checked on")

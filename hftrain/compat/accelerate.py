@@ -1,0 +1,30 @@
+"""accelerate internals hftrain uses (checked on accelerate 1.15, the version the test suite runs).
+
+- context parallelism: the forward hooks accelerate attaches to a model's attention layers under its own CP path
+  (`_attach_context_parallel_hooks` in accelerate/big_modeling.py), which drop the attention mask for `is_causal`;
+  hftrain runs torch's ring on its own mesh (parallel/context.py) and needs the same hooks;
+- FSDP2 checkpoints: the state-dict options accelerate's own FSDP2 save uses (`_prepare_sd_options` in
+  accelerate/utils/fsdp_utils.py), so that hftrain's background save writes the files accelerate would.
+"""
+
+from __future__ import annotations
+
+from hftrain.compat import require
+
+CHECKED = ">=1.15,<1.16"
+
+
+def attach_context_parallel_hooks(model) -> None:
+    """accelerate's context-parallel hooks on `model`'s attention layers."""
+    require("accelerate", CHECKED, "context parallelism (accelerate's attention-mask hooks)")
+    from accelerate.big_modeling import _attach_context_parallel_hooks
+
+    _attach_context_parallel_hooks(model)
+
+
+def fsdp_state_dict_options(fsdp_plugin):
+    """The `StateDictOptions` accelerate's FSDP2 save and load use for `fsdp_plugin`."""
+    require("accelerate", CHECKED, "FSDP2 checkpoints (accelerate's state-dict options)")
+    from accelerate.utils.fsdp_utils import _prepare_sd_options
+
+    return _prepare_sd_options(fsdp_plugin)

@@ -1,0 +1,98 @@
+"""transformers internals hftrain uses (checked on transformers 5.23 by the test suite; the uses marked 5.17 were also
+read in transformers 5.17's source, the lower end of the supported range).
+
+- the partial load of a pipeline stage (`load_decoder_layers`): a runtime subclass of the model class whose
+  `_load_pretrained_model` step swaps the layers another stage owns for parameterless stand-ins, with their keys
+  declared expected-unused (`_keys_to_ignore_on_load_unexpected`); the auto class's `_model_mapping` gives the model
+  class (5.23: 5.17 has no `_load_pretrained_model` step);
+- the checkpoint-name conversions a model reverts on save (`_weight_conversions`; 5.17);
+- the attention kernel a loaded model runs (`config._attn_implementation`; 5.17) and the layer classes it must not
+  split (`_no_split_modules`; 5.17);
+- transformers' tensor-parallel device mesh (`_mesh_manager`) and its plan expanded to parameter names
+  (`_expand_parallel_plan`), both from its distributed mixin (5.23: 5.17 has neither).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hftrain.compat import require
+
+CHECKED = ">=5.23,<5.24"
+CHECKED_SINCE_5_17 = ">=5.17,<5.24"
+
+
+def load_decoder_layers(auto_class: type, config, path: str, kwargs: dict, layers: set[int]) -> nn.Module:
+    """`auto_class.from_pretrained(path, **kwargs)` that reads only the decoder layers in `layers` (a pipeline
+    stage's) from the checkpoint: the other layers stay on the meta device (no memory; their names, shapes, dtypes and
+    order kept, so everything that counts or numbers parameters sees the whole model until the pipeline drops them).
+    transformers builds the model on the meta device and loads every key its state dict has
+    (`convert_and_load_state_dict_in_model`), so the other layers are swapped for parameterless stand-ins in between
+    (its `_load_pretrained_model` step, after tensor parallelism is applied and before any weight is read) and their
+    checkpoint keys are declared expected to be unused (`_keys_to_ignore_on_load_unexpected`); then the meta layers
+    are put back. The embeddings, the final norm and the head load on every rank (a tied head must be tied to a
+    loaded embedding; the pipeline drops them where not owned)."""
+    require("transformers", CHECKED, "reading only a pipeline stage's layers (pp_size > 1 with full fine-tuning)")
+    model_class = auto_class._model_mapping[type(config)]
+    skipped: dict[int, nn.Module] = {}
+
+    def load_owned_layers(model, *args, **kwargs):
+        decoder = model.get_decoder()
+        for index, layer in enumerate(decoder.layers):
+            if index not in layers:
+                skipped[index] = layer
+                decoder.layers[index] = nn.Identity()
+        if skipped:
+            other = "|".join(str(index) for index in sorted(skipped))
+            model._keys_to_ignore_on_load_unexpected = {*(model._keys_to_ignore_on_load_unexpected or ()),
+                                                        rf"(^|\.)layers\.({other})\."}
+        return model_class._load_pretrained_model(model, *args, **kwargs)
+
+    stage_class = type(model_class.__name__, (model_class,), {
+        "_load_pretrained_model": staticmethod(load_owned_layers), "__module__": model_class.__module__})
+    model = stage_class.from_pretrained(path, **kwargs)
+    model.__class__ = model_class
+    decoder = model.get_decoder()
+    for index, layer in skipped.items():
+        decoder.layers[index] = layer.train(model.training)
+    return model
+
+
+def keep_used_conversions(model: nn.Module) -> None:
+    """Keep only the checkpoint-name conversions that matched the checkpoint, so that the final save writes the names
+    the checkpoint had whatever the strategy. transformers renames a checkpoint's keys while loading (LLaVA's
+    `language_model.model.layers.*` become `model.language_model.layers.*`) and reverts the renamings it keeps in
+    `model._weight_conversions` on save_pretrained. Its usual load path keeps the ones that matched; its ZeRO-3 load
+    path (5.23, `_load_state_dict_into_zero3_model`) keeps every candidate, and reverting the unused ones on save
+    invents names (`language_model.model.model.layers.*`, `vision_tower.vision_model.*`) that only transformers' own
+    key mapping reads back. A no-op on the usual path."""
+    require("transformers", CHECKED_SINCE_5_17, "loading a model (the checkpoint-name conversions it keeps)")
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [conversion for conversion in conversions if conversion.was_used()]
+
+
+def attn_implementation(config) -> str | None:
+    """The attention kernel a loaded model runs ("sdpa", "flash_attention_2", "eager", ...)."""
+    require("transformers", CHECKED_SINCE_5_17, "reading the model's attention kernel")
+    return getattr(config, "_attn_implementation", None)
+
+
+def no_split_modules(lm: nn.Module) -> list[str] | None:
+    """The layer classes the model declares that must not be split across devices (FSDP's units), or None."""
+    require("transformers", CHECKED_SINCE_5_17, "wrapping the model's layers one by one (FSDP2)")
+    return getattr(lm, "_no_split_modules", None)
+
+
+def device_mesh(lm: nn.Module, dims: str):
+    """The device mesh over `dims` of a model loaded with transformers' `distributed_config` (tensor parallelism)."""
+    require("transformers", CHECKED, "FSDP2 x TP (transformers' device mesh)")
+    return lm._mesh_manager.get_mesh(dims)
+
+
+def expanded_parallel_plan(lm: nn.Module, plan: dict[str, str]) -> dict[str, str] | None:
+    """transformers' tensor-parallel `plan` expanded to the model's parameter names ({name: style}), None for a
+    transformers without it."""
+    require("transformers", CHECKED, "estimating a tensor-parallel layout")
+    expand = getattr(lm, "_expand_parallel_plan", None)
+    return None if expand is None else expand(plan)
