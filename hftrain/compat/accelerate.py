@@ -11,20 +11,22 @@ from __future__ import annotations
 
 from hftrain.compat import require
 
+try:  # private, so each may be missing from another accelerate: `require` says so before either is used
+    from accelerate.big_modeling import _attach_context_parallel_hooks
+    from accelerate.utils.fsdp_utils import _prepare_sd_options
+except ImportError:
+    _attach_context_parallel_hooks = _prepare_sd_options = None
+
 CHECKED = ">=1.15,<1.16"
 
 
 def attach_context_parallel_hooks(model) -> None:
     """accelerate's context-parallel hooks on `model`'s attention layers."""
     require("accelerate", CHECKED, "context parallelism (accelerate's attention-mask hooks)")
-    from accelerate.big_modeling import _attach_context_parallel_hooks
-
     _attach_context_parallel_hooks(model)
 
 
 def fsdp_state_dict_options(fsdp_plugin):
     """The `StateDictOptions` accelerate's FSDP2 save and load use for `fsdp_plugin`."""
     require("accelerate", CHECKED, "FSDP2 checkpoints (accelerate's state-dict options)")
-    from accelerate.utils.fsdp_utils import _prepare_sd_options
-
     return _prepare_sd_options(fsdp_plugin)

@@ -19,6 +19,15 @@ from torch import nn
 
 from hftrain.compat import require
 
+try:  # private, so each may be missing from another torch: `require` says so before any of them is used
+    from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _ComputationType
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.experimental._attention import set_rotate_method
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+except ImportError:
+    _Action = _add_send_recv = _ComputationType = compute_local_shape_and_global_offset = None
+    set_rotate_method = _attention = None
+
 CHECKED = ">=2.13,<2.14"
 
 
@@ -27,8 +36,6 @@ def forward_order_with_comms(stages: dict[int, list[tuple[int, int]]], stage_to_
     microbatch) forwards in order; torch adds the sends and receives between them (`_add_send_recv`, what its
     schedules' `_prepare_schedule_with_comms` runs after a validation that demands a backward per forward)."""
     require("torch", CHECKED, "pipeline evaluation with a V schedule (ZBVZeroBubble, DualPipeV)")
-    from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _ComputationType
-
     order = {rank: [_Action(stage, _ComputationType.FORWARD, mb) for stage, mb in actions]
              for rank, actions in stages.items()}
     return _add_send_recv(order, stage_to_rank=stage_to_rank, num_stages=num_stages)
@@ -50,24 +57,18 @@ def running_order(schedule, order: dict):
 def ring_attention_kernels() -> set[str]:
     """The SDPA kernels torch's ring attention dispatches (its custom DTensor handlers), by name."""
     require("torch", CHECKED, "context parallelism (torch's ring attention)")
-    from torch.distributed.tensor.experimental._context_parallel import _attention
-
     return {str(op) for op in _attention.custom_ops}
 
 
 def set_ring_rotate_method(method: str) -> None:
     """How torch's ring attention passes key/value blocks around the context group ("allgather" or "alltoall")."""
     require("torch", CHECKED, "context parallelism (torch's ring attention)")
-    from torch.distributed.tensor.experimental._attention import set_rotate_method
-
     set_rotate_method(method)
 
 
 def local_block(shape, mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shape and offset of this rank's block of a tensor of `shape` placed by `placements` on `mesh`."""
     require("torch", CHECKED, "loading a full-state checkpoint into FSDP2 x TP shards")
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     return compute_local_shape_and_global_offset(shape, mesh, placements)
 
 

@@ -5,6 +5,9 @@
     backend = resolve(accelerator, recipe, launch)  # Backend: the interface the loop and checkpoints call
     backend.record                                  # Parallelism: kind, processes, ZeRO stage, offload, tp, dp world
 
+The backend is the one `BACKENDS` names for the layout record (`ParallelDims`, dims.py: the strategy and the degree
+of each axis, built once from the recipe and the launch).
+
 Backends, one file each: base.py (the interface; one process and DDP), fsdp.py (FSDP2), deepspeed.py (ZeRO 1-3,
 offload), tensor.py (tensor parallel, with data-parallel copies, or FSDP2 x TP under an FSDP2 preset), sequence.py
 (ZeRO with DeepSpeed's Ulysses sequence parallelism), context.py (FSDP2 with torch's ring attention context
@@ -22,6 +25,7 @@ from hftrain.errors import HftrainError
 from hftrain.parallel.base import Backend, DataParallel, Parallelism
 from hftrain.parallel.context import ContextParallelBackend, TensorContextParallelBackend
 from hftrain.parallel.deepspeed import DeepSpeedBackend
+from hftrain.parallel.dims import ParallelDims
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch, devices_record, make_accelerator, not_selected, phase, run_process
 from hftrain.parallel.pipeline import PipelineBackend, PipelineFSDP2Backend
@@ -29,8 +33,8 @@ from hftrain.parallel.sequence import SequenceParallelBackend
 from hftrain.parallel.tensor import FSDP2TensorParallelBackend, TensorParallelBackend
 from hftrain.recipe.parallel import problems
 
-__all__ = ["Backend", "DataParallel", "Launch", "Parallelism", "devices_record", "make_accelerator", "phase",
-           "problems", "resolve", "run_process"]
+__all__ = ["Backend", "DataParallel", "Launch", "ParallelDims", "Parallelism", "devices_record", "make_accelerator",
+           "phase", "problems", "backend_class", "resolve", "run_process"]
 
 SELECTED = {"fsdp2": "FSDP", "deepspeed": "DEEPSPEED"}  # accelerate's DistributedType names
 
@@ -41,20 +45,34 @@ def resolve(accelerator, recipe: Recipe, launch: Launch) -> Backend:
     wanted = SELECTED.get(launch.kind)
     if wanted is not None and selected != wanted:
         raise HftrainError(not_selected(wanted, selected))
-    if recipe.pp_size > 1:  # tp_size runs inside its stages; the recipe and preflight refused sp/cp, DeepSpeed
-        # FSDP2 presets shard each stage over its data-parallel ranks; DDP-type ones hold whole copies
-        return (PipelineFSDP2Backend if selected == "FSDP" else PipelineBackend)(accelerator, recipe)
-    if recipe.tp_size > 1 and selected == "FSDP":  # the 2D layout; the preflight has refused TP with DeepSpeed
-        return (TensorContextParallelBackend if recipe.cp_size > 1 else FSDP2TensorParallelBackend)(accelerator,
-                                                                                                      recipe)
-    if recipe.tp_size > 1:
-        return TensorParallelBackend(accelerator, recipe)
-    if recipe.sp_size > 1:  # the preflight has refused sequence parallelism without DeepSpeed
-        return SequenceParallelBackend(accelerator, recipe)
-    if selected == "FSDP" and recipe.cp_size > 1:
-        return ContextParallelBackend(accelerator, recipe)
-    if selected == "FSDP":
-        return FSDP2Backend(accelerator, recipe)
-    if selected == "DEEPSPEED":
-        return DeepSpeedBackend(accelerator, recipe)
-    return Backend(accelerator, recipe)
+    return backend_class(ParallelDims.build(recipe, launch))(accelerator, recipe)
+
+
+def backend_class(dims: ParallelDims) -> type[Backend]:
+    """The backend that runs `dims`'s layout: one per (strategy, model-splitting axes) in `BACKENDS`. The preflight
+    refuses every other combination before the accelerator is made, each with its reason."""
+    try:
+        return BACKENDS[dims.strategy, dims.axes]
+    except KeyError:
+        axes = " x ".join(sorted(dims.axes)) or "data parallelism alone"
+        raise HftrainError(f"no hftrain backend runs {axes} under a {dims.strategy} launch ({dims.describe()}); "
+                           "docs/architecture.md lists the layouts that run") from None
+
+
+_NONE, _TP, _PP, _PP_TP = frozenset(), frozenset({"tp"}), frozenset({"pp"}), frozenset({"pp", "tp"})
+# (strategy, axes) -> backend. tp under a DDP-type launch holds whole copies of tp-split weights; tp under FSDP2 is
+# the 2D layout; pp under FSDP2 shards each stage over its data-parallel ranks.
+BACKENDS: dict[tuple[str, frozenset[str]], type[Backend]] = {
+    ("single", _NONE): Backend,
+    ("ddp", _NONE): Backend,
+    ("fsdp2", _NONE): FSDP2Backend,
+    ("deepspeed", _NONE): DeepSpeedBackend,
+    ("ddp", _TP): TensorParallelBackend,
+    ("fsdp2", _TP): FSDP2TensorParallelBackend,
+    ("fsdp2", frozenset({"cp"})): ContextParallelBackend,
+    ("fsdp2", frozenset({"cp", "tp"})): TensorContextParallelBackend,
+    ("deepspeed", frozenset({"sp"})): SequenceParallelBackend,
+    ("ddp", _PP): PipelineBackend,
+    ("ddp", _PP_TP): PipelineBackend,
+    ("fsdp2", _PP): PipelineFSDP2Backend,
+}
