@@ -25,7 +25,13 @@ import psutil
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from hftrain import hub, vision
+from hftrain import compat, hub, vision
+from hftrain.compat import accelerate as compat_accelerate
+from hftrain.compat import cpython as compat_cpython
+from hftrain.compat import datasets as compat_datasets
+from hftrain.compat import liger as compat_liger
+from hftrain.compat import torch as compat_torch
+from hftrain.compat import transformers as compat_transformers
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError
 from hftrain.estimate import ulysses_splits
@@ -35,6 +41,7 @@ from hftrain.parallel.launch import Launch, strategy_problems
 from hftrain.parallel.pipeline import PIPELINE_MODEL_TYPES, pipeline_problems
 from hftrain.parallel.tensor import fsdp_tp_blocks_disagree
 from hftrain.recipe.grpo import VLLM_REQUIREMENT
+from hftrain.recipe.parallel import V_SCHEDULES
 from hftrain.stages import STAGES_PER_PROCESS, stage_layout
 from hftrain.versions import feature_problem
 
@@ -62,6 +69,7 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += vllm_problems(recipe, launch, cuda)
     problems += evaluation_problems(recipe, launch, model_config)
     problems += hub.preflight_problems(recipe)
+    problems += library_problems(recipe, launch)
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
     return model_config
@@ -82,6 +90,33 @@ def before_launch(recipe: Recipe, preset: dict, deepspeed_config_path: str | Non
         problems += error.problems
     if problems:
         raise ConfigError(problems, "recipe for this machine and launch")
+
+
+def library_uses(recipe: Recipe, launch: Launch) -> list[compat.Use]:
+    """The uses of libraries' internals (hftrain.compat) this run will make, so that a library outside the versions
+    they were checked on is refused here, with every other problem, rather than when the feature first runs."""
+    uses = [compat_transformers.WEIGHT_CONVERSIONS, compat_transformers.ATTN_IMPLEMENTATION]
+    uses.append(compat_datasets.EXAMPLES_ITERABLE if recipe.streaming else compat_datasets.FINGERPRINT)
+    if launch.world > 1:
+        uses.append(compat_cpython.EXIT)
+    if launch.kind == "fsdp2":
+        uses += [compat_accelerate.FSDP2_STATE_DICT, compat_transformers.NO_SPLIT_MODULES]
+    if recipe.tp_size > 1 and launch.kind == "fsdp2":
+        uses += [compat_transformers.DEVICE_MESH, compat_torch.LOCAL_BLOCKS]
+    if recipe.cp_size > 1:
+        uses += [compat_torch.RING_ATTENTION] + ([compat_accelerate.CP_HOOKS] if recipe.tp_size > 1 else [])
+    if recipe.pp_size > 1:
+        uses.append(compat_torch.PERSISTENT_BUFFERS)
+        uses += [] if recipe.use_peft else [compat_transformers.STAGE_LOAD]
+        uses += [compat_torch.V_SCHEDULE_EVAL] if recipe.pp_schedule in V_SCHEDULES else []
+    if recipe.use_liger_kernel and compat.installed_version("liger-kernel") is not None:  # else liger_problems
+        uses.append(compat_liger.INSTANCE_KERNELS)
+    return uses
+
+
+def library_problems(recipe: Recipe, launch: Launch) -> list[str]:
+    """A library outside the versions one of this run's uses of its internals was checked on, one problem each."""
+    return [problem for use in dict.fromkeys(library_uses(recipe, launch)) if (problem := use.problem())]
 
 
 def vllm_problems(recipe: Recipe, launch: Launch, cuda: bool) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import platform
+from dataclasses import dataclass
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -43,15 +44,38 @@ def within(library: str, versions: str) -> bool:
     return installed is not None and Version(installed).public in SpecifierSet(versions)
 
 
+@dataclass(frozen=True)
+class Use:
+    """One use of a library's internals: the library (its distribution name, or "python"), the versions it was
+    checked on (a PEP 440 specifier) and what hftrain does with it, in a few words. The compat function calls
+    `require()` before it touches them; the preflight asks every use a recipe will make for its `problem()` first,
+    so that a run stops before any weight loads."""
+
+    library: str
+    versions: str
+    what: str
+
+    def problem(self) -> str | None:
+        """None within the checked versions, else the one-paragraph reason."""
+        return None if within(self.library, self.versions) else outside(self.library, self.versions, self.what)
+
+    def require(self) -> None:
+        if (problem := self.problem()) is not None:
+            raise HftrainError(problem)
+
+
 def require(library: str, versions: str, use: str) -> None:
     """Stop with a clear error unless the installed `library` is within `versions`, the versions on which `use` (what
     hftrain does with the library's internals, in a few words) was checked."""
-    if within(library, versions):
-        return
+    Use(library, versions, use).require()
+
+
+def outside(library: str, versions: str, use: str) -> str:
+    """The reason `use` cannot run with the installed `library`."""
     installed = installed_version(library) or "none"
     fix = "use a Python in that range" if library == "python" else \
         f"install a {library} in that range (pip install '{library}{versions}')"
-    raise HftrainError(
+    return (
         f"{use} relies on {library} internals that hftrain checked on {library}{versions}, and {library} {installed} "
         f"is installed: {fix}, or run without this feature; hftrain/compat/ lists every such use and the versions "
         "it was checked on")

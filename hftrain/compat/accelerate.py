@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from hftrain.compat import require
+from hftrain.compat import Use
 
 try:  # private, so each may be missing from another accelerate: `require` says so before either is used
     from accelerate.big_modeling import _attach_context_parallel_hooks
@@ -19,14 +19,17 @@ except ImportError:
 
 CHECKED = ">=1.15,<1.16"
 
+CP_HOOKS = Use("accelerate", CHECKED, "context parallelism (accelerate's attention-mask hooks)")
+FSDP2_STATE_DICT = Use("accelerate", CHECKED, "FSDP2 checkpoints (accelerate's state-dict options)")
+
 
 def attach_context_parallel_hooks(model) -> None:
     """accelerate's context-parallel hooks on `model`'s attention layers."""
-    require("accelerate", CHECKED, "context parallelism (accelerate's attention-mask hooks)")
+    CP_HOOKS.require()
     _attach_context_parallel_hooks(model)
 
 
 def fsdp_state_dict_options(fsdp_plugin):
     """The `StateDictOptions` accelerate's FSDP2 save and load use for `fsdp_plugin`."""
-    require("accelerate", CHECKED, "FSDP2 checkpoints (accelerate's state-dict options)")
+    FSDP2_STATE_DICT.require()
     return _prepare_sd_options(fsdp_plugin)

@@ -14,15 +14,17 @@ import sys
 import threading
 from typing import NoReturn
 
-from hftrain.compat import require
+from hftrain.compat import Use
 
 CHECKED = ">=3.10,<3.14"
+
+EXIT = Use("python", CHECKED, "ending a distributed process without interpreter teardown")
 
 
 def require_exit_without_teardown() -> None:
     """Stop before any work on an interpreter whose exit sequence was not checked (`exit_without_teardown` runs at
     the end of a run, too late for a clear error)."""
-    require("python", CHECKED, "ending a distributed process without interpreter teardown")
+    EXIT.require()
 
 
 def exit_without_teardown(code: int) -> NoReturn:

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from hftrain.compat import require
+from hftrain.compat import Use
 
 CHECKED = ">=0.19,<0.20"
+
+UNIVERSAL_LOAD = Use("deepspeed", CHECKED, "resuming a DeepSpeed checkpoint on another number of processes")
 
 
 @contextmanager
 def loading_universal_checkpoint(engine):
     """While the block runs, `engine.load_checkpoint` reads a universal checkpoint (one converted by DeepSpeed's
     ds_to_universal) instead of a per-rank one."""
-    require("deepspeed", CHECKED, "resuming a DeepSpeed checkpoint on another number of processes")
+    UNIVERSAL_LOAD.require()
     engine._config.load_universal_checkpoint = True
     try:
         yield

@@ -8,14 +8,16 @@ suite does not run it).
 
 from __future__ import annotations
 
-from hftrain.compat import require
+from hftrain.compat import Use
 
 CHECKED = ">=0.8.5,<0.9"
+
+INSTANCE_KERNELS = Use("liger-kernel", CHECKED, "use_liger_kernel (Liger's kernels on the loaded model)")
 
 
 def apply_liger_kernel_to_instance(model, **kernels) -> None:
     """Liger's kernels (`kernels`: rope, rms_norm, swiglu, ... -> bool) in the loaded `model`."""
-    require("liger-kernel", CHECKED, "use_liger_kernel (Liger's kernels on the loaded model)")
+    INSTANCE_KERNELS.require()
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     _apply_liger_kernel_to_instance(model=model, **kernels)

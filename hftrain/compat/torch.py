@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from hftrain.compat import require
+from hftrain.compat import Use
 
 try:  # private, so each may be missing from another torch: `require` says so before any of them is used
     from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _ComputationType
@@ -30,12 +30,17 @@ except ImportError:
 
 CHECKED = ">=2.13,<2.14"
 
+V_SCHEDULE_EVAL = Use("torch", CHECKED, "pipeline evaluation with a V schedule (ZBVZeroBubble, DualPipeV)")
+RING_ATTENTION = Use("torch", CHECKED, "context parallelism (torch's ring attention)")
+LOCAL_BLOCKS = Use("torch", CHECKED, "loading a full-state checkpoint into FSDP2 x TP shards")
+PERSISTENT_BUFFERS = Use("torch", CHECKED, "saving a pipeline stage's trained buffers")
+
 
 def forward_order_with_comms(stages: dict[int, list[tuple[int, int]]], stage_to_rank, num_stages: int) -> dict:
     """A forward-only pipeline order for a runtime schedule: `stages` gives each pipeline rank its (stage,
     microbatch) forwards in order; torch adds the sends and receives between them (`_add_send_recv`, what its
     schedules' `_prepare_schedule_with_comms` runs after a validation that demands a backward per forward)."""
-    require("torch", CHECKED, "pipeline evaluation with a V schedule (ZBVZeroBubble, DualPipeV)")
+    V_SCHEDULE_EVAL.require()
     order = {rank: [_Action(stage, _ComputationType.FORWARD, mb) for stage, mb in actions]
              for rank, actions in stages.items()}
     return _add_send_recv(order, stage_to_rank=stage_to_rank, num_stages=num_stages)
@@ -45,7 +50,7 @@ def forward_order_with_comms(stages: dict[int, list[tuple[int, int]]], stage_to_
 def running_order(schedule, order: dict):
     """Run `schedule` (a torch runtime schedule) with `order` (from `forward_order_with_comms`) in place of its own
     while the block runs: the stages stay initialised by the one schedule that owns them."""
-    require("torch", CHECKED, "pipeline evaluation with a V schedule (ZBVZeroBubble, DualPipeV)")
+    V_SCHEDULE_EVAL.require()
     kept = schedule.pipeline_order_with_comms
     schedule.pipeline_order_with_comms = order
     try:
@@ -56,25 +61,25 @@ def running_order(schedule, order: dict):
 
 def ring_attention_kernels() -> set[str]:
     """The SDPA kernels torch's ring attention dispatches (its custom DTensor handlers), by name."""
-    require("torch", CHECKED, "context parallelism (torch's ring attention)")
+    RING_ATTENTION.require()
     return {str(op) for op in _attention.custom_ops}
 
 
 def set_ring_rotate_method(method: str) -> None:
     """How torch's ring attention passes key/value blocks around the context group ("allgather" or "alltoall")."""
-    require("torch", CHECKED, "context parallelism (torch's ring attention)")
+    RING_ATTENTION.require()
     set_rotate_method(method)
 
 
 def local_block(shape, mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shape and offset of this rank's block of a tensor of `shape` placed by `placements` on `mesh`."""
-    require("torch", CHECKED, "loading a full-state checkpoint into FSDP2 x TP shards")
+    LOCAL_BLOCKS.require()
     return compute_local_shape_and_global_offset(shape, mesh, placements)
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, object]:
     """`module`'s own persistent buffers by name (those `state_dict` would hold), without serialising anything."""
-    require("torch", CHECKED, "saving a pipeline stage's trained buffers")
+    PERSISTENT_BUFFERS.require()
     return {name: buffer for name, buffer in module.named_buffers(recurse=False)
             if name not in module._non_persistent_buffers_set}
 

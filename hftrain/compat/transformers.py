@@ -1,5 +1,5 @@
-"""transformers internals hftrain uses (checked on transformers 5.23 by the test suite; the uses marked 5.17 were also
-read in transformers 5.17's source, the lower end of the supported range).
+"""transformers internals hftrain uses (checked on transformers 5.23 by the test suite; the uses marked 5.17 also by
+CI's lower end, constraints/lower.txt, and read in transformers 5.17's source).
 
 - the partial load of a pipeline stage (`load_decoder_layers`): a runtime subclass of the model class whose
   `_load_pretrained_model` step swaps the layers another stage owns for parameterless stand-ins, with their keys
@@ -16,10 +16,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from hftrain.compat import require
+from hftrain.compat import Use
 
 CHECKED = ">=5.23,<5.24"
 CHECKED_SINCE_5_17 = ">=5.17,<5.24"
+
+STAGE_LOAD = Use("transformers", CHECKED, "reading only a pipeline stage's layers (pp_size > 1 with full fine-tuning)")
+WEIGHT_CONVERSIONS = Use("transformers", CHECKED_SINCE_5_17,
+                         "loading a model (the checkpoint-name conversions it keeps)")
+ATTN_IMPLEMENTATION = Use("transformers", CHECKED_SINCE_5_17, "reading the model's attention kernel")
+NO_SPLIT_MODULES = Use("transformers", CHECKED_SINCE_5_17, "wrapping the model's layers one by one (FSDP2)")
+DEVICE_MESH = Use("transformers", CHECKED, "FSDP2 x TP (transformers' device mesh)")
+PARALLEL_PLAN = Use("transformers", CHECKED, "estimating a tensor-parallel layout")
 
 
 def load_decoder_layers(auto_class: type, config, path: str, kwargs: dict, layers: set[int]) -> nn.Module:
@@ -32,7 +40,7 @@ def load_decoder_layers(auto_class: type, config, path: str, kwargs: dict, layer
     checkpoint keys are declared expected to be unused (`_keys_to_ignore_on_load_unexpected`); then the meta layers
     are put back. The embeddings, the final norm and the head load on every rank (a tied head must be tied to a
     loaded embedding; the pipeline drops them where not owned)."""
-    require("transformers", CHECKED, "reading only a pipeline stage's layers (pp_size > 1 with full fine-tuning)")
+    STAGE_LOAD.require()
     model_class = auto_class._model_mapping[type(config)]
     skipped: dict[int, nn.Module] = {}
 
@@ -66,7 +74,7 @@ def keep_used_conversions(model: nn.Module) -> None:
     path (5.23, `_load_state_dict_into_zero3_model`) keeps every candidate, and reverting the unused ones on save
     invents names (`language_model.model.model.layers.*`, `vision_tower.vision_model.*`) that only transformers' own
     key mapping reads back. A no-op on the usual path."""
-    require("transformers", CHECKED_SINCE_5_17, "loading a model (the checkpoint-name conversions it keeps)")
+    WEIGHT_CONVERSIONS.require()
     conversions = getattr(model, "_weight_conversions", None)
     if conversions:
         model._weight_conversions = [conversion for conversion in conversions if conversion.was_used()]
@@ -74,25 +82,25 @@ def keep_used_conversions(model: nn.Module) -> None:
 
 def attn_implementation(config) -> str | None:
     """The attention kernel a loaded model runs ("sdpa", "flash_attention_2", "eager", ...)."""
-    require("transformers", CHECKED_SINCE_5_17, "reading the model's attention kernel")
+    ATTN_IMPLEMENTATION.require()
     return getattr(config, "_attn_implementation", None)
 
 
 def no_split_modules(lm: nn.Module) -> list[str] | None:
     """The layer classes the model declares that must not be split across devices (FSDP's units), or None."""
-    require("transformers", CHECKED_SINCE_5_17, "wrapping the model's layers one by one (FSDP2)")
+    NO_SPLIT_MODULES.require()
     return getattr(lm, "_no_split_modules", None)
 
 
 def device_mesh(lm: nn.Module, dims: str):
     """The device mesh over `dims` of a model loaded with transformers' `distributed_config` (tensor parallelism)."""
-    require("transformers", CHECKED, "FSDP2 x TP (transformers' device mesh)")
+    DEVICE_MESH.require()
     return lm._mesh_manager.get_mesh(dims)
 
 
 def expanded_parallel_plan(lm: nn.Module, plan: dict[str, str]) -> dict[str, str] | None:
     """transformers' tensor-parallel `plan` expanded to the model's parameter names ({name: style}), None for a
     transformers without it."""
-    require("transformers", CHECKED, "estimating a tensor-parallel layout")
+    PARALLEL_PLAN.require()
     expand = getattr(lm, "_expand_parallel_plan", None)
     return None if expand is None else expand(plan)

@@ -11,6 +11,7 @@ from hftrain import compat
 from hftrain.errors import HftrainError
 
 PACKAGE = Path(hftrain.__file__).parent
+DOCUMENTED = {"os._exit"}  # underscore names that are documented public API
 COMPAT_MODULES = ["accelerate", "cpython", "datasets", "deepspeed", "liger", "torch", "transformers"]
 
 
@@ -29,7 +30,7 @@ def private_uses(source: str) -> list[str]:
         elif isinstance(node, ast.Import):
             found += [f"line {node.lineno}: import {alias.name}" for alias in node.names
                       if any(private(part) for part in alias.name.split("."))]
-        elif isinstance(node, ast.Attribute) and private(node.attr) and \
+        elif isinstance(node, ast.Attribute) and private(node.attr) and ast.unparse(node) not in DOCUMENTED and \
                 not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
             found.append(f"line {node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
@@ -46,6 +47,7 @@ def private_uses(source: str) -> list[str]:
     "import torch._dynamo",
     "model.lm._mesh_manager.get_mesh('fsdp')",
     "threading._shutdown()",
+    "atexit._run_exitfuncs()",
     "x = getattr(config, '_attn_implementation', None)",
     "setattr(engine, '_config', None)",
 ])
@@ -59,6 +61,7 @@ def test_the_check_finds_each_kind_of_private_use(snippet):
     "self._state = 1\ncls._cache = {}",
     "model.__class__ = type(model)\ngetattr(f, '__name__', None)",
     "from torch.distributed.pipelining.schedules import get_schedule_class",
+    "os._exit(2)",
 ])
 def test_the_check_lets_public_and_own_names_pass(snippet):
     assert private_uses(snippet) == []
@@ -77,14 +80,31 @@ def test_each_compat_module_names_the_versions_it_was_checked_on(name):
     assert module.CHECKED and "(checked on " in first_paragraph
 
 
-@pytest.mark.parametrize(("name", "library"), [
-    ("accelerate", "accelerate"), ("cpython", "python"), ("datasets", "datasets"), ("deepspeed", "deepspeed"),
-    ("torch", "torch"), ("transformers", "transformers")])
-def test_the_installed_versions_are_within_every_gate(name, library):
-    """The suite runs on the versions each gate names: a pin moved without the gate (or the other way) fails here."""
-    module = importlib.import_module(f"hftrain.compat.{name}")
-    gates = [value for key, value in vars(module).items() if key.startswith("CHECKED")]
-    assert gates and all(compat.within(library, gate) for gate in gates)
+def pinned(file: str) -> dict[str, str]:
+    """{distribution: version} of a constraints file (constraints/lock.txt: the suite's; lower.txt: CI's lower end)."""
+    lines = (PACKAGE.parent / "constraints" / file).read_text().splitlines()
+    return dict(line.split("==") for line in lines if "==" in line and not line.startswith("#"))
+
+
+LIBRARIES = ["accelerate", "datasets", "deepspeed", "torch", "transformers"]
+NOT_AT_THE_LOWER_END = {("transformers", "CHECKED")}  # uses CI's lower end does not run (tp, pp stages): 5.23 on
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_the_suites_versions_are_within_every_gate(library, monkeypatch):
+    """The suite runs the lock's versions, and CI's lower end the floors: a pin moved without the gate (or the other
+    way) fails here, whichever environment runs it."""
+    module = importlib.import_module(f"hftrain.compat.{library}")
+    gates = {key: value for key, value in vars(module).items() if key.startswith("CHECKED")}
+    assert gates
+    for file in ("lock.txt", "lower.txt"):
+        version = pinned(file)[library]
+        monkeypatch.setattr(compat, "installed_version", lambda _, version=version: version)
+        compat.within.cache_clear()
+        for key, gate in gates.items():
+            if file == "lower.txt" and (library, key) in NOT_AT_THE_LOWER_END:
+                continue
+            assert compat.within(library, gate), f"{library} {version} ({file}) outside {key} = {gate}"
 
 
 def test_a_version_outside_the_gate_stops_with_one_paragraph(monkeypatch):
@@ -111,3 +131,59 @@ def test_local_version_labels_are_ignored(monkeypatch):
         assert compat.within("torch", ">=2.13,<2.14")
     finally:
         compat.within.cache_clear()
+
+
+def versions(monkeypatch, **given):
+    """Pretend the given distributions (underscores for dashes) are installed at these versions, the others at the
+    lock's (constraints/lock.txt), whichever environment runs the test."""
+    real, lock = compat.installed_version, pinned("lock.txt")
+    chosen = {name.replace("_", "-"): version for name, version in given.items()}
+    monkeypatch.setattr(compat, "installed_version",
+                        lambda library: chosen.get(library) or lock.get(library) or real(library))
+    compat.within.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def fresh_version_cache():
+    compat.within.cache_clear()
+    yield
+    compat.within.cache_clear()
+
+
+def test_the_preflight_refuses_a_library_outside_the_uses_this_run_makes(monkeypatch):
+    from hftrain.config import Recipe
+    from hftrain.parallel.launch import Launch
+    from hftrain.preflight import library_problems
+
+    versions(monkeypatch, transformers="5.22.0")
+    full = library_problems(Recipe(pp_size=2), Launch("ddp", 2, 2))
+    assert len(full) == 1 and "reading only a pipeline stage's layers" in full[0]  # 5.22 has the rest
+    assert "transformers 5.22.0 is installed" in full[0]
+    assert library_problems(Recipe(pp_size=2, use_peft=True), Launch("ddp", 2, 2)) == []  # adapters read it all
+    assert library_problems(Recipe(), Launch("ddp", 2, 2)) == []
+
+
+def test_each_torch_use_of_a_layout_is_named_once(monkeypatch):
+    from hftrain.config import Recipe
+    from hftrain.parallel.launch import Launch
+    from hftrain.preflight import library_problems
+
+    versions(monkeypatch, torch="2.14.0")
+    problems = library_problems(Recipe(tp_size=2, cp_size=2), Launch("fsdp2", 8, 8))
+    assert len(problems) == 2 and all("torch 2.14.0 is installed" in p for p in problems)
+    assert any("ring attention" in p for p in problems) and any("FSDP2 x TP shards" in p for p in problems)
+    assert library_problems(Recipe(pp_size=2, pp_schedule="ZBVZeroBubble"), Launch("ddp", 2, 2)) != []
+    assert library_problems(Recipe(), Launch("ddp", 2, 2)) == []
+
+
+def test_the_locked_libraries_pass_every_use_of_every_layout(monkeypatch):
+    from hftrain.config import Recipe
+    from hftrain.parallel.launch import Launch
+    from hftrain.preflight import library_problems
+
+    lock = pinned("lock.txt")
+    monkeypatch.setattr(compat, "installed_version", lambda library: lock.get(library, "3.11.7"))
+    for recipe, launch in [(Recipe(), Launch("single", 1, 1)), (Recipe(streaming=True), Launch("ddp", 2, 2)),
+                           (Recipe(tp_size=2, cp_size=2), Launch("fsdp2", 8, 8)),
+                           (Recipe(pp_size=2, pp_schedule="ZBVZeroBubble"), Launch("ddp", 2, 2))]:
+        assert library_problems(recipe, launch) == []
