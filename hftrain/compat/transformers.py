@@ -101,6 +101,8 @@ def device_mesh(lm: nn.Module, dims: str):
 def expanded_parallel_plan(lm: nn.Module, plan: dict[str, str]) -> dict[str, str] | None:
     """transformers' tensor-parallel `plan` expanded to the model's parameter names ({name: style}), None for a
     transformers without it."""
-    PARALLEL_PLAN.require()
     expand = getattr(lm, "_expand_parallel_plan", None)
-    return None if expand is None else expand(plan)
+    if expand is None:  # 5.17: no expansion, so the estimate counts every weight whole (no tensor-parallel split)
+        return None
+    PARALLEL_PLAN.require()
+    return expand(plan)
