@@ -80,14 +80,16 @@ def position(record: Mapping) -> tuple[int, int]:
 
 
 def judge(records: Mapping[int, Mapping], beat_age: Mapping[int, float], progress_age: Mapping[int, float],
-          timeout: float) -> Verdict | None:
+          timeout: float, stale: float | None = None) -> Verdict | None:
     """The verdict on the heartbeats seen (`records`, by rank), given for how long each rank's beat and progress
     have not changed (seconds, on the observer's clock); None while nothing is older than `timeout`.
 
     Ranks that have finished training are never named. A silent rank is named first: the others wait for it.
     Otherwise, once some rank has not moved for `timeout` outside a window, the ranks behind the furthest position are
     named (the others are waiting in the next collective for them), or every rank when all stand at one point (a
-    collective that never completes)."""
+    collective that never completes). A named rank whose heartbeat is also older than `stale` (a few heartbeat
+    intervals: its heartbeat thread, which runs whatever the training thread does, has stopped too) is named silent:
+    a frozen process's last beat is a moment younger than its last progress, so its stall is seen first."""
     live = [r for r in sorted(records) if not records[r]["done"]]
     silent = [r for r in live if beat_age[r] > timeout]
     if silent:
@@ -97,8 +99,12 @@ def judge(records: Mapping[int, Mapping], beat_age: Mapping[int, float], progres
         return None
     front = max(position(records[r]) for r in live)
     behind = [r for r in live if position(records[r]) < front]
+    named = behind or live
+    frozen = [r for r in named if stale is not None and beat_age[r] > stale]
+    if frozen:
+        return Verdict("silent", frozen, max(beat_age[r] for r in frozen))
     kind = "stalled" if behind or len(live) == 1 else "stuck"  # one rank left: nobody else to wait for
-    return Verdict(kind, behind or live, max(progress_age[r] for r in stuck))
+    return Verdict(kind, named, max(progress_age[r] for r in stuck))
 
 
 def describe(verdict: Verdict, records: Mapping[int, Mapping], timeout: float, checkpoint: Path | None,
@@ -314,7 +320,7 @@ class Watchdog:
             progress_age = {r: now - self.moved_seen.get(r, now) for r in seen}
         progress_age[self.rank] = now - self.moved  # this rank's own progress, to the moment
         beat_age[self.rank] = 0.0
-        verdict = judge(seen, beat_age, progress_age, timeout)
+        verdict = judge(seen, beat_age, progress_age, timeout, stale=3 * self.interval)
         if verdict is None:
             return None
         return describe(verdict, seen, timeout, self._last_checkpoint(), self.output_dir, self.rank)

@@ -247,7 +247,7 @@ def refused(capsys, *argv: str) -> str:
     with pytest.raises(SystemExit) as exit_:
         cli(list(argv))
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and err.startswith("hftrain: error: ") and "Traceback" not in err, err
+    assert exit_.value.code == 2 and err.startswith("hftrain: error:") and "Traceback" not in err, err
     return " ".join(err.split())
 
 

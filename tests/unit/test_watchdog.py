@@ -39,6 +39,17 @@ def test_the_rank_behind_the_others_is_named_when_the_job_stands_still():
     assert judge(behind_a_step, {0: 0, 1: 0}, {0: 6, 1: 6}, timeout=5).ranks == [1]
 
 
+def test_a_frozen_rank_whose_stall_is_seen_before_its_silence_is_named_silent():
+    """SIGSTOP freezes a rank's heartbeat thread a moment after its last progress, so its stall passes the timeout
+    first (CI saw 'made no progress for 5s' for a frozen rank); a heartbeat older than a few intervals says the
+    process itself has stopped. A stalled rank whose heartbeat thread still beats stays 'stalled'."""
+    records = {0: rec(6, 3), 1: rec(2, 2)}
+    frozen = judge(records, {0: 0, 1: 4.8}, {0: 0.1, 1: 5.2}, timeout=5, stale=1.5)
+    assert frozen == Verdict("silent", [1], 4.8)
+    alive = judge(records, {0: 0, 1: 0.4}, {0: 0.1, 1: 5.2}, timeout=5, stale=1.5)
+    assert alive == Verdict("stalled", [1], 5.2)
+
+
 def test_every_rank_is_named_when_all_stand_at_one_point():
     records = {0: rec(4, 3), 1: rec(4, 3)}
     assert judge(records, {0: 0, 1: 0}, {0: 6, 1: 5.5}, timeout=5) == Verdict("stuck", [0, 1], 6)
