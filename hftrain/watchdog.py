@@ -87,9 +87,9 @@ def judge(records: Mapping[int, Mapping], beat_age: Mapping[int, float], progres
     Ranks that have finished training are never named. A silent rank is named first: the others wait for it.
     Otherwise, once some rank has not moved for `timeout` outside a window, the ranks behind the furthest position are
     named (the others are waiting in the next collective for them), or every rank when all stand at one point (a
-    collective that never completes). A named rank whose heartbeat is also older than `stale` (a few heartbeat
-    intervals: its heartbeat thread, which runs whatever the training thread does, has stopped too) is named silent:
-    a frozen process's last beat is a moment younger than its last progress, so its stall is seen first."""
+    collective that never completes). A named rank whose heartbeat is also older than `stale` (several heartbeat
+    intervals: its heartbeat thread, which runs whatever the training thread does, has stopped too) is named
+    silent: a frozen process's last beat is a moment younger than its last progress, so its stall is seen first."""
     live = [r for r in sorted(records) if not records[r]["done"]]
     silent = [r for r in live if beat_age[r] > timeout]
     if silent:
@@ -320,7 +320,9 @@ class Watchdog:
             progress_age = {r: now - self.moved_seen.get(r, now) for r in seen}
         progress_age[self.rank] = now - self.moved  # this rank's own progress, to the moment
         beat_age[self.rank] = 0.0
-        verdict = judge(seen, beat_age, progress_age, timeout, stale=3 * self.interval)
+        # a live rank beats every interval whatever its training thread does; half the timeout leaves a loaded
+        # machine's late beats far from a frozen rank's (about the timeout when its stall is seen)
+        verdict = judge(seen, beat_age, progress_age, timeout, stale=max(3 * self.interval, timeout / 2))
         if verdict is None:
             return None
         return describe(verdict, seen, timeout, self._last_checkpoint(), self.output_dir, self.rank)
