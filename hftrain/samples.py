@@ -1,4 +1,4 @@
-"""Generated samples during training (`log_completions` for sft, dpo and simpo; grpo logs its rollouts instead): at
+"""Generated samples during training (`log_completions` for every objective but grpo, which logs rollouts): at
 each evaluation the live model completes a fixed set of eval prompts, so that a run shows how its answers change,
 not only a loss.
 

@@ -29,16 +29,16 @@ class EvaluationFields:
         group="evaluation",
     )
     num_completion_prompts: int = _f(
-        4, "log_completions (sft, dpo, simpo): how many eval examples' prompts (the first ones of the eval set) are "
-        "completed at each evaluation.", group="evaluation",
+        4, "log_completions (every objective but grpo): how many eval examples' prompts (the first ones of the eval "
+        "set) are completed at each evaluation.", group="evaluation",
     )
     completion_max_new_tokens: int | None = _f(
-        None, "log_completions (sft, dpo, simpo): the most tokens generated per completion (default: "
+        None, "log_completions (every objective but grpo): the most tokens generated per completion (default: "
         "max_completion_length, else 128).", group="evaluation",
     )
     num_completions_to_print: int | None = _f(
-        None, "log_completions (sft, dpo, simpo): how many of those completions are also printed on the console at "
-        "each evaluation (TRL's name; default: all, 0: none).", group="evaluation",
+        None, "log_completions (every objective but grpo): how many of those completions are also printed on the "
+        "console at each evaluation (TRL's name; default: all, 0: none).", group="evaluation",
     )
 
 
@@ -57,8 +57,8 @@ def problems(r) -> list[str]:
         problems.append(f"eval_tasks_num_fewshot must be >= 0 or unset, got {r.eval_tasks_num_fewshot}")
     if r.objective == "grpo":  # grpo's log_completions is its rollouts' table (recipe/grpo.py)
         if sample_settings(r):
-            problems.append(f"{', '.join(sample_settings(r))} apply to the eval samples of sft, dpo and simpo; grpo's "
-                            "log_completions logs its rollouts (rollouts.jsonl): remove them")
+            problems.append(f"{', '.join(sample_settings(r))} apply to the eval samples of every objective but grpo; "
+                            "grpo's log_completions logs its rollouts (rollouts.jsonl): remove them")
         return problems
     if r.log_completions and not (evaluates and (r.eval_dataset_name or r.validation_split_percentage > 0)):
         problems.append("log_completions completes eval prompts at each evaluation, but this run never evaluates; "

@@ -32,7 +32,7 @@ from tests.unit.parallel.conftest import fake_accelerator
     ({"num_completions_to_print": 2}, "num_completions_to_print set without log_completions"),
     ({"log_completions": True, "num_completion_prompts": 0}, "num_completion_prompts must be >= 1"),
     ({"objective": "grpo", "reward_funcs": ["a.b"], "num_completion_prompts": 2, "validation_split_percentage": 0},
-     "num_completion_prompts apply to the eval samples of sft, dpo and simpo"),
+     "num_completion_prompts apply to the eval samples of every objective but grpo"),
 ])
 def test_evaluation_group_rules(fields, said):
     found = problems(Recipe(**fields))
