@@ -29,16 +29,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 from compare_trl import NO_TRAILING_NEWLINE  # noqa: E402 - the sibling script's template
-from compare_trl_dpo import LORA, write_data  # noqa: E402
+from compare_trl_dpo import COMMON, LORA, learning_rate, write_data  # noqa: E402 - the same settings as dpo's
 
-COMMON = dict(per_device_train_batch_size=4, max_length=256, lr_scheduler_type="constant", warmup_steps=0,
-              weight_decay=0.0, max_grad_norm=1.0, seed=42, logging_steps=1, beta=0.1)
 KEYS = ("loss", "nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen", "rewards/rejected",
         "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
-
-
-def learning_rate(method: str) -> float:
-    return 2e-2 if method == "lora" else 1e-3
 
 
 def run_trl(model_path: Path, data: Path, template: Path, steps: int, out: Path, method: str) -> list[dict]:
