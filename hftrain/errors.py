@@ -72,3 +72,9 @@ def run_tool(function: Callable[..., T], *args, **kwargs) -> T:
         return function(*args, **kwargs)
     except HftrainError as error:
         report_and_exit(error)
+    except BrokenPipeError:
+        # The reader went away (`hftrain presets | head`): what it read is all it wanted. Point stdout at devnull so
+        # the interpreter's final flush cannot raise again, and exit as a tool killed by SIGPIPE does (128 + 13).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(141)

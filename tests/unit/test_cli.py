@@ -278,3 +278,17 @@ def test_progress_bars_partial_lines_go_out_at_once():
     assert seen[:2] == ["\rtraining: 1/3", "\rtraining: 1/3\rtraining: 2/3"]  # each piece as it comes
     assert out.getvalue() == "\rtraining: 1/3\rtraining: 2/3\rtraining: 3/3\nTraceback (most recent call last):\n"
     assert seen[3] == seen[4] == "\rtraining: 1/3\rtraining: 2/3\rtraining: 3/3\n"  # a traceback's start is held
+
+
+def test_a_listing_piped_into_a_reader_that_closes_early_ends_quietly():
+    """`hftrain presets | head -1`: the reader closes the pipe before the listing is written. The tool exits as
+    one killed by SIGPIPE (141), with nothing on stderr instead of a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "hftrain", "presets"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=REPO)
+    process.stdout.close()  # before the interpreter has even imported hftrain
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141
+    assert stderr == ""
