@@ -409,7 +409,7 @@ class Finetune:
                                                   micro_batches, scale, recipe.max_grad_norm or float("inf"), timer)
         if not updated:
             self.refuse_non_finite_step(grad_norm)
-        self.meter.count(micro_batches, local[0], local[1])
+        self.meter.count(micro_batches, local[0], local[1], local[2])
         aux = self.token_loss.pop_aux()
         if aux is None and self.token_loss.aux_coef > 0:  # only filler rows here: every rank still sums an aux
             aux = torch.zeros((), device=accelerator.device)

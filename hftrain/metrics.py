@@ -233,8 +233,8 @@ class RunMeter:
     """Per-window accounting for the loop; `window()` turns it into metrics at logging steps."""
 
     # fields of the per-rank vector gathered at logging steps
-    FIELDS = ("loss_sum", "trained_tokens", "examples", "processed_tokens", "flops", *TIMER_PHASES, "peak_memory_mb",
-              "peak_reserved_mb", "step", "loss", "grad_norm", "param_checksum", "utilization")
+    FIELDS = ("loss_sum", "loss_units", "trained_tokens", "examples", "processed_tokens", "flops", *TIMER_PHASES,
+              "peak_memory_mb", "peak_reserved_mb", "step", "loss", "grad_norm", "param_checksum", "utilization")
 
     def __init__(self, accelerator, flops: FlopCounter, *, straggler_threshold: float,
                  peak_tflops_override: float | None, cost_per_gpu_hour: float | None, effective_batch_size: int,
@@ -269,13 +269,17 @@ class RunMeter:
     def _reset(self) -> None:
         self.local_tokens = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         self.local_examples = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
+        self.local_units = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         self.processed, self.window_flops, self.steps = 0, 0.0, 0
 
     def count(self, micro_batches: list[dict[str, torch.Tensor]], local_tokens: torch.Tensor,
-              local_examples: torch.Tensor | int = 0) -> None:
-        """Account one optimizer step (no device sync: shapes are host values, tokens stay on the device)."""
+              local_examples: torch.Tensor | int = 0, local_units: torch.Tensor | None = None) -> None:
+        """Account one optimizer step (no device sync: shapes are host values, tokens stay on the device).
+        `local_units`: what this rank's loss sum is over (the objective's `loss_units`: tokens, or pairs); tokens
+        when not given."""
         self.local_tokens += local_tokens
         self.local_examples += local_examples
+        self.local_units += local_tokens if local_units is None else local_units
         for batch in micro_batches:
             rows, width = batch["input_ids"].shape
             self.processed += rows * width / self.shards
@@ -293,7 +297,8 @@ class RunMeter:
         checksum of the model's replicated parameters (`Backend.param_checksum`), equal on ranks in sync."""
         phases = self.timer.collect()
         peak, reserved = peak_memory_mb(self.accelerator.device)
-        values = {"loss_sum": local_loss_sum, "trained_tokens": self.local_tokens, "examples": self.local_examples,
+        values = {"loss_sum": local_loss_sum, "loss_units": self.local_units, "trained_tokens": self.local_tokens,
+                  "examples": self.local_examples,
                   "processed_tokens": self.processed,
                   "flops": self.window_flops, **phases, "peak_memory_mb": peak, "peak_reserved_mb": reserved,
                   "step": step, "loss": loss if loss is not None else float("nan"),
@@ -342,7 +347,7 @@ class RunMeter:
         for i, r in enumerate(ranks):
             row[f"rank{i}/tokens_per_second"] = r["trained_tokens"] / train_time
             row[f"rank{i}/own_tokens_per_second"] = own[i]
-            row[f"rank{i}/loss"] = r["loss_sum"] / max(r["trained_tokens"], 1.0)
+            row[f"rank{i}/loss"] = r["loss_sum"] / max(r["loss_units"], 1.0)  # per token, or per pair (dpo)
             row[f"rank{i}/peak_memory_mb"] = round(r["peak_memory_mb"], 1)
         row.update(self._utilization(ranks, warn=not first))
         if self.machines > 1:

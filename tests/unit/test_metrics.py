@@ -112,9 +112,9 @@ def fake_meter(world: int, warnings: list[str], threshold: float = 0.2) -> RunMe
 
 def rank(forward: float, **overrides) -> dict:
     row = dict.fromkeys(RunMeter.FIELDS, 0.0)
-    row.update(processed_tokens=1000, trained_tokens=400, loss_sum=800.0, data_wait=0.1, forward=forward,
-               backward=0.5, optimizer=0.1, step=10, loss=2.0, grad_norm=1.5, param_checksum=123.456, flops=1e9,
-               peak_memory_mb=500.0)
+    row.update(processed_tokens=1000, trained_tokens=400, loss_units=400, loss_sum=800.0, data_wait=0.1,
+               forward=forward, backward=0.5, optimizer=0.1, step=10, loss=2.0, grad_norm=1.5, param_checksum=123.456,
+               flops=1e9, peak_memory_mb=500.0)
     row.update(overrides)
     return row
 
@@ -291,3 +291,12 @@ def test_tensor_and_pipeline_groups_count_each_tokens_work_once():
     assert row["total_tokens_per_second"] == pytest.approx(2 * 64 / train_time)
     assert row["tflops_per_device"] == pytest.approx(flops.batch(2, 64) / train_time / 4 / 1e12)
     assert row["rank0/own_tokens_per_second"] == pytest.approx(128 / 0.5)  # a rank's own rate: every token it saw
+
+
+def test_a_ranks_loss_is_its_loss_sum_over_the_objectives_units_not_its_tokens():
+    """dpo sums one loss per pair: a rank's loss is its sum over its pairs (the step loss's units), as `loss` is;
+    dividing by its trained tokens made rank0/loss 0.46 beside a loss of 6.7."""
+    pairs = [rank(0.4, loss_sum=13.4, loss_units=2, trained_tokens=58), rank(0.4, loss_sum=6.0, loss_units=1,
+                                                                               trained_tokens=30)]
+    row = fake_meter(2, [])._metrics(pairs, steps=1, global_tokens=88, global_examples=3)
+    assert row["rank0/loss"] == pytest.approx(6.7) and row["rank1/loss"] == pytest.approx(6.0)
