@@ -71,31 +71,53 @@ def test_no_peak_on_cpu_unless_given():
     assert peak_tflops(torch.device("cpu"), None) is None and peak_tflops(torch.device("cpu"), 1.5) == 1.5
 
 
-def test_step_timer_splits_phases_and_skips_time_between_steps():
+class Clock:
+    """A perf_counter the test moves by hand: phase times are then exact, whatever the machine's load."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    return clock
+
+
+def test_step_timer_splits_phases_and_skips_time_between_steps(clock):
     timer = StepTimer(torch.device("cpu"))
-    time.sleep(0.05)  # before the step: not counted once restarted
+    clock.sleep(0.05)  # before the step: not counted once restarted
     timer.restart()
-    time.sleep(0.02)
+    clock.sleep(0.02)
     timer.lap("data_wait")
-    time.sleep(0.03)
+    clock.sleep(0.03)
     timer.lap("forward")
+    clock.sleep(0.01)
     timer.lap("forward")  # a second micro-batch adds to the same phase
     got = timer.collect()
     assert set(got) == set(metrics.TIMER_PHASES)
-    assert 0.02 <= got["data_wait"] < 0.05 and 0.03 <= got["forward"] < 0.06 and got["optimizer"] == 0
+    assert got["data_wait"] == pytest.approx(0.02) and got["forward"] == pytest.approx(0.04)
+    assert got["optimizer"] == 0
     assert timer.collect()["forward"] == 0  # collect starts a new window
 
 
-def test_generation_timed_by_the_feed_moves_out_of_the_data_wait():
+def test_generation_timed_by_the_feed_moves_out_of_the_data_wait(clock):
     """grpo's feed samples a generation window inside the loop's wait for micro-batches and says how long it took:
     those seconds are generation, the rest of the wait stays data wait, and the step's total is unchanged."""
     timer = StepTimer(torch.device("cpu"))
     timer.restart()
-    time.sleep(0.05)
+    clock.sleep(0.05)
     timer.lap("data_wait")
     timer.move("data_wait", "generation", 0.03)
     got = timer.collect()
-    assert got["generation"] == 0.03 and 0.02 <= got["data_wait"] < 0.05
+    assert got["generation"] == 0.03 and got["data_wait"] == pytest.approx(0.02)
     ranks = [rank(0.4, data_wait=0.1, generation=0.3), rank(0.4, data_wait=0.2, generation=0.5)]
     row = fake_meter(2, [])._metrics(ranks, steps=2, global_tokens=800, global_examples=20)
     assert row["generation_time"] == pytest.approx(0.4 / 2) and row["data_wait_time"] == pytest.approx(0.15 / 2)
