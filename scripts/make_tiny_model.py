@@ -1,5 +1,5 @@
-"""Build a tiny random Llama (or Qwen2, Gemma, Qwen3-MoE, or a LLaVA / Gemma 3 / Idefics3 image-text model) with a
-locally trained tokenizer and a ChatML chat template.
+"""Build a tiny random Llama (or Qwen2, Gemma, Qwen3-MoE, or a LLaVA / Gemma 3 / Idefics3 / Qwen2-VL / Qwen2.5-VL /
+Qwen3-VL image-text model) with a locally trained tokenizer and a ChatML chat template.
 
     python scripts/make_tiny_model.py OUT_DIR [--hidden_size 64 --num_layers 2 --vocab_size 1024 --seed 0]
     python scripts/make_tiny_model.py OUT_DIR --arch qwen2 --tie   # input and output embeddings tied (one tensor)
@@ -29,6 +29,10 @@ which attend to each other both ways) and a Gemma-3-shaped chat template (<start
 and the whole image giving 4 <image> tokens (pixel shuffle) between <fake_token_around_image> and <row_i_col_j> /
 <global-img> tags; a Llama; SmolVLM's chat template ("User:<image>...<end_of_utterance>\nAssistant: ...").
 Both use their family's Pillow image processor (no torchvision); the tests build them at run time (tests/conftest.py).
+`--arch qwen2_vl` / `qwen2_5_vl` / `qwen3_vl`: the family's vision tower (Qwen2.5-VL's with window attention, Qwen3-VL's
+with learned positions and DeepStack), its 2x2 patch merger and a 2-layer text model with multimodal rotary positions;
+Qwen2-VL's image processor (images resized to 28x28 .. 56x56, 7x7 patches, 2x2 merged: 4 <|image_pad|> tokens for a
+28x28 image) and the family's video processor, which needs torchvision (make test-newest's environment).
 With `--tie` the output projection is the input embedding (`tie_word_embeddings: true`, as SmolLM2, Qwen2.5-0.5B,
 Llama-3.2-1B and Gemma ship): the saved file then holds `model.embed_tokens.weight` only.
 """
@@ -226,6 +230,79 @@ def build_idefics3(tokenizer, text_shape: dict, args):
     return Idefics3ForConditionalGeneration(config), processor
 
 
+# Qwen2-VL's chat template in shape (the default system message, ChatML turns, an image part rendered as
+# <|vision_start|><|image_pad|><|vision_end|>, of which the processor expands <|image_pad|> to the image's tokens).
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Qwen3-VL's: the same turns and image rendering, no default system message.
+QWEN3_VL_CHAT_TEMPLATE = QWEN2_VL_CHAT_TEMPLATE.replace(
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}", "")
+QWEN_VL_TOKENS = {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
+                  "image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+
+
+def build_qwen_vl(tokenizer, text_shape: dict, args):
+    """A tiny Qwen2-VL, Qwen2.5-VL or Qwen3-VL (--arch qwen2_vl / qwen2_5_vl / qwen3_vl): the family's vision tower on
+    --image_size images in --patch_size patches, merged 2x2 per image token (a 28x28 image: 16 patches, 4 tokens), its
+    merger and a 2-layer text model with multimodal rotary positions (M-RoPE), and the family's processor (Qwen2-VL's
+    image processor; its video processor, which needs torchvision) with a Qwen-VL-shaped chat template. `tokenizer`
+    gains <|vision_start|>, <|vision_end|>, <|image_pad|> and <|video_pad|>."""
+    import transformers
+    from transformers import Qwen2VLImageProcessor
+
+    arch = args.arch
+    tokenizer.add_special_tokens({"extra_special_tokens": list(QWEN_VL_TOKENS.values())},
+                                 replace_extra_special_tokens=False)
+    ids = {name.replace("_token", "_token_id"): tokenizer.convert_tokens_to_ids(token)
+           for name, token in QWEN_VL_TOKENS.items()}
+    side, patch, merge = args.image_size, args.patch_size, 2
+    pixels = {"min_pixels": side * side, "max_pixels": side * side * 4}
+    image_processor = Qwen2VLImageProcessor(patch_size=patch, merge_size=merge, temporal_patch_size=2, **pixels)
+    video_name, processor_name, model_name, config_name = {
+        "qwen2_vl": ("Qwen2VLVideoProcessor", "Qwen2VLProcessor", "Qwen2VLForConditionalGeneration", "Qwen2VLConfig"),
+        "qwen2_5_vl": ("Qwen2VLVideoProcessor", "Qwen2_5_VLProcessor", "Qwen2_5_VLForConditionalGeneration",
+                       "Qwen2_5_VLConfig"),
+        "qwen3_vl": ("Qwen3VLVideoProcessor", "Qwen3VLProcessor", "Qwen3VLForConditionalGeneration", "Qwen3VLConfig"),
+    }[arch]
+    video_processor = getattr(transformers, video_name)(patch_size=patch, merge_size=merge, temporal_patch_size=2,
+                                                        **pixels)
+    template = QWEN3_VL_CHAT_TEMPLATE if arch == "qwen3_vl" else QWEN2_VL_CHAT_TEMPLATE
+    processor = getattr(transformers, processor_name)(image_processor=image_processor, tokenizer=tokenizer,
+                                                      video_processor=video_processor, chat_template=template)
+    hidden, heads = args.hidden_size, args.num_heads
+    head_dim = hidden // heads  # M-RoPE splits head_dim / 2 rotary frequencies into (time, height, width) sections
+    sections = [head_dim // 4, head_dim // 8, head_dim // 8]
+    text = dict(text_shape, vocab_size=len(tokenizer), intermediate_size=hidden * 2,
+                num_key_value_heads=args.num_kv_heads or heads, eos_token_id=tokenizer.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections})
+    vision_shape = dict(depth=2, num_heads=2, in_channels=3, patch_size=patch, spatial_merge_size=merge,
+                        temporal_patch_size=2)
+    if arch == "qwen2_vl":
+        vision = dict(vision_shape, embed_dim=hidden // 2, hidden_size=hidden, mlp_ratio=2)
+    elif arch == "qwen2_5_vl":  # window attention over 2x2 merged windows, the last block global
+        vision = dict(vision_shape, hidden_size=hidden // 2, intermediate_size=hidden, out_hidden_size=hidden,
+                      window_size=patch * merge * 2, fullatt_block_indexes=[1])
+        text["rope_parameters"]["rope_type"] = "default"
+    else:  # Qwen3-VL: learned position embeddings (interpolated), DeepStack features of block 0 into the text model
+        vision = dict(vision_shape, hidden_size=hidden // 2, intermediate_size=hidden, out_hidden_size=hidden,
+                      num_position_embeddings=(side * 2 // patch) ** 2, deepstack_visual_indexes=[0])
+        text.update(head_dim=head_dim, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})
+        text.pop("max_position_embeddings", None)
+    config = getattr(transformers, config_name)(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                                                **ids)
+    return getattr(transformers, model_name)(config), processor
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir", type=Path)
@@ -238,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_position_embeddings", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arch", default="llama",
-                        choices=("llama", "qwen2", "gemma", "qwen3_moe", "llava", "gemma3", "idefics3"))
+                        choices=("llama", "qwen2", "gemma", "qwen3_moe", "llava", "gemma3", "idefics3", "qwen2_vl",
+                                 "qwen2_5_vl", "qwen3_vl"))
     parser.add_argument("--tie", action="store_true", help="tie the output projection to the input embedding "
                         "(tie_word_embeddings: true)")
     parser.add_argument("--image_size", type=int, default=28, help="llava: image side the processor resizes to")
@@ -272,7 +350,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     processor = None
     dense = dict(intermediate_size=args.hidden_size * 2, num_key_value_heads=args.num_kv_heads or args.num_heads)
-    vision = {"llava": build_llava, "gemma3": build_gemma3, "idefics3": build_idefics3}
+    vision = {"llava": build_llava, "gemma3": build_gemma3, "idefics3": build_idefics3,
+              **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"), build_qwen_vl)}
     if args.arch in vision:
         torch.manual_seed(args.seed)
         model, processor = vision[args.arch](tokenizer, shape, args)

@@ -122,10 +122,22 @@ def image_token_ids(processor) -> set[int]:
     return ids or {processor.tokenizer.convert_tokens_to_ids(processor.image_token)}
 
 
-def expanded_spans(processor, inputs, images: list, where: str) -> list[tuple[int, int, int]]:
-    """(start, end, shift) of each image placeholder's expansion in the processor's text: characters [start, end) of
-    the expanded text replace one placeholder, and text after `end` sits `shift` characters later than in the
-    template's text (the processor reports them: return_text_replacement_offsets)."""
+def image_part_text(processor) -> str:
+    """What the chat template writes for one image part: the placeholder the processor expands, with the text the
+    template puts around it (Qwen-VL's `<|vision_start|><|image_pad|><|vision_end|>`; LLaVA's `<image>`, Gemma 3's
+    `<start_of_image>`, Idefics3's `<image>` alone)."""
+    before, after = "hftrain-text-before", "hftrain-text-after"
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": before}, {"type": "image"}, {"type": "text", "text": after}]}], tokenize=False)
+    start = text.rindex(before) + len(before)
+    return text[start:text.index(after, start)]
+
+
+def expanded_spans(processor, inputs, text: str, images: list, where: str) -> list[tuple[int, int, int]]:
+    """(start, end, shift) of each image in the processor's text: characters [start, end) of the expanded text are the
+    image's (its placeholder's expansion and what the chat template wrote around the placeholder for the image part:
+    Qwen-VL's <|vision_start|> and <|vision_end|>), and text after `end` sits `shift` characters later than in the
+    template's `text` (the processor reports where it expanded each placeholder: return_text_replacement_offsets)."""
     offsets = inputs.pop("text_replacement_offsets", None)
     if offsets is None:
         if images:
@@ -133,10 +145,15 @@ def expanded_spans(processor, inputs, images: list, where: str) -> list[tuple[in
                                "expands the image placeholders (return_text_replacement_offsets), so the masks cannot "
                                "be placed exactly; hftrain trains the families in docs/vision.md")
         return []
+    part = image_part_text(processor) if offsets[0] else ""
     spans, shift = [], 0
     for entry in offsets[0]:
         (old_start, old_end), (new_start, new_end) = entry["span"], entry["new_span"]
         shift += (new_end - new_start) - (old_end - old_start)
+        at = part.find(text[old_start:old_end])
+        lead, tail = (part[:at], part[at + old_end - old_start:]) if at >= 0 else ("", "")
+        if text[old_start - len(lead):old_start] == lead and text[old_end:old_end + len(tail)] == tail:
+            new_start, new_end = new_start - len(lead), new_end + len(tail)
         spans.append((new_start, new_end, shift))
     return spans
 
@@ -163,7 +180,7 @@ def encode(processor, messages: list[dict], images: list, spec: DataSpec, where:
         turns = [(0, len(text))]
     inputs = processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False,
                        return_offsets_mapping=True, return_text_replacement_offsets=True)
-    expansions = expanded_spans(processor, inputs, images, where)
+    expansions = expanded_spans(processor, inputs, text, images, where)
     char_offsets = inputs.pop("offset_mapping")[0].tolist()
     ids, feature_ids = inputs["input_ids"][0].tolist(), image_token_ids(processor)
     labels, added = [], []

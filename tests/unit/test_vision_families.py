@@ -1,8 +1,11 @@
 """Image chats on the families beyond LLaVA, each a tiny random model and processor built offline by
 scripts/make_tiny_model.py: Gemma 3 (SigLIP tower, pooled image tokens between <start_of_image> and <end_of_image>,
-bidirectional attention over an image's tokens through `token_type_ids`) and Idefics3 / SmolVLM (each image split
-into tiles, many image tokens per image with row/column tags). Masks, image token counts against the processor's own,
-truncation, and hftrain's loss against a plain transformers forward of the same processor output."""
+bidirectional attention over an image's tokens through `token_type_ids`), Idefics3 / SmolVLM (each image split
+into tiles, many image tokens per image with row/column tags) and, where torchvision is installed (make test-newest),
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (a grid of image tokens per image, its size from the image's, between the
+<|vision_start|> and <|vision_end|> the chat template writes; multimodal rotary positions from `image_grid_thw` and
+`mm_token_type_ids`). Masks, image token counts against the processor's own, truncation, and hftrain's loss against a
+plain transformers forward of the same processor output."""
 
 import argparse
 import json
@@ -20,7 +23,7 @@ from transformers.utils import is_torchvision_available
 from hftrain import vision
 from hftrain.config import Recipe
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec
-from hftrain.data.vision import ImageChatCollator, encode, open_image, prepare
+from hftrain.data.vision import PER_TOKEN_PAD, ImageChatCollator, encode, open_image, prepare
 from hftrain.model import CausalLMTokenLoss
 from tests.conftest import REPO, tiny_model_script
 
@@ -29,11 +32,14 @@ SPEC = DataSpec("text", "messages", assistant_only_loss=True, completion_only_lo
                 overlong_examples="truncate")
 # what assistant-only training trains of each answer, written out from the families' chat templates: the answer and
 # its end-of-turn token (SmolVLM's template puts a space after "Assistant:", which the answer's first token holds)
-ANSWER = {"gemma3": ("", "<end_of_turn>"), "idefics3": (" ", "<end_of_utterance>")}
+QWEN_VL = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+ANSWER = {"gemma3": ("", "<end_of_turn>"), "idefics3": (" ", "<end_of_utterance>"),
+          **dict.fromkeys(QWEN_VL, ("", "<|im_end|>"))}
 # the tokens each family's processor writes for an image (the model fills the first with image features)
 IMAGE_VOCABULARY = {"gemma3": ["<image_soft_token>", "<start_of_image>", "<end_of_image>"],
                     "idefics3": ["<image>", "<fake_token_around_image>", "<global-img>",
-                                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]}
+                                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))],
+                    **dict.fromkeys(QWEN_VL, ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])}
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +47,11 @@ def rows() -> list[dict]:
     return [json.loads(line) for line in DATA.read_text().splitlines()]
 
 
-@pytest.fixture(scope="module", params=["gemma3", "idefics3"])
+@pytest.fixture(scope="module", params=["gemma3", "idefics3", *QWEN_VL])
 def family(request, image_text_model):
+    if request.param in QWEN_VL and not is_torchvision_available():
+        pytest.skip(f"{request.param}'s processor needs torchvision (its video processor), which is not installed "
+                    "here; make test-newest runs it (torch 2.14.1 + torchvision 0.29.1)")
     folder = image_text_model(request.param)
     try:
         return request.param, folder, AutoProcessor.from_pretrained(folder)
@@ -63,6 +72,8 @@ def expected_image_tokens(arch, processor, images) -> tuple[int, int]:
     if arch == "gemma3":  # num_image_tokens: the soft tokens; each image's sequence adds <boi>, <eoi> and newlines
         per_image = len(processor.tokenizer(processor.full_image_sequence, add_special_tokens=False)["input_ids"])
         return sum(counts["num_image_tokens"]), per_image * len(images)
+    if arch in QWEN_VL:  # a grid of patches merged 2x2 per <|image_pad|>, between <|vision_start|> and <|vision_end|>
+        return sum(counts["num_image_tokens"]), sum(counts["num_image_tokens"]) + 2 * len(images)
     # Idefics3: num_image_tokens counts every token of an image's expansion; <image> tokens fill each tile
     return processor.image_seq_len * sum(counts["num_image_patches"]), sum(counts["num_image_tokens"])
 
@@ -77,13 +88,19 @@ def test_the_families_load_through_the_auto_classes_without_torchvision(family):
                                                              else "ImageProcessorPil")
     model = AutoModelForImageTextToText.from_pretrained(folder)
     assert type(model).__name__ == {"gemma3": "Gemma3ForConditionalGeneration",
-                                    "idefics3": "Idefics3ForConditionalGeneration"}[arch]
+                                    "idefics3": "Idefics3ForConditionalGeneration",
+                                    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+                                    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                                    "qwen3_vl": "Qwen3VLForConditionalGeneration"}[arch]
     vision.freeze(model, recipe)  # the vision tower and the projector are found by name in each family
     frozen = {name.split(".")[1] for name, p in model.named_parameters() if not p.requires_grad}
     assert frozen == {"gemma3": {"vision_tower", "multi_modal_projector"},
-                      "idefics3": {"vision_model", "connector"}}[arch]
+                      "idefics3": {"vision_model", "connector"}}.get(arch, {"visual"})  # Qwen: merger in visual
+    if arch in QWEN_VL:
+        assert {name for name, p in model.named_parameters() if ".merger." in name} and all(
+            not p.requires_grad for name, p in model.named_parameters() if ".merger." in name)
     targets = vision.lora_targets(model, recipe)  # LoRA's default: the language model's linear layers only
-    assert targets and all(t.startswith({"gemma3": "model.language_model.", "idefics3": "model.text_model."}[arch])
+    assert targets and all(t.startswith({"idefics3": "model.text_model."}.get(arch, "model.language_model."))
                            for t in targets)
 
 
@@ -126,7 +143,8 @@ def test_truncation_never_cuts_inside_an_image(family, rows):
     assert inside["dropped"] == "image_cut"
     cut = encode(processor, row["messages"], images_of(row), replace(SPEC, max_length=len(ids) - 2), "row")
     assert cut["dropped"] == "" and cut["truncated"] == 2
-    assert {v.shape[1] for k, v in cut["inputs"].items() if k != "pixel_values" and v.dim() == 2} == {len(ids) - 2}
+    per_token = {k: v for k, v in cut["inputs"].items() if k in ("input_ids", *PER_TOKEN_PAD)}
+    assert "input_ids" in per_token and {v.shape[1] for v in per_token.values()} == {len(ids) - 2}
     assert cut["labels"].shape[1] == len(ids) - 2
 
 
@@ -178,7 +196,8 @@ def test_collated_batch_equals_a_plain_transformers_forward(family, rows, tmp_pa
     plain = processor(text=[r["text"] for r in chats.rows], images=[images_of(r) for r in picked], return_tensors="pt",
                       padding=True, add_special_tokens=False)
     assert set(batch) == set(plain) | {"labels"}
-    assert {"gemma3": "token_type_ids", "idefics3": "pixel_attention_mask"}[arch] in batch
+    assert {"gemma3": ["token_type_ids"], "idefics3": ["pixel_attention_mask"]}.get(
+        arch, ["image_grid_thw", "mm_token_type_ids"])[0] in batch
     for key in set(plain) - {"input_ids", "attention_mask", "token_type_ids"}:  # per image / per row: as the processor
         assert torch.equal(plain[key], batch[key]), key
     width = plain["input_ids"].shape[1]
@@ -187,6 +206,8 @@ def test_collated_batch_equals_a_plain_transformers_forward(family, rows, tmp_pa
             assert torch.equal(plain[key], batch[key][:, :width]), key
     if arch == "idefics3":
         assert len({plain["pixel_attention_mask"][r].flatten(1).any(1).sum().item() for r in range(4)}) > 1
+    if arch in QWEN_VL:  # the wide image's grid differs from the square ones'
+        assert len({tuple(grid.tolist()) for grid in plain["image_grid_thw"]}) > 1
 
     model = AutoModelForImageTextToText.from_pretrained(folder).eval()
     labels = batch["labels"][:, :width]
@@ -197,6 +218,10 @@ def test_collated_batch_equals_a_plain_transformers_forward(family, rows, tmp_pa
             # which moves the loss by 10x the tolerance below even in this tiny random model
             causal = model(**{k: v for k, v in plain.items() if k != "token_type_ids"}, labels=labels).loss
             assert abs(causal.item() - expected.item()) > 1e-5
+        if arch in QWEN_VL:  # the comparison sees the multimodal rotary positions (from image_grid_thw and
+            # mm_token_type_ids): plain 1-D positions give another loss
+            flat = torch.arange(width).expand(len(picked), width)
+            assert abs(model(**plain, labels=labels, position_ids=flat).loss.item() - expected.item()) > 1e-5
     tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
     assert abs(ours.item() / tokens.item() - expected.item()) < 1e-6
 
@@ -244,4 +269,4 @@ def test_the_preview_collapses_each_familys_feature_tokens(family, capsys):
     runs = [int(n) for n in re.findall(re.escape(token) + r"x(\d+)", out.split("--- statistics")[0])]
     row = json.loads(DATA.read_text().splitlines()[0])
     assert sum(runs) == expected_image_tokens(arch, processor, images_of(row))[0] and len(runs) == {
-        "gemma3": 1, "idefics3": 5}[arch]  # one image: Gemma 3 one run; Idefics3 4 tiles and the whole image
+        "gemma3": 1, "idefics3": 5}.get(arch, 1)  # one image: Gemma 3 one run; Idefics3 4 tiles and the whole image
