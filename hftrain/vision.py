@@ -13,10 +13,12 @@ from __future__ import annotations
 import transformers
 from torch import nn
 from transformers import AutoConfig, AutoProcessor, PretrainedConfig
+from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 from transformers.utils import is_torchvision_available
 
+from hftrain.compat.transformers import needs_missing_backend
 from hftrain.errors import HftrainError, first_line
 
 VISION_TOWER_NAMES = ("vision_tower", "visual", "vision_model")
@@ -38,25 +40,36 @@ def model_config(recipe) -> PretrainedConfig | None:
 
 
 def torchvision_problem(config: PretrainedConfig | None) -> str | None:
-    """Why this model's processor cannot be built here, when its family's processor has a video processor (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL, SmolVLM, LLaVA-OneVision, ...) and torchvision is not installed; else None.
+    """Why this model's processor cannot be built here, when torchvision is not installed and its family needs it;
+    else None. Two ways a family needs it:
 
-    transformers 5.23 cannot build such a processor without torchvision, even for images only: ProcessorMixin's
-    constructor checks every attribute's class, `video_processor=None` included, against BaseVideoProcessor, which
-    transformers defines only with torchvision (the lookup then fails on the placeholder VIDEO_PROCESSOR_MAPPING:
-    "has no attribute '_extra_content'"), and AutoProcessor first loads the video processor, which requires it."""
+    - its processor has a video processor (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, SmolVLM, LLaVA-OneVision, ...):
+      transformers (5.17 to 5.24) cannot build such a processor without torchvision, even for images only:
+      ProcessorMixin's constructor checks every attribute's class, `video_processor=None` included, against
+      BaseVideoProcessor, which transformers defines only with torchvision (the lookup then fails on the placeholder
+      VIDEO_PROCESSOR_MAPPING: "has no attribute '_extra_content'"), and AutoProcessor first loads the video
+      processor, which requires it;
+    - the installed transformers marks the family's Pillow image processor as needing torchvision (Idefics3's in
+      5.17; not in 5.23): transformers then exports a placeholder that names it (hftrain.compat.transformers)."""
     if config is None or is_torchvision_available():
         return None
     name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
     cls = getattr(transformers, name, None) if name else None
-    if cls is None or "video_processor" not in cls.get_attributes():
+    images = IMAGE_PROCESSOR_MAPPING_NAMES.get(config.model_type)
+    pil = images.get("pil") if isinstance(images, dict) else None
+    if cls is not None and "video_processor" in cls.get_attributes():
+        why = (f"its processor ({name}) has a video processor, and transformers {transformers.__version__} cannot "
+               "build such a processor without torchvision, even for images only (its constructor checks the video "
+               "processor's class against one that exists only with torchvision)")
+    elif pil and needs_missing_backend(getattr(transformers, pil, None), "torchvision"):
+        why = (f"transformers {transformers.__version__} marks its Pillow image processor ({pil}) as needing "
+               "torchvision (transformers 5.23 does not)")
+    else:
         return None
-    return (f"the image-text model {config.model_type!r} needs torchvision, which is not installed: its processor "
-            f"({name}) has a video processor, and transformers {transformers.__version__} cannot build such a "
-            "processor without torchvision, even for images only (its constructor checks the video processor's class "
-            "against one that exists only with torchvision). Install the torchvision build that matches your torch "
-            "(torchvision 0.28.x for torch 2.13, 0.29.x needs torch>=2.14; the CPU build on a CPU-only machine). "
-            "Families that train without torchvision: LLaVA, Gemma 3, Idefics3 (SmolVLM v1); see docs/vision.md")
+    return (f"the image-text model {config.model_type!r} needs torchvision, which is not installed: {why}. Install "
+            "the torchvision build that matches your torch (torchvision 0.28.x for torch 2.13, 0.29.x needs "
+            "torch>=2.14; the CPU build on a CPU-only machine). Families that train without torchvision: LLaVA, "
+            "Gemma 3, Idefics3 (SmolVLM v1) where its image processor needs none; see docs/vision.md")
 
 
 def problems(recipe, config: PretrainedConfig | None) -> list[str]:

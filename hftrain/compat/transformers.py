@@ -9,6 +9,8 @@ CI's lower end, constraints/lower.txt, and read in transformers 5.17's source; e
 - the checkpoint-name conversions a model reverts on save (`_weight_conversions`; 5.17);
 - the attention kernel a loaded model runs (`config._attn_implementation`; 5.17) and the layer classes it must not
   split (`_no_split_modules`; 5.17);
+- the backends transformers names on the placeholder it exports for a class whose backend is missing (`_backends`;
+  5.17: Idefics3's Pillow image processor needs torchvision there);
 - transformers' tensor-parallel device mesh (`_mesh_manager`) and its plan expanded to parameter names
   (`_expand_parallel_plan`), both from its distributed mixin (5.23: 5.17 has neither).
 """
@@ -26,6 +28,7 @@ STAGE_LOAD = Use("transformers", CHECKED, "reading only a pipeline stage's layer
 WEIGHT_CONVERSIONS = Use("transformers", CHECKED_SINCE_5_17,
                          "loading a model (the checkpoint-name conversions it keeps)")
 ATTN_IMPLEMENTATION = Use("transformers", CHECKED_SINCE_5_17, "reading the model's attention kernel")
+PLACEHOLDER_BACKENDS = Use("transformers", CHECKED_SINCE_5_17, "telling which classes need a missing backend")
 NO_SPLIT_MODULES = Use("transformers", CHECKED_SINCE_5_17, "wrapping the model's layers one by one (FSDP2)")
 DEVICE_MESH = Use("transformers", CHECKED, "FSDP2 x TP (transformers' device mesh)")
 PARALLEL_PLAN = Use("transformers", CHECKED, "estimating a tensor-parallel layout")
@@ -85,6 +88,14 @@ def attn_implementation(config) -> str | None:
     """The attention kernel a loaded model runs ("sdpa", "flash_attention_2", "eager", ...)."""
     ATTN_IMPLEMENTATION.require()
     return getattr(config, "_attn_implementation", None)
+
+
+def needs_missing_backend(cls, backend: str) -> bool:
+    """Whether `cls`, as transformers exports it, is a placeholder for a class that needs `backend` (not installed).
+    Outside the checked versions: False (the class's own error says it when it is built)."""
+    if PLACEHOLDER_BACKENDS.problem() is not None:
+        return False
+    return backend in (getattr(cls, "_backends", None) or ())
 
 
 def no_split_modules(lm: nn.Module) -> list[str] | None:

@@ -270,3 +270,27 @@ def test_the_preview_collapses_each_familys_feature_tokens(family, capsys):
     row = json.loads(DATA.read_text().splitlines()[0])
     assert sum(runs) == expected_image_tokens(arch, processor, images_of(row))[0] and len(runs) == {
         "gemma3": 1, "idefics3": 5}.get(arch, 1)  # one image: Gemma 3 one run; Idefics3 4 tiles and the whole image
+
+
+def test_a_family_whose_pillow_image_processor_needs_torchvision_is_refused_up_front(image_text_model):
+    """transformers 5.17 marks Idefics3's Pillow image processor as needing torchvision (5.23 does not), so its
+    AutoProcessor fails there: the preflight says so in one paragraph, naming the class, before anything loads; where
+    AutoProcessor builds it (5.23, or with torchvision) nothing is refused."""
+    from hftrain.errors import HftrainError
+    from hftrain.preflight import model_problems
+
+    folder = image_text_model("idefics3")
+    try:
+        AutoProcessor.from_pretrained(folder)
+        failure = None
+    except (ValueError, ImportError) as e:
+        failure = str(e)
+    recipe = Recipe(model_name_or_path=str(folder), dataset_name=str(DATA))
+    said = [p for p in model_problems(recipe)[1] if "needs torchvision" in p]
+    if failure is None:
+        assert said == [] and vision.torchvision_problem(vision.model_config(recipe)) is None
+        return
+    assert "torchvision" in failure
+    assert len(said) == 1 and "'idefics3'" in said[0] and "Idefics3ImageProcessorPil" in said[0]
+    with pytest.raises(HftrainError, match="'idefics3' needs torchvision"):
+        vision.build_processor(recipe)
