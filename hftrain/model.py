@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
@@ -381,7 +382,8 @@ def router_aux(lm: nn.Module, coef: float | None):
             raise HftrainError(f"router_aux_loss_coef={coef} is set but {type(hf).__name__} is not a "
                                "mixture-of-experts model with a router loss; remove router_aux_loss_coef")
         return 0.0, None, 0, 0
-    balance = importlib.import_module(type(hf).__module__).load_balancing_loss_func
+    family = next(c for c in type(hf).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 subclasses the loaded class
+    balance = importlib.import_module(family.__module__).load_balancing_loss_func
     experts, top_k = hf.num_experts, hf.num_experts_per_tok
     return (used, lambda router_logits, real_tokens: balance(router_logits, experts, top_k, real_tokens),
             experts, top_k)

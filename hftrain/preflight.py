@@ -37,6 +37,7 @@ from hftrain.errors import ConfigError
 from hftrain.estimate import ulysses_splits
 from hftrain.model import DTYPES, HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, router_coefficient
 from hftrain.parallel.deepspeed import deepspeed_problems
+from hftrain.parallel.expert import expert_problems
 from hftrain.parallel.launch import Launch, strategy_problems
 from hftrain.parallel.pipeline import PIPELINE_MODEL_TYPES, pipeline_problems
 from hftrain.parallel.tensor import fsdp_tp_blocks_disagree
@@ -65,6 +66,7 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += context_parallel_problems(recipe, launch, model_config)
     problems += fsdp2_tp_shard_problems(recipe, launch, model_config)
     problems += pipeline_problems(recipe, launch, model_config)
+    problems += expert_problems(recipe, launch, model_config)
     problems += host_memory_problems(recipe, launch, model_config)
     problems += vllm_problems(recipe, launch, cuda)
     problems += evaluation_problems(recipe, launch, model_config)
@@ -101,7 +103,7 @@ def library_uses(recipe: Recipe, launch: Launch) -> list[compat.Use]:
         uses.append(compat_cpython.EXIT)
     if launch.kind == "fsdp2":
         uses += [compat_accelerate.FSDP2_STATE_DICT, compat_transformers.NO_SPLIT_MODULES]
-    if recipe.tp_size > 1 and launch.kind == "fsdp2":
+    if (recipe.tp_size > 1 and launch.kind == "fsdp2") or recipe.ep_size > 1:  # transformers' FSDP2 mesh
         uses += [compat_transformers.DEVICE_MESH, compat_torch.LOCAL_BLOCKS]
     if recipe.cp_size > 1:
         uses += [compat_torch.RING_ATTENTION] + ([compat_accelerate.CP_HOOKS] if recipe.tp_size > 1 else [])
@@ -152,7 +154,8 @@ def evaluation_problems(recipe: Recipe, launch: Launch, model_config: Pretrained
     split = ("FSDP2 shards the weights" if launch.kind == "fsdp2" else
              "DeepSpeed ZeRO-3 shards the weights" if launch.kind == "deepspeed" and launch.zero_stage == 3 else
              next((f"{name}={getattr(r, name)} splits the {what}" for name, what in (
-                 ("tp_size", "model"), ("pp_size", "model"), ("sp_size", "sequences"), ("cp_size", "sequences"))
+                 ("tp_size", "model"), ("pp_size", "model"), ("ep_size", "experts"), ("sp_size", "sequences"),
+                 ("cp_size", "sequences"))
                  if getattr(r, name) > 1), None))
     if r.eval_tasks and split:
         problems.append(f"eval_tasks runs lm-eval on the main process's whole model while the other processes wait, "

@@ -87,8 +87,9 @@ FEATURES = {
         "DistributedConfig's dp_replicate_size, with which hftrain keeps tensor-parallel copies on transformers' "
         "device mesh, and shards of uneven size (the vocabulary of a head that tp_size does not divide, 5.21)"),
     "expert_parallel": Feature(
-        "expert parallelism (DistributedConfig ep_size)", "transformers", "5.19.0",
-        "DistributedConfig's ep_size and the models' expert-parallel plans"),
+        "expert parallelism (ep_size > 1)", "transformers", "5.23.0",
+        "DistributedConfig's ep_implementation 'all_to_all', whose token exchanges have a backward (5.19 brought "
+        "ep_size, but its dispatch exchanged tokens without gradients, so it could not train; hftrain checked 5.23)"),
     "qwen_vl": Feature(
         "Qwen2-VL, Qwen2.5-VL, Qwen3-VL (image-text families whose processor has a video processor)", "torchvision",
         None,

@@ -61,7 +61,8 @@ def backend_class(dims: ParallelDims) -> type[Backend]:
 
 _NONE, _TP, _PP, _PP_TP = frozenset(), frozenset({"tp"}), frozenset({"pp"}), frozenset({"pp", "tp"})
 # (strategy, axes) -> backend. tp under a DDP-type launch holds whole copies of tp-split weights; tp under FSDP2 is
-# the 2D layout; pp under FSDP2 shards each stage over its data-parallel ranks.
+# the 2D layout; pp under FSDP2 shards each stage over its data-parallel ranks; ep is one more degree of the layout
+# transformers loads and FSDP2-wraps itself.
 BACKENDS: dict[tuple[str, frozenset[str]], type[Backend]] = {
     ("single", _NONE): Backend,
     ("ddp", _NONE): Backend,
@@ -75,4 +76,7 @@ BACKENDS: dict[tuple[str, frozenset[str]], type[Backend]] = {
     ("ddp", _PP): PipelineBackend,
     ("ddp", _PP_TP): PipelineBackend,
     ("fsdp2", _PP): PipelineFSDP2Backend,
+    # expert parallelism: transformers' layout (experts over ep, the rest FSDP2-sharded by transformers) under either
+    ("ddp", frozenset({"ep"})): FSDP2TensorParallelBackend,
+    ("fsdp2", frozenset({"ep"})): FSDP2TensorParallelBackend,
 }

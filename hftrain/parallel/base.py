@@ -49,6 +49,7 @@ class Parallelism:
     sp_size: int = 1  # sequence-parallel degree: the ranks of one group share a batch, each holds a slice
     cp_size: int = 1  # context-parallel degree (ring attention): the same, under FSDP2
     pp_size: int = 1  # pipeline stages' processes: each holds some layers, all see the same batches
+    ep_size: int = 1  # expert-parallel degree: each process holds 1/ep of every MoE layer's experts, own batches
     dp_world: int = 1  # data-parallel groups: each trains on its own share of the data
     dp_rank: int = 0
     zero_stage: int | None = None
@@ -358,6 +359,11 @@ class Backend:
         tp is a pipeline checkpoint: DCP, read whole by `resume_folder`)."""
         if saved_launch["tp_size"] > 1 and saved_launch.get("pp_size", 1) == 1:
             raise_tp_mismatch(saved_launch["tp_size"], self.recipe.tp_size)
+        if saved_launch.get("ep_size", 1) > 1:
+            raise HftrainError(f"this checkpoint was written with ep_size={saved_launch['ep_size']} (full training "
+                               "state in one file) and this run has ep_size=1; expert-parallel checkpoints resume "
+                               "with expert parallelism (any ep_size that divides the experts); the final folder "
+                               "loads anywhere")
         sharded_by = {DistributedType.FSDP: "FSDP2", DistributedType.DEEPSPEED: "DeepSpeed"}.get(
             self.accelerator.distributed_type)
         if problem := resume_layout_problem(saved_launch, 1, sharded_by):  # a pp checkpoint under FSDP2 / ZeRO
@@ -408,6 +414,7 @@ class Backend:
             "sp_size": self.record.sp_size,
             "cp_size": self.record.cp_size,
             "pp_size": self.record.pp_size,
+            "ep_size": self.record.ep_size,
             "dtensor_parameters": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
             "dtensor_meshes": dtensor_meshes(model),
             "optimizer": innermost_optimizer(optimizer),

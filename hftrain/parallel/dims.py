@@ -5,6 +5,7 @@ launch (torchtitan's `ParallelDims`).
     dims.mesh                                      # (("pp", 2), ("dp", 2), ("tp", 2)): outermost first
     dims.coordinates(5)                            # {"pp": 1, "dp": 0, "tp": 1}
     dims.replicas                                  # ranks that train on the same batches (here a copy's 4)
+    ParallelDims(world=4, strategy="ddp", ep=2).efsdp  # 2: ranks holding the same experts (expert parallelism)
 
 One rank order serves every layout hftrain runs: pp outermost, then the data-parallel copies, then the sequence axis
 (cp or sp: a sequence's shards), tp innermost, so a tensor-parallel group is consecutive ranks of one machine and
@@ -12,6 +13,11 @@ the `replicas` ranks that share one batch are consecutive unless stages split th
 x cp x sp + seq_rank) x tp + tp_rank). `strategy` is how each data-parallel rank holds the model state it trains:
 whole ("single", "ddp"), sharded by FSDP2 over the data-parallel (and context) ranks ("fsdp2"), or by DeepSpeed ZeRO
 ("deepspeed"). The backend that runs a layout is chosen from this record (`hftrain.parallel.resolve`).
+
+Expert parallelism (`ep`) is not a rank-order axis of its own: it is a second view of the dp x tp ranks of a stage,
+transformers' (`TransformersDeviceMesh`: experts on (efsdp, ep), ep innermost). Each group of `ep` consecutive ranks
+holds every expert once, `num_experts / ep` each, and exchanges tokens by all-to-all; the `efsdp` = dp x tp / ep
+groups hold the same experts. It shares no batches, so `replicas` and `dp` do not change.
 """
 
 from __future__ import annotations
@@ -35,12 +41,13 @@ class ParallelDims:
     cp: int = 1  # ring-attention context parallelism: a sequence split over cp ranks (FSDP2)
     sp: int = 1  # Ulysses sequence parallelism: the same, under DeepSpeed
     tp: int = 1  # tensor parallelism: every layer split over tp ranks
+    ep: int = 1  # expert parallelism: every MoE layer's experts split over ep ranks of the dp x tp plane
 
     @classmethod
     def build(cls, recipe: Recipe, launch) -> ParallelDims:
         """The layout of `launch` (a `Launch`: the preset's strategy and process count) for `recipe`'s sizes."""
         return cls(world=launch.world, strategy=launch.kind, pp=recipe.pp_size, cp=recipe.cp_size,
-                   sp=recipe.sp_size, tp=recipe.tp_size)
+                   sp=recipe.sp_size, tp=recipe.tp_size, ep=recipe.ep_size)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -64,9 +71,14 @@ class ParallelDims:
         return self.dp * self.cp if self.strategy == "fsdp2" else 1
 
     @property
+    def efsdp(self) -> int:
+        """The ranks that hold the same experts (transformers' efsdp: dp x tp / ep); 1 = each expert on one rank."""
+        return self.dp * self.tp // self.ep
+
+    @property
     def axes(self) -> frozenset[str]:
         """The model-splitting axes that are on, e.g. {"pp", "tp"} (dp is not one: every layout has copies)."""
-        return frozenset(name for name in AXES if name != "dp" and getattr(self, name) > 1)
+        return frozenset(name for name in (*AXES, "ep") if name != "dp" and getattr(self, name) > 1)
 
     @property
     def mesh(self) -> tuple[tuple[str, int], ...]:
@@ -88,7 +100,7 @@ class ParallelDims:
         divide the processes. The strategy's own rules (which axes it runs, how many copies it needs) are in the
         preflight, beside the code that runs them."""
         low = [f"{name}_size must be >= 1 (1 = off), got {getattr(self, name)}"
-               for name in AXES if name != "dp" and getattr(self, name) < 1]
+               for name in (*AXES, "ep") if name != "dp" and getattr(self, name) < 1]
         if low:
             return low
         if self.world % self.replicas:
@@ -96,9 +108,23 @@ class ParallelDims:
                                if name != "dp" and getattr(self, name) > 1)
             return [f"{sizes} = {self.replicas} does not divide the {self.world} processes of this launch; use a "
                     f"multiple of {self.replicas} processes (each copy of the model spans {self.replicas} ranks)"]
+        if self.ep > 1 and self.ep % self.tp:
+            return [f"ep_size={self.ep} is not a multiple of tp_size={self.tp}: the ranks of a tensor-parallel group "
+                    "share a batch and split its tokens between them, so each holds its own experts; use an "
+                    f"ep_size that is a multiple of {self.tp}"]
+        if self.ep > 1 and (self.dp * self.tp) % self.ep:
+            return [f"ep_size={self.ep} does not divide the {self.dp * self.tp} processes of a pipeline stage "
+                    f"(dp {self.dp} x tp {self.tp}): each group of ep_size consecutive ranks holds every expert once; "
+                    f"use an ep_size that divides {self.dp * self.tp}, or a multiple of {self.ep} processes"]
         return []
+
+    def expert_split(self, num_experts: int) -> str:
+        """How each MoE layer's experts are split, e.g. "4 of 8 experts per rank (ep 2)", with the copies."""
+        copies = f", {self.efsdp} ranks hold each expert" if self.efsdp > 1 else ""
+        return f"{num_experts // self.ep} of {num_experts} experts per rank (ep {self.ep}{copies})"
 
     def describe(self) -> str:
         """The layout in a few words, e.g. "pp 2 x dp 2 x tp 2 (DDP-style copies)"."""
         shards = {"single": "one process", "ddp": "DDP-style copies", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO"}
-        return " x ".join(f"{name} {degree}" for name, degree in self.mesh) + f" ({shards[self.strategy]})"
+        experts = f", experts over ep {self.ep}" if self.ep > 1 else ""
+        return " x ".join(f"{name} {degree}" for name, degree in self.mesh) + f" ({shards[self.strategy]}{experts})"

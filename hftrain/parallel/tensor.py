@@ -36,6 +36,7 @@ from hftrain.compat.transformers import device_mesh
 from hftrain.errors import HftrainError
 from hftrain.layout import FULL_STATE_FILE
 from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism, raise_tp_mismatch
+from hftrain.parallel.expert import load_kwargs as expert_load_kwargs
 
 
 @functools.cache
@@ -254,7 +255,12 @@ class TensorParallelBackend(Backend):
                 "save_state (FullTrainingState), which a background thread cannot run beside training")
 
     def check_resumable(self, saved_launch: dict) -> None:
-        if saved_launch["tp_size"] == 1:
+        """Full-state checkpoints (tensor or expert parallel, any sizes) only."""
+        if saved_launch["tp_size"] == 1 and saved_launch.get("ep_size", 1) == 1:
+            if self.recipe.ep_size > 1:
+                raise HftrainError(f"this checkpoint was written without tensor or expert parallelism and this run "
+                                   f"has ep_size={self.recipe.ep_size}; expert-parallel runs resume from "
+                                   "expert-parallel or tensor-parallel checkpoints (full training state) only")
             raise_tp_mismatch(1, self.tp)
 
     def saved_model_keys(self, folder: Path) -> set[str] | None:
@@ -266,7 +272,11 @@ class TensorParallelBackend(Backend):
 
 
 class FSDP2TensorParallelBackend(TensorParallelBackend):
-    """FSDP2 x tensor parallel, the 2D layout: an FSDP2 preset with tp_size T and processes = F x T. transformers
+    """The layouts transformers shards and wraps in FSDP2 itself: FSDP2 x tensor parallel, and expert parallelism
+    (`ep_size`, parallel/expert.py: transformers' only EP layout shards the dense weights with FSDP2 too, so it runs
+    here under a DDP-type preset as under an FSDP2 one, `fsdp_plugin` None taken as FULL_SHARD without offload).
+
+    FSDP2 x tensor parallel, the 2D layout: an FSDP2 preset with tp_size T and processes = F x T. transformers
     shards every linear layer over the T ranks of a TP group while it loads and applies FSDP2 over the F ranks that
     hold the same TP shard (`DistributedConfig(tp_size=T, fsdp_size=F)`): each weight is a DTensor on the
     ("fsdp", "tp") mesh, each rank holds 1/(F x T) of it, and FSDP2's reduce-scatter averages the gradients over the
@@ -275,27 +285,38 @@ class FSDP2TensorParallelBackend(TensorParallelBackend):
     checkpoints are tensor parallelism's full-state file, loaded back by each rank's own blocks (`FullStateSlices`)."""
 
     def model_load_kwargs(self) -> dict:
-        plugin = self.accelerator.state.fsdp_plugin
         return {"distributed_config": DistributedConfig(
             tp_size=self.tp, fsdp_size=self.accelerator.num_processes // self.tp,
-            fsdp_cpu_offload=isinstance(plugin.cpu_offload, CPUOffloadPolicy),  # OffloadPolicy(): none
+            fsdp_cpu_offload=self.offloaded,
             # transformers' FSDP2 mixed precision: bf16 compute, fp32 gradient reduction, outputs not cast (the fp32
             # loss sum keeps its precision, as FSDP2Backend ensures for accelerate's policy); fp16 is refused by the
             # preflight
-            fsdp_mixed_precision=self.accelerator.mixed_precision == "bf16")}
+            fsdp_mixed_precision=self.accelerator.mixed_precision == "bf16", **expert_load_kwargs(self.recipe.ep_size))}
+
+    @property
+    def plugin(self):
+        """accelerate's FSDP plugin (the preset's FSDP settings); None under a DDP-type preset (expert parallelism)."""
+        return getattr(self.accelerator.state, "fsdp_plugin", None)
 
     @property
     def full_shard(self) -> bool:
-        return self.accelerator.state.fsdp_plugin.reshard_after_forward is True  # SHARD_GRAD_OP keeps them gathered
+        return self.plugin is None or self.plugin.reshard_after_forward is True  # SHARD_GRAD_OP keeps them gathered
+
+    @property
+    def offloaded(self) -> bool:
+        return self.plugin is not None and isinstance(self.plugin.cpu_offload, CPUOffloadPolicy)  # not OffloadPolicy()
 
     def make_record(self, **layout) -> Parallelism:
-        fsdp = self.accelerator.num_processes // self.tp
-        name = (f"FSDP2 {'FULL_SHARD' if self.full_shard else 'SHARD_GRAD_OP'} (fsdp_size={fsdp}) x tensor parallel "
-                f"(tp_size={self.tp})")
+        fsdp, ep = self.accelerator.num_processes // self.tp, self.recipe.ep_size
+        name = f"FSDP2 {'FULL_SHARD' if self.full_shard else 'SHARD_GRAD_OP'} (fsdp_size={fsdp})"
+        name += f" x tensor parallel (tp_size={self.tp})" if self.tp > 1 else ""
+        name = f"expert parallel (ep_size={ep}: 1/{ep} of every MoE layer's experts per process), dense weights " \
+               f"{name}" if ep > 1 else name
         sharded = ALL_PARTS if self.full_shard else ("gradients", "optimizer")
-        offloaded = ALL_PARTS if isinstance(self.accelerator.state.fsdp_plugin.cpu_offload, CPUOffloadPolicy) else ()
-        return Backend.make_record(self, kind="fsdp2_tp", name=name + (" + offload" if offloaded else ""),
-                                   sharded=sharded, offloaded=offloaded)
+        offloaded = ALL_PARTS if self.offloaded else ()
+        return Backend.make_record(self, kind="fsdp2_ep" if ep > 1 else "fsdp2_tp",
+                                   name=name + (" + offload" if offloaded else ""), sharded=sharded,
+                                   offloaded=offloaded, ep_size=ep)
 
     def shard_count(self) -> int:
         return self.accelerator.num_processes  # TP-split weights further sharded over the fsdp ranks
@@ -310,8 +331,9 @@ class FSDP2TensorParallelBackend(TensorParallelBackend):
         accelerator, tp, world = self.accelerator, self.tp, self.accelerator.num_processes
         layout = torch.arange(world).reshape(world // tp, tp)  # the data split's assumption: tp consecutive ranks
         meshes = {p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")}
-        if not any(m.mesh_dim_names == ("fsdp", "tp") for m in meshes) or \
-                any(m.ndim == 2 and not torch.equal(m.mesh.cpu(), layout) for m in meshes):
+        dense = ("fsdp", "tp") if tp > 1 else ("fsdp",)  # the experts' (efsdp, ep) mesh is transformers' own
+        if not any(m.mesh_dim_names == dense for m in meshes) or \
+                any(m.mesh_dim_names == ("fsdp", "tp") and not torch.equal(m.mesh.cpu(), layout) for m in meshes):
             raise HftrainError(f"transformers laid the weights out on {sorted(m.mesh.tolist() for m in meshes)} "
                                f"{[m.mesh_dim_names for m in meshes]}, not on the (fsdp, tp) mesh {layout.tolist()} "
                                "hftrain assumes for the data split")

@@ -50,6 +50,15 @@ class ParallelFields:
         "docs/long-context.md. 1 = off.",
         group="parallelism",
     )
+    ep_size: int = _f(
+        1, "Expert-parallel degree for mixture-of-experts models: load with transformers' DistributedConfig(ep_size=N, "
+        "ep_implementation='all_to_all') and the model's expert plan (base_model_ep_plan: Mixtral, Qwen3-MoE and "
+        "newer families), so each process holds num_experts / N experts of every MoE layer and sends each token to "
+        "its experts' process by all-to-all. transformers shards the other (dense) weights with FSDP2 over the same "
+        "processes, so it runs under a DDP-type preset (cpu_ddp on CPU, multi_gpu) or an FSDP2 one alike, with N "
+        "dividing the processes and the experts (the remaining factor holds copies of each expert). Exact against "
+        "one process on the same global batch. docs/parallelism.md. 1 = off.", group="parallelism",
+    )
     # pipeline parallelism (hftrain/parallel/pipeline.py, docs/pipeline.md): one contiguous block
     pp_size: int = _f(
         1, "Pipeline-parallel degree: the model's layers split into N stages by its pp plan (base_model_pp_plan), one "
@@ -81,7 +90,7 @@ def problems(r) -> list[str]:
         problems.append(f"launch_preset={r.launch_preset!r} is not a shipped preset; use one of: {shipped}")
     elif r.launch_preset is not None:
         problems += layout_problems(PRESET_DIR / f"{r.launch_preset}.yaml", r)
-    for name in ("tp_size", "sp_size", "cp_size"):
+    for name in ("tp_size", "sp_size", "cp_size", "ep_size"):
         if getattr(r, name) < 1:
             problems.append(f"{name} must be >= 1 (1 = off), got {getattr(r, name)}")
     if r.sp_size > 1 and (r.tp_size > 1 or r.cp_size > 1):
@@ -96,6 +105,7 @@ def problems(r) -> list[str]:
             problems.append(f"{name}={getattr(r, name)} with objective={r.objective} is not supported: {needs} on one "
                             "process; use data parallelism")
     problems += _pipeline_problems(r)
+    problems += _expert_problems(r)
     if r.launch_preset_reason is not None and r.launch_preset is None:
         problems.append("launch_preset_reason is set but launch_preset is not; name the preset it explains")
     return problems
@@ -134,4 +144,23 @@ def _pipeline_problems(r) -> list[str]:
                         "turn them off")
     if r.torch_compile:
         problems.append(f"pp_size={r.pp_size} with torch_compile is not tested under hftrain's pipeline; turn it off")
+    return problems
+
+
+def _expert_problems(r) -> list[str]:
+    """ep_size, from the recipe alone (the launch, the model's expert plan and experts are checked in the preflight:
+    parallel.expert.expert_problems)."""
+    if r.ep_size <= 1:
+        return []
+    problems = []
+    others = [f"{name}={getattr(r, name)}" for name in ("pp_size", "sp_size", "cp_size", "tp_size")
+              if getattr(r, name) > 1]
+    if others:
+        problems.append(f"ep_size={r.ep_size} with {', '.join(others)}: hftrain runs expert parallelism with data "
+                        "parallelism only (transformers' token dispatch refuses pipeline stages; tensor, sequence and "
+                        "context parallelism with experts are not verified here); set them to 1")
+    if r.objective != "sft":
+        problems.append(f"ep_size={r.ep_size} with objective={r.objective}: expert parallelism is verified for the "
+                        "token loss (objective sft) only; a reference model or generation through the dispatched "
+                        "experts is not. Use data parallelism")
     return problems

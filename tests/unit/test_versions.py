@@ -45,11 +45,11 @@ def test_placement_against_the_range():
 
 
 def test_a_gated_feature_names_the_version_that_brings_it(monkeypatch):
-    monkeypatch.setattr(versions, "installed", lambda package: {"transformers": "5.18.0"}.get(package))
-    problem = versions.feature_problem("expert_parallel")
-    assert problem.startswith("expert parallelism (DistributedConfig ep_size) needs transformers >= 5.19.0")
-    assert "this environment has transformers 5.18.0: pip install 'transformers>=5.19.0'" in problem
     monkeypatch.setattr(versions, "installed", lambda package: {"transformers": "5.19.0"}.get(package))
+    problem = versions.feature_problem("expert_parallel")
+    assert problem.startswith("expert parallelism (ep_size > 1) needs transformers >= 5.23.0")
+    assert "this environment has transformers 5.19.0: pip install 'transformers>=5.23.0'" in problem
+    monkeypatch.setattr(versions, "installed", lambda package: {"transformers": "5.23.0"}.get(package))
     assert versions.feature_problem("expert_parallel") is None
     monkeypatch.setattr(versions, "installed", lambda package: {"transformers": "5.22.0"}.get(package))
     assert "needs transformers >= 5.23.0" in versions.feature_problem("tensor_parallel")

@@ -56,7 +56,7 @@ def test_tensor_parallel_copies_keep_transformers_mesh_without_its_fsdp():
 @pytest.mark.parametrize("backend, saved_tp", [(Backend, 2), (TensorParallelBackend, 1)])
 def test_tensor_parallel_checkpoints_resume_only_with_tensor_parallelism(backend, saved_tp):
     unbound = object.__new__(backend)  # check_resumable reads only the recipe
-    unbound.recipe = type("R", (), {"tp_size": 1 if backend is Backend else 2})()
+    unbound.recipe = type("R", (), {"tp_size": 1 if backend is Backend else 2, "ep_size": 1})()
     with pytest.raises(HftrainError, match=f"written with tp_size={saved_tp} and this run has tp_size="):
         unbound.check_resumable({"tp_size": saved_tp, "num_processes": 2})
 
@@ -65,7 +65,7 @@ def test_tensor_parallel_checkpoints_resume_only_with_tensor_parallelism(backend
 def test_fsdp2_x_tensor_parallel_loads_on_transformers_fsdp_by_tp_mesh(accelerator):
     """8 processes, tp_size=2: transformers' mesh is 4 fsdp ranks x 2 tp ranks, and it applies FSDP2 (dp_size > 1)."""
     unbound = object.__new__(FSDP2TensorParallelBackend)  # model_load_kwargs reads the recipe and the accelerator
-    unbound.recipe = SimpleNamespace(tp_size=2)
+    unbound.recipe = SimpleNamespace(tp_size=2, ep_size=1)
     unbound.accelerator = accelerator(8, kind="FSDP", fsdp_plugin=SimpleNamespace(cpu_offload=OffloadPolicy()))
     config = unbound.model_load_kwargs()["distributed_config"]
     assert (config.tp_size, config.fsdp_size, config.dp_replicate_size, config.dp_size) == (2, 4, 1, 4)

@@ -1,0 +1,104 @@
+"""parallel/expert.py and the ep axis of the layout record: the layouts expert parallelism runs, the backend that runs
+them, and every refusal (one problem each, before weights load). The launched run: tests/e2e/test_expert_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from hftrain import versions
+from hftrain.config import Recipe
+from hftrain.errors import ConfigError
+from hftrain.parallel import ParallelDims, backend_class
+from hftrain.parallel.expert import expert_problems, load_kwargs, num_experts
+from hftrain.parallel.launch import Launch
+from hftrain.parallel.tensor import FSDP2TensorParallelBackend
+from hftrain.preflight import preflight
+from hftrain.recipe.parallel import problems as parallel_problems
+from tests.conftest import REPO
+
+DDP2, DDP4 = Launch("ddp", 2, 2), Launch("ddp", 4, 4)
+MOE = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, hidden_size=32)
+DENSE = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32)
+
+
+def test_experts_are_a_second_view_of_the_data_parallel_ranks():
+    """transformers' expert mesh (efsdp, ep), ep innermost: ep ranks hold every expert once, efsdp of them the same
+    experts; expert parallelism shares no batches, so the data-parallel copies stay the processes."""
+    dims = ParallelDims(world=4, strategy="ddp", ep=2)
+    assert (dims.dp, dims.replicas, dims.efsdp, dims.axes) == (4, 1, 2, frozenset({"ep"}))
+    assert dims.expert_split(8) == "4 of 8 experts per rank (ep 2, 2 ranks hold each expert)"
+    assert ParallelDims(world=2, strategy="ddp", ep=2).expert_split(8) == "4 of 8 experts per rank (ep 2)"
+    assert dims.describe() == "dp 4 (DDP-style copies, experts over ep 2)"
+    assert dims.problems() == []
+
+
+@pytest.mark.parametrize(("dims", "expected"), [
+    (ParallelDims(world=3, strategy="ddp", ep=2), "ep_size=2 does not divide the 3 processes of a pipeline stage"),
+    (ParallelDims(world=4, strategy="ddp", tp=2, ep=3), "ep_size=3 is not a multiple of tp_size=2"),
+    (ParallelDims(world=2, strategy="ddp", ep=0), "ep_size must be >= 1 (1 = off), got 0"),
+])
+def test_layouts_the_experts_cannot_split_over(dims, expected):
+    (problem,) = dims.problems()
+    assert problem.startswith(expected)
+
+
+def test_expert_parallelism_runs_on_transformers_fsdp2_layout_under_either_preset():
+    """No backend class of its own: the one that runs the layouts transformers loads and FSDP2-wraps."""
+    for strategy in ("ddp", "fsdp2"):
+        assert backend_class(ParallelDims(world=2, strategy=strategy, ep=2)) is FSDP2TensorParallelBackend
+    assert load_kwargs(2) == {"ep_size": 2, "ep_implementation": "all_to_all"} and load_kwargs(1) == {}
+
+
+def test_the_experts_count_is_read_under_each_familys_name():
+    assert num_experts(MOE) == 4
+    assert num_experts(transformers.MixtralConfig(num_local_experts=6)) == 6
+    assert num_experts(DENSE) is None
+
+
+@pytest.mark.parametrize(("launch", "values", "config", "expected"), [
+    (DDP2, {"ep_size": 2}, DENSE, "ep_size=2: the model ('llama') has no expert-parallel plan with token dispatch"),
+    (Launch("ddp", 3, 3), {"ep_size": 3}, MOE, "ep_size=3 does not divide the model's 4 experts per layer"),
+    (Launch("ddp", 3, 3), {"ep_size": 2}, MOE, "ep_size=2 does not divide the 3 processes of a pipeline stage"),
+    (Launch("single", 1, 1), {"ep_size": 2}, MOE, "ep_size=2 needs ep_size (or a multiple of it) processes"),
+    (Launch("deepspeed", 2, 2, deepspeed_config={}), {"ep_size": 2}, MOE, "ep_size=2 with a DeepSpeed preset"),
+    (DDP2, {"ep_size": 2, "bf16": False, "fp16": True}, MOE, "fp16 with ep_size=2"),
+    (DDP2, {"ep_size": 2, "load_in_4bit": True, "use_peft": True}, MOE, "ep_size=2 with a quantized (QLoRA) base"),
+])
+def test_expert_layouts_that_cannot_run_are_refused(launch, values, config, expected):
+    (problem,) = expert_problems(Recipe(**values), launch, config)
+    assert problem.startswith(expected)
+
+
+def test_expert_layouts_that_run():
+    assert expert_problems(Recipe(ep_size=2), DDP2, MOE) == []
+    assert expert_problems(Recipe(ep_size=2), DDP4, MOE) == []  # two copies of each expert
+    assert expert_problems(Recipe(ep_size=4), Launch("fsdp2", 4, 4), MOE) == []
+    assert expert_problems(Recipe(), Launch("single", 1, 1), DENSE) == []
+
+
+def test_a_transformers_without_trained_token_dispatch_is_refused(monkeypatch):
+    """5.19 brought ep_size, but its dispatch exchanged tokens without a backward: refused by version, first."""
+    monkeypatch.setattr(versions, "installed", lambda package: {"transformers": "5.22.0"}.get(package))
+    (problem,) = expert_problems(Recipe(ep_size=2), DDP2, DENSE)
+    assert problem.startswith("ep_size=2: expert parallelism (ep_size > 1) needs transformers >= 5.23.0")
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ({"ep_size": 2, "pp_size": 2}, "ep_size=2 with pp_size=2: hftrain runs expert parallelism with data parallelism"),
+    ({"ep_size": 2, "tp_size": 2}, "ep_size=2 with tp_size=2: hftrain runs expert parallelism with data parallelism"),
+    ({"ep_size": 2, "objective": "dpo"}, "ep_size=2 with objective=dpo: expert parallelism is verified for the "),
+    ({"ep_size": 0}, "ep_size must be >= 1 (1 = off), got 0"),
+])
+def test_the_recipe_alone_refuses(values, expected):
+    (problem,) = parallel_problems(Recipe(**values))
+    assert problem.startswith(expected)
+
+
+def test_the_preflight_refuses_a_dense_model_in_one_paragraph_before_weights_load():
+    recipe = Recipe(model_name_or_path=str(REPO / "models" / "tiny-llama"), ep_size=2)
+    with pytest.raises(ConfigError) as error:
+        preflight(recipe, DDP2, cuda=False)
+    assert "the model ('llama') has no expert-parallel plan" in str(error.value)
+    recipe = Recipe(model_name_or_path=str(REPO / "models" / "tiny-moe"), ep_size=2)
+    assert preflight(recipe, DDP2, cuda=False).model_type == "qwen3_moe"
