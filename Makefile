@@ -96,7 +96,8 @@ $(NEWEST_STAMP): pyproject.toml
 test-newest: $(NEWEST_STAMP) $(STAMP)
 	$(NEWEST)/bin/python -m hftrain env
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline HFTRAIN_COMPARE_PYTHON=$(BIN)/python $(NEWEST)/bin/python -m pytest -q -rs \
-		--durations=10 -n 2 --dist loadfile tests/unit tests/e2e/test_core_runs.py tests/e2e/test_vision.py
+		--durations=10 -n 2 --dist loadfile tests/unit tests/e2e/test_core_runs.py tests/e2e/test_vision.py \
+		tests/e2e/test_qwen_vl.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check hftrain tests scripts

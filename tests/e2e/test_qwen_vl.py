@@ -1,0 +1,84 @@
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL through the real entry script, where torchvision is installed (their processors'
+video processor needs it: `make test-newest`, torch 2.14.1 + torchvision 0.29.1; skipped with that reason elsewhere).
+
+Per family, a tiny random model built by scripts/make_tiny_model.py and 4 steps of recipes/tiny-vlm.yaml: full
+fine-tuning on one process (the final folder loads with the Auto classes, the vision tower and merger are the base's,
+its processor encodes as the base one, plain transformers on the final weights gives the logged eval loss), the same on
+two DDP processes with half the rows each (the one-process losses), and LoRA (adapters on the language model only;
+the saved adapter on the base, through plain transformers + peft, gives the logged eval loss). The masks, counts and
+the loss against transformers' own are in tests/unit/test_vision_families.py."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
+from transformers.utils import is_torchvision_available
+
+from hftrain import vision
+from tests.conftest import launch, run_script
+from tests.e2e.test_vision import DATA, adapter_eval_loss, assert_processor_encodes_like_its_base, plain_eval_loss
+
+pytestmark = pytest.mark.skipif(
+    not is_torchvision_available(), reason="the Qwen-VL families' processors need torchvision (their video "
+    "processor), which is not installed here; make test-newest runs them (torch 2.14.1 + torchvision 0.29.1)")
+
+STEPS = ("--config", "recipes/tiny-vlm.yaml", "--max_steps", "4", "--eval_steps", "2", "--logging_steps", "1")
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def family(request, image_text_model, tmp_path_factory):
+    """(arch, base folder, the one-process full fine-tuning run) per family."""
+    base = image_text_model(request.param)
+    run = run_script(tmp_path_factory.mktemp(request.param) / "one", *STEPS, "--model_name_or_path", str(base))
+    return request.param, base, run
+
+
+def test_full_fine_tuning_trains_the_language_model_and_reproduces_its_eval_loss(family):
+    arch, base, run = family
+    source = run.state()["data"]["sources"][0]
+    assert source["format"] == "image_chat" and source["image_tokens"] >= 4 * source["images"] > 0
+    assert "frozen: " in run.stdout and "the vision tower" in run.stdout and "the projector" in run.stdout
+    final = run.output_dir / "final"
+    model = AutoModelForImageTextToText.from_pretrained(final).eval()
+    assert type(model) is type(AutoModelForImageTextToText.from_pretrained(base))
+    trained, start = load_file(final / "model.safetensors"), load_file(base / "model.safetensors")
+    assert trained.keys() == start.keys()
+    for name, value in start.items():  # the vision tower and its merger frozen, the language model trained
+        assert torch.equal(trained[name], value) == (vision.part_of(name) in ("vision", "projector")), name
+    row = next(json.loads(line) for line in DATA.read_text().splitlines() if len(json.loads(line)["images"]) == 2)
+    assert_processor_encodes_like_its_base(final, base, row)
+
+    loss_sum, tokens, *_ = plain_eval_loss(model, final)  # image_grid_thw and mm_token_type_ids reach the model
+    logged = run.eval_rows()[-1]
+    assert logged["step"] == 4 and logged["eval_tokens"] == tokens
+    assert abs(loss_sum / tokens - logged["eval_loss"]) < 1e-5
+    assert logged["eval_loss"] < run.eval_rows()[0]["eval_loss"]
+
+
+def test_two_ddp_processes_train_like_one(family, tmp_path):
+    """4 rows per process x 2 processes = the one-process run's 8 rows per step: the same train and eval losses."""
+    arch, base, one = family
+    two = launch(tmp_path / "two", *STEPS, "--model_name_or_path", str(base), "--per_device_train_batch_size", "4",
+                 preset="cpu_ddp")
+    assert two.state()["launch"]["model_wrapper"] == "DistributedDataParallel"
+    assert two.state()["launch"]["num_processes"] == 2
+    for key, rows in (("loss", lambda run: run.train_rows()), ("eval_loss", lambda run: run.eval_rows())):
+        assert [r["step"] for r in rows(two)] == [r["step"] for r in rows(one)]
+        torch.testing.assert_close(torch.tensor([r[key] for r in rows(two)]),
+                                   torch.tensor([r[key] for r in rows(one)]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_lora_adapter_on_the_language_model_reproduces_the_logged_eval_loss(family, tmp_path):
+    arch, base, _ = family
+    run = run_script(tmp_path / "lora", *STEPS, "--model_name_or_path", str(base), "--use_peft", "true",
+                     "--learning_rate", "1e-2")
+    final = run.output_dir / "final"
+    targets = json.loads((final / "adapter_config.json").read_text())["target_modules"]
+    assert targets and all(vision.part_of(t) == "language" and ".language_model." in t for t in targets)
+    loss_sum, tokens, *_ = adapter_eval_loss(AutoModelForImageTextToText.from_pretrained(base), final)
+    logged = run.eval_rows()[-1]
+    assert logged["eval_tokens"] == tokens
+    assert abs(loss_sum / tokens - logged["eval_loss"]) < 1e-5
+    assert logged["eval_loss"] < run.eval_rows()[0]["eval_loss"]
