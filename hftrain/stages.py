@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from hftrain.checkpoint import held_ties, trained_names
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
-from hftrain.layout import MODEL_FILE, PIPELINE_CONVERTED_PREFIX
+from hftrain.layout import FULL_STATE_FILE, MODEL_FILE, PIPELINE_CONVERTED_PREFIX
 from hftrain.optim import build_optimizer
 from hftrain.recipe.parallel import V_SCHEDULES
 
@@ -134,8 +134,17 @@ def write_unpipelined(path: Path, folder: Path, module: nn.Module, recipe: Recip
         raise HftrainError(f"its pipeline state lacks {len(missing)} of this model's weights (e.g. {missing[:2]}): it "
                            "was written for another model")
     save_file({k: weights[k].contiguous() for k in wanted}, folder / MODEL_FILE, metadata={"format": "pt"})
+    _save_numbered_optimizer(folder, module, recipe, _by_name(flat, "param_groups"), _by_name(flat, "state"))
+    for item in path.iterdir():
+        if item.name != PIPELINE_STATE_DIR:
+            (folder / item.name).symlink_to(item.resolve())
+
+
+def _save_numbered_optimizer(folder: Path, module: nn.Module, recipe: Recipe, hyper: dict[str, dict],
+                             state: dict[str, dict]) -> None:
+    """optimizer.bin from each parameter's hyperparameters and state by name, numbered as `build_optimizer` numbers
+    `module`'s parameters (the state dict torch's `load_state_dict` reads)."""
     groups, _ = optimizer_layout(recipe, module)
-    hyper, state = _by_name(flat, "param_groups"), _by_name(flat, "state")
     optimizer = {"state": {}, "param_groups": []}
     number = 0
     for names in groups:
@@ -145,27 +154,49 @@ def write_unpipelined(path: Path, folder: Path, module: nn.Module, recipe: Recip
                 optimizer["state"][number] = state[name]
             number += 1
     torch.save(optimizer, folder / f"{OPTIMIZER_NAME}.bin")
+
+
+def write_unsharded(path: Path, folder: Path, module: nn.Module, recipe: Recipe) -> None:
+    """A full-state checkpoint (`FULL_STATE_FILE`, written by an expert-parallel run: every weight and its optimizer
+    state gathered, by name) as the files one process (or DDP) reads, in `folder`, as `write_unpipelined` does."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    saved = torch.load(path / FULL_STATE_FILE, weights_only=True, map_location="cpu")
+    weights, optimizer = saved["model"], saved["optimizer"]
+    aliases, trained = set(held_ties(module)), trained_names(module)
+    wanted = [k for k in module.state_dict() if k not in aliases and k in trained]
+    missing = [k for k in wanted if k not in weights]
+    if missing:
+        raise HftrainError(f"its full state lacks {len(missing)} of this model's weights (e.g. {missing[:2]}): it was "
+                           "written for another model or fine-tuning method")
+    save_file({k: weights[k].contiguous() for k in wanted}, folder / MODEL_FILE, metadata={"format": "pt"})
+    hyper = {name: {k: v for k, v in group.items() if k != "params"}
+             for group in optimizer["param_groups"] for name in group["params"]}
+    _save_numbered_optimizer(folder, module, recipe, hyper, optimizer["state"])
     for item in path.iterdir():
-        if item.name != PIPELINE_STATE_DIR:
+        if item.name != FULL_STATE_FILE:
             (folder / item.name).symlink_to(item.resolve())
 
 
 @contextmanager
-def unpipelined(backend, model, path: Path):
+def unpipelined(backend, model, path: Path, expert_parallel: bool = False):
     """A pp checkpoint for a run without pp (one process, DDP; `backend` its Backend): converted by the main process
-    into `.unpipelined-checkpoint-N` next to it (`write_unpipelined`), loaded by every rank, then removed."""
+    into `.unpipelined-checkpoint-N` next to it (`write_unpipelined`), loaded by every rank, then removed. With
+    `expert_parallel`: an expert-parallel checkpoint's full state, the same way (`write_unsharded`)."""
     accelerator = backend.accelerator
     folder = path.parent / f"{PIPELINE_CONVERTED_PREFIX}{path.name}"
     error = None
     if accelerator.is_main_process:
         try:
-            write_unpipelined(path, folder, backend.unwrap(model), backend.recipe)
+            write = write_unsharded if expert_parallel else write_unpipelined
+            write(path, folder, backend.unwrap(model), backend.recipe)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it rather than wait at a barrier
             error = str(exc) if isinstance(exc, HftrainError) else f"{type(exc).__name__}: {exc}"
     error = broadcast_object_list([error])[0]
     if error is not None:
-        raise HftrainError(f"cannot read the pipeline checkpoint {str(path)!r} without pp: {error}; resume with the "
-                           "pp_size that wrote it")
+        layout = "ep_size" if expert_parallel else "pp_size"
+        raise HftrainError(f"cannot read the {'expert-parallel' if expert_parallel else 'pipeline'} checkpoint "
+                           f"{str(path)!r} on this layout: {error}; resume with the {layout} that wrote it")
     yield folder
     accelerator.wait_for_everyone()  # every rank has loaded: the converted copy can go
     if accelerator.is_main_process:

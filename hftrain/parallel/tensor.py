@@ -266,6 +266,15 @@ class TensorParallelBackend(Backend):
     def saved_model_keys(self, folder: Path) -> set[str] | None:
         return None  # full state in FULL_STATE_FILE, re-sharded by set_state_dict
 
+    @contextmanager
+    def resume_folder(self, model, path: Path, saved_launch: dict):
+        """A full-state checkpoint (tensor or expert parallel) as it is: `FullTrainingState` re-shards it."""
+        if saved_launch.get("pp_size", 1) > 1:
+            with super().resume_folder(model, path, saved_launch) as folder:
+                yield folder
+            return
+        yield path
+
     def save_pretrained(self, model, folder: Path) -> None:
         """Every rank: transformers gathers the shards, the main process writes."""
         model.save_pretrained(folder, is_main_process=self.accelerator.is_main_process)

@@ -1,0 +1,105 @@
+"""Expert parallelism (issue 37): `--ep_size 2` on the 2-process CPU preset (cpu_ddp, gloo's all-to-all) equals one
+process on the same global batch, and its checkpoint continues on one process.
+
+A tiny Qwen3-MoE (2 layers, 4 experts, 2 per token, router_aux_loss_coef 0.1) loads with transformers'
+`DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation="all_to_all")`: each rank holds 2 of every layer's 4
+experts and sends each (token, expert) pair to its expert's rank, the dense weights FSDP2-sharded by transformers. One
+launch (3 steps, 2 examples x 2 ranks x 2 accumulation = 8, the router loss over the whole step, a checkpoint at 2)
+against one process with 4 examples x 2 accumulation: losses, router losses, gradient norms (every step clipped at
+max_grad_norm 1.0), learning rates, token counts, the final evaluation and the final weights, which
+`from_pretrained` loads at full size (4 experts per layer). Then the launch's checkpoint-2 continues on one process and
+its step 3 and final weights equal the one-process run's. Three runs serve every assertion.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import REPO, TINY_CHAT, Run, launch, run_script
+from tests.unit.test_moe import tiny
+
+pytestmark = pytest.mark.launch
+
+COMMON = [*TINY_CHAT, "--max_steps", "3", "--logging_steps", "1", "--save_steps", "2", "--eval_steps", "3",
+          "--router_aux_loss_scope", "step", "--learning_rate", "1e-2", "--warmup_steps", "0",
+          "--validation_split_percentage", "2"]
+ONE_PROCESS = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+EXPERT_PARALLEL = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--ep_size", "2"]
+
+
+def close(a: list[float], b: list[float], rtol: float) -> None:
+    torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64),
+                               rtol=rtol, atol=0)
+
+
+def weights_close(run: Run, ref: Run, tol: float) -> None:
+    params, expected = (load_file(r.output_dir / "final" / "model.safetensors") for r in (run, ref))
+    assert params.keys() == expected.keys()
+    for name, value in expected.items():  # full shapes: the final folder holds every expert, not this rank's
+        torch.testing.assert_close(params[name], value, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    tiny("qwen3_moe", router_aux_loss_coef=0.1).save_pretrained(folder)  # a coefficient that makes the aux count
+    AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, moe) -> Run:
+    return run_script(tmp_path_factory.mktemp("one") / "one", *COMMON, *ONE_PROCESS, "--model_name_or_path", str(moe))
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory, moe) -> Run:
+    return launch(tmp_path_factory.mktemp("ep") / "ep", *COMMON, *EXPERT_PARALLEL, "--model_name_or_path", str(moe),
+                  preset="cpu_ddp", processes=2)
+
+
+def test_expert_parallel_equals_one_process(ep_run, reference):
+    run, ref = ep_run, reference
+    # what ran: the experts split over the 2 ranks (transformers' expert mesh), the rest FSDP2-sharded
+    layout = ("expert parallel (ep_size=2: 1/2 of every MoE layer's experts per process), dense weights FSDP2 "
+              "FULL_SHARD (fsdp_size=2) over 2 processes (gloo)")
+    assert f"hftrain: {layout} on cpu:0" in run.stdout
+    info = run.state()["launch"]
+    assert (info["distributed_type"], info["num_processes"], info["ep_size"]) == ("MULTI_CPU", 2, 2)
+    assert info["dtensor_meshes"] == ["efsdp=1 x ep=2", "fsdp=2"]
+    assert "FSDPQwen3MoeExperts" in info["sharded_modules"]
+    assert "effective batch 8 = 2 per device x 2 accumulation x 2 processes" in run.stdout
+
+    rows, ref_rows = run.train_rows(), ref.train_rows()
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == [1, 2, 3]
+    assert [(r["learning_rate"], r["trained_tokens"]) for r in rows] == \
+        [(r["learning_rate"], r["trained_tokens"]) for r in ref_rows]
+    assert min(r["grad_norm"] for r in ref_rows) > 1.0  # the recipe's max_grad_norm: every step is clipped
+    for key in ("loss", "aux_loss", "grad_norm"):
+        close([r[key] for r in rows], [r[key] for r in ref_rows], 1e-4)
+    close([r["eval_loss"] for r in run.eval_rows()], [r["eval_loss"] for r in ref.eval_rows()], 1e-4)
+    weights_close(run, ref, 1e-4)
+    model = AutoModelForCausalLM.from_pretrained(run.output_dir / "final")  # every expert once, full size
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+
+
+def test_its_checkpoint_continues_on_one_process(ep_run, reference, moe, tmp_path):
+    run, ref = ep_run, reference
+    folder = tmp_path / "one"
+    shutil.copytree(run.output_dir, folder)
+    shutil.rmtree(folder / "final")
+    resumed = run_script(folder, *COMMON, *ONE_PROCESS, "--model_name_or_path", str(moe),
+                         "--resume_from_checkpoint", "latest")
+    assert "resuming from" in resumed.stdout and "at step 2" in resumed.stdout
+    assert resumed.state()["launch"]["ep_size"] == 1
+    again, ref_rows = resumed.train_rows(), ref.train_rows()
+    assert again[-1]["step"] == 3
+    for key in ("loss", "aux_loss", "grad_norm"):
+        close([again[-1][key]], [ref_rows[-1][key]], 1e-4)
+    weights_close(resumed, ref, 1e-4)
