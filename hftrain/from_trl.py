@@ -122,14 +122,15 @@ def _model_init_kwargs(value: Any) -> dict[str, Any]:
 
 
 def _loss_type(value: Any) -> dict[str, Any]:
-    """SFTConfig's loss_type nll is hftrain's sft loss (nothing to set); DPOConfig's and GRPOConfig's values are the
-    recipe's own."""
+    """SFTConfig's loss_type nll is hftrain's sft loss (nothing to set); DPOConfig's, GRPOConfig's and KTOConfig's
+    values are the recipe's own."""
     if value == "nll":
         return {}
-    if value in ("sigmoid", "ipo", "hinge", "dapo", "grpo", "bnpo", "dr_grpo"):
+    if value in ("sigmoid", "ipo", "hinge", "dapo", "grpo", "bnpo", "dr_grpo", "kto", "apo_zero_unpaired"):
         return {"loss_type": value}
     raise ValueError("hftrain's sft loss is the negative log-likelihood (nll) of the trained tokens, its dpo "
-                     "losses are sigmoid, ipo and hinge, its grpo losses dapo, grpo, bnpo and dr_grpo")
+                     "losses are sigmoid, ipo and hinge, its grpo losses dapo, grpo, bnpo and dr_grpo, its kto "
+                     "losses kto and apo_zero_unpaired")
 
 
 # Fields translated into Recipe fields (a function of the value; ValueError names why a value is refused).

@@ -10,6 +10,8 @@ alpaca.jsonl            {"instruction": ..., "input": ..., "output": ...} (input
 sharegpt.jsonl          {"conversations": [{"from": human|gpt|system, "value": ...}...]}
 preference.jsonl        {"prompt": [messages], "chosen": [assistant], "rejected": [assistant]}: the right answer
                         against a plausible wrong one (another sum, capital, spelling or count)
+unpaired.jsonl          {"prompt": [messages], "completion": [assistant], "label": bool}: unpaired feedback (kto),
+                        the right answer rated true or a plausible wrong one rated false, about half each
 
 The content is synthetic but regular (arithmetic, capitals, word games), so a tiny
 random model visibly learns it within a few dozen steps on CPU.
@@ -126,6 +128,12 @@ def preference_example(rng: random.Random) -> dict:
             "rejected": [{"role": "assistant", "content": wrong_answer(rng, question)}]}
 
 
+def unpaired_example(rng: random.Random) -> dict:
+    pair = preference_example(rng)
+    label = rng.random() < 0.5
+    return {"prompt": pair["prompt"], "completion": pair["chosen" if label else "rejected"], "label": label}
+
+
 def write(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
@@ -147,6 +155,8 @@ def main(out_dir: str = "data") -> None:
     write(out / "sharegpt.jsonl", [sharegpt_example(special) for _ in range(300)])
     pairs = random.Random(7)  # its own stream: adding it changed none of the files above
     write(out / "preference.jsonl", [preference_example(pairs) for _ in range(400)])
+    feedback = random.Random(11)  # its own stream too
+    write(out / "unpaired.jsonl", [unpaired_example(feedback) for _ in range(400)])
 
 
 if __name__ == "__main__":

@@ -115,11 +115,15 @@ class BatchPlan:
             batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
         return [row for batch in batches + short for row in batch]
 
+    def step_items(self, chunk: list[int]) -> list:
+        """What the micro-batches hold of one step's rows: the rows themselves (kto's plan adds each row's partner)."""
+        return chunk
+
     def micro_batches(self, epoch: int, rank: int, start_step: int = 0) -> Iterator[list[int]]:
         """This rank's micro-batches (lists of row indices) from `start_step` to the end of the epoch."""
         order, b = self.epoch_order(epoch), self.micro_batch
         for step in range(start_step, self.steps_per_epoch):
-            chunk = order[step * self.global_batch:(step + 1) * self.global_batch]
+            chunk = self.step_items(order[step * self.global_batch:(step + 1) * self.global_batch])
             for j in range(self.accum):
                 first = (j * self.world + rank) * b
                 yield chunk[first:first + b]

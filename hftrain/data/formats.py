@@ -8,6 +8,7 @@
 | messages          | `messages` (dataset_messages_field): [{role, content}] | messages        |
 | sharegpt          | `conversations`: [{from, value}] (human/gpt/system) | messages           |
 | preference        | `chosen`, `rejected`, optional `prompt` (strings or message lists) | prompt + chosen + rejected |
+| unpaired          | `prompt`, `completion`, `label` (bool: desirable or not; TRL's unpaired preference, for kto) | prompt + completion + label |
 
 Preference pairs with an explicit prompt have a `prompt` column; conversational pairs may instead hold two whole
 conversations whose shared leading messages are the prompt (TRL's implicit prompt).
@@ -28,13 +29,16 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 def required_columns(fmt: str, text_field: str, messages_field: str) -> tuple[str, ...]:
     return {"text": (text_field,), "prompt_completion": ("prompt", "completion"),
             "alpaca": ("instruction", "output"), "messages": (messages_field,),
-            "sharegpt": ("conversations",), "preference": ("chosen", "rejected")}[fmt]
+            "sharegpt": ("conversations",), "preference": ("chosen", "rejected"),
+            "unpaired": ("prompt", "completion", "label")}[fmt]
 
 
-def detect_format(columns: list[str], explicit: str, text_field: str, messages_field: str, name: str) -> str:
-    """The format named by `explicit`, or the first whose columns are all present (most specific first)."""
-    order = [explicit] if explicit != "auto" else ["preference", "messages", "sharegpt", "prompt_completion", "alpaca",
-                                                   "text"]
+def detect_format(columns: list[str], explicit: str, text_field: str, messages_field: str, name: str,
+                  objective: str = "sft") -> str:
+    """The format named by `explicit`, or the first whose columns are all present (most specific first). Unpaired
+    feedback is looked for only when the objective trains on it (kto): SFT data may carry a label column."""
+    order = [explicit] if explicit != "auto" else ["unpaired"] * (objective == "kto") + [
+        "preference", "messages", "sharegpt", "prompt_completion", "alpaca", "text"]
     for fmt in order:
         if all(c in columns for c in required_columns(fmt, text_field, messages_field)):
             return fmt
@@ -126,11 +130,35 @@ def preference_to_canonical(example: dict, where: str) -> dict:
             "chosen": chosen, "rejected": rejected}
 
 
+def unpaired_to_canonical(example: dict, where: str) -> dict:
+    """{"prompt": str|messages, "completion": same kind, "label": bool}: one completion rated desirable (true) or
+    undesirable (false), TRL's unpaired preference format."""
+    label = example["label"]
+    if not isinstance(label, bool):
+        raise HftrainError(f"{where}: label must be true (a desirable completion) or false (an undesirable one), got "
+                           f"{label!r:.60}")
+    prompt, completion = example["prompt"], example["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        if not completion:
+            raise HftrainError(f"{where}: the completion is empty, so nothing can be rated")
+    elif isinstance(prompt, list) and isinstance(completion, list) and prompt and completion:
+        if not isinstance(completion[0], dict) or completion[0].get("role") != "assistant":
+            role = completion[0].get("role") if isinstance(completion[0], dict) else completion[0]
+            raise HftrainError(f"{where}: the completion starts with a {role} message; a completion is the "
+                               "assistant's answer to the prompt")
+        check_messages(prompt + completion, where)
+    else:
+        raise HftrainError(f"{where}: prompt and completion must both be strings or both be non-empty message lists")
+    return {"prompt": prompt, "completion": completion, "label": label}
+
+
 def to_canonical(example: dict, fmt: str, text_field: str, messages_field: str, where: str) -> dict:
-    """One of {"text": str}, {"prompt": str|messages, "completion": str|messages}, {"messages": messages}, or a
-    preference pair {"prompt", "chosen", "rejected"}."""
+    """One of {"text": str}, {"prompt": str|messages, "completion": str|messages}, {"messages": messages}, a
+    preference pair {"prompt", "chosen", "rejected"} or unpaired feedback {"prompt", "completion", "label"}."""
     if fmt == "preference":
         return preference_to_canonical(example, where)
+    if fmt == "unpaired":
+        return unpaired_to_canonical(example, where)
     if fmt == "text":
         text = example[text_field]
         if not isinstance(text, str) or not text:

@@ -93,7 +93,20 @@ def training_sources(recipe: Recipe) -> list[DatasetSource]:
 
 
 def check_objective(recipe: Recipe, fmt: str, name: str) -> None:
-    """Preference pairs train dpo/simpo/orpo, everything else sft."""
+    """Preference pairs train dpo/simpo/orpo, unpaired feedback kto, everything else sft."""
+    if (recipe.objective == "kto") != (fmt == "unpaired"):
+        if recipe.objective != "kto":
+            raise HftrainError(f"dataset {name!r} has format unpaired (prompt, completion, label) but "
+                               f"objective={recipe.objective}; unpaired feedback trains objective: kto")
+        why = ("it is paired preference data (chosen, rejected): give one row per completion, the chosen ones with "
+               "label true and the rejected ones with label false (TRL's unpair_preference_dataset)"
+               if fmt == "preference" else f"it has format {fmt} and no label column")
+        raise HftrainError(f"dataset {name!r} cannot train objective=kto: kto learns from unpaired feedback, rows "
+                           f"of prompt, completion and label (true for a desirable completion, false for an "
+                           f"undesirable one), and {why}; add the label column (or rename yours with "
+                           "dataset_columns)")
+    if recipe.objective == "kto":
+        return
     if (fmt == "preference") != (recipe.objective != "sft"):
         wanted = "preference pairs (chosen, rejected, optional prompt)" if recipe.objective != "sft" else \
             "SFT data (a preference dataset needs objective: dpo, simpo or orpo)"
@@ -105,7 +118,7 @@ def load_eval_set(recipe: Recipe, spec: DataSpec):
     raw = renamed(load_raw(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split),
                   recipe.dataset_columns, recipe.eval_dataset_name)
     fmt = detect_format(raw.column_names, recipe.dataset_format, spec.text_field, spec.messages_field,
-                        recipe.eval_dataset_name)
+                        recipe.eval_dataset_name, recipe.objective)
     check_objective(recipe, fmt, recipe.eval_dataset_name)
     return raw, fmt
 
@@ -122,7 +135,7 @@ def hold_out(raw, recipe: Recipe, name: str):
 
 def _is_chat(fmt: str, raw) -> bool:
     first = "chosen" if fmt == "preference" else "prompt"
-    return fmt in CHAT_FORMATS or (fmt in ("prompt_completion", "preference") and len(raw) > 0
+    return fmt in CHAT_FORMATS or (fmt in ("prompt_completion", "preference", "unpaired") and len(raw) > 0
                                    and isinstance(raw[0][first], list))
 
 
@@ -138,7 +151,8 @@ def load_datasets(recipe: Recipe, tokenizer):
         raw = renamed(load_raw(source.name, source.config, source.split), source.columns, source.name)
         if not len(raw):
             raise HftrainError(f"dataset {source.name!r} split {source.split!r} is empty")
-        fmt = detect_format(raw.column_names, source.format, spec.text_field, spec.messages_field, source.name)
+        fmt = detect_format(raw.column_names, source.format, spec.text_field, spec.messages_field, source.name,
+                            recipe.objective)
         check_objective(recipe, fmt, source.name)
         loaded.append((source, numbered(raw), fmt))
     eval_raw, eval_fmt = load_eval_set(recipe, spec) if recipe.reads_eval_dataset else (None, None)

@@ -357,6 +357,30 @@ def tokenize_pair(example: dict, index: int, tokenizer, spec: DataSpec, name: st
             "method": methods[0] if methods else "", "extra_tokens": 0}
 
 
+UNPAIRED_COLUMNS = ("input_ids", "labels", "desirable", "prompt_length", "num_trained", "num_tokens",
+                    "num_truncated", "dropped", "method", "extra_tokens")
+
+
+def tokenize_unpaired(example: dict, index: int, tokenizer, spec: DataSpec, name: str, where: object = None) -> dict:
+    """One rated completion (kto) as one row: input_ids, labels (the completion's tokens, located as SFT completions
+    are), `desirable` (the label) and `prompt_length`, where the completion starts (kto pairs this row's prompt
+    with another row's completion for its KL reference point). Truncation as a preference pair's side."""
+    where = f"{name} example {index}" if where is None else where
+    row = to_canonical(example, "unpaired", spec.text_field, spec.messages_field, where)
+    completion_spec = replace(spec, completion_only_loss=True, assistant_only_loss=True, train_on_turns="all")
+    method, encodings = encode({"prompt": row["prompt"], "completion": row["completion"]}, tokenizer,
+                               completion_spec)
+    if len(encodings) != 1:
+        raise HftrainError(f"{where}: the completion has several assistant turns that the chat template renders "
+                           "differently once followed by another turn; give one-turn completions")
+    ids, trained, _ = encodings[0]
+    kept, labels, prompt, dropped = _pair_side(ids, trained, spec)
+    return {"input_ids": kept, "labels": labels, "desirable": row["label"], "prompt_length": prompt,
+            "num_trained": sum(x != IGNORE_INDEX for x in labels), "num_tokens": len(ids),
+            "num_truncated": 0 if dropped else len(ids) - len(kept), "dropped": dropped, "method": method,
+            "extra_tokens": 0}
+
+
 def _examples(batch, indices: list[int], name: str, origin: RowOrigin | None) -> list[tuple[dict, int, object]]:
     """(example, index, where) of a batch of raw rows: a row numbered by load_datasets (ROW_COLUMN) is named by its
     origin (file and line), whatever its position now."""
@@ -373,6 +397,13 @@ def _tokenize_pairs_batch(batch: dict, indices: list[int], tokenizer, spec: Data
     rows = [tokenize_pair(example, i, tokenizer, spec, name, where)
             for example, i, where in _examples(batch, indices, name, origin)]
     return {key: [row[key] for row in rows] for key in PAIR_COLUMNS}
+
+
+def _tokenize_unpaired_batch(batch: dict, indices: list[int], tokenizer, spec: DataSpec, fmt: str, name: str,
+                             origin: RowOrigin | None) -> dict:
+    rows = [tokenize_unpaired(example, i, tokenizer, spec, name, where)
+            for example, i, where in _examples(batch, indices, name, origin)]
+    return {key: [row[key] for row in rows] for key in UNPAIRED_COLUMNS}
 
 
 def _tokenize_batch(batch: dict, indices: list[int], tokenizer, spec: DataSpec, fmt: str, name: str,
@@ -396,9 +427,9 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
     """(tokenized examples that have trained tokens, statistics). Cached by `datasets` under a content key. A bad
     row is named by `origin` (its file and line) when `raw` has load_datasets' row numbers, else by position."""
     key = _fingerprint(raw, tokenizer, spec, fmt)
-    pairs = fmt == "preference"
+    pairs, unpaired = fmt == "preference", fmt == "unpaired"
     tokenized = raw.map(
-        _tokenize_pairs_batch if pairs else _tokenize_batch, batched=True, with_indices=True,
+        _tokenize_pairs_batch if pairs else _tokenize_unpaired_batch if unpaired else _tokenize_batch, batched=True, with_indices=True,
         remove_columns=raw.column_names, num_proc=num_proc,
         fn_kwargs={"tokenizer": tokenizer, "spec": spec, "fmt": fmt, "name": name, "origin": origin},
         new_fingerprint=key, desc=f"tokenizing {name}",
@@ -412,6 +443,8 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
         "dropped_overlong": dropped.count("overlong"),
         "dropped_untrainable": dropped.count("no_trained_tokens"),
         **({"dropped_identical": dropped.count("identical")} if pairs else {}),
+        **({"desirable": sum(kept["desirable"]), "undesirable": len(kept) - sum(kept["desirable"])}
+           if unpaired else {}),
         "truncated_examples": sum(n > 0 for n in tokenized["num_truncated"]),
         "truncated_tokens": int(sum(tokenized["num_truncated"])),
         "tokens": int(sum(len(ids) for ids in kept["input_ids"])) + (
@@ -434,5 +467,6 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
             "fully masked); check that assistant turns / completions exist and that the chat template marks them, "
             "or raise max_length"
         )
-    columns = ["input_ids", "labels"] + (["rejected_input_ids", "rejected_labels"] if pairs else [])
+    columns = ["input_ids", "labels"] + (["rejected_input_ids", "rejected_labels"] if pairs else []) + (
+        ["desirable", "prompt_length"] if unpaired else [])
     return kept.select_columns(columns), stats

@@ -7,6 +7,8 @@
   step's pairs.
 - `orpo.py`: `orpo`, `ORPOLoss`: TRL's ORPO (chosen-row NLL, prompt included, minus beta x log sigmoid(log odds)),
   reference-free; the NLL is the mean over the step's chosen tokens, the odds-ratio term over its pairs.
+- `kto.py`: `kto`, `KTOLoss`: TRL's KTO on unpaired feedback against a reference (as dpo's), its KL reference
+  point estimated over the optimizer step's whole batch in a no-grad pass before the step (`prepare_step`).
 - `reference.py`: the reference models an objective compares with (adapters disabled, a frozen copy, precomputed
   log-probs and their cross-run cache).
 - `grpo.py`: `grpo`, online RL (generation windows, rewards, TRL's GRPO loss; pieces in hftrain/rl/). It plugged in
@@ -31,6 +33,7 @@ from hftrain.config import Recipe
 from hftrain.model import CausalLMTokenLoss
 from hftrain.objectives.base import Objective
 from hftrain.objectives.grpo import GRPO
+from hftrain.objectives.kto import KTO
 from hftrain.objectives.orpo import ORPO
 from hftrain.objectives.preference import PAIR_STATS, Preference, PreferenceLoss, pair_losses
 from hftrain.objectives.reference import AdapterReference, FrozenReference, PrecomputedReference, build_reference
@@ -45,6 +48,7 @@ OBJECTIVES: dict[str, Objective] = {
     "dpo": Preference("dpo", needs_reference=True),
     "simpo": Preference("simpo", needs_reference=False),
     "orpo": ORPO(),
+    "kto": KTO(),
     "grpo": GRPO(),
 }
 

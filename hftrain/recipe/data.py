@@ -54,7 +54,8 @@ class DataFields:
     )
     dataset_format: str = _f(
         "auto", "Data format; auto detects it from the columns (see docs/data.md for each format's shape).",
-        group="data", choices=("auto", "text", "prompt_completion", "alpaca", "messages", "sharegpt", "preference"),
+        group="data", choices=("auto", "text", "prompt_completion", "alpaca", "messages", "sharegpt", "preference",
+                                 "unpaired"),
     )
     dataset_columns: dict[str, str] = _f(
         {}, "Rename columns before format detection, {dataset_column: expected_column}, e.g. {question: prompt}.",

@@ -16,7 +16,8 @@ from hftrain.recipe import recipe_field as _f
 # (and TRL holds no prompts out for evaluation: a grpo run evaluates on eval_dataset_name, or on a carve-out it asks
 # for with validation_split_percentage)
 OBJECTIVE_DEFAULTS = {"grpo": {"beta": 0.0, "loss_type": "dapo", "max_completion_length": 512,
-                               "validation_split_percentage": 0.0}}
+                               "validation_split_percentage": 0.0},
+                      "kto": {"loss_type": "kto"}}  # KTOConfig's default loss
 
 
 @dataclass

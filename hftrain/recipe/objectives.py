@@ -15,11 +15,13 @@ class ObjectiveFields:
     objective: str = _f(
         "sft", "What the loop minimises: sft (next-token cross-entropy over trained tokens), dpo (Direct Preference "
         "Optimization on chosen/rejected pairs against a reference model), simpo (SimPO: reference-free, "
-        "length-normalised), orpo (ORPO: reference-free, NLL of the chosen answers plus an odds-ratio term) or grpo "
+        "length-normalised), orpo (ORPO: reference-free, NLL of the chosen answers plus an odds-ratio term), kto (KTO: "
+        "unpaired thumbs-up/down feedback against a reference model) or grpo "
         "(online RL: completions sampled from the model, scored by reward_funcs, TRL's GRPO loss). dpo, simpo and "
-        "orpo need preference data (chosen, rejected and optionally prompt columns), see docs/preference.md; grpo a "
+        "orpo need preference data (chosen, rejected and optionally prompt columns), kto unpaired data (prompt, "
+        "completion, label: true/false), see docs/preference.md; grpo a "
         "prompt column, see docs/grpo.md.", group="objective",
-        choices=("sft", "dpo", "simpo", "orpo", "grpo"),
+        choices=("sft", "dpo", "simpo", "orpo", "kto", "grpo"),
     )
     beta: float = _f(
         0.1, "dpo/simpo temperature: how far the policy may move from the reference (dpo) or the reward scale "
@@ -31,8 +33,18 @@ class ObjectiveFields:
         "sigmoid", "dpo loss (TRL's names): sigmoid (the DPO paper), ipo (squared, per-token-normalised log-ratios, "
         "as TRL), hinge (SLiC). grpo (default dapo there, as TRL): dapo (token mean over the step's completion "
         "tokens), grpo (mean of each completion's token mean), bnpo (TRL's per-micro-batch token mean), dr_grpo "
-        "(token sum / max_completion_length).", group="objective",
-        choices=("sigmoid", "ipo", "hinge", "dapo", "grpo", "bnpo", "dr_grpo"),
+        "(token sum / max_completion_length). kto (default kto there, as TRL): kto (the KTO paper's loss against "
+        "the step's KL reference point), apo_zero_unpaired (APO-zero, unpaired: no KL term).", group="objective",
+        choices=("sigmoid", "ipo", "hinge", "dapo", "grpo", "bnpo", "dr_grpo", "kto", "apo_zero_unpaired"),
+    )
+    desirable_weight: float = _f(
+        1.0, "kto: the weight of the desirable (label: true) examples' losses (TRL's KTOConfig.desirable_weight); "
+        "with unbalanced data keep desirable_weight x desirables / (undesirable_weight x undesirables) in [1, 4/3] "
+        "(the KTO paper's Eq. 8; hftrain warns as TRL does outside it).", group="objective",
+    )
+    undesirable_weight: float = _f(
+        1.0, "kto: the weight of the undesirable (label: false) examples' losses (TRL's "
+        "KTOConfig.undesirable_weight).", group="objective",
     )
     label_smoothing: float = _f(
         0.0, "Probability that a pair's preference is flipped (conservative DPO / SimPO), in [0, 0.5); for "
@@ -58,11 +70,41 @@ class ObjectiveFields:
     )
 
 
+KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
+
+
+def kto_problems(r) -> list[str]:
+    """kto's settings: its loss types, weights, and what its step-wide KL pairing cannot be combined with."""
+    problems = []
+    if r.loss_type not in KTO_LOSS_TYPES:
+        problems.append(f"loss_type={r.loss_type} is not a kto loss; objective kto takes loss_type kto or "
+                        "apo_zero_unpaired")
+    for name in ("desirable_weight", "undesirable_weight"):
+        if getattr(r, name) <= 0:
+            problems.append(f"{name} must be > 0, got {getattr(r, name)}")
+    if r.precompute_ref_log_probs:
+        problems.append("precompute_ref_log_probs with objective kto is not supported: the KL reference point pairs "
+                        "each prompt with another completion of the same optimizer step, and those pairings change "
+                        "with every step's draw, so there is no fixed set of reference log-probs to compute once; "
+                        "with LoRA the reference is the base with the adapters disabled (no second copy in memory)")
+    if r.streaming:
+        problems.append("streaming with objective kto is refused: the KL reference point pairs rows across the whole "
+                        "optimizer step, which needs map-style data; set streaming: false")
+    return problems
+
+
 def problems(r) -> list[str]:
     """dpo / simpo settings and what a preference objective cannot be combined with (grpo's: recipe/grpo.py)."""
-    problems, preference = [], r.objective in ("dpo", "simpo", "orpo")
+    problems, preference = [], r.objective in ("dpo", "simpo", "orpo", "kto")
     if r.objective == "grpo":
         return problems
+    if r.objective == "kto":
+        problems += kto_problems(r)
+    elif r.loss_type in KTO_LOSS_TYPES:
+        problems.append(f"loss_type={r.loss_type} is a kto loss, but objective={r.objective}; set objective: kto")
+    if (r.desirable_weight, r.undesirable_weight) != (1.0, 1.0) and r.objective != "kto":
+        problems.append("desirable_weight and undesirable_weight weight kto's losses, but "
+                        f"objective={r.objective}")
     if r.beta <= 0:
         problems.append(f"beta must be > 0, got {r.beta}")
     if not 0 <= r.label_smoothing < 0.5:
@@ -70,25 +112,30 @@ def problems(r) -> list[str]:
     if r.label_smoothing > 0 and not (r.objective == "simpo" or (r.objective == "dpo" and r.loss_type == "sigmoid")):
         problems.append(f"label_smoothing={r.label_smoothing} applies to objective dpo with loss_type sigmoid, or "
                         f"simpo; here objective={r.objective}, loss_type={r.loss_type}")
-    if r.precompute_ref_log_probs and r.objective != "dpo":
+    if r.precompute_ref_log_probs and r.objective not in ("dpo", "kto"):
         problems.append(f"precompute_ref_log_probs computes dpo's reference, but objective={r.objective}")
-    if r.loss_type != "sigmoid" and r.objective != "dpo":
+    if r.loss_type != "sigmoid" and r.objective not in ("dpo", "kto") and r.loss_type not in KTO_LOSS_TYPES:
         problems.append(f"loss_type={r.loss_type} is a {'grpo' if r.loss_type in GRPO_LOSS_TYPES else 'dpo'} loss, "
                         f"but objective={r.objective}; set objective: "
                         f"{'grpo' if r.loss_type in GRPO_LOSS_TYPES else 'dpo'}")
     for name in ("max_prompt_length", "max_completion_length"):
         value = getattr(r, name)
         if value is not None and (value < 1 or not preference):
-            problems.append(f"{name}={value} needs objective dpo, simpo or orpo and a value >= 1")
+            problems.append(f"{name}={value} needs objective dpo, simpo, orpo or kto and a value >= 1")
     if not preference:
         return problems
     if r.packing:
-        problems.append(f"packing with objective={r.objective} is refused: a pair's chosen and rejected must be "
-                        "compared as whole sequences, one per row; set packing: false")
+        problems.append(f"packing with objective={r.objective} is refused: "
+                        + ("each completion's log-probability is scored as a whole sequence, one per row"
+                           if r.objective == "kto" else "a pair's chosen and rejected must be compared as whole "
+                           "sequences, one per row") + "; set packing: false")
     if r.use_liger_kernel or r.loss_chunk_tokens:
         problems.append(f"objective={r.objective} needs each sequence's log-probability; use_liger_kernel and "
                         "loss_chunk_tokens compute one summed cross-entropy: turn them off")
-    if r.dataset_format not in ("auto", "preference"):
+    if r.objective == "kto" and r.dataset_format not in ("auto", "unpaired"):
+        problems.append(f"objective=kto trains on unpaired feedback: dataset_format must be auto or unpaired, got "
+                        f"{r.dataset_format}")
+    elif r.objective != "kto" and r.dataset_format not in ("auto", "preference"):
         problems.append(f"objective={r.objective} trains on preference pairs: dataset_format must be auto or "
                         f"preference, got {r.dataset_format}")
     return problems
