@@ -36,6 +36,7 @@ OBJECTIVES = {
     "dpo": "Direct Preference Optimization on chosen/rejected pairs",
     "simpo": "SimPO (reference-free, length-normalised preference optimization)",
     "orpo": "ORPO (reference-free odds-ratio preference optimization with the chosen answers' NLL)",
+    "kto": "KTO (Kahneman-Tversky optimization on unpaired desirable/undesirable feedback, against a reference)",
     "grpo": "GRPO (online RL: completions sampled from the model and scored by reward functions)",
 }
 PIPELINE_TAG = "text-generation"

@@ -582,7 +582,8 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
              objective: str = "sft", sp: int = 1) -> Plan:
     """Memory per GPU for every strategy (bytes).
 
-    objective dpo / simpo: `batch` counts pairs, two sequences each (one forward); dpo's full-fine-tuning rows
+    objective dpo / simpo / orpo: `batch` counts pairs, two sequences each (one forward); kto: `batch` counts rows,
+    one sequence each (its KL pass runs without gradients: not counted). dpo's and kto's full-fine-tuning rows
     add the frozen reference copy as hftrain places it: the loaded fp32 weights on one GPU / DDP and sharded under
     FSDP, the engine's 16-bit weights under DeepSpeed (replicated for ZeRO-1/2, partitioned for ZeRO-3, offloaded
     with parameter offload). precompute_ref_log_probs or LoRA (adapters disabled) need no copy. The reference's
@@ -591,17 +592,19 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     n, g = shape.params, gpus
     mixed = precision == "bf16"
     compute, residual = (2, 4) if mixed else (4, 4)
-    rows_per_step = batch * (2 if objective != "sft" else 1)
+    rows_per_step = batch * (2 if objective in ("dpo", "simpo", "orpo") else 1)  # kto: one completion per row
     act = activation_bytes(shape, rows_per_step, seq, compute, residual, checkpointing=False)
     act_ckpt = activation_bytes(shape, rows_per_step, seq, compute, residual, checkpointing=True)
     floor = backward_floor_bytes(shape, rows_per_step, seq, compute, residual)
-    reference = 4 * n if objective == "dpo" else 0  # the frozen copy keeps the loaded (fp32) weights
+    reference = 4 * n if objective in ("dpo", "kto") else 0  # the frozen copy keeps the loaded (fp32) weights
+    copy_note = f"with {objective}'s frozen reference copy" + ("; precompute_ref_log_probs needs none"
+                                                              if objective == "dpo" else "")
     autocast_copy = 2 * n if mixed else 0  # bf16 weight copies autocast keeps for the forward
     bucket = 4 * n if g > 1 else 0  # DDP all-reduce buckets (a second copy of the gradients)
     unit = shape.largest_layer_params
     rows = [Row("DDP" if g > 1 else "single GPU", "multi_gpu" if g > 1 else "single_gpu", "full",
                 4 * n + autocast_copy + reference, 4 * n + bucket, 8 * n, act, act_ckpt, floor,
-                note="with dpo's frozen reference copy; precompute_ref_log_probs needs none" if reference else "")]
+                note=copy_note if reference else "")]
     if g > 1:
         w16, in_flight = (2, 2 * unit * 2) if mixed else (4, 2 * unit * 4)  # two gathered layers
         master = 12 if mixed else 8
@@ -657,7 +660,7 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
                     row.weights += copies[row.strategy]
                 else:
                     row.cpu += w16 * n / g  # parameter offload keeps the reference's partitions in host memory
-                row.note = "with dpo's frozen reference copy; precompute_ref_log_probs needs none"
+                row.note = copy_note
     return Plan(shape, gpus, batch, seq, precision, lora_r, rows, sp)
 
 
@@ -811,9 +814,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Microbatches per pipeline step (recipe pp_microbatches); default 2 x the stages.")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="bf16 mixed precision (GPU default) or fp32 (CPU runs).")
-    parser.add_argument("--objective", choices=("sft", "dpo", "simpo", "orpo"), default="sft",
-                        help="dpo / simpo / orpo: --batch counts preference pairs (two sequences each); dpo's full "
-                             "fine-tuning on one GPU or DDP adds the frozen reference copy.")
+    parser.add_argument("--objective", choices=("sft", "dpo", "simpo", "orpo", "kto"), default="sft",
+                        help="dpo / simpo / orpo: --batch counts preference pairs (two sequences each); kto: rows "
+                             "(one each); dpo's and kto's full fine-tuning adds the frozen reference copy.")
     parser.add_argument("--tokens", type=int, default=None,
                         help="Tokens the run plans to train (steps x effective batch x tokens per sequence), shown "
                              "next to the compute-optimal count.")

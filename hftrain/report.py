@@ -4,10 +4,11 @@
 
 Plots: loss and eval loss, learning rate, tokens/sec (global and per rank), per-rank own-time
 throughput (stragglers stand out), step time split, peak memory per rank, heartbeat lag per rank against
-hang_timeout (a rank drifting toward a hang stands out), and for dpo/simpo/orpo runs the rewards (TRL's
-rewards/* metrics, train and eval), for orpo its terms (nll_loss, log_odds_*). The summary states what ran (from
-the newest hftrain_state.json), final and best losses, the rewards, throughput, step-time split, memory, MFU,
-device-hours and cost, the largest heartbeat lag, and any straggler or desync the run reported.
+hang_timeout (a rank drifting toward a hang stands out), and for dpo/simpo/orpo/kto runs the rewards (TRL's
+rewards/* metrics, train and eval), for orpo its terms (nll_loss, log_odds_*), for kto its KL reference point
+(kl). The summary states what ran (from the newest hftrain_state.json), final and best losses, the rewards,
+throughput, step-time split, memory, MFU, device-hours and cost, the largest heartbeat lag, and any straggler
+or desync the run reported.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _save(fig, ax, path: Path, steps: list[int] | None = None) -> Path:
 
 def plot_loss(train: list[dict], evals: list[dict], path: Path) -> Path:
     """The train and eval loss curves (also the model card's figure)."""
-    pairs = any(REWARDS[0] in r for r in train)
+    pairs = any(REWARDS[1] in r for r in train)  # rewards/margins: dpo, simpo, orpo and kto
     fig, ax = _figure("Loss", "loss (mean over pairs)" if pairs else "loss (token-weighted)")
     ax.plot(*series(train, "loss"), label="train loss", marker=".")
     if evals:
@@ -125,10 +126,15 @@ def plot_loss(train: list[dict], evals: list[dict], path: Path) -> Path:
     return _save(fig, ax, path, sorted({r["step"] for r in train}))
 
 
+def is_kto(train: list[dict]) -> bool:
+    """A kto run's rows: rewards and a kl (grpo's kl rows have no rewards/chosen)."""
+    return any("kl" in r and "rewards/chosen" in r for r in train)
+
+
 def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
     made, steps = [plot_loss(train, evals, folder / "loss.png")], sorted({r["step"] for r in train})
     many_ranks = len(rank_keys(train, "tokens_per_second")) > 1  # one process: its rank0 line is the total
-    pairs = any(REWARDS[0] in r for r in train)
+    pairs = any(REWARDS[1] in r for r in train)  # rewards/margins: dpo, simpo, orpo and kto
 
     if pairs:
         fig, ax = _figure("Rewards (beta x log-ratio to the reference; simpo, orpo: beta x mean token log-prob)",
@@ -146,6 +152,13 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
             if evals:
                 ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
         made.append(_save(fig, ax, folder / "orpo.png", steps))
+
+    if is_kto(train):  # kto: the KL reference point of each step (TRL's name)
+        fig, ax = _figure("KTO reference point (kl: the step's KL estimate, clamped at 0)", "kl")
+        ax.plot(*series(train, "kl"), label="kl", marker=".")
+        if evals:
+            ax.plot(*series(evals, "eval_kl"), label="eval_kl", marker="o", linestyle="--")
+        made.append(_save(fig, ax, folder / "kto.png", steps))
 
     if any("reward_std" in r for r in train):  # grpo: the mean reward of each window's completions (TRL's names)
         fig, ax = _figure("Reward (grpo: mean over each step's completions)", "reward")
@@ -246,12 +259,16 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
         perplexity = f" (perplexity {_fmt(evals[-1]['eval_perplexity'])})" if "eval_perplexity" in evals[-1] else ""
         lines.append(f"- eval loss: last {_fmt(evals[-1]['eval_loss'])}{perplexity} at step {evals[-1]['step']}; best "
                      f"{_fmt(best['eval_loss'])} at step {best['step']}")
-    if any(REWARDS[0] in r for r in train):
-        lines.append("- rewards (last train window): " + ", ".join(f"{key} {_fmt(last.get(key))}" for key in REWARDS))
+    if any(REWARDS[1] in r for r in train):
+        lines.append("- rewards (last train window): " + ", ".join(f"{key} {_fmt(last.get(key))}" for key in REWARDS
+                                                                   if key in last))
         if evals and f"eval_{REWARDS[0]}" in evals[-1]:
             lines.append(f"- eval rewards at step {evals[-1]['step']}: " + ", ".join(
                 f"{key} {_fmt(evals[-1].get(f'eval_{key}'))}" for key in REWARDS) + f"; first eval (step "
                 f"{evals[0]['step']}) accuracies {_fmt(evals[0].get(f'eval_{REWARDS[0]}'))}")
+    if is_kto(train):
+        lines.append(f"- kto reference point (last train window): kl {_fmt(last.get('kl'))}"
+                     + (f"; eval_kl {_fmt(evals[-1].get('eval_kl'))} at step {evals[-1]['step']}" if evals else ""))
     if any(ORPO_TERMS[1] in r for r in train):
         lines.append("- orpo terms (last train window): " + ", ".join(f"{key} {_fmt(last.get(key))}"
                                                                      for key in ORPO_TERMS))

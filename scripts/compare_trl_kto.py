@@ -104,13 +104,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("/tmp/compare-trl-kto"))
     parser.add_argument("--json", type=Path, default=None, help="Also write the results here.")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="Which (loss_type, method) to compare (default: all four).")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     data = write_data(args.out, SETTINGS["per_device_train_batch_size"] * args.steps)
     template = args.out / "chatml_no_trailing_newline.jinja"
     template.write_text(NO_TRAILING_NEWLINE)
     results = {}
-    for i, (name, (loss, method)) in enumerate(VARIANTS.items()):
+    for i, name in enumerate(args.variants):
+        loss, method = VARIANTS[name]
         trl = run_trl(args.model, data, template, args.steps, args.out / f"trl-{i}", loss, method)
         mine = run_hftrain(args.model, data, template, args.steps, args.out / f"hftrain-{i}", loss, method)
         results[name] = {"trl": trl, "hftrain": mine}

@@ -114,8 +114,9 @@ def preview(argv: list[str] | None = None) -> None:
         sides = [(" chosen", "input_ids", "labels"), (" rejected", "rejected_input_ids", "rejected_labels")]
     for i in range(min(args.show, len(train))):
         row = train[i]
+        rated = f", label {str(row['desirable']).lower()}" if "desirable" in row else ""  # kto's unpaired rows
         for name, ids_key, labels_key in sides:
-            print(f"--- example {i}{name} ({len(row[ids_key])} tokens, "
+            print(f"--- example {i}{name}{rated} ({len(row[ids_key])} tokens, "
                   f"{sum(lbl != IGNORE_INDEX for lbl in row[labels_key])} trained)")
             print(marked_text(tokenizer, row[ids_key], row[labels_key], color))
     print("--- statistics")
@@ -127,6 +128,8 @@ def preview(argv: list[str] | None = None) -> None:
               f"examples kept, {source['dropped_overlong']} dropped as over-long, {source['dropped_untrainable']} "
               f"dropped with no trained token, "
               + (f"{source['dropped_identical']} identical pairs dropped, " if "dropped_identical" in source else "")
+              + (f"{source['desirable']} desirable and {source['undesirable']} undesirable, "
+                 if "desirable" in source else "")
               + f"{source['truncated_examples']} truncated "
               f"({source['truncated_tokens']} tokens cut), {source['trained_tokens']} trained of "
               f"{source['tokens']} tokens ({share:.1%})")

@@ -8,7 +8,7 @@
 | messages          | `messages` (dataset_messages_field): [{role, content}] | messages        |
 | sharegpt          | `conversations`: [{from, value}] (human/gpt/system) | messages           |
 | preference        | `chosen`, `rejected`, optional `prompt` (strings or message lists) | prompt + chosen + rejected |
-| unpaired          | `prompt`, `completion`, `label` (bool: desirable or not; TRL's unpaired preference, for kto) | prompt + completion + label |
+| unpaired          | `prompt`, `completion`, `label` (bool, desirable or not): kto's | prompt + completion + label |
 
 Preference pairs with an explicit prompt have a `prompt` column; conversational pairs may instead hold two whole
 conversations whose shared leading messages are the prompt (TRL's implicit prompt).

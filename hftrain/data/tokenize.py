@@ -428,8 +428,9 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
     row is named by `origin` (its file and line) when `raw` has load_datasets' row numbers, else by position."""
     key = _fingerprint(raw, tokenizer, spec, fmt)
     pairs, unpaired = fmt == "preference", fmt == "unpaired"
+    tokenize = _tokenize_pairs_batch if pairs else _tokenize_unpaired_batch if unpaired else _tokenize_batch
     tokenized = raw.map(
-        _tokenize_pairs_batch if pairs else _tokenize_unpaired_batch if unpaired else _tokenize_batch, batched=True, with_indices=True,
+        tokenize, batched=True, with_indices=True,
         remove_columns=raw.column_names, num_proc=num_proc,
         fn_kwargs={"tokenizer": tokenizer, "spec": spec, "fmt": fmt, "name": name, "origin": origin},
         new_fingerprint=key, desc=f"tokenizing {name}",

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hftrain.config import Recipe
@@ -222,8 +221,9 @@ def balance_warning(recipe: Recipe, desirable: int, undesirable: int) -> str | N
     if num_desirable == num_undesirable:
         return None
     w_d, w_u = recipe.desirable_weight, recipe.undesirable_weight
-    d_low, d_high = round(num_undesirable * w_u / num_desirable, 2), round(num_undesirable * w_u / num_desirable * 1.33, 2)
-    u_low, u_high = round(num_desirable * w_d / num_undesirable / 1.33, 2), round(num_desirable * w_d / num_undesirable, 2)
+    d_ratio, u_ratio = num_undesirable * w_u / num_desirable, num_desirable * w_d / num_undesirable
+    d_low, d_high = round(d_ratio, 2), round(d_ratio * 1.33, 2)
+    u_low, u_high = round(u_ratio / 1.33, 2), round(u_ratio, 2)
     if d_low <= w_d <= d_high or u_low <= w_u <= u_high:
         return None
     return (f"the training set has {desirable} desirable and {undesirable} undesirable examples, and neither "

@@ -189,6 +189,19 @@ def test_dpo_counts_two_sequences_per_pair_and_the_reference_copy(model_dir):
     assert "frozen reference copy" in dpo["DDP"].note and "precompute_ref_log_probs" in dpo["ZeRO-3"].note
 
 
+def test_kto_counts_one_sequence_per_row_and_the_reference_copy_as_dpo(model_dir):
+    """--objective kto: --batch rows are one sequence each (sft's activations), plus dpo's frozen copy."""
+    g, b, s = 4, 4, 128
+    shape = model_shape(str(model_dir))
+    sft = {r.strategy: r for r in estimate(shape, gpus=g, batch=b, seq=s).rows}
+    kto = {r.strategy: r for r in estimate(shape, gpus=g, batch=b, seq=s, objective="kto").rows}
+    dpo = {r.strategy: r for r in estimate(shape, gpus=g, batch=b // 2, seq=s, objective="dpo").rows}
+    for name, row in kto.items():
+        assert row.activations == sft[name].activations, name
+        assert row.weights == pytest.approx(dpo[name].weights) and row.cpu == pytest.approx(dpo[name].cpu), name
+    assert "kto's frozen reference copy" in kto["DDP"].note
+
+
 def test_sequence_parallel_divides_the_activations_and_is_recommended_for_long_sequences(model_dir):
     from hftrain.estimate import format_plan, sequence_parallel_hint
 

@@ -61,6 +61,9 @@ LATER_CHANGES = {
     ("objective", "help"): "issue 40: objective orpo",
     ("objective", "choices"): "issue 40: objective orpo",
     ("beta", "help"): "issue 40: orpo's beta",
+    ("loss_type", "help"): "issue 40: kto's loss types",
+    ("loss_type", "choices"): "issue 40: kto's loss types",
+    ("dataset_format", "choices"): "issue 40: kto's unpaired format",
 }
 
 

@@ -1,0 +1,129 @@
+"""kto through the real entry script: TRL's KTOTrainer gives the same steps, one step is the same whatever its split
+into micro-batches and processes (the KL reference point is the step's, not a micro-batch's), a resumed run
+continues exactly, the shipped recipe learns, and data without a label column or with one class is refused before
+the model loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, Run, launch, launch_env, run_script, write_jsonl
+
+pytestmark = pytest.mark.launch
+TINY_KTO = ["--config", str(REPO / "recipes" / "tiny-kto.yaml")]
+# 3 steps of 8 rows in file order, clipping active, no evaluation; SGD with momentum as tests/e2e/test_orpo.py
+EXACT = [*TINY_KTO, "--max_steps", "3", "--logging_steps", "1", "--train_sampling_strategy", "sequential",
+         "--validation_split_percentage", "0", "--optim", "sgd", "--sgd_momentum", "0.9", "--learning_rate", "2.0",
+         "--max_grad_norm", "0.2", "--warmup_steps", "0", "--save_steps", "2"]
+COMPARED = ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+            "logps/rejected")
+
+
+def assert_same_steps(run: Run, expected: Run) -> None:
+    """Per-step values of COMPARED and the final weights of `expected`."""
+    for key in COMPARED:
+        torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
+                                   torch.tensor([r[key] for r in expected.train_rows()]), rtol=1e-4, atol=1e-6,
+                                   msg=key)
+    weights = load_file(expected.output_dir / "final" / "model.safetensors")
+    for key, value in load_file(run.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, weights[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """1 process x 8 rows per step, a checkpoint at step 2: what the other layouts and the resume are compared with."""
+    return run_script(tmp_path_factory.mktemp("kto-one") / "out", *EXACT, "--per_device_train_batch_size", "8")
+
+
+def test_equal_to_trl_kto_trainer(tmp_path):
+    """scripts/compare_trl_kto.py: TRL 1.16's KTOTrainer and hftrain on the same rows, order and hyperparameters,
+    loss_type kto with full fine-tuning (a reference copy) and apo_zero_unpaired with LoRA (adapters disabled):
+    per-step loss, kl, rewards and log-probs within 1e-4 (the script's other two variants agree as well)."""
+    results = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_kto.py"), "--out", str(tmp_path),
+                           "--json", str(results), "--variants", "kto full", "apo_zero_unpaired lora"],
+                          capture_output=True, text=True, cwd=REPO, env=launch_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compared = json.loads(results.read_text())
+    assert sorted(compared) == ["apo_zero_unpaired lora", "kto full"]
+    assert any(row["kl"] > 0 for row in compared["kto full"]["trl"])  # the reference point was active
+    for name, runs in compared.items():
+        assert len(runs["trl"]) == len(runs["hftrain"]) == 3, name
+        assert runs["trl"][-1]["rewards/margins"] != runs["trl"][0]["rewards/margins"]  # both trained
+        for step, (theirs, ours) in enumerate(zip(runs["trl"], runs["hftrain"]), 1):
+            for key, value in theirs.items():
+                assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, step, key)
+
+
+def test_kto_step_is_the_same_over_micro_batches_and_processes(tmp_path, one_process):
+    """8 rows per step as 1 x 8, 4 micro-batches x 2 and 2 DDP processes x 2 micro-batches x 2: the same KL
+    reference point (each row's mismatched completion is its predecessor's in the step, across micro-batches and
+    processes), losses, statistics, clipped norms and weights."""
+    rows = one_process.train_rows()
+    assert rows[-1]["kl"] > 0 and rows[0]["grad_norm"] > 0.2  # the reference point and clipping were active
+    accum = run_script(tmp_path / "accum", *EXACT, "--per_device_train_batch_size", "2",
+                       "--gradient_accumulation_steps", "4")
+    ddp = launch(tmp_path / "ddp", *EXACT, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
+                 "2", preset="cpu_ddp")
+    assert ddp.state()["launch"]["model_wrapper"] == "DistributedDataParallel"
+    for run in (accum, ddp):
+        assert_same_steps(run, one_process)
+
+
+def test_kto_resumes_exactly(tmp_path, one_process):
+    """Resumed from checkpoint-2, step 3 and the final weights equal the uninterrupted run's."""
+    out = tmp_path / "out"
+    shutil.copytree(one_process.output_dir, out)
+    shutil.rmtree(out / "final")
+    resumed = run_script(out, *EXACT, "--per_device_train_batch_size", "8", "--resume_from_checkpoint", "latest")
+    (row,) = [r for r in resumed.train_rows() if r["step"] == 3]
+    expected = one_process.train_rows()[2]
+    for key in COMPARED:
+        assert row[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    weights = load_file(one_process.output_dir / "final" / "model.safetensors")
+    for key, value in load_file(out / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_tiny_kto_recipe_learns_the_feedback(tmp_path):
+    """The shipped recipe: desirable completions gain reward over undesirable ones, on the held-out rows too; the
+    report plots kto's terms and the model card names the objective."""
+    run = run_script(tmp_path / "out", *TINY_KTO)
+    said = " ".join((run.stdout + run.stderr).split())
+    assert "objective kto (kto), beta 0.1" in said and "reference: a frozen copy of the starting model" in said
+    assert "desirable," in said and "undesirable)" in said
+    rows, evals = run.train_rows(), run.eval_rows()
+    assert rows[0]["loss"] == pytest.approx(0.5) and rows[-1]["loss"] < 0.5  # step 1: policy = reference
+    assert rows[-1]["rewards/margins"] > 0.1
+    assert evals[-1]["eval_examples"] == 40 and evals[-1]["eval_rewards/margins"] > 0.1
+    card = (run.output_dir / "final" / "README.md").read_text()
+    assert "KTO (Kahneman-Tversky optimization" in card and "rewards/margins" in card
+    subprocess.run([sys.executable, "-m", "hftrain.report", str(run.output_dir)], check=True, cwd=REPO,
+                   env=launch_env(), capture_output=True)
+    report = (run.output_dir / "report" / "report.md").read_text()
+    assert "kto reference point" in report and (run.output_dir / "report" / "kto.png").exists()
+
+
+@pytest.mark.parametrize("rows, said", [
+    ([{"prompt": f"What is {i} + 1?", "completion": f" {i + 1}."} for i in range(8)],
+     "cannot train objective=kto: kto learns from unpaired feedback, rows of prompt, completion and label (true for "
+     "a desirable completion, false for an undesirable one), and it has format prompt_completion and no label column"),
+    ([{"prompt": f"What is {i} + 1?", "completion": f" {i + 1}.", "label": True} for i in range(8)],
+     "objective kto needs both desirable and undesirable examples, but every one of the 8 training examples is "
+     "desirable"),
+], ids=["no-label", "one-class"])
+def test_kto_data_without_both_classes_is_refused_before_the_model_loads(tmp_path, rows, said):
+    run = run_script(tmp_path / "out", "--model_name_or_path", str(REPO / "models" / "tiny-llama"), "--dataset_name",
+                     str(write_jsonl(tmp_path / "rows.jsonl", rows)), "--objective", "kto",
+                     "--validation_split_percentage", "0", check=False)
+    assert run.returncode != 0 and "Traceback" not in run.stderr and "Loading weights" not in run.stderr
+    assert said in " ".join(run.stderr.split())
+    assert run.stderr.count("hftrain: error") == 1

@@ -1,0 +1,170 @@
+"""objective kto against plain PyTorch: the KL reference point over the step's mismatched rows, the loss, its
+gradient and TRL's statistics, whatever the split into micro-batches; the plan's pairing across ranks; the
+collator's KL rows; TRL's balance warning; the recipe and data rules."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+
+from hftrain.config import Recipe, recipe_from_dict
+from hftrain.data import IGNORE_INDEX
+from hftrain.data.formats import detect_format, to_canonical
+from hftrain.errors import HftrainError
+from hftrain.objectives.kto import KTOCollator, KTOLoss, KTOPlan, balance_warning, kl_partners
+from hftrain.objectives.reference import FrozenReference, ReferenceLogProbs
+from tests.unit.test_objectives import VOCAB, plain_log_probs, tiny_llama
+
+DESIRABLE = [True, False, True, True, False, False]
+
+
+def rows_dataset() -> datasets.Dataset:
+    """6 rows: prompts of 3-5 tokens, completions of 2-4 tokens, labels DESIRABLE."""
+    gen = torch.Generator().manual_seed(5)
+    ids, labels, starts = [], [], []
+    for k in range(len(DESIRABLE)):
+        prompt, completion = 3 + k % 3, 2 + (k * 2) % 3
+        row = torch.randint(0, VOCAB, (prompt + completion,), generator=gen).tolist()
+        ids.append(row)
+        labels.append([IGNORE_INDEX] * prompt + row[prompt:])
+        starts.append(prompt)
+    return datasets.Dataset.from_dict({"input_ids": ids, "labels": labels, "desirable": DESIRABLE,
+                                       "prompt_length": starts})
+
+
+def padded(rows: list[tuple[list[int], int]]) -> dict[str, torch.Tensor]:
+    """Right-padded rows whose tokens from `start` on are trained."""
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    for r, (ids, start) in enumerate(rows):
+        input_ids[r, :len(ids)] = torch.tensor(ids)
+        labels[r, start:len(ids)] = torch.tensor(ids[start:])
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def plain_kto(policy, reference, data, beta: float, loss_type: str, w_d: float, w_u: float) -> dict:
+    """KTOTrainer's loss on the 6 rows as one micro-batch, written out: row k's KL row is its prompt followed by
+    row k-1's completion (row 0 takes row 5's)."""
+    ids, starts = data["input_ids"], data["prompt_length"]
+    rows = padded([(ids[k], starts[k]) for k in range(6)])
+    kl_rows = padded([(ids[k][:starts[k]] + ids[k - 1][starts[k - 1]:], starts[k]) for k in range(6)])
+    logps = plain_log_probs(policy, rows)[0]
+    with torch.no_grad():
+        ref = plain_log_probs(reference, rows)[0]
+        kl = (plain_log_probs(policy, kl_rows)[0] - plain_log_probs(reference, kl_rows)[0]).mean().clamp(min=0)
+    ratio = logps - ref
+    good = torch.tensor(DESIRABLE)
+    if loss_type == "kto":
+        losses = torch.where(good, w_d * (1 - torch.sigmoid(beta * (ratio - kl))),
+                             w_u * (1 - torch.sigmoid(beta * (kl - ratio))))
+    else:
+        losses = torch.where(good, w_d * (1 - torch.sigmoid(beta * ratio)), w_u * torch.sigmoid(beta * ratio))
+    rewards = beta * ratio.detach()
+    return {"loss": losses.mean(), "kl": kl if loss_type == "kto" else torch.zeros(()),
+            "rewards/chosen": rewards[good].mean(), "rewards/rejected": rewards[~good].mean(),
+            "rewards/margins": rewards[good].mean() - rewards[~good].mean(),
+            "logps/chosen": logps.detach()[good].mean(), "logps/rejected": logps.detach()[~good].mean()}
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_loss_gradient_and_statistics_equal_the_formula_over_micro_batches(loss_type):
+    """The 6 rows as micro-batches of 1, 2 and 3 rows (one step: `prepare_step` sees them all) give the loss,
+    gradient, kl and TRL-named statistics of the formula applied to the 6 rows at once; evaluation over the whole
+    set (its own reference point) gives the same eval metrics."""
+    beta, w_d, w_u = 0.5, 1.0, 1.3
+    recipe = Recipe(objective="kto", loss_type=loss_type, beta=beta, desirable_weight=w_d, undesirable_weight=w_u)
+    policy, reference = tiny_llama(0), tiny_llama(1)
+    data = rows_dataset()
+    expected = plain_kto(policy, reference, data, beta, loss_type, w_d, w_u)
+    expected["loss"].backward()
+    grads = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    module = KTOLoss(policy, recipe, FrozenReference(ReferenceLogProbs(reference, False), torch.device("cpu")))
+    collator = KTOCollator(data, 0, 64)
+    plan = KTOPlan(6, 1, 1, 6, 0, shuffle=False)  # the step's 6 rows, each with its partner over the step
+    items = list(plan.micro_batches(0, 0))
+    batches = [{k: v for k, v in collator(group).items() if k != "num_examples"}
+               for group in (items[0], items[1] + items[2], items[3] + items[4] + items[5])]
+    module.train()
+    module.prepare_step(module, batches, lambda t: t)
+    loss = sum(module(**b) for b in batches) / 6
+    loss.backward()
+    torch.testing.assert_close(loss, expected["loss"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(module.kl, expected["kl"].float(), rtol=1e-5, atol=1e-6)
+    assert loss_type == "apo_zero_unpaired" or float(expected["kl"]) > 0  # the reference point is active
+    for a, p in zip(grads, policy.parameters()):
+        torch.testing.assert_close(p.grad, a, rtol=1e-4, atol=1e-6)
+    stats = module.pop_stats()
+    for name in ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        torch.testing.assert_close(stats[name].float() / 6, expected[name].float(), rtol=1e-5, atol=1e-6, msg=name)
+    module.eval()  # evaluation: plain rows, rotated over the whole set as the 6 rows are here
+    eval_batch = {k: v for k, v in collator(list(range(6))).items() if k != "num_examples"}
+    if loss_type == "kto":
+        module.set_kl(module.kl_sums(module, [eval_batch], lambda t: t))
+    with torch.no_grad():
+        loss_sum = module(**eval_batch)
+    metrics = module.eval_metrics(float(loss_sum), 6, {k: float(v) for k, v in module.pop_stats().items()})
+    assert metrics["eval_loss"] == pytest.approx(float(expected["loss"].detach()), rel=1e-5)
+    for name in ("kl", "rewards/margins", "logps/rejected"):
+        assert metrics[f"eval_{name}"] == pytest.approx(float(expected[name]), rel=1e-5, abs=1e-7), name
+
+
+def test_the_plan_pairs_each_row_with_its_predecessor_in_the_step_across_ranks_and_micro_batches():
+    """2 ranks x 2 micro-batches x 2 rows: every (row, partner) of the step is TRL's pairing of the step's rows in
+    the one-piece order, so the KL rows are those of one process with the whole step in one micro-batch."""
+    split = KTOPlan(16, 2, 2, 2, 7, shuffle=True)
+    whole = KTOPlan(16, 8, 1, 1, 7, shuffle=True)
+    for step in range(2):
+        pieces = [pair for rank in (0, 1) for pair in
+                  [p for batch in list(split.micro_batches(0, rank))[2 * step:2 * step + 2] for p in batch]]
+        (one,) = list(whole.micro_batches(0, 0))[step:step + 1]
+        assert sorted(pieces) == sorted(one)
+        rows = [row for row, _ in one]
+        assert [partner for _, partner in one] == rows[-1:] + rows[:-1] == kl_partners(rows)
+
+
+def test_the_collator_builds_each_kl_row_from_its_prompt_and_the_partners_completion():
+    data = rows_dataset()
+    batch = KTOCollator(data, 0, 7)([(2, 5), (0, 1)])
+    for r, (row, partner) in enumerate([(2, 5), (0, 1)]):
+        start, other = data[row]["prompt_length"], data[partner]["prompt_length"]
+        ids = (data[row]["input_ids"][:start] + data[partner]["input_ids"][other:])[:7]  # cut to max_length
+        assert batch["kl_input_ids"][r, :len(ids)].tolist() == ids
+        assert batch["kl_labels"][r].tolist() == [IGNORE_INDEX] * start + ids[start:] + [IGNORE_INDEX] * (
+            batch["kl_labels"].shape[1] - len(ids))
+    assert batch["desirable"].tolist() == [DESIRABLE[2], DESIRABLE[0]]
+
+
+def test_balance_warning_follows_trls_recommended_range():
+    """TRL's rule (the KTO paper's Eq. 8): 300 desirable and 100 undesirable at weights 1, 1 are outside both
+    ranges, desirable_weight [0.33, 0.44] or undesirable_weight [2.26, 3.0]; either weight inside silences it."""
+    said = balance_warning(Recipe(objective="kto"), 300, 100)
+    assert "desirable_weight in [0.33, 0.44] OR undesirable_weight in [2.26, 3.0]" in said
+    assert balance_warning(Recipe(objective="kto", desirable_weight=0.4), 300, 100) is None
+    assert balance_warning(Recipe(objective="kto", undesirable_weight=2.5), 300, 100) is None
+    assert balance_warning(Recipe(objective="kto"), 200, 200) is None
+
+
+def test_unpaired_data_is_detected_for_kto_only_and_its_label_must_be_a_bool():
+    columns = ["prompt", "completion", "label"]
+    assert detect_format(columns, "auto", "text", "messages", "d", "kto") == "unpaired"
+    assert detect_format(columns, "auto", "text", "messages", "d", "sft") == "prompt_completion"
+    with pytest.raises(HftrainError, match="label must be true .* or false .*, got 'yes'"):
+        to_canonical({"prompt": "a", "completion": "b", "label": "yes"}, "unpaired", "text", "messages", "row 3")
+
+
+def test_kto_recipe_rules():
+    recipe = recipe_from_dict({"objective": "kto"}, for_training=False)
+    assert recipe.loss_type == "kto"  # KTOConfig's default
+    with pytest.raises(HftrainError) as err:
+        recipe_from_dict({"objective": "kto", "loss_type": "sigmoid", "desirable_weight": 0,
+                          "precompute_ref_log_probs": True, "packing": True}, for_training=False)
+    said = " ".join(str(err.value).split())
+    for part in ("loss_type=sigmoid is not a kto loss", "desirable_weight must be > 0",
+                 "precompute_ref_log_probs with objective kto is not supported",
+                 "packing with objective=kto is refused"):
+        assert part in said, part
+    with pytest.raises(HftrainError, match="loss_type=kto is a kto loss, but objective=dpo"):
+        recipe_from_dict({"objective": "dpo", "loss_type": "kto"}, for_training=False)
