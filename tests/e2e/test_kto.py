@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, Run, launch, launch_env, run_script, write_jsonl
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, launch_env, run_script, write_jsonl
 
 pytestmark = pytest.mark.launch
 TINY_KTO = ["--config", str(REPO / "recipes" / "tiny-kto.yaml")]
@@ -91,6 +91,15 @@ def test_kto_resumes_exactly(tmp_path, one_process):
     weights = load_file(one_process.output_dir / "final" / "model.safetensors")
     for key, value in load_file(out / "final" / "model.safetensors").items():
         torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
+def test_kto_under_sharded_presets_equals_one_process(tmp_path, one_process, preset):
+    """2 sharded processes x 4 rows = 1 process x 8 rows, full fine-tuning: the frozen copy partitioned (ZeRO-3) or
+    sharded (FSDP2) like the policy, the step's KL pass through the strategy's wrapper."""
+    run = launch(tmp_path / "out", *EXACT, "--per_device_train_batch_size", "4", preset=preset, processes=2,
+                 script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY)
+    assert_same_steps(run, one_process)
 
 
 def test_tiny_kto_recipe_learns_the_feedback(tmp_path):
