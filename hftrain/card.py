@@ -24,9 +24,9 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 
 from hftrain.config import Recipe
-from hftrain.layout import CONFIG_FILE, METRICS_FILE, STATE_FILE
-from hftrain.recipe.data import looks_local
-from hftrain.recipe.hub import SECRET_FIELDS
+from hftrain.fields.data import looks_local
+from hftrain.fields.hub import SECRET_FIELDS
+from hftrain.paths import CONFIG_FILE, METRICS_FILE, STATE_FILE
 from hftrain.report import plot_loss
 
 CARD_FILE = "README.md"

@@ -39,7 +39,7 @@ import yaml
 import hftrain
 from hftrain.config import PRESET_DIR, SHIPPED, load_recipe, read_yaml, recipe_file, shipped_recipes
 from hftrain.errors import ConfigError, HftrainError, run_tool
-from hftrain.layout import DEMO_RECIPE
+from hftrain.paths import DEMO_RECIPE
 from hftrain.preemption import EXIT_PREEMPTED
 from hftrain.presets import layout_problems, needs
 

@@ -22,28 +22,28 @@ import yaml
 
 from hftrain import from_trl
 from hftrain.errors import ConfigError, first_line
-from hftrain.layout import DEFAULT_DATASET as DEFAULT_DATASET  # `as`: re-exported (shipped paths, now in layout)
-from hftrain.layout import DEFAULT_MODEL, FINAL_DIR, PREFIX, RECIPE_DIR
-from hftrain.layout import PRESET_DIR as PRESET_DIR
-from hftrain.layout import SHIPPED as SHIPPED
-from hftrain.recipe import recipe_field as _f
-from hftrain.recipe.data import DataFields, DatasetSource, looks_local
-from hftrain.recipe.data import problems as data_problems
-from hftrain.recipe.evaluation import EvaluationFields
-from hftrain.recipe.evaluation import problems as evaluation_problems
-from hftrain.recipe.grpo import OBJECTIVE_DEFAULTS, GRPOFields
-from hftrain.recipe.grpo import problems as grpo_problems
-from hftrain.recipe.hub import SECRET_FIELDS, HubFields
-from hftrain.recipe.hub import problems as hub_problems
-from hftrain.recipe.hub import unused as hub_unused
-from hftrain.recipe.monitoring import MonitoringFields
-from hftrain.recipe.monitoring import problems as monitoring_problems
-from hftrain.recipe.objectives import ObjectiveFields
-from hftrain.recipe.objectives import problems as objective_problems
-from hftrain.recipe.parallel import ParallelFields
-from hftrain.recipe.parallel import problems as parallel_problems
-from hftrain.recipe.peft import PeftFields
-from hftrain.recipe.peft import problems as peft_problems
+from hftrain.fields import recipe_field as _f
+from hftrain.fields.data import DataFields, DatasetSource, looks_local
+from hftrain.fields.data import problems as data_problems
+from hftrain.fields.evaluation import EvaluationFields
+from hftrain.fields.evaluation import problems as evaluation_problems
+from hftrain.fields.grpo import OBJECTIVE_DEFAULTS, GRPOFields
+from hftrain.fields.grpo import problems as grpo_problems
+from hftrain.fields.hub import SECRET_FIELDS, HubFields
+from hftrain.fields.hub import problems as hub_problems
+from hftrain.fields.hub import unused as hub_unused
+from hftrain.fields.monitoring import MonitoringFields
+from hftrain.fields.monitoring import problems as monitoring_problems
+from hftrain.fields.objectives import ObjectiveFields
+from hftrain.fields.objectives import problems as objective_problems
+from hftrain.fields.parallel import ParallelFields
+from hftrain.fields.parallel import problems as parallel_problems
+from hftrain.fields.peft import PeftFields
+from hftrain.fields.peft import problems as peft_problems
+from hftrain.paths import DEFAULT_DATASET as DEFAULT_DATASET  # `as`: re-exported (shipped paths, in hftrain.paths)
+from hftrain.paths import DEFAULT_MODEL, FINAL_DIR, PREFIX, RECIPE_DIR
+from hftrain.paths import PRESET_DIR as PRESET_DIR
+from hftrain.paths import SHIPPED as SHIPPED
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
 OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
@@ -411,7 +411,7 @@ def _dataset_source(index: int, value: dict) -> DatasetSource:
 
 
 def with_objective_defaults(values: dict[str, Any]) -> dict[str, Any]:
-    """`values` plus the objective's own defaults (recipe.grpo.OBJECTIVE_DEFAULTS: TRL's GRPOConfig differs from
+    """`values` plus the objective's own defaults (fields.grpo.OBJECTIVE_DEFAULTS: TRL's GRPOConfig differs from
     DPOConfig there) for the fields they leave unset."""
     return {**OBJECTIVE_DEFAULTS.get(values.get("objective"), {}), **values}
 

@@ -28,28 +28,21 @@ from hftrain import card, checkpoint
 from hftrain.config import PRESET_DIR, Recipe, load_recipe, read_yaml, unused_settings
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.data.feeds import setup_examples
-from hftrain.data.vision import load_image_chats
+from hftrain.data.image_chats import load_image_chats
 from hftrain.errors import HftrainError, first_line, run_tool, same_in_every_process
 from hftrain.eval_tasks import TaskEvaluation
 from hftrain.hub import HubPush, repo_url
-from hftrain.layout import CONFIG_FILE, FINAL_DIR, HUB_UPLOAD_DIR, PROFILE_DIR
-from hftrain.metrics import (
-    FlopCounter,
-    RunMeter,
-    StepProfiler,
-    StepResult,
-    Window,
-    add_stats,
-    current_memory_mb,
-    summed_stats,
-)
+from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary
 from hftrain.objectives import objective_for
 from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
 from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve, run_process
+from hftrain.paths import CONFIG_FILE, FINAL_DIR, HUB_UPLOAD_DIR, PROFILE_DIR
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest, signal_names
 from hftrain.preflight import preflight
 from hftrain.samples import CompletionSamples
+from hftrain.steps import StepResult, Window, add_stats, summed_stats
+from hftrain.ties import check_ties
 from hftrain.tracking import MetricLogger, ProgressDisplay, quiet_other_ranks
 from hftrain.vision import build_processor, is_image_text
 from hftrain.watchdog import Watchdog
@@ -227,7 +220,7 @@ class Finetune:
                               f"{self.plan.global_batch} for base_batch_size {recipe.base_batch_size})")
         self.optimizer = build_optimizer(recipe, self.model, self.learning_rate)
         self.model, self.optimizer = self.backend.prepare(self.model, self.optimizer)
-        checkpoint.check_ties(self.backend.unwrap(self.model), f"preparing the model for {self.backend.record.name}")
+        check_ties(self.backend.unwrap(self.model), f"preparing the model for {self.backend.record.name}")
         self.scheduler = build_scheduler(recipe, self.optimizer, self.total_steps)  # on the optimizer that steps
         self.objective_tensors = self.objective.prepare(self)  # e.g. dpo's reference: placed, precomputed
         self.progress, resumed = checkpoint.Progress(world_size=self.dp.world), {}

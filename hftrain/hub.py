@@ -27,7 +27,7 @@ from pathlib import Path
 from huggingface_hub import HfApi, constants, get_token
 
 from hftrain.errors import HftrainError, first_line
-from hftrain.recipe.hub import repo_id as recipe_repo_id
+from hftrain.fields.hub import repo_id as recipe_repo_id
 
 LAST_CHECKPOINT = "last-checkpoint"  # hub_strategy checkpoint: where the newest checkpoint-N goes in the repo
 

@@ -34,8 +34,8 @@ from hftrain import card, hub, vision
 from hftrain.checkpoint import never_world_writable
 from hftrain.config import read_yaml, recipe_subset
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
-from hftrain.layout import CONFIG_FILE
 from hftrain.model import DTYPES, load_error, name_deepspeeds_cpu_accelerator, quantization_config, quiet_peft
+from hftrain.paths import CONFIG_FILE
 
 MERGE_FILE = "hftrain_merge.json"
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")

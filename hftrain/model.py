@@ -28,7 +28,6 @@ from transformers import (
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hftrain import vision
-from hftrain.checkpoint import held_ties
 from hftrain.compat.liger import apply_liger_kernel_to_instance
 from hftrain.compat.torch import is_compiled
 from hftrain.compat.transformers import (
@@ -40,6 +39,7 @@ from hftrain.compat.transformers import (
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError, first_line
+from hftrain.ties import held_ties
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANT_STORAGE = {"uint8": torch.uint8, **DTYPES}
@@ -512,7 +512,7 @@ class CausalLMTokenLoss(WrapsCausalLM):
         (not padding) is needed only for the router loss. `shift_labels` instead of `labels`: the target of every
         position, already shifted (a sequence-parallel shard, whose last target is the next shard's first token).
         `model_inputs`: whatever else the model takes as it is (an image-text processor's pixel_values,
-        attention_mask, image_grid_thw, ...: hftrain.data.vision)."""
+        attention_mask, image_grid_thw, ...: hftrain.data.image_chats)."""
         targets = labels[:, 1:] if shift_labels is None else shift_labels
         trained = targets != IGNORE_INDEX
         rows = input_ids.shape

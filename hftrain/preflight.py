@@ -35,14 +35,14 @@ from hftrain.compat import transformers as compat_transformers
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError
 from hftrain.estimate import ulysses_splits
+from hftrain.fields.grpo import VLLM_REQUIREMENT
+from hftrain.fields.parallel import V_SCHEDULES
 from hftrain.model import DTYPES, HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, router_coefficient
 from hftrain.parallel.deepspeed import deepspeed_problems
 from hftrain.parallel.expert import expert_problems
 from hftrain.parallel.launch import Launch, strategy_problems
 from hftrain.parallel.pipeline import PIPELINE_MODEL_TYPES, pipeline_problems
 from hftrain.parallel.tensor import fsdp_tp_blocks_disagree
-from hftrain.recipe.grpo import VLLM_REQUIREMENT
-from hftrain.recipe.parallel import V_SCHEDULES
 from hftrain.stages import STAGES_PER_PROCESS, stage_layout
 from hftrain.versions import feature_problem
 
@@ -123,7 +123,7 @@ def library_problems(recipe: Recipe, launch: Launch) -> list[str]:
 
 def vllm_problems(recipe: Recipe, launch: Launch, cuda: bool) -> list[str]:
     """use_vllm (grpo's colocated vLLM generation, hftrain.rl.vllm_generation): what the machine and the launch must
-    give it. Its recipe-only rules are hftrain.recipe.grpo's."""
+    give it. Its recipe-only rules are hftrain.fields.grpo's."""
     if not recipe.use_vllm:
         return []
     problems = []

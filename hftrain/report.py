@@ -21,7 +21,7 @@ import statistics
 from pathlib import Path
 
 from hftrain.errors import HftrainError, run_tool
-from hftrain.layout import FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STATE_FILE
+from hftrain.paths import FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STATE_FILE
 
 RANK_KEY = re.compile(r"^rank(\d+)/(.+)$")
 # what the loop timed as data wait: for a grpo run logged before generation_time was split from it, mostly the

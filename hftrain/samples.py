@@ -20,8 +20,8 @@ from transformers import GenerationConfig
 
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
-from hftrain.layout import COMPLETIONS_FILE, STATE_FILE
 from hftrain.model import pad_token_id
+from hftrain.paths import COMPLETIONS_FILE, STATE_FILE
 from hftrain.tracking import Table
 
 DEFAULT_NEW_TOKENS = 128

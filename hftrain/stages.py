@@ -22,12 +22,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from hftrain.checkpoint import held_ties, trained_names
+from hftrain.checkpoint import trained_names
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
-from hftrain.layout import FULL_STATE_FILE, MODEL_FILE, PIPELINE_CONVERTED_PREFIX
+from hftrain.fields.parallel import V_SCHEDULES
 from hftrain.optim import build_optimizer
-from hftrain.recipe.parallel import V_SCHEDULES
+from hftrain.paths import FULL_STATE_FILE, MODEL_FILE, PIPELINE_CONVERTED_PREFIX
+from hftrain.ties import held_ties
 
 STAGES_PER_PROCESS = {"1F1B": 1, "GPipe": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2, "DualPipeV": 2}
 PIPELINE_STATE_DIR = "pipeline_state"  # the checkpoint's DCP folder: model and optimizer state under HF names

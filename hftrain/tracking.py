@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError, first_line
-from hftrain.layout import METRICS_FILE
+from hftrain.paths import METRICS_FILE
 
 SECRET_NAME = re.compile(r"token|key|secret|password|credential", re.IGNORECASE)
 SECRET_VALUE = re.compile(r"^(hf_|sk-|ghp_|github_pat_|xox[bp]-)\w{8,}")

@@ -24,14 +24,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from hftrain.checkpoint import tied_groups
 from hftrain.config import read_yaml, recipe_subset
 from hftrain.data.tokenize import prepare_chat_template
 from hftrain.errors import HftrainError, first_line
-from hftrain.layout import COMPLETE_FILE, CONFIG_FILE, FINAL_DIR, MODEL_FILE, PREFIX, STATE_FILE
+from hftrain.fields.data import looks_local
 from hftrain.merge import BASE_FIELDS, load_dequantized_base, training_recipe
 from hftrain.model import fit_embeddings_to_tokenizer, lora_config
-from hftrain.recipe.data import looks_local
+from hftrain.paths import COMPLETE_FILE, CONFIG_FILE, FINAL_DIR, MODEL_FILE, PREFIX, STATE_FILE
+from hftrain.ties import tied_groups
 
 ADAPTER_CONFIG = "adapter_config.json"
 # what a checkpoint's recipe says about the model it trained: the base, the adapters, the tokenizer and template

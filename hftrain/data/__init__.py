@@ -6,7 +6,7 @@ Public names; the implementation lives in the submodules:
 - `tokenize`: chat templates, masks, truncation, statistics (`tokenize_dataset`)
 - `batching`: packing, `BatchPlan` (random, sequential or length-grouped order), `Collator`
 `python -m hftrain.data --config recipe.yaml --show 3` previews what will be trained.
-The data fields of the recipe and their rules (`problems`) are `hftrain/recipe/data.py`.
+The data fields of the recipe and their rules (`problems`) are `hftrain/fields/data.py`.
 """
 
 from hftrain.data.batching import (
@@ -30,7 +30,7 @@ from hftrain.data.tokenize import (
     tokenize_dataset,
     tokenize_example,
 )
-from hftrain.recipe.data import problems
+from hftrain.fields.data import problems
 
 __all__ = [
     "BatchPlan", "Collator", "eval_micro_batches", "make_loader", "pack_best_fit_decreasing", "row_lengths",

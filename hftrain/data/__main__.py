@@ -24,10 +24,10 @@ import sys
 
 from hftrain.config import load_recipe
 from hftrain.data.batching import Collator, training_plan, training_rows
+from hftrain.data.image_chats import image_token_ids, load_image_chats
 from hftrain.data.sources import load_datasets
 from hftrain.data.streaming import load_stream
 from hftrain.data.tokenize import IGNORE_INDEX
-from hftrain.data.vision import image_token_ids, load_image_chats
 from hftrain.errors import HftrainError, run_tool
 from hftrain.model import build_tokenizer, pad_token_id
 from hftrain.vision import build_processor, is_image_text, model_config

@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 
 from hftrain.data.batching import Collator, IndexedFeed, training_plan, training_rows
+from hftrain.data.image_chats import ImageChatCollator
 from hftrain.data.streaming import check_resume, load_stream, read_states
-from hftrain.data.vision import ImageChatCollator
 from hftrain.errors import HftrainError
-from hftrain.layout import STREAM_STATE
 from hftrain.model import pad_token_id
 from hftrain.parallel.launch import phase
+from hftrain.paths import STREAM_STATE
 
 
 def setup_examples(run) -> None:

@@ -39,7 +39,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 
 from hftrain.config import DatasetSource
-from hftrain.data import vision as vision_data
+from hftrain.data import image_chats
 from hftrain.data.batching import Collator
 from hftrain.data.formats import detect_format
 from hftrain.data.jsonlines import BAD_LINE, json_lines_dataset
@@ -47,7 +47,7 @@ from hftrain.data.sources import CHAT_FORMATS, FILE_BUILDERS, check_objective, l
 from hftrain.data.tokenize import DataSpec, prepare_chat_template, tokenize_dataset, tokenize_pair, tokenize_rows
 from hftrain.errors import HftrainError, first_line
 
-IMAGE_KEYS = ("text", "images")  # an image chat's row also keeps its rendered text and image paths (data.vision)
+IMAGE_KEYS = ("text", "images")  # an image chat's row also keeps its rendered text and image paths (data.image_chats)
 PACK_OPEN_ROWS = 8  # packing on the fly: rows filled at once (best fit among them); the fullest leaves past this
 
 
@@ -575,7 +575,7 @@ def _first_example(source: StreamSource) -> dict:
 
 def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
     """(StreamFeed, map-style eval set or None, stats) for `streaming: true`. `processor`: an image-text model's, whose
-    image chats are encoded by it (data.vision.stream_row), their images opened when a row is read and when it is
+    image chats are encoded by it (data.image_chats.stream_row), their images opened when a row is read and when it is
     collated, never kept."""
     spec = DataSpec.from_recipe(recipe)
     entries = recipe.dataset_mixture or [DatasetSource(recipe.dataset_name, recipe.dataset_config,
@@ -638,11 +638,11 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
     # skipped), so a bad one is named by its line
     origin = row_origin(name, False) if source.seeks and source.num_shards == 1 and not mixture else None
 
-    base = vision_data.base_folder(name)
+    base = image_chats.base_folder(name)
 
     def tokenize(example: dict, index: int) -> list[dict]:
         if processor is not None:
-            return [vision_data.stream_row(example, processor, spec, base, f"dataset {name!r} example {index}")]
+            return [image_chats.stream_row(example, processor, spec, base, f"dataset {name!r} example {index}")]
         kind, where = fmt, name
         if mixture:  # a mixture's records carry their source and the raw example as JSON
             part = example[MIXTURE_SOURCE]
@@ -677,9 +677,9 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
     if processor is None:
         collator = StreamCollator(0, recipe.packing, fmt == "preference")
     else:  # a dataset of images as bytes (an Image feature) is refused here, before its bytes reach a checkpoint
-        vision_data.check_image_paths(firsts[0], f"dataset {name!r} example 0")
-        filler = vision_data.filler_row(source.open().take(vision_data.FILLER_SCAN), processor, spec, base, name)
-        collator = vision_data.StreamImageCollator(processor, 0, base, name, filler, world)
+        image_chats.check_image_paths(firsts[0], f"dataset {name!r} example 0")
+        filler = image_chats.filler_row(source.open().take(image_chats.FILLER_SCAN), processor, spec, base, name)
+        collator = image_chats.StreamImageCollator(processor, 0, base, name, filler, world)
     per_pass = None  # raw training examples in a pass, when known (for the logged epoch)
     if source.num_rows is not None and not disjoint:
         per_pass = min(source.num_rows - held_out, recipe.max_samples or source.num_rows) or None
@@ -691,7 +691,7 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
                                              "eval_held_out": held_out},
                                "chat_template": template_note, "sources": []}
     if eval_raw is not None and processor is not None:
-        evaluation, stats["eval"] = vision_data.prepare(eval_raw, processor, spec, recipe.eval_dataset_name or name)
+        evaluation, stats["eval"] = image_chats.prepare(eval_raw, processor, spec, recipe.eval_dataset_name or name)
         evaluation.name = recipe.eval_dataset_name or f"{name} (eval)"
     elif eval_raw is not None:
         evaluation, eval_stats = tokenize_dataset(eval_raw, tokenizer, spec, eval_fmt,

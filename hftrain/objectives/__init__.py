@@ -13,7 +13,7 @@
   log-probs and their cross-run cache).
 - `grpo.py`: `grpo`, online RL (generation windows, rewards, TRL's GRPO loss; pieces in hftrain/rl/). It plugged in
   the way any objective does: a module with its `Objective` subclass, one entry in `OBJECTIVES`,
-  the name in the recipe's `objective` choices, its fields and rules in `hftrain/recipe/objectives.py`
+  the name in the recipe's `objective` choices, its fields and rules in `hftrain/fields/objectives.py`
   (`problems`, re-exported here); see docs/architecture.md, "Adding an objective".
 
 Every loss module returns a *sum* and says what it sums over (`loss_units(batch)`): the loop adds those units
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from hftrain.config import Recipe
+from hftrain.fields.objectives import problems
 from hftrain.model import CausalLMTokenLoss
 from hftrain.objectives.base import Objective
 from hftrain.objectives.grpo import GRPO
@@ -38,7 +39,6 @@ from hftrain.objectives.orpo import ORPO
 from hftrain.objectives.preference import PAIR_STATS, Preference, PreferenceLoss, pair_losses
 from hftrain.objectives.reference import AdapterReference, FrozenReference, PrecomputedReference, build_reference
 from hftrain.objectives.sft import SFT
-from hftrain.recipe.objectives import problems
 
 __all__ = ["OBJECTIVES", "PAIR_STATS", "AdapterReference", "FrozenReference", "Objective", "PrecomputedReference",
            "PreferenceLoss", "build_loss", "build_reference", "objective_for", "pair_losses", "problems"]

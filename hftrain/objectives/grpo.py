@@ -16,10 +16,10 @@ from hftrain.data.sources import hold_out, load_raw, renamed, training_sources
 from hftrain.data.streaming import read_states
 from hftrain.data.tokenize import prepare_chat_template
 from hftrain.errors import HftrainError
-from hftrain.layout import STREAM_STATE
 from hftrain.model import CausalLMTokenLoss
 from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import AdapterReference, FrozenReference
+from hftrain.paths import STREAM_STATE
 from hftrain.rl.generation import build_generator
 from hftrain.rl.grpo import GRPOLoss, ReferenceTokenLogProbs, Rollouts, reference_token_log_probs
 from hftrain.rl.rewards import column_problems, load_reward_functions

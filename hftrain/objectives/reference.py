@@ -30,8 +30,8 @@ from hftrain.compat.datasets import fingerprint
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX, eval_micro_batches
 from hftrain.errors import HftrainError
-from hftrain.layout import TMP_PREFIX
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, WrapsCausalLM
+from hftrain.paths import TMP_PREFIX
 
 
 def sequence_log_probs(lm: nn.Module, head_only: bool, input_ids: torch.Tensor,

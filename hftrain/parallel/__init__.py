@@ -15,13 +15,14 @@ parallelism), pipeline.py (pipeline stages through torch.distributed.pipelining,
 each stage sharded by FSDP2 under an FSDP2 preset).
 Nothing else in hftrain asks accelerate, the environment or the DeepSpeed JSON which strategy
 runs. The parallelism fields of the recipe and the rules judged from the recipe alone (`problems`) are
-`hftrain/recipe/parallel.py`; the rules that need the launch or the model config are in `hftrain/preflight.py`.
+`hftrain/fields/parallel.py`; the rules that need the launch or the model config are in `hftrain/preflight.py`.
 """
 
 from __future__ import annotations
 
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
+from hftrain.fields.parallel import problems
 from hftrain.parallel.base import Backend, DataParallel, Parallelism
 from hftrain.parallel.context import ContextParallelBackend, TensorContextParallelBackend
 from hftrain.parallel.deepspeed import DeepSpeedBackend
@@ -31,7 +32,6 @@ from hftrain.parallel.launch import Launch, devices_record, make_accelerator, no
 from hftrain.parallel.pipeline import PipelineBackend, PipelineFSDP2Backend
 from hftrain.parallel.sequence import SequenceParallelBackend
 from hftrain.parallel.tensor import FSDP2TensorParallelBackend, TensorParallelBackend
-from hftrain.recipe.parallel import problems
 
 __all__ = ["Backend", "DataParallel", "Launch", "ParallelDims", "Parallelism", "devices_record", "make_accelerator",
            "phase", "problems", "backend_class", "resolve", "run_process"]

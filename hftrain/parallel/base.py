@@ -28,9 +28,9 @@ from hftrain.checkpoint import keep_trained_weights
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.estimate import GIB
-from hftrain.layout import MODEL_FILE
 from hftrain.metrics import param_checksum
 from hftrain.model import DTYPES, parameter_count
+from hftrain.paths import MODEL_FILE
 from hftrain.stages import resume_layout_problem, unpipelined
 
 ALL_PARTS = ("weights", "gradients", "optimizer")  # the model state: what ZeRO-3 / FULL_SHARD split

@@ -24,8 +24,8 @@ from accelerate.utils import broadcast_object_list
 from hftrain.compat.deepspeed import loading_universal_checkpoint
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
-from hftrain.layout import UNIVERSAL_PREFIX
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
+from hftrain.paths import UNIVERSAL_PREFIX
 
 # "auto" entries hftrain fills: from the recipe (and world size) at start-up, or from the model's hidden size
 RECIPE_AUTO_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",

@@ -19,7 +19,7 @@ The numbers the loop owns stay exact (tests/e2e/test_expert_parallel.py, against
 
 No backend of its own: the layout is transformers' FSDP2 one, run by `FSDP2TensorParallelBackend` whatever the preset
 (tensor.py), with `model_load_kwargs` adding the expert degree. The rules that need the launch or the model's config
-are `expert_problems` (the preflight); those of the recipe alone are hftrain/recipe/parallel.py's.
+are `expert_problems` (the preflight); those of the recipe alone are hftrain/fields/parallel.py's.
 """
 
 from __future__ import annotations

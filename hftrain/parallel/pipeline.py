@@ -77,14 +77,14 @@ from hftrain.compat.torch import forward_order_with_comms, persistent_buffers, r
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
-from hftrain.layout import STATE_FILE
+from hftrain.fields.parallel import V_SCHEDULES
 from hftrain.metrics import param_checksum
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, router_coefficient
 from hftrain.optim import build_optimizer
 from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.tensor import model_load_kwargs
-from hftrain.recipe.parallel import V_SCHEDULES
+from hftrain.paths import STATE_FILE
 from hftrain.stages import (
     PIPELINE_STATE_DIR,
     STAGES_PER_PROCESS,
@@ -713,7 +713,7 @@ class PipelineBackend(Backend):
         writes their union in place of the file peft's save_pretrained wrote from its own stages (config and model
         card are peft's)."""
         lm = model.module.lm
-        if hasattr(lm, "peft_config"):  # LoRA with tp_size > 1 is refused (recipe/peft.py)
+        if hasattr(lm, "peft_config"):  # LoRA with tp_size > 1 is refused (fields/peft.py)
             from peft import get_peft_model_state_dict
             from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
 

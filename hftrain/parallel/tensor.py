@@ -34,9 +34,9 @@ from transformers.distributed import DistributedConfig
 from hftrain.compat.torch import local_block
 from hftrain.compat.transformers import device_mesh
 from hftrain.errors import HftrainError
-from hftrain.layout import FULL_STATE_FILE
 from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism, raise_tp_mismatch
 from hftrain.parallel.expert import load_kwargs as expert_load_kwargs
+from hftrain.paths import FULL_STATE_FILE
 
 
 @functools.cache

@@ -30,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hftrain.layout import STREAM_STATE
+from hftrain.paths import STREAM_STATE
 from tests.conftest import FAULTY_RANK, REPO, launch, run_main_cases, run_script, write_jsonl
 
 pytestmark = pytest.mark.launch

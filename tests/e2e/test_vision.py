@@ -13,7 +13,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from hftrain import vision
 from hftrain.config import load_recipe
-from hftrain.data.vision import load_image_chats, open_image
+from hftrain.data.image_chats import load_image_chats, open_image
 from hftrain.merge import merge
 from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, run_script
 
@@ -181,7 +181,7 @@ def test_a_qlora_adapter_on_image_chats_reproduces_the_logged_eval_loss(tmp_path
 
 @pytest.mark.skipif(not os.environ.get("HFTRAIN_TEST_MIXED_CHATS"),
                     reason="opt-in (HFTRAIN_TEST_MIXED_CHATS=1, ~50 s: two more runs beyond the CI budget); the "
-                           "collator's filler row is tested in tests/unit/test_data_vision.py")
+                           "collator's filler row is tested in tests/unit/test_data_image_chats.py")
 def test_text_only_chats_beside_image_chats_under_zero3_train_like_one_process(tmp_path):
     """A set that mixes text-only chats with image chats, one row per process and micro-batch, the projector trained:
     ZeRO-3 on 2 processes gives the 1-process losses. Without the collator's filler row, a process whose micro-batch

@@ -14,10 +14,10 @@ from hftrain.config import Recipe, validate
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
 from hftrain.eval_tasks import TaskEvaluation, metrics
+from hftrain.fields.evaluation import problems
 from hftrain.parallel.base import Backend, Parallelism
 from hftrain.parallel.launch import Launch
 from hftrain.preflight import evaluation_problems
-from hftrain.recipe.evaluation import problems
 from hftrain.samples import CompletionSamples, prompt_ids
 from tests.unit.parallel.conftest import fake_accelerator
 

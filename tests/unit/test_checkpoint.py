@@ -14,7 +14,7 @@ import torch
 import transformers
 import yaml
 
-from hftrain import checkpoint
+from hftrain import checkpoint, ties
 from hftrain.checkpoint import (
     BackgroundSaves,
     Progress,
@@ -27,9 +27,9 @@ from hftrain.checkpoint import (
 )
 from hftrain.config import Recipe, recipe_from_dict
 from hftrain.errors import HftrainError
-from hftrain.layout import COMPLETE_FILE, CONFIG_FILE, MODEL_FILE, STATE_FILE
 from hftrain.optim import build_scheduler, lr_factor
 from hftrain.parallel.base import Backend
+from hftrain.paths import COMPLETE_FILE, CONFIG_FILE, MODEL_FILE, STATE_FILE
 from tests.conftest import REPO
 
 MODEL = REPO / "models" / "tiny-llama"
@@ -346,20 +346,20 @@ class Wrapped(torch.nn.Module):
 def test_tied_aliases_are_found_by_identity_and_by_the_models_declaration():
     tied, untied = Wrapped(tie=True), Wrapped(tie=False)
     assert tied.lm.lm_head.weight is tied.lm.model.embed_tokens.weight  # what transformers built: one tensor
-    assert checkpoint.tied_groups(tied) == [{"lm.model.embed_tokens.weight", "lm.lm_head.weight"}]
-    assert checkpoint.declared_ties(tied) == [("lm.lm_head.weight", "lm.model.embed_tokens.weight")]
-    assert checkpoint.tied_groups(untied) == [] and checkpoint.declared_ties(untied) == []
-    assert checkpoint.broken_ties(tied) == []
+    assert ties.tied_groups(tied) == [{"lm.model.embed_tokens.weight", "lm.lm_head.weight"}]
+    assert ties.declared_ties(tied) == [("lm.lm_head.weight", "lm.model.embed_tokens.weight")]
+    assert ties.tied_groups(untied) == [] and ties.declared_ties(untied) == []
+    assert ties.broken_ties(tied) == []
     tied.lm.lm_head.weight = torch.nn.Parameter(tied.lm.lm_head.weight.detach().clone())  # two copies now
-    assert checkpoint.broken_ties(tied) == ["lm.lm_head.weight / lm.model.embed_tokens.weight"]
-    assert checkpoint.tied_groups(tied) == []
+    assert ties.broken_ties(tied) == ["lm.lm_head.weight / lm.model.embed_tokens.weight"]
+    assert ties.tied_groups(tied) == []
 
 
 @pytest.mark.parametrize("kept", ["lm.model.embed_tokens.weight", "lm.lm_head.weight"])
 def test_a_checkpoint_holding_a_tied_weight_under_one_name_matches_the_run(tmp_path, kept):
     """safetensors keeps a shared tensor once (accelerate's save_state drops the alias): either name restores both."""
     model = Wrapped(tie=True)
-    state = {k: v for k, v in model.state_dict().items() if k not in checkpoint.tied_groups(model)[0] - {kept}}
+    state = {k: v for k, v in model.state_dict().items() if k not in ties.tied_groups(model)[0] - {kept}}
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / MODEL_FILE))

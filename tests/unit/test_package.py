@@ -135,9 +135,9 @@ def test_the_hftrain_import_graph_has_no_cycle():
 
 def test_no_import_cycle_counting_every_import():
     """Not even one that only a function or a TYPE_CHECKING block closes (issue 25): the names two modules both need
-    live in the lower one (e.g. the run's file names in hftrain.layout, below config and checkpoint)."""
+    live in the lower one (e.g. the run's file names in hftrain.paths, below config and checkpoint)."""
     graph = _graph(_every_import)
-    assert "hftrain.config" in graph["hftrain.checkpoint"] and "hftrain.layout" in graph["hftrain.config"]
+    assert "hftrain.config" in graph["hftrain.checkpoint"] and "hftrain.paths" in graph["hftrain.config"]
     cycle = _cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
 
@@ -180,12 +180,12 @@ def test_test_files_have_unique_names():
 
 
 def test_recipe_groups_import_nothing_that_imports_config():
-    """config composes hftrain/recipe/*: those modules may import only hftrain.layout, hftrain.presets (which, like
-    layout, import nothing of hftrain) and each other, or the recipe's imports would run in a circle
+    """config composes hftrain/fields/*: those modules may import only hftrain.paths, hftrain.presets (which, like
+    paths, import nothing of hftrain) and each other, or the recipe's imports would run in a circle
     (docs/architecture.md)."""
     graph = _graph(_every_import)
-    groups = [name for name in graph if name == "hftrain.recipe" or name.startswith("hftrain.recipe.")]
+    groups = [name for name in graph if name == "hftrain.fields" or name.startswith("hftrain.fields.")]
     assert len(groups) >= 6
-    allowed = {"hftrain.layout", "hftrain.presets", "hftrain.recipe"}
-    assert graph["hftrain.layout"] == graph["hftrain.presets"] == set()
+    allowed = {"hftrain.paths", "hftrain.presets", "hftrain.fields"}
+    assert graph["hftrain.paths"] == graph["hftrain.presets"] == set()
     assert {name: graph[name] - allowed for name in groups} == {name: set() for name in groups}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hftrain import data, objectives, parallel
 from hftrain.config import FIELDS, SHIPPED, TYPES, DatasetSource, Recipe, build_arg_parser, check_output_dir, validate
-from hftrain.recipe import monitoring, peft
+from hftrain.fields import monitoring, peft
 
 BEFORE = json.loads((Path(__file__).parent / "recipe_schema_dc12903.json").read_text(encoding="utf-8"))
 

@@ -22,8 +22,8 @@ from transformers.utils import is_torchvision_available
 
 from hftrain import vision
 from hftrain.config import Recipe
+from hftrain.data.image_chats import PER_TOKEN_PAD, ImageChatCollator, encode, open_image, prepare
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec
-from hftrain.data.vision import PER_TOKEN_PAD, ImageChatCollator, encode, open_image, prepare
 from hftrain.model import CausalLMTokenLoss
 from tests.conftest import REPO, tiny_model_script
 

@@ -9,12 +9,12 @@ import transformers
 from hftrain import versions
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError
+from hftrain.fields.parallel import problems as parallel_problems
 from hftrain.parallel import ParallelDims, backend_class
 from hftrain.parallel.expert import expert_problems, load_kwargs, num_experts
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.tensor import FSDP2TensorParallelBackend
 from hftrain.preflight import preflight
-from hftrain.recipe.parallel import problems as parallel_problems
 from tests.conftest import REPO
 
 DDP2, DDP4 = Launch("ddp", 2, 2), Launch("ddp", 4, 4)

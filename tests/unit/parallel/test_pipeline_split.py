@@ -126,7 +126,7 @@ def test_v_placement_is_torchs_and_puts_the_first_and_last_stage_on_rank_0(pp):
 
 
 def test_v_schedules_need_a_microbatch_per_stage():
-    from hftrain.recipe.parallel import _pipeline_problems
+    from hftrain.fields.parallel import _pipeline_problems
 
     short = _pipeline_problems(Recipe(pp_size=2, pp_schedule="ZBVZeroBubble", pp_microbatches=3))
     assert any("at least as many microbatches as stages (4)" in p for p in short)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hftrain.recipe import GRPO_LOSS_TYPES
-from hftrain.recipe import recipe_field as _f
+from hftrain.fields import GRPO_LOSS_TYPES
+from hftrain.fields import recipe_field as _f
 
 
 @dataclass
@@ -94,7 +94,7 @@ def kto_problems(r) -> list[str]:
 
 
 def problems(r) -> list[str]:
-    """dpo / simpo settings and what a preference objective cannot be combined with (grpo's: recipe/grpo.py)."""
+    """dpo / simpo settings and what a preference objective cannot be combined with (grpo's: fields/grpo.py)."""
     problems, preference = [], r.objective in ("dpo", "simpo", "orpo", "kto")
     if r.objective == "grpo":
         return problems

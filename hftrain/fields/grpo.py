@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from hftrain.recipe import GRPO_LOSS_TYPES as LOSS_TYPES
-from hftrain.recipe import recipe_field as _f
+from hftrain.fields import GRPO_LOSS_TYPES as LOSS_TYPES
+from hftrain.fields import recipe_field as _f
 
 # GRPOConfig's defaults where they differ from DPOConfig's for the fields the two share; load_recipe applies them
 # to the fields a grpo recipe and its command line leave unset, so the resolved recipe shows them

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hftrain.layout import PRESET_DIR
+from hftrain.fields import recipe_field as _f
+from hftrain.paths import PRESET_DIR
 from hftrain.presets import layout_problems
-from hftrain.recipe import recipe_field as _f
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # two stages per process placed in a V (rank 0: the first and last)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hftrain.recipe import recipe_field as _f
+from hftrain.fields import recipe_field as _f
 
 
 @dataclass
@@ -55,7 +55,7 @@ def problems(r) -> list[str]:
         problems.append(f"eval_tasks_limit must be >= 1 or unset, got {r.eval_tasks_limit}")
     if r.eval_tasks_num_fewshot is not None and r.eval_tasks_num_fewshot < 0:
         problems.append(f"eval_tasks_num_fewshot must be >= 0 or unset, got {r.eval_tasks_num_fewshot}")
-    if r.objective == "grpo":  # grpo's log_completions is its rollouts' table (recipe/grpo.py)
+    if r.objective == "grpo":  # grpo's log_completions is its rollouts' table (fields/grpo.py)
         if sample_settings(r):
             problems.append(f"{', '.join(sample_settings(r))} apply to the eval samples of every objective but grpo; "
                             "grpo's log_completions logs its rollouts (rollouts.jsonl): remove them")

@@ -2,7 +2,7 @@
 the rules judged from the recipe alone. `config.Recipe` composes the mixins into one flat, typed schema and
 `config.validate` gathers every group's problems, so every problem is still reported at once.
 
-These modules import nothing of hftrain but `layout` (the recipe is passed in and read by field name): config
+These modules import nothing of hftrain but `paths` (the recipe is passed in and read by field name): config
 imports them, so they must not import config, nor anything that does (torch, the data pipeline, the backends);
 the concern's own package re-exports its `problems` next to its code (e.g. `hftrain.objectives.problems`).
 """

@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hftrain.layout import DEFAULT_DATASET
-from hftrain.recipe import recipe_field as _f
+from hftrain.fields import recipe_field as _f
+from hftrain.paths import DEFAULT_DATASET
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from hftrain.recipe import recipe_field as _f
+from hftrain.fields import recipe_field as _f
 
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 SECRET_FIELDS = ("hub_token",)  # never written to a file hftrain saves (hftrain_config.yaml, the model card)

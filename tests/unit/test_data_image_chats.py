@@ -1,4 +1,4 @@
-"""Image chats (hftrain.data.vision) on the shipped tiny LLaVA and shapes set: masks, image tokens, truncation,
+"""Image chats (hftrain.data.image_chats) on the shipped tiny LLaVA and shapes set: masks, image tokens, truncation,
 collation, and hftrain's loss against a plain transformers forward of the same processor output."""
 
 import json
@@ -11,8 +11,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from hftrain import vision
 from hftrain.config import Recipe
+from hftrain.data.image_chats import ImageChatCollator, ImageChats, collate, encode, open_image, prepare
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec
-from hftrain.data.vision import ImageChatCollator, ImageChats, collate, encode, open_image, prepare
 from hftrain.errors import HftrainError
 from hftrain.model import CausalLMTokenLoss
 from tests.conftest import REPO
@@ -243,7 +243,7 @@ def test_streamed_image_rows_collate_as_the_map_style_set(processor, rows):
     given as anything but paths cannot sit in a checkpointed stream state: refused, naming the example."""
     import datasets
 
-    from hftrain.data.vision import StreamImageCollator, filler_row, stream_row
+    from hftrain.data.image_chats import StreamImageCollator, filler_row, stream_row
 
     text_only = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Name a shape."}]},
                               {"role": "assistant", "content": [{"type": "text", "text": "A circle."}]}], "images": []}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hftrain.recipe import recipe_field as _f
+from hftrain.fields import recipe_field as _f
 
 
 @dataclass
