@@ -120,6 +120,27 @@ class GRPOFields:
     vllm_importance_sampling_clip_min: float | None = _f(
         None, "grpo, use_vllm: lower bound of the importance ratio (none: no lower bound).", group="grpo",
     )
+    tools: list[str] = _f(
+        [], "grpo: tool functions the model may call (TRL's tools), each a dotted import path pkg.module.func or "
+        "path/to/file.py:func of a function with type hints and a docstring describing every argument; their schemas "
+        "are rendered into the chat prompts by the chat template (apply_chat_template(tools=...)), a turn's calls are "
+        "parsed with the tokenizer's response_template (tokenizer_config.json), run, and their results appended as "
+        "tool messages, never trained; generation goes on until a turn without a call (docs/grpo.md).", group="grpo",
+    )
+    environment_factory: str | None = _f(
+        None, "grpo: a class (or callable) making one environment per rollout, as TRL's environment_factory: "
+        "reset(**row) before each rollout (a string it returns is appended to the prompt), its public methods are the "
+        "rollout's tools, a get_reward() method a reward function; pkg.module.Class or path/to/file.py:Class.",
+        group="grpo",
+    )
+    max_tool_calling_iterations: int | None = _f(
+        None, "grpo, tools: rounds of tool execution per rollout (TRL's); a turn whose calls go past it ends the "
+        "completion unexecuted (default: no limit but max_completion_length).", group="grpo",
+    )
+    tool_call_timeout: float = _f(
+        30.0, "grpo, tools: seconds each tool call may take; a call that raises or times out returns "
+        "{'error': message} as its result and counts in tools/failure_frequency.", group="grpo",
+    )
     ds3_gather_for_generation: bool = _f(
         True, "grpo, DeepSpeed ZeRO-3 (TRL's name and default): true gathers the whole model on every process for "
         "each generation batch (fast sampling; one full copy of the weights per process meanwhile); false samples "
@@ -193,7 +214,11 @@ def problems(r) -> list[str]:
                       "objective: grpo"),
                      (r.use_vllm, f"use_vllm is grpo's generation setting, but objective={r.objective}; remove it"),
                      (not r.ds3_gather_for_generation, "ds3_gather_for_generation: false is grpo's generation "
-                      f"setting, but objective={r.objective}; remove it")]
+                      f"setting, but objective={r.objective}; remove it"),
+                     (r.tools, f"tools is set but objective={r.objective}; tool calling is grpo's (set objective: "
+                      "grpo, or remove tools)"),
+                     (r.environment_factory is not None, f"environment_factory is set but objective={r.objective}; "
+                      "set objective: grpo, or remove it")]
         return [message for is_set, message in misplaced if is_set] + stray
     problems = stray + vllm_problems(r)
     if r.loss_type not in LOSS_TYPES:
@@ -234,5 +259,11 @@ def problems(r) -> list[str]:
          "or remove log_completions (output_dir/rollouts.jsonl has every completion)"),
         (not r.router_aux_loss_coef, "objective grpo does not add a router load-balancing loss yet; remove "
          "router_aux_loss_coef"),
+        (r.max_tool_calling_iterations is None or r.max_tool_calling_iterations >= 1,
+         f"max_tool_calling_iterations must be >= 1 or unset (no limit), got {r.max_tool_calling_iterations}"),
+        (r.max_tool_calling_iterations is None or r.tools or r.environment_factory,
+         "max_tool_calling_iterations is set without tools or environment_factory; it limits rounds of tool calls: "
+         "add tools, or remove it"),
+        (r.tool_call_timeout > 0, f"tool_call_timeout must be > 0 seconds, got {r.tool_call_timeout}"),
     ]
     return problems + [message for ok, message in checks if not ok]

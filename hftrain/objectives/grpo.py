@@ -24,6 +24,14 @@ from hftrain.rl.generation import build_generator
 from hftrain.rl.grpo import GRPOLoss, ReferenceTokenLogProbs, Rollouts, reference_token_log_probs
 from hftrain.rl.rewards import column_problems, load_reward_functions
 from hftrain.rl.rollouts import WindowPlan, is_conversational, render_prompts
+from hftrain.rl.tools import (
+    Tooling,
+    environment_methods,
+    environment_reward,
+    load_environment,
+    load_tools,
+    template_problems,
+)
 
 
 def build_token_reference(recipe, lm: nn.Module, device: torch.device,
@@ -64,8 +72,14 @@ class GRPO(Objective):
                             "a column with dataset_columns: {your_column: prompt}")
         funcs, reward_problems = load_reward_functions(recipe.reward_funcs)
         problems += reward_problems
+        tools, tool_problems = load_tools(recipe.tools)
+        factory, probe, environment_problems = load_environment(recipe.environment_factory)
+        problems += tool_problems + environment_problems
+        if probe is not None and callable(getattr(probe, "get_reward", None)):
+            funcs.append(environment_reward(type(probe)))
         others = [c for c in raw.column_names if c not in ("prompt", "completion", "completion_ids")]
-        problems += column_problems(funcs, others)
+        # reward functions also receive the rollouts' environments (TRL's environments=)
+        problems += column_problems(funcs, others + (["environments"] if probe is not None else []))
         eval_raw = None
         if recipe.reads_eval_dataset:  # TRL evaluates on the eval dataset it is given, and holds nothing out
             with run.accelerator.main_process_first():
@@ -95,11 +109,33 @@ class GRPO(Objective):
         chat = any(is_conversational(row) for row in raw["prompt"]) or (
             eval_raw is not None and any(is_conversational(row) for row in eval_raw["prompt"]))
         template_note = prepare_chat_template(run.tokenizer, recipe.chat_template_path, chat)
+        tooling = None
+        if recipe.tools or recipe.environment_factory:
+            # tool calling: chat prompts only (the tools are rendered by the chat template, the calls parsed from the
+            # model's turns), and a tokenizer that can render and parse a call (before the model loads)
+            problems = []
+            if not all(is_conversational(row) for row in raw["prompt"]):
+                problems.append(f"dataset {source.name!r} has text prompts; tool calling (tools / environment_factory) "
+                                "needs chat prompts (a list of messages), which the chat template renders with the "
+                                "tools' schemas and continues after each tool result")
+            problems += template_problems(run.tokenizer, tools + ([] if probe is None else environment_methods(probe)),
+                                          recipe.model_name_or_path)
+            if problems:
+                raise HftrainError("; ".join(problems))
+            dp = run.dp
+
+            def max_active(n: int) -> int:  # every data-parallel rank calls generate as often as the others
+                if run.accelerator.num_processes == 1:
+                    return n
+                return int(dp.gather(torch.tensor([n], device=run.accelerator.device)).max().item())
+
+            tooling = Tooling(recipe, tools, factory, probe, run.tokenizer, max_active)
+        schema_tools = tooling.schema_tools if tooling is not None else None
         run.train_set, run.collator, run.eval_collator = raw, None, None
         # the eval set: its prompts, rendered as the training ones (grpo evaluates by generating: Objective.evaluate)
-        run.eval_set = render_prompts(eval_raw, run.tokenizer, recipe.max_prompt_length) if eval_raw is not None \
-            else None
-        run.prompts = render_prompts(raw, run.tokenizer, recipe.max_prompt_length)
+        run.eval_set = render_prompts(eval_raw, run.tokenizer, recipe.max_prompt_length, schema_tools) \
+            if eval_raw is not None else None
+        run.prompts = render_prompts(raw, run.tokenizer, recipe.max_prompt_length, schema_tools)
         run.rows = run.prompts
         run.reward_funcs = funcs
         run.plan = WindowPlan(len(raw), recipe.num_generations, recipe.per_device_train_batch_size, world,
@@ -112,7 +148,7 @@ class GRPO(Objective):
         run.total_steps = recipe.max_steps if recipe.max_steps > 0 else \
             math.ceil(recipe.num_train_epochs * run.plan.steps_per_epoch)
         run.feed = Rollouts(recipe, run.plan, run.prompts, funcs, run.tokenizer, run.accelerator, run.dp,
-                            run.output_dir, run.watchdog.window)
+                            run.output_dir, run.watchdog.window, tooling)
         run.stream_state = None
         if run.resume_from is not None:  # a checkpoint inside a generation window holds each rank's buffer
             saved = read_states(run.resume_from, STREAM_STATE.format(index="*"))
@@ -144,7 +180,19 @@ class GRPO(Objective):
         feed.model, feed.loss_fn = run.model, run.token_loss
         feed.generator = build_generator(run.recipe, backend, run.model, run.token_loss.lm, run.accelerator,
                                          feed.sampling, feed.eos_ids, feed.pad_id)
+        if feed.tooling is not None:  # a tool result may not push a sequence past the model's context (TRL's rule)
+            config = getattr(run.token_loss.lm, "config", None)
+            feed.tooling.loop.max_model_length = getattr(config, "max_position_embeddings", None)
         return None
+
+    @staticmethod
+    def tools_note(run) -> str:
+        tooling, recipe = run.feed.tooling, run.recipe
+        if tooling is None:
+            return ""
+        rounds = recipe.max_tool_calling_iterations
+        return (f", calling tools {tooling.describe()} (up to {'unlimited' if rounds is None else rounds} rounds, "
+                f"{recipe.tool_call_timeout:g} s per call; tool results not trained)")
 
     def notes(self, run) -> list[str]:
         recipe, plan = run.recipe, run.plan
@@ -152,7 +200,8 @@ class GRPO(Objective):
         ref = reference.describe() if reference is not None else "none (beta 0)"
         return [f"objective grpo ({recipe.loss_type}, {recipe.importance_sampling_level}-level ratios, epsilon "
                 f"{recipe.epsilon:g}/{recipe.epsilon_high if recipe.epsilon_high is not None else recipe.epsilon:g}, "
-                f"beta {recipe.beta:g}; reference: {ref}); sampled with {run.feed.generator.describe()}; reward "
+                f"beta {recipe.beta:g}; reference: {ref}); sampled with {run.feed.generator.describe()}"
+                f"{self.tools_note(run)}; reward "
                 f"functions {', '.join(f.name for f in run.reward_funcs)}; each generation batch: "
                 f"{plan.prompts_per_window} prompts x {plan.num_generations} completions, trained for "
                 f"{plan.steps_per_window} optimizer step(s); every completion in {run.output_dir / 'rollouts.jsonl'}"]

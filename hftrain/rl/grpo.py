@@ -40,13 +40,16 @@ from hftrain.rl.rewards import RewardFailure, RewardFunction, score
 from hftrain.rl.rollouts import (
     Completion,
     Prompt,
+    Sampled,
     Sampling,
     WindowPlan,
     collate,
     is_conversational,
+    render_prompt,
     row_seed,
     sampling_log_probs,
 )
+from hftrain.rl.tools import Tooling
 from hftrain.tracking import Table
 
 ROLLOUTS_FILE = "rollouts.jsonl"
@@ -148,8 +151,9 @@ class Rollouts:
     `WindowPlan.micro_batches`."""
 
     def __init__(self, recipe, plan: WindowPlan, prompts, funcs: list[RewardFunction], tokenizer, accelerator,
-                 dp, output_dir: Path, busy=lambda name: nullcontext()):
+                 dp, output_dir: Path, busy=lambda name: nullcontext(), tooling: Tooling | None = None):
         self.recipe, self.plan, self.prompts, self.funcs = recipe, plan, prompts, funcs
+        self.tooling = tooling  # tool calling (hftrain.rl.tools): multi-turn rollouts
         self.busy = busy  # busy(name): a stretch that counts as progress for the hang watchdog (hftrain.watchdog)
         # dp: the data share (parallel.base.DataParallel). The ranks of one tensor-parallel group hold the same
         # data-parallel rank, so the same prompts, row seeds and completions; gathers count each group once.
@@ -241,8 +245,42 @@ class Rollouts:
             yield batch
 
     # ------------------------------------------------------------------------------------------ generation
-    def completion_value(self, prompt, text: str):
+    def completion_value(self, prompt, text: str, sampled: Sampled | None = None):
+        """What reward functions receive as the completion: its messages with tool calling (the assistant turns and
+        tool results, as TRL), else TRL's one assistant message for chat prompts, the text for text prompts."""
+        if sampled is not None and sampled.messages is not None:
+            return sampled.messages
         return [{"role": "assistant", "content": text}] if is_conversational(prompt.value) else text
+
+    def sample(self, prompts: list[Prompt], seed) -> tuple[list[Prompt], list[Sampled], list | None]:
+        """(the prompts, the environments' observations added, their completions, the environments or None) of
+        prompts[i] sampled with seed(i, turn): one turn each, or with tool calling the multi-turn rollouts
+        (hftrain.rl.tools), every process sampling together."""
+        if self.tooling is None:
+            return prompts, self.generator.sample([p.ids for p in prompts], [seed(i, 0) for i in
+                                                                             range(len(prompts))]), None
+
+        def render(value, columns):
+            return render_prompt(value, columns, self.tokenizer, self.recipe.max_prompt_length,
+                                 self.tooling.schema_tools)
+
+        prompts, episodes, environments = self.tooling.rollouts(self.generator.sample, list(prompts), seed, render)
+        return prompts, [Sampled(e.completion_ids, e.truncated, e.sampling_logps, e.tool_mask,
+                                 [c.record() for c in e.calls], e.messages) for e in episodes], environments
+
+    def tool_metrics(self, counts: torch.Tensor) -> dict[str, float]:
+        """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed / calls) of
+        completions whose [calls, failed calls] are `counts`; nothing without tool calling."""
+        if self.tooling is None:
+            return {}
+        calls, failures = counts[:, 0].sum().item(), counts[:, 1].sum().item()
+        return {"tools/call_frequency": calls / len(counts),
+                "tools/failure_frequency": failures / calls if calls else 0.0}
+
+    @staticmethod
+    def call_counts(s: Sampled) -> list[float]:
+        calls = s.tool_calls or []
+        return [float(len(calls)), float(sum(c["failed"] for c in calls))]
 
     @torch.no_grad()
     def generate(self, window: int) -> None:
@@ -253,34 +291,39 @@ class Rollouts:
         rows = plan.rank_rows(self.rank)
         self.model_was_training = self.model.training
         self.model.eval()
-        sampled = self.generator.sample([self.prompts[prompt_index[row // G]].ids for row in rows],
-                                        [row_seed(recipe.seed, window, row // G, row % G) for row in rows])
+        prompts, sampled, environments = self.sample(
+            [self.prompts[prompt_index[row // G]] for row in rows],
+            lambda i, turn: row_seed(recipe.seed, window, rows[i] // G, rows[i] % G, turn))
         completions = [Completion(row, row // G, prompt_index[row // G], s.completion_ids, s.truncated,
-                                  sampling_logps=s.sampling_logps) for row, s in zip(rows, sampled)]
+                                  sampling_logps=s.sampling_logps, tool_mask=s.tool_mask, tool_calls=s.tool_calls,
+                                  messages=s.messages) for row, s in zip(rows, sampled)]
         self.dp.check_replicas_agree(fingerprint([c.completion_ids for c in completions]), "completions")
-        prompts = [self.prompts[c.prompt] for c in completions]
         texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
         columns = {k: [p.columns[k] for p in prompts] for k in prompts[0].columns}
+        if environments is not None:  # TRL passes reward functions the rollouts' environments
+            columns["environments"] = environments
         local, failure = torch.full((len(completions), len(self.funcs)), math.nan), None
         if self.dp.leads_group:  # the ranks of a tensor-parallel group hold the same completions: scored once
             try:
-                local = score(self.funcs, [p.value for p in prompts], [self.completion_value(p, t) for p, t in
-                                                                         zip(prompts, texts)],
+                local = score(self.funcs, [p.value for p in prompts], [self.completion_value(p, t, s) for p, t, s in
+                                                                         zip(prompts, texts, sampled)],
                               [c.completion_ids for c in completions], columns)
             except RewardFailure as exc:  # still take part in the gather below: the other ranks are waiting in it
                 failure = str(exc)
         # Advantages are normalised over the whole window: every data-parallel rank's rewards, in window order (rank r
         # holds rows [r x b x S, (r + 1) x b x S)), gathered onto every rank, with each rank's failure flag.
         device = self.accelerator.device
-        lengths = torch.tensor([[len(c.completion_ids), float(c.truncated), float(failure is not None)]
-                                for c in completions])
+        # lengths count the tokens the model sampled (TRL's, tool results left out), then the calls and failed calls
+        lengths = torch.tensor([[c.model_tokens, float(c.truncated), *self.call_counts(s), float(failure is not None)]
+                                for c, s in zip(completions, sampled)])
         everything = self.dp.gather(torch.cat([local, lengths], dim=1).to(device)).cpu()
         all_rewards, all_lengths = everything[:, :len(self.funcs)], everything[:, len(self.funcs):-1]
         if everything[:, -1].any():
             self.stop_on_failure(window, failure, completions, prompts)
             return
         rewards, advantages, zero_std = group_advantages(all_rewards, self.weights, G, recipe.scale_rewards)
-        self.generated_metrics.append(self.reward_metrics(all_rewards, rewards, zero_std, all_lengths))
+        self.generated_metrics.append({**self.reward_metrics(all_rewards, rewards, zero_std, all_lengths),
+                                       **self.tool_metrics(all_lengths[:, 2:4])})
         mine = slice(rows.start, rows.stop)
         for c, r_k, r, a in zip(completions, all_rewards[mine].tolist(), rewards[mine].tolist(),
                                 advantages[mine].tolist()):
@@ -321,29 +364,35 @@ class Rollouts:
         rows = [row if row < total else 0 for row in mine]
         was_training = self.model.training
         self.model.eval()
-        sampled, b = [], recipe.per_device_eval_batch_size
+        sampled, b, rows_prompts, environments = [], recipe.per_device_eval_batch_size, [], []
         try:
             for k in range(0, per_rank, b):
                 chunk = rows[k:k + b]
-                seeds = [row_seed(recipe.seed, EVAL_WINDOW, row // G, row % G) for row in chunk]
-                sampled += self.generator.sample([prompts[row // G].ids for row in chunk], seeds)
+                chunk_prompts, chunk_sampled, chunk_environments = self.sample(
+                    [prompts[row // G] for row in chunk],
+                    lambda i, turn, chunk=chunk: row_seed(recipe.seed, EVAL_WINDOW, chunk[i] // G, chunk[i] % G, turn))
+                rows_prompts += chunk_prompts
+                sampled += chunk_sampled
+                environments += chunk_environments or []
         finally:
             if was_training:
                 self.model.train()
         ids = [s.completion_ids for s in sampled]
         dp.check_replicas_agree(fingerprint(ids), "eval completions")
-        rows_prompts = [prompts[row // G] for row in rows]
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in ids]
         local, failure = torch.full((len(rows), len(self.funcs)), math.nan), None
         if dp.leads_group:
             columns = {k: [p.columns[k] for p in rows_prompts] for k in rows_prompts[0].columns}
+            if environments:
+                columns["environments"] = environments
             try:
                 local = score(self.funcs, [p.value for p in rows_prompts],
-                              [self.completion_value(p, t) for p, t in zip(rows_prompts, texts)], ids, columns)
+                              [self.completion_value(p, t, s) for p, t, s in zip(rows_prompts, texts, sampled)], ids,
+                              columns)
             except RewardFailure as exc:  # still take part in the gather: the other ranks wait in it
                 failure = str(exc)
-        extra = torch.tensor([[len(c), float(s.truncated), float(row < total), float(failure is not None)]
-                              for c, s, row in zip(ids, sampled, mine)])
+        extra = torch.tensor([[s.model_tokens, float(s.truncated), *self.call_counts(s), float(row < total),
+                               float(failure is not None)] for s, row in zip(sampled, mine)])
         everything = dp.gather(torch.cat([local, extra], dim=1).to(self.accelerator.device)).cpu()
         if everything[:, -1].any():
             failures = gather_object([failure]) if self.accelerator.num_processes > 1 else [failure]
@@ -352,12 +401,13 @@ class Rollouts:
         everything = everything[everything[:, -2].bool()]  # the rows of every rank in order, fillers left out
         per_func, lengths = everything[:, :len(self.funcs)], everything[:, len(self.funcs):-2]
         rewards, _, zero_std = group_advantages(per_func, self.weights, G, recipe.scale_rewards)
+        tools = self.tool_metrics(lengths[:, 2:4])
         names = [f.name for f in self.funcs]
         records = [{"step": step, "group": row // G, "prompt_ids": p.ids, "completion_ids": c, "prompt": p.text,
                     "completion": t, "rewards": {n: (None if math.isnan(v) else v)
                                                  for n, v in zip(names, per_func[row].tolist())},
                     "reward": None if math.isnan(rewards[row]) else rewards[row].item(), "truncated": s.truncated,
-                    "row": row}
+                    "row": row, **self.tool_columns(s)}
                    for row, p, c, t, s in zip(mine, rows_prompts, ids, texts, sampled) if row < total]
         records = gather_object(records) if self.accelerator.num_processes > 1 else records
         if self.accelerator.is_main_process:
@@ -366,7 +416,7 @@ class Rollouts:
                 for row in sorted(unique):
                     f.write(json.dumps(unique[row]) + "\n")
         return {f"eval_{name}": value
-                for name, value in self.reward_metrics(per_func, rewards, zero_std, lengths).items()}
+                for name, value in {**self.reward_metrics(per_func, rewards, zero_std, lengths), **tools}.items()}
 
     def stop_on_failure(self, window: int, failure: str | None, completions: list[Completion], prompts) -> None:
         """A reward function failed on some rank: every rank sets the loop's stop reason (the failing rank's message,
@@ -447,7 +497,7 @@ class Rollouts:
                  "prompt_ids": p.ids, "completion_ids": c.completion_ids, "prompt": p.text, "completion": t,
                  "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, c.rewards)},
                  "reward": None if math.isnan(c.reward) else c.reward, "advantage": c.advantage,
-                 "truncated": c.truncated, "row": c.row}
+                 "truncated": c.truncated, "row": c.row, **self.tool_columns(c)}
                 for c, p, t in zip(completions, prompts, texts)]
         rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
         if self.accelerator.is_main_process:
@@ -460,6 +510,14 @@ class Rollouts:
                 for row in unique:
                     f.write(json.dumps(row) + "\n")
             self.latest_rows = unique
+
+    def tool_columns(self, c) -> dict:
+        """A rollout row's tool-calling columns: tool_mask (1 = a token the model sampled, 0 = a tool result's,
+        never trained; as long as completion_ids) and the executed calls in order (name, arguments, result, failed,
+        kept)."""
+        if self.tooling is None:
+            return {}
+        return {"tool_mask": c.tool_mask, "tool_calls": c.tool_calls}
 
     def truncate_rows(self, before_window: int) -> None:
         """On resume: keep the rows of the windows generated before the checkpoint's next window."""

@@ -33,8 +33,9 @@ class RewardFunction:
     func: Callable
 
 
-def _load(spec: str) -> Callable:
-    """The function `spec` names; ImportError / AttributeError / OSError say what is missing."""
+def load_object(spec: str) -> Callable:
+    """The object `spec` names (pkg.module.name or path/to/file.py:name); ImportError / AttributeError / OSError say
+    what is missing."""
     if ":" in spec:
         path, _, attr = spec.rpartition(":")
         file = Path(path).expanduser()
@@ -75,7 +76,7 @@ def load_reward_functions(specs: Sequence[str]) -> tuple[list[RewardFunction], l
     funcs, problems = [], []
     for spec in specs:
         try:
-            func = _load(spec)
+            func = load_object(spec)
         except Exception as exc:  # noqa: BLE001 - any failure of user code while importing is reported the same way
             problems.append(f"reward_funcs entry {spec!r} does not load ({type(exc).__name__}: {exc}); give a dotted "
                             "import path pkg.module.func or path/to/file.py:func")

@@ -47,23 +47,26 @@ class Prompt:
 PASSED_OVER = ("prompt", "completion", "completion_ids")  # columns TRL does not pass to reward functions
 
 
-def render_prompts(dataset, tokenizer, max_prompt_length: int | None) -> list[Prompt]:
-    """Every row's prompt rendered and tokenized; with max_prompt_length the last tokens are kept (next to where
-    the completion starts)."""
-    prompts = []
-    for row in dataset:
-        value = row["prompt"]
-        if is_conversational(value):
-            text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            text = value
-            ids = tokenizer(text)["input_ids"]
-        if max_prompt_length is not None and len(ids) > max_prompt_length:
-            ids = ids[-max_prompt_length:]
-            text = tokenizer.decode(ids)
-        prompts.append(Prompt(value, text, list(ids), {k: v for k, v in row.items() if k not in PASSED_OVER}))
-    return prompts
+def render_prompt(value, columns: dict, tokenizer, max_prompt_length: int | None, tools=None) -> Prompt:
+    """One prompt rendered (chat messages with the generation prompt and, with tool calling, the tools' schemas, as
+    TRL renders them: `apply_chat_template(tools=...)`) and tokenized; with max_prompt_length the last tokens are
+    kept (next to where the completion starts)."""
+    if is_conversational(value):
+        text = tokenizer.apply_chat_template(value, tools=tools or None, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        text = value
+        ids = tokenizer(text)["input_ids"]
+    if max_prompt_length is not None and len(ids) > max_prompt_length:
+        ids = ids[-max_prompt_length:]
+        text = tokenizer.decode(ids)
+    return Prompt(value, text, list(ids), columns)
+
+
+def render_prompts(dataset, tokenizer, max_prompt_length: int | None, tools=None) -> list[Prompt]:
+    """Every row's prompt rendered and tokenized (`render_prompt`)."""
+    return [render_prompt(row["prompt"], {k: v for k, v in row.items() if k not in PASSED_OVER}, tokenizer,
+                          max_prompt_length, tools) for row in dataset]
 
 
 @dataclass(frozen=True)
@@ -138,10 +141,11 @@ class WindowPlan:
         return window * self.steps_per_window + 1
 
 
-def row_seed(seed: int, window: int, group: int, index: int) -> int:
+def row_seed(seed: int, window: int, group: int, index: int, turn: int = 0) -> int:
     """The seed of one completion's sampling noise: completion `index` of prompt `group` of generation window
-    `window` (independent of the process count, the accumulation and the other rows of its batch)."""
-    key = f"{seed}:{window}:{group}:{index}".encode()
+    `window` (independent of the process count, the accumulation and the other rows of its batch); `turn`: the
+    model's turn after `turn` rounds of tool calls (tool calling), each with noise of its own."""
+    key = f"{seed}:{window}:{group}:{index}{f':{turn}' if turn else ''}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") % 2**63
 
 
@@ -215,6 +219,14 @@ class Sampled:
     completion_ids: list[int]
     truncated: bool
     sampling_logps: list[float] | None = None  # the sampler's log-prob of each completion token (NaN: none given)
+    # a multi-turn rollout with tool calls (hftrain.rl.tools): as in Completion
+    tool_mask: list[int] | None = None
+    tool_calls: list[dict] | None = None
+    messages: list[dict] | None = None
+
+    @property
+    def model_tokens(self) -> int:
+        return len(self.completion_ids) if self.tool_mask is None else sum(self.tool_mask)
 
 
 def cut_at_eos(tokens: list[int], eos_ids: set[int]) -> tuple[list[int], bool, int]:
@@ -238,6 +250,16 @@ class Completion:
     reward: float = math.nan
     advantage: float = 0.0
     sampling_logps: list[float] | None = None  # the sampler's log-prob of each token (vLLM), NaN where none
+    # tool calling (hftrain.rl.tools): 1 for each token the model sampled, 0 for the tool results and the template
+    # tokens around them (never trained); the executed calls; the completion's messages (what reward functions see)
+    tool_mask: list[int] | None = None
+    tool_calls: list | None = None
+    messages: list[dict] | None = None
+
+    @property
+    def model_tokens(self) -> int:
+        """The completion's length as TRL counts it: the tokens the model sampled."""
+        return len(self.completion_ids) if self.tool_mask is None else sum(self.tool_mask)
 
 
 def sampling_log_probs(prompt_ids: list[list[int]], completions: list[Completion], width: int) -> torch.Tensor:
@@ -254,8 +276,9 @@ def sampling_log_probs(prompt_ids: list[list[int]], completions: list[Completion
 def collate(prompt_ids: list[list[int]], completions: list[Completion], advantages: torch.Tensor, pad_id: int,
             mask_truncated: bool) -> dict[str, torch.Tensor]:
     """A micro-batch: prompt + completion right-padded (a causal model never attends to the right padding, so no
-    attention mask), labels = the trained completion tokens (-100 elsewhere; a truncated completion is not trained
-    with mask_truncated_completions), each completion's advantage, `num_examples`."""
+    attention mask), labels = the trained completion tokens (-100 elsewhere: tool results (tool_mask 0) are never
+    trained, and a truncated completion is not trained with mask_truncated_completions), each completion's advantage,
+    `num_examples`."""
     rows = [p + c.completion_ids for p, c in zip(prompt_ids, completions)]
     length = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
@@ -264,6 +287,9 @@ def collate(prompt_ids: list[list[int]], completions: list[Completion], advantag
         row = p + c.completion_ids
         input_ids[i, :len(row)] = torch.tensor(row)
         if not (mask_truncated and c.truncated):
-            labels[i, len(p):len(row)] = torch.tensor(c.completion_ids, dtype=torch.long)
+            trained = torch.tensor(c.completion_ids, dtype=torch.long)
+            if c.tool_mask is not None:
+                trained[torch.tensor(c.tool_mask) == 0] = IGNORE_INDEX
+            labels[i, len(p):len(row)] = trained
     return {"input_ids": input_ids, "labels": labels, "advantages": advantages.to(torch.float32),
             "num_examples": torch.tensor(len(rows))}
