@@ -6,7 +6,8 @@ Plots: loss and eval loss, learning rate, tokens/sec (global and per rank), per-
 throughput (stragglers stand out), step time split, peak memory per rank, heartbeat lag per rank against
 hang_timeout (a rank drifting toward a hang stands out), and for dpo/simpo/orpo/kto runs the rewards (TRL's
 rewards/* metrics, train and eval), for orpo its terms (nll_loss, log_odds_*), for kto its KL reference point
-(kl). The summary states what ran (from the newest hftrain_state.json), final and best losses, the rewards,
+(kl), for grpo its reward and, with tool calling, its tool use (tools/call_frequency, tools/failure_frequency).
+The summary states what ran (from the newest hftrain_state.json), final and best losses, the rewards,
 throughput, step-time split, memory, MFU, device-hours and cost, the largest heartbeat lag, and any straggler
 or desync the run reported.
 """
@@ -34,6 +35,7 @@ def wait_words(train: list[dict]) -> str:
     return WAIT_WORDS[any("reward_std" in r for r in train) and not any("generation_time" in r for r in train)]
 
 
+TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency")  # grpo with tool calling
 REWARDS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")  # dpo / simpo / orpo rows
 ORPO_TERMS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")  # orpo's two loss terms and its log odds (TRL's names)
 
@@ -172,6 +174,12 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
             ax.plot(*series(train, key), label=key, linestyle="--")
         made.append(_save(fig, ax, folder / "reward.png", steps))
 
+    if any(TOOL_METRICS[0] in r for r in train):  # grpo with tool calling (TRL's names)
+        fig, ax = _figure("Tool use (grpo: calls per completion, failed share of calls)", "value")
+        for key in TOOL_METRICS:
+            ax.plot(*series(train, key), label=key, marker=".")
+        made.append(_save(fig, ax, folder / "tools.png", steps))
+
     fig, ax = _figure("Learning rate", "learning rate")
     ax.plot(*series(train, "learning_rate"), marker=".")
     made.append(_save(fig, ax, folder / "learning_rate.png", steps))
@@ -254,6 +262,11 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
         lines.append(f"- reward (grpo): first {_fmt(train[0].get('reward'))}, last {_fmt(last.get('reward'))}, "
                      f"highest {_fmt(max(r['reward'] for r in train if r.get('reward') is not None))}; rollouts in "
                      "rollouts.jsonl")
+    if any(TOOL_METRICS[0] in r for r in train):
+        calls = [r for r in train if TOOL_METRICS[0] in r]
+        lines.append(f"- tool calls per completion: first {_fmt(calls[0][TOOL_METRICS[0]])}, last "
+                     f"{_fmt(calls[-1][TOOL_METRICS[0]])}; failed share of calls last "
+                     f"{_fmt(calls[-1][TOOL_METRICS[1]])}")
     if evals:
         best = min(evals, key=lambda r: r["eval_loss"])
         perplexity = f" (perplexity {_fmt(evals[-1]['eval_perplexity'])})" if "eval_perplexity" in evals[-1] else ""

@@ -12,6 +12,9 @@ preference.jsonl        {"prompt": [messages], "chosen": [assistant], "rejected"
                         against a plausible wrong one (another sum, capital, spelling or count)
 unpaired.jsonl          {"prompt": [messages], "completion": [assistant], "label": bool}: unpaired feedback (kto),
                         the right answer rated true or a plausible wrong one rated false, about half each
+tool_prompts.jsonl      {"prompt": [user question], "answer": int}: arithmetic for grpo with the calculator tool
+tool_sft.jsonl          {"prompt": ..., "completion": ...}: the calculator call, or the answer after its result, as
+                        models/tiny-tools' chat template renders them (recipes/tiny-tools-sft.yaml)
 
 The content is synthetic but regular (arithmetic, capitals, word games), so a tiny
 random model visibly learns it within a few dozen steps on CPU.
@@ -134,6 +137,36 @@ def unpaired_example(rng: random.Random) -> dict:
     return {"prompt": pair["prompt"], "completion": pair["chosen" if label else "rejected"], "label": label}
 
 
+def arithmetic_question(rng: random.Random) -> tuple[str, int, str, int, int]:
+    a, b, op = rng.randint(2, 99), rng.randint(2, 99), rng.choice("+-*")
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return f"What is {a} {op} {b}?", a, op, b, value
+
+
+def tool_prompt_example(rng: random.Random) -> dict:
+    """recipes/tiny-tools.yaml's GRPO prompts: an arithmetic question and its answer (the reward's column)."""
+    question, _, _, _, value = arithmetic_question(rng)
+    return {"prompt": [{"role": "user", "content": question}], "answer": value}
+
+
+# models/tiny-tools' chat template with tools=[hftrain.rl.example_tools.calculator], written out (a test renders the
+# template and compares): the SFT stage of recipes/tiny-tools.yaml teaches the turns GRPO's prompts lead into
+TOOLS_SYSTEM = ("<|im_start|>system\nTools:\ncalculator(a: integer, op: string, b: integer): Compute a op b."
+                "<|im_end|>\n")
+
+
+def tool_sft_example(rng: random.Random) -> dict:
+    """One of the two assistant turns of a calculator conversation as prompt / completion text: the call, or the
+    answer after the tool's result."""
+    question, a, op, b, value = arithmetic_question(rng)
+    prompt = f"{TOOLS_SYSTEM}<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"a": {a}, "op": "{op}", "b": {b}}}}}\n</tool_call>'
+    if rng.random() < 0.5:
+        return {"prompt": prompt, "completion": call}
+    return {"prompt": f"{prompt}{call}<|im_end|>\n<|im_start|>tool\n{value}<|im_end|>\n<|im_start|>assistant\n",
+            "completion": f"The answer is {value}."}
+
+
 def write(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
@@ -157,6 +190,9 @@ def main(out_dir: str = "data") -> None:
     write(out / "preference.jsonl", [preference_example(pairs) for _ in range(400)])
     feedback = random.Random(11)  # its own stream too
     write(out / "unpaired.jsonl", [unpaired_example(feedback) for _ in range(400)])
+    tools = random.Random(41)  # its own stream: adding it changed none of the files above
+    write(out / "tool_prompts.jsonl", [tool_prompt_example(tools) for _ in range(256)])
+    write(out / "tool_sft.jsonl", [tool_sft_example(tools) for _ in range(2000)])
 
 
 if __name__ == "__main__":

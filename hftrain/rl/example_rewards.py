@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 VOWELS = set("aeiouAEIOU")
 
 
@@ -15,3 +17,18 @@ def vowel_share(prompts, completions, completion_ids, **kwargs) -> list[float]:
     model learns within a few dozen steps, which is what the CI-sized recipe needs to show the reward rising."""
     texts = [_text(c) for c in completions]
     return [sum(ch in VOWELS for ch in t) / len(t) if t else 0.0 for t in texts]
+
+
+def final_answer(prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
+    """1 when the completion's last assistant turn states the row's `answer` (its first number), else 0; a text
+    completion is read whole."""
+    rewards = []
+    for completion, expected in zip(completions, answer):
+        if isinstance(completion, str):
+            text = completion
+        else:
+            turns = [m for m in completion if m.get("role") == "assistant"]
+            text = turns[-1].get("content") or "" if turns else ""
+        found = re.search(r"-?\d+", text)
+        rewards.append(float(found is not None and int(found.group()) == int(expected)))
+    return rewards

@@ -1,9 +1,7 @@
-"""A tool and a reward shipped as examples of tool calling (recipes/tiny-tools.yaml, docs/grpo.md): a calculator the
-model calls, and a reward for the final answer."""
+"""A tool shipped as an example of tool calling (recipes/tiny-tools.yaml, docs/grpo.md): a calculator the model calls
+(its reward: hftrain.rl.example_rewards.final_answer)."""
 
 from __future__ import annotations
-
-import re
 
 OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -19,18 +17,3 @@ def calculator(a: int, op: str, b: int) -> int:
     if op not in OPERATIONS:
         raise ValueError(f"unknown operation {op!r}; use one of + - *")
     return OPERATIONS[op](int(a), int(b))
-
-
-def final_answer(prompts, completions, completion_ids, answer, **kwargs) -> list[float]:
-    """1 when the completion's last assistant turn states the row's `answer` (its first number), else 0; a text
-    completion is read whole."""
-    rewards = []
-    for completion, expected in zip(completions, answer):
-        if isinstance(completion, str):
-            text = completion
-        else:
-            turns = [m for m in completion if m.get("role") == "assistant"]
-            text = turns[-1].get("content") or "" if turns else ""
-        found = re.search(r"-?\d+", text)
-        rewards.append(float(found is not None and int(found.group()) == int(expected)))
-    return rewards

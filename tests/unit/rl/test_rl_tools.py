@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+import yaml
 from transformers import AutoTokenizer
 
 from hftrain.data import IGNORE_INDEX
@@ -78,9 +79,9 @@ def test_a_call_its_result_and_the_answer_with_the_template_tokens_masked(tokeni
     prompt = prompt_ids(tokenizer, "What is 6 * 7?", tools)
     policy = Scripted(tokenizer, [call_text(6, "*", 7)])
     [episode] = loop(tokenizer).run(policy, [prompt], lambda i, turn: turn, [{"calculator": calculator}], [tools])
+    called = {"name": "calculator", "arguments": {"a": 6, "op": "*", "b": 7}}
     messages = [{"role": "user", "content": "What is 6 * 7?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"type": "function", "function": {"name": "calculator", "arguments": {"a": 6, "op": "*", "b": 7}}}]},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": called}]},
                 {"role": "tool", "name": "calculator", "content": "42"},
                 {"role": "assistant", "content": "The answer is 42."}]
     whole = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
@@ -94,7 +95,8 @@ def test_a_call_its_result_and_the_answer_with_the_template_tokens_masked(tokeni
                                                     "result": "42", "failed": False, "kept": True}]
     assert episode.messages == messages[1:]
     assert [len(c) for c in policy.calls] == [1, 1]  # the second turn sampled after the tool result
-    assert policy.calls[1][0] == prompt + episode.completion_ids[:episode.tool_mask.index(1, episode.tool_mask.index(0))]
+    answer_starts = episode.tool_mask.index(1, episode.tool_mask.index(0))
+    assert policy.calls[1][0] == prompt + episode.completion_ids[:answer_starts]
 
 
 def test_collated_labels_leave_tool_tokens_untrained(tokenizer):
@@ -260,3 +262,41 @@ def test_templates_that_cannot_render_or_parse_tools_are_refused(tokenizer):
                                "fields": {"content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"}}}
     [problem] = template_problems(wrong, [calculator], "x")
     assert "does not parse" in problem
+
+
+def test_the_two_stage_recipe_and_its_data_agree(tokenizer):
+    """recipes/tiny-tools-sft.yaml's data is what models/tiny-tools' chat template renders for the calculator
+    conversations that recipes/tiny-tools.yaml's GRPO prompts lead into (the call turn, and the answer after the
+    tool result), and both recipes validate."""
+    import json
+
+    from hftrain.config import load_recipe
+
+    rows = [json.loads(line) for line in (REPO / "data" / "tool_sft.jsonl").read_text().splitlines()[:40]]
+    kinds = set()
+    for r in rows:
+        question = r["prompt"].split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        user = [{"role": "user", "content": question}]
+        render = lambda messages, **kw: tokenizer.apply_chat_template(messages, tools=[calculator], tokenize=False,
+                                                                      **kw)  # noqa: E731
+        if r["completion"].startswith("<tool_call>"):
+            kinds.add("call")
+            assert r["prompt"] == render(user, add_generation_prompt=True)
+            call = tokenizer.parse_response(r["completion"] + "<|im_end|>", prefix=r["prompt"], tools=[calculator])
+            assert render(user + [call]) == r["prompt"] + r["completion"] + "<|im_end|>\n"
+        else:
+            kinds.add("answer")
+            head = r["prompt"].split("<|im_start|>tool\n")[0]
+            call = tokenizer.parse_response(head.removeprefix(render(user, add_generation_prompt=True)),
+                                            prefix=render(user, add_generation_prompt=True), tools=[calculator])
+            (a, op, b) = (call["tool_calls"][0]["function"]["arguments"][k] for k in ("a", "op", "b"))
+            result = {"name": "calculator", "role": "tool", "content": str(calculator(a, op, b))}
+            assert r["prompt"] == render(user + [call, result], add_generation_prompt=True)
+            assert r["completion"] == f"The answer is {calculator(a, op, b)}."
+    assert kinds == {"call", "answer"}
+    sft = load_recipe(["--config", str(REPO / "recipes" / "tiny-tools-sft.yaml")])
+    grpo_file = REPO / "recipes" / "tiny-tools.yaml"  # its model is stage 1's output, absent before stage 1 runs
+    grpo = load_recipe(["--config", str(grpo_file), "--model_name_or_path", str(TOOLS_MODEL)])
+    assert sft.dataset_name == "data/tool_sft.jsonl"
+    assert yaml.safe_load(grpo_file.read_text())["model_name_or_path"] == f"{sft.output_dir}/final"
+    assert grpo.tools == ["hftrain.rl.example_tools.calculator"] and grpo.objective == "grpo"
