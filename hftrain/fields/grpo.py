@@ -218,7 +218,9 @@ def problems(r) -> list[str]:
                      (r.tools, f"tools is set but objective={r.objective}; tool calling is grpo's (set objective: "
                       "grpo, or remove tools)"),
                      (r.environment_factory is not None, f"environment_factory is set but objective={r.objective}; "
-                      "set objective: grpo, or remove it")]
+                      "set objective: grpo, or remove it"),
+                     (r.max_tool_calling_iterations is not None, "max_tool_calling_iterations is grpo's tool-calling "
+                      f"setting, but objective={r.objective}; remove it")]
         return [message for is_set, message in misplaced if is_set] + stray
     problems = stray + vllm_problems(r)
     if r.loss_type not in LOSS_TYPES:
