@@ -93,14 +93,13 @@ def training_sources(recipe: Recipe) -> list[DatasetSource]:
 
 
 def check_objective(recipe: Recipe, fmt: str, name: str) -> None:
-    """Preference pairs train dpo/simpo/orpo, unpaired feedback kto, everything else sft."""
-    if (recipe.objective == "kto") != (fmt == "unpaired"):
+    """Preference pairs train dpo/simpo/orpo (and kto, unpaired: `objective_format`), unpaired feedback kto,
+    everything else sft."""
+    if (recipe.objective == "kto") != (fmt == "unpaired") and not (recipe.objective == "kto" and fmt == "preference"):
         if recipe.objective != "kto":
             raise HftrainError(f"dataset {name!r} has format unpaired (prompt, completion, label) but "
                                f"objective={recipe.objective}; unpaired feedback trains objective: kto")
-        why = ("it is paired preference data (chosen, rejected): give one row per completion, the chosen ones with "
-               "label true and the rejected ones with label false (TRL's unpair_preference_dataset)"
-               if fmt == "preference" else f"it has format {fmt} and no label column")
+        why = f"it has format {fmt} and no label column"
         raise HftrainError(f"dataset {name!r} cannot train objective=kto: kto learns from unpaired feedback, rows "
                            f"of prompt, completion and label (true for a desirable completion, false for an "
                            f"undesirable one), and {why}; add the label column (or rename yours with "
@@ -113,6 +112,12 @@ def check_objective(recipe: Recipe, fmt: str, name: str) -> None:
         raise HftrainError(f"dataset {name!r} has format {fmt} but objective={recipe.objective} trains on {wanted}")
 
 
+def objective_format(recipe: Recipe, fmt: str) -> str:
+    """The format the objective trains on: kto takes preference pairs as unpaired rows (TRL's KTOTrainer unpairs
+    them: `tokenize.unpair`, after any hold-out, so a pair's two rows stay on one side)."""
+    return "unpaired" if recipe.objective == "kto" and fmt == "preference" else fmt
+
+
 def load_eval_set(recipe: Recipe, spec: DataSpec):
     """(raw eval dataset, its format) of `eval_dataset_name`, renamed and checked against the objective."""
     raw = renamed(load_raw(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split),
@@ -120,7 +125,7 @@ def load_eval_set(recipe: Recipe, spec: DataSpec):
     fmt = detect_format(raw.column_names, recipe.dataset_format, spec.text_field, spec.messages_field,
                         recipe.eval_dataset_name, recipe.objective)
     check_objective(recipe, fmt, recipe.eval_dataset_name)
-    return raw, fmt
+    return raw, objective_format(recipe, fmt)
 
 
 def hold_out(raw, recipe: Recipe, name: str):
@@ -134,7 +139,7 @@ def hold_out(raw, recipe: Recipe, name: str):
 
 
 def _is_chat(fmt: str, raw) -> bool:
-    first = "chosen" if fmt == "preference" else "prompt"
+    first = "prompt" if fmt != "preference" and "prompt" in raw.column_names else "chosen"
     return fmt in CHAT_FORMATS or (fmt in ("prompt_completion", "preference", "unpaired") and len(raw) > 0
                                    and isinstance(raw[0][first], list))
 
@@ -154,7 +159,7 @@ def load_datasets(recipe: Recipe, tokenizer):
         fmt = detect_format(raw.column_names, source.format, spec.text_field, spec.messages_field, source.name,
                             recipe.objective)
         check_objective(recipe, fmt, source.name)
-        loaded.append((source, numbered(raw), fmt))
+        loaded.append((source, numbered(raw), objective_format(recipe, fmt)))
     eval_raw, eval_fmt = load_eval_set(recipe, spec) if recipe.reads_eval_dataset else (None, None)
     needs_chat = any(_is_chat(fmt, raw) for _, raw, fmt in loaded) or (eval_raw is not None and
                                                                         _is_chat(eval_fmt, eval_raw))

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from hftrain.compat.datasets import fingerprint
-from hftrain.data.formats import to_canonical
+from hftrain.data.formats import preference_to_canonical, to_canonical
 from hftrain.data.origin import ROW_COLUMN, RowOrigin
 from hftrain.errors import HftrainError
 
@@ -399,6 +399,30 @@ def _tokenize_pairs_batch(batch: dict, indices: list[int], tokenizer, spec: Data
     return {key: [row[key] for row in rows] for key in PAIR_COLUMNS}
 
 
+def _unpair_batch(batch: dict, name: str, origin: RowOrigin | None) -> dict:
+    """TRL's unpair_preference_dataset on one map batch: its pairs' chosen completions (label true), then their
+    rejected ones (label false), each with the pair's prompt (an implicit prompt split off as for dpo) and row."""
+    size = len(next(iter(batch.values())))
+    numbers = batch.get(ROW_COLUMN, [None] * size)
+    examples = _examples(batch, list(range(size)), name, origin)
+    rows = [(preference_to_canonical(example, where), number) for (example, _, where), number in zip(examples, numbers)]
+    out = {"prompt": [], "completion": [], "label": [], ROW_COLUMN: []}
+    for key, label in (("chosen", True), ("rejected", False)):
+        for pair, number in rows:
+            out["prompt"].append(pair["prompt"])
+            out["completion"].append(pair[key])
+            out["label"].append(label)
+            out[ROW_COLUMN].append(number)
+    return out if ROW_COLUMN in batch else {k: v for k, v in out.items() if k != ROW_COLUMN}
+
+
+def unpair(raw, name: str, origin: RowOrigin | None = None):
+    """Preference pairs as kto's unpaired rows (TRL's unpair_preference_dataset, batches of 1000 as its map)."""
+    return raw.map(_unpair_batch, batched=True, batch_size=1000, remove_columns=raw.column_names,
+                   fn_kwargs={"name": name, "origin": origin}, new_fingerprint=f"{fingerprint(raw)}-unpaired",
+                   desc=f"unpairing {name}")
+
+
 def _tokenize_unpaired_batch(batch: dict, indices: list[int], tokenizer, spec: DataSpec, fmt: str, name: str,
                              origin: RowOrigin | None) -> dict:
     rows = [tokenize_unpaired(example, i, tokenizer, spec, name, where)
@@ -426,8 +450,11 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
                      origin: RowOrigin | None = None):
     """(tokenized examples that have trained tokens, statistics). Cached by `datasets` under a content key. A bad
     row is named by `origin` (its file and line) when `raw` has load_datasets' row numbers, else by position."""
-    key = _fingerprint(raw, tokenizer, spec, fmt)
     pairs, unpaired = fmt == "preference", fmt == "unpaired"
+    from_pairs = unpaired and "label" not in raw.column_names  # kto on preference pairs: unpaired first, as TRL
+    if from_pairs:
+        raw = unpair(raw, name, origin)
+    key = _fingerprint(raw, tokenizer, spec, fmt)
     tokenize = _tokenize_pairs_batch if pairs else _tokenize_unpaired_batch if unpaired else _tokenize_batch
     tokenized = raw.map(
         tokenize, batched=True, with_indices=True,
@@ -439,7 +466,7 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
                             desc=f"dropping untrainable {name}")
     dropped = tokenized["dropped"]
     stats = {
-        "format": fmt,
+        "format": "unpaired (from preference pairs)" if from_pairs else fmt,
         "examples": len(kept),
         "dropped_overlong": dropped.count("overlong"),
         "dropped_untrainable": dropped.count("no_trained_tokens"),

@@ -168,3 +168,17 @@ def test_kto_recipe_rules():
         assert part in said, part
     with pytest.raises(HftrainError, match="loss_type=kto is a kto loss, but objective=dpo"):
         recipe_from_dict({"objective": "dpo", "loss_type": "kto"}, for_training=False)
+
+
+def test_preference_pairs_are_unpaired_as_trls_unpair_preference_dataset():
+    """kto on preference pairs: the rows TRL's KTOTrainer trains on (`trl.data_utils.unpair_preference_dataset`:
+    per map batch, the chosen completions labelled true, then the rejected ones labelled false)."""
+    from trl.data_utils import unpair_preference_dataset
+
+    from hftrain.data.tokenize import unpair
+    from tests.conftest import REPO
+
+    raw = datasets.load_dataset("json", data_files=str(REPO / "data" / "preference.jsonl"), split="train")
+    raw = raw.select(range(6))
+    ours, theirs = unpair(raw, "pairs"), unpair_preference_dataset(raw)
+    assert ours.to_list() == theirs.to_list() and sum(ours["label"]) == 6 and len(ours) == 12
