@@ -13,16 +13,17 @@ import yaml
 from tests.conftest import REPO, launch, run_script
 
 pytestmark = pytest.mark.launch
-# tiny-dpo.yaml and tiny-orpo.yaml train preferences: tests/e2e/test_preference.py and test_orpo.py run them with their
-# own assertions; tiny-vlm.yaml (an image-text model) is run by tests/e2e/test_vision.py; tiny-grpo.yaml (a
-# policy-gradient loss, near 0 at every step by construction, so "the loss falls" says nothing) by
+# tiny-dpo.yaml, tiny-orpo.yaml and tiny-kto.yaml train preferences: tests/e2e/test_preference.py, test_orpo.py and
+# test_kto.py run them with their own assertions (kto's loss lies in [0, w]: it cannot fall by 0.5); tiny-vlm.yaml
+# (an image-text model) is run by tests/e2e/test_vision.py; tiny-grpo.yaml (a policy-gradient loss, near 0 at
+# every step by construction, so "the loss falls" says nothing) by
 # tests/e2e/test_grpo.py, which asserts that its reward rises
 # tiny-tools-sft.yaml and tiny-tools.yaml are one two-stage run (SFT teaching a tool-call format, then GRPO from its
 # output, minutes on CPU): tests/e2e/test_grpo_tools.py checks the mechanics on a scripted policy and that the
 # recipes and their shipped data agree
 TINY_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("tiny-*.yaml")
-                      if p.name not in ("tiny-dpo.yaml", "tiny-orpo.yaml", "tiny-vlm.yaml", "tiny-grpo.yaml",
-                                        "tiny-tools-sft.yaml", "tiny-tools.yaml"))
+                      if p.name not in ("tiny-dpo.yaml", "tiny-orpo.yaml", "tiny-kto.yaml", "tiny-vlm.yaml",
+                                        "tiny-grpo.yaml", "tiny-tools-sft.yaml", "tiny-tools.yaml"))
 
 
 def test_every_tiny_recipe_is_covered():
