@@ -14,10 +14,10 @@ end of training and the checkpoint preflight wait for it), so `checkpoint-N` app
 with a manifest count as checkpoints; on resume the manifest is checked and a damaged newest checkpoint falls
 back to the previous complete one, with a warning. Its model file holds the trained parameters (and buffers)
 only: frozen weights (a LoRA/QLoRA base, possibly quantized) are rebuilt from the base model by the builder on
-resume, so an adapter run's checkpoint is adapter-sized. For full fine-tuning that is every weight. Under
-DeepSpeed the engine writes the model file itself, without frozen parameters
-(`Backend.checkpoint_save_kwargs`); FSDP2 writes sharded DCP files of the whole model. Every file name a
-checkpoint holds is defined here.
+resume, so an adapter run's checkpoint is adapter-sized. For full fine-tuning that is every weight. How each
+layout writes and reads its files is its backend's checkpoint component (`backend.checkpoints`,
+hftrain/parallel/checkpoint_io.py): under DeepSpeed the engine writes the model file itself, without frozen
+parameters; FSDP2 writes sharded DCP files of the whole model. Every file name a checkpoint holds is defined here.
 
 The final folder is what the builder's product saves: `save_pretrained` of the causal LM
 (safetensors + config) or, for a peft model, of the adapter only (`adapter_model.safetensors` +
@@ -160,15 +160,15 @@ class BackgroundSaves:
     the model and optimizer state to CPU memory with torch.distributed.checkpoint's `DefaultStager` (pinned on a GPU;
     its buffers are reused by the next save) and returns the function that writes that copy. `submit` hands it to the
     thread; `wait` (every rank, at the same points) blocks until it is done and raises on every rank if any rank's
-    write failed. Backends that cannot save in the background (`Backend.synchronous_checkpoints`) get None from
+    write failed. Layouts that cannot save in the background (`backend.checkpoints.synchronous()`) get None from
     `stage` and save synchronously.
     """
 
     def __init__(self, backend, model, optimizer, requested: bool | None):
         """`requested`: the recipe's async_checkpointing; None takes the backend's default."""
         self.backend, self.model, self.optimizer = backend, model, optimizer
-        wanted = backend.async_checkpoints_by_default if requested is None else requested
-        self.enabled = wanted and backend.synchronous_checkpoints() is None
+        wanted = backend.checkpoints.async_by_default if requested is None else requested
+        self.enabled = wanted and backend.checkpoints.synchronous() is None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hftrain-checkpoint") if self.enabled \
             else None
         self.stager: DefaultStager | None = None
@@ -183,7 +183,7 @@ class BackgroundSaves:
             cuda = self.backend.accelerator.device.type == "cuda"
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                        use_async_staging=False, use_non_blocking_copy=cuda))
-        return self.backend.background_save(self.model, self.optimizer, folder, self.stager)
+        return self.backend.checkpoints.background_save(self.model, self.optimizer, folder, self.stager)
 
     def submit(self, folder: Path, finish: Callable[[], None]) -> None:
         self.pending = (folder, self.executor.submit(finish))
@@ -229,7 +229,7 @@ def save_checkpoint(backend, output_dir: Path, recipe: Recipe, progress: Progres
     if write is None:
         handle = accelerator.register_save_state_pre_hook(keep_trained_weights)
         try:
-            accelerator.save_state(str(tmp), **backend.checkpoint_save_kwargs())
+            accelerator.save_state(str(tmp), **backend.checkpoints.save_kwargs())
         finally:
             handle.remove()
     if data_state is not None:
@@ -349,7 +349,7 @@ def _check_saved_weights(backend, model, path: Path) -> None:
 
     `model` is the unwrapped model: accelerate saves (and loads) DDP weights without the `module.` prefix,
     which is what lets a checkpoint resume on another number of processes."""
-    saved = backend.saved_model_keys(path)
+    saved = backend.checkpoints.saved_model_keys(path)
     if saved is None:  # FSDP2's sharded layout is checked by its own loader
         return
     keys = set(model.state_dict())
@@ -370,8 +370,8 @@ def load_checkpoint(backend, model, scheduler, path: Path, plan) -> tuple[Progre
     checkpoint's other run facts (tracker run ids, device-hours so far).
 
     A checkpoint can resume with another number of processes (DDP, FSDP2, tensor parallel; DeepSpeed ZeRO through
-    a universal checkpoint converted on the fly, AdamW only, see `DeepSpeedBackend.resume_folder`). The data position is
-    kept in examples of the epoch's order, which does not depend on the world size: if the effective batch
+    a universal checkpoint converted on the fly, AdamW only, see `DeepSpeedCheckpoints.resume_folder`). The data
+    position is kept in examples of the epoch's order, which does not depend on the world size: if the effective batch
     changed, training continues at the last step boundary of the new batch at or before that position (at most
     one new global batch minus one example is seen again). RNG states are restored per rank index; a rank without
     a saved state (1 -> 2 processes) keeps the state from `seed`. Data order never uses them (BatchPlan is seeded
@@ -379,11 +379,11 @@ def load_checkpoint(backend, model, scheduler, path: Path, plan) -> tuple[Progre
     """
     accelerator = backend.accelerator
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
-    backend.check_resumable(state["launch"])
+    backend.checkpoints.check_resumable(state["launch"])
     _check_saved_weights(backend, backend.unwrap(model), path)  # saved names carry no DDP `module.` prefix
     # The model file holds the trained weights only, hence a non-strict load; its keys were just checked.
-    with backend.resume_folder(model, path, state["launch"]) as folder:  # ZeRO: maybe converted
-        accelerator.load_state(str(folder), **backend.checkpoint_load_kwargs())
+    with backend.checkpoints.resume_folder(model, path, state["launch"]) as folder:  # ZeRO: maybe converted
+        accelerator.load_state(str(folder), **backend.checkpoints.load_kwargs())
     check_ties(backend.unwrap(model), f"loading checkpoint {str(path)!r}")  # aliases come back through one name
     scheduler.load_state_dict(state["scheduler"])
     progress = realign(Progress(**state["progress"]), state["effective_batch_size"], plan)
@@ -491,7 +491,7 @@ def save_final(backend, model, tokenizer, folder: Path, recipe: Recipe, progress
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    backend.save_pretrained(model, tmp)  # gathered from DDP / FSDP2 / ZeRO-3 / TP shards
+    backend.checkpoints.save_pretrained(model, tmp)  # gathered from DDP / FSDP2 / ZeRO-3 / TP shards
     if accelerator.is_main_process:
         tokenizer.save_pretrained(tmp)
         write_run_files(tmp, recipe, progress, run_info)

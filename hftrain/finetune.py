@@ -232,7 +232,7 @@ class Finetune:
         self.feed.start(self.progress.step, self.stream_state)  # a stream continues from the checkpoint's position
         self.saves = checkpoint.BackgroundSaves(self.backend, self.model, self.optimizer, recipe.async_checkpointing)
         if recipe.async_checkpointing and not self.saves.enabled:
-            self.notes.append(f"checkpoints are saved synchronously: {self.backend.synchronous_checkpoints()}")
+            self.notes.append(f"checkpoints are saved synchronously: {self.backend.checkpoints.synchronous()}")
         self.run_info = self.make_run_info()
         self.start_output_dir()
         self.logger = MetricLogger(self.accelerator, recipe, self.progress.step, self.run_info, resumed)

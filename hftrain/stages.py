@@ -5,8 +5,8 @@ A pp checkpoint is a DCP folder keyed by HF names ("model": {name: tensor}; "opt
 state, "state.<name>.<key>" and "param_groups.<name>.<key>"); a checkpoint without pp is accelerate's files
 (model.safetensors by name, optimizer.bin numbered by torch: parameter k of the optimizer's groups in order). The
 numbering is that of `build_optimizer` over the whole model, which both conversions rebuild (`optimizer_layout`).
-Used by `hftrain.parallel.pipeline` (the backend), `Backend.resume_folder` (resuming a pp checkpoint without pp) and
-`hftrain.estimate` (memory per stage).
+Used by `hftrain.parallel.pipeline` (the backend), `hftrain.parallel.checkpoint_io` (a pp checkpoint resumed
+without pp, and one without pp resumed with pp) and `hftrain.estimate` (memory per stage).
 """
 
 from __future__ import annotations

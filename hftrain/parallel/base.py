@@ -1,8 +1,9 @@
 """The parallelism record and the interface every backend implements.
 
-A backend is chosen once, when the Accelerator is made (`hftrain.parallel.resolve`); the loop and the checkpoint
-code call the methods below and never ask which backend runs. The base class is the behaviour of a plain
-accelerate launch (one process, or DDP); the other backends override what they do differently.
+A backend is chosen once, when the Accelerator is made (`hftrain.parallel.resolve`); the loop calls the methods
+below and never asks which backend runs. The base class is the behaviour of a plain accelerate launch (one process,
+or DDP); the other backends override what they do differently. How a layout writes and reads checkpoints is its own
+component (`backend.checkpoints`, parallel/checkpoint_io.py), which `hftrain.checkpoint` calls.
 """
 
 from __future__ import annotations
@@ -12,26 +13,18 @@ import os
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from accelerate.checkpointing import save_accelerator_state
-from accelerate.utils import DistributedType
-from accelerate.utils.constants import OPTIMIZER_NAME
-from accelerate.utils.other import save
-from safetensors import safe_open
 from torch.nn.parallel import DistributedDataParallel
 
-from hftrain.checkpoint import keep_trained_weights
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.estimate import GIB
 from hftrain.metrics import param_checksum
 from hftrain.model import DTYPES, parameter_count
-from hftrain.paths import MODEL_FILE
-from hftrain.stages import resume_layout_problem, unpipelined
+from hftrain.parallel.checkpoint_io import AccelerateCheckpoints
 
 ALL_PARTS = ("weights", "gradients", "optimizer")  # the model state: what ZeRO-3 / FULL_SHARD split
 
@@ -159,13 +152,18 @@ class Backend:
     recipe: Recipe
     record: Parallelism = field(init=False)
     dp: DataParallel = field(init=False)
+    checkpoints: AccelerateCheckpoints = field(init=False)
     # True where the optimizer has already stepped when backward returns (DeepSpeed's engine): a step with a
     # non-finite gradient norm can then not be skipped.
     step_applied_in_backward = False
 
+    # how this layout writes and reads checkpoints (parallel/checkpoint_io.py): called with the backend
+    checkpoint_io: ClassVar[Callable[..., AccelerateCheckpoints]] = AccelerateCheckpoints
+
     def __post_init__(self) -> None:
         self.dp = self.data_parallel()
         self.record = self.make_record()
+        self.checkpoints = self.checkpoint_io(self)
 
     # ----------------------------------------------------------------- layout
     def data_parallel(self) -> DataParallel:
@@ -300,96 +298,10 @@ class Backend:
                 "per_device_gib": round(on_device / GIB, 3), "offloaded_gib": round(on_cpu / GIB, 3),
                 "device_memory_gib": round(device_memory / GIB, 1)}
 
-    # ------------------------------------------------------------- checkpoints
-    def checkpoint_save_kwargs(self) -> dict:
-        """Arguments for `accelerator.save_state`."""
-        return {}
-
-    # async_checkpointing unset: whether checkpoints are written in the background. Off where the staged copy would
-    # be the whole state on one rank (one process, DDP); backends whose ranks each stage a shard turn it on.
-    async_checkpoints_by_default = False
-
-    def synchronous_checkpoints(self) -> str | None:
-        """Why this backend writes its checkpoints inside the training loop even with async_checkpointing; None: it
-        writes them in the background (`background_save`)."""
-        return None
-
-    def save_rng_states(self, folder: Path) -> None:
-        """The RNG state files of `accelerator.save_state`, by accelerate's own writer (no model or optimizer)."""
-        accelerator = self.accelerator
-        folder.mkdir(parents=True, exist_ok=True)
-        save_accelerator_state(str(folder), [], [], [], [], accelerator.process_index, accelerator.step,
-                               accelerator.scaler,
-                               save_on_each_node=accelerator.project_configuration.save_on_each_node)
-
-    def background_save(self, model, optimizer, folder: Path, stager) -> Callable[[], None]:
-        """async_checkpointing: `accelerator.save_state`'s files in two parts. Now, while the loop waits: the RNG states
-        and, on the main process (which alone writes them under DDP), a CPU copy of the trained weights and the
-        optimizer state (`stager`). Returned, for the background thread: the writer of that copy, which writes the
-        files save_state would (model.safetensors, optimizer.bin) with accelerate's `save`."""
-        self.save_rng_states(folder)
-        if not self.accelerator.is_main_process:
-            return lambda: None
-        weights = [self.unwrap(model).state_dict()]  # what save_state saves: no DDP `module.` prefix
-        keep_trained_weights([self.unwrap(model)], weights, folder)
-        staged = stager.stage({"model": weights[0], "optimizer": optimizer.state_dict()})
-
-        def write() -> None:
-            save(staged["model"], folder / MODEL_FILE, safe_serialization=True)
-            save(staged["optimizer"], folder / f"{OPTIMIZER_NAME}.bin")
-
-        return write
-
-    def checkpoint_load_kwargs(self) -> dict:
-        """Arguments for `accelerator.load_state` of a checkpoint holding the trained weights only (the frozen base
-        comes from the builder): non-strict, so absent frozen weights are not an error; which keys the file holds is
-        checked beforehand (`checkpoint._check_saved_weights`), so non-strict hides nothing."""
-        return {"strict": False}
-
-    def saved_model_keys(self, folder: Path) -> set[str] | None:
-        """State-dict keys of a checkpoint's model file, or None for a layout checked by its own loader."""
-        model_file = folder / MODEL_FILE
-        if not model_file.exists():
-            return None
-        with safe_open(str(model_file), framework="pt") as f:
-            return set(f.keys())
-
-    def check_resumable(self, saved_launch: dict) -> None:
-        """Refuse a checkpoint this layout cannot load (a tensor-parallel one without tensor parallelism; one of pp x
-        tp is a pipeline checkpoint: DCP, read whole by `resume_folder`)."""
-        if saved_launch["tp_size"] > 1 and saved_launch.get("pp_size", 1) == 1:
-            raise_tp_mismatch(saved_launch["tp_size"], self.recipe.tp_size)
-        sharded_by = {DistributedType.FSDP: "FSDP2", DistributedType.DEEPSPEED: "DeepSpeed"}.get(
-            self.accelerator.distributed_type)
-        if problem := resume_layout_problem(saved_launch, 1, sharded_by):  # a pp checkpoint under FSDP2 / ZeRO
-            raise HftrainError(problem)
-
-    @contextmanager
-    def resume_folder(self, model, path: Path, saved_launch: dict):
-        """The folder `accelerator.load_state` reads checkpoint `path` from: `path` itself, unless the backend
-        must convert it for this number of processes first: a pipeline checkpoint (pp_size > 1), or an expert-parallel
-        one's full state (ep_size > 1), becomes one process's files (`stages.unpipelined`)."""
-        if saved_launch.get("pp_size", 1) > 1 or saved_launch.get("ep_size", 1) > 1:
-            with unpipelined(self, model, path, expert_parallel=saved_launch.get("ep_size", 1) > 1) as folder:
-                yield folder
-            return
-        yield path
-
     def unwrap(self, model):
         """The loss wrapper inside whatever the backend wrapped it in (DDP's `module`). Not accelerate's
         unwrap_model, which imports DeepSpeed whenever it is installed."""
         return model.module if isinstance(model, DistributedDataParallel) else model
-
-    def full_state_dict(self, model) -> dict | None:
-        """The full weights, on the main process, for the final save; every rank calls. None: the model's own state
-        dict is already complete (one process, DDP)."""
-        return None
-
-    def save_pretrained(self, model, folder: Path) -> None:
-        """Full weights as one from_pretrained folder (model files and config; the caller adds the tokenizer)."""
-        state_dict = self.full_state_dict(model)
-        if self.accelerator.is_main_process:
-            self.unwrap(model).save_pretrained(folder, state_dict=state_dict)
 
     # ----------------------------------------------------------------- records
     def config_used(self) -> dict | None:
@@ -429,9 +341,3 @@ def dtensor_meshes(model) -> list[str]:
                              zip(m.mesh_dim_names or [f"dim{i}" for i in range(m.ndim)], m.shape, strict=True))
                   for m in meshes)
 
-
-def raise_tp_mismatch(saved: int, now: int) -> None:
-    raise HftrainError(
-        f"this checkpoint was written with tp_size={saved} and this run has tp_size={now}; tensor-parallel "
-        "checkpoints resume only with tensor parallelism (any tp_size) and other checkpoints only without it"
-    )

@@ -5,27 +5,21 @@ recipe so that it stays the single source of truth (`fill_deepspeed_config`), an
 it (`deepspeed_problems`, run by the preflight). The client optimizer is used (no DeepSpeed optimizer or scheduler
 block): the loop steps the schedule once per optimizer step. The engine clips inside its step (`gradient_clipping`)
 and applies the update inside `backward` of the last micro-batch. Checkpoints hold one optimizer partition per rank;
-on another number of processes they are converted to a DeepSpeed universal checkpoint first (`resume_folder`).
+on another number of processes they are converted to a DeepSpeed universal checkpoint first
+(`checkpoint_io.DeepSpeedCheckpoints`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
-import shutil
-from argparse import Namespace
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
-from accelerate.utils import broadcast_object_list
 
-from hftrain.compat.deepspeed import loading_universal_checkpoint
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
-from hftrain.paths import UNIVERSAL_PREFIX
+from hftrain.parallel.checkpoint_io import DeepSpeedCheckpoints
 
 # "auto" entries hftrain fills: from the recipe (and world size) at start-up, or from the model's hidden size
 RECIPE_AUTO_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
@@ -125,6 +119,7 @@ def fill_deepspeed_config(config: dict, recipe: Recipe, world: int) -> None:
 
 class DeepSpeedBackend(Backend):
     step_applied_in_backward = True  # the engine steps its optimizer inside backward: a bad step cannot be skipped
+    checkpoint_io = DeepSpeedCheckpoints
 
     @property
     def config(self) -> dict:
@@ -221,9 +216,6 @@ class DeepSpeedBackend(Backend):
         with unwrap_model_for_generation(model):
             yield self.unwrap(model), False
 
-    def full_state_dict(self, model) -> dict | None:
-        return self.accelerator.get_state_dict(model)  # ZeRO-3: the 16-bit weights gathered on the main process
-
     def parameter_size(self, param) -> int:
         return param.ds_numel if hasattr(param, "ds_numel") else super().parameter_size(param)  # ZeRO-3 partitions
 
@@ -233,102 +225,6 @@ class DeepSpeedBackend(Backend):
         w, k = super().bytes_per_param()
         return (2, k + 4) if self.recipe.bf16 or self.recipe.fp16 else (w, k)
 
-    # ------------------------------------------------------------- checkpoints
-    def checkpoint_save_kwargs(self) -> dict:
-        """The engine writes the model file itself; `exclude_frozen_parameters` keeps a frozen base (LoRA / QLoRA)
-        out of it. What stays besides the trained weights is bitsandbytes' small quantization state of 4-bit
-        layers (absmax, quant_map, ...), which `Linear4bit` adds to every state dict."""
-        return {"exclude_frozen_parameters": True}
-
-    def synchronous_checkpoints(self) -> str | None:
-        """DeepSpeed 0.19.8's own background writers: the decoupled and fast checkpoint engines write through its
-        async_io op, which needs libaio (absent on the CPU machines hftrain is tested on, so untested), the DataStates
-        engine needs a package outside DeepSpeed; the engine's files (one optimizer partition per rank) are written by
-        `engine.save_checkpoint` inside accelerate's save_state."""
-        return ("DeepSpeed 0.19.8 writes in the background only through its decoupled/fast checkpoint engines, which "
-                "need its async_io op (libaio) or the DataStates package; hftrain does not use them")
-
-    def checkpoint_load_kwargs(self) -> dict:
-        return {"load_module_strict": False}  # trained weights come back from the ZeRO partitions in any case
-
-    def saved_model_keys(self, folder: Path) -> set[str] | None:
-        """Keys of the engine's `*model_states.pt` (rank 0's; under ZeRO-3 every rank's file names every key)."""
-        files = sorted((folder / "pytorch_model").glob("*model_states.pt"))
-        if not files:
-            return super().saved_model_keys(folder)
-        # DeepSpeed's own loader reads this file the same way (it pickles its config objects next to the tensors)
-        return set(torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["module"])
-
-    def _other_world(self, saved_launch: dict) -> bool:
-        return saved_launch["num_processes"] != self.accelerator.num_processes
-
-    def check_resumable(self, saved_launch: dict) -> None:
-        """On another number of processes a ZeRO checkpoint resumes through DeepSpeed's universal checkpoint, whose
-        converter knows Adam's state only."""
-        super().check_resumable(saved_launch)
-        saved, world = saved_launch["num_processes"], self.accelerator.num_processes
-        if self._other_world(saved_launch) and self.recipe.optim not in TORCH_ADAMW:
-            raise HftrainError(
-                f"this DeepSpeed checkpoint was written by {saved} processes and this run has {world}; hftrain resumes "
-                "a ZeRO checkpoint on another process count by converting it to a DeepSpeed universal checkpoint, "
-                "whose converter (deepspeed/checkpoint/ds_to_universal.py) reads only Adam's optimizer state "
-                f"(exp_avg, exp_avg_sq): with optim={self.recipe.optim}, resume with {saved} processes"
-            )
-
-    @contextmanager
-    def resume_folder(self, model, path: Path, saved_launch: dict):
-        """`path`, or for a checkpoint written by another number of processes its universal conversion.
-
-        ZeRO keeps one optimizer partition per rank, and DeepSpeed 0.19 refuses to re-partition it. The main process
-        converts the engine's files with DeepSpeed's ds_to_universal (one file per parameter and state: fp32 weights,
-        exp_avg, exp_avg_sq) into `.universal-checkpoint-N` next to the checkpoint, beside links to its other files
-        (scheduler, RNG states), and every rank loads that with `load_universal` (which DeepSpeed reads from the
-        engine's config at load time). The folder is removed once every rank has loaded it.
-        """
-        if not self._other_world(saved_launch):
-            yield path
-            return
-        folder = path.parent / f"{UNIVERSAL_PREFIX}{path.name}"
-        saved, world = saved_launch["num_processes"], self.accelerator.num_processes
-        error = None
-        if self.accelerator.is_main_process:
-            print(f"hftrain: {path.name} was written by {saved} DeepSpeed processes; converting it to a universal "
-                  f"checkpoint in {folder} to resume on {world}", flush=True)
-            try:
-                _convert_folder(path, folder)
-            except Exception as exc:  # noqa: BLE001 - every rank must hear of it rather than wait at a barrier
-                error = f"{type(exc).__name__}: {exc}"
-        error = broadcast_object_list([error])[0]
-        if error is not None:
-            raise HftrainError(f"cannot convert the DeepSpeed checkpoint {str(path)!r} (written by {saved} processes) "
-                               f"into a universal checkpoint for {world}: {error}; resume with {saved} processes")
-        with loading_universal_checkpoint(model):
-            yield folder
-        self.accelerator.wait_for_everyone()  # every rank has loaded: the converted copy can go
-        if self.accelerator.is_main_process:
-            shutil.rmtree(folder, ignore_errors=True)
-
     def config_used(self) -> dict | None:
         return self.config
 
-
-def _convert_folder(path: Path, folder: Path) -> None:
-    """The engine's folder of checkpoint `path` converted into `folder`, the checkpoint's other files linked."""
-    engine_dir = next(p for p in sorted(path.iterdir()) if p.is_dir() and any(p.glob("*optim_states.pt")))
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir()
-    _convert_to_universal(engine_dir, folder / engine_dir.name)
-    for item in path.iterdir():
-        if item != engine_dir:
-            (folder / item.name).symlink_to(item.resolve())
-
-
-def _convert_to_universal(engine_dir: Path, out: Path) -> None:
-    """DeepSpeed's ds_to_universal.py in this process (no worker pool). `inject_missing_state`: transformers models
-    carry no `universal_checkpoint_info`, which the converter otherwise requires (it only names TP/PP patterns)."""
-    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal  # optional: only under DeepSpeed
-
-    args = Namespace(input_folder=str(engine_dir), output_folder=str(out), num_extract_workers=1,
-                     num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress; errors raise
-        ds_to_universal(args)

@@ -2,34 +2,23 @@
 
 accelerate wraps the model with `fully_shard` from the preset's FSDP settings; it finds the layer classes to wrap
 in the prepared module's `_no_split_modules`, which the loss wrapper forwards from the causal LM. Checkpoints are
-sharded `torch.distributed.checkpoint` folders (one file per rank), checked by their own loader; with
-async_checkpointing the same folders are written by `dcp.save` from a background thread, on a gloo group of their own.
+sharded `torch.distributed.checkpoint` folders (one file per rank; `checkpoint_io.FSDP2Checkpoints`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from contextlib import contextmanager
-from datetime import timedelta
-from functools import cached_property
-from pathlib import Path
 
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, register_fsdp_forward_method
-from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
 
-from hftrain.compat.accelerate import fsdp_state_dict_options
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
+from hftrain.parallel.checkpoint_io import FSDP2Checkpoints
 
 
 class FSDP2Backend(Backend):
-    async_checkpoints_by_default = True  # each rank stages and writes only its shard
+    checkpoint_io = FSDP2Checkpoints
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,9 +44,6 @@ class FSDP2Backend(Backend):
         module as root), without registering it with the accelerator (its checkpoints hold the trained model only)."""
         return fsdp2_prepare_model(self.accelerator, module).eval(), "sharded over the processes (FSDP2)"
 
-    def full_state_dict(self, model) -> dict | None:
-        return self.accelerator.get_state_dict(model)  # the full state dict, gathered on the main process
-
     @contextmanager
     def generation_context(self, model):
         """generate through the sharded model, as TRL 1.16 does under FSDP2 (its `summon_full_params` is a no-op
@@ -75,38 +61,3 @@ class FSDP2Backend(Backend):
     def clip_grad_norm(self, model, max_norm: float) -> float | None:
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
         return None if norm is None else float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-    # ------------------------------------------------------------- checkpoints
-    def synchronous_checkpoints(self) -> str | None:
-        if self.accelerator.state.fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT:
-            return ("the preset's fsdp_state_dict_type gathers full state dicts on rank 0 inside save_state; "
-                    "SHARDED_STATE_DICT checkpoints are written in the background")
-        return None
-
-    @cached_property
-    def checkpoint_group(self):
-        """A gloo group for the background writes' collectives: the training collectives keep the default group, and
-        two threads must not interleave collectives on one group. Made at the first background save (every rank)."""
-        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.recipe.ddp_timeout))
-
-    def background_save(self, model, optimizer, folder: Path, stager) -> Callable[[], None]:
-        """The sharded folders accelerate's save_fsdp_model / save_fsdp_optimizer write (`pytorch_model_fsdp_0`,
-        `optimizer_0`, the same state dict options), staged now and written by `dcp.save` in the background: what
-        `dcp.async_save` does, with both saves in one thread because they share one process group. On the main
-        process (DCP's coordinator) the writer returns after DCP has gathered every rank's write results and written
-        the metadata, so every rank's files are on disk when the checkpoint is sealed."""
-        self.save_rng_states(folder)
-        options = fsdp_state_dict_options(self.accelerator.state.fsdp_plugin)  # accelerate's own, for equal files
-        staged = stager.stage({"model": get_model_state_dict(model, options=options),
-                               "optimizer": get_optimizer_state_dict(model, optimizer, options=options)})
-        folders = {"model": folder / f"{FSDP_MODEL_NAME}_0", "optimizer": folder / f"{OPTIMIZER_NAME}_0"}
-        for path in folders.values():
-            path.mkdir(parents=True, exist_ok=True)
-        group = self.checkpoint_group
-
-        def write() -> None:
-            for key, path in folders.items():
-                dcp.save({key: staged[key]}, storage_writer=dcp.FileSystemWriter(str(path)),
-                         planner=DefaultSavePlanner(), process_group=group)
-
-        return write

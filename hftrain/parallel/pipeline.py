@@ -20,7 +20,7 @@ embeddings, pytorch #184361):
   position_ids travel with the hidden states, so every stage keeps the documents apart;
 - LoRA / QLoRA: the adapters are added before the split, so each stage trains its layers' own (a stage may train
   nothing); checkpoints hold trained weights only, and the final adapter is written from every stage's
-  (`PipelineBackend.save_pretrained`);
+  (`checkpoint_io.PipelineCheckpoints.save_pretrained`);
 - gradients: averaged over the data-parallel copies, the tied embedding's gradient summed between the first and the
   last stage, the norm summed over the stages (each tied weight counted once) before clipping.
 
@@ -48,6 +48,7 @@ layers the stage owns; the stage's forward runs transformers' sharded layers (th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from contextlib import contextmanager
@@ -55,25 +56,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from accelerate.utils import gather_object
-from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor, Replicate
 
-from hftrain.checkpoint import newest_intact, trained_names
-from hftrain.compat.torch import forward_order_with_comms, persistent_buffers, running_order
+from hftrain.checkpoint import newest_intact
+from hftrain.compat.torch import forward_order_with_comms, running_order
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
@@ -82,14 +74,13 @@ from hftrain.metrics import param_checksum
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, router_coefficient
 from hftrain.optim import build_optimizer
 from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism
+from hftrain.parallel.checkpoint_io import PipelineCheckpoints
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.tensor import model_load_kwargs
 from hftrain.paths import STATE_FILE
 from hftrain.stages import (
-    PIPELINE_STATE_DIR,
     STAGES_PER_PROCESS,
     optimizer_layout,
-    pipelined_state,
     resume_layout_problem,
     stage_layout,
 )
@@ -220,28 +211,6 @@ def sum_whole(grad: torch.Tensor, group) -> None:
     dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=group)
     replicated = DTensor.from_local(whole, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim, run_check=False)
     grad.to_local().copy_(replicated.redistribute(grad.device_mesh, grad.placements).to_local())
-
-
-def placed_like(module: nn.Module, weights: dict, moments: dict) -> tuple[dict, dict]:
-    """Whole tensors (a checkpoint written without tp) laid out as `module`'s tensor-parallel parameters: each
-    weight, and each optimizer value of a parameter's shape, becomes a DTensor with its parameter's placements (this
-    rank's slice; no communication). Plain parameters keep plain values."""
-    params = dict(module.state_dict(keep_vars=True))
-
-    def like(value, param):
-        if not isinstance(param, DTensor) or isinstance(value, DTensor) or value.shape != param.shape:
-            return value
-        whole = DTensor.from_local(value.to(param.device), param.device_mesh,
-                                   [Replicate()] * param.device_mesh.ndim, run_check=False)
-        return whole.redistribute(param.device_mesh, param.placements)
-
-    weights = {name: like(value, params[name]) for name, value in weights.items()}
-    out = {}
-    for key, value in moments.items():
-        section, _, rest = key.partition(".")
-        name = rest.rpartition(".")[0]
-        out[key] = like(value, params[name]) if section == "state" and name in params else value
-    return weights, out
 
 
 class Elsewhere(nn.Module):
@@ -418,6 +387,8 @@ class PipelineStages(nn.Module):
 class PipelineBackend(Backend):
     """pp_size stages per pipeline, pipelines as data-parallel copies (see the module's docstring)."""
 
+    checkpoint_io = PipelineCheckpoints
+
     def __post_init__(self) -> None:
         world, pp, tp = self.accelerator.num_processes, self.recipe.pp_size, self.recipe.tp_size
         copies = world // (pp * tp)
@@ -535,7 +506,7 @@ class PipelineBackend(Backend):
         if recipe.pp_schedule in V_SCHEDULES:
             prepared.eval_order = forward_only_order(prepared.schedule, self.pp, m)
         optimizer = build_optimizer(recipe, model, optimizer.defaults["lr"], allow_empty=True)  # this rank's part
-        self.register_checkpoint_hooks(prepared, optimizer)
+        self.checkpoints.attach(prepared, optimizer)
         return prepared, optimizer
 
     def shard_stages(self, stages: list[StageForward]) -> None:
@@ -618,117 +589,11 @@ class PipelineBackend(Backend):
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.pp_group)
         return float(total)
 
-    # -------------------------------------------------------------- checkpoints
-    def register_checkpoint_hooks(self, model, optimizer) -> None:
-        """accelerate's save_state / load_state write and read the RNG states; the model and optimizer state of every
-        stage go through torch.distributed.checkpoint into PIPELINE_STATE_DIR, keyed by the HF parameter names, so
-        each rank reads what its stages hold whatever the layout that wrote them."""
-        # one key per parameter and value (DCP); frozen weights (a LoRA / QLoRA base, its quantization state) are
-        # not saved, as in every hftrain checkpoint: the builder rebuilds them from the base model on resume
-        options = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
-        trained = trained_names(model.module)
-        # a stage that trains nothing (adapters only on other stages) has an optimizer without parameters, whose
-        # state torch's state-dict functions refuse as empty: it saves and loads no optimizer state
-        steps = any(group["params"] for group in optimizer.param_groups)
-
-        def state():
-            # the trained tensors by name, read from the parameters and persistent buffers rather than through
-            # state_dict(), which would also serialise the frozen base: bitsandbytes' 8-bit layers fail there on CPU
-            # ('Linear8bitLt' object has no attribute 'SCB')
-            tensors = {n: p.detach() for n, p in model.module.named_parameters(remove_duplicate=False)}
-            for prefix, module in model.module.named_modules(remove_duplicate=False):
-                tensors.update({f"{prefix}.{n}" if prefix else n: b for n, b in persistent_buffers(module).items()})
-            return {"model": {k: v for k, v in tensors.items() if k in trained},
-                    "optimizer": get_optimizer_state_dict(model.module, optimizer, options=options) if steps else {}}
-
-        def set_state(weights: dict, moments: dict) -> None:
-            set_model_state_dict(model.module, weights, options=options)
-            if steps:
-                set_optimizer_state_dict(model.module, optimizer, moments, options=options)
-
-        def save(models, weights, folder) -> None:
-            dcp.save(state(), checkpoint_id=str(Path(folder) / PIPELINE_STATE_DIR))
-
-        def load(models, folder) -> None:
-            if not (Path(folder) / PIPELINE_STATE_DIR).exists():  # written without pp: accelerate's files
-                set_state(*placed_like(model.module, *pipelined_state(Path(folder), model.module, self.unsplit_ids)))
-                return
-            loaded = state()
-            dcp.load(loaded, checkpoint_id=str(Path(folder) / PIPELINE_STATE_DIR))
-            set_state(loaded["model"], loaded["optimizer"])
-
-        self.accelerator.register_save_state_pre_hook(save)
-        self.accelerator.register_load_state_pre_hook(load)
-
-    def synchronous_checkpoints(self) -> str | None:
-        return ("pipeline checkpoints are written by torch.distributed.checkpoint with collectives over every stage, "
-                "which a background thread cannot run beside the pipeline's own communication")
-
-    def saved_model_keys(self, folder: Path) -> set[str] | None:
-        return None  # DCP's own loader checks that every key this rank needs is in the checkpoint
-
-    def check_resumable(self, saved_launch: dict) -> None:
-        """Any pp checkpoint (another pp_size, schedule or number of copies: DCP reads each rank's names), and one
-        written by one process or DDP (accelerate's files, `pipelined_state`); not FSDP2's, ZeRO's or tensor-parallel
-        sharded files (`resume_layout_problem`, also checked in the preflight for a named folder)."""
-        if problem := resume_layout_problem(saved_launch, self.pp, None):
-            raise HftrainError(problem)
-
-    @contextmanager
-    def resume_folder(self, model, path: Path, saved_launch: dict):
-        yield path  # pp checkpoints and those without pp: the load hook reads either (`register_checkpoint_hooks`)
-
     def local_trained_tensors(self, model) -> list[torch.Tensor]:
         return [local(p.data) for p in model.parameters() if p.requires_grad]
 
     def unwrap(self, model):
         return model.module if isinstance(model, PipelineStages) else model
-
-    def full_state_dict(self, model) -> dict | None:
-        """Every stage's weights gathered on the main process (the first copy's; the others hold the same); under tp
-        each tensor's shards are gathered first, inside its tp group (every rank of the first copy calls). A tied
-        head is left to the embedding's key, as transformers saves a tied model."""
-        tied = self.tied_parameter(model) if not model.has_first else None
-        mine = self.first_copy_whole({k: v for k, v in model.module.state_dict(keep_vars=True).items()
-                                      if v is not tied})
-        merged = {}
-        for part in gather_object([mine if self.tp_rank == 0 else {}]):
-            merged.update(part)
-        return merged
-
-    def first_copy_whole(self, tensors: dict) -> dict:
-        """`tensors` whole, on the CPU, on the first data-parallel copy ({} on the others): a tp-sharded DTensor
-        gathered inside its tp group (every rank of the first copy calls)."""
-        if self.copy != 0:
-            return {}
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().contiguous()
-                for k, v in tensors.items()}
-
-    def save_pretrained(self, model, folder: Path) -> None:
-        """The full model (`full_state_dict`; the main process writes it, and under tp every rank calls
-        save_pretrained, since a model loaded with transformers' tp plan ends it with a barrier over every rank), or
-        for a peft model the adapter of every stage: peft finds adapter weights by walking the model's LoRA layers
-        (`get_peft_model_state_dict`), and the main process's tree holds placeholders for the other stages' layers, so
-        each rank takes its own stages' adapter weights under peft's names with peft's function, and the main process
-        writes their union in place of the file peft's save_pretrained wrote from its own stages (config and model
-        card are peft's)."""
-        lm = model.module.lm
-        if hasattr(lm, "peft_config"):  # LoRA with tp_size > 1 is refused (fields/peft.py)
-            from peft import get_peft_model_state_dict
-            from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
-
-            mine = self.first_copy_whole(get_peft_model_state_dict(lm))
-            merged = {}
-            for part in gather_object([mine]):
-                merged.update(part)
-            if self.accelerator.is_main_process:  # peft's config and model card; its weights file is ours
-                lm.save_pretrained(folder, state_dict={})  # (its own would be this stage's tensors, maybe shards)
-                save_file(merged, Path(folder) / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
-            return
-        state_dict = self.full_state_dict(model)
-        if self.accelerator.is_main_process or self.tp > 1:
-            main = self.accelerator.is_main_process
-            self.unwrap(model).save_pretrained(folder, state_dict=state_dict if main else {}, is_main_process=main)
 
     def launch_info(self, model, optimizer) -> dict:
         return {**super().launch_info(model, optimizer), "pp_size": self.pp, "pp_schedule": self.recipe.pp_schedule,
@@ -761,7 +626,9 @@ class PipelineFSDP2Backend(PipelineBackend):
       fsdp_cpu_ram_efficient_loading, read from FSDP_CPU_RAM_EFFICIENT_LOADING at load time) would leave the other
       stages' ranks with weights on the meta device that no broadcast fills, so it is turned off for this process.
     - Checkpoints: the pipeline's DCP folder under HF names; the sharded parameters and AdamW moments are DTensors,
-      which DCP writes as each rank's blocks and reads into any layout (`register_checkpoint_hooks`, unchanged)."""
+      which DCP writes as each rank's blocks and reads into any layout (`checkpoint_io.PipelineCheckpoints`)."""
+
+    checkpoint_io = functools.partial(PipelineCheckpoints, sharded_stages=True)
 
     def __post_init__(self) -> None:
         os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"  # see the class docstring: before the model loads
@@ -813,13 +680,6 @@ class PipelineFSDP2Backend(PipelineBackend):
     @property
     def norm_group(self):
         return None  # every process: each holds its own block of its stage's gradients
-
-    def first_copy_whole(self, tensors: dict) -> dict:
-        """Each sharded tensor gathered over its stage's data-parallel ranks: every copy takes part in each gather
-        (in the same order: the same names on every copy of a stage), the first keeps them."""
-        whole = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().contiguous()
-                 for k, v in tensors.items()}
-        return whole if self.copy == 0 else {}
 
     def launch_info(self, model, optimizer) -> dict:
         """Also how the main process's stage weights are placed: FSDP2's Shard(0) over the stage's "dp" mesh."""

@@ -4,8 +4,8 @@
 (`tp_plan="auto"`): each process reads only its shards. With more processes than tp_size (a multiple of it), each
 group of tp_size consecutive ranks holds one sharded copy and trains on its own share of the data; hftrain averages
 the gradients of the ranks that hold the same shard (`ReplicaGradients`; DDP cannot hold DTensor weights). The model
-is not wrapped by accelerate, and its checkpoint is full state (`FullTrainingState`), gathered and re-sharded, so it
-does not depend on the layout.
+is not wrapped by accelerate, and its checkpoint is full state (`checkpoint_io.FullStateCheckpoints`), gathered and
+re-sharded, so it does not depend on the layout.
 
 Process layout (transformers' device mesh, TP innermost): rank = dp_rank * tp + tp_rank. With 4 processes and
 tp_size=2: TP groups {0,1} {2,3} hold the two halves of every linear layer; data-parallel groups {0,2} {1,3} hold
@@ -20,23 +20,18 @@ mesh and FSDP2's reduce-scatter does what `ReplicaGradients` does for copies.
 from __future__ import annotations
 
 import functools
-import os
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from transformers.distributed import DistributedConfig
 
-from hftrain.compat.torch import local_block
 from hftrain.compat.transformers import device_mesh
 from hftrain.errors import HftrainError
-from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism, raise_tp_mismatch
+from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism
+from hftrain.parallel.checkpoint_io import FullStateCheckpoints
 from hftrain.parallel.expert import load_kwargs as expert_load_kwargs
-from hftrain.paths import FULL_STATE_FILE
 
 
 @functools.cache
@@ -132,60 +127,8 @@ class ReplicaGradients:
             grad.div_(self.copies)
 
 
-class FullTrainingState:
-    """Model and optimizer state as full tensors, hooked into `accelerator.save_state` / `load_state` (both run on
-    every rank): saving gathers the shards and the main process writes `FULL_STATE_FILE`; loading reads it
-    weights-only (tensors and plain values, no pickled objects) and re-shards it."""
-
-    def __init__(self, accelerator, model, optimizer):
-        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
-
-    def save(self, folder: str) -> None:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
-        if self.accelerator.is_main_process:
-            torch.save({"model": model_state, "optimizer": optimizer_state}, os.path.join(folder, FULL_STATE_FILE))
-
-    def load(self, folder: str) -> None:
-        state = torch.load(os.path.join(folder, FULL_STATE_FILE), map_location="cpu", weights_only=True)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
-
-
-class FullStateSlices(FullTrainingState):
-    """`FullTrainingState` for FSDP2 x TP: the same file, loaded by each rank copying its own block of every full
-    tensor into its shards (no collective). torch's full-state loading (`set_state_dict(full_state_dict=True)`)
-    scatters each tensor with `distribute_tensor`, which refuses a dimension that the 2D mesh does not split evenly
-    (an AssertionError in `_StridedShard._shard_tensor`; the tiny model's 753-token vocabulary over 4 ranks)."""
-
-    def load(self, folder: str) -> None:
-        full = torch.load(os.path.join(folder, FULL_STATE_FILE), map_location="cpu", weights_only=True)
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # this rank's shards (DTensors)
-        set_state_dict(self.model, self.optimizer, model_state_dict=_local_blocks(model_state, full["model"]),
-                       optim_state_dict=_local_blocks(optimizer_state, full["optimizer"]))
-
-
-def _local_blocks(local, full, path: str = ""):
-    """`full` (a state dict of full tensors) with each value that `local` holds as a DTensor cut to this rank's block
-    of it (its offset and shape on the mesh); everything else (plain tensors, steps, param_groups) as in `full`."""
-    if isinstance(local, dict):
-        if local.keys() - full.keys():
-            missing = sorted(local.keys() - full.keys())[:3]
-            raise HftrainError(f"the checkpoint lacks {missing} under {path or 'the top'}")
-        return {key: _local_blocks(local[key], full[key], f"{path}.{key}") if key in local else full[key]
-                for key in full}
-    if not isinstance(local, DTensor):
-        return full
-    shape, offset = local_block(full.shape, local.device_mesh, local.placements)
-    if tuple(full.shape) != tuple(local.shape) or tuple(shape) != tuple(local.to_local().shape):
-        raise HftrainError(f"{path}: the checkpoint's {tuple(full.shape)} does not fit this layout's "
-                           f"{tuple(local.shape)} (local block {tuple(local.to_local().shape)})")
-    block = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-    return DTensor.from_local(block.to(local.dtype).contiguous(), local.device_mesh, local.placements,
-                              shape=local.shape, stride=local.stride())
-
-
 class TensorParallelBackend(Backend):
+    checkpoint_io = FullStateCheckpoints
     @property
     def tp(self) -> int:
         return self.recipe.tp_size
@@ -233,9 +176,7 @@ class TensorParallelBackend(Backend):
                                f"over consecutive groups of tp_size={tp} as hftrain assumes for the data split")
         if self.dp.world > 1:
             ReplicaGradients(accelerator, model, self.dp.groups[0], self.dp.world)
-        state = FullTrainingState(accelerator, model, optimizer)
-        accelerator.register_save_state_pre_hook(lambda models, weights, folder: state.save(folder))
-        accelerator.register_load_state_pre_hook(lambda models, folder: state.load(folder))
+        self.checkpoints.attach(model, optimizer)
         return model, optimizer
 
     @contextmanager
@@ -250,35 +191,6 @@ class TensorParallelBackend(Backend):
         matched instead of hanging."""
         yield model, True
 
-    def synchronous_checkpoints(self) -> str | None:
-        return ("a tensor-parallel checkpoint gathers the full model and optimizer state with collectives inside "
-                "save_state (FullTrainingState), which a background thread cannot run beside training")
-
-    def check_resumable(self, saved_launch: dict) -> None:
-        """Full-state checkpoints (tensor or expert parallel, any sizes) only."""
-        if saved_launch["tp_size"] == 1 and saved_launch.get("ep_size", 1) == 1:
-            if self.recipe.ep_size > 1:
-                raise HftrainError(f"this checkpoint was written without tensor or expert parallelism and this run "
-                                   f"has ep_size={self.recipe.ep_size}; expert-parallel runs resume from "
-                                   "expert-parallel or tensor-parallel checkpoints (full training state) only")
-            raise_tp_mismatch(1, self.tp)
-
-    def saved_model_keys(self, folder: Path) -> set[str] | None:
-        return None  # full state in FULL_STATE_FILE, re-sharded by set_state_dict
-
-    @contextmanager
-    def resume_folder(self, model, path: Path, saved_launch: dict):
-        """A full-state checkpoint (tensor or expert parallel) as it is: `FullTrainingState` re-shards it."""
-        if saved_launch.get("pp_size", 1) > 1:
-            with super().resume_folder(model, path, saved_launch) as folder:
-                yield folder
-            return
-        yield path
-
-    def save_pretrained(self, model, folder: Path) -> None:
-        """Every rank: transformers gathers the shards, the main process writes."""
-        model.save_pretrained(folder, is_main_process=self.accelerator.is_main_process)
-
 
 class FSDP2TensorParallelBackend(TensorParallelBackend):
     """The layouts transformers shards and wraps in FSDP2 itself: FSDP2 x tensor parallel, and expert parallelism
@@ -292,6 +204,8 @@ class FSDP2TensorParallelBackend(TensorParallelBackend):
     F data-parallel ranks, as DDP's mean does (the loop's loss scale counts on that mean). The model is not prepared
     by accelerate (its FSDP2 x TP path, `Accelerator._prepare_tp`, imports transformers' removed ReplicateParallel);
     checkpoints are tensor parallelism's full-state file, loaded back by each rank's own blocks (`FullStateSlices`)."""
+
+    checkpoint_io = functools.partial(FullStateCheckpoints, slices=True)
 
     def model_load_kwargs(self) -> dict:
         return {"distributed_config": DistributedConfig(
@@ -356,9 +270,7 @@ class FSDP2TensorParallelBackend(TensorParallelBackend):
             model.set_reshard_after_forward(False)  # SHARD_GRAD_OP: every unit keeps its weights after forward
         if not isinstance(model, FSDPModule):
             raise HftrainError("FSDP2 x tensor parallel: the loss wrapper did not become an FSDP2 module")
-        state = FullStateSlices(accelerator, model, optimizer)
-        accelerator.register_save_state_pre_hook(lambda models, weights, folder: state.save(folder))
-        accelerator.register_load_state_pre_hook(lambda models, folder: state.load(folder))
+        self.checkpoints.attach(model, optimizer)
         return model, optimizer
 
     def clip_grad_norm(self, model, max_norm: float) -> float | None:

@@ -29,6 +29,7 @@ from hftrain.config import Recipe, recipe_from_dict
 from hftrain.errors import HftrainError
 from hftrain.optim import build_scheduler, lr_factor
 from hftrain.parallel.base import Backend
+from hftrain.parallel.checkpoint_io import AccelerateCheckpoints
 from hftrain.paths import COMPLETE_FILE, CONFIG_FILE, MODEL_FILE, STATE_FILE
 from tests.conftest import REPO
 
@@ -254,7 +255,7 @@ def test_latest_skips_a_damaged_newest_checkpoint(tmp_path):
     assert checkpoint.verify(older) == [f"{STATE_FILE} is missing"]
 
 
-class GatedWrites(Backend):
+class GatedWrites(AccelerateCheckpoints):
     """Background writes that start when the test opens `gate`, and then fail if `fail` says so."""
 
     gate: threading.Event
@@ -273,38 +274,45 @@ class GatedWrites(Backend):
         return write
 
 
+def with_checkpoints(component, recipe: Recipe) -> Backend:
+    """One process's backend whose checkpoint I/O is `component`."""
+    backend = Backend(OneProcess(), recipe)
+    backend.checkpoints = component(backend)
+    return backend
+
+
 def test_a_background_save_appears_only_once_written_and_a_failed_one_is_reported_by_the_next_save(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     recipe = a_recipe(out)
     latest = a_recipe(out, resume_from_checkpoint="latest")
-    backend = GatedWrites(OneProcess(), recipe)
-    backend.gate = threading.Event()
+    backend = with_checkpoints(GatedWrites, recipe)
+    backend.checkpoints.gate = threading.Event()
     saves = BackgroundSaves(backend, None, None, requested=True)
     first = save_checkpoint(backend, out, recipe, Progress(step=1), RUN_INFO, saves=saves, background=True)
     assert (out / ".tmp-checkpoint-1" / STATE_FILE).exists() and not first.exists()  # staged, not written
     with pytest.raises(HftrainError, match="holds no complete"):
         resolve_resume(latest)  # `latest` never points at a checkpoint still being written
-    backend.gate.set()
+    backend.checkpoints.gate.set()
     saves.wait()
     assert checkpoint.verify(first) == [] and resolve_resume(latest) == first
 
-    backend.gate, backend.fail = threading.Event(), True
+    backend.checkpoints.gate, backend.checkpoints.fail = threading.Event(), True
     save_checkpoint(backend, out, recipe, Progress(step=2), RUN_INFO, saves=saves, background=True)
-    backend.gate.set()
+    backend.checkpoints.gate.set()
     with pytest.raises(HftrainError, match=r"writing checkpoint .*checkpoint-2 in the background failed \(No space"):
         save_checkpoint(backend, out, recipe, Progress(step=3), RUN_INFO, saves=saves)  # waits for the one in flight
     assert not (out / "checkpoint-2").exists() and resolve_resume(latest) == first  # the previous one stays intact
 
 
 def test_background_saves_are_off_where_the_backend_saves_synchronously(tmp_path):
-    class Synchronous(Backend):
-        def synchronous_checkpoints(self):
+    class Synchronous(AccelerateCheckpoints):
+        def synchronous(self):
             return "this backend's files are written by collectives"
 
     out = tmp_path / "out"
     out.mkdir()
-    backend = Synchronous(OneProcess(), a_recipe(out))
+    backend = with_checkpoints(Synchronous, a_recipe(out))
     saves = BackgroundSaves(backend, None, None, requested=True)
     assert not saves.enabled and saves.executor is None
     path = save_checkpoint(backend, out, backend.recipe, Progress(step=1), RUN_INFO, saves=saves, background=True)
@@ -317,8 +325,8 @@ def test_background_saves_are_off_where_the_backend_saves_synchronously(tmp_path
     (True, False, True), (False, True, False),  # an explicit setting wins
 ])
 def test_async_checkpointing_unset_takes_the_backends_default(tmp_path, requested, by_default, expected):
-    backend = GatedWrites(OneProcess(), a_recipe(tmp_path))
-    backend.async_checkpoints_by_default = by_default
+    backend = with_checkpoints(GatedWrites, a_recipe(tmp_path))
+    backend.checkpoints.async_by_default = by_default
     assert BackgroundSaves(backend, None, None, requested=requested).enabled is expected
 
 
@@ -328,8 +336,8 @@ def test_only_fsdp2_writes_in_the_background_by_default():
     from hftrain.parallel.fsdp import FSDP2Backend
     from hftrain.parallel.tensor import TensorParallelBackend
 
-    assert FSDP2Backend.async_checkpoints_by_default is True
-    assert not any(b.async_checkpoints_by_default for b in (Backend, DeepSpeedBackend, TensorParallelBackend))
+    assert FSDP2Backend.checkpoint_io.async_by_default is True
+    assert not any(b.checkpoint_io.async_by_default for b in (Backend, DeepSpeedBackend, TensorParallelBackend))
 
 
 # ----------------------------------------------------------------------------- tied embeddings

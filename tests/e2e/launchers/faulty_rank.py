@@ -97,7 +97,7 @@ class FaultyRank(Finetune):
     def setup_optimizer(self):
         super().setup_optimizer()
         if "unloadable_checkpoint" in faults:
-            self.backend.checkpoint_load_kwargs = lambda: {"no_such_option": True}
+            self.backend.checkpoints.load_kwargs = lambda: {"no_such_option": True}
         if "no_op_load" in faults:
             self.accelerator.load_state = lambda *args, **kwargs: None
         if rank == 1 and "diverge" in faults:

@@ -57,12 +57,13 @@ def test_deepspeed_checkpoints_name_their_keys_in_the_engine_file(tmp_path):
     its keys are checked the same way, since hftrain loads it non-strict (the frozen base is not in it)."""
     config = {"zero_optimization": {"stage": 2}}
     backend = DeepSpeedBackend(fake_accelerator(2, kind="DEEPSPEED", deepspeed_config=config), Recipe())
-    assert backend.saved_model_keys(tmp_path) is None  # no model file hftrain can read (FSDP2's sharded layout)
+    checkpoints = backend.checkpoints
+    assert checkpoints.saved_model_keys(tmp_path) is None  # no model file hftrain can read (FSDP2's sharded layout)
     lora = CausalLMTokenLoss(build_model(Recipe(model_name_or_path=str(MODEL), use_peft=True, lora_r=4)))
     trained = {n: p.detach().clone() for n, p in lora.named_parameters() if p.requires_grad}
     (tmp_path / "pytorch_model").mkdir()
     torch.save({"module": trained, "dp_world_size": 2}, tmp_path / "pytorch_model" / "mp_rank_00_model_states.pt")
-    assert backend.saved_model_keys(tmp_path) == set(trained)
+    assert backend.checkpoints.saved_model_keys(tmp_path) == set(trained)
     _check_saved_weights(backend, lora, tmp_path)
     full = CausalLMTokenLoss(build_model(Recipe(model_name_or_path=str(MODEL))))
     with pytest.raises(HftrainError, match="another model or fine-tuning method"):
@@ -73,12 +74,13 @@ def test_deepspeed_checkpoints_name_their_keys_in_the_engine_file(tmp_path):
 def test_a_zero_checkpoint_of_another_process_count_resumes_with_adam_state_only(optim):
     config = {"zero_optimization": {"stage": 2}}
     backend = DeepSpeedBackend(fake_accelerator(2, kind="DEEPSPEED", deepspeed_config=config), Recipe(optim=optim))
-    backend.check_resumable({"num_processes": 2, "tp_size": 1})  # same count: the engine loads its own partitions
+    checkpoints = backend.checkpoints
+    checkpoints.check_resumable({"num_processes": 2, "tp_size": 1})  # same count: the engine loads its own partitions
     if optim == "sgd":
         with pytest.raises(HftrainError, match="written by 4 processes and this run has 2.*reads only Adam"):
-            backend.check_resumable({"num_processes": 4, "tp_size": 1})
+            backend.checkpoints.check_resumable({"num_processes": 4, "tp_size": 1})
     else:
-        backend.check_resumable({"num_processes": 4, "tp_size": 1})  # converted to a universal checkpoint
+        backend.checkpoints.check_resumable({"num_processes": 4, "tp_size": 1})  # converted to a universal checkpoint
 
 
 def test_the_filled_config_is_what_the_run_records_and_the_engine_keeps_frozen_weights_out():
@@ -86,5 +88,5 @@ def test_the_filled_config_is_what_the_run_records_and_the_engine_keeps_frozen_w
     backend = DeepSpeedBackend(fake_accelerator(2, kind="DEEPSPEED", deepspeed_config=config),
                                Recipe(max_grad_norm=0.5))
     assert backend.config_used() is config and config["gradient_clipping"] == 0.5
-    assert backend.checkpoint_save_kwargs() == {"exclude_frozen_parameters": True}
-    assert backend.checkpoint_load_kwargs() == {"load_module_strict": False}
+    assert backend.checkpoints.save_kwargs() == {"exclude_frozen_parameters": True}
+    assert backend.checkpoints.load_kwargs() == {"load_module_strict": False}

@@ -24,11 +24,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hftrain.errors import HftrainError
-from hftrain.parallel.base import Backend, DataParallel
+from hftrain.parallel.base import DataParallel
+from hftrain.parallel.checkpoint_io import AccelerateCheckpoints, FullStateCheckpoints, _local_blocks
 from hftrain.parallel.tensor import (
     FSDP2TensorParallelBackend,
-    TensorParallelBackend,
-    _local_blocks,
     data_share,
     fsdp_tp_blocks_disagree,
     model_load_kwargs,
@@ -53,12 +52,13 @@ def test_tensor_parallel_copies_keep_transformers_mesh_without_its_fsdp():
     assert (config.tp_size, config.dp_replicate_size, config.dp_size) == (2, 1, 1)
 
 
-@pytest.mark.parametrize("backend, saved_tp", [(Backend, 2), (TensorParallelBackend, 1)])
-def test_tensor_parallel_checkpoints_resume_only_with_tensor_parallelism(backend, saved_tp):
-    unbound = object.__new__(backend)  # check_resumable reads only the recipe
-    unbound.recipe = type("R", (), {"tp_size": 1 if backend is Backend else 2, "ep_size": 1})()
+@pytest.mark.parametrize("checkpoints, saved_tp", [(AccelerateCheckpoints, 2), (FullStateCheckpoints, 1)])
+def test_tensor_parallel_checkpoints_resume_only_with_tensor_parallelism(checkpoints, saved_tp):
+    # check_resumable reads only the recipe
+    tp = 1 if checkpoints is AccelerateCheckpoints else 2
+    layout = SimpleNamespace(recipe=SimpleNamespace(tp_size=tp, ep_size=1))
     with pytest.raises(HftrainError, match=f"written with tp_size={saved_tp} and this run has tp_size="):
-        unbound.check_resumable({"tp_size": saved_tp, "num_processes": 2})
+        checkpoints(layout).check_resumable({"tp_size": saved_tp, "num_processes": 2})
 
 
 @NEEDS_TP
