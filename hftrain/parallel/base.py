@@ -9,9 +9,10 @@ component (`backend.checkpoints`, parallel/checkpoint_io.py), which `hftrain.che
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -128,6 +129,37 @@ class DataParallel:
         return everything.reshape(self.world, self.replicas, *tensor.shape)[:, 0].reshape(-1, *tensor.shape[1:])
 
 
+@functools.cache
+def tp_groups(world: int, tp: int) -> tuple:
+    """(data-parallel group, tensor-parallel group) of this rank; every rank creates every group, in order."""
+    rank, mine = dist.get_rank(), {}
+    for kind, groups in (("dp", [list(range(t, world, tp)) for t in range(tp)]),
+                         ("tp", [list(range(d * tp, d * tp + tp)) for d in range(world // tp)])):
+        for ranks in groups:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = group
+    return mine["dp"], mine["tp"]
+
+
+def data_share(world: int, rank: int, tp: int) -> tuple[int, int]:
+    """(data-parallel groups, this rank's group): the tp consecutive ranks of a tensor-parallel group share one."""
+    return world // tp, rank // tp
+
+
+def shared_batch_layout(accelerator, size: int) -> DataParallel:
+    """The data share of a run whose `size` consecutive ranks train on the same batches (a tensor-, sequence- or
+    context-parallel group): world/size data-parallel groups, each group's values counted once."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    return DataParallel(*data_share(world, rank, size), accelerator, replicas=size, groups=tp_groups(world, size))
+
+
+def with_copies(name: str, processes: int, size: int) -> str:
+    """The layout's name, with the number of data-parallel copies of its `size`-rank groups when there are several."""
+    copies = processes // size
+    return name + (f" x {copies} data-parallel copies" if copies > 1 else "")
+
+
 def innermost_optimizer(optimizer) -> str:
     """Class of the optimizer doing the update under accelerate's / ZeRO's wrappers (e.g. DeepSpeedCPUAdam)."""
     while hasattr(getattr(optimizer, "optimizer", None), "param_groups"):
@@ -143,6 +175,34 @@ def device_memory_bytes(accelerator, world: int) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / per_node
 
 
+class Transform:
+    """One model-splitting axis applied over the backend that holds the model (the strategy's wrapper and, where on,
+    tensor parallelism): built with the backend, after its data share, it names itself in the record, changes the
+    loss module before the wrapper takes it (`apply`), and may hold each micro-batch's forward and backward inside a
+    context of its own (`micro_batch`). hftrain.parallel's `TRANSFORMS` says which axis each one runs, under which
+    strategies and beside which other axes."""
+
+    axis: ClassVar[str]
+    strategies: ClassVar[frozenset[str]] = frozenset()  # the `ParallelDims.strategy`s it runs under
+    beside: ClassVar[frozenset[str]] = frozenset()  # the other model-splitting axes it composes with
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+
+    def describe(self, record: Parallelism) -> Parallelism:
+        """The record with this axis in it (its degree, its part of the name)."""
+        return record
+
+    def apply(self, model) -> None:
+        """Change the loss module (its forward, its attention) before the strategy wraps it."""
+
+    @contextmanager
+    def micro_batch(self, batch: dict[str, torch.Tensor]):
+        """The micro-batch as the model's call takes it, inside what this axis needs around its forward *and*
+        backward."""
+        yield batch
+
+
 @dataclass
 class Backend:
     """One process or DDP: accelerate wraps the model (DistributedDataParallel with 2+ processes) and every rank
@@ -150,6 +210,9 @@ class Backend:
 
     accelerator: Any
     recipe: Recipe
+    # the axes applied over this backend, in their fixed order (hftrain.parallel.TRANSFORMS): classes, built with it
+    transforms: tuple[type[Transform], ...] = ()
+    applied: list[Transform] = field(init=False)
     record: Parallelism = field(init=False)
     dp: DataParallel = field(init=False)
     checkpoints: AccelerateCheckpoints = field(init=False)
@@ -162,11 +225,21 @@ class Backend:
 
     def __post_init__(self) -> None:
         self.dp = self.data_parallel()
-        self.record = self.make_record()
+        self.applied = [transform(self) for transform in self.transforms]
+        record = self.make_record()
+        for transform in self.applied:
+            record = transform.describe(record)
+        self.record = record
         self.checkpoints = self.checkpoint_io(self)
 
     # ----------------------------------------------------------------- layout
     def data_parallel(self) -> DataParallel:
+        """This rank's share of the data: the consecutive ranks of the axes that split one batch's work (tp, cp,
+        sp: `ParallelDims.replicas`, which the preflight lets on only under the strategies that run them) train on
+        the same batches."""
+        shared = self.recipe.tp_size * self.recipe.cp_size * self.recipe.sp_size
+        if shared > 1:
+            return shared_batch_layout(self.accelerator, shared)
         return DataParallel(self.accelerator.num_processes, self.accelerator.process_index, self.accelerator)
 
     def make_record(self, **layout) -> Parallelism:
@@ -189,15 +262,24 @@ class Backend:
         return None
 
     def prepare(self, model, optimizer):
+        """The layout's transforms on the loss module, in their fixed order, then the strategy's wrapper (`wrap`)."""
+        for transform in self.applied:
+            transform.apply(model)
+        return self.wrap(model, optimizer)
+
+    def wrap(self, model, optimizer):
         """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings."""
         return self.accelerator.prepare(model, optimizer)
 
     @contextmanager
     def micro_batch(self, batch: dict[str, torch.Tensor]):
-        """The inputs of the model's call on one micro-batch, inside whatever the strategy needs around that call's
-        forward *and* backward (context parallelism: the sequence shards, inside accelerate's maybe_context_parallel).
-        Here: the batch as it is."""
-        yield batch
+        """The inputs of the model's call on one micro-batch, inside whatever the transforms need around that call's
+        forward *and* backward (context parallelism: the sequence shards, inside its ring's context). Without them:
+        the batch as it is."""
+        with ExitStack() as stack:
+            for transform in self.applied:
+                batch = stack.enter_context(transform.micro_batch(batch))
+            yield batch
 
     def forward_backward(self, model, inputs: dict[str, torch.Tensor], scale: torch.Tensor, timer) -> torch.Tensor:
         """Forward and backward of one micro-batch (`model(**inputs)` returns its summed loss); returns that sum,

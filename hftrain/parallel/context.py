@@ -17,8 +17,9 @@ hooks drop the model's attention mask for `is_causal`. That is plain causal atte
   replicas = cp), as for a sequence- or tensor-parallel group. FSDP2's gradient mean over all dp x cp processes then
   leaves the gradient of one process with the same batch (parallel/sequence.py has the arithmetic).
 
-With tensor parallelism too (`TensorContextParallelBackend`, tp x cp) the same ring runs on hftrain's own
-("dp", "cp", "tp") mesh, since accelerate's mesh comes with its broken TP preparation (see the class).
+`RingAttention` is the transform hftrain.parallel applies for `cp_size` over the FSDP2 backend, or, with tensor
+parallelism too (tp x cp), over the FSDP2 x TP backend, where the same ring runs on hftrain's own ("dp", "cp", "tp")
+mesh, since accelerate's mesh comes with its broken TP preparation (see the class).
 
 Kernels: torch 2.13's ring dispatches the CUDA flash / memory-efficient / cuDNN SDPA kernels. It has no entry for
 the CPU kernel, so on CPU the backend refuses, unless an entry was registered (the CPU test launcher registers
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +39,10 @@ from torch.distributed.tensor.experimental import context_parallel
 
 from hftrain.compat.accelerate import attach_context_parallel_hooks
 from hftrain.compat.torch import ring_attention_kernels, set_ring_rotate_method
-from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
-from hftrain.parallel.base import DataParallel, Parallelism
-from hftrain.parallel.fsdp import FSDP2Backend
+from hftrain.parallel.base import Parallelism, Transform, with_copies
 from hftrain.parallel.sequence import GroupSum
-from hftrain.parallel.tensor import FSDP2TensorParallelBackend, shared_batch_layout, with_copies
 
 CPU_SDPA = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 
@@ -71,26 +68,54 @@ def ring_inputs(batch: dict[str, torch.Tensor], cp: int) -> dict[str, torch.Tens
             "position_ids": positions.repeat(rows, 1)}
 
 
-class RingAttention:
-    """What context parallelism adds to an FSDP2 backend, whichever mesh it runs on: the CPU kernel check, the
-    context group's loss and data share, and each micro-batch sharded around its forward and backward
-    (`ring_context`: the context manager that shards the buffers and routes SDPA through the ring)."""
+class RingAttention(Transform):
+    """Context parallelism over an FSDP2 backend: each sequence split over the `cp_size` consecutive ranks of a
+    context group, through torch's ring attention. The CPU kernel checked when built; the context group's loss
+    summed (`apply`), each micro-batch sharded around its forward and backward (`micro_batch`).
 
-    recipe: Recipe
-    accelerator: Any
+    Meshes: alone (FSDP2), accelerate's (its ParallelismConfig, built from the recipe: `maybe_context_parallel`).
+    With tensor parallelism (over `FSDP2TensorParallelBackend`: processes = dp x cp x tp, tp innermost, rank =
+    (dp_rank * cp + cp_rank) * tp + tp_rank) hftrain's own ("dp", "cp", "tp") mesh: transformers loads the model as
+    for FSDP2 x TP with fsdp_size = dp x cp (FSDP2 shards every tp shard over the data-parallel *and* context ranks,
+    as accelerate's dp_shard_cp does), and each tp rank rings its own heads' keys and values with the ranks holding
+    the same heads on the other chunks of the sequence. accelerate's ParallelismConfig would compose the same layout,
+    but its TP preparation imports transformers' removed ReplicateParallel, so neither accelerate's mesh nor its
+    `maybe_context_parallel` is used there: torch's `context_parallel` on hftrain's mesh, with accelerate's
+    attention-mask hooks and rotate method. The arithmetic is the two layouts' own: the group loss is the
+    micro-batch's (cp) and identical over the tp ranks (transformers gathers the head's vocabulary shards), FSDP2's
+    mean over dp x cp ranks undoes GroupSum's cp."""
 
-    def check_ring_kernel(self) -> None:
-        if self.accelerator.device.type == "cpu" and CPU_SDPA not in ring_kernels():
+    axis = "cp"
+    strategies = frozenset({"fsdp2"})
+    beside = frozenset({"tp"})
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        accelerator, recipe = backend.accelerator, backend.recipe
+        self.cp, tp = recipe.cp_size, recipe.tp_size
+        if accelerator.device.type == "cpu" and CPU_SDPA not in ring_kernels():
             raise HftrainError(
                 f"cp_size={self.cp} on CPU: torch's ring attention dispatches only the CUDA SDPA kernels "
                 f"(flash, memory-efficient, cuDNN) and has no entry for {CPU_SDPA}; run cp on CUDA GPUs, or use "
                 "sp_size with the cpu_sp preset on CPU (docs/long-context.md)")
+        self.mesh = None  # alone: accelerate's
+        if tp > 1:
+            world = accelerator.num_processes
+            self.mesh = init_device_mesh(accelerator.device.type, (world // (self.cp * tp), self.cp, tp),
+                                         mesh_dim_names=("dp", "cp", "tp"))
 
-    @property
-    def cp(self) -> int:
-        return self.recipe.cp_size
+    def describe(self, record: Parallelism) -> Parallelism:
+        name = with_copies(f"{record.name} + ring attention context parallel (cp_size={self.cp})", record.processes,
+                           self.backend.dp.replicas)
+        return dataclasses.replace(record, name=name, cp_size=self.cp)
 
-    def sum_over_context_group(self, model, group) -> None:
+    def apply(self, model) -> None:
+        if self.mesh is None:
+            group = self.backend.accelerator.torch_device_mesh["cp"].get_group()
+        else:
+            set_ring_rotate_method(TorchContextParallelConfig().cp_comm_strategy)  # accelerate's default or env
+            attach_context_parallel_hooks(model)  # accelerate's: the attention mask dropped for is_causal
+            group = self.mesh["cp"].get_group()
         forward = model.forward
 
         def group_loss(**inputs) -> torch.Tensor:
@@ -101,75 +126,15 @@ class RingAttention:
         model.forward = group_loss
 
     def ring_context(self, buffers: list[torch.Tensor]):
-        raise NotImplementedError
+        """The context manager that shards the buffers along the sequence and routes SDPA through the ring."""
+        if self.mesh is None:
+            return self.backend.accelerator.maybe_context_parallel(
+                buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers))
+        return context_parallel(self.mesh["cp"], buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                                no_restore_buffers=set(buffers))
 
     @contextmanager
     def micro_batch(self, batch: dict[str, torch.Tensor]):
         inputs = ring_inputs(batch, self.cp)
         with self.ring_context(list(inputs.values())):
             yield inputs
-
-
-class ContextParallelBackend(RingAttention, FSDP2Backend):
-    """FSDP2 with torch ring attention over groups of `cp_size` consecutive ranks."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.check_ring_kernel()
-
-    def data_parallel(self) -> DataParallel:
-        return shared_batch_layout(self.accelerator, self.cp)
-
-    def make_record(self, **layout) -> Parallelism:
-        record = super().make_record(**layout)
-        name = with_copies(f"{record.name} + ring attention context parallel (cp_size={self.cp})", record.processes,
-                           self.cp)
-        return dataclasses.replace(record, name=name, cp_size=self.cp)
-
-    def prepare(self, model, optimizer):
-        self.sum_over_context_group(model, self.accelerator.torch_device_mesh["cp"].get_group())
-        return super().prepare(model, optimizer)
-
-    def ring_context(self, buffers: list[torch.Tensor]):
-        return self.accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),
-                                                       no_restore_buffers=set(buffers))
-
-
-class TensorContextParallelBackend(RingAttention, FSDP2TensorParallelBackend):
-    """tp x cp under FSDP2: processes = dp x cp x tp, tp innermost (rank = (dp_rank * cp + cp_rank) * tp + tp_rank).
-    transformers loads the model as for FSDP2 x TP with fsdp_size = dp x cp (FSDP2 shards every tp shard over the
-    data-parallel *and* context ranks, as accelerate's dp_shard_cp does), and hftrain builds the context groups
-    itself: the cp x tp consecutive ranks of a data-parallel rank share its batches; each tp rank rings its own
-    heads' keys and values with the ranks holding the same heads on the other chunks of the sequence (the "cp" dim of
-    a ("dp", "cp", "tp") mesh). accelerate's ParallelismConfig would compose the same layout, but its TP preparation
-    imports transformers' removed ReplicateParallel, so neither accelerate's mesh nor its `maybe_context_parallel`
-    is used: torch's `context_parallel` on hftrain's mesh, with accelerate's attention-mask hooks and rotate method.
-    The arithmetic is the two layouts' own: the group loss is the micro-batch's (cp) and identical over the tp ranks
-    (transformers gathers the head's vocabulary shards), FSDP2's mean over dp x cp ranks undoes GroupSum's cp."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.check_ring_kernel()
-        world, cp, tp = self.accelerator.num_processes, self.cp, self.tp
-        self.mesh = init_device_mesh(self.accelerator.device.type, (world // (cp * tp), cp, tp),
-                                     mesh_dim_names=("dp", "cp", "tp"))
-
-    def data_parallel(self) -> DataParallel:
-        return shared_batch_layout(self.accelerator, self.cp * self.tp)
-
-    def make_record(self, **layout) -> Parallelism:
-        record = super().make_record(**layout)
-        processes, cp, tp = record.processes, self.cp, self.tp
-        name = (f"FSDP2 {'FULL_SHARD' if self.full_shard else 'SHARD_GRAD_OP'} (fsdp_size={processes // tp}) x "
-                f"tensor parallel (tp_size={tp}) + ring attention context parallel (cp_size={cp})")
-        return dataclasses.replace(record, kind="fsdp2_tp", name=with_copies(name, processes, cp * tp), cp_size=cp)
-
-    def prepare(self, model, optimizer):
-        set_ring_rotate_method(TorchContextParallelConfig().cp_comm_strategy)  # accelerate's default or env
-        attach_context_parallel_hooks(model)  # accelerate's: the attention mask dropped for is_causal
-        self.sum_over_context_group(model, self.mesh["cp"].get_group())
-        return super().prepare(model, optimizer)
-
-    def ring_context(self, buffers: list[torch.Tensor]):
-        return context_parallel(self.mesh["cp"], buffers=buffers, buffer_seq_dims=[1] * len(buffers),
-                                no_restore_buffers=set(buffers))

@@ -138,7 +138,7 @@ class DeepSpeedBackend(Backend):
         return super().make_record(kind="deepspeed", name=name, zero_stage=stage, sharded=ALL_PARTS[3 - stage:],
                                    offloaded=offloaded)
 
-    def prepare(self, model, optimizer):
+    def wrap(self, model, optimizer):
         hidden = getattr(model.config.get_text_config(), "hidden_size", None)  # an image-text model's language model
         for key, size in HIDDEN_SIZE_AUTO_KEYS.items():
             if get_key(self.config, key) == "auto":
@@ -146,7 +146,7 @@ class DeepSpeedBackend(Backend):
                     raise HftrainError(f"the DeepSpeed config has {key}: \"auto\" but the model config has no "
                                        "hidden_size to derive it from; give a number")
                 set_key(self.config, key, size(hidden))
-        return super().prepare(model, optimizer)
+        return super().wrap(model, optimizer)
 
     def local_trained_tensors(self, model) -> list[torch.Tensor]:
         """ZeRO-3: this process's partition of each trained parameter (the parameter itself is an empty placeholder

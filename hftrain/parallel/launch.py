@@ -165,8 +165,8 @@ def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
 def parallelism_config(recipe: Recipe, launch: Launch) -> ParallelismConfig | None:
     """accelerate's ParallelismConfig for context parallelism, from the recipe: FSDP2 shards over all
     dp_shard x cp processes, each group of cp consecutive ranks splitting its sequences. None without cp, and for
-    tp x cp, whose mesh hftrain builds itself (parallel/context.py's TensorContextParallelBackend: accelerate's TP
-    preparation imports transformers' removed ReplicateParallel)."""
+    tp x cp, whose mesh hftrain builds itself (parallel/context.py's RingAttention over tensor parallelism:
+    accelerate's TP preparation imports transformers' removed ReplicateParallel)."""
     if recipe.cp_size <= 1 or recipe.tp_size > 1:
         return None
     return ParallelismConfig(dp_shard_size=launch.world // recipe.cp_size, cp_size=recipe.cp_size)

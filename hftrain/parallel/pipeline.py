@@ -461,7 +461,7 @@ class PipelineBackend(Backend):
         return [self.mesh.mesh[s].flatten().tolist() for s in range(self.pp)]
 
     # ----------------------------------------------------------------- training
-    def prepare(self, model, optimizer):
+    def wrap(self, model, optimizer):
         """Split the loss module's causal LM into this rank's stages, build the schedule, and rebuild the optimizer
         over the parameters this rank keeps."""
         recipe, accelerator = self.recipe, self.accelerator

@@ -34,9 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from hftrain.compat.transformers import attn_implementation
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
-from hftrain.parallel.base import DataParallel, Parallelism
-from hftrain.parallel.deepspeed import DeepSpeedBackend
-from hftrain.parallel.tensor import shared_batch_layout, with_copies
+from hftrain.parallel.base import Parallelism, Transform, with_copies
 
 # attention kernels DeepSpeed's Ulysses wrapper can drive with documents kept apart (eager materialises a 4D mask
 # and is refused by DeepSpeed; flex_attention is rebuilt there with a plain causal mask, which would attend across
@@ -123,22 +121,21 @@ class ShardedTokenLoss:
         return GroupSum.apply(local, self.group)
 
 
-class SequenceParallelBackend(DeepSpeedBackend):
-    """DeepSpeed ZeRO with Ulysses sequence parallelism over groups of `sp_size` consecutive ranks."""
+class UlyssesAttention(Transform):
+    """Sequence parallelism over a DeepSpeed ZeRO backend: DeepSpeed's Ulysses attention over groups of `sp_size`
+    consecutive ranks, the loss module's forward on this rank's slice (`ShardedTokenLoss`)."""
 
-    @property
-    def sp(self) -> int:
-        return self.recipe.sp_size
+    axis = "sp"
+    strategies = frozenset({"deepspeed"})
 
-    def data_parallel(self) -> DataParallel:
-        return shared_batch_layout(self.accelerator, self.sp)
+    def __init__(self, backend):
+        super().__init__(backend)
+        self.sp = backend.recipe.sp_size
 
-    def make_record(self, **layout) -> Parallelism:
-        record = super().make_record(**layout)
+    def describe(self, record: Parallelism) -> Parallelism:
         name = with_copies(f"{record.name} + Ulysses sequence parallel (sp_size={self.sp})", record.processes, self.sp)
         return dataclasses.replace(record, name=name, sp_size=self.sp)
 
-    def prepare(self, model, optimizer):
+    def apply(self, model) -> None:
         group = register_ulysses(model.lm, self.sp)
         model.forward = ShardedTokenLoss(model.forward, group, self.sp, dist.get_rank(group))
-        return super().prepare(model, optimizer)

@@ -29,40 +29,9 @@ from transformers.distributed import DistributedConfig
 
 from hftrain.compat.transformers import device_mesh
 from hftrain.errors import HftrainError
-from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism
+from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism, with_copies
 from hftrain.parallel.checkpoint_io import FullStateCheckpoints
 from hftrain.parallel.expert import load_kwargs as expert_load_kwargs
-
-
-@functools.cache
-def tp_groups(world: int, tp: int) -> tuple:
-    """(data-parallel group, tensor-parallel group) of this rank; every rank creates every group, in order."""
-    rank, mine = dist.get_rank(), {}
-    for kind, groups in (("dp", [list(range(t, world, tp)) for t in range(tp)]),
-                         ("tp", [list(range(d * tp, d * tp + tp)) for d in range(world // tp)])):
-        for ranks in groups:
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine[kind] = group
-    return mine["dp"], mine["tp"]
-
-
-def data_share(world: int, rank: int, tp: int) -> tuple[int, int]:
-    """(data-parallel groups, this rank's group): the tp consecutive ranks of a tensor-parallel group share one."""
-    return world // tp, rank // tp
-
-
-def shared_batch_layout(accelerator, size: int) -> DataParallel:
-    """The data share of a run whose `size` consecutive ranks train on the same batches (a tensor-, sequence- or
-    context-parallel group): world/size data-parallel groups, each group's values counted once."""
-    world, rank = accelerator.num_processes, accelerator.process_index
-    return DataParallel(*data_share(world, rank, size), accelerator, replicas=size, groups=tp_groups(world, size))
-
-
-def with_copies(name: str, processes: int, size: int) -> str:
-    """The layout's name, with the number of data-parallel copies of its `size`-rank groups when there are several."""
-    copies = processes // size
-    return name + (f" x {copies} data-parallel copies" if copies > 1 else "")
 
 
 def _shard(size: int, parts: int, index: int) -> int:
@@ -133,9 +102,6 @@ class TensorParallelBackend(Backend):
     def tp(self) -> int:
         return self.recipe.tp_size
 
-    def data_parallel(self) -> DataParallel:
-        return shared_batch_layout(self.accelerator, self.tp)
-
     def make_record(self, **layout) -> Parallelism:
         name = with_copies(f"tensor parallel (tp_size={self.tp})", self.accelerator.num_processes, self.tp)
         return super().make_record(kind="tp", name=name, sharded=ALL_PARTS)  # norms replicated: counted split
@@ -164,7 +130,7 @@ class TensorParallelBackend(Backend):
         """dpo's reference keeps the tensor-parallel shards it was loaded with (see `frozen_copy`)."""
         return module.to(self.accelerator.device).eval(), f"sharded over the tensor-parallel group (tp_size={self.tp})"
 
-    def prepare(self, model, optimizer):
+    def wrap(self, model, optimizer):
         """The model (DTensor weights, sharded by transformers at load) stays unwrapped: DDP cannot hold DTensors."""
         accelerator, tp = self.accelerator, self.tp
         if accelerator.mixed_precision != "no":
@@ -244,7 +210,7 @@ class FSDP2TensorParallelBackend(TensorParallelBackend):
     def shard_count(self) -> int:
         return self.accelerator.num_processes  # TP-split weights further sharded over the fsdp ranks
 
-    def prepare(self, model, optimizer):
+    def wrap(self, model, optimizer):
         """The loss wrapper becomes the root FSDP2 unit over transformers' units (embeddings, each decoder layer, the
         final norm with the head, the causal LM), on the same fsdp mesh and policy. torch takes the first unit whose
         forward runs as the root (`FSDPState._lazy_init`), and the wrapper calls the causal LM's decoder and head

@@ -72,7 +72,7 @@ def test_fsdp2_full_shard_splits_everything_and_shard_grad_op_keeps_the_weights(
 
 
 def test_tensor_parallel_splits_over_the_group_and_each_copy_holds_it_again(accelerator, monkeypatch):
-    monkeypatch.setattr("hftrain.parallel.tensor.tp_groups", lambda world, tp: (None, None))  # no process group here
+    monkeypatch.setattr("hftrain.parallel.base.tp_groups", lambda world, tp: (None, None))  # no process group here
     backend = TensorParallelBackend(accelerator(4, index=3, kind="MULTI_CPU"), Recipe(tp_size=2))
     memory = backend.memory(T, P)
     assert memory["per_device_bytes"] == (4 * P) // 2 + (4 * T) // 2 + (8 * T) // 2
@@ -101,7 +101,7 @@ def test_fsdp2_x_tp_shard_grad_op_keeps_each_ranks_tp_shard_of_the_weights(accel
 
     from hftrain.parallel.tensor import FSDP2TensorParallelBackend
 
-    monkeypatch.setattr("hftrain.parallel.tensor.tp_groups", lambda world, tp: (None, None))  # no process group here
+    monkeypatch.setattr("hftrain.parallel.base.tp_groups", lambda world, tp: (None, None))  # no process group here
     plugin = type("Plugin", (), {"reshard_after_forward": reshard, "cpu_offload": OffloadPolicy(),
                                  "mixed_precision_policy": None})()
     backend = FSDP2TensorParallelBackend(accelerator(4, kind="FSDP", fsdp_plugin=plugin), Recipe(tp_size=2))

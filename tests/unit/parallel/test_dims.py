@@ -12,15 +12,16 @@ from hftrain.errors import HftrainError
 from hftrain.parallel import (
     Backend,
     ParallelDims,
-    backend_class,
+    layout_of,
 )
-from hftrain.parallel.context import ContextParallelBackend, TensorContextParallelBackend
+from hftrain.parallel.base import data_share
+from hftrain.parallel.context import RingAttention
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.pipeline import PipelineBackend, PipelineFSDP2Backend
-from hftrain.parallel.sequence import SequenceParallelBackend
-from hftrain.parallel.tensor import FSDP2TensorParallelBackend, TensorParallelBackend, data_share
+from hftrain.parallel.sequence import UlyssesAttention
+from hftrain.parallel.tensor import FSDP2TensorParallelBackend, TensorParallelBackend
 
 
 def test_pipeline_ranks_follow_the_documented_order():
@@ -76,25 +77,27 @@ def test_problems_name_the_sizes_that_do_not_divide_the_processes():
 
 
 @pytest.mark.parametrize(("strategy", "sizes", "expected"), [
-    ("single", {}, Backend),
-    ("ddp", {}, Backend),
-    ("fsdp2", {}, FSDP2Backend),
-    ("deepspeed", {}, DeepSpeedBackend),
-    ("ddp", {"tp": 2}, TensorParallelBackend),
-    ("fsdp2", {"tp": 2}, FSDP2TensorParallelBackend),
-    ("fsdp2", {"cp": 2}, ContextParallelBackend),
-    ("fsdp2", {"cp": 2, "tp": 2}, TensorContextParallelBackend),
-    ("deepspeed", {"sp": 2}, SequenceParallelBackend),
-    ("ddp", {"pp": 2}, PipelineBackend),
-    ("ddp", {"pp": 2, "tp": 2}, PipelineBackend),
-    ("fsdp2", {"pp": 2}, PipelineFSDP2Backend),
+    ("single", {}, (Backend, ())),
+    ("ddp", {}, (Backend, ())),
+    ("fsdp2", {}, (FSDP2Backend, ())),
+    ("deepspeed", {}, (DeepSpeedBackend, ())),
+    ("ddp", {"tp": 2}, (TensorParallelBackend, ())),
+    ("fsdp2", {"tp": 2}, (FSDP2TensorParallelBackend, ())),
+    ("fsdp2", {"cp": 2}, (FSDP2Backend, (RingAttention,))),
+    ("fsdp2", {"cp": 2, "tp": 2}, (FSDP2TensorParallelBackend, (RingAttention,))),
+    ("deepspeed", {"sp": 2}, (DeepSpeedBackend, (UlyssesAttention,))),
+    ("ddp", {"pp": 2}, (PipelineBackend, ())),
+    ("ddp", {"pp": 2, "tp": 2}, (PipelineBackend, ())),
+    ("fsdp2", {"pp": 2}, (PipelineFSDP2Backend, ())),
 ])
 def test_each_layout_the_preflight_lets_through_has_its_backend(strategy, sizes, expected):
-    assert backend_class(ParallelDims(world=8, strategy=strategy, **sizes)) is expected
+    """The backend that holds the model, and the transforms of the other axes over it."""
+    assert layout_of(ParallelDims(world=8, strategy=strategy, **sizes)) == expected
 
 
 @pytest.mark.parametrize(("strategy", "sizes"), [("deepspeed", {"tp": 2}), ("ddp", {"cp": 2}), ("ddp", {"sp": 2}),
-                                                 ("fsdp2", {"pp": 2, "tp": 2})])
+                                                 ("fsdp2", {"pp": 2, "tp": 2}), ("fsdp2", {"pp": 2, "cp": 2}),
+                                                 ("deepspeed", {"sp": 2, "tp": 2}), ("fsdp2", {"sp": 2})])
 def test_a_layout_without_a_backend_is_refused_in_words(strategy, sizes):
     with pytest.raises(HftrainError, match="no hftrain backend runs"):
-        backend_class(ParallelDims(world=8, strategy=strategy, **sizes))
+        layout_of(ParallelDims(world=8, strategy=strategy, **sizes))

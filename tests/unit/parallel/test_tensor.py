@@ -24,11 +24,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hftrain.errors import HftrainError
-from hftrain.parallel.base import DataParallel
+from hftrain.parallel.base import DataParallel, data_share
 from hftrain.parallel.checkpoint_io import AccelerateCheckpoints, FullStateCheckpoints, _local_blocks
 from hftrain.parallel.tensor import (
     FSDP2TensorParallelBackend,
-    data_share,
     fsdp_tp_blocks_disagree,
     model_load_kwargs,
 )
