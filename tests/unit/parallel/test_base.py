@@ -1,13 +1,18 @@
-"""parallel/base.py: the parallelism record and the model-state memory model, against hand-written accounting."""
+"""parallel/base.py: the parallelism record and the model-state memory model, against hand-written accounting; how a
+backend composes the transforms of its layout."""
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 
 from hftrain.config import Recipe
-from hftrain.parallel.base import Backend, Parallelism
+from hftrain.parallel.base import Backend, Parallelism, Transform
+from hftrain.parallel.checkpoint_io import DeepSpeedCheckpoints
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
+from hftrain.parallel.sequence import UlyssesAttention
 from hftrain.parallel.tensor import TensorParallelBackend
 
 P, T = 1_000_000, 250_000  # parameters, of which trained
@@ -107,3 +112,45 @@ def test_fsdp2_x_tp_shard_grad_op_keeps_each_ranks_tp_shard_of_the_weights(accel
     backend = FSDP2TensorParallelBackend(accelerator(4, kind="FSDP", fsdp_plugin=plugin), Recipe(tp_size=2))
     assert backend.record.model_shards == 2
     assert abs(backend.memory(T, P)["per_device_bytes"] - expected) <= 3  # each part rounds down separately
+
+
+def test_prepare_applies_the_transforms_in_their_order_then_the_wrapper_and_nests_their_micro_batch_contexts(
+        accelerator):
+    seen = []
+
+    def transform(name):
+        class Axis(Transform):
+            def apply(self, model):
+                seen.append(f"{name} applied to {model}")
+
+            @contextmanager
+            def micro_batch(self, batch):
+                seen.append(f"{name} enters")
+                yield {**batch, name: sorted(batch)}  # what this axis received
+                seen.append(f"{name} leaves")
+
+        return Axis
+
+    class Wrapper(Backend):
+        def wrap(self, model, optimizer):
+            seen.append(f"wrapped {model}")
+            return model, optimizer
+
+    backend = Wrapper(accelerator(), Recipe(), transforms=(transform("cp"), transform("ep")))
+    assert backend.prepare("model", "optimizer") == ("model", "optimizer")
+    assert seen == ["cp applied to model", "ep applied to model", "wrapped model"]
+    seen.clear()
+    with backend.micro_batch({"input_ids": 0}) as inputs:
+        assert inputs == {"input_ids": 0, "cp": ["input_ids"], "ep": ["cp", "input_ids"]}  # the second gets the first's
+    assert seen == ["cp enters", "ep enters", "ep leaves", "cp leaves"]
+
+
+def test_ulysses_over_deepspeed_names_both_and_shares_each_batch_over_its_group(accelerator, monkeypatch):
+    monkeypatch.setattr("hftrain.parallel.base.tp_groups", lambda world, size: (None, None))  # no process group here
+    config = {"zero_optimization": {"stage": 2}}
+    backend = DeepSpeedBackend(accelerator(4, index=3, kind="DEEPSPEED", deepspeed_config=config), Recipe(sp_size=2),
+                               transforms=(UlyssesAttention,))
+    assert backend.record.name == "DeepSpeed ZeRO-2 + Ulysses sequence parallel (sp_size=2) x 2 data-parallel copies"
+    assert (backend.record.kind, backend.record.sp_size, backend.record.zero_stage) == ("deepspeed", 2, 2)
+    assert (backend.dp.world, backend.dp.rank, backend.dp.replicas) == (2, 1, 2)  # ranks {2, 3}: the second copy
+    assert isinstance(backend.checkpoints, DeepSpeedCheckpoints)
