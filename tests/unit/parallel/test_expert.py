@@ -10,7 +10,7 @@ from hftrain import versions
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError
 from hftrain.fields.parallel import problems as parallel_problems
-from hftrain.parallel import ParallelDims, backend_class
+from hftrain.parallel import ParallelDims, layout_of
 from hftrain.parallel.expert import expert_problems, load_kwargs, num_experts
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.tensor import FSDP2TensorParallelBackend
@@ -46,7 +46,7 @@ def test_layouts_the_experts_cannot_split_over(dims, expected):
 def test_expert_parallelism_runs_on_transformers_fsdp2_layout_under_either_preset():
     """No backend class of its own: the one that runs the layouts transformers loads and FSDP2-wraps."""
     for strategy in ("ddp", "fsdp2"):
-        assert backend_class(ParallelDims(world=2, strategy=strategy, ep=2)) is FSDP2TensorParallelBackend
+        assert layout_of(ParallelDims(world=2, strategy=strategy, ep=2)) == (FSDP2TensorParallelBackend, ())
     assert load_kwargs(2) == {"ep_size": 2, "ep_implementation": "all_to_all"} and load_kwargs(1) == {}
 
 
