@@ -149,11 +149,6 @@ class AccelerateCheckpoints:
         tp is a pipeline checkpoint: DCP, read whole by `resume_folder`)."""
         if saved_launch["tp_size"] > 1 and saved_launch.get("pp_size", 1) == 1:
             raise_tp_mismatch(saved_launch["tp_size"], self.recipe.tp_size)
-        if saved_launch.get("ep_size", 1) > 1:
-            raise HftrainError(f"this checkpoint was written with ep_size={saved_launch['ep_size']} (full training "
-                               "state in one file) and this run has ep_size=1; expert-parallel checkpoints resume "
-                               "with expert parallelism (any ep_size that divides the experts); the final folder "
-                               "loads anywhere")
         sharded_by = {DistributedType.FSDP: "FSDP2", DistributedType.DEEPSPEED: "DeepSpeed"}.get(
             self.accelerator.distributed_type)
         if problem := resume_layout_problem(saved_launch, 1, sharded_by):  # a pp checkpoint under FSDP2 / ZeRO
@@ -162,10 +157,10 @@ class AccelerateCheckpoints:
     @contextmanager
     def resume_folder(self, model, path: Path, saved_launch: dict):
         """The folder `accelerator.load_state` reads checkpoint `path` from: `path` itself, unless it must be
-        converted for this layout first: a pipeline checkpoint (pp_size > 1) becomes one process's files
-        (`stages.unpipelined`)."""
-        if saved_launch.get("pp_size", 1) > 1:
-            with unpipelined(self.backend, model, path) as folder:
+        converted for this layout first: a pipeline checkpoint (pp_size > 1), or an expert-parallel one's full state
+        (ep_size > 1), becomes one process's files (`stages.unpipelined`)."""
+        if saved_launch.get("pp_size", 1) > 1 or saved_launch.get("ep_size", 1) > 1:
+            with unpipelined(self.backend, model, path, expert_parallel=saved_launch.get("ep_size", 1) > 1) as folder:
                 yield folder
             return
         yield path
@@ -426,6 +421,15 @@ class FullStateCheckpoints(AccelerateCheckpoints):
 
     def saved_model_keys(self, folder: Path) -> set[str] | None:
         return None  # full state in FULL_STATE_FILE, re-sharded by set_state_dict
+
+    @contextmanager
+    def resume_folder(self, model, path: Path, saved_launch: dict):
+        """A full-state checkpoint (tensor or expert parallel) as it is: `FullTrainingState` re-shards it."""
+        if saved_launch.get("pp_size", 1) > 1:
+            with super().resume_folder(model, path, saved_launch) as folder:
+                yield folder
+            return
+        yield path
 
     def save_pretrained(self, model, folder: Path) -> None:
         """Every rank: transformers gathers the shards, the main process writes."""
