@@ -32,3 +32,25 @@ def final_answer(prompts, completions, completion_ids, answer, **kwargs) -> list
         found = re.search(r"-?\d+", text)
         rewards.append(float(found is not None and int(found.group()) == int(expected)))
     return rewards
+
+
+QUESTION = re.compile(r"What is (-?\d+) ([-+*]) (-?\d+)\?")
+
+
+def call_matches_question(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    """The share of the question's a, op and b ("What is a op b?" in the prompt's last message) that the
+    completion's first tool call passes as its arguments (0 without a call): partial credit for using the tool as
+    asked, which a tiny model taught the call format can improve on before it gets final answers right."""
+    rewards = []
+    for prompt, completion in zip(prompts, completions):
+        asked = QUESTION.search(prompt[-1]["content"] if isinstance(prompt, list) else prompt)
+        calls = [c for m in (completion if isinstance(completion, list) else [])
+                 for c in (m.get("tool_calls") or [])]
+        if asked is None or not calls:
+            rewards.append(0.0)
+            continue
+        arguments = calls[0].get("function", calls[0]).get("arguments") or {}
+        wanted = {"a": int(asked.group(1)), "op": asked.group(2), "b": int(asked.group(3))}
+        rewards.append(sum(arguments.get(k) == v for k, v in wanted.items()) / 3 if isinstance(arguments, dict)
+                       else 0.0)
+    return rewards

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hftrain.rl.example_rewards import final_answer
-from tests.conftest import REPO, launch, run_main_cases, run_script
+from tests.conftest import REPO, launch, run_main_cases, run_script, write_jsonl
 
 TOOLS_MODEL = REPO / "models" / "tiny-tools"
 SCRIPTED = REPO / "tests" / "e2e" / "launchers" / "scripted_tools.py"
@@ -35,8 +35,12 @@ BASE = ["--model_name_or_path", str(TOOLS_MODEL), "--dataset_name", str(REPO / "
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo-tools")
+    evals = write_jsonl(tmp / "eval.jsonl", [json.loads(line) for line in
+                                             (REPO / "data" / "tool_prompts.jsonl").read_text().splitlines()[-2:]])
     one = run_script(tmp / "1x8", *BASE, "--per_device_train_batch_size", "8", "--save_strategy", "steps",
-                     "--save_steps", "1", "--checkpoint_preflight", "false", script=SCRIPTED)
+                     "--save_steps", "1", "--checkpoint_preflight", "false", "--eval_strategy", "steps",
+                     "--eval_steps", "3", "--eval_dataset_name", str(evals), "--per_device_eval_batch_size", "4",
+                     script=SCRIPTED)
     return {
         "1x8": one,
         "2procs": launch(tmp / "2procs", *BASE, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
@@ -102,6 +106,20 @@ def test_tool_metrics_and_lengths_count_model_tokens(runs):
         assert m["completions/mean_length"] == pytest.approx(sum(sum(r["tool_mask"]) for r in mine) / 8)
         assert m["reward"] == pytest.approx(sum(r["reward"] for r in mine) / 8)
     assert "tools/call_frequency" not in metrics[1]  # step 2 samples nothing
+
+
+
+def test_evaluation_runs_the_tools_too(runs):
+    """The final evaluation completes the 2 eval prompts 4 times each through the same tool loop: eval_rollouts.jsonl
+    rows carry their tool_mask and calls, and the eval_ metrics count what they hold (model tokens only)."""
+    rows = [json.loads(line) for line in (runs["1x8"].output_dir / "eval_rollouts.jsonl").read_text().splitlines()]
+    [metrics] = [m for m in runs["1x8"].metrics() if "eval_reward" in m]
+    assert len(rows) == 8 and all(len(r["tool_mask"]) == len(r["completion_ids"]) for r in rows)
+    calls = [c for r in rows for c in r["tool_calls"]]
+    assert calls and metrics["eval_tools/call_frequency"] == pytest.approx(len(calls) / 8)
+    assert metrics["eval_tools/failure_frequency"] == pytest.approx(sum(c["failed"] for c in calls) / len(calls))
+    assert metrics["eval_completions/mean_length"] == pytest.approx(sum(sum(r["tool_mask"]) for r in rows) / 8)
+    assert metrics["eval_reward"] == pytest.approx(sum(r["reward"] for r in rows) / 8)
 
 
 def test_first_step_equals_plain_pytorch_with_tool_tokens_masked(runs):

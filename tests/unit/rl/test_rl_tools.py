@@ -300,3 +300,15 @@ def test_the_two_stage_recipe_and_its_data_agree(tokenizer):
     assert sft.dataset_name == "data/tool_sft.jsonl"
     assert yaml.safe_load(grpo_file.read_text())["model_name_or_path"] == f"{sft.output_dir}/final"
     assert grpo.tools == ["hftrain.rl.example_tools.calculator"] and grpo.objective == "grpo"
+
+
+def test_the_shipped_rewards_read_the_completion_messages():
+    from hftrain.rl.example_rewards import call_matches_question, final_answer
+
+    question = [{"role": "user", "content": "What is 6 * 7?"}]
+    called = [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"a": 6, "op": "+", "b": 7}}}]},
+        {"role": "tool", "name": "calculator", "content": "13"}, {"role": "assistant", "content": "It is 42."}]
+    direct = [{"role": "assistant", "content": "42"}]
+    assert call_matches_question([question] * 2, [called, direct], None) == [2 / 3, 0.0]
+    assert final_answer([question] * 3, [called, direct, called[:1]], None, answer=[42, 41, 42]) == [1.0, 0.0, 0.0]
