@@ -38,6 +38,7 @@ from hftrain.estimate import ulysses_splits
 from hftrain.fields.grpo import VLLM_REQUIREMENT
 from hftrain.fields.parallel import V_SCHEDULES
 from hftrain.model import DTYPES, HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, router_coefficient
+from hftrain.optim import BNB_ADAMW
 from hftrain.parallel.deepspeed import deepspeed_problems
 from hftrain.parallel.expert import expert_problems
 from hftrain.parallel.launch import Launch, strategy_problems
@@ -217,6 +218,7 @@ def launch_problems(recipe: Recipe, launch: Launch) -> list[str]:
                         f"bf16={recipe.bf16}, fp16={recipe.fp16}; precision comes from the recipe: set it there "
                         "and use mixed_precision: 'no' in the preset")
     problems += quantization_problems(recipe, launch)
+    problems += missing_extra_problems(recipe, launch)
     if launch.kind == "deepspeed":
         if launch.deepspeed_config is None:
             problems.append("the DeepSpeed preset names no deepspeed_config_file; hftrain's presets point at "
@@ -224,6 +226,23 @@ def launch_problems(recipe: Recipe, launch: Launch) -> list[str]:
         else:
             problems += deepspeed_problems(recipe, launch.deepspeed_config, launch.world)
     return problems + tensor_parallel_problems(recipe, launch)
+
+
+# the optional packages a run may need: (package, hftrain's extra that installs it)
+EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "quantization", "wandb": "wandb"}
+
+
+def missing_extra_problems(recipe: Recipe, launch: Launch) -> list[str]:
+    """What this run needs from the packages that are extras of hftrain's (pyproject.toml), when they are missing."""
+    needs = [("deepspeed", "the DeepSpeed preset") if launch.kind == "deepspeed" else None,
+             ("deepspeed", f"sp_size={recipe.sp_size} (DeepSpeed's Ulysses attention)") if recipe.sp_size > 1 else None,
+             ("bitsandbytes", "load_in_4bit" if recipe.load_in_4bit else "load_in_8bit")
+             if recipe.load_in_4bit or recipe.load_in_8bit else None,
+             ("bitsandbytes", f"optim={recipe.optim}") if recipe.optim in BNB_ADAMW else None,
+             ("wandb", "report_to: wandb") if "wandb" in recipe.report_to else None]
+    return [f"{what} needs the {package} package, which is not installed: pip install 'hftrain[{EXTRAS[package]}]'"
+            f" (or pip install {package})" for package, what in filter(None, needs)
+            if importlib.util.find_spec(package) is None]
 
 
 def quantization_problems(recipe: Recipe, launch: Launch) -> list[str]:

@@ -133,6 +133,28 @@ def test_liger_refused_without_the_liger_kernel_package(packages):
     assert machine(Recipe(), cuda_available=True) == []  # off: the package is not needed
 
 
+def test_the_extras_a_run_needs_are_named_when_missing(packages):
+    """deepspeed, bitsandbytes and wandb are extras of hftrain's (pyproject.toml), not default dependencies: a run that
+    needs one that is missing is refused before anything starts, naming the setting, the package and the extra."""
+    needs = Recipe(model_name_or_path=str(MODEL), use_peft=True, load_in_4bit=True, optim="paged_adamw_8bit",
+                   report_to=["wandb"], sp_size=2)
+    packages(absent=["deepspeed", "bitsandbytes", "wandb"])
+    found = launch_problems(needs, deepspeed(2))
+    named = [p for p in found if "which is not installed" in p]
+    assert len(named) == 5, found
+    for setting, package, extra in (("the DeepSpeed preset", "deepspeed", "deepspeed"),
+                                    ("sp_size=2 (DeepSpeed's Ulysses attention)", "deepspeed", "deepspeed"),
+                                    ("load_in_4bit", "bitsandbytes", "quantization"),
+                                    ("optim=paged_adamw_8bit", "bitsandbytes", "quantization"),
+                                    ("report_to: wandb", "wandb", "wandb")):
+        said = f"{setting} needs the {package} package, which is not installed: pip install 'hftrain[{extra}]'"
+        assert any(p.startswith(said) for p in named), setting
+    assert not [p for p in launch_problems(Recipe(model_name_or_path=str(MODEL)), Launch("ddp", 2, 2))
+                if "which is not installed" in p]  # a plain run needs none of them
+    packages(installed=["deepspeed", "bitsandbytes", "wandb"])
+    assert not [p for p in launch_problems(needs, deepspeed(2)) if "which is not installed" in p]
+
+
 def test_every_machine_problem_reported_at_once(packages):
     """On a CPU machine without the packages: fp16, flash attention (GPU and package) and Liger (GPU and package)."""
     packages(absent=["flash_attn", "liger_kernel"])

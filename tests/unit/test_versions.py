@@ -24,7 +24,9 @@ def exact(path) -> dict[str, str]:
 def test_the_tested_range_is_the_lower_end_and_the_lock():
     lower, lock = exact(REPO / "constraints" / "lower.txt"), exact(REPO / "constraints" / "lock.txt")
     floors = {}
-    for requirement in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]  # the heavy parts TESTED also covers, declared as extras
+    for requirement in [*project["dependencies"], *extras["deepspeed"], *extras["quantization"], *extras["wandb"]]:
         if match := re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement.split(";")[0].strip()):
             floors[match.group(1).lower()] = match.group(2)
     for package, (low, high) in versions.TESTED.items():
