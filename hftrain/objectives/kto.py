@@ -57,8 +57,8 @@ class KTOPlan(BatchPlan):
 class KTOCollator(Collator):
     """Collates rows as `Collator` does and adds `desirable` (the label per row) and the KL sequences: each row's
     prompt followed by its partner's completion (`kl_input_ids`, `kl_labels`: the completion trained), cut to
-    max_length as TRL's collator cuts them. Items are (row, partner) from `KTOPlan`, or plain rows (evaluation,
-    precomputation), whose partner is the previous row of the whole set (`kl_partners` over the set)."""
+    max_length as TRL's collator cuts them. Items are (row, partner) from `KTOPlan`, or plain rows (evaluation), whose
+    partner is the previous row of the whole set (`kl_partners` over the set)."""
 
     def __init__(self, dataset, pad_token_id: int, max_length: int):
         super().__init__(dataset, pad_token_id)
@@ -71,8 +71,8 @@ class KTOCollator(Collator):
             batch.update(desirable=torch.zeros(1, dtype=torch.bool), kl_input_ids=batch["input_ids"].clone(),
                          kl_labels=batch["labels"].clone())
             return batch
-        fetched = self.dataset[sorted({i for pair in pairs for i in pair})]
-        at = {i: k for k, i in enumerate(sorted({i for pair in pairs for i in pair}))}
+        needed = sorted({i for pair in pairs for i in pair})  # the rows and their partners, each fetched once
+        fetched, at = self.dataset[needed], {i: k for k, i in enumerate(needed)}
         ids, labels, starts = fetched["input_ids"], fetched["labels"], fetched["prompt_length"]
         kl_rows = []
         for row, partner in pairs:
