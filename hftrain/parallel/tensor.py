@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers.distributed import DistributedConfig
 
 from hftrain.compat.transformers import device_mesh
@@ -236,11 +237,21 @@ class FSDP2TensorParallelBackend(TensorParallelBackend):
             model.set_reshard_after_forward(False)  # SHARD_GRAD_OP: every unit keeps its weights after forward
         if not isinstance(model, FSDPModule):
             raise HftrainError("FSDP2 x tensor parallel: the loss wrapper did not become an FSDP2 module")
+        # peft's adapters, added after transformers made its FSDP2 units, are in none of them: whole on every rank,
+        # started from rank 0's values and averaged over the data-parallel ranks as DDP would
+        self.replicated = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+        group = self.dp.groups[0] if self.dp.groups else None  # None: every process (no tensor-parallel groups)
+        for p in self.replicated:
+            dist.broadcast(p.data, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
         self.checkpoints.attach(model, optimizer)
         return model, optimizer
 
     def clip_grad_norm(self, model, max_norm: float) -> float | None:
         """accelerate's DTensor-aware clipping: the TP-split weights' gradients on the 2D mesh and the norms' (whole
         over TP) on the fsdp mesh, each group's norm over all its shards, combined into one global norm."""
+        for p in self.replicated:  # in one order on every rank (a backward hook's order may differ between ranks)
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.dp.groups[0] if self.dp.groups else None)
+                p.grad.div_(self.dp.world)
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
         return None if norm is None else float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
