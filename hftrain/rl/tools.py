@@ -143,18 +143,23 @@ def template_problems(tokenizer, tools: list[Callable], source: str) -> list[str
                 "calls cannot be parsed from its output; add the template's response_template to "
                 "tokenizer_config.json (transformers' chat response parsing; TRL's trl.chat_template_utils has them "
                 "for Qwen, Llama 3, GPT-OSS and others)"]
-    prefix = tokenizer.apply_chat_template(messages[:1], tools=tools or None, add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)
-    whole = tokenizer.apply_chat_template(messages[:2], tools=tools or None, tokenize=True, return_dict=False)
     try:
+        prefix = tokenizer.apply_chat_template(messages[:1], tools=tools or None, add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        whole = tokenizer.apply_chat_template(messages[:2], tools=tools or None, tokenize=True, return_dict=False)
         parsed = tokenizer.parse_response(whole[len(prefix):], prefix=prefix)
-    except Exception as exc:  # noqa: BLE001
-        parsed = {"error": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # noqa: BLE001 - the template's or the parser's error, reported as the user's problem
+        prefix, whole, parsed = [], [], {"error": f"{type(exc).__name__}: {exc}"}
     calls = parsed.get("tool_calls") or []
     if whole[:len(prefix)] != prefix or len(calls) != 1 or calls[0].get("function", {}).get("name") != \
             SENTINELS["name"] or calls[0]["function"].get("arguments") != {SENTINELS["key"]: SENTINELS["value"]}:
         return [f"the response_template of {source} does not parse the assistant turn its chat template renders for "
                 f"a tool call back into that call (got {parsed}); fix response_template in tokenizer_config.json"]
+    try:
+        tool_suffix_ids(tokenizer, messages[2:])
+    except Exception as exc:  # noqa: BLE001
+        return [f"the chat template of {source} cannot append a tool result to a sampled turn ({exc}); TRL swaps in a "
+                "prefix-preserving training template for such models; give one with chat_template_path"]
     return []
 
 

@@ -312,3 +312,15 @@ def test_the_shipped_rewards_read_the_completion_messages():
     direct = [{"role": "assistant", "content": "42"}]
     assert call_matches_question([question] * 2, [called, direct], None) == [2 / 3, 0.0]
     assert final_answer([question] * 3, [called, direct, called[:1]], None, answer=[42, 41, 42]) == [1.0, 0.0, 0.0]
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused():
+    """A template that renders an assistant turn differently once a tool message follows it (not prefix-preserving,
+    as Qwen3's thinking removal) cannot have results appended to the sampled tokens: refused up front."""
+    shifting = AutoTokenizer.from_pretrained(TOOLS_MODEL)
+    shifting.chat_template = shifting.chat_template.replace(
+        "{{- '<|im_start|>assistant\\n' + (message.content or '') }}",
+        "{{- '<|im_start|>assistant\\n' + ('' if loop.last else 'Y') + (message.content or '') }}")
+    assert shifting.chat_template != AutoTokenizer.from_pretrained(TOOLS_MODEL).chat_template
+    [problem] = template_problems(shifting, [calculator], "x")
+    assert "cannot append a tool result" in problem and "prefix-preserving" in problem
