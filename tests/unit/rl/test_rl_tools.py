@@ -324,3 +324,57 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
     assert shifting.chat_template != AutoTokenizer.from_pretrained(TOOLS_MODEL).chat_template
     [problem] = template_problems(shifting, [calculator], "x")
     assert "cannot append a tool result" in problem and "prefix-preserving" in problem
+
+
+def test_environments_one_per_rollout_reset_with_the_row_and_their_methods_as_tools(tokenizer, tmp_path):
+    """environment_factory as TRL: each rollout gets its own instance, reset(prompt=..., **row) before it (the string
+    it returns appended to the prompt's last message, the prompt rendered again with the tools), its public methods
+    are the rollout's tools (acting on that instance), and get_reward() becomes a reward function named after the
+    class that reads each rollout's environment."""
+    from types import SimpleNamespace
+
+    from hftrain.rl.rollouts import render_prompt
+    from hftrain.rl.tools import Tooling, environment_reward
+
+    path = write(tmp_path, '''
+class Counter:
+    def reset(self, prompt, start, **row):
+        self.total = start
+        return f" (start at {start})"
+
+    def add(self, a: int, op: str, b: int) -> int:
+        """Add to the counter.
+
+        Args:
+            a: The amount.
+            op: Ignored.
+            b: Ignored.
+        """
+        self.total += a
+        return self.total
+
+    def get_reward(self):
+        return float(self.total)
+''')
+    factory, probe, problems = load_environment(f"{path}:Counter")
+    assert not problems
+    recipe = SimpleNamespace(max_prompt_length=None, tool_call_timeout=5.0, max_tool_calling_iterations=1,
+                             max_completion_length=200)
+    tooling = Tooling(recipe, [], factory, probe, tokenizer)
+    question = [{"role": "user", "content": "What is 6 * 7?"}]
+
+    def render(value, columns):
+        return render_prompt(value, columns, tokenizer, None, tooling.schema_tools)
+
+    prompts = [render(question, {"start": 10}), render(question, {"start": 100})]
+    policy = Scripted(tokenizer, [call_text(5, "+", 0).replace("calculator", "add")])
+    prompts, episodes, environments = tooling.rollouts(policy, prompts, lambda i, t: 0, render)
+    assert prompts[1].value[-1]["content"] == "What is 6 * 7? (start at 100)"
+    assert prompts[1].ids == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 6 * 7? (start at 100)"}], tools=[probe.add], add_generation_prompt=True,
+        tokenize=True, return_dict=False)
+    assert [e.calls[0].result for e in episodes] == ["15", "105"]
+    assert environments[0] is probe and environments[1] is not probe  # one instance per rollout, the probe reused
+    reward = environment_reward(type(probe))
+    assert reward.name == "Counter"
+    assert reward.func(None, None, None, environments=environments) == [15.0, 105.0]
