@@ -37,9 +37,12 @@ OBJECTIVES = {
     "simpo": "SimPO (reference-free, length-normalised preference optimization)",
     "orpo": "ORPO (reference-free odds-ratio preference optimization with the chosen answers' NLL)",
     "kto": "KTO (Kahneman-Tversky optimization on unpaired desirable/undesirable feedback, against a reference)",
+    "reward": "reward modelling (a one-output score head trained to rank chosen above rejected answers, as TRL's "
+              "RewardTrainer)",
     "grpo": "GRPO (online RL: completions sampled from the model and scored by reward functions)",
 }
 PIPELINE_TAG = "text-generation"
+PIPELINE_TAGS = {"reward": "text-classification"}  # objectives whose folder is not a text generator
 
 
 # ------------------------------------------------------------------------------------------------ facts
@@ -130,7 +133,26 @@ def _fmt(value, digits: int = 4) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def _quick_start(load_from: str, kind: str, chat: bool) -> str:
+def _reward_quick_start(load_from: str, kind: str, chat: bool) -> str:
+    """Scoring a conversation (or a text) with a reward model's folder."""
+    auto = "AutoPeftModelForSequenceClassification" if kind == "adapter" else "AutoModelForSequenceClassification"
+    head = (f"from peft import {auto}\nfrom transformers import AutoTokenizer\n\n" if kind == "adapter" else
+            f"from transformers import {auto}, AutoTokenizer\n\n")
+    labels = ", num_labels=1" if kind == "adapter" else ""  # the base's own config has 2
+    head += (f'model = {auto}.from_pretrained("{load_from}"{labels})\n'
+             f'tokenizer = AutoTokenizer.from_pretrained("{load_from}")\n')
+    if chat:
+        body = ('messages = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."}]\n'
+                "inputs = tokenizer.apply_chat_template(messages, return_tensors=\"pt\", return_dict=True)\n")
+    else:
+        body = 'inputs = tokenizer("What is 2 + 2? 4.", return_tensors="pt")\n'
+    body += "print(model(**inputs).logits[0, 0].item())  # the reward: higher is better"
+    return f"```python\n{head}{body}\n```"
+
+
+def _quick_start(load_from: str, kind: str, chat: bool, objective: str = "sft") -> str:
+    if objective == "reward":
+        return _reward_quick_start(load_from, kind, chat)
     if kind == "adapter":
         head = ("from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
                 f'model = AutoPeftModelForCausalLM.from_pretrained("{load_from}")  # the base model, then this adapter')
@@ -180,7 +202,8 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
     base = str(Path(base).expanduser().resolve()) if Path(base).expanduser().is_dir() else base  # a local folder
     tags = ["hftrain", *([objective] if state else []), method_tag, *(["merge"] if kind == "merged" else [])]
     data = ModelCardData(
-        base_model=base, library_name="peft" if kind == "adapter" else "transformers", pipeline_tag=PIPELINE_TAG,
+        base_model=base, library_name="peft" if kind == "adapter" else "transformers",
+        pipeline_tag=PIPELINE_TAGS.get(objective, PIPELINE_TAG),
         tags=list(dict.fromkeys(tags)), datasets=hub_datasets(recipe) or None,
         license=base_license(base, recipe.get("model_revision")),
         model_name=name)
@@ -197,7 +220,7 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
 
     lines += ["## Quick start", "", _quick_start(load_from or str(folder.resolve()),
                                                  "adapter" if kind == "adapter" else "model",
-                                                 (folder / "chat_template.jinja").exists()), ""]
+                                                 (folder / "chat_template.jinja").exists(), objective), ""]
 
     if not state:  # an adapter trained elsewhere, merged by hftrain: its training is not known here
         lines += ["## Training", "", f"The adapter was not trained by hftrain (no {STATE_FILE} beside it), so its "
@@ -244,7 +267,7 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
         results.append(("eval loss", f"{_fmt(eval_row['eval_loss'])} (after step {step})"))
         if "eval_perplexity" in eval_row:
             results.append(("eval perplexity", _fmt(eval_row["eval_perplexity"])))
-    for key in ("reward", "reward_std", "rewards/accuracies", "rewards/margins"):
+    for key in ("reward", "reward_std", "rewards/accuracies", "rewards/margins", "accuracy", "margin"):
         if train_row is not None and train_row.get(key) is not None:
             results.append((key, _fmt(train_row[key])))
         if eval_row is not None and eval_row.get(f"eval_{key}") is not None:

@@ -51,7 +51,7 @@ import argparse
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.distributed import tensor_parallel
 from transformers.distributed.tensor_parallel import (
     ALL_PARALLEL_STYLES,
@@ -105,6 +105,12 @@ class ModelShape:
     head_tp: tuple[int, int] = (0, 0)
     tp_plan: bool = False  # the model has a tp plan
     tp_unmodelled: tuple[str, ...] = ()  # plan styles whose placement this estimate does not model (packed, experts)
+    scores: bool = False  # a reward model (objective reward): a one-output score head, no vocabulary logits
+
+    @property
+    def logit_width(self) -> int:
+        """Logits per token the loss holds: the vocabulary, or a reward model's one score."""
+        return 1 if self.scores else self.vocab
 
 
 def ulysses_splits(heads: int, kv_heads: int, sp: int) -> bool:
@@ -113,22 +119,28 @@ def ulysses_splits(heads: int, kv_heads: int, sp: int) -> bool:
     return heads % sp == 0 and (kv_heads % sp == 0 or sp % kv_heads == 0)
 
 
-def model_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
-    """Read `model`'s config (local folder or hub id) and count its parameters on the meta device."""
+def model_shape(model: str, trust_remote_code: bool = False, reward: bool = False) -> ModelShape:
+    """Read `model`'s config (local folder or hub id) and count its parameters on the meta device. `reward`: as
+    objective reward builds it (AutoModelForSequenceClassification, one output: the causal LM's head replaced by a
+    hidden -> 1 score head)."""
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise HftrainError(f"cannot read the config of model {model!r}: {first_line(exc)}. Give a local model "
                            "folder or a hub id reachable from this machine (only config.json is needed, no weights)"
                            ) from None
+    if reward:
+        config.num_labels = 1
+    auto = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
     try:
         with torch.device("meta"):
-            lm = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            lm = auto.from_config(config, trust_remote_code=trust_remote_code)
     except ValueError as exc:
-        raise HftrainError(f"model {model!r} ({type(config).__name__}) is not a causal LM transformers can build: "
+        what = "sequence classifier (objective reward)" if reward else "causal LM"
+        raise HftrainError(f"model {model!r} ({type(config).__name__}) is not a {what} transformers can build: "
                            f"{first_line(exc)}") from None
     text = config.get_text_config()
-    inp, out = lm.get_input_embeddings(), lm.get_output_embeddings()
+    inp, out = lm.get_input_embeddings(), lm.score if reward else lm.get_output_embeddings()
     tied = out is not None and out.weight is inp.weight
     layers = _decoder_layers(lm)
     split, unmodelled = _tp_split(lm)
@@ -156,7 +168,7 @@ def model_shape(model: str, trust_remote_code: bool = False) -> ModelShape:
         layer_tp=tuple(split.get(f"{names[id(largest)]}.{n}", (p.numel(), 0)) for n, p in largest.named_parameters()),
         embedding_tp=split.get(f"{names[id(inp)]}.weight", (inp.weight.numel(), 0)),
         head_tp=split.get(f"{names[id(head_module)]}.weight", (head_module.weight.numel(), 0)),
-        tp_plan=bool(split), tp_unmodelled=unmodelled,
+        tp_plan=bool(split), tp_unmodelled=unmodelled, scores=reward,
     )
 
 
@@ -241,7 +253,7 @@ def activation_bytes(s: ModelShape, batch: int, seq: int, compute_bytes: int, re
     per_layer = layer_activation_bytes(s, tokens, compute_bytes, residual_bytes)
     layers = s.layers * tokens * s.hidden * residual_bytes if checkpointing else s.layers * per_layer
     final_norm = tokens * s.hidden * (2 * residual_bytes + compute_bytes)
-    loss = tokens * s.vocab * 12  # fp32 log-probabilities, their gradient and the logits' gradient
+    loss = tokens * s.logit_width * 12  # fp32 log-probabilities, their gradient and the logits' gradient
     return layers + final_norm + loss
 
 
@@ -324,7 +336,7 @@ def pipeline_memory(shape: ModelShape, pp: int, schedule: str, microbatches: int
     rest = max(shape.params - shape.embedding_params - shape.head_params - shape.layers * shape.largest_layer_params,
                0)  # the final norm
     whole_embedding_grad = sharded and shape.embedding_tp[1] > 0 and not (shape.head_params == 0 and pp == 1)
-    loss = tokens * shape.hidden * (2 * residual + compute) + tokens * shape.vocab * 12  # as `activation_bytes`
+    loss = tokens * shape.hidden * (2 * residual + compute) + tokens * shape.logit_width * 12  # as `activation_bytes`
     layer_activations = layer_activation_bytes(shape, tokens, compute, residual, tp if sharded else 1)
     out = []
     for rank in range(pp):
@@ -814,9 +826,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Microbatches per pipeline step (recipe pp_microbatches); default 2 x the stages.")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="bf16 mixed precision (GPU default) or fp32 (CPU runs).")
-    parser.add_argument("--objective", choices=("sft", "dpo", "simpo", "orpo", "kto"), default="sft",
-                        help="dpo / simpo / orpo: --batch counts preference pairs (two sequences each); kto: rows "
-                             "(one each); dpo's and kto's full fine-tuning adds the frozen reference copy.")
+    parser.add_argument("--objective", choices=("sft", "dpo", "simpo", "orpo", "kto", "reward"), default="sft",
+                        help="dpo / simpo / orpo / reward: --batch counts preference pairs (two sequences each); kto: "
+                             "rows (one each); reward: the model as a one-output sequence classifier (a score head in "
+                             "place of the vocabulary head and its logits); dpo's and kto's full fine-tuning adds the "
+                             "frozen reference copy.")
     parser.add_argument("--tokens", type=int, default=None,
                         help="Tokens the run plans to train (steps x effective batch x tokens per sequence), shown "
                              "next to the compute-optimal count.")
@@ -852,6 +866,8 @@ def print_plan(args: argparse.Namespace) -> None:
     if args.tp > 1 and args.gpus_per_node is not None and args.gpus_per_node % args.tp:
         problems.append(f"--tp {args.tp} must divide --gpus_per_node {args.gpus_per_node}: a tensor-parallel group "
                         "stays inside one node")
+    if args.objective == "reward" and (args.pp > 1 or args.tp > 1):
+        problems.append("--objective reward trains under DDP, ZeRO or FSDP2 (pp_size and tp_size are refused there)")
     if args.pp_microbatches is not None and args.pp_microbatches < 1:
         problems.append(f"--pp_microbatches must be >= 1, got {args.pp_microbatches}")
     if args.global_batch is not None and (args.global_batch < 1 or not cluster):
@@ -862,7 +878,7 @@ def print_plan(args: argparse.Namespace) -> None:
         problems.append(f"--gpu_memory must be above {CUDA_OVERHEAD_GIB:g} GiB, got {args.gpu_memory:g}")
     if problems:
         raise ConfigError(problems, "estimate arguments")
-    shape = model_shape(args.model, args.trust_remote_code)
+    shape = model_shape(args.model, args.trust_remote_code, reward=args.objective == "reward")
     plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective, args.sp)
     problems = layout_problems(shape, args.tp, args.pp, args.pp_schedule)
     if problems:

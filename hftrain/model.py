@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     BitsAndBytesConfig,
     PreTrainedModel,
@@ -117,6 +118,15 @@ def quantization_config(recipe: Recipe):
     return None
 
 
+def auto_model_class(recipe: Recipe, config):
+    """What the base is loaded as: `AutoModelForSequenceClassification` for a reward model (objective reward: the
+    causal LM's body, a fresh one-output `score` head), `AutoModelForImageTextToText` for an image-text model, else
+    `AutoModelForCausalLM`."""
+    if recipe.objective == "reward":
+        return AutoModelForSequenceClassification
+    return AutoModelForImageTextToText if vision.is_image_text(config) else AutoModelForCausalLM
+
+
 def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set[int] | None = None) -> nn.Module:
     """`AutoModelForCausalLM.from_pretrained` (`AutoModelForImageTextToText` for an image-text model) with the
     recipe's dtype, attention and bitsandbytes settings, plus the
@@ -130,9 +140,11 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set
         kwargs["attn_implementation"] = recipe.attn_implementation
     if (quantization := quantization_config(recipe)) is not None:
         kwargs["quantization_config"] = quantization
+    if recipe.objective == "reward":  # a score head with one output: the reward (hftrain.objectives.reward)
+        kwargs["num_labels"] = 1
     try:
         config = vision.model_config(recipe)
-        auto = AutoModelForImageTextToText if vision.is_image_text(config) else AutoModelForCausalLM
+        auto = auto_model_class(recipe, config)
         model = auto.from_pretrained(recipe.model_name_or_path, **kwargs) if layers is None else \
             load_decoder_layers(auto, config, recipe.model_name_or_path, kwargs, layers)
     except (OSError, ValueError) as exc:
@@ -201,7 +213,9 @@ def lora_config(recipe: Recipe, dropout: float | None = None):
     from peft import LoraConfig  # peft imports bitsandbytes: only adapter runs load it
     targets = recipe.lora_target_modules
     return LoraConfig(
-        task_type="CAUSAL_LM",
+        # a reward model's adapter: peft's sequence-classification task trains the score head whole (it adds "score"
+        # to modules_to_save) and AutoPeftModelForSequenceClassification loads it
+        task_type="SEQ_CLS" if recipe.objective == "reward" else "CAUSAL_LM",
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,
         lora_dropout=recipe.lora_dropout if dropout is None else dropout,
@@ -267,6 +281,10 @@ def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modu
     base_path = Path(recipe.model_name_or_path).expanduser()
     if base_path.is_dir():  # record a path that still finds the base from another working directory
         model.peft_config["default"].base_model_name_or_path = str(base_path.resolve())
+    if recipe.objective == "reward":
+        given = f"modules_to_save {list(recipe.modules_to_save)} + " if recipe.modules_to_save else ""
+        notes.append(f"LoRA on a reward model: {given}the score head trained whole (modules_to_save: score, as TRL "
+                     "recommends; the head is new, drawn at load)")
     model.hftrain_notes = notes  # printed with the start-up lines
     return model
 

@@ -24,6 +24,7 @@ import shutil
 import psutil
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
 from hftrain import compat, hub, vision
 from hftrain.compat import accelerate as compat_accelerate
@@ -399,7 +400,22 @@ def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:
                         "router_aux_loss_scope")
     problems += saved_quantization_problems(recipe, config)
     problems += vision.problems(recipe, config)
+    problems += reward_model_problems(recipe, config)
     return config, problems
+
+
+def reward_model_problems(recipe: Recipe, config: PretrainedConfig) -> list[str]:
+    """objective reward loads the base as AutoModelForSequenceClassification: its architecture must have one."""
+    if recipe.objective != "reward":
+        return []
+    remote = "AutoModelForSequenceClassification" in (getattr(config, "auto_map", None) or {})
+    if config.model_type in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES or (remote and recipe.trust_remote_code):
+        return []
+    return [f"objective reward loads {recipe.model_name_or_path!r} as AutoModelForSequenceClassification (its body "
+            f"plus a one-output score head), but transformers has no sequence-classification class for model type "
+            f"{config.model_type!r}{' (its remote code has one: set trust_remote_code: true)' if remote else ''}; "
+            "start from a causal LM whose architecture has one (llama, qwen2, mistral, gemma, ... "
+            "ForSequenceClassification)"]
 
 
 def saved_quantization_problems(recipe: Recipe, config: PretrainedConfig) -> list[str]:

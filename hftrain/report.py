@@ -6,7 +6,8 @@ Plots: loss and eval loss, learning rate, tokens/sec (global and per rank), per-
 throughput (stragglers stand out), step time split, peak memory per rank, heartbeat lag per rank against
 hang_timeout (a rank drifting toward a hang stands out), and for dpo/simpo/orpo/kto runs the rewards (TRL's
 rewards/* metrics, train and eval), for orpo its terms (nll_loss, log_odds_*), for kto its KL reference point
-(kl), for grpo its reward and, with tool calling, its tool use (tools/call_frequency, tools/failure_frequency).
+(kl), for grpo its reward and, with tool calling, its tool use (tools/call_frequency, tools/failure_frequency),
+for a reward model its accuracy, margin and mean reward.
 The summary states what ran (from the newest hftrain_state.json), final and best losses, the rewards,
 throughput, step-time split, memory, MFU, device-hours and cost, the largest heartbeat lag, and any straggler
 or desync the run reported.
@@ -38,6 +39,7 @@ def wait_words(train: list[dict]) -> str:
 TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency")  # grpo with tool calling
 REWARDS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")  # dpo / simpo / orpo rows
 ORPO_TERMS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")  # orpo's two loss terms and its log odds (TRL's names)
+REWARD_MODEL = ("accuracy", "margin", "mean_reward")  # objective reward (RewardTrainer's names)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -162,6 +164,14 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
             ax.plot(*series(evals, "eval_kl"), label="eval_kl", marker="o", linestyle="--")
         made.append(_save(fig, ax, folder / "kto.png", steps))
 
+    if any(REWARD_MODEL[0] in r for r in train):  # reward: pairs ranked right, chosen - rejected, mean score
+        fig, ax = _figure("Reward model (accuracy, margin = r_chosen - r_rejected, mean reward)", "value")
+        for key in REWARD_MODEL:
+            ax.plot(*series(train, key), label=key, marker=".")
+            if evals:
+                ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
+        made.append(_save(fig, ax, folder / "reward_model.png", steps))
+
     if any("reward_std" in r for r in train):  # grpo: the mean reward of each window's completions (TRL's names)
         fig, ax = _figure("Reward (grpo: mean over each step's completions)", "reward")
         steps, mean = series(train, "reward")
@@ -282,6 +292,13 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
     if is_kto(train):
         lines.append(f"- kto reference point (last train window): kl {_fmt(last.get('kl'))}"
                      + (f"; eval_kl {_fmt(evals[-1].get('eval_kl'))} at step {evals[-1]['step']}" if evals else ""))
+    if any(REWARD_MODEL[0] in r for r in train):
+        lines.append("- reward model (last train window): " + ", ".join(f"{key} {_fmt(last.get(key))}"
+                                                                       for key in REWARD_MODEL))
+        if evals:
+            lines.append(f"- eval at step {evals[-1]['step']}: " + ", ".join(
+                f"eval_{key} {_fmt(evals[-1].get(f'eval_{key}'))}" for key in REWARD_MODEL) + f"; first eval (step "
+                f"{evals[0]['step']}) accuracy {_fmt(evals[0].get('eval_accuracy'))}")
     if any(ORPO_TERMS[1] in r for r in train):
         lines.append("- orpo terms (last train window): " + ", ".join(f"{key} {_fmt(last.get(key))}"
                                                                      for key in ORPO_TERMS))

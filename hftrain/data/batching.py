@@ -197,6 +197,8 @@ class Collator:
             batch["position_ids"] = position_ids
         if self.mark_real_tokens:
             batch["real_tokens"] = real_tokens
+        if "margin" in self.dataset.column_names:  # reward models' optional margin, one per pair
+            batch["margin"] = torch.tensor(fetched["margin"] if flat else [0.0], dtype=torch.float32)
         if self.reference is not None:  # one value per row, in the rows' order (chosen rows, then rejected rows)
             ref = self.reference[flat] if flat else torch.zeros(1, 2)
             batch["ref_logps"] = torch.cat([ref[:, 0], ref[:, 1]])

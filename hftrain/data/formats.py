@@ -45,8 +45,8 @@ def detect_format(columns: list[str], explicit: str, text_field: str, messages_f
     expected = "; ".join(f"{f}: {', '.join(required_columns(f, text_field, messages_field))}" for f in order)
     what = f"format {explicit!r}" if explicit != "auto" else "any known format"
     half = [c for c in ("chosen", "rejected") if c in columns]
-    pair = (f"; a preference pair (dpo, simpo, orpo) needs both a chosen and a rejected column, this one has only "
-            f"{half[0]}" if len(half) == 1 and explicit in ("auto", "preference") else "")
+    pair = (f"; a preference pair (dpo, simpo, orpo, reward) needs both a chosen and a rejected column, this one has "
+            f"only {half[0]}" if len(half) == 1 and explicit in ("auto", "preference") else "")
     raise HftrainError(
         f"dataset {name!r} has columns {columns}, which do not match {what} (expected columns - {expected}){pair}; "
         "rename columns with dataset_columns, or set dataset_format"

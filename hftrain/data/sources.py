@@ -93,7 +93,7 @@ def training_sources(recipe: Recipe) -> list[DatasetSource]:
 
 
 def check_objective(recipe: Recipe, fmt: str, name: str) -> None:
-    """Preference pairs train dpo/simpo/orpo (and kto, unpaired: `objective_format`), unpaired feedback kto,
+    """Preference pairs train dpo/simpo/orpo/reward (and kto, unpaired: `objective_format`), unpaired feedback kto,
     everything else sft."""
     if (recipe.objective == "kto") != (fmt == "unpaired") and not (recipe.objective == "kto" and fmt == "preference"):
         if recipe.objective != "kto":
@@ -108,7 +108,7 @@ def check_objective(recipe: Recipe, fmt: str, name: str) -> None:
         return
     if (fmt == "preference") != (recipe.objective != "sft"):
         wanted = "preference pairs (chosen, rejected, optional prompt)" if recipe.objective != "sft" else \
-            "SFT data (a preference dataset needs objective: dpo, simpo or orpo)"
+            "SFT data (a preference dataset needs objective: dpo, simpo, orpo or reward)"
         raise HftrainError(f"dataset {name!r} has format {fmt} but objective={recipe.objective} trains on {wanted}")
 
 

@@ -58,12 +58,13 @@ class DataSpec:
     train_on_turns: str = "all"
     max_prompt_length: int | None = None  # preference pairs only
     max_completion_length: int | None = None
+    pair_margins: bool = False  # objective reward: keep the pairs' optional `margin` column
 
     @classmethod
     def from_recipe(cls, recipe) -> DataSpec:
         return cls(recipe.dataset_text_field, recipe.dataset_messages_field, recipe.assistant_only_loss,
                    recipe.completion_only_loss, recipe.max_length, recipe.overlong_examples, recipe.train_on_turns,
-                   recipe.max_prompt_length, recipe.max_completion_length)
+                   recipe.max_prompt_length, recipe.max_completion_length, recipe.objective == "reward")
 
 
 def prepare_chat_template(tokenizer, chat_template_path: str | None, needs_chat: bool) -> str | None:
@@ -381,6 +382,18 @@ def tokenize_unpaired(example: dict, index: int, tokenizer, spec: DataSpec, name
             "extra_tokens": 0}
 
 
+MARGIN_COLUMN = "margin"
+
+
+def pair_margin(example: dict, where: object) -> float:
+    """A pair's `margin` (how far the chosen reward should exceed the rejected one: objective reward), a number."""
+    value = example[MARGIN_COLUMN]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise HftrainError(f"{where}: margin must be a number (how far the chosen reward should exceed the rejected "
+                           f"one), got {value!r}")
+    return float(value)
+
+
 def _examples(batch, indices: list[int], name: str, origin: RowOrigin | None) -> list[tuple[dict, int, object]]:
     """(example, index, where) of a batch of raw rows: a row numbered by load_datasets (ROW_COLUMN) is named by its
     origin (file and line), whatever its position now."""
@@ -394,9 +407,12 @@ def _examples(batch, indices: list[int], name: str, origin: RowOrigin | None) ->
 
 def _tokenize_pairs_batch(batch: dict, indices: list[int], tokenizer, spec: DataSpec, fmt: str, name: str,
                           origin: RowOrigin | None) -> dict:
-    rows = [tokenize_pair(example, i, tokenizer, spec, name, where)
-            for example, i, where in _examples(batch, indices, name, origin)]
-    return {key: [row[key] for row in rows] for key in PAIR_COLUMNS}
+    examples = _examples(batch, indices, name, origin)
+    rows = [tokenize_pair(example, i, tokenizer, spec, name, where) for example, i, where in examples]
+    columns = {key: [row[key] for row in rows] for key in PAIR_COLUMNS}
+    if spec.pair_margins and MARGIN_COLUMN in batch:  # reward models: RewardTrainer's optional margin of each pair
+        columns[MARGIN_COLUMN] = [pair_margin(example, where) for example, _, where in examples]
+    return columns
 
 
 def _unpair_batch(batch: dict, name: str, origin: RowOrigin | None) -> dict:
@@ -497,4 +513,6 @@ def tokenize_dataset(raw, tokenizer, spec: DataSpec, fmt: str, name: str, num_pr
         )
     columns = ["input_ids", "labels"] + (["rejected_input_ids", "rejected_labels"] if pairs else []) + (
         ["desirable", "prompt_length"] if unpaired else [])
+    if MARGIN_COLUMN in kept.column_names:
+        columns.append(MARGIN_COLUMN)
     return kept.select_columns(columns), stats

@@ -24,7 +24,8 @@ OBJECTIVE_DEFAULTS = {"grpo": {"beta": 0.0, "loss_type": "dapo", "max_completion
 class GRPOFields:
     reward_funcs: list[str] = _f(
         [], "grpo: the reward functions, each a dotted import path pkg.module.func or path/to/file.py:func, called "
-        "as TRL does: f(prompts, completions, completion_ids, **dataset_columns) -> list[float | None].",
+        "as TRL does: f(prompts, completions, completion_ids, **dataset_columns) -> list[float | None]; or a reward "
+        "model folder (objective reward's final folder: prompt + completion scored as TRL scores with a model).",
         group="grpo",
     )
     reward_weights: list[float] | None = _f(

@@ -16,12 +16,13 @@ class ObjectiveFields:
         "sft", "What the loop minimises: sft (next-token cross-entropy over trained tokens), dpo (Direct Preference "
         "Optimization on chosen/rejected pairs against a reference model), simpo (SimPO: reference-free, "
         "length-normalised), orpo (ORPO: reference-free, NLL of the chosen answers plus an odds-ratio term), kto (KTO: "
-        "unpaired thumbs-up/down feedback against a reference model) or grpo "
-        "(online RL: completions sampled from the model, scored by reward_funcs, TRL's GRPO loss). dpo, simpo and "
-        "orpo need preference data (chosen, rejected and optionally prompt columns), kto unpaired data (prompt, "
-        "completion, label: true/false), see docs/preference.md; grpo a "
-        "prompt column, see docs/grpo.md.", group="objective",
-        choices=("sft", "dpo", "simpo", "orpo", "kto", "grpo"),
+        "unpaired thumbs-up/down feedback against a reference model), reward (a reward model: the base as "
+        "AutoModelForSequenceClassification with one output, trained to score chosen above rejected, as TRL's "
+        "RewardTrainer) or grpo (online RL: completions sampled from the model, scored by reward_funcs, TRL's GRPO "
+        "loss). dpo, simpo, orpo and reward need preference data (chosen, rejected and optionally prompt columns; "
+        "reward also an optional margin column), kto unpaired data (prompt, completion, label: true/false), see "
+        "docs/preference.md; grpo a prompt column, see docs/grpo.md.", group="objective",
+        choices=("sft", "dpo", "simpo", "orpo", "kto", "reward", "grpo"),
     )
     beta: float = _f(
         0.1, "dpo/simpo temperature: how far the policy may move from the reference (dpo) or the reward scale "
@@ -56,6 +57,11 @@ class ObjectiveFields:
         False, "dpo: compute the reference log-probs of every training and eval pair once, before training, with the "
         "starting model under the launch's own strategy, then train without a reference model in memory (saves the "
         "frozen copy of full fine-tuning). Saved in every checkpoint and restored on resume.",
+        group="objective",
+    )
+    center_rewards_coefficient: float | None = _f(
+        None, "reward: adds this x the mean of (r_chosen + r_rejected)^2 to the loss, pulling the rewards toward mean "
+        "zero (TRL's RewardConfig.center_rewards_coefficient; its recommended value 0.01). Unset: no such term.",
         group="objective",
     )
     max_prompt_length: int | None = _f(
@@ -95,7 +101,8 @@ def kto_problems(r) -> list[str]:
 
 def problems(r) -> list[str]:
     """dpo / simpo settings and what a preference objective cannot be combined with (grpo's: fields/grpo.py)."""
-    problems, preference = [], r.objective in ("dpo", "simpo", "orpo", "kto")
+    problems, preference = [], r.objective in ("dpo", "simpo", "orpo", "kto", "reward")
+    problems += reward_problems(r)
     if r.objective == "grpo":
         return problems
     if r.objective == "kto":
@@ -121,7 +128,7 @@ def problems(r) -> list[str]:
     for name in ("max_prompt_length", "max_completion_length"):
         value = getattr(r, name)
         if value is not None and (value < 1 or not preference):
-            problems.append(f"{name}={value} needs objective dpo, simpo, orpo or kto and a value >= 1")
+            problems.append(f"{name}={value} needs objective dpo, simpo, orpo, kto or reward and a value >= 1")
     if not preference:
         return problems
     if r.packing:
@@ -138,4 +145,32 @@ def problems(r) -> list[str]:
     elif r.objective != "kto" and r.dataset_format not in ("auto", "preference"):
         problems.append(f"objective={r.objective} trains on preference pairs: dataset_format must be auto or "
                         f"preference, got {r.dataset_format}")
+    return problems
+
+
+def reward_problems(r) -> list[str]:
+    """objective reward's settings, and what a reward model (a score per sequence, no text) cannot be combined with."""
+    if r.objective != "reward":
+        return [f"center_rewards_coefficient={r.center_rewards_coefficient} is objective reward's; here "
+                f"objective={r.objective}"] if r.center_rewards_coefficient is not None else []
+    problems = []
+    if r.center_rewards_coefficient is not None and r.center_rewards_coefficient < 0:
+        problems.append(f"center_rewards_coefficient must be >= 0 (TRL recommends 0.01), got "
+                        f"{r.center_rewards_coefficient}")
+    if r.beta != 0.1:
+        problems.append(f"beta={r.beta} has no meaning for objective reward (its loss has no temperature); remove it")
+    if r.eval_tasks:
+        problems.append("eval_tasks runs lm-evaluation-harness on a causal LM; a reward model (objective reward) "
+                        "writes no text: remove eval_tasks")
+    if r.log_completions:
+        problems.append("log_completions completes eval prompts with the trained model; a reward model (objective "
+                        "reward) writes no text: remove log_completions (eval_accuracy says how it ranks the eval "
+                        "pairs)")
+    if r.streaming:
+        problems.append("streaming: true with objective reward is not supported yet; set streaming: false")
+    for name, value in (("pp_size", r.pp_size), ("tp_size", r.tp_size), ("cp_size", r.cp_size),
+                        ("sp_size", r.sp_size)):
+        if value > 1:
+            problems.append(f"{name}={value} with objective reward is refused: the model is split along a causal "
+                            "LM's layout there, verified for the language-model head only; use DDP, ZeRO or FSDP2")
     return problems

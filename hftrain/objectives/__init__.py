@@ -9,6 +9,9 @@
   reference-free; the NLL is the mean over the step's chosen tokens, the odds-ratio term over its pairs.
 - `kto.py`: `kto`, `KTOLoss`: TRL's KTO on unpaired feedback against a reference (as dpo's), its KL reference
   point estimated over the optimizer step's whole batch in a no-grad pass before the step (`prepare_step`).
+- `reward.py`: `reward`, `RewardLoss`: a reward model (the base as a one-output sequence classifier) trained with
+  TRL's RewardTrainer loss, -log sigmoid(r_chosen - r_rejected - margin) (+ center_rewards_coefficient's term), the
+  mean over the step's pairs.
 - `reference.py`: the reference models an objective compares with (adapters disabled, a frozen copy, precomputed
   log-probs and their cross-run cache).
 - `grpo.py`: `grpo`, online RL (generation windows, rewards, TRL's GRPO loss; pieces in hftrain/rl/). It plugged in
@@ -38,6 +41,7 @@ from hftrain.objectives.kto import KTO
 from hftrain.objectives.orpo import ORPO
 from hftrain.objectives.preference import PAIR_STATS, Preference, PreferenceLoss, pair_losses
 from hftrain.objectives.reference import AdapterReference, FrozenReference, PrecomputedReference, build_reference
+from hftrain.objectives.reward import Reward
 from hftrain.objectives.sft import SFT
 
 __all__ = ["OBJECTIVES", "PAIR_STATS", "AdapterReference", "FrozenReference", "Objective", "PrecomputedReference",
@@ -49,6 +53,7 @@ OBJECTIVES: dict[str, Objective] = {
     "simpo": Preference("simpo", needs_reference=False),
     "orpo": ORPO(),
     "kto": KTO(),
+    "reward": Reward(),
     "grpo": GRPO(),
 }
 

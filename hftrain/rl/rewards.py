@@ -1,6 +1,8 @@
 """Reward functions of objective grpo: loaded from the recipe's `reward_funcs` (a dotted import path
 `pkg.module.func` or `path/to/file.py:func`), checked before any heavy work, and called with TRL's signature
-`f(prompts, completions, completion_ids, **dataset_columns) -> list[float | None]`.
+`f(prompts, completions, completion_ids, **dataset_columns) -> list[float | None]`. An entry that is a folder is a
+reward model (`RewardModel`: a sequence classifier with one output, e.g. objective reward's final folder), as TRL
+accepts a model id there.
 
 A conversational prompt (a list of messages) gets its completion as `[{"role": "assistant", "content": text}]`, a
 text prompt as the text, as TRL does. None means "no reward from this function for this completion" (NaN in the
@@ -54,6 +56,61 @@ def load_object(spec: str) -> Callable:
     return getattr(module, attr)
 
 
+class RewardModel:
+    """A reward model folder (`AutoModelForSequenceClassification`, one output) as a reward function, scoring as TRL's
+    GRPOTrainer scores with a model: each prompt + completion rendered by the folder's tokenizer (its chat template
+    for conversational prompts, the plain concatenation for text), tokenized without special tokens, right-padded,
+    the score at each sequence's last non-pad token. The weights load at the first call, on this process's device."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.__name__ = folder.parent.name if folder.name == "final" else folder.name  # rewards/<name>/mean
+        self.model = self.tokenizer = None
+
+    @staticmethod
+    def problem(folder: Path) -> str | None:
+        """Why the folder is not a reward model that loads (from its config only), or None."""
+        from transformers import AutoConfig
+
+        if not (folder / "config.json").is_file():
+            adapter = (folder / "adapter_config.json").is_file()
+            return "is a LoRA adapter; merge it into its base first (a full reward model folder)" if adapter else \
+                "has no config.json; give a folder saved with save_pretrained (objective reward's final folder)"
+        try:
+            config = AutoConfig.from_pretrained(folder)
+        except (OSError, ValueError) as exc:
+            return f"has a config that does not load ({exc})"
+        classes = [a for a in (config.architectures or []) if a.endswith("ForSequenceClassification")]
+        if not classes or config.num_labels != 1:
+            what = f"{classes[0]} with {config.num_labels} outputs" if classes else \
+                ", ".join(config.architectures or ["model without architectures"])
+            return (f"is a {what}, not a reward model (a ...ForSequenceClassification with one output: train one "
+                    "with objective: reward)")
+        return None
+
+    def load(self) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        if self.tokenizer.pad_token_id is None:  # as TRL: the EOS token pads
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(self.folder, num_labels=1).to(device).eval()
+        self.model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
+
+    def __call__(self, prompts: list, completions: list, completion_ids: list, **columns) -> list[float]:
+        if self.model is None:
+            self.load()
+        if prompts and isinstance(prompts[0], list):
+            texts = [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        inputs = self.tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
+                                add_special_tokens=False).to(self.model.device)
+        with torch.inference_mode():
+            return self.model(**inputs).logits[:, 0].float().tolist()
+
+
 def signature_problem(func: Callable, columns: Sequence[str] | None) -> str | None:
     """Why `func` cannot be called as TRL calls reward functions with these dataset columns, or None. `columns`
     None: the columns are not known yet, only TRL's three arguments are checked (a function may require a
@@ -75,6 +132,14 @@ def load_reward_functions(specs: Sequence[str]) -> tuple[list[RewardFunction], l
     """(the loaded functions, every problem found): each spec imported and checked for TRL's three arguments."""
     funcs, problems = [], []
     for spec in specs:
+        folder = Path(spec).expanduser()
+        if folder.is_dir():  # a reward model
+            if problem := RewardModel.problem(folder):
+                problems.append(f"reward_funcs entry {spec!r} is a folder that {problem}")
+            else:
+                model = RewardModel(folder)
+                funcs.append(RewardFunction(spec, model.__name__, model))
+            continue
         try:
             func = load_object(spec)
         except Exception as exc:  # noqa: BLE001 - any failure of user code while importing is reported the same way

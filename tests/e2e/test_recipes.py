@@ -14,7 +14,8 @@ from tests.conftest import REPO, launch, run_script
 
 pytestmark = pytest.mark.launch
 # tiny-dpo.yaml, tiny-orpo.yaml and tiny-kto.yaml train preferences: tests/e2e/test_preference.py, test_orpo.py and
-# test_kto.py run them with their own assertions (kto's loss lies in [0, w]: it cannot fall by 0.5); tiny-vlm.yaml
+# test_kto.py run them with their own assertions (kto's loss lies in [0, w]: it cannot fall by 0.5), as
+# tests/e2e/test_reward.py runs tiny-reward.yaml (a reward model: its held-out ranking); tiny-vlm.yaml
 # (an image-text model) is run by tests/e2e/test_vision.py; tiny-grpo.yaml (a policy-gradient loss, near 0 at
 # every step by construction, so "the loss falls" says nothing) by
 # tests/e2e/test_grpo.py, which asserts that its reward rises
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.launch
 # output, minutes on CPU): tests/e2e/test_grpo_tools.py checks the mechanics on a scripted policy and that the
 # recipes and their shipped data agree
 TINY_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("tiny-*.yaml")
-                      if p.name not in ("tiny-dpo.yaml", "tiny-orpo.yaml", "tiny-kto.yaml", "tiny-vlm.yaml",
-                                        "tiny-grpo.yaml", "tiny-tools-sft.yaml", "tiny-tools.yaml"))
+                      if p.name not in ("tiny-dpo.yaml", "tiny-orpo.yaml", "tiny-kto.yaml", "tiny-reward.yaml",
+                                        "tiny-vlm.yaml", "tiny-grpo.yaml", "tiny-tools-sft.yaml", "tiny-tools.yaml"))
 
 
 def test_every_tiny_recipe_is_covered():
