@@ -604,7 +604,7 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     n, g = shape.params, gpus
     mixed = precision == "bf16"
     compute, residual = (2, 4) if mixed else (4, 4)
-    rows_per_step = batch * (2 if objective in ("dpo", "simpo", "orpo") else 1)  # kto: one completion per row
+    rows_per_step = batch * (2 if objective in ("dpo", "simpo", "orpo", "reward") else 1)  # kto: one per row
     act = activation_bytes(shape, rows_per_step, seq, compute, residual, checkpointing=False)
     act_ckpt = activation_bytes(shape, rows_per_step, seq, compute, residual, checkpointing=True)
     floor = backward_floor_bytes(shape, rows_per_step, seq, compute, residual)

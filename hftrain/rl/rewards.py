@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from hftrain.errors import HftrainError
 
@@ -70,8 +71,6 @@ class RewardModel:
     @staticmethod
     def problem(folder: Path) -> str | None:
         """Why the folder is not a reward model that loads (from its config only), or None."""
-        from transformers import AutoConfig
-
         if not (folder / "config.json").is_file():
             adapter = (folder / "adapter_config.json").is_file()
             return "is a LoRA adapter; merge it into its base first (a full reward model folder)" if adapter else \
@@ -89,8 +88,6 @@ class RewardModel:
         return None
 
     def load(self) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
         if self.tokenizer.pad_token_id is None:  # as TRL: the EOS token pads
