@@ -39,6 +39,13 @@ def odds_ratio_terms(beta: float, chosen: torch.Tensor, rejected: torch.Tensor):
     return beta * F.logsigmoid(log_odds), log_odds
 
 
+def real_lengths(trained: torch.Tensor) -> torch.Tensor:
+    """Real tokens per row from its shifted trained-label mask: the position after its last trained label (1 for a
+    filler row; an empty micro-batch's filler is one token wide, so the mask may have no column at all)."""
+    positions = torch.arange(1, trained.shape[1] + 1, device=trained.device)
+    return F.pad(torch.where(trained, positions, 0), (1, 0)).amax(dim=1) + 1
+
+
 def orpo_token_log_probs(lm: nn.Module, head_only: bool, input_ids: torch.Tensor, labels: torch.Tensor):
     """(per-row summed completion log-prob, completion tokens per row, summed chosen-row NLL, its tokens), fp32.
 
@@ -47,7 +54,7 @@ def orpo_token_log_probs(lm: nn.Module, head_only: bool, input_ids: torch.Tensor
     row, as TRL's labels (input_ids where attention_mask is 1) shifted by one."""
     targets, trained = input_ids[:, 1:], labels[:, 1:] != IGNORE_INDEX
     positions = torch.arange(targets.shape[1], device=input_ids.device)
-    length = torch.where(trained, positions + 1, 0).amax(dim=1) + 1  # real tokens of the row (1 for a filler row)
+    length = real_lengths(trained)
     chosen_row = torch.arange(len(input_ids), device=input_ids.device) < len(input_ids) // 2
     nll_mask = (positions[None] < (length - 1)[:, None]) & chosen_row[:, None]
     needed = trained | nll_mask
@@ -79,8 +86,7 @@ class ORPOLoss(PreferenceLoss):
         for batch in micro_batches:
             labels = batch["labels"]
             trained = labels[: len(labels) // 2, 1:] != IGNORE_INDEX
-            positions = torch.arange(trained.shape[1], device=labels.device)
-            length = torch.where(trained, positions + 1, 0).amax(dim=1) + 1
+            length = real_lengths(trained)
             local += torch.stack([trained.any(dim=1).sum(), (length - 1).sum()])
         pairs, tokens = reduce(local).tolist()
         self.nll_scale = pairs / max(tokens, 1)
@@ -89,7 +95,9 @@ class ORPOLoss(PreferenceLoss):
                 real_tokens: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None) -> torch.Tensor:
         sums, lengths, nll_sum, nll_tokens = orpo_token_log_probs(self.lm, self.head_only, input_ids, labels)
         half = len(input_ids) // 2
-        means = sums / lengths.clamp(min=1)
+        # a filler pair (an empty micro-batch's) has no completion: a mean log-prob of -1 keeps its odds finite, and
+        # `real` then keeps it out of the loss and the statistics (0 would be log(1 - 1) = -inf, and NaN x 0 = NaN)
+        means = torch.where(lengths > 0, sums / lengths.clamp(min=1), -1.0)
         chosen, rejected = means[:half], means[half:]
         ratio, log_odds = odds_ratio_terms(self.recipe.beta, chosen, rejected)
         real = (lengths[:half] > 0).to(ratio.dtype)

@@ -266,3 +266,23 @@ def test_orpo_loss_gradient_and_statistics_equal_the_formula_over_two_micro_batc
     assert metrics["eval_loss"] == pytest.approx(float(expected["loss"]), rel=1e-5)
     assert metrics["eval_nll_loss"] == pytest.approx(float(expected["nll_loss"]), rel=1e-5)
     assert metrics["eval_log_odds_chosen"] == pytest.approx(float(expected["log_odds_chosen"]), rel=1e-4, abs=1e-7)
+
+
+def test_orpo_step_with_an_empty_micro_batch_equals_the_step_without_it():
+    """A rank whose data ran out collates an empty micro-batch to one filler pair one token wide (data.Collator):
+    ORPO must add nothing for it, not fail on a row with no position to score."""
+    from hftrain.objectives.orpo import ORPOLoss
+
+    policy = tiny_llama(0)
+    module = ORPOLoss(policy, Recipe(objective="orpo", beta=0.25))
+    module.train()
+    whole = pair_batch(3)
+    empty = {k: v[:, :1] for k, v in pair_batch(0, filler=True).items()}
+    assert empty["input_ids"].shape == (2, 1) and (empty["labels"] == IGNORE_INDEX).all()
+    module.prepare_step(module, [whole], lambda t: t)
+    expected = module(**whole)
+    module.pop_stats()
+    module.prepare_step(module, [whole, empty], lambda t: t)
+    got = module(**whole) + module(**empty)
+    torch.testing.assert_close(got, expected)
+    assert all(torch.isfinite(value) for value in module.pop_stats().values())  # the filler adds 0, not NaN
