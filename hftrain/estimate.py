@@ -63,7 +63,7 @@ from transformers.distributed.tensor_parallel import (
 from hftrain.compat.transformers import expanded_parallel_plan
 from hftrain.config import PRESET_DIR
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
-from hftrain.metrics import active_expert_fraction
+from hftrain.metrics import active_expert_fraction, num_experts
 from hftrain.stages import STAGES_PER_PROCESS, split_layers, stage_indices
 
 # transformers >= 5.21 gives embeddings a style of their own (EmbeddingParallel, its `shard_dim`); before, none: it
@@ -105,6 +105,8 @@ class ModelShape:
     head_tp: tuple[int, int] = (0, 0)
     tp_plan: bool = False  # the model has a tp plan
     tp_unmodelled: tuple[str, ...] = ()  # plan styles whose placement this estimate does not model (packed, experts)
+    experts: int | None = None  # mixture-of-experts: experts per MoE layer (parallel/expert.py reads the config)
+    layer_expert_params: int = 0  # the expert weights of the largest decoder layer (what --ep splits)
     scores: bool = False  # a reward model (objective reward): a one-output score head, no vocabulary logits
 
     @property
@@ -168,7 +170,8 @@ def model_shape(model: str, trust_remote_code: bool = False, reward: bool = Fals
         layer_tp=tuple(split.get(f"{names[id(largest)]}.{n}", (p.numel(), 0)) for n, p in largest.named_parameters()),
         embedding_tp=split.get(f"{names[id(inp)]}.weight", (inp.weight.numel(), 0)),
         head_tp=split.get(f"{names[id(head_module)]}.weight", (head_module.weight.numel(), 0)),
-        tp_plan=bool(split), tp_unmodelled=unmodelled, scores=reward,
+        tp_plan=bool(split), tp_unmodelled=unmodelled, scores=reward, experts=num_experts(config),
+        layer_expert_params=sum(p.numel() for name, p in largest.named_parameters() if ".experts." in f".{name}"),
     )
 
 
@@ -591,8 +594,13 @@ class Plan:
 
 
 def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str = "bf16", lora_r: int = 16,
-             objective: str = "sft", sp: int = 1) -> Plan:
+             objective: str = "sft", sp: int = 1, ep: int = 1) -> Plan:
     """Memory per GPU for every strategy (bytes).
+
+    ep > 1 (a mixture-of-experts model): the expert-parallel row, transformers' layout (`ep_size`,
+    parallel/expert.py): the dense weights FSDP2-sharded over every GPU, each GPU's experts (1/ep of each layer's)
+    FSDP2-sharded over the gpus / ep copies, so the model state per GPU is FSDP's; what differs is the unit gathered
+    for compute: a layer's dense weights whole, but only its own 1/ep of the experts.
 
     objective dpo / simpo / orpo: `batch` counts pairs, two sequences each (one forward); kto: `batch` counts rows,
     one sequence each (its KL pass runs without gradients: not counted). dpo's and kto's full-fine-tuning rows
@@ -636,6 +644,13 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
                             w16 * n / g + in_flight, w16 * n / g, master * n / g, act / sp + shape.layers * exchange,
                             act_ckpt / sp + exchange, floor / sp + exchange,
                             note=f"{g // sp} data-parallel copies of {sp}-GPU sequence groups"))
+        if ep > 1:
+            expert_unit = unit - shape.layer_expert_params + shape.layer_expert_params // ep
+            rows.append(Row(f"FSDP full shard + expert parallel ep={ep}", "multi_gpu", "full",
+                            4 * n / g + 2 * expert_unit * (2 if mixed else 4), 4 * n / g + expert_unit * 4, 8 * n / g,
+                            act, act_ckpt, floor,
+                            note=f"ep_size: {ep} ({shape.experts // ep} of {shape.experts} experts per GPU; "
+                                 "any DDP-type or FSDP2 preset)"))
         if sp > 1:  # the ring: 1/cp of the activations; while one layer's attention runs, the key/value block it
             # attends to and the next one arriving (both of 1/cp of the sequence), any head count
             ring = rows_per_step * seq // sp * 2 * shape.kv_dim * compute * 2
@@ -810,6 +825,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Sequence-/context-parallel degree: adds a DeepSpeed Ulysses row (preset zero3_sp; when "
                              "it divides the attention heads) and a ring attention row (preset fsdp2_cp), whose "
                              "activations are those of 1/sp of each sequence. Must divide --gpus.")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="Expert-parallel degree (ep_size) for a mixture-of-experts model: adds the row of each "
+                             "GPU holding 1/ep of every layer's experts, the dense weights FSDP2-sharded. Must divide "
+                             "--gpus and the experts.")
     parser.add_argument("--pp", type=int, default=1,
                         help="Pipeline-parallel stages (recipe pp_size): adds each stage's memory (its layers' "
                              "weights, gradients and optimizer state, the activations its schedule keeps in flight) "
@@ -853,8 +872,11 @@ def print_plan(args: argparse.Namespace) -> None:
             args.gpus = args.nodes * args.gpus_per_node
     if args.gpus is None:
         args.gpus = 1
-    problems += [f"--{k} must be >= 1, got {getattr(args, k)}" for k in ("gpus", "seq", "batch", "lora_r", "sp", "tp")
-                 if getattr(args, k) < 1]
+    problems += [f"--{k} must be >= 1, got {getattr(args, k)}"
+                 for k in ("gpus", "seq", "batch", "lora_r", "sp", "tp", "ep") if getattr(args, k) < 1]
+    if args.ep > 1 and args.gpus % args.ep:
+        problems.append(f"--ep {args.ep} must divide --gpus {args.gpus} (each group of ep GPUs holds every expert "
+                        "once)")
     if args.sp > 1 and args.gpus % args.sp:
         problems.append(f"--sp {args.sp} must divide --gpus {args.gpus} (the rest of the GPUs are data-parallel)")
     if args.pp < 1 or (args.pp > 1 and args.tp == 1 and args.gpus % args.pp):
@@ -879,10 +901,15 @@ def print_plan(args: argparse.Namespace) -> None:
     if problems:
         raise ConfigError(problems, "estimate arguments")
     shape = model_shape(args.model, args.trust_remote_code, reward=args.objective == "reward")
-    plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective, args.sp)
     problems = layout_problems(shape, args.tp, args.pp, args.pp_schedule)
+    if args.ep > 1 and (shape.experts is None or shape.experts % args.ep):
+        problems.append(f"--ep {args.ep}: {shape.name} ({shape.model_type}) is not a mixture-of-experts model"
+                        if shape.experts is None else
+                        f"--ep {args.ep} must divide the model's {shape.experts} experts per layer")
     if problems:
         raise ConfigError(problems, "estimate arguments")
+    plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective, args.sp,
+                    args.ep)
     if args.pp > 1 or args.tp > 1:
         stages = args.pp * STAGES_PER_PROCESS[args.pp_schedule]
         plan.pp, plan.pp_schedule, plan.tp = args.pp, args.pp_schedule, args.tp

@@ -178,6 +178,15 @@ class StepTimer:
         return totals
 
 
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")  # the families' config names
+
+
+def num_experts(model_config) -> int | None:
+    """The experts of each MoE layer, from the config (None: not a mixture-of-experts config hftrain knows)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return next((value for name in EXPERT_COUNT_FIELDS if isinstance(value := getattr(text, name, None), int)), None)
+
+
 def active_expert_fraction(config) -> float | None:
     """k / experts of a mixture-of-experts config (each token is routed to k experts), None for a dense model."""
     top_k = getattr(config, "num_experts_per_tok", None)

@@ -25,18 +25,12 @@ are `expert_problems` (the preflight); those of the recipe alone are hftrain/fie
 from __future__ import annotations
 
 from hftrain.config import Recipe
+from hftrain.metrics import num_experts
 from hftrain.parallel.dims import ParallelDims
 from hftrain.parallel.launch import Launch
 from hftrain.versions import feature_problem
 
-EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")  # the families' config names
 DISPATCH = "ep_dispatch_experts"  # the plan style whose module exchanges tokens (transformers' token dispatch)
-
-
-def num_experts(model_config) -> int | None:
-    """The experts of each MoE layer, from the config (None: not a mixture-of-experts config hftrain knows)."""
-    text = model_config.get_text_config()
-    return next((value for name in EXPERT_COUNT_FIELDS if isinstance(value := getattr(text, name, None), int)), None)
 
 
 def expert_plan(model_config) -> dict[str, str]:

@@ -9,9 +9,11 @@ import transformers
 from hftrain import versions
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError
+from hftrain.estimate import estimate, model_shape
 from hftrain.fields.parallel import problems as parallel_problems
+from hftrain.metrics import num_experts
 from hftrain.parallel import ParallelDims, layout_of
-from hftrain.parallel.expert import expert_problems, load_kwargs, num_experts
+from hftrain.parallel.expert import expert_problems, load_kwargs
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.tensor import FSDP2TensorParallelBackend
 from hftrain.preflight import preflight
@@ -102,3 +104,19 @@ def test_the_preflight_refuses_a_dense_model_in_one_paragraph_before_weights_loa
     assert "the model ('llama') has no expert-parallel plan" in str(error.value)
     recipe = Recipe(model_name_or_path=str(REPO / "models" / "tiny-moe"), ep_size=2)
     assert preflight(recipe, DDP2, cuda=False).model_type == "qwen3_moe"
+
+
+def test_the_estimate_splits_each_layers_experts_over_ep():
+    """`hftrain estimate --ep 2`: the model state per GPU is FSDP's (every weight sharded over the GPUs), but the unit
+    gathered for compute holds only this GPU's half of a layer's experts: models/tiny-moe's layer has 8 experts of
+    gate_up (2 x 32 x 64) and down (64 x 32) weights."""
+    shape = model_shape(str(REPO / "models" / "tiny-moe"))
+    layer_experts = 8 * (2 * 32 * 64 + 64 * 32)
+    assert (shape.experts, shape.layer_expert_params) == (8, layer_experts)
+    rows = {row.strategy: row for row in estimate(shape, gpus=4, batch=1, seq=128, ep=2).rows}
+    fsdp, ep = rows["FSDP full shard"], rows["FSDP full shard + expert parallel ep=2"]
+    assert ep.optimizer == fsdp.optimizer and ep.activations == fsdp.activations
+    assert fsdp.weights - ep.weights == 2 * 2 * (layer_experts // 2)  # two bf16 units in flight, half the experts
+    assert "4 of 8 experts per GPU" in ep.note
+    assert "expert parallel" not in " ".join(estimate(shape, gpus=4, batch=1, seq=128).rows[i].strategy
+                                            for i in range(3))
