@@ -118,11 +118,6 @@ class ParallelDims:
                     f"use an ep_size that divides {self.dp * self.tp}, or a multiple of {self.ep} processes"]
         return []
 
-    def expert_split(self, num_experts: int) -> str:
-        """How each MoE layer's experts are split, e.g. "4 of 8 experts per rank (ep 2)", with the copies."""
-        copies = f", {self.efsdp} ranks hold each expert" if self.efsdp > 1 else ""
-        return f"{num_experts // self.ep} of {num_experts} experts per rank (ep {self.ep}{copies})"
-
     def describe(self) -> str:
         """The layout in a few words, e.g. "pp 2 x dp 2 x tp 2 (DDP-style copies)"."""
         shards = {"single": "one process", "ddp": "DDP-style copies", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO"}

@@ -29,8 +29,6 @@ def test_experts_are_a_second_view_of_the_data_parallel_ranks():
     experts; expert parallelism shares no batches, so the data-parallel copies stay the processes."""
     dims = ParallelDims(world=4, strategy="ddp", ep=2)
     assert (dims.dp, dims.replicas, dims.efsdp, dims.axes) == (4, 1, 2, frozenset({"ep"}))
-    assert dims.expert_split(8) == "4 of 8 experts per rank (ep 2, 2 ranks hold each expert)"
-    assert ParallelDims(world=2, strategy="ddp", ep=2).expert_split(8) == "4 of 8 experts per rank (ep 2)"
     assert dims.describe() == "dp 4 (DDP-style copies, experts over ep 2)"
     assert dims.problems() == []
 
