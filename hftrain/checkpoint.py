@@ -81,13 +81,16 @@ class Progress:
 
 
 def versions() -> dict[str, str]:
+    """The versions this run used. torch's is the build's own (`torch.__version__`: 2.14.1+cu130, 2.13.0+cpu), which
+    names the CUDA or CPU build that its package metadata leaves out for PyPI's default CUDA wheel (2.14.1)."""
     found = {"python": platform.python_version()}
-    for package in ("hftrain", "torch", "transformers", "accelerate", "datasets", "tokenizers", "peft",
+    for package in ("hftrain", "torch", "torchvision", "transformers", "accelerate", "datasets", "tokenizers", "peft",
                     "bitsandbytes", "deepspeed", "wandb"):
         try:
             found[package] = md.version(package)
         except md.PackageNotFoundError:
             pass
+    found["torch"] = torch.__version__
     return found
 
 
