@@ -40,6 +40,7 @@ OBJECTIVES = {
     "reward": "reward modelling (a one-output score head trained to rank chosen above rejected answers, as TRL's "
               "RewardTrainer)",
     "grpo": "GRPO (online RL: completions sampled from the model and scored by reward functions)",
+    "distill": "knowledge distillation (the generalized JSD to a teacher model's next-token distributions)",
 }
 PIPELINE_TAG = "text-generation"
 PIPELINE_TAGS = {"reward": "text-classification"}  # objectives whose folder is not a text generator

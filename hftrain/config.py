@@ -25,6 +25,8 @@ from hftrain.errors import ConfigError, first_line
 from hftrain.fields import recipe_field as _f
 from hftrain.fields.data import DataFields, DatasetSource, looks_local
 from hftrain.fields.data import problems as data_problems
+from hftrain.fields.distill import DISTILL_DEFAULTS, DistillFields
+from hftrain.fields.distill import problems as distill_problems
 from hftrain.fields.evaluation import EvaluationFields
 from hftrain.fields.evaluation import problems as evaluation_problems
 from hftrain.fields.grpo import OBJECTIVE_DEFAULTS, GRPOFields
@@ -260,7 +262,7 @@ class LoggingFields:
 
 @dataclass
 class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, LoggingFields, PeftFields, TrainingFields,
-             GRPOFields, ObjectiveFields, DataFields, ModelFields):
+             DistillFields, GRPOFields, ObjectiveFields, DataFields, ModelFields):
     """One flat, typed schema: every field of every group (declared per group, in this order: model, data,
     objective, training, peft and quantization, logging, evaluation, monitoring, parallelism, hub; dataclasses collect
     the bases' fields from the last base to the first)."""
@@ -413,7 +415,8 @@ def _dataset_source(index: int, value: dict) -> DatasetSource:
 def with_objective_defaults(values: dict[str, Any]) -> dict[str, Any]:
     """`values` plus the objective's own defaults (fields.grpo.OBJECTIVE_DEFAULTS: TRL's GRPOConfig differs from
     DPOConfig there) for the fields they leave unset."""
-    return {**OBJECTIVE_DEFAULTS.get(values.get("objective"), {}), **values}
+    defaults = {**OBJECTIVE_DEFAULTS, "distill": DISTILL_DEFAULTS}
+    return {**defaults.get(values.get("objective"), {}), **values}
 
 
 # ------------------------------------------------------------------------ validation
@@ -482,6 +485,7 @@ def validate(recipe: Recipe) -> list[str]:
     problems += data_problems(r)
     problems += objective_problems(r)
     problems += grpo_problems(r)
+    problems += distill_problems(r)
     problems += _validate_performance(r)
     problems += monitoring_problems(r)
     problems += hub_problems(r)

@@ -106,8 +106,9 @@ def check_objective(recipe: Recipe, fmt: str, name: str) -> None:
                            "dataset_columns)")
     if recipe.objective == "kto":
         return
-    if (fmt == "preference") != (recipe.objective != "sft"):
-        wanted = "preference pairs (chosen, rejected, optional prompt)" if recipe.objective != "sft" else \
+    pairs = recipe.objective not in ("sft", "distill")  # distill's offline completions are sft data's
+    if (fmt == "preference") != pairs:
+        wanted = "preference pairs (chosen, rejected, optional prompt)" if pairs else \
             "SFT data (a preference dataset needs objective: dpo, simpo, orpo or reward)"
         raise HftrainError(f"dataset {name!r} has format {fmt} but objective={recipe.objective} trains on {wanted}")
 

@@ -18,11 +18,12 @@ class ObjectiveFields:
         "length-normalised), orpo (ORPO: reference-free, NLL of the chosen answers plus an odds-ratio term), kto (KTO: "
         "unpaired thumbs-up/down feedback against a reference model), reward (a reward model: the base as "
         "AutoModelForSequenceClassification with one output, trained to score chosen above rejected, as TRL's "
-        "RewardTrainer) or grpo (online RL: completions sampled from the model, scored by reward_funcs, TRL's GRPO "
-        "loss). dpo, simpo, orpo and reward need preference data (chosen, rejected and optionally prompt columns; "
+        "RewardTrainer), grpo (online RL: completions sampled from the model, scored by reward_funcs, TRL's GRPO "
+        "loss) or distill (knowledge distillation: the generalized JSD to teacher_model_name_or_path's next-token "
+        "distributions, see docs/distillation.md). dpo, simpo, orpo and reward need preference data (chosen, rejected and optionally prompt columns; "
         "reward also an optional margin column), kto unpaired data (prompt, completion, label: true/false), see "
         "docs/preference.md; grpo a prompt column, see docs/grpo.md.", group="objective",
-        choices=("sft", "dpo", "simpo", "orpo", "kto", "reward", "grpo"),
+        choices=("sft", "dpo", "simpo", "orpo", "kto", "reward", "grpo", "distill"),
     )
     beta: float = _f(
         0.1, "dpo/simpo temperature: how far the policy may move from the reference (dpo) or the reward scale "
@@ -103,7 +104,7 @@ def problems(r) -> list[str]:
     """dpo / simpo settings and what a preference objective cannot be combined with (grpo's: fields/grpo.py)."""
     problems, preference = [], r.objective in ("dpo", "simpo", "orpo", "kto", "reward")
     problems += reward_problems(r)
-    if r.objective == "grpo":
+    if r.objective in ("grpo", "distill"):  # their own groups judge beta and the lengths (fields/grpo.py, distill.py)
         return problems
     if r.objective == "kto":
         problems += kto_problems(r)

@@ -14,6 +14,8 @@
   mean over the step's pairs.
 - `reference.py`: the reference models an objective compares with (adapters disabled, a frozen copy, precomputed
   log-probs and their cross-run cache).
+- `distill.py`: `distill`, `DistillLoss`: the generalized JSD to a frozen teacher's next-token distributions per
+  trained token (the teacher's logits made one chunk of tokens at a time); the loop divides by the step's tokens.
 - `grpo.py`: `grpo`, online RL (generation windows, rewards, TRL's GRPO loss; pieces in hftrain/rl/). It plugged in
   the way any objective does: a module with its `Objective` subclass, one entry in `OBJECTIVES`,
   the name in the recipe's `objective` choices, its fields and rules in `hftrain/fields/objectives.py`
@@ -36,6 +38,7 @@ from hftrain.config import Recipe
 from hftrain.fields.objectives import problems
 from hftrain.model import CausalLMTokenLoss
 from hftrain.objectives.base import Objective
+from hftrain.objectives.distill import Distill
 from hftrain.objectives.grpo import GRPO
 from hftrain.objectives.kto import KTO
 from hftrain.objectives.orpo import ORPO
@@ -55,6 +58,7 @@ OBJECTIVES: dict[str, Objective] = {
     "kto": KTO(),
     "reward": Reward(),
     "grpo": GRPO(),
+    "distill": Distill(),
 }
 
 

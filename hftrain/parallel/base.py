@@ -317,6 +317,13 @@ class Backend:
         return module.to(self.accelerator.device).eval(), "replicated on every process"
 
     @contextmanager
+    def gathered(self, params: list):
+        """Frozen parameters of a `prepare_frozen` module readable whole inside the context, every rank at once
+        (distill's teacher head). One process, DDP, FSDP2 (a shard is gathered by its `full_tensor()`): nothing to
+        do."""
+        yield
+
+    @contextmanager
     def generation_context(self, model):
         """For sampling with transformers' `generate` (objective grpo), every rank at once: yields (module, synced):
         the loss wrapper whose `generate` (`WrapsCausalLM.generate`, the causal LM's) may be called inside the

@@ -187,6 +187,18 @@ class DeepSpeedBackend(Backend):
         return engine, ("partitioned over the processes (ZeRO-3)" if stage == 3 else
                                "replicated on every process in the engine's dtype")
 
+    @contextmanager
+    def gathered(self, params: list):
+        """ZeRO-3: the partitions gathered whole for the context (DeepSpeed's GatheredParameters, read-only: one
+        all-gather on every rank); other stages hold them whole."""
+        if self.record.zero_stage != 3:
+            yield
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            yield
+
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)  # the DeepSpeedEngine's module
 

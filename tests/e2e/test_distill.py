@@ -1,0 +1,113 @@
+"""distill through the real entry script: the shipped recipe learns the teacher, TRL's GKDTrainer (lmbda 0) gives the
+same steps (full and LoRA), one step is the same whatever its split into micro-batches and processes, a resumed run
+continues exactly, and a teacher with another vocabulary is refused before any model loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, Run, launch, launch_env, run_script
+
+pytestmark = pytest.mark.launch
+TINY_DISTILL = ["--config", str(REPO / "recipes" / "tiny-distill.yaml")]
+# 3 steps of 4 chats in file order, clipping active, no evaluation; SGD with momentum as tests/e2e/test_orpo.py
+EXACT = [*TINY_DISTILL, "--max_steps", "3", "--logging_steps", "1", "--train_sampling_strategy", "sequential",
+         "--validation_split_percentage", "0", "--optim", "sgd", "--sgd_momentum", "0.9", "--learning_rate", "0.5",
+         "--max_grad_norm", "0.01", "--warmup_steps", "0", "--save_steps", "2"]
+COMPARED = ("loss", "grad_norm", "entropy", "trained_tokens")
+
+
+def assert_same_steps(run: Run, expected: Run) -> None:
+    """Per-step values of COMPARED and the final weights of `expected`."""
+    for key in COMPARED:
+        torch.testing.assert_close(torch.tensor([float(r[key]) for r in run.train_rows()]),
+                                   torch.tensor([float(r[key]) for r in expected.train_rows()]), rtol=1e-4,
+                                   atol=1e-6, msg=key)
+    weights = load_file(expected.output_dir / "final" / "model.safetensors")
+    for key, value in load_file(run.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, weights[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """1 process x 4 chats per step, a checkpoint at step 2: what the other layouts and the resume are compared with."""
+    return run_script(tmp_path_factory.mktemp("distill-one") / "out", *EXACT, "--per_device_train_batch_size", "4")
+
+
+def test_tiny_distill_recipe_learns_the_teacher(tmp_path):
+    """The shipped recipe: the divergence to the teacher falls on the training and the held-out chats; the model card
+    names the objective."""
+    run = run_script(tmp_path / "out", *TINY_DISTILL, "--max_steps", "20", "--eval_steps", "10")
+    said = " ".join((run.stdout + run.stderr).split())
+    assert "objective distill: generalized JSD, beta 0.5 at temperature 1" in said
+    assert "teacher " in said and "models/tiny-teacher, frozen, replicated on every process" in said
+    rows, evals = run.train_rows(), run.eval_rows()
+    assert rows[-1]["loss"] < 0.85 * rows[0]["loss"] and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert 0 < rows[-1]["entropy"] < 7  # the student's entropy in nats (log 753 = 6.6 at the start)
+    card = (run.output_dir / "final" / "README.md").read_text()
+    assert "distill" in card and "knowledge distillation" in card
+
+
+def test_equal_to_trl_gkd_trainer(tmp_path):
+    """scripts/compare_trl_distill.py: TRL 1.16's GKDTrainer (lmbda 0) and hftrain on the same chats, order and
+    hyperparameters, full fine-tuning (beta 0.5) and LoRA (beta 1): per-step loss and gradient norm within 1e-4,
+    final weights within 1e-5."""
+    results = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_distill.py"), "--out", str(tmp_path),
+                           "--json", str(results)], capture_output=True, text=True, cwd=REPO, env=launch_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compared = json.loads(results.read_text())
+    assert sorted(compared) == ["full", "lora"]
+    for name, runs in compared.items():
+        assert len(runs["trl"]) == len(runs["hftrain"]) == 3, name
+        assert runs["trl"][-1]["loss"] != runs["trl"][0]["loss"]
+        for step, (theirs, ours) in enumerate(zip(runs["trl"], runs["hftrain"]), 1):
+            for key, value in ours.items():
+                assert value == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (name, step, key)
+        assert runs["max_weight_difference"] < 1e-5, name
+
+
+def test_distill_step_is_the_same_over_micro_batches_and_processes(tmp_path, one_process):
+    """4 chats per step as 1 x 4, 2 micro-batches x 2 and 2 DDP processes x 2: the same losses (the divergence's
+    mean over the step's tokens, not a mean of micro-batch means), entropies, clipped norms and weights."""
+    accum = run_script(tmp_path / "accum", *EXACT, "--per_device_train_batch_size", "2",
+                       "--gradient_accumulation_steps", "2")
+    ddp = launch(tmp_path / "ddp", *EXACT, "--per_device_train_batch_size", "2", preset="cpu_ddp")
+    assert ddp.state()["launch"]["model_wrapper"] == "DistributedDataParallel"
+    assert one_process.train_rows()[-1]["grad_norm"] > 0.01  # clipping was active
+    for run in (accum, ddp):
+        assert_same_steps(run, one_process)
+
+
+def test_distill_resumes_exactly(tmp_path, one_process):
+    """Resumed from checkpoint-2, step 3 and the final weights equal the uninterrupted run's."""
+    out = tmp_path / "out"
+    shutil.copytree(one_process.output_dir, out)
+    shutil.rmtree(out / "final")
+    resumed = run_script(out, *EXACT, "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "latest")
+    (row,) = [r for r in resumed.train_rows() if r["step"] == 3]
+    expected = one_process.train_rows()[2]
+    for key in COMPARED:
+        assert row[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    weights = load_file(one_process.output_dir / "final" / "model.safetensors")
+    for key, value in load_file(out / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_before_the_models_load(tmp_path):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(REPO / "models" / "tiny-teacher", teacher)
+    config = json.loads((teacher / "config.json").read_text())
+    (teacher / "config.json").write_text(json.dumps({**config, "vocab_size": 800}))
+    run = run_script(tmp_path / "out", *TINY_DISTILL, "--teacher_model_name_or_path", str(teacher), check=False)
+    said = " ".join(run.stderr.split())
+    assert run.returncode != 0 and "Traceback" not in run.stderr and "Loading weights" not in run.stderr
+    assert "must share one tokenizer and vocabulary: the teacher" in said and "has vocab_size 800" in said
+    assert not (tmp_path / "out" / "final").exists()
