@@ -65,6 +65,9 @@ def problems(r) -> list[str]:
                         "cross-entropy against labels, not a divergence from the teacher's distribution")
     if r.streaming:
         problems.append("streaming with objective distill is not supported yet; set streaming: false")
+    if r.lmbda > 0:  # ONPOLICY
+        problems.append(f"distill: lmbda={r.lmbda} asks for on-policy micro-batches (the student's own samples), "
+                        "which this hftrain does not generate yet; use lmbda: 0 (the dataset's completions)")
     if r.lmbda > 0 and r.dataset_format not in ("auto", "prompt_completion", "messages"):
         problems.append(f"distill with lmbda > 0 samples completions of each row's prompt: dataset_format must be "
                         f"auto, prompt_completion or messages, got {r.dataset_format}")

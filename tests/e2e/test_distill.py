@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, Run, launch, launch_env, run_script
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, launch_env, run_script
 
 pytestmark = pytest.mark.launch
 TINY_DISTILL = ["--config", str(REPO / "recipes" / "tiny-distill.yaml")]
@@ -99,6 +99,18 @@ def test_distill_resumes_exactly(tmp_path, one_process):
     weights = load_file(one_process.output_dir / "final" / "model.safetensors")
     for key, value in load_file(out / "final" / "model.safetensors").items():
         torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
+def test_distill_under_sharded_presets_equals_one_process(tmp_path, one_process, preset):
+    """2 processes x 2 chats with the student and the teacher partitioned (ZeRO-3) or sharded (FSDP2) = 1 process x
+    4 chats: the teacher's head is gathered whole once per micro-batch on every process."""
+    run = launch(tmp_path / "out", *EXACT, "--per_device_train_batch_size", "2", preset=preset, processes=2,
+                 script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY)
+    said = " ".join((run.stdout + run.stderr).split())
+    assert ("partitioned over the processes (ZeRO-3)" if preset == "zero3" else "sharded over the processes (FSDP2)") \
+        in said
+    assert_same_steps(run, one_process)
 
 
 def test_a_teacher_with_another_vocabulary_is_refused_before_the_models_load(tmp_path):

@@ -141,6 +141,8 @@ def problems_of(**fields) -> list[str]:
 
 def test_recipe_rules():
     assert any("needs teacher_model_name_or_path" in p for p in problems_of(objective="distill"))
+    assert any("does not generate yet" in p for p in problems_of(objective="distill", lmbda=0.5,
+                                                                  teacher_model_name_or_path=str(TINY)))
     said = " ".join(problems_of(objective="distill", teacher_model_name_or_path=str(TINY), beta=1.5, lmbda=2.0,
                                 packing=True, temperature=0.0))
     for part in ("beta must be in [0, 1]", "lmbda must be in [0, 1]", "packing with objective distill",
