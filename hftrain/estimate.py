@@ -594,7 +594,7 @@ class Plan:
 
 
 def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str = "bf16", lora_r: int = 16,
-             objective: str = "sft", sp: int = 1, ep: int = 1) -> Plan:
+             objective: str = "sft", sp: int = 1, ep: int = 1, teacher: ModelShape | None = None) -> Plan:
     """Memory per GPU for every strategy (bytes).
 
     ep > 1 (a mixture-of-experts model): the expert-parallel row, transformers' layout (`ep_size`,
@@ -608,6 +608,9 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     FSDP, the engine's 16-bit weights under DeepSpeed (replicated for ZeRO-1/2, partitioned for ZeRO-3, offloaded
     with parameter offload). precompute_ref_log_probs or LoRA (adapters disabled) need no copy. The reference's
     own forward runs without gradients and holds one layer's activations at a time: not counted.
+    objective distill: `teacher`'s frozen weights are added to every row, placed as hftrain places them (as dpo's
+    reference for full fine-tuning, in the base's dtype beside a LoRA / QLoRA student, never quantized); its logits
+    exist one chunk of 4096 tokens at a time (not counted).
     """
     n, g = shape.params, gpus
     mixed = precision == "bf16"
@@ -688,6 +691,20 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
                 else:
                     row.cpu += w16 * n / g  # parameter offload keeps the reference's partitions in host memory
                 row.note = copy_note
+    if teacher is not None:
+        t, w16 = teacher.params, 2 if mixed else 4
+        placed = {"ZeRO-1": w16 * t, "ZeRO-2": w16 * t, "ZeRO-2 + optimizer offload": w16 * t, "ZeRO-3": w16 * t / g,
+                  "FSDP full shard": 4 * t / g}
+        for row in rows:
+            if row.method != "full":
+                row.weights += (2 if mixed else 4) * t
+            elif row.strategy in placed:
+                row.weights += placed[row.strategy]
+            elif row.strategy.startswith("ZeRO-3 + parameter"):
+                row.cpu += w16 * t / g
+            else:
+                row.weights += 4 * t
+            row.note = "; ".join(filter(None, [row.note, f"with the {t / 1e9:,.2f}B-parameter teacher"]))
     return Plan(shape, gpus, batch, seq, precision, lora_r, rows, sp)
 
 
@@ -845,11 +862,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Microbatches per pipeline step (recipe pp_microbatches); default 2 x the stages.")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="bf16 mixed precision (GPU default) or fp32 (CPU runs).")
-    parser.add_argument("--objective", choices=("sft", "dpo", "simpo", "orpo", "kto", "reward"), default="sft",
+    parser.add_argument("--objective", choices=("sft", "dpo", "simpo", "orpo", "kto", "reward", "distill"),
+                        default="sft",
                         help="dpo / simpo / orpo / reward: --batch counts preference pairs (two sequences each); kto: "
                              "rows (one each); reward: the model as a one-output sequence classifier (a score head in "
                              "place of the vocabulary head and its logits); dpo's and kto's full fine-tuning adds the "
-                             "frozen reference copy.")
+                             "frozen reference copy; distill adds --teacher's frozen weights.")
+    parser.add_argument("--teacher", default=None,
+                        help="distill: the teacher (hub id or local folder; its config only), placed as hftrain "
+                             "places it.")
     parser.add_argument("--tokens", type=int, default=None,
                         help="Tokens the run plans to train (steps x effective batch x tokens per sequence), shown "
                              "next to the compute-optimal count.")
@@ -898,9 +919,12 @@ def print_plan(args: argparse.Namespace) -> None:
         problems.append(f"--tokens must be >= 1, got {args.tokens}")
     if args.gpu_memory <= CUDA_OVERHEAD_GIB:
         problems.append(f"--gpu_memory must be above {CUDA_OVERHEAD_GIB:g} GiB, got {args.gpu_memory:g}")
+    if (args.objective == "distill") != (args.teacher is not None):
+        problems.append("--objective distill and --teacher go together (the teacher's weights are counted)")
     if problems:
         raise ConfigError(problems, "estimate arguments")
     shape = model_shape(args.model, args.trust_remote_code, reward=args.objective == "reward")
+    teacher = model_shape(args.teacher, args.trust_remote_code) if args.teacher else None
     problems = layout_problems(shape, args.tp, args.pp, args.pp_schedule)
     if args.ep > 1 and (shape.experts is None or shape.experts % args.ep):
         problems.append(f"--ep {args.ep}: {shape.name} ({shape.model_type}) is not a mixture-of-experts model"
@@ -909,7 +933,7 @@ def print_plan(args: argparse.Namespace) -> None:
     if problems:
         raise ConfigError(problems, "estimate arguments")
     plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective, args.sp,
-                    args.ep)
+                    args.ep, teacher)
     if args.pp > 1 or args.tp > 1:
         stages = args.pp * STAGES_PER_PROCESS[args.pp_schedule]
         plan.pp, plan.pp_schedule, plan.tp = args.pp, args.pp_schedule, args.tp

@@ -23,12 +23,13 @@ class DistillFields:
     )
     teacher_model_revision: str = _f("main", "distill: hub revision of the teacher.", group="distill")
     lmbda: float = _f(
-        0.0, "distill (GKDConfig's lmbda): the share of micro-batches trained on the student's own completions "
+        0.0, "distill (GKDConfig's lmbda): the share of optimizer steps trained on the student's own completions "
         "of the prompts (on-policy, sampled with temperature / top_p / top_k up to max_completion_length) instead "
         "of the dataset's completions (offline). 0: always the dataset's; 1: always the student's "
-        "(DistillationTrainer's way). In between, each micro-batch's choice is drawn from the seed, the step and "
-        "the micro-batch (the same on every process, the same after a resume), not from a global random state as "
-        "GKDTrainer does.", group="distill",
+        "(DistillationTrainer's way). In between, each optimizer step's choice is drawn from the seed and the "
+        "step (the same for all its micro-batches and processes, the same after a resume), not per micro-batch "
+        "from a global random state as GKDTrainer does. On-policy completions go to output_dir/completions.jsonl.",
+        group="distill",
     )
 
 
@@ -65,9 +66,6 @@ def problems(r) -> list[str]:
                         "cross-entropy against labels, not a divergence from the teacher's distribution")
     if r.streaming:
         problems.append("streaming with objective distill is not supported yet; set streaming: false")
-    if r.lmbda > 0:  # ONPOLICY
-        problems.append(f"distill: lmbda={r.lmbda} asks for on-policy micro-batches (the student's own samples), "
-                        "which this hftrain does not generate yet; use lmbda: 0 (the dataset's completions)")
     if r.lmbda > 0 and r.dataset_format not in ("auto", "prompt_completion", "messages"):
         problems.append(f"distill with lmbda > 0 samples completions of each row's prompt: dataset_format must be "
                         f"auto, prompt_completion or messages, got {r.dataset_format}")

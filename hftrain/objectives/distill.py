@@ -21,7 +21,8 @@ respect to the student's logits is computed in the same pass (closed form, as TR
 chunk is kept for the backward. The student's own logits of the trained tokens are held, as for sft.
 
 Which completions: `lmbda` (GKDConfig's): 0 the dataset's (offline); 1 the student's own samples of each prompt
-(on-policy, DistillationTrainer's way); in between, a per-micro-batch choice drawn from (seed, step, micro-batch).
+(on-policy, DistillationTrainer's way); in between, one coin per optimizer step drawn from (seed, step)
+(`OnPolicyFeed`: the completions sampled in the step that trains on them, written to completions.jsonl).
 """
 
 from __future__ import annotations
@@ -29,21 +30,28 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
+import json
 import math
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import gather_object
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
-from hftrain.model import HEAD_ONLY_MODEL_TYPES, CausalLMTokenLoss, WrapsCausalLM, load_base_model
+from hftrain.model import HEAD_ONLY_MODEL_TYPES, CausalLMTokenLoss, WrapsCausalLM, load_base_model, pad_token_id
 from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import local_bytes
+from hftrain.paths import COMPLETIONS_FILE
+from hftrain.rl.generation import build_generator
+from hftrain.rl.rollouts import Sampling
 
 # tokens whose teacher logits exist at once (TRL's TOKEN_CHUNK_SIZE); loss_chunk_tokens > 0 sets another
 TEACHER_CHUNK_TOKENS = 4096
@@ -255,6 +263,100 @@ def teacher_problems(recipe: Recipe, tokenizer) -> list[str]:
     return []
 
 
+def draw(seed: int, *key) -> int:
+    """A 63-bit number from (seed, *key): the same on every process and after a resume."""
+    return int.from_bytes(hashlib.sha256(":".join(map(str, (seed, *key))).encode()).digest()[:8], "little") % 2**63
+
+
+def on_policy_step(seed: int, lmbda: float, step: int) -> bool:
+    """Whether optimizer step `step` trains on the student's own completions: a coin of probability `lmbda` drawn
+    from (seed, step). GKDTrainer draws random.random() <= lmbda per micro-batch and process from the global random
+    state; one coin per step keeps every micro-batch and process of a step alike (so accumulation and processes
+    change nothing) and a resumed run draws the same coins."""
+    return lmbda >= 1.0 or (lmbda > 0.0 and draw(seed, "lmbda", step) / 2**63 < lmbda)
+
+
+class OnPolicyFeed:
+    """The examples' feed (`data.batching.IndexedFeed`) with distill's on-policy steps: in a step whose coin says so
+    (`on_policy_step`), each row's completion is replaced by the student's own sample of its prompt (the tokens
+    before its first trained token), generated with the recipe's sampling settings, each row from its own generator
+    seeded by (seed, step, prompt tokens), up to max_completion_length tokens and the first EOS (trained, as the
+    dataset's completions). The rows of every on-policy step go to output_dir/completions.jsonl (step, prompt_ids,
+    completion_ids). Nothing is buffered across steps, so a checkpoint holds no generation state and a resumed run
+    samples the same completions."""
+
+    def __init__(self, inner, recipe: Recipe, accum: int, pad_id: int, eos_ids: set[int], accelerator, dp,
+                 output_dir: Path):
+        self.inner, self.recipe, self.accum, self.pad_id, self.eos_ids = inner, recipe, accum, pad_id, eos_ids
+        self.accelerator, self.dp, self.file = accelerator, dp, output_dir / COMPLETIONS_FILE
+        self.sampling = Sampling(recipe.max_completion_length, recipe.temperature, recipe.top_p, recipe.top_k,
+                                 recipe.repetition_penalty)
+        self.generator = None  # set by Distill.prepare, once the backend has prepared the student
+        self.seconds = 0.0
+        self.counts = torch.zeros(4, dtype=torch.float64)  # on-policy rows, their tokens, truncated rows, steps
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def start(self, step: int, state) -> None:
+        """A resumed run (or one overwriting an earlier run) keeps completions.jsonl's rows up to `step`."""
+        if self.accelerator.is_main_process and self.file.exists():
+            kept = [line for line in self.file.read_text().splitlines() if json.loads(line)["step"] <= step]
+            self.file.write_text("".join(line + "\n" for line in kept))
+        self.inner.start(step, state)
+
+    def batches(self, progress) -> Iterator[dict]:
+        first = progress.step + 1
+        for index, batch in enumerate(self.inner.batches(progress)):
+            step = first + index // self.accum
+            yield self.sampled(batch, step) if on_policy_step(self.recipe.seed, self.recipe.lmbda, step) else batch
+
+    def sampled(self, batch: dict, step: int) -> dict:
+        """The micro-batch with the student's completions of its prompts (rows without a trained token stay)."""
+        started = time.perf_counter()
+        labels = batch["labels"]
+        rows = [r for r in range(len(labels)) if (labels[r, 1:] != IGNORE_INDEX).any()]
+        prompts = [batch["input_ids"][r, :int((labels[r] != IGNORE_INDEX).nonzero()[0])].tolist() for r in rows]
+        seeds = [draw(self.recipe.seed, "sample", step, *p) for p in prompts]
+        # every process generates once per on-policy micro-batch (sharded models gather weights inside generate)
+        sampled = self.generator.sample(prompts or [[self.pad_id]], seeds or [0])[:len(prompts)]
+        width = max([len(p) + len(s.completion_ids) for p, s in zip(prompts, sampled)] + [labels.shape[1]])
+        input_ids = torch.full((len(labels), width), self.pad_id, dtype=torch.long)
+        new_labels = torch.full_like(input_ids, IGNORE_INDEX)
+        input_ids[:, :labels.shape[1]] = batch["input_ids"]
+        for r, prompt, s in zip(rows, prompts, sampled):
+            ids = prompt + s.completion_ids
+            input_ids[r] = self.pad_id
+            input_ids[r, :len(ids)] = torch.tensor(ids)
+            new_labels[r, len(prompt):len(ids)] = torch.tensor(s.completion_ids)
+        self.counts += torch.tensor([len(rows), sum(len(s.completion_ids) for s in sampled),
+                                     sum(s.truncated for s in sampled), 0.0], dtype=torch.float64)
+        self.write_rows([{"step": step, "prompt_ids": p, "completion_ids": s.completion_ids}
+                         for p, s in zip(prompts, sampled)])
+        self.seconds += time.perf_counter() - started
+        return {**batch, "input_ids": input_ids, "labels": new_labels}
+
+    def write_rows(self, rows: list[dict]) -> None:
+        rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
+        if self.accelerator.is_main_process:
+            with self.file.open("a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+
+    def pop_generation_seconds(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds + self.inner.pop_generation_seconds()
+
+    def window_metrics(self, dp) -> dict:
+        """TRL's completions/mean_length and completions/clipped_ratio over the window's on-policy completions
+        (every process's), and the share of on-policy micro-batch rows (on_policy_fraction)."""
+        rows, tokens, truncated, _ = dp.sum(self.counts.to(self.accelerator.device)).tolist()
+        self.counts.zero_()
+        metrics = dict(self.inner.window_metrics(dp))
+        if rows:
+            metrics.update({"completions/mean_length": tokens / rows, "completions/clipped_ratio": truncated / rows})
+        return metrics
+
+
 class Distill(Objective):
     """distill: `DistillLoss` around the student, the teacher prepared beside it."""
 
@@ -267,6 +369,11 @@ class Distill(Objective):
         if problems:
             raise HftrainError("; ".join(problems))
         run.setup_examples()
+        if run.recipe.lmbda > 0:
+            eos = run.tokenizer.eos_token_id
+            run.feed = OnPolicyFeed(run.feed, run.recipe, run.recipe.gradient_accumulation_steps,
+                                    pad_token_id(run.tokenizer), {eos} if isinstance(eos, int) else set(eos or []),
+                                    run.accelerator, run.dp, run.output_dir)
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> DistillLoss:
@@ -275,7 +382,13 @@ class Distill(Objective):
         return DistillLoss(lm, recipe, teacher)
 
     def prepare(self, run) -> None:
+        """The teacher placed like the student; with lmbda > 0, the student's sampler (transformers' generate inside
+        the backend's generation context, as grpo's)."""
         run.token_loss.teacher.prepare(run.backend)
+        if isinstance(run.feed, OnPolicyFeed):
+            run.feed.generator = build_generator(run.recipe, run.backend, run.model, run.token_loss.lm,
+                                                 run.accelerator, run.feed.sampling, run.feed.eos_ids,
+                                                 run.feed.pad_id)
         return None
 
     def notes(self, run) -> list[str]:
@@ -283,4 +396,15 @@ class Distill(Objective):
         divergence = {0.0: "forward KL(teacher || student)", 1.0: "reverse KL(student || teacher)"}.get(
             recipe.beta, f"generalized JSD, beta {recipe.beta:g}")
         return [f"objective distill: {divergence} at temperature {recipe.temperature:g}, per trained token, mean "
-                f"over the step's tokens; {run.token_loss.teacher.describe()}; completions: the dataset's (lmbda 0)"]
+                f"over the step's tokens; {run.token_loss.teacher.describe()}; completions: {completions(recipe)}"]
+
+
+def completions(recipe: Recipe) -> str:
+    """Which completions the steps train on, in words."""
+    sampled = (f"sampled by the student (temperature {recipe.temperature:g}, top_p {recipe.top_p:g}, top_k "
+               f"{recipe.top_k}, up to {recipe.max_completion_length} tokens; written to {COMPLETIONS_FILE})")
+    if recipe.lmbda == 0:
+        return "the dataset's (lmbda 0)"
+    if recipe.lmbda >= 1:
+        return f"the student's own, {sampled}"
+    return f"the student's own in a share lmbda={recipe.lmbda:g} of the steps (drawn from the seed), {sampled}"

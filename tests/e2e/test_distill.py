@@ -123,3 +123,54 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_the_models_load(tmp
     assert run.returncode != 0 and "Traceback" not in run.stderr and "Loading weights" not in run.stderr
     assert "must share one tokenizer and vocabulary: the teacher" in said and "has vocab_size 800" in said
     assert not (tmp_path / "out" / "final").exists()
+
+
+# lmbda 1: every step trains on the student's own completions of the chats' prompts (12 tokens at most)
+ON_POLICY = [*EXACT, "--lmbda", "1", "--max_completion_length", "12"]
+
+
+@pytest.fixture(scope="module")
+def on_policy(tmp_path_factory):
+    return run_script(tmp_path_factory.mktemp("distill-on-policy") / "out", *ON_POLICY,
+                      "--per_device_train_batch_size", "4")
+
+
+def completion_rows(run: Run) -> list[dict]:
+    return [json.loads(line) for line in (run.output_dir / "completions.jsonl").read_text().splitlines()]
+
+
+def test_on_policy_completions_are_the_students_and_are_written(on_policy):
+    """Each step trains on 4 sampled completions of the step's prompts (the chats' tokens before the answer), written
+    to completions.jsonl; TRL's completion metrics are logged."""
+    said = " ".join((on_policy.stdout + on_policy.stderr).split())
+    assert "completions: the student's own, sampled by the student (temperature 1" in said
+    rows = completion_rows(on_policy)
+    assert [r["step"] for r in rows] == [1] * 4 + [2] * 4 + [3] * 4
+    assert all(len(r["completion_ids"]) <= 12 for r in rows)
+    assert rows[0]["prompt_ids"][-3:] != rows[0]["completion_ids"][:3]  # sampled, not copied from the data
+    assert len({tuple(r["prompt_ids"]) for r in rows[:4]}) == 4  # the step's 4 chats
+    train = on_policy.train_rows()
+    lengths = [sum(len(r["completion_ids"]) for r in rows if r["step"] == s) / 4 for s in (1, 2, 3)]
+    assert [r["completions/mean_length"] for r in train] == pytest.approx(lengths)
+    per_step = [sum(len(r["completion_ids"]) for r in rows if r["step"] == s) for s in (1, 2, 3)]
+    assert [r["trained_tokens"] for r in train] == [sum(per_step[:s]) for s in (1, 2, 3)]  # a running count
+
+
+def test_on_policy_resumes_exactly_and_two_processes_equal_one(tmp_path, on_policy):
+    """Resumed from checkpoint-2 the third step samples the same completions and ends at the same weights; 2 DDP
+    processes x 2 chats sample and train what 1 process x 4 does (each completion is seeded by its step and prompt)."""
+    out = tmp_path / "out"
+    shutil.copytree(on_policy.output_dir, out)
+    shutil.rmtree(out / "final")
+    resumed = run_script(out, *ON_POLICY, "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "latest")
+    assert completion_rows(resumed) == completion_rows(on_policy)
+    (row,) = [r for r in resumed.train_rows() if r["step"] == 3]
+    for key in COMPARED:
+        assert row[key] == pytest.approx(on_policy.train_rows()[2][key], rel=1e-5, abs=1e-7), key
+    weights = load_file(on_policy.output_dir / "final" / "model.safetensors")
+    for key, value in load_file(out / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-7, msg=key)
+    ddp = launch(tmp_path / "ddp", *ON_POLICY, "--per_device_train_batch_size", "2", preset="cpu_ddp")
+    key = lambda r: (r["step"], r["prompt_ids"])  # noqa: E731 - the two layouts list a step's rows in another order
+    assert sorted(completion_rows(ddp), key=key) == sorted(completion_rows(on_policy), key=key)
+    assert_same_steps(ddp, on_policy)

@@ -10,11 +10,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from hftrain.config import Recipe, validate
+from hftrain.estimate import estimate, model_shape
 from hftrain.objectives.distill import (
     DistillLoss,
     FrozenTeacher,
     WithGradient,
     chunked_divergence,
+    on_policy_step,
     teacher_problems,
     token_divergence,
 )
@@ -141,8 +143,7 @@ def problems_of(**fields) -> list[str]:
 
 def test_recipe_rules():
     assert any("needs teacher_model_name_or_path" in p for p in problems_of(objective="distill"))
-    assert any("does not generate yet" in p for p in problems_of(objective="distill", lmbda=0.5,
-                                                                  teacher_model_name_or_path=str(TINY)))
+    assert problems_of(objective="distill", lmbda=0.5, teacher_model_name_or_path=str(TINY)) == []
     said = " ".join(problems_of(objective="distill", teacher_model_name_or_path=str(TINY), beta=1.5, lmbda=2.0,
                                 packing=True, temperature=0.0))
     for part in ("beta must be in [0, 1]", "lmbda must be in [0, 1]", "packing with objective distill",
@@ -168,3 +169,29 @@ def test_a_teacher_with_another_vocabulary_is_refused(tmp_path):
                                       teacher_model_name_or_path=str(other)), tokenizer)
     assert "must share one tokenizer and vocabulary" in said
     assert "has vocab_size 760 but the student" in said and "'<extra_a>': 753" in said
+
+
+def test_the_lmbda_coin_is_a_function_of_seed_and_step():
+    assert not any(on_policy_step(42, 0.0, step) for step in range(1, 500))
+    assert all(on_policy_step(42, 1.0, step) for step in range(1, 500))
+    draws = [on_policy_step(42, 0.3, step) for step in range(1, 4001)]
+    assert 0.27 < sum(draws) / len(draws) < 0.33
+    assert draws == [on_policy_step(42, 0.3, step) for step in range(1, 4001)]
+    assert draws != [on_policy_step(7, 0.3, step) for step in range(1, 4001)]
+
+
+def test_the_memory_estimate_counts_the_teacher_where_hftrain_places_it():
+    """`hftrain estimate --objective distill --teacher`: the teacher's weights per GPU, per strategy (a copy in the
+    loaded dtype for one GPU / DDP, 16-bit engine weights under ZeRO-1/2, 1/g under ZeRO-3 and FSDP, in host memory
+    with parameter offload, in the base's dtype beside a LoRA student)."""
+    student, teacher = model_shape(str(TINY), False), model_shape(str(REPO / "models" / "llama-3-70b-shape"), False)
+    t, g = teacher.params, 4
+    alone = {r.strategy: r for r in estimate(student, g, 1, 512).rows}
+    rows = {r.strategy: r for r in estimate(student, g, 1, 512, objective="distill", teacher=teacher).rows}
+    added = {name: rows[name].weights - alone[name].weights for name in rows}
+    assert added["DDP"] == 4 * t and added["ZeRO-1"] == added["ZeRO-2"] == 2 * t
+    assert added["ZeRO-3"] == 2 * t / g and added["FSDP full shard"] == 4 * t / g
+    assert added["LoRA r=16 (DDP)"] == added["QLoRA r=16 (DDP)"] == 2 * t
+    offload = "ZeRO-3 + parameter and optimizer offload"
+    assert added[offload] == 0 and rows[offload].cpu - alone[offload].cpu == 2 * t / g
+    assert f"{t / 1e9:,.2f}B-parameter teacher" in rows["DDP"].note
