@@ -7,7 +7,8 @@ throughput (stragglers stand out), step time split, peak memory per rank, heartb
 hang_timeout (a rank drifting toward a hang stands out), and for dpo/simpo/orpo/kto runs the rewards (TRL's
 rewards/* metrics, train and eval), for orpo its terms (nll_loss, log_odds_*), for kto its KL reference point
 (kl), for grpo its reward and, with tool calling, its tool use (tools/call_frequency, tools/failure_frequency),
-for a reward model its accuracy, margin and mean reward.
+for a reward model its accuracy, margin and mean reward, for distill the student's entropy (and on-policy
+completion lengths).
 The summary states what ran (from the newest hftrain_state.json), final and best losses, the rewards,
 throughput, step-time split, memory, MFU, device-hours and cost, the largest heartbeat lag, and any straggler
 or desync the run reported.
@@ -171,6 +172,16 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
             if evals:
                 ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
         made.append(_save(fig, ax, folder / "reward_model.png", steps))
+
+    if any("entropy" in r for r in train):  # distill: the student's entropy per trained token (TRL's name)
+        fig, ax = _figure("Student entropy per trained token (distill; nats)", "entropy")
+        ax.plot(*series(train, "entropy"), label="entropy", marker=".")
+        if evals:
+            ax.plot(*series(evals, "eval_entropy"), label="eval_entropy", marker="o", linestyle="--")
+        if any("completions/mean_length" in r for r in train):  # on-policy steps: the sampled completions' length
+            ax.plot(*series(train, "completions/mean_length"), label="completions/mean_length (on-policy)",
+                    linestyle=":")
+        made.append(_save(fig, ax, folder / "distill.png", steps))
 
     if any("reward_std" in r for r in train):  # grpo: the mean reward of each window's completions (TRL's names)
         fig, ax = _figure("Reward (grpo: mean over each step's completions)", "reward")

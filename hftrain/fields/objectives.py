@@ -20,7 +20,8 @@ class ObjectiveFields:
         "AutoModelForSequenceClassification with one output, trained to score chosen above rejected, as TRL's "
         "RewardTrainer), grpo (online RL: completions sampled from the model, scored by reward_funcs, TRL's GRPO "
         "loss) or distill (knowledge distillation: the generalized JSD to teacher_model_name_or_path's next-token "
-        "distributions, see docs/distillation.md). dpo, simpo, orpo and reward need preference data (chosen, rejected and optionally prompt columns; "
+        "distributions, see docs/distillation.md). dpo, simpo, orpo and reward need preference data (chosen, "
+        "rejected and optionally prompt columns; "
         "reward also an optional margin column), kto unpaired data (prompt, completion, label: true/false), see "
         "docs/preference.md; grpo a prompt column, see docs/grpo.md.", group="objective",
         choices=("sft", "dpo", "simpo", "orpo", "kto", "reward", "grpo", "distill"),

@@ -20,6 +20,7 @@ from hftrain.objectives.distill import (
     teacher_problems,
     token_divergence,
 )
+from hftrain.report import plot_all
 from tests.conftest import REPO
 
 TINY = REPO / "models" / "tiny-llama"
@@ -195,3 +196,9 @@ def test_the_memory_estimate_counts_the_teacher_where_hftrain_places_it():
     offload = "ZeRO-3 + parameter and optimizer offload"
     assert added[offload] == 0 and rows[offload].cpu - alone[offload].cpu == 2 * t / g
     assert f"{t / 1e9:,.2f}B-parameter teacher" in rows["DDP"].note
+
+
+def test_the_report_plots_distills_entropy(tmp_path):
+    train = [{"step": s, "loss": 1.0 / s, "entropy": 6.0 - s, "learning_rate": 1e-3} for s in (1, 2, 3)]
+    made = plot_all(train, [{"step": 3, "eval_loss": 0.4, "eval_entropy": 3.5}], tmp_path)
+    assert tmp_path / "distill.png" in made and (tmp_path / "distill.png").stat().st_size > 0
