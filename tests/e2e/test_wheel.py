@@ -27,7 +27,7 @@ from tests.conftest import REPO
 
 FULL_INSTALL = os.environ.get("HFTRAIN_TEST_FRESH_VENV") == "1"
 LINKED = ["accelerate_configs", "ds_configs", "data", "recipes", "models/tiny-llama", "models/tiny-moe",
-          "models/tiny-vlm", "models/tiny-tools"]  # the folders hftrain/shipped links to
+          "models/tiny-vlm", "models/tiny-tools", "models/tiny-teacher"]  # the folders hftrain/shipped links to
 
 
 def git_files() -> list[str]:
