@@ -196,10 +196,8 @@ class Finetune:
         self.model = self.token_loss = self.objective.build_loss(
             recipe, lm, self.accelerator.device, lambda built: self.backend.frozen_copy(built, self.rebuild_model))
         if self.collator is not None:  # an objective that collates examples (grpo's batches are its rollouts)
-            self.collator.mark_real_tokens = self.token_loss.aux_coef > 0  # the router loss excludes padding
-        self.notes = list(getattr(lm, "hftrain_notes", []))
-        if self.token_loss.aux_coef > 0:
-            self.notes.append(self.token_loss.router_note())
+            self.collator.mark_real_tokens = self.token_loss.needs_real_tokens  # e.g. the router loss skips padding
+        self.notes = [*getattr(lm, "hftrain_notes", []), *self.token_loss.notes()]
         self.flops = FlopCounter(lm)
         self.summary = model_summary(self.model)  # before prepare: sharding strategies hide the full counts
 
@@ -397,17 +395,14 @@ class Finetune:
         scale = self.dp.world * accum / step_units.clamp(min=1)
         learning_rate = self.optimizer.param_groups[0]["lr"]
         timer.lap("token_sync")
-        self.token_loss.prepare_step(self.model, micro_batches, self.dp.sum)  # router_aux_loss_scope step: routing
+        self.token_loss.prepare_step(self.model, micro_batches, self.dp.sum)  # e.g. what the step counts first
         loss, grad_norm, updated = optimizer_step(self.backend, self.model, self.optimizer, self.scheduler,
                                                   micro_batches, scale, recipe.max_grad_norm or float("inf"), timer)
         if not updated:
             self.refuse_non_finite_step(grad_norm)
         self.meter.count(micro_batches, local[0], local[1], local[2])
-        aux = self.token_loss.pop_aux()
-        if aux is None and self.token_loss.aux_coef > 0:  # only filler rows here: every rank still sums an aux
-            aux = torch.zeros((), device=accelerator.device)
         return StepResult(loss, int(step_units), int(step_tokens), int(step_examples), grad_norm, updated,
-                          learning_rate, aux, self.token_loss.pop_stats())
+                          learning_rate, self.token_loss.pop_stats(), self.token_loss.pop_token_stats())
 
     def refuse_non_finite_step(self, grad_norm: float) -> None:
         """A step with a NaN/inf gradient norm was not applied: nan_policy skip_step goes on (the step is counted),
@@ -517,8 +512,8 @@ class Finetune:
             "epoch": data.pop("epoch", round((progress.epoch + progress.step_in_epoch / self.plan.steps_per_epoch), 4)),
             "loss": loss,
             **stats,
-            **({"aux_loss": self.dp.sum(window.aux).item() / window.tokens} if window.aux is not None
-               and window.tokens else {}),
+            **({name: value / window.tokens for name, value in summed_stats(self.dp, window.token_stats or {}).items()}
+               if window.tokens else {}),  # e.g. the router loss's aux_loss
             "learning_rate": step.learning_rate,
             "grad_norm": step.grad_norm,
             "trained_tokens": progress.trained_tokens,

@@ -1,23 +1,20 @@
-"""Model builders: tokenizer, the causal LM for each fine-tuning method, and the token-loss wrapper.
+"""Model builders: tokenizer, the causal LM for each fine-tuning method, and `WrapsCausalLM`, the module every
+objective's loss module is: the causal LM under `lm`, as the parallelism backends, accelerate and the saves see it.
 
 Full fine-tuning, LoRA and QLoRA differ only here (in the builder), never in the training loop.
 """
 
 from __future__ import annotations
 
-import importlib
-import math
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
@@ -32,7 +29,6 @@ from hftrain import vision
 from hftrain.compat.liger import apply_liger_kernel_to_instance
 from hftrain.compat.torch import is_compiled
 from hftrain.compat.transformers import (
-    attn_implementation,
     keep_used_conversions,
     load_decoder_layers,
     no_split_modules,
@@ -390,39 +386,6 @@ def router_coefficient(config, coef: float | None) -> float | None:
     return float(getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef)
 
 
-def router_aux(lm: nn.Module, coef: float | None):
-    """(coefficient, aux(router_logits, real_tokens), experts, top_k) of a mixture-of-experts model's load-balancing
-    loss (`router_coefficient`); (0.0, None, 0, 0) for a dense model."""
-    hf = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
-    used = router_coefficient(hf.config, coef)
-    if used is None:
-        if coef:
-            raise HftrainError(f"router_aux_loss_coef={coef} is set but {type(hf).__name__} is not a "
-                               "mixture-of-experts model with a router loss; remove router_aux_loss_coef")
-        return 0.0, None, 0, 0
-    family = next(c for c in type(hf).__mro__ if not issubclass(c, FSDPModule))  # FSDP2 subclasses the loaded class
-    balance = importlib.import_module(family.__module__).load_balancing_loss_func
-    experts, top_k = hf.num_experts, hf.num_experts_per_tok
-    return (used, lambda router_logits, real_tokens: balance(router_logits, experts, top_k, real_tokens),
-            experts, top_k)
-
-
-def routing_statistics(router_logits: tuple[torch.Tensor, ...], real_tokens: torch.Tensor | None,
-                       top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(top-k assignments per expert, router probability sums per expert, routed (layer, token) slots) over every
-    layer's real tokens, summed as transformers' `load_balancing_loss_func` sums them: its aux is
-    experts x sum_e (assignments_e / slots) x (probability_e / slots). Assignments carry no gradient."""
-    counts = probs = slots = 0
-    for layer in router_logits:
-        weights = layer.softmax(dim=-1)
-        chosen = F.one_hot(weights.topk(top_k, dim=-1).indices, weights.shape[-1]).sum(dim=1).float()
-        real = torch.ones_like(chosen[:, :1]) if real_tokens is None else real_tokens.reshape(-1, 1).float()
-        counts = counts + (chosen * real).sum(dim=0)
-        probs = probs + (weights.float() * real).sum(dim=0)
-        slots = slots + real.sum()
-    return counts.detach(), probs, slots
-
-
 class WrapsCausalLM(nn.Module):
     """A module around a causal LM `self.lm`: what the parallelism backends and accelerate read from the model they
     prepare, forwarded from the causal LM."""
@@ -457,59 +420,6 @@ class WrapsCausalLM(nn.Module):
         embedding would be sharded and trained as two copies."""
         self.lm.tie_weights(*args, **kwargs)
 
-
-class CausalLMTokenLoss(WrapsCausalLM):
-    """Wraps a causal LM so that `forward` returns the *sum* of next-token cross-entropies.
-
-    The loop divides by the global number of trained tokens of the optimizer step, which makes
-    gradient accumulation and data parallelism exact. For known architectures logits are computed
-    only at trained positions (prompt and padding positions never need them), in fp32 for a stable
-    softmax, or not at all with `fused_cross_entropy` (Liger's fused projection + cross-entropy);
-    any other model takes its own full-logits path.
-
-    Mixture-of-experts models (with `router_aux_loss_coef` != 0, the config's own by default) add the
-    model's load-balancing loss in training, over real tokens only (`real_tokens`: padding excluded, packed
-    examples counted token by token). `router_aux_loss_scope`:
-    - `micro_batch` (HF Trainer's way): the model's own `load_balancing_loss_func` of each micro-batch, weighted by
-      its trained tokens: the step loss is the token cross-entropy plus coef x the token-weighted mean of the
-      micro-batches' aux losses, HF's `outputs.loss` for a step of one micro-batch.
-    - `step`: the aux of the whole optimizer step, all micro-batches and data-parallel ranks as one batch. The aux
-      experts x sum_e f_e x P_e has its gradient through P_e (mean router probability) only, and f_e (share of
-      top-k assignments) is fixed by the routing: `prepare_step` takes the step's f_e in one no-grad routing pass,
-      then each micro-batch adds experts x sum_e f_e x (its probability sums / the step's slots), which sum to the
-      step's aux exactly.
-    """
-
-    def __init__(self, lm: nn.Module, chunk_tokens: int = 0, fused_cross_entropy: bool = False,
-                 router_aux_loss_coef: float | None = None, router_aux_loss_scope: str = "micro_batch"):
-        super().__init__()
-        self.lm = lm
-        self.aux_coef, self.aux_fn, self.experts, self.top_k = router_aux(lm, router_aux_loss_coef)
-        if router_aux_loss_scope == "step" and self.aux_coef == 0:
-            raise HftrainError("router_aux_loss_scope: step makes the router load-balancing loss exact over a step, "
-                               f"but {type(lm).__name__} adds none (a dense model, or coefficient 0); remove "
-                               "router_aux_loss_scope or set router_aux_loss_coef > 0")
-        self.aux_scope = router_aux_loss_scope
-        self.step_routing = None  # scope step: [assignments per expert..., slots, trained tokens] of the whole step
-        self.routing_pass = False  # True during `prepare_step`: forward returns the micro-batch's routing counts
-        self.aux_sum = None  # detached sum of aux x trained tokens since the last `pop_aux`
-        self.head_only = lm.config.model_type in HEAD_ONLY_MODEL_TYPES
-        self.chunk_tokens = chunk_tokens  # > 0: logits of this many trained tokens at a time (head-only models)
-        # transformers' flash attention tells packed examples apart by their position_ids only in a batch of one
-        # row (`_is_packed_sequence`); with more rows it would attend across them. One row of rows x length is exact.
-        self.flatten_packed = str(attn_implementation(lm.config)).startswith("flash_attention")
-        self.fused_ce = None
-        if fused_cross_entropy:
-            head = lm.get_output_embeddings()
-            if not (self.head_only and isinstance(head, nn.Linear)):
-                raise HftrainError(
-                    f"use_liger_kernel needs a {'/'.join(sorted(HEAD_ONLY_MODEL_TYPES))} model whose output head is a "
-                    f"plain Linear layer, got {lm.config.model_type!r} with {type(head).__name__}: the fused loss "
-                    "reads the head's weight directly, so an adapter or a trained copy of lm_head would be ignored; "
-                    "remove lm_head from lora_target_modules / modules_to_save, or set use_liger_kernel: false"
-                )
-            self.fused_ce = liger_fused_linear_cross_entropy()
-
     def save_pretrained(self, folder, state_dict: dict | None = None, is_main_process: bool = True) -> None:
         """The causal LM's (or adapter's) from_pretrained folder; `state_dict` as gathered from this wrapper.
 
@@ -522,112 +432,3 @@ class CausalLMTokenLoss(WrapsCausalLM):
             state_dict = {k: v for k, v in (self.lm.state_dict() if state_dict is None else state_dict).items()
                           if k not in aliases}
         self.lm.save_pretrained(folder, state_dict=state_dict, is_main_process=is_main_process)
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, real_tokens: torch.Tensor | None = None,
-                shift_labels: torch.Tensor | None = None, **model_inputs: torch.Tensor) -> torch.Tensor:
-        """`position_ids` restarting inside a row mark packed examples (block-diagonal attention); `real_tokens`
-        (not padding) is needed only for the router loss. `shift_labels` instead of `labels`: the target of every
-        position, already shifted (a sequence-parallel shard, whose last target is the next shard's first token).
-        `model_inputs`: whatever else the model takes as it is (an image-text processor's pixel_values,
-        attention_mask, image_grid_thw, ...: hftrain.data.image_chats)."""
-        targets = labels[:, 1:] if shift_labels is None else shift_labels
-        trained = targets != IGNORE_INDEX
-        rows = input_ids.shape
-        if position_ids is not None and self.flatten_packed:
-            input_ids, position_ids = input_ids.reshape(1, -1), position_ids.reshape(1, -1)
-        inputs = {"input_ids": input_ids, "position_ids": position_ids, "use_cache": False, **model_inputs}
-        with_aux = self.training and self.aux_coef > 0
-        if with_aux:
-            inputs["output_router_logits"] = True
-        if self.routing_pass:  # the same call as below, so that dropout draws the same numbers
-            outputs = (self.lm.get_decoder() if self.head_only else self.lm)(**inputs)
-            counts, _, slots = routing_statistics(outputs.router_logits, real_tokens, self.top_k)
-            return torch.cat([counts.double(), torch.stack([torch.as_tensor(slots).double(), trained.sum().double()])])
-        if not self.head_only:
-            outputs = self.lm(**inputs)
-            logits = outputs.logits.reshape(*rows, -1)[:, :targets.shape[1]][trained]
-            loss = F.cross_entropy(logits.float(), targets[trained], reduction="sum")
-        else:
-            outputs = self.lm.get_decoder()(**inputs)
-            hidden = outputs.last_hidden_state.reshape(*rows, -1)[:, :targets.shape[1]][trained]
-            if not self.chunk_tokens or len(hidden) <= self.chunk_tokens:
-                loss = self._head_loss(hidden, targets[trained])
-            else:
-                chunks = zip(hidden.split(self.chunk_tokens), targets[trained].split(self.chunk_tokens), strict=True)
-                loss = sum(torch.utils.checkpoint.checkpoint(self._head_loss, h, t, use_reentrant=False)
-                           for h, t in chunks)
-        if with_aux and (real_tokens is None or real_tokens.any()):  # an all-padding filler row has no routing
-            loss = loss + self.aux_coef * self._router_loss(outputs.router_logits, real_tokens, trained.sum())
-        return loss
-
-    def _router_loss(self, router_logits: tuple[torch.Tensor, ...], real_tokens: torch.Tensor | None,
-                     tokens: torch.Tensor) -> torch.Tensor:
-        """This micro-batch's aux term times the tokens the loop divides by (its own trained tokens for scope
-        micro_batch; the step's for scope step, whose terms sum to the step's aux)."""
-        if self.aux_scope == "micro_batch":
-            aux = self.aux_fn(router_logits, real_tokens) * tokens
-        else:
-            if self.step_routing is None:
-                raise HftrainError("router_aux_loss_scope: step needs the step's routing (prepare_step) before the "
-                                   "micro-batches train")
-            counts, slots, step_tokens = self.step_routing[:-2], self.step_routing[-2], self.step_routing[-1]
-            _, probs, _ = routing_statistics(router_logits, real_tokens, self.top_k)
-            share = (counts / slots.clamp(min=1)).to(probs.dtype) * probs / slots.clamp(min=1).to(probs.dtype)
-            aux = self.experts * share.sum() * step_tokens.to(probs.dtype)
-        self.aux_sum = aux.detach() + (0 if self.aux_sum is None else self.aux_sum)
-        return aux
-
-    def prepare_step(self, model: nn.Module, micro_batches: list[dict[str, torch.Tensor]],
-                     reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Called by the loop before an optimizer step's micro-batches train. router_aux_loss_scope step: one no-grad
-        routing pass over them through `model` (this module as the parallelism backend prepared it), with the random
-        state restored after it so that the training forwards route the same way; `reduce` sums over the
-        data-parallel ranks. Any other loss: nothing to do."""
-        if self.aux_scope != "step" or not self.training:
-            return
-        device = micro_batches[0]["input_ids"].device
-        self.routing_pass = True
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-                local = sum(model(**batch) for batch in micro_batches)
-        finally:
-            self.routing_pass = False
-        self.step_routing = reduce(local)  # all-reduce: assignments, slots and trained tokens of the whole step
-
-    def router_note(self) -> str:
-        """The start-up line of the router loss."""
-        exact = ("exact over the whole step (router_aux_loss_scope step: one extra no-grad forward per micro-batch)"
-                 if self.aux_scope == "step" else "per micro-batch as HF's Trainer (router_aux_loss_scope micro_batch)")
-        return (f"router load-balancing loss added with coefficient {self.aux_coef} (router_aux_loss_coef; 0 turns "
-                f"it off), {exact}, logged as aux_loss")
-
-    unit = "tokens"  # what the summed loss is normalised by: the step's trained tokens
-    examples_name = "samples"  # what one example of the data is called in throughput metrics (samples_per_second)
-    headline = ("loss",)  # the logged metrics the progress display and the closing line show
-
-    def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Trained tokens of a micro-batch (labels are shifted by the loss)."""
-        return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
-
-    def pop_stats(self) -> dict[str, torch.Tensor]:
-        """Per-unit statistics summed since the last call; the token loss has none besides its sum."""
-        return {}
-
-    def eval_metrics(self, loss_sum: float, units: int, stats: dict[str, float]) -> dict[str, float]:
-        loss = loss_sum / max(units, 1)
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": int(units)}
-
-    def pop_aux(self) -> torch.Tensor | None:
-        """The detached sum of aux loss x trained tokens since the last call (None without a router loss)."""
-        aux, self.aux_sum = self.aux_sum, None
-        return aux
-
-    def _head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        head = self.lm.get_output_embeddings()
-        # A micro-batch without trained tokens (an epoch's last step, short of rows; an all-prompt example) takes the
-        # plain path: Liger's chunking divides by a chunk size of 0 when it gets no rows (ZeroDivisionError on CUDA).
-        if self.fused_ce is not None and len(hidden):
-            return self.fused_ce(head.weight, hidden, targets, head.bias)
-        logits = head(hidden)
-        return F.cross_entropy(logits.float(), targets, reduction="sum")

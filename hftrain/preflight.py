@@ -441,7 +441,7 @@ def saved_quantization_problems(recipe: Recipe, config: PretrainedConfig) -> lis
 
 def liger_problems(recipe: Recipe, cuda: bool, launch: Launch, model_config: PretrainedConfig | None) -> list[str]:
     """use_liger_kernel: what it needs from the machine, the recipe, the launch and the architecture. (Whether the
-    built head is a plain Linear -- no adapter on lm_head -- is checked by `model.CausalLMTokenLoss`.)"""
+    built head is a plain Linear -- no adapter on lm_head -- is checked by `objectives.sft.CausalLMTokenLoss`.)"""
     if not recipe.use_liger_kernel:
         return []
     problems = []

@@ -32,8 +32,8 @@ class StepResult:
     grad_norm: float | None
     updated: bool  # False: a non-finite gradient norm, nothing applied (nan_policy skip_step)
     learning_rate: float
-    aux: torch.Tensor | None = None  # mixture-of-experts: this rank's summed aux loss x trained tokens
     stats: dict[str, torch.Tensor] | None = None  # the objective's per-unit statistics, summed on this rank
+    token_stats: dict[str, torch.Tensor] | None = None  # the add-ons' per-token statistics (aux_loss x tokens)
 
 
 @dataclass
@@ -44,20 +44,19 @@ class Window:
     units: int = 0  # the loss's units of the updated steps, over the data-parallel ranks
     tokens: int = 0  # trained tokens of the updated steps, over the data-parallel ranks
     examples: int = 0
-    aux: torch.Tensor | None = None  # this rank's summed aux loss x trained tokens (router loss models only)
     stats: dict[str, torch.Tensor] | None = None  # this rank's summed objective statistics of the updated steps
+    token_stats: dict[str, torch.Tensor] | None = None  # this rank's summed per-token statistics (router loss)
 
     def add(self, step: StepResult) -> None:
         if step.updated:
             self.loss += step.loss
             self.units += step.units
             self.tokens += step.tokens
-            if step.aux is not None:
-                self.aux = step.aux.double() + (0 if self.aux is None else self.aux)
             self.stats = add_stats(self.stats or {}, step.stats or {})
+            self.token_stats = add_stats(self.token_stats or {}, step.token_stats or {})
         self.examples += step.examples
 
     def reset(self) -> None:
         self.loss.zero_()
         self.units = self.tokens = self.examples = 0
-        self.aux = self.stats = None
+        self.stats = self.token_stats = None

@@ -37,7 +37,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 # what a checkpoint's recipe says about the model it trained: the base, the adapters, the tokenizer and template
 CHECKPOINT_FIELDS = (*BASE_FIELDS, "use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
                      "use_dora", "use_rslora", "modules_to_save", "tokenizer_name_or_path", "chat_template_path")
-WRAPPER_PREFIX = "lm."  # the loss wrapper's attribute (model.CausalLMTokenLoss.lm): checkpoints' weight names
+WRAPPER_PREFIX = "lm."  # the loss wrapper's attribute (model.WrapsCausalLM.lm): checkpoints' weight names
 # what each sharded layout leaves in a checkpoint instead of MODEL_FILE
 SHARDED_LAYOUTS = {"fsdp2": "FSDP2's sharded DCP files", "deepspeed": "DeepSpeed's engine files",
                    "tp": "tensor parallelism's gathered training state", "pipeline": "per-stage DCP files"}

@@ -23,7 +23,8 @@ import torch  # noqa: E402
 
 from hftrain.config import FIELDS, read_yaml, recipe_subset  # noqa: E402
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader  # noqa: E402
-from hftrain.model import CausalLMTokenLoss, build_tokenizer, load_base_model, pad_token_id  # noqa: E402
+from hftrain.model import build_tokenizer, load_base_model, pad_token_id  # noqa: E402
+from hftrain.objectives.sft import CausalLMTokenLoss  # noqa: E402
 
 
 @torch.no_grad()

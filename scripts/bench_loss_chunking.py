@@ -28,7 +28,7 @@ def child(vocab: int, tokens: int, chunk: int) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hftrain.model import CausalLMTokenLoss
+    from hftrain.objectives.sft import CausalLMTokenLoss
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,

@@ -451,7 +451,7 @@ def packed_check(device: str, attn: str, precision: str, small: bool = False) ->
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hftrain.model import CausalLMTokenLoss
+    from hftrain.objectives.sft import CausalLMTokenLoss
 
     if attn == "flash_attention_2":
         if device != "cuda" or importlib.util.find_spec("flash_attn") is None:

@@ -1,7 +1,7 @@
 """What the loop minimises: one module per objective family, chosen by the recipe's `objective` through
 `OBJECTIVES` (the loop calls `objective_for(recipe)`'s hooks, `base.Objective`, and never branches on the name).
 
-- `sft.py`: `sft`, the summed token cross-entropy (`model.CausalLMTokenLoss`); the loop divides by the step's
+- `sft.py`: `sft`, the summed token cross-entropy (`sft.CausalLMTokenLoss`); the loop divides by the step's
   trained tokens.
 - `preference.py`: `dpo` / `simpo`, `PreferenceLoss`, the summed loss of preference pairs; the loop divides by the
   step's pairs.
@@ -36,7 +36,7 @@ from torch import nn
 
 from hftrain.config import Recipe
 from hftrain.fields.objectives import problems
-from hftrain.model import CausalLMTokenLoss
+from hftrain.loss import ObjectiveLoss
 from hftrain.objectives.base import Objective
 from hftrain.objectives.distill import Distill
 from hftrain.objectives.grpo import GRPO
@@ -68,6 +68,6 @@ def objective_for(recipe: Recipe) -> Objective:
 
 
 def build_loss(recipe: Recipe, lm: nn.Module, device: torch.device,
-               copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> CausalLMTokenLoss:
+               copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> ObjectiveLoss:
     """The loss module of the recipe's objective around the built model."""
     return objective_for(recipe).build_loss(recipe, lm, device, copy_model)

@@ -10,16 +10,16 @@ import torch
 from torch import nn
 
 from hftrain.config import Recipe
-from hftrain.model import CausalLMTokenLoss
+from hftrain.loss import ObjectiveLoss
 
 
 class Objective:
     """One objective family's hooks, in the order the loop calls them.
 
-    The loss module it builds follows `model.CausalLMTokenLoss`'s contract: `forward` returns a *sum*,
-    `loss_units(batch)` says over what (tokens, pairs, ...), the loop adds those units over every micro-batch and
-    data-parallel rank of the optimizer step and divides once; `pop_stats` and `eval_metrics` give the objective's
-    own statistics.
+    The loss module it builds is a `loss.ObjectiveLoss`: `forward` returns a *sum*, `loss_units(batch)` says over
+    what (tokens, pairs, ...), the loop adds those units over every micro-batch and data-parallel rank of the
+    optimizer step and divides once; `pop_stats` and `eval_metrics` give the objective's own statistics; add-ons
+    such as the router loss compose onto it (`router`).
     """
 
     name = ""
@@ -35,7 +35,7 @@ class Objective:
         run.setup_examples()
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
-                   copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> CausalLMTokenLoss:
+                   copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> ObjectiveLoss:
         """The loss module around the built model (`setup_model`, before the backend wraps it). `copy_model`: the
         parallelism backend's way to copy the built model (e.g. for a frozen reference)."""
         raise NotImplementedError

@@ -46,12 +46,14 @@ from transformers import AutoConfig, AutoTokenizer
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
-from hftrain.model import HEAD_ONLY_MODEL_TYPES, CausalLMTokenLoss, WrapsCausalLM, load_base_model, pad_token_id
+from hftrain.loss import ObjectiveLoss
+from hftrain.model import HEAD_ONLY_MODEL_TYPES, WrapsCausalLM, load_base_model, pad_token_id
 from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import local_bytes
 from hftrain.paths import COMPLETIONS_FILE
 from hftrain.rl.generation import build_generator
 from hftrain.rl.rollouts import Sampling
+from hftrain.router_loss import router_loss
 
 # tokens whose teacher logits exist at once (TRL's TOKEN_CHUNK_SIZE); loss_chunk_tokens > 0 sets another
 TEACHER_CHUNK_TOKENS = 4096
@@ -168,17 +170,17 @@ class FrozenTeacher:
             yield whole(head.weight), whole(head.bias)
 
 
-class DistillLoss(CausalLMTokenLoss):
+class DistillLoss(ObjectiveLoss):
     """Wraps the student so that `forward` returns the sum of the generalized JSD to the teacher over the
     micro-batch's trained tokens (the loop divides by the step's trained tokens); the student's entropy is summed
     as a statistic (TRL's `entropy`, logged as its mean per token)."""
 
     def __init__(self, lm: nn.Module, recipe: Recipe, teacher: FrozenTeacher):
-        super().__init__(lm, router_aux_loss_coef=recipe.router_aux_loss_coef)
-        if self.aux_coef > 0:
+        super().__init__(lm)
+        if (router := router_loss(lm, recipe.router_aux_loss_coef)) is not None:
             raise HftrainError(
                 f"objective distill on a mixture-of-experts student: the router load-balancing loss is not added to "
-                f"the divergence in hftrain yet; set router_aux_loss_coef: 0 (the model's config has {self.aux_coef})"
+                f"the divergence in hftrain yet; set router_aux_loss_coef: 0 (the model's config has {router.coef})"
             )
         self.teacher = teacher  # a plain object: its model stays out of this module's parameters
         self.beta, self.temperature = recipe.beta, recipe.temperature

@@ -16,7 +16,7 @@ from hftrain.data.sources import hold_out, load_raw, renamed, training_sources
 from hftrain.data.streaming import read_states
 from hftrain.data.tokenize import prepare_chat_template
 from hftrain.errors import HftrainError
-from hftrain.model import CausalLMTokenLoss
+from hftrain.loss import ObjectiveLoss
 from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import AdapterReference, FrozenReference
 from hftrain.paths import STREAM_STATE
@@ -55,7 +55,7 @@ class GRPO(Objective):
         return run.feed.evaluate(run.eval_set, run.progress.step)
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
-                   copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> CausalLMTokenLoss:
+                   copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> ObjectiveLoss:
         return GRPOLoss(lm, recipe, build_token_reference(recipe, lm, device, copy_model))
 
     def setup_data(self, run) -> None:

@@ -18,7 +18,8 @@ from torch import nn
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX, Collator
 from hftrain.errors import HftrainError
-from hftrain.model import CausalLMTokenLoss, pad_token_id
+from hftrain.loss import ObjectiveLoss
+from hftrain.model import pad_token_id
 from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import (
     AdapterReference,
@@ -29,6 +30,7 @@ from hftrain.objectives.reference import (
     sequence_log_probs,
 )
 from hftrain.parallel.launch import phase
+from hftrain.router_loss import router_loss
 
 # per-pair statistics summed over a window and divided by its pairs when logged (TRL's metric names)
 PAIR_STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -62,7 +64,7 @@ def pair_losses(recipe: Recipe, chosen: torch.Tensor, rejected: torch.Tensor, ch
     return loss, beta * chosen_ratio, beta * rejected_ratio
 
 
-class PreferenceLoss(CausalLMTokenLoss):
+class PreferenceLoss(ObjectiveLoss):
     """Wraps a causal LM so that `forward` returns the *sum* of the micro-batch's pair losses (dpo or simpo).
 
     Padding pairs (the filler of an empty micro-batch) have no trained token and count neither in the loss nor in
@@ -73,12 +75,12 @@ class PreferenceLoss(CausalLMTokenLoss):
     examples_name = "pairs"  # logged as pairs_per_second next to samples_per_second
 
     def __init__(self, lm: nn.Module, recipe: Recipe, reference: AdapterReference | FrozenReference | None):
-        super().__init__(lm, router_aux_loss_coef=recipe.router_aux_loss_coef)
-        if self.aux_coef > 0:
+        super().__init__(lm)
+        if (router := router_loss(lm, recipe.router_aux_loss_coef)) is not None:
             raise HftrainError(
                 f"objective={recipe.objective} on a mixture-of-experts model: the router load-balancing loss is "
                 f"not defined per pair in hftrain yet; set router_aux_loss_coef: 0 (the model's config has "
-                f"{self.aux_coef})"
+                f"{router.coef})"
             )
         self.recipe = recipe
         self.reference = reference  # a plain object: its model stays out of this module's parameters

@@ -23,7 +23,8 @@ from torch import nn
 
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
-from hftrain.model import CausalLMTokenLoss, WrapsCausalLM
+from hftrain.loss import ObjectiveLoss
+from hftrain.model import WrapsCausalLM
 from hftrain.rl.generation import RolloutGenerator
 from hftrain.rl.loss import (
     LossSettings,
@@ -98,7 +99,7 @@ def fingerprint(sequences: list[list[int]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float64)
 
 
-class GRPOLoss(CausalLMTokenLoss):
+class GRPOLoss(ObjectiveLoss):
     """Wraps a causal LM so that `forward` returns the micro-batch's GRPO loss as a sum over `loss_units`
     (completion tokens for dapo, completions otherwise). `collecting` (set by the rollout source): forward returns
     the per-token log-probs instead (the old log-probs of num_iterations > 1), through the strategy's wrapper."""
@@ -107,7 +108,7 @@ class GRPOLoss(CausalLMTokenLoss):
     headline = ("reward", "loss")  # the loss is ~0 by construction at num_iterations 1; the reward is the signal
 
     def __init__(self, lm: nn.Module, recipe, reference):
-        super().__init__(lm, router_aux_loss_coef=0.0)
+        super().__init__(lm)  # no router loss: a dense model, or its router loss left out (coefficient 0)
         self.settings, self.temperature, self.reference = loss_settings(recipe), recipe.temperature, reference
         self.unit = "tokens" if recipe.loss_type == "dapo" else "completions"
         self.collecting = False

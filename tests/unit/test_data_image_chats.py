@@ -14,7 +14,7 @@ from hftrain.config import Recipe
 from hftrain.data.image_chats import ImageChatCollator, ImageChats, collate, encode, open_image, prepare
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec
 from hftrain.errors import HftrainError
-from hftrain.model import CausalLMTokenLoss
+from hftrain.objectives.sft import CausalLMTokenLoss
 from tests.conftest import REPO
 
 MODEL = REPO / "models" / "tiny-vlm"

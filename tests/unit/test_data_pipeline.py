@@ -31,7 +31,8 @@ from hftrain.data import (
     training_rows,
 )
 from hftrain.errors import HftrainError
-from hftrain.model import CausalLMTokenLoss, fit_embeddings_to_tokenizer
+from hftrain.model import fit_embeddings_to_tokenizer
+from hftrain.objectives.sft import CausalLMTokenLoss
 from tests.conftest import REPO
 
 MODEL = REPO / "models" / "tiny-llama"

@@ -16,7 +16,6 @@ from hftrain.model import (
     DTYPES,
     LIGER_KERNELS,
     LIGER_MODEL_TYPES,
-    CausalLMTokenLoss,
     build_full_model,
     build_model,
     build_peft_model,
@@ -26,6 +25,7 @@ from hftrain.model import (
     pad_token_id,
     repeated_blocks,
 )
+from hftrain.objectives.sft import CausalLMTokenLoss
 from tests.conftest import REPO
 
 MODEL = REPO / "models" / "tiny-llama"
@@ -292,7 +292,7 @@ def test_liger_loss_wiring_passes_head_weight_trained_hidden_and_targets(tiny, m
     use_liger_kernel the head loss calls the fused function with (lm_head.weight, hidden states at trained positions,
     their targets, the head's bias) and gets the same summed loss and gradients as the default path."""
     fake = PlainTorchFusedLinearCE()
-    monkeypatch.setattr("hftrain.model.liger_fused_linear_cross_entropy", lambda: fake)
+    monkeypatch.setattr("hftrain.objectives.sft.liger_fused_linear_cross_entropy", lambda: fake)
     input_ids, labels, _ = padded_batch(tiny.config.vocab_size)
     params = dict(tiny.named_parameters())
     names = ["lm_head.weight", "model.norm.weight", "model.layers.1.mlp.down_proj.weight"]
@@ -325,7 +325,7 @@ def test_liger_loss_of_a_micro_batch_without_trained_tokens_is_zero_with_the_hea
     its last step so, inside Liger): the loss is 0, Liger is not called with no rows, and the head and the decoder
     still get (zero) gradients, as every rank's backward must reach the same parameters."""
     fake = PlainTorchFusedLinearCE()
-    monkeypatch.setattr("hftrain.model.liger_fused_linear_cross_entropy", lambda: fake)
+    monkeypatch.setattr("hftrain.objectives.sft.liger_fused_linear_cross_entropy", lambda: fake)
     input_ids, labels, _ = padded_batch(tiny.config.vocab_size)
     tiny.zero_grad(set_to_none=True)
     loss = CausalLMTokenLoss(tiny, fused_cross_entropy=True)(input_ids, torch.full_like(labels, IGNORE_INDEX))
@@ -341,7 +341,7 @@ def test_liger_loss_is_refused_when_the_head_is_an_adapter(tiny, monkeypatch):
     """The fused loss reads lm_head.weight directly: a LoRA adapter on the head would silently not train."""
     from peft import LoraConfig, get_peft_model
 
-    monkeypatch.setattr("hftrain.model.liger_fused_linear_cross_entropy", PlainTorchFusedLinearCE)
+    monkeypatch.setattr("hftrain.objectives.sft.liger_fused_linear_cross_entropy", PlainTorchFusedLinearCE)
     fresh = AutoModelForCausalLM.from_pretrained(str(MODEL))
     peft_model = get_peft_model(fresh, LoraConfig(r=2, target_modules=["lm_head"]))
     with pytest.raises(HftrainError, match="plain Linear layer.*remove lm_head from lora_target_modules"):

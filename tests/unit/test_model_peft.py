@@ -16,7 +16,8 @@ from hftrain.config import (
     recipe_subset,
 )
 from hftrain.errors import ConfigError, HftrainError
-from hftrain.model import CausalLMTokenLoss, build_model, model_summary
+from hftrain.model import build_model, model_summary
+from hftrain.objectives.sft import CausalLMTokenLoss
 from tests.conftest import REPO
 
 MODEL = REPO / "models" / "tiny-llama"

@@ -16,8 +16,10 @@ from hftrain.data import IGNORE_INDEX, Collator
 from hftrain.errors import HftrainError
 from hftrain.estimate import model_shape
 from hftrain.metrics import FlopCounter
-from hftrain.model import CausalLMTokenLoss, build_peft_model
+from hftrain.model import build_peft_model
+from hftrain.objectives.sft import CausalLMTokenLoss
 from hftrain.preflight import model_problems
+from hftrain.router_loss import router_loss
 from tests.conftest import REPO
 
 SHAPE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -60,6 +62,17 @@ def batch(packed: bool = False) -> dict:
     return out
 
 
+def token_loss(lm, coef: float | None = None, scope: str = "micro_batch") -> CausalLMTokenLoss:
+    """sft's loss module with the model's router loss composed onto it, as `objectives.sft.SFT.build_loss` builds it
+    (`coef` None: the model config's coefficient)."""
+    return CausalLMTokenLoss(lm, router=router_loss(lm, coef, scope))
+
+
+def pop_aux(wrapped: CausalLMTokenLoss) -> torch.Tensor:
+    """The router loss's summed aux x trained tokens since the last call, in the model's dtype."""
+    return wrapped.pop_token_stats()["aux_loss"].float()
+
+
 def hf_loss(lm, b: dict) -> torch.Tensor:
     """The model's own loss: mean token cross-entropy + router_aux_loss_coef x aux over the attended tokens."""
     return lm(input_ids=b["input_ids"], attention_mask=b["real_tokens"].long(), labels=b["labels"],
@@ -72,14 +85,14 @@ def test_step_loss_with_router_loss_equals_the_models_own(kind):
     b = batch()
     assert not b["real_tokens"].all(), "the batch must hold padding, which the router statistics exclude"
     tokens = (b["labels"][:, 1:] != IGNORE_INDEX).sum()
-    wrapped = CausalLMTokenLoss(lm).train()
-    assert wrapped.aux_coef == 0.5
+    wrapped = token_loss(lm).train()
+    assert wrapped.router.coef == 0.5
     mine = wrapped(**b) / tokens
     torch.testing.assert_close(mine, hf_loss(lm, b), rtol=1e-5, atol=1e-6)
-    aux = wrapped.pop_aux() / tokens
-    without = CausalLMTokenLoss(lm, router_aux_loss_coef=0.0).train()(**b) / tokens
+    aux = pop_aux(wrapped) / tokens
+    without = token_loss(lm, 0.0).train()(**b) / tokens
     assert without.item() == pytest.approx(mine.item() - 0.5 * aux.item(), rel=1e-5) and aux > 0
-    assert CausalLMTokenLoss(lm).eval()(**b).item() == pytest.approx(without.item() * tokens.item(), rel=1e-5)
+    assert token_loss(lm).eval()(**b).item() == pytest.approx(without.item() * tokens.item(), rel=1e-5)
 
 
 def test_accumulated_micro_batches_weight_each_aux_by_its_trained_tokens():
@@ -89,10 +102,10 @@ def test_accumulated_micro_batches_weight_each_aux_by_its_trained_tokens():
     lm = tiny("mixtral", router_aux_loss_coef=0.5)
     whole = batch()
     halves = [{k: v[i:i + 2] for k, v in whole.items()} for i in (0, 2)]
-    wrapped = CausalLMTokenLoss(lm).train()
+    wrapped = token_loss(lm).train()
     total = sum((wrapped(**h) for h in halves), torch.zeros(()))
     tokens = [(h["labels"][:, 1:] != IGNORE_INDEX).sum() for h in halves]
-    plain = CausalLMTokenLoss(lm, router_aux_loss_coef=0.0).train()(**whole)
+    plain = token_loss(lm, 0.0).train()(**whole)
     aux = [lm(input_ids=h["input_ids"], attention_mask=h["real_tokens"].long(), output_router_logits=True).aux_loss
            for h in halves]
     expected = (plain + 0.5 * sum(a * n for a, n in zip(aux, tokens))) / sum(tokens)
@@ -113,16 +126,16 @@ def test_step_scope_makes_accumulation_equal_one_batch_and_the_models_own_aux(ki
     whole = batch()
     halves = [{k: v[i:i + 2] for k, v in whole.items()} for i in (0, 2)]
     tokens = (whole["labels"][:, 1:] != IGNORE_INDEX).sum()
-    wrapped = CausalLMTokenLoss(lm, router_aux_loss_scope="step").train()
+    wrapped = token_loss(lm, scope="step").train()
     one_process = lambda t: t  # noqa: E731 - the all-reduce of a single rank
 
     wrapped.prepare_step(wrapped, [whole], one_process)
     one = wrapped(**whole) / tokens
-    one_aux = wrapped.pop_aux() / tokens
+    one_aux = pop_aux(wrapped) / tokens
     one_grads = grads_of(lm, one)
     wrapped.prepare_step(wrapped, halves, one_process)
     accumulated = sum((wrapped(**h) for h in halves), torch.zeros(())) / tokens
-    accumulated_aux = wrapped.pop_aux() / tokens
+    accumulated_aux = pop_aux(wrapped) / tokens
     accumulated_grads = grads_of(lm, accumulated)
 
     hf = lm(input_ids=whole["input_ids"], attention_mask=whole["real_tokens"].long(), labels=whole["labels"],
@@ -134,7 +147,7 @@ def test_step_scope_makes_accumulation_equal_one_batch_and_the_models_own_aux(ki
     assert one_grads.keys() == accumulated_grads.keys() and any("gate" in n for n in one_grads)
     for name, grad in one_grads.items():
         torch.testing.assert_close(accumulated_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
-    micro = CausalLMTokenLoss(lm).train()  # the default scope: each half's own aux, not the whole batch's
+    micro = token_loss(lm).train()  # the default scope: each half's own aux, not the whole batch's
     per_half = sum((micro(**h) for h in halves), torch.zeros(())) / tokens
     assert abs(per_half.item() - hf.loss.item()) > 1e-6
 
@@ -147,7 +160,7 @@ def test_step_scope_routing_pass_routes_like_the_training_forward_under_dropout(
     lm = tiny(kind, router_aux_loss_coef=0.5, attention_dropout=0.3)
     b = batch()
     tokens = (b["labels"][:, 1:] != IGNORE_INDEX).sum()
-    wrapped = CausalLMTokenLoss(lm, router_aux_loss_scope="step").train()
+    wrapped = token_loss(lm, scope="step").train()
     torch.manual_seed(5)
     wrapped.prepare_step(wrapped, [b], lambda t: t)
     wrapped(**b)
@@ -155,19 +168,19 @@ def test_step_scope_routing_pass_routes_like_the_training_forward_under_dropout(
     for seed in (5, 6):
         torch.manual_seed(seed)
         hf[seed] = lm(input_ids=b["input_ids"], attention_mask=b["real_tokens"].long(), output_router_logits=True)
-    assert (wrapped.pop_aux() / tokens).item() == pytest.approx(hf[5].aux_loss.item(), rel=1e-6)
+    assert (pop_aux(wrapped) / tokens).item() == pytest.approx(hf[5].aux_loss.item(), rel=1e-6)
     assert hf[6].aux_loss.item() != pytest.approx(hf[5].aux_loss.item(), rel=1e-6)
 
 
 def test_step_scope_needs_the_routing_pass_and_a_router_loss():
     lm = tiny("mixtral", router_aux_loss_coef=0.5)
     with pytest.raises(HftrainError, match="prepare_step"):
-        CausalLMTokenLoss(lm, router_aux_loss_scope="step").train()(**batch())
+        token_loss(lm, scope="step").train()(**batch())
     with pytest.raises(HftrainError, match="remove router_aux_loss_scope"):
-        CausalLMTokenLoss(lm, router_aux_loss_coef=0.0, router_aux_loss_scope="step")
+        token_loss(lm, 0.0, "step")
     llama = AutoModelForCausalLM.from_pretrained(REPO / "models" / "tiny-llama")
     with pytest.raises(HftrainError, match="remove router_aux_loss_scope"):
-        CausalLMTokenLoss(llama, router_aux_loss_scope="step")
+        token_loss(llama, scope="step")
 
 
 def test_step_scope_is_refused_before_the_run_where_there_is_no_router_loss(saved):
@@ -190,22 +203,22 @@ def test_packed_rows_count_router_statistics_per_real_token():
     lm = tiny("mixtral", router_aux_loss_coef=0.5)
     packed, flat = batch(packed=True), batch()
     assert packed["real_tokens"].sum() == flat["real_tokens"].sum()
-    wrapped = CausalLMTokenLoss(lm).train()
+    wrapped = token_loss(lm).train()
     wrapped(**packed)
-    wrapped.pop_aux()
+    pop_aux(wrapped)
     logits = lm(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
                 output_router_logits=True).router_logits
     mask = packed["real_tokens"].reshape(-1)
     reference = transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func(
         tuple(layer[mask] for layer in logits), 4, 2)  # only the real tokens' routing, no mask needed
-    assert wrapped.aux_fn(logits, packed["real_tokens"]).item() == pytest.approx(reference.item(), rel=1e-5)
+    assert wrapped.router.aux_fn(logits, packed["real_tokens"]).item() == pytest.approx(reference.item(), rel=1e-5)
 
 
 def test_router_loss_on_a_dense_model_is_refused():
     llama = AutoModelForCausalLM.from_pretrained(REPO / "models" / "tiny-llama")
-    assert CausalLMTokenLoss(llama).aux_coef == 0.0
+    assert router_loss(llama, None) is None
     with pytest.raises(HftrainError, match="not a mixture-of-experts model"):
-        CausalLMTokenLoss(llama, router_aux_loss_coef=0.01)
+        token_loss(llama, 0.01)
 
 
 def test_default_lora_recipe_adapts_experts_with_dropout_chosen_and_said(saved):
@@ -216,7 +229,7 @@ def test_default_lora_recipe_adapts_experts_with_dropout_chosen_and_said(saved):
     assert "lora_dropout 0.05 -> 0" in note and "ParamWrapper" in note
     adapted = {name for name, p in model.named_parameters() if p.requires_grad}
     assert any(".experts." in n for n in adapted) and any("q_proj" in n for n in adapted)
-    loss = CausalLMTokenLoss(model).train()(**batch())
+    loss = token_loss(model).train()(**batch())
     loss.backward()
     assert all(p.grad is not None for name, p in model.named_parameters() if p.requires_grad and "experts" in name)
     named = build_peft_model(Recipe(model_name_or_path=str(saved), use_peft=True,

@@ -24,7 +24,7 @@ from hftrain import vision
 from hftrain.config import Recipe
 from hftrain.data.image_chats import PER_TOKEN_PAD, ImageChatCollator, encode, open_image, prepare
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec
-from hftrain.model import CausalLMTokenLoss
+from hftrain.objectives.sft import CausalLMTokenLoss
 from tests.conftest import REPO, tiny_model_script
 
 DATA = REPO / "data" / "image-chat.jsonl"

@@ -11,7 +11,8 @@ import torch
 from hftrain.checkpoint import _check_saved_weights
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
-from hftrain.model import CausalLMTokenLoss, build_model
+from hftrain.model import build_model
+from hftrain.objectives.sft import CausalLMTokenLoss
 from hftrain.parallel.deepspeed import DeepSpeedBackend, deepspeed_problems, fill_deepspeed_config
 from tests.conftest import REPO
 from tests.unit.parallel.conftest import fake_accelerator

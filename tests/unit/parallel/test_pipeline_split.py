@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
-from hftrain.model import CausalLMTokenLoss
+from hftrain.objectives.sft import CausalLMTokenLoss
 from hftrain.parallel.pipeline import (
     PipelineStages,
     StageForward,
