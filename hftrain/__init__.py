@@ -8,3 +8,8 @@ __version__ = "0.1.0"
 # missing. That kernel only serves repacked 4-bit weights, and hftrain keeps them in their training layout
 # (hftrain.model.keep_4bit_layout), so the warning concerns a path hftrain never takes.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+# DTensor warns at every redistribution across two mesh dimensions that it needs two collectives ("This is
+# suboptimal ... flatten mesh dimensions"): on every step of FSDP2 x TP and of expert parallelism, whose meshes
+# transformers builds. It is advice to the mesh's builder, repeated per rank and step, with nothing a user can change.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
