@@ -13,8 +13,9 @@ preference.jsonl        {"prompt": [messages], "chosen": [assistant], "rejected"
 unpaired.jsonl          {"prompt": [messages], "completion": [assistant], "label": bool}: unpaired feedback (kto),
                         the right answer rated true or a plausible wrong one rated false, about half each
 tool_prompts.jsonl      {"prompt": [user question], "answer": int}: arithmetic for grpo with the calculator tool
-tool_sft.jsonl          {"prompt": ..., "completion": ...}: the calculator call, or the answer after its result, as
-                        models/tiny-tools' chat template renders them (recipes/tiny-tools-sft.yaml)
+tool_sft.jsonl          {"prompt": ..., "completion": ...}: the calculator call, a guessed answer without it, or the
+                        answer after its result, as models/tiny-tools' chat template renders them
+                        (recipes/tiny-tools-sft.yaml)
 
 The content is synthetic but regular (arithmetic, capitals, word games), so a tiny
 random model visibly learns it within a few dozen steps on CPU.
@@ -156,13 +157,17 @@ TOOLS_SYSTEM = ("<|im_start|>system\nTools:\ncalculator(a: integer, op: string, 
 
 
 def tool_sft_example(rng: random.Random) -> dict:
-    """One of the two assistant turns of a calculator conversation as prompt / completion text: the call, or the
-    answer after the tool's result."""
+    """One assistant turn of a calculator conversation as prompt / completion text, in three kinds: the call, the
+    answer after the tool's result, or a direct answer without the tool (a guess, as often as the call): stage 1
+    leaves the choice to call open, for GRPO to settle."""
     question, a, op, b, value = arithmetic_question(rng)
     prompt = f"{TOOLS_SYSTEM}<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     call = f'<tool_call>\n{{"name": "calculator", "arguments": {{"a": {a}, "op": "{op}", "b": {b}}}}}\n</tool_call>'
-    if rng.random() < 0.5:
+    kind = rng.random()
+    if kind < 1 / 3:
         return {"prompt": prompt, "completion": call}
+    if kind < 2 / 3:
+        return {"prompt": prompt, "completion": f"The answer is {rng.randint(2, 200)}."}
     return {"prompt": f"{prompt}{call}<|im_end|>\n<|im_start|>tool\n{value}<|im_end|>\n<|im_start|>assistant\n",
             "completion": f"The answer is {value}."}
 

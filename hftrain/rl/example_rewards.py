@@ -54,3 +54,21 @@ def call_matches_question(prompts, completions, completion_ids, **kwargs) -> lis
         rewards.append(sum(arguments.get(k) == v for k, v in wanted.items()) / 3 if isinstance(arguments, dict)
                        else 0.0)
     return rewards
+
+
+def answered_from_tool(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    """0.5 when the completion's first tool call ran without error (its `tool` message is not TRL's
+    `{'error': ...}`), plus 0.5 when its last assistant turn states that call's result; 0 without a call: a reward
+    for choosing the tool and answering from it, which a tiny model learns in a few dozen steps (the choice is its
+    first tokens) where copying the question's numbers is beyond it."""
+    rewards = []
+    for completion in completions:
+        messages = completion if isinstance(completion, list) else []
+        results = [m.get("content") or "" for m in messages if m.get("role") == "tool"]
+        if not results or results[0].startswith("{'error'"):
+            rewards.append(0.0)
+            continue
+        turns = [m for m in messages if m.get("role") == "assistant"]
+        last = (turns[-1].get("content") or "") if turns and messages[-1].get("role") == "assistant" else ""
+        rewards.append(0.5 + 0.5 * (results[0] in re.findall(r"-?\d+", last)))
+    return rewards

@@ -5,6 +5,7 @@ masks are checked against the chat template's own rendering of the whole convers
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -279,7 +280,11 @@ def test_the_two_stage_recipe_and_its_data_agree(tokenizer):
         user = [{"role": "user", "content": question}]
         render = lambda messages, **kw: tokenizer.apply_chat_template(messages, tools=[calculator], tokenize=False,
                                                                       **kw)  # noqa: E731
-        if r["completion"].startswith("<tool_call>"):
+        if "<|im_start|>tool" not in r["prompt"] and not r["completion"].startswith("<tool_call>"):
+            kinds.add("guess")
+            assert r["prompt"] == render(user, add_generation_prompt=True)
+            assert re.fullmatch(r"The answer is \d+\.", r["completion"])
+        elif r["completion"].startswith("<tool_call>"):
             kinds.add("call")
             assert r["prompt"] == render(user, add_generation_prompt=True)
             call = tokenizer.parse_response(r["completion"] + "<|im_end|>", prefix=r["prompt"], tools=[calculator])
@@ -293,10 +298,11 @@ def test_the_two_stage_recipe_and_its_data_agree(tokenizer):
             result = {"name": "calculator", "role": "tool", "content": str(calculator(a, op, b))}
             assert r["prompt"] == render(user + [call, result], add_generation_prompt=True)
             assert r["completion"] == f"The answer is {calculator(a, op, b)}."
-    assert kinds == {"call", "answer"}
-    sft = load_recipe(["--config", str(REPO / "recipes" / "tiny-tools-sft.yaml")])
+    assert kinds == {"call", "answer", "guess"}
+    again = ["--overwrite_output_dir", "true"]  # a checkout where the recipes have been run holds their outputs
+    sft = load_recipe(["--config", str(REPO / "recipes" / "tiny-tools-sft.yaml"), *again])
     grpo_file = REPO / "recipes" / "tiny-tools.yaml"  # its model is stage 1's output, absent before stage 1 runs
-    grpo = load_recipe(["--config", str(grpo_file), "--model_name_or_path", str(TOOLS_MODEL)])
+    grpo = load_recipe(["--config", str(grpo_file), "--model_name_or_path", str(TOOLS_MODEL), *again])
     assert sft.dataset_name == "data/tool_sft.jsonl"
     assert yaml.safe_load(grpo_file.read_text())["model_name_or_path"] == f"{sft.output_dir}/final"
     assert grpo.tools == ["hftrain.rl.example_tools.calculator"] and grpo.objective == "grpo"
@@ -312,6 +318,21 @@ def test_the_shipped_rewards_read_the_completion_messages():
     direct = [{"role": "assistant", "content": "42"}]
     assert call_matches_question([question] * 2, [called, direct], None) == [2 / 3, 0.0]
     assert final_answer([question] * 3, [called, direct, called[:1]], None, answer=[42, 41, 42]) == [1.0, 0.0, 0.0]
+
+
+def test_answered_from_tool_rewards_a_working_call_and_an_answer_stating_its_result():
+    from hftrain.rl.example_rewards import answered_from_tool
+
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"a": 6, "op": "+", "b": 7}}}]}
+    result = {"role": "tool", "name": "calculator", "content": "13"}
+    failed = {"role": "tool", "name": "calculator", "content": str({"error": "unknown operation '/'"})}
+    completions = [[call, result, {"role": "assistant", "content": "The answer is 13."}],  # 0.5 + 0.5
+                   [call, result, {"role": "assistant", "content": "The answer is 113."}],  # 13 is not stated: 0.5
+                   [call, result],  # the answer turn was cut off: 0.5
+                   [call, failed, {"role": "assistant", "content": "The answer is 13."}],  # the call failed: 0
+                   [{"role": "assistant", "content": "The answer is 13."}]]  # no call: 0
+    assert answered_from_tool([[]] * 5, completions, None) == [1.0, 0.5, 0.5, 0.0, 0.0]
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused():
