@@ -167,7 +167,8 @@ def evaluation_problems(recipe: Recipe, launch: Launch, model_config: Pretrained
     if r.eval_tasks and vision.is_image_text(model_config):
         problems.append("eval_tasks runs lm-eval's text model on the causal LM, but this is an image-text model; "
                         "remove eval_tasks")
-    if r.log_completions and max(r.pp_size, r.sp_size, r.cp_size) > 1:
+    # grpo's log_completions is its rollouts' table (no generation of its own): it runs wherever grpo runs
+    if r.log_completions and r.objective != "grpo" and max(r.pp_size, r.sp_size, r.cp_size) > 1:
         problems.append("log_completions generates with transformers' generate, which cannot run the model split "
                         "into pipeline stages or sequence shards (pp_size, sp_size, cp_size); remove log_completions "
                         "and try the final folder with `hftrain chat`")

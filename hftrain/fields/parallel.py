@@ -98,16 +98,41 @@ def problems(r) -> list[str]:
                         "parallelism runs under DeepSpeed, which hftrain does not combine with tensor or ring "
                         "attention context parallelism; for long sequences with tensor parallelism use tp_size with "
                         "cp_size under an FSDP2 preset, and set sp_size: 1")
-    for name in ("sp_size", "cp_size"):
-        if getattr(r, name) > 1 and r.objective != "sft":
-            needs = ("GRPO needs each completion's token log-probabilities and its whole rows for generation"
-                     if r.objective == "grpo" else "preference losses need each row's whole log-probability")
-            problems.append(f"{name}={getattr(r, name)} with objective={r.objective} is not supported: {needs} on one "
-                            "process; use data parallelism")
+    problems += _sequence_objective_problems(r)
     problems += _pipeline_problems(r)
     problems += _expert_problems(r)
     if r.launch_preset_reason is not None and r.launch_preset is None:
         problems.append("launch_preset_reason is set but launch_preset is not; name the preset it explains")
+    return problems
+
+
+def _sequence_objective_problems(r) -> list[str]:
+    """sp_size / cp_size with an objective other than sft. grpo under sp_size: generation and the reference see
+    whole sequences on every rank of the group, the loss slices the tokens and their per-token weights
+    (hftrain.parallel.sequence, `GRPOLoss.sliced_forward`)."""
+    problems = []
+    if r.cp_size > 1 and r.objective == "grpo":
+        problems.append(f"cp_size={r.cp_size} with objective=grpo is not supported: torch's ring attention shards "
+                        "each micro-batch inside a context around the forward and backward, and generate (whole "
+                        "sequences on every rank, a growing KV cache) and the per-token weights (advantages, old and "
+                        "reference log-probs, sharded by the load balancer's head-tail chunks) are not yet laid out "
+                        "for it; for long rollouts use sp_size with the cpu_sp / zero3_sp presets, or data "
+                        "parallelism")
+    elif r.cp_size > 1 and r.objective != "sft":
+        problems.append(f"cp_size={r.cp_size} with objective={r.objective} is not supported: preference losses need "
+                        "each row's whole log-probability on one process; use data parallelism")
+    if r.sp_size > 1 and r.objective not in ("sft", "grpo"):
+        problems.append(f"sp_size={r.sp_size} with objective={r.objective} is not supported: preference losses need "
+                        "each row's whole log-probability on one process; use data parallelism")
+    if r.sp_size > 1 and r.objective == "grpo":
+        if r.importance_sampling_level == "sequence":
+            problems.append(f"sp_size={r.sp_size} with importance_sampling_level: sequence is not supported: the "
+                            "sequence-level ratio is a mean over each whole completion, which the sliced loss does "
+                            "not gather; use importance_sampling_level: token, or sp_size: 1")
+        if r.use_vllm:
+            problems.append(f"sp_size={r.sp_size} with use_vllm is not supported: each rank of a sequence group "
+                            "would run its own vLLM engine on the same prompts, and the importance-sampling weights "
+                            "are not sliced; use transformers' generate (use_vllm: false), or sp_size: 1")
     return problems
 
 

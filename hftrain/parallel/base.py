@@ -202,6 +202,12 @@ class Transform:
         backward."""
         yield batch
 
+    @contextmanager
+    def whole_sequences(self):
+        """Forwards run inside it see whole sequences on every rank of the axis's group (grpo's generation and
+        reference log-probs), not this rank's slice."""
+        yield
+
 
 @dataclass
 class Backend:
@@ -280,6 +286,15 @@ class Backend:
             for transform in self.applied:
                 batch = stack.enter_context(transform.micro_batch(batch))
             yield batch
+
+    @contextmanager
+    def whole_sequences(self):
+        """Around forwards that take whole sequences on every rank (grpo's generation and reference log-probs): each
+        transform's `whole_sequences`. Without transforms: nothing."""
+        with ExitStack() as stack:
+            for transform in self.applied:
+                stack.enter_context(transform.whole_sequences())
+            yield
 
     def forward_backward(self, model, inputs: dict[str, torch.Tensor], scale: torch.Tensor, timer) -> torch.Tensor:
         """Forward and backward of one micro-batch (`model(**inputs)` returns its summed loss); returns that sum,

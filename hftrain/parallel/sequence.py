@@ -16,6 +16,12 @@ What hftrain adds around the library (`ShardedTokenLoss`), following ALST's loss
   micro-batch's full loss sum: the loop counts tokens, examples and losses of the full micro-batch once per group
   (`DataParallel` with replicas = sp), exactly as for a tensor-parallel group.
 
+GRPO (objective grpo): generation and the reference's log-probs see whole sequences on every rank of the group
+(`UlyssesSwitch.whole`: the model's own kernel, no all-to-all; the group's ranks sample the same completions from the
+same prompts and seeds, as a tensor-parallel group's do); the loss module's forward slices its rows as above
+(`SequenceSlices`), and its per-token weights (advantages, masks, old and reference log-probs) with them
+(hftrain.rl.grpo `GRPOLoss.sliced_forward`).
+
 Gradients: each rank back-propagates the full loss, so the all-reduce's backward hands every slice sp x its own
 gradient; the strategy (DeepSpeed's engine) then averages gradients over all dp x sp processes, which leaves the
 sum over the group's slices averaged over the dp copies, i.e. the gradient of one process with the same batch.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -58,9 +65,30 @@ def sdpa_within_documents(sdpa, module, query, key, value, attention_mask, *args
     return sdpa(module, query, key, value, attention_mask, *args, position_ids=position_ids, **kwargs)
 
 
+class UlyssesSwitch:
+    """What the model's attention kernel name runs: DeepSpeed's Ulysses over the group's slices, or, inside `whole()`,
+    the kernel itself over the whole sequences every rank holds (grpo's generation and reference forwards). Ulysses'
+    all-to-all is recorded by autograd in the forward, so backward passes need no switch."""
+
+    def __init__(self, ulysses, kernel):
+        self.ulysses, self.kernel, self.depth = ulysses, kernel, 0
+
+    def __call__(self, *args, **kwargs):
+        return (self.kernel if self.depth else self.ulysses)(*args, **kwargs)
+
+    @contextmanager
+    def whole(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+
 def register_ulysses(lm, sp: int):
     """DeepSpeed's Ulysses attention in place of the model's kernel (transformers' ALL_ATTENTION_FUNCTIONS, for this
-    process); returns its sequence-parallel group. Micro-batches reach it as one row (`ShardedTokenLoss`)."""
+    process), behind a `UlyssesSwitch`; returns (its sequence-parallel group, the switch). Micro-batches reach it as
+    one row (`ShardedTokenLoss`, `SequenceSlices`)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     kernel = attn_implementation(lm.config)
@@ -69,10 +97,13 @@ def register_ulysses(lm, sp: int):
                            f"{kernel!r}")
     if kernel == "sdpa":  # wrapped by Ulysses below: it then sees the whole sequence and its position_ids
         ALL_ATTENTION_FUNCTIONS["sdpa"] = functools.partial(sdpa_within_documents, ALL_ATTENTION_FUNCTIONS["sdpa"])
+    whole = ALL_ATTENTION_FUNCTIONS[kernel]
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=lm, core_attn_implementation=kernel, sequence_parallel_size=sp, micro_batch_size=1,
         seq_length_is_variable=True)
-    return mpu.get_sequence_parallel_group()
+    switch = UlyssesSwitch(ALL_ATTENTION_FUNCTIONS[kernel], whole)
+    ALL_ATTENTION_FUNCTIONS[kernel] = switch
+    return mpu.get_sequence_parallel_group(), switch
 
 
 class GroupSum(torch.autograd.Function):
@@ -91,6 +122,44 @@ class GroupSum(torch.autograd.Function):
         total = grad.clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
         return total, None
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSlices:
+    """This rank's slice of a micro-batch laid out as `ShardedTokenLoss` lays it: the rows concatenated into one,
+    padded to a multiple of sp, cut into sp equal pieces, piece `rank` this rank's. For loss modules that slice their
+    own per-token inputs (grpo)."""
+
+    group: object
+    sp: int
+    rank: int
+
+    def local(self, tensor: torch.Tensor, fill=0) -> torch.Tensor:
+        """[rows, width] -> this rank's [1, piece] of the concatenated rows, the padding `fill`."""
+        flat = tensor.reshape(1, -1)
+        flat = F.pad(flat, (0, -flat.shape[1] % self.sp), value=fill)
+        piece = flat.shape[1] // self.sp
+        return flat[:, self.rank * piece:(self.rank + 1) * piece]
+
+    def positions(self, rows: int, width: int, device) -> torch.Tensor:
+        """This rank's position_ids: each row a document from 0, the padding a target-less document of its own."""
+        whole = torch.arange(width, device=device).expand(rows, width).reshape(1, -1)
+        fill = -(rows * width) % self.sp
+        whole = torch.cat([whole, torch.arange(fill, device=device).reshape(1, -1)], dim=1)
+        piece = whole.shape[1] // self.sp
+        return whole[:, self.rank * piece:(self.rank + 1) * piece]
+
+    def gather(self, local: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+        """The inverse of `local` over the group, without gradient: every rank's piece -> [rows, width]."""
+        pieces = [torch.empty_like(local) for _ in range(self.sp)]
+        dist.all_gather(pieces, local.contiguous(), group=self.group)
+        return torch.cat(pieces, dim=1)[0, :rows * width].reshape(rows, width)
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A statistic's sum over the group's slices (no gradient)."""
+        total = tensor.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        return total
 
 
 class ShardedTokenLoss:
@@ -131,11 +200,26 @@ class UlyssesAttention(Transform):
     def __init__(self, backend):
         super().__init__(backend)
         self.sp = backend.recipe.sp_size
+        self.switch: UlyssesSwitch | None = None  # set by apply
 
     def describe(self, record: Parallelism) -> Parallelism:
         name = with_copies(f"{record.name} + Ulysses sequence parallel (sp_size={self.sp})", record.processes, self.sp)
         return dataclasses.replace(record, name=name, sp_size=self.sp)
 
     def apply(self, model) -> None:
-        group = register_ulysses(model.lm, self.sp)
-        model.forward = ShardedTokenLoss(model.forward, group, self.sp, dist.get_rank(group))
+        """The loss module's forward on this rank's slice: its own `sliced_forward` where it slices per-token inputs
+        of its own (grpo), else `ShardedTokenLoss` around its forward."""
+        group, self.switch = register_ulysses(model.lm, self.sp)
+        if hasattr(model, "sliced_forward"):
+            model.forward = functools.partial(model.sliced_forward, SequenceSlices(group, self.sp,
+                                                                                   dist.get_rank(group)))
+        else:
+            model.forward = ShardedTokenLoss(model.forward, group, self.sp, dist.get_rank(group))
+
+    @contextmanager
+    def whole_sequences(self):
+        if self.switch is None:
+            yield
+            return
+        with self.switch.whole():
+            yield

@@ -40,7 +40,9 @@ class TransformersGenerator:
         self.autocast = autocast
 
     def sample(self, prompts: list[list[int]], seeds: list[int]) -> list[Sampled]:
-        with self.backend.generation_context(self.model) as (lm, synced_gpus), self.autocast():  # every rank at once
+        # every rank at once; a sequence-parallel group's ranks each generate the whole sequences
+        with self.backend.generation_context(self.model) as (lm, synced_gpus), self.autocast(), \
+                self.backend.whole_sequences():
             rows = generate_rows(lm, prompts, seeds, self.sampling, self.eos_ids, self.pad_id, synced_gpus)
         return [Sampled(ids, truncated) for ids, truncated in rows]
 

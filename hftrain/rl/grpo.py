@@ -14,10 +14,11 @@ import json
 import math
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from accelerate.utils import gather_object
 from torch import nn
 
@@ -28,6 +29,7 @@ from hftrain.model import WrapsCausalLM
 from hftrain.rl.generation import RolloutGenerator
 from hftrain.rl.loss import (
     LossSettings,
+    aggregate,
     clip_statistics,
     completion_log_probs,
     group_advantages,
@@ -138,6 +140,52 @@ class GRPOLoss(ObjectiveLoss):
             self._add(name, value, count)
         return micro_batch_loss(loss, mask, self.settings)
 
+    def sliced_forward(self, slices, input_ids: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor,
+                       old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
+                       sampling_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` on this rank's slice of the micro-batch under sequence parallelism (hftrain.parallel.sequence,
+        `SequenceSlices`: the rows concatenated and cut into sp pieces), returning the group's whole loss sum.
+
+        Each position predicts the next token, so every per-token input is laid out per predicting position ([B, W]:
+        the [B, W-1] tensors padded with one untrained column) and sliced with the tokens: the targets, the mask, the
+        advantages (one per row, spread over its tokens), the old and reference log-probs. Each completion's summed
+        token loss is added over the group's slices differentiably (`GroupSum`, as the SFT loss), so each loss_type's
+        normalisation (parallel to `micro_batch_loss`) sees whole completions and the group counts each token once;
+        the statistics' sums are added over the slices too. `collecting`: the whole [B, W-1] log-probs, gathered."""
+        from hftrain.parallel.sequence import GroupSum
+
+        rows, width = input_ids.shape
+        device = input_ids.device
+
+        def spread(per_position: torch.Tensor, fill=0) -> torch.Tensor:  # [B, W-1] -> this rank's [1, piece]
+            return slices.local(F.pad(per_position, (0, 1), value=fill), fill)
+
+        targets = spread(input_ids[:, 1:])
+        logits = self.lm(input_ids=slices.local(input_ids), position_ids=slices.positions(rows, width, device),
+                         use_cache=False).logits
+        logps, entropy = completion_log_probs(logits, targets, self.temperature)
+        if self.collecting:
+            return slices.gather(logps.detach(), rows, width)[:, :-1]
+        whole_mask = labels[:, 1:] != IGNORE_INDEX
+        mask = spread(whole_mask, False)
+        row_of = slices.local(torch.arange(rows, device=device)[:, None].expand(rows, width))
+        adv = advantages.to(logps.dtype)[row_of]
+        if sampling_weights is not None:
+            sampling_weights = spread(sampling_weights.expand_as(whole_mask).to(logps.dtype))
+        loss, ratio, kl = per_token_loss(logps, None if old_logps is None else spread(old_logps),
+                                         None if ref_logps is None else spread(ref_logps), adv, mask,
+                                         self.settings, sampling_weights)
+        tokens = whole_mask.sum()
+        self._add("entropy", slices.sum((entropy * mask).sum()), tokens)
+        if kl is not None:
+            self._add("kl", slices.sum((kl * mask).sum()), tokens)
+        for name, (value, count) in clip_statistics(ratio, adv, mask, self.settings).items():
+            self._add(name, slices.sum(value), slices.sum(count))
+        summed = torch.zeros(rows, dtype=loss.dtype, device=device).index_add(0, row_of[0], (loss * mask)[0])
+        # Collective that changes the number: each completion's loss sum over the group's slices, differentiable
+        # (its backward hands each slice sp x its gradient, undone by the strategy's mean over all processes)
+        return aggregate(GroupSum.apply(summed, slices.group), whole_mask, self.settings)
+
     def pop_stats(self) -> dict[str, torch.Tensor]:
         return {}  # the rollout source logs GRPO's metrics (Rollouts.metrics), with their own denominators
 
@@ -178,6 +226,8 @@ class Rollouts:
         # module, and the generator that samples the completions (rl.generation.build_generator)
         self.model = self.loss_fn = None
         self.generator: RolloutGenerator | None = None
+        # the backend's context for forwards over whole sequences on every rank (sequence parallelism's reference)
+        self.whole_sequences: Callable[[], AbstractContextManager] = nullcontext
         # The loop's data vote: set on every rank when a reward function failed on any rank (generate), so that all
         # ranks stop at the same step with a checkpoint instead of waiting in a collective until ddp_timeout.
         self.stop_reason: str | None = None
@@ -451,7 +501,8 @@ class Rollouts:
             finally:
                 self.loss_fn.collecting = False
         if self.loss_fn.reference is not None:
-            out["ref_logps"] = self.loss_fn.reference.log_probs(inputs["input_ids"]).cpu()
+            with self.whole_sequences():  # a sequence-parallel group's ranks: each the whole rows
+                out["ref_logps"] = self.loss_fn.reference.log_probs(inputs["input_ids"]).cpu()
         if sampling_logps is not None:
             r, mask = self.recipe, batch["labels"][:, 1:] != IGNORE_INDEX
             out["sampling_weights"] = vllm_importance_sampling_ratio(

@@ -130,6 +130,12 @@ def vllm_importance_sampling_ratio(old_logps: torch.Tensor, sampling_logps: torc
     raise ValueError(f"vllm_importance_sampling_mode={mode}; one of {', '.join(VLLM_IMPORTANCE_SAMPLING_MODES)}")
 
 
+def per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The advantages broadcast over a completion's tokens: [B] -> [B, 1]; already per token (a sequence-parallel
+    slice's concatenated rows, [1, T]) as they are."""
+    return advantages if advantages.dim() == like.dim() else advantages.unsqueeze(-1)
+
+
 def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
                    advantages: torch.Tensor, mask: torch.Tensor, settings: LossSettings,
                    sampling_weights: torch.Tensor | None = None,
@@ -144,7 +150,7 @@ def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logp
     if settings.importance_sampling_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
-    adv = advantages.unsqueeze(-1)
+    adv = per_token(advantages, logps)
     clipped = torch.clamp(ratio, 1 - settings.epsilon_low, 1 + settings.upper)
     loss = -torch.min(ratio * adv, clipped * adv)
     if sampling_weights is not None:
@@ -162,7 +168,12 @@ def micro_batch_loss(loss: torch.Tensor, mask: torch.Tensor, settings: LossSetti
     mask = mask.to(loss.dtype)
     if loss.shape[-1] == 1 and mask.shape[-1] != 1:
         loss = loss.expand_as(mask)
-    summed = (loss * mask).sum(-1)  # per completion
+    return aggregate((loss * mask).sum(-1), mask, settings)
+
+
+def aggregate(summed: torch.Tensor, mask: torch.Tensor, settings: LossSettings) -> torch.Tensor:
+    """`micro_batch_loss` from each completion's summed token loss `summed` [B] and the micro-batch's mask [B, T]."""
+    mask = mask.to(summed.dtype)
     if settings.loss_type == "dapo":
         return summed.sum()
     if settings.loss_type == "grpo":
@@ -185,7 +196,7 @@ def clip_statistics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.T
                     settings: LossSettings) -> dict[str, torch.Tensor]:
     """Sums and counts behind TRL's clip_ratio/low_mean, high_mean and region_mean (token-weighted, or one value per
     completion at sequence level): {name: (sum, count)} to be added over micro-batches and processes."""
-    adv = advantages.unsqueeze(-1)
+    adv = per_token(advantages, mask)
     low = (ratio < 1 - settings.epsilon_low) & (adv < 0)
     high = (ratio > 1 + settings.upper) & (adv > 0)
     weights = mask.to(torch.float64) if ratio.shape[-1] != 1 else torch.ones_like(ratio, dtype=torch.float64)

@@ -122,3 +122,7 @@ def test_the_preflight_refuses_eval_tasks_where_no_process_holds_the_model(launc
 def test_the_preflight_refuses_completions_from_a_split_model():
     found = evaluation_problems(Recipe(log_completions=True, pp_size=2), Launch("ddp", 2, 2), None)
     assert len(found) == 1 and "log_completions generates with transformers' generate" in found[0]
+    # grpo's log_completions is its rollouts' table, which a sequence-parallel grpo run writes like any other
+    grpo = Recipe(objective="grpo", reward_funcs=["hftrain.rl.example_rewards.vowel_share"], log_completions=True,
+                  sp_size=2)
+    assert evaluation_problems(grpo, Launch("deepspeed", 2, 2), None) == []

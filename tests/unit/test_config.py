@@ -498,3 +498,16 @@ def test_an_error_every_process_meets_is_left_to_each_machines_first_process(mon
     with pytest.raises(SystemExit):  # an error of this process's own is reported at once
         report_and_exit(HftrainError("rank 1 timed out"))
     assert waits == [errors.ALIKE_WAIT_SECONDS] and "rank 1 timed out" in capsys.readouterr().err
+
+
+def test_grpo_runs_under_sequence_parallelism_not_yet_under_context_parallelism(in_tmp):
+    grpo = {"objective": "grpo", "reward_funcs": ["hftrain.rl.example_rewards.vowel_share"]}
+    assert recipe_from_dict(valid(in_tmp, **grpo, sp_size=2)).sp_size == 2
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict(valid(in_tmp, **grpo, cp_size=2))
+    assert any(p.startswith("cp_size=2 with objective=grpo is not supported: torch's ring attention")
+               for p in info.value.problems)
+    with pytest.raises(ConfigError) as info:
+        recipe_from_dict(valid(in_tmp, **grpo, sp_size=2, importance_sampling_level="sequence"))
+    assert any(p.startswith("sp_size=2 with importance_sampling_level: sequence is not supported")
+               for p in info.value.problems)

@@ -1,0 +1,131 @@
+"""GRPO's loss under sequence parallelism (`GRPOLoss.sliced_forward`, hftrain.parallel.sequence `SequenceSlices`)
+against its whole-rows `forward`, on 2 real gloo processes: the micro-batch's rows concatenated and cut in two inside
+a completion, every per-token input (targets, mask, advantages, old and reference log-probs) sliced with the tokens.
+The model is token-wise (embedding and head, no attention), so a slice's logits are the whole rows' at its positions
+and the comparison isolates the slicing of the loss: the returned loss, the group's statistics, the gathered
+log-probs, and the gradient (each rank's, averaged over the group as the strategy does) equal one process's, for
+every loss_type. The attention across slices (DeepSpeed's Ulysses) runs for real in tests/e2e/test_grpo.py."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PretrainedConfig
+
+from hftrain.data import IGNORE_INDEX
+from hftrain.parallel.sequence import SequenceSlices
+from hftrain.rl.grpo import GRPOLoss
+from hftrain.rl.loss import LOSS_TYPES
+
+VOCAB, SP = 11, 2
+
+
+class TokenWise(nn.Module):
+    """A causal LM whose logits at a position depend on that position's token only."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(VOCAB, 6), nn.Linear(6, VOCAB)
+        self.config = PretrainedConfig()
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        return SimpleNamespace(logits=self.head(torch.tanh(self.embed(input_ids))))
+
+
+def micro_batch():
+    """3 rows of 7 (prompt, completion, right padding): 21 positions, cut 11 + 10 (the second slice padded by one)
+    inside the second completion (its tokens predicted from positions 8-12); row 2's last completion token untrained
+    (a tool result's)."""
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, VOCAB, (3, 7), generator=g)
+    labels = torch.full((3, 7), IGNORE_INDEX)
+    for row, (start, end) in enumerate([(2, 5), (2, 7), (1, 6)]):
+        labels[row, start:end] = input_ids[row, start:end]
+        input_ids[row, end:] = 0
+    labels[2, 5] = IGNORE_INDEX
+    return {"input_ids": input_ids, "labels": labels, "advantages": torch.tensor([0.7, -1.3, 0.4]),
+            "old_logps": -2.5 + 0.3 * torch.randn(3, 6, generator=g),
+            "ref_logps": -2.4 + 0.3 * torch.randn(3, 6, generator=g)}
+
+
+def worker(rank: int, init: str, results) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=SP)
+    try:
+        buffer = io.BytesIO()  # as bytes: a tensor sent as such is a shared-memory handle gone with the process
+        torch.save(compare(rank), buffer)
+        results.put((rank, buffer.getvalue()))
+    except Exception as exc:  # the test fails with the worker's error, not a queue timeout
+        results.put((rank, repr(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+def compare(rank: int) -> dict:
+    """Each loss_type's whole-rows and sliced results on this rank."""
+    slices = SequenceSlices(dist.group.WORLD, SP, rank)
+    out = {}
+    for loss_type in LOSS_TYPES:
+        torch.manual_seed(0)
+        lm = TokenWise()
+        recipe = SimpleNamespace(loss_type=loss_type, epsilon=0.1, epsilon_high=0.3, beta=0.5,
+                                 importance_sampling_level="token", max_completion_length=6, temperature=0.8)
+        loss_fn = GRPOLoss(lm, recipe, reference=None)
+        batch = micro_batch()
+        whole = loss_fn(**batch)
+        whole.backward()
+        grads = [p.grad.clone() for p in lm.parameters()]
+        whole_sums = loss_fn.pop_sums()
+        lm.zero_grad()
+        sliced = loss_fn.sliced_forward(slices, **batch)
+        sliced.backward()
+        mean = []
+        for p in lm.parameters():  # the strategy's mean over the group's processes
+            dist.all_reduce(p.grad)
+            mean.append(p.grad / SP)
+        sliced_sums = loss_fn.pop_sums()
+        loss_fn.collecting = True
+        with torch.no_grad():
+            logps, gathered = loss_fn(**batch), loss_fn.sliced_forward(slices, **batch)
+        out[loss_type] = {"loss": (whole.item(), sliced.item()), "grads": (grads, mean),
+                          "sums": (whole_sums, sliced_sums), "logps": (logps, gathered)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    init = f"file://{tmp_path_factory.mktemp('pg') / 'store'}"
+    processes = [context.Process(target=worker, args=(rank, init, results)) for rank in range(SP)]
+    for process in processes:
+        process.start()
+    found = dict(results.get(timeout=120) for _ in processes)
+    assert not any(isinstance(out, str) for out in found.values()), found
+    found = {rank: torch.load(io.BytesIO(out)) for rank, out in found.items()}
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    return [found[rank] for rank in range(SP)]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_sliced_loss_equals_the_whole_rows(ranks, loss_type):
+    for out in ranks:
+        r = out[loss_type]
+        whole, sliced = r["loss"]
+        assert sliced == pytest.approx(whole, rel=1e-6, abs=1e-7)
+        for a, b in zip(*r["grads"], strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+        whole_sums, sliced_sums = r["sums"]
+        assert sorted(whole_sums) == sorted(sliced_sums) and "kl" in whole_sums
+        for name in whole_sums:
+            torch.testing.assert_close(sliced_sums[name], whole_sums[name], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(r["logps"][1], r["logps"][0], rtol=1e-6, atol=1e-7)
