@@ -69,7 +69,7 @@ def test_generation_runs_under_the_accelerators_autocast():
     def whole_model(m):
         yield m, False
 
-    backend = SimpleNamespace(generation_context=whole_model)
+    backend = SimpleNamespace(generation_context=whole_model, whole_sequences=nullcontext)
     sampling = Sampling(max_completion_length=3)
     for autocast, expected in ((lambda: torch.autocast("cpu", dtype=torch.bfloat16), (True, torch.bfloat16)),
                                (nullcontext, (False, None))):

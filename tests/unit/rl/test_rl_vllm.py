@@ -12,7 +12,7 @@ import math
 import os
 import sys
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -253,8 +253,8 @@ def test_the_vllm_path_writes_the_same_rollout_rows_as_generate_given_the_same_t
     def sample_plainly(name: str, eos_ids: set[int]):
         feed, _ = rollouts(plain_recipe, tmp_path, name)
         feed.eos_ids = eos_ids
-        feed.generator = TransformersGenerator(SimpleNamespace(generation_context=whole_model), feed.model,
-                                               feed.sampling, eos_ids, feed.pad_id)
+        backend = SimpleNamespace(generation_context=whole_model, whole_sequences=nullcontext)
+        feed.generator = TransformersGenerator(backend, feed.model, feed.sampling, eos_ids, feed.pad_id)
         feed.generate(0)
         return feed, [json.loads(line) for line in feed.file.read_text().splitlines()]
 
