@@ -125,10 +125,6 @@ def _sequence_objective_problems(r) -> list[str]:
         problems.append(f"sp_size={r.sp_size} with objective={r.objective} is not supported: preference losses need "
                         "each row's whole log-probability on one process; use data parallelism")
     if r.sp_size > 1 and r.objective == "grpo":
-        if r.importance_sampling_level == "sequence":
-            problems.append(f"sp_size={r.sp_size} with importance_sampling_level: sequence is not supported: the "
-                            "sequence-level ratio is a mean over each whole completion, which the sliced loss does "
-                            "not gather; use importance_sampling_level: token, or sp_size: 1")
         if r.use_vllm:
             problems.append(f"sp_size={r.sp_size} with use_vllm is not supported: each rank of a sequence group "
                             "would run its own vLLM engine on the same prompts, and the importance-sampling weights "

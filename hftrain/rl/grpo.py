@@ -150,7 +150,8 @@ class GRPOLoss(ObjectiveLoss):
         the [B, W-1] tensors padded with one untrained column) and sliced with the tokens: the targets, the mask, the
         advantages (one per row, spread over its tokens), the old and reference log-probs. Each completion's summed
         token loss is added over the group's slices differentiably (`GroupSum`, as the SFT loss), so each loss_type's
-        normalisation (parallel to `micro_batch_loss`) sees whole completions and the group counts each token once;
+        normalisation (parallel to `micro_batch_loss`) sees whole completions and the group counts each token once
+        (and, at sequence level, each completion's mean log-ratio before its ratio is taken);
         the statistics' sums are added over the slices too. `collecting`: the whole [B, W-1] log-probs, gathered."""
         from hftrain.parallel.sequence import GroupSum
 
@@ -172,15 +173,26 @@ class GRPOLoss(ObjectiveLoss):
         adv = advantages.to(logps.dtype)[row_of]
         if sampling_weights is not None:
             sampling_weights = spread(sampling_weights.expand_as(whole_mask).to(logps.dtype))
-        loss, ratio, kl = per_token_loss(logps, None if old_logps is None else spread(old_logps),
-                                         None if ref_logps is None else spread(ref_logps), adv, mask,
-                                         self.settings, sampling_weights)
+        old = None if old_logps is None else spread(old_logps)
+        log_ratio = None
+        if self.settings.importance_sampling_level == "sequence":  # each completion's mean over all its slices
+            local = torch.zeros(rows, dtype=logps.dtype, device=device).index_add(
+                0, row_of[0], ((logps - (logps.detach() if old is None else old)) * mask)[0])
+            per_row = GroupSum.apply(local, slices.group) / whole_mask.sum(-1).clamp(min=1).to(logps.dtype)
+            log_ratio = per_row[row_of]
+        loss, ratio, kl = per_token_loss(logps, old, None if ref_logps is None else spread(ref_logps), adv, mask,
+                                         self.settings, sampling_weights, log_ratio)
         tokens = whole_mask.sum()
         self._add("entropy", slices.sum((entropy * mask).sum()), tokens)
         if kl is not None:
             self._add("kl", slices.sum((kl * mask).sum()), tokens)
-        for name, (value, count) in clip_statistics(ratio, adv, mask, self.settings).items():
-            self._add(name, slices.sum(value), slices.sum(count))
+        if log_ratio is None:
+            for name, (value, count) in clip_statistics(ratio, adv, mask, self.settings).items():
+                self._add(name, slices.sum(value), slices.sum(count))
+        else:  # one ratio per completion, the same on every rank of the group
+            for name, (value, count) in clip_statistics(torch.exp(per_row.detach())[:, None], advantages,
+                                                        whole_mask, self.settings).items():
+                self._add(name, value, count)
         summed = torch.zeros(rows, dtype=loss.dtype, device=device).index_add(0, row_of[0], (loss * mask)[0])
         # Collective that changes the number: each completion's loss sum over the group's slices, differentiable
         # (its backward hands each slice sp x its gradient, undone by the strategy's mean over all processes)

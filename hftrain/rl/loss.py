@@ -138,16 +138,19 @@ def per_token(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
                    advantages: torch.Tensor, mask: torch.Tensor, settings: LossSettings,
-                   sampling_weights: torch.Tensor | None = None,
+                   sampling_weights: torch.Tensor | None = None, log_ratio: torch.Tensor | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(per-token loss [B, T], importance ratio [B, T] or [B, 1] (sequence level), per-token KL or None).
 
     `old_logps` None: this is the first pass over the rollout (the ratio's value is 1, its gradient that of logp).
-    `sampling_weights`: vLLM's importance-sampling correction (`vllm_importance_sampling_ratio`), or None."""
+    `sampling_weights`: vLLM's importance-sampling correction (`vllm_importance_sampling_ratio`), or None.
+    `log_ratio`: each token's log-ratio when computed by the caller (a sequence-parallel slice's sequence-level
+    ratios, each completion's mean gathered over the slices), used as it is."""
     old = logps.detach() if old_logps is None else old_logps
-    log_ratio = logps - old
+    given = log_ratio is not None
+    log_ratio = logps - old if log_ratio is None else log_ratio
     mask = mask.to(logps.dtype)
-    if settings.importance_sampling_level == "sequence":
+    if settings.importance_sampling_level == "sequence" and not given:
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
     adv = per_token(advantages, logps)

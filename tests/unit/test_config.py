@@ -508,6 +508,5 @@ def test_grpo_runs_under_sequence_parallelism_not_yet_under_context_parallelism(
     assert any(p.startswith("cp_size=2 with objective=grpo is not supported: torch's ring attention")
                for p in info.value.problems)
     with pytest.raises(ConfigError) as info:
-        recipe_from_dict(valid(in_tmp, **grpo, sp_size=2, importance_sampling_level="sequence"))
-    assert any(p.startswith("sp_size=2 with importance_sampling_level: sequence is not supported")
-               for p in info.value.problems)
+        recipe_from_dict(valid(in_tmp, **grpo, sp_size=2, use_vllm=True))
+    assert any(p.startswith("sp_size=2 with use_vllm is not supported") for p in info.value.problems)

@@ -4,7 +4,7 @@ a completion, every per-token input (targets, mask, advantages, old and referenc
 The model is token-wise (embedding and head, no attention), so a slice's logits are the whole rows' at its positions
 and the comparison isolates the slicing of the loss: the returned loss, the group's statistics, the gathered
 log-probs, and the gradient (each rank's, averaged over the group as the strategy does) equal one process's, for
-every loss_type. The attention across slices (DeepSpeed's Ulysses) runs for real in tests/e2e/test_grpo.py."""
+every loss_type, and with sequence-level (GSPO) ratios. The attention across slices (DeepSpeed's Ulysses) runs for real in tests/e2e/test_grpo.py."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from hftrain.rl.grpo import GRPOLoss
 from hftrain.rl.loss import LOSS_TYPES
 
 VOCAB, SP = 11, 2
+# every loss_type with token-level ratios; sequence-level (GSPO) ratios, each a completion's mean over its slices
+CASES = [(loss_type, "token") for loss_type in LOSS_TYPES] + [("dapo", "sequence"), ("grpo", "sequence")]
 
 
 class TokenWise(nn.Module):
@@ -72,11 +74,11 @@ def compare(rank: int) -> dict:
     """Each loss_type's whole-rows and sliced results on this rank."""
     slices = SequenceSlices(dist.group.WORLD, SP, rank)
     out = {}
-    for loss_type in LOSS_TYPES:
+    for loss_type, level in CASES:
         torch.manual_seed(0)
         lm = TokenWise()
         recipe = SimpleNamespace(loss_type=loss_type, epsilon=0.1, epsilon_high=0.3, beta=0.5,
-                                 importance_sampling_level="token", max_completion_length=6, temperature=0.8)
+                                 importance_sampling_level=level, max_completion_length=6, temperature=0.8)
         loss_fn = GRPOLoss(lm, recipe, reference=None)
         batch = micro_batch()
         whole = loss_fn(**batch)
@@ -94,7 +96,7 @@ def compare(rank: int) -> dict:
         loss_fn.collecting = True
         with torch.no_grad():
             logps, gathered = loss_fn(**batch), loss_fn.sliced_forward(slices, **batch)
-        out[loss_type] = {"loss": (whole.item(), sliced.item()), "grads": (grads, mean),
+        out[loss_type, level] = {"loss": (whole.item(), sliced.item()), "grads": (grads, mean),
                           "sums": (whole_sums, sliced_sums), "logps": (logps, gathered)}
     return out
 
@@ -116,10 +118,10 @@ def ranks(tmp_path_factory):
     return [found[rank] for rank in range(SP)]
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_sliced_loss_equals_the_whole_rows(ranks, loss_type):
+@pytest.mark.parametrize("case", CASES, ids=[f"{loss_type}-{level}" for loss_type, level in CASES])
+def test_sliced_loss_equals_the_whole_rows(ranks, case):
     for out in ranks:
-        r = out[loss_type]
+        r = out[case]
         whole, sliced = r["loss"]
         assert sliced == pytest.approx(whole, rel=1e-6, abs=1e-7)
         for a, b in zip(*r["grads"], strict=True):
