@@ -4,7 +4,8 @@ a completion, every per-token input (targets, mask, advantages, old and referenc
 The model is token-wise (embedding and head, no attention), so a slice's logits are the whole rows' at its positions
 and the comparison isolates the slicing of the loss: the returned loss, the group's statistics, the gathered
 log-probs, and the gradient (each rank's, averaged over the group as the strategy does) equal one process's, for
-every loss_type, and with sequence-level (GSPO) ratios. The attention across slices (DeepSpeed's Ulysses) runs for real in tests/e2e/test_grpo.py."""
+every loss_type, and with sequence-level (GSPO) ratios. The attention across slices (DeepSpeed's Ulysses) runs for
+real in tests/e2e/test_grpo.py."""
 
 from __future__ import annotations
 
