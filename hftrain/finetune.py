@@ -27,7 +27,7 @@ from accelerate.utils import set_seed
 from hftrain import card, checkpoint
 from hftrain.config import PRESET_DIR, Recipe, load_recipe, read_yaml, unused_settings
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader
-from hftrain.data.feeds import setup_examples
+from hftrain.data.feeds import TrainingData, setup_examples
 from hftrain.data.image_chats import load_image_chats
 from hftrain.errors import HftrainError, first_line, run_tool, same_in_every_process
 from hftrain.eval_tasks import TaskEvaluation
@@ -171,21 +171,25 @@ class Finetune:
 
     def setup_data(self) -> None:
         """Tokenizer, then the objective's data (`objective.setup_data`: for sft/dpo `setup_examples`, streamed or
-        not; `self.feed`: the loop's micro-batches). Before the model: a bad dataset should fail in seconds, not after
-        loading weights."""
+        not), handed back as a `TrainingData` (`self.feed`: the loop's micro-batches). Before the model: a bad dataset
+        should fail in seconds, not after loading weights."""
         recipe = self.recipe
         self.processor = build_processor(recipe) if is_image_text(self.model_config) else None
         self.tokenizer = build_tokenizer(recipe) if self.processor is None else self.processor.tokenizer
-        self.objective.setup_data(self)
+        data = self.objective.setup_data(self)
+        self.feed, self.plan, self.total_steps, self.data_line = data.feed, data.plan, data.total_steps, data.data_line
+        self.train_set, self.eval_set, self.rows, self.data_stats = data.train_set, data.eval_set, data.rows, \
+            data.data_stats
+        self.collator, self.eval_collator, self.stream_state = data.collator, data.eval_collator, data.stream_state
         # what each evaluation runs on the live model after the objective's own evaluation
         samples = recipe.log_completions and self.objective.completes_eval_prompts and self.eval_set is not None
         self.eval_addons = [addon for addon in (self.task_evaluation, CompletionSamples(self) if samples else None)
                             if addon is not None]
 
-    def setup_examples(self) -> None:
-        """Examples from datasets, map-style or streamed (sft, dpo, simpo): hftrain.data.feeds fills the data
-        attributes `Objective.setup_data` lists, reading them through this run's `load_datasets` seam."""
-        setup_examples(self)
+    def setup_examples(self) -> TrainingData:
+        """Examples from datasets, map-style or streamed (sft, dpo, simpo, orpo, kto): hftrain.data.feeds reads
+        them through this run's `load_datasets` seam."""
+        return setup_examples(self)
 
     def setup_model(self) -> None:
         """The builder's model (full, LoRA, QLoRA: decided in hftrain.model), wrapped to return summed token losses."""

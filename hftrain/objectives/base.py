@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hftrain.config import Recipe
+from hftrain.data.feeds import TrainingData
 from hftrain.loss import ObjectiveLoss
 
 
@@ -24,15 +25,13 @@ class Objective:
 
     name = ""
 
-    def setup_data(self, run) -> None:
-        """The training data (`setup_data`, after the tokenizer, before the model): sets `run.train_set`,
-        `run.eval_set`, `run.data_stats`, `run.rows`, `run.plan` (`checkpoint.realign` reads its `global_batch`,
-        `steps_per_epoch`, `num_examples`, `world`, `accum`), `run.total_steps`, `run.collator`, `run.eval_collator`,
-        `run.feed` (the loop's micro-batches: `batches(progress)`, `start`, `state_dict`, `recorded_progress`,
-        `window_metrics`, `pop_generation_seconds`, `stop_reason`, as `data.batching.IndexedFeed`), `run.stream_state`
-        and `run.data_line`.
-        Examples from datasets, streamed or not: `run.setup_examples`."""
-        run.setup_examples()
+    def setup_data(self, run) -> TrainingData:
+        """The training data (`setup_data`, after the tokenizer, before the model), returned to the run: the feed
+        the loop reads (a `data.feeds.Feed`), its plan (`checkpoint.realign` reads its `global_batch`,
+        `steps_per_epoch`, `num_examples`, `world`, `accum`), the run's total steps, the datasets, collators, the
+        resumed feed state and the start-up line's words. Examples from datasets, streamed or not:
+        `run.setup_examples()`."""
+        return run.setup_examples()
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> ObjectiveLoss:

@@ -35,6 +35,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -45,6 +46,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
+from hftrain.data.feeds import TrainingData
 from hftrain.errors import HftrainError
 from hftrain.loss import ObjectiveLoss
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, WrapsCausalLM, load_base_model, pad_token_id
@@ -364,18 +366,19 @@ class Distill(Objective):
 
     name = "distill"
 
-    def setup_data(self, run) -> None:
+    def setup_data(self, run) -> TrainingData:
         """The teacher checked against the student's tokenizer first (before any model loads), then the examples as
         for sft (their completions are the offline completions)."""
         problems = teacher_problems(run.recipe, run.tokenizer)
         if problems:
             raise HftrainError("; ".join(problems))
-        run.setup_examples()
-        if run.recipe.lmbda > 0:
-            eos = run.tokenizer.eos_token_id
-            run.feed = OnPolicyFeed(run.feed, run.recipe, run.recipe.gradient_accumulation_steps,
-                                    pad_token_id(run.tokenizer), {eos} if isinstance(eos, int) else set(eos or []),
-                                    run.accelerator, run.dp, run.output_dir)
+        data = run.setup_examples()
+        if run.recipe.lmbda <= 0:
+            return data
+        eos = run.tokenizer.eos_token_id
+        feed = OnPolicyFeed(data.feed, run.recipe, run.recipe.gradient_accumulation_steps, pad_token_id(run.tokenizer),
+                            {eos} if isinstance(eos, int) else set(eos or []), run.accelerator, run.dp, run.output_dir)
+        return replace(data, feed=feed)
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> DistillLoss:

@@ -5,13 +5,13 @@ and generation (rl.rollouts), the loss module and the rollout source (rl.grpo)."
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from hftrain.config import Recipe
+from hftrain.data.feeds import TrainingData, total_steps
 from hftrain.data.sources import hold_out, load_raw, renamed, training_sources
 from hftrain.data.streaming import read_states
 from hftrain.data.tokenize import prepare_chat_template
@@ -58,7 +58,7 @@ class GRPO(Objective):
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> ObjectiveLoss:
         return GRPOLoss(lm, recipe, build_token_reference(recipe, lm, device, copy_model))
 
-    def setup_data(self, run) -> None:
+    def setup_data(self, run) -> TrainingData:
         """The prompts (a `prompt` column, text or chat messages; the other columns go to the reward functions),
         the reward functions checked against those columns, and the generation windows' plan."""
         recipe, world = run.recipe, run.dp.world
@@ -131,25 +131,20 @@ class GRPO(Objective):
 
             tooling = Tooling(recipe, tools, factory, probe, run.tokenizer, max_active)
         schema_tools = tooling.schema_tools if tooling is not None else None
-        run.train_set, run.collator, run.eval_collator = raw, None, None
         # the eval set: its prompts, rendered as the training ones (grpo evaluates by generating: Objective.evaluate)
-        run.eval_set = render_prompts(eval_raw, run.tokenizer, recipe.max_prompt_length, schema_tools) \
+        eval_set = render_prompts(eval_raw, run.tokenizer, recipe.max_prompt_length, schema_tools) \
             if eval_raw is not None else None
-        run.prompts = render_prompts(raw, run.tokenizer, recipe.max_prompt_length, schema_tools)
-        run.rows = run.prompts
-        run.reward_funcs = funcs
-        run.plan = WindowPlan(len(raw), recipe.num_generations, recipe.per_device_train_batch_size, world,
+        prompts = render_prompts(raw, run.tokenizer, recipe.max_prompt_length, schema_tools)
+        plan = WindowPlan(len(raw), recipe.num_generations, recipe.per_device_train_batch_size, world,
                               recipe.gradient_accumulation_steps, steps_per_generation, recipe.num_iterations,
                               recipe.order_seed, shuffle=recipe.train_sampling_strategy != "sequential")
-        if run.plan.windows_per_epoch < 1:
+        if plan.windows_per_epoch < 1:
             raise HftrainError(f"dataset {source.name!r} has {len(raw)} prompts, fewer than one generation batch's "
-                               f"{run.plan.prompts_per_window} ({window} completions / num_generations); use a "
+                               f"{plan.prompts_per_window} ({window} completions / num_generations); use a "
                                "smaller batch or more prompts")
-        run.total_steps = recipe.max_steps if recipe.max_steps > 0 else \
-            math.ceil(recipe.num_train_epochs * run.plan.steps_per_epoch)
-        run.feed = Rollouts(recipe, run.plan, run.prompts, funcs, run.tokenizer, run.accelerator, run.dp,
-                            run.output_dir, run.watchdog.window, tooling)
-        run.stream_state = None
+        feed = Rollouts(recipe, plan, prompts, funcs, run.tokenizer, run.accelerator, run.dp, run.output_dir,
+                        run.watchdog.window, tooling)
+        stream_state = None
         if run.resume_from is not None:  # a checkpoint inside a generation window holds each rank's buffer
             saved = read_states(run.resume_from, STREAM_STATE.format(index="*"))
             if saved and saved[0]["world"] != world:
@@ -157,16 +152,17 @@ class GRPO(Objective):
                                    f"{saved[0]['world']} data-parallel ranks; its buffered rollouts are per "
                                    "data-parallel rank (a process, or a tensor-parallel group): resume with "
                                    f"{saved[0]['world']} of them, or from a checkpoint at the end of a window")
-            run.stream_state = next((state for state in saved if state["rank"] == run.dp.rank), None)
-        evaluated = (f"; each evaluation completes {len(run.eval_set)} eval prompts x {recipe.num_generations} "
-                     "(eval_rollouts.jsonl)" if run.eval_set is not None else "")
-        run.data_line = (f"({run.plan.steps_per_epoch} per epoch)",
-                         f"{len(raw)} prompts, {run.plan.prompts_per_window} per generation batch{evaluated}")
-        lengths = [len(p.ids) for p in run.prompts]
-        run.data_stats = {"sources": [{"name": source.name, "prompts": len(raw)}], "chat_template": template_note,
-                          "eval_prompts": len(run.eval_set) if run.eval_set is not None else 0,
-                          "prompt_tokens":
-                          {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)}}
+            stream_state = next((state for state in saved if state["rank"] == run.dp.rank), None)
+        evaluated = (f"; each evaluation completes {len(eval_set)} eval prompts x {recipe.num_generations} "
+                     "(eval_rollouts.jsonl)" if eval_set is not None else "")
+        line = (f"({plan.steps_per_epoch} per epoch)",
+                f"{len(raw)} prompts, {plan.prompts_per_window} per generation batch{evaluated}")
+        lengths = [len(p.ids) for p in prompts]
+        stats = {"sources": [{"name": source.name, "prompts": len(raw)}], "chat_template": template_note,
+                 "eval_prompts": len(eval_set) if eval_set is not None else 0,
+                 "prompt_tokens": {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)}}
+        return TrainingData(feed, plan, total_steps(recipe, plan), line, stats, train_set=raw, eval_set=eval_set,
+                            rows=prompts, stream_state=stream_state)
 
     def prepare(self, run):
         backend = run.backend
@@ -203,6 +199,6 @@ class GRPO(Objective):
                 f"{recipe.epsilon:g}/{recipe.epsilon_high if recipe.epsilon_high is not None else recipe.epsilon:g}, "
                 f"beta {recipe.beta:g}; reference: {ref}); sampled with {run.feed.generator.describe()}"
                 f"{self.tools_note(run)}; reward "
-                f"functions {', '.join(f.name for f in run.reward_funcs)}; each generation batch: "
+                f"functions {', '.join(f.name for f in run.feed.funcs)}; each generation batch: "
                 f"{plan.prompts_per_window} prompts x {plan.num_generations} completions, trained for "
                 f"{plan.steps_per_window} optimizer step(s); every completion in {run.output_dir / 'rollouts.jsonl'}"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from torch import nn
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches
 from hftrain.data.batching import BatchPlan, IndexedFeed
+from hftrain.data.feeds import TrainingData
 from hftrain.errors import HftrainError
 from hftrain.objectives.base import Objective
 from hftrain.objectives.preference import PreferenceLoss
@@ -237,12 +238,12 @@ class KTO(Objective):
 
     name = "kto"
 
-    def setup_data(self, run) -> None:
+    def setup_data(self, run) -> TrainingData:
         """The examples as for dpo, then the plan that pairs each row with its KL partner over the step, the
         collators that build the KL rows, and the label checks: both classes present, TRL's balance warning."""
-        run.setup_examples()
+        data = run.setup_examples()
         recipe = run.recipe
-        labels = run.train_set["desirable"]
+        labels = data.train_set["desirable"]
         desirable = int(sum(labels))
         undesirable = len(labels) - desirable
         if not desirable or not undesirable:
@@ -257,14 +258,14 @@ class KTO(Objective):
         warning = balance_warning(recipe, desirable, undesirable)
         if warning and run.accelerator.is_main_process:
             print(f"hftrain: warning: {warning}", file=sys.stderr)
-        run.plan = KTOPlan(**asdict(run.plan))
-        pad = run.collator.pad_token_id
-        run.collator = KTOCollator(run.train_set, pad, recipe.max_length)
-        if run.eval_set is not None:
-            run.eval_collator = KTOCollator(run.eval_set, pad, recipe.max_length)
-        run.feed = IndexedFeed(run.plan, run.collator, run.dp.rank, recipe.dataloader_num_workers,
-                               recipe.dataloader_pin_memory)
-        run.data_line = (run.data_line[0], f"{run.data_line[1]} ({desirable} desirable, {undesirable} undesirable)")
+        plan = KTOPlan(**asdict(data.plan))
+        pad = data.collator.pad_token_id
+        collator = KTOCollator(data.train_set, pad, recipe.max_length)
+        eval_collator = KTOCollator(data.eval_set, pad, recipe.max_length) if data.eval_set is not None \
+            else data.eval_collator
+        feed = IndexedFeed(plan, collator, run.dp.rank, recipe.dataloader_num_workers, recipe.dataloader_pin_memory)
+        line = (data.data_line[0], f"{data.data_line[1]} ({desirable} desirable, {undesirable} undesirable)")
+        return replace(data, feed=feed, plan=plan, collator=collator, eval_collator=eval_collator, data_line=line)
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> KTOLoss:
