@@ -26,6 +26,7 @@ from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
 from hftrain.loss import ObjectiveLoss
 from hftrain.model import WrapsCausalLM
+from hftrain.parallel.sequence import GroupSum
 from hftrain.rl.generation import RolloutGenerator
 from hftrain.rl.loss import (
     LossSettings,
@@ -153,8 +154,6 @@ class GRPOLoss(ObjectiveLoss):
         normalisation (parallel to `micro_batch_loss`) sees whole completions and the group counts each token once
         (and, at sequence level, each completion's mean log-ratio before its ratio is taken);
         the statistics' sums are added over the slices too. `collecting`: the whole [B, W-1] log-probs, gathered."""
-        from hftrain.parallel.sequence import GroupSum
-
         rows, width = input_ids.shape
         device = input_ids.device
 
