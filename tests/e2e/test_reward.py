@@ -17,7 +17,7 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, Run, launch, launch_env, run_script, write_jsonl
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, launch_env, run_script, write_jsonl
 from tests.model_cards import run_snippet
 
 pytestmark = pytest.mark.launch
@@ -144,6 +144,16 @@ def test_reward_step_is_the_same_over_micro_batches_and_processes(tmp_path, marg
     assert one_process.train_rows()[-1]["grad_norm"] > 0.5  # clipping was active
     for run in (accum, ddp):
         assert_same_steps(run, one_process)
+
+
+@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
+def test_reward_under_sharded_presets_equals_one_process(tmp_path, margin_pairs, one_process, preset):
+    """2 sharded processes x 2 pairs = 1 process x 4 pairs, full fine-tuning: the score head and the body
+    partitioned (ZeRO-3) or sharded (FSDP2), the same losses, statistics, clipped norms and gathered final weights."""
+    run = launch(tmp_path / "out", *margin_pairs, "--per_device_train_batch_size", "2", preset=preset, processes=2,
+                 script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY)
+    assert run.state()["launch"]["distributed_type"] == ("DEEPSPEED" if preset == "zero3" else "FSDP")
+    assert_same_steps(run, one_process)
 
 
 def test_reward_resumes_exactly(tmp_path, margin_pairs, one_process):
