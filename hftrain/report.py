@@ -173,7 +173,8 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
                 ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
         made.append(_save(fig, ax, folder / "reward_model.png", steps))
 
-    if any("entropy" in r for r in train):  # distill: the student's entropy per trained token (TRL's name)
+    grpo = any("reward_std" in r for r in train)  # grpo logs an entropy too
+    if any("entropy" in r for r in train) and not grpo:  # distill: the student's entropy per trained token (TRL's)
         fig, ax = _figure("Student entropy per trained token (distill; nats)", "entropy")
         ax.plot(*series(train, "entropy"), label="entropy", marker=".")
         if evals:
@@ -183,7 +184,7 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
                     linestyle=":")
         made.append(_save(fig, ax, folder / "distill.png", steps))
 
-    if any("reward_std" in r for r in train):  # grpo: the mean reward of each window's completions (TRL's names)
+    if grpo:  # grpo: the mean reward of each window's completions (TRL's names)
         fig, ax = _figure("Reward (grpo: mean over each step's completions)", "reward")
         steps, mean = series(train, "reward")
         _, std = series(train, "reward_std")

@@ -9,6 +9,7 @@ import sys
 import pytest
 from PIL import Image
 
+from hftrain.paths import REPORT_DIR
 from hftrain.report import step_axis_start, write_report
 from tests.conftest import REPO
 
@@ -152,6 +153,16 @@ def test_a_grpo_runs_generation_time_is_its_own_part_of_the_step(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = write_report(tmp_path).read_text()
     assert "- step time 2 s: generation 20%, data wait 5%, forward + backward 50%, optimizer 25%" in text
+
+
+def test_a_grpo_runs_entropy_is_not_drawn_as_distillation(tmp_path):
+    """grpo logs an entropy as distill does (TRL's name for both): its report has reward.png, not distill.png."""
+    rows = [{k: v for k, v in train_row(step, 1.0).items() if not k.startswith("rank1/")}
+            | {"reward": 0.1 * step, "reward_std": 0.01, "entropy": 2.0} for step in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_report(tmp_path)
+    folder = tmp_path / REPORT_DIR
+    assert (folder / "reward.png").exists() and not (folder / "distill.png").exists()
 
 
 def test_an_orpo_run_reports_its_terms(tmp_path):
