@@ -365,10 +365,29 @@ class FullStateSlices(FullTrainingState):
     (an AssertionError in `_StridedShard._shard_tensor`; the tiny model's 753-token vocabulary over 4 ranks)."""
 
     def load(self, folder: str) -> None:
+        if not os.path.exists(os.path.join(folder, FULL_STATE_FILE)):
+            self.load_whole(Path(folder))
+            return
         full = torch.load(os.path.join(folder, FULL_STATE_FILE), map_location="cpu", weights_only=True)
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # this rank's shards (DTensors)
         set_state_dict(self.model, self.optimizer, model_state_dict=_local_blocks(model_state, full["model"]),
                        optim_state_dict=_local_blocks(optimizer_state, full["optimizer"]))
+
+    def load_whole(self, folder: Path) -> None:
+        """A checkpoint of one process or DDP (accelerate's model.safetensors with the trained weights, optimizer.bin
+        numbered in the order of the optimizer's parameters, which `build_optimizer` gives every layout), read by
+        name (`stages.pipelined_state`) and cut into this rank's blocks like the full-state file: the trained weights
+        and their optimizer state; frozen weights (a LoRA base) keep what the builder loaded."""
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        number = {id(p): k for k, p in enumerate(p for group in self.optimizer.param_groups for p in group["params"])}
+        weights, moments = pipelined_state(folder, self.model,
+                                           {name: number[id(p)] for name, p in named.items() if id(p) in number})
+        options = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)  # strict: the keys below
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=options)
+        trained = trained_names(self.model)
+        model_state = {k: v for k, v in model_state.items() if k in trained}  # every one in `weights`, or refused
+        set_state_dict(self.model, self.optimizer, model_state_dict=_local_blocks(model_state, weights),
+                       optim_state_dict=_local_blocks(optimizer_state, moments), options=options)
 
 
 def _local_blocks(local, full, path: str = ""):
@@ -395,7 +414,8 @@ class FullStateCheckpoints(AccelerateCheckpoints):
     """Tensor parallelism (with data-parallel copies, FSDP2 x tp, tp x cp) and expert parallelism: the full training
     state in one file (`FullTrainingState`), gathered and re-sharded, so it does not depend on the layout; `slices`:
     each rank loads its own blocks of the full tensors (`FullStateSlices`: the FSDP2 x tp mesh, which torch's scatter
-    refuses for uneven splits). The final folder: transformers gathers the shards."""
+    refuses for uneven splits). Expert parallelism also resumes a checkpoint of one process or DDP, whose whole
+    tensors `FullStateSlices.load_whole` cuts the same way. The final folder: transformers gathers the shards."""
 
     def __init__(self, backend, slices: bool = False):
         super().__init__(backend)
@@ -411,16 +431,20 @@ class FullStateCheckpoints(AccelerateCheckpoints):
                 "save_state (FullTrainingState), which a background thread cannot run beside training")
 
     def check_resumable(self, saved_launch: dict) -> None:
-        """Full-state checkpoints (tensor or expert parallel, any sizes) only."""
-        if saved_launch["tp_size"] == 1 and saved_launch.get("ep_size", 1) == 1:
-            if self.recipe.ep_size > 1:
-                raise HftrainError(f"this checkpoint was written without tensor or expert parallelism and this run "
-                                   f"has ep_size={self.recipe.ep_size}; expert-parallel runs resume from "
-                                   "expert-parallel or tensor-parallel checkpoints (full training state) only")
+        """Full-state checkpoints (tensor or expert parallel, any sizes); under expert parallelism also those of one
+        process or DDP (accelerate's whole files)."""
+        if saved_launch["tp_size"] > 1 or saved_launch.get("ep_size", 1) > 1:
+            return
+        if self.recipe.ep_size <= 1:
             raise_tp_mismatch(1, self.recipe.tp_size)
-
-    def saved_model_keys(self, folder: Path) -> set[str] | None:
-        return None  # full state in FULL_STATE_FILE, re-sharded by set_state_dict
+        sharded = (f"pp_size={saved_launch['pp_size']}" if saved_launch.get("pp_size", 1) > 1 else
+                   "DeepSpeed" if saved_launch.get("deepspeed_config") is not None else
+                   "FSDP2" if saved_launch.get("sharded_modules") else None)
+        if sharded:
+            raise HftrainError(f"this checkpoint was written with {sharded} and this run has "
+                               f"ep_size={self.recipe.ep_size}; expert-parallel runs resume checkpoints of one "
+                               "process, DDP, expert or tensor parallelism: resume with the layout that wrote it, or "
+                               "from one of those")
 
     @contextmanager
     def resume_folder(self, model, path: Path, saved_launch: dict):

@@ -1,5 +1,5 @@
 """Expert parallelism (issue 37): `--ep_size 2` on the 2-process CPU preset (cpu_ddp, gloo's all-to-all) equals one
-process on the same global batch, and its checkpoint continues on one process.
+process on the same global batch, and checkpoints move between ep sizes.
 
 A tiny Qwen3-MoE (2 layers, 4 experts, 2 per token, router_aux_loss_coef 0.1) loads with transformers'
 `DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation="all_to_all")`: each rank holds 2 of every layer's 4
@@ -7,10 +7,11 @@ experts and sends each (token, expert) pair to its expert's rank, the dense weig
 launch (3 steps, 2 examples x 2 ranks x 2 accumulation = 8, the router loss over the whole step, a checkpoint at 2)
 against one process with 4 examples x 2 accumulation: losses, router losses, gradient norms (every step clipped at
 max_grad_norm 1.0), learning rates, token counts, the final evaluation and the final weights, which
-`from_pretrained` loads at full size (4 experts per layer). Then the launch's checkpoint-2 continues on one process and
-its step 3 and final weights equal the one-process run's. LoRA on the attention of an expert-parallel model (adapters
-whole on every rank, outside transformers' FSDP2 units, averaged over the ranks) equals one process too (2 steps).
-Five runs serve every assertion.
+`from_pretrained` loads at full size (4 experts per layer). Checkpoint 2 of each continues to step 3 on another ep
+size, equal to the uninterrupted one-process run (step 3, final evaluation, final weights): the launch's on one process
+and at ep 1 on its 2 processes (DDP), the one-process run's at ep 2. LoRA on the attention of an expert-parallel
+model (adapters whole on every rank, outside transformers' FSDP2 units, averaged over the ranks) equals one process too
+(2 steps). Eight runs serve every assertion.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ COMMON = [*TINY_CHAT, "--max_steps", "3", "--logging_steps", "1", "--save_steps"
           "--router_aux_loss_scope", "step", "--learning_rate", "1e-2", "--warmup_steps", "0",
           "--validation_split_percentage", "2"]
 ONE_PROCESS = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
-EXPERT_PARALLEL = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--ep_size", "2"]
+DATA_PARALLEL = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+EXPERT_PARALLEL = [*DATA_PARALLEL, "--ep_size", "2"]
 # lora_dropout 0: dropout draws differ between one process and two, whatever the layout
 LORA = [*TINY_CHAT, "--max_steps", "2", "--logging_steps", "1", "--router_aux_loss_scope", "step", "--learning_rate",
         "1e-2", "--warmup_steps", "0", "--validation_split_percentage", "0", "--eval_strategy", "no", "--use_peft",
@@ -95,20 +97,41 @@ def test_expert_parallel_equals_one_process(ep_run, reference):
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
 
 
-def test_its_checkpoint_continues_on_one_process(ep_run, reference, moe, tmp_path):
-    run, ref = ep_run, reference
-    folder = tmp_path / "one"
+def continued(run: Run, folder: Path, *args: str, processes: int) -> Run:
+    """`run`'s checkpoint-2 (its final folder removed) continued to step 3 with `args`, in `folder`."""
     shutil.copytree(run.output_dir, folder)
     shutil.rmtree(folder / "final")
-    resumed = run_script(folder, *COMMON, *ONE_PROCESS, "--model_name_or_path", str(moe),
-                         "--resume_from_checkpoint", "latest")
+    args = (*COMMON, *args, "--resume_from_checkpoint", "latest")
+    resumed = run_script(folder, *args) if processes == 1 else launch(folder, *args, preset="cpu_ddp",
+                                                                       processes=processes)
     assert "resuming from" in resumed.stdout and "at step 2" in resumed.stdout
-    assert resumed.state()["launch"]["ep_size"] == 1
+    return resumed
+
+
+def equals_the_uninterrupted_run(resumed: Run, ref: Run) -> None:
     again, ref_rows = resumed.train_rows(), ref.train_rows()
-    assert again[-1]["step"] == 3
+    assert [r["step"] for r in again] == [1, 2, 3]  # steps 1-2 in the metrics the checkpoint's run wrote
     for key in ("loss", "aux_loss", "grad_norm"):
         close([again[-1][key]], [ref_rows[-1][key]], 1e-4)
+    close([r["eval_loss"] for r in resumed.eval_rows()], [r["eval_loss"] for r in ref.eval_rows()], 1e-4)
     weights_close(resumed, ref, 1e-4)
+
+
+@pytest.mark.parametrize(("layout", "processes"), [(ONE_PROCESS, 1), (DATA_PARALLEL, 2)], ids=["one", "ddp"])
+def test_its_checkpoint_continues_without_expert_parallelism(ep_run, reference, moe, tmp_path, layout, processes):
+    """ep 2 -> one process, and -> ep 1 on the same 2 processes (DDP): the full state as accelerate's files."""
+    resumed = continued(ep_run, tmp_path / "resumed", *layout, "--model_name_or_path", str(moe), processes=processes)
+    assert (resumed.state()["launch"]["ep_size"], resumed.state()["launch"]["num_processes"]) == (1, processes)
+    equals_the_uninterrupted_run(resumed, reference)
+
+
+def test_a_one_process_checkpoint_continues_at_ep_2(reference, moe, tmp_path):
+    """ep 1 (one process: accelerate's whole files) -> ep 2: each rank cuts its experts and shards from them."""
+    resumed = continued(reference, tmp_path / "resumed", *EXPERT_PARALLEL, "--model_name_or_path", str(moe),
+                        processes=2)
+    assert "expert parallel (ep_size=2" in resumed.stdout
+    assert resumed.state()["launch"]["ep_size"] == 2
+    equals_the_uninterrupted_run(resumed, reference)
 
 
 def test_lora_on_the_attention_of_an_expert_parallel_model_equals_one_process(moe, tmp_path):

@@ -3,16 +3,19 @@ them, and every refusal (one problem each, before weights load). The launched ru
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import transformers
 
 from hftrain import versions
 from hftrain.config import Recipe
-from hftrain.errors import ConfigError
+from hftrain.errors import ConfigError, HftrainError
 from hftrain.estimate import estimate, model_shape
 from hftrain.fields.parallel import problems as parallel_problems
 from hftrain.metrics import num_experts
 from hftrain.parallel import ParallelDims, layout_of
+from hftrain.parallel.checkpoint_io import FullStateCheckpoints
 from hftrain.parallel.expert import expert_problems, load_kwargs
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.tensor import FSDP2TensorParallelBackend
@@ -134,3 +137,23 @@ def test_the_estimate_splits_each_layers_experts_over_ep():
     assert "4 of 8 experts per GPU" in ep.note
     assert "expert parallel" not in " ".join(estimate(shape, gpus=4, batch=1, seq=128).rows[i].strategy
                                             for i in range(3))
+
+
+SAVED = {"tp_size": 1, "ep_size": 1, "pp_size": 1, "deepspeed_config": None, "sharded_modules": []}
+
+
+@pytest.mark.parametrize(("saved", "refusal"), [
+    ({}, None),  # one process or DDP: accelerate's whole files, cut into each rank's blocks (the e2e resumes)
+    ({"ep_size": 2}, None),
+    ({"ep_size": 4, "tp_size": 2}, None),  # full training state, any sizes
+    ({"pp_size": 2}, "this checkpoint was written with pp_size=2 and this run has ep_size=2"),
+    ({"deepspeed_config": {}}, "this checkpoint was written with DeepSpeed and this run has ep_size=2"),
+    ({"sharded_modules": ["LlamaDecoderLayer"]}, "this checkpoint was written with FSDP2 and this run has ep_size=2"),
+])
+def test_an_expert_parallel_run_resumes_whole_or_full_state_checkpoints(saved, refusal):
+    checkpoints = FullStateCheckpoints(SimpleNamespace(recipe=SimpleNamespace(tp_size=1, ep_size=2)), slices=True)
+    if refusal is None:
+        checkpoints.check_resumable({**SAVED, **saved})
+        return
+    with pytest.raises(HftrainError, match=refusal):
+        checkpoints.check_resumable({**SAVED, **saved})
