@@ -7,7 +7,8 @@
 Only the model's config is read (the model is built on the meta device: no weights are downloaded).
 The numbers are a model of what training keeps in memory, per GPU, in bytes:
 
-- weights, gradients, optimizer states (AdamW: two fp32 moments), per strategy. bf16 mixed
+- weights, gradients, optimizer states (AdamW: two fp32 moments), per strategy: hftrain.memory's model, the one
+  each run's start-up line uses too (`Placement`: what a strategy shards, splits and offloads). bf16 mixed
   precision: DDP and FSDP keep fp32 weights and gradients (+ the bf16 weight copies autocast
   caches for the forward); DeepSpeed ZeRO keeps bf16 weights and gradients with fp32 master
   weights in the optimizer state (2 + 2 + 12 bytes per parameter, the ZeRO paper's model). ZeRO-1
@@ -63,6 +64,16 @@ from transformers.distributed.tensor_parallel import (
 from hftrain.compat.transformers import expanded_parallel_plan
 from hftrain.config import PRESET_DIR
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
+from hftrain.memory import (
+    ADAMW_BYTES,
+    GIB,
+    SINGLE,
+    ModelState,
+    Placement,
+    deepspeed_bytes,
+    fsdp,
+    zero,
+)
 from hftrain.metrics import active_expert_fraction, num_experts
 from hftrain.stages import STAGES_PER_PROCESS, split_layers, stage_indices
 
@@ -70,7 +81,6 @@ from hftrain.stages import STAGES_PER_PROCESS, split_layers, stage_indices
 # shards an nn.Embedding under the colwise style on the hidden dim (1) and under rowwise on the vocabulary (0) itself
 EmbeddingParallel = getattr(tensor_parallel, "EmbeddingParallel", None)
 
-GIB = 2**30  # the one unit for memory sizes (parallel/base.py imports it)
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit weights, 8-bit absmax per 64 weights, fp32 absmax per 256 blocks
 CUDA_OVERHEAD_GIB = 1.0
 USABLE_FRACTION = 0.9
@@ -569,6 +579,15 @@ class Row:
     backward_floor: float  # activations still held when the gradients are (nearly) complete
     cpu: float = 0.0  # offloaded bytes in CPU memory, per GPU
     note: str = ""
+    placement: Placement = SINGLE  # how the strategy spreads the model state (hftrain.memory)
+    copy_bytes: float = 4  # bytes per weight of a frozen copy beside it (a reference, a teacher)
+
+    def add_frozen(self, params: int, bytes_per_weight: float) -> None:
+        """A frozen copy of `params` weights (dpo's / kto's reference, distill's teacher), placed as the strategy
+        places its weights (`Placement.frozen`)."""
+        held = self.placement.frozen(bytes_per_weight * params)
+        self.weights += held.weights
+        self.cpu += held.cpu
 
     def peak(self, checkpointing: bool) -> float:
         """Weights and optimizer state, plus the larger of: everything saved when backward starts, or the
@@ -619,92 +638,88 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     act = activation_bytes(shape, rows_per_step, seq, compute, residual, checkpointing=False)
     act_ckpt = activation_bytes(shape, rows_per_step, seq, compute, residual, checkpointing=True)
     floor = backward_floor_bytes(shape, rows_per_step, seq, compute, residual)
-    reference = 4 * n if objective in ("dpo", "kto") else 0  # the frozen copy keeps the loaded (fp32) weights
+    activations = (act, act_ckpt, floor)
     copy_note = f"with {objective}'s frozen reference copy" + ("; precompute_ref_log_probs needs none"
                                                               if objective == "dpo" else "")
+    # the model state per GPU is hftrain.memory's (the run's start-up line computes it alike); what a strategy holds
+    # beyond it is added here by name
+    fp32 = ModelState.of(n, n, 4, ADAMW_BYTES)  # DDP and FSDP: fp32 weights and gradients, AdamW's two moments
+    w16, master = deepspeed_bytes(4, ADAMW_BYTES, mixed)  # ZeRO: 16-bit weights, fp32 master weights in the state
+    zero_state = ModelState.of(n, n, w16, master)
     autocast_copy = 2 * n if mixed else 0  # bf16 weight copies autocast keeps for the forward
     bucket = 4 * n if g > 1 else 0  # DDP all-reduce buckets (a second copy of the gradients)
     unit = shape.largest_layer_params
-    rows = [Row("DDP" if g > 1 else "single GPU", "multi_gpu" if g > 1 else "single_gpu", "full",
-                4 * n + autocast_copy + reference, 4 * n + bucket, 8 * n, act, act_ckpt, floor,
-                note=copy_note if reference else "")]
+    in_flight = 2 * unit * w16  # ZeRO-3 / FSDP: the two layers gathered for compute (with prefetch), 16-bit
+
+    def row(strategy, preset, state, placement, weights=0.0, grads=0.0, method="full", copies=4, note="", acts=None):
+        """A strategy's row: `state` placed by `placement`, plus what it holds beyond the model state (`weights`,
+        `grads`); a frozen copy (reference, teacher) would hold `copies` bytes per weight, placed alike."""
+        held = placement.per_device(state)
+        return Row(strategy, preset, method, held.weights + weights, held.gradients + grads, held.optimizer,
+                   *(acts or activations), cpu=held.cpu, note=note, placement=placement, copy_bytes=copies)
+
+    rows = [row("DDP" if g > 1 else "single GPU", "multi_gpu" if g > 1 else "single_gpu", fp32, SINGLE,
+                weights=autocast_copy, grads=bucket)]
     if g > 1:
-        w16, in_flight = (2, 2 * unit * 2) if mixed else (4, 2 * unit * 4)  # two gathered layers
-        master = 12 if mixed else 8
         rows += [
-            Row("ZeRO-1", "zero1", "full", w16 * n, w16 * n, master * n / g, act, act_ckpt, floor),
-            Row("ZeRO-2", "zero2", "full", w16 * n, w16 * n / g, master * n / g, act, act_ckpt, floor),
-            Row("FSDP full shard", "fsdp2", "full", 4 * n / g + in_flight, 4 * n / g + unit * 4, 8 * n / g, act,
-                act_ckpt, floor),
-            Row("ZeRO-3", "zero3", "full", w16 * n / g + in_flight, w16 * n / g, master * n / g, act, act_ckpt, floor),
+            row("ZeRO-1", "zero1", zero_state, zero(1, g), copies=w16),
+            row("ZeRO-2", "zero2", zero_state, zero(2, g), copies=w16),
+            row("FSDP full shard", "fsdp2", fp32, fsdp(g), weights=in_flight, grads=unit * 4),
+            row("ZeRO-3", "zero3", zero_state, zero(3, g), weights=in_flight, copies=w16),
         ]
         if sp > 1 and ulysses_splits(shape.heads, shape.kv_heads, sp):
             # each GPU holds the activations of its 1/sp slice of every sequence, plus per layer the all-to-all
             # outputs (whole-sequence q, k, v and attention output for heads/sp heads: as large as the slice's own;
             # measured in docs/long-context.md). Under checkpointing only the recomputed layer has them.
             exchange = rows_per_step * seq // sp * (2 * shape.hidden + 2 * shape.kv_dim) * compute
-            rows.append(Row(f"ZeRO-3 + Ulysses sequence parallel sp={sp}", "zero3_sp", "full",
-                            w16 * n / g + in_flight, w16 * n / g, master * n / g, act / sp + shape.layers * exchange,
-                            act_ckpt / sp + exchange, floor / sp + exchange,
+            rows.append(row(f"ZeRO-3 + Ulysses sequence parallel sp={sp}", "zero3_sp", zero_state, zero(3, g),
+                            weights=in_flight, copies=w16,
+                            acts=(act / sp + shape.layers * exchange, act_ckpt / sp + exchange, floor / sp + exchange),
                             note=f"{g // sp} data-parallel copies of {sp}-GPU sequence groups"))
-        if ep > 1:
+        if ep > 1:  # a layer's dense weights gathered whole, but only its own 1/ep of the experts
             expert_unit = unit - shape.layer_expert_params + shape.layer_expert_params // ep
-            rows.append(Row(f"FSDP full shard + expert parallel ep={ep}", "multi_gpu", "full",
-                            4 * n / g + 2 * expert_unit * (2 if mixed else 4), 4 * n / g + expert_unit * 4, 8 * n / g,
-                            act, act_ckpt, floor,
+            rows.append(row(f"FSDP full shard + expert parallel ep={ep}", "multi_gpu", fp32, fsdp(g),
+                            weights=2 * expert_unit * (2 if mixed else 4), grads=expert_unit * 4,
                             note=f"ep_size: {ep} ({shape.experts // ep} of {shape.experts} experts per GPU; "
                                  "any DDP-type or FSDP2 preset)"))
         if sp > 1:  # the ring: 1/cp of the activations; while one layer's attention runs, the key/value block it
             # attends to and the next one arriving (both of 1/cp of the sequence), any head count
             ring = rows_per_step * seq // sp * 2 * shape.kv_dim * compute * 2
-            rows.append(Row(f"FSDP full shard + ring attention context parallel cp={sp}", "fsdp2_cp", "full",
-                            4 * n / g + in_flight, 4 * n / g + unit * 4, 8 * n / g, act / sp + ring,
-                            act_ckpt / sp + ring, floor / sp + ring,
+            rows.append(row(f"FSDP full shard + ring attention context parallel cp={sp}", "fsdp2_cp", fp32, fsdp(g),
+                            weights=in_flight, grads=unit * 4, acts=(act / sp + ring, act_ckpt / sp + ring,
+                                                                     floor / sp + ring),
                             note=f"{g // sp} data-parallel copies of {sp}-GPU context groups; sdpa, no packing"))
-    w16 = 2 if mixed else 4
     rows += [
-        Row("ZeRO-2 + optimizer offload", "zero2_offload", "full", w16 * n, w16 * n / g, 0, act, act_ckpt, floor,
-            cpu=(12 if mixed else 8) * n / g),
-        Row("ZeRO-3 + parameter and optimizer offload", "zero3_offload", "full", 2 * unit * w16, unit * w16, 0,
-            act, act_ckpt, floor, cpu=(w16 + (12 if mixed else 8)) * n / g),
+        row("ZeRO-2 + optimizer offload", "zero2_offload", zero_state, zero(2, g, ("optimizer",)), copies=w16),
+        row("ZeRO-3 + parameter and optimizer offload", "zero3_offload", zero_state,
+            zero(3, g, ("weights", "optimizer")), weights=in_flight, copies=w16),
     ]
     adapters = shape.lora_params_per_rank * lora_r
     base = 2 if mixed else 4
     others = n - shape.layer_linear_params
     lora_preset = "multi_gpu" if g > 1 else "single_gpu"
+    trained = ModelState(4 * adapters, 4 * adapters, ADAMW_BYTES * adapters)  # fp32 adapters beside a frozen base
     rows += [
-        Row(f"LoRA r={lora_r} ({'DDP' if g > 1 else 'single GPU'})", lora_preset, "lora",
-            base * n + 4 * adapters, 4 * adapters * (2 if g > 1 else 1), 8 * adapters, act, act_ckpt, floor,
+        row(f"LoRA r={lora_r} ({'DDP' if g > 1 else 'single GPU'})", lora_preset,
+            ModelState(base * n + trained.weights, trained.gradients, trained.optimizer), SINGLE,
+            grads=trained.gradients if g > 1 else 0, method="lora", copies=base,
             note=f"{adapters / 1e6:,.1f}M adapter parameters"),
-        Row(f"QLoRA r={lora_r} ({'DDP' if g > 1 else 'single GPU'})", lora_preset, "qlora",
-            NF4_BYTES * shape.layer_linear_params + 4 * others + 4 * adapters + 2 * unit,
-            4 * adapters * (2 if g > 1 else 1), 8 * adapters, act, act_ckpt, floor, note="base in 4-bit NF4"),
+        row(f"QLoRA r={lora_r} ({'DDP' if g > 1 else 'single GPU'})", lora_preset,
+            ModelState(NF4_BYTES * shape.layer_linear_params + 4 * others + trained.weights, trained.gradients,
+                       trained.optimizer), SINGLE,
+            weights=2 * unit, grads=trained.gradients if g > 1 else 0, method="qlora", copies=base,
+            note="base in 4-bit NF4"),  # + one layer dequantized for compute
     ]
-    if reference:
-        w16 = 2 if mixed else 4
-        copies = {"ZeRO-1": w16 * n, "ZeRO-2": w16 * n, "ZeRO-2 + optimizer offload": w16 * n,
-                  "ZeRO-3": w16 * n / g, "FSDP full shard": 4 * n / g}
-        for row in rows[1:]:
-            if row.method == "full":
-                if row.strategy in copies:
-                    row.weights += copies[row.strategy]
-                else:
-                    row.cpu += w16 * n / g  # parameter offload keeps the reference's partitions in host memory
-                row.note = copy_note
+    if objective in ("dpo", "kto"):  # the frozen reference of full fine-tuning; LoRA's is the base, adapters off
+        for r in rows:
+            if r.method == "full":
+                r.add_frozen(n, r.copy_bytes)  # DDP / FSDP: the loaded fp32 weights; ZeRO: the engine's
+                r.note = copy_note
     if teacher is not None:
-        t, w16 = teacher.params, 2 if mixed else 4
-        placed = {"ZeRO-1": w16 * t, "ZeRO-2": w16 * t, "ZeRO-2 + optimizer offload": w16 * t, "ZeRO-3": w16 * t / g,
-                  "FSDP full shard": 4 * t / g}
-        for row in rows:
-            if row.method != "full":
-                row.weights += (2 if mixed else 4) * t
-            elif row.strategy in placed:
-                row.weights += placed[row.strategy]
-            elif row.strategy.startswith("ZeRO-3 + parameter"):
-                row.cpu += w16 * t / g
-            else:
-                row.weights += 4 * t
-            row.note = "; ".join(filter(None, [row.note, f"with the {t / 1e9:,.2f}B-parameter teacher"]))
+        t = teacher.params
+        for r in rows:
+            r.add_frozen(t, r.copy_bytes)
+            r.note = "; ".join(filter(None, [r.note, f"with the {t / 1e9:,.2f}B-parameter teacher"]))
     return Plan(shape, gpus, batch, seq, precision, lora_r, rows, sp)
 
 

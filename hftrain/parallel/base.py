@@ -22,12 +22,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
-from hftrain.estimate import GIB
+from hftrain.memory import GIB, PARTS, ModelState, Placement, optimizer_bytes
 from hftrain.metrics import param_checksum
 from hftrain.model import DTYPES, parameter_count
 from hftrain.parallel.checkpoint_io import AccelerateCheckpoints
 
-ALL_PARTS = ("weights", "gradients", "optimizer")  # the model state: what ZeRO-3 / FULL_SHARD split
+ALL_PARTS = PARTS  # the model state: what ZeRO-3 / FULL_SHARD split
 
 
 @dataclass(frozen=True)
@@ -364,33 +364,32 @@ class Backend:
 
     # ------------------------------------------------------------------ memory
     def bytes_per_param(self) -> tuple[int, int]:
-        """(w, k): bytes per weight (and per gradient), optimizer-state bytes per trained parameter (AdamW: two fp32
-        moments, 8; SGD with momentum: 4)."""
-        w = DTYPES[self.recipe.dtype].itemsize
-        return w, 8 if self.recipe.optim in TORCH_ADAMW else 4 if self.recipe.sgd_momentum > 0 else 0
+        """(w, k): bytes per weight (and per gradient), optimizer-state bytes per trained parameter
+        (`memory.optimizer_bytes`)."""
+        return DTYPES[self.recipe.dtype].itemsize, optimizer_bytes(self.recipe.optim in TORCH_ADAMW,
+                                                                   self.recipe.sgd_momentum)
 
     def shard_count(self) -> int:
         """Processes the parts in `record.sharded` are split over."""
         return self.accelerator.num_processes
+
+    def placement(self) -> Placement:
+        """How this layout spreads the model state (hftrain.memory): the parts in `record.sharded` over
+        `shard_count()` processes, the others over the processes that split the model itself (`record.model_shards`:
+        tensor-parallel shards and pipeline stages; under FSDP2 SHARD_GRAD_OP with tp or pp each rank keeps its
+        shard's or its stage's weights whole, not the model's), those in `record.offloaded` in CPU RAM."""
+        return Placement(self.shard_count(), self.record.model_shards, self.record.sharded, self.record.offloaded)
 
     def equal_work_groups(self) -> list[list[int]] | None:
         """Groups of ranks that do the same work each step, among which the straggler check compares (None: all)."""
         return None
 
     def memory(self, n_trainable: int, n_params: int) -> dict:
-        """Model-state memory per device for this layout (activations and buffers not included).
-
-        ZeRO paper accounting, with P parameters of which T are trained: weights w*P, gradients w*T, optimizer state
-        k*T (`bytes_per_param`). The parts in `record.sharded` are split over `shard_count()` processes, the others
-        over the processes that split the model itself (`record.model_shards`: tensor-parallel shards and pipeline
-        stages; under FSDP2 SHARD_GRAD_OP with tp or pp each rank keeps its shard's or its stage's weights whole, not
-        the model's), and those in `record.offloaded` live in CPU RAM instead."""
+        """Model-state memory per device for this layout (activations and buffers not included): hftrain.memory's
+        model (the one `hftrain estimate` uses) on this backend's facts, `bytes_per_param` and `placement`."""
         w, k = self.bytes_per_param()
-        parts = {"weights": w * n_params, "gradients": w * n_trainable, "optimizer": k * n_trainable}
-        per_device = {p: b // (self.shard_count() if p in self.record.sharded else self.record.model_shards)
-                      for p, b in parts.items()}
-        on_device = sum(b for p, b in per_device.items() if p not in self.record.offloaded)
-        on_cpu = sum(b for p, b in per_device.items() if p in self.record.offloaded)
+        held = self.placement().per_device(ModelState.of(n_params, n_trainable, w, k))
+        on_device, on_cpu = held.on_device, held.cpu
         device_memory = device_memory_bytes(self.accelerator, self.accelerator.num_processes)
         sp = self.record.sequence_shards  # sequence/context parallel: each device holds 1/sp of every sequence
         tokens = self.recipe.per_device_train_batch_size * self.recipe.max_length // sp

@@ -18,6 +18,7 @@ import torch
 
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
+from hftrain.memory import deepspeed_bytes
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
 from hftrain.parallel.checkpoint_io import DeepSpeedCheckpoints
 
@@ -233,9 +234,8 @@ class DeepSpeedBackend(Backend):
 
     def bytes_per_param(self) -> tuple[int, int]:
         """In 16-bit mixed precision DeepSpeed holds 16-bit weights and gradients and an fp32 master copy (4 bytes)
-        in the optimizer state."""
-        w, k = super().bytes_per_param()
-        return (2, k + 4) if self.recipe.bf16 or self.recipe.fp16 else (w, k)
+        in the optimizer state (`memory.deepspeed_bytes`)."""
+        return deepspeed_bytes(*super().bytes_per_param(), self.recipe.bf16 or self.recipe.fp16)
 
     def config_used(self) -> dict | None:
         return self.config
