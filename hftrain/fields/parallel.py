@@ -107,18 +107,12 @@ def problems(r) -> list[str]:
 
 
 def _sequence_objective_problems(r) -> list[str]:
-    """sp_size / cp_size with an objective other than sft. grpo under sp_size: generation and the reference see
-    whole sequences on every rank of the group, the loss slices the tokens and their per-token weights
-    (hftrain.parallel.sequence, `GRPOLoss.sliced_forward`)."""
+    """sp_size / cp_size with an objective other than sft. grpo under sp_size or cp_size: generation and the reference
+    see whole sequences on every rank of the group, the loss shards the tokens and their per-token weights
+    (hftrain.parallel.sequence / context, `GRPOLoss.sliced_forward`). grpo under tp x cp is refused with every
+    objective but sft under FSDP2 x TP (the preflight's `fsdp2_tensor_parallel_problems`)."""
     problems = []
-    if r.cp_size > 1 and r.objective == "grpo":
-        problems.append(f"cp_size={r.cp_size} with objective=grpo is not supported: torch's ring attention shards "
-                        "each micro-batch inside a context around the forward and backward, and generate (whole "
-                        "sequences on every rank, a growing KV cache) and the per-token weights (advantages, old and "
-                        "reference log-probs, sharded by the load balancer's head-tail chunks) are not yet laid out "
-                        "for it; for long rollouts use sp_size with the cpu_sp / zero3_sp presets, or data "
-                        "parallelism")
-    elif r.cp_size > 1 and r.objective != "sft":
+    if r.cp_size > 1 and r.objective not in ("sft", "grpo"):
         problems.append(f"cp_size={r.cp_size} with objective={r.objective} is not supported: preference losses need "
                         "each row's whole log-probability on one process; use data parallelism")
     if r.sp_size > 1 and r.objective not in ("sft", "grpo"):

@@ -175,6 +175,7 @@ class GRPO(Objective):
         feed = run.feed
         feed.model, feed.loss_fn = run.model, run.token_loss
         feed.whole_sequences = backend.whole_sequences
+        feed.micro_batch = backend.micro_batch
         feed.generator = build_generator(run.recipe, backend, run.model, run.token_loss.lm, run.accelerator,
                                          feed.sampling, feed.eos_ids, feed.pad_id)
         if feed.tooling is not None:  # a tool result may not push a sequence past the model's context (TRL's rule)

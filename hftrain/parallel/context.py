@@ -17,6 +17,12 @@ hooks drop the model's attention mask for `is_causal`. That is plain causal atte
   replicas = cp), as for a sequence- or tensor-parallel group. FSDP2's gradient mean over all dp x cp processes then
   leaves the gradient of one process with the same batch (parallel/sequence.py has the arithmetic).
 
+GRPO (objective grpo), as under sequence parallelism: generation and the reference's log-probs run outside the ring's
+context, on whole sequences on every rank of the group (its ranks share one data-parallel rank, so they sample the same
+completions); the loss module's `sliced_forward` shards its own per-token inputs (targets, completion and tool masks,
+advantages, old and reference log-probs) with the tokens, in the ring's layout (`RingSlices`), and only the forward and
+backward of the policy (and the stored old log-probs' forward) run inside the ring's context.
+
 `RingAttention` is the transform hftrain.parallel applies for `cp_size` over the FSDP2 backend, or, with tensor
 parallelism too (tp x cp), over the FSDP2 x TP backend, where the same ring runs on hftrain's own ("dp", "cp", "tp")
 mesh, since accelerate's mesh comes with its broken TP preparation (see the class).
@@ -29,9 +35,11 @@ torch's own ring with the CPU flash kernel: tests/launchers/context_parallel_on_
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate.utils import TorchContextParallelConfig
 from torch.distributed.device_mesh import init_device_mesh
@@ -68,6 +76,56 @@ def ring_inputs(batch: dict[str, torch.Tensor], cp: int) -> dict[str, torch.Tens
             "position_ids": positions.repeat(rows, 1)}
 
 
+def ring_width(width: int, cp: int) -> int:
+    """A row's width padded to the load balancer's 2 x cp chunks."""
+    return width + (-width % (2 * cp))
+
+
+@dataclasses.dataclass(frozen=True)
+class RingSlices:
+    """This rank's share of a micro-batch as the ring lays it out: each row padded to a multiple of 2 x cp, cut into
+    2 x cp chunks along the sequence, chunks `rank` and 2 x cp - 1 - `rank` this rank's (torch's head-tail load
+    balancer, which its ring's causal arithmetic assumes). `SequenceSlices`' interface, for loss modules that shard
+    their own per-token inputs (grpo's `GRPOLoss.sliced_forward`); rows stay rows ([rows, 2 x chunk] per rank)."""
+
+    group: object
+    cp: int
+    rank: int
+
+    def index(self, width: int, device) -> torch.Tensor:
+        """The positions of a padded row this rank holds, in order."""
+        chunk = ring_width(width, self.cp) // (2 * self.cp)
+        head = torch.arange(self.rank * chunk, (self.rank + 1) * chunk, device=device)
+        tail = torch.arange((2 * self.cp - 1 - self.rank) * chunk, (2 * self.cp - self.rank) * chunk, device=device)
+        return torch.cat([head, tail])
+
+    def local(self, tensor: torch.Tensor, fill=0) -> torch.Tensor:
+        """[rows, width] -> this rank's [rows, 2 x chunk], the padding `fill`."""
+        width = tensor.shape[1]
+        padded = F.pad(tensor, (0, ring_width(width, self.cp) - width), value=fill)
+        return padded[:, self.index(width, tensor.device)]
+
+    def positions(self, rows: int, width: int, device) -> torch.Tensor:
+        """This rank's position_ids: the row's own, the padding repeating its last (as `ring_inputs`)."""
+        whole = torch.arange(ring_width(width, self.cp), device=device).clamp(max=width - 1)
+        return whole[self.index(width, device)].expand(rows, -1)
+
+    def gather(self, local: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+        """The inverse of `local` over the group, without gradient: every rank's chunks -> [rows, width]."""
+        pieces = [torch.empty_like(local) for _ in range(self.cp)]
+        dist.all_gather(pieces, local.contiguous(), group=self.group)
+        order = torch.cat([dataclasses.replace(self, rank=r).index(width, local.device) for r in range(self.cp)])
+        whole = torch.empty(rows, ring_width(width, self.cp), dtype=local.dtype, device=local.device)
+        whole[:, order] = torch.cat(pieces, dim=1)
+        return whole[:, :width]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A statistic's sum over the group's shards (no gradient)."""
+        total = tensor.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        return total
+
+
 class RingAttention(Transform):
     """Context parallelism over an FSDP2 backend: each sequence split over the `cp_size` consecutive ranks of a
     context group, through torch's ring attention. The CPU kernel checked when built; the context group's loss
@@ -99,6 +157,7 @@ class RingAttention(Transform):
                 f"(flash, memory-efficient, cuDNN) and has no entry for {CPU_SDPA}; run cp on CUDA GPUs, or use "
                 "sp_size with the cpu_sp preset on CPU (docs/long-context.md)")
         self.mesh = None  # alone: accelerate's
+        self.slices: RingSlices | None = None  # a loss module sharding its own inputs (grpo): set by apply
         if tp > 1:
             world = accelerator.num_processes
             self.mesh = init_device_mesh(accelerator.device.type, (world // (self.cp * tp), self.cp, tp),
@@ -110,12 +169,18 @@ class RingAttention(Transform):
         return dataclasses.replace(record, name=name, cp_size=self.cp)
 
     def apply(self, model) -> None:
-        if self.mesh is None:
-            group = self.backend.accelerator.torch_device_mesh["cp"].get_group()
-        else:
+        """The loss module's forward on this rank's shards: its own `sliced_forward` where it shards per-token inputs
+        of its own (grpo), with `RingSlices`; else its forward on the buffers `micro_batch` shards, the group's loss
+        summed."""
+        mesh = self.backend.accelerator.torch_device_mesh["cp"] if self.mesh is None else self.mesh["cp"]
+        if self.mesh is not None:
             set_ring_rotate_method(TorchContextParallelConfig().cp_comm_strategy)  # accelerate's default or env
             attach_context_parallel_hooks(model)  # accelerate's: the attention mask dropped for is_causal
-            group = self.mesh["cp"].get_group()
+        group = mesh.get_group()
+        if hasattr(model, "sliced_forward"):
+            self.slices = RingSlices(group, self.cp, mesh.get_local_rank())
+            model.forward = functools.partial(model.sliced_forward, self.slices)
+            return
         forward = model.forward
 
         def group_loss(**inputs) -> torch.Tensor:
@@ -135,6 +200,14 @@ class RingAttention(Transform):
 
     @contextmanager
     def micro_batch(self, batch: dict[str, torch.Tensor]):
+        if self.slices is not None:
+            # the loss module shards its own inputs (`RingSlices`); the ring's context routes its attention. torch
+            # turns the load balancer on for the buffers' length (its causal ring arithmetic reads that flag): one
+            # throwaway buffer of the padded width, sharded like the rows
+            width = ring_width(batch["input_ids"].shape[1], self.cp)
+            with self.ring_context([torch.empty(1, width, device=batch["input_ids"].device)]):
+                yield batch
+            return
         inputs = ring_inputs(batch, self.cp)
         with self.ring_context(list(inputs.values())):
             yield inputs

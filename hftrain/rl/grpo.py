@@ -145,7 +145,9 @@ class GRPOLoss(ObjectiveLoss):
                        old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
                        sampling_weights: torch.Tensor | None = None) -> torch.Tensor:
         """`forward` on this rank's slice of the micro-batch under sequence parallelism (hftrain.parallel.sequence,
-        `SequenceSlices`: the rows concatenated and cut into sp pieces), returning the group's whole loss sum.
+        `SequenceSlices`: the rows concatenated and cut into sp pieces) or context parallelism
+        (hftrain.parallel.context, `RingSlices`: each row cut into the ring's head-tail chunks, run inside its
+        context), returning the group's whole loss sum.
 
         Each position predicts the next token, so every per-token input is laid out per predicting position ([B, W]:
         the [B, W-1] tensors padded with one untrained column) and sliced with the tokens: the targets, the mask, the
@@ -176,7 +178,7 @@ class GRPOLoss(ObjectiveLoss):
         log_ratio = None
         if self.settings.importance_sampling_level == "sequence":  # each completion's mean over all its slices
             local = torch.zeros(rows, dtype=logps.dtype, device=device).index_add(
-                0, row_of[0], ((logps - (logps.detach() if old is None else old)) * mask)[0])
+                0, row_of.flatten(), ((logps - (logps.detach() if old is None else old)) * mask).flatten())
             per_row = GroupSum.apply(local, slices.group) / whole_mask.sum(-1).clamp(min=1).to(logps.dtype)
             log_ratio = per_row[row_of]
         loss, ratio, kl = per_token_loss(logps, old, None if ref_logps is None else spread(ref_logps), adv, mask,
@@ -192,7 +194,8 @@ class GRPOLoss(ObjectiveLoss):
             for name, (value, count) in clip_statistics(torch.exp(per_row.detach())[:, None], advantages,
                                                         whole_mask, self.settings).items():
                 self._add(name, value, count)
-        summed = torch.zeros(rows, dtype=loss.dtype, device=device).index_add(0, row_of[0], (loss * mask)[0])
+        summed = torch.zeros(rows, dtype=loss.dtype, device=device).index_add(0, row_of.flatten(),
+                                                                              (loss * mask).flatten())
         # Collective that changes the number: each completion's loss sum over the group's slices, differentiable
         # (its backward hands each slice sp x its gradient, undone by the strategy's mean over all processes)
         return aggregate(GroupSum.apply(summed, slices.group), whole_mask, self.settings)
@@ -237,8 +240,10 @@ class Rollouts:
         # module, and the generator that samples the completions (rl.generation.build_generator)
         self.model = self.loss_fn = None
         self.generator: RolloutGenerator | None = None
-        # the backend's context for forwards over whole sequences on every rank (sequence parallelism's reference)
+        # the backend's context for forwards over whole sequences on every rank (sequence parallelism's reference),
+        # and its context around a micro-batch's forward through the loss module (context parallelism's ring)
         self.whole_sequences: Callable[[], AbstractContextManager] = nullcontext
+        self.micro_batch: Callable[[dict], AbstractContextManager] = nullcontext
         # The loop's data vote: set on every rank when a reward function failed on any rank (generate), so that all
         # ranks stop at the same step with a checkpoint instead of waiting in a collective until ddp_timeout.
         self.stop_reason: str | None = None
@@ -508,7 +513,8 @@ class Rollouts:
         if self.store_old:
             self.loss_fn.collecting = True
             try:
-                out["old_logps"] = self.model(**inputs).cpu()
+                with self.micro_batch(inputs) as sharded:  # context parallelism: inside the ring's context
+                    out["old_logps"] = self.model(**sharded).cpu()
             finally:
                 self.loss_fn.collecting = False
         if self.loss_fn.reference is not None:

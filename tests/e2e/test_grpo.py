@@ -1,11 +1,11 @@
 """objective grpo end to end on the tiny model: the shipped recipe learns (its mean reward rises), every completion
 is in rollouts.jsonl, TRL's metric names are logged; the first optimizer step equals the same step written in plain
 PyTorch from the rollouts' tokens; accumulation 1 x 8 == 4 x 2 == 2 processes x 2 x 2, the 2 processes generating
-under DDP, ZeRO-3 and FSDP2, == tensor parallelism over 2 processes == Ulysses sequence parallelism over 2 (each
-rank sampling the whole completions, training on its slice); a SIGTERM inside a generation window resumes
-exactly; LoRA with beta > 0 trains against the adapter-off model (step 2 recomputed with peft), and
-log_completions' W&B table (offline) holds rollouts.jsonl's rows; bad input (use_vllm included) is refused in one
-paragraph before the model loads.
+under DDP, ZeRO-3 and FSDP2, == tensor parallelism over 2 processes == Ulysses sequence parallelism over 2 == ring
+attention context parallelism over 2 (each rank sampling the whole completions, training on its slice); a SIGTERM
+inside a generation window resumes exactly; LoRA with beta > 0 trains against the adapter-off model (step 2
+recomputed with peft), and log_completions' W&B table (offline) holds rollouts.jsonl's rows; bad input (use_vllm
+included) is refused in one paragraph before the model loads.
 
 Runs are shared by the assertions (module fixtures); each is 2-3 steps of 8 completions of <= 6 tokens, with SGD: its
 update is proportional to the gradient, where AdamW's first step (g / (|g| + eps)) would blow a float rounding
@@ -34,6 +34,7 @@ from tests.model_cards import check_card
 from tests.wandb_records import summary
 
 TINY = str(REPO / "models" / "tiny-llama")
+CP_LAUNCHER = REPO / "tests" / "launchers" / "context_parallel_on_cpu.py"  # FSDP2 and the ring's CPU kernel
 DATA = REPO / "data" / "prompt_completion.jsonl"
 REWARD = "hftrain.rl.example_rewards.vowel_share"
 BASE = ["--model_name_or_path", TINY, "--dataset_name", str(DATA),
@@ -140,6 +141,10 @@ def runs(tmp_path_factory, ending_model):
         # sequence parallelism (DeepSpeed Ulysses, sp_size 2): both ranks sample the same 8 completions whole, then
         # each trains on its half of every micro-batch's concatenated rows
         "sp": launch(tmp / "sp", *base, *ONE_BY_EIGHT, "--sp_size", "2", preset="cpu_sp"),
+        # context parallelism (torch's ring attention under FSDP2, cp_size 2): both ranks sample the same 8
+        # completions whole, then each trains on its head-tail chunks of every row, inside the ring's context
+        "cp": launch(tmp / "cp", *base, *ONE_BY_EIGHT, "--cp_size", "2", preset="fsdp2_cp", processes=2,
+                     script=CP_LAUNCHER),
         # LoRA with beta 0.5: the reference is the adapter-off model; 1x8 also logs to W&B offline with
         # log_completions and keeps every step's checkpoint
         "grpo-1x8": run_script(tmp / "grpo-1x8", *base, *ONE_BY_EIGHT, "--loss_type", "grpo", *LORA,
@@ -319,12 +324,14 @@ def test_second_iteration_uses_the_stored_log_probs_and_the_reference(runs, endi
 
 
 LAUNCHED = {"2procs": ("MULTI_CPU", "DistributedDataParallel"), "zero3": ("DEEPSPEED", "DeepSpeedEngine"),
-            "fsdp2": ("FSDP", "FSDPGRPOLoss"), "tp": ("MULTI_CPU", "GRPOLoss"), "sp": ("DEEPSPEED", "DeepSpeedEngine")}
+            "fsdp2": ("FSDP", "FSDPGRPOLoss"), "tp": ("MULTI_CPU", "GRPOLoss"), "sp": ("DEEPSPEED", "DeepSpeedEngine"),
+            "cp": ("FSDP", "FSDPGRPOLoss")}
 
 
 @pytest.mark.parametrize("loss_type, one, other", [("dapo", "1x8", "4x2"), ("dapo", "1x8", "2procs"),
                                                    ("dapo", "1x8", "zero3"), ("dapo", "1x8", "fsdp2"),
                                                    ("dapo", "1x8", "tp"), ("dapo", "1x8", "sp"),
+                                                   ("dapo", "1x8", "cp"),
                                                    ("grpo", "grpo-1x8", "grpo-4x2")])
 def test_accumulation_and_processes_give_the_same_training(runs, loss_type, one, other):
     """The same completions are sampled (seeded per prompt group), the same advantages computed and the same
@@ -352,6 +359,10 @@ def test_accumulation_and_processes_give_the_same_training(runs, loss_type, one,
             assert info["sp_size"] == 2 and b.state()["parallelism"]["dp_world"] == 1
             assert "Ulysses sequence parallel (sp_size=2)" in info["parallelism"]
             assert_rows_of_unequal_length(b)
+        if other == "cp":  # the stored old log-probs' forward runs inside the ring too, gathered back whole
+            assert info["cp_size"] == 2 and b.state()["parallelism"]["dp_world"] == 1
+            assert "ring attention context parallel (cp_size=2)" in info["parallelism"]
+            assert_rows_padded_for_the_ring(b)
         if other == "fsdp2":
             assert info["sharded_modules"] == ["FSDPGRPOLoss", "FSDPLlamaDecoderLayer"]  # generate's weights: shards
             assert_one_rank_ended_first(b)
@@ -372,6 +383,17 @@ def assert_rows_of_unequal_length(run) -> None:
     for r in rollouts(run):
         lengths.setdefault(r["step"], set()).add(len(r["completion_ids"]))
     assert any(len(found) > 1 for found in lengths.values()), lengths
+
+
+def assert_rows_padded_for_the_ring(run) -> None:
+    """Some step's micro-batch (its rows as long as its longest) is not a multiple of 2 x cp = 4 tokens wide, so the
+    ring's rows were padded with untrained positions, and some completions ended early (the right padding inside a
+    row is sharded with it)."""
+    widths = {}
+    for r in rollouts(run):
+        widths[r["step"]] = max(widths.get(r["step"], 0), len(r["prompt_ids"]) + len(r["completion_ids"]))
+    assert any(width % 4 for width in widths.values()), widths
+    assert_rows_of_unequal_length(run)
 
 
 def assert_one_rank_ended_first(run) -> None:

@@ -500,13 +500,13 @@ def test_an_error_every_process_meets_is_left_to_each_machines_first_process(mon
     assert waits == [errors.ALIKE_WAIT_SECONDS] and "rank 1 timed out" in capsys.readouterr().err
 
 
-def test_grpo_runs_under_sequence_parallelism_not_yet_under_context_parallelism(in_tmp):
+def test_grpo_runs_under_sequence_and_context_parallelism_preference_losses_do_not(in_tmp):
     grpo = {"objective": "grpo", "reward_funcs": ["hftrain.rl.example_rewards.vowel_share"]}
     assert recipe_from_dict(valid(in_tmp, **grpo, sp_size=2)).sp_size == 2
-    with pytest.raises(ConfigError) as info:
-        recipe_from_dict(valid(in_tmp, **grpo, cp_size=2))
-    assert any(p.startswith("cp_size=2 with objective=grpo is not supported: torch's ring attention")
-               for p in info.value.problems)
+    assert recipe_from_dict(valid(in_tmp, **grpo, cp_size=2)).cp_size == 2
+    with pytest.raises(ConfigError) as info:  # preference losses still need a pair's whole log-probability
+        recipe_from_dict(valid(in_tmp, objective="dpo", cp_size=2))
+    assert any(p.startswith("cp_size=2 with objective=dpo is not supported") for p in info.value.problems)
     with pytest.raises(ConfigError) as info:
         recipe_from_dict(valid(in_tmp, **grpo, sp_size=2, use_vllm=True))
     assert any(p.startswith("sp_size=2 with use_vllm is not supported") for p in info.value.problems)

@@ -225,6 +225,8 @@ def test_fsdp2_x_tensor_parallel_is_allowed_with_two_or_more_data_parallel_shard
 @pytest.mark.parametrize("values, expected", [
     ({"fp16": True}, "fp16 with tp_size=2 under FSDP2: transformers' FSDP2 x TP mixed precision is bf16 only"),
     ({"objective": "dpo"}, "objective dpo with tp_size=2 under FSDP2 is refused"),
+    # grpo runs under cp alone; tp x cp (FSDP2 x TP underneath) stays refused for it
+    ({"objective": "grpo", "cp_size": 2}, "objective grpo with tp_size=2 under FSDP2 is refused"),
 ])
 def test_fsdp2_x_tensor_parallel_refuses_what_it_does_not_run(values, expected):
     (problem,) = tensor_parallel_problems(Recipe(tp_size=2, **values), Launch("fsdp2", 4, 4))

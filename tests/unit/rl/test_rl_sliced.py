@@ -1,11 +1,14 @@
-"""GRPO's loss under sequence parallelism (`GRPOLoss.sliced_forward`, hftrain.parallel.sequence `SequenceSlices`)
-against its whole-rows `forward`, on 2 real gloo processes: the micro-batch's rows concatenated and cut in two inside
-a completion, every per-token input (targets, mask, advantages, old and reference log-probs) sliced with the tokens.
+"""GRPO's loss under sequence parallelism and context parallelism (`GRPOLoss.sliced_forward` with hftrain.parallel.
+sequence's `SequenceSlices` and hftrain.parallel.context's `RingSlices`) against its whole-rows `forward`, on 2 real
+gloo processes: under sp the micro-batch's rows concatenated and cut in two inside a completion; under cp each row
+padded to 8 and cut into the ring's head-tail chunks (rank 0 positions 0-1 and 6-7, rank 1 positions 2-5); every
+per-token input (targets, completion and tool mask, advantages, old and reference log-probs) sliced with the tokens.
 The model is token-wise (embedding and head, no attention), so a slice's logits are the whole rows' at its positions
 and the comparison isolates the slicing of the loss: the returned loss, the group's statistics, the gathered
 log-probs, and the gradient (each rank's, averaged over the group as the strategy does) equal one process's, for
-every loss_type, and with sequence-level (GSPO) ratios. The attention across slices (DeepSpeed's Ulysses) runs for
-real in tests/e2e/test_grpo.py."""
+every loss_type, and with sequence-level (GSPO) ratios. The ring's layout is torch's own (its `context_parallel`
+shards a buffer, its `context_parallel_unshard` restores one: both compared here). The attention across slices
+(DeepSpeed's Ulysses, torch's ring) runs for real in tests/e2e/test_grpo.py."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from hftrain.data import IGNORE_INDEX
+from hftrain.parallel.context import RingSlices
 from hftrain.parallel.sequence import SequenceSlices
 from hftrain.rl.grpo import GRPOLoss
 from hftrain.rl.loss import LOSS_TYPES
@@ -28,6 +32,7 @@ from hftrain.rl.loss import LOSS_TYPES
 VOCAB, SP = 11, 2
 # every loss_type with token-level ratios; sequence-level (GSPO) ratios, each a completion's mean over its slices
 CASES = [(loss_type, "token") for loss_type in LOSS_TYPES] + [("dapo", "sequence"), ("grpo", "sequence")]
+LAYOUTS = ("sp", "cp")
 
 
 class TokenWise(nn.Module):
@@ -71,9 +76,35 @@ def worker(rank: int, init: str, results) -> None:
         dist.destroy_process_group()
 
 
+def ring_layout(rank: int) -> dict:
+    """RingSlices' shard and gather of a [3, 7] tensor next to torch's context_parallel (which pads nothing: it gets
+    the row padded to 8 as the ring's micro-batch has it) and context_parallel_unshard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    # (context_parallel_unshard: torch 2.13 exports it from _attention only)
+    slices, mesh = RingSlices(dist.group.WORLD, SP, rank), init_device_mesh("cpu", (SP,))
+    rows = torch.arange(21.0).reshape(3, 7)
+    buffer = torch.nn.functional.pad(rows, (0, 1), value=-1.0)
+    with context_parallel(mesh, buffers=[buffer], buffer_seq_dims=[1], no_restore_buffers={buffer}):
+        torch_shard = buffer.clone()
+        torch_whole = context_parallel_unshard(mesh, [torch_shard], [1])[0]
+    mine = slices.local(rows, fill=-1.0)
+    return {"shard": (torch_shard, mine), "whole": (torch_whole[:, :7], slices.gather(mine, 3, 7), rows),
+            "positions": slices.positions(3, 7, "cpu")}
+
+
 def compare(rank: int) -> dict:
-    """Each loss_type's whole-rows and sliced results on this rank."""
-    slices = SequenceSlices(dist.group.WORLD, SP, rank)
+    """Each layout's and loss_type's whole-rows and sliced results on this rank."""
+    out = {"ring": ring_layout(rank)}
+    for layout in LAYOUTS:
+        slices = (SequenceSlices if layout == "sp" else RingSlices)(dist.group.WORLD, SP, rank)
+        out.update(compare_losses(slices, layout))
+    return out
+
+
+def compare_losses(slices, layout: str) -> dict:
     out = {}
     for loss_type, level in CASES:
         torch.manual_seed(0)
@@ -97,8 +128,8 @@ def compare(rank: int) -> dict:
         loss_fn.collecting = True
         with torch.no_grad():
             logps, gathered = loss_fn(**batch), loss_fn.sliced_forward(slices, **batch)
-        out[loss_type, level] = {"loss": (whole.item(), sliced.item()), "grads": (grads, mean),
-                          "sums": (whole_sums, sliced_sums), "logps": (logps, gathered)}
+        out[layout, loss_type, level] = {"loss": (whole.item(), sliced.item()), "grads": (grads, mean),
+                                         "sums": (whole_sums, sliced_sums), "logps": (logps, gathered)}
     return out
 
 
@@ -119,10 +150,11 @@ def ranks(tmp_path_factory):
     return [found[rank] for rank in range(SP)]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", CASES, ids=[f"{loss_type}-{level}" for loss_type, level in CASES])
-def test_sliced_loss_equals_the_whole_rows(ranks, case):
+def test_sliced_loss_equals_the_whole_rows(ranks, layout, case):
     for out in ranks:
-        r = out[case]
+        r = out[(layout, *case)]
         whole, sliced = r["loss"]
         assert sliced == pytest.approx(whole, rel=1e-6, abs=1e-7)
         for a, b in zip(*r["grads"], strict=True):
@@ -132,3 +164,17 @@ def test_sliced_loss_equals_the_whole_rows(ranks, case):
         for name in whole_sums:
             torch.testing.assert_close(sliced_sums[name], whole_sums[name], rtol=1e-6, atol=1e-9)
         torch.testing.assert_close(r["logps"][1], r["logps"][0], rtol=1e-6, atol=1e-7)
+
+
+def test_ring_slices_lay_rows_out_as_torch_context_parallel_does(ranks):
+    """Head-tail chunks of the row padded to 2 x cp (the fill -1 and the positions' repeated last one on rank 0's
+    tail), gathered back whole; the same shards torch's context_parallel cuts, the same rows its unshard restores."""
+    for rank, out in enumerate(ranks):
+        torch_shard, mine = out["ring"]["shard"]
+        torch.testing.assert_close(mine, torch_shard, rtol=0, atol=0)
+        torch_whole, gathered, rows = out["ring"]["whole"]
+        torch.testing.assert_close(gathered, rows, rtol=0, atol=0)
+        torch.testing.assert_close(torch_whole, rows, rtol=0, atol=0)
+        expected = [[0, 1, 6, 6], [2, 3, 4, 5]][rank]
+        assert out["ring"]["positions"].tolist() == [expected] * 3
+    assert ranks[0]["ring"]["shard"][1][0].tolist() == [0.0, 1.0, 6.0, -1.0]
