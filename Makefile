@@ -7,9 +7,10 @@ LOCK   := constraints/lock.txt
 # the lower end of pyproject.toml's ranges (constraints/lower.txt), in a venv of its own
 LOWER       := .venv-lower
 LOWER_STAMP := $(LOWER)/.installed
-# the newest end: torch 2.14.1 + torchvision 0.29.1 (a CUDA build, ~5.5 GB, that runs on the CPU) and the newest
-# transformers, peft, accelerate... that pyproject.toml's ranges admit
+# the newest end: constraints/newest.txt's torch 2.14.1 + torchvision 0.29.1 (a CUDA build, ~5.5 GB, that runs on the
+# CPU), transformers, peft, accelerate..., the rest at the newest versions pyproject.toml's ranges admit
 NEWEST       := .venv-newest
+NEWEST_PINS  := constraints/newest.txt
 NEWEST_STAMP := $(NEWEST)/.installed
 
 .PHONY: help env demo test test-lower test-newest lint clean smollm2 smollm2-dpo
@@ -86,14 +87,15 @@ test-lower: $(LOWER_STAMP) $(STAMP)
 		--durations=10 -n 2 --dist loadfile tests/unit tests/e2e/test_core_runs.py
 
 # The newest end: not in CI (a 5.5 GB torch build); run by hand, see docs/versions.md for its measured time.
-$(NEWEST_STAMP): pyproject.toml
+$(NEWEST_STAMP): pyproject.toml $(NEWEST_PINS)
 	$(PYTHON) -m venv $(NEWEST)
 	$(NEWEST)/bin/pip install --quiet --upgrade pip
-	$(NEWEST)/bin/pip install --quiet torch==2.14.1 torchvision==0.29.1
-	$(NEWEST)/bin/pip install --quiet --upgrade --upgrade-strategy eager -e ".[dev]"
+	$(NEWEST)/bin/pip install --quiet -c $(NEWEST_PINS) torch torchvision
+	$(NEWEST)/bin/pip install --quiet --upgrade --upgrade-strategy eager -c $(NEWEST_PINS) -e ".[dev]"
 	touch $(NEWEST_STAMP)
 
 test-newest: $(NEWEST_STAMP) $(STAMP)
+	$(NEWEST)/bin/python scripts/check_stack.py $(NEWEST_PINS)
 	$(NEWEST)/bin/python -m hftrain env
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline HFTRAIN_COMPARE_PYTHON=$(BIN)/python $(NEWEST)/bin/python -m pytest -q -rs \
 		--durations=10 -n 2 --dist loadfile tests/unit tests/e2e/test_core_runs.py tests/e2e/test_vision.py \

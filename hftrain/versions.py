@@ -5,9 +5,10 @@ that need a newer library (or an optional one) are available here; paste its out
     hftrain env --json
 
 The tested range of a package runs from its floor in pyproject.toml (the lower end CI tests, constraints/lower.txt)
-to the version the whole suite runs on (constraints/lock.txt); tests/unit/test_versions.py keeps TESTED equal to
-those files. A feature that needs a newer library is refused by its own check (the preflight's) in one paragraph
-naming the version that brings it: `feature_problem(name)`.
+to the newer of the version the whole suite runs on (constraints/lock.txt) and the newest end `make test-newest` tests
+(constraints/newest.txt); tests/unit/test_versions.py keeps TESTED equal to those files. A feature that needs a newer
+library is refused by its own check (the preflight's) in one paragraph naming the version that brings it:
+`feature_problem(name)`.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from packaging.version import Version
 
 import hftrain
 
-# package -> (the lower end CI tests, the version the whole suite runs on); torch's floor is 2.11 (the lent GPU
-# image's), CI's lower end runs 2.13.0, the only CPU build on its machine
+# package -> (the lower end CI tests, the newest version tested: the lock's, or `make test-newest`'s where newer);
+# torch's floor is 2.11 (the lent GPU image's), CI's lower end runs 2.13.0, the only CPU build on its machine
 TESTED: dict[str, tuple[str, str]] = {
-    "torch": ("2.11", "2.13.0"),
-    "transformers": ("5.17.0", "5.23.0"),
+    "torch": ("2.11", "2.14.1"),
+    "transformers": ("5.17.0", "5.24.0"),
     "tokenizers": ("0.23.2", "0.23.3"),
     "accelerate": ("1.15.0", "1.15.0"),
     "huggingface-hub": ("1.33.0", "2.4.0"),
@@ -143,7 +144,7 @@ def report() -> dict:
 
 def render(info: dict) -> str:
     lines = [f"hftrain {info['hftrain']}, Python {info['python']}, {info['platform']}", "",
-             "package            installed       tested (lower end .. lock)"]
+             "package            installed       tested (lower end .. newest end)"]
     for name, entry in info["packages"].items():
         lines.append(f"{name:18} {entry['version'] or '-':15} {entry['tested']:18} {entry['status']}")
     if info["optional"]:

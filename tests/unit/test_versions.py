@@ -1,6 +1,7 @@
-"""`hftrain env` and the version gates: TESTED is what constraints/lower.txt and constraints/lock.txt say (so the
-range it prints is the one CI tests), pyproject.toml's floors are the lower end, and a feature that needs a newer
-transformers is refused in one paragraph naming the version that brings it."""
+"""`hftrain env` and the version gates: TESTED is what constraints/lower.txt, constraints/lock.txt and
+constraints/newest.txt say (so the range it prints is the one CI and `make test-newest` test), pyproject.toml's floors
+are the lower end, and a feature that needs a newer transformers is refused in one paragraph naming the version that
+brings it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 import tomllib
+from packaging.version import Version
 
 from hftrain import versions
 from tests.conftest import REPO
@@ -21,8 +23,9 @@ def exact(path) -> dict[str, str]:
             for m in re.finditer(r"(?m)^([A-Za-z0-9_.-]+)==(\S+)$", path.read_text())}
 
 
-def test_the_tested_range_is_the_lower_end_and_the_lock():
+def test_the_tested_range_is_the_lower_end_and_the_newer_of_the_lock_and_the_newest_end():
     lower, lock = exact(REPO / "constraints" / "lower.txt"), exact(REPO / "constraints" / "lock.txt")
+    newest = exact(REPO / "constraints" / "newest.txt")
     floors = {}
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]  # the heavy parts TESTED also covers, declared as extras
@@ -30,7 +33,7 @@ def test_the_tested_range_is_the_lower_end_and_the_lock():
         if match := re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement.split(";")[0].strip()):
             floors[match.group(1).lower()] = match.group(2)
     for package, (low, high) in versions.TESTED.items():
-        assert high == lock[package], package
+        assert high == max(lock[package], newest.get(package, lock[package]), key=Version), package
         assert low == floors[package], package  # the declared floor
         if package != "torch":  # the lower end runs torch 2.13.0, the only CPU build here (docs/versions.md)
             assert lower[package] == low, package
@@ -40,7 +43,10 @@ def test_the_tested_range_is_the_lower_end_and_the_lock():
 def test_placement_against_the_range():
     assert versions.placement("transformers", "5.17.0") == "in range"
     assert versions.placement("transformers", "5.23.0") == "in range"
-    assert versions.placement("transformers", "5.24.0") == "newer than tested"
+    assert versions.placement("transformers", "5.24.0") == "in range"  # make test-newest's (constraints/newest.txt)
+    assert versions.placement("transformers", "5.25.0") == "newer than tested"
+    assert versions.placement("torch", "2.14.1+cu130") == "in range"
+    assert versions.placement("torch", "2.15.0") == "newer than tested"
     assert versions.placement("transformers", "5.16.1").startswith("OLDER than tested")
     assert versions.placement("torch", "2.13.0+cpu") == "in range"
     assert versions.placement("torch", None) == "not installed"
@@ -74,7 +80,7 @@ def test_hftrain_env_prints_the_installed_versions_and_the_features():
                          cwd=REPO).stdout
     import transformers
 
-    assert re.search(rf"(?m)^transformers +{re.escape(transformers.__version__)} +5\.17\.0 \.\. 5\.23\.0", out)
+    assert re.search(rf"(?m)^transformers +{re.escape(transformers.__version__)} +5\.17\.0 \.\. 5\.24\.0", out)
     assert "features (yes: available here; no: what it needs)" in out
     expected = "yes " if versions.available("expert_parallel") else "no   expert parallelism"
     assert expected in out
