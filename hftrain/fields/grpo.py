@@ -6,7 +6,9 @@ max_completion_length are the objective group's fields, shared with dpo; their g
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from hftrain.fields import GRPO_LOSS_TYPES as LOSS_TYPES
 from hftrain.fields import recipe_field as _f
@@ -203,12 +205,44 @@ def vllm_defaults_changed(r) -> list[str]:
     return [name for name in VLLM_FIELDS if getattr(r, name) != defaults[name]]
 
 
+def locate_problem(spec: str) -> str | None:
+    """Why what `spec` names (pkg.module.name or path/to/file.py:name) cannot be found, or None: a file that is not
+    there, a dotted path without a module, a module Python does not find (its parent packages are imported to look,
+    as an import would). What fails inside the module shows when the objective loads it (hftrain/rl/)."""
+    if ":" in spec:
+        path, _, name = spec.rpartition(":")
+        if not Path(path).expanduser().is_file():
+            return f"names the file {path}, which does not exist"
+        return None if name else "names no function after the ':'"
+    module, _, name = spec.rpartition(".")
+    if not module or not name:
+        return "is not a dotted path with a module and a name"
+    try:
+        found = importlib.util.find_spec(module)
+    except Exception as exc:  # noqa: BLE001 - a parent package that fails to import is the user's code
+        return f"does not load ({type(exc).__name__}: {exc})"
+    return None if found else f"does not load (ModuleNotFoundError: No module named {module!r})"
+
+
+def tool_problems(r) -> list[str]:
+    """The tools and environment_factory entries that name nothing Python can find (`locate_problem`), whatever the
+    objective: reported with the objective's own problems."""
+    specs = [(f"tools entry {spec!r}", spec, "pkg.module.func or path/to/file.py:func") for spec in r.tools]
+    if r.environment_factory is not None:
+        specs.append((f"environment_factory {r.environment_factory!r}", r.environment_factory,
+                      "pkg.module.Class or path/to/file.py:Class"))
+    return [f"{what} {problem}; give a dotted import path {form}" for what, spec, form in specs
+            if (problem := locate_problem(spec))]
+
+
 def problems(r) -> list[str]:
     """objective grpo's settings (GRPOConfig's rules) and what it cannot be combined with yet. Other objectives:
-    reward_funcs unset."""
+    reward_funcs and the tool settings unset. Either way, tools and environment_factory must name something Python
+    finds."""
     stray = [] if r.use_vllm else vllm_defaults_changed(r)
     stray = [f"{', '.join(stray)} set without use_vllm: true; they configure vLLM generation: add use_vllm: true "
              "(objective grpo) or remove them"] if stray else []
+    unfound = tool_problems(r)
     if r.objective != "grpo":
         misplaced = [(r.reward_funcs, f"reward_funcs is set but objective={r.objective}; set objective: grpo"),
                      (r.reward_weights is not None, f"reward_weights is set but objective={r.objective}; set "
@@ -222,8 +256,8 @@ def problems(r) -> list[str]:
                       "set objective: grpo, or remove it"),
                      (r.max_tool_calling_iterations is not None, "max_tool_calling_iterations is grpo's tool-calling "
                       f"setting, but objective={r.objective}; remove it")]
-        return [message for is_set, message in misplaced if is_set] + stray
-    problems = stray + vllm_problems(r)
+        return [message for is_set, message in misplaced if is_set] + stray + unfound
+    problems = stray + unfound + vllm_problems(r)
     if r.loss_type not in LOSS_TYPES:
         problems.append(f"loss_type={r.loss_type} is a dpo loss; grpo takes {', '.join(LOSS_TYPES)}")
     if not r.reward_funcs:

@@ -399,3 +399,31 @@ class Counter:
     reward = environment_reward(type(probe))
     assert reward.name == "Counter"
     assert reward.func(None, None, None, environments=environments) == [15.0, 105.0]
+
+
+def test_tools_that_name_nothing_are_reported_with_the_objective_problem(tmp_path):
+    """tools / environment_factory given with another objective: one ConfigError names the objective problem and
+    every entry Python cannot find (a missing module, a missing file), so that fixing one does not reveal the next;
+    with grpo the same entries are refused by the recipe check, before any data or model loads."""
+    from hftrain.config import load_recipe
+    from hftrain.errors import ConfigError
+
+    specs = ["no_such_module.tool", f"{tmp_path / 'absent.py'}:f", "hftrain.rl.example_tools.calculator"]
+    base = ["--model_name_or_path", str(REPO / "models" / "tiny-llama"), "--dataset_name",
+            str(REPO / "data" / "chat.jsonl"), "--output_dir", str(tmp_path / "out"), "--tools", *specs,
+            "--environment_factory", "no_such_package.sub.Env"]
+    with pytest.raises(ConfigError) as info:
+        load_recipe(base)
+    said = " ".join(str(info.value).split())
+    assert "tools is set but objective=sft" in said and "environment_factory is set but objective=sft" in said
+    assert "tools entry 'no_such_module.tool' does not load (ModuleNotFoundError: No module named 'no_such_module')" \
+        in said
+    assert f"tools entry '{tmp_path / 'absent.py'}:f' names the file {tmp_path / 'absent.py'}, which does not exist" \
+        in said
+    assert "environment_factory 'no_such_package.sub.Env' does not load (ModuleNotFoundError: No module named " \
+        "'no_such_package')" in said
+    assert "calculator" not in said  # an entry that is found is not reported
+    with pytest.raises(ConfigError) as info:
+        load_recipe([*base, "--objective", "grpo", "--reward_funcs", "hftrain.rl.example_rewards.final_answer"])
+    said = " ".join(str(info.value).split())
+    assert "objective=" not in said and "'no_such_module.tool' does not load" in said and "absent.py" in said
