@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
 
 from hftrain import card, hub, vision
 from hftrain.checkpoint import never_world_writable
+from hftrain.compat.accelerate import deepspeed_probed_by_import
 from hftrain.config import read_yaml, recipe_subset
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
 from hftrain.model import DTYPES, load_error, name_deepspeeds_cpu_accelerator, quantization_config, quiet_peft
@@ -97,7 +98,8 @@ def merge(adapter_dir: Path, output_dir: Path, base: str | None = None, dtype: s
             delattr(model.config, leftover)
     output_dir.mkdir(parents=True, exist_ok=True)
     name_deepspeeds_cpu_accelerator()
-    model.save_pretrained(output_dir, safe_serialization=True)
+    with deepspeed_probed_by_import():
+        model.save_pretrained(output_dir, safe_serialization=True)
     has_tokenizer = any((adapter_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     source = str(adapter_dir) if has_tokenizer else recipe.model_name_or_path
     if vision.is_image_text(model.config):  # the processor: tokenizer, image processor and chat template

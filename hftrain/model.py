@@ -26,6 +26,7 @@ from transformers import (
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hftrain import vision
+from hftrain.compat.accelerate import deepspeed_probed_by_import
 from hftrain.compat.liger import apply_liger_kernel_to_instance
 from hftrain.compat.torch import is_compiled
 from hftrain.compat.transformers import (
@@ -92,9 +93,10 @@ def quiet_peft() -> Iterator[None]:
 
 
 def name_deepspeeds_cpu_accelerator() -> None:
-    """transformers' save_pretrained imports DeepSpeed (through accelerate's unwrap_model) whenever it is installed,
-    used or not; on a machine without CUDA, naming the CPU accelerator it would detect anyway spares every run and
-    merge DeepSpeed's warning "Setting accelerator to CPU". A DS_ACCELERATOR the user set is kept."""
+    """DeepSpeed, once imported (a DeepSpeed preset, or transformers' save_pretrained outside the accelerate versions
+    `compat.accelerate.deepspeed_probed_by_import` was checked on), detects its accelerator; on a machine without
+    CUDA, naming the CPU accelerator it would detect anyway spares every run and merge DeepSpeed's warning "Setting
+    accelerator to CPU". A DS_ACCELERATOR the user set is kept."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -431,4 +433,5 @@ class WrapsCausalLM(nn.Module):
         if isinstance(self.lm, PreTrainedModel) and (aliases := held_ties(self.lm)):  # an adapter has no head copy
             state_dict = {k: v for k, v in (self.lm.state_dict() if state_dict is None else state_dict).items()
                           if k not in aliases}
-        self.lm.save_pretrained(folder, state_dict=state_dict, is_main_process=is_main_process)
+        with deepspeed_probed_by_import():
+            self.lm.save_pretrained(folder, state_dict=state_dict, is_main_process=is_main_process)

@@ -165,11 +165,23 @@ def test_function_local_imports_are_only_optional_heavy_packages():
         misplaced)
 
 
-def test_importing_finetune_loads_no_optional_heavy_package():
+def test_importing_finetune_and_saving_a_model_load_no_optional_heavy_package(tmp_path):
+    """Neither the import nor the final save of a run that uses none of them: transformers' save_pretrained asks
+    accelerate to unwrap the model, whose probe imported DeepSpeed (and DeepSpeed MLflow), ~1.5 s of CPU per run."""
     heavy = ("deepspeed", "bitsandbytes", "wandb", "mlflow", "vllm", "matplotlib")
-    code = f"import sys, hftrain.finetune; print([m for m in {heavy!r} if m in sys.modules])"
+    code = "\n".join([
+        "import sys, hftrain.finetune",
+        f"imported = [m for m in {heavy!r} if m in sys.modules]",
+        "from transformers import AutoModelForCausalLM",
+        "from hftrain.model import WrapsCausalLM",
+        "wrapper = WrapsCausalLM()",
+        f"wrapper.lm = AutoModelForCausalLM.from_pretrained({str(REPO / 'models' / 'tiny-llama')!r})",
+        f"wrapper.save_pretrained({str(tmp_path)!r})",
+        f"print(imported, [m for m in {heavy!r} if m in sys.modules])",
+    ])
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert out.stdout.strip() == "[] []", out.stdout + out.stderr
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "config.json").exists()
 
 
 def test_test_files_have_unique_names():
