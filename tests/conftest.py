@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import io
 import json
 import os
 import socket
@@ -35,9 +37,20 @@ MAIN_CASES = REPO / "tests" / "e2e" / "main_cases.py"
 
 
 def build_tiny_model(folder: Path, *args: str) -> Path:
-    """`scripts/make_tiny_model.py folder *args`: a random model built by the shipped script."""
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(folder), *args], check=True,
-                   capture_output=True)
+    """`scripts/make_tiny_model.py folder *args`: a random model built by the shipped script, its `main(argv)` called
+    in this process (a subprocess spent ~10 s of CPU importing torch and transformers again; the files are byte for
+    byte the same). Its tokenizer is trained with one thread (the same merges), so that no process this one forks
+    later inherits the tokenizers library's parallelism."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # its one line, "tiny llama with ... parameters"
+            tiny_model_script().main([str(folder), *args])
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
     return folder
 
 
