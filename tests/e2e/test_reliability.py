@@ -53,11 +53,19 @@ def start(output_dir: Path, *args: str, preset: str = "cpu", **launch_kwargs) ->
 
 def trainers(launcher: subprocess.Popen, expected: int, timeout: float = 120,
              script: str = "finetune.py") -> list[psutil.Process]:
-    """The training processes (not the launcher): the ones whose command line runs `script`."""
+    """The training processes (not the launcher): the ones whose command line runs `script`. A short-lived child of
+    the launcher may end (or be a zombie) between the listing and the reading of its command line: not a trainer."""
+
+    def command_line(process: psutil.Process) -> list[str]:
+        try:
+            return process.cmdline()
+        except psutil.NoSuchProcess:  # ZombieProcess included
+            return []
+
     deadline = time.time() + timeout
     while time.time() < deadline:
         found = [p for p in psutil.Process(launcher.pid).children(recursive=True)
-                 if any(part.endswith(script) for part in p.cmdline())]
+                 if any(part.endswith(script) for part in command_line(p))]
         if len(found) == expected:
             return found
         time.sleep(0.05)
