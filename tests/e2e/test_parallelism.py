@@ -263,9 +263,17 @@ def test_zero2_with_cpu_optimizer_offload(reference, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ FSDP2
+@pytest.fixture(scope="module")
+def fsdp2_two(tmp_path_factory) -> Run:
+    """FSDP2 FULL_SHARD on 2 processes: compared with one process and resumed on 2 processes (below), then on 1."""
+    return launch(tmp_path_factory.mktemp("fsdp2") / "fsdp2", *COMMON, *TWO_PROCESSES, preset="fsdp2", processes=2,
+                  script=FSDP_LAUNCHER)
+
+
 @pytest.mark.parametrize("preset", ["fsdp2", "fsdp2_shard_grad_op"])
-def test_fsdp2_through_the_test_launcher(reference, tmp_path, preset):
-    run = launch(tmp_path / preset, *COMMON, *TWO_PROCESSES, preset=preset, processes=2, script=FSDP_LAUNCHER)
+def test_fsdp2_through_the_test_launcher(reference, request, tmp_path, preset):
+    run = request.getfixturevalue("fsdp2_two") if preset == "fsdp2" else \
+        launch(tmp_path / preset, *COMMON, *TWO_PROCESSES, preset=preset, processes=2, script=FSDP_LAUNCHER)
     info = assert_launch(run, "FSDP", 2, "FSDPCausalLMTokenLoss", optimizer="AdamW")
     assert info["sharded_modules"] == ["FSDPCausalLMTokenLoss", "FSDPLlamaDecoderLayer"]  # transformer-layer wrap
     if preset == "fsdp2":
@@ -283,10 +291,11 @@ def test_fsdp2_through_the_test_launcher(reference, tmp_path, preset):
         assert_continues(resumed, run)
 
 
-def test_fsdp2_checkpoint_resumes_on_another_number_of_processes(reference, tmp_path):
+def test_fsdp2_checkpoint_resumes_on_another_number_of_processes(reference, fsdp2_two, tmp_path):
     """FSDP2's sharded checkpoints are torch.distributed.checkpoint folders, which reshard on load: a 2-process
-    checkpoint resumes on 1 process and a 1-process one on 2, and steps 4-6 equal the uninterrupted run."""
-    two = launch(tmp_path / "two", *COMMON, *TWO_PROCESSES, preset="fsdp2", processes=2, script=FSDP_LAUNCHER)
+    checkpoint (the run above's) resumes on 1 process and a 1-process one on 2, and steps 4-6 equal the uninterrupted
+    run."""
+    two = fsdp2_two
     two_to_one = resume_from_step_3(two, "two-to-one", *ONE_PROCESS, preset="fsdp2", processes=1,
                                     script=FSDP_LAUNCHER)
     assert two_to_one.state()["progress"]["world_size"] == 1
