@@ -613,7 +613,8 @@ class Plan:
 
 
 def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str = "bf16", lora_r: int = 16,
-             objective: str = "sft", sp: int = 1, ep: int = 1, teacher: ModelShape | None = None) -> Plan:
+             objective: str = "sft", sp: int = 1, ep: int = 1, teacher: ModelShape | None = None,
+             precompute_ref: bool = False) -> Plan:
     """Memory per GPU for every strategy (bytes).
 
     ep > 1 (a mixture-of-experts model): the expert-parallel row, transformers' layout (`ep_size`,
@@ -625,7 +626,8 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     one sequence each (its KL pass runs without gradients: not counted). dpo's and kto's full-fine-tuning rows
     add the frozen reference copy as hftrain places it: the loaded fp32 weights on one GPU / DDP and sharded under
     FSDP, the engine's 16-bit weights under DeepSpeed (replicated for ZeRO-1/2, partitioned for ZeRO-3, offloaded
-    with parameter offload). precompute_ref_log_probs or LoRA (adapters disabled) need no copy. The reference's
+    with parameter offload). `precompute_ref` (precompute_ref_log_probs) or LoRA (adapters disabled) need no copy:
+    the precomputed log-probs are a few bytes per row, and their pass before step 1 holds no gradients. The reference's
     own forward runs without gradients and holds one layer's activations at a time: not counted.
     objective distill: `teacher`'s frozen weights are added to every row, placed as hftrain places them (as dpo's
     reference for full fine-tuning, in the base's dtype beside a LoRA / QLoRA student, never quantized); its logits
@@ -639,8 +641,7 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     act_ckpt = activation_bytes(shape, rows_per_step, seq, compute, residual, checkpointing=True)
     floor = backward_floor_bytes(shape, rows_per_step, seq, compute, residual)
     activations = (act, act_ckpt, floor)
-    copy_note = f"with {objective}'s frozen reference copy" + ("; precompute_ref_log_probs needs none"
-                                                              if objective == "dpo" else "")
+    copy_note = f"with {objective}'s frozen reference copy; precompute_ref_log_probs needs none"
     # the model state per GPU is hftrain.memory's (the run's start-up line computes it alike); what a strategy holds
     # beyond it is added here by name
     fp32 = ModelState.of(n, n, 4, ADAMW_BYTES)  # DDP and FSDP: fp32 weights and gradients, AdamW's two moments
@@ -710,7 +711,7 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
             weights=2 * unit, grads=trained.gradients if g > 1 else 0, method="qlora", copies=base,
             note="base in 4-bit NF4"),  # + one layer dequantized for compute
     ]
-    if objective in ("dpo", "kto"):  # the frozen reference of full fine-tuning; LoRA's is the base, adapters off
+    if objective in ("dpo", "kto") and not precompute_ref:  # full fine-tuning's frozen reference; LoRA's: adapters off
         for r in rows:
             if r.method == "full":
                 r.add_frozen(n, r.copy_bytes)  # DDP / FSDP: the loaded fp32 weights; ZeRO: the engine's
@@ -883,6 +884,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "rows (one each); reward: the model as a one-output sequence classifier (a score head in "
                              "place of the vocabulary head and its logits); dpo's and kto's full fine-tuning adds the "
                              "frozen reference copy; distill adds --teacher's frozen weights.")
+    parser.add_argument("--precompute_ref_log_probs", action="store_true",
+                        help="dpo / kto: the reference's log-probs computed once before training (recipe "
+                             "precompute_ref_log_probs): no frozen reference copy is counted.")
     parser.add_argument("--teacher", default=None,
                         help="distill: the teacher (hub id or local folder; its config only), placed as hftrain "
                              "places it.")
@@ -936,6 +940,9 @@ def print_plan(args: argparse.Namespace) -> None:
         problems.append(f"--gpu_memory must be above {CUDA_OVERHEAD_GIB:g} GiB, got {args.gpu_memory:g}")
     if (args.objective == "distill") != (args.teacher is not None):
         problems.append("--objective distill and --teacher go together (the teacher's weights are counted)")
+    if args.precompute_ref_log_probs and args.objective not in ("dpo", "kto"):
+        problems.append(f"--precompute_ref_log_probs precomputes dpo's or kto's reference, but --objective is "
+                        f"{args.objective}")
     if problems:
         raise ConfigError(problems, "estimate arguments")
     shape = model_shape(args.model, args.trust_remote_code, reward=args.objective == "reward")
@@ -948,7 +955,7 @@ def print_plan(args: argparse.Namespace) -> None:
     if problems:
         raise ConfigError(problems, "estimate arguments")
     plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective, args.sp,
-                    args.ep, teacher)
+                    args.ep, teacher, args.precompute_ref_log_probs)
     if args.pp > 1 or args.tp > 1:
         stages = args.pp * STAGES_PER_PROCESS[args.pp_schedule]
         plan.pp, plan.pp_schedule, plan.tp = args.pp, args.pp_schedule, args.tp

@@ -57,7 +57,7 @@ def problems(r) -> list[str]:
         problems.append(f"loss_type={r.loss_type} is a dpo/grpo loss; objective distill's divergence is set by "
                         "beta")
     if r.precompute_ref_log_probs:
-        problems.append("precompute_ref_log_probs computes dpo's reference, but objective=distill")
+        problems.append("precompute_ref_log_probs computes dpo's and kto's reference, but objective=distill")
     if r.packing:
         problems.append("packing with objective distill is refused: the teacher would have to read the packed "
                         "rows' boundaries as the student does; set packing: false")

@@ -287,8 +287,8 @@ def problems(r) -> list[str]:
         (not r.packing, "packing with objective grpo is refused: each completion is one row; set packing: false"),
         (not (r.use_liger_kernel or r.loss_chunk_tokens), "objective grpo needs per-token log-probs; use_liger_kernel "
          "and loss_chunk_tokens compute one summed cross-entropy: turn them off"),
-        (not r.precompute_ref_log_probs, "precompute_ref_log_probs is dpo's; grpo's reference log-probs are computed "
-         "with each generation"),
+        (not r.precompute_ref_log_probs, "precompute_ref_log_probs is dpo's and kto's; grpo's reference log-probs "
+         "are computed with each generation"),
         (r.label_smoothing == 0, "label_smoothing is a dpo/simpo setting; remove it with objective grpo"),
         (not r.dataset_mixture, "objective grpo reads one dataset_name (with a prompt column); dataset_mixture is not "
          "supported with it yet"),

@@ -58,7 +58,8 @@ class ObjectiveFields:
     precompute_ref_log_probs: bool = _f(
         False, "dpo: compute the reference log-probs of every training and eval pair once, before training, with the "
         "starting model under the launch's own strategy, then train without a reference model in memory (saves the "
-        "frozen copy of full fine-tuning). Saved in every checkpoint and restored on resume.",
+        "frozen copy of full fine-tuning). Saved in every checkpoint and restored on resume. kto: of every row and "
+        "of every mismatched (KL) row the run's steps will draw.",
         group="objective",
     )
     center_rewards_coefficient: float | None = _f(
@@ -90,11 +91,6 @@ def kto_problems(r) -> list[str]:
     for name in ("desirable_weight", "undesirable_weight"):
         if getattr(r, name) <= 0:
             problems.append(f"{name} must be > 0, got {getattr(r, name)}")
-    if r.precompute_ref_log_probs:
-        problems.append("precompute_ref_log_probs with objective kto is not supported: the KL reference point pairs "
-                        "each prompt with another completion of the same optimizer step, and those pairings change "
-                        "with every step's draw, so there is no fixed set of reference log-probs to compute once; "
-                        "with LoRA the reference is the base with the adapters disabled (no second copy in memory)")
     if r.streaming:
         problems.append("streaming with objective kto is refused: the KL reference point pairs rows across the whole "
                         "optimizer step, which needs map-style data; set streaming: false")
@@ -122,7 +118,7 @@ def problems(r) -> list[str]:
         problems.append(f"label_smoothing={r.label_smoothing} applies to objective dpo with loss_type sigmoid, or "
                         f"simpo; here objective={r.objective}, loss_type={r.loss_type}")
     if r.precompute_ref_log_probs and r.objective not in ("dpo", "kto"):
-        problems.append(f"precompute_ref_log_probs computes dpo's reference, but objective={r.objective}")
+        problems.append(f"precompute_ref_log_probs computes dpo's and kto's reference, but objective={r.objective}")
     if r.loss_type != "sigmoid" and r.objective not in ("dpo", "kto") and r.loss_type not in KTO_LOSS_TYPES:
         problems.append(f"loss_type={r.loss_type} is a {'grpo' if r.loss_type in GRPO_LOSS_TYPES else 'dpo'} loss, "
                         f"but objective={r.objective}; set objective: "

@@ -14,11 +14,20 @@ takes z per micro-batch; here it is applied to the optimizer step's whole batch 
 it, and z is computed in one no-grad pass over all the step's micro-batches and data-parallel ranks before the step
 trains (`KTOLoss.prepare_step`). So accumulation and processes leave the step unchanged, and a step of one
 micro-batch on one process is TRL's. Evaluation takes z over the whole eval set the same way (rotated over the set).
+
+precompute_ref_log_probs (`precompute_kto_reference`): the starting model's log-probs of every row, and of every
+mismatched row that some step of the run draws (`KTOPlan.run_pairs`: the plan is deterministic, so the pairs of
+every step of every epoch are known before step 1), each keyed by its (row, partner) pair, computed in one pass
+before training and carried in each batch by `KTOCollator` (`ref_logps`, `kl_ref_logps`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
+import inspect
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -33,7 +42,13 @@ from hftrain.data.feeds import TrainingData
 from hftrain.errors import HftrainError
 from hftrain.objectives.base import Objective
 from hftrain.objectives.preference import PreferenceLoss
-from hftrain.objectives.reference import build_reference, sequence_log_probs
+from hftrain.objectives.reference import (
+    PrecomputedReference,
+    build_reference,
+    reference_values,
+    sequence_log_probs,
+)
+from hftrain.parallel.launch import phase
 
 # statistics TRL's KTOTrainer logs, over the step (training) or the eval set
 KTO_STATS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -54,20 +69,40 @@ class KTOPlan(BatchPlan):
     def step_items(self, chunk: list[int]) -> list:
         return list(zip(chunk, kl_partners(chunk)))
 
+    def run_pairs(self, total_steps: int) -> list[tuple[int, int]]:
+        """Every (row, partner) pair the run's `total_steps` optimizer steps draw, epoch after epoch (step k is step
+        k mod steps_per_epoch of epoch k // steps_per_epoch), sorted. Whatever the processes and accumulation: a
+        step's pairs depend on its global batch only."""
+        pairs, order = set(), []
+        for step in range(total_steps):
+            epoch, at = divmod(step, self.steps_per_epoch)
+            if at == 0 or not order:
+                order = self.epoch_order(epoch)
+            pairs.update(self.step_items(order[at * self.global_batch:(at + 1) * self.global_batch]))
+        return sorted(pairs)
+
 
 class KTOCollator(Collator):
     """Collates rows as `Collator` does and adds `desirable` (the label per row) and the KL sequences: each row's
     prompt followed by its partner's completion (`kl_input_ids`, `kl_labels`: the completion trained), cut to
     max_length as TRL's collator cuts them. Items are (row, partner) from `KTOPlan`, or plain rows (evaluation), whose
-    partner is the previous row of the whole set (`kl_partners` over the set)."""
+    partner is the previous row of the whole set (`kl_partners` over the set). With precompute_ref_log_probs
+    (`precompute_kto_reference` sets them) each batch also carries the reference's log-probs of its rows
+    (`ref_logps`) and, for loss_type kto, of its mismatched rows (`kl_ref_logps`)."""
 
     def __init__(self, dataset, pad_token_id: int, max_length: int):
         super().__init__(dataset, pad_token_id)
         self.max_length = max_length
+        self.row_reference = None  # [rows] precomputed reference log-probs of each row's completion
+        self.kl_reference = None  # {(row, partner): the reference log-prob of the mismatched row}
 
     def __call__(self, items: list) -> dict[str, torch.Tensor]:
         pairs = [item if isinstance(item, tuple) else (item, (item - 1) % len(self.dataset)) for item in items]
         batch = super().__call__([row for row, _ in pairs])
+        if self.row_reference is not None:
+            batch["ref_logps"] = self.row_reference[[row for row, _ in pairs]] if pairs else torch.zeros(1)
+        if self.kl_reference is not None:
+            batch["kl_ref_logps"] = torch.tensor([self.kl_value(pair) for pair in pairs] or [0.0])
         if not pairs:
             batch.update(desirable=torch.zeros(1, dtype=torch.bool), kl_input_ids=batch["input_ids"].clone(),
                          kl_labels=batch["labels"].clone())
@@ -91,6 +126,12 @@ class KTOCollator(Collator):
         batch.update(desirable=torch.tensor([bool(fetched["desirable"][at[row]]) for row, _ in pairs]),
                      kl_input_ids=kl_input_ids, kl_labels=kl_labels)
         return batch
+
+    def kl_value(self, pair: tuple[int, int]) -> float:
+        if pair not in self.kl_reference:  # the precomputed pairs are every pair the plan draws: a defect if not
+            raise HftrainError(f"precompute_ref_log_probs: no reference log-prob was computed for the mismatched row "
+                               f"of example {pair[0]}'s prompt and example {pair[1]}'s completion")
+        return self.kl_reference[pair]
 
 
 def kto_losses(recipe: Recipe, ratio: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
@@ -159,14 +200,20 @@ class KTOLoss(PreferenceLoss):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, desirable: torch.Tensor | None = None,
                 kl_input_ids: torch.Tensor | None = None, kl_labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, real_tokens: torch.Tensor | None = None,
-                ref_logps: torch.Tensor | None = None) -> torch.Tensor:
+                ref_logps: torch.Tensor | None = None, kl_ref_logps: torch.Tensor | None = None) -> torch.Tensor:
+        """The micro-batch's summed loss; in the KL pass the sums of its mismatched rows' log-ratios; while
+        precomputing (`collecting`) each row's log-prob. `ref_logps` / `kl_ref_logps`: precomputed reference
+        log-probs of the rows / mismatched rows (precompute_ref_log_probs), else the reference computes them."""
+        if self.collecting:  # as the live reference: under LoRA the base with the adapters disabled
+            with self.lm.disable_adapter() if hasattr(self.lm, "disable_adapter") else contextlib.nullcontext():
+                return sequence_log_probs(self.lm, self.head_only, input_ids, labels)[0].detach()
         if self.kl_pass:
             logps, lengths = sequence_log_probs(self.lm, self.head_only, kl_input_ids, kl_labels)
-            ratio = logps - self.reference.log_probs(kl_input_ids, kl_labels)
+            ratio = logps - self.reference_log_probs(kl_ref_logps, kl_input_ids, kl_labels)
             real = lengths > 0
             return torch.stack([(ratio * real).sum(), real.sum()]).double()
         logps, lengths = sequence_log_probs(self.lm, self.head_only, input_ids, labels)
-        ratio = logps - self.reference.log_probs(input_ids, labels)
+        ratio = logps - self.reference_log_probs(ref_logps, input_ids, labels)
         real = lengths > 0
         good, bad = (desirable & real).to(ratio.dtype), (~desirable & real).to(ratio.dtype)
         losses = kto_losses(self.recipe, ratio, desirable, self.kl.to(ratio.device)) * real
@@ -179,6 +226,14 @@ class KTOLoss(PreferenceLoss):
                 stats = torch.cat([(self.kl * real.sum()).reshape(1), sums])
             self.stats = stats if self.stats is None else self.stats + stats
         return losses.sum()
+
+    def reference_log_probs(self, precomputed: torch.Tensor | None, input_ids: torch.Tensor,
+                            labels: torch.Tensor) -> torch.Tensor:
+        if precomputed is not None:
+            return precomputed
+        if isinstance(self.reference, PrecomputedReference):
+            raise HftrainError("kto needs the reference log-probs of this batch, and none were precomputed")
+        return self.reference.log_probs(input_ids, labels)
 
     def step_stats(self, sums: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of KTO_STATS x the step's rows: the loop divides the window's sums by its rows,
@@ -271,10 +326,12 @@ class KTO(Objective):
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> KTOLoss:
         return KTOLoss(lm, recipe, build_reference(recipe, lm, device, copy_model))
 
-    def prepare(self, run) -> None:
-        """The frozen copy placed like the policy (full fine-tuning)."""
+    def prepare(self, run) -> dict[str, torch.Tensor] | None:
+        """The frozen copy placed like the policy (full fine-tuning); with precompute_ref_log_probs, the reference
+        log-probs (`precompute_kto_reference`)."""
         if hasattr(run.token_loss.reference, "prepare"):
             run.token_loss.reference.prepare(run.backend)
+        return precompute_kto_reference(run) if run.recipe.precompute_ref_log_probs else None
 
     def evaluate(self, run) -> dict[str, float]:
         """The eval set's KL reference point (rows rotated over the whole set, every rank a disjoint shard), then
@@ -305,3 +362,77 @@ class KTO(Objective):
         return [f"objective kto ({recipe.loss_type}), beta {recipe.beta:g}, desirable_weight "
                 f"{recipe.desirable_weight:g}, undesirable_weight {recipe.undesirable_weight:g}; reference: "
                 f"{reference}; {point}; the loss is the mean over the step's examples"]
+
+
+@torch.no_grad()
+def reference_pass(run, collator: KTOCollator, items: list, ids_key: str, labels_key: str) -> torch.Tensor:
+    """[len(items)] summed log-probs of the prepared starting model (`run.model`, under the launch's strategy) of
+    each item's row (`input_ids`) or mismatched row (`kl_input_ids`). Every data-parallel rank computes a disjoint
+    shard, with the same number of forwards on every rank so that sharded models stay in step; one sum gathers them."""
+    device, loss = run.accelerator.device, run.token_loss
+    out = torch.zeros(len(items), dtype=torch.float64, device=device)
+    loss.collecting = True
+    run.model.eval()
+    try:
+        for shard in eval_micro_batches(len(items), run.recipe.per_device_eval_batch_size, run.dp.world, run.dp.rank):
+            batch = collator([items[i] for i in shard])
+            logps = run.model(input_ids=batch[ids_key].to(device), labels=batch[labels_key].to(device)).double()
+            if shard:
+                out[shard] = logps[:len(shard)]
+    finally:
+        loss.collecting = False
+        run.model.train()
+    return run.dp.sum(out).float()
+
+
+def precompute_kto_reference(run) -> dict[str, torch.Tensor]:
+    """kto's reference log-probs with precompute_ref_log_probs: for the training set and the eval set, `{name}`
+    [rows] (each row's completion) and, for loss_type kto, `{name}_kl` with `{name}_kl_pairs` (each mismatched row's
+    log-prob and its (row, partner) pair): the training set's pairs are those every step of the run draws
+    (`KTOPlan.run_pairs`), the eval set's its rows rotated over the set. From the resumed checkpoint, the cross-run
+    cache or one pass of the prepared starting model (`reference_values`); handed to the collators."""
+    recipe, with_kl = run.recipe, run.recipe.loss_type == "kto"
+    sets = {"train": (run.train_set, run.collator, run.plan.run_pairs(run.total_steps) if with_kl else [])}
+    if run.eval_set is not None:
+        n = len(run.eval_set)
+        sets["eval"] = (run.eval_set, run.eval_collator, [(i, (i - 1) % n) for i in range(n)] if with_kl else [])
+
+    def compute() -> dict[str, torch.Tensor]:
+        values = {}
+        with phase(run.accelerator, "precomputing reference log-probs", recipe.ddp_timeout):
+            for name, (data, collator, pairs) in sets.items():
+                values[name] = reference_pass(run, collator, list(range(len(data))), "input_ids", "labels")
+                if with_kl:
+                    values[f"{name}_kl"] = reference_pass(run, collator, pairs, "kl_input_ids", "kl_labels")
+                    values[f"{name}_kl_pairs"] = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2)
+        return values
+
+    def unfit(values: dict[str, torch.Tensor]) -> str | None:
+        """Saved (resume) or cached values serve this run when they hold every row and every pair it draws."""
+        for name, (data, _, pairs) in sets.items():
+            if name not in values or values[name].shape != (len(data),):
+                return (f"no kto reference log-probs for the current {name} rows (saved without "
+                        "precompute_ref_log_probs, or the data changed)")
+            saved = values.get(f"{name}_kl_pairs")
+            missing = set(pairs) - (set(map(tuple, saved.tolist())) if saved is not None else set())
+            if missing:
+                return (f"no reference log-probs for {len(missing)} of the {len(pairs)} mismatched (KL) rows this "
+                        f"run's {name} {'steps draw' if name == 'train' else 'set pairs'} (they were computed for "
+                        "the steps of the run that saved it; this one draws its steps with another global batch, "
+                        "seed, train_sampling_strategy or number of steps)")
+        return None
+
+    key = (f"kto {recipe.loss_type} max_length={recipe.max_length}", inspect.getsource(KTOCollator),
+           *(hashlib.sha256(json.dumps(pairs).encode()).hexdigest() for _, _, pairs in sets.values()))
+    values, run.token_loss.reference.source = reference_values(
+        recipe, {name: data for name, (data, _, _) in sets.items()}, run.accelerator, run.resume_from, compute,
+        unfit, key)
+    for name, (_, collator, _) in sets.items():
+        collator.row_reference = values[name].cpu()
+        if with_kl:
+            collator.kl_reference = dict(zip(map(tuple, values[f"{name}_kl_pairs"].tolist()),
+                                             values[f"{name}_kl"].tolist()))
+    rows = sum(len(data) for data, _, _ in sets.values())
+    kl_rows = sum(len(pairs) for _, _, pairs in sets.values())
+    run.token_loss.reference.what = f"{rows} rows" + (f" and {kl_rows} mismatched (KL) rows" if with_kl else "")
+    return values

@@ -168,5 +168,5 @@ def precompute_reference(run) -> dict[str, torch.Tensor]:
         run.recipe, {name: data for name, (data, _) in sets.items()}, run.accelerator, run.resume_from, compute)
     for name, (_, collator) in sets.items():
         collator.reference = values[name].cpu()
-    run.token_loss.reference.pairs = sum(len(data) for data, _ in sets.values())
+    run.token_loss.reference.what = f"{sum(len(data) for data, _ in sets.values())} pairs"
     return values

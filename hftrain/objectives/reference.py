@@ -121,15 +121,15 @@ class FrozenReference:
 
 
 class PrecomputedReference:
-    """precompute_ref_log_probs: the starting model's log-probs of every pair, computed once before training
-    (`precompute_reference_log_probs`) and carried in each batch as `ref_logps` by the collator."""
+    """precompute_ref_log_probs: the starting model's log-probs of every pair (dpo) or row and mismatched row (kto),
+    computed once before training and carried in each batch by the collator (`ref_logps`, kto's `kl_ref_logps`)."""
 
     def __init__(self):
-        self.pairs = 0
+        self.what = ""  # what was computed, in words: "400 pairs"
         self.source = "one pass of the starting model before training"  # or the cache / checkpoint it came from
 
     def describe(self) -> str:
-        return (f"precomputed log-probs of {self.pairs} pairs ({self.source}; saved with every checkpoint; no "
+        return (f"precomputed log-probs of {self.what} ({self.source}; saved with every checkpoint; no "
                 "reference model in memory)")
 
 
@@ -155,12 +155,13 @@ def _model_files(recipe: Recipe) -> list[str]:
                   if f.suffix in WEIGHT_SUFFIXES)
 
 
-def reference_cache_file(recipe: Recipe, sets: dict) -> Path:
+def reference_cache_file(recipe: Recipe, sets: dict, key: tuple[str, ...] = ()) -> Path:
     """Where the reference log-probs of these pairs under this starting model are cached across runs, keyed like
     the tokenization cache: the tokenized data's fingerprints, the recipe fields that change the model's outputs,
-    the model's files (name, size, modification time) and the code that computes the log-probs."""
+    the model's files (name, size, modification time) and the code that computes the log-probs; `key`: what else
+    decides the values (kto: the mismatched rows the run draws and how they are built)."""
     parts = [json.dumps({k: getattr(recipe, k) for k in REFERENCE_KEY_FIELDS}, sort_keys=True, default=str),
-             *_model_files(recipe), inspect.getsource(sequence_log_probs)]
+             *_model_files(recipe), inspect.getsource(sequence_log_probs), *key]
     parts += [f"{name}:{fingerprint(data)}:{len(data)}" for name, data in sorted(sets.items())]
     return REFERENCE_CACHE / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:32]}.safetensors"
 
@@ -203,29 +204,40 @@ def precompute_reference_log_probs(model, loss_fn, dataset, collator, dp, batch_
     return dp.sum(out).float()
 
 
+def pair_values_unfit(sets: dict) -> Callable[[dict[str, torch.Tensor]], str | None]:
+    """dpo's test of saved or cached values: a [pairs, 2] tensor for every set, else what is missing."""
+
+    def unfit(values: dict[str, torch.Tensor]) -> str | None:
+        wrong = [name for name, data in sets.items() if name not in values or values[name].shape != (len(data), 2)]
+        return (f"no reference log-probs for the current {' and '.join(wrong)} pairs (saved without "
+                "precompute_ref_log_probs, or the data changed)") if wrong else None
+    return unfit
+
+
 def reference_values(recipe: Recipe, sets: dict, accelerator, resume_from: Path | None,
-                     compute: Callable[[], dict]) -> tuple[dict[str, torch.Tensor], str]:
-    """({set name: [pairs, 2] reference log-probs}, where they came from) for precompute_ref_log_probs.
+                     compute: Callable[[], dict],
+                     unfit: Callable[[dict[str, torch.Tensor]], str | None] | None = None,
+                     key: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], str]:
+    """({name: reference log-probs}, where they came from) for precompute_ref_log_probs: dpo's [pairs, 2] per set.
 
     On resume: the values saved in the checkpoint (the model has trained since). Else the cross-run cache when every
     process finds it (one vote: a process that computed alone would leave the others waiting in its forward), else
-    `compute()` on every process, written to the cache whole and then renamed.
+    `compute()` on every process, written to the cache whole and then renamed. `unfit(values)`: why saved or
+    cached values do not serve this run, None when they do (default: dpo's, `pair_values_unfit`); `key`: more of
+    the cache key (`reference_cache_file`).
     """
+    unfit = unfit or pair_values_unfit(sets)
     if resume_from is not None:
         values = load_run_tensors(resume_from) or {}
-        wrong = [name for name, data in sets.items() if name not in values or values[name].shape != (len(data), 2)]
-        if wrong:
-            raise HftrainError(
-                f"precompute_ref_log_probs: {resume_from} has no reference log-probs for the current "
-                f"{' and '.join(wrong)} pairs (saved without precompute_ref_log_probs, or the data changed); resume "
-                "with the same data and settings, or start a new run"
-            )
+        if (why := unfit(values)) is not None:
+            raise HftrainError(f"precompute_ref_log_probs: {resume_from} has {why}; resume with the same data and "
+                               "settings, or start a new run")
         return values, f"saved in {resume_from}"
-    cache = reference_cache_file(recipe, sets)
+    cache = reference_cache_file(recipe, sets, key)
     found = accelerator.reduce(torch.tensor(float(cache.exists()), device=accelerator.device), reduction="sum")
     if int(found) == accelerator.num_processes:
         values = load_file(str(cache))
-        if all(name in values and values[name].shape == (len(data), 2) for name, data in sets.items()):
+        if unfit(values) is None:
             return values, f"read from the cache {cache}"
     values = compute()
     if accelerator.is_main_process:

@@ -1,7 +1,7 @@
 """kto through the real entry script: TRL's KTOTrainer gives the same steps, one step is the same whatever its split
-into micro-batches and processes (the KL reference point is the step's, not a micro-batch's), a resumed run
-continues exactly, the shipped recipe learns, and data without a label column or with one class is refused before
-the model loads."""
+into micro-batches and processes (the KL reference point is the step's, not a micro-batch's), precomputed reference
+log-probs equal the live reference, a resumed run continues exactly (live or precomputed), the shipped recipe
+learns, and data without a label column or with one class is refused before the model loads."""
 
 from __future__ import annotations
 
@@ -43,6 +43,15 @@ def one_process(tmp_path_factory):
     return run_script(tmp_path_factory.mktemp("kto-one") / "out", *EXACT, "--per_device_train_batch_size", "8")
 
 
+@pytest.fixture(scope="module")
+def ddp_precomputed(tmp_path_factory):
+    """2 DDP processes x 2 micro-batches x 2 rows with precompute_ref_log_probs (an empty cross-run cache: the pass
+    runs on both processes), a checkpoint at step 2."""
+    folder = tmp_path_factory.mktemp("kto-ddp")
+    return launch(folder / "out", *EXACT, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+                  "--precompute_ref_log_probs", "true", preset="cpu_ddp", env={"HF_HOME": str(folder / "hf")})
+
+
 def test_equal_to_trl_kto_trainer(tmp_path):
     """scripts/compare_trl_kto.py: TRL 1.16's KTOTrainer and hftrain on the same rows, order and hyperparameters,
     loss_type kto with full fine-tuning (a reference copy) and apo_zero_unpaired with LoRA (adapters disabled):
@@ -63,18 +72,19 @@ def test_equal_to_trl_kto_trainer(tmp_path):
                 assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, step, key)
 
 
-def test_kto_step_is_the_same_over_micro_batches_and_processes(tmp_path, one_process):
+def test_kto_step_is_the_same_over_micro_batches_and_processes(tmp_path, one_process, ddp_precomputed):
     """8 rows per step as 1 x 8, 4 micro-batches x 2 and 2 DDP processes x 2 micro-batches x 2: the same KL
     reference point (each row's mismatched completion is its predecessor's in the step, across micro-batches and
-    processes), losses, statistics, clipped norms and weights."""
+    processes), losses, statistics, clipped norms and weights. The DDP run precomputes its reference log-probs (every
+    row and the 24 mismatched rows its 3 steps draw) where the others run the frozen copy: the same numbers."""
     rows = one_process.train_rows()
     assert rows[-1]["kl"] > 0 and rows[0]["grad_norm"] > 0.2  # the reference point and clipping were active
     accum = run_script(tmp_path / "accum", *EXACT, "--per_device_train_batch_size", "2",
                        "--gradient_accumulation_steps", "4")
-    ddp = launch(tmp_path / "ddp", *EXACT, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps",
-                 "2", preset="cpu_ddp")
-    assert ddp.state()["launch"]["model_wrapper"] == "DistributedDataParallel"
-    for run in (accum, ddp):
+    assert ddp_precomputed.state()["launch"]["model_wrapper"] == "DistributedDataParallel"
+    said = " ".join(ddp_precomputed.stdout.split())
+    assert "reference: precomputed log-probs of 400 rows and 24 mismatched (KL) rows (one pass" in said
+    for run in (accum, ddp_precomputed):
         assert_same_steps(run, one_process)
 
 
@@ -91,6 +101,25 @@ def test_kto_resumes_exactly(tmp_path, one_process):
     weights = load_file(one_process.output_dir / "final" / "model.safetensors")
     for key, value in load_file(out / "final" / "model.safetensors").items():
         torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_kto_with_precomputed_reference_resumes_exactly(tmp_path, ddp_precomputed):
+    """The DDP run's checkpoint-2 resumed by one process x 8 rows (the same global batch, so the same pairs): the
+    reference log-probs are read from the checkpoint, not recomputed with the trained model, and step 3 and the final
+    weights equal the uninterrupted run's (a resume drawing other pairs is refused: unit/test_kto_objective.py)."""
+    out = tmp_path / "out"
+    shutil.copytree(ddp_precomputed.output_dir, out)
+    shutil.rmtree(out / "final")
+    resumed = run_script(out, *EXACT, "--precompute_ref_log_probs", "true", "--resume_from_checkpoint", "latest",
+                         "--per_device_train_batch_size", "8")
+    assert f"saved in {out / 'checkpoint-2'}" in " ".join(resumed.stdout.split())
+    (row,) = [r for r in resumed.train_rows() if r["step"] == 3]
+    expected = ddp_precomputed.train_rows()[2]
+    for key in COMPARED:
+        assert row[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    weights = load_file(ddp_precomputed.output_dir / "final" / "model.safetensors")
+    for key, value in load_file(out / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize("preset", ["zero3", "fsdp2"])

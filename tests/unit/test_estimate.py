@@ -200,6 +200,10 @@ def test_kto_counts_one_sequence_per_row_and_the_reference_copy_as_dpo(model_dir
         assert row.activations == sft[name].activations, name
         assert row.weights == pytest.approx(dpo[name].weights) and row.cpu == pytest.approx(dpo[name].cpu), name
     assert "kto's frozen reference copy" in kto["DDP"].note
+    for objective in ("kto", "dpo"):  # precompute_ref_log_probs: no copy, as sft's weights
+        pre = estimate(shape, gpus=g, batch=b, seq=s, objective=objective, precompute_ref=True).rows
+        assert all(r.weights == pytest.approx(sft[r.strategy].weights) and r.cpu == pytest.approx(sft[r.strategy].cpu)
+                   and not r.note.startswith("with") for r in pre), objective
 
 
 def test_sequence_parallel_divides_the_activations_and_is_recommended_for_long_sequences(model_dir):

@@ -1,19 +1,31 @@
 """objective kto against plain PyTorch: the KL reference point over the step's mismatched rows, the loss, its
 gradient and TRL's statistics, whatever the split into micro-batches; the plan's pairing across ranks; the
-collator's KL rows; TRL's balance warning; the recipe and data rules."""
+collator's KL rows; precomputed reference log-probs (every pair the run draws, equal to the live reference, kept
+on resume); TRL's balance warning; the recipe and data rules."""
 
 from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
 
 import datasets
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from hftrain.config import Recipe, recipe_from_dict
 from hftrain.data import IGNORE_INDEX
 from hftrain.data.formats import detect_format, to_canonical
 from hftrain.errors import HftrainError
-from hftrain.objectives.kto import KTOCollator, KTOLoss, KTOPlan, balance_warning, kl_partners
-from hftrain.objectives.reference import FrozenReference, ReferenceLogProbs
+from hftrain.objectives.kto import KTOCollator, KTOLoss, KTOPlan, balance_warning, kl_partners, precompute_kto_reference
+from hftrain.objectives.reference import (
+    AdapterReference,
+    FrozenReference,
+    PrecomputedReference,
+    ReferenceLogProbs,
+    summed_log_probs,
+)
+from hftrain.paths import REFERENCE_FILE
 from tests.unit.test_objectives import VOCAB, plain_log_probs, tiny_llama
 
 DESIRABLE = [True, False, True, True, False, False]
@@ -163,9 +175,9 @@ def test_kto_recipe_rules():
                           "precompute_ref_log_probs": True, "packing": True}, for_training=False)
     said = " ".join(str(err.value).split())
     for part in ("loss_type=sigmoid is not a kto loss", "desirable_weight must be > 0",
-                 "precompute_ref_log_probs with objective kto is not supported",
                  "packing with objective=kto is refused"):
         assert part in said, part
+    assert "precompute_ref_log_probs" not in said  # kto precomputes (below)
     with pytest.raises(HftrainError, match="loss_type=kto is a kto loss, but objective=dpo"):
         recipe_from_dict({"objective": "dpo", "loss_type": "kto"}, for_training=False)
 
@@ -182,3 +194,120 @@ def test_preference_pairs_are_unpaired_as_trls_unpair_preference_dataset():
     raw = raw.select(range(6))
     ours, theirs = unpair(raw, "pairs"), unpair_preference_dataset(raw)
     assert ours.to_list() == theirs.to_list() and sum(ours["label"]) == 6 and len(ours) == 12
+
+
+def test_run_pairs_are_every_pair_the_runs_steps_draw_whatever_the_layout():
+    """7 steps of 4 rows over 10 shuffled rows (3 steps per epoch, so 3 epochs, the last cut after one step): the
+    pairs of every rank's micro-batches of every step the loop runs, for 2 ranks x 1 or 1 rank x 2 micro-batches."""
+    for world, accum in ((2, 1), (1, 2)):
+        plan = KTOPlan(10, 2, world, accum, 3, shuffle=True)
+        drawn = set()
+        for step in range(7):
+            epoch, at = divmod(step, plan.steps_per_epoch)
+            for rank in range(world):
+                for batch in list(plan.micro_batches(epoch, rank))[at * accum:(at + 1) * accum]:
+                    drawn.update(batch)
+        assert plan.run_pairs(7) == sorted(drawn)
+        assert len(drawn) > 10  # the epochs' shuffles pair rows differently
+    assert KTOPlan(10, 2, 2, 1, 3, shuffle=True).run_pairs(7) == KTOPlan(10, 4, 1, 1, 3, shuffle=True).run_pairs(7)
+
+
+def precompute_run(recipe: Recipe, module: KTOLoss, data, plan: KTOPlan, total_steps: int, resume_from=None):
+    """What `precompute_kto_reference` reads of a run: one process, its training and eval sets (the same rows)."""
+    device = torch.device("cpu")
+    return SimpleNamespace(
+        recipe=recipe, token_loss=module, model=module, train_set=data, collator=KTOCollator(data, 0, 64),
+        eval_set=data, eval_collator=KTOCollator(data, 0, 64), plan=plan, total_steps=total_steps,
+        resume_from=resume_from, dp=SimpleNamespace(world=1, rank=0, sum=lambda t: t),
+        accelerator=SimpleNamespace(device=device, num_processes=1, is_main_process=True,
+                                    reduce=lambda t, reduction: t))
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_precomputed_reference_equals_the_live_one(method, tmp_path, monkeypatch):
+    """precompute_ref_log_probs: every row's and every drawn mismatched row's reference log-prob is plain PyTorch's
+    on the starting model (under LoRA: the base with the adapters disabled, here non-zero from the start), and 2
+    steps of 6 rows in 3 micro-batches with them give the losses, kl, statistics and weights of the live reference
+    (a frozen copy / the adapters disabled); another run reads them from the cross-run cache, a resume from its
+    checkpoint, and a resume drawing other pairs is refused."""
+    monkeypatch.setattr("hftrain.objectives.reference.REFERENCE_CACHE", tmp_path / "cache")
+    data = rows_dataset()
+    plan = KTOPlan(6, 2, 1, 3, 11, shuffle=True)  # one step per epoch, each epoch its own order
+    recipe = Recipe(objective="kto", loss_type="kto", beta=0.5, undesirable_weight=1.3,
+                    model_name_or_path=str(tmp_path), per_device_eval_batch_size=4)
+    if method == "full":
+        live_lm = tiny_llama(1)
+        live = KTOLoss(live_lm, recipe, FrozenReference(ReferenceLogProbs(copy.deepcopy(live_lm), False),
+                                                        torch.device("cpu")))
+        start = copy.deepcopy(live_lm)
+        plain_reference = lambda batch: plain_log_probs(start, batch)[0]  # noqa: E731
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        live_lm = get_peft_model(tiny_llama(1), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                           init_lora_weights=False))
+        live = KTOLoss(live_lm, recipe, AdapterReference(live_lm, summed_log_probs(False)))
+        start = copy.deepcopy(live_lm)
+
+        def plain_reference(batch):
+            with start.disable_adapter():
+                return plain_log_probs(start, batch)[0]
+    pre_lm = copy.deepcopy(live_lm)
+    pre_recipe = Recipe(**{**recipe.__dict__, "precompute_ref_log_probs": True})
+    pre = KTOLoss(pre_lm, pre_recipe, PrecomputedReference())
+    run = precompute_run(pre_recipe, pre, data, plan, 2)
+    values = precompute_kto_reference(run)
+    ids, starts = data["input_ids"], data["prompt_length"]
+    with torch.no_grad():
+        rows = plain_reference(padded([(ids[k], starts[k]) for k in range(6)]))
+        pairs = [tuple(pair) for pair in values["train_kl_pairs"].tolist()]
+        assert pairs == plan.run_pairs(2) and len(pairs) > 6
+        kl_rows = plain_reference(padded([(ids[r][:starts[r]] + ids[p][starts[p]:], starts[r]) for r, p in pairs]))
+        eval_kl = plain_reference(padded([(ids[k][:starts[k]] + ids[k - 1][starts[k - 1]:], starts[k])
+                                          for k in range(6)]))
+    for name, expected in (("train", rows), ("eval", rows), ("train_kl", kl_rows), ("eval_kl", eval_kl)):
+        torch.testing.assert_close(values[name], expected, rtol=1e-5, atol=1e-5, msg=name)
+    assert f"of 12 rows and {len(pairs) + 6} mismatched (KL) rows (one pass" in pre.reference.describe()
+    cached = precompute_run(pre_recipe, KTOLoss(pre_lm, pre_recipe, PrecomputedReference()), data, plan, 2)
+    assert all(torch.equal(v, values[k]) for k, v in precompute_kto_reference(cached).items())
+    assert "read from the cache" in cached.token_loss.reference.describe()  # another run on the same data and model
+
+    kls = []
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=8.0) for m in (live, pre)]
+    for epoch in range(2):
+        results = []
+        for module, collator, optimizer in ((live, KTOCollator(data, 0, 64), optimizers[0]),
+                                            (pre, run.collator, optimizers[1])):
+            batches = [{k: v for k, v in collator(items).items() if k != "num_examples"}
+                       for items in plan.micro_batches(epoch, 0)]
+            assert ("ref_logps" in batches[0]) == (module is pre)
+            module.train()
+            module.prepare_step(module, batches, lambda t: t)
+            loss = sum(module(**b) for b in batches) / 6
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            results.append((loss.detach(), module.kl.clone(), module.pop_stats()))
+        (live_loss, live_kl, live_stats), (pre_loss, pre_kl, pre_stats) = results
+        torch.testing.assert_close(pre_loss, live_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pre_kl, live_kl, rtol=1e-5, atol=1e-6)
+        for name, value in live_stats.items():
+            torch.testing.assert_close(pre_stats[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        kls.append(float(live_kl))
+    assert max(kls) > 0  # the reference point was active
+    for a, b in zip(live.parameters(), pre.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+    checkpoint = tmp_path / "checkpoint-1"  # what every checkpoint saves: the values, read back on resume
+    checkpoint.mkdir()
+    save_file(values, str(checkpoint / REFERENCE_FILE))
+    resumed = precompute_run(pre_recipe, KTOLoss(pre_lm, pre_recipe, PrecomputedReference()), data, plan, 2,
+                             checkpoint)
+    again = precompute_kto_reference(resumed)
+    assert f"saved in {checkpoint}" in resumed.token_loss.reference.describe()
+    assert all(torch.equal(again[k], v) for k, v in values.items())
+    longer = precompute_run(pre_recipe, KTOLoss(pre_lm, pre_recipe, PrecomputedReference()), data, plan, 3,
+                            checkpoint)  # a third epoch draws pairs the saved run never computed
+    with pytest.raises(HftrainError, match=r"no reference log-probs for \d+ of the \d+ mismatched \(KL\) rows "
+                                           "this run's train steps draw"):
+        precompute_kto_reference(longer)

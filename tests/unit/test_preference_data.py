@@ -139,7 +139,8 @@ def test_format_detection_and_objective_checks():
         assert part in " ".join(text.split()), part
     with pytest.raises(HftrainError, match="loss_type=hinge is a dpo loss"):
         recipe_from_dict({"loss_type": "hinge"}, for_training=False)
-    with pytest.raises(HftrainError, match="precompute_ref_log_probs computes dpo's reference, but objective=simpo"):
+    with pytest.raises(HftrainError,
+                       match="precompute_ref_log_probs computes dpo's and kto's reference, but objective=simpo"):
         recipe_from_dict({"objective": "simpo", "precompute_ref_log_probs": True}, for_training=False)
     with pytest.raises(HftrainError, match="max_prompt_length=8 needs objective dpo, simpo, orpo, kto or reward"):
         recipe_from_dict({"max_prompt_length": 8}, for_training=False)

@@ -58,6 +58,7 @@ LATER_CHANGES = {
     ("modules_to_save", "nargs"): "issue 36: list items as words too, as TRL",
     ("report_to", "nargs"): "issue 36: list items as words too, as TRL",
     ("wandb_tags", "nargs"): "issue 36: list items as words too, as TRL",
+    ("precompute_ref_log_probs", "help"): "issue 40: kto precomputes its rows' and mismatched rows' log-probs too",
     ("objective", "help"): "issue 40: objective orpo",
     ("objective", "choices"): "issue 40: objective orpo",
     ("beta", "help"): "issue 40: orpo's beta",
