@@ -131,8 +131,9 @@ def signal_one_rank_then_resume(tmp_path, split: list[str], assert_split, **laun
     the resumed run equals an uninterrupted 1-process run."""
     from tests.e2e.test_reliability import start, trainers, wait_for_step
 
-    args = [*TINY_CHAT, "--max_steps", "40", "--logging_steps", "1", "--eval_steps", "none", "--save_steps", "none",
-            *ONE_GROUP]
+    steps = 16  # the signal lands after step 3 and the stop at the next step's end: the rest is the resume's
+    args = [*TINY_CHAT, "--max_steps", str(steps), "--logging_steps", "1", "--eval_steps", "none", "--save_steps",
+            "none", *ONE_GROUP]
     ref = run_script(tmp_path / "ref", *args)
     out = tmp_path / "split"
     launcher = start(out, *args, *split, **launch_kwargs)
@@ -147,12 +148,12 @@ def signal_one_rank_then_resume(tmp_path, split: list[str], assert_split, **laun
         stderr[-3000:]
     (saved,) = out.glob("checkpoint-*")
     stopped_at = int(saved.name.split("-")[1])
-    assert 3 <= stopped_at < 40 and not (out / "final").exists()
+    assert 3 <= stopped_at < steps and not (out / "final").exists()
     resumed = launch(out, *args, *split, "--resume_from_checkpoint", "latest", **launch_kwargs)
     assert f"at step {stopped_at}" in resumed.stdout
     assert_split(resumed, processes=2, dp_world=1)
     rows, ref_rows = resumed.train_rows(), ref.train_rows()
-    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == list(range(1, 41))
+    assert [r["step"] for r in rows] == [r["step"] for r in ref_rows] == list(range(1, steps + 1))
     close([r["loss"] for r in rows], [r["loss"] for r in ref_rows], 1e-4)
     params_close(load_file(resumed.output_dir / "final" / "model.safetensors"),
                  load_file(ref.output_dir / "final" / "model.safetensors"), rtol=1e-4, atol=1e-4)
