@@ -292,7 +292,7 @@ def tensor_parallel_problems(recipe: Recipe, launch: Launch) -> list[str]:
 
 
 def fsdp2_tensor_parallel_problems(recipe: Recipe, launch: Launch) -> list[str]:
-    """FSDP2 x tensor parallel (parallel/tensor.py's FSDP2TensorParallelBackend): transformers' 2D mesh of
+    """FSDP2 x tensor parallel (parallel/tensor.py's TensorParallel over FSDP2Backend): transformers' 2D mesh of
     fsdp_size = processes / tp_size data-parallel shards of tp_size-way split weights."""
     tp, world, problems = recipe.tp_size, launch.world, []
     if world % tp or world < 2 * tp:

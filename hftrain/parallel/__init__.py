@@ -7,16 +7,23 @@
     backend.checkpoints                             # checkpoint I/O (checkpoint_io.py), called by hftrain.checkpoint
 
 A layout is the record (`ParallelDims`, dims.py: the strategy and the degree of each axis, built once from the recipe
-and the launch) run by the backend that holds the model (`BACKENDS[(strategy, the axes it runs)]`: the strategy's
-wrapper, tensor parallelism at load, pipeline stages) with the other axes applied over it as transforms, in one
-fixed order (`TRANSFORMS`: cp's ring attention, sp's Ulysses attention), and its checkpoint I/O a component of its
-own (`layout_of`).
+and the launch) run by one strategy backend (`BACKENDS[(strategy, the axes it holds itself)]`: plain / DDP, FSDP2,
+DeepSpeed, or the pipeline, whose step is its own schedule and which holds tp inside its stages) with every other axis
+a transform over it (`TRANSFORMS`, torchtitan's `parallelize_fn` steps), applied in one fixed order at fixed points
+(`Transform`, base.py): load (transformers' `DistributedConfig` fields: tp, ep), record, the loss module before the
+strategy's wrapper (cp, sp), each micro-batch, frozen copies, generation. The strategy's own step comes last, as
+torchtitan applies TP, then activation checkpointing and compile, then FSDP. Checkpoint I/O (checkpoint_io.py) and
+generation (generation.py) are components of the layout: the strategy's, or, for a model laid out at load, the
+laid-out one (`layout_of`).
 
-Backends, one file each: base.py (the interface and `Transform`; one process and DDP), fsdp.py (FSDP2), deepspeed.py
-(ZeRO 1-3, offload), tensor.py (tensor parallel, with data-parallel copies, or FSDP2 x TP under an FSDP2 preset),
-pipeline.py (pipeline stages through torch.distributed.pipelining, with data-parallel copies, or each stage sharded
-by FSDP2 under an FSDP2 preset). Transforms: sequence.py (DeepSpeed's Ulysses sequence parallelism), context.py
-(torch's ring attention context parallelism). checkpoint_io.py: one checkpoint component per way of holding state.
+Strategy backends, one file each: base.py (the interface, `Transform`; one process and DDP, whole copies of a
+laid-out model), fsdp.py (FSDP2; a laid-out model sharded by transformers' FSDP2), deepspeed.py (ZeRO 1-3, offload),
+pipeline.py (pipeline stages through torch.distributed.pipelining, with data-parallel copies and tp inside the stages,
+or each stage sharded by FSDP2 under an FSDP2 preset). Transforms: tensor.py (tensor parallelism), expert.py (expert
+parallelism), context.py (torch's ring attention context parallelism), sequence.py (DeepSpeed's Ulysses sequence
+parallelism). checkpoint_io.py: one checkpoint component per way of holding state; generation.py: one generation
+component per way of holding the model.
+
 Nothing else in hftrain asks accelerate, the environment or the DeepSpeed JSON which strategy
 runs. The parallelism fields of the recipe and the rules judged from the recipe alone (`problems`) are
 `hftrain/fields/parallel.py`; the rules that need the launch or the model config are in `hftrain/preflight.py`.
@@ -31,11 +38,12 @@ from hftrain.parallel.base import Backend, DataParallel, Parallelism, Transform
 from hftrain.parallel.context import RingAttention
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.dims import ParallelDims
+from hftrain.parallel.expert import ExpertParallel
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch, devices_record, make_accelerator, not_selected, phase, run_process
 from hftrain.parallel.pipeline import PipelineBackend, PipelineFSDP2Backend
 from hftrain.parallel.sequence import UlyssesAttention
-from hftrain.parallel.tensor import FSDP2TensorParallelBackend, TensorParallelBackend
+from hftrain.parallel.tensor import TensorParallel
 
 __all__ = ["Backend", "DataParallel", "Launch", "ParallelDims", "Parallelism", "Transform", "devices_record",
            "layout_of", "make_accelerator", "phase", "problems", "resolve", "run_process"]
@@ -54,42 +62,45 @@ def resolve(accelerator, recipe: Recipe, launch: Launch) -> Backend:
 
 
 def layout_of(dims: ParallelDims) -> tuple[type[Backend], tuple[type[Transform], ...]]:
-    """What runs `dims`'s layout: the backend that holds the model (`BACKENDS[(strategy, the axes it runs)]`) and the
-    transforms of the other axes over it (`TRANSFORMS`, in their order), each checked against the strategy and the
-    axes beside it. The preflight refuses every other combination before the accelerator is made, each with its
-    reason; this refusal is the backstop."""
-    transforms = tuple(TRANSFORMS[axis] for axis in TRANSFORMS if axis in dims.axes)
-    held = dims.axes.difference(TRANSFORMS)
-    backend = BACKENDS.get((dims.strategy, held))
-    if backend is None or any(dims.strategy not in t.strategies or not held <= t.beside for t in transforms):
+    """What runs `dims`'s layout: the strategy backend that holds the model (`BACKENDS[(strategy, the axes it holds
+    itself)]`: the most axes a backend of the strategy holds, the pipeline's) and the transforms of the other axes
+    over it (`TRANSFORMS`, in their order), each checked against the launch's strategy and the axes beside it. A
+    transform may need another strategy to hold the model than the launch's (`strategy_for`: expert parallelism,
+    transformers' FSDP2 under a DDP-type preset). The preflight refuses every other combination before the
+    accelerator is made, each with its reason; this refusal is the backstop."""
+    strategy = dims.strategy
+    for axis in TRANSFORMS:
+        if axis in dims.axes:
+            strategy = TRANSFORMS[axis].strategy_for.get(strategy, strategy)
+    held = max((axes for (s, axes) in BACKENDS if s == strategy and axes <= dims.axes), key=len, default=None)
+    transforms = tuple(TRANSFORMS[axis] for axis in TRANSFORMS if axis in dims.axes - (held or frozenset()))
+    if held is None or any(dims.strategy not in t.strategies or not dims.axes - {t.axis} <= t.beside
+                           for t in transforms):
         axes = " x ".join(sorted(dims.axes)) or "data parallelism alone"
         raise HftrainError(f"no hftrain backend runs {axes} under a {dims.strategy} launch ({dims.describe()}); "
                            "docs/architecture.md lists the layouts that run")
-    return backend, transforms
+    return BACKENDS[(strategy, held)], transforms
 
 
-_NONE, _TP, _PP, _PP_TP = frozenset(), frozenset({"tp"}), frozenset({"pp"}), frozenset({"pp", "tp"})
-# (strategy, the axes it runs itself) -> the backend that holds the model. tp under a DDP-type launch holds whole
-# copies of tp-split weights; tp under FSDP2 is the 2D layout; pp under FSDP2 shards each stage over its
-# data-parallel ranks; ep is one more degree of the layout transformers loads and FSDP2-wraps itself.
+_NONE, _PP, _PP_TP = frozenset(), frozenset({"pp"}), frozenset({"pp", "tp"})
+# (strategy, the axes it holds itself) -> the strategy backend that holds the model: one per strategy, and the
+# pipeline (its step is its schedule's) with data-parallel copies, tp inside its stages, or each stage sharded by FSDP2.
 BACKENDS: dict[tuple[str, frozenset[str]], type[Backend]] = {
     ("single", _NONE): Backend,
     ("ddp", _NONE): Backend,
     ("fsdp2", _NONE): FSDP2Backend,
     ("deepspeed", _NONE): DeepSpeedBackend,
-    ("ddp", _TP): TensorParallelBackend,
-    ("fsdp2", _TP): FSDP2TensorParallelBackend,
     ("ddp", _PP): PipelineBackend,
     ("ddp", _PP_TP): PipelineBackend,
     ("fsdp2", _PP): PipelineFSDP2Backend,
-    # expert parallelism: transformers' layout (experts over ep, the rest FSDP2-sharded by transformers) under either
-    ("ddp", frozenset({"ep"})): FSDP2TensorParallelBackend,
-    ("fsdp2", frozenset({"ep"})): FSDP2TensorParallelBackend,
 }
 # axis -> the transform that applies it over whichever backend holds the model (its `strategies` and `beside` say
-# where it runs), in the order they are applied: the sequence axes, each rewriting the loss module's forward and
-# holding every micro-batch's forward and backward inside its attention's context.
+# where it runs), in the order they are applied: the axes transformers lays out while the model loads (tp, then ep:
+# their `DistributedConfig` fields, their part of the record), then the sequence axes, each rewriting the loss
+# module's forward and holding every micro-batch's forward and backward inside its attention's context.
 TRANSFORMS: dict[str, type[Transform]] = {
+    "tp": TensorParallel,
+    "ep": ExpertParallel,
     "cp": RingAttention,
     "sp": UlyssesAttention,
 }

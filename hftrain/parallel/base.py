@@ -19,13 +19,15 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from transformers.distributed import DistributedConfig
 
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.memory import GIB, PARTS, ModelState, Placement, optimizer_bytes
 from hftrain.metrics import param_checksum
 from hftrain.model import DTYPES, parameter_count
-from hftrain.parallel.checkpoint_io import AccelerateCheckpoints
+from hftrain.parallel.checkpoint_io import AccelerateCheckpoints, FullStateCheckpoints
+from hftrain.parallel.generation import LaidOutShards, WholeModel
 
 ALL_PARTS = PARTS  # the model state: what ZeRO-3 / FULL_SHARD split
 
@@ -176,18 +178,41 @@ def device_memory_bytes(accelerator, world: int) -> float:
 
 
 class Transform:
-    """One model-splitting axis applied over the backend that holds the model (the strategy's wrapper and, where on,
-    tensor parallelism): built with the backend, after its data share, it names itself in the record, changes the
-    loss module before the wrapper takes it (`apply`), and may hold each micro-batch's forward and backward inside a
-    context of its own (`micro_batch`). hftrain.parallel's `TRANSFORMS` says which axis each one runs, under which
-    strategies and beside which other axes."""
+    """One model-splitting axis applied over the strategy backend that holds the model (torchtitan's
+    `parallelize_fn` steps). Built with the backend, after its data share; its hooks run at fixed points, in
+    `TRANSFORMS`' order (hftrain.parallel), and the strategy's own step comes after them, as torchtitan applies TP,
+    then activation checkpointing and compile, then FSDP:
+
+    1. load: `distributed_fields`, the axis's fields of transformers' `DistributedConfig` (the model is then laid out
+       over the processes while it loads, each rank reading its shards; the strategy adds how data-parallel ranks
+       hold them: `Backend.distributed_config`);
+    2. record: `describe`, the axis's part of the `Parallelism` record (degree, name);
+    3. prepare: `apply` to the loss module, before the strategy wraps it (`Backend.wrap`, or `wrap_laid_out` for a
+       model laid out at load);
+    4. each micro-batch: `micro_batch` around its forward and backward; `whole_sequences` around forwards that take
+       whole sequences (grpo's generation and reference log-probs);
+    5. frozen models (dpo's reference, distill's teacher): `frozen_copy`, `prepare_frozen`, where the axis holds the
+       weights in a way the strategy's copy would not reproduce (None: the strategy's);
+    6. generation: `generation_io`, the generation component (parallel/generation.py) of a layout with this axis
+       (None: the strategy's).
+
+    `TRANSFORMS` says which axis each one runs; `strategies`, under which launch strategies, `beside`, with which
+    other model-splitting axes, and `strategy_for`, where the axis needs another strategy than the launch's to hold
+    the model."""
 
     axis: ClassVar[str]
-    strategies: ClassVar[frozenset[str]] = frozenset()  # the `ParallelDims.strategy`s it runs under
+    strategies: ClassVar[frozenset[str]] = frozenset()  # the launch's `ParallelDims.strategy`s it runs under
     beside: ClassVar[frozenset[str]] = frozenset()  # the other model-splitting axes it composes with
+    # the launch's strategy -> the one that holds the model with this axis (ep: transformers' FSDP2 under DDP)
+    strategy_for: ClassVar[dict[str, str]] = {}
+    generation_io: ClassVar[Callable[..., Any] | None] = None
 
     def __init__(self, backend: Backend):
         self.backend = backend
+
+    def distributed_fields(self) -> dict:
+        """The fields of transformers' `DistributedConfig` this axis sets; {}: it leaves loading alone."""
+        return {}
 
     def describe(self, record: Parallelism) -> Parallelism:
         """The record with this axis in it (its degree, its part of the name)."""
@@ -208,17 +233,104 @@ class Transform:
         reference log-probs), not this rank's slice."""
         yield
 
+    def frozen_copy(self, model, rebuild):
+        """A copy of the built, not yet prepared `model`, or None: the strategy's (`Backend.copy_frozen`)."""
+        return None
+
+    def prepare_frozen(self, module) -> tuple[Any, str] | None:
+        """(module, how) for a frozen model placed like the trained one, or None: the strategy's
+        (`Backend.place_frozen`)."""
+        return None
+
+
+def with_part(name: str, part: str) -> str:
+    """A layout's name with an axis's `part` added, before the offload note that ends a name."""
+    head, offload, tail = name.partition(" + offload")
+    return head + part + offload + tail
+
+
+class LaidOutAtLoad(Transform):
+    """An axis transformers lays out while the model loads (`DistributedConfig`: tensor parallelism, expert
+    parallelism): each rank reads only its shards, held as DTensors on transformers' device mesh, and the strategy
+    holds the model as laid out (`Backend.wrap_laid_out`, `laid_out_checkpoint_io`). Frozen copies and generation
+    follow the shards."""
+
+    generation_io = LaidOutShards
+
+    def frozen_copy(self, model, rebuild):
+        """dpo's reference: DTensors over a group's storage cannot be deep-copied, so the model is loaded again, laid
+        out the same way, and each process copies its own shards into it (exactly the starting weights, resized
+        embeddings included)."""
+        copy_ = rebuild()
+        with torch.no_grad():
+            for (name, mine), (_, theirs) in zip(copy_.named_parameters(), model.named_parameters(), strict=True):
+                local = theirs.data.to_local() if hasattr(theirs.data, "to_local") else theirs.data
+                target = mine.data.to_local() if hasattr(mine.data, "to_local") else mine.data
+                if target.shape != local.shape:
+                    raise HftrainError(f"dpo's reference copy: {name} is sharded differently from the model")
+                target.copy_(local)
+        return copy_
+
+    def prepare_frozen(self, module) -> tuple[Any, str]:
+        """The frozen model keeps the shards it was loaded with (see `frozen_copy`)."""
+        return module.to(self.backend.accelerator.device).eval(), self.frozen_how()
+
+    def frozen_how(self) -> str:
+        """How a frozen model is held, in words."""
+        raise NotImplementedError
+
+
+class ReplicatedCopies(DistributedConfig):
+    """transformers' mesh with `dp_replicate_size` copies of the tensor-parallel group, without its FSDP2 on the
+    copies (transformers applies it only when dp_size > 1): a DDP-type strategy averages their gradients itself
+    (`ReplicaGradients`)."""
+
+    @property
+    def dp_size(self) -> int:
+        return 1
+
+
+def replicated_config(fields: dict, copies: int) -> DistributedConfig:
+    """transformers' `DistributedConfig` with `fields` (the axes' degrees) and `copies` whole copies of the layout."""
+    if copies <= 1:
+        return DistributedConfig(**fields)  # the model's own plans ("auto")
+    return ReplicatedCopies(**fields, dp_replicate_size=copies)
+
+
+class ReplicaGradients:
+    """Average each gradient over the data-parallel copies of a model laid out at load (tensor parallel), as DDP
+    would. A hook per parameter runs once its gradient is accumulated in the backward of the micro-batch that ends
+    an optimizer step (`accelerator.sync_gradients`), before clipping and the step. Every rank runs the same backward
+    graph, so the collectives of the data-parallel and TP groups come in one order. Sum then divide (gloo has no
+    average): the same arithmetic as DDP's mean over the copies."""
+
+    def __init__(self, accelerator, model, group, copies: int):
+        self.accelerator, self.group, self.copies = accelerator, group, copies
+        self.handles = [p.register_post_accumulate_grad_hook(self.average)
+                        for p in model.parameters() if p.requires_grad]
+
+    def average(self, param) -> None:
+        if not self.accelerator.sync_gradients:
+            return
+        with torch.no_grad():
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad  # DTensor: this shard
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group)
+            grad.div_(self.copies)
+
 
 @dataclass
 class Backend:
     """One process or DDP: accelerate wraps the model (DistributedDataParallel with 2+ processes) and every rank
-    holds the full model, gradients and optimizer state. Subclasses: FSDP2, DeepSpeed, tensor parallel."""
+    holds the full model, gradients and optimizer state; a model laid out at load (tensor parallelism) is held as
+    whole copies of its shards, their gradients averaged as DDP would (`wrap_laid_out`). The other strategies
+    subclass it (FSDP2, DeepSpeed) and so does the pipeline, whose step is its own schedule."""
 
     accelerator: Any
     recipe: Recipe
     # the axes applied over this backend, in their fixed order (hftrain.parallel.TRANSFORMS): classes, built with it
     transforms: tuple[type[Transform], ...] = ()
     applied: list[Transform] = field(init=False)
+    laid_out: bool = field(init=False)  # a transform lays the model out while it loads (`distributed_fields`)
     record: Parallelism = field(init=False)
     dp: DataParallel = field(init=False)
     checkpoints: AccelerateCheckpoints = field(init=False)
@@ -226,17 +338,24 @@ class Backend:
     # non-finite gradient norm can then not be skipped.
     step_applied_in_backward = False
 
-    # how this layout writes and reads checkpoints (parallel/checkpoint_io.py): called with the backend
+    # how this layout writes and reads checkpoints (parallel/checkpoint_io.py), and how it generates
+    # (parallel/generation.py): components called with the backend; `laid_out_checkpoint_io` where a transform laid
+    # the model out at load, a transform's `generation_io` before the strategy's
     checkpoint_io: ClassVar[Callable[..., AccelerateCheckpoints]] = AccelerateCheckpoints
+    laid_out_checkpoint_io: ClassVar[Callable[..., AccelerateCheckpoints]] = FullStateCheckpoints
+    generation_io: ClassVar[Callable[..., WholeModel]] = WholeModel
 
     def __post_init__(self) -> None:
         self.dp = self.data_parallel()
         self.applied = [transform(self) for transform in self.transforms]
+        self.laid_out = any(transform.distributed_fields() for transform in self.applied)
         record = self.make_record()
         for transform in self.applied:
             record = transform.describe(record)
         self.record = record
-        self.checkpoints = self.checkpoint_io(self)
+        self.checkpoints = (self.laid_out_checkpoint_io if self.laid_out else self.checkpoint_io)(self)
+        generation = next((t.generation_io for t in self.applied if t.generation_io is not None), self.generation_io)
+        self.generation = generation(self)
 
     # ----------------------------------------------------------------- layout
     def data_parallel(self) -> DataParallel:
@@ -259,8 +378,18 @@ class Backend:
 
     # --------------------------------------------------------------- training
     def model_load_kwargs(self) -> dict:
-        """Extra `from_pretrained` arguments (tensor parallelism shards the weights while they load)."""
-        return {}
+        """Extra `from_pretrained` arguments: transformers' `DistributedConfig` where a transform lays the model out
+        while it loads (its `distributed_fields`, in `TRANSFORMS`' order), completed by the strategy
+        (`distributed_config`); {} otherwise."""
+        fields = {}
+        for transform in self.applied:
+            fields.update(transform.distributed_fields())
+        return {"distributed_config": self.distributed_config(fields)} if fields else {}
+
+    def distributed_config(self, fields: dict) -> DistributedConfig:
+        """The `DistributedConfig` of a model laid out at load with the axes' `fields`: here, whole copies of the
+        layout on the data-parallel ranks (transformers' FSDP2 on them switched off: `ReplicaGradients`)."""
+        return replicated_config(fields, self.dp.world)
 
     def layers_to_load(self, num_layers: int) -> set[int] | None:
         """The decoder layers (of `num_layers`) this process reads from the checkpoint; None: all of them (every
@@ -268,14 +397,31 @@ class Backend:
         return None
 
     def prepare(self, model, optimizer):
-        """The layout's transforms on the loss module, in their fixed order, then the strategy's wrapper (`wrap`)."""
+        """The layout's transforms on the loss module, in their fixed order, then the strategy's wrapper (`wrap`; for
+        a model laid out at load, `wrap_laid_out`)."""
         for transform in self.applied:
             transform.apply(model)
-        return self.wrap(model, optimizer)
+        return (self.wrap_laid_out if self.laid_out else self.wrap)(model, optimizer)
 
     def wrap(self, model, optimizer):
         """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings."""
         return self.accelerator.prepare(model, optimizer)
+
+    def wrap_laid_out(self, model, optimizer):
+        """A model transformers laid out at load (DTensor weights over each tensor-parallel group) stays unwrapped:
+        DDP cannot hold DTensors. The data-parallel copies' gradients are averaged by `ReplicaGradients`."""
+        accelerator, tp = self.accelerator, self.recipe.tp_size
+        if accelerator.mixed_precision != "no":
+            model.forward = accelerator.autocast()(model.forward)  # what accelerator.prepare would add
+        rank = accelerator.process_index
+        sharded = next(p for p in model.parameters() if hasattr(p, "device_mesh"))
+        if sharded.device_mesh.mesh.flatten().tolist() != list(range(rank - rank % tp, rank - rank % tp + tp)):
+            raise HftrainError(f"transformers sharded the model over ranks {sharded.device_mesh.mesh.tolist()}, not "
+                               f"over consecutive groups of tp_size={tp} as hftrain assumes for the data split")
+        if self.dp.world > 1:
+            ReplicaGradients(accelerator, model, self.dp.groups[0], self.dp.world)
+        self.checkpoints.attach(model, optimizer)
+        return model, optimizer
 
     @contextmanager
     def micro_batch(self, batch: dict[str, torch.Tensor]):
@@ -322,13 +468,28 @@ class Backend:
 
     def frozen_copy(self, model, rebuild):
         """A copy of the built, not yet prepared `model` (dpo's reference). `rebuild()` builds the model again (used
-        where the loaded model cannot be deep-copied)."""
+        where the loaded model cannot be deep-copied). The first transform's that copies, else the strategy's
+        (`copy_frozen`)."""
+        for transform in self.applied:
+            if (made := transform.frozen_copy(model, rebuild)) is not None:
+                return made
+        return self.copy_frozen(model, rebuild)
+
+    def copy_frozen(self, model, rebuild):
+        """The strategy's frozen copy: a deep copy."""
         return copy.deepcopy(model)
 
     def prepare_frozen(self, module):
         """(module, how) for a frozen model used next to the trained one (dpo's reference): placed like the trained
-        model, without gradients or optimizer. One process and DDP: a copy on this device (DDP wraps nothing
-        without gradients)."""
+        model, without gradients or optimizer. The first transform's that places it, else the strategy's
+        (`place_frozen`)."""
+        for transform in self.applied:
+            if (placed := transform.prepare_frozen(module)) is not None:
+                return placed
+        return self.place_frozen(module)
+
+    def place_frozen(self, module):
+        """One process and DDP: a copy on this device (DDP wraps nothing without gradients)."""
         return module.to(self.accelerator.device).eval(), "replicated on every process"
 
     @contextmanager
@@ -338,15 +499,10 @@ class Backend:
         do."""
         yield
 
-    @contextmanager
     def generation_context(self, model):
-        """For sampling with transformers' `generate` (objective grpo), every rank at once: yields (module, synced):
-        the loss wrapper whose `generate` (`WrapsCausalLM.generate`, the causal LM's) may be called inside the
-        context, and generate's `synced_gpus`: True where that call's forwards hold collectives, so that a rank whose
-        completions have all ended keeps calling forward until every rank's have (transformers 5.23 decides it only
-        for ZeRO-3 and for modules sharded by its own FSDP2 code, so hftrain passes it). One process and DDP: every
-        rank holds the whole model; DDP's wrapper is needed only for the backward, so the module is unwrapped."""
-        yield self.unwrap(model), False
+        """For sampling with transformers' `generate` (grpo, log_completions), every rank at once: yields (module,
+        synced_gpus), from the layout's generation component (`generation`, parallel/generation.py)."""
+        return self.generation.context(model)
 
     def clip_grad_norm(self, model, max_norm: float) -> float | None:
         """Clip to `max_norm` (inf: only measure) and return the global gradient norm before clipping."""
@@ -370,8 +526,9 @@ class Backend:
                                                                    self.recipe.sgd_momentum)
 
     def shard_count(self) -> int:
-        """Processes the parts in `record.sharded` are split over."""
-        return self.accelerator.num_processes
+        """Processes the parts in `record.sharded` are split over. One process and DDP shard nothing themselves: what
+        is sharded is split by the axes that split the model (tensor-parallel shards, pipeline stages)."""
+        return self.record.model_shards
 
     def placement(self) -> Placement:
         """How this layout spreads the model state (hftrain.memory): the parts in `record.sharded` over

@@ -24,7 +24,7 @@ advantages, old and reference log-probs) with the tokens, in the ring's layout (
 backward of the policy (and the stored old log-probs' forward) run inside the ring's context.
 
 `RingAttention` is the transform hftrain.parallel applies for `cp_size` over the FSDP2 backend, or, with tensor
-parallelism too (tp x cp), over the FSDP2 x TP backend, where the same ring runs on hftrain's own ("dp", "cp", "tp")
+parallelism too (tp x cp), after the tensor-parallel transform (FSDP2 x TP), where the same ring runs on hftrain's own ("dp", "cp", "tp")
 mesh, since accelerate's mesh comes with its broken TP preparation (see the class).
 
 Kernels: torch 2.13's ring dispatches the CUDA flash / memory-efficient / cuDNN SDPA kernels. It has no entry for
@@ -132,8 +132,8 @@ class RingAttention(Transform):
     summed (`apply`), each micro-batch sharded around its forward and backward (`micro_batch`).
 
     Meshes: alone (FSDP2), accelerate's (its ParallelismConfig, built from the recipe: `maybe_context_parallel`).
-    With tensor parallelism (over `FSDP2TensorParallelBackend`: processes = dp x cp x tp, tp innermost, rank =
-    (dp_rank * cp + cp_rank) * tp + tp_rank) hftrain's own ("dp", "cp", "tp") mesh: transformers loads the model as
+    With tensor parallelism (after the `TensorParallel` transform, over `FSDP2Backend`: processes = dp x cp x tp, tp
+    innermost, rank = (dp_rank * cp + cp_rank) * tp + tp_rank) hftrain's own ("dp", "cp", "tp") mesh: transformers loads the model as
     for FSDP2 x TP with fsdp_size = dp x cp (FSDP2 shards every tp shard over the data-parallel *and* context ranks,
     as accelerate's dp_shard_cp does), and each tp rank rings its own heads' keys and values with the ranks holding
     the same heads on the other chunks of the sequence. accelerate's ParallelismConfig would compose the same layout,

@@ -21,6 +21,7 @@ from hftrain.errors import HftrainError
 from hftrain.memory import deepspeed_bytes
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
 from hftrain.parallel.checkpoint_io import DeepSpeedCheckpoints
+from hftrain.parallel.generation import ZeRO3Generation
 
 # "auto" entries hftrain fills: from the recipe (and world size) at start-up, or from the model's hidden size
 RECIPE_AUTO_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
@@ -121,6 +122,7 @@ def fill_deepspeed_config(config: dict, recipe: Recipe, world: int) -> None:
 class DeepSpeedBackend(Backend):
     step_applied_in_backward = True  # the engine steps its optimizer inside backward: a bad step cannot be skipped
     checkpoint_io = DeepSpeedCheckpoints
+    generation_io = ZeRO3Generation
 
     @property
     def config(self) -> dict:
@@ -155,12 +157,12 @@ class DeepSpeedBackend(Backend):
         checkpoint)."""
         return [p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in model.parameters() if p.requires_grad]
 
-    def frozen_copy(self, model, rebuild):
+    def copy_frozen(self, model, rebuild):
         """Under ZeRO-3 transformers loads the model already partitioned (zero.Init): its parameters are empty
         placeholders that a deep copy would copy as such. The copy is built again, partitioned the same way, and
         each process copies its own partitions into it (exactly the starting weights, resized embeddings included)."""
         if not any(hasattr(p, "ds_tensor") for p in model.parameters()):
-            return super().frozen_copy(model, rebuild)
+            return super().copy_frozen(model, rebuild)
         copy_ = rebuild()
         with torch.no_grad():
             for (name, mine), (_, theirs) in zip(copy_.named_parameters(), model.named_parameters(), strict=True):
@@ -169,7 +171,7 @@ class DeepSpeedBackend(Backend):
                 mine.ds_tensor.copy_(theirs.ds_tensor)
         return copy_
 
-    def prepare_frozen(self, module):
+    def place_frozen(self, module):
         """An inference engine with the training config less its optimizer parts (TRL's prepare_deepspeed): under
         ZeRO-3 its weights are partitioned like the trained model's; under ZeRO-0/1/2 (stage 0: nothing to shard
         without an optimizer) replicated in the engine's dtype. Called after `prepare`, so the config is filled."""
@@ -203,34 +205,11 @@ class DeepSpeedBackend(Backend):
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)  # the DeepSpeedEngine's module
 
-    @contextmanager
-    def generation_context(self, model):
-        """ZeRO-1/2: every rank holds the whole weights (the base class). ZeRO-3, as TRL 1.16's
-        `unwrap_model_for_generation` (trl/models/utils.py) by `ds3_gather_for_generation`:
-
-        - true (TRL's default): the whole model gathered on every rank for the call, the engine's partitioning hooks
-          removed meanwhile and registered again after -- DeepSpeed 0.19.8's own
-          `deepspeed.runtime.zero.unwrap_model_for_generation`, which is TRL's code. generate's many small forwards
-          run on local weights, without collectives (synced_gpus False), at the cost of one full copy of the
-          weights per rank while sampling.
-        - false: the engine's module as it is, partitioning hooks in place: each submodule's pre-forward hook gathers
-          its weights (all-gather) and its post-forward hook releases them, at every decoding step, so memory stays
-          that of a training forward. Those gathers are collectives: synced_gpus, so that a rank whose completions
-          have ended keeps running forwards until every rank's have (without it the run aborts: seen)."""
-        if self.record.zero_stage != 3:
-            with super().generation_context(model) as generating:
-                yield generating
-            return
-        if not self.recipe.ds3_gather_for_generation:
-            yield self.unwrap(model), True
-            return
-        from deepspeed.runtime.zero import unwrap_model_for_generation
-
-        with unwrap_model_for_generation(model):
-            yield self.unwrap(model), False
-
     def parameter_size(self, param) -> int:
         return param.ds_numel if hasattr(param, "ds_numel") else super().parameter_size(param)  # ZeRO-3 partitions
+
+    def shard_count(self) -> int:
+        return self.accelerator.num_processes
 
     def bytes_per_param(self) -> tuple[int, int]:
         """In 16-bit mixed precision DeepSpeed holds 16-bit weights and gradients and an fp32 master copy (4 bytes)

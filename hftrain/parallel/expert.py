@@ -17,15 +17,20 @@ The numbers the loop owns stay exact (tests/e2e/test_expert_parallel.py, against
 - the gradient norm counts each expert once (accelerate's DTensor-aware clipping: one norm per mesh, combined);
 - checkpoints are full state (`FullTrainingState`), the final folder every expert once (`save_pretrained` gathers).
 
-No backend of its own: the layout is transformers' FSDP2 one, run by `FSDP2TensorParallelBackend` whatever the preset
-(tensor.py), with `model_load_kwargs` adding the expert degree. The rules that need the launch or the model's config
-are `expert_problems` (the preflight); those of the recipe alone are hftrain/fields/parallel.py's.
+One transform, `ExpertParallel`: its `DistributedConfig` fields (`distributed_fields`) and its part of the record.
+The layout is transformers' FSDP2 one, held by `FSDP2Backend` whatever the preset (`strategy_for`: under a DDP-type
+preset too), which shards the dense weights at load and holds the laid-out model (fsdp.py); frozen copies and
+generation follow the shards (`base.LaidOutAtLoad`). The rules that need the launch or the model's config are
+`expert_problems` (the preflight); those of the recipe alone are hftrain/fields/parallel.py's.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from hftrain.config import Recipe
 from hftrain.metrics import num_experts
+from hftrain.parallel.base import LaidOutAtLoad, Parallelism
 from hftrain.parallel.dims import ParallelDims
 from hftrain.parallel.launch import Launch
 from hftrain.versions import feature_problem
@@ -81,3 +86,28 @@ def load_kwargs(ep: int) -> dict:
     """The `DistributedConfig` fields that split the experts over `ep` ranks: transformers' all-to-all token dispatch
     (trained: its exchanges have a backward). None for ep 1."""
     return {"ep_size": ep, "ep_implementation": "all_to_all"} if ep > 1 else {}
+
+
+class ExpertParallel(LaidOutAtLoad):
+    """ep_size: every MoE layer's experts split over ep_size processes by transformers at load, tokens dispatched by
+    all-to-all; the dense weights sharded by transformers' FSDP2 over every process, under a DDP-type preset as under
+    an FSDP2 one."""
+
+    axis = "ep"
+    strategies = frozenset({"ddp", "fsdp2"})
+    strategy_for = {"ddp": "fsdp2"}  # transformers' only EP layout shards the dense weights with FSDP2
+
+    @property
+    def ep(self) -> int:
+        return self.backend.recipe.ep_size
+
+    def distributed_fields(self) -> dict:
+        return load_kwargs(self.ep)
+
+    def describe(self, record: Parallelism) -> Parallelism:
+        name = f"expert parallel (ep_size={self.ep}: 1/{self.ep} of every MoE layer's experts per process), dense " \
+               f"weights {record.name}"
+        return dataclasses.replace(record, kind="fsdp2_ep", name=name, ep_size=self.ep)
+
+    def frozen_how(self) -> str:
+        return f"laid out as the trained model (experts over ep_size={self.ep}, the other weights sharded by FSDP2)"

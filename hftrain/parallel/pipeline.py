@@ -452,9 +452,6 @@ class PipelineBackend(Backend):
         record = super().make_record(kind="pp", name=name, sharded=("weights", "gradients", "optimizer"))
         return dataclasses.replace(record, pp_size=self.pp)
 
-    def shard_count(self) -> int:
-        return self.pp * self.tp
-
     def equal_work_groups(self) -> list[list[int]]:
         """The ranks of each stage position (its data-parallel copies and tp shards): stages hold unequal layers, the
         embedding and the head, so a rank is compared only with those (no check without data-parallel copies)."""

@@ -8,12 +8,13 @@ from contextlib import contextmanager
 import pytest
 
 from hftrain.config import Recipe
-from hftrain.parallel.base import Backend, Parallelism, Transform
+from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism, Transform
 from hftrain.parallel.checkpoint_io import DeepSpeedCheckpoints
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.sequence import UlyssesAttention
-from hftrain.parallel.tensor import TensorParallelBackend
+from hftrain.parallel.tensor import TensorParallel
+from hftrain.versions import feature_problem
 
 P, T = 1_000_000, 250_000  # parameters, of which trained
 
@@ -78,7 +79,7 @@ def test_fsdp2_full_shard_splits_everything_and_shard_grad_op_keeps_the_weights(
 
 def test_tensor_parallel_splits_over_the_group_and_each_copy_holds_it_again(accelerator, monkeypatch):
     monkeypatch.setattr("hftrain.parallel.base.tp_groups", lambda world, tp: (None, None))  # no process group here
-    backend = TensorParallelBackend(accelerator(4, index=3, kind="MULTI_CPU"), Recipe(tp_size=2))
+    backend = Backend(accelerator(4, index=3, kind="MULTI_CPU"), Recipe(tp_size=2), transforms=(TensorParallel,))
     memory = backend.memory(T, P)
     assert memory["per_device_bytes"] == (4 * P) // 2 + (4 * T) // 2 + (8 * T) // 2
     assert memory["strategy"] == "tensor parallel (tp_size=2) x 2 data-parallel copies"
@@ -104,12 +105,12 @@ def test_fsdp2_x_tp_shard_grad_op_keeps_each_ranks_tp_shard_of_the_weights(accel
     weights gathered over fsdp only, so each rank holds its tp shard of them (half), not the whole model."""
     from torch.distributed.fsdp import OffloadPolicy
 
-    from hftrain.parallel.tensor import FSDP2TensorParallelBackend
 
     monkeypatch.setattr("hftrain.parallel.base.tp_groups", lambda world, tp: (None, None))  # no process group here
     plugin = type("Plugin", (), {"reshard_after_forward": reshard, "cpu_offload": OffloadPolicy(),
                                  "mixed_precision_policy": None})()
-    backend = FSDP2TensorParallelBackend(accelerator(4, kind="FSDP", fsdp_plugin=plugin), Recipe(tp_size=2))
+    backend = FSDP2Backend(accelerator(4, kind="FSDP", fsdp_plugin=plugin), Recipe(tp_size=2),
+                           transforms=(TensorParallel,))
     assert backend.record.model_shards == 2
     assert abs(backend.memory(T, P)["per_device_bytes"] - expected) <= 3  # each part rounds down separately
 
@@ -154,3 +155,80 @@ def test_ulysses_over_deepspeed_names_both_and_shares_each_batch_over_its_group(
     assert (backend.record.kind, backend.record.sp_size, backend.record.zero_stage) == ("deepspeed", 2, 2)
     assert (backend.dp.world, backend.dp.rank, backend.dp.replicas) == (2, 1, 2)  # ranks {2, 3}: the second copy
     assert isinstance(backend.checkpoints, DeepSpeedCheckpoints)
+
+
+# ------------------------------------------------------------------------ axes transformers lays out at load
+def plugin(reshard=True, offload=False):
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return type("Plugin", (), {"reshard_after_forward": reshard, "mixed_precision_policy": None,
+                               "cpu_offload": CPUOffloadPolicy() if offload else OffloadPolicy()})()
+
+
+def test_a_strategy_alone_keeps_its_own_checkpoints_generation_and_loading(accelerator):
+    from hftrain.parallel.checkpoint_io import AccelerateCheckpoints, FSDP2Checkpoints
+    from hftrain.parallel.generation import FSDP2Generation, WholeModel, ZeRO3Generation
+
+    for backend, checkpoints, generation in (
+            (Backend(accelerator(2), Recipe()), AccelerateCheckpoints, WholeModel),
+            (FSDP2Backend(accelerator(2, kind="FSDP", fsdp_plugin=plugin()), Recipe()), FSDP2Checkpoints,
+             FSDP2Generation),
+            (DeepSpeedBackend(accelerator(2, kind="DEEPSPEED", deepspeed_config={"zero_optimization": {"stage": 3}}),
+                              Recipe()), DeepSpeedCheckpoints, ZeRO3Generation)):
+        assert not backend.laid_out and backend.model_load_kwargs() == {}
+        assert type(backend.checkpoints) is checkpoints and type(backend.generation) is generation
+
+
+def test_tensor_parallel_over_ddp_and_over_fsdp2_changes_loading_checkpoints_and_generation(accelerator,
+                                                                                           monkeypatch):
+    """The transform's DistributedConfig fields completed by each strategy: whole copies of the tp group under DDP,
+    transformers' FSDP2 over processes / tp under FSDP2 (its full-state checkpoints loaded in blocks), generation
+    through the shards under both; the offload note stays last in the name."""
+    from hftrain.parallel.checkpoint_io import FullStateCheckpoints, FullStateSlices, FullTrainingState
+    from hftrain.parallel.generation import LaidOutShards
+
+    monkeypatch.setattr("hftrain.parallel.base.tp_groups", lambda world, tp: (None, None))  # no process group here
+    copies = Backend(accelerator(4, kind="MULTI_CPU"), Recipe(tp_size=2), transforms=(TensorParallel,))
+    config = copies.model_load_kwargs()["distributed_config"]
+    assert (config.tp_size, config.dp_replicate_size, config.dp_size) == (2, 2, 1)
+    sharded = FSDP2Backend(accelerator(4, kind="FSDP", fsdp_plugin=plugin(offload=True)), Recipe(tp_size=2),
+                           transforms=(TensorParallel,))
+    config = sharded.model_load_kwargs()["distributed_config"]
+    assert (config.tp_size, config.fsdp_size, config.fsdp_cpu_offload) == (2, 2, True)
+    assert sharded.record.name == "FSDP2 FULL_SHARD (fsdp_size=2) x tensor parallel (tp_size=2) + offload"
+    assert (sharded.record.kind, sharded.record.offloaded) == ("fsdp2_tp", ALL_PARTS)
+    for backend, state in ((copies, FullTrainingState), (sharded, FullStateSlices)):
+        assert backend.laid_out and isinstance(backend.checkpoints, FullStateCheckpoints)
+        assert backend.checkpoints.state_class is state and type(backend.generation) is LaidOutShards
+
+
+@pytest.mark.skipif(feature_problem("expert_parallel") is not None, reason=str(feature_problem("expert_parallel")))
+def test_expert_parallelism_under_a_ddp_preset_is_held_by_transformers_fsdp2(accelerator):
+    """ep_size=2 on 2 processes of a DDP-type preset (no FSDP plugin): FSDP2 FULL_SHARD of the dense weights over
+    both, the experts split over ep, the record naming both."""
+    from hftrain.parallel import ParallelDims, layout_of
+    from hftrain.parallel.expert import ExpertParallel
+
+    held, transforms = layout_of(ParallelDims(world=2, strategy="ddp", ep=2))
+    backend = held(accelerator(2, kind="MULTI_CPU"), Recipe(ep_size=2), transforms=transforms)
+    config = backend.model_load_kwargs()["distributed_config"]
+    assert (config.tp_size, config.fsdp_size, config.ep_size, config.ep_implementation) == (1, 2, 2, "all_to_all")
+    assert not config.fsdp_cpu_offload
+    assert backend.record.name == ("expert parallel (ep_size=2: 1/2 of every MoE layer's experts per process), dense "
+                                   "weights FSDP2 FULL_SHARD (fsdp_size=2)")
+    assert (backend.record.kind, backend.record.ep_size, backend.record.sharded) == ("fsdp2_ep", 2, ALL_PARTS)
+    assert transforms == (ExpertParallel,) and backend.shard_count() == 2
+
+
+def test_a_frozen_copy_of_a_laid_out_model_holds_each_ranks_own_shards(accelerator, monkeypatch):
+    """dpo's reference under tp: the rebuilt model with this rank's values copied in (a deep copy cannot copy
+    DTensors over a group's storage); placed as loaded, said in words."""
+    import torch
+
+    monkeypatch.setattr("hftrain.parallel.base.tp_groups", lambda world, tp: (None, None))
+    backend = Backend(accelerator(2, kind="MULTI_CPU"), Recipe(tp_size=2), transforms=(TensorParallel,))
+    trained = torch.nn.Linear(3, 2)
+    copy = backend.frozen_copy(trained, rebuild=lambda: torch.nn.Linear(3, 2))
+    assert copy is not trained and torch.equal(copy.weight, trained.weight) and torch.equal(copy.bias, trained.bias)
+    module, how = backend.prepare_frozen(copy)
+    assert module is copy and not module.training and how == "sharded over the tensor-parallel group (tp_size=2)"

@@ -21,7 +21,7 @@ from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch
 from hftrain.parallel.pipeline import PipelineBackend, PipelineFSDP2Backend
 from hftrain.parallel.sequence import UlyssesAttention
-from hftrain.parallel.tensor import FSDP2TensorParallelBackend, TensorParallelBackend
+from hftrain.parallel.tensor import TensorParallel
 
 
 def test_pipeline_ranks_follow_the_documented_order():
@@ -81,10 +81,10 @@ def test_problems_name_the_sizes_that_do_not_divide_the_processes():
     ("ddp", {}, (Backend, ())),
     ("fsdp2", {}, (FSDP2Backend, ())),
     ("deepspeed", {}, (DeepSpeedBackend, ())),
-    ("ddp", {"tp": 2}, (TensorParallelBackend, ())),
-    ("fsdp2", {"tp": 2}, (FSDP2TensorParallelBackend, ())),
+    ("ddp", {"tp": 2}, (Backend, (TensorParallel,))),
+    ("fsdp2", {"tp": 2}, (FSDP2Backend, (TensorParallel,))),
     ("fsdp2", {"cp": 2}, (FSDP2Backend, (RingAttention,))),
-    ("fsdp2", {"cp": 2, "tp": 2}, (FSDP2TensorParallelBackend, (RingAttention,))),
+    ("fsdp2", {"cp": 2, "tp": 2}, (FSDP2Backend, (TensorParallel, RingAttention))),
     ("deepspeed", {"sp": 2}, (DeepSpeedBackend, (UlyssesAttention,))),
     ("ddp", {"pp": 2}, (PipelineBackend, ())),
     ("ddp", {"pp": 2, "tp": 2}, (PipelineBackend, ())),

@@ -16,9 +16,9 @@ from hftrain.fields.parallel import problems as parallel_problems
 from hftrain.metrics import num_experts
 from hftrain.parallel import ParallelDims, layout_of
 from hftrain.parallel.checkpoint_io import FullStateCheckpoints
-from hftrain.parallel.expert import expert_problems, load_kwargs
+from hftrain.parallel.expert import ExpertParallel, expert_problems, load_kwargs
+from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch
-from hftrain.parallel.tensor import FSDP2TensorParallelBackend
 from hftrain.preflight import preflight
 from tests.conftest import REPO
 
@@ -52,9 +52,10 @@ def test_layouts_the_experts_cannot_split_over(dims, expected):
 
 
 def test_expert_parallelism_runs_on_transformers_fsdp2_layout_under_either_preset():
-    """No backend class of its own: the one that runs the layouts transformers loads and FSDP2-wraps."""
+    """No backend class of its own: a transform over the FSDP2 strategy, which holds the layouts transformers loads
+    and FSDP2-wraps."""
     for strategy in ("ddp", "fsdp2"):
-        assert layout_of(ParallelDims(world=2, strategy=strategy, ep=2)) == (FSDP2TensorParallelBackend, ())
+        assert layout_of(ParallelDims(world=2, strategy=strategy, ep=2)) == (FSDP2Backend, (ExpertParallel,))
     assert load_kwargs(2) == {"ep_size": 2, "ep_implementation": "all_to_all"} and load_kwargs(1) == {}
 
 

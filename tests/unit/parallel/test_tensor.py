@@ -23,14 +23,12 @@ from torch.distributed.tensor._utils import (
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from hftrain.config import Recipe
 from hftrain.errors import HftrainError
 from hftrain.parallel.base import DataParallel, data_share
 from hftrain.parallel.checkpoint_io import AccelerateCheckpoints, FullStateCheckpoints, _local_blocks
-from hftrain.parallel.tensor import (
-    FSDP2TensorParallelBackend,
-    fsdp_tp_blocks_disagree,
-    model_load_kwargs,
-)
+from hftrain.parallel.fsdp import FSDP2Backend
+from hftrain.parallel.tensor import TensorParallel, fsdp_tp_blocks_disagree, model_load_kwargs
 from hftrain.versions import available, feature_problem
 from tests.conftest import REPO
 
@@ -61,12 +59,13 @@ def test_tensor_parallel_checkpoints_resume_only_with_tensor_parallelism(checkpo
 
 
 @NEEDS_TP
-def test_fsdp2_x_tensor_parallel_loads_on_transformers_fsdp_by_tp_mesh(accelerator):
+def test_fsdp2_x_tensor_parallel_loads_on_transformers_fsdp_by_tp_mesh(accelerator, monkeypatch):
     """8 processes, tp_size=2: transformers' mesh is 4 fsdp ranks x 2 tp ranks, and it applies FSDP2 (dp_size > 1)."""
-    unbound = object.__new__(FSDP2TensorParallelBackend)  # model_load_kwargs reads the recipe and the accelerator
-    unbound.recipe = SimpleNamespace(tp_size=2, ep_size=1)
-    unbound.accelerator = accelerator(8, kind="FSDP", fsdp_plugin=SimpleNamespace(cpu_offload=OffloadPolicy()))
-    config = unbound.model_load_kwargs()["distributed_config"]
+    monkeypatch.setattr("hftrain.parallel.base.tp_groups", lambda world, tp: (None, None))  # no process group here
+    plugin = SimpleNamespace(cpu_offload=OffloadPolicy(), reshard_after_forward=True, mixed_precision_policy=None)
+    backend = FSDP2Backend(accelerator(8, kind="FSDP", fsdp_plugin=plugin), Recipe(tp_size=2),
+                           transforms=(TensorParallel,))
+    config = backend.model_load_kwargs()["distributed_config"]
     assert (config.tp_size, config.fsdp_size, config.dp_replicate_size, config.dp_size) == (2, 4, 1, 4)
     assert not config.fsdp_cpu_offload and not config.fsdp_mixed_precision  # fp32 on CPU: no policy
 
