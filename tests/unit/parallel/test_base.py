@@ -177,6 +177,8 @@ def test_a_strategy_alone_keeps_its_own_checkpoints_generation_and_loading(accel
                               Recipe()), DeepSpeedCheckpoints, ZeRO3Generation)):
         assert not backend.laid_out and backend.model_load_kwargs() == {}
         assert type(backend.checkpoints) is checkpoints and type(backend.generation) is generation
+    with Backend(accelerator(1), Recipe()).generation_context("model") as generating:
+        assert generating == ("model", False)  # the whole model, no collectives
 
 
 def test_tensor_parallel_over_ddp_and_over_fsdp2_changes_loading_checkpoints_and_generation(accelerator,
@@ -200,6 +202,8 @@ def test_tensor_parallel_over_ddp_and_over_fsdp2_changes_loading_checkpoints_and
     for backend, state in ((copies, FullTrainingState), (sharded, FullStateSlices)):
         assert backend.laid_out and isinstance(backend.checkpoints, FullStateCheckpoints)
         assert backend.checkpoints.state_class is state and type(backend.generation) is LaidOutShards
+        with backend.generation_context("model") as generating:
+            assert generating == ("model", True)  # through the shards: every rank's forwards stay in step
 
 
 @pytest.mark.skipif(feature_problem("expert_parallel") is not None, reason=str(feature_problem("expert_parallel")))
