@@ -24,8 +24,8 @@ advantages, old and reference log-probs) with the tokens, in the ring's layout (
 backward of the policy (and the stored old log-probs' forward) run inside the ring's context.
 
 `RingAttention` is the transform hftrain.parallel applies for `cp_size` over the FSDP2 backend, or, with tensor
-parallelism too (tp x cp), after the tensor-parallel transform (FSDP2 x TP), where the same ring runs on hftrain's own ("dp", "cp", "tp")
-mesh, since accelerate's mesh comes with its broken TP preparation (see the class).
+parallelism too (tp x cp), after the tensor-parallel transform (FSDP2 x TP), where the same ring runs on hftrain's
+own ("dp", "cp", "tp") mesh, since accelerate's mesh comes with its broken TP preparation (see the class).
 
 Kernels: torch 2.13's ring dispatches the CUDA flash / memory-efficient / cuDNN SDPA kernels. It has no entry for
 the CPU kernel, so on CPU the backend refuses, unless an entry was registered (the CPU test launcher registers
@@ -133,15 +133,15 @@ class RingAttention(Transform):
 
     Meshes: alone (FSDP2), accelerate's (its ParallelismConfig, built from the recipe: `maybe_context_parallel`).
     With tensor parallelism (after the `TensorParallel` transform, over `FSDP2Backend`: processes = dp x cp x tp, tp
-    innermost, rank = (dp_rank * cp + cp_rank) * tp + tp_rank) hftrain's own ("dp", "cp", "tp") mesh: transformers loads the model as
-    for FSDP2 x TP with fsdp_size = dp x cp (FSDP2 shards every tp shard over the data-parallel *and* context ranks,
-    as accelerate's dp_shard_cp does), and each tp rank rings its own heads' keys and values with the ranks holding
-    the same heads on the other chunks of the sequence. accelerate's ParallelismConfig would compose the same layout,
-    but its TP preparation imports transformers' removed ReplicateParallel, so neither accelerate's mesh nor its
-    `maybe_context_parallel` is used there: torch's `context_parallel` on hftrain's mesh, with accelerate's
-    attention-mask hooks and rotate method. The arithmetic is the two layouts' own: the group loss is the
-    micro-batch's (cp) and identical over the tp ranks (transformers gathers the head's vocabulary shards), FSDP2's
-    mean over dp x cp ranks undoes GroupSum's cp."""
+    innermost, rank = (dp_rank * cp + cp_rank) * tp + tp_rank) hftrain's own ("dp", "cp", "tp") mesh: transformers
+    loads the model as for FSDP2 x TP with fsdp_size = dp x cp (FSDP2 shards every tp shard over the data-parallel
+    *and* context ranks, as accelerate's dp_shard_cp does), and each tp rank rings its own heads' keys and values
+    with the ranks holding the same heads on the other chunks of the sequence. accelerate's ParallelismConfig would
+    compose the same layout, but its TP preparation imports transformers' removed ReplicateParallel, so neither
+    accelerate's mesh nor its `maybe_context_parallel` is used there: torch's `context_parallel` on hftrain's mesh,
+    with accelerate's attention-mask hooks and rotate method. The arithmetic is the two layouts' own: the group loss
+    is the micro-batch's (cp) and identical over the tp ranks (transformers gathers the head's vocabulary shards),
+    FSDP2's mean over dp x cp ranks undoes GroupSum's cp."""
 
     axis = "cp"
     strategies = frozenset({"fsdp2"})
