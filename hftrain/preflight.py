@@ -108,7 +108,9 @@ def library_uses(recipe: Recipe, launch: Launch) -> list[compat.Use]:
     if (recipe.tp_size > 1 and launch.kind == "fsdp2") or recipe.ep_size > 1:  # transformers' FSDP2 mesh
         uses += [compat_transformers.DEVICE_MESH, compat_torch.LOCAL_BLOCKS]
     if recipe.cp_size > 1:
-        uses += [compat_torch.RING_ATTENTION] + ([compat_accelerate.CP_HOOKS] if recipe.tp_size > 1 else [])
+        # accelerate's attention-mask hooks, attached by hftrain: tp x cp's model, grpo's frozen reference
+        hooks = recipe.tp_size > 1 or (recipe.objective == "grpo" and recipe.beta > 0)
+        uses += [compat_torch.RING_ATTENTION] + ([compat_accelerate.CP_HOOKS] if hooks else [])
     if recipe.pp_size > 1:
         uses.append(compat_torch.PERSISTENT_BUFFERS)
         uses += [] if recipe.use_peft else [compat_transformers.STAGE_LOAD]

@@ -17,11 +17,11 @@ hooks drop the model's attention mask for `is_causal`. That is plain causal atte
   replicas = cp), as for a sequence- or tensor-parallel group. FSDP2's gradient mean over all dp x cp processes then
   leaves the gradient of one process with the same batch (parallel/sequence.py has the arithmetic).
 
-GRPO (objective grpo), as under sequence parallelism: generation and the reference's log-probs run outside the ring's
-context, on whole sequences on every rank of the group (its ranks share one data-parallel rank, so they sample the same
-completions); the loss module's `sliced_forward` shards its own per-token inputs (targets, completion and tool masks,
-advantages, old and reference log-probs) with the tokens, in the ring's layout (`RingSlices`), and only the forward and
-backward of the policy (and the stored old log-probs' forward) run inside the ring's context.
+GRPO (objective grpo): generation runs outside the ring's context, on whole sequences on every rank of the group (its
+ranks share one data-parallel rank, so they sample the same completions); the loss module's `sliced_forward` shards
+its own per-token inputs (targets, completion and tool masks, advantages, old and reference log-probs) with the
+tokens, in the ring's layout (`RingSlices`), and the policy's forward and backward, the stored old log-probs' forward
+and the reference's (beta > 0) run on this rank's shards inside the ring's context, the log-probs gathered back whole.
 
 `RingAttention` is the transform hftrain.parallel applies for `cp_size` over the FSDP2 backend, or, with tensor
 parallelism too (tp x cp), after the tensor-parallel transform (FSDP2 x TP), where the same ring runs on hftrain's
@@ -180,6 +180,10 @@ class RingAttention(Transform):
         if hasattr(model, "sliced_forward"):
             self.slices = RingSlices(group, self.cp, mesh.get_local_rank())
             model.forward = functools.partial(model.sliced_forward, self.slices)
+            model.reference_shards = self.slices  # its reference's forward (grpo's beta > 0) sharded alike
+            frozen = getattr(getattr(model, "reference", None), "module", None)  # a frozen copy, prepared apart
+            if frozen is not None:  # accelerate's hooks reach the prepared model only: the mask dropped here too
+                attach_context_parallel_hooks(frozen)
             return
         forward = model.forward
 

@@ -75,9 +75,24 @@ def token_log_probs(lm: nn.Module, input_ids: torch.Tensor, temperature: float) 
     return completion_log_probs(logits, input_ids[:, 1:], temperature)
 
 
-def reference_token_log_probs(temperature: float) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
-    """grpo's reference computation: `(lm, input_ids) -> per-token log-probs` from logits / temperature."""
-    return lambda lm, input_ids: token_log_probs(lm, input_ids, temperature)[0]
+def sharded_token_log_probs(lm: nn.Module, input_ids: torch.Tensor, temperature: float, shards) -> torch.Tensor:
+    """`token_log_probs` of this rank's shard of the rows (`shards`: hftrain.parallel.context's `RingSlices`, run
+    inside the ring's context), gathered back whole: [B, L-1], no gradient."""
+    rows, width = input_ids.shape
+    targets = shards.local(F.pad(input_ids[:, 1:], (0, 1)))  # each position's next token, cut with the positions
+    logits = lm(input_ids=shards.local(input_ids), position_ids=shards.positions(rows, width, input_ids.device),
+                use_cache=False).logits
+    return shards.gather(completion_log_probs(logits, targets, temperature)[0], rows, width)[:, :-1]
+
+
+def reference_token_log_probs(temperature: float) -> Callable[..., torch.Tensor]:
+    """grpo's reference computation: `(lm, input_ids, shards=None) -> per-token log-probs` from logits / temperature,
+    on the whole rows, or on this rank's shards of them (context parallelism)."""
+    def compute(lm: nn.Module, input_ids: torch.Tensor, shards=None) -> torch.Tensor:
+        if shards is None:
+            return token_log_probs(lm, input_ids, temperature)[0]
+        return sharded_token_log_probs(lm, input_ids, temperature, shards)
+    return compute
 
 
 class ReferenceTokenLogProbs(WrapsCausalLM):
@@ -88,8 +103,8 @@ class ReferenceTokenLogProbs(WrapsCausalLM):
         super().__init__()
         self.lm, self.compute = lm.eval().requires_grad_(False), reference_token_log_probs(temperature)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.compute(self.lm, input_ids)
+    def forward(self, input_ids: torch.Tensor, shards=None) -> torch.Tensor:
+        return self.compute(self.lm, input_ids, shards)
 
 
 def fingerprint(sequences: list[list[int]]) -> torch.Tensor:
@@ -115,6 +130,9 @@ class GRPOLoss(ObjectiveLoss):
         self.settings, self.temperature, self.reference = loss_settings(recipe), recipe.temperature, reference
         self.unit = "tokens" if recipe.loss_type == "dapo" else "completions"
         self.collecting = False
+        # context parallelism (hftrain.parallel.context's RingAttention sets it): the reference's forward on this
+        # rank's shards of the rows, inside the ring's context, as the policy's; else on the whole rows
+        self.reference_shards = None
         self.sums: dict[str, torch.Tensor] = {}  # (sum, count) pairs of kl, entropy and clip ratios, this rank
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -199,6 +217,12 @@ class GRPOLoss(ObjectiveLoss):
         # Collective that changes the number: each completion's loss sum over the group's slices, differentiable
         # (its backward hands each slice sp x its gradient, undone by the strategy's mean over all processes)
         return aggregate(GroupSum.apply(summed, slices.group), whole_mask, self.settings)
+
+    def reference_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The reference's per-token log-probs of the whole rows [B, L-1] (beta > 0)."""
+        if self.reference_shards is None:
+            return self.reference.log_probs(input_ids)
+        return self.reference.log_probs(input_ids, self.reference_shards)
 
     def pop_stats(self) -> dict[str, torch.Tensor]:
         return {}  # the rollout source logs GRPO's metrics (Rollouts.metrics), with their own denominators
@@ -518,8 +542,10 @@ class Rollouts:
             finally:
                 self.loss_fn.collecting = False
         if self.loss_fn.reference is not None:
-            with self.whole_sequences():  # a sequence-parallel group's ranks: each the whole rows
-                out["ref_logps"] = self.loss_fn.reference.log_probs(inputs["input_ids"]).cpu()
+            # a sequence-parallel group's ranks: each the whole rows; a context-parallel group's: each its shards,
+            # inside the ring's context
+            with self.whole_sequences(), self.micro_batch(inputs):
+                out["ref_logps"] = self.loss_fn.reference_log_probs(inputs["input_ids"]).cpu()
         if sampling_logps is not None:
             r, mask = self.recipe, batch["labels"][:, 1:] != IGNORE_INDEX
             out["sampling_weights"] = vllm_importance_sampling_ratio(

@@ -176,6 +176,24 @@ def test_each_torch_use_of_a_layout_is_named_once(monkeypatch):
     assert library_problems(Recipe(), Launch("ddp", 2, 2)) == []
 
 
+def test_grpo_with_a_frozen_reference_under_cp_asks_for_accelerates_attention_mask_hooks(monkeypatch):
+    """The ring drops the attention mask through accelerate's hooks, which accelerate attaches to the prepared model
+    only; hftrain attaches them to grpo's frozen reference (beta > 0) itself."""
+    from hftrain.config import Recipe
+    from hftrain.parallel.launch import Launch
+    from hftrain.preflight import library_problems
+
+    versions(monkeypatch, accelerate="9.0.0")
+    grpo = {"objective": "grpo", "reward_funcs": ["hftrain.rl.example_rewards.vowel_share"], "cp_size": 2}
+
+    def hooks(beta: float) -> list[str]:
+        return [p for p in library_problems(Recipe(**grpo, beta=beta), Launch("fsdp2", 2, 2))
+                if "attention-mask hooks" in p]
+
+    assert len(hooks(0.1)) == 1 and "accelerate 9.0.0 is installed" in hooks(0.1)[0]
+    assert hooks(0.0) == []
+
+
 def test_the_locked_libraries_pass_every_use_of_every_layout(monkeypatch):
     from hftrain.config import Recipe
     from hftrain.parallel.launch import Launch

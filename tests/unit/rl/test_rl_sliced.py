@@ -6,7 +6,8 @@ per-token input (targets, completion and tool mask, advantages, old and referenc
 The model is token-wise (embedding and head, no attention), so a slice's logits are the whole rows' at its positions
 and the comparison isolates the slicing of the loss: the returned loss, the group's statistics, the gathered
 log-probs, and the gradient (each rank's, averaged over the group as the strategy does) equal one process's, for
-every loss_type, and with sequence-level (GSPO) ratios. The ring's layout is torch's own (its `context_parallel`
+every loss_type, and with sequence-level (GSPO) ratios; the reference's log-probs (beta > 0) computed on the ring's
+shards and gathered equal the whole rows'. The ring's layout is torch's own (its `context_parallel`
 shards a buffer, its `context_parallel_unshard` restores one: both compared here). The attention across slices
 (DeepSpeed's Ulysses, torch's ring) runs for real in tests/e2e/test_grpo.py."""
 
@@ -24,9 +25,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from hftrain.data import IGNORE_INDEX
+from hftrain.objectives.reference import FrozenReference
 from hftrain.parallel.context import RingSlices
 from hftrain.parallel.sequence import SequenceSlices
-from hftrain.rl.grpo import GRPOLoss
+from hftrain.rl.grpo import GRPOLoss, ReferenceTokenLogProbs, reference_token_log_probs
 from hftrain.rl.loss import LOSS_TYPES
 
 VOCAB, SP = 11, 2
@@ -91,8 +93,15 @@ def ring_layout(rank: int) -> dict:
         torch_shard = buffer.clone()
         torch_whole = context_parallel_unshard(mesh, [torch_shard], [1])[0]
     mine = slices.local(rows, fill=-1.0)
+    # the reference's per-token log-probs (beta > 0) on this rank's shards, gathered, against the whole rows': the
+    # frozen copy's module (FrozenReference) and the computation an adapter-off reference runs
+    torch.manual_seed(0)
+    lm, ids = TokenWise(), micro_batch()["input_ids"]
+    frozen = FrozenReference(ReferenceTokenLogProbs(lm, 0.8), torch.device("cpu"))
     return {"shard": (torch_shard, mine), "whole": (torch_whole[:, :7], slices.gather(mine, 3, 7), rows),
-            "positions": slices.positions(3, 7, "cpu")}
+            "positions": slices.positions(3, 7, "cpu"),
+            "reference": (frozen.log_probs(ids), frozen.log_probs(ids, slices),
+                          reference_token_log_probs(0.8)(lm, ids, slices))}
 
 
 def compare(rank: int) -> dict:
@@ -178,3 +187,11 @@ def test_ring_slices_lay_rows_out_as_torch_context_parallel_does(ranks):
         expected = [[0, 1, 6, 6], [2, 3, 4, 5]][rank]
         assert out["ring"]["positions"].tolist() == [expected] * 3
     assert ranks[0]["ring"]["shard"][1][0].tolist() == [0.0, 1.0, 6.0, -1.0]
+
+
+def test_the_reference_sharded_over_the_ring_equals_the_whole_rows(ranks):
+    for out in ranks:
+        whole, frozen, adapter_off = out["ring"]["reference"]
+        assert whole.shape == (3, 6)
+        torch.testing.assert_close(frozen, whole, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(adapter_off, whole, rtol=1e-6, atol=1e-7)
