@@ -337,7 +337,8 @@ def merged_card(merged_dir: Path, adapter_dir: Path, record: dict, load_from: st
         recipe = {"model_name_or_path": record["base_model_name_or_path"], "use_peft": True,
                   "use_dora": bool(adapter.get("use_dora")), "lora_r": adapter.get("r"),
                   "lora_alpha": adapter.get("lora_alpha"),
-                  "lora_target_modules": sorted(targets) if isinstance(targets, list) else [targets]}
+                  "lora_target_modules": sorted(targets) if isinstance(targets, list) else [targets],
+                  **({"objective": "reward"} if adapter.get("task_type") == "SEQ_CLS" else {})}
     state = json.loads(state_file.read_text(encoding="utf-8")) if state_file.is_file() else {}
     rows = read_metrics(adapter_dir.resolve().parent) if state else []
     card, figure = build_card(merged_dir, recipe, state, rows, kind="merged",

@@ -11,7 +11,10 @@ into the original W adds an adapter to weights it never saw.
 
 The output loads with `AutoModelForCausalLM.from_pretrained` and vLLM-style loaders: config.json without
 quantization settings, safetensors with the base model's tensor names, one floating dtype, tokenizer and chat
-template, generation config.
+template, generation config. A reward model's adapter (objective reward: peft's SEQ_CLS task, its score head trained
+whole) is merged into the base loaded as `AutoModelForSequenceClassification` with one output, its pad token set as
+training set it (the score is read at the last token that is not padding): the output loads with
+`AutoModelForSequenceClassification.from_pretrained` and as a grpo reward function.
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from pathlib import Path
 
 import torch
 from huggingface_hub.utils import HFValidationError, validate_repo_id
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSequenceClassification,
+    AutoProcessor,
+    AutoTokenizer,
+)
 
 if __package__ in (None, ""):  # run as a file: import the package, not sibling modules as top-level names
     _here = Path(__file__).resolve().parent
@@ -35,7 +44,14 @@ from hftrain.checkpoint import never_world_writable
 from hftrain.compat.accelerate import deepspeed_probed_by_import
 from hftrain.config import read_yaml, recipe_subset
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
-from hftrain.model import DTYPES, load_error, name_deepspeeds_cpu_accelerator, quantization_config, quiet_peft
+from hftrain.model import (
+    DTYPES,
+    load_error,
+    name_deepspeeds_cpu_accelerator,
+    pad_token_id,
+    quantization_config,
+    quiet_peft,
+)
 from hftrain.paths import CONFIG_FILE
 
 MERGE_FILE = "hftrain_merge.json"
@@ -61,11 +77,19 @@ def training_recipe(adapter_dir: Path, base: str | None):
     return recipe_subset(values, BASE_FIELDS, source=str(config_file)), config_file.exists()
 
 
-def load_dequantized_base(recipe):
-    """The base in float32; quantized and dequantized again exactly as in training for a QLoRA adapter."""
+def scores(adapter_dir: Path) -> bool:
+    """Whether the adapter is a reward model's (peft's SEQ_CLS task: objective reward)."""
+    return json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8")).get("task_type") == "SEQ_CLS"
+
+
+def load_dequantized_base(recipe, reward: bool = False):
+    """The base in float32; quantized and dequantized again exactly as in training for a QLoRA adapter. `reward`:
+    as objective reward loads it, a sequence classifier with one output."""
     quantization = quantization_config(recipe)
     kwargs = {"dtype": torch.float32, "revision": recipe.model_revision, "trust_remote_code": recipe.trust_remote_code}
     auto = AutoModelForImageTextToText if vision.is_image_text(vision.model_config(recipe)) else AutoModelForCausalLM
+    if reward:
+        auto, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     try:
         if quantization is None:
             return auto.from_pretrained(recipe.model_name_or_path, **kwargs)
@@ -85,7 +109,8 @@ def merge(adapter_dir: Path, output_dir: Path, base: str | None = None, dtype: s
     if output_dir.exists() and any(output_dir.iterdir()):
         raise HftrainError(f"output folder {str(output_dir)!r} is not empty; choose a new folder")
     recipe, from_hftrain = training_recipe(adapter_dir, base)
-    model = load_dequantized_base(recipe)
+    reward = scores(adapter_dir)
+    model = load_dequantized_base(recipe, reward)
     base_dtype = model.config.dtype
     with quiet_peft():
         model = PeftModel.from_pretrained(model, str(adapter_dir), torch_device="cpu")
@@ -96,22 +121,26 @@ def merge(adapter_dir: Path, output_dir: Path, base: str | None = None, dtype: s
     for leftover in ("quantization_config",):
         if hasattr(model.config, leftover):
             delattr(model.config, leftover)
+    has_tokenizer = any((adapter_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    source = str(adapter_dir) if has_tokenizer else recipe.model_name_or_path
+    if vision.is_image_text(model.config):  # the processor: tokenizer, image processor and chat template
+        tokenizer = AutoProcessor.from_pretrained(source, trust_remote_code=recipe.trust_remote_code)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=recipe.trust_remote_code)
+    if reward:  # the score is read at the last token that is not this id: the pad id training set
+        model.config.get_text_config().pad_token_id = model.config.pad_token_id = pad_token_id(tokenizer)
     output_dir.mkdir(parents=True, exist_ok=True)
     name_deepspeeds_cpu_accelerator()
     with deepspeed_probed_by_import():
         model.save_pretrained(output_dir, safe_serialization=True)
-    has_tokenizer = any((adapter_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-    source = str(adapter_dir) if has_tokenizer else recipe.model_name_or_path
-    if vision.is_image_text(model.config):  # the processor: tokenizer, image processor and chat template
-        AutoProcessor.from_pretrained(source, trust_remote_code=recipe.trust_remote_code).save_pretrained(output_dir)
-    else:
-        AutoTokenizer.from_pretrained(source, trust_remote_code=recipe.trust_remote_code).save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
     quantized = "4bit" if recipe.load_in_4bit else "8bit" if recipe.load_in_8bit else None
     record = {
         "adapter": str(adapter_dir.resolve()),
         "base_model_name_or_path": recipe.model_name_or_path,
         "base_quantization_in_training": quantized,
         "merged_into": "dequantized base" if quantized else "full-precision base",
+        "model_class": type(model).__name__,
         "dtype": str(out_dtype).removeprefix("torch."),
         "recipe_found": from_hftrain,
     }
@@ -173,8 +202,10 @@ def merge_and_push(args: argparse.Namespace) -> None:
         raise ConfigError(problems, "command line")
     record = merge(args.adapter_dir, args.output_dir, args.base_model_name_or_path, args.dtype)
     card.merged_card(args.output_dir, args.adapter_dir, record, load_from=args.push_to_hub)
+    reward = " (a reward model: it loads with AutoModelForSequenceClassification)" \
+        if record["model_class"].endswith("ForSequenceClassification") else ""
     print(f"hftrain: merged {args.adapter_dir} into the {record['merged_into']} {record['base_model_name_or_path']}"
-          f" ({record['dtype']}): {args.output_dir}")
+          f" ({record['dtype']}): {args.output_dir}{reward}")
     if args.push_to_hub:
         files = push_to_hub(args.output_dir, args.push_to_hub, args.private, args.dry_run)
         verb = "would upload" if args.dry_run else "uploaded"

@@ -11,7 +11,8 @@
   DeepSpeed engine files, tensor parallelism's gathered state) are refused with the way to get a final folder.
 
 `inspect(folder)` says which one a folder is, or why it is none, reading only small files, so that a bad folder is
-refused before anything heavy loads.
+refused before anything heavy loads. A reward model's folder (objective reward: a ...ForSequenceClassification, its
+LoRA adapter, or a checkpoint of its run) is refused there too, with how to score with it: it writes no text.
 """
 
 from __future__ import annotations
@@ -74,13 +75,16 @@ def inspect(folder: Path, base: str | None = None) -> Folder:
         raise HftrainError(f"{str(folder)!r} is not a folder; give a trained model folder: output_dir/{FINAL_DIR}, a "
                            f"merged folder, an adapter folder or output_dir/{PREFIX}N")
     if (folder / ADAPTER_CONFIG).is_file():
+        refuse_reward_model(folder, "adapter")
         found = Folder(folder, "adapter", base or adapter_base(folder))
     elif (folder / "config.json").is_file():
         if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
             raise HftrainError(f"{folder} has config.json but no weights (*.safetensors or *.bin): it describes a "
                                "model without holding one; give the folder the model was saved to")
+        refuse_reward_model(folder, "model")
         return Folder(folder, "model")
     elif (folder / STATE_FILE).is_file() and (folder / CONFIG_FILE).is_file():
+        refuse_reward_model(folder, "checkpoint")
         recipe = checkpoint_recipe(folder, base)
         found = Folder(folder, "checkpoint", recipe.model_name_or_path, recipe.use_peft)
         checkpoint_problem(folder)
@@ -92,6 +96,45 @@ def inspect(folder: Path, base: str | None = None) -> Folder:
                            f"checkpoint-N).{hint}")
     check_base(found)
     return found
+
+
+def sequence_classifier(folder: Path, kind: str) -> str | None:
+    """What makes `folder` (of `kind`: model, adapter, checkpoint) a reward model / sequence classifier, in words,
+    from its small files; None for a text generator."""
+    if kind == "model":
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        classes = [a for a in config.get("architectures") or [] if a.endswith("ForSequenceClassification")]
+        if not classes:
+            return None
+        labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+        return f"a {classes[0]} with {'one output' if labels == 1 else f'{labels} outputs'}"
+    if kind == "adapter":
+        task = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("task_type")
+        return f"a LoRA adapter of a sequence classifier (task_type {task})" if task == "SEQ_CLS" else None
+    objective = (read_yaml(str(folder / CONFIG_FILE)) or {}).get("objective")
+    return "a checkpoint of an objective reward run" if objective == "reward" else None
+
+
+def refuse_reward_model(folder: Path, kind: str) -> None:
+    """A reward model scores text and writes none: chat and eval have nothing to run on it. Says how to use it."""
+    what = sequence_classifier(folder, kind)
+    if what is None:
+        return
+    score = ("scores = model(**tokenizer.apply_chat_template(messages, return_dict=True, return_tensors='pt'))"
+             ".logits[:, 0]")
+    how = {
+        "model": f"load it with AutoModelForSequenceClassification.from_pretrained({str(folder)!r}) and its tokenizer, "
+                 f"then {score} (higher is better; its README.md has the snippet), or name the folder in a grpo "
+                 "run's reward_funcs",
+        "adapter": f"merge it into its base with `hftrain merge {folder} MERGED` (a full reward model folder, which "
+                   "grpo's reward_funcs also takes), or load it with peft's "
+                   f"AutoPeftModelForSequenceClassification.from_pretrained({str(folder)!r}, num_labels=1), then "
+                   f"{score}",
+        "checkpoint": f"use the run's {FINAL_DIR} folder (resume from this checkpoint with --max_steps set to its step "
+                      "to save one), which loads with AutoModelForSequenceClassification",
+    }[kind]
+    raise HftrainError(f"{folder} is a reward model ({what}): it gives a conversation one score and writes no text, "
+                       f"so chat and eval, which generate text, cannot use it. To score with it, {how}.")
 
 
 def adapter_base(folder: Path) -> str:

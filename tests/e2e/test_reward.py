@@ -2,7 +2,8 @@
 with AutoModelForSequenceClassification and ranks held-out pairs better than the base, TRL's RewardTrainer gives the
 same steps and score head (full with margins and centering, LoRA), one step is the same whatever its split into
 micro-batches and processes, a resumed run continues exactly, and data without a rejected column is refused before
-the model loads."""
+the model loads. `hftrain merge` merges a LoRA reward adapter into a sequence classifier, and `hftrain chat` / `eval`
+refuse reward folders, saying how to score with them."""
 
 from __future__ import annotations
 
@@ -114,15 +115,22 @@ def test_tiny_reward_recipe_learns_to_rank_held_out_pairs(tmp_path):
     assert accuracy == pytest.approx(run.eval_rows()[-1]["eval_accuracy"], abs=0.011)  # a near-tie may flip
 
 
-def test_equal_to_trl_reward_trainer(tmp_path):
+@pytest.fixture(scope="module")
+def trl_compared(tmp_path_factory):
+    """scripts/compare_trl_reward.py's folder (hftrain's runs in hftrain-0, full, and hftrain-1, LoRA) and results."""
+    out = tmp_path_factory.mktemp("compare-reward")
+    results = out / "results.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_reward.py"), "--out", str(out),
+                           "--json", str(results)], capture_output=True, text=True, cwd=REPO, env=launch_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, json.loads(results.read_text())
+
+
+def test_equal_to_trl_reward_trainer(trl_compared):
     """scripts/compare_trl_reward.py: TRL 1.16's RewardTrainer and hftrain on the same pairs, order and
     hyperparameters, full (with margins and center_rewards_coefficient) and LoRA: per-step loss, accuracy, margin and
     mean reward within 1e-4, and the trained score heads within 1e-5."""
-    results = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_reward.py"), "--out", str(tmp_path),
-                           "--json", str(results)], capture_output=True, text=True, cwd=REPO, env=launch_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    compared = json.loads(results.read_text())
+    compared = trl_compared[1]
     assert sorted(compared) == ["full, margin, centered", "lora"]
     for name, runs in compared.items():
         assert len(runs["trl"]["steps"]) == len(runs["hftrain"]["steps"]) == 3, name
@@ -132,6 +140,58 @@ def test_equal_to_trl_reward_trainer(tmp_path):
                 assert value == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (name, step, key)
         torch.testing.assert_close(torch.tensor(runs["hftrain"]["score"]), torch.tensor(runs["trl"]["score"]),
                                    rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_lora_reward_adapter_merges_into_a_reward_model_and_chat_refuses_reward_folders(trl_compared, tmp_path,
+                                                                                           capsys):
+    """`hftrain merge` on the LoRA reward adapter: a folder AutoModelForSequenceClassification loads (one output, the
+    pad token training read scores at), scoring held-out pairs as peft's own AutoPeftModelForSequenceClassification
+    scores them with the adapter; its card's quick start runs. `hftrain chat` refuses the full reward model, the
+    adapter, the merged folder and a checkpoint, and `hftrain eval` the adapter: one paragraph each, before any
+    model loads, naming how to score with it."""
+    from peft import AutoPeftModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    from hftrain.cli import main as cli
+
+    out = trl_compared[0]
+    adapter, full, merged = out / "hftrain-1" / "final", out / "hftrain-0" / "final", tmp_path / "merged"
+    capsys.readouterr()
+    cli(["merge", str(adapter), str(merged)])
+    assert "(a reward model: it loads with AutoModelForSequenceClassification)" in " ".join(
+        capsys.readouterr().out.split())
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    config = json.loads((merged / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and config["id2label"] == {"0": "LABEL_0"}
+    assert config["pad_token_id"] == tokenizer.pad_token_id is not None
+    pairs = fresh_pairs(6, seed=7)
+    with torch.no_grad():
+        peft_model = AutoPeftModelForSequenceClassification.from_pretrained(adapter, num_labels=1).eval()
+        expected = torch.tensor([[peft_model(input_ids=torch.tensor([tokenizer.apply_chat_template(
+            pair["prompt"] + pair[side], tokenize=True, return_dict=True)["input_ids"]])).logits.item()
+            for side in ("chosen", "rejected")] for pair in pairs])
+    merged_scores = pair_scores(merged, pairs, tokenizer)
+    torch.testing.assert_close(merged_scores, expected, rtol=1e-5, atol=1e-5)
+    assert merged_scores.std() > 0  # not a constant head
+    float(run_snippet(ModelCard.load(merged / "README.md").text))  # AutoModelForSequenceClassification's quick start
+    checkpoint = tmp_path / "checkpoint-3"  # what inspect reads of a checkpoint: its run files
+    checkpoint.mkdir()
+    for name in ("hftrain_config.yaml", "hftrain_state.json"):
+        shutil.copy(adapter / name, checkpoint / name)
+    for argv, what in ((["chat", str(full)], "a LlamaForSequenceClassification with one output"),
+                       (["chat", str(merged)], "a LlamaForSequenceClassification with one output"),
+                       (["chat", str(adapter)], "a LoRA adapter of a sequence classifier (task_type SEQ_CLS)"),
+                       (["eval", str(adapter), "--tasks", "hellaswag"], "a LoRA adapter of a sequence classifier"),
+                       (["chat", str(checkpoint)], "a checkpoint of an objective reward run")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            cli(argv)
+        err = capsys.readouterr().err
+        said = " ".join(err.split())
+        assert exit_.value.code == 2 and err.count("hftrain: error") == 1 and "Traceback" not in err, err
+        assert f"is a reward model ({what}" in said and "writes no text" in said, said
+        assert "Loading weights" not in err  # refused from the folder's small files
+        assert ("hftrain merge" in said) == (argv[1] == str(adapter)), said  # an adapter: merge it first
 
 
 def test_reward_step_is_the_same_over_micro_batches_and_processes(tmp_path, margin_pairs, one_process):
