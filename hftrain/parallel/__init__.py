@@ -31,6 +31,9 @@ runs. The parallelism fields of the recipe and the rules judged from the recipe 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
 from hftrain.fields.parallel import problems
@@ -41,7 +44,7 @@ from hftrain.parallel.dims import ParallelDims
 from hftrain.parallel.expert import ExpertParallel
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch, devices_record, make_accelerator, not_selected, phase, run_process
-from hftrain.parallel.pipeline import PipelineBackend, PipelineFSDP2Backend
+from hftrain.parallel.pipeline import PipelineBackend, ShardedStages
 from hftrain.parallel.sequence import UlyssesAttention
 from hftrain.parallel.tensor import TensorParallel
 
@@ -61,7 +64,7 @@ def resolve(accelerator, recipe: Recipe, launch: Launch) -> Backend:
     return backend(accelerator, recipe, transforms=transforms)
 
 
-def layout_of(dims: ParallelDims) -> tuple[type[Backend], tuple[type[Transform], ...]]:
+def layout_of(dims: ParallelDims) -> tuple[Callable[..., Backend], tuple[type[Transform], ...]]:
     """What runs `dims`'s layout: the strategy backend that holds the model (`BACKENDS[(strategy, the axes it holds
     itself)]`: the most axes a backend of the strategy holds, the pipeline's) and the transforms of the other axes
     over it (`TRANSFORMS`, in their order), each checked against the launch's strategy and the axes beside it. A
@@ -84,15 +87,16 @@ def layout_of(dims: ParallelDims) -> tuple[type[Backend], tuple[type[Transform],
 
 _NONE, _PP, _PP_TP = frozenset(), frozenset({"pp"}), frozenset({"pp", "tp"})
 # (strategy, the axes it holds itself) -> the strategy backend that holds the model: one per strategy, and the
-# pipeline (its step is its schedule's) with data-parallel copies, tp inside its stages, or each stage sharded by FSDP2.
-BACKENDS: dict[tuple[str, frozenset[str]], type[Backend]] = {
+# pipeline (its step is its schedule's), its stages held as the strategy holds them: whole data-parallel copies (tp
+# inside its stages), or each stage sharded by FSDP2 (`ShardedStages`).
+BACKENDS: dict[tuple[str, frozenset[str]], Callable[..., Backend]] = {
     ("single", _NONE): Backend,
     ("ddp", _NONE): Backend,
     ("fsdp2", _NONE): FSDP2Backend,
     ("deepspeed", _NONE): DeepSpeedBackend,
     ("ddp", _PP): PipelineBackend,
     ("ddp", _PP_TP): PipelineBackend,
-    ("fsdp2", _PP): PipelineFSDP2Backend,
+    ("fsdp2", _PP): functools.partial(PipelineBackend, holding=ShardedStages),
 }
 # axis -> the transform that applies it over whichever backend holds the model (its `strategies` and `beside` say
 # where it runs), in the order they are applied: the axes transformers lays out while the model loads (tp, then ep:

@@ -31,7 +31,7 @@ split in two by transformers' tensor-parallel plan, {2, 3} the last stage's; ran
 (replicated) hidden states. 8 processes with pp_size=2, tp_size=2: two such pipelines, one per data-parallel copy
 ("3D": data x tensor x pipeline).
 
-pp x FSDP2 (an FSDP2 preset, `PipelineFSDP2Backend`): the same mesh with tp_size 1, each stage sharded by torch's
+pp x FSDP2 (an FSDP2 preset, `ShardedStages`): the same mesh with tp_size 1, each stage sharded by torch's
 `fully_shard` over its "dp" ranks instead of held whole by each copy (torchtitan's pp x fsdp; see the class).
 
 Loading: with full fine-tuning each rank reads only its stages' decoder layers from the checkpoint, plus the
@@ -51,7 +51,9 @@ import dataclasses
 import functools
 import json
 import os
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -159,7 +161,7 @@ def pipeline_problems(recipe: Recipe, launch: Launch, model_config) -> list[str]
 
 
 def fsdp2_stage_problems(recipe: Recipe, launch: Launch) -> list[str]:
-    """pp_size under an FSDP2 preset (`PipelineFSDP2Backend`): each stage sharded by FSDP2 over its data-parallel
+    """pp_size under an FSDP2 preset (`ShardedStages`): each stage sharded by FSDP2 over its data-parallel
     ranks. What that layout does not run."""
     pp, world, problems = recipe.pp_size, launch.world, []
     layout = f"pp_size={pp} with an fsdp2 preset (each stage sharded by FSDP2 over its data-parallel ranks)"
@@ -384,10 +386,145 @@ class PipelineStages(nn.Module):
             return self._run(input_ids, labels, position_ids, self.schedule.eval)
 
 
-class PipelineBackend(Backend):
-    """pp_size stages per pipeline, pipelines as data-parallel copies (see the module's docstring)."""
+class StageCopies:
+    """How a DDP-type strategy holds a pipeline's stages: whole on each data-parallel copy, each gradient averaged
+    over the copies as DDP's mean, the tied embedding's gradient summed whole between its first and last stage, the
+    norm over one copy's ranks. The strategy's part of the pipeline (`PipelineBackend.holding`); `ShardedStages`:
+    FSDP2's."""
 
     checkpoint_io = PipelineCheckpoints
+
+    def __init__(self, backend: PipelineBackend):
+        self.backend = backend
+
+    def describe(self) -> dict:
+        """The strategy's part of the record: its kind, its part of the name, the parts split over `shard_count`."""
+        b = self.backend
+        copies = b.accelerator.num_processes // (b.pp * b.tp)
+        name = ((f" x tensor parallel (tp_size={b.tp})" if b.tp > 1 else "") +
+                (f" x {copies} data-parallel copies" if copies > 1 else ""))
+        return {"kind": "pp", "name": name, "sharded": ("weights", "gradients", "optimizer")}
+
+    def shard_count(self) -> int:
+        return self.backend.pp * self.backend.tp  # each stage's parts over its tp shards, the model over the stages
+
+    def shard(self, stages: list[StageForward]) -> None:
+        """Data-parallel copies hold their stages whole."""
+
+    def average(self, grads: list[torch.Tensor]) -> None:
+        """The mean of each gradient over the data-parallel copies (each holds the whole stage), as DDP's."""
+        b = self.backend
+        if b.dp.world > 1:
+            for g in grads:
+                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=b.dp_group)
+                g.div_(b.dp.world)
+
+    def sum_tied(self, grad: torch.Tensor) -> None:
+        """The tied embedding's gradient summed between the first and the last stage of this copy (and tp rank)."""
+        sum_whole(grad, self.backend.tie_group)
+
+    @property
+    def norm_group(self):
+        """The ranks whose gradients make up the whole gradient once: a copy's stages and tp shards."""
+        return self.backend.batch_group
+
+    def launch_info(self, model) -> dict:
+        return {}
+
+
+class ShardedStages(StageCopies):
+    """How FSDP2 holds a pipeline's stages, pp x FSDP2 (torchtitan's layout): pp_size stages per pipeline, each
+    stage's weights, gradients and AdamW state sharded by torch's `fully_shard` over the stage's data-parallel ranks
+    (the mesh's "dp" axis: the ranks that hold the same stage), instead of whole copies averaged DDP-style. An FSDP2
+    preset with `--pp_size P` and P x D processes (D >= 2; tp inside sharded stages is refused by the preflight).
+
+    - Units: each decoder layer the stage owns, the head on the last stage (the schedule's loss_fn applies it, outside
+      the stage's forward), and the stage module itself as the root (the embedding, the final norm), on the stage's
+      dp sub-mesh; FULL_SHARD re-gathers a unit's weights for each microbatch's forward and backward, SHARD_GRAD_OP
+      keeps them from the forward to the backward (the preset's fsdp_reshard_after_forward).
+    - torch's schedules drive FSDP2 themselves (`PipelineStage.backward_maybe_with_nosync`: every microbatch's backward
+      without gradient sync; `perform_reduce_grad` after the last one: `set_requires_gradient_sync(True)` and each
+      unit's `post_backward`, i.e. one reduce-scatter per pipeline step, which with gradient accumulation is one per
+      accumulation step, accumulated into the sharded gradients).
+    - The numbers: FSDP2's reduce-scatter averages over the D ranks (its default divide factor D), which is the mean
+      DDP-style copies take, so the loop's scale (dp_world x accumulation / the step's tokens over every rank) gives
+      the step's token-weighted gradient exactly as without sharding; no further averaging. The tied embedding's
+      gradient is a Shard(0) block of the same rows on the first and the last stage of a copy (both tensors have the
+      vocabulary's rows, split the same way over D ranks), so the local blocks are summed directly. The norm sums
+      every rank's local squares over all processes (each element is held by exactly one rank of one stage; the
+      head's copy of a tied weight skipped).
+    - Loading: every rank reads its stages' layers (full fine-tuning; the whole model with adapters), as pp without
+      FSDP2 does (`PipelineBackend.layers_to_load`); transformers' rank-0-only loading (the preset's
+      fsdp_cpu_ram_efficient_loading, read from FSDP_CPU_RAM_EFFICIENT_LOADING at load time) would leave the other
+      stages' ranks with weights on the meta device that no broadcast fills, so it is turned off for this process.
+    - Checkpoints: the pipeline's DCP folder under HF names; the sharded parameters and AdamW moments are DTensors,
+      which DCP writes as each rank's blocks and reads into any layout (`checkpoint_io.PipelineCheckpoints`)."""
+
+    checkpoint_io = functools.partial(PipelineCheckpoints, sharded_stages=True)
+
+    def __init__(self, backend: PipelineBackend):
+        super().__init__(backend)
+        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"  # see the class docstring: before the model loads
+
+    @property
+    def full_shard(self) -> bool:
+        return self.backend.accelerator.state.fsdp_plugin.reshard_after_forward is True  # SHARD_GRAD_OP: False
+
+    def describe(self) -> dict:
+        copies = self.backend.accelerator.num_processes // self.backend.pp
+        name = (f" x FSDP2 {'FULL_SHARD' if self.full_shard else 'SHARD_GRAD_OP'} (each stage over {copies} "
+                "data-parallel ranks)")
+        return {"kind": "pp_fsdp2", "name": name,
+                "sharded": ALL_PARTS if self.full_shard else ("gradients", "optimizer")}
+
+    def shard_count(self) -> int:
+        return self.backend.accelerator.num_processes  # the stages, each over its data-parallel ranks
+
+    def shard(self, stages: list[StageForward]) -> None:
+        """fully_shard each of this rank's stages over the stage's data-parallel ranks (see the class docstring)."""
+        mesh = self.backend.mesh["dp"]
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.backend.accelerator.mixed_precision == "bf16" else MixedPrecisionPolicy()
+        options = {"mesh": mesh, "reshard_after_forward": self.full_shard, "mp_policy": policy}
+        for stage in stages:
+            for layer in stage.layers:
+                if not isinstance(layer, Elsewhere):
+                    fully_shard(layer, **options)
+            if stage.is_last:
+                fully_shard(stage.lm_head, **options)
+            fully_shard(stage, **options)
+            if not isinstance(stage, FSDPModule):
+                raise HftrainError("pp x FSDP2: a pipeline stage did not become an FSDP2 module")
+
+    def average(self, grads: list[torch.Tensor]) -> None:
+        """Nothing: FSDP2's reduce-scatter has averaged each gradient block over the stage's data-parallel ranks."""
+
+    def sum_tied(self, grad: torch.Tensor) -> None:
+        """The first stage's embedding gradient and the last stage's head gradient are Shard(0) blocks of the same
+        vocabulary rows on copy c (same shape, same split over the same number of ranks): sum the blocks."""
+        if not isinstance(grad, DTensor) or [p.is_shard(0) for p in grad.placements] != [True]:
+            raise HftrainError(f"pp x FSDP2: the tied gradient is laid out as {getattr(grad, 'placements', None)}, "
+                               "not one Shard(0) block per data-parallel rank")
+        dist.all_reduce(grad.to_local(), op=dist.ReduceOp.SUM, group=self.backend.tie_group)
+
+    @property
+    def norm_group(self):
+        return None  # every process: each holds its own block of its stage's gradients
+
+    def launch_info(self, model) -> dict:
+        """How the main process's stage weights are placed: FSDP2's Shard(0) over the stage's "dp" mesh."""
+        placements = {", ".join(repr(p) for p in param.placements) for param in model.parameters()
+                      if isinstance(param, DTensor)}
+        return {"dtensor_placements": sorted(placements)}
+
+
+@dataclass
+class PipelineBackend(Backend):
+    """pp_size stages per pipeline (see the module's docstring), held as the strategy holds them (`holding`: whole
+    on each data-parallel copy, `StageCopies`; under an FSDP2 preset each stage sharded over its data-parallel ranks,
+    `ShardedStages`), which also gives its checkpoint component."""
+
+    holding: Callable[..., StageCopies] = StageCopies
 
     def __post_init__(self) -> None:
         world, pp, tp = self.accelerator.num_processes, self.recipe.pp_size, self.recipe.tp_size
@@ -411,6 +548,8 @@ class PipelineBackend(Backend):
                 group = dist.new_group([int(ranks[0, c, t]), int(ranks[pp - 1, c, t])])
                 if (c, t) == (self.copy, self.tp_rank):
                     self.tie_group = group
+        self.held = self.holding(self)
+        self.checkpoint_io = self.held.checkpoint_io
         super().__post_init__()
 
     @property
@@ -445,12 +584,14 @@ class PipelineBackend(Backend):
         return {index for stage in mine for index in ranges[stage]}
 
     def make_record(self, **layout) -> Parallelism:
-        copies = self.accelerator.num_processes // (self.pp * self.tp)
+        held = self.held.describe()
         name = (f"pipeline parallel (pp_size={self.pp}, {self.recipe.pp_schedule}, {microbatches(self.recipe)} "
-                "microbatches)" + (f" x tensor parallel (tp_size={self.tp})" if self.tp > 1 else "") +
-                (f" x {copies} data-parallel copies" if copies > 1 else ""))
-        record = super().make_record(kind="pp", name=name, sharded=("weights", "gradients", "optimizer"))
+                f"microbatches){held['name']}")
+        record = super().make_record(kind=held["kind"], name=name, sharded=held["sharded"])
         return dataclasses.replace(record, pp_size=self.pp)
+
+    def shard_count(self) -> int:
+        return self.held.shard_count()
 
     def equal_work_groups(self) -> list[list[int]]:
         """The ranks of each stage position (its data-parallel copies and tp shards): stages hold unequal layers, the
@@ -482,7 +623,7 @@ class PipelineBackend(Backend):
         self.layout = {"stages": count, "layers": [[r.start, r.stop] for r in ranges], "mine": mine,
                        "layers_read": read}
         model.to(accelerator.device)
-        self.shard_stages(stages)
+        self.held.shard(stages)
         # autocast (bf16) around every stage's forward and the head's loss: as accelerate wraps the whole loss
         # module's forward without pp
         autocast = accelerator.autocast() if accelerator.mixed_precision != "no" else None
@@ -506,9 +647,6 @@ class PipelineBackend(Backend):
         self.checkpoints.attach(prepared, optimizer)
         return prepared, optimizer
 
-    def shard_stages(self, stages: list[StageForward]) -> None:
-        """Data-parallel copies hold their stages whole (FSDP2 per stage: `PipelineFSDP2Backend`)."""
-
     def forward_backward(self, model, inputs, scale, timer) -> torch.Tensor:
         """One pipeline step does every microbatch's forward and backward; accelerate's backward (which divides by
         the accumulation steps) is not used, so the division is applied here."""
@@ -518,7 +656,7 @@ class PipelineBackend(Backend):
         return loss_sum
 
     def clip_grad_norm(self, model, max_norm: float) -> float | None:
-        """Collectives that change the gradients: the mean over the data-parallel copies (`average_copies`; the loss
+        """Collectives that change the gradients: the mean over the data-parallel copies (`held.average`; the loss
         already divides by the step's tokens over all copies, so the mean undoes the copies' count as DDP's does; under
         pp x FSDP2 the reduce-scatter has taken it), the tied
         embedding's gradient summed between the first and the last stage, then the norm: the squares of every
@@ -527,39 +665,23 @@ class PipelineBackend(Backend):
         1e-6), at most 1)."""
         params = [p for p in model.parameters() if p.grad is not None]
         grads = [local(p.grad) for p in params]  # a DTensor's shard: what this rank holds
-        self.average_copies(grads)
+        self.held.average(grads)
         tied = self.tied_parameter(model)
         if tied is not None and tied.grad is not None and not (model.has_first and model.has_last):
-            self.sum_tied(tied.grad)  # (in a V the first and last stage share rank 0: one tensor there)
+            self.held.sum_tied(tied.grad)  # (in a V the first and last stage share rank 0: one tensor there)
         squares = torch.zeros((), dtype=torch.float32, device=self.accelerator.device)
         for p, g in zip(params, grads, strict=True):
             if tied is not None and p is tied and not model.has_first:
                 continue  # the head's copy of the tied weight: counted on the first stage
             if sharded(p.grad) or self.tp_rank == 0:  # a whole tensor: once per tp group
                 squares += g.detach().float().pow(2).sum()
-        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.norm_group)
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.held.norm_group)
         norm = squares.sqrt()
         if max_norm != float("inf"):
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef.to(g.dtype))
         return float(norm)
-
-    def average_copies(self, grads: list[torch.Tensor]) -> None:
-        """The mean of each gradient over the data-parallel copies (each holds the whole stage), as DDP's."""
-        if self.dp.world > 1:
-            for g in grads:
-                dist.all_reduce(g, op=dist.ReduceOp.SUM, group=self.dp_group)
-                g.div_(self.dp.world)
-
-    def sum_tied(self, grad: torch.Tensor) -> None:
-        """The tied embedding's gradient summed between the first and the last stage of this copy (and tp rank)."""
-        sum_whole(grad, self.tie_group)
-
-    @property
-    def norm_group(self):
-        """The ranks whose gradients make up the whole gradient once: a copy's stages and tp shards."""
-        return self.batch_group
 
     def tied_parameter(self, model) -> nn.Parameter | None:
         """The tied input/output embedding as this rank holds it (embedding on the first stage, head on the last)."""
@@ -594,92 +716,4 @@ class PipelineBackend(Backend):
 
     def launch_info(self, model, optimizer) -> dict:
         return {**super().launch_info(model, optimizer), "pp_size": self.pp, "pp_schedule": self.recipe.pp_schedule,
-                "pp_microbatches": microbatches(self.recipe), "pp_stages": self.layout}
-
-
-class PipelineFSDP2Backend(PipelineBackend):
-    """pp x FSDP2 (torchtitan's layout): pp_size stages per pipeline, each stage's weights, gradients and AdamW state
-    sharded by torch's `fully_shard` over the stage's data-parallel ranks (the mesh's "dp" axis: the ranks that hold
-    the same stage), instead of whole copies averaged DDP-style. An FSDP2 preset with `--pp_size P` and P x D
-    processes (D >= 2; tp inside sharded stages is refused by the preflight).
-
-    - Units: each decoder layer the stage owns, the head on the last stage (the schedule's loss_fn applies it, outside
-      the stage's forward), and the stage module itself as the root (the embedding, the final norm), on the stage's
-      dp sub-mesh; FULL_SHARD re-gathers a unit's weights for each microbatch's forward and backward, SHARD_GRAD_OP
-      keeps them from the forward to the backward (the preset's fsdp_reshard_after_forward).
-    - torch's schedules drive FSDP2 themselves (`PipelineStage.backward_maybe_with_nosync`: every microbatch's backward
-      without gradient sync; `perform_reduce_grad` after the last one: `set_requires_gradient_sync(True)` and each
-      unit's `post_backward`, i.e. one reduce-scatter per pipeline step, which with gradient accumulation is one per
-      accumulation step, accumulated into the sharded gradients).
-    - The numbers: FSDP2's reduce-scatter averages over the D ranks (its default divide factor D), which is the mean
-      DDP-style copies take, so the loop's scale (dp_world x accumulation / the step's tokens over every rank) gives
-      the step's token-weighted gradient exactly as without sharding; no further averaging. The tied embedding's
-      gradient is a Shard(0) block of the same rows on the first and the last stage of a copy (both tensors have the
-      vocabulary's rows, split the same way over D ranks), so the local blocks are summed directly. The norm sums
-      every rank's local squares over all processes (each element is held by exactly one rank of one stage; the
-      head's copy of a tied weight skipped).
-    - Loading: every rank reads its stages' layers (full fine-tuning; the whole model with adapters), as pp without
-      FSDP2 does (`PipelineBackend.layers_to_load`); transformers' rank-0-only loading (the preset's
-      fsdp_cpu_ram_efficient_loading, read from FSDP_CPU_RAM_EFFICIENT_LOADING at load time) would leave the other
-      stages' ranks with weights on the meta device that no broadcast fills, so it is turned off for this process.
-    - Checkpoints: the pipeline's DCP folder under HF names; the sharded parameters and AdamW moments are DTensors,
-      which DCP writes as each rank's blocks and reads into any layout (`checkpoint_io.PipelineCheckpoints`)."""
-
-    checkpoint_io = functools.partial(PipelineCheckpoints, sharded_stages=True)
-
-    def __post_init__(self) -> None:
-        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"  # see the class docstring: before the model loads
-        super().__post_init__()
-
-    @property
-    def full_shard(self) -> bool:
-        return self.accelerator.state.fsdp_plugin.reshard_after_forward is True  # SHARD_GRAD_OP: False
-
-    def make_record(self, **layout) -> Parallelism:
-        copies = self.accelerator.num_processes // self.pp
-        name = (f"pipeline parallel (pp_size={self.pp}, {self.recipe.pp_schedule}, {microbatches(self.recipe)} "
-                f"microbatches) x FSDP2 {'FULL_SHARD' if self.full_shard else 'SHARD_GRAD_OP'} (each stage over "
-                f"{copies} data-parallel ranks)")
-        sharded = ALL_PARTS if self.full_shard else ("gradients", "optimizer")
-        record = Backend.make_record(self, kind="pp_fsdp2", name=name, sharded=sharded)
-        return dataclasses.replace(record, pp_size=self.pp)
-
-    def shard_count(self) -> int:
-        return self.accelerator.num_processes  # the stages, each over its data-parallel ranks
-
-    def shard_stages(self, stages: list[StageForward]) -> None:
-        """fully_shard each of this rank's stages over the stage's data-parallel ranks (see the class docstring)."""
-        mesh = self.mesh["dp"]
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if self.accelerator.mixed_precision == "bf16" else MixedPrecisionPolicy()
-        options = {"mesh": mesh, "reshard_after_forward": self.full_shard, "mp_policy": policy}
-        for stage in stages:
-            for layer in stage.layers:
-                if not isinstance(layer, Elsewhere):
-                    fully_shard(layer, **options)
-            if stage.is_last:
-                fully_shard(stage.lm_head, **options)
-            fully_shard(stage, **options)
-            if not isinstance(stage, FSDPModule):
-                raise HftrainError("pp x FSDP2: a pipeline stage did not become an FSDP2 module")
-
-    def average_copies(self, grads: list[torch.Tensor]) -> None:
-        """Nothing: FSDP2's reduce-scatter has averaged each gradient block over the stage's data-parallel ranks."""
-
-    def sum_tied(self, grad: torch.Tensor) -> None:
-        """The first stage's embedding gradient and the last stage's head gradient are Shard(0) blocks of the same
-        vocabulary rows on copy c (same shape, same split over the same number of ranks): sum the blocks."""
-        if not isinstance(grad, DTensor) or [p.is_shard(0) for p in grad.placements] != [True]:
-            raise HftrainError(f"pp x FSDP2: the tied gradient is laid out as {getattr(grad, 'placements', None)}, "
-                               "not one Shard(0) block per data-parallel rank")
-        dist.all_reduce(grad.to_local(), op=dist.ReduceOp.SUM, group=self.tie_group)
-
-    @property
-    def norm_group(self):
-        return None  # every process: each holds its own block of its stage's gradients
-
-    def launch_info(self, model, optimizer) -> dict:
-        """Also how the main process's stage weights are placed: FSDP2's Shard(0) over the stage's "dp" mesh."""
-        placements = {", ".join(repr(p) for p in param.placements) for param in model.parameters()
-                      if isinstance(param, DTensor)}
-        return {**super().launch_info(model, optimizer), "dtensor_placements": sorted(placements)}
+                "pp_microbatches": microbatches(self.recipe), "pp_stages": self.layout, **self.held.launch_info(model)}

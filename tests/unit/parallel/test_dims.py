@@ -3,6 +3,7 @@ strategy rules call for (written out by hand)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -19,7 +20,7 @@ from hftrain.parallel.context import RingAttention
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch
-from hftrain.parallel.pipeline import PipelineBackend, PipelineFSDP2Backend
+from hftrain.parallel.pipeline import PipelineBackend, ShardedStages
 from hftrain.parallel.sequence import UlyssesAttention
 from hftrain.parallel.tensor import TensorParallel
 
@@ -88,11 +89,15 @@ def test_problems_name_the_sizes_that_do_not_divide_the_processes():
     ("deepspeed", {"sp": 2}, (DeepSpeedBackend, (UlyssesAttention,))),
     ("ddp", {"pp": 2}, (PipelineBackend, ())),
     ("ddp", {"pp": 2, "tp": 2}, (PipelineBackend, ())),
-    ("fsdp2", {"pp": 2}, (PipelineFSDP2Backend, ())),
+    ("fsdp2", {"pp": 2}, ((PipelineBackend, {"holding": ShardedStages}), ())),
 ])
 def test_each_layout_the_preflight_lets_through_has_its_backend(strategy, sizes, expected):
-    """The backend that holds the model, and the transforms of the other axes over it."""
-    assert layout_of(ParallelDims(world=8, strategy=strategy, **sizes)) == expected
+    """The backend that holds the model (the pipeline: with its stages held as the strategy holds them), and the
+    transforms of the other axes over it."""
+    backend, transforms = layout_of(ParallelDims(world=8, strategy=strategy, **sizes))
+    if isinstance(backend, functools.partial):
+        backend = (backend.func, backend.keywords)
+    assert (backend, transforms) == expected
 
 
 @pytest.mark.parametrize(("strategy", "sizes"), [("deepspeed", {"tp": 2}), ("ddp", {"cp": 2}), ("ddp", {"sp": 2}),
