@@ -27,6 +27,7 @@ from accelerate import Accelerator, ParallelismConfig
 from accelerate.utils import InitProcessGroupKwargs, gather_object
 
 from hftrain.compat.cpython import exit_without_teardown, require_exit_without_teardown
+from hftrain.compat.deepspeed import import_deepspeed_without_mlflow
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError, HftrainError, run_tool
 from hftrain.model import name_deepspeeds_cpu_accelerator
@@ -140,6 +141,8 @@ def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
     cuda = torch.cuda.is_available()
     deepspeed = launch.kind == "deepspeed"
     name_deepspeeds_cpu_accelerator()
+    if deepspeed:
+        import_deepspeed_without_mlflow()
     # Naming a backend makes accelerate start a process group, so only DeepSpeed on CPU names one (gloo);
     # otherwise accelerate chooses (NCCL on GPU, gloo under cpu=True) and only the timeout is set.
     group = {"backend": "gloo"} if deepspeed and not cuda else {}
