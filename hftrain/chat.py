@@ -162,12 +162,9 @@ def build_arg_parser(prog: str = "hftrain chat") -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=None, help="Sampling temperature.")
     parser.add_argument("--top_p", type=float, default=None, help="Nucleus sampling probability mass.")
     parser.add_argument("--seed", type=int, default=None, help="Seed for sampling (repeatable answers).")
-    parser.add_argument("--base_model_name_or_path", default=None,
-                        help="An adapter's or checkpoint's base model, if not where its folder says.")
     parser.add_argument("--chat_template", default=None, help="A Jinja chat template file to use instead of the "
                         "folder's.")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="dtype of the weights (auto: as saved).")
+    trained.add_loading_arguments(parser)
     return parser
 
 

@@ -599,8 +599,14 @@ def with_shipped_paths(values: dict[str, Any]) -> dict[str, Any]:
 def recipe_from_dict(values: dict[str, Any], source: str = "recipe", for_training: bool = True) -> Recipe:
     """Build a validated Recipe from a mapping (e.g. a YAML file), or raise ConfigError with every problem."""
     clean, problems = _coerce_all(values, from_cli=False)
-    recipe = Recipe(**with_objective_defaults(clean))
-    problems += validate(recipe)  # wrongly typed fields keep their defaults here
+    return _validated(clean, problems, source, for_training)
+
+
+def _validated(values: dict[str, Any], problems: list[str], source: str, for_training: bool) -> Recipe:
+    """The Recipe of coerced `values` (with the objective's defaults for the fields they leave unset), or ConfigError
+    with `problems` (the coercion's) and every problem validation finds."""
+    recipe = Recipe(**with_objective_defaults(values))
+    problems = problems + validate(recipe)  # wrongly typed fields keep their defaults here
     problems += check_output_dir(recipe) if for_training else []
     if problems:
         raise ConfigError(problems, source)
@@ -695,13 +701,7 @@ def load_recipe(argv: list[str] | None = None, for_training: bool = True, prog: 
     # a file value overridden on the command line is not used, so its problems do not count
     from_file, file_problems = _coerce_all({k: v for k, v in file_values.items() if k not in cli_values},
                                            from_cli=False)
-    problems += file_problems + cli_problems
-    recipe = Recipe(**with_objective_defaults({**from_file, **from_cli}))
-    problems += validate(recipe)  # wrongly typed fields keep their defaults here
-    problems += check_output_dir(recipe) if for_training else []
-    if problems:
-        raise ConfigError(problems, source)
-    return recipe
+    return _validated({**from_file, **from_cli}, problems + file_problems + cli_problems, source, for_training)
 
 
 

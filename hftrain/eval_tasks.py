@@ -184,10 +184,7 @@ def build_arg_parser(prog: str = "hftrain eval") -> argparse.ArgumentParser:
     parser.add_argument("--log_samples", action="store_true", help="With --output: include every example's "
                         "prompt, answers and scores.")
     parser.add_argument("--seed", type=int, default=0, help="lm-eval's seeds (few-shot sampling; default 0).")
-    parser.add_argument("--base_model_name_or_path", default=None,
-                        help="An adapter's or checkpoint's base model, if not where its folder says.")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="dtype of the weights (auto: as saved).")
+    trained.add_loading_arguments(parser)
     return parser
 
 

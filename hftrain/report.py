@@ -131,6 +131,14 @@ def plot_loss(train: list[dict], evals: list[dict], path: Path) -> Path:
     return _save(fig, ax, path, sorted({r["step"] for r in train}))
 
 
+def plot_train_and_eval(ax, train: list[dict], evals: list[dict], keys) -> None:
+    """Each of `keys` as a training curve and, where there are evaluations, its eval_ curve (dashed)."""
+    for key in keys:
+        ax.plot(*series(train, key), label=key, marker=".")
+        if evals:
+            ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
+
+
 def is_kto(train: list[dict]) -> bool:
     """A kto run's rows: rewards and a kl (grpo's kl rows have no rewards/chosen)."""
     return any("kl" in r and "rewards/chosen" in r for r in train)
@@ -144,41 +152,28 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
     if pairs:
         fig, ax = _figure("Rewards (beta x log-ratio to the reference; simpo, orpo: beta x mean token log-prob)",
                           "reward")
-        for key in REWARDS[1:]:
-            ax.plot(*series(train, key), label=key, marker=".")
-            if evals:
-                ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
+        plot_train_and_eval(ax, train, evals, REWARDS[1:])
         made.append(_save(fig, ax, folder / "rewards.png", steps))
 
     if any(ORPO_TERMS[1] in r for r in train):  # orpo: the NLL term, log sigmoid(log odds) and the log odds
         fig, ax = _figure("ORPO terms (loss = nll_loss - beta x log_odds_ratio)", "value")
-        for key in ORPO_TERMS:
-            ax.plot(*series(train, key), label=key, marker=".")
-            if evals:
-                ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
+        plot_train_and_eval(ax, train, evals, ORPO_TERMS)
         made.append(_save(fig, ax, folder / "orpo.png", steps))
 
     if is_kto(train):  # kto: the KL reference point of each step (TRL's name)
         fig, ax = _figure("KTO reference point (kl: the step's KL estimate, clamped at 0)", "kl")
-        ax.plot(*series(train, "kl"), label="kl", marker=".")
-        if evals:
-            ax.plot(*series(evals, "eval_kl"), label="eval_kl", marker="o", linestyle="--")
+        plot_train_and_eval(ax, train, evals, ["kl"])
         made.append(_save(fig, ax, folder / "kto.png", steps))
 
     if any(REWARD_MODEL[0] in r for r in train):  # reward: pairs ranked right, chosen - rejected, mean score
         fig, ax = _figure("Reward model (accuracy, margin = r_chosen - r_rejected, mean reward)", "value")
-        for key in REWARD_MODEL:
-            ax.plot(*series(train, key), label=key, marker=".")
-            if evals:
-                ax.plot(*series(evals, f"eval_{key}"), label=f"eval_{key}", marker="o", linestyle="--")
+        plot_train_and_eval(ax, train, evals, REWARD_MODEL)
         made.append(_save(fig, ax, folder / "reward_model.png", steps))
 
     grpo = any("reward_std" in r for r in train)  # grpo logs an entropy too
     if any("entropy" in r for r in train) and not grpo:  # distill: the student's entropy per trained token (TRL's)
         fig, ax = _figure("Student entropy per trained token (distill; nats)", "entropy")
-        ax.plot(*series(train, "entropy"), label="entropy", marker=".")
-        if evals:
-            ax.plot(*series(evals, "eval_entropy"), label="eval_entropy", marker="o", linestyle="--")
+        plot_train_and_eval(ax, train, evals, ["entropy"])
         if any("completions/mean_length" in r for r in train):  # on-policy steps: the sampled completions' length
             ax.plot(*series(train, "completions/mean_length"), label="completions/mean_length (on-policy)",
                     linestyle=":")

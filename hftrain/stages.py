@@ -127,17 +127,27 @@ def write_unpipelined(path: Path, folder: Path, module: nn.Module, recipe: Recip
     dcp_to_torch_save(path / PIPELINE_STATE_DIR, whole)  # every stage's state, read on this process
     saved = torch.load(whole, weights_only=True)
     whole.unlink()
-    weights, flat = saved["model"], saved["optimizer"]
+    flat = saved["optimizer"]
+    _write_by_name(path, folder, module, recipe, saved["model"], _by_name(flat, "param_groups"),
+                   _by_name(flat, "state"), PIPELINE_STATE_DIR, "pipeline state")
+
+
+def _write_by_name(path: Path, folder: Path, module: nn.Module, recipe: Recipe, weights: dict[str, torch.Tensor],
+                   hyper: dict[str, dict], state: dict[str, dict], converted: str, what: str) -> None:
+    """`folder`'s files of a run without pp from a checkpoint's state by HF name (`weights`, each parameter's
+    optimizer `hyper`parameters and `state`): model.safetensors (each trained tensor once, under the names `module`'s
+    state dict has; a tied pair under one name), optimizer.bin (`_save_numbered_optimizer`), and links to `path`'s
+    other files than the `converted` one (RNG states, run files)."""
     aliases, trained = set(held_ties(module)), trained_names(module)  # frozen weights come from the base model
     wanted = [k for k in module.state_dict() if k not in aliases and k in trained]
     missing = [k for k in wanted if k not in weights]
     if missing:
-        raise HftrainError(f"its pipeline state lacks {len(missing)} of this model's weights (e.g. {missing[:2]}): it "
-                           "was written for another model")
+        raise HftrainError(f"its {what} lacks {len(missing)} of this model's weights (e.g. {missing[:2]}): it was "
+                           "written for another model or fine-tuning method")
     save_file({k: weights[k].contiguous() for k in wanted}, folder / MODEL_FILE, metadata={"format": "pt"})
-    _save_numbered_optimizer(folder, module, recipe, _by_name(flat, "param_groups"), _by_name(flat, "state"))
+    _save_numbered_optimizer(folder, module, recipe, hyper, state)
     for item in path.iterdir():
-        if item.name != PIPELINE_STATE_DIR:
+        if item.name != converted:
             (folder / item.name).symlink_to(item.resolve())
 
 
@@ -163,20 +173,11 @@ def write_unsharded(path: Path, folder: Path, module: nn.Module, recipe: Recipe)
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     saved = torch.load(path / FULL_STATE_FILE, weights_only=True, map_location="cpu")
-    weights, optimizer = saved["model"], saved["optimizer"]
-    aliases, trained = set(held_ties(module)), trained_names(module)
-    wanted = [k for k in module.state_dict() if k not in aliases and k in trained]
-    missing = [k for k in wanted if k not in weights]
-    if missing:
-        raise HftrainError(f"its full state lacks {len(missing)} of this model's weights (e.g. {missing[:2]}): it was "
-                           "written for another model or fine-tuning method")
-    save_file({k: weights[k].contiguous() for k in wanted}, folder / MODEL_FILE, metadata={"format": "pt"})
+    optimizer = saved["optimizer"]
     hyper = {name: {k: v for k, v in group.items() if k != "params"}
              for group in optimizer["param_groups"] for name in group["params"]}
-    _save_numbered_optimizer(folder, module, recipe, hyper, optimizer["state"])
-    for item in path.iterdir():
-        if item.name != FULL_STATE_FILE:
-            (folder / item.name).symlink_to(item.resolve())
+    _write_by_name(path, folder, module, recipe, saved["model"], hyper, optimizer["state"], FULL_STATE_FILE,
+                   "full state")
 
 
 @contextmanager

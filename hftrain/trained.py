@@ -199,6 +199,14 @@ def load_tokenizer(found: Folder, chat_template: str | None = None):
     return tokenizer
 
 
+def add_loading_arguments(parser) -> None:
+    """The options of `load` that the console tools reading a trained folder (`hftrain chat`, `hftrain eval`) share."""
+    parser.add_argument("--base_model_name_or_path", default=None,
+                        help="An adapter's or checkpoint's base model, if not where its folder says.")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="dtype of the weights (auto: as saved).")
+
+
 def load(folder: Path, base: str | None = None, chat_template: str | None = None, device: str | None = None,
          dtype: str = "auto") -> Trained:
     """The folder's model (eval mode, on `device`: CUDA when there is one) and tokenizer."""
