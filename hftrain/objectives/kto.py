@@ -382,6 +382,7 @@ def reference_pass(run, collator: KTOCollator, items: list, ids_key: str, labels
     finally:
         loss.collecting = False
         run.model.train()
+        run.backend.release(run.model)
     return run.dp.sum(out).float()
 
 

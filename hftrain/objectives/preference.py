@@ -159,10 +159,12 @@ def precompute_reference(run) -> dict[str, torch.Tensor]:
 
     def compute() -> dict[str, torch.Tensor]:
         with phase(run.accelerator, "precomputing reference log-probs", run.recipe.ddp_timeout):
-            return {name: precompute_reference_log_probs(
+            values = {name: precompute_reference_log_probs(
                 run.model, run.token_loss, data, Collator(data, pad_token_id(run.tokenizer)), run.dp,
                 run.recipe.per_device_eval_batch_size, run.accelerator.device)
                 for name, (data, _) in sets.items()}
+        run.backend.release(run.model)  # FSDP2: the root's weights gathered by the forwards, resharded
+        return values
 
     values, run.token_loss.reference.source = reference_values(
         run.recipe, {name: data for name, (data, _) in sets.items()}, run.accelerator, run.resume_from, compute)

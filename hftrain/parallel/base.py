@@ -492,6 +492,10 @@ class Backend:
         """One process and DDP: a copy on this device (DDP wraps nothing without gradients)."""
         return module.to(self.accelerator.device).eval(), "replicated on every process"
 
+    def release(self, model) -> None:
+        """After forwards of the prepared model with no backward (reference log-probs precomputed before step 1):
+        whatever the strategy gathered for them is given back. One process, DDP: nothing was."""
+
     @contextmanager
     def gathered(self, params: list):
         """Frozen parameters of a `prepare_frozen` module readable whole inside the context, every rank at once

@@ -125,6 +125,14 @@ class FSDP2Backend(Backend):
         self.checkpoints.attach(model, optimizer)
         return model, optimizer
 
+    def release(self, model) -> None:
+        """FSDP2 keeps the root unit's weights gathered after its forward, for the backward that follows; after
+        forwards with none, every unit is resharded, so that the parameters are this rank's shards again (what the
+        checkpoint preflight changes in place, and the optimizer steps)."""
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def clip_grad_norm(self, model, max_norm: float) -> float | None:
         """accelerate's DTensor-aware clipping: each mesh's gradients' norm over all its shards (with tp: the
         TP-split weights' on the 2D mesh and the norms' on the fsdp mesh), combined into one global norm. First the

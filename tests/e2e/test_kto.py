@@ -124,10 +124,15 @@ def test_kto_with_precomputed_reference_resumes_exactly(tmp_path, ddp_precompute
 
 @pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
 def test_kto_under_sharded_presets_equals_one_process(tmp_path, one_process, preset):
-    """2 sharded processes x 4 rows = 1 process x 8 rows, full fine-tuning: the frozen copy partitioned (ZeRO-3) or
-    sharded (FSDP2) like the policy, the step's KL pass through the strategy's wrapper."""
-    run = launch(tmp_path / "out", *EXACT, "--per_device_train_batch_size", "4", preset=preset, processes=2,
-                 script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY)
+    """2 sharded processes x 4 rows = 1 process x 8 rows, full fine-tuning, the step's KL pass through the strategy's
+    wrapper: under ZeRO-3 with the frozen copy partitioned like the policy, under FSDP2 with the reference log-probs
+    precomputed by the sharded starting model (its weights resharded after that pass, before the checkpoint
+    preflight changes them in place)."""
+    precompute = ["--precompute_ref_log_probs", "true"] if preset == "fsdp2" else []
+    run = launch(tmp_path / "out", *EXACT, *precompute, "--per_device_train_batch_size", "4", preset=preset,
+                 processes=2, script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY,
+                 env={"HF_HOME": str(tmp_path / "hf")})  # an empty cache: the pass runs on the sharded model
+    assert ("reference: precomputed log-probs of 400 rows" in run.stdout) == bool(precompute)
     assert_same_steps(run, one_process)
 
 
