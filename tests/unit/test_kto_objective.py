@@ -219,6 +219,7 @@ def precompute_run(recipe: Recipe, module: KTOLoss, data, plan: KTOPlan, total_s
         recipe=recipe, token_loss=module, model=module, train_set=data, collator=KTOCollator(data, 0, 64),
         eval_set=data, eval_collator=KTOCollator(data, 0, 64), plan=plan, total_steps=total_steps,
         resume_from=resume_from, dp=SimpleNamespace(world=1, rank=0, sum=lambda t: t),
+        backend=SimpleNamespace(release=lambda model: None),  # one process: nothing gathered
         accelerator=SimpleNamespace(device=device, num_processes=1, is_main_process=True,
                                     reduce=lambda t, reduction: t))
 
