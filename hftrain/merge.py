@@ -46,6 +46,7 @@ from hftrain.config import read_yaml, recipe_subset
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
 from hftrain.model import (
     DTYPES,
+    load_as_reward_model,
     load_error,
     name_deepspeeds_cpu_accelerator,
     pad_token_id,
@@ -90,13 +91,14 @@ def load_dequantized_base(recipe, reward: bool = False):
     auto = AutoModelForImageTextToText if vision.is_image_text(vision.model_config(recipe)) else AutoModelForCausalLM
     if reward:
         auto, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+    load = load_as_reward_model if reward else auto.from_pretrained  # the former holds back the head-swap report
     try:
-        if quantization is None:
-            return auto.from_pretrained(recipe.model_name_or_path, **kwargs)
-        model = auto.from_pretrained(recipe.model_name_or_path, quantization_config=quantization, **kwargs)
+        model = load(recipe.model_name_or_path, **kwargs)
     except (OSError, ValueError) as exc:
         raise HftrainError(load_error("base model", recipe.model_name_or_path, exc)) from None
-    return model.dequantize(dtype=torch.float32)
+    return model if quantization is None else model.dequantize(dtype=torch.float32)
 
 
 def merge(adapter_dir: Path, output_dir: Path, base: str | None = None, dtype: str = "auto") -> dict:

@@ -6,6 +6,7 @@ Full fine-tuning, LoRA and QLoRA differ only here (in the builder), never in the
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Iterator
@@ -143,8 +144,12 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set
     try:
         config = vision.model_config(recipe)
         auto = auto_model_class(recipe, config)
-        model = auto.from_pretrained(recipe.model_name_or_path, **kwargs) if layers is None else \
-            load_decoder_layers(auto, config, recipe.model_name_or_path, kwargs, layers)
+        if layers is not None:
+            model = load_decoder_layers(auto, config, recipe.model_name_or_path, kwargs, layers)
+        elif auto is AutoModelForSequenceClassification:
+            model = load_as_reward_model(recipe.model_name_or_path, **kwargs)
+        else:
+            model = auto.from_pretrained(recipe.model_name_or_path, **kwargs)
     except (OSError, ValueError) as exc:
         raise HftrainError(load_error("model", recipe.model_name_or_path, exc)) from None
     model.config.use_cache = False
@@ -153,6 +158,41 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set
         keep_4bit_layout(model)
     if recipe.use_liger_kernel:
         apply_liger_kernels(model)
+    return model
+
+
+class _HeldLoadReport(logging.Filter):
+    """Holds back the warning transformers' from_pretrained logs as its load report (missing / unexpected keys)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            self.held.append(record)
+            return False
+        return True
+
+
+def load_as_reward_model(name: str, **kwargs) -> nn.Module:
+    """`AutoModelForSequenceClassification.from_pretrained`, usually of a causal LM's folder. transformers' load
+    report then lists the new `score` head as MISSING and the language-model head as UNEXPECTED, which is exactly
+    what a reward model is (objective reward's start-up line says so), so the report is printed only when it lists
+    anything else: other missing or unexpected weights, mismatched shapes."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    report = _HeldLoadReport()
+    logger.addFilter(report)
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(name, output_loading_info=True, **kwargs)
+    finally:
+        logger.removeFilter(report)
+    head_swap_only = (all(key.startswith("score.") for key in info.get("missing_keys", ()))
+                      and all(key.startswith("lm_head.") for key in info.get("unexpected_keys", ()))
+                      and not info.get("mismatched_keys") and not info.get("error_msgs"))
+    if not head_swap_only:
+        for record in report.held:
+            logger.handle(record)
     return model
 
 

@@ -121,7 +121,8 @@ class Reward(Preference):
     def notes(self, run) -> list[str]:
         recipe, tokenizer = run.recipe, run.tokenizer
         center = recipe.center_rewards_coefficient
-        lines = [f"objective reward: a score head (num_labels 1) on {type(run.token_loss.lm).__name__}; loss "
+        lines = [f"objective reward: a new score head (num_labels 1) on {type(run.token_loss.lm).__name__} in place of "
+                 "the language-model head; loss "
                  f"-log sigmoid(r_chosen - r_rejected{' - margin' if 'margin' in run.train_set.column_names else ''})"
                  f"{f' + {center:g} x (r_chosen + r_rejected)^2' if center is not None else ''}, the mean over the "
                  "step's pairs"]

@@ -95,7 +95,9 @@ def test_tiny_reward_recipe_learns_to_rank_held_out_pairs(tmp_path):
                      str(write_jsonl(tmp_path / "held_out.jsonl", held_out)), "--validation_split_percentage", "0",
                      "--eval_steps", "1000")
     said = " ".join((run.stdout + run.stderr).split())
-    assert "objective reward: a score head (num_labels 1) on LlamaForSequenceClassification" in said
+    assert ("objective reward: a new score head (num_labels 1) on LlamaForSequenceClassification in place of the "
+            "language-model head" in said)
+    assert "LOAD REPORT" not in said  # transformers' report of that very head swap is held back
     rows = run.train_rows()
     assert rows[-1]["accuracy"] > rows[0]["accuracy"] and rows[-1]["loss"] < rows[0]["loss"] - 0.1
     final = run.output_dir / "final"

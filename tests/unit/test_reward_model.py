@@ -4,6 +4,7 @@ RewardTrainer's formula computed row by row; the recipe and preflight rules; the
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from hftrain.config import Recipe, recipe_from_dict
 from hftrain.data import IGNORE_INDEX, Collator
 from hftrain.data.tokenize import DataSpec, tokenize_dataset
 from hftrain.errors import HftrainError
+from hftrain.model import load_as_reward_model
 from hftrain.objectives.reward import RewardLoss
 from hftrain.preflight import reward_model_problems
 from tests.conftest import REPO
@@ -189,3 +191,46 @@ def test_the_estimate_counts_a_reward_models_score_head_and_no_vocabulary_logits
     as_lm, as_rm = (estimate(shape, 1, 4, 128, "fp32", objective="reward").rows[0] for shape in (lm, rm))
     assert as_lm.activations - as_rm.activations == 2 * 4 * 128 * (vocab - 1) * 12  # 4 pairs: 8 rows
     assert as_rm.weights == 4 * rm.params
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_the_load_report_is_printed_only_when_it_says_more_than_the_head_swap(tmp_path):
+    """A causal LM's folder loaded as a reward model: transformers' report of the new score head (MISSING) and the
+    unused lm_head (UNEXPECTED) is what objective reward means, so it is held back; a folder that also lacks a body
+    weight gets the report, and the weights load the same either way."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    whole, lacking = tmp_path / "whole", tmp_path / "lacking"
+    lm = LlamaForCausalLM(config)
+    lm.save_pretrained(whole)
+    lm.save_pretrained(lacking)
+    weights = load_file(lacking / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, lacking / "model.safetensors", metadata={"format": "pt"})
+
+    records = _Records()
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.addHandler(records)
+    try:
+        quiet = load_as_reward_model(str(whole), num_labels=1)
+        assert not any("LOAD REPORT" in message for message in records.messages)
+        load_as_reward_model(str(lacking), num_labels=1)
+        reports = [message for message in records.messages if "LOAD REPORT" in message]
+    finally:
+        logger.removeHandler(records)
+    assert len(reports) == 1 and "model.norm.weight" in reports[0] and "score.weight" in reports[0]
+    assert torch.equal(quiet.model.layers[0].mlp.up_proj.weight, lm.model.layers[0].mlp.up_proj.weight)
+    assert quiet.score.weight.shape == (1, 32)
