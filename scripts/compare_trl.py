@@ -1,6 +1,6 @@
 """TRL 1.16's SFTTrainer against hftrain on the tiny local model: the differences of docs/from-trl.md, measured.
 
-    python scripts/compare_trl.py [--model models/tiny-llama --examples 64 --steps 3 --out /tmp/compare-trl]
+    python scripts/compare_trl.py [--model models/tiny-llama --examples 64 --steps 3 --out /tmp/compare-trl] [--json F]
 
 Both train the same model on the same conversational prompt/completion data (the shipped chat conversations
 split into prompt = every message before the last, completion = the final assistant message), in the same
@@ -13,31 +13,22 @@ decay, clipping at 1.0, fp32, batch 8, no accumulation), and evaluate on the sam
 
 Then the eval_loss of each is compared with two plain-PyTorch computations on the final model: the
 token-weighted mean over the eval set (hftrain's) and the mean of per-batch means (TRL's / Trainer's).
-Needs no network; about a minute on 2 CPU cores. docs/from-trl.md quotes its output.
+Needs no network; about a minute on 2 CPU cores. docs/from-trl.md quotes its output. What the comparisons
+share: scripts/trl_compare.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-# ChatML as in models/tiny-llama, with the newline that separates turns written before each turn but the first:
-# every conversation renders to the same text as with the shipped template, without the final trailing "\n".
-NO_TRAILING_NEWLINE = (
-    "{% for message in messages %}"
-    "{% if not loop.first %}{{ '\n' }}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '\n<|im_start|>assistant\n' }}{% endif %}"
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trl_compare as compare  # noqa: E402 - the comparisons' shared part, beside this script
+from trl_compare import REPO  # noqa: E402
+
 COMMON = dict(learning_rate=1e-3, per_device_train_batch_size=8, per_device_eval_batch_size=8, max_length=512,
               lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, seed=42,
               logging_steps=1)
@@ -61,48 +52,22 @@ def write_data(out: Path, examples: int) -> tuple[Path, Path]:
 
 def run_trl(model_path: Path, train: Path, evaluation: Path, steps: int, out: Path, template: Path | None) -> dict:
     import datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    losses: list[float] = []
-
-    class Record(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                losses.append(logs["loss"])
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = SFTConfig(output_dir=str(out), use_cpu=True, bf16=False, optim="adamw_torch",
-                           gradient_checkpointing=False, max_steps=steps, train_sampling_strategy="sequential",
-                           eval_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True,
-                           chat_template_path=str(template) if template else None, **COMMON)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    trainer = SFTTrainer(model=model, args=config, processing_class=tokenizer,
-                         train_dataset=datasets.load_dataset("json", data_files=str(train), split="train"),
-                         eval_dataset=datasets.load_dataset("json", data_files=str(evaluation), split="train"),
-                         callbacks=[Record()])
+    rows, trainer = compare.train_trl(
+        SFTTrainer, SFTConfig, compare.policy(model_path, "full"), compare.tokenizer(model_path), train, steps, out,
+        ("loss",), trainer_kwargs={"eval_dataset": datasets.load_dataset("json", data_files=str(evaluation),
+                                                                         split="train")},
+        chat_template_path=str(template) if template else None, **COMMON)
     first_batch = trainer.train_dataset["labels"][:COMMON["per_device_train_batch_size"]]
     trained = sum(sum(label != -100 for label in labels[1:]) for labels in first_batch)
-    trainer.train()
-    return {"losses": losses, "step1_trained_tokens": trained, "eval_loss": trainer.evaluate()["eval_loss"]}
+    return {"losses": [r["loss"] for r in rows], "step1_trained_tokens": trained,
+            "eval_loss": trainer.evaluate()["eval_loss"]}
 
 
 def run_hftrain(model_path: Path, train: Path, evaluation: Path, steps: int, out: Path, template: Path | None) -> dict:
-    recipe = dict(model_name_or_path=str(model_path), dataset_name=str(train), eval_dataset_name=str(evaluation),
-                  validation_split_percentage=0, train_sampling_strategy="sequential", optim="adamw_torch",
-                  max_steps=steps, output_dir=str(out), overwrite_output_dir=True, report_to=["none"],
-                  disable_tqdm=True, save_steps=10_000, eval_steps=10_000, **COMMON)
-    if template:
-        recipe["chat_template_path"] = str(template)
-    path = out.parent / f"{out.name}.json"
-    path.write_text(json.dumps(recipe))  # JSON is YAML
-    proc = subprocess.run([sys.executable, str(REPO / "hftrain" / "finetune.py"), "--config", str(path)],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    if proc.returncode:
-        raise SystemExit(proc.stderr[-3000:])
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = compare.run_hftrain(out, model_path, train, steps, eval_dataset_name=evaluation, eval_steps=10_000,
+                               **({"chat_template_path": template} if template else {}), **COMMON)
     train_rows = [r for r in rows if "loss" in r]
     return {"losses": [r["loss"] for r in train_rows], "step1_trained_tokens": train_rows[0]["trained_tokens"],
             "eval_loss": [r for r in rows if "eval_loss" in r][-1]["eval_loss"], "final": out / "final"}
@@ -144,16 +109,11 @@ def reference_eval(final: Path, evaluation: Path, template: Path | None) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=REPO / "models" / "tiny-llama")
-    parser.add_argument("--examples", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("/tmp/compare-trl"))
+    parser = compare.parser(__doc__, "/tmp/compare-trl")
+    parser.add_argument("--examples", type=int, default=64, help="Training rows (default: %(default)s).")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    template = compare.write_template(args.out)
     train, evaluation = write_data(args.out, args.examples)
-    template = args.out / "chatml_no_trailing_newline.jinja"
-    template.write_text(NO_TRAILING_NEWLINE)
     results = {}
     for name, chat_template in (("shipped template", None), ("no trailing newline", template)):
         trl = run_trl(args.model, train, evaluation, args.steps, args.out / f"trl-{len(results)}", chat_template)
@@ -173,6 +133,8 @@ def main() -> None:
           f"{ref['mean_of_batch_means']:.6f}")
     print(f"  hftrain eval_loss {mine['eval_loss']:.6f}; plain PyTorch token-weighted mean "
           f"{ref['token_weighted']:.6f}")
+    compare.write_json(args.json, {name: {"trl": trl, "hftrain": {k: v for k, v in mine.items() if k != "final"}}
+                                   for name, (trl, mine) in results.items()} | {"eval": ref})
 
 
 if __name__ == "__main__":

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, launch_env, run_script
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, run_script
+from tests.e2e import objective_checks as checks
 
 pytestmark = pytest.mark.launch
 TINY_DISTILL = ["--config", str(REPO / "recipes" / "tiny-distill.yaml")]
@@ -22,17 +21,6 @@ EXACT = [*TINY_DISTILL, "--max_steps", "3", "--logging_steps", "1", "--train_sam
          "--validation_split_percentage", "0", "--optim", "sgd", "--sgd_momentum", "0.9", "--learning_rate", "0.5",
          "--max_grad_norm", "0.01", "--warmup_steps", "0", "--save_steps", "2"]
 COMPARED = ("loss", "grad_norm", "entropy", "trained_tokens")
-
-
-def assert_same_steps(run: Run, expected: Run) -> None:
-    """Per-step values of COMPARED and the final weights of `expected`."""
-    for key in COMPARED:
-        torch.testing.assert_close(torch.tensor([float(r[key]) for r in run.train_rows()]),
-                                   torch.tensor([float(r[key]) for r in expected.train_rows()]), rtol=1e-4,
-                                   atol=1e-6, msg=key)
-    weights = load_file(expected.output_dir / "final" / "model.safetensors")
-    for key, value in load_file(run.output_dir / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, weights[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 @pytest.fixture(scope="module")
@@ -59,46 +47,24 @@ def test_equal_to_trl_gkd_trainer(tmp_path):
     """scripts/compare_trl_distill.py: TRL 1.16's GKDTrainer (lmbda 0) and hftrain on the same chats, order and
     hyperparameters, full fine-tuning (beta 0.5) and LoRA (beta 1): per-step loss and gradient norm within 1e-4,
     final weights within 1e-5."""
-    results = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_distill.py"), "--out", str(tmp_path),
-                           "--json", str(results)], capture_output=True, text=True, cwd=REPO, env=launch_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    compared = json.loads(results.read_text())
+    compared = checks.compare_with_trl(tmp_path, "compare_trl_distill.py")
     assert sorted(compared) == ["full", "lora"]
     for name, runs in compared.items():
-        assert len(runs["trl"]) == len(runs["hftrain"]) == 3, name
         assert runs["trl"][-1]["loss"] != runs["trl"][0]["loss"]
-        for step, (theirs, ours) in enumerate(zip(runs["trl"], runs["hftrain"]), 1):
-            for key, value in ours.items():
-                assert value == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (name, step, key)
+        checks.assert_steps_match_trl(name, runs["trl"], runs["hftrain"])
         assert runs["max_weight_difference"] < 1e-5, name
 
 
 def test_distill_step_is_the_same_over_micro_batches_and_processes(tmp_path, one_process):
     """4 chats per step as 1 x 4, 2 micro-batches x 2 and 2 DDP processes x 2: the same losses (the divergence's
     mean over the step's tokens, not a mean of micro-batch means), entropies, clipped norms and weights."""
-    accum = run_script(tmp_path / "accum", *EXACT, "--per_device_train_batch_size", "2",
-                       "--gradient_accumulation_steps", "2")
-    ddp = launch(tmp_path / "ddp", *EXACT, "--per_device_train_batch_size", "2", preset="cpu_ddp")
-    assert ddp.state()["launch"]["model_wrapper"] == "DistributedDataParallel"
     assert one_process.train_rows()[-1]["grad_norm"] > 0.01  # clipping was active
-    for run in (accum, ddp):
-        assert_same_steps(run, one_process)
+    checks.assert_same_over_micro_batches_and_processes(tmp_path, one_process, EXACT, COMPARED, rows=4)
 
 
 def test_distill_resumes_exactly(tmp_path, one_process):
     """Resumed from checkpoint-2, step 3 and the final weights equal the uninterrupted run's."""
-    out = tmp_path / "out"
-    shutil.copytree(one_process.output_dir, out)
-    shutil.rmtree(out / "final")
-    resumed = run_script(out, *EXACT, "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "latest")
-    (row,) = [r for r in resumed.train_rows() if r["step"] == 3]
-    expected = one_process.train_rows()[2]
-    for key in COMPARED:
-        assert row[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
-    weights = load_file(one_process.output_dir / "final" / "model.safetensors")
-    for key, value in load_file(out / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-7, msg=key)
+    checks.assert_resumes_exactly(tmp_path, one_process, [*EXACT, "--per_device_train_batch_size", "4"], COMPARED)
 
 
 @pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
@@ -110,7 +76,7 @@ def test_distill_under_sharded_presets_equals_one_process(tmp_path, one_process,
     said = " ".join((run.stdout + run.stderr).split())
     assert ("partitioned over the processes (ZeRO-3)" if preset == "zero3" else "sharded over the processes (FSDP2)") \
         in said
-    assert_same_steps(run, one_process)
+    checks.assert_same_steps(run, one_process, COMPARED)
 
 
 def test_a_teacher_with_another_vocabulary_is_refused_before_the_models_load(tmp_path):
@@ -173,4 +139,4 @@ def test_on_policy_resumes_exactly_and_two_processes_equal_one(tmp_path, on_poli
     ddp = launch(tmp_path / "ddp", *ON_POLICY, "--per_device_train_batch_size", "2", preset="cpu_ddp")
     key = lambda r: (r["step"], r["prompt_ids"])  # noqa: E731 - the two layouts list a step's rows in another order
     assert sorted(completion_rows(ddp), key=key) == sorted(completion_rows(on_policy), key=key)
-    assert_same_steps(ddp, on_policy)
+    checks.assert_same_steps(ddp, on_policy, COMPARED)

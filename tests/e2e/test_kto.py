@@ -5,7 +5,6 @@ learns, and data without a label column or with one class is refused before the 
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -14,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, launch_env, run_script, write_jsonl
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, launch, launch_env, run_script, write_jsonl
+from tests.e2e import objective_checks as checks
 
 pytestmark = pytest.mark.launch
 TINY_KTO = ["--config", str(REPO / "recipes" / "tiny-kto.yaml")]
@@ -24,17 +24,6 @@ EXACT = [*TINY_KTO, "--max_steps", "3", "--logging_steps", "1", "--train_samplin
          "--max_grad_norm", "0.2", "--warmup_steps", "0", "--save_steps", "2"]
 COMPARED = ("loss", "grad_norm", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
             "logps/rejected")
-
-
-def assert_same_steps(run: Run, expected: Run) -> None:
-    """Per-step values of COMPARED and the final weights of `expected`."""
-    for key in COMPARED:
-        torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
-                                   torch.tensor([r[key] for r in expected.train_rows()]), rtol=1e-4, atol=1e-6,
-                                   msg=key)
-    weights = load_file(expected.output_dir / "final" / "model.safetensors")
-    for key, value in load_file(run.output_dir / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, weights[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 @pytest.fixture(scope="module")
@@ -56,20 +45,14 @@ def test_equal_to_trl_kto_trainer(tmp_path):
     """scripts/compare_trl_kto.py: TRL 1.16's KTOTrainer and hftrain on the same rows, order and hyperparameters,
     loss_type kto with full fine-tuning (a reference copy) and apo_zero_unpaired with LoRA (adapters disabled):
     per-step loss, kl, rewards and log-probs within 1e-4 (the script's other two variants agree as well)."""
-    results = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_kto.py"), "--out", str(tmp_path),
-                           "--json", str(results), "--variants", "kto full", "apo_zero_unpaired lora"],
-                          capture_output=True, text=True, cwd=REPO, env=launch_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    compared = json.loads(results.read_text())
+    compared = checks.compare_with_trl(tmp_path, "compare_trl_kto.py", "--variants", "kto full",
+                                       "apo_zero_unpaired lora")
     assert sorted(compared) == ["apo_zero_unpaired lora", "kto full"]
     assert any(row["kl"] > 0 for row in compared["kto full"]["trl"])  # the reference point was active
     for name, runs in compared.items():
-        assert len(runs["trl"]) == len(runs["hftrain"]) == 3, name
         assert runs["trl"][-1]["rewards/margins"] != runs["trl"][0]["rewards/margins"]  # both trained
-        for step, (theirs, ours) in enumerate(zip(runs["trl"], runs["hftrain"]), 1):
-            for key, value in theirs.items():
-                assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (name, step, key)
+        # every key TRL logs (kl for loss_type kto only)
+        checks.assert_steps_match_trl(name, runs["trl"], runs["hftrain"], keys=runs["trl"][0])
 
 
 def test_kto_step_is_the_same_over_micro_batches_and_processes(tmp_path, one_process, ddp_precomputed):
@@ -85,22 +68,12 @@ def test_kto_step_is_the_same_over_micro_batches_and_processes(tmp_path, one_pro
     said = " ".join(ddp_precomputed.stdout.split())
     assert "reference: precomputed log-probs of 400 rows and 24 mismatched (KL) rows (one pass" in said
     for run in (accum, ddp_precomputed):
-        assert_same_steps(run, one_process)
+        checks.assert_same_steps(run, one_process, COMPARED)
 
 
 def test_kto_resumes_exactly(tmp_path, one_process):
     """Resumed from checkpoint-2, step 3 and the final weights equal the uninterrupted run's."""
-    out = tmp_path / "out"
-    shutil.copytree(one_process.output_dir, out)
-    shutil.rmtree(out / "final")
-    resumed = run_script(out, *EXACT, "--per_device_train_batch_size", "8", "--resume_from_checkpoint", "latest")
-    (row,) = [r for r in resumed.train_rows() if r["step"] == 3]
-    expected = one_process.train_rows()[2]
-    for key in COMPARED:
-        assert row[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
-    weights = load_file(one_process.output_dir / "final" / "model.safetensors")
-    for key, value in load_file(out / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-7, msg=key)
+    checks.assert_resumes_exactly(tmp_path, one_process, [*EXACT, "--per_device_train_batch_size", "8"], COMPARED)
 
 
 def test_kto_with_precomputed_reference_resumes_exactly(tmp_path, ddp_precomputed):
@@ -133,7 +106,7 @@ def test_kto_under_sharded_presets_equals_one_process(tmp_path, one_process, pre
                  processes=2, script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY,
                  env={"HF_HOME": str(tmp_path / "hf")})  # an empty cache: the pass runs on the sharded model
     assert ("reference: precomputed log-probs of 400 rows" in run.stdout) == bool(precompute)
-    assert_same_steps(run, one_process)
+    checks.assert_same_steps(run, one_process, COMPARED)
 
 
 def test_tiny_kto_recipe_learns_the_feedback(tmp_path):

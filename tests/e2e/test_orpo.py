@@ -4,16 +4,10 @@ run continues exactly, and data without a rejected column is refused before the 
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import sys
-
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, launch_env, run_script, write_jsonl
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, launch, run_script, write_jsonl
+from tests.e2e import objective_checks as checks
 
 pytestmark = pytest.mark.launch
 TINY_ORPO = ["--config", str(REPO / "recipes" / "tiny-orpo.yaml")]
@@ -24,18 +18,6 @@ EXACT = [*TINY_ORPO, "--max_steps", "3", "--logging_steps", "1", "--train_sampli
          "--max_grad_norm", "0.5", "--warmup_steps", "0", "--save_steps", "2"]
 COMPARED = ("loss", "grad_norm", "nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen",
             "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
-
-
-def assert_same_steps(run: Run, expected: Run, adapter: bool = False) -> None:
-    """Per-step values of COMPARED and the final weights (or adapter) of `expected`."""
-    for key in COMPARED:
-        torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
-                                   torch.tensor([r[key] for r in expected.train_rows()]), rtol=1e-4, atol=1e-6,
-                                   msg=key)
-    name = "adapter_model.safetensors" if adapter else "model.safetensors"
-    weights = load_file(expected.output_dir / "final" / name)
-    for key, value in load_file(run.output_dir / "final" / name).items():
-        torch.testing.assert_close(value, weights[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 @pytest.fixture(scope="module")
@@ -60,45 +42,23 @@ def test_tiny_orpo_recipe_learns_the_preferences(tmp_path):
 def test_equal_to_trl_orpo_trainer(tmp_path):
     """scripts/compare_trl_orpo.py: TRL 1.16's ORPOTrainer and hftrain on the same pairs, order and
     hyperparameters, full and LoRA: per-step loss, nll_loss, log-odds, rewards and log-probs within 1e-4."""
-    results = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_orpo.py"), "--out", str(tmp_path),
-                           "--json", str(results)], capture_output=True, text=True, cwd=REPO, env=launch_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    compared = json.loads(results.read_text())
+    compared = checks.compare_with_trl(tmp_path, "compare_trl_orpo.py")
     assert sorted(compared) == ["full", "lora"]
     for name, runs in compared.items():
-        assert len(runs["trl"]) == len(runs["hftrain"]) == 3, name
         assert runs["trl"][-1]["rewards/margins"] != runs["trl"][0]["rewards/margins"]  # both trained
-        for step, (theirs, ours) in enumerate(zip(runs["trl"], runs["hftrain"]), 1):
-            for key, value in ours.items():
-                assert value == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (name, step, key)
+        checks.assert_steps_match_trl(name, runs["trl"], runs["hftrain"])
 
 
 def test_orpo_step_is_the_same_over_micro_batches_and_processes(tmp_path, one_process):
     """4 pairs per step as 1 x 4, 2 micro-batches x 2 and 2 DDP processes x 2: the same losses (the NLL is the
     mean over the step's chosen tokens, not a mean of micro-batch means), statistics, clipped norms and weights."""
-    accum = run_script(tmp_path / "accum", *EXACT, "--per_device_train_batch_size", "2",
-                       "--gradient_accumulation_steps", "2")
-    ddp = launch(tmp_path / "ddp", *EXACT, "--per_device_train_batch_size", "2", preset="cpu_ddp")
-    assert ddp.state()["launch"]["model_wrapper"] == "DistributedDataParallel"
     assert one_process.train_rows()[-1]["grad_norm"] > 0.5  # clipping was active
-    for run in (accum, ddp):
-        assert_same_steps(run, one_process)
+    checks.assert_same_over_micro_batches_and_processes(tmp_path, one_process, EXACT, COMPARED, rows=4)
 
 
 def test_orpo_resumes_exactly(tmp_path, one_process):
     """Resumed from checkpoint-2, step 3 and the final weights equal the uninterrupted run's."""
-    out = tmp_path / "out"
-    shutil.copytree(one_process.output_dir, out)
-    shutil.rmtree(out / "final")
-    resumed = run_script(out, *EXACT, "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "latest")
-    (row,) = [r for r in resumed.train_rows() if r["step"] == 3]
-    expected = one_process.train_rows()[2]
-    for key in COMPARED:
-        assert row[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
-    weights = load_file(one_process.output_dir / "final" / "model.safetensors")
-    for key, value in load_file(out / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-7, msg=key)
+    checks.assert_resumes_exactly(tmp_path, one_process, [*EXACT, "--per_device_train_batch_size", "4"], COMPARED)
 
 
 @pytest.mark.parametrize("preset, lora", [("zero3", False), ("fsdp2", True)], ids=["zero3-full", "fsdp2-lora"])
@@ -109,7 +69,7 @@ def test_orpo_under_sharded_presets_equals_one_process(tmp_path, one_process, pr
     expected = run_script(tmp_path / "one", *args, "--per_device_train_batch_size", "4") if lora else one_process
     run = launch(tmp_path / "out", *args, "--per_device_train_batch_size", "2", preset=preset, processes=2,
                  script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY)
-    assert_same_steps(run, expected, adapter=lora)
+    checks.assert_same_steps(run, expected, COMPARED, "adapter_model.safetensors" if lora else "model.safetensors")
 
 
 def test_orpo_data_without_rejected_is_refused_before_the_model_loads(tmp_path):

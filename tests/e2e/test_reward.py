@@ -10,15 +10,14 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 from huggingface_hub import ModelCard
-from safetensors.torch import load_file
 
-from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, launch_env, run_script, write_jsonl
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, run_script, write_jsonl
+from tests.e2e import objective_checks as checks
 from tests.model_cards import run_snippet
 
 pytestmark = pytest.mark.launch
@@ -45,17 +44,6 @@ def one_process(tmp_path_factory, margin_pairs) -> Run:
     """1 process x 4 pairs per step, a checkpoint at step 2: what the other layouts and the resume are compared with."""
     return run_script(tmp_path_factory.mktemp("reward-one") / "out", *margin_pairs, "--per_device_train_batch_size",
                       "4")
-
-
-def assert_same_steps(run: Run, expected: Run) -> None:
-    """Per-step values of COMPARED and the final weights of `expected`."""
-    for key in COMPARED:
-        torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
-                                   torch.tensor([r[key] for r in expected.train_rows()]), rtol=1e-4, atol=1e-6,
-                                   msg=key)
-    weights = load_file(expected.output_dir / "final" / "model.safetensors")
-    for key, value in load_file(run.output_dir / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, weights[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
 def pair_scores(folder, pairs: list[dict], tokenizer) -> torch.Tensor:
@@ -121,11 +109,7 @@ def test_tiny_reward_recipe_learns_to_rank_held_out_pairs(tmp_path):
 def trl_compared(tmp_path_factory):
     """scripts/compare_trl_reward.py's folder (hftrain's runs in hftrain-0, full, and hftrain-1, LoRA) and results."""
     out = tmp_path_factory.mktemp("compare-reward")
-    results = out / "results.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_reward.py"), "--out", str(out),
-                           "--json", str(results)], capture_output=True, text=True, cwd=REPO, env=launch_env())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, json.loads(results.read_text())
+    return out, checks.compare_with_trl(out, "compare_trl_reward.py")
 
 
 def test_equal_to_trl_reward_trainer(trl_compared):
@@ -135,11 +119,8 @@ def test_equal_to_trl_reward_trainer(trl_compared):
     compared = trl_compared[1]
     assert sorted(compared) == ["full, margin, centered", "lora"]
     for name, runs in compared.items():
-        assert len(runs["trl"]["steps"]) == len(runs["hftrain"]["steps"]) == 3, name
         assert runs["trl"]["steps"][-1]["margin"] != runs["trl"]["steps"][0]["margin"]  # both trained
-        for step, (theirs, ours) in enumerate(zip(runs["trl"]["steps"], runs["hftrain"]["steps"]), 1):
-            for key, value in ours.items():
-                assert value == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (name, step, key)
+        checks.assert_steps_match_trl(name, runs["trl"]["steps"], runs["hftrain"]["steps"])
         torch.testing.assert_close(torch.tensor(runs["hftrain"]["score"]), torch.tensor(runs["trl"]["score"]),
                                    rtol=1e-4, atol=1e-5, msg=name)
 
@@ -199,13 +180,8 @@ def test_a_lora_reward_adapter_merges_into_a_reward_model_and_chat_refuses_rewar
 def test_reward_step_is_the_same_over_micro_batches_and_processes(tmp_path, margin_pairs, one_process):
     """4 pairs per step as 1 x 4, 2 micro-batches x 2 and 2 DDP processes x 2: the same losses (margins and
     centering included), statistics, clipped norms and weights."""
-    accum = run_script(tmp_path / "accum", *margin_pairs, "--per_device_train_batch_size", "2",
-                       "--gradient_accumulation_steps", "2")
-    ddp = launch(tmp_path / "ddp", *margin_pairs, "--per_device_train_batch_size", "2", preset="cpu_ddp")
-    assert ddp.state()["launch"]["model_wrapper"] == "DistributedDataParallel"
     assert one_process.train_rows()[-1]["grad_norm"] > 0.5  # clipping was active
-    for run in (accum, ddp):
-        assert_same_steps(run, one_process)
+    checks.assert_same_over_micro_batches_and_processes(tmp_path, one_process, margin_pairs, COMPARED, rows=4)
 
 
 @pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
@@ -215,23 +191,13 @@ def test_reward_under_sharded_presets_equals_one_process(tmp_path, margin_pairs,
     run = launch(tmp_path / "out", *margin_pairs, "--per_device_train_batch_size", "2", preset=preset, processes=2,
                  script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY)
     assert run.state()["launch"]["distributed_type"] == ("DEEPSPEED" if preset == "zero3" else "FSDP")
-    assert_same_steps(run, one_process)
+    checks.assert_same_steps(run, one_process, COMPARED)
 
 
 def test_reward_resumes_exactly(tmp_path, margin_pairs, one_process):
     """Resumed from checkpoint-2, step 3 and the final weights equal the uninterrupted run's."""
-    out = tmp_path / "out"
-    shutil.copytree(one_process.output_dir, out)
-    shutil.rmtree(out / "final")
-    resumed = run_script(out, *margin_pairs, "--per_device_train_batch_size", "4", "--resume_from_checkpoint",
-                         "latest")
-    (row,) = [r for r in resumed.train_rows() if r["step"] == 3]
-    expected = one_process.train_rows()[2]
-    for key in COMPARED:
-        assert row[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
-    weights = load_file(one_process.output_dir / "final" / "model.safetensors")
-    for key, value in load_file(out / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-7, msg=key)
+    checks.assert_resumes_exactly(tmp_path, one_process, [*margin_pairs, "--per_device_train_batch_size", "4"],
+                                  COMPARED)
 
 
 def test_reward_data_without_rejected_is_refused_before_the_model_loads(tmp_path):
