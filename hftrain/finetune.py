@@ -225,6 +225,7 @@ class Finetune:
         check_ties(self.backend.unwrap(self.model), f"preparing the model for {self.backend.record.name}")
         self.scheduler = build_scheduler(recipe, self.optimizer, self.total_steps)  # on the optimizer that steps
         self.objective_tensors = self.objective.prepare(self)  # e.g. dpo's reference: placed, precomputed
+        self.feed = self.objective.feed(self)  # grpo's rollouts, built once the model they sample from is prepared
         self.progress, resumed = checkpoint.Progress(world_size=self.dp.world), {}
         if self.resume_from is not None:
             self.progress, resumed = checkpoint.load_checkpoint(self.backend, self.model, self.scheduler,

@@ -53,7 +53,8 @@ class Feed(Protocol):
 class TrainingData:
     """What the data phase hands the run (`Objective.setup_data`): the feed the loop reads and what was read."""
 
-    feed: Feed
+    feed: Any  # the `Feed` the loop reads; grpo: its rl.grpo.RolloutSource, which `Objective.feed` turns into the
+    # rollouts once the model they sample from is prepared
     plan: Any  # the feed's plan (batching.BatchPlan, a stream's plan, rl.rollouts.WindowPlan)
     total_steps: int  # optimizer steps of the run (`total_steps`)
     data_line: tuple[str, str]  # the start-up line's words: (steps per epoch, what the training data is)

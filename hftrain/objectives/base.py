@@ -46,6 +46,12 @@ class Objective:
         saved with every checkpoint and handed back on resume (layout.REFERENCE_FILE), or None."""
         return None
 
+    def feed(self, run):
+        """The feed the loop reads (a `data.feeds.Feed`), after `prepare`: the data phase's (`run.feed`), or, for an
+        objective whose batches are sampled from the model (grpo's rollouts), built now from what its data phase
+        returned and the prepared model, whole."""
+        return run.feed
+
     eval_headline = "eval_loss"  # the metric the final evaluation's line shows
     # log_completions: the eval examples' prompts are completed at each evaluation (hftrain.samples); an objective
     # whose evaluation and log_completions already show generated text (grpo) says False

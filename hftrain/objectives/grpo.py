@@ -21,7 +21,7 @@ from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import AdapterReference, FrozenReference
 from hftrain.paths import STREAM_STATE
 from hftrain.rl.generation import build_generator
-from hftrain.rl.grpo import GRPOLoss, ReferenceTokenLogProbs, Rollouts, reference_token_log_probs
+from hftrain.rl.grpo import GRPOLoss, Policy, ReferenceTokenLogProbs, Rollouts, RolloutSource, reference_token_log_probs
 from hftrain.rl.rewards import column_problems, load_reward_functions
 from hftrain.rl.rollouts import WindowPlan, is_conversational, render_prompts
 from hftrain.rl.tools import (
@@ -142,8 +142,8 @@ class GRPO(Objective):
             raise HftrainError(f"dataset {source.name!r} has {len(raw)} prompts, fewer than one generation batch's "
                                f"{plan.prompts_per_window} ({window} completions / num_generations); use a "
                                "smaller batch or more prompts")
-        feed = Rollouts(recipe, plan, prompts, funcs, run.tokenizer, run.accelerator, run.dp, run.output_dir,
-                        run.watchdog.window, tooling)
+        rollouts = RolloutSource.read(recipe, plan, prompts, funcs, run.tokenizer, run.accelerator, run.dp,
+                                      run.output_dir, run.watchdog.window, tooling)
         stream_state = None
         if run.resume_from is not None:  # a checkpoint inside a generation window holds each rank's buffer
             saved = read_states(run.resume_from, STREAM_STATE.format(index="*"))
@@ -161,27 +161,26 @@ class GRPO(Objective):
         stats = {"sources": [{"name": source.name, "prompts": len(raw)}], "chat_template": template_note,
                  "eval_prompts": len(eval_set) if eval_set is not None else 0,
                  "prompt_tokens": {"min": min(lengths), "max": max(lengths), "mean": sum(lengths) / len(lengths)}}
-        return TrainingData(feed, plan, total_steps(recipe, plan), line, stats, train_set=raw, eval_set=eval_set,
-                            rows=prompts, stream_state=stream_state)
+        return TrainingData(rollouts, plan, total_steps(recipe, plan), line, stats, train_set=raw,
+                            eval_set=eval_set, rows=prompts, stream_state=stream_state)
 
     def prepare(self, run):
-        backend = run.backend
-        reference = run.token_loss.reference
+        reference = run.parts.loss.reference
         if reference is not None and hasattr(reference, "prepare"):
-            reference.prepare(backend)
-        # the generator samples from the prepared model: transformers' generate inside the backend's
-        # generation_context (ZeRO-3 gathers the weights, FSDP2 generates through the sharded model), or vLLM, which
-        # receives the causal LM's weights before each generation batch
-        feed = run.feed
-        feed.model, feed.loss_fn = run.model, run.token_loss
-        feed.whole_sequences = backend.whole_sequences
-        feed.micro_batch = backend.micro_batch
-        feed.generator = build_generator(run.recipe, backend, run.model, run.token_loss.lm, run.accelerator,
-                                         feed.sampling, feed.eos_ids, feed.pad_id)
-        if feed.tooling is not None:  # a tool result may not push a sequence past the model's context (TRL's rule)
-            config = getattr(run.token_loss.lm, "config", None)
-            feed.tooling.loop.max_model_length = getattr(config, "max_position_embeddings", None)
+            reference.prepare(run.backend)
         return None
+
+    def feed(self, run) -> Rollouts:
+        """The rollouts, built whole from the data phase's `RolloutSource` and the policy they sample from: the
+        prepared model, sampled by transformers' generate inside the backend's generation_context (ZeRO-3 gathers
+        the weights, FSDP2 generates through the sharded model), or by vLLM, which receives the causal LM's weights
+        before each generation batch."""
+        source, backend, loss = run.feed, run.backend, run.parts.loss
+        generator = build_generator(run.recipe, backend, run.model, loss.lm, run.accelerator, source.sampling,
+                                    source.eos_ids, source.pad_id)
+        config = getattr(loss.lm, "config", None)
+        return Rollouts(source, Policy(run.model, loss, generator, backend.whole_sequences, backend.micro_batch,
+                                       getattr(config, "max_position_embeddings", None)))
 
     @staticmethod
     def tools_note(run) -> str:
@@ -194,7 +193,7 @@ class GRPO(Objective):
 
     def notes(self, run) -> list[str]:
         recipe, plan = run.recipe, run.plan
-        reference = run.token_loss.reference
+        reference = run.parts.loss.reference
         ref = reference.describe() if reference is not None else "none (beta 0)"
         return [f"objective grpo ({recipe.loss_type}, {recipe.importance_sampling_level}-level ratios, epsilon "
                 f"{recipe.epsilon:g}/{recipe.epsilon_high if recipe.epsilon_high is not None else recipe.epsilon:g}, "

@@ -15,7 +15,9 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -232,26 +234,73 @@ class GRPOLoss(ObjectiveLoss):
         return sums
 
 
+@dataclass(frozen=True)
+class RolloutSource:
+    """What grpo's data phase read (`GRPO.setup_data`): the prompts, the reward functions, the windows' plan and how
+    completions are sampled and stopped. The rollouts are built from it once the model they sample from is prepared
+    (`Rollouts(source, policy)`)."""
+
+    recipe: Any
+    plan: WindowPlan
+    prompts: list
+    funcs: list[RewardFunction]
+    tokenizer: Any
+    accelerator: Any
+    # dp: the data share (parallel.base.DataParallel). The ranks of one tensor-parallel group hold the same
+    # data-parallel rank, so the same prompts, row seeds and completions; gathers count each group once.
+    dp: Any
+    output_dir: Path
+    sampling: Sampling
+    eos_ids: frozenset[int]
+    pad_id: int
+    busy: Callable = lambda name: nullcontext()  # busy(name): a stretch that counts as progress for the watchdog
+    tooling: Tooling | None = None  # tool calling (hftrain.rl.tools): multi-turn rollouts
+
+    @classmethod
+    def read(cls, recipe, plan: WindowPlan, prompts, funcs: list[RewardFunction], tokenizer, accelerator, dp,
+             output_dir: Path, busy=lambda name: nullcontext(), tooling: Tooling | None = None) -> RolloutSource:
+        """The sampling settings from the recipe, the stop and pad tokens from the tokenizer."""
+        sampling = Sampling(recipe.max_completion_length, recipe.temperature, recipe.top_p, recipe.top_k,
+                            recipe.repetition_penalty, recipe.mask_truncated_completions)
+        eos = tokenizer.eos_token_id
+        eos_ids = frozenset({eos} if isinstance(eos, int) else set(eos or []))
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
+        return cls(recipe, plan, prompts, funcs, tokenizer, accelerator, dp, output_dir, sampling, eos_ids, pad_id,
+                   busy, tooling)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the rollouts sample from and score with, once the backend has prepared the model (`GRPO.feed`)."""
+
+    model: nn.Module  # the prepared model: the old log-probs of stored windows
+    loss_fn: GRPOLoss  # the loss module inside it: its statistics, its reference
+    generator: RolloutGenerator  # samples the completions (rl.generation.build_generator)
+    # the backend's context for forwards over whole sequences on every rank (sequence parallelism's reference),
+    # and its context around a micro-batch's forward through the loss module (context parallelism's ring)
+    whole_sequences: Callable[[], AbstractContextManager] = nullcontext
+    micro_batch: Callable[[dict], AbstractContextManager] = nullcontext
+    max_model_length: int | None = None  # the model's context: a tool result may not push a sequence past it
+
+
 class Rollouts:
     """The micro-batches of objective grpo, generation window by generation window (hftrain.rl.rollouts has the
-    layout). `loader(order)` is the loop's batch iterator for the (window, micro-batch, iteration) triples of
-    `WindowPlan.micro_batches`."""
+    layout), sampled from `policy`. `loader(order)` is the loop's batch iterator for the (window, micro-batch,
+    iteration) triples of `WindowPlan.micro_batches`."""
 
-    def __init__(self, recipe, plan: WindowPlan, prompts, funcs: list[RewardFunction], tokenizer, accelerator,
-                 dp, output_dir: Path, busy=lambda name: nullcontext(), tooling: Tooling | None = None):
-        self.recipe, self.plan, self.prompts, self.funcs = recipe, plan, prompts, funcs
-        self.tooling = tooling  # tool calling (hftrain.rl.tools): multi-turn rollouts
-        self.busy = busy  # busy(name): a stretch that counts as progress for the hang watchdog (hftrain.watchdog)
-        # dp: the data share (parallel.base.DataParallel). The ranks of one tensor-parallel group hold the same
-        # data-parallel rank, so the same prompts, row seeds and completions; gathers count each group once.
-        self.tokenizer, self.accelerator, self.dp, self.rank = tokenizer, accelerator, dp, dp.rank
-        self.file = output_dir / ROLLOUTS_FILE
-        self.sampling = Sampling(recipe.max_completion_length, recipe.temperature, recipe.top_p, recipe.top_k,
-                                 recipe.repetition_penalty, recipe.mask_truncated_completions)
-        eos = tokenizer.eos_token_id
-        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [])
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
-        self.weights = torch.tensor(recipe.reward_weights or [1.0] * len(funcs), dtype=torch.float32)
+    def __init__(self, source: RolloutSource, policy: Policy):
+        recipe, plan = source.recipe, source.plan
+        self.recipe, self.plan, self.prompts, self.funcs = recipe, plan, source.prompts, source.funcs
+        self.tooling, self.busy = source.tooling, source.busy
+        self.tokenizer, self.accelerator, self.dp, self.rank = source.tokenizer, source.accelerator, source.dp, \
+            source.dp.rank
+        self.file = source.output_dir / ROLLOUTS_FILE
+        self.sampling, self.eos_ids, self.pad_id = source.sampling, source.eos_ids, source.pad_id
+        self.model, self.loss_fn, self.generator = policy.model, policy.loss_fn, policy.generator
+        self.whole_sequences, self.micro_batch = policy.whole_sequences, policy.micro_batch
+        if self.tooling is not None:  # a tool result may not push a sequence past the model's context (TRL's rule)
+            self.tooling.loop.max_model_length = policy.max_model_length
+        self.weights = torch.tensor(recipe.reward_weights or [1.0] * len(self.funcs), dtype=torch.float32)
         # old log-probs are stored when a window's later micro-batches train after an update, and with vLLM's
         # importance-sampling correction, whose ratio they are the numerator of (TRL's rules)
         self.correct_sampling = recipe.use_vllm and recipe.vllm_importance_sampling_correction
@@ -260,14 +309,6 @@ class Rollouts:
         self.generation_seconds = 0.0  # since the loop last asked (pop_generation_seconds)
         self.generated_metrics: list[dict[str, float]] = []
         self.latest_rows: list[dict] = []  # log_completions: the last window's rollouts.jsonl rows (main process)
-        # set by the objective once the backend has prepared the model: the model (its old log-probs), the loss
-        # module, and the generator that samples the completions (rl.generation.build_generator)
-        self.model = self.loss_fn = None
-        self.generator: RolloutGenerator | None = None
-        # the backend's context for forwards over whole sequences on every rank (sequence parallelism's reference),
-        # and its context around a micro-batch's forward through the loss module (context parallelism's ring)
-        self.whole_sequences: Callable[[], AbstractContextManager] = nullcontext
-        self.micro_batch: Callable[[dict], AbstractContextManager] = nullcontext
         # The loop's data vote: set on every rank when a reward function failed on any rank (generate), so that all
         # ranks stop at the same step with a checkpoint instead of waiting in a collective until ddp_timeout.
         self.stop_reason: str | None = None

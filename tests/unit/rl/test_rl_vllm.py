@@ -7,6 +7,7 @@ correction against a plain transcription of TRL 1.16's code, and the recipe's an
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -25,7 +26,7 @@ from hftrain.parallel.base import DataParallel
 from hftrain.parallel.launch import Launch
 from hftrain.preflight import vllm_problems
 from hftrain.rl.generation import TransformersGenerator, build_generator
-from hftrain.rl.grpo import GRPOLoss, Rollouts
+from hftrain.rl.grpo import GRPOLoss, Policy, Rollouts, RolloutSource
 from hftrain.rl.loss import LossSettings, per_token_loss, vllm_importance_sampling_ratio
 from hftrain.rl.rewards import load_reward_functions
 from hftrain.rl.rollouts import Sampling, WindowPlan, render_prompts, row_seed
@@ -225,7 +226,8 @@ def whole_model(model):
     yield model, False
 
 
-def rollouts(r, tmp_path, name: str):
+def rollouts(r, tmp_path, name: str, eos_ids: set[int], generator):
+    """Rollouts of 4 prompts stopping at `eos_ids`, sampled by `generator(source, loss module, lm)`."""
     tokenizer = AutoTokenizer.from_pretrained(TINY)
     rows = [json.loads(line) for line in (REPO / "data" / "prompt_completion.jsonl").read_text().splitlines()][:4]
     prompts = render_prompts([{"prompt": row["prompt"]} for row in rows], tokenizer, None)
@@ -233,12 +235,13 @@ def rollouts(r, tmp_path, name: str):
     plan = WindowPlan(len(prompts), r.num_generations, r.per_device_train_batch_size, 1,
                       r.gradient_accumulation_steps, r.steps_per_generation, r.num_iterations, r.order_seed)
     (tmp_path / name).mkdir()
-    feed = Rollouts(r, plan, prompts, funcs, tokenizer, accelerator(), DataParallel(1, 0, accelerator()),
-                    tmp_path / name)
+    source = RolloutSource.read(r, plan, prompts, funcs, tokenizer, accelerator(), DataParallel(1, 0, accelerator()),
+                                tmp_path / name)
+    source = dataclasses.replace(source, eos_ids=frozenset(eos_ids))
     torch.manual_seed(0)
     lm = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
-    feed.model = feed.loss_fn = GRPOLoss(lm, r, None)
-    return feed, lm
+    loss = GRPOLoss(lm, r, None)
+    return Rollouts(source, Policy(loss, loss, generator(source, loss, lm)))
 
 
 def test_the_vllm_path_writes_the_same_rollout_rows_as_generate_given_the_same_tokens(tmp_path, fake_vllm):
@@ -251,10 +254,9 @@ def test_the_vllm_path_writes_the_same_rollout_rows_as_generate_given_the_same_t
     plain_recipe = recipe(tmp_path, *common, "--num_iterations", "2")  # stores old log-probs: vLLM's logps below
 
     def sample_plainly(name: str, eos_ids: set[int]):
-        feed, _ = rollouts(plain_recipe, tmp_path, name)
-        feed.eos_ids = eos_ids
         backend = SimpleNamespace(generation_context=whole_model, whole_sequences=nullcontext)
-        feed.generator = TransformersGenerator(backend, feed.model, feed.sampling, eos_ids, feed.pad_id)
+        feed = rollouts(plain_recipe, tmp_path, name, eos_ids, lambda source, model, lm: TransformersGenerator(
+            backend, model, source.sampling, source.eos_ids, source.pad_id))
         feed.generate(0)
         return feed, [json.loads(line) for line in feed.file.read_text().splitlines()]
 
@@ -274,10 +276,8 @@ def test_the_vllm_path_writes_the_same_rollout_rows_as_generate_given_the_same_t
     fake_vllm.script = lambda ids, params: by_seed[params.kwargs["seed"]]
 
     vllm_recipe = recipe(tmp_path, *common, "--use_vllm", "true")
-    fast, lm = rollouts(vllm_recipe, tmp_path, "vllm")
-    fast.eos_ids = eos_ids
-    fast.generator = build_generator(vllm_recipe, None, fast.model, lm, accelerator(), fast.sampling, eos_ids,
-                                     fast.pad_id)
+    fast = rollouts(vllm_recipe, tmp_path, "vllm", eos_ids, lambda source, model, lm: build_generator(
+        vllm_recipe, None, model, lm, accelerator(), source.sampling, source.eos_ids, source.pad_id))
     fast.generate(0)
     fast_rows = [json.loads(line) for line in fast.file.read_text().splitlines()]
     assert len(fake_vllm.generate_calls) == 1 and len(fake_vllm.generate_calls[0][1]) == 8  # one call, 8 requests
@@ -422,8 +422,8 @@ def test_the_dev_extra_does_not_pull_vllm():
 def test_a_generation_window_counts_as_progress_for_the_hang_watchdog(tmp_path):
     """The loop's batches sample a window's completions inside `busy("generation")` (the run passes its watchdog's
     window): a generation longer than hang_timeout is not taken for a stalled step."""
-    feed, _ = rollouts(recipe(tmp_path, "--num_generations", "4", "--per_device_train_batch_size", "4",
-                              "--steps_per_generation", "2"), tmp_path, "busy")
+    feed = rollouts(recipe(tmp_path, "--num_generations", "4", "--per_device_train_batch_size", "4",
+                           "--steps_per_generation", "2"), tmp_path, "busy", {EOS}, lambda source, model, lm: None)
     events = []
 
     @contextmanager
