@@ -5,7 +5,8 @@
     python -m hftrain.finetune --help
 
 The launch preset picks the parallelism backend (hftrain/parallel/); the recipe holds everything else. `Finetune`
-runs the phases in order; each fills named attributes that the next ones read.
+runs the phases in order; the data and model phases return their results as values (`TrainingData`,
+`ModelParts`), the later phases keep the run's state (optimizer, progress, logger) on the run.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from hftrain.hub import HubPush, repo_url
 from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary
 from hftrain.objectives import objective_for
+from hftrain.objectives.base import ModelParts
 from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
 from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve, run_process
 from hftrain.paths import CONFIG_FILE, FINAL_DIR, HUB_UPLOAD_DIR, PROFILE_DIR
@@ -126,8 +128,7 @@ class Finetune:
     def run(self) -> Path:
         self.setup()
         self.setup_data()
-        self.setup_model()
-        self.setup_optimizer()
+        self.setup_optimizer(self.setup_model())
         self.describe_run()
         self.check_checkpoints()
         self.train()
@@ -191,19 +192,18 @@ class Finetune:
         them through this run's `load_datasets` seam."""
         return setup_examples(self)
 
-    def setup_model(self) -> None:
-        """The builder's model (full, LoRA, QLoRA: decided in hftrain.model), wrapped to return summed token losses."""
-        recipe = self.recipe
-        self.memory_baseline_mb = current_memory_mb(self.accelerator.device)  # what the estimate sits on top of
+    def setup_model(self) -> ModelParts:
+        """The builder's model (full, LoRA, QLoRA: decided in hftrain.model), wrapped in the objective's loss module
+        (summed losses), handed to the optimizer phase as one `ModelParts`."""
+        baseline = current_memory_mb(self.accelerator.device)  # what the estimate sits on top of
         lm = self.build_model()
         fit_embeddings_to_tokenizer(lm, self.tokenizer)
-        self.model = self.token_loss = self.objective.build_loss(
-            recipe, lm, self.accelerator.device, lambda built: self.backend.frozen_copy(built, self.rebuild_model))
+        loss = self.objective.build_loss(self.recipe, lm, self.accelerator.device,
+                                         lambda built: self.backend.frozen_copy(built, self.rebuild_model))
         if self.collator is not None:  # an objective that collates examples (grpo's batches are its rollouts)
-            self.collator.mark_real_tokens = self.token_loss.needs_real_tokens  # e.g. the router loss skips padding
-        self.notes = [*getattr(lm, "hftrain_notes", []), *self.token_loss.notes()]
-        self.flops = FlopCounter(lm)
-        self.summary = model_summary(self.model)  # before prepare: sharding strategies hide the full counts
+            self.collator.mark_real_tokens = loss.needs_real_tokens  # e.g. the router loss skips padding
+        return ModelParts(loss, [*getattr(lm, "hftrain_notes", []), *loss.notes()], FlopCounter(lm),
+                          model_summary(loss), baseline)  # the summary before prepare: sharding hides the counts
 
     def rebuild_model(self) -> torch.nn.Module:
         """The model as setup_model built it, once more (a backend that cannot copy the built one asks for it)."""
@@ -211,17 +211,17 @@ class Finetune:
         fit_embeddings_to_tokenizer(lm, self.tokenizer)
         return lm
 
-    def setup_optimizer(self) -> None:
-        """Optimizer and schedule, prepared by the backend (DDP / FSDP2 / DeepSpeed engine), the resumed state, the
-        run's first files, the logger and the throughput meter."""
-        recipe = self.recipe
+    def setup_optimizer(self, parts: ModelParts) -> None:
+        """Optimizer and schedule for the model phase's `parts`, prepared by the backend (DDP / FSDP2 / DeepSpeed
+        engine), the resumed state, the run's first files, the logger and the throughput meter."""
+        recipe, self.parts = self.recipe, parts
         self.learning_rate, self.lr_scaling = scaled_learning_rate(recipe, self.plan.global_batch)
         if self.lr_scaling is not None:
-            self.notes.append(f"learning rate {self.learning_rate:.6g} = {recipe.learning_rate:g} x "
+            self.parts.notes.append(f"learning rate {self.learning_rate:.6g} = {recipe.learning_rate:g} x "
                               f"{self.lr_scaling['factor']:.6g} (scale_lr {recipe.scale_lr}: effective batch "
                               f"{self.plan.global_batch} for base_batch_size {recipe.base_batch_size})")
-        self.optimizer = build_optimizer(recipe, self.model, self.learning_rate)
-        self.model, self.optimizer = self.backend.prepare(self.model, self.optimizer)
+        self.optimizer = build_optimizer(recipe, parts.loss, self.learning_rate)
+        self.model, self.optimizer = self.backend.prepare(parts.loss, self.optimizer)
         check_ties(self.backend.unwrap(self.model), f"preparing the model for {self.backend.record.name}")
         self.scheduler = build_scheduler(recipe, self.optimizer, self.total_steps)  # on the optimizer that steps
         self.objective_tensors = self.objective.prepare(self)  # e.g. dpo's reference: placed, precomputed
@@ -235,16 +235,16 @@ class Finetune:
         self.feed.start(self.progress.step, self.stream_state)  # a stream continues from the checkpoint's position
         self.saves = checkpoint.BackgroundSaves(self.backend, self.model, self.optimizer, recipe.async_checkpointing)
         if recipe.async_checkpointing and not self.saves.enabled:
-            self.notes.append(f"checkpoints are saved synchronously: {self.backend.checkpoints.synchronous()}")
+            self.parts.notes.append(f"checkpoints are saved synchronously: {self.backend.checkpoints.synchronous()}")
         self.run_info = self.make_run_info()
         self.start_output_dir()
         self.logger = MetricLogger(self.accelerator, recipe, self.progress.step, self.run_info, resumed)
         self.run_info.update(self.logger.run_ids())  # e.g. the W&B run id, so that a resumed run continues it
         self.hub = HubPush(recipe, self.accelerator.is_main_process, self.logger.print, self.logger.warn)
         if recipe.push_to_hub:
-            self.notes.append(f"pushing to {repo_url(self.hub.repo_id)} (hub_strategy {recipe.hub_strategy}"
+            self.parts.notes.append(f"pushing to {repo_url(self.hub.repo_id)} (hub_strategy {recipe.hub_strategy}"
                               f"{', branch ' + recipe.hub_revision if recipe.hub_revision else ''})")
-        self.meter = RunMeter(self.accelerator, self.flops, straggler_threshold=recipe.straggler_threshold,
+        self.meter = RunMeter(self.accelerator, self.parts.flops, straggler_threshold=recipe.straggler_threshold,
                               peak_tflops_override=recipe.device_peak_tflops,
                               cost_per_gpu_hour=recipe.cost_per_gpu_hour, effective_batch_size=self.plan.global_batch,
                               device_hours_before=resumed.get("device_hours", 0.0), warn=self.logger.warn,
@@ -258,14 +258,14 @@ class Finetune:
         recipe = self.recipe
         self.parameters = self.backend.parameter_counts(self.model)  # (trained, total)
         return {"launch": self.backend.launch_info(self.model, self.optimizer),
-                "parallelism": asdict(self.backend.record), "devices": self.devices, "model": self.summary,
+                "parallelism": asdict(self.backend.record), "devices": self.devices, "model": self.parts.summary,
                 "data": self.data_stats,
                 "effective_batch_size": self.plan.global_batch, "lr_scaling": self.lr_scaling,
                 "async_checkpointing": self.saves.enabled,
                 "total_steps": self.total_steps,
                 "memory_estimate": self.backend.memory(*self.parameters),
                 "launch_preset": {"recipe": recipe.launch_preset, "reason": recipe.launch_preset_reason},
-                "memory_baseline_mb": round(self.memory_baseline_mb, 1)}
+                "memory_baseline_mb": round(self.parts.memory_baseline_mb, 1)}
 
     def start_output_dir(self) -> None:
         """The first writes: nothing goes into output_dir before the recipe, data and model are all accepted."""
@@ -281,15 +281,15 @@ class Finetune:
         recipe, memory = self.recipe, self.run_info["memory_estimate"]
         trained, total = self.parameters
         resuming = f"; resuming from {self.resume_from} at step {self.progress.step}" if self.resume_from else ""
-        quantized = self.summary["quantized_linear_layers"]
+        quantized = self.parts.summary["quantized_linear_layers"]
         bits = "a 4-bit" if "Linear4bit" in quantized else "an 8-bit" if "Linear8bitLt" in quantized else None
-        method = f"{self.summary['method']} fine-tuning" + (f" of {bits} quantized base" if bits else "")
+        method = f"{self.parts.summary['method']} fine-tuning" + (f" of {bits} quantized base" if bits else "")
         self.logger.print(
             f"hftrain: {self.backend.record.describe()} on {self.accelerator.device}, model wrapped as "
             f"{self.run_info['launch']['model_wrapper']}; {self.batch_words()}; {self.total_steps} optimizer steps "
             f"{self.data_line[0]}; {method}, {trained:,} of {total:,} parameters trained; {self.data_line[1]}{resuming}"
         )
-        for note in self.notes + unused_settings(recipe) + self.objective.notes(self):
+        for note in self.parts.notes + unused_settings(recipe) + self.objective.notes(self):
             self.logger.print(f"hftrain: {note}")
         preset = (f"; the recipe is sized for preset {recipe.launch_preset}: "
                   f"{recipe.launch_preset_reason or 'no reason given'}" if recipe.launch_preset else "")
@@ -383,7 +383,7 @@ class Finetune:
         # The data votes too: a stream past max_bad_rows on any rank stops every rank at this step.
         local = torch.stack([sum(trained_tokens(b) for b in micro_batches),
                              sum(b.pop("num_examples") for b in micro_batches),
-                             sum(self.token_loss.loss_units(b) for b in micro_batches),
+                             sum(self.parts.loss.loss_units(b) for b in micro_batches),
                              torch.tensor(int(self.feed.stop_reason is not None), device=accelerator.device),
                              *(torch.tensor(vote, device=accelerator.device) for vote in stop.votes())])
         step_tokens, step_examples, step_units, data_votes, *stop_votes = self.dp.sum(local)
@@ -400,14 +400,14 @@ class Finetune:
         scale = self.dp.world * accum / step_units.clamp(min=1)
         learning_rate = self.optimizer.param_groups[0]["lr"]
         timer.lap("token_sync")
-        self.token_loss.prepare_step(self.model, micro_batches, self.dp.sum)  # e.g. what the step counts first
+        self.parts.loss.prepare_step(self.model, micro_batches, self.dp.sum)  # e.g. what the step counts first
         loss, grad_norm, updated = optimizer_step(self.backend, self.model, self.optimizer, self.scheduler,
                                                   micro_batches, scale, recipe.max_grad_norm or float("inf"), timer)
         if not updated:
             self.refuse_non_finite_step(grad_norm)
         self.meter.count(micro_batches, local[0], local[1], local[2])
         return StepResult(loss, int(step_units), int(step_tokens), int(step_examples), grad_norm, updated,
-                          learning_rate, self.token_loss.pop_stats(), self.token_loss.pop_token_stats())
+                          learning_rate, self.parts.loss.pop_stats(), self.parts.loss.pop_token_stats())
 
     def refuse_non_finite_step(self, grad_norm: float) -> None:
         """A step with a NaN/inf gradient norm was not applied: nan_policy skip_step goes on (the step is counted),
@@ -529,7 +529,7 @@ class Finetune:
                                 grad_norm=step.grad_norm, local_loss_sum=window.loss, global_tokens=window.tokens,
                                 global_examples=window.examples),
         }
-        row[f"{self.token_loss.examples_name}_per_second"] = row["samples_per_second"]  # pairs_per_second for dpo
+        row[f"{self.parts.loss.examples_name}_per_second"] = row["samples_per_second"]  # pairs_per_second for dpo
         self.logger.log(row)
         self.bar.show(progress.step, {**self.headline(row), "tokens/s": f"{row['tokens_per_second']:,.0f}"})
         window.reset()
@@ -539,7 +539,7 @@ class Finetune:
         first, logged at the steps that sample), as the progress display shows them; the closing line shows the last
         logged value of each."""
         shown = {name: "skipped" if row[name] is None else f"{row[name]:.4f}"
-                 for name in self.token_loss.headline if name in row}
+                 for name in self.parts.loss.headline if name in row}
         self.last_headline.update(shown)
         return shown
 
@@ -558,7 +558,7 @@ class Finetune:
         return metrics
 
     def evaluate_loss(self) -> dict[str, float]:
-        return evaluate(self.backend, self.model, self.token_loss, self.eval_set, self.eval_collator, self.recipe)
+        return evaluate(self.backend, self.model, self.parts.loss, self.eval_set, self.eval_collator, self.recipe)
 
     def current_run_info(self) -> dict:
         """run_info with what moves during training: device-hours so far and the schedule's state (plain numbers,

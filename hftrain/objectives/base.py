@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,6 +14,19 @@ from torch import nn
 from hftrain.config import Recipe
 from hftrain.data.feeds import TrainingData
 from hftrain.loss import ObjectiveLoss
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """What the model phase built (`finetune.Finetune.setup_model`), handed to the optimizer phase as one value and
+    read by the objective's later hooks as `run.parts`."""
+
+    loss: ObjectiveLoss  # the objective's loss module around the built model (`build_loss`): what the backend wraps;
+    # its reference (dpo, kto, grpo) or teacher (distill) inside it
+    notes: list[str]  # the builder's and the loss module's start-up notes (the run adds its own)
+    flops: Any  # metrics.FlopCounter of the built model (active parameters per token)
+    summary: dict  # model.model_summary: method, trained and total counts, before sharding hides the full counts
+    memory_baseline_mb: float  # memory in use before the model was built: what the memory estimate sits on top of
 
 
 class Objective:
@@ -42,8 +57,8 @@ class Objective:
     def prepare(self, run) -> dict[str, torch.Tensor] | None:
         """After the backend prepared the model and optimizer, before a checkpoint is loaded: place what the loss
         needs beside the model (a frozen reference) and compute what it needs before step 1. `run` is the
-        `finetune.Finetune` (recipe, backend, model, token_loss, datasets, collators, resume_from). Returns tensors
-        saved with every checkpoint and handed back on resume (layout.REFERENCE_FILE), or None."""
+        `finetune.Finetune` (recipe, backend, model, parts: the `ModelParts`, datasets, collators, resume_from).
+        Returns tensors saved with every checkpoint and handed back on resume (layout.REFERENCE_FILE), or None."""
         return None
 
     def feed(self, run):

@@ -389,9 +389,9 @@ class Distill(Objective):
     def prepare(self, run) -> None:
         """The teacher placed like the student; with lmbda > 0, the student's sampler (transformers' generate inside
         the backend's generation context, as grpo's)."""
-        run.token_loss.teacher.prepare(run.backend)
+        run.parts.loss.teacher.prepare(run.backend)
         if isinstance(run.feed, OnPolicyFeed):
-            run.feed.generator = build_generator(run.recipe, run.backend, run.model, run.token_loss.lm,
+            run.feed.generator = build_generator(run.recipe, run.backend, run.model, run.parts.loss.lm,
                                                  run.accelerator, run.feed.sampling, run.feed.eos_ids,
                                                  run.feed.pad_id)
         return None
@@ -401,7 +401,7 @@ class Distill(Objective):
         divergence = {0.0: "forward KL(teacher || student)", 1.0: "reverse KL(student || teacher)"}.get(
             recipe.beta, f"generalized JSD, beta {recipe.beta:g}")
         return [f"objective distill: {divergence} at temperature {recipe.temperature:g}, per trained token, mean "
-                f"over the step's tokens; {run.token_loss.teacher.describe()}; completions: {completions(recipe)}"]
+                f"over the step's tokens; {run.parts.loss.teacher.describe()}; completions: {completions(recipe)}"]
 
 
 def completions(recipe: Recipe) -> str:

@@ -329,14 +329,14 @@ class KTO(Objective):
     def prepare(self, run) -> dict[str, torch.Tensor] | None:
         """The frozen copy placed like the policy (full fine-tuning); with precompute_ref_log_probs, the reference
         log-probs (`precompute_kto_reference`)."""
-        if hasattr(run.token_loss.reference, "prepare"):
-            run.token_loss.reference.prepare(run.backend)
+        if hasattr(run.parts.loss.reference, "prepare"):
+            run.parts.loss.reference.prepare(run.backend)
         return precompute_kto_reference(run) if run.recipe.precompute_ref_log_probs else None
 
     def evaluate(self, run) -> dict[str, float]:
         """The eval set's KL reference point (rows rotated over the whole set, every rank a disjoint shard), then
         the loss over the eval set with it."""
-        loss, recipe = run.token_loss, run.recipe
+        loss, recipe = run.parts.loss, run.recipe
         if recipe.loss_type == "kto":
             shards = eval_micro_batches(len(run.eval_set), recipe.per_device_eval_batch_size, run.dp.world,
                                         run.dp.rank)
@@ -355,7 +355,7 @@ class KTO(Objective):
 
     def notes(self, run) -> list[str]:
         recipe = run.recipe
-        reference = run.token_loss.reference.describe()
+        reference = run.parts.loss.reference.describe()
         point = ("the KL reference point is estimated over each optimizer step's whole batch (TRL's mismatched "
                  "pairing applied to it; one no-grad pass before the step)" if recipe.loss_type == "kto"
                  else "no KL reference point")
@@ -369,7 +369,7 @@ def reference_pass(run, collator: KTOCollator, items: list, ids_key: str, labels
     """[len(items)] summed log-probs of the prepared starting model (`run.model`, under the launch's strategy) of
     each item's row (`input_ids`) or mismatched row (`kl_input_ids`). Every data-parallel rank computes a disjoint
     shard, with the same number of forwards on every rank so that sharded models stay in step; one sum gathers them."""
-    device, loss = run.accelerator.device, run.token_loss
+    device, loss = run.accelerator.device, run.parts.loss
     out = torch.zeros(len(items), dtype=torch.float64, device=device)
     loss.collecting = True
     run.model.eval()
@@ -425,7 +425,7 @@ def precompute_kto_reference(run) -> dict[str, torch.Tensor]:
 
     key = (f"kto {recipe.loss_type} max_length={recipe.max_length}", inspect.getsource(KTOCollator),
            *(hashlib.sha256(json.dumps(pairs).encode()).hexdigest() for _, _, pairs in sets.values()))
-    values, run.token_loss.reference.source = reference_values(
+    values, run.parts.loss.reference.source = reference_values(
         recipe, {name: data for name, (data, _, _) in sets.items()}, run.accelerator, run.resume_from, compute,
         unfit, key)
     for name, (_, collator, _) in sets.items():
@@ -435,5 +435,5 @@ def precompute_kto_reference(run) -> dict[str, torch.Tensor]:
                                              values[f"{name}_kl"].tolist()))
     rows = sum(len(data) for data, _, _ in sets.values())
     kl_rows = sum(len(pairs) for _, _, pairs in sets.values())
-    run.token_loss.reference.what = f"{rows} rows" + (f" and {kl_rows} mismatched (KL) rows" if with_kl else "")
+    run.parts.loss.reference.what = f"{rows} rows" + (f" and {kl_rows} mismatched (KL) rows" if with_kl else "")
     return values

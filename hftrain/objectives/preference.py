@@ -138,14 +138,14 @@ class Preference(Objective):
 
     def prepare(self, run) -> dict[str, torch.Tensor] | None:
         """dpo's frozen copy placed like the policy; with precompute_ref_log_probs, the reference log-probs."""
-        if hasattr(run.token_loss.reference, "prepare"):
-            run.token_loss.reference.prepare(run.backend)
+        if hasattr(run.parts.loss.reference, "prepare"):
+            run.parts.loss.reference.prepare(run.backend)
         return precompute_reference(run) if run.recipe.precompute_ref_log_probs else None
 
     def notes(self, run) -> list[str]:
         """The preference objective, its settings and its reference, in words."""
         recipe = run.recipe
-        reference = getattr(run.token_loss.reference, "describe", lambda: "none (reference-free)")()
+        reference = getattr(run.parts.loss.reference, "describe", lambda: "none (reference-free)")()
         loss = f" ({recipe.loss_type})" if recipe.objective == "dpo" else ""
         return [f"objective {recipe.objective}{loss}, beta {recipe.beta:g}; reference: {reference}; the loss is the "
                 "mean over the step's pairs"]
@@ -160,15 +160,15 @@ def precompute_reference(run) -> dict[str, torch.Tensor]:
     def compute() -> dict[str, torch.Tensor]:
         with phase(run.accelerator, "precomputing reference log-probs", run.recipe.ddp_timeout):
             values = {name: precompute_reference_log_probs(
-                run.model, run.token_loss, data, Collator(data, pad_token_id(run.tokenizer)), run.dp,
+                run.model, run.parts.loss, data, Collator(data, pad_token_id(run.tokenizer)), run.dp,
                 run.recipe.per_device_eval_batch_size, run.accelerator.device)
                 for name, (data, _) in sets.items()}
         run.backend.release(run.model)  # FSDP2: the root's weights gathered by the forwards, resharded
         return values
 
-    values, run.token_loss.reference.source = reference_values(
+    values, run.parts.loss.reference.source = reference_values(
         run.recipe, {name: data for name, (data, _) in sets.items()}, run.accelerator, run.resume_from, compute)
     for name, (_, collator) in sets.items():
         collator.reference = values[name].cpu()
-    run.token_loss.reference.what = f"{sum(len(data) for data, _ in sets.values())} pairs"
+    run.parts.loss.reference.what = f"{sum(len(data) for data, _ in sets.values())} pairs"
     return values

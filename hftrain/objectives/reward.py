@@ -111,7 +111,7 @@ class Reward(Preference):
     def prepare(self, run) -> None:
         """The model reads each score at the last token that is not `config.pad_token_id`: the collator's pad id,
         so that the saved folder pools as training did; the collators mark each row's real tokens."""
-        config = run.token_loss.lm.config
+        config = run.parts.loss.lm.config
         config.get_text_config().pad_token_id = config.pad_token_id = pad_token_id(run.tokenizer)
         for collator in (run.collator, run.eval_collator):
             if collator is not None:  # the attention mask of each row's real tokens
@@ -121,7 +121,7 @@ class Reward(Preference):
     def notes(self, run) -> list[str]:
         recipe, tokenizer = run.recipe, run.tokenizer
         center = recipe.center_rewards_coefficient
-        lines = [f"objective reward: a new score head (num_labels 1) on {type(run.token_loss.lm).__name__} in place of "
+        lines = [f"objective reward: a new score head (num_labels 1) on {type(run.parts.loss.lm).__name__} in place of "
                  "the language-model head; loss "
                  f"-log sigmoid(r_chosen - r_rejected{' - margin' if 'margin' in run.train_set.column_names else ''})"
                  f"{f' + {center:g} x (r_chosen + r_rejected)^2' if center is not None else ''}, the mean over the "

@@ -42,8 +42,8 @@ def described(record: Parallelism | None = None, resume_from: Path | None = None
     run.dp = SimpleNamespace(world=record.dp_world if record else 1)
     run.plan = SimpleNamespace(global_batch=8 * run.dp.world, steps_per_epoch=5)
     run.run_info = {"memory_estimate": MEMORY, "launch": {"model_wrapper": "CausalLMTokenLoss"}}
-    run.parameters, run.total_steps, run.notes = (1_000, 160_000), 10, list(notes)
-    run.summary = summary or {"method": "full", "quantized_linear_layers": {}}
+    run.parameters, run.total_steps = (1_000, 160_000), 10
+    run.parts = SimpleNamespace(notes=list(notes), summary=summary or {"method": "full", "quantized_linear_layers": {}})
     run.data_line = ("(5 per epoch)", "40 training examples in 40 rows")  # what setup_data says of map-style data
     run.resume_from, run.progress = resume_from, SimpleNamespace(step=6)
     run.logger = Printed()
@@ -101,7 +101,7 @@ def test_run_calls_the_phases_in_order():
 
     for name in ("setup", "setup_data", "setup_model", "setup_optimizer", "describe_run", "check_checkpoints", "train",
                  "finish"):
-        setattr(Recorded, name, lambda self, name=name: calls.append(name) or Path("final"))
+        setattr(Recorded, name, lambda self, *parts, name=name: calls.append(name) or Path("final"))
     assert Recorded(Recipe()).run() == Path("final")
     assert calls == ["setup", "setup_data", "setup_model", "setup_optimizer", "describe_run", "check_checkpoints",
                      "train", "finish"]
@@ -163,3 +163,19 @@ def test_no_rescue_when_the_state_may_not_be_the_last_completed_step(why):
     with pytest.raises(ValueError) as raised:
         run.rescue(error)
     assert raised.value is error and run.saved == []
+
+
+def test_the_model_phase_hands_what_it_built_to_the_optimizer_phase_as_one_value():
+    handed = []
+
+    class Recorded(Finetune):
+        def setup_model(self):
+            return "the model phase's ModelParts"
+
+        def setup_optimizer(self, parts):
+            handed.append(parts)
+
+    for name in ("setup", "setup_data", "describe_run", "check_checkpoints", "train", "finish"):
+        setattr(Recorded, name, lambda self: None)
+    Recorded(Recipe()).run()
+    assert handed == ["the model phase's ModelParts"]
