@@ -172,18 +172,14 @@ class Finetune:
 
     def setup_data(self) -> None:
         """Tokenizer, then the objective's data (`objective.setup_data`: for sft/dpo `setup_examples`, streamed or
-        not), handed back as a `TrainingData` (`self.feed`: the loop's micro-batches). Before the model: a bad dataset
-        should fail in seconds, not after loading weights."""
+        not), handed back as one `TrainingData` (`self.data`; its feed: the loop's micro-batches). Before the model: a
+        bad dataset should fail in seconds, not after loading weights."""
         recipe = self.recipe
         self.processor = build_processor(recipe) if is_image_text(self.model_config) else None
         self.tokenizer = build_tokenizer(recipe) if self.processor is None else self.processor.tokenizer
-        data = self.objective.setup_data(self)
-        self.feed, self.plan, self.total_steps, self.data_line = data.feed, data.plan, data.total_steps, data.data_line
-        self.train_set, self.eval_set, self.rows, self.data_stats = data.train_set, data.eval_set, data.rows, \
-            data.data_stats
-        self.collator, self.eval_collator, self.stream_state = data.collator, data.eval_collator, data.stream_state
+        self.data = self.objective.setup_data(self)
         # what each evaluation runs on the live model after the objective's own evaluation
-        samples = recipe.log_completions and self.objective.completes_eval_prompts and self.eval_set is not None
+        samples = recipe.log_completions and self.objective.completes_eval_prompts and self.data.eval_set is not None
         self.eval_addons = [addon for addon in (self.task_evaluation, CompletionSamples(self) if samples else None)
                             if addon is not None]
 
@@ -200,8 +196,8 @@ class Finetune:
         fit_embeddings_to_tokenizer(lm, self.tokenizer)
         loss = self.objective.build_loss(self.recipe, lm, self.accelerator.device,
                                          lambda built: self.backend.frozen_copy(built, self.rebuild_model))
-        if self.collator is not None:  # an objective that collates examples (grpo's batches are its rollouts)
-            self.collator.mark_real_tokens = loss.needs_real_tokens  # e.g. the router loss skips padding
+        if self.data.collator is not None:  # an objective that collates examples (grpo's batches are its rollouts)
+            self.data.collator.mark_real_tokens = loss.needs_real_tokens  # e.g. the router loss skips padding
         return ModelParts(loss, [*getattr(lm, "hftrain_notes", []), *loss.notes()], FlopCounter(lm),
                           model_summary(loss), baseline)  # the summary before prepare: sharding hides the counts
 
@@ -215,24 +211,24 @@ class Finetune:
         """Optimizer and schedule for the model phase's `parts`, prepared by the backend (DDP / FSDP2 / DeepSpeed
         engine), the resumed state, the run's first files, the logger and the throughput meter."""
         recipe, self.parts = self.recipe, parts
-        self.learning_rate, self.lr_scaling = scaled_learning_rate(recipe, self.plan.global_batch)
+        self.learning_rate, self.lr_scaling = scaled_learning_rate(recipe, self.data.plan.global_batch)
         if self.lr_scaling is not None:
             self.parts.notes.append(f"learning rate {self.learning_rate:.6g} = {recipe.learning_rate:g} x "
                               f"{self.lr_scaling['factor']:.6g} (scale_lr {recipe.scale_lr}: effective batch "
-                              f"{self.plan.global_batch} for base_batch_size {recipe.base_batch_size})")
+                              f"{self.data.plan.global_batch} for base_batch_size {recipe.base_batch_size})")
         self.optimizer = build_optimizer(recipe, parts.loss, self.learning_rate)
         self.model, self.optimizer = self.backend.prepare(parts.loss, self.optimizer)
         check_ties(self.backend.unwrap(self.model), f"preparing the model for {self.backend.record.name}")
-        self.scheduler = build_scheduler(recipe, self.optimizer, self.total_steps)  # on the optimizer that steps
+        self.scheduler = build_scheduler(recipe, self.optimizer, self.data.total_steps)  # on the optimizer that steps
         self.objective_tensors = self.objective.prepare(self)  # e.g. dpo's reference: placed, precomputed
         self.feed = self.objective.feed(self)  # grpo's rollouts, built once the model they sample from is prepared
         self.progress, resumed = checkpoint.Progress(world_size=self.dp.world), {}
         if self.resume_from is not None:
             self.progress, resumed = checkpoint.load_checkpoint(self.backend, self.model, self.scheduler,
-                                                                self.resume_from, self.plan)
+                                                                self.resume_from, self.data.plan)
             if self.lr_scaling is not None:  # the peak follows this run's effective batch, not the saved run's
                 set_peak_learning_rate(self.scheduler, self.learning_rate)
-        self.feed.start(self.progress.step, self.stream_state)  # a stream continues from the checkpoint's position
+        self.feed.start(self.progress.step, self.data.stream_state)  # a stream continues from the checkpoint's position
         self.saves = checkpoint.BackgroundSaves(self.backend, self.model, self.optimizer, recipe.async_checkpointing)
         if recipe.async_checkpointing and not self.saves.enabled:
             self.parts.notes.append(f"checkpoints are saved synchronously: {self.backend.checkpoints.synchronous()}")
@@ -246,7 +242,8 @@ class Finetune:
                               f"{', branch ' + recipe.hub_revision if recipe.hub_revision else ''})")
         self.meter = RunMeter(self.accelerator, self.parts.flops, straggler_threshold=recipe.straggler_threshold,
                               peak_tflops_override=recipe.device_peak_tflops,
-                              cost_per_gpu_hour=recipe.cost_per_gpu_hour, effective_batch_size=self.plan.global_batch,
+                              cost_per_gpu_hour=recipe.cost_per_gpu_hour,
+                              effective_batch_size=self.data.plan.global_batch,
                               device_hours_before=resumed.get("device_hours", 0.0), warn=self.logger.warn,
                               machines=self.backend.record.machines,
                               sequence_shards=self.backend.record.sequence_shards,
@@ -259,10 +256,10 @@ class Finetune:
         self.parameters = self.backend.parameter_counts(self.model)  # (trained, total)
         return {"launch": self.backend.launch_info(self.model, self.optimizer),
                 "parallelism": asdict(self.backend.record), "devices": self.devices, "model": self.parts.summary,
-                "data": self.data_stats,
-                "effective_batch_size": self.plan.global_batch, "lr_scaling": self.lr_scaling,
+                "data": self.data.data_stats,
+                "effective_batch_size": self.data.plan.global_batch, "lr_scaling": self.lr_scaling,
                 "async_checkpointing": self.saves.enabled,
-                "total_steps": self.total_steps,
+                "total_steps": self.data.total_steps,
                 "memory_estimate": self.backend.memory(*self.parameters),
                 "launch_preset": {"recipe": recipe.launch_preset, "reason": recipe.launch_preset_reason},
                 "memory_baseline_mb": round(self.parts.memory_baseline_mb, 1)}
@@ -286,8 +283,9 @@ class Finetune:
         method = f"{self.parts.summary['method']} fine-tuning" + (f" of {bits} quantized base" if bits else "")
         self.logger.print(
             f"hftrain: {self.backend.record.describe()} on {self.accelerator.device}, model wrapped as "
-            f"{self.run_info['launch']['model_wrapper']}; {self.batch_words()}; {self.total_steps} optimizer steps "
-            f"{self.data_line[0]}; {method}, {trained:,} of {total:,} parameters trained; {self.data_line[1]}{resuming}"
+            f"{self.run_info['launch']['model_wrapper']}; {self.batch_words()}; {self.data.total_steps} optimizer "
+            f"steps {self.data.data_line[0]}; {method}, {trained:,} of {total:,} parameters trained; "
+            f"{self.data.data_line[1]}{resuming}"
         )
         for note in self.parts.notes + unused_settings(recipe) + self.objective.notes(self):
             self.logger.print(f"hftrain: {note}")
@@ -307,13 +305,13 @@ class Finetune:
             copies = "process" if world == 1 else "processes"
         else:  # groups of ranks (tensor, pipeline, sequence parallel) share a batch: one data-parallel group each
             copies = "data-parallel group" if world == 1 else "data-parallel groups"
-        words = (f"effective batch {self.plan.global_batch} = {recipe.per_device_train_batch_size} per device x "
+        words = (f"effective batch {self.data.plan.global_batch} = {recipe.per_device_train_batch_size} per device x "
                  f"{recipe.gradient_accumulation_steps} accumulation x {world} {copies}")
         sized_for = preset_processes(recipe.launch_preset)
         if sized_for is not None and sized_for != world and self.accelerator.num_processes == world:
             words += (f" (the recipe's launch_preset {recipe.launch_preset} runs {sized_for} "
                       f"process{'es' if sized_for != 1 else ''}: effective batch "
-                      f"{self.plan.global_batch // world * sized_for} there)")
+                      f"{self.data.plan.global_batch // world * sized_for} there)")
         return words
 
     def check_checkpoints(self) -> None:
@@ -325,7 +323,7 @@ class Finetune:
             return
         with phase(self.accelerator, "the checkpoint preflight", recipe.ddp_timeout):
             took = checkpoint.round_trip(self.backend, self.model, self.optimizer, self.scheduler, self.output_dir,
-                                         recipe, self.progress, self.current_run_info(), self.plan,
+                                         recipe, self.progress, self.current_run_info(), self.data.plan,
                                          self.objective_tensors, self.saves)
         self.logger.print(f"hftrain: checkpoint preflight: a {took['megabytes']:,.1f} MiB checkpoint saved in "
                           f"{took['save_seconds']:.1f} s and loaded back in {took['load_seconds']:.1f} s, weights and "
@@ -336,7 +334,7 @@ class Finetune:
         """Optimizer steps until total_steps, epoch after epoch; logging, evaluation and checkpoints at their
         cadence. A stop signal on any rank ends every rank at the same step with a checkpoint."""
         recipe, progress = self.recipe, self.progress
-        self.bar = ProgressDisplay(self.total_steps, progress.step,
+        self.bar = ProgressDisplay(self.data.total_steps, progress.step,
                                    enabled=not recipe.disable_tqdm and self.accelerator.is_main_process)
         self.profiler = StepProfiler(self.output_dir / PROFILE_DIR, recipe.profile_steps,
                                      recipe.profile_start_step, progress.step, self.dp.rank, self.accelerator.device)
@@ -346,11 +344,12 @@ class Finetune:
         try:
             with StopRequest() as stop, self.watchdog.watching(), \
                     phase(self.accelerator, step_name, recipe.ddp_timeout):
-                while progress.step < self.total_steps:
+                while progress.step < self.data.total_steps:
                     batches = self.feed.batches(progress)
-                    while progress.step_in_epoch < self.plan.steps_per_epoch and progress.step < self.total_steps:
+                    while (progress.step_in_epoch < self.data.plan.steps_per_epoch
+                           and progress.step < self.data.total_steps):
                         self.after_step(self.train_step(batches, stop))
-                    if progress.step_in_epoch >= self.plan.steps_per_epoch:
+                    if progress.step_in_epoch >= self.data.plan.steps_per_epoch:
                         progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
         except (HftrainError, Preempted):  # already handled: a refusal, a timeout, a preemption checkpoint
             self.bar.close()  # the bar's last line ends, so the message that follows has a line of its own
@@ -438,10 +437,10 @@ class Finetune:
         progress.trained_tokens += step.tokens
         self.watchdog.step_done(progress.step)
         self.bar.update(1)
-        if progress.step % recipe.logging_steps == 0 or progress.step in (1, self.total_steps):
+        if progress.step % recipe.logging_steps == 0 or progress.step in (1, self.data.total_steps):
             self.log_window(step)
         if self.evaluates and self.due(recipe.eval_strategy, recipe.eval_steps) \
-                and progress.step < self.total_steps:  # the last step's evaluation is the final one
+                and progress.step < self.data.total_steps:  # the last step's evaluation is the final one
             with phase(self.accelerator, "evaluation", recipe.ddp_timeout), self.watchdog.window("evaluation"):
                 metrics = self.evaluate()
             self.logger.log({"step": progress.step, **metrics})
@@ -502,7 +501,7 @@ class Finetune:
     def due(self, strategy: str, every: int | None) -> bool:
         """Whether an eval_strategy / save_strategy falls on the step just taken."""
         if strategy == "epoch":
-            return self.progress.step_in_epoch == self.plan.steps_per_epoch
+            return self.progress.step_in_epoch == self.data.plan.steps_per_epoch
         return strategy == "steps" and bool(every) and self.progress.step % every == 0
 
     def log_window(self, step: StepResult) -> None:
@@ -514,7 +513,8 @@ class Finetune:
         data = self.feed.window_metrics(self.dp)  # a stream counts its own epochs (passes)
         row = {
             "step": progress.step,
-            "epoch": data.pop("epoch", round((progress.epoch + progress.step_in_epoch / self.plan.steps_per_epoch), 4)),
+            "epoch": data.pop("epoch", round(progress.epoch + progress.step_in_epoch / self.data.plan.steps_per_epoch,
+                                             4)),
             "loss": loss,
             **stats,
             **({name: value / window.tokens for name, value in summed_stats(self.dp, window.token_stats or {}).items()}
@@ -546,19 +546,20 @@ class Finetune:
     @property
     def evaluates(self) -> bool:
         """Whether evaluations run anything: the objective's (with an eval set), eval_tasks or log_completions."""
-        return self.eval_set is not None or bool(self.eval_addons)
+        return self.data.eval_set is not None or bool(self.eval_addons)
 
     def evaluate(self) -> dict:
         """One evaluation row, every rank calling: the objective's evaluation when there is an eval set
         (`Objective.evaluate`: the eval loss, or grpo's rewards of generated completions), then each add-on on the
         live model (eval_tasks' benchmarks, log_completions' samples)."""
-        metrics = self.objective.evaluate(self) if self.eval_set is not None else {}
+        metrics = self.objective.evaluate(self) if self.data.eval_set is not None else {}
         for addon in self.eval_addons:
             metrics.update(addon(self))
         return metrics
 
     def evaluate_loss(self) -> dict[str, float]:
-        return evaluate(self.backend, self.model, self.parts.loss, self.eval_set, self.eval_collator, self.recipe)
+        return evaluate(self.backend, self.model, self.parts.loss, self.data.eval_set, self.data.eval_collator,
+                        self.recipe)
 
     def current_run_info(self) -> dict:
         """run_info with what moves during training: device-hours so far and the schedule's state (plain numbers,
@@ -606,7 +607,7 @@ class Finetune:
             with phase(self.accelerator, "saving the final model", self.recipe.ddp_timeout):
                 checkpoint.save_final(self.backend, self.model, self.processor or self.tokenizer, final_dir,
                                       self.recipe, self.recorded_progress(), self.current_run_info(),
-                                      describe=self.card_writer(final_dir, curve=self.eval_set is None))
+                                      describe=self.card_writer(final_dir, curve=self.data.eval_set is None))
         except HftrainError:  # e.g. a collective timed out: another save would wait on the same ranks
             raise
         except Exception as exc:  # noqa: BLE001 - any failure: keep what was trained, then report

@@ -48,7 +48,7 @@ class CompletionSamples:
             raise HftrainError(f"log_completions generates with the model, which {record.name} splits into pipeline "
                                "stages or sequence shards that transformers' generate cannot run; remove "
                                "log_completions (try the final folder with `hftrain chat`)")
-        rows = run.eval_set.select(range(min(recipe.num_completion_prompts, len(run.eval_set))))
+        rows = run.data.eval_set.select(range(min(recipe.num_completion_prompts, len(run.data.eval_set))))
         self.prompts = [prompt_ids(list(r["input_ids"]), list(r["labels"])) for r in rows]
         self.texts = [run.tokenizer.decode(p) for p in self.prompts]
         self.tokenizer, self.backend = run.tokenizer, run.backend

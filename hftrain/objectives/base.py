@@ -62,10 +62,10 @@ class Objective:
         return None
 
     def feed(self, run):
-        """The feed the loop reads (a `data.feeds.Feed`), after `prepare`: the data phase's (`run.feed`), or, for an
-        objective whose batches are sampled from the model (grpo's rollouts), built now from what its data phase
+        """The feed the loop reads (a `data.feeds.Feed`), after `prepare`: the data phase's (`run.data.feed`), or,
+        for an objective whose batches are sampled from the model (grpo's rollouts), built now from what its data phase
         returned and the prepared model, whole."""
-        return run.feed
+        return run.data.feed
 
     eval_headline = "eval_loss"  # the metric the final evaluation's line shows
     # log_completions: the eval examples' prompts are completed at each evaluation (hftrain.samples); an objective
@@ -73,8 +73,8 @@ class Objective:
     completes_eval_prompts = True
 
     def evaluate(self, run) -> dict[str, float]:
-        """The evaluation's metrics (every rank calls it at once, when `run.eval_set` is set): the loss module's loss
-        over the eval set (`finetune.evaluate`), e.g. eval_loss."""
+        """The evaluation's metrics (every rank calls it at once, when `run.data.eval_set` is set): the loss module's
+        loss over the eval set (`finetune.evaluate`), e.g. eval_loss."""
         return run.evaluate_loss()
 
     def notes(self, run) -> list[str]:

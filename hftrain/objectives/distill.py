@@ -387,14 +387,18 @@ class Distill(Objective):
         return DistillLoss(lm, recipe, teacher)
 
     def prepare(self, run) -> None:
-        """The teacher placed like the student; with lmbda > 0, the student's sampler (transformers' generate inside
-        the backend's generation context, as grpo's)."""
+        """The teacher placed like the student."""
         run.parts.loss.teacher.prepare(run.backend)
-        if isinstance(run.feed, OnPolicyFeed):
-            run.feed.generator = build_generator(run.recipe, run.backend, run.model, run.parts.loss.lm,
-                                                 run.accelerator, run.feed.sampling, run.feed.eos_ids,
-                                                 run.feed.pad_id)
         return None
+
+    def feed(self, run):
+        """The data phase's feed; with lmbda > 0 given the student's sampler (transformers' generate inside the
+        backend's generation context, as grpo's)."""
+        feed = run.data.feed
+        if isinstance(feed, OnPolicyFeed):
+            feed.generator = build_generator(run.recipe, run.backend, run.model, run.parts.loss.lm, run.accelerator,
+                                             feed.sampling, feed.eos_ids, feed.pad_id)
+        return feed
 
     def notes(self, run) -> list[str]:
         recipe = run.recipe

@@ -52,7 +52,7 @@ class GRPO(Objective):
 
     def evaluate(self, run) -> dict[str, float]:
         """TRL's GRPO evaluation: the eval prompts completed and scored, no update (`Rollouts.evaluate`)."""
-        return run.feed.evaluate(run.eval_set, run.progress.step)
+        return run.feed.evaluate(run.data.eval_set, run.progress.step)
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> ObjectiveLoss:
@@ -175,7 +175,7 @@ class GRPO(Objective):
         prepared model, sampled by transformers' generate inside the backend's generation_context (ZeRO-3 gathers
         the weights, FSDP2 generates through the sharded model), or by vLLM, which receives the causal LM's weights
         before each generation batch."""
-        source, backend, loss = run.feed, run.backend, run.parts.loss
+        source, backend, loss = run.data.feed, run.backend, run.parts.loss
         generator = build_generator(run.recipe, backend, run.model, loss.lm, run.accelerator, source.sampling,
                                     source.eos_ids, source.pad_id)
         config = getattr(loss.lm, "config", None)
@@ -192,7 +192,7 @@ class GRPO(Objective):
                 f"{recipe.tool_call_timeout:g} s per call; tool results not trained)")
 
     def notes(self, run) -> list[str]:
-        recipe, plan = run.recipe, run.plan
+        recipe, plan = run.recipe, run.data.plan
         reference = run.parts.loss.reference
         ref = reference.describe() if reference is not None else "none (beta 0)"
         return [f"objective grpo ({recipe.loss_type}, {recipe.importance_sampling_level}-level ratios, epsilon "

@@ -338,10 +338,10 @@ class KTO(Objective):
         the loss over the eval set with it."""
         loss, recipe = run.parts.loss, run.recipe
         if recipe.loss_type == "kto":
-            shards = eval_micro_batches(len(run.eval_set), recipe.per_device_eval_batch_size, run.dp.world,
+            shards = eval_micro_batches(len(run.data.eval_set), recipe.per_device_eval_batch_size, run.dp.world,
                                         run.dp.rank)
             device = run.accelerator.device
-            batches = ({k: v.to(device) for k, v in run.eval_collator(indices).items() if k != "num_examples"}
+            batches = ({k: v.to(device) for k, v in run.data.eval_collator(indices).items() if k != "num_examples"}
                        for indices in shards)
             run.model.eval()
             try:
@@ -392,11 +392,11 @@ def precompute_kto_reference(run) -> dict[str, torch.Tensor]:
     log-prob and its (row, partner) pair): the training set's pairs are those every step of the run draws
     (`KTOPlan.run_pairs`), the eval set's its rows rotated over the set. From the resumed checkpoint, the cross-run
     cache or one pass of the prepared starting model (`reference_values`); handed to the collators."""
-    recipe, with_kl = run.recipe, run.recipe.loss_type == "kto"
-    sets = {"train": (run.train_set, run.collator, run.plan.run_pairs(run.total_steps) if with_kl else [])}
-    if run.eval_set is not None:
-        n = len(run.eval_set)
-        sets["eval"] = (run.eval_set, run.eval_collator, [(i, (i - 1) % n) for i in range(n)] if with_kl else [])
+    recipe, data, with_kl = run.recipe, run.data, run.recipe.loss_type == "kto"
+    sets = {"train": (data.train_set, data.collator, data.plan.run_pairs(data.total_steps) if with_kl else [])}
+    if data.eval_set is not None:
+        n = len(data.eval_set)
+        sets["eval"] = (data.eval_set, data.eval_collator, [(i, (i - 1) % n) for i in range(n)] if with_kl else [])
 
     def compute() -> dict[str, torch.Tensor]:
         values = {}

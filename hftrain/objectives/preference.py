@@ -154,7 +154,7 @@ class Preference(Objective):
 def precompute_reference(run) -> dict[str, torch.Tensor]:
     """dpo's reference log-probs of every training and eval pair of the run (`reference_values`: from the resumed
     checkpoint, the cross-run cache, or one pass of the prepared starting model), handed to the collators."""
-    sets = {"train": (run.train_set, run.collator), "eval": (run.eval_set, run.eval_collator)}
+    sets = {"train": (run.data.train_set, run.data.collator), "eval": (run.data.eval_set, run.data.eval_collator)}
     sets = {name: pair for name, pair in sets.items() if pair[0] is not None}
 
     def compute() -> dict[str, torch.Tensor]:

@@ -113,7 +113,7 @@ class Reward(Preference):
         so that the saved folder pools as training did; the collators mark each row's real tokens."""
         config = run.parts.loss.lm.config
         config.get_text_config().pad_token_id = config.pad_token_id = pad_token_id(run.tokenizer)
-        for collator in (run.collator, run.eval_collator):
+        for collator in (run.data.collator, run.data.eval_collator):
             if collator is not None:  # the attention mask of each row's real tokens
                 collator.mark_real_tokens = True
         return None
@@ -121,9 +121,10 @@ class Reward(Preference):
     def notes(self, run) -> list[str]:
         recipe, tokenizer = run.recipe, run.tokenizer
         center = recipe.center_rewards_coefficient
+        margin = " - margin" if "margin" in run.data.train_set.column_names else ""
         lines = [f"objective reward: a new score head (num_labels 1) on {type(run.parts.loss.lm).__name__} in place of "
                  "the language-model head; loss "
-                 f"-log sigmoid(r_chosen - r_rejected{' - margin' if 'margin' in run.train_set.column_names else ''})"
+                 f"-log sigmoid(r_chosen - r_rejected{margin})"
                  f"{f' + {center:g} x (r_chosen + r_rejected)^2' if center is not None else ''}, the mean over the "
                  "step's pairs"]
         if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:

@@ -40,11 +40,11 @@ def described(record: Parallelism | None = None, resume_from: Path | None = None
     if record is not None:
         run.backend.record = record
     run.dp = SimpleNamespace(world=record.dp_world if record else 1)
-    run.plan = SimpleNamespace(global_batch=8 * run.dp.world, steps_per_epoch=5)
     run.run_info = {"memory_estimate": MEMORY, "launch": {"model_wrapper": "CausalLMTokenLoss"}}
-    run.parameters, run.total_steps = (1_000, 160_000), 10
+    run.parameters = (1_000, 160_000)
     run.parts = SimpleNamespace(notes=list(notes), summary=summary or {"method": "full", "quantized_linear_layers": {}})
-    run.data_line = ("(5 per epoch)", "40 training examples in 40 rows")  # what setup_data says of map-style data
+    run.data = SimpleNamespace(plan=SimpleNamespace(global_batch=8 * run.dp.world, steps_per_epoch=5), total_steps=10,
+                               data_line=("(5 per epoch)", "40 training examples in 40 rows"))  # map-style data's
     run.resume_from, run.progress = resume_from, SimpleNamespace(step=6)
     run.logger = Printed()
     run.describe_run()

@@ -216,8 +216,9 @@ def precompute_run(recipe: Recipe, module: KTOLoss, data, plan: KTOPlan, total_s
     """What `precompute_kto_reference` reads of a run: one process, its training and eval sets (the same rows)."""
     device = torch.device("cpu")
     return SimpleNamespace(
-        recipe=recipe, token_loss=module, model=module, train_set=data, collator=KTOCollator(data, 0, 64),
-        eval_set=data, eval_collator=KTOCollator(data, 0, 64), plan=plan, total_steps=total_steps,
+        recipe=recipe, token_loss=module, model=module, parts=SimpleNamespace(loss=module),
+        data=SimpleNamespace(train_set=data, collator=KTOCollator(data, 0, 64), eval_set=data,
+                             eval_collator=KTOCollator(data, 0, 64), plan=plan, total_steps=total_steps),
         resume_from=resume_from, dp=SimpleNamespace(world=1, rank=0, sum=lambda t: t),
         backend=SimpleNamespace(release=lambda model: None),  # one process: nothing gathered
         accelerator=SimpleNamespace(device=device, num_processes=1, is_main_process=True,
@@ -278,7 +279,7 @@ def test_precomputed_reference_equals_the_live_one(method, tmp_path, monkeypatch
     for epoch in range(2):
         results = []
         for module, collator, optimizer in ((live, KTOCollator(data, 0, 64), optimizers[0]),
-                                            (pre, run.collator, optimizers[1])):
+                                            (pre, run.data.collator, optimizers[1])):
             batches = [{k: v for k, v in collator(items).items() if k != "num_examples"}
                        for items in plan.micro_batches(epoch, 0)]
             assert ("ref_logps" in batches[0]) == (module is pre)

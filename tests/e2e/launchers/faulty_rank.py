@@ -77,25 +77,26 @@ class FaultyRank(Finetune):
         return super().load_datasets(tokenizer)
 
     def setup_model(self):
-        super().setup_model()
+        parts = super().setup_model()
+        model = parts.loss  # what the backend wraps: its forward is what each micro-batch calls
         if rank == 1 and "slow_forward" in faults:
-            self.model.forward = before_each_call(self.model.forward, lambda n: time.sleep(0.1))
+            model.forward = before_each_call(model.forward, lambda n: time.sleep(0.1))
         if rank == 0 and "step_error" in faults:
             def fail_in_step_13(n):
                 if self.progress.step == 12:
                     raise RuntimeError("injected fault: a forward failed")
 
-            self.model.forward = before_each_call(self.model.forward, fail_in_step_13)
+            model.forward = before_each_call(model.forward, fail_in_step_13)
         if rank == 1 and "stuck_step" in faults:
-            self.model.forward = before_each_call(self.model.forward, lambda n: time.sleep(stall) if n == 3 else None)
+            model.forward = before_each_call(model.forward, lambda n: time.sleep(stall) if n == 3 else None)
         if rank == self.accelerator.num_processes - 1 and "hung_kernel" in faults:
-            self.model.forward = before_each_call(self.model.forward,
-                                                  lambda n: torch.cuda._sleep(2 ** 41) if n == 3 else None)
+            model.forward = before_each_call(model.forward, lambda n: torch.cuda._sleep(2 ** 41) if n == 3 else None)
         if rank == 1 and "slow_step" in faults:
-            self.model.forward = before_each_call(self.model.forward, lambda n: time.sleep(slow) if n == 3 else None)
+            model.forward = before_each_call(model.forward, lambda n: time.sleep(slow) if n == 3 else None)
+        return parts
 
-    def setup_optimizer(self):
-        super().setup_optimizer()
+    def setup_optimizer(self, parts):
+        super().setup_optimizer(parts)
         if "unloadable_checkpoint" in faults:
             self.backend.checkpoints.load_kwargs = lambda: {"no_such_option": True}
         if "no_op_load" in faults:

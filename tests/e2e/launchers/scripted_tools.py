@@ -51,8 +51,8 @@ class ScriptedPolicy:
 
 
 class ScriptedTools(Finetune):
-    def setup_optimizer(self):
-        super().setup_optimizer()  # after the objective's prepare, which built the generator
+    def setup_optimizer(self, parts):
+        super().setup_optimizer(parts)  # after the objective built the rollouts and their generator
         self.feed.generator = ScriptedPolicy(self.tokenizer)
 
 
