@@ -122,9 +122,10 @@ def test_on_policy_completions_are_the_students_and_are_written(on_policy):
     assert [r["trained_tokens"] for r in train] == [sum(per_step[:s]) for s in (1, 2, 3)]  # a running count
 
 
-def test_on_policy_resumes_exactly_and_two_processes_equal_one(tmp_path, on_policy):
-    """Resumed from checkpoint-2 the third step samples the same completions and ends at the same weights; 2 DDP
-    processes x 2 chats sample and train what 1 process x 4 does (each completion is seeded by its step and prompt)."""
+def test_on_policy_resumes_exactly_and_two_zero3_processes_equal_one(tmp_path, on_policy):
+    """Resumed from checkpoint-2 the third step samples the same completions and ends at the same weights; 2
+    processes x 2 chats sample and train what 1 process x 4 does (each completion is seeded by its step and prompt),
+    here under ZeRO-3: the student partitioned and gathered to sample, the teacher partitioned too."""
     out = tmp_path / "out"
     shutil.copytree(on_policy.output_dir, out)
     shutil.rmtree(out / "final")
@@ -136,7 +137,9 @@ def test_on_policy_resumes_exactly_and_two_processes_equal_one(tmp_path, on_poli
     weights = load_file(on_policy.output_dir / "final" / "model.safetensors")
     for key, value in load_file(out / "final" / "model.safetensors").items():
         torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-7, msg=key)
-    ddp = launch(tmp_path / "ddp", *ON_POLICY, "--per_device_train_batch_size", "2", preset="cpu_ddp")
+    sharded = launch(tmp_path / "zero3", *ON_POLICY, "--per_device_train_batch_size", "2", preset="zero3", processes=2)
+    assert "partitioned over the processes (ZeRO-3)" in " ".join((sharded.stdout + sharded.stderr).split())
     key = lambda r: (r["step"], r["prompt_ids"])  # noqa: E731 - the two layouts list a step's rows in another order
-    assert sorted(completion_rows(ddp), key=key) == sorted(completion_rows(on_policy), key=key)
-    checks.assert_same_steps(ddp, on_policy, COMPARED)
+    assert sorted(completion_rows(sharded), key=key) == sorted(completion_rows(on_policy), key=key)
+    checks.assert_same_steps(sharded, on_policy, COMPARED)
+
