@@ -181,6 +181,7 @@ def test_a_strategy_alone_keeps_its_own_checkpoints_generation_and_loading(accel
         assert generating == ("model", False)  # the whole model, no collectives
 
 
+@pytest.mark.skipif(feature_problem("tensor_parallel") is not None, reason=str(feature_problem("tensor_parallel")))
 def test_tensor_parallel_over_ddp_and_over_fsdp2_changes_loading_checkpoints_and_generation(accelerator,
                                                                                            monkeypatch):
     """The transform's DistributedConfig fields completed by each strategy: whole copies of the tp group under DDP,
