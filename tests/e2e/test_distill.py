@@ -8,8 +8,6 @@ import json
 import shutil
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, run_script
 from tests.e2e import objective_checks as checks
@@ -126,17 +124,9 @@ def test_on_policy_resumes_exactly_and_two_zero3_processes_equal_one(tmp_path, o
     """Resumed from checkpoint-2 the third step samples the same completions and ends at the same weights; 2
     processes x 2 chats sample and train what 1 process x 4 does (each completion is seeded by its step and prompt),
     here under ZeRO-3: the student partitioned and gathered to sample, the teacher partitioned too."""
-    out = tmp_path / "out"
-    shutil.copytree(on_policy.output_dir, out)
-    shutil.rmtree(out / "final")
-    resumed = run_script(out, *ON_POLICY, "--per_device_train_batch_size", "4", "--resume_from_checkpoint", "latest")
+    resumed = checks.assert_resumes_exactly(tmp_path, on_policy, [*ON_POLICY, "--per_device_train_batch_size", "4"],
+                                            COMPARED)
     assert completion_rows(resumed) == completion_rows(on_policy)
-    (row,) = [r for r in resumed.train_rows() if r["step"] == 3]
-    for key in COMPARED:
-        assert row[key] == pytest.approx(on_policy.train_rows()[2][key], rel=1e-5, abs=1e-7), key
-    weights = load_file(on_policy.output_dir / "final" / "model.safetensors")
-    for key, value in load_file(out / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-7, msg=key)
     sharded = launch(tmp_path / "zero3", *ON_POLICY, "--per_device_train_batch_size", "2", preset="zero3", processes=2)
     assert "partitioned over the processes (ZeRO-3)" in " ".join((sharded.stdout + sharded.stderr).split())
     key = lambda r: (r["step"], r["prompt_ids"])  # noqa: E731 - the two layouts list a step's rows in another order

@@ -5,13 +5,10 @@ learns, and data without a label column or with one class is refused before the 
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, launch, launch_env, run_script, write_jsonl
 from tests.e2e import objective_checks as checks
@@ -80,19 +77,10 @@ def test_kto_with_precomputed_reference_resumes_exactly(tmp_path, ddp_precompute
     """The DDP run's checkpoint-2 resumed by one process x 8 rows (the same global batch, so the same pairs): the
     reference log-probs are read from the checkpoint, not recomputed with the trained model, and step 3 and the final
     weights equal the uninterrupted run's (a resume drawing other pairs is refused: unit/test_kto_objective.py)."""
-    out = tmp_path / "out"
-    shutil.copytree(ddp_precomputed.output_dir, out)
-    shutil.rmtree(out / "final")
-    resumed = run_script(out, *EXACT, "--precompute_ref_log_probs", "true", "--resume_from_checkpoint", "latest",
-                         "--per_device_train_batch_size", "8")
-    assert f"saved in {out / 'checkpoint-2'}" in " ".join(resumed.stdout.split())
-    (row,) = [r for r in resumed.train_rows() if r["step"] == 3]
-    expected = ddp_precomputed.train_rows()[2]
-    for key in COMPARED:
-        assert row[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
-    weights = load_file(ddp_precomputed.output_dir / "final" / "model.safetensors")
-    for key, value in load_file(out / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=1e-6, msg=key)
+    resumed = checks.assert_resumes_exactly(tmp_path, ddp_precomputed, [*EXACT, "--precompute_ref_log_probs", "true",
+                                                                        "--per_device_train_batch_size", "8"],
+                                            COMPARED, weights_atol=1e-6)
+    assert f"saved in {tmp_path / 'out' / 'checkpoint-2'}" in " ".join(resumed.stdout.split())
 
 
 @pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
