@@ -12,11 +12,13 @@ CI's lower end, constraints/lower.txt, and read in transformers 5.17's source; e
 - the backends transformers names on the placeholder it exports for a class whose backend is missing (`_backends`;
   5.17: Idefics3's Pillow image processor needs torchvision there);
 - transformers' tensor-parallel device mesh (`_mesh_manager`) and its plan expanded to parameter names
-  (`_expand_parallel_plan`), both from its distributed mixin (5.23: 5.17 has neither).
+  (`_expand_parallel_plan`), both from its distributed mixin (5.23: 5.17 has neither);
+- what its `replicated_with_grad_allreduce` style does to a gradient (`accumulation_safe_partial_gradients`, 5.23).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from hftrain.compat import Use
@@ -32,6 +34,9 @@ PLACEHOLDER_BACKENDS = Use("transformers", CHECKED_SINCE_5_17, "telling which cl
 NO_SPLIT_MODULES = Use("transformers", CHECKED_SINCE_5_17, "wrapping the model's layers one by one (FSDP2)")
 DEVICE_MESH = Use("transformers", CHECKED, "FSDP2 x TP (transformers' device mesh)")
 PARALLEL_PLAN = Use("transformers", CHECKED, "estimating a tensor-parallel layout")
+PARTIAL_GRADIENTS = Use("transformers", CHECKED, "tensor parallelism of a model whose plan sums partial gradients "
+                        "(replicated_with_grad_allreduce: Qwen3's q_norm / k_norm)")
+PARTIAL_GRADIENT_STYLE = "replicated_with_grad_allreduce"
 
 
 def load_decoder_layers(auto_class: type, config, path: str, kwargs: dict, layers: set[int]) -> nn.Module:
@@ -118,3 +123,52 @@ def expanded_parallel_plan(lm: nn.Module, plan: dict[str, str]) -> dict[str, str
         return None
     PARALLEL_PLAN.require()
     return expand(plan)
+
+
+def accumulation_safe_partial_gradients(lm: nn.Module, tp: int) -> list[str]:
+    """Make the gradients of the weights transformers' tensor-parallel plan marks `replicated_with_grad_allreduce`
+    right under gradient accumulation; returns their modules' names. Those weights (Qwen3's per-head q_norm / k_norm)
+    are whole on every rank, but each rank's backward covers its own heads only, so transformers sums the gradient
+    over the tensor-parallel group with a hook that runs after each backward has accumulated into `.grad`
+    (`ReplicatedWithGradAllReduce`: `register_post_accumulate_grad_hook`, `all_reduce(param.grad)`). It sums the
+    whole `.grad`, so from the second micro-batch of a step on it sums the earlier micro-batches' already-summed
+    gradient again: micro-batch 1 counted tp times (measured: the e2e tp x ep run with 2 micro-batches a step moved
+    k_norm by 6e-4 more than one process). A hook on each such weight's incoming gradient, which runs before it is
+    accumulated, divides the summed `.grad` by tp first, so the sum after accumulation is the earlier sum plus this
+    micro-batch's, on every rank (exact for tp a power of 2). Registered when the module runs, on the parameter it
+    runs with, as transformers registers its own: under FSDP2 that is the gathered parameter, whose `.grad`
+    accumulates between the steps' reductions. No-op for a model without such weights."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # peft: the plan's names are the base's
+    plan = {key: style for key, style in (getattr(base, "tp_plan", None) or {}).items()
+            if style == PARTIAL_GRADIENT_STYLE}
+    if not plan or tp <= 1:
+        return []
+    PARTIAL_GRADIENTS.require()
+    styles = base._expand_parallel_plan(plan)
+    names = [name for name, module in base.named_modules()
+             if styles.get(name) == PARTIAL_GRADIENT_STYLE and any(p.requires_grad for p in module.parameters())]
+    for name in names:
+        base.get_submodule(name).register_forward_pre_hook(_hook_partial_gradients(tp))
+    return names
+
+
+def _hook_partial_gradients(tp: int):
+    """A forward pre-hook: `_unsum_accumulated` on each trained parameter the module runs with, once per parameter."""
+    hooked: set[int] = set()
+
+    def pre_hook(module, args):
+        if not torch.is_grad_enabled():
+            return
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and id(param) not in hooked:
+                param.register_hook(_unsum_accumulated(param, tp))
+                hooked.add(id(param))
+    return pre_hook
+
+
+def _unsum_accumulated(param: nn.Parameter, tp: int):
+    def hook(grad):
+        if param.grad is not None:
+            param.grad.div_(tp)  # the group's sum so far: the all-reduce after accumulation sums it back
+        return grad
+    return hook

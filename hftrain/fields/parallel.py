@@ -168,12 +168,13 @@ def _expert_problems(r) -> list[str]:
     if r.ep_size <= 1:
         return []
     problems = []
-    others = [f"{name}={getattr(r, name)}" for name in ("pp_size", "sp_size", "cp_size", "tp_size")
+    others = [f"{name}={getattr(r, name)}" for name in ("pp_size", "sp_size", "cp_size")
               if getattr(r, name) > 1]
     if others:
         problems.append(f"ep_size={r.ep_size} with {', '.join(others)}: hftrain runs expert parallelism with data "
-                        "parallelism only (transformers' token dispatch refuses pipeline stages; tensor, sequence and "
-                        "context parallelism with experts are not verified here); set them to 1")
+                        "and tensor parallelism only (transformers refuses its token dispatch with pipeline stages, "
+                        "DistributedConfig._validate_resolved_ep_plan; sequence and context parallelism would split "
+                        "the tokens a router balances and are not built with experts here); set them to 1")
     if r.objective != "sft":
         problems.append(f"ep_size={r.ep_size} with objective={r.objective}: expert parallelism is verified for the "
                         "token loss (objective sft) only; a reference model or generation through the dispatched "

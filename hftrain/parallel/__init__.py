@@ -74,7 +74,7 @@ def layout_of(dims: ParallelDims) -> tuple[Callable[..., Backend], tuple[type[Tr
     strategy = dims.strategy
     for axis in TRANSFORMS:
         if axis in dims.axes:
-            strategy = TRANSFORMS[axis].strategy_for.get(strategy, strategy)
+            strategy = TRANSFORMS[axis].strategy_for(dims, strategy)
     held = max((axes for (s, axes) in BACKENDS if s == strategy and axes <= dims.axes), key=len, default=None)
     transforms = tuple(TRANSFORMS[axis] for axis in TRANSFORMS if axis in dims.axes - (held or frozenset()))
     if held is None or any(dims.strategy not in t.strategies or not dims.axes - {t.axis} <= t.beside

@@ -203,12 +203,17 @@ class Transform:
     axis: ClassVar[str]
     strategies: ClassVar[frozenset[str]] = frozenset()  # the launch's `ParallelDims.strategy`s it runs under
     beside: ClassVar[frozenset[str]] = frozenset()  # the other model-splitting axes it composes with
-    # the launch's strategy -> the one that holds the model with this axis (ep: transformers' FSDP2 under DDP)
-    strategy_for: ClassVar[dict[str, str]] = {}
     generation_io: ClassVar[Callable[..., Any] | None] = None
 
     def __init__(self, backend: Backend):
         self.backend = backend
+
+    @classmethod
+    def strategy_for(cls, dims, strategy: str) -> str:
+        """The strategy that holds the model of the layout `dims` (a `ParallelDims`) with this axis on, given the
+        one chosen so far (the launch's): the same, unless the axis needs another (ep: transformers' FSDP2 under a
+        DDP-type launch)."""
+        return strategy
 
     def distributed_fields(self) -> dict:
         """The fields of transformers' `DistributedConfig` this axis sets; {}: it leaves loading alone."""

@@ -146,8 +146,9 @@ class AccelerateCheckpoints:
 
     def check_resumable(self, saved_launch: dict) -> None:
         """Refuse a checkpoint this layout cannot load (a tensor-parallel one without tensor parallelism; one of pp x
-        tp is a pipeline checkpoint: DCP, read whole by `resume_folder`)."""
-        if saved_launch["tp_size"] > 1 and saved_launch.get("pp_size", 1) == 1:
+        tp is a pipeline checkpoint: DCP, and one of ep x tp an expert-parallel one's full state, both read whole by
+        `resume_folder`)."""
+        if saved_launch["tp_size"] > 1 and saved_launch.get("pp_size", 1) == 1 and saved_launch.get("ep_size", 1) == 1:
             raise_tp_mismatch(saved_launch["tp_size"], self.recipe.tp_size)
         sharded_by = {DistributedType.FSDP: "FSDP2", DistributedType.DEEPSPEED: "DeepSpeed"}.get(
             self.accelerator.distributed_type)

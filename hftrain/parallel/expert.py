@@ -20,8 +20,17 @@ The numbers the loop owns stay exact (tests/e2e/test_expert_parallel.py, against
 One transform, `ExpertParallel`: its `DistributedConfig` fields (`distributed_fields`) and its part of the record.
 The layout is transformers' FSDP2 one, held by `FSDP2Backend` whatever the preset (`strategy_for`: under a DDP-type
 preset too), which shards the dense weights at load and holds the laid-out model (fsdp.py); frozen copies and
-generation follow the shards (`base.LaidOutAtLoad`). The rules that need the launch or the model's config are
-`expert_problems` (the preflight); those of the recipe alone are hftrain/fields/parallel.py's.
+generation follow the shards (`base.LaidOutAtLoad`).
+
+Beside tensor parallelism (`tp_size` T, ep a multiple of it: transformers' rule) the dense weights are split by tp and
+the T ranks of a tensor-parallel group, which share a batch, each dispatch their own slice of its tokens
+(`AllToAllEP`), so no token reaches an expert twice. With ep = T the expert group is the tensor-parallel group and
+the layout is tensor parallelism's, held as its whole copies under a DDP-type preset (`Backend`, copies averaged by
+`ReplicaGradients`, experts included); with ep > T an expert group spans batches, which transformers lays out over
+its FSDP2 ranks only (efsdp = fsdp x tp / ep), so FSDP2 holds it (FSDP2 x TP, `fsdp_size` = processes / T).
+
+The rules that need the launch or the model's config are `expert_problems` (the preflight); those of the recipe alone
+are hftrain/fields/parallel.py's.
 """
 
 from __future__ import annotations
@@ -95,7 +104,15 @@ class ExpertParallel(LaidOutAtLoad):
 
     axis = "ep"
     strategies = frozenset({"ddp", "fsdp2"})
-    strategy_for = {"ddp": "fsdp2"}  # transformers' only EP layout shards the dense weights with FSDP2
+    beside = frozenset({"tp"})
+
+    @classmethod
+    def strategy_for(cls, dims, strategy: str) -> str:
+        """ep above tp: an expert group spans ranks with different batches, whose experts transformers lays out
+        over FSDP2's ranks only (efsdp = fsdp x tp / ep), so FSDP2 holds the model under a DDP-type launch too. ep
+        equal to tp: the expert group is a tensor-parallel group (one batch), held like tensor parallelism's whole
+        copies."""
+        return "fsdp2" if strategy == "ddp" and dims.ep > dims.tp else strategy
 
     @property
     def ep(self) -> int:
@@ -107,7 +124,7 @@ class ExpertParallel(LaidOutAtLoad):
     def describe(self, record: Parallelism) -> Parallelism:
         name = f"expert parallel (ep_size={self.ep}: 1/{self.ep} of every MoE layer's experts per process), dense " \
                f"weights {record.name}"
-        return dataclasses.replace(record, kind="fsdp2_ep", name=name, ep_size=self.ep)
+        return dataclasses.replace(record, kind=f"{record.kind}_ep", name=name, ep_size=self.ep)
 
     def frozen_how(self) -> str:
         return f"laid out as the trained model (experts over ep_size={self.ep}, the other weights sharded by FSDP2)"

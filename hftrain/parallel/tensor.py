@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from hftrain.compat.transformers import accumulation_safe_partial_gradients
 from hftrain.parallel.base import ALL_PARTS, LaidOutAtLoad, Parallelism, replicated_config, with_copies, with_part
 
 
@@ -67,7 +68,7 @@ class TensorParallel(LaidOutAtLoad):
 
     axis = "tp"
     strategies = frozenset({"ddp", "fsdp2"})
-    beside = frozenset({"cp"})
+    beside = frozenset({"cp", "ep"})
 
     @property
     def tp(self) -> int:
@@ -75,6 +76,11 @@ class TensorParallel(LaidOutAtLoad):
 
     def distributed_fields(self) -> dict:
         return {"tp_size": self.tp}  # the model's own tp_plan ("auto")
+
+    def apply(self, model) -> None:
+        """The weights whose gradient transformers sums over the group after each backward (Qwen3's q_norm / k_norm)
+        made right under gradient accumulation (`accumulation_safe_partial_gradients`)."""
+        accumulation_safe_partial_gradients(model.lm, self.tp)
 
     def describe(self, record: Parallelism) -> Parallelism:
         """Over a strategy that shards nothing itself, the layout is tensor parallelism's (every part of the model

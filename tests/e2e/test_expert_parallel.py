@@ -1,5 +1,5 @@
-"""Expert parallelism (issue 37): `--ep_size 2` on the 2-process CPU preset (cpu_ddp, gloo's all-to-all) equals one
-process on the same global batch, and checkpoints move between ep sizes.
+"""Expert parallelism (issue 37): `--ep_size 2` on the 2-process CPU preset (cpu_ddp, gloo's all-to-all), alone and
+beside `--tp_size 2`, equals one process on the same global batch, and checkpoints move between ep sizes.
 
 A tiny Qwen3-MoE (2 layers, 4 experts, 2 per token, router_aux_loss_coef 0.1) loads with transformers'
 `DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation="all_to_all")`: each rank holds 2 of every layer's 4
@@ -11,7 +11,8 @@ max_grad_norm 1.0), learning rates, token counts, the final evaluation and the f
 size, equal to the uninterrupted one-process run (step 3, final evaluation, final weights): the launch's on one process
 and at ep 1 on its 2 processes (DDP), the one-process run's at ep 2. LoRA on the attention of an expert-parallel
 model (adapters whole on every rank, outside transformers' FSDP2 units, averaged over the ranks) equals one process too
-(2 steps). Eight runs serve every assertion.
+(2 steps). tp 2 x ep 2 on the same 2 processes (one batch shared by the pair, 4 examples x 2 accumulation) equals the
+same one-process run, and its checkpoint 2 continues on one process. Ten runs serve every assertion.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ COMMON = [*TINY_CHAT, "--max_steps", "3", "--logging_steps", "1", "--save_steps"
 ONE_PROCESS = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
 DATA_PARALLEL = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
 EXPERT_PARALLEL = [*DATA_PARALLEL, "--ep_size", "2"]
+# tp 2 x ep 2 on 2 processes: the pair shares one batch, so the one process's batch and accumulation
+EXPERT_TENSOR_PARALLEL = [*ONE_PROCESS, "--tp_size", "2", "--ep_size", "2"]
 # lora_dropout 0: dropout draws differ between one process and two, whatever the layout
 LORA = [*TINY_CHAT, "--max_steps", "2", "--logging_steps", "1", "--router_aux_loss_scope", "step", "--learning_rate",
         "1e-2", "--warmup_steps", "0", "--validation_split_percentage", "0", "--eval_strategy", "no", "--use_peft",
@@ -95,6 +98,35 @@ def test_expert_parallel_equals_one_process(ep_run, reference):
     weights_close(run, ref, 1e-4)
     model = AutoModelForCausalLM.from_pretrained(run.output_dir / "final")  # every expert once, full size
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+
+
+def test_expert_parallel_with_tensor_parallel_equals_one_process(reference, moe, tmp_path):
+    """tp 2 x ep 2 on 2 processes: one batch per micro-batch, shared by the tensor-parallel pair that is also the expert
+    group (transformers' `AllToAllEP`: each rank dispatches its half of the batch's tokens), the dense weights split
+    by tensor parallelism, the experts by expert parallelism, no copies; held as tensor parallelism's layout under the
+    DDP-type preset. Two micro-batches a step: the per-head q_norm / k_norm, whose partial gradients transformers
+    sums after each backward, count each micro-batch once (`compat.transformers.accumulation_safe_partial_gradients`).
+    Its checkpoint-2 continues on one process."""
+    run = launch(tmp_path / "ep-tp", *COMMON, *EXPERT_TENSOR_PARALLEL, "--model_name_or_path", str(moe),
+                 preset="cpu_ddp", processes=2)
+    layout = ("expert parallel (ep_size=2: 1/2 of every MoE layer's experts per process), dense weights tensor "
+              "parallel (tp_size=2) over 2 processes (gloo)")
+    assert f"hftrain: {layout} on cpu:0" in run.stdout
+    info = run.state()["launch"]
+    assert (info["num_processes"], info["tp_size"], info["ep_size"]) == (2, 2, 2)
+    assert info["dtensor_meshes"] == ["ep=2", "tp=2"]
+    assert "effective batch 8 = 4 per device x 2 accumulation x 1 data-parallel group" in run.stdout
+    rows, ref_rows = run.train_rows(), reference.train_rows()
+    assert [(r["step"], r["learning_rate"], r["trained_tokens"]) for r in rows] == \
+        [(r["step"], r["learning_rate"], r["trained_tokens"]) for r in ref_rows]
+    for key in ("loss", "aux_loss", "grad_norm"):  # every step clipped (test_expert_parallel_equals_one_process)
+        close([r[key] for r in rows], [r[key] for r in ref_rows], 1e-4)
+    close([r["eval_loss"] for r in run.eval_rows()], [r["eval_loss"] for r in reference.eval_rows()], 1e-4)
+    weights_close(run, reference, 1e-4)
+    model = AutoModelForCausalLM.from_pretrained(run.output_dir / "final")  # every expert once, whole projections
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+    resumed = continued(run, tmp_path / "resumed", *ONE_PROCESS, "--model_name_or_path", str(moe), processes=1)
+    equals_the_uninterrupted_run(resumed, reference)
 
 
 def continued(run: Run, folder: Path, *args: str, processes: int) -> Run:

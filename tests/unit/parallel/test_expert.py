@@ -15,10 +15,12 @@ from hftrain.estimate import estimate, model_shape
 from hftrain.fields.parallel import problems as parallel_problems
 from hftrain.metrics import num_experts
 from hftrain.parallel import ParallelDims, layout_of
-from hftrain.parallel.checkpoint_io import FullStateCheckpoints
+from hftrain.parallel.base import Backend
+from hftrain.parallel.checkpoint_io import AccelerateCheckpoints, FullStateCheckpoints
 from hftrain.parallel.expert import ExpertParallel, expert_problems, load_kwargs
 from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import Launch
+from hftrain.parallel.tensor import TensorParallel
 from hftrain.preflight import preflight
 from tests.conftest import REPO
 
@@ -57,6 +59,20 @@ def test_expert_parallelism_runs_on_transformers_fsdp2_layout_under_either_prese
     for strategy in ("ddp", "fsdp2"):
         assert layout_of(ParallelDims(world=2, strategy=strategy, ep=2)) == (FSDP2Backend, (ExpertParallel,))
     assert load_kwargs(2) == {"ep_size": 2, "ep_implementation": "all_to_all"} and load_kwargs(1) == {}
+
+
+@pytest.mark.parametrize(("strategy", "world", "sizes", "backend"), [
+    ("ddp", 2, {"tp": 2, "ep": 2}, Backend),  # the expert group is the tensor-parallel pair: one batch, no copies
+    ("ddp", 4, {"tp": 2, "ep": 2}, Backend),  # two whole copies of it, averaged as tensor parallelism's copies
+    ("ddp", 4, {"tp": 2, "ep": 4}, FSDP2Backend),  # an expert group over two batches: transformers' FSDP2 layout
+    ("fsdp2", 4, {"tp": 2, "ep": 2}, FSDP2Backend),
+])
+def test_expert_and_tensor_parallelism_are_two_transforms_over_one_strategy(strategy, world, sizes, backend):
+    """ep x tp: no backend of its own either. The strategy that holds the model is tensor parallelism's unless an
+    expert group spans ranks of different batches (ep > tp), which transformers lays out over FSDP2's ranks only."""
+    dims = ParallelDims(world=world, strategy=strategy, **sizes)
+    assert dims.problems() == []
+    assert layout_of(dims) == (backend, (TensorParallel, ExpertParallel))
 
 
 def test_the_experts_count_is_read_under_each_familys_name():
@@ -104,14 +120,29 @@ def test_an_older_transformers_refuses_first():
 
 
 @pytest.mark.parametrize(("values", "expected"), [
-    ({"ep_size": 2, "pp_size": 2}, "ep_size=2 with pp_size=2: hftrain runs expert parallelism with data parallelism"),
-    ({"ep_size": 2, "tp_size": 2}, "ep_size=2 with tp_size=2: hftrain runs expert parallelism with data parallelism"),
+    ({"ep_size": 2, "pp_size": 2}, "ep_size=2 with pp_size=2: hftrain runs expert parallelism with data and tensor "
+     "parallelism only"),
+    ({"ep_size": 2, "sp_size": 2}, "ep_size=2 with sp_size=2: hftrain runs expert parallelism with data and tensor "
+     "parallelism only"),
     ({"ep_size": 2, "objective": "dpo"}, "ep_size=2 with objective=dpo: expert parallelism is verified for the "),
     ({"ep_size": 0}, "ep_size must be >= 1 (1 = off), got 0"),
 ])
 def test_the_recipe_alone_refuses(values, expected):
     (problem,) = parallel_problems(Recipe(**values))
     assert problem.startswith(expected)
+
+
+def test_the_recipe_takes_expert_with_tensor_parallelism():
+    assert parallel_problems(Recipe(ep_size=2, tp_size=2)) == []
+
+
+@needs_ep
+def test_ep_x_tp_layouts_that_run_and_those_refused():
+    """transformers' rule (`DistributedConfig._validate_mesh_config`): ep a multiple of tp, dividing fsdp x tp."""
+    assert expert_problems(Recipe(ep_size=2, tp_size=2), DDP2, MOE) == []
+    assert expert_problems(Recipe(ep_size=4, tp_size=2), DDP4, MOE) == []
+    (problem,) = expert_problems(Recipe(ep_size=2, tp_size=4), DDP4, MOE)
+    assert problem.startswith("ep_size=2 is not a multiple of tp_size=4")
 
 
 @needs_ep
@@ -147,12 +178,28 @@ SAVED = {"tp_size": 1, "ep_size": 1, "pp_size": 1, "deepspeed_config": None, "sh
     ({}, None),  # one process or DDP: accelerate's whole files, cut into each rank's blocks (the e2e resumes)
     ({"ep_size": 2}, None),
     ({"ep_size": 4, "tp_size": 2}, None),  # full training state, any sizes
+    ({"ep_size": 2, "tp_size": 2}, None),
     ({"pp_size": 2}, "this checkpoint was written with pp_size=2 and this run has ep_size=2"),
     ({"deepspeed_config": {}}, "this checkpoint was written with DeepSpeed and this run has ep_size=2"),
     ({"sharded_modules": ["LlamaDecoderLayer"]}, "this checkpoint was written with FSDP2 and this run has ep_size=2"),
 ])
 def test_an_expert_parallel_run_resumes_whole_or_full_state_checkpoints(saved, refusal):
     checkpoints = FullStateCheckpoints(SimpleNamespace(recipe=SimpleNamespace(tp_size=1, ep_size=2)), slices=True)
+    if refusal is None:
+        checkpoints.check_resumable({**SAVED, **saved})
+        return
+    with pytest.raises(HftrainError, match=refusal):
+        checkpoints.check_resumable({**SAVED, **saved})
+
+
+@pytest.mark.parametrize(("saved", "refusal"), [
+    ({"tp_size": 2, "ep_size": 2}, None),  # an expert-parallel full state, converted to whole files (the e2e resume)
+    ({"tp_size": 2}, "this checkpoint was written with tp_size=2 and this run has tp_size=1"),
+])
+def test_one_process_resumes_an_ep_x_tp_checkpoint_as_an_expert_parallel_one(saved, refusal):
+    backend = SimpleNamespace(recipe=SimpleNamespace(tp_size=1, ep_size=1),
+                              accelerator=SimpleNamespace(distributed_type="NO"))
+    checkpoints = AccelerateCheckpoints(backend)
     if refusal is None:
         checkpoints.check_resumable({**SAVED, **saved})
         return

@@ -23,6 +23,7 @@ from torch.distributed.tensor._utils import (
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from hftrain.compat.transformers import PARTIAL_GRADIENTS, _unsum_accumulated, accumulation_safe_partial_gradients
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
 from hftrain.parallel.base import DataParallel, data_share
@@ -211,3 +212,36 @@ def test_the_check_predicts_transformers_own_load(fsdp, tp):
     assert fsdp_tp_blocks_disagree(753, fsdp, tp) == (proc.returncode != 0)
     if proc.returncode:
         assert "size mismatch" in proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(PARTIAL_GRADIENTS.problem() is not None, reason=str(PARTIAL_GRADIENTS.problem()))
+def test_partial_gradients_summed_after_each_backward_count_each_micro_batch_once():
+    """Qwen3's q_norm / k_norm: transformers sums each rank's partial gradient over the tensor-parallel group after
+    every backward, accumulated `.grad` included. Two ranks played by two copies of the weight, transformers' sum by
+    the function below, two micro-batches: with hftrain's hook the gradient is the four partials' sum, as one process
+    would accumulate it; without it, micro-batch 1 counts twice."""
+    from tests.unit.test_moe import tiny
+
+    lm = tiny("qwen3_moe")
+    names = accumulation_safe_partial_gradients(lm, tp=2)
+    assert names == [f"model.layers.{i}.self_attn.{n}_norm" for i in range(2) for n in ("q", "k")]
+    assert accumulation_safe_partial_gradients(lm, tp=1) == []
+
+    def summed_weights(hooked: bool) -> torch.Tensor:
+        ranks = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+        if hooked:
+            for p in ranks:
+                p.register_hook(_unsum_accumulated(p, 2))
+        partial = {(0, 0): [1.0, 2.0, 3.0], (0, 1): [4.0, 5.0, 6.0], (1, 0): [0.5, 0.25, 2.0], (1, 1): [8.0, 1.0, 0.0]}
+        for micro in range(2):
+            for rank, p in enumerate(ranks):
+                (p * torch.tensor(partial[(micro, rank)])).sum().backward()
+            total = ranks[0].grad + ranks[1].grad  # transformers' all_reduce(param.grad) on each rank
+            for p in ranks:
+                p.grad = total.clone()
+        assert torch.equal(ranks[0].grad, ranks[1].grad)
+        return ranks[0].grad
+
+    one_process = torch.tensor([1.0 + 4.0 + 0.5 + 8.0, 2.0 + 5.0 + 0.25 + 1.0, 3.0 + 6.0 + 2.0 + 0.0])
+    assert torch.equal(summed_weights(hooked=True), one_process)
+    assert torch.equal(summed_weights(hooked=False), one_process + torch.tensor([5.0, 7.0, 9.0]))  # micro-batch 1 again
