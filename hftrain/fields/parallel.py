@@ -56,8 +56,10 @@ class ParallelFields:
         "newer families), so each process holds num_experts / N experts of every MoE layer and sends each token to "
         "its experts' process by all-to-all. transformers shards the other (dense) weights with FSDP2 over the same "
         "processes, so it runs under a DDP-type preset (cpu_ddp on CPU, multi_gpu) or an FSDP2 one alike, with N "
-        "dividing the processes and the experts (the remaining factor holds copies of each expert). Exact against "
-        "one process on the same global batch. docs/parallelism.md. 1 = off.", group="parallelism",
+        "dividing the processes and the experts (the remaining factor holds copies of each expert). With tp_size T: "
+        "N a multiple of T, the dense weights split by tensor parallelism and each rank of a tensor-parallel group "
+        "dispatching its own slice of the shared batch (e.g. 2 processes: --tp_size 2 --ep_size 2 under cpu_ddp). "
+        "Exact against one process on the same global batch. docs/parallelism.md. 1 = off.", group="parallelism",
     )
     # pipeline parallelism (hftrain/parallel/pipeline.py, docs/pipeline.md): one contiguous block
     pp_size: int = _f(

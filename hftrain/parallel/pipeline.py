@@ -68,6 +68,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from hftrain.checkpoint import newest_intact
 from hftrain.compat.torch import forward_order_with_comms, running_order
+from hftrain.compat.transformers import accumulation_safe_partial_gradients
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
@@ -620,6 +621,7 @@ class PipelineBackend(Backend):
             raise HftrainError(f"rank {accelerator.process_index}: layers {sorted(owned - set(read))} of its pipeline "
                                "stages were not loaded")
         keep_only(lm, owned, first=0 in mine, last=count - 1 in mine)
+        accumulation_safe_partial_gradients(lm, self.tp)  # the microbatches' backwards accumulate, as tp's do
         self.layout = {"stages": count, "layers": [[r.start, r.stop] for r in ranges], "mine": mine,
                        "layers_read": read}
         model.to(accelerator.device)
