@@ -137,13 +137,13 @@ def accumulation_safe_partial_gradients(lm: nn.Module, tp: int) -> list[str]:
     accumulated, divides the summed `.grad` by tp first, so the sum after accumulation is the earlier sum plus this
     micro-batch's, on every rank (exact for tp a power of 2). Registered when the module runs, on the parameter it
     runs with, as transformers registers its own: under FSDP2 that is the gathered parameter, whose `.grad`
-    accumulates between the steps' reductions. No-op for a model without such weights."""
+    accumulates between the steps' reductions. No-op for a model without such weights, and outside the versions whose
+    hook was read (5.23, 5.24)."""
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # peft: the plan's names are the base's
     plan = {key: style for key, style in (getattr(base, "tp_plan", None) or {}).items()
             if style == PARTIAL_GRADIENT_STYLE}
-    if not plan or tp <= 1:
+    if not plan or tp <= 1 or PARTIAL_GRADIENTS.problem() is not None:  # outside 5.23-5.24: its hook unread
         return []
-    PARTIAL_GRADIENTS.require()
     styles = base._expand_parallel_plan(plan)
     names = [name for name, module in base.named_modules()
              if styles.get(name) == PARTIAL_GRADIENT_STYLE and any(p.requires_grad for p in module.parameters())]
