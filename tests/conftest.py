@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import importlib.util
@@ -11,6 +12,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +25,7 @@ import pytest
 # torchrun already gives its workers 1 thread; the single-process runs and the in-process tests now match them.
 # Set before torch is imported (it reads the variable once).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+SESSION_ENV = dict(os.environ)  # before any test changes it: the warm interpreter's environment
 
 from hftrain.config import PRESET_DIR  # noqa: E402
 
@@ -127,26 +131,71 @@ class Run:
 
 
 
+WARM_START = REPO / "tests" / "warm" / "start.py"
+
+
+class WarmInterpreter:
+    """This pytest process's zygote (tests/warm/zygote.py): torch, transformers and hftrain imported once, each run
+    of an entry script forked from it (`tests/warm/start.py SCRIPT ...` in place of `python SCRIPT ...`, also as the
+    script `accelerate launch` starts on each rank). Started at the first run; HFTRAIN_TEST_FRESH=1 turns it off (every
+    run a fresh interpreter, as users start them). A run whose import-time environment differs from the zygote's,
+    or one started before the zygote listens, gets a fresh interpreter."""
+
+    def __init__(self):
+        self.process, self.socket = None, None
+
+    def environment(self) -> dict[str, str]:
+        if os.environ.get("HFTRAIN_TEST_FRESH") == "1":
+            return {}
+        if self.process is None:
+            folder = Path(tempfile.mkdtemp(prefix="hftrain-zygote-"))
+            self.socket = folder / "socket"
+            log = open(folder / "log", "w")  # noqa: SIM115 - its import-time output goes to each run; this is the rest
+            self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm" / "zygote.py"),
+                                             str(self.socket)], cwd=REPO, env=base_env(SESSION_ENV), stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=log)
+            atexit.register(self.process.kill)
+            deadline = time.monotonic() + 180
+            while not self.socket.exists() and self.process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if self.process.poll() is not None:
+            return {}
+        return {"HFTRAIN_TEST_ZYGOTE": str(self.socket)}
+
+
+WARM = WarmInterpreter()
+
+
+def entry(script: Path, fresh: bool) -> list[str]:
+    """The argv that runs `script`: through tests/warm/start.py unless `fresh` (a test that freezes or inspects the
+    training process itself) or HFTRAIN_TEST_FRESH=1."""
+    return [str(script)] if fresh or os.environ.get("HFTRAIN_TEST_FRESH") == "1" else [str(WARM_START), str(script)]
+
+
 def launch_command(output_dir: Path, *args: str, preset: str = "cpu", processes: int | None = None,
                    launch_args: tuple[str, ...] = ("--main_process_port", "0"),  # a free port: no collisions
-                   script: Path = ENTRY) -> list[str]:
+                   script: Path = ENTRY, fresh: bool = False) -> list[str]:
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(PRESETS / f"{preset}.yaml"), *launch_args]
     if processes is not None:
         cmd += ["--num_processes", str(processes)]
-    return cmd + [str(script), "--output_dir", str(output_dir), *args]
+    return cmd + [*entry(script, fresh), "--output_dir", str(output_dir), *args]
+
+
+def base_env(environ=os.environ) -> dict:
+    return {**environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def launch_env(env: dict | None = None) -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false",
-            **(env or {})}
+    return {**base_env(), **WARM.environment(), **(env or {})}
 
 
 def launch(output_dir: Path, *args: str, preset: str = "cpu", processes: int | None = None,
            env: dict | None = None, check: bool = True, timeout: int = 600,
-           launch_args: tuple[str, ...] = ("--main_process_port", "0"), script: Path = ENTRY) -> Run:
+           launch_args: tuple[str, ...] = ("--main_process_port", "0"), script: Path = ENTRY,
+           fresh: bool = False) -> Run:
     """`accelerate launch --config_file accelerate_configs/<preset>.yaml hftrain/finetune.py --output_dir ...`."""
     cmd = launch_command(output_dir, *args, preset=preset, processes=processes, launch_args=launch_args,
-                         script=script)
+                         script=script, fresh=fresh)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(env), cwd=REPO, timeout=timeout)
     run = Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
     if check and proc.returncode != 0:
@@ -155,13 +204,13 @@ def launch(output_dir: Path, *args: str, preset: str = "cpu", processes: int | N
 
 
 def run_script(output_dir: Path, *args: str, env: dict | None = None, check: bool = True, timeout: int = 600,
-               script: Path = ENTRY) -> Run:
+               script: Path = ENTRY, fresh: bool = False) -> Run:
     """`python hftrain/finetune.py --output_dir ...`: one process without accelerate's launcher (~5 s less per run).
 
     For single-process runs whose property has nothing to do with the launcher; every preset is still run through
     `launch` by some test.
     """
-    cmd = [sys.executable, str(script), "--output_dir", str(output_dir), *args]
+    cmd = [sys.executable, *entry(script, fresh), "--output_dir", str(output_dir), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(env), cwd=REPO, timeout=timeout)
     run = Run(proc.returncode, proc.stdout, proc.stderr, output_dir)
     if check and proc.returncode != 0:

@@ -46,8 +46,9 @@ RECIPE = [*TINY_CHAT, "--max_samples", "160",
 
 
 def start(output_dir: Path, *args: str, preset: str = "cpu", **launch_kwargs) -> subprocess.Popen:
-    """`launch` without waiting: the test sends signals to the training processes while they run."""
-    return subprocess.Popen(launch_command(output_dir, *args, preset=preset, **launch_kwargs), cwd=REPO,
+    """`launch` without waiting: the test sends signals to the training processes while they run, so they are
+    started as users start them (fresh interpreters, the launcher their parent)."""
+    return subprocess.Popen(launch_command(output_dir, *args, preset=preset, fresh=True, **launch_kwargs), cwd=REPO,
                             env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -194,8 +195,8 @@ def test_preempted_dpo_with_precomputed_reference_resumes_exactly(tmp_path):
     env = {"HF_HOME": str(tmp_path / "hf")}  # this test's own reference cache
     uninterrupted = run_script(tmp_path / "whole", *args, env=env)
     out = tmp_path / "out"
-    launcher = subprocess.Popen(launch_command(out, *args), cwd=REPO, env=launch_env(env), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(launch_command(out, *args, fresh=True), cwd=REPO, env=launch_env(env),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     (worker,) = trainers(launcher, 1)
     wait_for_step(out, 3, launcher)
     worker.send_signal(signal.SIGTERM)
@@ -616,8 +617,8 @@ def test_a_frozen_rank_is_named_within_hang_timeout_a_slow_start_up_and_step_are
     args = [*HANG_RECIPE, "--per_device_train_batch_size", "4"]
     env = launch_env({"HFTRAIN_TEST_FAULTS": "stuck_data,slow_step", "HFTRAIN_TEST_STALL": "8",
                       "HFTRAIN_TEST_SLOW": "3"})
-    launcher = subprocess.Popen(launch_command(out, *args, preset="cpu_ddp", script=FAULTY_RANK), cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(launch_command(out, *args, preset="cpu_ddp", script=FAULTY_RANK, fresh=True), cwd=REPO,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers = []
     try:
         wait_for_step(out, 6, launcher)
@@ -662,7 +663,7 @@ def test_a_frozen_node_stops_the_other_naming_it_and_the_run_resumes_on_one_node
         logs.append(open(tmp_path / f"node{rank}.log", "w+"))  # noqa: SIM115 - closed below
         nodes.append(subprocess.Popen(
             launch_command(out, *HANG_RECIPE, "--per_device_train_batch_size", "4", preset="multi_node_ddp",
-                           processes=2, launch_args=node),
+                           processes=2, launch_args=node, fresh=True),
             stdout=logs[-1], stderr=subprocess.STDOUT, env=launch_env(), cwd=REPO, text=True))
     frozen = []
     try:
