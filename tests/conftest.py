@@ -152,7 +152,8 @@ class WarmInterpreter:
             self.socket = folder / "socket"
             log = open(folder / "log", "w")  # noqa: SIM115 - its import-time output goes to each run; this is the rest
             self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm" / "zygote.py"),
-                                             str(self.socket)], cwd=REPO, env=base_env(SESSION_ENV), stdin=subprocess.DEVNULL,
+                                             str(self.socket)], cwd=REPO, env=base_env(SESSION_ENV),
+                                            stdin=subprocess.DEVNULL,
                                             stdout=log, stderr=log)
             atexit.register(self.process.kill)
             deadline = time.monotonic() + 180
