@@ -89,7 +89,11 @@ def judge(records: Mapping[int, Mapping], beat_age: Mapping[int, float], progres
     named (the others are waiting in the next collective for them), or every rank when all stand at one point (a
     collective that never completes). A named rank whose heartbeat is also older than `stale` (several heartbeat
     intervals: its heartbeat thread, which runs whatever the training thread does, has stopped too) is named
-    silent: a frozen process's last beat is a moment younger than its last progress, so its stall is seen first."""
+    silent: a frozen process's last beat is a moment younger than its last progress, so its stall is seen first.
+    A rank is named stalled only on its own word: its last heartbeat said (`idle`, on its own clock) that its
+    training thread had not moved for `timeout`. Positions are sampled once per heartbeat, so a rank that went through
+    a slow step, then a few quick ones between two samples, then froze, looks to the others as if it had stood at the
+    slow step all along; its own heartbeats never said so, and it is named silent once its beat is stale."""
     live = [r for r in sorted(records) if not records[r]["done"]]
     silent = [r for r in live if beat_age[r] > timeout]
     if silent:
@@ -103,6 +107,8 @@ def judge(records: Mapping[int, Mapping], beat_age: Mapping[int, float], progres
     frozen = [r for r in named if stale is not None and beat_age[r] > stale]
     if frozen:
         return Verdict("silent", frozen, max(beat_age[r] for r in frozen))
+    if any(records[r]["idle"] < timeout for r in named):
+        return None  # its next heartbeat says so, or its silence names it
     kind = "stalled" if behind or len(live) == 1 else "stuck"  # one rank left: nobody else to wait for
     return Verdict(kind, named, max(progress_age[r] for r in stuck))
 
@@ -156,7 +162,7 @@ class Watchdog:
         self.keys = [f"{key_prefix}/{r}" for r in range(world)]
         self.interval = interval or heartbeat_interval(timeout)
         self.record = {"rank": rank, "node": node, "host": socket.gethostname(), "beat": 0, "step": 0, "lap": 0,
-                       "where": "", "window": "", "done": False}
+                       "where": "", "window": "", "done": False, "idle": 0.0}
         self.moved = time.monotonic()  # when this rank's training thread last moved
         self.armed = False
         self.step_times: deque[float] = deque(maxlen=101)
@@ -267,9 +273,11 @@ class Watchdog:
                 **{f"rank{r}/heartbeat_lag": round(lag, 3) for r, lag in sorted(lags.items())}}
 
     # ------------------------------------------------------------------------------------- its own thread
-    def _publish(self) -> None:
+    def _publish(self, now: float | None = None) -> None:
         with self.lock:
             self.record["beat"] += 1
+            now = time.monotonic() if now is None else now
+            self.record["idle"] = round(now - self.moved, 3)  # its training thread, on its own clock
             payload = json.dumps(self.record)
         self.store = self.store or self.connect()
         self.store.set(self.keys[self.rank], payload)
@@ -287,7 +295,7 @@ class Watchdog:
         """One exchange with the store: publish this rank's heartbeat, read the others'."""
         try:
             self.store = self.store or self.connect()
-            self._publish()
+            self._publish(now)
             records = self._read()
         except Exception:  # noqa: BLE001 - a store that does not answer: its host is judged by the time it stays so
             self.store = None
@@ -315,7 +323,7 @@ class Watchdog:
             if now - self.store_ok > timeout:
                 return self._store_lost(now - self.store_ok, timeout)
             seen = {r: dict(rec) for r, rec in self.seen.items()}
-            seen[self.rank] = dict(self.record)
+            seen[self.rank] = {**self.record, "idle": now - self.moved}
             beat_age = {r: now - self.beat_seen.get(r, now) for r in seen}
             progress_age = {r: now - self.moved_seen.get(r, now) for r in seen}
         progress_age[self.rank] = now - self.moved  # this rank's own progress, to the moment

@@ -14,9 +14,10 @@ from hftrain import watchdog as wd
 from hftrain.watchdog import Verdict, Watchdog, judge
 
 
-def rec(step: int, lap: int = 0, window: str = "", done: bool = False, node: int = 0) -> dict:
+def rec(step: int, lap: int = 0, window: str = "", done: bool = False, node: int = 0, idle: float = 0.0) -> dict:
+    """A heartbeat record; `idle`: what the rank said of its training thread (seconds without moving)."""
     return {"step": step, "lap": lap, "where": "forward" if lap else "", "window": window, "done": done,
-            "node": node, "host": "h"}
+            "node": node, "host": "h", "idle": idle}
 
 
 def test_nothing_is_named_while_every_rank_beats_and_moves_within_the_timeout():
@@ -32,10 +33,10 @@ def test_a_silent_rank_is_named_first_even_when_every_rank_stands_still():
 def test_the_rank_behind_the_others_is_named_when_the_job_stands_still():
     """Rank 1 is stuck in its forward (lap 2: after data_wait and token_sync); ranks 0 and 2 went on to the
     backward's all-reduce (lap 3) and wait there: only rank 1 is named, by every observer."""
-    records = {0: rec(4, 3), 1: rec(4, 2), 2: rec(4, 3)}
+    records = {0: rec(4, 3, idle=6.0), 1: rec(4, 2, idle=6.2), 2: rec(4, 3, idle=5.9)}
     verdict = judge(records, {0: 0, 1: 0.3, 2: 0.2}, {0: 6.0, 1: 6.5, 2: 6.1}, timeout=5)
     assert verdict == Verdict("stalled", [1], 6.5)
-    behind_a_step = {0: rec(5, 0), 1: rec(4, 4)}  # rank 1 has not finished step 5's optimizer
+    behind_a_step = {0: rec(5, 0), 1: rec(4, 4, idle=6)}  # rank 1 has not finished step 5's optimizer
     assert judge(behind_a_step, {0: 0, 1: 0}, {0: 6, 1: 6}, timeout=5).ranks == [1]
 
 
@@ -43,20 +44,29 @@ def test_a_frozen_rank_whose_stall_is_seen_before_its_silence_is_named_silent():
     """SIGSTOP freezes a rank's heartbeat thread a moment after its last progress, so its stall passes the timeout
     first (CI saw 'made no progress for 5s' for a frozen rank); a heartbeat older than a few intervals says the
     process itself has stopped. A stalled rank whose heartbeat thread still beats stays 'stalled'."""
-    records = {0: rec(6, 3), 1: rec(2, 2)}
+    records = {0: rec(6, 3), 1: rec(2, 2, idle=5.0)}
     frozen = judge(records, {0: 0, 1: 4.8}, {0: 0.1, 1: 5.2}, timeout=5, stale=1.5)
     assert frozen == Verdict("silent", [1], 4.8)
     alive = judge(records, {0: 0, 1: 0.4}, {0: 0.1, 1: 5.2}, timeout=5, stale=1.5)
     assert alive == Verdict("stalled", [1], 5.2)
 
 
+def test_a_rank_that_froze_after_quick_steps_the_others_did_not_sample_is_named_silent_not_stalled():
+    """CI's case: rank 1 slept 3 s in step 3 (the others sampled it there, beating), then went through steps 3-6
+    between two samples and was frozen; to rank 0 it stood at step 3 for 5 s with a beat 1 s old. Its own last
+    heartbeat said 2.4 s without moving: no verdict yet, and once its beat is stale it is named silent."""
+    records = {0: rec(6, 3), 1: rec(2, 2, idle=2.4)}
+    assert judge(records, {0: 0, 1: 1.0}, {0: 5.1, 1: 5.2}, timeout=5, stale=2.5) is None
+    assert judge(records, {0: 0, 1: 2.6}, {0: 6.7, 1: 6.8}, timeout=5, stale=2.5) == Verdict("silent", [1], 2.6)
+
+
 def test_every_rank_is_named_when_all_stand_at_one_point():
-    records = {0: rec(4, 3), 1: rec(4, 3)}
+    records = {0: rec(4, 3, idle=6), 1: rec(4, 3, idle=5.2)}
     assert judge(records, {0: 0, 1: 0}, {0: 6, 1: 5.5}, timeout=5) == Verdict("stuck", [0, 1], 6)
 
 
 def test_a_single_process_stalled_in_its_step_is_named_as_stalled():
-    assert judge({0: rec(7, 4)}, {0: 0}, {0: 9}, timeout=5) == Verdict("stalled", [0], 9)
+    assert judge({0: rec(7, 4, idle=9)}, {0: 0}, {0: 9}, timeout=5) == Verdict("stalled", [0], 9)
 
 
 def test_windows_count_as_progress_and_finished_ranks_are_never_named():
