@@ -32,11 +32,14 @@ import sys
 # environment variables read at import by torch, transformers, huggingface_hub, datasets, tokenizers or Python
 AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TOKENIZERS_", "TORCH_", "PYTORCH_", "CUDA_",
              "OMP_", "MKL_", "OPENBLAS_", "KMP_", "PYTHON", "LD_", "USE_", "XDG_", "HOME", "TMPDIR")
+# ... but not these: read when a process group is created or CUDA is first asked for (launchers set them), or what
+# the child takes from the request itself (the streams' buffering, PYTHONPATH's entries on sys.path)
+AT_RUN_TIME = ("TORCH_NCCL_", "PYTORCH_NVML_BASED_CUDA_CHECK", "PYTHONUNBUFFERED", "PYTHONPATH")
 MODULES = ("hftrain.finetune",)
 
 
 def import_relevant(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(AT_IMPORT)}
+    return {k: v for k, v in env.items() if k.startswith(AT_IMPORT) and not k.startswith(AT_RUN_TIME)}
 
 
 def send(conn: socket.socket, message: dict) -> None:
@@ -148,13 +151,18 @@ class Zygote:
         sys.__stdout__, sys.__stderr__, sys.__stdin__ = sys.stdout, sys.stderr, sys.stdin
         sys.stdout.write(self.preamble[0])
         sys.stderr.write(self.preamble[1])
+
+        def entries(env):
+            return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+        others = [p for p in sys.path[1:] if p not in entries(os.environ)]
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         script = request["argv"][0]
         sys.argv = list(request["argv"])
         sys.orig_argv = list(request["orig_argv"])
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        sys.path[:] = [os.path.dirname(os.path.abspath(script)), *entries(os.environ), *others]
         import runpy
 
         runpy.run_path(script, run_name="__main__")
