@@ -35,7 +35,9 @@ AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TOKENIZERS_",
 # ... but not these: read when a process group is created or CUDA is first asked for (launchers set them), or what
 # the child takes from the request itself (the streams' buffering, PYTHONPATH's entries on sys.path)
 AT_RUN_TIME = ("TORCH_NCCL_", "PYTORCH_NVML_BASED_CUDA_CHECK", "PYTHONUNBUFFERED", "PYTHONPATH")
-MODULES = ("hftrain.finetune",)
+# what every run imports, and what many import later: peft (LoRA runs: with bitsandbytes installed, peft imports it
+# and it imports torch's inductor, ~9 s), matplotlib (the model card's loss curve)
+MODULES = ("hftrain.finetune", "peft", "matplotlib.figure", "matplotlib.ticker")
 
 
 def import_relevant(env: dict[str, str]) -> dict[str, str]:
