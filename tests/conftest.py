@@ -25,9 +25,9 @@ import pytest
 # torchrun already gives its workers 1 thread; the single-process runs and the in-process tests now match them.
 # Set before torch is imported (it reads the variable once).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-SESSION_ENV = dict(os.environ)  # before any test changes it: the warm interpreter's environment
 
 from hftrain.config import PRESET_DIR  # noqa: E402
+from tests.warm.zygote import import_relevant  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -135,33 +135,38 @@ WARM_START = REPO / "tests" / "warm" / "start.py"
 
 
 class WarmInterpreter:
-    """This pytest process's zygote (tests/warm/zygote.py): torch, transformers and hftrain imported once, each run
-    of an entry script forked from it (`tests/warm/start.py SCRIPT ...` in place of `python SCRIPT ...`, also as the
-    script `accelerate launch` starts on each rank). Started at the first run; HFTRAIN_TEST_FRESH=1 turns it off (every
-    run a fresh interpreter, as users start them). A run whose import-time environment differs from the zygote's,
-    or one started before the zygote listens, gets a fresh interpreter."""
+    """This pytest process's zygotes (tests/warm/zygote.py): torch, transformers and hftrain imported once, each run
+    of an entry script forked from one (`tests/warm/start.py SCRIPT ...` in place of `python SCRIPT ...`, also as the
+    script `accelerate launch` starts on each rank). One zygote per environment read at import (a test's own HF_HOME
+    gets its own; libraries imported by the test modules set some, e.g. lm_eval's HF_XET_HIGH_PERFORMANCE), started
+    at the first run that needs it, at most `LIMIT`; past that, or with HFTRAIN_TEST_FRESH=1, a fresh interpreter
+    (as users start them)."""
+
+    LIMIT = 3
 
     def __init__(self):
-        self.process, self.socket = None, None
+        self.zygotes: dict[frozenset, tuple[subprocess.Popen, Path]] = {}
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, env: dict[str, str]) -> dict[str, str]:
+        """The variable that sends the runs of `env` to their zygote (started now if needed), {} for none."""
         if os.environ.get("HFTRAIN_TEST_FRESH") == "1":
             return {}
-        if self.process is None:
+        key = frozenset(import_relevant(env).items())
+        if key not in self.zygotes:
+            if len(self.zygotes) >= self.LIMIT:
+                return {}
             folder = Path(tempfile.mkdtemp(prefix="hftrain-zygote-"))
-            self.socket = folder / "socket"
             log = open(folder / "log", "w")  # noqa: SIM115 - its import-time output goes to each run; this is the rest
-            self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm" / "zygote.py"),
-                                             str(self.socket)], cwd=REPO, env=base_env(SESSION_ENV),
-                                            stdin=subprocess.DEVNULL,
-                                            stdout=log, stderr=log)
-            atexit.register(self.process.kill)
+            process = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm" / "zygote.py"),
+                                        str(folder / "socket")], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                       stdout=log, stderr=log)
+            atexit.register(process.kill)
+            self.zygotes[key] = process, folder / "socket"
             deadline = time.monotonic() + 180
-            while not self.socket.exists() and self.process.poll() is None and time.monotonic() < deadline:
+            while not (folder / "socket").exists() and process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-        if self.process.poll() is not None:
-            return {}
-        return {"HFTRAIN_TEST_ZYGOTE": str(self.socket)}
+        process, path = self.zygotes[key]
+        return {"HFTRAIN_TEST_ZYGOTE": str(path)} if process.poll() is None else {}
 
 
 WARM = WarmInterpreter()
@@ -182,12 +187,13 @@ def launch_command(output_dir: Path, *args: str, preset: str = "cpu", processes:
     return cmd + [*entry(script, fresh), "--output_dir", str(output_dir), *args]
 
 
-def base_env(environ=os.environ) -> dict:
-    return {**environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+def base_env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def launch_env(env: dict | None = None) -> dict:
-    return {**base_env(), **WARM.environment(), **(env or {})}
+    full = {**base_env(), **(env or {})}
+    return {**full, **WARM.environment(full)}
 
 
 def launch(output_dir: Path, *args: str, preset: str = "cpu", processes: int | None = None,

@@ -23,6 +23,9 @@ if mode == "report":
                       "torch_loaded": "torch" in sys.modules, "main": __name__, "file": __file__}))
     print("to stderr", file=sys.stderr)
     sys.exit(3)
+if mode == "hub":  # read once at import by huggingface_hub
+    import huggingface_hub.constants
+    print(huggingface_hub.constants.HF_HOME, "torch" in sys.modules)
 if mode == "raise":
     raise ValueError("boom")
 if mode == "signal":
@@ -64,9 +67,14 @@ def test_an_uncaught_exception_exits_1_with_its_traceback(script, tmp_path):
     assert warm.returncode == 1 and warm.stderr.rstrip().endswith("ValueError: boom")
 
 
-def test_an_environment_read_at_import_gets_a_fresh_interpreter(script, tmp_path):
-    warm = run([script, "report"], tmp_path, {"HF_HOME": str(tmp_path / "hf")})
-    assert warm.returncode == 3 and '"torch_loaded": false' in warm.stdout
+def test_an_environment_read_at_import_gets_its_own_zygote_and_a_zygote_refuses_another(script, tmp_path):
+    hf_home = str(tmp_path / "hf")
+    own = run([script, "hub"], tmp_path, {"HF_HOME": hf_home})
+    assert own.returncode == 0 and own.stdout.split() == [hf_home, "True"]  # a warm one, imported with it
+    env = {**launch_env(), "HF_HOME": hf_home}  # sent to the suite's usual zygote, imported without it
+    refused = subprocess.run([sys.executable, str(WARM_START), str(script), "hub"], capture_output=True, text=True,
+                             cwd=tmp_path, env=env, timeout=120)
+    assert refused.returncode == 0 and refused.stdout.split() == [hf_home, "False"]  # a fresh interpreter
 
 
 def test_signals_reach_the_child_and_a_killed_stand_in_takes_it_along(script, tmp_path):

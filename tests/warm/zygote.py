@@ -99,7 +99,9 @@ class Zygote:
             for fd in fds:
                 os.close(fd)
             differ = sorted(set(import_relevant(request["env"]).items()) ^ set(self.env.items()))
-            send(conn, {"refused": f"environment read at import differs: {sorted({k for k, _ in differ})}"})
+            reason = f"environment read at import differs: {sorted({k for k, _ in differ})}"
+            print(f"refused {request['argv'][:1]}: {reason}", flush=True)  # the zygote's log
+            send(conn, {"refused": reason})
             conn.close()
             return
         pid = os.fork()
