@@ -135,38 +135,36 @@ WARM_START = REPO / "tests" / "warm" / "start.py"
 
 
 class WarmInterpreter:
-    """This pytest process's zygotes (tests/warm/zygote.py): torch, transformers and hftrain imported once, each run
-    of an entry script forked from one (`tests/warm/start.py SCRIPT ...` in place of `python SCRIPT ...`, also as the
-    script `accelerate launch` starts on each rank). One zygote per environment read at import (a test's own HF_HOME
-    gets its own; libraries imported by the test modules set some, e.g. lm_eval's HF_XET_HIGH_PERFORMANCE), started
-    at the first run that needs it, at most `LIMIT`; past that, or with HFTRAIN_TEST_FRESH=1, a fresh interpreter
-    (as users start them)."""
-
-    LIMIT = 3
+    """This pytest process's zygote (tests/warm/zygote.py): torch, transformers and hftrain imported once, each run
+    of an entry script forked from it (`tests/warm/start.py SCRIPT ...` in place of `python SCRIPT ...`, also as the
+    script `accelerate launch` starts on each rank). Started at the first run, with the suite's environment; when
+    that changes in a variable read at import (the test modules' imports set some, e.g. lm_eval's
+    HF_XET_HIGH_PERFORMANCE), a new one replaces it. A run with its own such variable (a test's HF_HOME) gets a fresh
+    interpreter, as every run does with HFTRAIN_TEST_FRESH=1 (as users start them)."""
 
     def __init__(self):
-        self.zygotes: dict[frozenset, tuple[subprocess.Popen, Path]] = {}
+        self.process, self.socket, self.key = None, None, None
 
     def environment(self, env: dict[str, str]) -> dict[str, str]:
-        """The variable that sends the runs of `env` to their zygote (started now if needed), {} for none."""
-        if os.environ.get("HFTRAIN_TEST_FRESH") == "1":
+        """The variable that sends the runs of `env` to the zygote (started now if needed), {} for none."""
+        suite = import_relevant(base_env())
+        if os.environ.get("HFTRAIN_TEST_FRESH") == "1" or import_relevant(env) != suite:
             return {}
-        key = frozenset(import_relevant(env).items())
-        if key not in self.zygotes:
-            if len(self.zygotes) >= self.LIMIT:
-                return {}
+        if self.key != suite:
+            if self.process is not None:
+                self.process.kill()
             folder = Path(tempfile.mkdtemp(prefix="hftrain-zygote-"))
             log = open(folder / "log", "w")  # noqa: SIM115 - its import-time output goes to each run; this is the rest
-            process = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm" / "zygote.py"),
-                                        str(folder / "socket")], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
-                                       stdout=log, stderr=log)
-            atexit.register(process.kill)
-            self.zygotes[key] = process, folder / "socket"
+            print(f"started for {sorted(suite.items())}", file=log, flush=True)
+            self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm" / "zygote.py"),
+                                             str(folder / "socket")], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=log)
+            atexit.register(self.process.kill)
+            self.socket, self.key = folder / "socket", suite
             deadline = time.monotonic() + 180
-            while not (folder / "socket").exists() and process.poll() is None and time.monotonic() < deadline:
+            while not self.socket.exists() and self.process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-        process, path = self.zygotes[key]
-        return {"HFTRAIN_TEST_ZYGOTE": str(path)} if process.poll() is None else {}
+        return {"HFTRAIN_TEST_ZYGOTE": str(self.socket)} if self.process.poll() is None else {}
 
 
 WARM = WarmInterpreter()

@@ -31,7 +31,7 @@ import sys
 
 # environment variables read at import by torch, transformers, huggingface_hub, datasets, tokenizers or Python
 AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TOKENIZERS_", "TORCH_", "PYTORCH_", "CUDA_",
-             "OMP_", "MKL_", "OPENBLAS_", "KMP_", "PYTHON", "LD_", "USE_", "XDG_", "HOME", "TMPDIR")
+             "OMP_", "GOMP_", "MKL_", "OPENBLAS_", "PYTHON", "LD_", "USE_", "XDG_", "HOME", "TMPDIR")
 # ... but not these: read when a process group is created or CUDA is first asked for (launchers set them), or what
 # the child takes from the request itself (the streams' buffering, PYTHONPATH's entries on sys.path)
 AT_RUN_TIME = ("TORCH_NCCL_", "PYTORCH_NVML_BASED_CUDA_CHECK", "PYTHONUNBUFFERED", "PYTHONPATH")
