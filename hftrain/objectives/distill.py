@@ -35,7 +35,6 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -280,6 +279,12 @@ def on_policy_step(seed: int, lmbda: float, step: int) -> bool:
     return lmbda >= 1.0 or (lmbda > 0.0 and draw(seed, "lmbda", step) / 2**63 < lmbda)
 
 
+def sampling(recipe: Recipe) -> Sampling:
+    """The student's sampling settings for its on-policy completions."""
+    return Sampling(recipe.max_completion_length, recipe.temperature, recipe.top_p, recipe.top_k,
+                    recipe.repetition_penalty)
+
+
 class OnPolicyFeed:
     """The examples' feed (`data.batching.IndexedFeed`) with distill's on-policy steps: in a step whose coin says so
     (`on_policy_step`), each row's completion is replaced by the student's own sample of its prompt (the tokens
@@ -289,13 +294,10 @@ class OnPolicyFeed:
     completion_ids). Nothing is buffered across steps, so a checkpoint holds no generation state and a resumed run
     samples the same completions."""
 
-    def __init__(self, inner, recipe: Recipe, accum: int, pad_id: int, eos_ids: set[int], accelerator, dp,
-                 output_dir: Path):
-        self.inner, self.recipe, self.accum, self.pad_id, self.eos_ids = inner, recipe, accum, pad_id, eos_ids
-        self.accelerator, self.dp, self.file = accelerator, dp, output_dir / COMPLETIONS_FILE
-        self.sampling = Sampling(recipe.max_completion_length, recipe.temperature, recipe.top_p, recipe.top_k,
-                                 recipe.repetition_penalty)
-        self.generator = None  # set by Distill.prepare, once the backend has prepared the student
+    def __init__(self, inner, recipe: Recipe, generator, pad_id: int, accelerator, dp, output_dir: Path):
+        """`generator`: the prepared student's sampler (rl.generation.build_generator, with `sampling(recipe)`)."""
+        self.inner, self.recipe, self.accum, self.pad_id = inner, recipe, recipe.gradient_accumulation_steps, pad_id
+        self.generator, self.accelerator, self.dp, self.file = generator, accelerator, dp, output_dir / COMPLETIONS_FILE
         self.seconds = 0.0
         self.counts = torch.zeros(4, dtype=torch.float64)  # on-policy rows, their tokens, truncated rows, steps
 
@@ -372,13 +374,7 @@ class Distill(Objective):
         problems = teacher_problems(run.recipe, run.tokenizer)
         if problems:
             raise HftrainError("; ".join(problems))
-        data = run.setup_examples()
-        if run.recipe.lmbda <= 0:
-            return data
-        eos = run.tokenizer.eos_token_id
-        feed = OnPolicyFeed(data.feed, run.recipe, run.recipe.gradient_accumulation_steps, pad_token_id(run.tokenizer),
-                            {eos} if isinstance(eos, int) else set(eos or []), run.accelerator, run.dp, run.output_dir)
-        return replace(data, feed=feed)
+        return run.setup_examples()
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> DistillLoss:
@@ -392,13 +388,15 @@ class Distill(Objective):
         return None
 
     def feed(self, run):
-        """The data phase's feed; with lmbda > 0 given the student's sampler (transformers' generate inside the
-        backend's generation context, as grpo's)."""
-        feed = run.data.feed
-        if isinstance(feed, OnPolicyFeed):
-            feed.generator = build_generator(run.recipe, run.backend, run.model, run.parts.loss.lm, run.accelerator,
-                                             feed.sampling, feed.eos_ids, feed.pad_id)
-        return feed
+        """The data phase's feed; with lmbda > 0 inside an `OnPolicyFeed` with the prepared student's sampler
+        (transformers' generate inside the backend's generation context, as grpo's)."""
+        recipe = run.recipe
+        if recipe.lmbda <= 0:
+            return run.data.feed
+        eos, pad = run.tokenizer.eos_token_id, pad_token_id(run.tokenizer)
+        generator = build_generator(recipe, run.backend, run.model, run.parts.loss.lm, run.accelerator,
+                                    sampling(recipe), {eos} if isinstance(eos, int) else set(eos or []), pad)
+        return OnPolicyFeed(run.data.feed, recipe, generator, pad, run.accelerator, run.dp, run.output_dir)
 
     def notes(self, run) -> list[str]:
         recipe = run.recipe
