@@ -1,5 +1,5 @@
 """tests/warm: a script run through the warm interpreter behaves as in a fresh one (argv, environment, working
-directory, sys.path, streams, exit status, signals), and a stand-in killed takes its child with it."""
+directory, umask, sys.path, streams, exit status, signals), and a stand-in killed takes its child with it."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ SCRIPT = """
 import json, os, signal, sys, time
 mode = sys.argv[1]
 if mode == "report":
-    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "var": os.environ.get("WARM_VAR"),
-                      "torch_loaded": "torch" in sys.modules, "main": __name__, "file": __file__}))
+    umask = os.umask(0)
+    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "umask": umask, "path0": sys.path[0],
+                      "var": os.environ.get("WARM_VAR"), "torch_loaded": "torch" in sys.modules, "main": __name__,
+                      "file": __file__}))
     print("to stderr", file=sys.stderr)
     sys.exit(3)
 if mode == "hub":  # read once at import by huggingface_hub
@@ -53,12 +55,18 @@ def run(argv, cwd, env=None, warm=True):
 @pytest.mark.skipif(os.environ.get("HFTRAIN_TEST_FRESH") == "1", reason="HFTRAIN_TEST_FRESH=1: no warm interpreter")
 def test_a_warm_run_reports_what_a_fresh_one_does(script, tmp_path):
     env = {"WARM_VAR": "set for this run"}
-    warm, fresh = run([script, "report", "x"], tmp_path, env), run([script, "report", "x"], tmp_path, env, warm=False)
+    before = os.umask(0o007)  # inherited by a fresh process; the zygote's children take the stand-in's
+    try:
+        warm = run([script, "report", "x"], tmp_path, env)
+        fresh = run([script, "report", "x"], tmp_path, env, warm=False)
+    finally:
+        os.umask(before)
     assert (warm.returncode, fresh.returncode) == (3, 3)
     assert warm.stderr.endswith("to stderr\n") and fresh.stderr.endswith("to stderr\n")
     got, expected = (json.loads(r.stdout.splitlines()[-1]) for r in (warm, fresh))
     assert got.pop("torch_loaded") and not expected.pop("torch_loaded")  # the warm one did come from the zygote
-    assert got == expected == {"argv": [str(script), "report", "x"], "cwd": str(tmp_path), "path0": str(tmp_path),
+    assert got == expected == {"argv": [str(script), "report", "x"], "cwd": str(tmp_path), "umask": 0o007,
+                                "path0": str(tmp_path),
                                 "var": "set for this run", "main": "__main__", "file": str(script)}
 
 

@@ -37,8 +37,10 @@ def main() -> None:
         conn.connect(path)
     except OSError:
         fresh(argv)
-    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": unbuffered(),
-               "orig_argv": [arg for arg in sys.orig_argv if arg != sys.argv[0]]}
+    umask = os.umask(0)
+    os.umask(umask)
+    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "umask": umask,
+               "unbuffered": unbuffered(), "orig_argv": [arg for arg in sys.orig_argv if arg != sys.argv[0]]}
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     reply = json.loads(conn.recv(1 << 16) or b'{"refused": "the zygote closed the connection"}')
     if "refused" in reply:

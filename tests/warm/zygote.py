@@ -163,6 +163,7 @@ class Zygote:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        os.umask(request["umask"])
         script = request["argv"][0]
         sys.argv = list(request["argv"])
         sys.orig_argv = list(request["orig_argv"])
