@@ -130,7 +130,6 @@ class Run:
         return json.loads((self.output_dir / folder / "hftrain_state.json").read_text())
 
 
-
 WARM_START = REPO / "tests" / "warm" / "start.py"
 
 
@@ -156,7 +155,7 @@ class WarmInterpreter:
             folder = Path(tempfile.mkdtemp(prefix="hftrain-zygote-"))
             log = open(folder / "log", "w")  # noqa: SIM115 - its import-time output goes to each run; this is the rest
             print(f"started for {sorted(suite.items())}", file=log, flush=True)
-            self.process = subprocess.Popen([sys.executable, str(REPO / "tests" / "warm" / "zygote.py"),
+            self.process = subprocess.Popen([sys.executable, str(WARM_START.with_name("zygote.py")),
                                              str(folder / "socket")], cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                                             stdout=log, stderr=log)
             atexit.register(self.process.kill)

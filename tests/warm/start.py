@@ -48,12 +48,7 @@ def main() -> None:
     pid = reply["pid"]
     for number in FORWARDED:
         signal.signal(number, lambda received, frame: os.kill(pid, received))
-    while True:
-        try:
-            message = conn.recv(1 << 16)
-            break
-        except InterruptedError:
-            continue
+    message = conn.recv(1 << 16)  # a forwarded signal interrupts it; Python resumes the call (PEP 475)
     status = json.loads(message)["status"] if message else 1 << 8  # the zygote died: a failure
     if os.WIFSIGNALED(status):
         signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
