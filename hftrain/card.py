@@ -2,7 +2,9 @@
 model `hftrain merge` writes), in the hub's conventions so that `huggingface_hub.ModelCard.load` parses it and the hub
 files the model under its base, library, task and datasets.
 
-Front matter: `base_model` (the recipe's model id or folder), `library_name` (transformers, or peft for an adapter),
+Front matter: `base_model` (the base's hub id: the recipe's model id, or the repo of a local folder inside a hub cache;
+none for any other local folder: the hub takes only repo ids there and refuses a push whose card names a path),
+`library_name` (transformers, or peft for an adapter),
 `pipeline_tag`, `tags` (hftrain, the objective, the method), `datasets` (those that are hub ids), `license` (from the
 base model's card or config, when either gives one). Body: what was trained and how, the final losses (rewards for
 grpo, preference rewards for dpo/simpo), device-hours, the loss curve (loss.png beside the card, drawn as
@@ -79,7 +81,9 @@ def method_of(recipe: dict, summary: dict) -> tuple[str, str]:
 
 def base_license(model: str, revision: str | None) -> str | None:
     """The license the base model's card (README.md front matter) or config names, read locally: from the folder, or
-    from the hub cache for a hub id (no download)."""
+    from the hub cache for a hub id (no download); None for a folder that is gone."""
+    if not Path(model).is_dir() and hub_id(model) is None:
+        return None
     for name in ("README.md", "config.json"):
         if Path(model).is_dir():
             path = Path(model) / name
@@ -97,6 +101,19 @@ def base_license(model: str, revision: str | None) -> str | None:
             continue
         if isinstance(found, str) and found:
             return found
+    return None
+
+
+def hub_id(model: str) -> str | None:
+    """The hub repo id `model` (a recipe's model_name_or_path) is known by: itself when it is an id, the repo of a
+    folder inside a hub cache (<cache>/models--org--name/snapshots/<commit>, as huggingface_hub's scan_cache reads
+    it), None for any other local folder."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return None if looks_local(model) else model
+    parts = path.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
     return None
 
 
@@ -201,16 +218,21 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
     objective = recipe.get("objective", "sft")
     base = recipe["model_name_or_path"] if merged_from is None else merged_from["base_model_name_or_path"]
     base = str(Path(base).expanduser().resolve()) if Path(base).expanduser().is_dir() else base  # a local folder
+    base_id = hub_id(base)
     tags = ["hftrain", *([objective] if state else []), method_tag, *(["merge"] if kind == "merged" else [])]
     data = ModelCardData(
-        base_model=base, library_name="peft" if kind == "adapter" else "transformers",
+        base_model=base_id, library_name="peft" if kind == "adapter" else "transformers",
         pipeline_tag=PIPELINE_TAGS.get(objective, PIPELINE_TAG),
         tags=list(dict.fromkeys(tags)), datasets=hub_datasets(recipe) or None,
         license=base_license(base, recipe.get("model_revision")),
         model_name=name)
     title = name
     what = {"model": "a fine-tune", "adapter": "a peft adapter", "merged": "a fine-tune (adapter merged into its base)"}
-    base_link = base if looks_local(base) or Path(base).is_dir() else f"[{base}](https://huggingface.co/{base})"
+    if base_id is None:
+        base_link = f"the local model `{base}` (a folder, not a hub id, so the metadata above names no base_model)"
+    else:
+        base_link = f"[{base_id}](https://huggingface.co/{base_id})" + (f" (the local copy `{base}`)" if base_id != base
+                                                                          else "")
     datasets = [s["name"] for s in state.get("data", {}).get("sources", [])] or [recipe.get("dataset_name")]
     how = (f", trained with hftrain by {OBJECTIVES.get(objective, objective)} on "
            f"{', '.join(f'`{d}`' for d in datasets if d)}" if state else ", merged with hftrain")
@@ -222,6 +244,10 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
     lines += ["## Quick start", "", _quick_start(load_from or str(folder.resolve()),
                                                  "adapter" if kind == "adapter" else "model",
                                                  (folder / "chat_template.jinja").exists(), objective), ""]
+    if kind == "adapter" and base_id != base:
+        lines += [f"The adapter's config (adapter_config.json) names its base by the local path `{base}`, which "
+                  "the quick start loads. On another machine, load your copy of the base model yourself and add "
+                  f'the adapter to it: `PeftModel.from_pretrained(base, "{load_from or folder.resolve()}")`.', ""]
 
     if not state:  # an adapter trained elsewhere, merged by hftrain: its training is not known here
         lines += ["## Training", "", f"The adapter was not trained by hftrain (no {STATE_FILE} beside it), so its "

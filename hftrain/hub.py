@@ -72,6 +72,13 @@ def upload(folder: Path, repo_id: str, message: str, *, token: str | None = None
     return resolved
 
 
+def failure(exc: BaseException) -> str:
+    """What a failed upload says: the error's first line and the reasons the hub listed under it (a refused card's
+    `- "base_model[0]" with value ... is not valid`), on one line."""
+    listed = [line.strip()[2:] for line in str(exc).strip().splitlines()[1:] if line.strip().startswith("- ")]
+    return first_line(exc) + "".join(f" {reason}" for reason in listed)
+
+
 def repo_url(repo_id: str) -> str:
     return f"{constants.ENDPOINT}/{repo_id}"
 
@@ -136,7 +143,7 @@ class HubPush:
             self.repo_id = upload(final_dir, self.repo_id, "End of training", **self.kwargs)
         except Exception as exc:  # noqa: BLE001 - network, permission, server: one paragraph, the model is kept
             raise HftrainError(
-                f"pushing {final_dir} to the hub repo {self.repo_id!r} failed ({first_line(exc)}); the trained model "
+                f"pushing {final_dir} to the hub repo {self.repo_id!r} failed ({failure(exc)}); the trained model "
                 f"is saved there. Push it again with `hf upload {self.repo_id} {final_dir} .`"
                 f"{' --revision ' + self.kwargs['revision'] if self.kwargs['revision'] else ''}") from None
         self.say(f"hftrain: pushed {final_dir} ({files} files) to {repo_url(self.repo_id)}"
@@ -150,7 +157,7 @@ class HubPush:
             try:
                 job()
             except Exception as exc:  # noqa: BLE001 - reported; the next save (or the end) pushes again
-                self.failed = f"{what}: {first_line(exc)}"
+                self.failed = f"{what}: {failure(exc)}"
                 self.warn(f"hub push to {self.repo_id!r} failed ({self.failed}); the local files are kept and the "
                           "next save (or the end of training) pushes again")
                 return

@@ -43,7 +43,7 @@ from hftrain import card, hub, vision
 from hftrain.checkpoint import never_world_writable
 from hftrain.compat.accelerate import deepspeed_probed_by_import
 from hftrain.config import read_yaml, recipe_subset
-from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
+from hftrain.errors import ConfigError, HftrainError, run_tool
 from hftrain.model import (
     DTYPES,
     load_as_reward_model,
@@ -175,7 +175,7 @@ def push_to_hub(folder: Path, repo_id: str, private: bool, dry_run: bool) -> lis
     try:
         hub.upload(folder, repo_id, "Upload model merged with hftrain", private=private or None)
     except Exception as exc:  # network, auth and offline errors all end the same way for the user
-        raise HftrainError(f"cannot push {folder} to the hub repo {repo_id!r}: {first_line(exc)}. The merged model is "
+        raise HftrainError(f"cannot push {folder} to the hub repo {repo_id!r}: {hub.failure(exc)}. The merged model is "
                            "saved locally; log in with `hf auth login` (or set HF_TOKEN), unset HF_HUB_OFFLINE and "
                            f"push again with `hf upload {repo_id} {folder} .`") from None
     return files

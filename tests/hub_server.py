@@ -8,7 +8,10 @@ what arrived.
   the commit, no LFS / Xet transfer)
 - POST /api/models/<repo>/commit/<revision>    x-ndjson: a header line, then {"key": "file", "value": {path, content
   (base64)}} per file -> {commitUrl, commitOid}
-- POST /api/validate-yaml (the non-Xet commit path checks a README's metadata first)
+- POST /api/validate-yaml (the non-Xet commit path checks a README's metadata first): as the hub, it refuses a card
+  whose `base_model` or `datasets` names something other than a repo id (a local path: the hub's 400 "is not valid.
+  If possible, use a dataset id from https://hf.co/datasets", the failure of TRL's, transformers' and axolotl's
+  pushes from a local base model)
 
 `fail` makes chosen requests answer 500: {route: {n, ...}} fails the n-th request (from 1) of that route ("create",
 "branch", "preupload", "commit"). A request without an `Authorization: Bearer` header gets 401.
@@ -24,8 +27,29 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import yaml
+
 USER = "tester"  # the namespace a bare repo name lands in (the token's owner)
 ROUTE = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/(?P<route>preupload|commit|branch)/(?P<rev>[^?]+)")
+
+
+REPO_ID = re.compile(r"^(?!.*(--|\.\.))[\w.-]{1,96}(/[\w.-]{1,96})?$")  # huggingface_hub's validate_repo_id
+
+
+def card_metadata_errors(readme: str) -> list[dict]:
+    """The hub's refusals of a README's front matter that hftrain's cards could meet: base_model and datasets entries
+    must be repo ids."""
+    if not readme.startswith("---\n"):
+        return []
+    metadata = yaml.safe_load(readme.split("---\n", 2)[1]) or {}
+    errors = []
+    for key, kind in (("base_model", "model"), ("datasets", "dataset")):
+        values = metadata.get(key) or []
+        for i, value in enumerate([values] if isinstance(values, str) else values):
+            if not REPO_ID.match(str(value)):
+                errors.append({"message": f'"{key}[{i}]" with value "{value}" is not valid. If possible, use a '
+                                          f"{kind} id from https://hf.co/{kind}s."})
+    return errors
 
 
 @dataclass
@@ -95,7 +119,8 @@ class FakeHub:
             self.repos.setdefault(repo_id, Repo(private=None if visibility is None else visibility == "private"))
             return 200, {"url": f"{self._endpoint(headers)}/{repo_id}", "name": repo_id}
         if route == "validate-yaml":
-            return 200, {"errors": [], "warnings": []}
+            errors = card_metadata_errors(json.loads(body)["content"])
+            return (400 if errors else 200), {"errors": errors, "warnings": []}
         match = ROUTE.match(path)
         if match is None:
             return 404, {"error": f"fake hub: no endpoint {path}"}

@@ -12,13 +12,18 @@ from pathlib import Path
 from huggingface_hub import ModelCard
 
 
-def check_card(folder: Path, *, library: str, base_model: str, tags: set[str], rows: list[dict] | None = None,
+def check_card(folder: Path, *, library: str, base_model: str | Path, tags: set[str], rows: list[dict] | None = None,
                run_quick_start: bool = False) -> ModelCard:
     """The card parses, carries the hub metadata, has no template placeholder, and states the run's final train and
-    eval losses as metrics.jsonl (`rows`) logged them at the final step."""
+    eval losses as metrics.jsonl (`rows`) logged them at the final step. `base_model`: a hub id, which the metadata
+    names, or a local folder (a Path), which the body names and the metadata does not (the hub takes only ids)."""
     card = ModelCard.load(folder / "README.md")
     data = card.data.to_dict()
-    assert (data["library_name"], data["base_model"], data["pipeline_tag"]) == (library, base_model, "text-generation")
+    assert (data["library_name"], data["pipeline_tag"]) == (library, "text-generation")
+    if isinstance(base_model, Path):
+        assert "base_model" not in data and f"of the local model `{base_model.resolve()}`" in card.text, data
+    else:
+        assert data["base_model"] == base_model
     assert {"hftrain", *tags} <= set(data["tags"]), data["tags"]
     assert "More Information Needed" not in card.text and "TODO" not in card.text
     for section in ("## Quick start", "## Framework versions"):

@@ -68,7 +68,7 @@ def test_default_recipe_single_process(tmp_path):
     start = AutoModelForCausalLM.from_pretrained(REPO / "models" / "tiny-llama")
     assert not torch.equal(model.model.embed_tokens.weight, start.model.embed_tokens.weight)
     # its model card: the hub's parser reads it, the losses are the logged ones, the quick start runs
-    check_card(run.output_dir / "final", library="transformers", base_model=str(REPO / "models" / "tiny-llama"),
+    check_card(run.output_dir / "final", library="transformers", base_model=REPO / "models" / "tiny-llama",
                tags={"sft", "full"}, rows=run.metrics(), run_quick_start=True)
 
 

@@ -233,7 +233,7 @@ def test_evaluation_completes_and_scores_the_eval_prompts_as_trl_names_it(runs, 
         for name, value in expected.items():
             assert metrics[name] == pytest.approx(float(value), rel=1e-5, abs=1e-7), name
     assert len({len(r["completion_ids"]) for r in rows}) > 1  # the ending model ends some completions early
-    card = check_card(one.output_dir / "final", library="transformers", base_model=str(ending_model.resolve()),
+    card = check_card(one.output_dir / "final", library="transformers", base_model=ending_model,
                       tags={"grpo", "full"}, rows=one.metrics())
     assert f"| eval_reward | {eval_rows(one)[-1]['eval_reward']:.4g} |" in card.text  # the final evaluation's
 

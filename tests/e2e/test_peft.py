@@ -158,7 +158,7 @@ def test_each_method_trains_and_saves_an_adapter(trained, tiny_model, eval_texts
     assert checkpoint_keys and all(".lora_" in k for k in checkpoint_keys)
     assert len(checkpoint_keys) == len(adapter_keys)
     # a model card instead of peft's empty template; the adapter's quick start (peft's AutoPeftModel) runs
-    check_card(final, library="peft", base_model=str(tiny_model.resolve()), tags={"sft", CARD_TAGS[method]},
+    check_card(final, library="peft", base_model=tiny_model, tags={"sft", CARD_TAGS[method]},
                rows=run.metrics(), run_quick_start=method == "lora")
 
 
@@ -239,7 +239,7 @@ def test_merged_model_equals_the_adapter_model(trained, tiny_model, tmp_path, me
     assert {t.dtype for t in merged_tensors.values()} == {torch.float32}
     assert AutoTokenizer.from_pretrained(merged_dir).chat_template
 
-    check_card(merged_dir, library="transformers", base_model=str(tiny_model.resolve()),
+    check_card(merged_dir, library="transformers", base_model=tiny_model,
                tags={"sft", "merge", CARD_TAGS[method]}, rows=run.metrics())
 
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
@@ -287,8 +287,8 @@ def test_merge_dtype_and_push_to_hub_dry_run(trained, tmp_path):
     repo = hub.repos["someone/tiny-lora-merged"]
     assert repo.private is True and [message for _, message, _ in repo.commits] == ["Upload model merged with hftrain"]
     assert repo.branches["main"] == {p.name: p.read_bytes() for p in pushed_dir.iterdir()}
-    card = check_card(pushed_dir, library="transformers", base_model=str(Path(record["base_model_name_or_path"])
-                                                                          .resolve()), tags={"merge", "lora"})
+    card = check_card(pushed_dir, library="transformers", base_model=Path(record["base_model_name_or_path"]),
+                      tags={"merge", "lora"})
     assert 'from_pretrained("someone/tiny-lora-merged")' in card.text
 
 

@@ -45,7 +45,7 @@ def test_tiny_dpo_recipe_learns_the_preferences(tmp_path):
     assert rows[-1]["pairs_per_second"] == rows[-1]["samples_per_second"] > 0
     assert run.state()["data"]["sources"][0]["format"] == "preference"
     assert (run.output_dir / "final" / "model.safetensors").exists()
-    card = check_card(run.output_dir / "final", library="transformers", base_model=str(REPO / "models" / "tiny-llama"),
+    card = check_card(run.output_dir / "final", library="transformers", base_model=REPO / "models" / "tiny-llama",
                       tags={"dpo", "full"}, rows=run.metrics())
     assert f"| eval_rewards/accuracies | {evals[-1]['eval_rewards/accuracies']:.4g} |" in card.text
 

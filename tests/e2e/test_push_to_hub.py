@@ -63,7 +63,7 @@ def test_push_during_and_after_training_with_a_failed_upload_retried(tmp_path):
     assert f"pushed {out / 'final'} (" in run.stdout and f"{hub.url}/org/tiny-push" in run.stdout
 
     # the card names the repo, loads it in its quick start, and carries the final evaluation
-    card = check_card(out / "final", library="transformers", base_model=str(REPO / "models" / "tiny-llama"),
+    card = check_card(out / "final", library="transformers", base_model=REPO / "models" / "tiny-llama",
                       tags={"sft", "full"}, rows=run.metrics())
     assert card.data.model_name == "org/tiny-push" and 'from_pretrained("org/tiny-push")' in card.text
     assert json.loads(files["hftrain_state.json"])["progress"]["step"] == 8

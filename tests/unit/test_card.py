@@ -38,7 +38,9 @@ def test_adapter_card_metadata_and_body(tmp_path):
     card, figure = build_card(tmp_path, r, STATE, rows, kind="adapter", device_hours=0.25, name="org/m",
                               load_from="org/m")
     data = card.data.to_dict()
-    assert data["base_model"] == str(base) and data["library_name"] == "peft"
+    assert "base_model" not in data and data["library_name"] == "peft"  # a local folder: the hub takes only ids
+    assert f"This is a peft adapter of the local model `{base.resolve()}`" in card.text
+    assert '`PeftModel.from_pretrained(base, "org/m")`' in card.text  # its adapter_config names a local path
     assert data["tags"] == ["hftrain", "sft", "qlora"] and data["datasets"] == ["org/chat-data"]
     assert data["license"] == "apache-2.0" and data["pipeline_tag"] == "text-generation"
     text = card.text
@@ -52,6 +54,28 @@ def test_adapter_card_metadata_and_body(tmp_path):
     assert "hf_secret" not in text and "hub_token" not in text
     settings = yaml.safe_load(text.split("```yaml\n")[1].split("```")[0])
     assert settings["lora_r"] == 8 and "learning_rate" not in settings  # only what differs from the defaults
+
+
+def test_base_model_is_a_hub_id_or_absent(tmp_path):
+    """The hub refuses a card whose base_model is not a repo id (tests/hub_server.py checks pushed cards the same
+    way): a hub id is named as given, a folder inside a hub cache by its repo (read from the cache layout, as
+    huggingface_hub's scan_cache does), any other folder only in the body."""
+    snapshot = tmp_path / "hub" / "models--Org--Some-Model-1.5B" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    elsewhere = tmp_path / "models" / "mine"
+    elsewhere.mkdir(parents=True)
+    expected = {"Org/Some-Model-1.5B": "Org/Some-Model-1.5B", str(snapshot): "Org/Some-Model-1.5B",
+                str(elsewhere): None, str(tmp_path / "gone" / "model"): None}
+    for base, hub_id in expected.items():
+        card, _ = build_card(tmp_path, recipe(model_name_or_path=base), STATE, [], kind="model", device_hours=None,
+                             name="run")
+        assert card.data.to_dict().get("base_model") == hub_id, base
+        if hub_id is not None:
+            assert f"[{hub_id}](https://huggingface.co/{hub_id})" in card.text
+    card, _ = build_card(tmp_path, recipe(model_name_or_path=str(snapshot), use_peft=True), STATE, [],
+                         kind="adapter", device_hours=None, name="org/m", load_from="org/m")
+    assert f"[Org/Some-Model-1.5B](https://huggingface.co/Org/Some-Model-1.5B) (the local copy `{snapshot}`)" in \
+        card.text and "PeftModel.from_pretrained(base" in card.text  # adapter_config names the snapshot's path
 
 
 def test_grpo_rewards_and_a_final_step_without_evaluation(tmp_path):

@@ -75,3 +75,19 @@ def test_pushes_at_saves_skip_while_busy_and_a_failed_final_push_is_one_paragrap
     assert message.startswith(f"pushing {final} to the hub repo 'org/m' failed (Server error '500")
     assert f"Push it again with `hf upload org/m {final} .`" in message
     assert hub.repos["org/m"].branches["main"]["weights.bin"] == b"step 2"  # the repo is as it was
+
+
+def test_a_refused_card_says_what_the_hub_refused(fake_hub, tmp_path):
+    """A card the hub's metadata check refuses (as the hub does a base_model that is a path; hftrain's own cards name
+    only hub ids there, tests/unit/test_card.py) fails the push with the hub's listed reason, not only huggingface_hub's
+    first line."""
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "README.md").write_text("---\nbase_model: /home/me/models/base\n---\n# a card\n")
+    with fake_hub() as hub:
+        push = HubPush(Recipe(push_to_hub=True, hub_model_id="org/m"), True, print, print)
+        with pytest.raises(HftrainError) as refused:
+            push.finish(final)
+    assert "failed (Invalid metadata in README.md. \"base_model[0]\" with value \"/home/me/models/base\" is not " \
+           "valid." in str(refused.value)
+    assert not hub.repos["org/m"].commits
