@@ -253,14 +253,14 @@ class Finetune:
     def make_run_info(self) -> dict:
         """What this run is, recorded in every checkpoint and the final folder (hftrain_state.json)."""
         recipe = self.recipe
-        self.parameters = self.backend.parameter_counts(self.model)  # (trained, total)
+        self.parameters = self.backend.parameter_counts(self.model)
         return {"launch": self.backend.launch_info(self.model, self.optimizer),
                 "parallelism": asdict(self.backend.record), "devices": self.devices, "model": self.parts.summary,
                 "data": self.data.data_stats,
                 "effective_batch_size": self.data.plan.global_batch, "lr_scaling": self.lr_scaling,
                 "async_checkpointing": self.saves.enabled,
                 "total_steps": self.data.total_steps,
-                "memory_estimate": self.backend.memory(*self.parameters),
+                "memory_estimate": self.backend.memory(self.parameters),
                 "launch_preset": {"recipe": recipe.launch_preset, "reason": recipe.launch_preset_reason},
                 "memory_baseline_mb": round(self.parts.memory_baseline_mb, 1)}
 
@@ -276,7 +276,7 @@ class Finetune:
     def describe_run(self) -> None:
         """The start-up lines: layout, batch, method, data; model-state memory per device and the preset's reason."""
         recipe, memory = self.recipe, self.run_info["memory_estimate"]
-        trained, total = self.parameters
+        trained, total = self.parameters.trained, self.parameters.total
         resuming = f"; resuming from {self.resume_from} at step {self.progress.step}" if self.resume_from else ""
         quantized = self.parts.summary["quantized_linear_layers"]
         bits = "a 4-bit" if "Linear4bit" in quantized else "an 8-bit" if "Linear8bitLt" in quantized else None

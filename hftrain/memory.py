@@ -2,8 +2,8 @@
 
 Two callers, one arithmetic: `hftrain estimate` (hftrain/estimate.py) gives it facts read from a model's config and
 the strategies it compares; each run's start-up line ("model state ~X GiB per device", `Backend.memory`) gives it the
-facts of the layout that runs (its `Parallelism` record: what is sharded over how many processes, what is offloaded,
-the dtype's bytes) and the live model's parameter counts. What the model says:
+facts of the layout that runs (its `Parallelism` record: what is sharded over how many processes, what is offloaded)
+and the live model's parameters (`ParameterCounts`: how many, and the bytes they are stored in). What the model says:
 
 - one copy of the model state is `ModelState`: weights (every parameter, frozen ones included), gradients and
   optimizer state (trained parameters only), in bytes. `ModelState.of(P, T, w, k)` is the ZeRO paper's accounting:
@@ -42,6 +42,23 @@ def deepspeed_bytes(weight_bytes: int, state_bytes: int, sixteen_bit: bool) -> t
     """(weight, optimizer-state) bytes per parameter under DeepSpeed: in 16-bit mixed precision 2-byte weights and
     gradients, and the fp32 master weights added to the optimizer state; otherwise unchanged."""
     return (2, state_bytes + MASTER_WEIGHT_BYTES) if sixteen_bit else (weight_bytes, state_bytes)
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """A live model's parameters as a run holds them: elements at their original size (a 4-bit weight unpacked) and
+    bytes as stored (a 4-bit weight packed, LoRA adapters in the fp32 peft keeps beside a 16-bit base, a sharded
+    parameter at its whole size), of all of them and of the trained ones."""
+
+    trained: int
+    total: int
+    trained_bytes: int
+    total_bytes: int
+
+    @classmethod
+    def uniform(cls, trained: int, total: int, weight_bytes: int) -> ParameterCounts:
+        """Every parameter stored in `weight_bytes` bytes."""
+        return cls(trained, total, weight_bytes * trained, weight_bytes * total)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import functools
 import os
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -23,9 +23,9 @@ from transformers.distributed import DistributedConfig
 
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
-from hftrain.memory import GIB, PARTS, ModelState, Placement, optimizer_bytes
+from hftrain.memory import GIB, PARTS, ModelState, ParameterCounts, Placement, optimizer_bytes
 from hftrain.metrics import param_checksum
-from hftrain.model import DTYPES, parameter_count
+from hftrain.model import parameter_count, stored_bytes
 from hftrain.parallel.checkpoint_io import AccelerateCheckpoints, FullStateCheckpoints
 from hftrain.parallel.generation import LaidOutShards, WholeModel
 
@@ -518,21 +518,28 @@ class Backend:
         norm = self.accelerator.clip_grad_norm_(model.parameters(), max_norm)
         return None if norm is None else float(norm)
 
-    def parameter_counts(self, model) -> tuple[int, int]:
-        """(trainable, total) parameters at their original size (4-bit weights unpacked)."""
+    def parameter_counts(self, model) -> ParameterCounts:
+        """The model's parameters: elements at their original size (4-bit weights unpacked), bytes as stored."""
         params = list(model.parameters())
-        return (sum(self.parameter_size(p) for p in params if p.requires_grad),
-                sum(self.parameter_size(p) for p in params))
+        trained = [p for p in params if p.requires_grad]
+        return ParameterCounts(sum(map(self.parameter_size, trained)), sum(map(self.parameter_size, params)),
+                               sum(map(self.stored_bytes, trained)), sum(map(self.stored_bytes, params)))
 
     def parameter_size(self, param) -> int:
         return parameter_count(param)
 
+    def stored_bytes(self, param) -> int:
+        return stored_bytes(param)
+
     # ------------------------------------------------------------------ memory
-    def bytes_per_param(self) -> tuple[int, int]:
-        """(w, k): bytes per weight (and per gradient), optimizer-state bytes per trained parameter
-        (`memory.optimizer_bytes`)."""
-        return DTYPES[self.recipe.dtype].itemsize, optimizer_bytes(self.recipe.optim in TORCH_ADAMW,
-                                                                   self.recipe.sgd_momentum)
+    def optimizer_state_bytes(self) -> int:
+        """Optimizer-state bytes per trained parameter (`memory.optimizer_bytes`)."""
+        return optimizer_bytes(self.recipe.optim in TORCH_ADAMW, self.recipe.sgd_momentum)
+
+    def model_state(self, counts: ParameterCounts) -> ModelState:
+        """One whole copy of the model state: the weights as stored, a gradient like each trained weight, the
+        optimizer's state per trained parameter."""
+        return ModelState(counts.total_bytes, counts.trained_bytes, self.optimizer_state_bytes() * counts.trained)
 
     def shard_count(self) -> int:
         """Processes the parts in `record.sharded` are split over. One process and DDP shard nothing themselves: what
@@ -550,20 +557,21 @@ class Backend:
         """Groups of ranks that do the same work each step, among which the straggler check compares (None: all)."""
         return None
 
-    def memory(self, n_trainable: int, n_params: int) -> dict:
+    def memory(self, counts: ParameterCounts) -> dict:
         """Model-state memory per device for this layout (activations and buffers not included): hftrain.memory's
-        model (the one `hftrain estimate` uses) on this backend's facts, `bytes_per_param` and `placement`."""
-        w, k = self.bytes_per_param()
-        held = self.placement().per_device(ModelState.of(n_params, n_trainable, w, k))
+        model (the one `hftrain estimate` uses) on the live model's `counts`, this backend's `model_state` and
+        `placement`."""
+        state = self.model_state(counts)
+        held = self.placement().per_device(state)
         on_device, on_cpu = held.on_device, held.cpu
         device_memory = device_memory_bytes(self.accelerator, self.accelerator.num_processes)
         sp = self.record.sequence_shards  # sequence/context parallel: each device holds 1/sp of every sequence
         tokens = self.recipe.per_device_train_batch_size * self.recipe.max_length // sp
-        return {"strategy": self.record.name, "processes": self.record.processes, "bytes_per_weight": w,
-                "activation_tokens_per_device": tokens,
+        return {"strategy": self.record.name, "processes": self.record.processes,
+                "model_state_bytes": asdict(state), "activation_tokens_per_device": tokens,
                 "activations": f"activations extra: at most {tokens:,} tokens per device" +
                                (f", 1/{sp} of each sequence" if sp > 1 else ""),
-                "optimizer_bytes_per_param": k, "per_device_bytes": on_device, "offloaded_bytes": on_cpu,
+                "per_device_bytes": on_device, "offloaded_bytes": on_cpu,
                 "per_device_gib": round(on_device / GIB, 3), "offloaded_gib": round(on_cpu / GIB, 3),
                 "device_memory_gib": round(device_memory / GIB, 1)}
 

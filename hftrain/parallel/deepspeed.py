@@ -18,7 +18,7 @@ import torch
 
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
-from hftrain.memory import deepspeed_bytes
+from hftrain.memory import ModelState, ParameterCounts, deepspeed_bytes
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
 from hftrain.parallel.checkpoint_io import DeepSpeedCheckpoints
 from hftrain.parallel.generation import ZeRO3Generation
@@ -211,10 +211,16 @@ class DeepSpeedBackend(Backend):
     def shard_count(self) -> int:
         return self.accelerator.num_processes
 
-    def bytes_per_param(self) -> tuple[int, int]:
+    def stored_bytes(self, param) -> int:
+        return self.parameter_size(param) * param.element_size()  # a ZeRO-3 partition's placeholder holds nothing
+
+    def model_state(self, counts: ParameterCounts) -> ModelState:
         """In 16-bit mixed precision DeepSpeed holds 16-bit weights and gradients and an fp32 master copy (4 bytes)
         in the optimizer state (`memory.deepspeed_bytes`)."""
-        return deepspeed_bytes(*super().bytes_per_param(), self.recipe.bf16 or self.recipe.fp16)
+        if not (self.recipe.bf16 or self.recipe.fp16):
+            return super().model_state(counts)
+        weight_bytes, state_bytes = deepspeed_bytes(0, self.optimizer_state_bytes(), True)
+        return ModelState.of(counts.total, counts.trained, weight_bytes, state_bytes)
 
     def config_used(self) -> dict | None:
         return self.config

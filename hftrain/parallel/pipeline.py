@@ -73,6 +73,7 @@ from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
 from hftrain.fields.parallel import V_SCHEDULES
+from hftrain.memory import ParameterCounts
 from hftrain.metrics import param_checksum
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, router_coefficient
 from hftrain.optim import build_optimizer
@@ -693,16 +694,17 @@ class PipelineBackend(Backend):
         module = hf.get_input_embeddings() if model.has_first else hf.get_output_embeddings()
         return getattr(module, "weight", None)
 
-    def parameter_counts(self, model) -> tuple[int, int]:
-        """(trainable, total) of the whole pipeline: every stage's counts added, a tied head counted with the
-        embedding only (as the model without pp counts it)."""
+    def parameter_counts(self, model) -> ParameterCounts:
+        """The whole pipeline's: every stage's counts added, a tied head counted with the embedding only (as the
+        model without pp counts it)."""
         tied = self.tied_parameter(model) if not model.has_first else None
         params = [p for p in model.parameters() if p is not tied]
-        counts = torch.tensor([sum(self.parameter_size(p) for p in params if p.requires_grad),
-                               sum(self.parameter_size(p) for p in params)], dtype=torch.int64,
-                              device=self.accelerator.device)
+        trained = [p for p in params if p.requires_grad]
+        counts = torch.tensor([sum(map(self.parameter_size, trained)), sum(map(self.parameter_size, params)),
+                               sum(map(self.stored_bytes, trained)), sum(map(self.stored_bytes, params))],
+                              dtype=torch.int64, device=self.accelerator.device)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.pp_group)
-        return int(counts[0]), int(counts[1])
+        return ParameterCounts(*map(int, counts))
 
     def param_checksum(self, model) -> float:
         """The whole pipeline's sum (its stages' sums added): equal on every data-parallel copy."""

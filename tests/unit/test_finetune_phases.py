@@ -13,6 +13,7 @@ from hftrain import finetune
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
 from hftrain.finetune import Finetune
+from hftrain.memory import ParameterCounts
 from hftrain.parallel.base import Backend, Parallelism
 from hftrain.preemption import EXIT_PREEMPTED, Preempted
 from tests.conftest import REPO
@@ -41,7 +42,7 @@ def described(record: Parallelism | None = None, resume_from: Path | None = None
         run.backend.record = record
     run.dp = SimpleNamespace(world=record.dp_world if record else 1)
     run.run_info = {"memory_estimate": MEMORY, "launch": {"model_wrapper": "CausalLMTokenLoss"}}
-    run.parameters = (1_000, 160_000)
+    run.parameters = ParameterCounts.uniform(1_000, 160_000, 4)
     run.parts = SimpleNamespace(notes=list(notes), summary=summary or {"method": "full", "quantized_linear_layers": {}})
     run.data = SimpleNamespace(plan=SimpleNamespace(global_batch=8 * run.dp.world, steps_per_epoch=5), total_steps=10,
                                data_line=("(5 per epoch)", "40 training examples in 40 rows"))  # map-style data's

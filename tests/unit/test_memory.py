@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from hftrain.config import Recipe
 from hftrain.estimate import estimate, model_shape
-from hftrain.memory import SINGLE, ModelState, Placement, fsdp, optimizer_bytes, zero
+from hftrain.memory import SINGLE, ModelState, ParameterCounts, Placement, fsdp, optimizer_bytes, zero
 from hftrain.parallel.base import Backend
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
@@ -93,7 +93,7 @@ CPU = {"device": "cpu"}
 ])
 def test_the_start_up_line_and_the_estimate_give_the_same_model_state(rows, strategy, backend, on_device, cpu,
                                                                       beyond):
-    started = backend().memory(N, N)
+    started = backend().memory(ParameterCounts.uniform(N, N, 4))  # fp32 weights, all trained
     assert (started["per_device_bytes"], started["offloaded_bytes"]) == (on_device, cpu)
     row = rows[strategy]
     weights, grads = beyond

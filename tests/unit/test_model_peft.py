@@ -193,6 +193,33 @@ def test_qlora_with_float_storage_keeps_one_dtype_for_fsdp():
     assert model_summary(model)["quantized_linear_layers"] == {"Linear4bit": 14}
 
 
+def test_the_start_up_model_state_counts_the_weights_as_stored():
+    """The start-up line's model state (`Backend.memory`, on `parameter_counts` of the live model) counts each weight
+    in the bytes it is stored in, by hand from the layer shapes: a bf16 base with LoRA adapters in fp32 beside it
+    (peft's autocast_adapter_dtype); a QLoRA base's packed nf4 weights with their double-quantized absmax (8 bits
+    per 64 weights, fp32 per 256 blocks), every other base weight upcast to fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from hftrain.memory import ParameterCounts
+    from hftrain.parallel.base import Backend
+    from tests.unit.parallel.conftest import fake_accelerator
+
+    shapes = linear_shapes()
+    adapters = sum(4 * (i + o) for i, o in shapes.values())
+    base = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(MODEL).parameters())
+    others = base - sum(i * o for i, o in shapes.values())  # embeddings, norms, head
+    lora = recipe(dtype="bfloat16")
+    counts = Backend(fake_accelerator(), lora).parameter_counts(build_model(lora))
+    assert counts == ParameterCounts(adapters, base + adapters, 4 * adapters, 2 * base + 4 * adapters)
+    memory = Backend(fake_accelerator(), lora).memory(counts)
+    assert memory["per_device_bytes"] == 2 * base + 4 * adapters + 4 * adapters + 8 * adapters  # + grads, AdamW
+
+    qlora = recipe(dtype="bfloat16", load_in_4bit=True, bnb_4bit_use_double_quant=True)
+    counts = Backend(fake_accelerator(), qlora).parameter_counts(build_model(qlora))
+    nf4 = sum(i * o // 2 + i * o // 64 + 4 * -(-(i * o // 64) // 256) for i, o in shapes.values())
+    assert counts == ParameterCounts(adapters, base + adapters, 4 * adapters, nf4 + 4 * others + 4 * adapters)
+
+
 def test_8bit_builder():
     model = build_model(recipe(load_in_8bit=True))
     assert model_summary(model)["quantized_linear_layers"] == {"Linear8bitLt": 14}

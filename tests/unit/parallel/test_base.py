@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import pytest
 
 from hftrain.config import Recipe
+from hftrain.memory import ParameterCounts
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism, Transform
 from hftrain.parallel.checkpoint_io import DeepSpeedCheckpoints
 from hftrain.parallel.deepspeed import DeepSpeedBackend
@@ -17,6 +18,7 @@ from hftrain.parallel.tensor import TensorParallel
 from hftrain.versions import feature_problem
 
 P, T = 1_000_000, 250_000  # parameters, of which trained
+FP32 = ParameterCounts.uniform(T, P, 4)
 
 
 @pytest.mark.parametrize("record, words", [
@@ -32,7 +34,7 @@ def test_the_start_up_line_says_the_layout_in_words(record, words):
 def test_one_process_and_ddp_hold_everything_on_every_device(accelerator):
     for processes in (1, 2):
         backend = Backend(accelerator(processes), Recipe())
-        memory = backend.memory(T, P)
+        memory = backend.memory(FP32)
         assert memory["per_device_bytes"] == 4 * P + 4 * T + 8 * T  # fp32 weights, gradients, AdamW moments
         assert memory["offloaded_bytes"] == 0 and memory["processes"] == processes
         assert backend.record.kind == ("ddp" if processes == 2 else "single")
@@ -40,9 +42,9 @@ def test_one_process_and_ddp_hold_everything_on_every_device(accelerator):
 
 
 def test_sgd_with_momentum_holds_one_buffer_and_plain_sgd_none(accelerator):
-    assert Backend(accelerator(), Recipe(optim="sgd", sgd_momentum=0.9)).memory(T, P)["per_device_bytes"] == \
+    assert Backend(accelerator(), Recipe(optim="sgd", sgd_momentum=0.9)).memory(FP32)["per_device_bytes"] == \
         4 * P + 4 * T + 4 * T
-    assert Backend(accelerator(), Recipe(optim="sgd")).memory(T, P)["per_device_bytes"] == 4 * P + 4 * T
+    assert Backend(accelerator(), Recipe(optim="sgd")).memory(FP32)["per_device_bytes"] == 4 * P + 4 * T
 
 
 @pytest.mark.parametrize("stage, offload, expected, offloaded", [
@@ -58,7 +60,7 @@ def test_zero_stages_shard_their_parts_and_offload_moves_them_to_cpu(accelerator
                                                                        offloaded):
     config = {"zero_optimization": {"stage": stage, **offload}}
     backend = DeepSpeedBackend(accelerator(4, kind="DEEPSPEED", deepspeed_config=config), Recipe(bf16=True))
-    memory = backend.memory(T, P)
+    memory = backend.memory(FP32)
     assert (memory["per_device_bytes"], memory["offloaded_bytes"]) == (expected, offloaded)
     assert memory["strategy"] == f"DeepSpeed ZeRO-{stage}" + (" + offload" if offload else "")
     assert backend.record.zero_stage == stage and backend.step_applied_in_backward
@@ -72,7 +74,7 @@ def test_fsdp2_full_shard_splits_everything_and_shard_grad_op_keeps_the_weights(
     plugin = type("Plugin", (), {"reshard_after_forward": reshard, "cpu_offload": OffloadPolicy(),
                                  "mixed_precision_policy": None})()
     backend = FSDP2Backend(accelerator(4, kind="FSDP", fsdp_plugin=plugin), Recipe())
-    memory = backend.memory(T, P)
+    memory = backend.memory(FP32)
     assert abs(memory["per_device_bytes"] - expected) <= 3  # each part rounds down separately
     assert memory["strategy"] == name and backend.record.kind == "fsdp2"
 
@@ -80,7 +82,7 @@ def test_fsdp2_full_shard_splits_everything_and_shard_grad_op_keeps_the_weights(
 def test_tensor_parallel_splits_over_the_group_and_each_copy_holds_it_again(accelerator, monkeypatch):
     monkeypatch.setattr("hftrain.parallel.base.tp_groups", lambda world, tp: (None, None))  # no process group here
     backend = Backend(accelerator(4, index=3, kind="MULTI_CPU"), Recipe(tp_size=2), transforms=(TensorParallel,))
-    memory = backend.memory(T, P)
+    memory = backend.memory(FP32)
     assert memory["per_device_bytes"] == (4 * P) // 2 + (4 * T) // 2 + (8 * T) // 2
     assert memory["strategy"] == "tensor parallel (tp_size=2) x 2 data-parallel copies"
     assert (backend.dp.world, backend.dp.rank, backend.dp.replicas) == (2, 1, 2)
@@ -90,9 +92,9 @@ def test_sequence_parallel_devices_hold_the_activations_of_a_slice_of_each_seque
     import dataclasses
 
     backend = Backend(accelerator(2), Recipe(per_device_train_batch_size=2, max_length=1024))
-    assert backend.memory(T, P)["activations"] == "activations extra: at most 2,048 tokens per device"
+    assert backend.memory(FP32)["activations"] == "activations extra: at most 2,048 tokens per device"
     backend.record = dataclasses.replace(backend.record, sp_size=2)
-    memory = backend.memory(T, P)
+    memory = backend.memory(FP32)
     assert memory["activation_tokens_per_device"] == 1024
     assert memory["activations"] == "activations extra: at most 1,024 tokens per device, 1/2 of each sequence"
 
@@ -112,7 +114,7 @@ def test_fsdp2_x_tp_shard_grad_op_keeps_each_ranks_tp_shard_of_the_weights(accel
     backend = FSDP2Backend(accelerator(4, kind="FSDP", fsdp_plugin=plugin), Recipe(tp_size=2),
                            transforms=(TensorParallel,))
     assert backend.record.model_shards == 2
-    assert abs(backend.memory(T, P)["per_device_bytes"] - expected) <= 3  # each part rounds down separately
+    assert abs(backend.memory(FP32)["per_device_bytes"] - expected) <= 3  # each part rounds down separately
 
 
 def test_prepare_applies_the_transforms_in_their_order_then_the_wrapper_and_nests_their_micro_batch_contexts(
