@@ -57,6 +57,9 @@ from transformers.distributed import tensor_parallel
 from transformers.distributed.tensor_parallel import (
     ALL_PARALLEL_STYLES,
     ColwiseParallel,
+    PackedColwiseParallel,
+    PackedRowwiseParallel,
+    ReplicatedWithGradAllReduce,
     RowwiseParallel,
     TensorParallelLayer,
 )
@@ -189,9 +192,11 @@ def _tp_split(lm) -> tuple[dict[str, tuple[int, int]], tuple[str, ...]]:
     """How transformers' tensor-parallel plan places each parameter (`apply_tensor_parallelism` in
     transformers/distributed/tensor_parallel.py, 5.23): {name: (elements, size of the sharded dimension)}, 0 for a
     replicated one (norms, and what the plan does not name), and the plan's styles this estimate does not model.
-    colwise styles shard a weight's output rows (dim ndim-2: a bias too), rowwise ones a weight's input columns (the
-    bias replicated), embedding styles their `shard_dim` (Llama's plan adds `embed_tokens: embedding_rowwise`, the
-    vocabulary). Empty for a model without a plan."""
+    colwise styles shard a weight's output rows (dim ndim-2: a bias too; packed_colwise, a fused gate/up weight or a
+    3D experts' one, the same dimension in strided halves), rowwise ones a weight's input columns (the bias
+    replicated; packed_rowwise likewise), embedding styles their `shard_dim` (Llama's plan adds `embed_tokens:
+    embedding_rowwise`, the vocabulary); replicated_with_grad_allreduce (Qwen3's q_norm / k_norm) keeps the weight
+    whole. Empty for a model without a plan."""
     plan = getattr(lm, "tp_plan", None) or {}
     styles = expanded_parallel_plan(lm, plan) if plan else None
     if styles is None:
@@ -206,11 +211,15 @@ def _tp_split(lm) -> tuple[dict[str, tuple[int, int]], tuple[str, ...]]:
             own_embedding = EmbeddingParallel is None and isinstance(module, torch.nn.Embedding)
             if isinstance(kind, ColwiseParallel):
                 dim = 1 if own_embedding else (p.ndim - 2) % p.ndim
+            elif isinstance(kind, PackedColwiseParallel):
+                dim = (p.ndim - 2) % p.ndim
             elif isinstance(kind, RowwiseParallel):
                 dim = 0 if own_embedding else None if short == "bias" else p.ndim - 1
+            elif isinstance(kind, PackedRowwiseParallel):
+                dim = None if p.ndim == 1 else p.ndim - 1
             elif EmbeddingParallel is not None and isinstance(kind, EmbeddingParallel):
                 dim = kind.shard_dim
-            elif kind is not None and type(kind) is not TensorParallelLayer:  # "replicate" is the plain base class
+            elif kind is not None and type(kind) not in (TensorParallelLayer, ReplicatedWithGradAllReduce):
                 unmodelled.add(style)
             split[name] = (p.numel(), 0 if dim is None else p.shape[dim])
     return split, tuple(sorted(unmodelled))

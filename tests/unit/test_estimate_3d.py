@@ -15,7 +15,14 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from hftrain.estimate import (
     GIB,
@@ -40,13 +47,18 @@ LLAMA_70B = REPO / "models" / "llama-3-70b-shape"  # config.json only
 
 @pytest.fixture(scope="module")
 def placed(tmp_path_factory) -> dict[str, tuple[str, list[dict[str, list[int]]]]]:
-    """For the tiny Llama and a tied twin (SmolLM2-style: lm_head is embed_tokens, 2 key/value heads): (its folder,
-    per tp rank of tp 2 {name: [weight, gradient, AdamW state elements]} as transformers places them)."""
-    tied = tmp_path_factory.mktemp("tied-llama")
+    """For the tiny Llama, a tied twin (SmolLM2-style: lm_head is embed_tokens, 2 key/value heads), a tiny Qwen3 (its
+    plan keeps q_norm / k_norm whole: replicated_with_grad_allreduce) and the tiny Qwen3-MoE (3D expert weights,
+    gate_up_proj packed_colwise): (its folder, per tp rank of tp 2 {name: [weight, gradient, AdamW state elements]}
+    as transformers places them)."""
+    tied, qwen3 = tmp_path_factory.mktemp("tied-llama"), tmp_path_factory.mktemp("qwen3")
     LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=753,
                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
                      ).save_pretrained(tied)
-    folders = {"untied": str(TINY), "tied": str(tied)}
+    Qwen3ForCausalLM(Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, vocab_size=753, tie_word_embeddings=False)
+                     ).save_pretrained(qwen3)
+    folders = {"untied": str(TINY), "tied": str(tied), "qwen3": str(qwen3), "moe": str(REPO / "models" / "tiny-moe")}
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "launchers" / "tp_placement.py"), "2",
                            *folders.values()], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
@@ -54,7 +66,7 @@ def placed(tmp_path_factory) -> dict[str, tuple[str, list[dict[str, list[int]]]]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("[")]
     out = {kind: (folder, [p for f, _, p in sorted(lines, key=lambda x: x[1]) if f == folder])
            for kind, folder in folders.items()}
-    assert [len(ranks) for _, ranks in out.values()] == [2, 2], proc.stdout[-2000:]
+    assert [len(ranks) for _, ranks in out.values()] == [2] * len(folders), proc.stdout[-2000:]
     return out
 
 
@@ -69,20 +81,23 @@ def stage_names(folder: str, pp: int, rank: int) -> set[str]:
 
 
 @NEEDS_TP
-@pytest.mark.parametrize("kind, pp", [("untied", 1), ("untied", 2), ("tied", 1), ("tied", 2)])
+@pytest.mark.parametrize("kind, pp", [("untied", 1), ("untied", 2), ("tied", 1), ("tied", 2), ("qwen3", 1),
+                                      ("moe", 1)])
 def test_tp_stage_bytes_equal_what_transformers_places_on_each_rank(placed, kind, pp):
     """pp x tp 2 (and tp 2 alone): each pipeline rank's weights (fp32 + autocast's bf16 copy), gradients and AdamW
     moments, for the fullest tp rank, equal the elements really held: the vocabulary split 377 / 376 between the tp
     ranks, the embedding's gradient whole, norms replicated. A tied pair is one shard; its gradient (the embedding's
     whole one plus the head's shard) is a shard when one process holds both (pp 1), and the first stage of a
     pipeline, holding the embedding alone, gets the whole one as in the untied model (not reproduced here: this
-    backward runs the whole model)."""
+    backward runs the whole model). Qwen3's and Qwen3-MoE's plans: every style they use is placed as transformers
+    places it (the estimate refuses a plan with a style it does not model)."""
     folder, ranks = placed[kind]
     shape = model_shape(folder)
+    assert shape.tp_unmodelled == ()
     if kind == "untied":
         assert ranks[0]["model.embed_tokens.weight"] == [377 * 64, 753 * 64, 2 * 377 * 64]  # the gradient is whole
         assert ranks[1]["lm_head.weight"] == [376 * 64, 376 * 64, 2 * 376 * 64]
-    else:
+    elif kind == "tied":
         assert ranks[0]["model.embed_tokens.weight"] == ranks[0]["lm_head.weight"] == [377 * 64] * 2 + [2 * 377 * 64]
     stages = pipeline_memory(shape, pp, "1F1B", 4 if pp > 1 else 1, 8, 128, "bf16", tp=2)
     assert [st.rank for st in stages] == list(range(pp))
