@@ -664,6 +664,7 @@ def build_arg_parser(prog: str = "hftrain.finetune") -> argparse.ArgumentParser:
         f"value on the command line (a list field takes its items as words or comma-separated: --reward_weights 1 "
         f"0.5); {DEFAULT_RECIPE_NOTE}.",
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,  # a prefix is a typo to report, not a field to guess (--lora: which of the lora_*?)
     )
     parser.add_argument("--config", help="Recipe YAML file.")
     groups: dict = {}  # group name -> the parser's argument group

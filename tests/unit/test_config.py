@@ -264,6 +264,15 @@ def test_stray_value_and_misspelt_flag(in_tmp):
                                        "unknown argument '--lerning_rate' (did you mean learning_rate?)"]
 
 
+def test_a_flag_prefix_is_a_problem_not_a_guess(in_tmp):
+    """argparse would take --learning_rat for --learning_rate (and fail with its usage on --lora, which prefixes
+    four fields); hftrain reports both as unknown, with the rest, in one error."""
+    with pytest.raises(ConfigError) as info:
+        load_recipe(["--learning_rat", "1e-3", "--lora", "1"])
+    assert info.value.problems[:2] == ["unknown argument '--learning_rat' (did you mean learning_rate?)",
+                                       "unknown argument '--lora' (did you mean lora_r?)"]
+
+
 def test_a_file_value_overridden_on_the_command_line_is_not_checked(in_tmp):
     cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp, "max_steps: ten\n"))
     assert load_recipe(["--config", str(cfg), "--max_steps", "7"]).max_steps == 7
