@@ -168,8 +168,9 @@ def _save_numbered_optimizer(folder: Path, module: nn.Module, recipe: Recipe, hy
 
 
 def write_unsharded(path: Path, folder: Path, module: nn.Module, recipe: Recipe) -> None:
-    """A full-state checkpoint (`FULL_STATE_FILE`, written by an expert-parallel run: every weight and its optimizer
-    state gathered, by name) as the files one process (or DDP) reads, in `folder`, as `write_unpipelined` does."""
+    """A full-state checkpoint (`FULL_STATE_FILE`, written by a tensor- or expert-parallel run: every weight and its
+    optimizer state gathered, by name) as the files one process (or DDP) reads, in `folder`, as `write_unpipelined`
+    does."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     saved = torch.load(path / FULL_STATE_FILE, weights_only=True, map_location="cpu")
@@ -181,23 +182,23 @@ def write_unsharded(path: Path, folder: Path, module: nn.Module, recipe: Recipe)
 
 
 @contextmanager
-def unpipelined(backend, model, path: Path, expert_parallel: bool = False):
+def unpipelined(backend, model, path: Path, full_state: bool = False):
     """A pp checkpoint for a run without pp (one process, DDP; `backend` its Backend): converted by the main process
     into `.unpipelined-checkpoint-N` next to it (`write_unpipelined`), loaded by every rank, then removed. With
-    `expert_parallel`: an expert-parallel checkpoint's full state, the same way (`write_unsharded`)."""
+    `full_state`: a tensor- or expert-parallel checkpoint's full state, the same way (`write_unsharded`)."""
     accelerator = backend.accelerator
     folder = path.parent / f"{PIPELINE_CONVERTED_PREFIX}{path.name}"
     error = None
     if accelerator.is_main_process:
         try:
-            write = write_unsharded if expert_parallel else write_unpipelined
+            write = write_unsharded if full_state else write_unpipelined
             write(path, folder, backend.unwrap(model), backend.recipe)
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it rather than wait at a barrier
             error = str(exc) if isinstance(exc, HftrainError) else f"{type(exc).__name__}: {exc}"
     error = broadcast_object_list([error])[0]
     if error is not None:
-        layout = "ep_size" if expert_parallel else "pp_size"
-        raise HftrainError(f"cannot read the {'expert-parallel' if expert_parallel else 'pipeline'} checkpoint "
+        layout = "tp_size / ep_size" if full_state else "pp_size"
+        raise HftrainError(f"cannot read the {'full-state' if full_state else 'pipeline'} checkpoint "
                            f"{str(path)!r} on this layout: {error}; resume with the {layout} that wrote it")
     yield folder
     accelerator.wait_for_everyone()  # every rank has loaded: the converted copy can go

@@ -145,23 +145,26 @@ class AccelerateCheckpoints:
             return set(f.keys())
 
     def check_resumable(self, saved_launch: dict) -> None:
-        """Refuse a checkpoint this layout cannot load (a tensor-parallel one without tensor parallelism; one of pp x
-        tp is a pipeline checkpoint: DCP, and one of ep x tp an expert-parallel one's full state, both read whole by
-        `resume_folder`)."""
-        if saved_launch["tp_size"] > 1 and saved_launch.get("pp_size", 1) == 1 and saved_launch.get("ep_size", 1) == 1:
-            raise_tp_mismatch(saved_launch["tp_size"], self.recipe.tp_size)
+        """Refuse a checkpoint this layout cannot load: a full-state one (tensor or expert parallel) or a pipeline
+        one under FSDP2 / ZeRO, whose sharded loaders read only their own files. One process and DDP read both,
+        converted (`resume_folder`)."""
         sharded_by = {DistributedType.FSDP: "FSDP2", DistributedType.DEEPSPEED: "DeepSpeed"}.get(
             self.accelerator.distributed_type)
+        if sharded_by and (layout := full_state_layout(saved_launch)):
+            raise HftrainError(f"this checkpoint was written with {layout} and this run shards the model with "
+                               f"{sharded_by}; a tensor- or expert-parallel checkpoint (one full-state file) resumes "
+                               "under tensor or expert parallelism (any sizes), on one process or under DDP: resume "
+                               "with one of those")
         if problem := resume_layout_problem(saved_launch, 1, sharded_by):  # a pp checkpoint under FSDP2 / ZeRO
             raise HftrainError(problem)
 
     @contextmanager
     def resume_folder(self, model, path: Path, saved_launch: dict):
         """The folder `accelerator.load_state` reads checkpoint `path` from: `path` itself, unless it must be
-        converted for this layout first: a pipeline checkpoint (pp_size > 1), or an expert-parallel one's full state
-        (ep_size > 1), becomes one process's files (`stages.unpipelined`)."""
-        if saved_launch.get("pp_size", 1) > 1 or saved_launch.get("ep_size", 1) > 1:
-            with unpipelined(self.backend, model, path, expert_parallel=saved_launch.get("ep_size", 1) > 1) as folder:
+        converted for this layout first: a pipeline checkpoint (pp_size > 1), or the full state of a tensor- or
+        expert-parallel one, becomes one process's files (`stages.unpipelined`)."""
+        if saved_launch.get("pp_size", 1) > 1 or full_state_layout(saved_launch):
+            with unpipelined(self.backend, model, path, full_state=saved_launch.get("pp_size", 1) <= 1) as folder:
                 yield folder
             return
         yield path
@@ -179,11 +182,13 @@ class AccelerateCheckpoints:
             self.backend.unwrap(model).save_pretrained(folder, state_dict=state_dict)
 
 
-def raise_tp_mismatch(saved: int, now: int) -> None:
-    raise HftrainError(
-        f"this checkpoint was written with tp_size={saved} and this run has tp_size={now}; tensor-parallel "
-        "checkpoints resume only with tensor parallelism (any tp_size) and other checkpoints only without it"
-    )
+def full_state_layout(saved_launch: dict) -> str | None:
+    """The layout that wrote a full-state checkpoint (`FullTrainingState`: tensor or expert parallelism without pp),
+    in words; None for any other checkpoint."""
+    if saved_launch.get("pp_size", 1) > 1:
+        return None
+    sizes = [f"{axis}={saved_launch.get(axis, 1)}" for axis in ("tp_size", "ep_size") if saved_launch.get(axis, 1) > 1]
+    return " x ".join(sizes) or None
 
 
 # ----------------------------------------------------------------------------------------------------------- FSDP2
@@ -342,7 +347,8 @@ def _convert_to_universal(engine_dir: Path, out: Path) -> None:
 class FullTrainingState:
     """Model and optimizer state as full tensors, hooked into `accelerator.save_state` / `load_state` (both run on
     every rank): saving gathers the shards and the main process writes `FULL_STATE_FILE`; loading reads it
-    weights-only (tensors and plain values, no pickled objects) and re-shards it."""
+    weights-only (tensors and plain values, no pickled objects) and re-shards it, or cuts a checkpoint of one process
+    or DDP into this rank's blocks (`load_whole`)."""
 
     def __init__(self, accelerator, model, optimizer):
         self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
@@ -354,25 +360,12 @@ class FullTrainingState:
             torch.save({"model": model_state, "optimizer": optimizer_state}, os.path.join(folder, FULL_STATE_FILE))
 
     def load(self, folder: str) -> None:
-        state = torch.load(os.path.join(folder, FULL_STATE_FILE), map_location="cpu", weights_only=True)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
-
-
-class FullStateSlices(FullTrainingState):
-    """`FullTrainingState` for FSDP2 x TP: the same file, loaded by each rank copying its own block of every full
-    tensor into its shards (no collective). torch's full-state loading (`set_state_dict(full_state_dict=True)`)
-    scatters each tensor with `distribute_tensor`, which refuses a dimension that the 2D mesh does not split evenly
-    (an AssertionError in `_StridedShard._shard_tensor`; the tiny model's 753-token vocabulary over 4 ranks)."""
-
-    def load(self, folder: str) -> None:
         if not os.path.exists(os.path.join(folder, FULL_STATE_FILE)):
             self.load_whole(Path(folder))
             return
-        full = torch.load(os.path.join(folder, FULL_STATE_FILE), map_location="cpu", weights_only=True)
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # this rank's shards (DTensors)
-        set_state_dict(self.model, self.optimizer, model_state_dict=_local_blocks(model_state, full["model"]),
-                       optim_state_dict=_local_blocks(optimizer_state, full["optimizer"]))
+        state = torch.load(os.path.join(folder, FULL_STATE_FILE), map_location="cpu", weights_only=True)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
 
     def load_whole(self, folder: Path) -> None:
         """A checkpoint of one process or DDP (accelerate's model.safetensors with the trained weights, optimizer.bin
@@ -389,6 +382,22 @@ class FullStateSlices(FullTrainingState):
         model_state = {k: v for k, v in model_state.items() if k in trained}  # every one in `weights`, or refused
         set_state_dict(self.model, self.optimizer, model_state_dict=_local_blocks(model_state, weights),
                        optim_state_dict=_local_blocks(optimizer_state, moments), options=options)
+
+
+class FullStateSlices(FullTrainingState):
+    """`FullTrainingState` for FSDP2 x TP: the same file, loaded by each rank copying its own block of every full
+    tensor into its shards (no collective). torch's full-state loading (`set_state_dict(full_state_dict=True)`)
+    scatters each tensor with `distribute_tensor`, which refuses a dimension that the 2D mesh does not split evenly
+    (an AssertionError in `_StridedShard._shard_tensor`; the tiny model's 753-token vocabulary over 4 ranks)."""
+
+    def load(self, folder: str) -> None:
+        if not os.path.exists(os.path.join(folder, FULL_STATE_FILE)):
+            self.load_whole(Path(folder))
+            return
+        full = torch.load(os.path.join(folder, FULL_STATE_FILE), map_location="cpu", weights_only=True)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # this rank's shards (DTensors)
+        set_state_dict(self.model, self.optimizer, model_state_dict=_local_blocks(model_state, full["model"]),
+                       optim_state_dict=_local_blocks(optimizer_state, full["optimizer"]))
 
 
 def _local_blocks(local, full, path: str = ""):
@@ -415,8 +424,8 @@ class FullStateCheckpoints(AccelerateCheckpoints):
     """Tensor parallelism (with data-parallel copies, FSDP2 x tp, tp x cp) and expert parallelism: the full training
     state in one file (`FullTrainingState`), gathered and re-sharded, so it does not depend on the layout; `slices`:
     each rank loads its own blocks of the full tensors (`FullStateSlices`: the FSDP2 x tp mesh, which torch's scatter
-    refuses for uneven splits). Expert parallelism also resumes a checkpoint of one process or DDP, whose whole
-    tensors `FullStateSlices.load_whole` cuts the same way. The final folder: transformers gathers the shards."""
+    refuses for uneven splits). A checkpoint of one process or DDP resumes too: `FullTrainingState.load_whole` cuts
+    its whole tensors the same way. The final folder: transformers gathers the shards."""
 
     def __init__(self, backend, slices: bool = False):
         super().__init__(backend)
@@ -432,20 +441,20 @@ class FullStateCheckpoints(AccelerateCheckpoints):
                 "save_state (FullTrainingState), which a background thread cannot run beside training")
 
     def check_resumable(self, saved_launch: dict) -> None:
-        """Full-state checkpoints (tensor or expert parallel, any sizes); under expert parallelism also those of one
-        process or DDP (accelerate's whole files)."""
-        if saved_launch["tp_size"] > 1 or saved_launch.get("ep_size", 1) > 1:
+        """Full-state checkpoints (tensor or expert parallel, any sizes) and those of one process or DDP (accelerate's
+        whole files, cut by `FullTrainingState.load_whole`); not a pipeline's DCP folders nor the sharded files of
+        FSDP2 or ZeRO."""
+        if full_state_layout(saved_launch):
             return
-        if self.recipe.ep_size <= 1:
-            raise_tp_mismatch(1, self.recipe.tp_size)
         sharded = (f"pp_size={saved_launch['pp_size']}" if saved_launch.get("pp_size", 1) > 1 else
                    "DeepSpeed" if saved_launch.get("deepspeed_config") is not None else
                    "FSDP2" if saved_launch.get("sharded_modules") else None)
         if sharded:
-            raise HftrainError(f"this checkpoint was written with {sharded} and this run has "
-                               f"ep_size={self.recipe.ep_size}; expert-parallel runs resume checkpoints of one "
-                               "process, DDP, expert or tensor parallelism: resume with the layout that wrote it, or "
-                               "from one of those")
+            now = " x ".join(f"{axis}={getattr(self.recipe, axis)}" for axis in ("tp_size", "ep_size")
+                             if getattr(self.recipe, axis) > 1)
+            raise HftrainError(f"this checkpoint was written with {sharded} and this run has {now}; tensor- and "
+                               "expert-parallel runs resume checkpoints of one process, DDP, tensor or expert "
+                               "parallelism: resume with the layout that wrote it, or from one of those")
 
     @contextmanager
     def resume_folder(self, model, path: Path, saved_launch: dict):

@@ -115,3 +115,21 @@ def test_its_checkpoint_continues_under_tp_x_cp_like_one_process(fsdp_tp_run, re
     close([r["eval_loss"] for r in resumed.eval_rows()], [r["eval_loss"] for r in ref.eval_rows()], 1e-4)
     weights_close(resumed, run, 1e-5)
     weights_close(resumed, ref, 1e-4)
+
+
+def test_one_process_checkpoint_continues_under_fsdp2_x_tp(reference, tmp_path):
+    """The 1-process run's checkpoint-2 (accelerate's whole files) resumed on the 2D mesh: each rank cuts its block of
+    every trained weight and AdamW moment (`FullTrainingState.load_whole`), and steps 3-4 equal the run's own."""
+    folder = tmp_path / "one-to-fsdp-tp"
+    shutil.copytree(reference.output_dir, folder)
+    for later in ("final", "checkpoint-4"):
+        shutil.rmtree(folder / later)
+    resumed = fsdp_tp(folder, "--resume_from_checkpoint", "latest")
+    assert "resuming from" in resumed.stdout and "at step 2" in resumed.stdout
+    assert resumed.state()["launch"]["dtensor_meshes"] == ["fsdp=2", "fsdp=2 x tp=2"]
+    again, ref_rows = resumed.train_rows(), reference.train_rows()
+    assert [(r["learning_rate"], r["trained_tokens"]) for r in again[2:]] == \
+        [(r["learning_rate"], r["trained_tokens"]) for r in ref_rows[2:]]
+    for key in ("loss", "grad_norm"):
+        close([r[key] for r in again[2:]], [r[key] for r in ref_rows[2:]], 1e-4)
+    weights_close(resumed, reference, 1e-4)

@@ -388,7 +388,8 @@ def test_two_nodes_simulated_on_localhost(reference, tmp_path, preset, distribut
 
 # ------------------------------------------------------------------------------- tensor parallel
 def test_tensor_parallel_tp_plan_under_two_ranks(reference, tmp_path):
-    """Both ranks hold half of every linear layer (DTensor shards) and train on the same batches."""
+    """Both ranks hold half of every linear layer (DTensor shards) and train on the same batches; its checkpoints
+    resume under tp and without it, and one process's under tp."""
     run = launch(tmp_path / "tp", *COMMON, *TP_BATCH, "--tp_size", "2", preset="tp")
     info = assert_launch(run, "MULTI_CPU", 2, "CausalLMTokenLoss", tp_size=2)  # not DDP-wrapped
     assert info["dtensor_parameters"] == 16  # embeddings, lm_head and the 7 linear layers of each of 2 blocks
@@ -403,6 +404,12 @@ def test_tensor_parallel_tp_plan_under_two_ranks(reference, tmp_path):
 
     resumed = resume_from_step_3(run, "tp-resumed", *TP_BATCH, "--tp_size", "2", preset="tp")
     assert_continues(resumed, run)
+    # the full state resumes without tp (converted to one process's files), and one process's checkpoint under tp
+    # (each rank cuts its blocks of the whole tensors): both continue as the run that wrote the checkpoint
+    without_tp = resume_from_step_3(run, "tp-to-one", *ONE_PROCESS, runner=run_script)
+    assert_continues(without_tp, run, rtol=1e-5, atol=1e-5)
+    into_tp = resume_from_step_3(reference, "one-to-tp", *TP_BATCH, "--tp_size", "2", preset="tp")
+    assert_continues(into_tp, reference, rtol=1e-5, atol=1e-5)
     refused = launch(tmp_path / "refused", *COMMON, "--tp_size", "2", preset="cpu", check=False)
     assert refused.returncode != 0
     assert "tp_size=2 needs tp_size (or a multiple of it) processes on a DDP-type preset" in \

@@ -194,7 +194,8 @@ def test_an_expert_parallel_run_resumes_whole_or_full_state_checkpoints(saved, r
 
 @pytest.mark.parametrize(("saved", "refusal"), [
     ({"tp_size": 2, "ep_size": 2}, None),  # an expert-parallel full state, converted to whole files (the e2e resume)
-    ({"tp_size": 2}, "this checkpoint was written with tp_size=2 and this run has tp_size=1"),
+    ({"tp_size": 2}, None),  # a tensor-parallel full state alike
+    ({"pp_size": 2, "tp_size": 2}, None),  # a pipeline's DCP folder, converted to whole files
 ])
 def test_one_process_resumes_an_ep_x_tp_checkpoint_as_an_expert_parallel_one(saved, refusal):
     backend = SimpleNamespace(recipe=SimpleNamespace(tp_size=1, ep_size=1),

@@ -50,13 +50,37 @@ def test_tensor_parallel_copies_keep_transformers_mesh_without_its_fsdp():
     assert (config.tp_size, config.dp_replicate_size, config.dp_size) == (2, 1, 1)
 
 
-@pytest.mark.parametrize("checkpoints, saved_tp", [(AccelerateCheckpoints, 2), (FullStateCheckpoints, 1)])
-def test_tensor_parallel_checkpoints_resume_only_with_tensor_parallelism(checkpoints, saved_tp):
-    # check_resumable reads only the recipe
-    tp = 1 if checkpoints is AccelerateCheckpoints else 2
-    layout = SimpleNamespace(recipe=SimpleNamespace(tp_size=tp, ep_size=1))
-    with pytest.raises(HftrainError, match=f"written with tp_size={saved_tp} and this run has tp_size="):
-        checkpoints(layout).check_resumable({"tp_size": saved_tp, "num_processes": 2})
+SAVED = {"tp_size": 1, "ep_size": 1, "pp_size": 1, "deepspeed_config": None, "sharded_modules": [], "num_processes": 2}
+
+
+@pytest.mark.parametrize("checkpoints, tp, distributed_type, saved, refusal", [
+    # a tp checkpoint (one full-state file) resumes on one process / DDP (converted to their files) ...
+    (AccelerateCheckpoints, 1, "MULTI_CPU", {"tp_size": 2}, None),
+    # ... but not under a sharding strategy, whose loader reads only its own files
+    (AccelerateCheckpoints, 1, "FSDP", {"tp_size": 2}, "written with tp_size=2 and this run shards the model with "
+                                                       "FSDP2"),
+    (AccelerateCheckpoints, 1, "DEEPSPEED", {"tp_size": 2, "ep_size": 2}, "written with tp_size=2 x ep_size=2 and "
+                                                                          "this run shards the model with DeepSpeed"),
+    # a tp run reads full-state checkpoints of any sizes and those of one process / DDP (cut into its blocks)
+    (FullStateCheckpoints, 2, "MULTI_CPU", {"tp_size": 4}, None),
+    (FullStateCheckpoints, 2, "MULTI_CPU", {}, None),
+    (FullStateCheckpoints, 2, "MULTI_CPU", {"pp_size": 2}, "written with pp_size=2 and this run has tp_size=2"),
+    (FullStateCheckpoints, 2, "MULTI_CPU", {"deepspeed_config": {}}, "written with DeepSpeed and this run has "
+                                                                      "tp_size=2"),
+    (FullStateCheckpoints, 2, "MULTI_CPU", {"sharded_modules": ["LlamaDecoderLayer"]}, "written with FSDP2 and this "
+                                                                                        "run has tp_size=2"),
+])
+def test_which_checkpoints_a_layout_resumes_with_or_without_tensor_parallelism(checkpoints, tp, distributed_type,
+                                                                              saved, refusal):
+    """check_resumable reads the recipe, the launch and the saved launch record only (the resumes themselves:
+    tests/e2e/test_parallelism.py)."""
+    layout = SimpleNamespace(recipe=SimpleNamespace(tp_size=tp, ep_size=1),
+                             accelerator=SimpleNamespace(distributed_type=distributed_type))
+    if refusal is None:
+        checkpoints(layout).check_resumable({**SAVED, **saved})
+        return
+    with pytest.raises(HftrainError, match=refusal):
+        checkpoints(layout).check_resumable({**SAVED, **saved})
 
 
 @NEEDS_TP
