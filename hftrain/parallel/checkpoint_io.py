@@ -441,24 +441,24 @@ class FullStateCheckpoints(AccelerateCheckpoints):
                 "save_state (FullTrainingState), which a background thread cannot run beside training")
 
     def check_resumable(self, saved_launch: dict) -> None:
-        """Full-state checkpoints (tensor or expert parallel, any sizes) and those of one process or DDP (accelerate's
-        whole files, cut by `FullTrainingState.load_whole`); not a pipeline's DCP folders nor the sharded files of
-        FSDP2 or ZeRO."""
-        if full_state_layout(saved_launch):
+        """Full-state checkpoints (tensor or expert parallel, any sizes), those of one process or DDP (accelerate's
+        whole files, cut by `FullTrainingState.load_whole`) and a pipeline's (converted to those, `resume_folder`);
+        not the sharded files of FSDP2 or ZeRO."""
+        if full_state_layout(saved_launch) or saved_launch.get("pp_size", 1) > 1:
             return
-        sharded = (f"pp_size={saved_launch['pp_size']}" if saved_launch.get("pp_size", 1) > 1 else
-                   "DeepSpeed" if saved_launch.get("deepspeed_config") is not None else
+        sharded = ("DeepSpeed" if saved_launch.get("deepspeed_config") is not None else
                    "FSDP2" if saved_launch.get("sharded_modules") else None)
         if sharded:
             now = " x ".join(f"{axis}={getattr(self.recipe, axis)}" for axis in ("tp_size", "ep_size")
                              if getattr(self.recipe, axis) > 1)
             raise HftrainError(f"this checkpoint was written with {sharded} and this run has {now}; tensor- and "
-                               "expert-parallel runs resume checkpoints of one process, DDP, tensor or expert "
-                               "parallelism: resume with the layout that wrote it, or from one of those")
+                               "expert-parallel runs resume checkpoints of one process, DDP, a pipeline, tensor or "
+                               "expert parallelism: resume with the layout that wrote it, or from one of those")
 
     @contextmanager
     def resume_folder(self, model, path: Path, saved_launch: dict):
-        """A full-state checkpoint (tensor or expert parallel) as it is: `FullTrainingState` re-shards it."""
+        """A full-state checkpoint (tensor or expert parallel) as it is: `FullTrainingState` re-shards it; a
+        pipeline's converted to one process's files, which it cuts into this rank's blocks."""
         if saved_launch.get("pp_size", 1) > 1:
             with super().resume_folder(model, path, saved_launch) as folder:
                 yield folder

@@ -259,7 +259,8 @@ def test_pipeline_checkpoint_holds_hf_names(runs):
 @pytest.fixture(scope="module")
 def resumed(runs, models, tmp_path_factory) -> dict[str, Run]:
     """checkpoint-2 of the pp 2 x tp 2 run (DCP: every stage's tensors, the tp-sharded ones in shards) continued on one
-    process, and checkpoint-2 of the one-process run continued in 3D: pp 2 x tp 2 x 2 data-parallel copies on 8
+    process and under tp 2 without pp (converted to one process's files, then cut into each rank's blocks), and
+    checkpoint-2 of the one-process run continued in 3D: pp 2 x tp 2 x 2 data-parallel copies on 8
     processes with Interleaved1F1B (4 stages: the numbering of the whole model's optimizer mapped onto each rank's
     two stages, whole tensors placed as the parameters' DTensor shards; each copy trains on half of the global batch
     of 16 and the copies average their gradients shard by shard); both on the tied model (the head's weight and
@@ -270,13 +271,17 @@ def resumed(runs, models, tmp_path_factory) -> dict[str, Run]:
     return {
         "pp2xtp2-to-one": run_script(root / "pp2xtp2-to-one", *COMMON, *NO_SAVES, *tied, "--resume_from_checkpoint",
                                      str(runs["pp2xtp2"].output_dir / "checkpoint-2")),
+        "pp2xtp2-to-tp": launch(root / "pp2xtp2-to-tp", *COMMON, *NO_SAVES, *tied, "--tp_size", "2",
+                                "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1",
+                                "--resume_from_checkpoint", str(runs["pp2xtp2"].output_dir / "checkpoint-2"),
+                                preset="tp"),
         "one-to-3d": launch(root / "one-to-3d", *COMMON, *NO_SAVES, *PP, "--pp_schedule", "Interleaved1F1B",
                             "--tp_size", "2", "--per_device_train_batch_size", "4", *tied, "--resume_from_checkpoint",
                             str(runs["ref-tied"].output_dir / "checkpoint-2"), preset="cpu_pp", processes=8),
     }
 
 
-@pytest.mark.parametrize("name", ["pp2xtp2-to-one", "one-to-3d"])
+@pytest.mark.parametrize("name", ["pp2xtp2-to-one", "pp2xtp2-to-tp", "one-to-3d"])
 def test_resume_across_pp_layouts(runs, resumed, name):
     """Steps 3-4 after the other layout's checkpoint-2 equal the uninterrupted one-process run: step 3's loss checks
     the weights, step 4's loss and grad norm and the final weights the optimizer state (AdamW's moments and step, by
@@ -285,7 +290,8 @@ def test_resume_across_pp_layouts(runs, resumed, name):
     info = run.state()["launch"]
     pp = name == "one-to-3d"
     assert (info["num_processes"], info["pp_size"], info["tp_size"], info["model_wrapper"]) == \
-        ((8, 2, 2, "PipelineStages") if pp else (1, 1, 1, "CausalLMTokenLoss"))
+        {"one-to-3d": (8, 2, 2, "PipelineStages"), "pp2xtp2-to-tp": (2, 1, 2, "CausalLMTokenLoss"),
+         "pp2xtp2-to-one": (1, 1, 1, "CausalLMTokenLoss")}[name]
     if pp:
         assert info["pp_stages"]["stages"] == 4 and info["dtensor_parameters"] > 0
         assert run.state()["parallelism"]["dp_world"] == 2  # two copies of the 4-process pipeline

@@ -64,7 +64,7 @@ SAVED = {"tp_size": 1, "ep_size": 1, "pp_size": 1, "deepspeed_config": None, "sh
     # a tp run reads full-state checkpoints of any sizes and those of one process / DDP (cut into its blocks)
     (FullStateCheckpoints, 2, "MULTI_CPU", {"tp_size": 4}, None),
     (FullStateCheckpoints, 2, "MULTI_CPU", {}, None),
-    (FullStateCheckpoints, 2, "MULTI_CPU", {"pp_size": 2}, "written with pp_size=2 and this run has tp_size=2"),
+    (FullStateCheckpoints, 2, "MULTI_CPU", {"pp_size": 2, "tp_size": 2}, None),  # converted to whole files
     (FullStateCheckpoints, 2, "MULTI_CPU", {"deepspeed_config": {}}, "written with DeepSpeed and this run has "
                                                                       "tp_size=2"),
     (FullStateCheckpoints, 2, "MULTI_CPU", {"sharded_modules": ["LlamaDecoderLayer"]}, "written with FSDP2 and this "
