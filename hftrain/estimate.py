@@ -76,6 +76,7 @@ from hftrain.memory import (
     deepspeed_bytes,
     fsdp,
     zero,
+    zero_offload_state,
 )
 from hftrain.metrics import active_expert_fraction, num_experts
 from hftrain.stages import STAGES_PER_PROCESS, split_layers, stage_indices
@@ -700,7 +701,8 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
                                                                      floor / sp + ring),
                             note=f"{g // sp} data-parallel copies of {sp}-GPU context groups; sdpa, no packing"))
     rows += [
-        row("ZeRO-2 + optimizer offload", "zero2_offload", zero_state, zero(2, g, ("optimizer",)), copies=w16),
+        row("ZeRO-2 + optimizer offload", "zero2_offload", zero_offload_state(zero_state, n, 2),
+            zero(2, g, ("optimizer",)), copies=w16),
         row("ZeRO-3 + parameter and optimizer offload", "zero3_offload", zero_state,
             zero(3, g, ("weights", "optimizer")), weights=in_flight, copies=w16),
     ]

@@ -13,7 +13,9 @@ and the live model's parameters (`ParameterCounts`: how many, and the bytes they
 - a layout places it (`Placement`): the parts it shards (ZeRO-1: the optimizer state; ZeRO-2: + gradients; ZeRO-3,
   FSDP2 FULL_SHARD, tensor-parallel shards: everything; FSDP2 SHARD_GRAD_OP: gradients and optimizer state) are split
   over `shards` processes, the others over the processes that split the model itself (`model_shards`: tensor-parallel
-  shards x pipeline stages), and the parts it offloads live in CPU memory instead (`PerDevice.cpu`).
+  shards x pipeline stages), and the parts it offloads live in CPU memory instead (`PerDevice.cpu`). ZeRO-Offload
+  (DeepSpeed's optimizer offload) takes the gradients with the optimizer state: each gradient is reduced into the
+  partition the CPU optimizer updates (`zero`), in fp32 at stages 1 and 2 (`zero_offload_state`).
 - a frozen copy of the model (dpo's / kto's reference, distill's teacher) is placed like the trained model's weights
   (`Placement.frozen`): whole on each process of DDP, sharded under ZeRO-3 / FSDP, in host memory with parameter
   offload.
@@ -24,7 +26,7 @@ gather for compute, activations) is the estimate's, named where it adds it. Impo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GIB = 2**30  # the one unit for memory sizes
 PARTS = ("weights", "gradients", "optimizer")  # the model state, in the order ZeRO's stages shard it (last first)
@@ -120,8 +122,23 @@ SINGLE = Placement()  # one process, or DDP: every process holds everything
 
 
 def zero(stage: int, processes: int, offloaded: tuple[str, ...] = ()) -> Placement:
-    """DeepSpeed ZeRO-`stage` over `processes`: stage 1 shards the optimizer state, 2 the gradients too, 3 all."""
-    return Placement(processes, 1, PARTS[3 - stage:], offloaded)
+    """DeepSpeed ZeRO-`stage` over `processes`: stage 1 shards the optimizer state, 2 the gradients too, 3 all.
+    `offloaded`: "optimizer" (offload_optimizer), "weights" (offload_param). With the optimizer offloaded the
+    gradients go to CPU memory too, one partition per process at any stage: DeepSpeed reduces each gradient into
+    the partition its CPU optimizer steps (0.19: stage_1_and_2.py's fp32 partition `.grad`, stage3.py's
+    `grad_partitions_flat_buffer`), and keeps on the device only the buckets being reduced."""
+    sharded, offloaded = PARTS[3 - stage:], tuple(offloaded)
+    if "optimizer" in offloaded:
+        sharded, offloaded = sharded + ("gradients",) * ("gradients" not in sharded), offloaded + ("gradients",)
+    return Placement(processes, 1, sharded, offloaded)
+
+
+def zero_offload_state(state: ModelState, trained: int, stage: int) -> ModelState:
+    """The model state under ZeRO-Offload: at stages 1 and 2 the CPU gradient partitions are fp32 (4 bytes per
+    trained parameter, whatever the weights' width); stage 3's are in its gradient-accumulation dtype, the 16-bit
+    weights' by default (unchanged). With gradient accumulation stages 1-2 also keep a 16-bit accumulation buffer in
+    CPU memory (`accumulated_grads_in_cpu`): not counted."""
+    return replace(state, gradients=4 * trained) if stage < 3 else state
 
 
 def fsdp(processes: int, full_shard: bool = True, offloaded: tuple[str, ...] = ()) -> Placement:

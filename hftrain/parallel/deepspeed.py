@@ -18,8 +18,9 @@ import torch
 
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
-from hftrain.memory import ModelState, ParameterCounts, deepspeed_bytes
-from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
+from hftrain.memory import ModelState, ParameterCounts, deepspeed_bytes, zero_offload_state
+from hftrain.memory import zero as zero_placement
+from hftrain.parallel.base import Backend, Parallelism
 from hftrain.parallel.checkpoint_io import DeepSpeedCheckpoints
 from hftrain.parallel.generation import ZeRO3Generation
 
@@ -60,10 +61,11 @@ def _auto_keys(node: dict, prefix: str = "") -> list[str]:
     return found
 
 
-def offloaded_parts(zero: dict) -> tuple[str, ...]:
-    """Parts of the model state a `zero_optimization` block keeps in CPU RAM."""
+def offloaded_parts(block: dict) -> tuple[str, ...]:
+    """What a `zero_optimization` block offloads to CPU RAM: "optimizer" (offload_optimizer), "weights"
+    (offload_param); `memory.zero` adds the gradients that go with the optimizer."""
     return tuple(part for part, key in (("optimizer", "offload_optimizer"), ("weights", "offload_param"))
-                 if zero.get(key, {}).get("device", "none") not in ("none", None))
+                 if block.get(key, {}).get("device", "none") not in ("none", None))
 
 
 def recipe_values(recipe: Recipe, world: int) -> dict:
@@ -134,12 +136,12 @@ class DeepSpeedBackend(Backend):
         super().__post_init__()
 
     def make_record(self, **layout) -> Parallelism:
-        zero = self.config["zero_optimization"]
-        stage = int(zero.get("stage", 0))
-        offloaded = offloaded_parts(zero)
-        name = f"DeepSpeed ZeRO-{stage}" + (" + offload" if offloaded else "")
-        return super().make_record(kind="deepspeed", name=name, zero_stage=stage, sharded=ALL_PARTS[3 - stage:],
-                                   offloaded=offloaded)
+        block = self.config["zero_optimization"]
+        stage = int(block.get("stage", 0))
+        placed = zero_placement(stage, self.accelerator.num_processes, offloaded_parts(block))
+        name = f"DeepSpeed ZeRO-{stage}" + (" + offload" if placed.offloaded else "")
+        return super().make_record(kind="deepspeed", name=name, zero_stage=stage, sharded=placed.sharded,
+                                   offloaded=placed.offloaded)
 
     def wrap(self, model, optimizer):
         hidden = getattr(model.config.get_text_config(), "hidden_size", None)  # an image-text model's language model
@@ -216,11 +218,16 @@ class DeepSpeedBackend(Backend):
 
     def model_state(self, counts: ParameterCounts) -> ModelState:
         """In 16-bit mixed precision DeepSpeed holds 16-bit weights and gradients and an fp32 master copy (4 bytes)
-        in the optimizer state (`memory.deepspeed_bytes`)."""
-        if not (self.recipe.bf16 or self.recipe.fp16):
-            return super().model_state(counts)
-        weight_bytes, state_bytes = deepspeed_bytes(0, self.optimizer_state_bytes(), True)
-        return ModelState.of(counts.total, counts.trained, weight_bytes, state_bytes)
+        in the optimizer state (`memory.deepspeed_bytes`); with the optimizer offloaded at stage 1 or 2 the
+        gradients are fp32 (`memory.zero_offload_state`)."""
+        if self.recipe.bf16 or self.recipe.fp16:
+            weight_bytes, state_bytes = deepspeed_bytes(0, self.optimizer_state_bytes(), True)
+            state = ModelState.of(counts.total, counts.trained, weight_bytes, state_bytes)
+        else:
+            state = super().model_state(counts)
+        if "optimizer" in self.record.offloaded:
+            state = zero_offload_state(state, counts.trained, self.record.zero_stage)
+        return state
 
     def config_used(self) -> dict | None:
         return self.config

@@ -9,7 +9,16 @@ from transformers import LlamaConfig
 
 from hftrain.config import Recipe
 from hftrain.estimate import estimate, model_shape
-from hftrain.memory import SINGLE, ModelState, ParameterCounts, Placement, fsdp, optimizer_bytes, zero
+from hftrain.memory import (
+    SINGLE,
+    ModelState,
+    ParameterCounts,
+    Placement,
+    fsdp,
+    optimizer_bytes,
+    zero,
+    zero_offload_state,
+)
 from hftrain.parallel.base import Backend
 from hftrain.parallel.deepspeed import DeepSpeedBackend
 from hftrain.parallel.fsdp import FSDP2Backend
@@ -34,7 +43,18 @@ def test_zero_stages_shard_the_parts_in_order_and_offload_moves_them_to_cpu():
     assert zero(2, 4).per_device(state).on_device == 2000 + 500 + 3000
     assert zero(3, 4).per_device(state).on_device == 500 + 500 + 3000
     held = zero(3, 4, ("weights", "optimizer")).per_device(state)
-    assert (held.weights, held.gradients, held.optimizer, held.cpu) == (0, 500, 0, 500 + 3000)
+    assert (held.weights, held.gradients, held.optimizer, held.cpu) == (0, 0, 0, 500 + 500 + 3000)
+
+
+def test_zero_offload_takes_the_gradient_partitions_to_cpu():
+    """Optimizer offload: each process's gradient partition lives in CPU memory beside its optimizer partition, at
+    stage 1 too (DeepSpeed reduces into the partition the CPU optimizer steps), fp32 at stages 1-2."""
+    state = ModelState.of(1000, 1000, 2, 12)
+    for stage in (1, 2):
+        held = zero(stage, 4, ("optimizer",)).per_device(zero_offload_state(state, 1000, stage))
+        assert (held.weights, held.gradients, held.optimizer, held.cpu) == (2000, 0, 0, 4000 // 4 + 12000 // 4)
+    held = zero(3, 4, ("optimizer",)).per_device(zero_offload_state(state, 1000, 3))  # 16-bit at stage 3
+    assert (held.weights, held.gradients, held.optimizer, held.cpu) == (500, 0, 0, 2000 // 4 + 12000 // 4)
 
 
 def test_tp_and_pp_split_what_is_not_sharded_and_each_part_rounds_down():
@@ -86,10 +106,11 @@ CPU = {"device": "cpu"}
     ("ZeRO-2", lambda: deepspeed(2), 2 * N + 2 * N // 4 + 12 * N // 4, 0, (0, 0)),
     ("ZeRO-3", lambda: deepspeed(3), 2 * N // 4 + 2 * N // 4 + 12 * N // 4, 0, (2 * 2 * UNIT, 0)),
     ("FSDP full shard", fsdp2, 4 * N // 4 + 4 * N // 4 + 8 * N // 4, 0, (2 * 2 * UNIT, 4 * UNIT)),
-    ("ZeRO-2 + optimizer offload", lambda: deepspeed(2, offload_optimizer=CPU), 2 * N + 2 * N // 4, 12 * N // 4,
+    # optimizer offload: the gradient partitions in CPU memory too, fp32 at stage 2
+    ("ZeRO-2 + optimizer offload", lambda: deepspeed(2, offload_optimizer=CPU), 2 * N, 4 * N // 4 + 12 * N // 4,
      (0, 0)),
     ("ZeRO-3 + parameter and optimizer offload", lambda: deepspeed(3, offload_optimizer=CPU, offload_param=CPU),
-     2 * N // 4, 2 * N // 4 + 12 * N // 4, (2 * 2 * UNIT, 0)),
+     0, 2 * N // 4 + 2 * N // 4 + 12 * N // 4, (2 * 2 * UNIT, 0)),
 ])
 def test_the_start_up_line_and_the_estimate_give_the_same_model_state(rows, strategy, backend, on_device, cpu,
                                                                       beyond):

@@ -4,6 +4,8 @@ checkpoints' model keys, and resuming on another process count."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,10 +13,11 @@ import torch
 from hftrain.checkpoint import _check_saved_weights
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
+from hftrain.memory import ModelState, zero, zero_offload_state
 from hftrain.model import build_model
 from hftrain.objectives.sft import CausalLMTokenLoss
 from hftrain.parallel.deepspeed import DeepSpeedBackend, deepspeed_problems, fill_deepspeed_config
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 from tests.unit.parallel.conftest import fake_accelerator
 
 MODEL = REPO / "models" / "tiny-llama"
@@ -51,6 +54,26 @@ def test_contradictions_between_ds_config_and_recipe_are_all_reported():
     assert "optim=sgd" in text  # accelerate would silently swap SGD for DeepSpeedCPUAdam
     assert not any("gradient_clipping" in p for p in problems)  # 1.0 == max_grad_norm: no contradiction
     assert len(problems) == 7
+
+
+def test_zero_offload_gradients_are_where_deepspeed_keeps_them():
+    """The memory model of ZeRO-Offload (the start-up line's and the estimate's: `memory.zero`, `zero_offload_state`)
+    against DeepSpeed's own engines on 2 processes (zero_offload_buffers.py): with the optimizer offloaded each process
+    keeps a gradient partition for its CPU optimizer, at stage 1 too, fp32 at stages 1-2 and in the 16-bit weights'
+    dtype at stage 3; the model counts those bytes in CPU memory and none on the device."""
+    from tests.unit.parallel.zero_offload_buffers import SIZES
+
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "unit" / "parallel" / "zero_offload_buffers.py"),
+                           str(free_port())], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    params = sum(i * o + o for i, o in SIZES)
+    for stage in (1, 2, 3):
+        state = zero_offload_state(ModelState.of(params, params, 2, 12), params, stage)  # bf16 weights, AdamW
+        placement = zero(stage, 2, ("optimizer",))
+        assert placement.per_device(state).gradients == 0
+        assert placement.share("gradients", state.gradients) == found[str(stage)]["bytes"], stage
+        assert found[str(stage)]["elements"] == params // 2
 
 
 def test_deepspeed_checkpoints_name_their_keys_in_the_engine_file(tmp_path):
