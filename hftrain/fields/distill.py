@@ -28,7 +28,7 @@ class DistillFields:
         "of the dataset's completions (offline). 0: always the dataset's; 1: always the student's "
         "(DistillationTrainer's way). In between, each optimizer step's choice is drawn from the seed and the "
         "step (the same for all its micro-batches and processes, the same after a resume), not per micro-batch "
-        "from a global random state as GKDTrainer does. On-policy completions go to output_dir/completions.jsonl.",
+        "from a global random state as GKDTrainer does. On-policy completions go to output_dir/rollouts.jsonl.",
         group="distill",
     )
 

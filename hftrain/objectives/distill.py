@@ -22,7 +22,7 @@ chunk is kept for the backward. The student's own logits of the trained tokens a
 
 Which completions: `lmbda` (GKDConfig's): 0 the dataset's (offline); 1 the student's own samples of each prompt
 (on-policy, DistillationTrainer's way); in between, one coin per optimizer step drawn from (seed, step)
-(`OnPolicyFeed`: the completions sampled in the step that trains on them, written to completions.jsonl).
+(`OnPolicyFeed`: the completions sampled in the step that trains on them, written to rollouts.jsonl as grpo's).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from hftrain.loss import ObjectiveLoss
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, WrapsCausalLM, load_base_model, pad_token_id
 from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import local_bytes
-from hftrain.paths import COMPLETIONS_FILE
+from hftrain.paths import ROLLOUTS_FILE
 from hftrain.rl.generation import build_generator
 from hftrain.rl.rollouts import Sampling
 from hftrain.router_loss import router_loss
@@ -290,14 +290,16 @@ class OnPolicyFeed:
     (`on_policy_step`), each row's completion is replaced by the student's own sample of its prompt (the tokens
     before its first trained token), generated with the recipe's sampling settings, each row from its own generator
     seeded by (seed, step, prompt tokens), up to max_completion_length tokens and the first EOS (trained, as the
-    dataset's completions). The rows of every on-policy step go to output_dir/completions.jsonl (step, prompt_ids,
-    completion_ids). Nothing is buffered across steps, so a checkpoint holds no generation state and a resumed run
+    dataset's completions). The rows of every on-policy step go to output_dir/rollouts.jsonl, in grpo's names (step,
+    prompt_ids, completion_ids, prompt and completion text, truncated); log_completions' evaluation samples keep
+    completions.jsonl. Nothing is buffered across steps, so a checkpoint holds no generation state and a resumed run
     samples the same completions."""
 
-    def __init__(self, inner, recipe: Recipe, generator, pad_id: int, accelerator, dp, output_dir: Path):
+    def __init__(self, inner, recipe: Recipe, generator, tokenizer, pad_id: int, accelerator, dp, output_dir: Path):
         """`generator`: the prepared student's sampler (rl.generation.build_generator, with `sampling(recipe)`)."""
         self.inner, self.recipe, self.accum, self.pad_id = inner, recipe, recipe.gradient_accumulation_steps, pad_id
-        self.generator, self.accelerator, self.dp, self.file = generator, accelerator, dp, output_dir / COMPLETIONS_FILE
+        self.generator, self.tokenizer, self.accelerator, self.dp = generator, tokenizer, accelerator, dp
+        self.file = output_dir / ROLLOUTS_FILE
         self.seconds = 0.0
         self.counts = torch.zeros(4, dtype=torch.float64)  # on-policy rows, their tokens, truncated rows, steps
 
@@ -305,7 +307,7 @@ class OnPolicyFeed:
         return getattr(self.inner, name)
 
     def start(self, step: int, state) -> None:
-        """A resumed run (or one overwriting an earlier run) keeps completions.jsonl's rows up to `step`."""
+        """A resumed run (or one overwriting an earlier run) keeps rollouts.jsonl's rows up to `step`."""
         if self.accelerator.is_main_process and self.file.exists():
             kept = [line for line in self.file.read_text().splitlines() if json.loads(line)["step"] <= step]
             self.file.write_text("".join(line + "\n" for line in kept))
@@ -337,8 +339,10 @@ class OnPolicyFeed:
             new_labels[r, len(prompt):len(ids)] = torch.tensor(s.completion_ids)
         self.counts += torch.tensor([len(rows), sum(len(s.completion_ids) for s in sampled),
                                      sum(s.truncated for s in sampled), 0.0], dtype=torch.float64)
-        self.write_rows([{"step": step, "prompt_ids": p, "completion_ids": s.completion_ids}
-                         for p, s in zip(prompts, sampled)])
+        self.write_rows([{"step": step, "prompt_ids": p, "completion_ids": s.completion_ids,
+                          "prompt": self.tokenizer.decode(p),
+                          "completion": self.tokenizer.decode(s.completion_ids, skip_special_tokens=True),
+                          "truncated": s.truncated} for p, s in zip(prompts, sampled)])
         self.seconds += time.perf_counter() - started
         return {**batch, "input_ids": input_ids, "labels": new_labels}
 
@@ -396,7 +400,8 @@ class Distill(Objective):
         eos, pad = run.tokenizer.eos_token_id, pad_token_id(run.tokenizer)
         generator = build_generator(recipe, run.backend, run.model, run.parts.loss.lm, run.accelerator,
                                     sampling(recipe), {eos} if isinstance(eos, int) else set(eos or []), pad)
-        return OnPolicyFeed(run.data.feed, recipe, generator, pad, run.accelerator, run.dp, run.output_dir)
+        return OnPolicyFeed(run.data.feed, recipe, generator, run.tokenizer, pad, run.accelerator, run.dp,
+                            run.output_dir)
 
     def notes(self, run) -> list[str]:
         recipe = run.recipe
@@ -409,7 +414,7 @@ class Distill(Objective):
 def completions(recipe: Recipe) -> str:
     """Which completions the steps train on, in words."""
     sampled = (f"sampled by the student (temperature {recipe.temperature:g}, top_p {recipe.top_p:g}, top_k "
-               f"{recipe.top_k}, up to {recipe.max_completion_length} tokens; written to {COMPLETIONS_FILE})")
+               f"{recipe.top_k}, up to {recipe.max_completion_length} tokens; written to {ROLLOUTS_FILE})")
     if recipe.lmbda == 0:
         return "the dataset's (lmbda 0)"
     if recipe.lmbda >= 1:

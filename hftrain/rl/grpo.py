@@ -29,6 +29,7 @@ from hftrain.errors import HftrainError
 from hftrain.loss import ObjectiveLoss
 from hftrain.model import WrapsCausalLM
 from hftrain.parallel.sequence import GroupSum
+from hftrain.paths import EVAL_ROLLOUTS_FILE, ROLLOUTS_FILE
 from hftrain.rl.generation import RolloutGenerator
 from hftrain.rl.loss import (
     LossSettings,
@@ -58,8 +59,6 @@ from hftrain.rl.rollouts import (
 from hftrain.rl.tools import Tooling
 from hftrain.tracking import Table
 
-ROLLOUTS_FILE = "rollouts.jsonl"
-EVAL_ROLLOUTS_FILE = "eval_rollouts.jsonl"  # every evaluation's completions, with the step it evaluated
 # the generation "window" of the evaluation's row seeds: every evaluation samples each eval completion with the same
 # seed (the same noise), so evaluations differ by the model only; training windows count from 0
 EVAL_WINDOW = -1

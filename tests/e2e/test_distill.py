@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+from transformers import AutoTokenizer
 
 from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, run_script
 from tests.e2e import objective_checks as checks
@@ -89,8 +90,11 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_the_models_load(tmp
     assert not (tmp_path / "out" / "final").exists()
 
 
-# lmbda 1: every step trains on the student's own completions of the chats' prompts (12 tokens at most)
-ON_POLICY = [*EXACT, "--lmbda", "1", "--max_completion_length", "12"]
+# lmbda 1: every step trains on the student's own completions of the chats' prompts (12 tokens at most); with
+# log_completions beside (these flags override EXACT's no-evaluation), the evaluations at steps 2 and 3 complete 2 eval
+# prompts greedily into completions.jsonl, while the on-policy samples go to rollouts.jsonl
+ON_POLICY = [*EXACT, "--lmbda", "1", "--max_completion_length", "12", "--validation_split_percentage", "10",
+             "--eval_steps", "2", "--log_completions", "true", "--num_completion_prompts", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -99,16 +103,26 @@ def on_policy(tmp_path_factory):
                       "--per_device_train_batch_size", "4")
 
 
-def completion_rows(run: Run) -> list[dict]:
-    return [json.loads(line) for line in (run.output_dir / "completions.jsonl").read_text().splitlines()]
+def rows_of(run: Run, name: str = "rollouts.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (run.output_dir / name).read_text().splitlines()]
 
 
 def test_on_policy_completions_are_the_students_and_are_written(on_policy):
     """Each step trains on 4 sampled completions of the step's prompts (the chats' tokens before the answer), written
-    to completions.jsonl; TRL's completion metrics are logged."""
+    to rollouts.jsonl in grpo's names; TRL's completion metrics are logged. log_completions' evaluation samples go to
+    completions.jsonl, their own file, and leave the on-policy rows whole."""
     said = " ".join((on_policy.stdout + on_policy.stderr).split())
     assert "completions: the student's own, sampled by the student (temperature 1" in said
-    rows = completion_rows(on_policy)
+    assert "written to rollouts.jsonl" in said
+    rows = rows_of(on_policy)
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
+    for r in rows:
+        assert set(r) == {"step", "prompt_ids", "completion_ids", "prompt", "completion", "truncated"}
+        assert (r["prompt"], r["completion"]) == (tokenizer.decode(r["prompt_ids"]),
+                                                  tokenizer.decode(r["completion_ids"], skip_special_tokens=True))
+        assert r["truncated"] == (len(r["completion_ids"]) == 12 and tokenizer.eos_token_id not in r["completion_ids"])
+    evaluations = rows_of(on_policy, "completions.jsonl")
+    assert [(r["step"], set(r)) for r in evaluations] == [(s, {"step", "prompt", "completion"}) for s in (2, 2, 3, 3)]
     assert [r["step"] for r in rows] == [1] * 4 + [2] * 4 + [3] * 4
     assert all(len(r["completion_ids"]) <= 12 for r in rows)
     assert rows[0]["prompt_ids"][-3:] != rows[0]["completion_ids"][:3]  # sampled, not copied from the data
@@ -126,10 +140,11 @@ def test_on_policy_resumes_exactly_and_two_zero3_processes_equal_one(tmp_path, o
     here under ZeRO-3: the student partitioned and gathered to sample, the teacher partitioned too."""
     resumed = checks.assert_resumes_exactly(tmp_path, on_policy, [*ON_POLICY, "--per_device_train_batch_size", "4"],
                                             COMPARED)
-    assert completion_rows(resumed) == completion_rows(on_policy)
+    assert rows_of(resumed) == rows_of(on_policy)
+    assert rows_of(resumed, "completions.jsonl") == rows_of(on_policy, "completions.jsonl")
     sharded = launch(tmp_path / "zero3", *ON_POLICY, "--per_device_train_batch_size", "2", preset="zero3", processes=2)
     assert "partitioned over the processes (ZeRO-3)" in " ".join((sharded.stdout + sharded.stderr).split())
     key = lambda r: (r["step"], r["prompt_ids"])  # noqa: E731 - the two layouts list a step's rows in another order
-    assert sorted(completion_rows(sharded), key=key) == sorted(completion_rows(on_policy), key=key)
+    assert sorted(rows_of(sharded), key=key) == sorted(rows_of(on_policy), key=key)
     checks.assert_same_steps(sharded, on_policy, COMPARED)
 
