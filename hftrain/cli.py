@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import difflib
 import importlib
 import importlib.metadata
 import os
@@ -37,7 +38,7 @@ import psutil
 import yaml
 
 import hftrain
-from hftrain.config import PRESET_DIR, SHIPPED, load_recipe, read_yaml, recipe_file, shipped_recipes
+from hftrain.config import FIELDS, PRESET_DIR, SHIPPED, load_recipe, read_yaml, recipe_file, shipped_recipes
 from hftrain.errors import ConfigError, HftrainError, run_tool
 from hftrain.paths import DEMO_RECIPE
 from hftrain.preemption import EXIT_PREEMPTED
@@ -143,6 +144,7 @@ def launch_parser() -> argparse.ArgumentParser:
     """`hftrain launch`'s own options; every other argument is the recipe's (`--config`, `--<field> value`)."""
     parser = argparse.ArgumentParser(
         prog="hftrain launch", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # as the recipe's parser: a prefix is a typo to report, not an option to guess
         usage="hftrain launch [--preset NAME|FILE] [--dry_run] [launcher options] [--config RECIPE] "
               "[--<field> VALUE ...]",
         description="Train a recipe: start the processes of a launch preset with accelerate launch, each running\n"
@@ -180,12 +182,31 @@ def with_demo_recipe(args: list[str]) -> list[str]:
     return args if named else ["--config", str(DEMO_RECIPE), *args]
 
 
+def launch_option_typos(args: list[str]) -> list[str]:
+    """The flags among the recipe's arguments that are no recipe field but look like one of `hftrain launch`'s own
+    options (a prefix of it, or one or two letters off): named with the option, instead of the recipe's "unknown
+    argument"."""
+    own = ["--help", "--preset", "--dry_run", *(f"--{option}" for option in LAUNCHER_OPTIONS)]
+    problems = []
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--") or flag[2:].replace("-", "_") in FIELDS or flag in own:
+            continue
+        like = [option for option in own if option.startswith(flag)] or difflib.get_close_matches(flag, own, 1, 0.8)
+        if like:
+            problems.append(f"{flag} is neither an option of hftrain launch nor a recipe field: did you mean "
+                            f"{like[0]}?")
+    return problems
+
+
 def check_launch(argv: list[str]) -> None:
     """Refuse, before any process starts, what every process would refuse, and a recipe without the layout the
     preset is for (`hftrain.presets`). The preflight against the launch (`hftrain.preflight.before_launch`) runs only
     for a launch of several processes: one process prints its refusal once anyway, without this process's seconds of
     imports (torch, transformers), which `hftrain presets` or `--help` need not pay, hence the import here."""
     known, rest = launch_parser().parse_known_args(argv)
+    if launch_option_typos(rest):
+        raise ConfigError(launch_option_typos(rest), "hftrain launch arguments")
     rest = with_demo_recipe(rest)
     preset = resolve_preset(known.preset or recipe_preset(rest) or "cpu")
     recipe = load_recipe(rest)  # first: the recipe alone needs none of the preflight's imports

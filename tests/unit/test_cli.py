@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from hftrain.cli import deepspeed_config_file, launch_command, list_presets, main, relay_errors, resolve_preset
+from hftrain.cli import (
+    deepspeed_config_file,
+    launch_command,
+    launch_option_typos,
+    list_presets,
+    main,
+    relay_errors,
+    resolve_preset,
+)
 from hftrain.config import DEFAULT_DATASET, DEFAULT_MODEL, PRESET_DIR, SHIPPED, Recipe, load_recipe, recipe_from_dict
 from hftrain.errors import ConfigError
 from tests.conftest import REPO
@@ -55,6 +63,20 @@ def test_unknown_preset_is_one_clear_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["launch", "--preset", "zero9"])
     assert exit_info.value.code == 2 and "zero2_offload" in capsys.readouterr().err
+
+
+def test_a_prefix_or_typo_of_a_launch_option_is_named_not_guessed(capsys):
+    """hftrain launch takes no prefixes of its options, as the recipe's parser takes none of the fields (argparse
+    would read --pres as --preset); a flag that is no recipe field but looks like one of its options is named with
+    that option, before any process starts."""
+    for typed, meant in (("--pres", "--preset"), ("--num_proc", "--num_processes"), ("--dry-run", "--dry_run"),
+                         ("--prest", "--preset")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["launch", typed, "cpu", "--max_steps", "1"])
+        said = " ".join(capsys.readouterr().err.split())
+        assert exit_info.value.code == 2, typed
+        assert f"{typed} is neither an option of hftrain launch nor a recipe field: did you mean {meant}?" in said
+    assert launch_option_typos(["--max_steps", "1", "--lora-r", "8", "--config=my.yaml", "--preset", "cpu"]) == []
 
 
 def test_dry_run_prints_the_command(capsys):
