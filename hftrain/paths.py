@@ -11,7 +11,7 @@ from pathlib import Path
 # top-level folders; a built wheel holds copies), so that an installed hftrain works from any folder.
 SHIPPED = Path(__file__).resolve().parent / "shipped"
 PRESET_DIR = SHIPPED / "accelerate_configs"  # the launch presets; their deepspeed_config_file is ds_configs/<name>.json
-DEFAULT_MODEL = SHIPPED / "models" / "tiny-llama"  # the embedded default: a tiny random Llama (0.16M parameters)
+DEFAULT_MODEL = SHIPPED / "models" / "tiny-llama"  # the embedded default: a tiny random Llama (0.18M parameters)
 DEFAULT_DATASET = SHIPPED / "data" / "chat.jsonl"  # and the demo chat data
 RECIPE_DIR = SHIPPED / "recipes"  # the repository's recipes/, by name: `--config tiny-dpo`
 DEMO_RECIPE = RECIPE_DIR / "tiny-chat.yaml"  # what `make demo` trains, and `hftrain launch` without --config

@@ -4,7 +4,7 @@ settings, on CPU.
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench_grpo.py [--steps 20 --reps 2 --threads 1 --out /tmp/bench-grpo]
     ... --write-docs   # also replace the marked results section of docs/benchmarks.md
 
-Both train models/tiny-llama (0.16M parameters, fp32, no gradient checkpointing) on the prompts of
+Both train models/tiny-llama (0.18M parameters, fp32, no gradient checkpointing) on the prompts of
 data/prompt_completion.jsonl with the shipped reward `hftrain.rl.example_rewards.vowel_share` and the settings of
 recipes/tiny-grpo.yaml: num_generations 8, max_completion_length 8, 16 completions per step (2 prompts; batch 16,
 no accumulation, steps_per_generation 1), temperature 1, dapo, beta 0, epsilon 0.2, AdamW lr 1e-2 constant, clipping

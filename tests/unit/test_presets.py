@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hftrain.config import PRESET_DIR, SHIPPED, Recipe
 from hftrain.parallel.deepspeed import (
@@ -164,3 +165,39 @@ def test_a_recipe_without_the_presets_layout_is_refused(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as info:
         cli.main(["launch", "--preset", "cpu_pp", "--max_steps", "1"])
     assert info.value.code == 2 and started == []
+
+
+# ------------------------------------------------------------------------------------- a recipe's stated reason
+RECIPES = sorted((SHIPPED / "recipes").glob("*.yaml"))
+STATED_SIZE = re.compile(r"(\d+(?:\.\d+)?)M[- ]parameter")  # "0.18M parameters", "0.52M-parameter teacher"
+
+
+def parameters(folder: Path, objective: str) -> int:
+    """The model a recipe trains, as transformers loads it for that objective (reward: a one-score classifier)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    if objective == "reward":
+        auto = transformers.AutoModelForSequenceClassification
+        config.num_labels = 1
+    elif hasattr(config, "vision_config"):
+        auto = transformers.AutoModelForImageTextToText
+    else:
+        auto = transformers.AutoModelForCausalLM
+    return sum(p.numel() for p in auto.from_config(config).parameters())
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if "launch_preset_reason" in r.read_text()],
+                         ids=lambda path: path.stem)
+def test_the_sizes_a_recipes_preset_reason_states_are_its_models(recipe):
+    """The start-up line prints a recipe's launch_preset_reason ("the recipe is sized for preset cpu: 0.18M
+    parameters ..."): the sizes it states are those of the shipped models it names (the student, then the teacher),
+    to two decimals in millions."""
+    values = yaml.safe_load(recipe.read_text())
+    models = [SHIPPED / values[key] for key in ("model_name_or_path", "teacher_model_name_or_path")
+              if key in values and (SHIPPED / values[key] / "config.json").is_file()]
+    if not models:
+        pytest.skip(f"{values['model_name_or_path']} is not a shipped model folder (a hub id or another run's output)")
+    stated = [float(size) for size in STATED_SIZE.findall(values["launch_preset_reason"])]
+    counted = [round(parameters(folder, values.get("objective", "sft")) / 1e6, 2) for folder in models]
+    assert stated == counted, values["launch_preset_reason"]
