@@ -92,7 +92,8 @@ def mask_policy(recipe, sources: list[dict]) -> str:
 
 def preview(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hftrain.data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)  # the rest are the recipe's: a prefix is not guessed
     parser.add_argument("--show", type=int, default=3, help="examples to print (default 3)")
     parser.add_argument("--dump", nargs=2, metavar=("N", "FILE"), help="write the first N collated rows to FILE")
     args, rest = parser.parse_known_args(argv)

@@ -30,7 +30,7 @@ from hftrain.data import (
     tokenize_example,
     training_rows,
 )
-from hftrain.errors import HftrainError
+from hftrain.errors import ConfigError, HftrainError
 from hftrain.model import fit_embeddings_to_tokenizer
 from hftrain.objectives.sft import CausalLMTokenLoss
 from tests.conftest import REPO
@@ -347,6 +347,15 @@ def test_preview_and_dump(tmp_path):
     assert trained == "".join(a + "<|im_end|>" for a in answers)
     # rows of one micro-batch are padded to the same width, padding untrained
     assert len(rows[0]["input_ids"]) == len(rows[1]["input_ids"])
+
+
+def test_preview_takes_no_prefix_of_its_options():
+    """The preview's own options (--show, --dump) are not guessed from a prefix: the other arguments are the
+    recipe's, whose parser takes no prefixes either."""
+    from hftrain.data.__main__ import preview
+
+    with pytest.raises(ConfigError, match="unknown argument '--sho'"):
+        preview(["--sho", "1"])
 
 
 def test_preview_refuses_bad_data_with_one_paragraph(tmp_path):
