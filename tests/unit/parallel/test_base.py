@@ -52,9 +52,10 @@ def test_sgd_with_momentum_holds_one_buffer_and_plain_sgd_none(accelerator):
     (1, {}, 2 * P + 2 * T + 12 * T // 4, 0),
     (2, {}, 2 * P + 2 * T // 4 + 12 * T // 4, 0),
     (3, {}, 2 * P // 4 + 2 * T // 4 + 12 * T // 4, 0),
-    (2, {"offload_optimizer": {"device": "cpu"}}, 2 * P + 2 * T // 4, 12 * T // 4),
-    (3, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, 2 * T // 4,
-     2 * P // 4 + 12 * T // 4),
+    # optimizer offload takes each process's gradient partition to CPU memory too (fp32 at stages 1-2)
+    (2, {"offload_optimizer": {"device": "cpu"}}, 2 * P, 4 * T // 4 + 12 * T // 4),
+    (3, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, 0,
+     2 * P // 4 + 2 * T // 4 + 12 * T // 4),
 ])
 def test_zero_stages_shard_their_parts_and_offload_moves_them_to_cpu(accelerator, stage, offload, expected,
                                                                        offloaded):
