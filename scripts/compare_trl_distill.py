@@ -69,6 +69,8 @@ def final_weights(out: Path, method: str) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
+    from transformers import AutoModelForCausalLM
+
     args = compare.parser(__doc__, "/tmp/compare-trl-distill", model=False).parse_args()
     template = compare.write_template(args.out)
     data = compare.first_rows("chat.jsonl", SETTINGS["per_device_train_batch_size"] * args.steps, args.out,
@@ -78,11 +80,18 @@ def main() -> None:
         trl, trl_weights = run_trl(data, template, args.steps, args.out / f"trl-{i}", method)
         mine = run_hftrain(data, template, args.steps, args.out / f"hftrain-{i}", method)
         ours = final_weights(args.out / f"hftrain-{i}", method)
-        weight_diff = max(float((ours[k] - v).abs().max()) for k, v in trl_weights.items() if k in ours)
-        results[method] = {"trl": trl, "hftrain": mine, "beta": VARIANTS[method], "max_weight_difference": weight_diff}
+        initial = AutoModelForCausalLM.from_pretrained(STUDENT, dtype=torch.float32).state_dict()
+        shared = [k for k in trl_weights if k in ours]
+        weight_diff = max(float((ours[k] - trl_weights[k]).abs().max()) for k in shared)
+        # how far apart the two runs' weights end, relative to how far training moved them (Frobenius, all tensors)
+        apart = sum(float((ours[k] - trl_weights[k]).square().sum()) for k in shared) ** 0.5
+        moved = sum(float((trl_weights[k] - initial[k]).square().sum()) for k in shared) ** 0.5
+        results[method] = {"trl": trl, "hftrain": mine, "beta": VARIANTS[method], "max_weight_difference": weight_diff,
+                           "relative_update_difference": apart / moved}
         print(f"== {method}, beta {VARIANTS[method]}")
         compare.print_steps(trl, mine, [("loss", "loss", ".6f"), ("grad_norm", "grad_norm", ".6f")], worst=False)
-        print(f"  final weights: largest absolute difference {weight_diff:.1e}")
+        print(f"  final weights: largest absolute difference {weight_diff:.1e}; apart by {apart / moved:.1e} of "
+              "how far training moved them")
     compare.write_json(args.json, results)
 
 
