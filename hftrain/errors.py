@@ -62,9 +62,11 @@ def report_and_exit(error: HftrainError) -> None:
 
 
 def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (libraries' messages go on for pages), or its class name."""
+    """The first line of an exception's message (libraries' messages go on for pages), or its class name; without
+    its closing period, since hftrain's sentence goes on after it ("cannot load model 'x': <first line>. Give ...")."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    line = text.splitlines()[0].rstrip() if text else ""
+    return line.rstrip(".") or line or type(exc).__name__
 
 
 def run_tool(function: Callable[..., T], *args, **kwargs) -> T:
