@@ -42,7 +42,7 @@ from hftrain.config import FIELDS, PRESET_DIR, SHIPPED, load_recipe, read_yaml, 
 from hftrain.errors import ConfigError, HftrainError, run_tool
 from hftrain.paths import DEMO_RECIPE
 from hftrain.preemption import EXIT_PREEMPTED
-from hftrain.presets import layout_problems, needs
+from hftrain.presets import device_problems, layout_problems, needs
 
 ENTRY = Path(__file__).resolve().parent / "finetune.py"
 TOOLS = {"finetune": "hftrain.finetune", "merge": "hftrain.merge", "estimate": "hftrain.estimate",
@@ -211,6 +211,8 @@ def check_launch(argv: list[str]) -> None:
     preset = resolve_preset(known.preset or recipe_preset(rest) or "cpu")
     recipe = load_recipe(rest)  # first: the recipe alone needs none of the preflight's imports
     problems = layout_problems(preset, recipe)
+    problems += device_problems(preset, lambda: importlib.import_module("torch").cuda.is_available(),
+                                lambda: importlib.import_module("torch").__version__)
     config = yaml.safe_load(preset.read_text(encoding="utf-8")) or {}
     if int(known.num_processes or config.get("num_processes") or 1) > 1:
         ds_file = deepspeed_config_file(preset)

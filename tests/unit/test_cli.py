@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from hftrain.cli import (
     deepspeed_config_file,
@@ -77,6 +78,19 @@ def test_a_prefix_or_typo_of_a_launch_option_is_named_not_guessed(capsys):
         assert exit_info.value.code == 2, typed
         assert f"{typed} is neither an option of hftrain launch nor a recipe field: did you mean {meant}?" in said
     assert launch_option_typos(["--max_steps", "1", "--lora-r", "8", "--config=my.yaml", "--preset", "cpu"]) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no CUDA device")
+def test_a_gpu_preset_is_refused_where_torch_sees_no_gpu(capsys):
+    """accelerate would start multi_gpu's 8 processes on the CPU over gloo, and single_gpu's one on the CPU, without
+    a word: refused before any process starts, naming the CPU preset (and the CPU build of torch it may be)."""
+    for preset, twin in (("multi_gpu", "cpu_ddp"), ("single_gpu", "cpu")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["launch", "--preset", preset, "--max_steps", "1"])
+        said = " ".join(capsys.readouterr().err.split())
+        assert exit_info.value.code == 2
+        assert f"the launch preset {preset} is for CUDA GPUs, but torch {torch.__version__} sees none here" in said
+        assert f"launch with --preset {twin} to train on this CPU" in said
 
 
 def test_dry_run_prints_the_command(capsys):

@@ -19,7 +19,7 @@ from hftrain.parallel.deepspeed import (
     get_key,
     set_key,
 )
-from hftrain.presets import needs
+from hftrain.presets import cpu_twin, device_problems, needs
 
 PRESETS = sorted(PRESET_DIR.glob("*.yaml"))
 DS_CONFIGS = sorted((SHIPPED / "ds_configs").glob("*.json"))
@@ -140,6 +140,18 @@ def test_a_preset_written_for_one_layout_declares_it(preset):
     if declared:
         instead = PRESET_DIR / f"{declared[1].split()[0]}.yaml"
         assert instead.is_file() and needs(instead) is None
+
+
+def test_a_gpu_preset_names_its_cpu_twin():
+    """The presets for CUDA GPUs declare it (`# hftrain-device: cuda`) with the preset that trains the same layout on
+    the CPU, one the tests run; a GPU machine sees no refusal."""
+    declared = {p.stem: cpu_twin(p) for p in PRESETS if cpu_twin(p)}
+    assert declared == {"single_gpu": "cpu", "multi_gpu": "cpu_ddp", "pp": "cpu_pp", "zero3_sp": "cpu_sp"}
+    assert set(declared.values()) <= RUN_ON_CPU
+    assert all(cpu_twin(PRESET_DIR / f"{twin}.yaml") is None for twin in declared.values())
+    never = lambda: pytest.fail("a preset of any device asked whether CUDA is there")  # noqa: E731
+    assert device_problems(PRESET_DIR / "cpu_ddp.yaml", never, never) == []
+    assert device_problems(PRESET_DIR / "multi_gpu.yaml", lambda: True, never) == []
 
 
 def test_a_recipe_without_the_presets_layout_is_refused(tmp_path, monkeypatch):
