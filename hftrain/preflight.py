@@ -87,7 +87,7 @@ def before_launch(recipe: Recipe, preset: dict, deepspeed_config_path: str | Non
     launcher has started them all."""
     launch = Launch.from_preset(preset, deepspeed_config_path, num_processes, num_machines)
     cuda = torch.cuda.is_available()
-    problems = strategy_problems(launch, cuda)
+    problems = strategy_problems(launch, cuda, gpus=torch.cuda.device_count() if cuda else 0)
     try:
         preflight(recipe, launch, cuda)
     except ConfigError as error:

@@ -126,14 +126,24 @@ def not_selected(wanted: str, selected: str, verb: str = "selected") -> str:
             f"with another strategy than the one you chose; {NOT_SELECTED[wanted]}")
 
 
-def strategy_problems(launch: Launch, cuda: bool, environ: Mapping[str, str] = os.environ) -> list[str]:
+def strategy_problems(launch: Launch, cuda: bool, environ: Mapping[str, str] = os.environ, gpus: int = 0) -> list[str]:
     """What accelerate would select instead of the preset's strategy on this machine, known before any process
-    starts: FSDP without CUDA (hftrain's CPU accelerator is never FSDP), DeepSpeed under ACCELERATE_USE_CPU."""
+    starts: FSDP without CUDA (hftrain's CPU accelerator is never FSDP), DeepSpeed under ACCELERATE_USE_CPU; and, on
+    a CUDA machine, more processes on it than the `gpus` CUDA devices it shows (accelerate 1.15 gives a process the GPU
+    of its local rank modulo their count, so two would share one, which NCCL refuses as "Duplicate GPU detected";
+    DeepSpeed takes the local rank's GPU, which does not exist)."""
     instead = "MULTI_CPU" if launch.world > 1 else "NO"
     if launch.kind == "fsdp2" and not cuda:
         return [not_selected("FSDP", instead, "would select")]
     if launch.kind == "deepspeed" and environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes"):
         return [not_selected("DEEPSPEED", instead, "would select")]
+    if cuda and launch.per_node > gpus:
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        fitting = gpus * (launch.world // launch.per_node)
+        return [f"the launch starts {launch.per_node} processes on this machine but torch sees {gpus} CUDA "
+                f"device{'s' * (gpus != 1)} here{shown}: each process needs a GPU of its own; pass --num_processes "
+                f"{fitting} (the GPUs per machine x machines) or make the other GPUs visible"]
     return []
 
 

@@ -54,9 +54,25 @@ def test_a_presets_launch_is_known_before_the_launcher_starts_the_processes(pres
 def test_a_strategy_accelerate_would_swap_is_known_before_the_launch():
     fsdp, zero = Launch("fsdp2", 2, 2), Launch("deepspeed", 2, 2)
     assert "asks for FSDP but accelerate would select MULTI_CPU" in strategy_problems(fsdp, cuda=False, environ={})[0]
-    assert strategy_problems(fsdp, cuda=True, environ={}) == []
+    assert strategy_problems(fsdp, cuda=True, environ={}, gpus=2) == []
     assert strategy_problems(zero, cuda=False, environ={}) == []  # DeepSpeed runs on CPU (gloo)
-    assert "unset ACCELERATE_USE_CPU" in strategy_problems(zero, cuda=True, environ={"ACCELERATE_USE_CPU": "true"})[0]
+    assert "unset ACCELERATE_USE_CPU" in strategy_problems(zero, cuda=True, environ={"ACCELERATE_USE_CPU": "true"},
+                                                          gpus=2)[0]
+
+
+def test_more_processes_on_a_machine_than_its_gpus_are_refused_before_the_launch():
+    """multi_gpu's default 8 processes on a 4-GPU machine (or 2 machines x 8 with 4 visible on each): each process
+    takes the GPU of its local rank, so ranks 4-7 would fail (or share a GPU under NCCL, which refuses it)."""
+    one, two = Launch("ddp", 8, 8), Launch("deepspeed", 16, 8)
+    (problem,) = strategy_problems(one, cuda=True, environ={}, gpus=4)
+    assert problem == ("the launch starts 8 processes on this machine but torch sees 4 CUDA devices here: each "
+                       "process needs a GPU of its own; pass --num_processes 4 (the GPUs per machine x machines) or "
+                       "make the other GPUs visible")
+    (problem,) = strategy_problems(two, cuda=True, environ={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, gpus=4)
+    assert "torch sees 4 CUDA devices here (CUDA_VISIBLE_DEVICES=0,1,2,3)" in problem
+    assert "pass --num_processes 8 (the GPUs per machine x machines)" in problem
+    assert strategy_problems(one, cuda=True, environ={}, gpus=8) == []
+    assert strategy_problems(one, cuda=False, environ={}) == []  # on the CPU: gloo processes, as many as asked
 
 
 def test_launch_reads_what_accelerate_launch_passes(tmp_path):
