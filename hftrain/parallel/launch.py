@@ -137,14 +137,19 @@ def strategy_problems(launch: Launch, cuda: bool, environ: Mapping[str, str] = o
         return [not_selected("FSDP", instead, "would select")]
     if launch.kind == "deepspeed" and environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true", "yes"):
         return [not_selected("DEEPSPEED", instead, "would select")]
-    if cuda and launch.per_node > gpus:
-        visible = environ.get("CUDA_VISIBLE_DEVICES")
-        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
-        fitting = gpus * (launch.world // launch.per_node)
-        return [f"the launch starts {launch.per_node} processes on this machine but torch sees {gpus} CUDA "
-                f"device{'s' * (gpus != 1)} here{shown}: each process needs a GPU of its own; pass --num_processes "
-                f"{fitting} (the GPUs per machine x machines) or make the other GPUs visible"]
-    return []
+    return gpu_problems(launch, gpus, environ) if cuda else []
+
+
+def gpu_problems(launch: Launch, gpus: int, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """More processes on this machine than the `gpus` CUDA devices it shows (`strategy_problems`)."""
+    if launch.per_node <= gpus:
+        return []
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    fitting = gpus * (launch.world // launch.per_node)
+    return [f"the launch starts {launch.per_node} processes on this machine but torch sees {gpus} CUDA "
+            f"device{'s' * (gpus != 1)} here{shown}: each process needs a GPU of its own; pass --num_processes "
+            f"{fitting} (the GPUs per machine x machines) or make the other GPUs visible"]
 
 
 def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
@@ -158,6 +163,9 @@ def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
     group = {"backend": "gloo"} if deepspeed and not cuda else {}
     set_nccl_environment(recipe.hang_timeout)  # read when the NCCL process group is created, below
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.ddp_timeout), **group)]
+    problems = gpu_problems(launch, torch.cuda.device_count()) if cuda else []
+    if problems:  # through plain `accelerate launch` (`hftrain launch` refuses it before starting any process)
+        raise HftrainError(problems[0])
     mesh = parallelism_config(recipe, launch)
     if recipe.cp_size > 1 and not cuda:
         raise HftrainError(
