@@ -74,9 +74,10 @@ def upload(folder: Path, repo_id: str, message: str, *, token: str | None = None
 
 def failure(exc: BaseException) -> str:
     """What a failed upload says: the error's first line and the reasons the hub listed under it (a refused card's
-    `- "base_model[0]" with value ... is not valid`), on one line."""
-    listed = [line.strip()[2:] for line in str(exc).strip().splitlines()[1:] if line.strip().startswith("- ")]
-    return first_line(exc) + "".join(f" {reason}" for reason in listed)
+    `- "base_model[0]" with value ... is not valid`), on one line: "<first line>: <reason>; <reason>"."""
+    lines = str(exc).strip().splitlines()[1:]
+    listed = [line.strip()[2:].rstrip(".") for line in lines if line.strip().startswith("- ")]
+    return first_line(exc) + (": " + "; ".join(listed) if listed else "")
 
 
 def repo_url(repo_id: str) -> str:

@@ -88,6 +88,7 @@ def test_a_refused_card_says_what_the_hub_refused(fake_hub, tmp_path):
         push = HubPush(Recipe(push_to_hub=True, hub_model_id="org/m"), True, print, print)
         with pytest.raises(HftrainError) as refused:
             push.finish(final)
-    assert "failed (Invalid metadata in README.md. \"base_model[0]\" with value \"/home/me/models/base\" is not " \
-           "valid." in str(refused.value)
+    assert "failed (Invalid metadata in README.md: \"base_model[0]\" with value \"/home/me/models/base\" is not " \
+           "valid. If possible, use a model id from https://hf.co/models); the trained model is saved there" \
+        in str(refused.value)
     assert not hub.repos["org/m"].commits
