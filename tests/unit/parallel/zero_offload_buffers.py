@@ -1,8 +1,11 @@
 """Run by test_deepspeed.py: where DeepSpeed itself keeps the gradients under ZeRO-Offload (optimizer offload), read
 off its engines on 2 gloo processes on the CPU, for stages 1, 2 and 3, in bf16 mixed precision, after one step.
 
-Prints one JSON line from rank 0: {stage: {"elements", "bytes"}} for the gradient partition the CPU optimizer
-steps (stages 1-2: the fp32 master partition's `.grad`; stage 3: `grad_partitions_flat_buffer`), per process.
+    python tests/unit/parallel/zero_offload_buffers.py PORT OUT.json
+
+Rank 0 writes OUT.json: {stage: {"elements", "bytes"}} for the gradient partition the CPU optimizer steps (stages 1-2:
+the fp32 master partition's `.grad`; stage 3: `grad_partitions_flat_buffer`), per process. (A file, not stdout, where
+the other rank's DeepSpeed prints land in any order.)
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def gradient_partition(optimizer, stage: int) -> torch.Tensor:
     return optimizer.grad_partitions_flat_buffer
 
 
-def worker(rank: int, port: int) -> None:
+def worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     import deepspeed
@@ -51,8 +54,9 @@ def worker(rank: int, port: int) -> None:
                         "bytes": grad.numel() * grad.element_size()}
         engine.destroy()
     if rank == 0:
-        print(json.dumps(found))
+        with open(out, "w") as f:
+            json.dump(found, f)
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, args=(int(sys.argv[1]),), nprocs=2)
+    mp.spawn(worker, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
