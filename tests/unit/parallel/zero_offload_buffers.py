@@ -53,9 +53,12 @@ def worker(rank: int, port: int, out: str) -> None:
         found[stage] = {"elements": grad.numel(),
                         "bytes": grad.numel() * grad.element_size()}
         engine.destroy()
+    # both ranks done before either leaves: a rank exiting while its peer still talks to it aborts the peer
+    torch.distributed.barrier()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(found, f)
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
