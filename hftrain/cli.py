@@ -205,8 +205,8 @@ def check_launch(argv: list[str]) -> None:
     for a launch of several processes: one process prints its refusal once anyway, without this process's seconds of
     imports (torch, transformers), which `hftrain presets` or `--help` need not pay, hence the import here."""
     known, rest = launch_parser().parse_known_args(argv)
-    if launch_option_typos(rest):
-        raise ConfigError(launch_option_typos(rest), "hftrain launch arguments")
+    if typos := launch_option_typos(rest):
+        raise ConfigError(typos, "hftrain launch arguments")
     rest = with_demo_recipe(rest)
     preset = resolve_preset(known.preset or recipe_preset(rest) or "cpu")
     recipe = load_recipe(rest)  # first: the recipe alone needs none of the preflight's imports

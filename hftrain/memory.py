@@ -129,7 +129,9 @@ def zero(stage: int, processes: int, offloaded: tuple[str, ...] = ()) -> Placeme
     `grad_partitions_flat_buffer`), and keeps on the device only the buckets being reduced."""
     sharded, offloaded = PARTS[3 - stage:], tuple(offloaded)
     if "optimizer" in offloaded:
-        sharded, offloaded = sharded + ("gradients",) * ("gradients" not in sharded), offloaded + ("gradients",)
+        offloaded += ("gradients",)
+        if "gradients" not in sharded:  # stage 1
+            sharded += ("gradients",)
     return Placement(processes, 1, sharded, offloaded)
 
 

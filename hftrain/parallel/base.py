@@ -520,7 +520,11 @@ class Backend:
 
     def parameter_counts(self, model) -> ParameterCounts:
         """The model's parameters: elements at their original size (4-bit weights unpacked), bytes as stored."""
-        params = list(model.parameters())
+        return self.count_parameters(model.parameters())
+
+    def count_parameters(self, params) -> ParameterCounts:
+        """`params` counted as `parameter_counts` counts a model's (this backend's sizes of a parameter)."""
+        params = list(params)
         trained = [p for p in params if p.requires_grad]
         return ParameterCounts(sum(map(self.parameter_size, trained)), sum(map(self.parameter_size, params)),
                                sum(map(self.stored_bytes, trained)), sum(map(self.stored_bytes, params)))

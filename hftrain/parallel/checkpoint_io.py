@@ -360,10 +360,14 @@ class FullTrainingState:
             torch.save({"model": model_state, "optimizer": optimizer_state}, os.path.join(folder, FULL_STATE_FILE))
 
     def load(self, folder: str) -> None:
-        if not os.path.exists(os.path.join(folder, FULL_STATE_FILE)):
+        path = os.path.join(folder, FULL_STATE_FILE)
+        if not os.path.exists(path):
             self.load_whole(Path(folder))
             return
-        state = torch.load(os.path.join(folder, FULL_STATE_FILE), map_location="cpu", weights_only=True)
+        self.load_full(torch.load(path, map_location="cpu", weights_only=True))
+
+    def load_full(self, state: dict) -> None:
+        """The full-state file's {"model", "optimizer"}, re-sharded by torch's full-state loading."""
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
 
@@ -390,14 +394,10 @@ class FullStateSlices(FullTrainingState):
     scatters each tensor with `distribute_tensor`, which refuses a dimension that the 2D mesh does not split evenly
     (an AssertionError in `_StridedShard._shard_tensor`; the tiny model's 753-token vocabulary over 4 ranks)."""
 
-    def load(self, folder: str) -> None:
-        if not os.path.exists(os.path.join(folder, FULL_STATE_FILE)):
-            self.load_whole(Path(folder))
-            return
-        full = torch.load(os.path.join(folder, FULL_STATE_FILE), map_location="cpu", weights_only=True)
+    def load_full(self, state: dict) -> None:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)  # this rank's shards (DTensors)
-        set_state_dict(self.model, self.optimizer, model_state_dict=_local_blocks(model_state, full["model"]),
-                       optim_state_dict=_local_blocks(optimizer_state, full["optimizer"]))
+        set_state_dict(self.model, self.optimizer, model_state_dict=_local_blocks(model_state, state["model"]),
+                       optim_state_dict=_local_blocks(optimizer_state, state["optimizer"]))
 
 
 def _local_blocks(local, full, path: str = ""):

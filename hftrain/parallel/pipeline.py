@@ -53,7 +53,7 @@ import json
 import os
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -698,11 +698,8 @@ class PipelineBackend(Backend):
         """The whole pipeline's: every stage's counts added, a tied head counted with the embedding only (as the
         model without pp counts it)."""
         tied = self.tied_parameter(model) if not model.has_first else None
-        params = [p for p in model.parameters() if p is not tied]
-        trained = [p for p in params if p.requires_grad]
-        counts = torch.tensor([sum(map(self.parameter_size, trained)), sum(map(self.parameter_size, params)),
-                               sum(map(self.stored_bytes, trained)), sum(map(self.stored_bytes, params))],
-                              dtype=torch.int64, device=self.accelerator.device)
+        stage = self.count_parameters(p for p in model.parameters() if p is not tied)
+        counts = torch.tensor(astuple(stage), dtype=torch.int64, device=self.accelerator.device)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.pp_group)
         return ParameterCounts(*map(int, counts))
 
