@@ -398,53 +398,95 @@ def run_launcher(cmd: list[str]) -> int:
 
 TRACEBACK = "Traceback (most recent call last):"
 PREEMPTED_LOG = re.compile(rf"elastic/multiprocessing/api\.py:\d+\] failed \(exitcode: {EXIT_PREEMPTED}\)")
+# accelerate >= 1.16's single-process launcher raises its CalledProcessError `from RuntimeError(<the last 512 KiB of
+# the process's standard error>)`, so the process's error comes back a second time, after "RuntimeError: ", before
+# the launcher's own traceback (accelerate/commands/launch.py, `_run_subprocess`)
+ECHO = "RuntimeError: "
+ECHO_END = "The above exception was the direct cause of the following exception:"
+ECHO_SPAN = 1 << 20  # what is kept of the relayed text to recognise the echo: more than the launcher's tail
 
 
 def relay_errors(chunks: Iterable[str], out: TextIO) -> int | None:
     """Pass the launch's standard error on as it comes (progress bars' partial lines at once), except the launcher's
     own closing traceback: a traceback is held until its exception line; the launcher's (`LAUNCHER_FAILURES`), with
     what follows it (torchrun's summary), becomes one line (none after a stop with a checkpoint, which the training
-    process has announced); any other (a process's own error) is passed on whole. Returns the failed process's exit
-    status that the launcher reported, if it did."""
+    process has announced); any other (a process's own error) is passed on whole. accelerate 1.16's repetition of
+    the process's standard error (`ECHO`) is held while it repeats what was passed on, and dropped when the
+    launcher's traceback follows it. Returns the failed process's exit status that the launcher reported, if it
+    did."""
     held: list[str] = []  # a traceback so far; held[0] == "" once it is the launcher's
+    echo: list[str] = []  # lines that so far repeat what went out, after ECHO
+    echoed = False  # the echo was just dropped: the blank lines before the launcher's traceback go with it
     partial, sent = "", 0  # the unfinished last line, and how much of it was passed on already
+    relayed = ""  # the end of what went out
+
+    def emit(text: str) -> None:
+        nonlocal relayed
+        out.write(text)
+        relayed = (relayed + text)[-ECHO_SPAN:]
+
+    def repeats(lines: list[str]) -> bool:
+        body = "".join(lines)[len(ECHO):].rstrip("\n").lstrip("\ufffd")  # the tail may begin mid-character
+        return body in relayed
 
     def complete(line: str) -> None:
+        nonlocal held, echo, echoed
+        if echoed and not line.strip():
+            return
+        echoed = False
+        if echo:
+            if line.startswith(ECHO_END):  # the launcher's traceback follows: its closing line replaces it
+                echo, echoed = [], True
+                return
+            if repeats([*echo, line]) or not line.strip():
+                echo.append(line)
+                return
+            lines, echo = echo, []
+            for earlier in lines:
+                complete_line(earlier)
+        if line.startswith(ECHO) and not held and repeats([line]):
+            echo = [line]
+            return
+        complete_line(line)
+
+    def complete_line(line: str) -> None:
         nonlocal held
         if PREEMPTED_LOG.search(line):  # torchrun's log of a worker's exit 75: the worker's own line says it all
             return
         if held and held[0] == "":
             held.append(line)
         elif line.startswith(TRACEBACK):
-            out.writelines(held)
+            emit("".join(held))
             held = [line]
         elif held and line.startswith((" ", "\t")):
             held.append(line)
         elif held and line.startswith(LAUNCHER_FAILURES):
             held = ["", line]
         else:
-            out.writelines(held)
+            emit("".join(held))
             held = []
-            out.write(line)
+            emit(line)
 
     for chunk in chunks:
         partial += chunk
         while "\n" in partial:
             line, partial = partial.split("\n", 1)
             if sent:  # its start went out as a partial line: not a traceback's
-                out.write(line[sent:] + "\n")
+                emit(line[sent:] + "\n")
                 sent = 0
             else:
                 complete(line + "\n")
-        may_be_traceback = TRACEBACK.startswith(partial) or partial.startswith(TRACEBACK)
-        if partial and not held and (sent or not may_be_traceback):
-            out.write(partial[sent:])
+        may_be_held = any(start.startswith(partial) or partial.startswith(start) for start in (TRACEBACK, ECHO))
+        if partial and not held and not echo and (sent or not may_be_held):
+            emit(partial[sent:])
             sent = len(partial)
         out.flush()
     if partial and not sent:
         complete(partial)
     elif partial[sent:]:
-        out.write(partial[sent:])
+        emit(partial[sent:])
+    for line in echo:  # the stream ended inside what looked like an echo: it was the process's own text
+        complete_line(line)
     status = None
     if held and held[0] == "":
         line, status = launcher_failure_line("".join(held))

@@ -30,9 +30,9 @@ import hftrain
 # torch's floor is 2.11 (the lent GPU image's), CI's lower end runs 2.13.0, the only CPU build on its machine
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.11", "2.14.1"),
-    "transformers": ("5.17.0", "5.24.0"),
+    "transformers": ("5.17.0", "5.25.0"),
     "tokenizers": ("0.23.2", "0.23.3"),
-    "accelerate": ("1.15.0", "1.15.0"),
+    "accelerate": ("1.15.0", "1.16.0"),
     "huggingface-hub": ("1.33.0", "2.4.0"),
     "datasets": ("5.0.0", "5.2.0"),
     "peft": ("0.20.0", "0.21.2"),

@@ -4,12 +4,14 @@ hftrain reaches past a few libraries' public APIs where they offer no public way
 partial load of a pipeline stage inside transformers' loader, CPython's exit sequence, ...). Each such use lives in
 `hftrain.compat.<library>` as a small function whose docstring says what it relies on, and calls `require` with the
 versions it was checked on (run by the test suite, or read in the library's source where the docstring says so).
-Outside them the use stops with one paragraph naming the feature, the library internal, the checked versions and
-the installed one, instead of an AttributeError deep inside a run or, worse, different numbers. Nothing is checked
+Outside them the use stops with one paragraph naming the feature, the checked versions, the installed one and the
+install that fixes it, instead of an AttributeError deep inside a run or, worse, different numbers. Nothing is checked
 at import: a run that never uses pipeline evaluation never asks which torch schedules it would need.
 
-Updating a library: run the suite on the new version, fix what moved, and widen the `CHECKED` range of the module
-(or of the one use that differs). tests/unit/test_compat.py checks that no module outside hftrain/compat imports a
+pyproject.toml declares each such library's range with the same upper bound (tests/unit/test_versions.py holds
+them equal), so that what pip resolves runs. Updating a library: read the new version's source for these uses, run
+the suite on it, fix what moved, and widen the module's `CHECKED` range and pyproject.toml's together.
+tests/unit/test_compat.py checks that no module outside hftrain/compat imports a
 private name or reads a private attribute of a library.
 """
 
@@ -71,11 +73,13 @@ def require(library: str, versions: str, use: str) -> None:
 
 
 def outside(library: str, versions: str, use: str) -> str:
-    """The reason `use` cannot run with the installed `library`."""
+    """The reason `use` cannot run with the installed `library`, and the install that fixes it. pyproject.toml
+    declares the same range (tests/unit/test_versions.py), so only an environment changed after hftrain was installed
+    (an upgrade, a --no-deps install) gets here."""
     installed = installed_version(library) or "none"
-    fix = "use a Python in that range" if library == "python" else \
-        f"install a {library} in that range (pip install '{library}{versions}')"
-    return (
-        f"{use} relies on {library} internals that hftrain checked on {library}{versions}, and {library} {installed} "
-        f"is installed: {fix}, or run without this feature; hftrain/compat/ lists every such use and the versions "
-        "it was checked on")
+    if library == "python":
+        fix = f"run hftrain with a Python in that range (python{versions})"
+    else:
+        fix = f"pip install '{library}{versions}', the range this hftrain declares"
+    return (f"{use} relies on {library} internals that this hftrain ({installed_version('hftrain') or 'source'}) "
+            f"was checked with on {library}{versions}, and {library} {installed} is installed: {fix}")

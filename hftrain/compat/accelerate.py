@@ -1,4 +1,4 @@
-"""accelerate internals hftrain uses (checked on accelerate 1.15, the version the test suite runs).
+"""accelerate internals hftrain uses (checked on accelerate 1.16, the lock's version, and 1.15, the lower end's).
 
 - context parallelism: the forward hooks accelerate attaches to a model's attention layers under its own CP path
   (`_attach_context_parallel_hooks` in accelerate/big_modeling.py), which drop the attention mask for `is_causal`;
@@ -25,7 +25,7 @@ try:  # private, so each may be missing from another accelerate: `require` says 
 except ImportError:
     _attach_context_parallel_hooks = _prepare_sd_options = None
 
-CHECKED = ">=1.15,<1.16"
+CHECKED = ">=1.15,<1.17"
 
 CP_HOOKS = Use("accelerate", CHECKED, "context parallelism (accelerate's attention-mask hooks)")
 FSDP2_STATE_DICT = Use("accelerate", CHECKED, "FSDP2 checkpoints (accelerate's state-dict options)")

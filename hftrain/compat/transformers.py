@@ -1,6 +1,7 @@
-"""transformers internals hftrain uses (checked on transformers 5.23 by the test suite; the uses marked 5.17 also by
-CI's lower end, constraints/lower.txt, and read in transformers 5.17's source; every one also on 5.24, the newest end
-`make test-newest` runs, whose source has each of them unchanged from 5.23).
+"""transformers internals hftrain uses (checked on transformers 5.25 by the test suite, the lock's version; the uses
+marked 5.17 also by CI's lower end, constraints/lower.txt, and read in transformers 5.17's source; every one also on
+5.23 and 5.24, whose source has each of them as 5.25 has: in 5.25 `ReplicatedWithGradAllReduce` installs its hook
+from a forward pre-hook instead of a wrapped forward, the same post-accumulate all-reduce of `.grad`).
 
 - the partial load of a pipeline stage (`load_decoder_layers`): a runtime subclass of the model class whose
   `_load_pretrained_model` step swaps the layers another stage owns for parameterless stand-ins, with their keys
@@ -23,8 +24,8 @@ from torch import nn
 
 from hftrain.compat import Use
 
-CHECKED = ">=5.23,<5.25"
-CHECKED_SINCE_5_17 = ">=5.17,<5.25"
+CHECKED = ">=5.23,<5.26"
+CHECKED_SINCE_5_17 = ">=5.17,<5.26"
 
 STAGE_LOAD = Use("transformers", CHECKED, "reading only a pipeline stage's layers (pp_size > 1 with full fine-tuning)")
 WEIGHT_CONVERSIONS = Use("transformers", CHECKED_SINCE_5_17,
@@ -138,11 +139,11 @@ def accumulation_safe_partial_gradients(lm: nn.Module, tp: int) -> list[str]:
     micro-batch's, on every rank (exact for tp a power of 2). Registered when the module runs, on the parameter it
     runs with, as transformers registers its own: under FSDP2 that is the gathered parameter, whose `.grad`
     accumulates between the steps' reductions. No-op for a model without such weights, and outside the versions whose
-    hook was read (5.23, 5.24)."""
+    hook was read (5.23-5.25)."""
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm  # peft: the plan's names are the base's
     plan = {key: style for key, style in (getattr(base, "tp_plan", None) or {}).items()
             if style == PARTIAL_GRADIENT_STYLE}
-    if not plan or tp <= 1 or PARTIAL_GRADIENTS.problem() is not None:  # outside 5.23-5.24: its hook unread
+    if not plan or tp <= 1 or PARTIAL_GRADIENTS.problem() is not None:  # outside 5.23-5.25: its hook unread
         return []
     styles = base._expand_parallel_plan(plan)
     names = [name for name, module in base.named_modules()

@@ -8,12 +8,18 @@ dependencies through a .pth line naming this interpreter's site-packages; a .pth
 without running that folder's own .pth files, so the editable hftrain of the development venv is not seen.
 HFTRAIN_TEST_FRESH_VENV=1 installs everything instead (torch==2.13.0 first, then the wheel with its pinned
 dependencies from the package index): what `pip install .` does on a new machine, ~2.5 min instead of ~20 s.
+
+`test_the_readmes_install_trains_with_what_pip_resolves_today` runs the README's own install commands, word for word,
+into an empty venv with no constraints file: what a user who follows the README gets from the package index today
+(the newest releases pyproject.toml's ranges admit), then the README's next command, which trains. It needs the
+package index (CI has it); where the index cannot be reached it is skipped, saying so.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -150,3 +156,42 @@ def test_the_installed_package_trains_the_embedded_default_from_any_folder(venv,
     assert len(eval_losses(out)) >= 2 and eval_losses(out) == pytest.approx(eval_losses(demo_dir), rel=1e-6)
     final = f"hftrain: eval_loss {eval_losses(demo_dir)[-1]:.4f} after 60 steps"
     assert final in default.stdout + default.stderr
+
+
+def readme_install_commands() -> list[list[str]]:
+    """The README's install line (`pip install torch==2.13.0 && pip install .`), split into its pip commands."""
+    readme = (REPO / "README.md").read_text()
+    (line,) = [line for line in readme.splitlines() if line.startswith("pip install torch")]
+    commands = [command.split() for command in line.split("#")[0].split("&&")]
+    assert [command[:2] for command in commands] == [["pip", "install"]] * 2 and commands[1][2:] == ["."], line
+    return commands
+
+
+@pytest.mark.launch
+def test_the_readmes_install_trains_with_what_pip_resolves_today(wheel, tmp_path):
+    """The README's `pip install torch==2.13.0 && pip install .` in a fresh venv, no constraints (pip's own cache
+    only spares downloads), then `hftrain launch --preset cpu` from an empty folder: it trains the demo. A library
+    release that pyproject.toml admits but hftrain's version gates refuse fails here (transformers 5.25 did)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PIP_CONSTRAINT", "PYTHON"))}
+    for command in readme_install_commands():
+        target = [str(wheel) if word == "." else word for word in command[2:]]  # `.`: the checkout, built
+        proc = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *target],
+                              capture_output=True, text=True, env=env, timeout=1500)
+        if proc.returncode != 0 and re.search(r"Could not fetch|NewConnectionError|Temporary failure|"
+                                              r"Network is unreachable", proc.stderr, re.I):
+            pytest.skip(f"the package index is not reachable: {proc.stderr.strip()[-300:]}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    check = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "check"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+    folder = tmp_path / "user"
+    folder.mkdir()
+    launched = run(venv, folder, "hftrain", "launch", "--preset", "cpu", timeout=600)
+    final = folder / "outputs" / "tiny-chat" / "final"
+    assert (final / "model.safetensors").is_file() and (final / "config.json").is_file()
+    assert json.loads((final / "hftrain_state.json").read_text())["progress"]["step"] == 60
+    assert "hftrain: error" not in launched.stderr
+    resolved = run(venv, folder, "hftrain", "env").stdout  # which versions pip chose, for the test's log
+    print(resolved)
+    assert "newer than tested" not in resolved and "OLDER than tested" not in resolved

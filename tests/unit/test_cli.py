@@ -262,7 +262,8 @@ def test_recipe_launch_preset_must_ship(tmp_path, monkeypatch):
     assert Recipe().launch_preset is None
 
 
-# Standard error of real failed launches (accelerate 1.15, torch 2.13; paths shortened to /repo): a recipe error in
+# Standard error of real failed launches (accelerate 1.15, and 1.16 where the name says; torch 2.13; paths shortened to
+# /repo): a recipe error in
 # every process, then the launcher's own traceback saying a process exited non-zero
 LAUNCHER_OUTPUT = Path(__file__).parent / "launcher_output"
 
@@ -289,6 +290,25 @@ def test_a_single_process_launchers_traceback_becomes_one_line():
     shown = relayed([text])
     closing = "hftrain launch: the run exited with status 2 (its error is above)\n"
     assert shown == text[:text.index("Traceback")] + closing
+
+
+def test_accelerate_1_16s_repetition_of_the_error_is_dropped():
+    """accelerate 1.16's single-process launcher raises its CalledProcessError from a RuntimeError holding the
+    process's standard error: the error came back after "RuntimeError: ", then the launcher's traceback. Once."""
+    text = (LAUNCHER_OUTPUT / "simple_called_process_error_accelerate_1_16.txt").read_text()
+    error = text[:text.index("RuntimeError: ")]
+    assert error.startswith("hftrain: error: invalid recipe") and text.count(error.strip()) == 2
+    closing = "hftrain launch: the run exited with status 2 (its error is above)\n"
+    for pieces in ([text], [text[i:i + 7] for i in range(0, len(text), 7)]):  # whole, and in small pieces
+        assert relayed(pieces) == error + closing
+
+
+def test_a_processs_own_runtime_error_line_is_passed_on():
+    """A line of the process's own that starts like the echo, but repeats nothing, goes out as it is."""
+    own = "progress\nRuntimeError: something the process printed itself\nnext\n"
+    assert relayed([own[:15], own[15:]]) == own
+    repeated = "warn: x\nRuntimeError: warn: x\nmore of the process's own output\n"  # not followed by the launcher
+    assert relayed([repeated]) == repeated
 
 
 def test_a_processs_own_traceback_is_passed_on_whole():

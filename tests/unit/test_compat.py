@@ -118,6 +118,8 @@ def test_a_version_outside_the_gate_stops_with_one_paragraph(monkeypatch):
     message = str(raised.value)
     assert "pipeline evaluation with a V schedule" in message and "torch>=2.13,<2.14" in message
     assert "torch 2.99.0 is installed" in message and "pip install 'torch>=2.13,<2.14'" in message
+    # a pip user has no hftrain/compat/ to read, and "without this feature" is no advice for loading a model
+    assert "hftrain/compat" not in message and "without this feature" not in message
 
 
 def test_a_missing_library_is_outside_every_gate():

@@ -5,16 +5,22 @@ brings it."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 import re
 import subprocess
 import sys
+from itertools import chain
 
 import pytest
 import tomllib
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from hftrain import versions
+from hftrain import compat, versions
 from tests.conftest import REPO
 
 
@@ -30,7 +36,7 @@ def test_the_tested_range_is_the_lower_end_and_the_newer_of_the_lock_and_the_new
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]  # the heavy parts TESTED also covers, declared as extras
     for requirement in [*project["dependencies"], *extras["deepspeed"], *extras["quantization"], *extras["wandb"]]:
-        if match := re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", requirement.split(";")[0].strip()):
+        if match := re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)(,<[0-9.]+)?", requirement.split(";")[0].strip()):
             floors[match.group(1).lower()] = match.group(2)
     for package, (low, high) in versions.TESTED.items():
         assert high == max(lock[package], newest.get(package, lock[package]), key=Version), package
@@ -43,8 +49,9 @@ def test_the_tested_range_is_the_lower_end_and_the_newer_of_the_lock_and_the_new
 def test_placement_against_the_range():
     assert versions.placement("transformers", "5.17.0") == "in range"
     assert versions.placement("transformers", "5.23.0") == "in range"
-    assert versions.placement("transformers", "5.24.0") == "in range"  # make test-newest's (constraints/newest.txt)
-    assert versions.placement("transformers", "5.25.0") == "newer than tested"
+    assert versions.placement("transformers", "5.24.0") == "in range"
+    assert versions.placement("transformers", "5.25.0") == "in range"  # the lock's
+    assert versions.placement("transformers", "5.26.0") == "newer than tested"
     assert versions.placement("torch", "2.14.1+cu130") == "in range"
     assert versions.placement("torch", "2.15.0") == "newer than tested"
     assert versions.placement("transformers", "5.16.1").startswith("OLDER than tested")
@@ -80,7 +87,7 @@ def test_hftrain_env_prints_the_installed_versions_and_the_features():
                          cwd=REPO).stdout
     import transformers
 
-    assert re.search(rf"(?m)^transformers +{re.escape(transformers.__version__)} +5\.17\.0 \.\. 5\.24\.0", out)
+    assert re.search(rf"(?m)^transformers +{re.escape(transformers.__version__)} +5\.17\.0 \.\. 5\.25\.0", out)
     assert "features (yes: available here; no: what it needs)" in out
     expected = "yes " if versions.available("expert_parallel") else "no   expert parallelism"
     assert expected in out
@@ -91,6 +98,72 @@ def test_hftrain_env_prints_the_installed_versions_and_the_features():
     info = json.loads(as_json)
     assert info["packages"]["transformers"]["version"] == transformers.__version__
     assert set(info["features"]) == set(versions.FEATURES)
+
+
+def declared_ranges() -> dict[str, SpecifierSet]:
+    """pyproject.toml's range of every requirement, the extras' too, and of Python itself ("python")."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    ranges = {"python": SpecifierSet(project["requires-python"])}
+    for requirement in [*project["dependencies"], *chain.from_iterable(project["optional-dependencies"].values())]:
+        parsed = Requirement(requirement)
+        ranges.setdefault(canonicalize_name(parsed.name), parsed.specifier)
+    return ranges
+
+
+def compat_uses() -> dict[str, list[compat.Use]]:
+    """Every use of a library's internals, by library: the `Use` values the hftrain.compat modules define."""
+    uses: dict[str, list[compat.Use]] = {}
+    for module_info in pkgutil.iter_modules(compat.__path__):
+        module = importlib.import_module(f"hftrain.compat.{module_info.name}")
+        for value in vars(module).values():
+            if isinstance(value, compat.Use):
+                uses.setdefault(canonicalize_name(value.library), []).append(value)
+    return uses
+
+
+def bound(specifier: SpecifierSet, operator: str) -> Version:
+    (version,) = [Version(spec.version) for spec in specifier if spec.operator == operator]
+    return version
+
+
+# torch's floor is the lent GPU image's 2.11 (docs/versions.md); every use of its internals is a parallel feature
+# (pipeline V-schedule evaluation, ring attention, FSDP2 x TP resume, pipeline buffers) that the preflight refuses
+# below 2.13, in one paragraph, before anything loads
+# (tests/unit/test_compat.py::test_the_preflight_refuses_a_library_outside_the_uses_this_run_makes)
+FEATURE_FLOORS = {"torch"}
+
+
+def test_the_declared_ranges_are_the_ranges_the_compat_gates_accept():
+    """What `pip install hftrain` resolves must run: for every library whose internals hftrain uses, pyproject.toml's
+    range ends where the checked versions end (no newer release admitted that a gate refuses, none refused that the
+    gates admit) and starts where they start."""
+    declared, uses = declared_ranges(), compat_uses()
+    assert {"python", "torch", "transformers", "accelerate", "datasets", "deepspeed", "liger-kernel"} <= set(uses)
+    for library, library_uses in uses.items():
+        specifier = declared[library]
+        caps = {bound(SpecifierSet(use.versions), "<") for use in library_uses}
+        assert len(caps) == 1, f"{library}: its uses end at different versions {sorted(map(str, caps))}"
+        (cap,) = caps
+        pins = [Version(spec.version) for spec in specifier if spec.operator == "=="]
+        if pins:  # an extra pinned exactly (liger-kernel): the pin is a checked version
+            assert all(SpecifierSet(use.versions).contains(pin) for pin in pins for use in library_uses), library
+            continue
+        assert bound(specifier, "<") == cap, f"{library}: pyproject.toml declares {specifier}, its gates end at <{cap}"
+        floor = min(bound(SpecifierSet(use.versions), ">=") for use in library_uses)
+        declared_floor = bound(specifier, ">=")
+        if library in FEATURE_FLOORS:
+            assert declared_floor <= floor, library
+        else:
+            assert declared_floor.release[:2] == floor.release[:2], \
+                f"{library}: pyproject.toml declares {specifier}, its gates start at >={floor}"
+
+
+def test_the_installed_libraries_are_within_the_declared_ranges():
+    """The lock (this venv) and the declared ranges agree: the suite runs on versions a user's pip could resolve."""
+    for library, specifier in declared_ranges().items():
+        installed = compat.installed_version(library)
+        if installed is not None and library != "vllm":
+            assert specifier.contains(Version(installed).public, prereleases=True), (library, installed, specifier)
 
 
 def pip_report(*args: str, timeout: int = 900) -> dict:
