@@ -207,6 +207,30 @@ def test_output_dir_with_final_model_holds_a_run(in_tmp):
         recipe_from_dict(valid(in_tmp))
 
 
+def test_the_advice_for_an_output_dir_that_holds_a_run_depends_on_what_it_holds(in_tmp):
+    """Issue 49 (4): resume is offered only when a checkpoint can be resumed (its completion marker written); a
+    folder holding only a final model or checkpoints never completed gets overwrite_output_dir or another folder,
+    not resume_from_checkpoint=latest, which would refuse it for having no checkpoint (a dead end)."""
+    out = in_tmp / "out"
+    (out / "final").mkdir(parents=True)
+    (out / "checkpoint-4").mkdir()  # a save cut short: no completion marker
+
+    def advice() -> str:
+        with pytest.raises(ConfigError) as info:
+            recipe_from_dict(valid(in_tmp))
+        (problem,) = info.value.problems
+        assert "already holds a run" in problem
+        return problem
+
+    dead_end = advice()
+    assert "resume_from_checkpoint" not in dead_end, dead_end
+    assert "overwrite_output_dir" in dead_end and "another output_dir" in dead_end
+    (out / "checkpoint-4" / "hftrain_complete.json").write_text('{"files": {}}')
+    resumable = advice()
+    assert "resume_from_checkpoint=latest" in resumable and "checkpoint-4" in resumable
+    assert "overwrite_output_dir" in resumable and "another output_dir" in resumable
+
+
 def test_output_dir_with_other_files_is_fine(in_tmp):
     (in_tmp / "out").mkdir()
     (in_tmp / "out" / "notes.txt").write_text("x")
