@@ -439,6 +439,19 @@ def test_a_line_that_is_not_json_is_named_by_file_and_line(tmp_path):
         load_raw(str(array), None, "train")
 
 
+def test_a_line_that_is_not_json_is_named_once_by_hftrain_not_first_by_datasets(tmp_path, capfd, caplog):
+    """Issue 49 (7): datasets' JSON builder logged "Failed to load JSON ... in row 299" (pyarrow's 0-based row of
+    the block) before raising, so one broken line was named twice, by two numbers, before hftrain's own "line 300"."""
+    lines = chat_lines(400)
+    lines[299] = lines[299][:-3]  # line 300 cut short
+    jsonl = tmp_path / "broken.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n")
+    with pytest.raises(HftrainError, match=r"broken.jsonl, line 300: not JSON"):
+        load_raw(str(jsonl), None, "train")
+    printed = capfd.readouterr().err + "".join(record.getMessage() for record in caplog.records)
+    assert "row 299" not in printed and "Failed to load JSON" not in printed, printed
+
+
 def test_a_bad_row_is_named_by_its_file_and_line_not_its_position_after_the_shuffle(tmp_path):
     """The eval hold-out shuffles the rows (and a mixture concatenates its sources): a bad row was named "example
     580" for line 42 of its file. Here line 43 (a blank line before it) has no assistant message."""
