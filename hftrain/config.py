@@ -609,14 +609,17 @@ def recipe_from_dict(values: dict[str, Any], source: str = "recipe", for_trainin
     return _validated(clean, problems, source, for_training)
 
 
-def _validated(values: dict[str, Any], problems: list[str], source: str, for_training: bool) -> Recipe:
+def _validated(values: dict[str, Any], problems: list[str], source: str, for_training: bool,
+               command_line: list[str] | None = None) -> Recipe:
     """The Recipe of coerced `values` (with the objective's defaults for the fields they leave unset), or ConfigError
-    with `problems` (the coercion's) and every problem validation finds."""
+    with `problems` (the coercion's) and every problem validation finds, under `source`; `command_line`: the
+    problems of the command line's own words (unknown flags, values of the wrong type), reported as the command
+    line's before them."""
     recipe = Recipe(**with_objective_defaults(values))
     problems = problems + validate(recipe)  # wrongly typed fields keep their defaults here
     problems += check_output_dir(recipe) if for_training else []
-    if problems:
-        raise ConfigError(problems, source)
+    if problems or command_line:
+        raise ConfigError(groups=[("command line", command_line or []), (source, problems)])
     return recipe
 
 
@@ -709,7 +712,7 @@ def load_recipe(argv: list[str] | None = None, for_training: bool = True, prog: 
     # a file value overridden on the command line is not used, so its problems do not count
     from_file, file_problems = _coerce_all({k: v for k, v in file_values.items() if k not in cli_values},
                                            from_cli=False)
-    return _validated({**from_file, **from_cli}, problems + file_problems + cli_problems, source, for_training)
+    return _validated({**from_file, **from_cli}, file_problems, source, for_training, problems + cli_problems)
 
 
 

@@ -66,6 +66,16 @@ def test_unknown_preset_is_one_clear_error(capsys):
     assert exit_info.value.code == 2 and "zero2_offload" in capsys.readouterr().err
 
 
+def test_a_recipe_field_typo_under_hftrain_launch_is_reported_as_the_command_lines(capsys):
+    """Issue 49 (8): `hftrain launch --learning_rat` blamed the recipe file (the demo recipe here)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--preset", "cpu", "--learning_rat", "1e-4"])
+    said = " ".join(capsys.readouterr().err.split())
+    assert exit_info.value.code == 2
+    assert said.startswith("hftrain: error: invalid command line, 1 problem: (1) unknown argument '--learning_rat'")
+    assert "invalid recipe" not in said, said
+
+
 def test_a_prefix_or_typo_of_a_launch_option_is_named_not_guessed(capsys):
     """hftrain launch takes no prefixes of its options, as the recipe's parser takes none of the fields (argparse
     would read --pres as --preset); a flag that is no recipe field but looks like one of its options is named with

@@ -281,6 +281,24 @@ def test_cli_and_file_problems_reported_together(in_tmp):
     assert any(p.startswith("unknown key 'seeed'") for p in problems)
 
 
+def test_a_command_line_typo_is_the_command_lines_problem_not_the_recipe_files(in_tmp):
+    """Issue 49 (8): `--learning_rat` with a recipe file was "invalid recipe r.yaml, 1 problem: (1) unknown argument
+    '--learning_rat'": the file was blamed for the command line's word. Each problem now comes under its source."""
+    cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp))
+    with pytest.raises(ConfigError) as info:
+        load_recipe(["--config", str(cfg), "--learning_rat", "1e-3"])
+    assert str(info.value) == ("invalid command line, 1 problem: (1) unknown argument '--learning_rat' (did you mean "
+                               "learning_rate?)")
+    cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp, "seeed: 3\n"))
+    with pytest.raises(ConfigError) as info:
+        load_recipe(["--config", str(cfg), "--learning_rat", "1e-3", "--max_steps", "ten"])
+    assert str(info.value) == (
+        "invalid command line, 2 problems: (1) unknown argument '--learning_rat' (did you mean learning_rate?) "
+        "(2) max_steps: expected an integer, got 'ten'; "
+        f"invalid recipe {cfg}, 1 problem: (1) unknown key 'seeed' (did you mean seed?)")
+    assert len(info.value.problems) == 3
+
+
 def test_stray_value_and_misspelt_flag(in_tmp):
     with pytest.raises(ConfigError) as info:
         load_recipe(["stray", "--lerning_rate", "1e-3"])
