@@ -107,9 +107,19 @@ def resolve_preset(name: str) -> Path:
     shipped = PRESET_DIR / f"{name}.yaml"
     if shipped.is_file():
         return shipped.resolve()
-    names = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
-    raise ConfigError([f"--preset {name!r} is neither a shipped preset ({names}) nor an accelerate config file"],
-                      "command line")
+    shipped = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    raise ConfigError([f"--preset {name!r} is neither a shipped preset nor an accelerate config file"
+                       f"{preset_did_you_mean(name, shipped)} (shipped presets: {', '.join(shipped)}; `hftrain "
+                       "presets` says what each is for)"], "command line")
+
+
+def preset_did_you_mean(name: str, shipped: list[str]) -> str:
+    """The presets a mistyped `--preset` may mean: those it begins (fsdp: the fsdp2 presets), else the one closest
+    to it (zero4: zero3; of equally close ones, difflib's order puts the highest stage first)."""
+    like = [preset for preset in shipped if preset.startswith(name)] if name else []
+    like = like or difflib.get_close_matches(name, shipped, n=1, cutoff=0.6)
+    return f"; did you mean {' or '.join([', '.join(like[:-1]), like[-1]] if len(like) > 1 else like)}?" if like \
+        else ""
 
 
 def deepspeed_config_file(preset: Path) -> Path | None:
