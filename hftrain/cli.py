@@ -224,15 +224,16 @@ def check_launch(argv: list[str]) -> None:
     problems += device_problems(preset, lambda: importlib.import_module("torch").cuda.is_available(),
                                 lambda: importlib.import_module("torch").__version__)
     config = yaml.safe_load(preset.read_text(encoding="utf-8")) or {}
+    groups = []
     if int(known.num_processes or config.get("num_processes") or 1) > 1:
         ds_file = deepspeed_config_file(preset)
         try:
             importlib.import_module("hftrain.preflight").before_launch(
                 recipe, config, str(ds_file) if ds_file else None, known.num_processes, known.num_machines)
         except ConfigError as error:
-            problems += error.problems
-    if problems:
-        raise ConfigError(problems, "recipe for this machine and launch")
+            groups = error.groups
+    if problems or groups:
+        raise ConfigError(problems, "recipe for this machine and launch", groups=groups)
 
 
 def launch_command(argv: list[str]) -> list[str]:

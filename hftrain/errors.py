@@ -27,7 +27,7 @@ class ConfigError(HftrainError):
     (1) ... (2) ...". `groups` adds problems of other sources, reported after, one source after another (a typo on
     the command line is the command line's, not the recipe file's). A group whose source is None holds problems
     that are not of the recipe or the command line and say so themselves (a model that cannot be loaded: "cannot
-    load model 'x': ..."): they are reported as they are, with no "invalid ..." before them."""
+    load model 'x': ..."): they are reported first, as they are, with no "invalid ..." before them."""
 
     def __init__(self, problems: Iterable[str] = (), source: str | None = "recipe", *,
                  groups: Iterable[tuple[str | None, list[str]]] = ()):
@@ -35,7 +35,7 @@ class ConfigError(HftrainError):
         for name, found in [(source, list(problems)), *groups]:
             if found:
                 merged.setdefault(name, []).extend(found)
-        self.groups = list(merged.items())
+        self.groups = sorted(merged.items(), key=lambda group: group[0] is not None)  # source None first
         self.problems = [problem for _, found in self.groups for problem in found]
         super().__init__("; ".join(_group_text(name, found) for name, found in self.groups))
 

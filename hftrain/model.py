@@ -46,7 +46,7 @@ QUANT_STORAGE = {"uint8": torch.uint8, **DTYPES}
 
 def load_error(what: str, name: str, exc: Exception) -> str:
     return (f"cannot load {what} {name!r}: {first_line(exc)}. Give a local folder or a hub id reachable from this "
-            "machine (with HF_HUB_OFFLINE=1 only already-cached hub models load)")
+            "machine (check the id's spelling; with HF_HUB_OFFLINE=1 only already-cached hub models load)")
 
 
 def build_tokenizer(recipe: Recipe):
