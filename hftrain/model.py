@@ -26,7 +26,7 @@ from transformers import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from hftrain import vision
+from hftrain import hub, vision
 from hftrain.compat.accelerate import deepspeed_probed_by_import
 from hftrain.compat.liger import apply_liger_kernel_to_instance
 from hftrain.compat.torch import is_compiled
@@ -51,6 +51,7 @@ def load_error(what: str, name: str, exc: Exception) -> str:
 
 def build_tokenizer(recipe: Recipe):
     name = recipe.tokenizer_name_or_path or recipe.model_name_or_path
+    hub.reach("tokenizer", name, recipe.model_revision)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             name, revision=recipe.model_revision, trust_remote_code=recipe.trust_remote_code

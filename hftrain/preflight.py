@@ -389,7 +389,10 @@ def host_memory_problems(recipe: Recipe, launch: Launch, model_config: Pretraine
 
 
 def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:
-    """Load only the model's config (no weights): a missing model or a too-long max_length fails in seconds."""
+    """Load only the model's config (no weights): a missing model or a too-long max_length fails in seconds, a hub
+    that cannot be reached in one (`hub.unreachable_problem`, instead of huggingface_hub's retries)."""
+    if (unreachable := hub.unreachable_problem("model", recipe.model_name_or_path, recipe.model_revision)):
+        return None, [unreachable]
     try:
         config = AutoConfig.from_pretrained(recipe.model_name_or_path, revision=recipe.model_revision,
                                             trust_remote_code=recipe.trust_remote_code)
