@@ -61,6 +61,8 @@ from hftrain.paths import (
     STREAM_STATE,
     TMP_PREFIX,
     UNIVERSAL_PREFIX,
+    complete_checkpoints,
+    holds_a_run,
 )
 from hftrain.ties import check_ties, tied_groups
 
@@ -113,9 +115,7 @@ def never_world_writable() -> None:
 
 def checkpoints(output_dir: Path) -> list[Path]:
     """Checkpoints whose completion marker exists, oldest first."""
-    found = [p for p in output_dir.glob(f"{PREFIX}*")
-             if p.name[len(PREFIX):].isdigit() and (p / COMPLETE_FILE).exists()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    return complete_checkpoints(output_dir)
 
 
 def _fsync(path: Path) -> None:
@@ -310,8 +310,14 @@ def resolve_resume(recipe: Recipe) -> Path | None:
     if recipe.resume_from_checkpoint == "latest":
         if (newest := newest_intact(Path(recipe.output_dir), warn=True)) is not None:
             return newest
+        out = Path(recipe.output_dir)
+        # a folder that holds a run (a final model, checkpoints never completed) refuses a fresh start without
+        # overwrite_output_dir (config.check_output_dir): dropping resume_from_checkpoint alone would lead there
+        fresh = ("drop resume_from_checkpoint and set overwrite_output_dir=true to start over in it (its files are "
+                 "replaced), or pick another output_dir" if holds_a_run(out) else
+                 "drop resume_from_checkpoint to start fresh")
         raise HftrainError(f"resume_from_checkpoint=latest but {recipe.output_dir!r} holds no complete, intact "
-                           "checkpoint; drop resume_from_checkpoint to start fresh")
+                           f"checkpoint; {fresh}")
     path = Path(recipe.resume_from_checkpoint)
     problems = verify(path)
     if problems:

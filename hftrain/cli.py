@@ -107,9 +107,19 @@ def resolve_preset(name: str) -> Path:
     shipped = PRESET_DIR / f"{name}.yaml"
     if shipped.is_file():
         return shipped.resolve()
-    names = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
-    raise ConfigError([f"--preset {name!r} is neither a shipped preset ({names}) nor an accelerate config file"],
-                      "command line")
+    shipped = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    raise ConfigError([f"--preset {name!r} is neither a shipped preset nor an accelerate config file"
+                       f"{preset_did_you_mean(name, shipped)} (shipped presets: {', '.join(shipped)}; `hftrain "
+                       "presets` says what each is for)"], "command line")
+
+
+def preset_did_you_mean(name: str, shipped: list[str]) -> str:
+    """The presets a mistyped `--preset` may mean: those it begins (fsdp: the fsdp2 presets), else the one closest
+    to it (zero4: zero3; of equally close ones, difflib's order puts the highest stage first)."""
+    like = [preset for preset in shipped if preset.startswith(name)] if name else []
+    like = like or difflib.get_close_matches(name, shipped, n=1, cutoff=0.6)
+    return f"; did you mean {' or '.join([', '.join(like[:-1]), like[-1]] if len(like) > 1 else like)}?" if like \
+        else ""
 
 
 def deepspeed_config_file(preset: Path) -> Path | None:
@@ -214,15 +224,16 @@ def check_launch(argv: list[str]) -> None:
     problems += device_problems(preset, lambda: importlib.import_module("torch").cuda.is_available(),
                                 lambda: importlib.import_module("torch").__version__)
     config = yaml.safe_load(preset.read_text(encoding="utf-8")) or {}
+    groups = []
     if int(known.num_processes or config.get("num_processes") or 1) > 1:
         ds_file = deepspeed_config_file(preset)
         try:
             importlib.import_module("hftrain.preflight").before_launch(
                 recipe, config, str(ds_file) if ds_file else None, known.num_processes, known.num_machines)
         except ConfigError as error:
-            problems += error.problems
-    if problems:
-        raise ConfigError(problems, "recipe for this machine and launch")
+            groups = error.groups
+    if problems or groups:
+        raise ConfigError(problems, "recipe for this machine and launch", groups=groups)
 
 
 def launch_command(argv: list[str]) -> list[str]:

@@ -43,7 +43,7 @@ from hftrain.fields.parallel import problems as parallel_problems
 from hftrain.fields.peft import PeftFields
 from hftrain.fields.peft import problems as peft_problems
 from hftrain.paths import DEFAULT_DATASET as DEFAULT_DATASET  # `as`: re-exported (shipped paths, in hftrain.paths)
-from hftrain.paths import DEFAULT_MODEL, FINAL_DIR, PREFIX, RECIPE_DIR
+from hftrain.paths import DEFAULT_MODEL, FINAL_DIR, RECIPE_DIR, complete_checkpoints, holds_a_run
 from hftrain.paths import PRESET_DIR as PRESET_DIR
 from hftrain.paths import SHIPPED as SHIPPED
 
@@ -544,14 +544,21 @@ def check_output_dir(r: Recipe) -> list[str]:
         problems.append(f"resume_from_checkpoint {r.resume_from_checkpoint!r} is not a checkpoint folder")
     if out.is_file():
         problems.append(f"output_dir {r.output_dir!r} is a file")
-    elif r.resume_from_checkpoint is None and not r.overwrite_output_dir and _holds_a_run(out):
-        problems.append(f"output_dir {r.output_dir!r} already holds a run; resume it with "
-                        "resume_from_checkpoint=latest, pick another output_dir, or set overwrite_output_dir=true")
+    elif r.resume_from_checkpoint is None and not r.overwrite_output_dir and holds_a_run(out):
+        problems.append(_holds_a_run_problem(r.output_dir, out))
     return problems + parallel_problems(r)
 
 
-def _holds_a_run(out: Path) -> bool:
-    return out.is_dir() and any(out.glob(f"{PREFIX}*")) or (out / FINAL_DIR).exists()
+def _holds_a_run_problem(name: str, out: Path) -> str:
+    """What to do with an output_dir that holds a run: resume is offered only when a checkpoint can be resumed
+    (resume_from_checkpoint=latest refuses a folder without one, so advising it there is a dead end)."""
+    start_over = "set overwrite_output_dir=true to start over in it (its files are replaced)"
+    if resumable := complete_checkpoints(out):
+        return (f"output_dir {name!r} already holds a run (its newest checkpoint: {resumable[-1].name}); resume it "
+                f"with resume_from_checkpoint=latest, pick another output_dir, or {start_over}")
+    held = "a final model" if (out / FINAL_DIR).exists() else "checkpoints that were never completed"
+    return (f"output_dir {name!r} already holds a run ({held}) but no complete checkpoint to resume from; pick "
+            f"another output_dir, or {start_over}")
 
 
 # -------------------------------------------------------------------------- loading
@@ -602,14 +609,17 @@ def recipe_from_dict(values: dict[str, Any], source: str = "recipe", for_trainin
     return _validated(clean, problems, source, for_training)
 
 
-def _validated(values: dict[str, Any], problems: list[str], source: str, for_training: bool) -> Recipe:
+def _validated(values: dict[str, Any], problems: list[str], source: str, for_training: bool,
+               command_line: list[str] | None = None) -> Recipe:
     """The Recipe of coerced `values` (with the objective's defaults for the fields they leave unset), or ConfigError
-    with `problems` (the coercion's) and every problem validation finds."""
+    with `problems` (the coercion's) and every problem validation finds, under `source`; `command_line`: the
+    problems of the command line's own words (unknown flags, values of the wrong type), reported as the command
+    line's before them."""
     recipe = Recipe(**with_objective_defaults(values))
     problems = problems + validate(recipe)  # wrongly typed fields keep their defaults here
     problems += check_output_dir(recipe) if for_training else []
-    if problems:
-        raise ConfigError(problems, source)
+    if problems or command_line:
+        raise ConfigError(groups=[("command line", command_line or []), (source, problems)])
     return recipe
 
 
@@ -702,7 +712,7 @@ def load_recipe(argv: list[str] | None = None, for_training: bool = True, prog: 
     # a file value overridden on the command line is not used, so its problems do not count
     from_file, file_problems = _coerce_all({k: v for k, v in file_values.items() if k not in cli_values},
                                            from_cli=False)
-    return _validated({**from_file, **from_cli}, problems + file_problems + cli_problems, source, for_training)
+    return _validated({**from_file, **from_cli}, file_problems, source, for_training, problems + cli_problems)
 
 
 

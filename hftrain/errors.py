@@ -5,7 +5,7 @@ import os
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -23,13 +23,28 @@ class HftrainError(Exception):
 
 
 class ConfigError(HftrainError):
-    """Every problem found in a recipe, reported together."""
+    """Every problem found, reported together, under what they are problems of: "invalid <source>, N problems:
+    (1) ... (2) ...". `groups` adds problems of other sources, reported after, one source after another (a typo on
+    the command line is the command line's, not the recipe file's). A group whose source is None holds problems
+    that are not of the recipe or the command line and say so themselves (a model that cannot be loaded: "cannot
+    load model 'x': ..."): they are reported first, as they are, with no "invalid ..." before them."""
 
-    def __init__(self, problems: list[str], source: str = "recipe"):
-        self.problems = list(problems)
-        numbered = " ".join(f"({i}) {p}" for i, p in enumerate(self.problems, 1))
-        noun = "problem" if len(self.problems) == 1 else "problems"
-        super().__init__(f"invalid {source}, {len(self.problems)} {noun}: {numbered}")
+    def __init__(self, problems: Iterable[str] = (), source: str | None = "recipe", *,
+                 groups: Iterable[tuple[str | None, list[str]]] = ()):
+        merged: dict[str | None, list[str]] = {}
+        for name, found in [(source, list(problems)), *groups]:
+            if found:
+                merged.setdefault(name, []).extend(found)
+        self.groups = sorted(merged.items(), key=lambda group: group[0] is not None)  # source None first
+        self.problems = [problem for _, found in self.groups for problem in found]
+        super().__init__("; ".join(_group_text(name, found) for name, found in self.groups))
+
+
+def _group_text(source: str | None, problems: list[str]) -> str:
+    if source is None:
+        return "; ".join(problems)
+    numbered = " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+    return f"invalid {source}, {len(problems)} {'problem' if len(problems) == 1 else 'problems'}: {numbered}"
 
 
 # How long a process that is not its machine's first waits, after an error every process meets alike, for the

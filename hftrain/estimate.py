@@ -64,6 +64,7 @@ from transformers.distributed.tensor_parallel import (
     TensorParallelLayer,
 )
 
+from hftrain import hub
 from hftrain.compat.transformers import expanded_parallel_plan
 from hftrain.config import PRESET_DIR
 from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
@@ -139,6 +140,7 @@ def model_shape(model: str, trust_remote_code: bool = False, reward: bool = Fals
     """Read `model`'s config (local folder or hub id) and count its parameters on the meta device. `reward`: as
     objective reward builds it (AutoModelForSequenceClassification, one output: the causal LM's head replaced by a
     hidden -> 1 score head)."""
+    hub.reach("the config of model", model)
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:

@@ -14,6 +14,15 @@ a training step:
   its final evaluation, and fails with one paragraph if that push fails (the model stays in final/).
 
 The endpoint is huggingface_hub's (`HF_ENDPOINT`), so a test points it at a local server (tests/hub_server.py).
+
+Loading from the hub: `unreachable_problem` is asked before a model, tokenizer or config is loaded by hub id. When the
+hub cannot be reached, huggingface_hub's download falls back to its cache and, for a file not there, tries again
+with its backoff (5 retries, 1 + 2 + 4 + 8 + 8 s apart, two log lines each): about 25 s and 11 lines for each file
+before transformers' "couldn't connect" error (a config, a tokenizer, a model; `hftrain merge` read the config twice).
+One request without retries (a HEAD of the id's config.json, huggingface_hub's `get_hf_file_metadata`, which does
+not retry by default) tells in a fraction of a second (a refused connection, a name that does not resolve; at most
+HF_HUB_ETAG_TIMEOUT on a network that drops packets) that the hub cannot be reached; the load is then refused with
+one paragraph. A model already in the cache is not probed: huggingface_hub loads it without the hub, as before.
 """
 
 from __future__ import annotations
@@ -24,9 +33,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from huggingface_hub import HfApi, constants, get_token
+from huggingface_hub import HfApi, constants, get_hf_file_metadata, get_token, hf_hub_url, try_to_load_from_cache
+from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 
 from hftrain.errors import HftrainError, first_line
+from hftrain.fields.data import looks_local
 from hftrain.fields.hub import repo_id as recipe_repo_id
 
 LAST_CHECKPOINT = "last-checkpoint"  # hub_strategy checkpoint: where the newest checkpoint-N goes in the repo
@@ -57,6 +69,45 @@ def preflight_problems(recipe) -> list[str]:
 def offline() -> bool:
     """HF_HUB_OFFLINE as huggingface_hub reads it (its constant is read once, at import)."""
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in constants.ENV_VARS_TRUE_VALUES
+
+
+# the files whose presence in the cache makes a hub id loadable without the hub (a model's, a tokenizer's, an adapter's)
+CACHE_MARKERS = ("config.json", "tokenizer_config.json", "adapter_config.json")
+_ANSWERED: set[str] = set()  # the endpoints that answered a probe in this process: not asked again
+
+
+def unreachable_problem(what: str, name: str, revision: str | None = None,
+                        local: str = "give a local folder instead") -> str | None:
+    """Why `what` (model, tokenizer, base model...) `name` cannot be loaded from here when `name` is a hub id that is
+    not in the cache and the hub does not answer: one paragraph, or None (a local path, offline mode, already
+    cached, the hub answered, or not an id the hub could hold: the load reports those as it does). `local`: how to
+    give a local folder instead, in the command's words."""
+    if looks_local(name) or offline() or constants.HF_HUB_OFFLINE or constants.ENDPOINT in _ANSWERED:
+        return None
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    if any(isinstance(try_to_load_from_cache(name, marker, revision=revision), str) for marker in CACHE_MARKERS):
+        return None  # huggingface_hub falls back to the cache at once when the hub does not answer
+    try:
+        get_hf_file_metadata(hf_hub_url(name, "config.json", revision=revision), timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except HfHubHTTPError:
+        pass  # the hub answered (a missing repo or file, a gated one): the load names it
+    except Exception as exc:  # noqa: BLE001 - the HTTP client's connection errors (httpx's or httpx2's, by version)
+        return (f"cannot load {what} {name!r}: the hub at {constants.ENDPOINT} cannot be reached from this machine "
+                f"({type(exc).__name__}: {first_line(exc)}) and {name!r} is not in the local cache "
+                f"({constants.HF_HUB_CACHE}). Check the id and the network (HF_ENDPOINT, proxy settings), {local}, "
+                f"or download it where the hub is reachable (`hf download {name}`) and set "
+                "HF_HUB_OFFLINE=1 to load it from the cache")
+    _ANSWERED.add(constants.ENDPOINT)
+    return None
+
+
+def reach(what: str, name: str, revision: str | None = None, local: str = "give a local folder instead") -> None:
+    """Raise `unreachable_problem` as an HftrainError, if there is one."""
+    if (problem := unreachable_problem(what, name, revision, local)) is not None:
+        raise HftrainError(problem)
 
 
 def upload(folder: Path, repo_id: str, message: str, *, token: str | None = None, private: bool | None = None,

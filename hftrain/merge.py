@@ -86,6 +86,7 @@ def scores(adapter_dir: Path) -> bool:
 def load_dequantized_base(recipe, reward: bool = False):
     """The base in float32; quantized and dequantized again exactly as in training for a QLoRA adapter. `reward`:
     as objective reward loads it, a sequence classifier with one output."""
+    hub.reach("base model", recipe.model_name_or_path, recipe.model_revision)
     quantization = quantization_config(recipe)
     kwargs = {"dtype": torch.float32, "revision": recipe.model_revision, "trust_remote_code": recipe.trust_remote_code}
     auto = AutoModelForImageTextToText if vision.is_image_text(vision.model_config(recipe)) else AutoModelForCausalLM

@@ -26,7 +26,7 @@ from transformers import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from hftrain import vision
+from hftrain import hub, vision
 from hftrain.compat.accelerate import deepspeed_probed_by_import
 from hftrain.compat.liger import apply_liger_kernel_to_instance
 from hftrain.compat.torch import is_compiled
@@ -46,11 +46,12 @@ QUANT_STORAGE = {"uint8": torch.uint8, **DTYPES}
 
 def load_error(what: str, name: str, exc: Exception) -> str:
     return (f"cannot load {what} {name!r}: {first_line(exc)}. Give a local folder or a hub id reachable from this "
-            "machine (with HF_HUB_OFFLINE=1 only already-cached hub models load)")
+            "machine (check the id's spelling; with HF_HUB_OFFLINE=1 only already-cached hub models load)")
 
 
 def build_tokenizer(recipe: Recipe):
     name = recipe.tokenizer_name_or_path or recipe.model_name_or_path
+    hub.reach("tokenizer", name, recipe.model_revision)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             name, revision=recipe.model_revision, trust_remote_code=recipe.trust_remote_code

@@ -38,3 +38,16 @@ PREFLIGHT_DIR = ".tmp-preflight"  # output_dir/.tmp-preflight: the checkpoint ro
 STREAM_STATE = "data_stream_process{index}.json"  # streaming: each process's stream position (hftrain.data.streaming)
 PIPELINE_CONVERTED_PREFIX = ".unpipelined-"  # output_dir/.unpipelined-checkpoint-N: a pp checkpoint for 1 process
 UNIVERSAL_PREFIX = ".universal-"  # output_dir/.universal-checkpoint-N: a ZeRO checkpoint converted for another world
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """The checkpoint-N folders of `output_dir` whose completion marker exists (what a resume can take), oldest
+    first."""
+    found = [p for p in output_dir.glob(f"{PREFIX}*")
+             if p.name[len(PREFIX):].isdigit() and (p / COMPLETE_FILE).exists()]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def holds_a_run(output_dir: Path) -> bool:
+    """`output_dir` holds a run's files: a checkpoint-N (complete or not) or a final model."""
+    return output_dir.is_dir() and any(output_dir.glob(f"{PREFIX}*")) or (output_dir / FINAL_DIR).exists()

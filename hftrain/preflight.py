@@ -58,9 +58,15 @@ TP_WITH_DEEPSPEED_REFUSED = (
 )
 
 
+RECIPE_FOR_LAUNCH = "recipe for this machine and launch"  # what the preflight's problems are problems of
+
+
 def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | None:
-    """Raise one ConfigError with every problem found; return the model's config."""
+    """Raise one ConfigError with every problem found; return the model's config. A model that cannot be loaded
+    (a wrong id, a hub out of reach, a folder without a config) is the model's or the hub's problem, not the
+    recipe's: it is reported first, as itself, before the recipe's problems for this machine and launch."""
     model_config, problems = model_problems(recipe)
+    unloadable, problems = (problems, []) if model_config is None else ([], problems)
     problems = machine_problems(recipe, cuda) + launch_problems(recipe, launch) + problems
     problems += gpu_count_problems(launch, torch.cuda.device_count() if cuda else 0)
     problems += liger_problems(recipe, cuda, launch, model_config)
@@ -74,8 +80,8 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += evaluation_problems(recipe, launch, model_config)
     problems += hub.preflight_problems(recipe)
     problems += library_problems(recipe, launch)
-    if problems:
-        raise ConfigError(problems, "recipe for this machine and launch")
+    if problems or unloadable:
+        raise ConfigError(groups=[(None, unloadable), (RECIPE_FOR_LAUNCH, problems)])
     return model_config
 
 
@@ -88,12 +94,13 @@ def before_launch(recipe: Recipe, preset: dict, deepspeed_config_path: str | Non
     launch = Launch.from_preset(preset, deepspeed_config_path, num_processes, num_machines)
     cuda = torch.cuda.is_available()
     problems = strategy_problems(launch, cuda, gpus=torch.cuda.device_count() if cuda else 0)
+    groups = []
     try:
         preflight(recipe, launch, cuda)
     except ConfigError as error:
-        problems += error.problems
-    if problems:
-        raise ConfigError(problems, "recipe for this machine and launch")
+        groups = error.groups
+    if problems or groups:
+        raise ConfigError(problems, RECIPE_FOR_LAUNCH, groups=groups)
 
 
 def library_uses(recipe: Recipe, launch: Launch) -> list[compat.Use]:
@@ -382,7 +389,10 @@ def host_memory_problems(recipe: Recipe, launch: Launch, model_config: Pretraine
 
 
 def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:
-    """Load only the model's config (no weights): a missing model or a too-long max_length fails in seconds."""
+    """Load only the model's config (no weights): a missing model or a too-long max_length fails in seconds, a hub
+    that cannot be reached in one (`hub.unreachable_problem`, instead of huggingface_hub's retries)."""
+    if (unreachable := hub.unreachable_problem("model", recipe.model_name_or_path, recipe.model_revision)):
+        return None, [unreachable]
     try:
         config = AutoConfig.from_pretrained(recipe.model_name_or_path, revision=recipe.model_revision,
                                             trust_remote_code=recipe.trust_remote_code)

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from hftrain import hub
 from hftrain.config import read_yaml, recipe_subset
 from hftrain.data.tokenize import prepare_chat_template
 from hftrain.errors import HftrainError, first_line
@@ -152,6 +153,8 @@ def check_base(found: Folder) -> None:
     if looks_local(found.base) and not Path(found.base).expanduser().is_dir():
         raise HftrainError(f"the base model of {found.path}, {found.base!r} (named in {where}), is not a folder on "
                            "this machine; pass --base_model_name_or_path with where that model is now")
+    hub.reach(f"the base model of {found.path} (named in {where}),", found.base,
+              local="pass --base_model_name_or_path with a local copy")
     try:
         AutoConfig.from_pretrained(found.base)
     except (OSError, ValueError) as exc:

@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 from transformers.utils import is_torchvision_available
 
+from hftrain import hub
 from hftrain.compat.transformers import needs_missing_backend
 from hftrain.errors import HftrainError, first_line
 
@@ -31,7 +32,10 @@ def is_image_text(config: PretrainedConfig | None) -> bool:
 
 
 def model_config(recipe) -> PretrainedConfig | None:
-    """The model folder's config (None when it cannot be read: the model loader then says why)."""
+    """The model folder's config (None when it cannot be read: the model loader then says why; at once when the hub
+    cannot be reached, instead of after huggingface_hub's retries)."""
+    if hub.unreachable_problem("model", recipe.model_name_or_path, recipe.model_revision) is not None:
+        return None
     try:
         return AutoConfig.from_pretrained(recipe.model_name_or_path, revision=recipe.model_revision,
                                           trust_remote_code=recipe.trust_remote_code)

@@ -18,6 +18,7 @@ Every example is checked before it is tokenized; a bad one raises HftrainError n
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from hftrain.errors import HftrainError
@@ -31,6 +32,34 @@ def required_columns(fmt: str, text_field: str, messages_field: str) -> tuple[st
             "alpaca": ("instruction", "output"), "messages": (messages_field,),
             "sharegpt": ("conversations",), "preference": ("chosen", "rejected"),
             "unpaired": ("prompt", "completion", "label")}[fmt]
+
+
+def check_fields(example: dict, fmt: str, text_field: str, messages_field: str, where: object) -> None:
+    """Refuse a row without one of its format's columns. datasets gives a key missing from one line of a file the
+    other rows have the value None (hftrain's stream reader leaves it out): without this, the row was refused for
+    the type of a value it never had ("messages must be a non-empty list ... got NoneType")."""
+    needs = required_columns(fmt, text_field, messages_field)
+    for column in needs:
+        if example.get(column) is None:
+            option = {text_field: f"; dataset_text_field names the column that holds the text (now {text_field!r})",
+                      messages_field: "; dataset_messages_field names the column that holds the messages (now "
+                                      f"{messages_field!r})"}.get(column, "") if fmt in ("text", "messages") else ""
+            raise missing_field(example, column, f"format {fmt} needs {', '.join(needs)}", needs, where, option)
+
+
+def missing_field(example: dict, column: str, why: str, needs: tuple[str, ...], where: object,
+                  option: str = "") -> HftrainError:
+    """The error for a row without `column`: the row's place, the field, `why` it is needed, the fields the row has,
+    and how to map another name to it (dataset_columns, suggesting the row's field closest to the name; `option`:
+    a format's own field option)."""
+    has = [key for key, value in example.items() if value is not None]
+    others = [key for key in has if key not in needs]
+    like = difflib.get_close_matches(column, others, n=1, cutoff=0.5) or others[:1]
+    rename = f"{{{like[0]}: {column}}}" if like else f"{{your_column: {column}}}"
+    return HftrainError(f"{where}: the row has no {column!r} field (or it is null): {why}; it has "
+                        f"{', '.join(repr(key) for key in has) or 'no field with a value'}. Add the field to that row, "
+                        f"or rename a column with dataset_columns (a dataset_mixture entry's columns), e.g. "
+                        f"{rename}{option}")
 
 
 def detect_format(columns: list[str], explicit: str, text_field: str, messages_field: str, name: str,
@@ -103,8 +132,12 @@ def _shared_prefix(chosen: list[dict], rejected: list[dict]) -> int:
 def preference_to_canonical(example: dict, where: str) -> dict:
     """{"prompt": str|messages, "chosen": same kind, "rejected": same kind}. An identical pair is kept (the
     tokenizer drops and counts it); an empty completion or a pair of mixed kinds is refused."""
+    check_fields(example, "preference", "text", "messages", where)
     chosen, rejected, prompt = example["chosen"], example["rejected"], example.get("prompt")
     if isinstance(chosen, str) and isinstance(rejected, str):
+        if prompt is None:
+            raise missing_field(example, "prompt", "string pairs need a prompt column (a string), hftrain does not "
+                                "guess where the prompt ends in plain text", ("prompt", "chosen", "rejected"), where)
         if not isinstance(prompt, str):
             raise HftrainError(f"{where}: string pairs need a prompt column (a string): hftrain does not guess where "
                                "the prompt ends in plain text; conversational pairs may leave it out")
@@ -133,6 +166,7 @@ def preference_to_canonical(example: dict, where: str) -> dict:
 def unpaired_to_canonical(example: dict, where: str) -> dict:
     """{"prompt": str|messages, "completion": same kind, "label": bool}: one completion rated desirable (true) or
     undesirable (false), TRL's unpaired preference format."""
+    check_fields(example, "unpaired", "text", "messages", where)
     label = example["label"]
     if not isinstance(label, bool):
         raise HftrainError(f"{where}: label must be true (a desirable completion) or false (an undesirable one), got "
@@ -159,6 +193,7 @@ def to_canonical(example: dict, fmt: str, text_field: str, messages_field: str, 
         return preference_to_canonical(example, where)
     if fmt == "unpaired":
         return unpaired_to_canonical(example, where)
+    check_fields(example, fmt, text_field, messages_field, where)
     if fmt == "text":
         text = example[text_field]
         if not isinstance(text, str) or not text:

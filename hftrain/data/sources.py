@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +19,26 @@ from hftrain.errors import HftrainError, first_line
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 CHAT_FORMATS = ("messages", "sharegpt", "alpaca")
+# datasets' JSON builder logs the error of a file it cannot parse before raising it ("Failed to load JSON from file
+# ... in row 299": pyarrow's 0-based row of a block, not the line); load_raw reports the raise with the file and line
+JSON_BUILDER_LOGGER = "datasets.packaged_modules.json.json"
+
+
+class _DropErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+@contextmanager
+def builder_errors_unlogged() -> Iterator[None]:
+    """datasets' JSON builder logs no error while a file loads (its warnings still show): each error it logs
+    precedes the exception it raises, which `load_raw` reports as one paragraph naming the file and line."""
+    logger, dropped = logging.getLogger(JSON_BUILDER_LOGGER), _DropErrors()
+    logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropped)
 
 
 def load_raw(name: str, config: str | None, split: str):
@@ -27,7 +50,8 @@ def load_raw(name: str, config: str | None, split: str):
             if builder is None:
                 raise HftrainError(f"dataset file {name!r} has an unsupported extension; use one of "
                                    f"{', '.join(FILE_BUILDERS)} or a saved datasets folder")
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
+            with builder_errors_unlogged():
+                return datasets.load_dataset(builder, data_files=str(path), split="train")
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
             loaded = datasets.load_from_disk(str(path))
             if isinstance(loaded, datasets.DatasetDict):

@@ -43,6 +43,7 @@ from accelerate.utils import gather_object
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer
 
+from hftrain import hub
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.data.feeds import TrainingData
@@ -241,6 +242,8 @@ def teacher_problems(recipe: Recipe, tokenizer) -> list[str]:
         return [f"teacher_model_name_or_path {name!r} is not a folder; give a local model folder or a hub id "
                 "(org/name)"]
     kwargs = {"revision": recipe.teacher_model_revision, "trust_remote_code": recipe.trust_remote_code}
+    if (unreachable := hub.unreachable_problem("teacher model", name, recipe.teacher_model_revision)):
+        return [unreachable]
     try:
         teacher_tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
         teacher_config = AutoConfig.from_pretrained(name, **kwargs)

@@ -281,6 +281,20 @@ def with_checkpoints(component, recipe: Recipe) -> Backend:
     return backend
 
 
+def test_resume_latest_without_a_checkpoint_in_a_folder_holding_a_run_advises_what_works(tmp_path):
+    """The other half of the dead end: resume_from_checkpoint=latest in a folder that holds a run but no complete
+    checkpoint advised dropping resume_from_checkpoint, which the output_dir check then refused."""
+    out = tmp_path / "out"
+    (out / "final").mkdir(parents=True)
+    with pytest.raises(HftrainError, match="holds no complete") as info:
+        resolve_resume(Recipe(output_dir=str(out), resume_from_checkpoint="latest"))
+    message = str(info.value)
+    assert "overwrite_output_dir" in message and "another output_dir" in message, message
+    with pytest.raises(HftrainError, match="holds no complete") as info:  # an empty folder: start fresh
+        resolve_resume(Recipe(output_dir=str(tmp_path / "empty"), resume_from_checkpoint="latest"))
+    assert "drop resume_from_checkpoint" in str(info.value)
+
+
 def test_a_background_save_appears_only_once_written_and_a_failed_one_is_reported_by_the_next_save(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

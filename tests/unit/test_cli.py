@@ -66,6 +66,30 @@ def test_unknown_preset_is_one_clear_error(capsys):
     assert exit_info.value.code == 2 and "zero2_offload" in capsys.readouterr().err
 
 
+def test_a_recipe_field_typo_under_hftrain_launch_is_reported_as_the_command_lines(capsys):
+    """Issue 49 (8): `hftrain launch --learning_rat` blamed the recipe file (the demo recipe here)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--preset", "cpu", "--learning_rat", "1e-4"])
+    said = " ".join(capsys.readouterr().err.split())
+    assert exit_info.value.code == 2
+    assert said.startswith("hftrain: error: invalid command line, 1 problem: (1) unknown argument '--learning_rat'")
+    assert "invalid recipe" not in said, said
+
+
+def test_a_mistyped_preset_gets_a_did_you_mean(capsys):
+    """Issue 49 (8): `--preset zero4` and `--preset fsdp` listed the 21 presets without saying which was meant."""
+    for typed, meant in (("zero4", "did you mean zero3?"), ("cpu-ddp", "did you mean cpu_ddp?"),
+                         ("fsdp", "did you mean fsdp2, fsdp2_cp, fsdp2_hybrid_multinode or fsdp2_shard_grad_op?")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["launch", "--preset", typed])
+        said = " ".join(capsys.readouterr().err.split())
+        assert exit_info.value.code == 2 and f"--preset {typed!r} is neither a shipped preset" in said, said
+        assert meant in said and "zero2_offload" in said, said  # and still the whole list
+    with pytest.raises(ConfigError) as error:
+        resolve_preset("xyz")
+    assert "did you mean" not in str(error.value)
+
+
 def test_a_prefix_or_typo_of_a_launch_option_is_named_not_guessed(capsys):
     """hftrain launch takes no prefixes of its options, as the recipe's parser takes none of the fields (argparse
     would read --pres as --preset); a flag that is no recipe field but looks like one of its options is named with

@@ -207,6 +207,30 @@ def test_output_dir_with_final_model_holds_a_run(in_tmp):
         recipe_from_dict(valid(in_tmp))
 
 
+def test_the_advice_for_an_output_dir_that_holds_a_run_depends_on_what_it_holds(in_tmp):
+    """Issue 49 (4): resume is offered only when a checkpoint can be resumed (its completion marker written); a
+    folder holding only a final model or checkpoints never completed gets overwrite_output_dir or another folder,
+    not resume_from_checkpoint=latest, which would refuse it for having no checkpoint (a dead end)."""
+    out = in_tmp / "out"
+    (out / "final").mkdir(parents=True)
+    (out / "checkpoint-4").mkdir()  # a save cut short: no completion marker
+
+    def advice() -> str:
+        with pytest.raises(ConfigError) as info:
+            recipe_from_dict(valid(in_tmp))
+        (problem,) = info.value.problems
+        assert "already holds a run" in problem
+        return problem
+
+    dead_end = advice()
+    assert "resume_from_checkpoint" not in dead_end, dead_end
+    assert "overwrite_output_dir" in dead_end and "another output_dir" in dead_end
+    (out / "checkpoint-4" / "hftrain_complete.json").write_text('{"files": {}}')
+    resumable = advice()
+    assert "resume_from_checkpoint=latest" in resumable and "checkpoint-4" in resumable
+    assert "overwrite_output_dir" in resumable and "another output_dir" in resumable
+
+
 def test_output_dir_with_other_files_is_fine(in_tmp):
     (in_tmp / "out").mkdir()
     (in_tmp / "out" / "notes.txt").write_text("x")
@@ -255,6 +279,24 @@ def test_cli_and_file_problems_reported_together(in_tmp):
     assert not any("unexpected value" in p for p in problems)
     assert any(p.startswith("max_steps:") and "'ten'" in p for p in problems)
     assert any(p.startswith("unknown key 'seeed'") for p in problems)
+
+
+def test_a_command_line_typo_is_the_command_lines_problem_not_the_recipe_files(in_tmp):
+    """Issue 49 (8): `--learning_rat` with a recipe file was "invalid recipe r.yaml, 1 problem: (1) unknown argument
+    '--learning_rat'": the file was blamed for the command line's word. Each problem now comes under its source."""
+    cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp))
+    with pytest.raises(ConfigError) as info:
+        load_recipe(["--config", str(cfg), "--learning_rat", "1e-3"])
+    assert str(info.value) == ("invalid command line, 1 problem: (1) unknown argument '--learning_rat' (did you mean "
+                               "learning_rate?)")
+    cfg = write_yaml(in_tmp / "r.yaml", base_yaml(in_tmp, "seeed: 3\n"))
+    with pytest.raises(ConfigError) as info:
+        load_recipe(["--config", str(cfg), "--learning_rat", "1e-3", "--max_steps", "ten"])
+    assert str(info.value) == (
+        "invalid command line, 2 problems: (1) unknown argument '--learning_rat' (did you mean learning_rate?) "
+        "(2) max_steps: expected an integer, got 'ten'; "
+        f"invalid recipe {cfg}, 1 problem: (1) unknown key 'seeed' (did you mean seed?)")
+    assert len(info.value.problems) == 3
 
 
 def test_stray_value_and_misspelt_flag(in_tmp):

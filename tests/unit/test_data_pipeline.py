@@ -439,6 +439,19 @@ def test_a_line_that_is_not_json_is_named_by_file_and_line(tmp_path):
         load_raw(str(array), None, "train")
 
 
+def test_a_line_that_is_not_json_is_named_once_by_hftrain_not_first_by_datasets(tmp_path, capfd, caplog):
+    """Issue 49 (7): datasets' JSON builder logged "Failed to load JSON ... in row 299" (pyarrow's 0-based row of
+    the block) before raising, so one broken line was named twice, by two numbers, before hftrain's own "line 300"."""
+    lines = chat_lines(400)
+    lines[299] = lines[299][:-3]  # line 300 cut short
+    jsonl = tmp_path / "broken.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n")
+    with pytest.raises(HftrainError, match=r"broken.jsonl, line 300: not JSON"):
+        load_raw(str(jsonl), None, "train")
+    printed = capfd.readouterr().err + "".join(record.getMessage() for record in caplog.records)
+    assert "row 299" not in printed and "Failed to load JSON" not in printed, printed
+
+
 def test_a_bad_row_is_named_by_its_file_and_line_not_its_position_after_the_shuffle(tmp_path):
     """The eval hold-out shuffles the rows (and a mixture concatenates its sources): a bad row was named "example
     580" for line 42 of its file. Here line 43 (a blank line before it) has no assistant message."""
@@ -458,6 +471,60 @@ def test_a_bad_row_is_named_by_its_file_and_line_not_its_position_after_the_shuf
         message = str(info.value)
         assert message.startswith(f"{bad}, line 43") and "the conversation has no assistant message" in message
         assert ("line 43 (a source of dataset_mixture):" in message) == ("dataset_mixture" in values)
+
+
+CHAT = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+SHAREGPT = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+# format: (objective, a good row, the bad row: one of the format's fields under another name, the field, the rename)
+MISSING_FIELD = {
+    "messages": ("sft", {"messages": CHAT}, {"conversation": CHAT}, "messages", "{conversation: messages}"),
+    "sharegpt": ("sft", {"conversations": SHAREGPT}, {"conversation": SHAREGPT}, "conversations",
+                 "{conversation: conversations}"),
+    "alpaca": ("sft", {"instruction": "q", "output": "a"}, {"instruction": "q", "response": "a"}, "output",
+               "{response: output}"),
+    "prompt_completion": ("sft", {"prompt": "q", "completion": " a"}, {"prompt": "q", "answer": " a"}, "completion",
+                          "{answer: completion}"),
+    "text": ("sft", {"text": "some text"}, {"content": "some text"}, "text", "{content: text}"),
+    "preference": ("dpo", {"prompt": "q", "chosen": " a", "rejected": " b"},
+                   {"prompt": "q", "chosen": " a", "rejcted": " b"}, "rejected", "{rejcted: rejected}"),
+    "preference's prompt": ("dpo", {"prompt": "q", "chosen": " a", "rejected": " b"},
+                            {"question": "q", "chosen": " a", "rejected": " b"}, "prompt", "{question: prompt}"),
+    "unpaired (kto)": ("kto", {"prompt": "q", "completion": " a", "label": True},
+                       {"prompt": "q", "completion": " a", "desirable": False}, "label", "{desirable: label}"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISSING_FIELD))
+def test_a_row_without_one_of_its_formats_fields_is_named_with_the_field(tmp_path, tokenizer, case):
+    """Issue 49 (6): a line of a file whose other lines have the field gets it as None from datasets, and was refused
+    for that value's type ("messages must be a non-empty list ... got NoneType", "chosen and rejected must both be
+    strings or both be message lists"). Now: its line, the missing field, what the row has and how to map a name."""
+    objective, good, bad, field, rename = MISSING_FIELD[case]
+    rows = [dict(good, **({"label": i % 2 == 0} if objective == "kto" else {})) for i in range(6)]
+    rows[2] = bad
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(HftrainError) as info:
+        load_datasets(Recipe(model_name_or_path=str(MODEL), dataset_name=str(data), objective=objective,
+                             validation_split_percentage=0), tokenizer)
+    message = str(info.value)
+    assert message.startswith(f"{data}, line 3: the row has no {field!r} field"), message
+    assert "dataset_columns" in message and rename in message, message
+    assert all(repr(key) in message for key in bad), message  # what the row has
+    if case in ("messages", "text"):  # the option that names the column of these formats
+        assert f"dataset_{case}_field" in message, message
+
+
+@pytest.mark.parametrize("example, fmt, field", [
+    ({"prompt": "p", "chosen": " a"}, "preference", "rejected"),
+    ({"prompt": "p", "completion": " a"}, "unpaired", "label"),
+    ({"conversation": CHAT}, "messages", "messages"),
+    ({"prompt": "p"}, "prompt_completion", "completion"),
+])
+def test_a_streamed_row_without_a_field_names_it(example, fmt, field):
+    """hftrain's stream reader leaves a key missing from a line out of the row (no None): the row was a KeyError."""
+    with pytest.raises(HftrainError, match=f"d.jsonl, line 9: the row has no {field!r} field"):
+        to_canonical(example, fmt, "text", "messages", "d.jsonl, line 9")
 
 
 def test_a_row_origin_names_rows_in_any_order(tmp_path):

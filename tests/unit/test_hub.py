@@ -3,14 +3,20 @@ pointed at it): the refusals, and a run's pushes without training (the trained r
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import pytest
 from huggingface_hub import constants
 
+from hftrain import trained
 from hftrain.config import Recipe, unused_settings, validate
 from hftrain.errors import HftrainError
 from hftrain.hub import HubPush, preflight_problems
+from hftrain.model import build_tokenizer
+from hftrain.preflight import model_problems
+from tests.conftest import REPO, free_port
 from tests.hub_server import FakeHub
 
 
@@ -92,3 +98,43 @@ def test_a_refused_card_says_what_the_hub_refused(fake_hub, tmp_path):
            "valid. If possible, use a model id from https://hf.co/models); the trained model is saved there" \
         in str(refused.value)
     assert not hub.repos["org/m"].commits
+
+
+# ------------------------------------------------------------------------------------- a hub out of reach
+@pytest.fixture
+def hub_out_of_reach(monkeypatch):
+    """huggingface_hub online, its endpoint a local port nothing listens on: every connection is refused, as on a
+    machine without the hub (what HF_ENDPOINT and HF_HUB_OFFLINE set at import)."""
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return constants.ENDPOINT
+
+
+def test_a_hub_out_of_reach_fails_each_load_at_once_in_one_paragraph(hub_out_of_reach, tmp_path, capfd, caplog):
+    """Issue 49 (9): huggingface_hub retried each file 5 times, 1 to 8 s apart, with two log lines per try (11
+    lines, ~25 s) before transformers said it could not connect: 32 s for `hftrain launch`, 41 s for `hftrain eval`.
+    One request without retries now ends the load, for the training entry's preflight and tokenizer, and for
+    chat / eval's trained folders (an adapter whose base is a hub id)."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "nobody-xyz/not-a-model",
+                                                             "peft_type": "LORA", "task_type": "CAUSAL_LM"}))
+    loads = {
+        "preflight": lambda: model_problems(Recipe(model_name_or_path="nobody-xyz/not-a-model"))[1][0],
+        "tokenizer": lambda: build_tokenizer(Recipe(model_name_or_path=str(REPO / "models" / "tiny-llama"),
+                                                    tokenizer_name_or_path="nobody-xyz/not-a-tokenizer")),
+        "chat / eval": lambda: trained.inspect(adapter),
+    }
+    for name, load in loads.items():
+        started = time.monotonic()
+        try:
+            said = load()
+        except HftrainError as error:
+            said = str(error)
+        seconds = time.monotonic() - started
+        assert seconds < 15, f"{name}: {seconds:.1f} s"
+        assert f"the hub at {hub_out_of_reach} cannot be reached from this machine" in said, (name, said)
+        assert "Check the id" in said and "HF_HUB_OFFLINE=1" in said and "local" in said, (name, said)
+    printed = capfd.readouterr().err + "\n".join(record.getMessage() for record in caplog.records)
+    assert "Retrying in" not in printed and "thrown while requesting" not in printed, printed

@@ -504,6 +504,25 @@ def test_every_problem_of_machine_launch_and_model_comes_in_one_error(monkeypatc
     assert preflight(Recipe(model_name_or_path=str(MODEL)), ONE, cuda=False).model_type == "llama"
 
 
+def test_a_model_that_cannot_be_loaded_is_the_models_problem_not_the_recipes(monkeypatch):
+    """Issue 49 (8): a hub model that cannot be loaded read "invalid recipe for this machine and launch, 1 problem:
+    (1) cannot load model ...", as if the recipe were wrong for the machine. It comes first, as itself, saying what to
+    do; the recipe's own problems for this launch follow under their header."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as the suite runs: the id is neither local nor cached
+    with pytest.raises(ConfigError) as info:
+        preflight(Recipe(model_name_or_path="nobody-xyz/not-a-model"), ONE, cuda=False)
+    text = str(info.value)
+    assert text.startswith("cannot load model 'nobody-xyz/not-a-model': "), text
+    assert "invalid recipe" not in text and "check the id" in text and "HF_HUB_OFFLINE" in text
+    assert "Give a local folder" in text
+    with pytest.raises(ConfigError) as info:
+        preflight(Recipe(model_name_or_path="nobody-xyz/not-a-model", fp16=True), ONE, cuda=False)
+    text = str(info.value)
+    assert text.startswith("cannot load model 'nobody-xyz/not-a-model': "), text
+    assert "; invalid recipe for this machine and launch, 1 problem: (1) fp16 needs a CUDA GPU" in text, text
+    assert len(info.value.problems) == 2
+
+
 def test_sequence_parallel_refuses_a_router_loss_before_the_weights_load():
     from transformers import MixtralConfig
 
