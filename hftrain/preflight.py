@@ -79,9 +79,10 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += vllm_problems(recipe, launch, cuda)
     problems += evaluation_problems(recipe, launch, model_config)
     problems += hub.preflight_problems(recipe)
-    problems += library_problems(recipe, launch)
-    if problems or unloadable:
-        raise ConfigError(groups=[(None, unloadable), (RECIPE_FOR_LAUNCH, problems)])
+    # the installed libraries' problems are not the recipe's either: each names the install that fixes it
+    unusable = unloadable + library_problems(recipe, launch)
+    if problems or unusable:
+        raise ConfigError(groups=[(None, unusable), (RECIPE_FOR_LAUNCH, problems)])
     return model_config
 
 

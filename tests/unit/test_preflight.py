@@ -523,6 +523,25 @@ def test_a_model_that_cannot_be_loaded_is_the_models_problem_not_the_recipes(mon
     assert len(info.value.problems) == 2
 
 
+def test_a_library_outside_its_checked_versions_is_the_environments_problem_not_the_recipes(monkeypatch):
+    """Issue 49 (1): a transformers that hftrain's gates refuse read "invalid recipe for this machine and launch":
+    it is the installed library's problem and says which install fixes it."""
+    from hftrain import compat
+
+    real = compat.installed_version
+    monkeypatch.setattr(compat, "installed_version",
+                        lambda library: "5.99.0" if library == "transformers" else real(library))
+    compat.within.cache_clear()
+    try:
+        with pytest.raises(ConfigError) as info:
+            preflight(Recipe(model_name_or_path=str(REPO / "models" / "tiny-llama")), ONE, cuda=False)
+    finally:
+        compat.within.cache_clear()
+    text = str(info.value)
+    assert text.startswith("loading a model (the checkpoint-name conversions it keeps) relies on transformers"), text
+    assert "invalid recipe" not in text and "transformers 5.99.0 is installed: pip install 'transformers>=" in text
+
+
 def test_sequence_parallel_refuses_a_router_loss_before_the_weights_load():
     from transformers import MixtralConfig
 
