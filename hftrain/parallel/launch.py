@@ -209,6 +209,56 @@ def phase(accelerator, name: str | Callable[[], str], timeout: int):
         ) from None
 
 
+@contextmanager
+def main_process_first(accelerator, name: str = "data preparation"):
+    """accelerate's `main_process_first` (the main process runs the block first, e.g. to read the datasets and fill
+    their cache, then the others, from the cache), with the main process's failure passed on to the others.
+
+    Under accelerate's, the others wait for the main process in a barrier; when it fails (a bad row, a missing
+    column), it prints its error and exits, and their barrier ends in gloo's "Connection closed by peer" traceback,
+    printed after its error unless the launcher stopped them first. Here the main process ends the block by telling
+    the others whether it succeeded (one collective, in place of the barrier); when it did not, they leave without
+    running the block, with an HftrainError that every process meets alike: silent while the launcher stops them
+    (errors.report_and_exit), so the main process's error is the launch's only one. A second collective after a
+    failure keeps the main process from exiting before the others have read its word."""
+    if accelerator.num_processes == 1 or not torch.distributed.is_initialized():
+        yield
+        return
+    if not accelerator.is_main_process:
+        if not _main_process_succeeded(accelerator, failed=False):
+            error = HftrainError(f"the main process (rank 0) failed during {name}: its error is in its output; rank "
+                                 f"{accelerator.process_index} stopped with it")
+            error.same_in_every_process = True
+            raise error
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        try:
+            _main_process_succeeded(accelerator, failed=True)
+        except Exception:  # noqa: BLE001 - a rank already gone cannot be told; the main process's error comes first
+            pass
+        raise
+    _main_process_succeeded(accelerator, failed=False)
+
+
+def _main_process_succeeded(accelerator, failed: bool) -> bool:
+    """Every process's part in the word `main_process_first` passes on: whether the main process failed (the others
+    contribute False). After a failure, a second collective: once the main process is through it, every other
+    process has read the word, so the main process may exit."""
+    word = torch.tensor([int(failed)], device=accelerator.device)
+    torch.distributed.all_reduce(word)
+    if not word.item():
+        return True
+    try:
+        torch.distributed.all_reduce(torch.zeros(1, device=accelerator.device))
+    except Exception:  # noqa: BLE001 - the main process may have exited once this one joined: the word is read
+        if accelerator.is_main_process:
+            raise
+    return False
+
+
 def this_device(accelerator) -> dict:
     """The physical device this process trains on, as recorded in hftrain_state.json: host, ranks, and on CUDA the
     index within CUDA_VISIBLE_DEVICES, the GPU's name and UUID (the same GPU has the same UUID whatever the
