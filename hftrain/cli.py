@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TextIO
 
@@ -267,6 +267,29 @@ def cpu_threads(preset: Path, known: argparse.Namespace) -> int | None:
     return max((psutil.cpu_count(logical=False) or 1) // max(processes // machines, 1), 1)
 
 
+def launcher_environment(argv: list[str], environ: Mapping[str, str] = os.environ,
+                         cuda: Callable[[], bool] = lambda: importlib.import_module("torch").cuda.is_available()
+                         ) -> dict[str, str]:
+    """What `hftrain launch` adds to the launcher's environment for a DeepSpeed preset: only what the launch does
+    anyway, without the notices that say so on every launch. accelerate's DeepSpeed launcher passes no
+    num_cpu_threads_per_process on (it does for every other strategy), so on one machine torchrun gives each process
+    OMP_NUM_THREADS=1 with a four-line banner: given here, as it is. The launcher imports DeepSpeed, which, on a machine
+    without CUDA, detects the CPU accelerator with a warning ("Setting accelerator to CPU"): named here, as every
+    training process names it (hftrain.model.name_deepspeeds_cpu_accelerator). What the caller set is kept."""
+    known, rest = launch_parser().parse_known_args(argv)
+    preset = resolve_preset(known.preset or recipe_preset(with_demo_recipe(rest)) or "cpu")
+    config = yaml.safe_load(preset.read_text(encoding="utf-8")) or {}
+    if config.get("distributed_type") != "DEEPSPEED":
+        return {}
+    added = {}
+    machines = int(known.num_machines or config.get("num_machines") or 1)
+    if machines == 1 and "OMP_NUM_THREADS" not in environ and known.num_cpu_threads_per_process is None:
+        added["OMP_NUM_THREADS"] = "1"
+    if "DS_ACCELERATOR" not in environ and not cuda():
+        added["DS_ACCELERATOR"] = "cpu"
+    return added
+
+
 def list_presets(width: int | None = None) -> str:
     """Each shipped preset's name and the first sentence of its leading comment, wrapped to `width` (the
     terminal's)."""
@@ -373,12 +396,13 @@ def main(argv: list[str] | None = None) -> None:
         print(" ".join(cmd))
         return
     run_tool(check_launch, argv[1:])
-    sys.exit(run_launcher(cmd))
+    sys.exit(run_launcher(cmd, run_tool(launcher_environment, argv[1:])))
 
 
-def run_launcher(cmd: list[str]) -> int:
-    """Run accelerate's launcher with its standard error relayed through `relay_errors`, and return the training
-    processes' exit status (75, EXIT_PREEMPTED, after a stop with a checkpoint).
+def run_launcher(cmd: list[str], environment: Mapping[str, str] | None = None) -> int:
+    """Run accelerate's launcher (with `environment` added to this process's: `launcher_environment`) with its
+    standard error relayed through `relay_errors`, and return the training processes' exit status (75,
+    EXIT_PREEMPTED, after a stop with a checkpoint).
 
     The launcher runs in a session of its own, so a Ctrl-C at the terminal reaches this process only. It passes
     SIGINT and SIGTERM (SIGHUP as SIGTERM) on to the training processes, the launcher's children (the launcher itself
@@ -386,7 +410,8 @@ def run_launcher(cmd: list[str]) -> int:
     launcher never sees the signal: accelerate's prints a KeyboardInterrupt traceback, and torchrun's agent
     kills its workers 30 s later, whatever they are saving. This process relays until the launch's output ends, so
     no process writes into a closed pipe."""
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, **environment} if environment else None)
 
     def forward(signum: int, frame) -> None:
         sent = signal.SIGTERM if signum == signal.SIGHUP else signum

@@ -16,9 +16,9 @@ from typing import Any, Protocol, runtime_checkable
 from hftrain.data.batching import Collator, IndexedFeed, training_plan, training_rows
 from hftrain.data.image_chats import ImageChatCollator
 from hftrain.data.streaming import check_resume, load_stream, read_states
-from hftrain.errors import HftrainError
+from hftrain.errors import HftrainError, same_in_every_process
 from hftrain.model import pad_token_id
-from hftrain.parallel.launch import phase
+from hftrain.parallel.launch import main_process_first, phase
 from hftrain.paths import STREAM_STATE
 
 
@@ -82,16 +82,17 @@ def setup_examples(run) -> TrainingData:
         raise HftrainError(f"checkpoint {run.resume_from} was saved by a streamed run (streaming: true): its data "
                            "position is a place in the stream, which map-style data cannot continue from; resume "
                            "with streaming: true")
-    with phase(run.accelerator, "data preparation", recipe.ddp_timeout), run.accelerator.main_process_first():
+    with phase(run.accelerator, "data preparation", recipe.ddp_timeout), main_process_first(run.accelerator):
         train_set, eval_set, data_stats = run.load_datasets(run.tokenizer)  # rank 0 caches first
     rows = training_rows(train_set, recipe.packing, recipe.max_length)
     plan = training_plan(recipe, train_set, rows, world)
     if len(rows) < plan.global_batch:
-        raise HftrainError(
-            f"the training set has {len(rows)} usable {'packed rows' if recipe.packing else 'examples'}, "
-            f"fewer than one global batch of {plan.global_batch} (per_device_train_batch_size x {world} "
-            "processes x gradient_accumulation_steps); use a smaller batch or more data"
-        )
+        with same_in_every_process():  # every process counts the same rows: the main process reports
+            raise HftrainError(
+                f"the training set has {len(rows)} usable {'packed rows' if recipe.packing else 'examples'}, "
+                f"fewer than one global batch of {plan.global_batch} (per_device_train_batch_size x {world} "
+                "processes x gradient_accumulation_steps); use a smaller batch or more data"
+            )
     pad = pad_token_id(run.tokenizer)
     if run.processor is not None:  # rows are single examples (packing is refused for image-text models)
         collator = ImageChatCollator(train_set, run.processor, pad)
@@ -109,7 +110,7 @@ def setup_stream(run) -> TrainingData:
     """streaming: the feed reads the training set on the fly (hftrain.data.streaming); a resumed run continues from
     the checkpoint's stream position, checked here, before the model loads."""
     recipe = run.recipe
-    with phase(run.accelerator, "data preparation", recipe.ddp_timeout), run.accelerator.main_process_first():
+    with phase(run.accelerator, "data preparation", recipe.ddp_timeout), main_process_first(run.accelerator):
         feed, eval_set, data_stats = load_stream(recipe, run.tokenizer, run.dp.rank, run.dp.world, run.processor)
     pad = pad_token_id(run.tokenizer)
     collator = feed.collator

@@ -19,6 +19,7 @@ from hftrain.errors import HftrainError
 from hftrain.loss import ObjectiveLoss
 from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import AdapterReference, FrozenReference
+from hftrain.parallel.launch import main_process_first
 from hftrain.paths import STREAM_STATE
 from hftrain.rl.generation import build_generator
 from hftrain.rl.grpo import GRPOLoss, Policy, ReferenceTokenLogProbs, Rollouts, RolloutSource, reference_token_log_probs
@@ -63,7 +64,7 @@ class GRPO(Objective):
         the reward functions checked against those columns, and the generation windows' plan."""
         recipe, world = run.recipe, run.dp.world
         source = training_sources(recipe)[0]
-        with run.accelerator.main_process_first():
+        with main_process_first(run.accelerator):
             raw = renamed(load_raw(source.name, source.config, source.split), source.columns, source.name)
         problems = []
         if "prompt" not in raw.column_names:
@@ -82,7 +83,7 @@ class GRPO(Objective):
         problems += column_problems(funcs, others + (["environments"] if probe is not None else []))
         eval_raw = None
         if recipe.reads_eval_dataset:  # TRL evaluates on the eval dataset it is given, and holds nothing out
-            with run.accelerator.main_process_first():
+            with main_process_first(run.accelerator):
                 eval_raw = renamed(load_raw(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split),
                                    recipe.dataset_columns, recipe.eval_dataset_name)
             eval_others = [c for c in eval_raw.column_names if c not in ("prompt", "completion", "completion_ids")]

@@ -9,14 +9,17 @@ requested explicitly.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
+import re
 import socket
 import sys
 import traceback
-from collections.abc import Callable, Mapping
-from contextlib import contextmanager
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext, redirect_stdout
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -152,9 +155,43 @@ def gpu_problems(launch: Launch, gpus: int, environ: Mapping[str, str] = os.envi
             f"{fitting} (the GPUs per machine x machines) or make the other GPUs visible"]
 
 
+# torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor (for all_gather_single /
+# reduce_scatter_single) with a FutureWarning at every call, attributed to torch's own c10d_logger wrapper, not to the
+# caller: DeepSpeed's ZeRO calls them at every gather and reduce of a partition (2,680 warnings, 5,360 lines, in
+# the tiny recipe's 60 steps under ZeRO-3 on 2 CPU processes), accelerate's gather under NCCL at every call. A note to
+# those libraries' authors: nothing a user changes in a recipe or preset reaches those calls.
+DEPRECATED_COLLECTIVES = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+# DeepSpeed's communication backend on CPU prints this line in every process when it loads its shared-memory op
+DEEPSPEED_BUILT_NOTE = re.compile(r"DeepSpeed \S+ built successfully\n?")
+
+
+def quiet_library_notes() -> None:
+    """In a training process, before its accelerator: only torch's deprecation of those two collectives is
+    ignored (by message, category and module); every other warning still shows."""
+    warnings.filterwarnings("ignore", message=DEPRECATED_COLLECTIVES, category=FutureWarning,
+                            module=r"torch\.distributed\.")
+
+
+@contextmanager
+def without_deepspeed_build_notes() -> Iterator[None]:
+    """While the block runs (DeepSpeed's process group being made), standard output is held and passed on after it,
+    without DeepSpeed's "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully" (a print, which no
+    logger level reaches), one line per process of every DeepSpeed launch on CPU. Every other line is kept."""
+    held = io.StringIO()
+    try:
+        with redirect_stdout(held):
+            yield
+    finally:
+        kept = [line for line in held.getvalue().splitlines(keepends=True) if not DEEPSPEED_BUILT_NOTE.fullmatch(line)]
+        if kept:
+            sys.stdout.write("".join(kept))
+            sys.stdout.flush()
+
+
 def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
     cuda = torch.cuda.is_available()
     deepspeed = launch.kind == "deepspeed"
+    quiet_library_notes()
     name_deepspeeds_cpu_accelerator()
     if deepspeed:
         import_deepspeed_without_mlflow()
@@ -172,15 +209,16 @@ def make_accelerator(recipe: Recipe, launch: Launch) -> Accelerator:
             f"cp_size={recipe.cp_size} needs CUDA GPUs: accelerate builds context parallelism only under FSDP2, which "
             "it selects only for GPU-like devices, and torch's ring attention dispatches only the CUDA SDPA kernels; "
             "on CPU use sp_size with the cpu_sp preset (docs/long-context.md)")
-    return Accelerator(
-        parallelism_config=mesh,
-        cpu=not cuda and not deepspeed,
-        mixed_precision="bf16" if recipe.bf16 else "fp16" if recipe.fp16 else "no",
-        gradient_accumulation_steps=recipe.gradient_accumulation_steps,
-        log_with=[t for t in recipe.report_to if t != "none"] or None,
-        project_dir=recipe.output_dir,
-        kwargs_handlers=handlers,
-    )
+    with without_deepspeed_build_notes() if deepspeed else nullcontext():
+        return Accelerator(
+            parallelism_config=mesh,
+            cpu=not cuda and not deepspeed,
+            mixed_precision="bf16" if recipe.bf16 else "fp16" if recipe.fp16 else "no",
+            gradient_accumulation_steps=recipe.gradient_accumulation_steps,
+            log_with=[t for t in recipe.report_to if t != "none"] or None,
+            project_dir=recipe.output_dir,
+            kwargs_handlers=handlers,
+        )
 
 
 def parallelism_config(recipe: Recipe, launch: Launch) -> ParallelismConfig | None:
@@ -207,6 +245,56 @@ def phase(accelerator, name: str | Callable[[], str], timeout: int):
             f"the other ranks during {name() if callable(name) else name}; a rank may have died (see its log above) "
             "or be much slower (raise ddp_timeout if rank 0 needs longer, e.g. to tokenize a large dataset)"
         ) from None
+
+
+@contextmanager
+def main_process_first(accelerator, name: str = "data preparation"):
+    """accelerate's `main_process_first` (the main process runs the block first, e.g. to read the datasets and fill
+    their cache, then the others, from the cache), with the main process's failure passed on to the others.
+
+    Under accelerate's, the others wait for the main process in a barrier; when it fails (a bad row, a missing
+    column), it prints its error and exits, and their barrier ends in gloo's "Connection closed by peer" traceback,
+    printed after its error unless the launcher stopped them first. Here the main process ends the block by telling
+    the others whether it succeeded (one collective, in place of the barrier); when it did not, they leave without
+    running the block, with an HftrainError that every process meets alike: silent while the launcher stops them
+    (errors.report_and_exit), so the main process's error is the launch's only one. A second collective after a
+    failure keeps the main process from exiting before the others have read its word."""
+    if accelerator.num_processes == 1 or not torch.distributed.is_initialized():
+        yield
+        return
+    if not accelerator.is_main_process:
+        if not _main_process_succeeded(accelerator, failed=False):
+            error = HftrainError(f"the main process (rank 0) failed during {name}: its error is in its output; rank "
+                                 f"{accelerator.process_index} stopped with it")
+            error.same_in_every_process = True
+            raise error
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        try:
+            _main_process_succeeded(accelerator, failed=True)
+        except Exception:  # noqa: BLE001 - a rank already gone cannot be told; the main process's error comes first
+            pass
+        raise
+    _main_process_succeeded(accelerator, failed=False)
+
+
+def _main_process_succeeded(accelerator, failed: bool) -> bool:
+    """Every process's part in the word `main_process_first` passes on: whether the main process failed (the others
+    contribute False). After a failure, a second collective: once the main process is through it, every other
+    process has read the word, so the main process may exit."""
+    word = torch.tensor([int(failed)], device=accelerator.device)
+    torch.distributed.all_reduce(word)
+    if not word.item():
+        return True
+    try:
+        torch.distributed.all_reduce(torch.zeros(1, device=accelerator.device))
+    except Exception:  # noqa: BLE001 - the main process may have exited once this one joined: the word is read
+        if accelerator.is_main_process:
+            raise
+    return False
 
 
 def this_device(accelerator) -> dict:

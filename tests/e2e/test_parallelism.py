@@ -225,9 +225,25 @@ def test_zero2_checkpoint_resumes_on_another_number_of_processes(reference, tmp_
     assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
 
 
+def assert_quiet_deepspeed_console(run: Run) -> None:
+    """Issue 49: a ZeRO-3 run on CPU printed 5,372 lines for the tiny recipe's 60 steps, 2,680 of them torch's
+    FutureWarning (two lines each) at every all_gather_into_tensor / reduce_scatter_tensor DeepSpeed calls, and each
+    process's "DeepSpeed ... shm_comm_op built successfully". Now about as short as a DDP run's console, hftrain's
+    start-up lines and progress all there (what `hftrain launch` adds for the launcher itself, the OMP_NUM_THREADS
+    banner and DeepSpeed's accelerator warning: tests/unit/test_cli.py)."""
+    console = run.stdout + run.stderr
+    assert "FutureWarning" not in console and "is deprecated" not in console, console[-3000:]
+    assert "built successfully" not in console, console[-3000:]
+    assert len(console.splitlines()) < 40, console
+    assert "hftrain: DeepSpeed ZeRO-3 over 2 processes (gloo) on cpu, model wrapped as DeepSpeedEngine" in run.stdout
+    assert [line.split(":")[1] for line in run.stderr.splitlines() if line.startswith("training: step ")] == \
+        [f" step {step}/6" for step in range(1, 7)], run.stderr
+
+
 def test_zero3_trains_like_one_process_and_gathers_a_full_final_model(reference, tmp_path):
     run = launch(tmp_path / "zero3", *COMMON, *TWO_PROCESSES, preset="zero3")
     assert_launch(run, "DEEPSPEED", 2, "DeepSpeedEngine", optimizer="AdamW")
+    assert_quiet_deepspeed_console(run)
     used = ds_config(run, "final")
     assert used["zero_optimization"]["stage"] == 3 and used["gradient_clipping"] == 1.0
     assert used["zero_optimization"]["stage3_param_persistence_threshold"] == 640  # 10 x hidden size 64

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hftrain import cli
 from hftrain.cli import (
     deepspeed_config_file,
     launch_command,
     launch_option_typos,
+    launcher_environment,
     list_presets,
     main,
     relay_errors,
@@ -122,6 +124,34 @@ def test_dry_run_prints_the_command(capsys):
     out = capsys.readouterr().out
     assert "--config_file" in out and "zero2.json" in out and out.strip().endswith("--max_steps 2")
     assert "--dry_run" not in out
+
+
+def test_a_deepspeed_launch_gives_the_launcher_what_it_would_announce(monkeypatch):
+    """Issue 49: accelerate's DeepSpeed launcher passes no CPU threads on, so torchrun gave each process
+    OMP_NUM_THREADS=1 under a four-line banner, and it imports DeepSpeed, which warned "Setting accelerator to CPU"
+    on a machine without CUDA. `hftrain launch` gives the launcher both, as they would be, so neither is printed;
+    what the caller set stays, other strategies get nothing (accelerate passes their threads on), and a launch over
+    several machines keeps the threads each machine's launcher chooses."""
+    cpu = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    assert launcher_environment(["--preset", "zero3"], {}, cuda=lambda: False) == cpu
+    assert launcher_environment(["--preset", "zero2", "--max_steps", "2"], {}, cuda=lambda: True) == \
+        {"OMP_NUM_THREADS": "1"}
+    assert launcher_environment(["--preset", "zero3"], {"OMP_NUM_THREADS": "4", "DS_ACCELERATOR": "cuda"},
+                                cuda=lambda: False) == {}
+    assert launcher_environment(["--preset", "zero3", "--num_cpu_threads_per_process", "3"], {},
+                                cuda=lambda: True) == {}
+    assert launcher_environment(["--preset", "multi_node_zero3"], {}, cuda=lambda: True) == {}
+    assert launcher_environment(["--preset", "cpu_ddp"], {}, cuda=lambda: False) == {}
+    assert launcher_environment([], {}, cuda=lambda: False) == {}  # the demo: the cpu preset
+    # what `hftrain launch` starts the launcher with
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    started = []
+    monkeypatch.setattr(cli, "run_launcher", lambda cmd, environment=None: started.append(environment) or 0)
+    with pytest.raises(SystemExit) as info:
+        main(["launch", "--preset", "zero3", "--max_steps", "2"])
+    assert info.value.code == 0
+    assert started == [cpu if not torch.cuda.is_available() else {"OMP_NUM_THREADS": "1"}]
 
 
 def test_presets_listing_shows_every_shipped_preset_in_whole_sentences_wrapped_to_the_terminal():

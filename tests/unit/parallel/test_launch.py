@@ -14,7 +14,15 @@ from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu
 from hftrain.cli import deepspeed_config_file
 from hftrain.config import PRESET_DIR
 from hftrain.errors import ConfigError, HftrainError
-from hftrain.parallel.launch import Launch, devices_record, phase, shared_devices, strategy_problems
+from hftrain.parallel.launch import (
+    Launch,
+    devices_record,
+    phase,
+    quiet_library_notes,
+    shared_devices,
+    strategy_problems,
+    without_deepspeed_build_notes,
+)
 from hftrain.preflight import gpu_count_problems
 
 
@@ -162,3 +170,42 @@ def test_a_presets_parallelism_config_is_read_as_accelerate_reads_it(monkeypatch
     assert mesh["cp"] == 2 and mesh["dp_shard"] == 4
     del environ["ACCELERATE_USE_PARALLELISM_CONFIG"]  # no parallelism_config section: nothing to compare
     assert Launch.from_environ(environ).preset_mesh is None
+
+
+def test_only_torchs_deprecation_of_deepspeeds_collectives_is_silenced(monkeypatch, capsys):
+    """Issue 49: a training process ignores torch's FutureWarning at all_gather_into_tensor / reduce_scatter_tensor
+    (attributed to torch.distributed's own frame), and only it: the same words from another module, another
+    torch.distributed deprecation and another category still show. DeepSpeed's op-build line is taken out of what
+    its process group's creation prints; every other line stays, in order, also when the block fails."""
+    import warnings
+
+    monkeypatch.setattr(warnings, "filters", list(warnings.filters))  # this test's filters only
+    quiet_library_notes()
+    deprecated = "`torch.distributed.reduce_scatter_tensor` is deprecated. Please use `reduce_scatter_single`."
+    with warnings.catch_warnings(record=True) as shown:
+        for text, category, module in [
+            (deprecated, FutureWarning, "torch.distributed.c10d_logger"),
+            (deprecated.replace("reduce_scatter", "all_gather_into"), FutureWarning, "torch.distributed.c10d_logger"),
+            (deprecated, FutureWarning, "user_code"),
+            ("`torch.distributed.scatter_object_list` is deprecated", FutureWarning, "torch.distributed.c10d_logger"),
+            (deprecated, UserWarning, "torch.distributed.c10d_logger"),
+        ]:
+            warnings.warn_explicit(text, category, "f.py", 1, module=module, registry={})
+    assert [(str(w.message)[:40], w.category) for w in shown] == [
+        (deprecated[:40], FutureWarning), ("`torch.distributed.scatter_object_list` ", FutureWarning),
+        (deprecated[:40], UserWarning)]
+    with pytest.raises(RuntimeError), without_deepspeed_build_notes():
+        print("before")
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+        print("after: DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully, then something")
+        raise RuntimeError("the process group failed")
+    assert capsys.readouterr().out == ("before\nafter: DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built "
+                                       "successfully, then something\n")
+
+
+def test_accelerates_deepspeed_launcher_gives_no_threads_where_its_ddp_launcher_does(monkeypatch):
+    """Why `hftrain launch` sets OMP_NUM_THREADS for a DeepSpeed preset (cli.launcher_environment): accelerate's
+    launcher passes the threads on for DDP, not for DeepSpeed, whose processes torchrun gives 1 with a banner."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the suite's (tests/conftest.py), a user's shell's
+    assert "OMP_NUM_THREADS" in accelerate_environment(PRESET_DIR / "cpu_ddp.yaml")
+    assert "OMP_NUM_THREADS" not in accelerate_environment(PRESET_DIR / "zero3.yaml")
