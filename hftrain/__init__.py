@@ -8,6 +8,10 @@ __version__ = "0.1.0"
 # missing. That kernel only serves repacked 4-bit weights, and hftrain keeps them in their training layout
 # (hftrain.model.keep_4bit_layout), so the warning concerns a path hftrain never takes.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+# With the `kernels` package installed (a dependency of transformers 5.25), that import asks the hub for the kernel
+# instead, and offline `kernels` warns that it skips the kernel's publisher check: the same path, the same reason.
+logging.getLogger("kernels._internals.hf_hub").addFilter(
+    lambda record: "kernels-community/quantization-bitsandbytes" not in record.getMessage())
 
 # DTensor warns at every redistribution across two mesh dimensions that it needs two collectives ("This is
 # suboptimal ... flatten mesh dimensions"): on every step of FSDP2 x TP and of expert parallelism, whose meshes

@@ -436,7 +436,8 @@ TRACEBACK = "Traceback (most recent call last):"
 PREEMPTED_LOG = re.compile(rf"elastic/multiprocessing/api\.py:\d+\] failed \(exitcode: {EXIT_PREEMPTED}\)")
 # accelerate >= 1.16's single-process launcher raises its CalledProcessError `from RuntimeError(<the last 512 KiB of
 # the process's standard error>)`, so the process's error comes back a second time, after "RuntimeError: ", before
-# the launcher's own traceback (accelerate/commands/launch.py, `_run_subprocess`)
+# the launcher's own traceback (accelerate/commands/launch.py, `_run_subprocess`); a bare "RuntimeError" when the
+# process wrote past the launcher's copy (hftrain.compat.accelerate.write_stderr_past_launchers_copy)
 ECHO = "RuntimeError: "
 ECHO_END = "The above exception was the direct cause of the following exception:"
 ECHO_SPAN = 1 << 20  # what is kept of the relayed text to recognise the echo: more than the launcher's tail
@@ -480,6 +481,8 @@ def relay_errors(chunks: Iterable[str], out: TextIO) -> int | None:
             lines, echo = echo, []
             for earlier in lines:
                 complete_line(earlier)
+        if line.rstrip("\n") == ECHO.rstrip(": ") and not held:
+            line = ECHO + "\n"  # an empty copy
         if line.startswith(ECHO) and not held and repeats([line]):
             echo = [line]
             return

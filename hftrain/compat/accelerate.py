@@ -6,11 +6,15 @@
 - FSDP2 checkpoints: the state-dict options accelerate's own FSDP2 save uses (`_prepare_sd_options` in
   accelerate/utils/fsdp_utils.py), so that hftrain's background save writes the files accelerate would;
 - saving without importing DeepSpeed: the package probe `extract_model_from_parallel` makes (the name
-  `is_deepspeed_available` in accelerate/utils/other.py), answered from the imported modules while a model is saved.
+  `is_deepspeed_available` in accelerate/utils/other.py), answered from the imported modules while a model is saved;
+- one-process launches (1.16): the launcher's copy of the process's standard error (`_run_subprocess` in
+  accelerate/commands/launch.py), which the process writes past (`write_stderr_past_launchers_copy`).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +34,7 @@ CHECKED = ">=1.15,<1.17"
 CP_HOOKS = Use("accelerate", CHECKED, "context parallelism (accelerate's attention-mask hooks)")
 FSDP2_STATE_DICT = Use("accelerate", CHECKED, "FSDP2 checkpoints (accelerate's state-dict options)")
 UNWRAP_PROBE = Use("accelerate", CHECKED, "saving a model without importing DeepSpeed (accelerate's unwrap probe)")
+LAUNCHER_COPY = Use("accelerate", ">=1.16,<1.17", "showing a one-process launch's errors once (accelerate's copy)")
 
 
 def attach_context_parallel_hooks(model) -> None:
@@ -61,3 +66,55 @@ def deepspeed_probed_by_import() -> Iterator[None]:
         yield
     finally:
         accelerate.utils.other.is_deepspeed_available = probe
+
+
+def write_stderr_past_launchers_copy() -> None:
+    """accelerate 1.16's one-process launcher reads the process's standard error through a pipe, writes it on to its
+    own, and keeps the last 512 KiB, which it raises again when the process fails (`CalledProcessError` from
+    `RuntimeError(<that text>)`), so every error of a one-process `accelerate launch` was printed twice. When this
+    process's standard error is that pipe (the launcher, `accelerate launch` by its command line, holds its read end)
+    and the launcher's own standard error is a terminal or a pipe, this process writes there directly instead: its
+    text shows once, as under accelerate 1.15, and the launcher's traceback after it only says that the process
+    exited non-zero. A launcher writing into a file is left as it is (a second writer without the launcher's file
+    offset would overwrite its text), as is every other case: 1.15, torchrun's workers, not Linux."""
+    if not sys.platform.startswith("linux") or LAUNCHER_COPY.problem() is not None:
+        return
+    try:
+        ours = os.fstat(2)
+    except OSError:
+        return
+    if not stat.S_ISFIFO(ours.st_mode):
+        return
+    launcher = _reader_of(f"pipe:[{ours.st_ino}]")
+    if launcher is None:
+        return
+    target = f"/proc/{launcher}/fd/2"
+    try:
+        if not (stat.S_ISFIFO(os.stat(target).st_mode) or stat.S_ISCHR(os.stat(target).st_mode)):
+            return
+        fd = os.open(target, os.O_WRONLY)
+    except OSError:
+        return
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _reader_of(pipe: str) -> int | None:
+    """The pid of an `accelerate launch` process that holds `pipe` ("pipe:[inode]") open for reading, if any."""
+    import psutil
+
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        words = process.info["cmdline"] or []
+        if not any(word.endswith(("accelerate", "accelerate.commands.launch")) for word in words):
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{process.pid}/fd"):
+                if os.readlink(f"/proc/{process.pid}/fd/{fd}") == pipe:
+                    with open(f"/proc/{process.pid}/fdinfo/{fd}") as info:
+                        flags = int(info.read().split("flags:")[1].split()[0], 8)
+                    if flags & os.O_ACCMODE == os.O_RDONLY:
+                        return process.pid
+        except (OSError, IndexError, ValueError):
+            continue
+    return None

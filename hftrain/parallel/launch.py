@@ -29,6 +29,7 @@ import torch
 from accelerate import Accelerator, ParallelismConfig
 from accelerate.utils import InitProcessGroupKwargs, gather_object
 
+from hftrain.compat.accelerate import write_stderr_past_launchers_copy
 from hftrain.compat.cpython import exit_without_teardown, require_exit_without_teardown
 from hftrain.compat.deepspeed import import_deepspeed_without_mlflow
 from hftrain.config import Recipe
@@ -353,7 +354,9 @@ def run_process(main: Callable[[], object]) -> NoReturn:
     executors' exit hooks, e.g. inductor's compile pool, then the non-daemon threads such as an async checkpoint
     writer; then atexit handlers such as W&B's; the standard streams) and leaves with `os._exit`, skipping the
     teardown; the process group ends with the process, as it does when torchrun stops a group. One-process
-    runs exit the ordinary way."""
+    runs exit the ordinary way. Under accelerate 1.16's one-process launcher, the standard error is written past
+    the launcher's copy of it (`write_stderr_past_launchers_copy`), so that an error shows once."""
+    write_stderr_past_launchers_copy()
     run_tool(require_exit_without_teardown)
     code = 0
     try:

@@ -249,6 +249,30 @@ def test_a_data_error_under_ddp_is_the_launchs_only_error(tmp_path, launcher, ca
     assert not out.exists(), "nothing may be written for refused data"
 
 
+@pytest.mark.parametrize("launcher", ["hftrain", "accelerate"])
+def test_a_one_process_launchs_error_shows_once(tmp_path, launcher):
+    """Issue 49: accelerate 1.16's one-process launcher keeps the process's standard error and raises it again
+    (`CalledProcessError` from `RuntimeError(<the text>)`): every error printed twice. Once under either launcher,
+    with the exit status; a plain `accelerate launch` still ends with its own traceback, as under 1.15."""
+    data, out = bad_data(tmp_path, "no_column"), tmp_path / "out"
+    if launcher == "hftrain":
+        proc = subprocess.run([sys.executable, "-m", "hftrain", "launch", "--preset", "cpu", *TINY_CHAT,
+                               "--dataset_name", str(data), "--output_dir", str(out)], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        code, stderr = proc.returncode, proc.stderr
+    else:
+        run = launch(out, *TINY_CHAT, "--dataset_name", str(data), preset="cpu", check=False, timeout=300)
+        code, stderr = run.returncode, run.stderr
+    assert code != 0
+    assert stderr.count("which do not match any known format") == 1, stderr[-3000:]
+    assert "RuntimeError: " not in stderr, stderr[-3000:]
+    if launcher == "hftrain":
+        assert "Traceback" not in stderr
+        assert stderr.rstrip().splitlines()[-1] == "hftrain launch: the run exited with status 2 (its error is above)"
+    else:
+        assert "returned non-zero exit status 2" in stderr, stderr[-3000:]
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--preset", "cpu_ddp", "--learning_rate", "-1"], "learning_rate must be > 0"),  # the recipe
     (["--preset", "fsdp2", "--max_steps", "1"], "asks for FSDP but accelerate would select MULTI_CPU"),  # the machine
