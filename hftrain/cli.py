@@ -25,6 +25,7 @@ import importlib.metadata
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -347,8 +348,18 @@ def recipes_command(argv: list[str]) -> None:
     target = Path(args.file or f"{args.name}.yaml")
     if target.exists():
         raise HftrainError(f"{target} already exists; name another file: hftrain recipes copy {args.name} FILE")
-    shutil.copyfile(source, target)
+    target.write_text(copied_recipe(source.read_text(encoding="utf-8"), args.name, target), encoding="utf-8")
     print(f"wrote {target}; edit it, then train it: hftrain launch --config {target}")
+
+
+def copied_recipe(text: str, name: str, target: Path) -> str:
+    """A shipped recipe as `hftrain recipes copy` writes it to `target`: the commands of its header that name the
+    recipe by its repository path (`--config recipes/tiny-chat.yaml`, which trains the shipped file from any folder)
+    name the copy instead (`--config ./tiny-chat.yaml`), the file the user edits and trains; the rest is unchanged."""
+    shown = str(target) if target.is_absolute() or target.parent != Path(".") else f"./{target}"
+    own = re.compile(rf"--config recipes/{re.escape(name)}\.yaml(?=\s|$)")
+    return "".join(own.sub(f"--config {shlex.quote(shown)}", line) if line.startswith("#") else line
+                   for line in text.splitlines(keepends=True))
 
 
 def version() -> str:
