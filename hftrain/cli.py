@@ -41,6 +41,7 @@ import yaml
 import hftrain
 from hftrain.config import FIELDS, PRESET_DIR, SHIPPED, load_recipe, read_yaml, recipe_file, shipped_recipes
 from hftrain.errors import ConfigError, HftrainError, run_tool
+from hftrain.options import Parser, add_switch
 from hftrain.paths import DEMO_RECIPE
 from hftrain.preemption import EXIT_PREEMPTED
 from hftrain.presets import device_problems, layout_problems, needs
@@ -151,9 +152,9 @@ def recipe_preset(args: list[str]) -> str | None:
     return None
 
 
-def launch_parser() -> argparse.ArgumentParser:
+def launch_parser() -> Parser:
     """`hftrain launch`'s own options; every other argument is the recipe's (`--config`, `--<field> value`)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hftrain launch", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # as the recipe's parser: a prefix is a typo to report, not an option to guess
         usage="hftrain launch [--preset NAME|FILE] [--dry_run] [launcher options] [--config RECIPE] "
@@ -177,8 +178,7 @@ def launch_parser() -> argparse.ArgumentParser:
     options.add_argument("--preset", metavar="NAME|FILE",
                          help="a shipped launch preset (hftrain presets lists them) or an accelerate config file; "
                               "default: the recipe's launch_preset, else cpu")
-    options.add_argument("--dry_run", action="store_true",
-                         help="print the accelerate launch command instead of running it")
+    add_switch(options, "--dry_run", help="print the accelerate launch command instead of running it")
     launcher = parser.add_argument_group("launcher options (passed to accelerate launch; default: the preset's)")
     for option, text in LAUNCHER_OPTIONS.items():
         launcher.add_argument(f"--{option}", metavar="N" if option in ("num_processes", "num_machines",
@@ -329,15 +329,19 @@ def list_recipes(width: int | None = None) -> str:
                        "NAME.yaml here to edit."])
 
 
-def recipes_command(argv: list[str]) -> None:
-    """`hftrain recipes`: list the shipped recipes; `hftrain recipes copy NAME [FILE]`: copy one to edit."""
-    parser = argparse.ArgumentParser(prog="hftrain recipes", description="List the recipes shipped with hftrain, "
-                                     "or copy one into the current folder to edit.")
+def recipes_parser() -> Parser:
+    parser = Parser(prog="hftrain recipes", description="List the recipes shipped with hftrain, or copy one into the "
+                    "current folder to edit.")
     sub = parser.add_subparsers(dest="action")
     copy = sub.add_parser("copy", help="copy a shipped recipe to a file (default: ./NAME.yaml)")
     copy.add_argument("name", help="a shipped recipe's name, e.g. tiny-dpo")
     copy.add_argument("file", nargs="?", help="where to write it (default: NAME.yaml in the current folder)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def recipes_command(argv: list[str]) -> None:
+    """`hftrain recipes`: list the shipped recipes; `hftrain recipes copy NAME [FILE]`: copy one to edit."""
+    args = recipes_parser().parse_args(argv)
     if args.action is None:
         print(list_recipes())
         return
@@ -403,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
     cmd = run_tool(_command, argv[0], argv[1:])
     if cmd is None:
         return
-    if "--dry_run" in argv[1:]:
+    if launch_parser().parse_known_args(argv[1:])[0].dry_run:
         print(" ".join(cmd))
         return
     run_tool(check_launch, argv[1:])

@@ -42,6 +42,7 @@ from hftrain.fields.parallel import ParallelFields
 from hftrain.fields.parallel import problems as parallel_problems
 from hftrain.fields.peft import PeftFields
 from hftrain.fields.peft import problems as peft_problems
+from hftrain.options import is_bool_word, parse_bool
 from hftrain.paths import DEFAULT_DATASET as DEFAULT_DATASET  # `as`: re-exported (shipped paths, in hftrain.paths)
 from hftrain.paths import DEFAULT_MODEL, FINAL_DIR, RECIPE_DIR, complete_checkpoints, holds_a_run
 from hftrain.paths import PRESET_DIR as PRESET_DIR
@@ -308,9 +309,6 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-_TRUE, _FALSE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}
-
-
 def _coerce(name: str, value: Any, from_cli: bool) -> Any:
     """Convert `value` to the field's type or raise ValueError with a readable reason."""
     tp, optional = _base_type(TYPES[name])
@@ -371,8 +369,8 @@ def _coerce_scalar(tp: Any, value: Any, name: str = "") -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-            return value.lower() in _TRUE
+        if isinstance(value, str) and is_bool_word(value):  # the words every command's yes/no options take
+            return parse_bool(value)
         raise ValueError(f"expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, (int, str)):

@@ -16,7 +16,6 @@ or desync the run reported.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -24,6 +23,7 @@ import statistics
 from pathlib import Path
 
 from hftrain.errors import HftrainError, run_tool
+from hftrain.options import Parser
 from hftrain.paths import FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STATE_FILE
 
 RANK_KEY = re.compile(r"^rank(\d+)/(.+)$")
@@ -368,10 +368,14 @@ def write_report(output_dir: Path) -> Path:
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="hftrain report", description=__doc__.split("\n\n")[0])
+def build_arg_parser(prog: str = "hftrain report") -> Parser:
+    parser = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path, help="The run's output_dir (holds metrics.jsonl).")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_arg_parser().parse_args(argv)
     report = run_tool(write_report, args.output_dir)
     print(f"hftrain: report written to {report} (plots beside it)")
 
