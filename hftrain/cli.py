@@ -39,7 +39,17 @@ import psutil
 import yaml
 
 import hftrain
-from hftrain.config import FIELDS, PRESET_DIR, SHIPPED, load_recipe, read_yaml, recipe_file, shipped_recipes
+from hftrain.config import (
+    FIELDS,
+    PRESET_DIR,
+    SHIPPED,
+    build_arg_parser,
+    load_recipe,
+    read_yaml,
+    recipe_file,
+    shipped_recipes,
+    wants_help,
+)
 from hftrain.errors import ConfigError, HftrainError, run_tool
 from hftrain.options import Parser, add_switch
 from hftrain.paths import DEMO_RECIPE
@@ -77,8 +87,8 @@ commands:
   launch     train a recipe under a launch preset through accelerate launch (hftrain launch --help)
   presets    the shipped launch presets, what each is for
   recipes    the shipped recipes (--config NAME trains one); `hftrain recipes copy NAME` copies one here to edit
-  finetune   train in this process, without a launcher (= python -m hftrain.finetune; --help lists every
-             recipe field)
+  finetune   train in this process, without a launcher (= python -m hftrain.finetune; --help: the recipe's
+             fields by group, --help all: every field)
   data       preview what a recipe trains on: tokens, masks, lengths (= python -m hftrain.data)
   estimate   memory per GPU of a model under every strategy, and the preset that fits (= python -m hftrain.estimate)
   report     plots and a summary of a run's metrics.jsonl (= python -m hftrain.report)
@@ -166,8 +176,8 @@ def launch_parser() -> Parser:
               --config RECIPE       a recipe YAML file, or a shipped recipe's name (hftrain recipes lists
                                     them); without it, the demo recipe tiny-chat
               --<field> VALUE       any recipe field, overriding the file (e.g. --max_steps 20 --learning_rate 1e-4)
-            Every recipe field, with its default and meaning: hftrain finetune --help (= python -m hftrain.finetune
-            --help). The shipped presets: hftrain presets.
+            The recipe's fields by group: hftrain finetune --help (every field with its default and meaning:
+            hftrain finetune --help all). The shipped presets: hftrain presets.
 
             examples:
               hftrain launch --preset cpu --max_steps 20
@@ -386,8 +396,10 @@ def _command(command: str, rest: list[str]) -> list[str] | None:
         recipes_command(rest)
         return None
     if command in TOOLS:  # one process, no launcher: python -m hftrain.<module>
+        if command == "finetune" and wants_help(rest):  # printed by the recipe's parser, before the training
+            build_arg_parser(f"hftrain {command}").parse_known_args(rest)  # module's imports (torch, transformers)
         tool = importlib.import_module(TOOLS[command]).main
-        extra = {"prog": f"hftrain {command}"} if command in ("merge", "chat", "eval") else {}
+        extra = {"prog": f"hftrain {command}"} if command in ("merge", "chat", "eval", "finetune") else {}
         tool(with_demo_recipe(rest) if command in ("finetune", "data") else rest, **extra)
         return None
     if command != "launch":

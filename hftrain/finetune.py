@@ -632,11 +632,21 @@ class Finetune:
             self.logger.print(f"hftrain: {headline} {metrics[headline]:.4f} after {self.progress.step} steps")
 
 
-def main(argv: list[str] | None = None, runner: type[Finetune] = Finetune) -> None:
-    """`runner`: the phase object; test launchers pass a subclass."""
+def entry_prog(as_module: bool) -> str:
+    """What `--help` and the recipe's errors call this entry point, as it was started (`hftrain finetune` passes its
+    own name): `python -m hftrain.finetune`; the script under `accelerate launch` (which sets
+    ACCELERATE_MIXED_PRECISION in every process it starts), or run by python."""
+    if as_module:
+        return "python -m hftrain.finetune"
+    launched = "ACCELERATE_MIXED_PRECISION" in os.environ
+    return f"{'accelerate launch [options]' if launched else 'python'} {sys.argv[0]}"
+
+
+def main(argv: list[str] | None = None, runner: type[Finetune] = Finetune, prog: str | None = None) -> None:
+    """`runner`: the phase object; test launchers pass a subclass. `prog`: the command's name in `--help`."""
     def run() -> Path:
         with same_in_every_process():  # every process reads the same recipe
-            recipe = load_recipe(argv)
+            recipe = load_recipe(argv, prog=prog or entry_prog(as_module=__spec__ is not None))
         return runner(recipe).run()
 
     try:

@@ -180,3 +180,14 @@ def test_the_model_phase_hands_what_it_built_to_the_optimizer_phase_as_one_value
         setattr(Recorded, name, lambda self: None)
     Recorded(Recipe()).run()
     assert handed == ["the model phase's ModelParts"]
+
+
+def test_the_entry_points_help_names_it_as_it_was_started(monkeypatch):
+    """Issue 49: the help called itself hftrain.finetune whatever started it (`hftrain finetune` passes its own
+    name: tests/unit/test_config.py)."""
+    monkeypatch.setattr(finetune.sys, "argv", ["hftrain/finetune.py", "--help"])
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert finetune.entry_prog(as_module=False) == "python hftrain/finetune.py"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # set by accelerate launch in every process it starts
+    assert finetune.entry_prog(as_module=False) == "accelerate launch [options] hftrain/finetune.py"
+    assert finetune.entry_prog(as_module=True) == "python -m hftrain.finetune"
