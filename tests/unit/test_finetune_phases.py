@@ -191,3 +191,31 @@ def test_the_entry_points_help_names_it_as_it_was_started(monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # set by accelerate launch in every process it starts
     assert finetune.entry_prog(as_module=False) == "accelerate launch [options] hftrain/finetune.py"
     assert finetune.entry_prog(as_module=True) == "python -m hftrain.finetune"
+
+
+def finished(tmp_path, **recipe) -> list[str]:
+    """The lines `finish` prints for a run whose final model is saved (no evaluation, no hub push)."""
+    run = Finetune(Recipe(output_dir=str(tmp_path / "out dir"), **recipe))
+    printed = Printed()
+    printed.close = lambda: None
+    run.logger, run.output_dir, run.processor = printed, Path(run.recipe.output_dir), None
+    run.data, run.eval_addons = SimpleNamespace(eval_set=None), []
+    run.meter = SimpleNamespace(device_hours=lambda: 0.25)
+    run.hub = SimpleNamespace(at_saves=False, finish=lambda *args: None)
+    run.save_final = lambda: run.output_dir / "final"
+    run.finish()
+    return printed.lines
+
+
+def test_the_run_ends_saying_how_to_talk_to_the_model_and_make_the_report(tmp_path):
+    """Issue 49: `make demo` ended on "final model saved to ..." without a word on what to do with it."""
+    out = tmp_path / "out dir"
+    lines = finished(tmp_path)
+    assert lines[0].startswith(f"hftrain: final model saved to {out / 'final'}; 0.2500 device-hours")
+    assert lines[-1] == (f"hftrain: next: hftrain chat '{out / 'final'}' to talk to the model; hftrain report "
+                         f"'{out}' for plots and a summary of the run")  # quoted: the folder's name has a space
+    assert finetune.next_steps(Path("outputs/rm"), "reward") == (
+        "score conversations with outputs/rm/final as its README.md shows; hftrain report outputs/rm for plots and a "
+        "summary of the run")  # hftrain chat refuses a reward model: it writes no text
+    assert finetune.next_steps(Path("outputs/vlm"), "sft", processor=object()) == (
+        "hftrain report outputs/vlm for plots and a summary of the run")  # an image-text model: not through chat
