@@ -41,9 +41,13 @@ $(STAMP): pyproject.toml $(LOCK)
 env: $(STAMP)
 
 # hftrain launch = accelerate launch --config_file accelerate_configs/cpu.yaml hftrain/finetune.py ..., plus one line
-# instead of a traceback at Ctrl-C (docs/running.md)
+# instead of a traceback at Ctrl-C (docs/running.md). One compute thread: the tiny model's matrices are too small for
+# a second one to pay (CPU presets give one per physical core), and where another process uses a core, torch's two
+# threads wait on each other: the demo took 39-130 s with two threads and 11-21 s with one on a busy 2-core machine
+# (README.md).
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/hftrain launch --preset cpu --config recipes/tiny-chat.yaml --overwrite_output_dir
+	HF_HUB_OFFLINE=1 $(BIN)/hftrain launch --preset cpu --num_cpu_threads_per_process 1 --config recipes/tiny-chat.yaml \
+		--overwrite_output_dir
 
 # Whole files to two workers, longest first (tests/file_seconds.json, see tests/conftest.py); the JUnit report holds
 # every test's seconds, from which `scripts/file_seconds.py .cache/test-report.xml` refreshes that order.

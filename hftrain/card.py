@@ -25,10 +25,10 @@ from pathlib import Path
 import yaml
 from huggingface_hub import ModelCard, ModelCardData, try_to_load_from_cache
 
-from hftrain.config import Recipe
+from hftrain.config import PATH_FIELDS, Recipe
 from hftrain.fields.data import looks_local
 from hftrain.fields.hub import SECRET_FIELDS
-from hftrain.paths import CONFIG_FILE, METRICS_FILE, STATE_FILE
+from hftrain.paths import CONFIG_FILE, METRICS_FILE, SHIPPED, STATE_FILE
 from hftrain.report import plot_loss
 
 CARD_FILE = "README.md"
@@ -45,6 +45,10 @@ OBJECTIVES = {
     "distill": "knowledge distillation (the generalized JSD to a teacher model's next-token distributions)",
 }
 PIPELINE_TAG = "text-generation"
+# the results' metrics (metrics.jsonl's keys, TRL's names) in words: a training row's as given, an evaluation's
+# (eval_<key>) as "eval <words>"
+LABELS = {"reward": "mean reward", "reward_std": "reward std", "rewards/accuracies": "reward accuracy",
+          "rewards/margins": "reward margin", "accuracy": "accuracy", "margin": "margin"}
 PIPELINE_TAGS = {"reward": "text-classification"}  # objectives whose folder is not a text generator
 
 
@@ -117,6 +121,29 @@ def hub_id(model: str) -> str | None:
     return None
 
 
+def shipped_name(value: str) -> str | None:
+    """The name inside hftrain's shipped files (`models/tiny-llama`, `data/preference.jsonl`: as the shipped recipes
+    write them, and as any folder reads them) of the file or folder `value`, else None: a card names them so, not by
+    their path in this installation (a site-packages path in a user's environment; the checkout's models/ and data/
+    are the same files)."""
+    if not isinstance(value, str) or not Path(value).expanduser().exists():
+        return None
+    real = Path(value).expanduser().resolve()
+    for entry in sorted(SHIPPED.iterdir()):  # data, models... (symlinks in a checkout, folders in a wheel)
+        inside = sorted(entry.iterdir()) if entry.is_dir() else []
+        for shipped in (entry, *inside):
+            if real == shipped.resolve() or shipped.resolve() in real.parents:
+                return str(shipped.relative_to(SHIPPED) / real.relative_to(shipped.resolve()))
+    return None
+
+
+def shipped_model(model: str) -> str | None:
+    """The name of the model shipped inside hftrain (hftrain/shipped/models/<name>: the tiny models of the demo and the
+    tests) that the folder `model` is, else None."""
+    name = shipped_name(model)
+    return Path(name).name if name is not None and Path(name).parent == Path("models") else None
+
+
 def hub_datasets(recipe: dict) -> list[str]:
     names = [recipe.get("dataset_name"), recipe.get("eval_dataset_name"),
              *[source["name"] for source in recipe.get("dataset_mixture") or []]]
@@ -127,7 +154,9 @@ def recipe_settings(recipe: dict) -> dict:
     """The fields whose value differs from hftrain's default (what the recipe and command line set), credentials
     left out."""
     defaults = dataclasses.asdict(Recipe())
-    return {k: v for k, v in recipe.items() if k not in SECRET_FIELDS and k in defaults and v != defaults[k]}
+    named = {k: shipped_name(v) or v if k in PATH_FIELDS else v for k, v in recipe.items()}  # shipped files by name
+    return {k: v for k, v in named.items() if k not in SECRET_FIELDS and k in defaults
+            and v != (shipped_name(defaults[k]) or defaults[k] if k in PATH_FIELDS else defaults[k])}
 
 
 def final_rows(rows: list[dict], step: int) -> tuple[dict | None, dict | None]:
@@ -228,12 +257,17 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
         model_name=name)
     title = name
     what = {"model": "a fine-tune", "adapter": "a peft adapter", "merged": "a fine-tune (adapter merged into its base)"}
-    if base_id is None:
+    shipped = shipped_model(base)
+    if shipped is not None:
+        base_link = (f"hftrain's shipped `{shipped}` (a tiny model inside the hftrain package, "
+                     f"hftrain/shipped/models/{shipped}; not a hub id, so the metadata above names no base_model)")
+    elif base_id is None:
         base_link = f"the local model `{base}` (a folder, not a hub id, so the metadata above names no base_model)"
     else:
         base_link = f"[{base_id}](https://huggingface.co/{base_id})" + (f" (the local copy `{base}`)" if base_id != base
                                                                           else "")
     datasets = [s["name"] for s in state.get("data", {}).get("sources", [])] or [recipe.get("dataset_name")]
+    datasets = [shipped_name(d) or d if d else d for d in datasets]
     how = (f", trained with hftrain by {OBJECTIVES.get(objective, objective)} on "
            f"{', '.join(f'`{d}`' for d in datasets if d)}" if state else ", merged with hftrain")
     lines = [f"# {title}", "", f"This is {what[kind]} of {base_link}{how}.", ""]
@@ -244,7 +278,12 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
     lines += ["## Quick start", "", _quick_start(load_from or str(folder.resolve()),
                                                  "adapter" if kind == "adapter" else "model",
                                                  (folder / "chat_template.jinja").exists(), objective), ""]
-    if kind == "adapter" and base_id != base:
+    if kind == "adapter" and shipped is not None:
+        lines += [f"The adapter's config (adapter_config.json) names its base, hftrain's shipped `{shipped}`, by its "
+                  "path in the hftrain installation that trained it, which the quick start loads. Elsewhere, load "
+                  f"hftrain/shipped/models/{shipped} of that machine's hftrain and add the adapter to it: "
+                  f'`PeftModel.from_pretrained(base, "{load_from or folder.resolve()}")`.', ""]
+    elif kind == "adapter" and base_id != base:
         lines += [f"The adapter's config (adapter_config.json) names its base by the local path `{base}`, which "
                   "the quick start loads. On another machine, load your copy of the base model yourself and add "
                   f'the adapter to it: `PeftModel.from_pretrained(base, "{load_from or folder.resolve()}")`.', ""]
@@ -287,18 +326,7 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
     lines += ["## Training", "", "| | |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in table], ""]
 
     train_row, eval_row = final_rows(rows, step)
-    results = []
-    if train_row is not None:
-        results.append(("train loss", f"{_fmt(train_row['loss'])} (logged at step {train_row['step']})"))
-    if eval_row is not None and eval_row.get("eval_loss") is not None:
-        results.append(("eval loss", f"{_fmt(eval_row['eval_loss'])} (after step {step})"))
-        if "eval_perplexity" in eval_row:
-            results.append(("eval perplexity", _fmt(eval_row["eval_perplexity"])))
-    for key in ("reward", "reward_std", "rewards/accuracies", "rewards/margins", "accuracy", "margin"):
-        if train_row is not None and train_row.get(key) is not None:
-            results.append((key, _fmt(train_row[key])))
-        if eval_row is not None and eval_row.get(f"eval_{key}") is not None:
-            results.append((f"eval_{key}", _fmt(eval_row[f"eval_{key}"])))
+    results = metric_results(objective, rows, train_row, eval_row, step)
     benchmarks = {k: v for k, v in (eval_row or {}).items() if k.startswith("eval/") and "_stderr" not in k}
     for key, value in benchmarks.items():  # eval_tasks: lm-eval's results, eval/<task>/<metric>
         task, metric = key.removeprefix("eval/").split("/", 1)
@@ -311,7 +339,7 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
         lines += ["## Results", "", "| | final |", "| --- | --- |", *[f"| {k} | {v} |" for k, v in results], ""]
         if curve and len([r for r in rows if r.get("loss") is not None]) >= 2:
             figure = LOSS_FIGURE
-            lines += [f"![Train and eval loss]({LOSS_FIGURE})", ""]
+            lines += [f"![{loss_title(rows)}]({LOSS_FIGURE})", ""]
     else:
         lines += ["## Results", "", "No metrics.jsonl was found beside this folder, so the losses are not shown; "
                   f"the run's progress is in {STATE_FILE}.", ""]
@@ -323,6 +351,38 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
     lines += _versions_section(state)
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
     return card, figure
+
+
+def metric_results(objective: str, rows: list[dict], train_row: dict | None, eval_row: dict | None,
+                   step: int) -> list[tuple[str, str]]:
+    """The results table's rows (label, value), each metric in words (`LABELS`), the objective's headline first: the
+    train and eval loss, or for grpo the mean reward (its policy-gradient loss is about 0 by construction)."""
+    losses, metrics = [], []
+    if train_row is not None:
+        note = "; grpo's loss is about 0 by construction: the mean reward says how it learns" \
+            if objective == "grpo" else ""
+        losses.append(("train loss", f"{_fmt(train_row['loss'])} (logged at step {train_row['step']}){note}"))
+    if eval_row is not None and eval_row.get("eval_loss") is not None:
+        losses.append(("eval loss", f"{_fmt(eval_row['eval_loss'])} (after step {step})"))
+        if "eval_perplexity" in eval_row:
+            losses.append(("eval perplexity", _fmt(eval_row["eval_perplexity"])))
+    trained = [r for r in rows if r.get("loss") is not None and r["step"] <= step]
+    for key, label in LABELS.items():
+        logged = [r for r in trained if r.get(key) is not None]  # grpo logs its rewards at the steps that sample
+        if logged:
+            shown = _fmt(logged[-1][key])
+            if key == "reward":  # the headline of grpo: where it started, too
+                shown += f" (logged at step {logged[-1]['step']}" + (
+                    f"; {_fmt(logged[0]['reward'])} at step {logged[0]['step']})" if len(logged) > 1 else ")")
+            metrics.append((label, shown))
+        if eval_row is not None and eval_row.get(f"eval_{key}") is not None:
+            metrics.append((f"eval {label}", _fmt(eval_row[f"eval_{key}"])))
+    return metrics + losses if objective == "grpo" else losses + metrics
+
+
+def loss_title(rows: list[dict]) -> str:
+    """The loss figure's title: it shows the eval loss only where the run evaluated one."""
+    return "Train and eval loss" if any("eval_loss" in r for r in rows) else "Train loss"
 
 
 def write_card(folder: Path, card: ModelCard, figure: str | None, rows: list[dict]) -> Path:

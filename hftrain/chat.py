@@ -25,6 +25,7 @@ from transformers import TextStreamer, set_seed
 
 from hftrain import trained
 from hftrain.errors import HftrainError, first_line, run_tool
+from hftrain.options import Parser, add_switch
 
 COMMANDS = ("/reset", "/exit")
 
@@ -150,15 +151,15 @@ def chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = sys.
 
 
 def build_arg_parser(prog: str = "hftrain chat") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("`", ""),
+    parser = Parser(prog=prog, description=__doc__.split("\n\n")[0].replace("`", ""),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     parser.add_argument("folder", type=Path, help="final, merged, adapter or checkpoint-N folder")
     parser.add_argument("--system", default=None, help="System message at the start of every conversation.")
     parser.add_argument("--max_new_tokens", type=int, default=256, help="Longest answer in tokens (default 256).")
-    parser.add_argument("--do_sample", action=argparse.BooleanOptionalAction, default=None,
-                        help="Sample (--do_sample) or decode greedily (--no-do_sample); default: the folder's "
-                        "generation config, greedy when it says nothing (--temperature / --top_p imply sampling).")
+    add_switch(parser, "--do_sample", default=None, negatable=True,
+               help="Sample (--do_sample true) or decode greedily (--do_sample false); default: the folder's "
+               "generation config, greedy when it says nothing (--temperature / --top_p imply sampling).")
     parser.add_argument("--temperature", type=float, default=None, help="Sampling temperature.")
     parser.add_argument("--top_p", type=float, default=None, help="Nucleus sampling probability mass.")
     parser.add_argument("--seed", type=int, default=None, help="Seed for sampling (repeatable answers).")

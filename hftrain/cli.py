@@ -25,6 +25,7 @@ import importlib.metadata
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -38,8 +39,19 @@ import psutil
 import yaml
 
 import hftrain
-from hftrain.config import FIELDS, PRESET_DIR, SHIPPED, load_recipe, read_yaml, recipe_file, shipped_recipes
+from hftrain.config import (
+    FIELDS,
+    PRESET_DIR,
+    SHIPPED,
+    build_arg_parser,
+    load_recipe,
+    read_yaml,
+    recipe_file,
+    shipped_recipes,
+    wants_help,
+)
 from hftrain.errors import ConfigError, HftrainError, run_tool
+from hftrain.options import Parser, add_switch
 from hftrain.paths import DEMO_RECIPE
 from hftrain.preemption import EXIT_PREEMPTED
 from hftrain.presets import device_problems, layout_problems, needs
@@ -75,8 +87,8 @@ commands:
   launch     train a recipe under a launch preset through accelerate launch (hftrain launch --help)
   presets    the shipped launch presets, what each is for
   recipes    the shipped recipes (--config NAME trains one); `hftrain recipes copy NAME` copies one here to edit
-  finetune   train in this process, without a launcher (= python -m hftrain.finetune; --help lists every
-             recipe field)
+  finetune   train in this process, without a launcher (= python -m hftrain.finetune; --help: the recipe's
+             fields by group, --help all: every field)
   data       preview what a recipe trains on: tokens, masks, lengths (= python -m hftrain.data)
   estimate   memory per GPU of a model under every strategy, and the preset that fits (= python -m hftrain.estimate)
   report     plots and a summary of a run's metrics.jsonl (= python -m hftrain.report)
@@ -150,9 +162,9 @@ def recipe_preset(args: list[str]) -> str | None:
     return None
 
 
-def launch_parser() -> argparse.ArgumentParser:
+def launch_parser() -> Parser:
     """`hftrain launch`'s own options; every other argument is the recipe's (`--config`, `--<field> value`)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hftrain launch", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # as the recipe's parser: a prefix is a typo to report, not an option to guess
         usage="hftrain launch [--preset NAME|FILE] [--dry_run] [launcher options] [--config RECIPE] "
@@ -164,8 +176,8 @@ def launch_parser() -> argparse.ArgumentParser:
               --config RECIPE       a recipe YAML file, or a shipped recipe's name (hftrain recipes lists
                                     them); without it, the demo recipe tiny-chat
               --<field> VALUE       any recipe field, overriding the file (e.g. --max_steps 20 --learning_rate 1e-4)
-            Every recipe field, with its default and meaning: hftrain finetune --help (= python -m hftrain.finetune
-            --help). The shipped presets: hftrain presets.
+            The recipe's fields by group: hftrain finetune --help (every field with its default and meaning:
+            hftrain finetune --help all). The shipped presets: hftrain presets.
 
             examples:
               hftrain launch --preset cpu --max_steps 20
@@ -176,8 +188,7 @@ def launch_parser() -> argparse.ArgumentParser:
     options.add_argument("--preset", metavar="NAME|FILE",
                          help="a shipped launch preset (hftrain presets lists them) or an accelerate config file; "
                               "default: the recipe's launch_preset, else cpu")
-    options.add_argument("--dry_run", action="store_true",
-                         help="print the accelerate launch command instead of running it")
+    add_switch(options, "--dry_run", help="print the accelerate launch command instead of running it")
     launcher = parser.add_argument_group("launcher options (passed to accelerate launch; default: the preset's)")
     for option, text in LAUNCHER_OPTIONS.items():
         launcher.add_argument(f"--{option}", metavar="N" if option in ("num_processes", "num_machines",
@@ -328,15 +339,19 @@ def list_recipes(width: int | None = None) -> str:
                        "NAME.yaml here to edit."])
 
 
-def recipes_command(argv: list[str]) -> None:
-    """`hftrain recipes`: list the shipped recipes; `hftrain recipes copy NAME [FILE]`: copy one to edit."""
-    parser = argparse.ArgumentParser(prog="hftrain recipes", description="List the recipes shipped with hftrain, "
-                                     "or copy one into the current folder to edit.")
+def recipes_parser() -> Parser:
+    parser = Parser(prog="hftrain recipes", description="List the recipes shipped with hftrain, or copy one into the "
+                    "current folder to edit.")
     sub = parser.add_subparsers(dest="action")
     copy = sub.add_parser("copy", help="copy a shipped recipe to a file (default: ./NAME.yaml)")
     copy.add_argument("name", help="a shipped recipe's name, e.g. tiny-dpo")
     copy.add_argument("file", nargs="?", help="where to write it (default: NAME.yaml in the current folder)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def recipes_command(argv: list[str]) -> None:
+    """`hftrain recipes`: list the shipped recipes; `hftrain recipes copy NAME [FILE]`: copy one to edit."""
+    args = recipes_parser().parse_args(argv)
     if args.action is None:
         print(list_recipes())
         return
@@ -347,8 +362,18 @@ def recipes_command(argv: list[str]) -> None:
     target = Path(args.file or f"{args.name}.yaml")
     if target.exists():
         raise HftrainError(f"{target} already exists; name another file: hftrain recipes copy {args.name} FILE")
-    shutil.copyfile(source, target)
+    target.write_text(copied_recipe(source.read_text(encoding="utf-8"), args.name, target), encoding="utf-8")
     print(f"wrote {target}; edit it, then train it: hftrain launch --config {target}")
+
+
+def copied_recipe(text: str, name: str, target: Path) -> str:
+    """A shipped recipe as `hftrain recipes copy` writes it to `target`: the commands of its header that name the
+    recipe by its repository path (`--config recipes/tiny-chat.yaml`, which trains the shipped file from any folder)
+    name the copy instead (`--config ./tiny-chat.yaml`), the file the user edits and trains; the rest is unchanged."""
+    shown = str(target) if target.is_absolute() or target.parent != Path(".") else f"./{target}"
+    own = re.compile(rf"--config recipes/{re.escape(name)}\.yaml(?=\s|$)")
+    return "".join(own.sub(f"--config {shlex.quote(shown)}", line) if line.startswith("#") else line
+                   for line in text.splitlines(keepends=True))
 
 
 def version() -> str:
@@ -371,8 +396,10 @@ def _command(command: str, rest: list[str]) -> list[str] | None:
         recipes_command(rest)
         return None
     if command in TOOLS:  # one process, no launcher: python -m hftrain.<module>
+        if command == "finetune" and wants_help(rest):  # printed by the recipe's parser, before the training
+            build_arg_parser(f"hftrain {command}").parse_known_args(rest)  # module's imports (torch, transformers)
         tool = importlib.import_module(TOOLS[command]).main
-        extra = {"prog": f"hftrain {command}"} if command in ("merge", "chat", "eval") else {}
+        extra = {"prog": f"hftrain {command}"} if command in ("merge", "chat", "eval", "finetune") else {}
         tool(with_demo_recipe(rest) if command in ("finetune", "data") else rest, **extra)
         return None
     if command != "launch":
@@ -392,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     cmd = run_tool(_command, argv[0], argv[1:])
     if cmd is None:
         return
-    if "--dry_run" in argv[1:]:
+    if launch_parser().parse_known_args(argv[1:])[0].dry_run:
         print(" ".join(cmd))
         return
     run_tool(check_launch, argv[1:])

@@ -12,6 +12,9 @@ import argparse
 import dataclasses
 import difflib
 import math
+import re
+import shutil
+import textwrap
 import types
 import typing
 from dataclasses import dataclass
@@ -42,6 +45,7 @@ from hftrain.fields.parallel import ParallelFields
 from hftrain.fields.parallel import problems as parallel_problems
 from hftrain.fields.peft import PeftFields
 from hftrain.fields.peft import problems as peft_problems
+from hftrain.options import is_bool_word, parse_bool
 from hftrain.paths import DEFAULT_DATASET as DEFAULT_DATASET  # `as`: re-exported (shipped paths, in hftrain.paths)
 from hftrain.paths import DEFAULT_MODEL, FINAL_DIR, RECIPE_DIR, complete_checkpoints, holds_a_run
 from hftrain.paths import PRESET_DIR as PRESET_DIR
@@ -308,9 +312,6 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-_TRUE, _FALSE = {"true", "yes", "1", "on"}, {"false", "no", "0", "off"}
-
-
 def _coerce(name: str, value: Any, from_cli: bool) -> Any:
     """Convert `value` to the field's type or raise ValueError with a readable reason."""
     tp, optional = _base_type(TYPES[name])
@@ -371,8 +372,8 @@ def _coerce_scalar(tp: Any, value: Any, name: str = "") -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-            return value.lower() in _TRUE
+        if isinstance(value, str) and is_bool_word(value):  # the words every command's yes/no options take
+            return parse_bool(value)
         raise ValueError(f"expected true or false, got {value!r}")
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -666,33 +667,156 @@ def read_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def build_arg_parser(prog: str = "hftrain.finetune") -> argparse.ArgumentParser:
+# What `--help` shows of each group: one line on the group, then its commonly used fields (every field: --help GROUP,
+# --help all); tests/unit/test_config.py checks that each group and each named field exists.
+HELP_GROUPS = {
+    "model": ("what loads and how: model, dtype, attention kernel, memory savers",
+              ("model_name_or_path", "dtype", "attn_implementation", "gradient_checkpointing")),
+    "data": ("datasets, formats and columns, chat template and loss masks, length, packing, streaming",
+             ("dataset_name", "eval_dataset_name", "validation_split_percentage", "max_length", "packing",
+              "assistant_only_loss")),
+    "objective": ("what the loss is (sft, dpo, simpo, orpo, kto, reward, distill, grpo) and its coefficients",
+                  ("objective", "beta")),
+    "grpo": ("online RL, objective grpo: reward functions, generations, clipping, vLLM, tools",
+             ("reward_funcs", "num_generations")),
+    "distill": ("objective distill: the teacher and the on-policy share", ("teacher_model_name_or_path",)),
+    "training": ("the run: output, length, batch, optimizer and schedule, precision, seeds",
+                 ("output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size",
+                  "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_ratio", "bf16",
+                  "seed")),
+    "peft": ("LoRA / DoRA adapters", ("use_peft", "lora_r", "lora_alpha")),
+    "quantization": ("QLoRA: a 4- or 8-bit base (bitsandbytes)", ("load_in_4bit",)),
+    "logging": ("when to log, evaluate and save; resuming; trackers",
+                ("logging_steps", "eval_steps", "save_steps", "save_total_limit", "resume_from_checkpoint",
+                 "report_to")),
+    "evaluation": ("evaluation add-ons: lm-evaluation-harness tasks, completion samples", ("eval_tasks",)),
+    "monitoring": ("W&B tags, progress bar, stragglers and hangs, profiling, MFU and cost", ()),
+    "parallelism": ("the preset a recipe is sized for; tensor, sequence, context, expert and pipeline parallelism",
+                    ("launch_preset",)),
+    "hub": ("pushing to the Hugging Face hub", ("push_to_hub", "hub_model_id")),
+}
+HELP_ALL = "all"
+
+
+class RecipeParser(argparse.ArgumentParser):
+    """The recipe's command line: `--config` and `--<field> VALUE` for every field (field docs = help, one argument
+    group per field group). `--help` shows each group in a line with its commonly used fields, one line each;
+    `--help GROUP` a group's fields in full, `--help FIELD` one field, `--help all` every field. Nothing here imports
+    torch: `hftrain finetune --help` prints before the training module is imported."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(
+            prog=prog, usage="%(prog)s [--help [GROUP|FIELD|all]] [--config RECIPE] [--<field> VALUE ...]",
+            description="Fine-tune a causal LM. Fields come from --config (YAML) and are overridden by --<field> "
+            "value on the command line (a list field takes its items as words or comma-separated: --reward_weights 1 "
+            f"0.5; a yes/no field true or false: --bf16 true); {DEFAULT_RECIPE_NOTE}.",
+            argument_default=argparse.SUPPRESS, add_help=False,
+            allow_abbrev=False,  # a prefix is a typo to report, not a field to guess (--lora: which of the lora_*?)
+        )
+        self.add_argument("-h", "--help", action=RecipeHelp)
+        self.add_argument("--config", metavar="RECIPE", help="Recipe YAML file, or a shipped recipe's name (hftrain "
+                          "recipes lists them).")
+        self.field_groups: dict[str, list[argparse.Action]] = {}
+        for name, f in FIELDS.items():
+            group = f.metadata["group"]
+            if group not in self.field_groups:
+                self.field_groups[group] = []
+                container = self.add_argument_group(group)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            tp, _ = _base_type(TYPES[name])
+            kind = {bool: "BOOL", int: "INT", float: "FLOAT"}.get(tp) or {list: "LIST", dict: "MAP"}.get(
+                typing.get_origin(tp), "STR")
+            extra = {"nargs": "?", "const": "true"} if tp is bool else {}
+            if typing.get_origin(tp) is list and typing.get_args(tp)[0] in _NOUNS:  # TRL's form: --reward_weights 1 0.5
+                extra = {"nargs": "+"}
+            text = f"{f.metadata['help']} (default: {default})".replace("%", "%%")  # argparse formats help with %
+            self.field_groups[group].append(container.add_argument(f"--{name}", metavar=kind, help=text, **extra))
+
+    def help_text(self, topic: str) -> str:
+        """`--help`'s text for `topic`: "" the overview, a group's or a field's name, or "all"."""
+        if topic == "":
+            return self.overview()
+        if topic == HELP_ALL:
+            return self.format_help()
+        name = topic.removeprefix("--")
+        if name in self.field_groups:
+            return self.described([name])
+        if name in FIELDS:
+            return self.described([FIELDS[name].metadata["group"]], only=f"--{name}")
+        self.error(f"--help {topic}: no such group or field; give a group ({', '.join(self.field_groups)}), a field "
+                   f"name, or {HELP_ALL}")
+        return ""
+
+    def described(self, groups: list[str], only: str | None = None) -> str:
+        """The usage line and the full help of `groups`' fields (or of the one field `only`)."""
+        formatter = self.formatter_class(prog=self.prog)
+        formatter.add_usage(self.usage, self._actions, [])
+        for group in groups:
+            actions = [a for a in self.field_groups[group] if only is None or only in a.option_strings]
+            formatter.start_section(f"{group} ({HELP_GROUPS.get(group, ('', ()))[0]})" if only is None else group)
+            formatter.add_arguments(actions)
+            formatter.end_section()
+        return formatter.format_help()
+
+    def overview(self, width: int | None = None) -> str:
+        """Each group in one line, with its commonly used fields in one line each (their help's first sentence)."""
+        width = (width or shutil.get_terminal_size().columns) - 2  # as argparse wraps
+        formatter = self.formatter_class(prog=self.prog)
+        formatter.add_usage(self.usage, self._actions, [])
+        formatter.add_text(self.description)
+        shown = [(group, action) for group, actions in self.field_groups.items() for action in actions
+                 if action.dest in HELP_GROUPS.get(group, ("", ()))[1]]
+        column = max(len(f"--{action.dest} {action.metavar}") for _, action in shown) + 4
+        options = {"-h, --help [GROUP|FIELD|all]": "this overview; a group's fields in full (--help data), one "
+                   "field's (--help max_length), all: every field",
+                   "--config RECIPE": "a recipe YAML file, or a shipped recipe's name (hftrain recipes lists them)"}
+        lines = [formatter.format_help().rstrip(), "", "options:"]
+        for flag, doc in options.items():
+            lines += textwrap.wrap(doc, max(width, column + 20), initial_indent=f"  {flag:<{column - 2}}",
+                                   subsequent_indent=" " * column)
+        lines += ["", f"fields: {len(FIELDS)} in {len(self.field_groups)} groups, each below with its commonly used "
+                  "fields:"]
+        for group, actions in self.field_groups.items():
+            lines += textwrap.wrap(f"{group} ({len(actions)} fields): {HELP_GROUPS.get(group, ('', ()))[0]}",
+                                   max(width, column + 20), subsequent_indent="    ")
+            for action in actions:
+                if (group, action) in shown:
+                    flag = f"--{action.dest} {action.metavar}"
+                    doc = first_sentence(FIELDS[action.dest].metadata["help"])
+                    lines.append(f"  {flag:<{column - 2}}" + textwrap.shorten(doc, max(width - column, 20),
+                                                                          placeholder=" ..."))
+        return "\n".join(lines) + "\n"
+
+
+class RecipeHelp(argparse.Action):
+    """-h / --help [GROUP|FIELD|all]: print the recipe's help for the topic and exit."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest="help", nargs="?", const="", default=argparse.SUPPRESS,
+                         metavar="GROUP|FIELD|all", help="this overview; GROUP: a group's fields in full, FIELD: one "
+                         "field's, all: every field")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(parser.help_text(values), end="")
+        parser.exit()
+
+
+def first_sentence(text: str) -> str:
+    end = re.search(r"(?<!e\.g)(?<!i\.e)(?<!etc)\.(\s|$)", text)
+    return text[:end.start() + 1] if end else text
+
+
+def wants_help(argv: list[str]) -> bool:
+    """Whether the recipe's arguments ask for `--help` (which prints without loading anything)."""
+    return any(arg in ("-h", "--help") or arg.startswith("--help=") for arg in argv)
+
+
+def build_arg_parser(prog: str = "hftrain finetune") -> RecipeParser:
     """`--config recipe.yaml` plus `--<field> value` for every field; field docs become --help."""
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Fine-tune a causal LM. Fields come from --config (YAML) and are overridden by --<field> "
-        f"value on the command line (a list field takes its items as words or comma-separated: --reward_weights 1 "
-        f"0.5); {DEFAULT_RECIPE_NOTE}.",
-        argument_default=argparse.SUPPRESS,
-        allow_abbrev=False,  # a prefix is a typo to report, not a field to guess (--lora: which of the lora_*?)
-    )
-    parser.add_argument("--config", help="Recipe YAML file.")
-    groups: dict = {}  # group name -> the parser's argument group
-    for name, f in FIELDS.items():
-        group = groups.setdefault(f.metadata["group"], parser.add_argument_group(f.metadata["group"]))
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        tp, _ = _base_type(TYPES[name])
-        kind = {bool: "BOOL", int: "INT", float: "FLOAT"}.get(tp) or {list: "LIST", dict: "MAP"}.get(
-            typing.get_origin(tp), "STR")
-        extra = {"nargs": "?", "const": "true"} if tp is bool else {}
-        if typing.get_origin(tp) is list and typing.get_args(tp)[0] in _NOUNS:  # TRL's form: --reward_weights 1 0.5
-            extra = {"nargs": "+"}
-        text = f"{f.metadata['help']} (default: {default})".replace("%", "%%")  # argparse formats help with %
-        group.add_argument(f"--{name}", metavar=kind, help=text, **extra)
-    return parser
+    return RecipeParser(prog)
 
 
-def load_recipe(argv: list[str] | None = None, for_training: bool = True, prog: str = "hftrain.finetune") -> Recipe:
+def load_recipe(argv: list[str] | None = None, for_training: bool = True, prog: str = "hftrain finetune") -> Recipe:
     """Parse `--config` + overrides into a validated Recipe, or raise ConfigError listing every problem.
 
     `for_training` adds the output_dir / resume checks, which a data preview does not need.

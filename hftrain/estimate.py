@@ -80,6 +80,7 @@ from hftrain.memory import (
     zero_offload_state,
 )
 from hftrain.metrics import active_expert_fraction, num_experts
+from hftrain.options import Parser, add_switch
 from hftrain.stages import STAGES_PER_PROCESS, split_layers, stage_indices
 
 # transformers >= 5.21 gives embeddings a style of their own (EmbeddingParallel, its `shard_dim`); before, none: it
@@ -847,7 +848,7 @@ def format_plan(plan: Plan, gpu_memory_gib: float, method: str, planned_tokens: 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hftrain estimate", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="hftrain estimate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hub id or local folder (only its config is read).")
     parser.add_argument("--gpus", type=int, default=None,
                         help="GPUs in the job (all nodes); default 1, or --nodes x --gpus_per_node.")
@@ -862,8 +863,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"Rows per optimizer step for the 3D layouts (default {DEFAULT_GLOBAL_BATCH}); "
                              "a pipeline runs global_batch / (data-parallel copies x --batch) microbatches.")
     method = parser.add_mutually_exclusive_group()
-    method.add_argument("--lora", action="store_true", help="Recommend for LoRA fine-tuning.")
-    method.add_argument("--qlora", action="store_true", help="Recommend for QLoRA (4-bit base) fine-tuning.")
+    add_switch(method, "--lora", help="Recommend for LoRA fine-tuning.")
+    add_switch(method, "--qlora", help="Recommend for QLoRA (4-bit base) fine-tuning.")
     parser.add_argument("--lora_r", type=int, default=16, help="LoRA rank (all linear layers adapted).")
     parser.add_argument("--seq", type=int, default=2048, help="Tokens per sequence (max_length).")
     parser.add_argument("--batch", type=int, default=1, help="Sequences per GPU per micro-batch.")
@@ -897,8 +898,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "rows (one each); reward: the model as a one-output sequence classifier (a score head in "
                              "place of the vocabulary head and its logits); dpo's and kto's full fine-tuning adds the "
                              "frozen reference copy; distill adds --teacher's frozen weights.")
-    parser.add_argument("--precompute_ref_log_probs", action="store_true",
-                        help="dpo / kto: the reference's log-probs computed once before training (recipe "
+    add_switch(parser, "--precompute_ref_log_probs",
+               help="dpo / kto: the reference's log-probs computed once before training (recipe "
                              "precompute_ref_log_probs): no frozen reference copy is counted.")
     parser.add_argument("--teacher", default=None,
                         help="distill: the teacher (hub id or local folder; its config only), placed as hftrain "
@@ -906,7 +907,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=None,
                         help="Tokens the run plans to train (steps x effective batch x tokens per sequence), shown "
                              "next to the compute-optimal count.")
-    parser.add_argument("--trust_remote_code", action="store_true", help="Allow the model's own config code.")
+    add_switch(parser, "--trust_remote_code", help="Allow the model's own config code.")
     return parser
 
 

@@ -28,6 +28,7 @@ import torch
 
 from hftrain import trained
 from hftrain.errors import HftrainError, first_line, run_tool
+from hftrain.options import Parser, add_switch
 
 INSTALL = "pip install 'hftrain[eval]' (lm-eval)"
 
@@ -167,7 +168,7 @@ def run_eval(args: argparse.Namespace) -> None:
 
 
 def build_arg_parser(prog: str = "hftrain eval") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+    parser = Parser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
     parser.add_argument("folder", type=Path, help="final, merged, adapter or checkpoint-N folder")
@@ -178,11 +179,10 @@ def build_arg_parser(prog: str = "hftrain eval") -> argparse.ArgumentParser:
     parser.add_argument("--batch_size", type=int, default=8, help="Examples per forward (default 8).")
     parser.add_argument("--num_fewshot", type=int, default=None, help="Few-shot examples per prompt (default: "
                         "each task's own).")
-    parser.add_argument("--apply_chat_template", action="store_true", help="Render prompts with the folder's chat "
-                        "template (instruction-tuned models), as lm-eval's option.")
+    add_switch(parser, "--apply_chat_template", help="Render prompts with the folder's chat template "
+               "(instruction-tuned models), as lm-eval's option.")
     parser.add_argument("--output", type=Path, default=None, help="Write lm-eval's results JSON to this file.")
-    parser.add_argument("--log_samples", action="store_true", help="With --output: include every example's "
-                        "prompt, answers and scores.")
+    add_switch(parser, "--log_samples", help="With --output: include every example's prompt, answers and scores.")
     parser.add_argument("--seed", type=int, default=0, help="lm-eval's seeds (few-shot sampling; default 0).")
     trained.add_loading_arguments(parser)
     return parser

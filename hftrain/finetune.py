@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -110,6 +111,17 @@ def optimizer_step(backend, model, optimizer, scheduler, micro_batches, scale, m
                 optimizer.zero_grad(set_to_none=True)
                 timer.lap("optimizer")
     return step_loss, grad_norm, finite
+
+
+def next_steps(output_dir: Path, objective: str, processor=None) -> str:
+    """The closing line's commands: talking to the final model (`hftrain chat`, for a model that writes text from text,
+    not for an image-text model's, whose `processor` reads images; a reward model scores, as its README.md shows)
+    and the run's report."""
+    final, out = shlex.quote(str(output_dir / FINAL_DIR)), shlex.quote(str(output_dir))
+    report = f"hftrain report {out} for plots and a summary of the run"
+    if objective == "reward":
+        return f"score conversations with {final} as its README.md shows; {report}"
+    return report if processor is not None else f"hftrain chat {final} to talk to the model; {report}"
 
 
 class Finetune:
@@ -595,6 +607,7 @@ class Finetune:
                           + (f"; last logged {last}" if last else ""))
         try:
             self.hub.finish(final_dir, self.output_dir / HUB_UPLOAD_DIR if self.hub.at_saves else None)
+            self.logger.print(f"hftrain: next: {next_steps(self.output_dir, self.recipe.objective, self.processor)}")
         finally:
             self.logger.close()
         return final_dir
@@ -632,11 +645,21 @@ class Finetune:
             self.logger.print(f"hftrain: {headline} {metrics[headline]:.4f} after {self.progress.step} steps")
 
 
-def main(argv: list[str] | None = None, runner: type[Finetune] = Finetune) -> None:
-    """`runner`: the phase object; test launchers pass a subclass."""
+def entry_prog(as_module: bool) -> str:
+    """What `--help` and the recipe's errors call this entry point, as it was started (`hftrain finetune` passes its
+    own name): `python -m hftrain.finetune`; the script under `accelerate launch` (which sets
+    ACCELERATE_MIXED_PRECISION in every process it starts), or run by python."""
+    if as_module:
+        return "python -m hftrain.finetune"
+    launched = "ACCELERATE_MIXED_PRECISION" in os.environ
+    return f"{'accelerate launch [options]' if launched else 'python'} {sys.argv[0]}"
+
+
+def main(argv: list[str] | None = None, runner: type[Finetune] = Finetune, prog: str | None = None) -> None:
+    """`runner`: the phase object; test launchers pass a subclass. `prog`: the command's name in `--help`."""
     def run() -> Path:
         with same_in_every_process():  # every process reads the same recipe
-            recipe = load_recipe(argv)
+            recipe = load_recipe(argv, prog=prog or entry_prog(as_module=__spec__ is not None))
         return runner(recipe).run()
 
     try:

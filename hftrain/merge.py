@@ -53,6 +53,7 @@ from hftrain.model import (
     quantization_config,
     quiet_peft,
 )
+from hftrain.options import Parser, add_switch
 from hftrain.paths import CONFIG_FILE
 
 MERGE_FILE = "hftrain_merge.json"
@@ -183,7 +184,7 @@ def push_to_hub(folder: Path, repo_id: str, private: bool, dry_run: bool) -> lis
 
 
 def build_arg_parser(prog: str = "hftrain.merge") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("adapter_dir", type=Path, help="Folder with adapter_config.json (a use_peft run's final/).")
     parser.add_argument("output_dir", type=Path, help="New folder for the merged model.")
     parser.add_argument("--base_model_name_or_path", default=None,
@@ -192,9 +193,9 @@ def build_arg_parser(prog: str = "hftrain.merge") -> argparse.ArgumentParser:
                         help="dtype of the saved weights (the merge itself is float32); auto = the base's dtype.")
     parser.add_argument("--push_to_hub", metavar="REPO_ID", default=None, help="Upload the merged folder to this "
                         "hub model repo (org/name).")
-    parser.add_argument("--private", action="store_true", help="Create the hub repo as private.")
-    parser.add_argument("--dry_run", action="store_true", help="With --push_to_hub: list what would be uploaded "
-                        "and where, without contacting the hub.")
+    add_switch(parser, "--private", help="Create the hub repo as private.")
+    add_switch(parser, "--dry_run", help="With --push_to_hub: list what would be uploaded and where, without "
+               "contacting the hub.")
     return parser
 
 

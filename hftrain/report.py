@@ -16,15 +16,17 @@ or desync the run reported.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
 import statistics
 from pathlib import Path
 
+import yaml
+
 from hftrain.errors import HftrainError, run_tool
-from hftrain.paths import FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STATE_FILE
+from hftrain.options import Parser
+from hftrain.paths import CONFIG_FILE, FINAL_DIR, METRICS_FILE, PREFIX, REPORT_DIR, STATE_FILE
 
 RANK_KEY = re.compile(r"^rank(\d+)/(.+)$")
 # what the loop timed as data wait: for a grpo run logged before generation_time was split from it, mostly the
@@ -64,15 +66,42 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 
 def run_state(output_dir: Path) -> dict:
-    """hftrain_state.json of the final model, else of the newest checkpoint, else {}."""
+    """hftrain_state.json of the final model, else of the newest checkpoint, else {}; with the recipe recorded beside
+    it (hftrain_config.yaml) under "recipe"."""
     candidates = [output_dir / FINAL_DIR] + sorted(output_dir.glob(f"{PREFIX}*"),
                                                  key=lambda p: int(p.name.split("-")[-1]) if
                                                  p.name.split("-")[-1].isdigit() else -1, reverse=True)
     for folder in candidates:
         state = folder / STATE_FILE
         if state.is_file():
-            return json.loads(state.read_text(encoding="utf-8"))
+            recipe = folder / CONFIG_FILE
+            return {**json.loads(state.read_text(encoding="utf-8")),
+                    "recipe": (yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}) if recipe.is_file() else {}}
     return {}
+
+
+PRECISIONS = {"bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision", "fp8": "fp8 mixed precision"}
+WEIGHTS = {"float32": "fp32", "bfloat16": "bf16 weights", "float16": "fp16 weights"}
+DEVICES = {"cpu": "CPU", "cuda": "GPU", "xpu": "XPU", "mps": "Apple GPU (MPS)", "npu": "NPU"}
+
+
+def launch_words(state: dict) -> str:
+    """How the run was launched, in a user's words: "1 process, CPU, fp32", "8 processes on 2 machines (FSDP2
+    FULL_SHARD), GPU (NVIDIA H100 80GB HBM3), bf16 mixed precision", and the preset the recipe is sized for."""
+    launch, layout, recipe = state.get("launch", {}), state.get("parallelism", {}), state.get("recipe", {})
+    processes = layout.get("processes", launch.get("num_processes", 1))
+    machines = layout.get("machines", launch.get("num_machines", 1))
+    words = f"{processes} process{'es' if processes != 1 else ''}"
+    words += f" on {machines} machines" if machines > 1 else ""
+    if processes > 1 and layout.get("name"):
+        words += f" ({layout['name']})"
+    kind = str(launch.get("device", "cpu")).split(":")[0]
+    names = {d.get("name") for d in state.get("devices", {}).get("processes", []) if d.get("type") != "cpu"}
+    device = DEVICES.get(kind, kind) + (f" ({names.pop()})" if len(names) == 1 and None not in names else "")
+    precision = PRECISIONS.get(launch.get("mixed_precision", "no")) or WEIGHTS.get(recipe.get("dtype", "float32"),
+                                                                                  recipe.get("dtype"))
+    preset = (state.get("launch_preset") or {}).get("recipe")
+    return f"{words}, {device}, {precision}" + (f" (the recipe is sized for preset {preset})" if preset else "")
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -122,9 +151,10 @@ def _save(fig, ax, path: Path, steps: list[int] | None = None) -> Path:
 
 
 def plot_loss(train: list[dict], evals: list[dict], path: Path) -> Path:
-    """The train and eval loss curves (also the model card's figure)."""
+    """The train loss curve and, where the run evaluated one, the eval loss's (also the model card's figure)."""
     pairs = any(REWARDS[1] in r for r in train)  # rewards/margins: dpo, simpo, orpo and kto
-    fig, ax = _figure("Loss", "loss (mean over pairs)" if pairs else "loss (token-weighted)")
+    fig, ax = _figure("Train and eval loss" if evals else "Train loss",
+                      "loss (mean over pairs)" if pairs else "loss (token-weighted)")
     ax.plot(*series(train, "loss"), label="train loss", marker=".")
     if evals:
         ax.plot(*series(evals, "eval_loss"), label="eval loss", marker="o")
@@ -264,9 +294,7 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
     launch = state.get("launch", {})  # absent when the run has not saved anything yet
     lines = [f"# Run report: {output_dir.resolve().name}", ""]
     if launch:
-        lines.append(f"- launch: {launch['distributed_type']}, {launch['num_processes']} process(es), "
-                     f"model wrapped as {launch['model_wrapper']}, precision {launch['mixed_precision']}, "
-                     f"device {launch['device']}")
+        lines.append(f"- launch: {launch_words(state)}")
     lines += [
         f"- steps logged: {train[0]['step']} to {last['step']}"
         + (f" of {state['total_steps']}" if "total_steps" in state else "")
@@ -304,7 +332,7 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
                                                                        for key in REWARD_MODEL))
         if evals:
             lines.append(f"- eval at step {evals[-1]['step']}: " + ", ".join(
-                f"eval_{key} {_fmt(evals[-1].get(f'eval_{key}'))}" for key in REWARD_MODEL) + f"; first eval (step "
+                f"{key} {_fmt(evals[-1].get(f'eval_{key}'))}" for key in REWARD_MODEL) + f"; first eval (step "
                 f"{evals[0]['step']}) accuracy {_fmt(evals[0].get('eval_accuracy'))}")
     if any(ORPO_TERMS[1] in r for r in train):
         lines.append("- orpo terms (last train window): " + ", ".join(f"{key} {_fmt(last.get(key))}"
@@ -368,10 +396,14 @@ def write_report(output_dir: Path) -> Path:
     return report
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="hftrain report", description=__doc__.split("\n\n")[0])
+def build_arg_parser(prog: str = "hftrain report") -> Parser:
+    parser = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path, help="The run's output_dir (holds metrics.jsonl).")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_arg_parser().parse_args(argv)
     report = run_tool(write_report, args.output_dir)
     print(f"hftrain: report written to {report} (plots beside it)")
 

@@ -13,7 +13,6 @@ library is refused by its own check (the preflight's) in one paragraph naming th
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata as md
 import importlib.util
 import json
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from packaging.version import Version
 
 import hftrain
+from hftrain.options import Parser, add_switch
 
 # package -> (the lower end CI tests, the newest version tested: the lock's, or `make test-newest`'s where newer);
 # torch's floor is 2.11 (the lent GPU image's), CI's lower end runs 2.13.0, the only CPU build on its machine
@@ -156,12 +156,15 @@ def render(info: dict) -> str:
     return "\n".join(lines)
 
 
+def build_arg_parser(prog: str = "hftrain env") -> Parser:
+    parser = Parser(prog=prog, description="The versions in use, whether each is inside the range hftrain is tested "
+                    "on, and which version-gated features are available (for a bug report).")
+    add_switch(parser, "--json", help="print the same as JSON")
+    return parser
+
+
 def main(argv: list[str] | None = None, prog: str = "hftrain env") -> None:
-    parser = argparse.ArgumentParser(prog=prog, description="The versions in use, whether each is inside the range "
-                                     "hftrain is tested on, and which version-gated features are available (for a "
-                                     "bug report).")
-    parser.add_argument("--json", action="store_true", help="print the same as JSON")
-    args = parser.parse_args(argv)
+    args = build_arg_parser(prog).parse_args(argv)
     info = report()
     print(json.dumps(info, indent=2) if args.json else render(info))
 

@@ -11,16 +11,23 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard
 
+from hftrain.card import shipped_model
+
 
 def check_card(folder: Path, *, library: str, base_model: str | Path, tags: set[str], rows: list[dict] | None = None,
                run_quick_start: bool = False) -> ModelCard:
     """The card parses, carries the hub metadata, has no template placeholder, and states the run's final train and
     eval losses as metrics.jsonl (`rows`) logged them at the final step. `base_model`: a hub id, which the metadata
-    names, or a local folder (a Path), which the body names and the metadata does not (the hub takes only ids)."""
+    names, or a local folder (a Path), which the body names and the metadata does not (the hub takes only ids); one of
+    hftrain's shipped models by its name, not its path."""
     card = ModelCard.load(folder / "README.md")
     data = card.data.to_dict()
     assert (data["library_name"], data["pipeline_tag"]) == (library, "text-generation")
-    if isinstance(base_model, Path):
+    if isinstance(base_model, Path) and shipped_model(str(base_model)) is not None:  # named, not by its path
+        intro = card.text.split("## Quick start")[0]
+        assert "base_model" not in data and f"of hftrain's shipped `{shipped_model(str(base_model))}`" in intro
+        assert str(base_model.resolve()) not in intro
+    elif isinstance(base_model, Path):
         assert "base_model" not in data and f"of the local model `{base_model.resolve()}`" in card.text, data
     else:
         assert data["base_model"] == base_model
@@ -35,7 +42,8 @@ def check_card(folder: Path, *, library: str, base_model: str | Path, tags: set[
         evals = [r for r in rows if "eval_loss" in r and r["step"] == last_step]
         if evals:
             assert f"| eval loss | {evals[-1]['eval_loss']:.4g} (after step {last_step})" in card.text
-        assert "![Train and eval loss](loss.png)" in card.text
+        title = "Train and eval loss" if any("eval_loss" in r for r in rows) else "Train loss"  # eval shown if run
+        assert f"![{title}](loss.png)" in card.text
         assert (folder / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if run_quick_start:
         assert run_snippet(card.text).endswith("\n")  # it loaded the folder, generated and printed

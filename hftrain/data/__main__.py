@@ -30,6 +30,7 @@ from hftrain.data.streaming import load_stream
 from hftrain.data.tokenize import IGNORE_INDEX
 from hftrain.errors import HftrainError, run_tool
 from hftrain.model import build_tokenizer, pad_token_id
+from hftrain.options import Parser
 from hftrain.vision import build_processor, is_image_text, model_config
 
 
@@ -90,13 +91,17 @@ def mask_policy(recipe, sources: list[dict]) -> str:
     return line
 
 
-def preview(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hftrain.data", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)  # the rest are the recipe's: a prefix is not guessed
+def build_arg_parser(prog: str = "python -m hftrain.data") -> Parser:
+    """The preview's own options; the other arguments are the recipe's (`load_recipe`)."""
+    parser = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                    allow_abbrev=False)  # the rest are the recipe's: a prefix is not guessed
     parser.add_argument("--show", type=int, default=3, help="examples to print (default 3)")
     parser.add_argument("--dump", nargs=2, metavar=("N", "FILE"), help="write the first N collated rows to FILE")
-    args, rest = parser.parse_known_args(argv)
+    return parser
+
+
+def preview(argv: list[str] | None = None) -> None:
+    args, rest = build_arg_parser().parse_known_args(argv)
     recipe = load_recipe(rest, for_training=False, prog="python -m hftrain.data")
     if is_image_text(model_config(recipe)):
         if args.dump:

@@ -70,6 +70,10 @@ def test_default_recipe_single_process(tmp_path):
     # its model card: the hub's parser reads it, the losses are the logged ones, the quick start runs
     check_card(run.output_dir / "final", library="transformers", base_model=REPO / "models" / "tiny-llama",
                tags={"sft", "full"}, rows=run.metrics(), run_quick_start=True)
+    # the last line says how to talk to the model and make the report (issue 49)
+    last = [line for line in run.stdout.splitlines() if line.startswith("hftrain: ")][-1]
+    assert last == (f"hftrain: next: hftrain chat {run.output_dir / 'final'} to talk to the model; hftrain report "
+                    f"{run.output_dir} for plots and a summary of the run")
 
 
 def test_resume_mid_epoch_reproduces_uninterrupted_run(tmp_path):

@@ -235,7 +235,12 @@ def test_evaluation_completes_and_scores_the_eval_prompts_as_trl_names_it(runs, 
     assert len({len(r["completion_ids"]) for r in rows}) > 1  # the ending model ends some completions early
     card = check_card(one.output_dir / "final", library="transformers", base_model=ending_model,
                       tags={"grpo", "full"}, rows=one.metrics())
-    assert f"| eval_reward | {eval_rows(one)[-1]['eval_reward']:.4g} |" in card.text  # the final evaluation's
+    assert f"| eval mean reward | {eval_rows(one)[-1]['eval_reward']:.4g} |" in card.text  # the final evaluation's
+    # the headline is the mean reward, from where it started (issue 49): grpo's loss is about 0 by construction
+    rewards = [r for r in one.metrics() if r.get("reward") is not None]
+    headline = card.text.split("| --- | --- |")[2].split("\n")[1]
+    assert headline == (f"| mean reward | {rewards[-1]['reward']:.4g} (logged at step {rewards[-1]['step']}; "
+                        f"{rewards[0]['reward']:.4g} at step {rewards[0]['step']}) |")
 
     model = AutoModelForCausalLM.from_pretrained(one.output_dir / "final", dtype=torch.float32).eval()
     for r in [r for r in rows if r["step"] == 3]:  # the final evaluation samples from the final weights

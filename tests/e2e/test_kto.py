@@ -109,7 +109,7 @@ def test_tiny_kto_recipe_learns_the_feedback(tmp_path):
     assert rows[-1]["rewards/margins"] > 0.1
     assert evals[-1]["step"] == 20 and evals[-1]["eval_examples"] == 40 and evals[-1]["eval_rewards/margins"] > 0.1
     card = (run.output_dir / "final" / "README.md").read_text()
-    assert "KTO (Kahneman-Tversky optimization" in card and "rewards/margins" in card
+    assert "KTO (Kahneman-Tversky optimization" in card and "| reward margin |" in card  # rewards/margins, in words
     subprocess.run([sys.executable, "-m", "hftrain.report", str(run.output_dir)], check=True, cwd=REPO,
                    env=launch_env(), capture_output=True)
     report = (run.output_dir / "report" / "report.md").read_text()

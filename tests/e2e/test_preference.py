@@ -47,7 +47,7 @@ def test_tiny_dpo_recipe_learns_the_preferences(tmp_path):
     assert (run.output_dir / "final" / "model.safetensors").exists()
     card = check_card(run.output_dir / "final", library="transformers", base_model=REPO / "models" / "tiny-llama",
                       tags={"dpo", "full"}, rows=run.metrics())
-    assert f"| eval_rewards/accuracies | {evals[-1]['eval_rewards/accuracies']:.4g} |" in card.text
+    assert f"| eval reward accuracy | {evals[-1]['eval_rewards/accuracies']:.4g} |" in card.text  # words (issue 49)
 
 
 def test_dpo_step_is_the_same_over_micro_batches_and_processes(tmp_path, full_one_process):

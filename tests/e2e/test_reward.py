@@ -91,7 +91,8 @@ def test_tiny_reward_recipe_learns_to_rank_held_out_pairs(tmp_path):
     final = run.output_dir / "final"
     card = ModelCard.load(final / "README.md")  # the model card says what the folder is and how to score with it
     assert card.data.pipeline_tag == "text-classification" and "reward" in card.data.tags
-    assert "trained with hftrain by reward modelling" in card.text and "| eval_accuracy |" in card.text
+    assert "trained with hftrain by reward modelling" in card.text and "| eval accuracy |" in card.text
+    assert "| accuracy |" in card.text and "eval_" not in card.text.split("## Results")[1].split("## Recipe")[0]
     float(run_snippet(card.text))  # its quick start loads the folder and prints a conversation's reward
     tokenizer = AutoTokenizer.from_pretrained(final)
     trained = pair_scores(final, held_out, tokenizer)

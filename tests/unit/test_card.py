@@ -9,8 +9,9 @@ import json
 import yaml
 from huggingface_hub import ModelCard
 
-from hftrain.card import build_card, merged_card, recipe_settings, run_card, write_card
-from hftrain.config import Recipe
+from hftrain.card import build_card, merged_card, recipe_settings, run_card, shipped_model, write_card
+from hftrain.config import DEFAULT_MODEL, Recipe
+from tests.conftest import REPO
 
 STATE = {
     "progress": {"step": 6, "epoch": 0, "trained_tokens": 1234},
@@ -83,10 +84,66 @@ def test_grpo_rewards_and_a_final_step_without_evaluation(tmp_path):
             {"step": 4, "eval_reward": 0.75}]
     card, _ = build_card(tmp_path, recipe(objective="grpo"), {**STATE, "progress": {"step": 4}}, rows, kind="model",
                          device_hours=None, name="run")
-    assert "| reward | 0.5 |" in card.text and "| reward_std | 0.25 |" in card.text
+    assert "| mean reward | 0.5 (logged at step 4) |" in card.text and "| reward std | 0.25 |" in card.text
     assert "eval loss" not in card.text  # the step-2 evaluation is not the final one
-    assert "| eval_reward | 0.75 |" in card.text  # grpo's evaluation scores completions
+    assert "| eval mean reward | 0.75 |" in card.text  # grpo's evaluation scores completions
     assert card.data.to_dict()["library_name"] == "transformers" and "grpo" in card.data.tags
+
+
+def results(card: ModelCard) -> list[str]:
+    """The rows of the card's results table."""
+    table = card.text.split("## Results")[1].split("\n\n")[1]
+    return [line for line in table.splitlines() if not line.startswith(("| |", "| ---"))]
+
+
+def test_a_grpo_cards_headline_is_its_mean_reward_and_its_figure_shows_no_eval_it_has_not(tmp_path):
+    """Issue 49: a GRPO card led with a train loss of 9e-08 (its policy-gradient loss is about 0 by construction)
+    and showed a "Train and eval loss" picture for a run without eval: the mean reward comes first, from where it
+    started, and the figure is the train loss's."""
+    rows = [{"step": 1, "loss": 2e-07, "reward": 0.25, "reward_std": 0.1}, {"step": 10, "loss": 5e-08, "reward": 0.5,
+                                                                           "reward_std": 0.2},
+            {"step": 11, "loss": 9e-08}]  # a step that samples nothing logs no reward
+    card, figure = build_card(tmp_path, recipe(objective="grpo"), {**STATE, "progress": {"step": 11}}, rows,
+                              kind="model", device_hours=None, name="run")
+    shown = results(card)
+    assert shown[0] == "| mean reward | 0.5 (logged at step 10; 0.25 at step 1) |"
+    assert shown[-1].startswith("| train loss | 9e-08 (logged at step 11); grpo's loss is about 0 by construction")
+    assert figure == "loss.png" and "![Train loss](loss.png)" in card.text and "eval loss" not in card.text
+    sft = [{"step": 5, "loss": 2.0}, {"step": 6, "loss": 1.5}, {"step": 6, "eval_loss": 1.75}]
+    card, _ = build_card(tmp_path, recipe(), STATE, sft, kind="model", device_hours=None, name="run")
+    assert results(card)[0].startswith("| train loss | 1.5") and "![Train and eval loss](loss.png)" in card.text
+
+
+def test_a_reward_cards_metrics_have_one_naming(tmp_path):
+    """Issue 49: the reward card showed "accuracy" beside raw eval_accuracy / eval_margin: each metric in words, an
+    evaluation's as "eval <words>"."""
+    rows = [{"step": 6, "loss": 0.5, "accuracy": 0.75, "margin": 1.25, "mean_reward": 0.1},
+            {"step": 6, "eval_loss": 0.625, "eval_accuracy": 0.875, "eval_margin": 0.5, "eval_mean_reward": 0.2}]
+    card, _ = build_card(tmp_path, recipe(objective="reward"), STATE, rows, kind="model", device_hours=None,
+                         name="run")
+    assert results(card) == ["| train loss | 0.5 (logged at step 6) |", "| eval loss | 0.625 (after step 6) |",
+                             "| accuracy | 0.75 |", "| eval accuracy | 0.875 |", "| margin | 1.25 |",
+                             "| eval margin | 0.5 |"]
+    dpo = [{"step": 6, "loss": 0.5, "rewards/accuracies": 0.75, "rewards/margins": 0.25},
+           {"step": 6, "eval_loss": 0.625, "eval_rewards/accuracies": 0.5, "eval_rewards/margins": 0.125}]
+    card, _ = build_card(tmp_path, recipe(objective="dpo"), STATE, dpo, kind="model", device_hours=None, name="run")
+    assert results(card)[2:] == ["| reward accuracy | 0.75 |", "| eval reward accuracy | 0.5 |",
+                                 "| reward margin | 0.25 |", "| eval reward margin | 0.125 |"]
+    assert "eval_" not in card.text.split("## Results")[1].split("## Recipe")[0]
+
+
+def test_a_base_model_shipped_with_hftrain_is_named_as_such_not_by_its_path(tmp_path):
+    """Issue 49: the card named the tiny model installed with the package by its site-packages path. hftrain's
+    shipped models are named so, from the installed package's folder or the checkout's (the same files)."""
+    for base in (DEFAULT_MODEL, REPO / "models" / "tiny-llama"):
+        for kind in ("model", "adapter"):
+            card, _ = build_card(tmp_path, recipe(model_name_or_path=str(base), use_peft=kind == "adapter"), STATE,
+                                 [], kind=kind, device_hours=None, name="org/m", load_from="org/m")
+            assert "This is a" in card.text and " of hftrain's shipped `tiny-llama` (a tiny model inside the " \
+                "hftrain package, hftrain/shipped/models/tiny-llama;" in card.text
+            assert str(base) not in card.text and str(base.resolve()) not in card.text
+            assert "base_model" not in card.data.to_dict()
+    assert shipped_model(str(tmp_path)) is None and shipped_model("org/model") is None
 
 
 def test_eval_tasks_results_are_in_the_final_results(tmp_path):

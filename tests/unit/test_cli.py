@@ -295,7 +295,8 @@ def test_hftrain_recipes_lists_the_shipped_ones_and_copies_one_to_edit(tmp_path,
     assert names == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
     main(["recipes", "copy", "tiny-grpo"])
     assert "hftrain launch --config tiny-grpo.yaml" in capsys.readouterr().out
-    assert (tmp_path / "tiny-grpo.yaml").read_bytes() == (REPO / "recipes" / "tiny-grpo.yaml").read_bytes()
+    copied, shipped = (tmp_path / "tiny-grpo.yaml").read_text(), (REPO / "recipes" / "tiny-grpo.yaml").read_text()
+    assert copied == shipped.replace("--config recipes/tiny-grpo.yaml", "--config ./tiny-grpo.yaml")  # issue 49
     assert load_recipe(["--config", "tiny-grpo.yaml"]).reward_funcs  # the copy runs from here
     with pytest.raises(SystemExit) as exit_info:
         main(["recipes", "copy", "tiny-grpo"])  # never over an existing file
@@ -303,6 +304,72 @@ def test_hftrain_recipes_lists_the_shipped_ones_and_copies_one_to_edit(tmp_path,
     with pytest.raises(SystemExit):
         main(["recipes", "copy", "tiny-grop"])
     assert "'tiny-grop' is not a shipped recipe" in capsys.readouterr().err
+
+
+def listed_descriptions(listing: str) -> dict[str, str]:
+    """`hftrain recipes`' listing as {name: description}: a name starts a line, its wrapped description follows."""
+    described: dict[str, list[str]] = {}
+    for line in listing.split("\n\n")[0].splitlines():
+        if line.startswith(" "):
+            described[list(described)[-1]].append(line.strip())
+        else:
+            name, text = line.split(maxsplit=1)
+            described[name] = [text]
+    return {name: " ".join(words) for name, words in described.items()}
+
+
+def test_every_listed_recipe_is_described_by_whole_sentences(capsys):
+    """Issue 49: six descriptions were cut where the header's command began ("..., CPU, < 1 minute:"): the listing
+    shows the header's prose up to its first full stop, so the prose before the command must be a sentence."""
+    main(["recipes"])
+    described = listed_descriptions(capsys.readouterr().out)
+    assert sorted(described) == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    for name, text in described.items():
+        assert text.endswith(".") and text[0].isupper(), f"{name}: {text!r}"
+
+
+HEADER_COMMAND = re.compile(r"^#.*?\bhftrain (launch|data) (.*?)(?:\s+#.*|\s+\(.*)?$")
+
+
+def header_commands(text: str) -> list[tuple[str, list[str]]]:
+    """The hftrain commands a recipe's leading comment block gives: (command, its arguments)."""
+    header = [line for line in text.splitlines() if line.startswith("#")][:12]
+    return [(m.group(1), m.group(2).split()) for line in header if (m := HEADER_COMMAND.match(line))]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (REPO / "recipes").glob("*.yaml")))
+def test_a_copied_recipes_header_trains_the_copy_from_where_the_user_is(name, tmp_path, monkeypatch, capsys):
+    """Issue 49: the header of `hftrain recipes copy tiny-chat` suggested `accelerate launch --config_file
+    accelerate_configs/cpu.yaml hftrain/finetune.py`, paths that exist only in the checkout. Every shipped recipe's
+    header gives hftrain commands, whose `--config recipes/NAME.yaml` trains the shipped file from any folder; in the
+    copy, the same commands name the copy, with a preset that ships."""
+    shipped = (REPO / "recipes" / f"{name}.yaml").read_text()
+    assert "accelerate_configs/" not in shipped and "hftrain/finetune.py" not in shipped
+    monkeypatch.chdir(tmp_path)
+    main(["recipes", "copy", name])
+    capsys.readouterr()
+    commands = header_commands((tmp_path / f"{name}.yaml").read_text())
+    own = [args for command, args in commands if command == "launch" and f"./{name}.yaml" in args]
+    assert own, commands  # the copy's header trains the copy...
+    for args in own:
+        cmd = launch_command(args)
+        assert option(cmd, "--config") == f"./{name}.yaml"
+        assert Path(option(cmd, "--config_file")).parent == PRESET_DIR.resolve()  # ...under a shipped preset
+    assert [args for _, args in header_commands(shipped) if f"recipes/{name}.yaml" in args] == [
+        [arg.replace(f"./{name}.yaml", f"recipes/{name}.yaml") for arg in args]
+        for _, args in commands if f"./{name}.yaml" in args]  # the shipped header's commands, renamed
+
+
+def test_make_demo_trains_the_demo_recipe_with_one_compute_thread(tmp_path, monkeypatch):
+    """Issue 49: `make demo` took 34 s where the README said ~15: the CPU preset's thread per core made torch's two
+    threads wait on each other on a busy 2-core machine (39-130 s there, 11-21 s with one thread; README.md)."""
+    recipe = re.search(r"^demo:.*\n\t(.*?hftrain launch (.*?))\n(?!\t)", (REPO / "Makefile").read_text().replace(
+        "\\\n\t\t", ""), re.M | re.S)
+    args = recipe.group(2).split()
+    monkeypatch.chdir(REPO)
+    cmd = launch_command(args)
+    assert option(cmd, "--num_cpu_threads_per_process") == "1" and option(cmd, "--config_file").endswith("cpu.yaml")
+    assert option(cmd, "--config") == "recipes/tiny-chat.yaml"
 
 
 def test_recipe_launch_preset_must_ship(tmp_path, monkeypatch):

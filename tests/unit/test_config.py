@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import yaml
 
 from hftrain.config import (
     FIELDS,
+    HELP_GROUPS,
     TYPES,
     Recipe,
     _base_type,
@@ -421,6 +424,62 @@ def test_help_mentions_every_field():
     # the help of a field reaches --help (first words, as argparse may rewrap the rest)
     assert " ".join(FIELDS["learning_rate"].metadata["help"].split()[:2]) in " ".join(text.split())
 
+
+
+def recipe_help(capsys, *argv: str, prog: str = "hftrain finetune") -> str:
+    """What the recipe's parser prints for `argv` (it exits 0 after printing)."""
+    with pytest.raises(SystemExit) as info:
+        build_arg_parser(prog).parse_known_args(list(argv))
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_hftrain_finetune_help_is_named_so_and_lists_the_groups_and_common_fields(capsys, monkeypatch):
+    """Issue 49: `hftrain finetune --help` was 954 lines under the name hftrain.finetune. It is the command's name,
+    and by default each group in a line with its commonly used fields, one line each."""
+    from hftrain.cli import main
+
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as info:
+        main(["finetune", "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0 and out.startswith("usage: hftrain finetune [--help [GROUP|FIELD|all]]")
+    lines = out.splitlines()
+    assert len(lines) <= 80 and max(len(line) for line in lines) <= 100
+    for group, (_, common) in HELP_GROUPS.items():
+        assert any(line.startswith(f"{group} (") for line in lines), group
+        for name in common:
+            assert sum(line.lstrip().startswith(f"--{name} ") for line in lines) == 1, name
+    assert "(--help data)" in out and "all: every field" in out
+
+
+def test_every_field_is_reached_through_the_full_help(capsys):
+    """Nothing is lost: `--help all` shows every field with its whole help, `--help GROUP` each group's, `--help
+    FIELD` one field's, with its default."""
+    everything = recipe_help(capsys, "--help", "all")
+    assert [name for name in FIELDS if f"--{name} " not in everything] == []
+    by_group = {group: recipe_help(capsys, "--help", group) for group in HELP_GROUPS}
+    for name, f in FIELDS.items():
+        assert f"--{name} " in by_group[f.metadata["group"]], name
+    one = " ".join(recipe_help(capsys, "--help", "learning_rate").split())
+    assert "--learning_rate FLOAT Peak learning rate. (default: 5e-05)" in one and "--lora_r" not in one
+    with pytest.raises(SystemExit) as info:
+        build_arg_parser().parse_known_args(["--help", "nonsense"])
+    assert info.value.code == 2 and "no such group or field" in capsys.readouterr().err
+
+
+def test_the_help_groups_name_every_group_and_only_fields():
+    assert list(HELP_GROUPS) == list(dict.fromkeys(f.metadata["group"] for f in FIELDS.values()))
+    assert [name for _, common in HELP_GROUPS.values() for name in common if name not in FIELDS] == []
+
+
+def test_hftrain_finetune_help_imports_neither_torch_nor_transformers():
+    """The help is the recipe's, printed before the training module (torch, transformers, datasets) is imported."""
+    code = ("import sys\nfrom hftrain.cli import main\ntry:\n    main(['finetune', '--help'])\nexcept SystemExit:\n"
+            "    pass\nprint('imported:', sorted(m for m in ('torch', 'transformers', 'datasets', 'accelerate') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert out.startswith("usage: hftrain finetune") and out.splitlines()[-1] == "imported: []"
 
 # ------------------------------------------------------------------------------ presets
 def test_there_are_presets():

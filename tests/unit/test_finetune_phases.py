@@ -180,3 +180,42 @@ def test_the_model_phase_hands_what_it_built_to_the_optimizer_phase_as_one_value
         setattr(Recorded, name, lambda self: None)
     Recorded(Recipe()).run()
     assert handed == ["the model phase's ModelParts"]
+
+
+def test_the_entry_points_help_names_it_as_it_was_started(monkeypatch):
+    """Issue 49: the help called itself hftrain.finetune whatever started it (`hftrain finetune` passes its own
+    name: tests/unit/test_config.py)."""
+    monkeypatch.setattr(finetune.sys, "argv", ["hftrain/finetune.py", "--help"])
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert finetune.entry_prog(as_module=False) == "python hftrain/finetune.py"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # set by accelerate launch in every process it starts
+    assert finetune.entry_prog(as_module=False) == "accelerate launch [options] hftrain/finetune.py"
+    assert finetune.entry_prog(as_module=True) == "python -m hftrain.finetune"
+
+
+def finished(tmp_path, **recipe) -> list[str]:
+    """The lines `finish` prints for a run whose final model is saved (no evaluation, no hub push)."""
+    run = Finetune(Recipe(output_dir=str(tmp_path / "out dir"), **recipe))
+    printed = Printed()
+    printed.close = lambda: None
+    run.logger, run.output_dir, run.processor = printed, Path(run.recipe.output_dir), None
+    run.data, run.eval_addons = SimpleNamespace(eval_set=None), []
+    run.meter = SimpleNamespace(device_hours=lambda: 0.25)
+    run.hub = SimpleNamespace(at_saves=False, finish=lambda *args: None)
+    run.save_final = lambda: run.output_dir / "final"
+    run.finish()
+    return printed.lines
+
+
+def test_the_run_ends_saying_how_to_talk_to_the_model_and_make_the_report(tmp_path):
+    """Issue 49: `make demo` ended on "final model saved to ..." without a word on what to do with it."""
+    out = tmp_path / "out dir"
+    lines = finished(tmp_path)
+    assert lines[0].startswith(f"hftrain: final model saved to {out / 'final'}; 0.2500 device-hours")
+    assert lines[-1] == (f"hftrain: next: hftrain chat '{out / 'final'}' to talk to the model; hftrain report "
+                         f"'{out}' for plots and a summary of the run")  # quoted: the folder's name has a space
+    assert finetune.next_steps(Path("outputs/rm"), "reward") == (
+        "score conversations with outputs/rm/final as its README.md shows; hftrain report outputs/rm for plots and a "
+        "summary of the run")  # hftrain chat refuses a reward model: it writes no text
+    assert finetune.next_steps(Path("outputs/vlm"), "sft", processor=object()) == (
+        "hftrain report outputs/vlm for plots and a summary of the run")  # an image-text model: not through chat

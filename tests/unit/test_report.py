@@ -39,6 +39,8 @@ def run_dir(tmp_path):
     (tmp_path / "final" / "hftrain_state.json").write_text(json.dumps({
         "launch": {"distributed_type": "MULTI_GPU", "num_processes": 2, "model_wrapper": "DistributedDataParallel",
                    "mixed_precision": "bf16", "device": "cuda:0"},
+        "parallelism": {"name": "DDP", "processes": 2, "machines": 1},
+        "devices": {"processes": [{"rank": rank, "type": "cuda", "name": "NVIDIA H100 80GB HBM3"} for rank in (0, 1)]},
         "total_steps": 4, "effective_batch_size": 32, "memory_baseline_mb": 300.0, "device_hours": 0.45}))
     return tmp_path
 
@@ -57,7 +59,7 @@ def test_report_writes_valid_pngs_and_a_checked_summary(run_dir):
             assert image.size == (700, 400)
             assert len(image.convert("L").getcolors(maxcolors=256)) > 10, f"{name} looks blank"
     text = report.read_text()
-    assert "MULTI_GPU, 2 process(es), model wrapped as DistributedDataParallel, precision bf16" in text
+    assert "- launch: 2 processes (DDP), GPU (NVIDIA H100 80GB HBM3), bf16 mixed precision\n" in text  # issue 49
     assert "steps logged: 1 to 4 of 4" in text
     assert "loss: first 5, last 3.5, lowest 3" in text
     assert "eval loss: last 4.1 (perplexity 60.3) at step 4; best 3.9 at step 2" in text
@@ -180,3 +182,37 @@ def test_an_orpo_run_reports_its_terms(tmp_path):
     text = report.read_text()
     assert "orpo terms (last train window): nll_loss 2.9, log_odds_ratio -0.54, log_odds_chosen 0.3" in text
     assert "![orpo](orpo.png)" in text
+
+
+def test_the_launch_is_described_in_a_users_words(tmp_path):
+    """Issue 49: the report said accelerate's "launch: NO, 1 process(es), model wrapped as CausalLMTokenLoss,
+    precision no, device cpu"; it says the processes, the layout, the device and the precision, and the preset the
+    recipe is sized for (from the run's files)."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(train_row(1, 2.0)) + "\n" + json.dumps(train_row(2, 1.0)) + "\n")
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "hftrain_config.yaml").write_text("dtype: float32\nlaunch_preset: cpu\n")
+    (final / "hftrain_state.json").write_text(json.dumps({
+        "launch": {"distributed_type": "NO", "num_processes": 1, "model_wrapper": "CausalLMTokenLoss",
+                   "mixed_precision": "no", "device": "cpu"},
+        "parallelism": {"kind": "single", "name": "single process", "processes": 1, "machines": 1},
+        "devices": {"processes": [{"rank": 0, "type": "cpu", "name": "x86_64"}]},
+        "launch_preset": {"recipe": "cpu", "reason": "tiny"}}))
+    text = write_report(tmp_path).read_text()
+    assert "- launch: 1 process, CPU, fp32 (the recipe is sized for preset cpu)\n" in text
+    assert "NO," not in text and "precision no" not in text and "CausalLMTokenLoss" not in text
+    (final / "hftrain_config.yaml").write_text("dtype: bfloat16\n")
+    state = json.loads((final / "hftrain_state.json").read_text())
+    state.update(parallelism={"name": "FSDP2 FULL_SHARD", "processes": 16, "machines": 2}, launch_preset=None)
+    (final / "hftrain_state.json").write_text(json.dumps(state))
+    assert "- launch: 16 processes on 2 machines (FSDP2 FULL_SHARD), CPU, bf16 weights\n" in \
+        write_report(tmp_path).read_text()
+
+
+def test_a_reward_models_report_names_its_eval_metrics_as_its_training_ones(tmp_path):
+    rows = [{**train_row(1, 0.7), "accuracy": 0.5, "margin": 0.1, "mean_reward": 0.0},
+            {"step": 1, "eval_loss": 0.69, "eval_accuracy": 0.25, "eval_margin": 0.05, "eval_mean_reward": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = write_report(tmp_path).read_text()
+    assert "- eval at step 1: accuracy 0.25, margin 0.05, mean_reward 0.5; first eval (step 1) accuracy 0.25" in text
+
