@@ -113,13 +113,13 @@ def optimizer_step(backend, model, optimizer, scheduler, micro_batches, scale, m
     return step_loss, grad_norm, finite
 
 
-def next_steps(output_dir: Path, objective: str, processor=None) -> str:
+def next_steps(output_dir: Path, writes_text: bool, processor=None) -> str:
     """The closing line's commands: talking to the final model (`hftrain chat`, for a model that writes text from text,
-    not for an image-text model's, whose `processor` reads images; a reward model scores, as its README.md shows)
-    and the run's report."""
+    not for an image-text model's, whose `processor` reads images; a model that does not write text, a reward
+    model, scores, as its README.md shows) and the run's report."""
     final, out = shlex.quote(str(output_dir / FINAL_DIR)), shlex.quote(str(output_dir))
     report = f"hftrain report {out} for plots and a summary of the run"
-    if objective == "reward":
+    if not writes_text:
         return f"score conversations with {final} as its README.md shows; {report}"
     return report if processor is not None else f"hftrain chat {final} to talk to the model; {report}"
 
@@ -607,7 +607,8 @@ class Finetune:
                           + (f"; last logged {last}" if last else ""))
         try:
             self.hub.finish(final_dir, self.output_dir / HUB_UPLOAD_DIR if self.hub.at_saves else None)
-            self.logger.print(f"hftrain: next: {next_steps(self.output_dir, self.recipe.objective, self.processor)}")
+            advice = next_steps(self.output_dir, self.objective.writes_text, self.processor)
+            self.logger.print(f"hftrain: next: {advice}")
         finally:
             self.logger.close()
         return final_dir

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import accelerate.utils.other
+import psutil
 
 from hftrain.compat import Use
 
@@ -102,8 +103,6 @@ def write_stderr_past_launchers_copy() -> None:
 
 def _reader_of(pipe: str) -> int | None:
     """The pid of an `accelerate launch` process that holds `pipe` ("pipe:[inode]") open for reading, if any."""
-    import psutil
-
     for process in psutil.process_iter(["pid", "cmdline"]):
         words = process.info["cmdline"] or []
         if not any(word.endswith(("accelerate", "accelerate.commands.launch")) for word in words):

@@ -71,6 +71,8 @@ class Objective:
     # log_completions: the eval examples' prompts are completed at each evaluation (hftrain.samples); an objective
     # whose evaluation and log_completions already show generated text (grpo) says False
     completes_eval_prompts = True
+    # the final model writes text, so the run's closing line offers `hftrain chat` with it (a reward model scores)
+    writes_text = True
 
     def evaluate(self, run) -> dict[str, float]:
         """The evaluation's metrics (every rank calls it at once, when `run.data.eval_set` is set): the loss module's

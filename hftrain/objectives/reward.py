@@ -99,7 +99,7 @@ class Reward(Preference):
     """reward: `RewardLoss` around the sequence-classification model; no reference."""
 
     eval_headline = "eval_accuracy"
-    completes_eval_prompts = False  # a reward model scores text, it does not write any
+    completes_eval_prompts = writes_text = False  # a reward model scores text, it does not write any
 
     def __init__(self):
         super().__init__("reward", needs_reference=False)

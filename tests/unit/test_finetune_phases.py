@@ -14,6 +14,7 @@ from hftrain.config import Recipe
 from hftrain.errors import HftrainError
 from hftrain.finetune import Finetune
 from hftrain.memory import ParameterCounts
+from hftrain.objectives import objective_for
 from hftrain.parallel.base import Backend, Parallelism
 from hftrain.preemption import EXIT_PREEMPTED, Preempted
 from tests.conftest import REPO
@@ -214,8 +215,8 @@ def test_the_run_ends_saying_how_to_talk_to_the_model_and_make_the_report(tmp_pa
     assert lines[0].startswith(f"hftrain: final model saved to {out / 'final'}; 0.2500 device-hours")
     assert lines[-1] == (f"hftrain: next: hftrain chat '{out / 'final'}' to talk to the model; hftrain report "
                          f"'{out}' for plots and a summary of the run")  # quoted: the folder's name has a space
-    assert finetune.next_steps(Path("outputs/rm"), "reward") == (
+    assert finetune.next_steps(Path("outputs/rm"), objective_for(Recipe(objective="reward")).writes_text) == (
         "score conversations with outputs/rm/final as its README.md shows; hftrain report outputs/rm for plots and a "
         "summary of the run")  # hftrain chat refuses a reward model: it writes no text
-    assert finetune.next_steps(Path("outputs/vlm"), "sft", processor=object()) == (
+    assert finetune.next_steps(Path("outputs/vlm"), True, processor=object()) == (
         "hftrain report outputs/vlm for plots and a summary of the run")  # an image-text model: not through chat
