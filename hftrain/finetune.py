@@ -50,8 +50,9 @@ from hftrain.vision import build_processor, is_image_text
 from hftrain.watchdog import Watchdog
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def to_device(batch: dict[str, torch.Tensor | int], device: torch.device) -> dict[str, torch.Tensor | int]:
+    """The batch's tensors on `device`; plain numbers (the longest document, `max_length_q`) stay host values."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
