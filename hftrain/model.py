@@ -26,11 +26,13 @@ from transformers import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+import hftrain.attention  # noqa: F401 - registers attn_implementation "varlen" in transformers before any load
 from hftrain import vision
 from hftrain.compat.accelerate import deepspeed_probed_by_import
 from hftrain.compat.liger import apply_liger_kernel_to_instance
 from hftrain.compat.torch import is_compiled
 from hftrain.compat.transformers import (
+    attn_implementation,
     keep_used_conversions,
     load_decoder_layers,
     no_split_modules,
@@ -128,8 +130,9 @@ def auto_model_class(recipe: Recipe, config):
 
 def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set[int] | None = None) -> nn.Module:
     """`AutoModelForCausalLM.from_pretrained` (`AutoModelForImageTextToText` for an image-text model) with the
-    recipe's dtype, attention and bitsandbytes settings, plus the
-    parallelism backend's `load_kwargs` (tensor parallelism shards while loading). A quantized model lands on this
+    recipe's dtype, attention and bitsandbytes settings, plus `load_kwargs`: the parallelism backend's (tensor
+    parallelism shards while loading) and the attention a run chose where the recipe names none
+    (`attn_implementation`: hftrain.finetune, `preflight.attention_choice`). A quantized model lands on this
     process's device (transformers picks the current CUDA device, which accelerate has set per process, or the CPU).
     `layers`: the decoder layers to read (a pipeline stage's: `compat.transformers.load_decoder_layers`); None reads
     them all."""
@@ -407,6 +410,7 @@ def model_summary(model: nn.Module) -> dict:
         "trainable_parameters": sum(parameter_count(p) for p in params if p.requires_grad),
         "parameters": sum(parameter_count(p) for p in params),
         "compiled_blocks": sum(is_compiled(m) for m in model.modules()),
+        "attention": attn_implementation(model.config),
         "checkpointed_layers": sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
                                    for m in model.modules()),
     }

@@ -1,0 +1,287 @@
+"""hftrain.attention's varlen attention (torch's variable-length FlashAttention for packed rows).
+
+torch's kernel is CUDA-only, so `hftrain.attention.varlen_kernel` is replaced here by tests/varlen_reference.py's
+per-document sdpa, with torch 2.12+'s signature (enable_gqa) and with 2.11's (without it). Each result is checked
+against a computation that does not go through that reference's code path: sdpa on the (batch, heads, seq, dim)
+tensors document by document, or the same examples run one by one through the HF model with sdpa.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations.sdpa_attention import repeat_kv
+
+import hftrain.attention
+from hftrain.attention import VARLEN, VARLEN_MODEL_TYPES, describe, varlen_attention_forward
+from hftrain.data import IGNORE_INDEX, Collator
+from hftrain.errors import HftrainError
+from hftrain.objectives.sft import CausalLMTokenLoss
+from tests.varlen_reference import Calls, reference_kernel
+
+PAD = 0
+# (row, start, end) of every segment of 2 rows of 12 tokens: 5 + 1 (one token) + 4 + 2 of padding, then a document
+# filling its row (an example truncated to max_length)
+SEGMENTS = [(0, 0, 5), (0, 5, 6), (0, 6, 10), (0, 10, 12), (1, 0, 12)]
+CU = torch.tensor([0, 5, 6, 10, 12, 24], dtype=torch.int32)
+
+
+@pytest.fixture(params=[True, False], ids=["torch>=2.12", "torch2.11"])
+def calls(request, monkeypatch) -> Calls:
+    """The reference kernel in place of torch's, with enable_gqa (2.12+) or without (2.11); what it was called with."""
+    seen = Calls()
+    kernel = reference_kernel(gqa=request.param, calls=seen)
+    monkeypatch.setattr(hftrain.attention, "varlen_kernel", lambda: kernel)
+    seen.gqa = request.param
+    return seen
+
+
+def qkv(dtype: torch.dtype, rows: int = 2, length: int = 12, heads: int = 4, kv_heads: int = 2, dim: int = 8):
+    """Query, key and value as a Llama attention module hands them over: (batch, heads, seq, dim) views of
+    (batch, seq, heads, dim) projections."""
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(rows, length, h, dim, generator=g).to(dtype).transpose(1, 2)
+                 for h in (heads, kv_heads, kv_heads))
+
+
+def attention_module(dtype: torch.dtype = torch.float32):
+    return SimpleNamespace(is_causal=True, config=SimpleNamespace(dtype=dtype))
+
+
+def sdpa_by_document(query, key, value, segments, scale):
+    """Plain sdpa on each document's slice of the (batch, heads, seq, dim) tensors, key/value heads repeated."""
+    groups = query.shape[1] // key.shape[1]
+    out = torch.empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)
+    for row, start, end in segments:
+        q, k, v = (t[row:row + 1, :, start:end] for t in (query, key, value))
+        o = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), is_causal=True,
+                                           scale=scale)
+        out[row, start:end] = o[0].transpose(0, 1)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the attention function
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_function_equals_sdpa_document_by_document(calls, dtype):
+    """Two rows flattened into one sequence cut by the packer's boundaries (documents of 5, 1 and 4 tokens, padding, a
+    document filling its row): the output is sdpa's on each document, in transformers' (batch, seq, heads, dim)
+    layout; grouped key/value heads reach the kernel uncopied where it takes enable_gqa and repeated where not."""
+    query, key, value = qkv(dtype)
+    out, weights = varlen_attention_forward(attention_module(dtype), query, key, value, None, scaling=0.3,
+                                            cu_seq_lens_q=CU, cu_seq_lens_k=CU, max_length_q=12, max_length_k=12)
+    assert weights is None and out.shape == (2, 12, 4, 8) and out.dtype == dtype
+    torch.testing.assert_close(out, sdpa_by_document(query, key, value, SEGMENTS, 0.3), rtol=0, atol=0) \
+        if dtype == torch.float32 else \
+        torch.testing.assert_close(out, sdpa_by_document(query, key, value, SEGMENTS, 0.3))
+    (call,) = calls.seen
+    assert call["heads"] == 4 and call["kv_heads"] == (2 if calls.gqa else 4)
+    assert call["enable_gqa"] is calls.gqa and call["dtypes"] == (dtype, dtype) and call["max"] == (12, 12)
+
+
+def test_attention_function_is_causal_within_each_document(calls):
+    """A document's first token attends to itself only: sdpa's non-causal output would differ there."""
+    query, key, value = qkv(torch.float32)
+    out, _ = varlen_attention_forward(attention_module(), query, key, value, None, cu_seq_lens_q=CU, max_length_q=12)
+    for row, start, _ in SEGMENTS:
+        group = query.shape[1] // key.shape[1]
+        torch.testing.assert_close(out[row, start], repeat_kv(value, group)[row, :, start])
+
+
+def test_rows_without_boundaries_are_one_sequence_each(calls):
+    """An unpacked evaluation batch (no cu_seq_lens): each right-padded row is one causal sequence."""
+    query, key, value = qkv(torch.float32)
+    out, _ = varlen_attention_forward(attention_module(), query, key, value, None)
+    torch.testing.assert_close(out, sdpa_by_document(query, key, value, [(0, 0, 12), (1, 0, 12)], None))
+    assert calls.seen[0]["max"] == (12, 12)
+
+
+def test_autocast_hands_the_kernel_its_dtype_and_keeps_it(calls):
+    """Under bf16 autocast RoPE's fp32 tables make the query and key fp32: the kernel gets bf16 (FlashAttention has
+    no fp32), and the output stays bf16, as sdpa's does under autocast. Without autocast an fp32 query of a bf16 model
+    (a QLoRA base, its norms upcast) is computed in bf16 and handed back in fp32."""
+    query, key, value = qkv(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = varlen_attention_forward(attention_module(), query, key, value.bfloat16(), None, cu_seq_lens_q=CU,
+                                          max_length_q=12)
+    assert calls.seen[-1]["dtypes"] == (torch.bfloat16, torch.bfloat16) and out.dtype == torch.bfloat16
+    out, _ = varlen_attention_forward(attention_module(torch.bfloat16), query, key, value, None, cu_seq_lens_q=CU,
+                                      max_length_q=12)
+    assert calls.seen[-1]["dtypes"] == (torch.bfloat16, torch.bfloat16) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("extra, said", [
+    ({"dropout": 0.1}, "no attention dropout"),
+    ({"attention_mask": torch.ones(2, 1, 12, 12, dtype=torch.bool)}, "got an attention mask"),
+    ({"sliding_window": 8}, "sliding window of 8 tokens and a document here has 12"),
+    ({"softcap": 30.0}, "soft-caps"),
+])
+def test_what_the_kernel_cannot_compute_is_refused(calls, extra, said):
+    query, key, value = qkv(torch.float32)
+    kwargs = {"attention_mask": None, "cu_seq_lens_q": CU, "max_length_q": 12, **extra}
+    with pytest.raises(HftrainError, match=said):
+        varlen_attention_forward(attention_module(), query, key, value, **kwargs)
+    assert not calls.seen
+
+
+def test_a_key_value_cache_is_refused(calls):
+    query, key, value = qkv(torch.float32)
+    with pytest.raises(HftrainError, match="a key/value cache"):
+        varlen_attention_forward(attention_module(), query[:, :, -1:], key, value, None)
+
+
+def test_a_sliding_window_no_document_reaches_is_full_attention(calls):
+    query, key, value = qkv(torch.float32)
+    out, _ = varlen_attention_forward(attention_module(), query, key, value, None, cu_seq_lens_q=CU, max_length_q=12,
+                                      sliding_window=12)
+    torch.testing.assert_close(out, sdpa_by_document(query, key, value, SEGMENTS, None))
+
+
+# --------------------------------------------------------------------------------------------- a tiny Llama
+def tiny_llama(attention: str, **overrides) -> LlamaForCausalLM:
+    """A random Llama with grouped key/value heads (4 query heads share 2)."""
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD,
+                         tie_word_embeddings=False, initializer_range=0.2, attn_implementation=attention, **overrides)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).train()
+
+
+def twins() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """The same weights with varlen and with sdpa."""
+    varlen, sdpa = tiny_llama(VARLEN), tiny_llama("sdpa")
+    sdpa.load_state_dict(varlen.state_dict())
+    return varlen, sdpa
+
+
+# examples of 6, 1 (one token), 4, 12 (a whole row: truncated to max_length) and 3 + 5 tokens, packed by hand
+LENGTHS = [6, 1, 4, 12, 3, 5]
+ROWS = [[0, 1, 2], [3], [4, 5]]
+
+
+def examples() -> Dataset:
+    g = torch.Generator().manual_seed(4)
+    ids = [torch.randint(3, 64, (n,), generator=g).tolist() for n in LENGTHS]
+    labels = [[IGNORE_INDEX] + x[1:] for x in ids]
+    labels[2][1:3] = [IGNORE_INDEX, IGNORE_INDEX]  # a prompt
+    return Dataset.from_dict({"input_ids": ids, "labels": labels})
+
+
+def packed_batch(data: Dataset, rows: list[int]) -> dict:
+    """The collator's packed micro-batch of `rows`, with the documents' boundaries, as the loop hands it over."""
+    collator = Collator(data, PAD, ROWS, packed=True)
+    collator.mark_documents = True
+    batch = collator(rows)
+    batch.pop("num_examples")
+    return batch
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@contextmanager
+def position_ids_never_scanned():
+    """transformers' two ways of finding packed documents from position_ids fail if they are reached."""
+    import transformers.masking_utils
+    import transformers.modeling_flash_attention_utils
+
+    def scanned(*args, **kwargs):
+        raise AssertionError("position_ids were scanned for the documents' boundaries")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers.masking_utils, "find_packed_sequence_indices", scanned)
+        patch.setattr(transformers.modeling_flash_attention_utils, "prepare_fa_kwargs_from_position_ids", scanned)
+        yield
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_packed_rows_through_varlen_equal_the_examples_one_by_one(calls, precision):
+    """Forward and backward of a tiny grouped-query Llama: three packed rows (a one-token example, an example filling
+    its row, padding) as one micro-batch through the varlen attention give the summed loss and the gradients of the
+    six examples run one by one through the same weights with sdpa. The packed rows reach the kernel as one flattened
+    sequence (one call per layer) with the collator's boundaries; nothing scans position_ids."""
+    data, (varlen, sdpa) = examples(), twins()
+    bf16 = precision == "bf16"
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with position_ids_never_scanned():
+            packed = CausalLMTokenLoss(varlen)(**packed_batch(data, [0, 1, 2]))
+        separate = sum(CausalLMTokenLoss(sdpa)(torch.tensor([ids]), torch.tensor([lbl]))
+                       for ids, lbl in zip(data["input_ids"], data["labels"], strict=True))
+    packed.backward()
+    separate.backward()
+    assert len(calls.seen) == varlen.config.num_hidden_layers and calls.seen[0]["max"] == (12, 12)
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if bf16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(packed, separate, **tolerance)
+    expected = grads(sdpa)
+    for name, grad in grads(varlen).items():
+        scale = expected[name].abs().max()
+        assert (grad - expected[name]).abs().max() <= (5e-2 if bf16 else 1e-5) * scale, name
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_step_through_varlen_equals_plain_pytorch(calls, precision):
+    """One SGD step (lr 1) over two packed micro-batches (accumulation), each loss summed and the step divided by its
+    trained tokens as the loop does, equals plain PyTorch's step: the HF model's own mean loss over the six examples
+    in one right-padded batch with an attention mask (sdpa), same weights."""
+    data, (varlen, sdpa) = examples(), twins()
+    bf16 = precision == "bf16"
+    micro_batches = [packed_batch(data, [0, 2]), packed_batch(data, [1])]
+    tokens = sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro_batches)
+    loss_fn = CausalLMTokenLoss(varlen)
+    for batch in micro_batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(**batch)
+        (loss / tokens).backward()
+    torch.optim.SGD(varlen.parameters(), lr=1.0).step()
+
+    width = max(LENGTHS)
+    input_ids = torch.tensor([x + [PAD] * (width - len(x)) for x in data["input_ids"]])
+    labels = torch.tensor([x + [IGNORE_INDEX] * (width - len(x)) for x in data["labels"]])
+    mask = torch.tensor([[1] * n + [0] * (width - n) for n in LENGTHS])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        sdpa(input_ids=input_ids, attention_mask=mask, labels=labels).loss.backward()
+    torch.optim.SGD(sdpa.parameters(), lr=1.0).step()
+    for (name, ours), (_, plain) in zip(varlen.named_parameters(), sdpa.named_parameters(), strict=True):
+        step = plain.grad.abs().max()
+        assert (ours - plain).abs().max() <= (2e-2 if bf16 else 1e-5) * step, name
+
+
+@pytest.mark.parametrize("model_type", sorted(VARLEN_MODEL_TYPES))
+def test_every_listed_architecture_runs_packed_rows_through_varlen(calls, model_type):
+    """Each architecture the preflight admits calls the attention function as Llama does: its packed rows equal its
+    examples one by one (forward, fp32), with a sliding window where its config has one (no document reaches it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  max_position_embeddings=64, pad_token_id=PAD, num_local_experts=2,
+                                  num_experts_per_tok=1)
+    torch.manual_seed(0)
+    varlen = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=VARLEN).eval()
+    sdpa = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()  # from_config keeps the config
+    sdpa.load_state_dict(varlen.state_dict())
+    data = examples()
+    with torch.no_grad():
+        packed = CausalLMTokenLoss(varlen)(**packed_batch(data, [0, 1, 2]))
+        separate = sum(CausalLMTokenLoss(sdpa)(torch.tensor([ids]), torch.tensor([lbl]))
+                       for ids, lbl in zip(data["input_ids"], data["labels"], strict=True))
+    assert calls.seen, model_type
+    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
+
+
+def test_start_up_words():
+    assert describe(VARLEN, True) == "varlen (torch flash, packed rows)"
+    assert describe("sdpa", True, "varlen needs CUDA") == \
+        "sdpa (block-diagonal mask over packed rows; varlen needs CUDA)"
+    assert describe("flash_attention_2", True) == "flash_attention_2 (packed rows flattened into one)"
+    assert describe("sdpa", False) == "sdpa"
+    lm = tiny_llama("sdpa")
+    assert CausalLMTokenLoss(lm).loss_path == "logits at trained positions"
+    assert CausalLMTokenLoss(lm, chunk_tokens=8192).loss_path == "chunked 8192 tokens"
