@@ -1,4 +1,5 @@
-"""hftrain.attention's varlen attention (torch's variable-length FlashAttention for packed rows).
+"""hftrain.attention's varlen attention (torch's variable-length FlashAttention for packed rows) and where the preflight
+lets it run.
 
 torch's kernel is CUDA-only, so `hftrain.attention.varlen_kernel` is replaced here by tests/varlen_reference.py's
 per-document sdpa, with torch 2.12+'s signature (enable_gqa) and with 2.11's (without it). Each result is checked
@@ -16,17 +17,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig
 from transformers.integrations.sdpa_attention import repeat_kv
 
 import hftrain.attention
 from hftrain.attention import VARLEN, VARLEN_MODEL_TYPES, describe, varlen_attention_forward
+from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX, Collator
-from hftrain.errors import HftrainError
+from hftrain.errors import ConfigError, HftrainError
 from hftrain.objectives.sft import CausalLMTokenLoss
+from hftrain.parallel.launch import Launch
+from hftrain.preflight import attention_choice, preflight, varlen_obstacles
+from tests.conftest import REPO
 from tests.varlen_reference import Calls, reference_kernel
 
+MODEL = REPO / "models" / "tiny-llama"
 PAD = 0
+ONE = Launch("single", 1, 1)
 # (row, start, end) of every segment of 2 rows of 12 tokens: 5 + 1 (one token) + 4 + 2 of padding, then a document
 # filling its row (an example truncated to max_length)
 SEGMENTS = [(0, 0, 5), (0, 5, 6), (0, 6, 10), (0, 10, 12), (1, 0, 12)]
@@ -276,6 +283,99 @@ def test_every_listed_architecture_runs_packed_rows_through_varlen(calls, model_
     torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
 
 
+# ----------------------------------------------------------------------------------------------- the preflight
+def recipe(**values) -> Recipe:
+    return Recipe(**{"model_name_or_path": str(MODEL), "packing": True, "bf16": True, **values})
+
+
+def varlen_problems(recipe: Recipe, cuda: bool = True, launch: Launch = ONE) -> list[str]:
+    """The preflight's refusal, its problems about attn_implementation=varlen."""
+    with pytest.raises(ConfigError) as refused:
+        preflight(recipe, launch, cuda)
+    return [p for p in refused.value.problems if "varlen" in p]
+
+
+def save_config(folder, config) -> str:
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+def test_varlen_runs_where_it_can(monkeypatch):
+    """CUDA, bf16 (or fp16, or 16-bit weights), packed rows, a Llama: no problem, and chosen without being named."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for values in ({"attn_implementation": VARLEN}, {}, {"fp16": True, "bf16": False},
+                   {"bf16": False, "dtype": "bfloat16"}):
+        r = recipe(**values)
+        assert preflight(r, ONE, cuda=True) is not None
+        assert attention_choice(r, ONE, True, preflight(r, ONE, cuda=True)) == (VARLEN, None)
+
+
+@pytest.mark.parametrize("values, cuda, said", [
+    ({}, False, "needs a CUDA GPU, and this machine has none"),
+    ({"bf16": False}, True, "computes in bf16 or fp16 only (FlashAttention has no fp32 kernel)"),
+    ({"packing": False}, True, "without packing every row is one example"),
+    ({"log_completions": True}, True, "cannot generate"),
+])
+def test_explicit_varlen_that_cannot_run_is_refused_by_the_preflight(monkeypatch, values, cuda, said):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1 if cuda else 0)
+    (problem,) = varlen_problems(recipe(attn_implementation=VARLEN, **values), cuda)
+    assert problem.startswith(f"attn_implementation={VARLEN} ") and said in problem
+
+
+@pytest.mark.parametrize("config, said", [
+    (lambda: MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=64),
+     "attends within 64 tokens, fewer than max_length=512"),
+    (lambda: LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, attention_dropout=0.1), "attention_dropout=0.1"),
+    (lambda: LlamaConfig(vocab_size=64, hidden_size=1024, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2), "head dimension of at most 256"),
+    (lambda: __import__("transformers").GPT2Config(n_embd=32, n_layer=1, n_head=4), "this model is 'gpt2'"),
+])
+def test_explicit_varlen_with_a_model_it_cannot_run_is_refused(tmp_path, monkeypatch, config, said):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    (problem,) = varlen_problems(Recipe(model_name_or_path=save_config(tmp_path, config()), packing=True, bf16=True,
+                                        attn_implementation=VARLEN))
+    assert said in problem
+
+
+@pytest.mark.parametrize("values, launch, said", [
+    ({"sp_size": 2}, Launch("deepspeed", 2, 2, deepspeed_config_path="ds.json",
+                            deepspeed_config={"zero_optimization": {"stage": 2}}), "DeepSpeed's Ulysses attention"),
+    ({"pp_size": 2}, Launch("ddp", 2, 2), "pipeline stages pass"),
+    ({"cp_size": 2}, Launch("fsdp2", 2, 2), "torch's ring attention replaces scaled_dot_product_attention only"),
+])
+def test_explicit_varlen_with_a_layout_it_does_not_combine_with_is_refused(monkeypatch, values, launch, said):
+    """Sequence parallelism, the pipeline and context parallelism run their own attention: named, with what to use."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    problems = varlen_problems(recipe(attn_implementation=VARLEN, **values), launch=launch)
+    assert any(said in p for p in problems), problems
+
+
+def test_every_varlen_problem_is_reported_at_once():
+    problems = varlen_problems(Recipe(model_name_or_path=str(MODEL), attn_implementation=VARLEN, log_completions=True),
+                               cuda=False)
+    assert len(problems) == 4  # CUDA, fp32, no packing, generation
+
+
+@pytest.mark.parametrize("values, cuda, note", [
+    ({}, False, "varlen needs CUDA"),
+    ({"bf16": False}, True, "varlen needs bf16/fp16"),
+    ({"packing": False}, True, None),
+    ({"sp_size": 2}, True, "varlen does not combine with sp_size"),
+    ({"attn_implementation": "sdpa"}, True, None),
+])
+def test_the_automatic_choice_keeps_the_models_attention_where_varlen_cannot_run(values, cuda, note):
+    r = recipe(**values)
+    chosen, why = attention_choice(r, ONE, cuda, None)
+    assert chosen == r.attn_implementation and why == note
+
+
+def test_the_reference_kernel_stands_in_on_cpu(calls):
+    """The tests' kernel runs on CPU: with it, no CUDA obstacle (the test launcher relies on this)."""
+    assert [o.short for o in varlen_obstacles(recipe(), ONE, False, None)] == []
+
+
 def test_start_up_words():
     assert describe(VARLEN, True) == "varlen (torch flash, packed rows)"
     assert describe("sdpa", True, "varlen needs CUDA") == \
@@ -285,3 +385,11 @@ def test_start_up_words():
     lm = tiny_llama("sdpa")
     assert CausalLMTokenLoss(lm).loss_path == "logits at trained positions"
     assert CausalLMTokenLoss(lm, chunk_tokens=8192).loss_path == "chunked 8192 tokens"
+
+
+def test_the_field_doc_names_every_architecture_varlen_runs():
+    from hftrain.config import Recipe as R
+
+    doc = R.__dataclass_fields__["attn_implementation"].metadata["help"]
+    assert all(model_type in doc for model_type in VARLEN_MODEL_TYPES)
+    assert VARLEN in R.__dataclass_fields__["attn_implementation"].metadata["choices"]
