@@ -117,9 +117,10 @@ class ModelFields:
     )
     torch_compile: bool = _f(
         False, "Compile the model's repeated blocks (each decoder layer) with torch.compile, in place: parameter "
-        "names and checkpoints are unchanged. The first steps take longer (compiling; one recompile when sequence "
-        "lengths start to vary, after which shapes are dynamic), later steps run faster; worth it for runs of many "
-        "steps. CPU needs a C++ compiler (inductor).", group="model",
+        "names and checkpoints are unchanged. Shapes are dynamic from the first compile, so varying lengths (and "
+        "packed documents) do not recompile. The first step takes longer (it compiles; the start-up reports its "
+        "time), later steps run faster; worth it for runs of many steps. CPU needs a C++ compiler (inductor).",
+        group="model",
     )
     torch_compile_mode: str | None = _f(
         None, "torch.compile mode with torch_compile: default, reduce-overhead (CUDA graphs), max-autotune, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -124,6 +125,7 @@ class Finetune:
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
         self.last_headline: dict[str, str] = {}  # the headline metrics' last logged values (`headline`)
+        self.first_step_seconds: float | None = None  # this process's first step (torch_compile: `report_compile`)
         self.objective = objective_for(recipe)  # the loss, its reference and notes: hftrain.objectives
 
     def run(self) -> Path:
@@ -310,8 +312,8 @@ class Finetune:
         kept sdpa, why not varlen), torch.compile, the loss's path to the logits."""
         summary, recipe = self.parts.summary, self.recipe
         kernel = attention.describe(summary["attention"], recipe.packing, self.attention_note)
-        compiled = (f"on ({summary['compiled_blocks']} blocks, mode {recipe.torch_compile_mode or 'default'})"
-                    if recipe.torch_compile else "off")
+        compiled = (f"on ({summary['compiled_blocks']} blocks, mode {recipe.torch_compile_mode or 'default'}, "
+                    "dynamic shapes; the first step's time is reported)" if recipe.torch_compile else "off")
         return f"attention {kernel}; compile {compiled}; loss {self.parts.loss.loss_path}"
 
     def batch_words(self) -> str:
@@ -365,7 +367,12 @@ class Finetune:
                     batches = self.feed.batches(progress)
                     while (progress.step_in_epoch < self.data.plan.steps_per_epoch
                            and progress.step < self.data.total_steps):
-                        self.after_step(self.train_step(batches, stop))
+                        started = time.perf_counter()
+                        step = self.train_step(batches, stop)
+                        if recipe.torch_compile and self.first_step_seconds is None:
+                            self.first_step_seconds = time.perf_counter() - started
+                            self.report_compile()
+                        self.after_step(step)
                     if progress.step_in_epoch >= self.data.plan.steps_per_epoch:
                         progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
         except (HftrainError, Preempted):  # already handled: a refusal, a timeout, a preemption checkpoint
@@ -379,6 +386,13 @@ class Finetune:
         self.bar.close()
         self.profiler.stop()
         self.meter.utilization.stop()
+
+    def report_compile(self) -> None:
+        """torch_compile: how long this process's first step took; it holds the compilation of the blocks' forward
+        and backward (inductor's cache makes a later run's shorter)."""
+        self.logger.note(f"hftrain: compile: step {self.progress.step + 1} took {self.first_step_seconds:.1f} s, "
+                         f"compiling {self.parts.summary['compiled_blocks']} blocks' forward and backward "
+                         "(torch_compile); the steps after it run the compiled code")
 
     def train_step(self, batches, stop: StopRequest) -> StepResult:
         """One optimizer step over `gradient_accumulation_steps` micro-batches, normalised by the step's tokens."""

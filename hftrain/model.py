@@ -361,13 +361,19 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 def compile_blocks(model: nn.Module, mode: str | None) -> int:
     """Regional compilation: `torch.compile` each repeated block in place (`nn.Module.compile`, so parameter names
     and state dicts stay those of the eager model). The blocks share one class, so they share compiled code:
-    compiling costs about one block, not the whole model. Embeddings, final norm and the loss stay eager."""
+    compiling costs about one block, not the whole model. Embeddings, final norm and the loss stay eager.
+
+    Compiled with dynamic shapes from the first call: every micro-batch has another length (and packed ones another
+    count and length of documents), and torch's default compiles the first length statically, then again for dynamic
+    lengths at the second. Measured on CPU (docs/benchmarks.md, "torch.compile and varying lengths"): packed rows
+    through varlen attention compile once instead of twice; sizes 0 and 1 stay specialised (the one-token filler row
+    of an epoch's short last step compiles once more)."""
     blocks = repeated_blocks(model)
     if not blocks:
         raise HftrainError(f"torch_compile found no repeated blocks (a ModuleList of decoder layers) in "
                            f"{type(model).__name__}; set torch_compile: false")
     for block in blocks:
-        block.compile(mode=mode)
+        block.compile(mode=mode, dynamic=True)
     return len(blocks)
 
 

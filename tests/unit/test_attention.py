@@ -25,11 +25,12 @@ from hftrain.attention import VARLEN, VARLEN_MODEL_TYPES, describe, varlen_atten
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX, Collator
 from hftrain.errors import ConfigError, HftrainError
+from hftrain.model import compile_blocks
 from hftrain.objectives.sft import CausalLMTokenLoss
 from hftrain.parallel.launch import Launch
 from hftrain.preflight import attention_choice, preflight, varlen_obstacles
 from tests.conftest import REPO
-from tests.varlen_reference import Calls, reference_kernel
+from tests.varlen_reference import Calls, opaque_kernel, reference_kernel
 
 MODEL = REPO / "models" / "tiny-llama"
 PAD = 0
@@ -281,6 +282,33 @@ def test_every_listed_architecture_runs_packed_rows_through_varlen(calls, model_
                        for ids, lbl in zip(data["input_ids"], data["labels"], strict=True))
     assert calls.seen, model_type
     torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_blocks_compile_once_for_every_packed_layout(monkeypatch):
+    """torch_compile with varlen: the blocks are compiled with dynamic shapes from the first call, so micro-batches
+    of other lengths, document counts and longest documents run the one graph dynamo captured, without a graph break
+    (torch's default captured two: the first shape static, then dynamic), and the compiled loss is the eager one. The
+    kernel is the reference inside a custom op, which dynamo cannot look into, as it cannot look into torch's. Dynamo's
+    capture and guards are what decide recompiles; the graph runs on its eager backend here (inductor would add ~25 s
+    of C++ compilation per graph on a CI core: scripts/measure_compile.py measures it)."""
+    from torch._dynamo.utils import counters
+
+    kernel = opaque_kernel()
+    monkeypatch.setattr(hftrain.attention, "varlen_kernel", lambda: kernel)
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compile_module(self, backend="eager",
+                                                                                           **kwargs))
+    data, (eager, compiled) = examples(), twins()
+    compiled.load_state_dict(eager.state_dict())  # twins() gives the sdpa one the weights; here both are varlen
+    compiled.config._attn_implementation = VARLEN
+    compile_blocks(compiled, mode=None)
+    graphs = counters["stats"]["unique_graphs"]
+    for rows in ([0, 1, 2], [0], [1, 2], [2]):
+        batch = packed_batch(data, rows)
+        with torch.no_grad():
+            torch.testing.assert_close(CausalLMTokenLoss(compiled)(**batch), CausalLMTokenLoss(eager)(**batch),
+                                       rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
 
 
 # ----------------------------------------------------------------------------------------------- the preflight

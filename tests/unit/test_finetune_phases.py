@@ -107,7 +107,8 @@ def test_the_attention_compile_and_loss_path_are_one_start_up_line():
     line = described(packing=True, attention_note="varlen needs CUDA", torch_compile=True,
                      summary={"compiled_blocks": 2})[1]
     assert line == ("hftrain: attention sdpa (block-diagonal mask over packed rows; varlen needs CUDA); compile on "
-                    "(2 blocks, mode default); loss logits at trained positions")
+                    "(2 blocks, mode default, dynamic shapes; the first step's time is reported); loss logits at "
+                    "trained positions")
 
 
 def test_run_calls_the_phases_in_order():
