@@ -553,12 +553,13 @@ def keep_failed_logs(row: dict, dest: Path, lines: int = 200) -> str:
     return " / ".join(text.splitlines()[-6:])[-1200:]
 
 
-def part_throughput(report: Report, mode: Mode) -> None:
-    out = report.out / "bench"
-    names = mode.contenders or (DRY_CONTENDERS if mode.dry_run else GPU_CONTENDERS)
-    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--size", "quick" if mode.dry_run else "gpu",
-           "--contenders", ",".join(names), "--reps", "1", "--no-warmup", "--out", str(out),
-           "--work", str(mode.work / "bench")]
+def run_bench(report: Report, mode: Mode, part: str, size: str, names: list[str], folder: str, *extra: str) -> dict:
+    """scripts/bench.py with `names` at `size` into report.out/`folder` (one check: every contender ran, a failed one's
+    log kept beside the report), then one info row per contender that ran, naming the attention, compile and loss path
+    hftrain's runs said at start-up. Returns bench.py's report ({} when it wrote none)."""
+    out = report.out / folder
+    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--size", size, "--contenders", ",".join(names),
+           "--reps", "1", "--no-warmup", "--out", str(out), "--work", str(mode.work / folder), *extra]
     state = {}
 
     def bench() -> Check:
@@ -573,25 +574,46 @@ def part_throughput(report: Report, mode: Mode) -> None:
         if not (out / "benchmarks.json").exists():
             return Check("", "", "FAIL", exit=proc.returncode, detail=(proc.stdout + proc.stderr)[-1500:])
         state["report"] = json.loads((out / "benchmarks.json").read_text())
-        failed = [n for n, r in state["report"]["results"].items() if "tokens_per_second" not in r]
-        tails = {n: keep_failed_logs(state["report"]["results"][n], out / f"failed-{n}.log") for n in failed}
+        results, skipped = state["report"]["results"], state["report"].get("skipped", [])
+        failed = [n for n, r in results.items() if "tokens_per_second" not in r]
+        tails = {n: keep_failed_logs(results[n], out / f"failed-{n}.log") for n in failed}
         return Check("", "", "FAIL" if proc.returncode or failed else "pass", exit=proc.returncode,
-                     measured=f"{len(names) - len(failed)}/{len(names)} contenders ran",
+                     measured=f"{len(results) - len(failed)}/{len(names)} contenders ran",
                      detail=f"{state['report']['model_parameters']:,} parameters, max_length "
-                            f"{state['report']['data']['max_length']}; failed: {', '.join(failed) or 'none'}; "
-                            f"tables in bench/benchmarks.md" + "".join(f"; {n}'s log ends: {t}"
-                                                                       for n, t in tails.items()))
+                            f"{state['report']['data']['max_length']}; failed: {', '.join(failed) or 'none'}"
+                            + (f"; not run (past the budget): {', '.join(skipped)}" if skipped else "")
+                            + f"; tables in {folder}/benchmarks.md"
+                            + "".join(f"; {n}'s log ends: {t}" for n, t in tails.items()))
 
-    timed(report, "throughput", "scripts/bench.py " + " ".join(cmd[3:9]), bench)
-    results = state.get("report", {}).get("results", {})
+    timed(report, part, f"scripts/bench.py --size {size} --contenders {','.join(names)}", bench)
+    bench_report = state.get("report", {})
+    logs = {r["contender"]: r["log"] for r in bench_report.get("runs", []) if r.get("ok")}
     memory_key = "peak_rss_mb" if mode.dry_run else "peak_cuda_mb"
-    for name, row in results.items():
+    for name, row in bench_report.get("results", {}).items():
         if "tokens_per_second" in row:
+            said = attention_line(logs[name]) if name in logs and name.startswith("hftrain") else row["label"]
             mfu = f", MFU {row['mfu']:.1%}" if "mfu" in row else ""
-            report.add(Check("throughput", name, "info", measured=f"{row['tokens_per_second']:,.0f} tokens/s, "
-                             f"{row.get(memory_key, 0):,.0f} MB{mfu}", exit=state["code"], detail=row["label"],
+            report.add(Check(part, name, "info", measured=f"{row['tokens_per_second']:,.0f} tokens/s, "
+                             f"{row.get(memory_key, 0):,.0f} MB{mfu}, first step {row['time_to_first_step_s']:.1f} s",
+                             exit=state["code"], detail=said,
                              numbers={k: row.get(k) for k in ("tokens_per_second", "peak_cuda_mb", "peak_rss_mb",
-                                                              "mfu", "steps", "trained_tokens")}))
+                                                              "mfu", "time_to_first_step_s", "steps",
+                                                              "trained_tokens")}))
+    return bench_report
+
+
+def attention_line(log: str) -> str:
+    """The start-up line naming a run's attention, compile and loss path, from its log."""
+    text = Path(log).read_text(errors="replace").splitlines() if Path(log).exists() else []
+    said = [line for line in text if line.startswith("hftrain: attention")]
+    return said[0].removeprefix("hftrain: ") if said else "no start-up line"
+
+
+def part_throughput(report: Report, mode: Mode) -> None:
+    names = mode.contenders or (DRY_CONTENDERS if mode.dry_run else GPU_CONTENDERS)
+    results = run_bench(report, mode, "throughput", "quick" if mode.dry_run else "gpu", names, "bench").get(
+        "results", {})
+    memory_key = "peak_rss_mb" if mode.dry_run else "peak_cuda_mb"
     ours = names[0]
     trl = [n for n in names if n.startswith("trl") and "tokens_per_second" in results.get(n, {})]
 
@@ -649,13 +671,6 @@ def reference_kernel_in_place():
     hftrain.attention.varlen_kernel = lambda: kernel
 
 
-def attention_line(log: str) -> str:
-    """The start-up line naming a run's attention, compile and loss path, from its log."""
-    text = Path(log).read_text(errors="replace").splitlines()
-    said = [line for line in text if line.startswith("hftrain: attention")]
-    return said[0].removeprefix("hftrain: ") if said else "no start-up line"
-
-
 def part_varlen(report: Report, mode: Mode) -> None:
     """attn_implementation varlen (torch's variable-length FlashAttention for packed rows, hftrain's default on CUDA in
     bf16): packed rows = separate examples (bf16, fp16; grouped key/value heads), fp32 refused, one step = plain
@@ -705,77 +720,38 @@ def part_varlen(report: Report, mode: Mode) -> None:
 def levers_bench(report: Report, mode: Mode) -> None:
     """bench.py --size gpu_long: hftrain's default against TRL's packing, then each lever alone, stopping before a run
     that would not end within the call (bench.py --budget); the default against TRL is the issue's target."""
-    out = report.out / "bench-varlen"
     names = mode.contenders or (DRY_VARLEN_CONTENDERS if mode.dry_run else VARLEN_CONTENDERS)
-    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--size", "quick" if mode.dry_run else "gpu_long",
-           "--contenders", ",".join(names), "--reps", "1", "--no-warmup", "--out", str(out), "--work",
-           str(mode.work / "bench-varlen"), "--budget", str(max(mode.bench_timeout - 30, 60))]
-    state = {}
-
-    def bench() -> Check:
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env(),
-                                  timeout=mode.bench_timeout)
-        except subprocess.TimeoutExpired as exc:
-            return Check("", "", "FAIL", exit=124, detail=f"bench.py ran past {mode.bench_timeout} s; its last "
-                         f"output: {str(exc.stdout)[-800:]}")
-        if not (out / "benchmarks.json").exists():
-            return Check("", "", "FAIL", exit=proc.returncode, detail=(proc.stdout + proc.stderr)[-1500:])
-        state["report"] = json.loads((out / "benchmarks.json").read_text())
-        results, skipped = state["report"]["results"], state["report"].get("skipped", [])
-        failed = [n for n, r in results.items() if "tokens_per_second" not in r]
-        tails = {n: keep_failed_logs(results[n], out / f"failed-{n}.log") for n in failed}
-        return Check("", "", "FAIL" if failed else "pass", exit=proc.returncode,
-                     measured=f"{len(results) - len(failed)}/{len(names)} contenders ran",
-                     detail=f"not run (past the budget): {', '.join(skipped) or 'none'}; failed: "
-                            f"{', '.join(failed) or 'none'}; tables in bench-varlen/benchmarks.md"
-                            + "".join(f"; {n}'s log ends: {t}" for n, t in tails.items()))
-
-    timed(report, "varlen", f"scripts/bench.py --size {cmd[3]}: the default, TRL's packing, the levers", bench)
-    results = state.get("report", {}).get("results", {})
-    logs = {r["contender"]: r["log"] for r in state.get("report", {}).get("runs", []) if r.get("ok")}
+    results = run_bench(report, mode, "varlen", "quick" if mode.dry_run else "gpu_long", names, "bench-varlen",
+                        "--budget", str(max(mode.bench_timeout - 30, 60))).get("results", {})
     memory_key = "peak_rss_mb" if mode.dry_run else "peak_cuda_mb"
-    for name, row in results.items():
-        if "tokens_per_second" in row:
-            said = attention_line(logs[name]) if name in logs and name.startswith("hftrain") else row["label"]
-            mfu = f", MFU {row['mfu']:.1%}" if "mfu" in row else ""
-            report.add(Check("varlen", name, "info", measured=f"{row['tokens_per_second']:,.0f} tokens/s, "
-                             f"{row.get(memory_key, 0):,.0f} MB{mfu}, first step {row['time_to_first_step_s']:.1f} s",
-                             detail=said, numbers={k: row.get(k) for k in ("tokens_per_second", "peak_cuda_mb",
-                                                                            "peak_rss_mb", "mfu",
-                                                                            "time_to_first_step_s", "steps")}))
     ours = names[0]
 
-    def versus(other: str, what: str, judged: bool = False) -> Check:
-        if "tokens_per_second" not in results.get(ours, {}) or "tokens_per_second" not in results.get(other, {}):
-            return Check("", "", "skip", detail=f"{ours} or {other} did not run (failed, or past the budget)")
-        a, b = results[ours], results[other]
+    def versus(first: str, other: str, what: str, judged: bool = False) -> Check:
+        """`first` against `other`: tokens/s, memory and first-step ratios; `judged`: the issue's target."""
+        if "tokens_per_second" not in results.get(first, {}) or "tokens_per_second" not in results.get(other, {}):
+            return Check("", "", "skip", detail=f"{first} or {other} did not run (failed, or past the budget)")
+        a, b = results[first], results[other]
         speed, memory = a["tokens_per_second"] / b["tokens_per_second"], a.get(memory_key, 0) / max(b.get(memory_key,
                                                                                                           0), 1e-9)
-        first = a["time_to_first_step_s"] - b["time_to_first_step_s"]
+        later = a["time_to_first_step_s"] - b["time_to_first_step_s"]
         ok = speed >= TARGETS["vs_trl"] and memory <= 1.0
         return Check("", "", ("pass" if ok else "FAIL") if judged and mode.cuda else "info",
-                     measured=f"{ours} / {other}: {speed:.2f}x tokens/s, {memory:.2f}x memory, first step "
-                              f"{first:+.1f} s", bound=f">= {TARGETS['vs_trl']}x, <= 1.00x" if judged else "",
+                     measured=f"{first} / {other}: {speed:.2f}x tokens/s, {memory:.2f}x memory, first step "
+                              f"{later:+.1f} s", bound=f">= {TARGETS['vs_trl']}x, <= 1.00x" if judged else "",
                      detail=what + (" (dry run: tiny model on CPU, not judged)" if mode.dry_run else ""),
-                     numbers={"tokens_ratio": speed, "memory_ratio": memory, "first_step_difference_s": first})
+                     numbers={"tokens_ratio": speed, "memory_ratio": memory, "first_step_difference_s": later})
 
     if mode.cuda or "trl_packing" in names:
         timed(report, "varlen", f"{ours} (hftrain's default) against TRL's packing",
-              lambda: versus("trl_packing", "the issue's target", judged=True))
+              lambda: versus(ours, "trl_packing", "the issue's target", judged=True))
     for lever, what in LEVERS.items():
         if lever in names:
-            timed(report, "varlen", f"lever: {what}", lambda lever=lever, what=what: versus(lever, f"{ours} against "
-                                                                                             f"{lever}"))
+            timed(report, "varlen", f"lever: {what}",
+                  lambda lever=lever: versus(ours, lever, f"{ours} against {lever}"))
     if "hftrain_gpu_chunked" in names and "hftrain_gpu" in names:
-        def chunked_vs_liger() -> Check:
-            a, b = results.get("hftrain_gpu_chunked", {}), results.get("hftrain_gpu", {})
-            if "tokens_per_second" not in a or "tokens_per_second" not in b:
-                return Check("", "", "skip", detail="hftrain_gpu_chunked or hftrain_gpu did not run")
-            return Check("", "", "info", measured=f"{a['tokens_per_second'] / b['tokens_per_second']:.2f}x "
-                         f"tokens/s, {a.get(memory_key, 0) / max(b.get(memory_key, 0), 1e-9):.2f}x memory",
-                         detail="loss_chunk_tokens 8192 against Liger's fused linear cross-entropy")
-        timed(report, "varlen", "lever: loss chunking against Liger", chunked_vs_liger)
+        timed(report, "varlen", "lever: loss chunking against Liger",
+              lambda: versus("hftrain_gpu_chunked", "hftrain_gpu", "loss_chunk_tokens 8192 against Liger's fused "
+                             "linear cross-entropy"))
 
 
 # ---------------------------------------------------------------------------------------- part: memory
