@@ -91,10 +91,15 @@ class ModelFields:
     )
     attn_implementation: str | None = _f(
         None, "Attention kernel: eager, sdpa, flash_attention_2 (CUDA only; needs the flash-attn package: pip install "
-        "flash-attn --no-build-isolation). Default: the model's choice. All three keep packed examples apart "
-        "(packing: true): transformers' flash attention finds examples from position_ids only in a batch of one row, "
-        "so hftrain hands it each packed micro-batch flattened into one row.",
-        group="model", choices=(None, "eager", "sdpa", "flash_attention_2"),
+        "flash-attn --no-build-isolation) or varlen (torch's own variable-length FlashAttention, "
+        "torch.nn.attention.varlen: CUDA, bf16/fp16, packing; each packed document attends as its own sequence, by "
+        "the packer's boundaries, with no mask, so a row costs the sum of its documents' causal squares instead of "
+        "the row's). Default: varlen where it can run (CUDA, bf16 or fp16, packing: true, llama, mistral, mixtral, "
+        "qwen2, qwen3, phi3, olmo2 or gemma, without sp_size, pp_size, log_completions or eval_tasks), else the "
+        "model's choice (sdpa: packed rows get a block-diagonal mask). Every kernel keeps packed examples apart: "
+        "transformers' flash attention finds examples from position_ids only in a batch of one row, so hftrain hands "
+        "it (and varlen) each packed micro-batch flattened into one row. The start-up line names the one in use.",
+        group="model", choices=(None, "eager", "sdpa", "flash_attention_2", "varlen"),
     )
     use_liger_kernel: bool = _f(
         False, "Liger's Triton kernels (CUDA only; pip install liger-kernel==0.8.5, or the [cuda] extra): RMSNorm, "
@@ -116,9 +121,10 @@ class ModelFields:
     )
     torch_compile: bool = _f(
         False, "Compile the model's repeated blocks (each decoder layer) with torch.compile, in place: parameter "
-        "names and checkpoints are unchanged. The first steps take longer (compiling; one recompile when sequence "
-        "lengths start to vary, after which shapes are dynamic), later steps run faster; worth it for runs of many "
-        "steps. CPU needs a C++ compiler (inductor).", group="model",
+        "names and checkpoints are unchanged. Shapes are dynamic from the first compile, so varying lengths (and "
+        "packed documents) do not recompile. The first step takes longer (it compiles; the start-up reports its "
+        "time), later steps run faster; worth it for runs of many steps. CPU needs a C++ compiler (inductor).",
+        group="model",
     )
     torch_compile_mode: str | None = _f(
         None, "torch.compile mode with torch_compile: default, reduce-overhead (CUDA graphs), max-autotune, "

@@ -15,6 +15,7 @@ import math
 import os
 import shlex
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,7 +27,7 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
 import torch
 from accelerate.utils import set_seed
 
-from hftrain import card, checkpoint
+from hftrain import attention, card, checkpoint
 from hftrain.config import PRESET_DIR, Recipe, load_recipe, read_yaml, unused_settings
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.data.feeds import TrainingData, setup_examples
@@ -42,7 +43,7 @@ from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate
 from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve, run_process
 from hftrain.paths import CONFIG_FILE, FINAL_DIR, HUB_UPLOAD_DIR, PROFILE_DIR
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest, signal_names
-from hftrain.preflight import preflight
+from hftrain.preflight import attention_choice, preflight
 from hftrain.samples import CompletionSamples
 from hftrain.steps import StepResult, Window, add_stats, summed_stats
 from hftrain.ties import check_ties
@@ -51,8 +52,9 @@ from hftrain.vision import build_processor, is_image_text
 from hftrain.watchdog import Watchdog
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def to_device(batch: dict[str, torch.Tensor | int], device: torch.device) -> dict[str, torch.Tensor | int]:
+    """The batch's tensors on `device`; plain numbers (the longest document, `max_length_q`) stay host values."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def trained_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -135,6 +137,7 @@ class Finetune:
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
         self.last_headline: dict[str, str] = {}  # the headline metrics' last logged values (`headline`)
+        self.first_step_seconds: float | None = None  # this process's first step (torch_compile: `report_compile`)
         self.objective = objective_for(recipe)  # the loss, its reference and notes: hftrain.objectives
 
     def run(self) -> Path:
@@ -157,8 +160,10 @@ class Finetune:
 
     def build_model(self) -> torch.nn.Module:
         layers = self.model_config.get_text_config().num_hidden_layers if self.model_config is not None else None
-        return build_model(self.recipe, self.backend.model_load_kwargs(),
-                           self.backend.layers_to_load(layers) if layers else None)
+        load_kwargs = self.backend.model_load_kwargs()
+        if self.attention is not None:  # the recipe's, or varlen chosen for packed rows (preflight.attention_choice)
+            load_kwargs = {**load_kwargs, "attn_implementation": self.attention}
+        return build_model(self.recipe, load_kwargs, self.backend.layers_to_load(layers) if layers else None)
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -169,6 +174,9 @@ class Finetune:
         launch = Launch.from_environ()
         with same_in_every_process():  # from the recipe, the preset and the machine: one process of each reports
             self.model_config = preflight(recipe, launch, torch.cuda.is_available())
+        # the attention the model loads with: the recipe's, else varlen for packed rows where it can run
+        self.attention, self.attention_note = attention_choice(recipe, launch, torch.cuda.is_available(),
+                                                               self.model_config)
         self.accelerator = self.make_accelerator(launch)
         quiet_other_ranks(self.accelerator)
         with same_in_every_process():
@@ -210,6 +218,7 @@ class Finetune:
                                          lambda built: self.backend.frozen_copy(built, self.rebuild_model))
         if self.data.collator is not None:  # an objective that collates examples (grpo's batches are its rollouts)
             self.data.collator.mark_real_tokens = loss.needs_real_tokens  # e.g. the router loss skips padding
+            self.data.collator.mark_documents = loss.needs_documents  # varlen attention: the packer's boundaries
         return ModelParts(loss, [*getattr(lm, "hftrain_notes", []), *loss.notes()], FlopCounter(lm),
                           model_summary(loss), baseline)  # the summary before prepare: sharding hides the counts
 
@@ -299,6 +308,7 @@ class Finetune:
             f"steps {self.data.data_line[0]}; {method}, {trained:,} of {total:,} parameters trained; "
             f"{self.data.data_line[1]}{resuming}"
         )
+        self.logger.print(f"hftrain: {self.speed_words()}")
         for note in self.parts.notes + unused_settings(recipe) + self.objective.notes(self):
             self.logger.print(f"hftrain: {note}")
         preset = (f"; the recipe is sized for preset {recipe.launch_preset}: "
@@ -308,6 +318,15 @@ class Finetune:
             f"device (+{memory['offloaded_gib']} GiB offloaded to CPU; {memory['activations']}) of "
             f"{memory['device_memory_gib']} GiB{preset}"
         )
+
+    def speed_words(self) -> str:
+        """The start-up line of the speed levers in use: the attention the loaded model runs (and, where packed rows
+        kept sdpa, why not varlen), torch.compile, the loss's path to the logits."""
+        summary, recipe = self.parts.summary, self.recipe
+        kernel = attention.describe(summary["attention"], recipe.packing, self.attention_note)
+        compiled = (f"on ({summary['compiled_blocks']} blocks, mode {recipe.torch_compile_mode or 'default'}, "
+                    "dynamic shapes; the first step's time is reported)" if recipe.torch_compile else "off")
+        return f"attention {kernel}; compile {compiled}; loss {self.parts.loss.loss_path}"
 
     def batch_words(self) -> str:
         """The effective batch and its factors; when the recipe names a preset of another data-parallel size, what
@@ -360,7 +379,12 @@ class Finetune:
                     batches = self.feed.batches(progress)
                     while (progress.step_in_epoch < self.data.plan.steps_per_epoch
                            and progress.step < self.data.total_steps):
-                        self.after_step(self.train_step(batches, stop))
+                        started = time.perf_counter()
+                        step = self.train_step(batches, stop)
+                        if recipe.torch_compile and self.first_step_seconds is None:
+                            self.first_step_seconds = time.perf_counter() - started
+                            self.report_compile()
+                        self.after_step(step)
                     if progress.step_in_epoch >= self.data.plan.steps_per_epoch:
                         progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
         except (HftrainError, Preempted):  # already handled: a refusal, a timeout, a preemption checkpoint
@@ -374,6 +398,13 @@ class Finetune:
         self.bar.close()
         self.profiler.stop()
         self.meter.utilization.stop()
+
+    def report_compile(self) -> None:
+        """torch_compile: how long this process's first step took; it holds the compilation of the blocks' forward
+        and backward (inductor's cache makes a later run's shorter)."""
+        self.logger.note(f"hftrain: compile: step {self.progress.step + 1} took {self.first_step_seconds:.1f} s, "
+                         f"compiling {self.parts.summary['compiled_blocks']} blocks' forward and backward "
+                         "(torch_compile); the steps after it run the compiled code")
 
     def train_step(self, batches, stop: StopRequest) -> StepResult:
         """One optimizer step over `gradient_accumulation_steps` micro-batches, normalised by the step's tokens."""

@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from hftrain.attention import VARLEN
+from hftrain.compat.transformers import attn_implementation
 from hftrain.data import IGNORE_INDEX
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, WrapsCausalLM
 from hftrain.router_loss import RouterLoss
@@ -39,6 +41,17 @@ class ObjectiveLoss(WrapsCausalLM):
         self.router = router  # a plain object: no parameters, no state dict entries
         # a decoder whose logits the loss computes itself, at the positions it needs (hftrain.model)
         self.head_only = lm.config.model_type in HEAD_ONLY_MODEL_TYPES
+
+    @property
+    def loss_path(self) -> str:
+        """How the loss reaches the logits, for the start-up line (sft's token loss says more)."""
+        return "full logits"
+
+    @property
+    def needs_documents(self) -> bool:
+        """Whether packed batches must carry their documents' boundaries (data.batching.Collator's
+        `mark_documents`): the model attends with hftrain.attention's varlen."""
+        return attn_implementation(self.lm.config) == VARLEN
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """What the micro-batch's summed loss counts (the loop divides the step's sum by their total)."""

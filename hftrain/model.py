@@ -26,11 +26,13 @@ from transformers import (
 )
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+import hftrain.attention  # noqa: F401 - registers attn_implementation "varlen" in transformers before any load
 from hftrain import hub, vision
 from hftrain.compat.accelerate import deepspeed_probed_by_import
 from hftrain.compat.liger import apply_liger_kernel_to_instance
 from hftrain.compat.torch import is_compiled
 from hftrain.compat.transformers import (
+    attn_implementation,
     keep_used_conversions,
     load_decoder_layers,
     no_split_modules,
@@ -129,8 +131,9 @@ def auto_model_class(recipe: Recipe, config):
 
 def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set[int] | None = None) -> nn.Module:
     """`AutoModelForCausalLM.from_pretrained` (`AutoModelForImageTextToText` for an image-text model) with the
-    recipe's dtype, attention and bitsandbytes settings, plus the
-    parallelism backend's `load_kwargs` (tensor parallelism shards while loading). A quantized model lands on this
+    recipe's dtype, attention and bitsandbytes settings, plus `load_kwargs`: the parallelism backend's (tensor
+    parallelism shards while loading) and the attention a run chose where the recipe names none
+    (`attn_implementation`: hftrain.finetune, `preflight.attention_choice`). A quantized model lands on this
     process's device (transformers picks the current CUDA device, which accelerate has set per process, or the CPU).
     `layers`: the decoder layers to read (a pipeline stage's: `compat.transformers.load_decoder_layers`); None reads
     them all."""
@@ -359,13 +362,19 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 def compile_blocks(model: nn.Module, mode: str | None) -> int:
     """Regional compilation: `torch.compile` each repeated block in place (`nn.Module.compile`, so parameter names
     and state dicts stay those of the eager model). The blocks share one class, so they share compiled code:
-    compiling costs about one block, not the whole model. Embeddings, final norm and the loss stay eager."""
+    compiling costs about one block, not the whole model. Embeddings, final norm and the loss stay eager.
+
+    Compiled with dynamic shapes from the first call: every micro-batch has another length (and packed ones another
+    count and length of documents), and torch's default compiles the first length statically, then again for dynamic
+    lengths at the second. Measured on CPU (docs/benchmarks.md, "torch.compile and varying lengths"): packed rows
+    through varlen attention compile once instead of twice; sizes 0 and 1 stay specialised (the one-token filler row
+    of an epoch's short last step compiles once more)."""
     blocks = repeated_blocks(model)
     if not blocks:
         raise HftrainError(f"torch_compile found no repeated blocks (a ModuleList of decoder layers) in "
                            f"{type(model).__name__}; set torch_compile: false")
     for block in blocks:
-        block.compile(mode=mode)
+        block.compile(mode=mode, dynamic=True)
     return len(blocks)
 
 
@@ -408,6 +417,7 @@ def model_summary(model: nn.Module) -> dict:
         "trainable_parameters": sum(parameter_count(p) for p in params if p.requires_grad),
         "parameters": sum(parameter_count(p) for p in params),
         "compiled_blocks": sum(is_compiled(m) for m in model.modules()),
+        "attention": attn_implementation(model.config),
         "checkpointed_layers": sum(isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
                                    for m in model.modules()),
     }

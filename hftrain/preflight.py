@@ -9,6 +9,8 @@ preflight runs at the start of training, once the launch is known (`parallel.Lau
 - model:    the model's config (read without weights): it exists, max_length fits, the architecture suits
             loss_chunk_tokens;
 - Liger:    every use_liger_kernel rule in one place;
+- varlen:   what attn_implementation=varlen (torch's variable-length FlashAttention for packed rows) needs, asked for
+            an explicit request and for the automatic choice (`varlen_obstacles`, `attention_choice`);
 - vLLM:     use_vllm's CUDA, vllm package and strategy rules (`vllm_problems`);
 - hub:      push_to_hub's token and online mode (`hftrain.hub.preflight_problems`).
 
@@ -20,13 +22,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+from dataclasses import dataclass
 
 import psutil
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
-from hftrain import compat, hub, vision
+from hftrain import attention, compat, hub, vision
+from hftrain.attention import MAX_HEAD_DIM, VARLEN, VARLEN_MODEL_TYPES
 from hftrain.compat import accelerate as compat_accelerate
 from hftrain.compat import cpython as compat_cpython
 from hftrain.compat import datasets as compat_datasets
@@ -70,6 +74,8 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems = machine_problems(recipe, cuda) + launch_problems(recipe, launch) + problems
     problems += gpu_count_problems(launch, torch.cuda.device_count() if cuda else 0)
     problems += liger_problems(recipe, cuda, launch, model_config)
+    if recipe.attn_implementation == VARLEN:
+        problems += [obstacle.problem for obstacle in varlen_obstacles(recipe, launch, cuda, model_config)]
     problems += sequence_parallel_problems(recipe, launch, model_config)
     problems += context_parallel_problems(recipe, launch, model_config)
     problems += fsdp2_tp_shard_problems(recipe, launch, model_config)
@@ -479,6 +485,84 @@ def liger_problems(recipe: Recipe, cuda: bool, launch: Launch, model_config: Pre
                         f"{', '.join(sorted(LIGER_MODEL_TYPES))}; this model is {model_config.model_type!r}: set "
                         "use_liger_kernel: false")
     return problems
+
+
+@dataclass(frozen=True)
+class Obstacle:
+    """Why attn_implementation=varlen cannot run with this recipe, launch, machine and model: `problem`, the refusal of
+    an explicit request; `short`, the start-up line's words where the automatic choice keeps the model's attention."""
+
+    short: str
+    problem: str
+
+
+def varlen_obstacles(recipe: Recipe, launch: Launch, cuda: bool,
+                     model_config: PretrainedConfig | None) -> list[Obstacle]:
+    """Everything that stands between this run and attn_implementation=varlen (hftrain.attention): a machine without
+    the kernel's device, fp32 compute, rows that are not packed, a layout whose attention is another module's
+    (sequence parallelism, the pipeline; context parallelism's own rule refuses any attention but sdpa), generation
+    through the trained model, and a model whose attention the kernel cannot compute."""
+    r, kernel, found = recipe, attention.varlen_kernel(), []
+
+    def add(short: str, problem: str) -> None:
+        found.append(Obstacle(short, f"attn_implementation={VARLEN} {problem}"))
+
+    if kernel.needs_cuda and not cuda:
+        add("needs CUDA", "runs torch's variable-length FlashAttention kernel (torch.nn.attention.varlen), which "
+            "needs a CUDA GPU, and this machine has none; use sdpa (packed rows then get a block-diagonal mask)")
+    if not (r.bf16 or r.fp16 or r.dtype in ("bfloat16", "float16")):
+        add("needs bf16/fp16", "computes in bf16 or fp16 only (FlashAttention has no fp32 kernel), and this run "
+            "computes in fp32; set bf16: true (or fp16: true), or use sdpa")
+    if not r.packing:
+        add("needs packing", "keeps the documents of packed rows apart by the packer's boundaries; without packing "
+            "every row is one example, which sdpa's causal kernel already runs without a mask: set packing: true, "
+            "or use sdpa")
+    if r.sp_size > 1:
+        add("does not combine with sp_size", f"with sp_size={r.sp_size}: DeepSpeed's Ulysses attention wraps the "
+            "kernels it knows (sdpa, flash_attention_2) and finds the documents from the gathered position_ids, not "
+            "from the packer's boundaries; use sdpa (or flash_attention_2 on GPUs) with sp_size")
+    if r.pp_size > 1:
+        add("does not combine with pp_size", f"with pp_size={r.pp_size}: pipeline stages pass each micro-batch's "
+            "hidden states and position_ids in buffers of one fixed shape, and the packer's boundaries (one entry per "
+            "document, a different count in every micro-batch) do not travel with them; use sdpa with pp_size")
+    if r.log_completions or r.eval_tasks:
+        add("does not generate", "cannot generate: the kernel runs whole rows without a key/value cache or a padding "
+            "mask, and log_completions / eval_tasks generate with the trained model; remove them (and try the final "
+            "folder with `hftrain chat` / `hftrain eval`), or use sdpa")
+    if model_config is None:
+        return found
+    text = model_config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
+    window = getattr(text, "sliding_window", None)
+    if model_config.model_type not in VARLEN_MODEL_TYPES:
+        add("does not run this model", f"runs the architectures whose attention hftrain checked against it "
+            f"({', '.join(sorted(VARLEN_MODEL_TYPES))}); this model is {model_config.model_type!r}: use sdpa")
+    elif head_dim > MAX_HEAD_DIM:
+        add("does not run this model", f"needs a head dimension of at most {MAX_HEAD_DIM} (FlashAttention-2's), and "
+            f"this model's is {head_dim}: use sdpa")
+    if window is not None and window < r.max_length:
+        add("does not run this model", f"computes no sliding window, and this model attends within {window} tokens, "
+            f"fewer than max_length={r.max_length} (a longer document would attend further back than the model "
+            f"does): set max_length <= {window}, or use sdpa")
+    if getattr(text, "attention_dropout", 0.0):
+        add("does not run this model", f"has no attention dropout, and this model trains with attention_dropout="
+            f"{text.attention_dropout}: use sdpa, or set the model's attention_dropout to 0")
+    return found
+
+
+def attention_choice(recipe: Recipe, launch: Launch, cuda: bool,
+                     model_config: PretrainedConfig | None) -> tuple[str | None, str | None]:
+    """The attention the model loads with, and why varlen was not chosen where packed rows could use it (the start-up
+    line's words, else None). The recipe's attn_implementation where it names one; else varlen where it can run
+    (`varlen_obstacles`: CUDA, bf16/fp16, packed rows, a model and a layout it runs); else None, the model's default
+    (sdpa for every architecture hftrain names)."""
+    if recipe.attn_implementation is not None:
+        return recipe.attn_implementation, None
+    obstacles = varlen_obstacles(recipe, launch, cuda, model_config)
+    if not obstacles:
+        return VARLEN, None
+    return None, f"{VARLEN} {obstacles[0].short}" if recipe.packing else None
 
 
 def sequence_parallel_problems(recipe: Recipe, launch: Launch, model_config: PretrainedConfig | None) -> list[str]:

@@ -199,6 +199,12 @@ class MetricLogger:
     def print(self, message: str) -> None:
         self.accelerator.print(message)
 
+    def note(self, message: str) -> None:
+        """One line on standard output from the main process, above the progress bar (not through it), whether or not
+        the bar is shown."""
+        if self.main:
+            tqdm.write(message, file=sys.stdout)
+
     def warn(self, message: str) -> None:
         """One warning line on stderr from the main process (above the progress bar, not through it)."""
         if self.main:

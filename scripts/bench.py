@@ -113,6 +113,7 @@ class Contender:
 # dataloader worker while the main process computes (the levers build on it).
 MICRO = {"per_device_train_batch_size": BATCH // 4, "gradient_accumulation_steps": 4}
 ACCUM = {"train_sampling_strategy": "group_by_length", **MICRO, "dataloader_num_workers": 1}
+GPU_DEFAULT = {"packing": True, "optim": "adamw_torch_fused", "dataloader_num_workers": 1}
 CONTENDERS = {
     "hftrain": Contender("hftrain", "hftrain, length-grouped batches (train_sampling_strategy: group_by_length)",
                          {"train_sampling_strategy": "group_by_length"}),
@@ -128,17 +129,22 @@ CONTENDERS = {
                                  {**ACCUM, "torch_compile": True}, lever=True),
     "hftrain_ddp2": Contender("hftrain", "hftrain_accum as 2-process DDP (gloo, 1 thread each): 1 x 4 per process",
                               {**ACCUM, "per_device_train_batch_size": BATCH // 8}, processes=2, lever=True),
-    # The GPU settings (docs/gpu-proof.md): packed rows, fused AdamW, one dataloader worker, bf16 from the size; with
-    # Liger's kernels (no fp32 logits), without them (the faster on an H200: docs/benchmarks.md), with torch.compile.
+    # The GPU settings (docs/gpu-proof.md): packed rows, fused AdamW, one dataloader worker, bf16 from the size, and
+    # hftrain's attention for packed rows (varlen on CUDA in bf16, else sdpa). hftrain_gpu_noliger is hftrain's GPU
+    # default; each other one changes one lever: Liger's kernels (no fp32 logits), torch.compile, sdpa's block-diagonal
+    # mask instead of varlen, the loss in chunks of 8,192 trained tokens (no fp32 logits of the whole micro-batch).
     "hftrain_gpu": Contender("hftrain", "hftrain, packing, Liger kernels, fused AdamW, 1 dataloader worker",
-                             {"packing": True, "use_liger_kernel": True, "optim": "adamw_torch_fused",
-                              "dataloader_num_workers": 1}, packed=True, lever=True),
+                             {**GPU_DEFAULT, "use_liger_kernel": True}, packed=True, lever=True),
     "hftrain_gpu_noliger": Contender(
-        "hftrain", "hftrain_gpu without Liger's kernels (torch's RMSNorm, SwiGLU, RoPE and cross-entropy)",
-        {"packing": True, "optim": "adamw_torch_fused", "dataloader_num_workers": 1}, packed=True, lever=True),
+        "hftrain", "hftrain's GPU default: packing (varlen attention on CUDA), fused AdamW, 1 dataloader worker; "
+        "hftrain_gpu without Liger's kernels", GPU_DEFAULT, packed=True, lever=True),
     "hftrain_gpu_compile": Contender("hftrain", "hftrain, packing, torch_compile, fused AdamW, 1 dataloader worker",
-                                     {"packing": True, "torch_compile": True, "optim": "adamw_torch_fused",
-                                      "dataloader_num_workers": 1}, packed=True, lever=True),
+                                     {**GPU_DEFAULT, "torch_compile": True}, packed=True, lever=True),
+    "hftrain_gpu_sdpa": Contender("hftrain", "hftrain_gpu_noliger with attn_implementation: sdpa (a block-diagonal "
+                                  "mask over each packed row)", {**GPU_DEFAULT, "attn_implementation": "sdpa"},
+                                  packed=True, lever=True),
+    "hftrain_gpu_chunked": Contender("hftrain", "hftrain_gpu_noliger with loss_chunk_tokens: 8192",
+                                     {**GPU_DEFAULT, "loss_chunk_tokens": 8192}, packed=True, lever=True),
     "hftrain_random": Contender("hftrain", "hftrain, random batches padded to the longest",
                                 {"train_sampling_strategy": "random"}),
     "hftrain_packed": Contender("hftrain", "hftrain, packing (BFD, padding-free, position_ids)",
@@ -671,6 +677,8 @@ def markdown(report: dict) -> str:
         lines += [f"| {name} | " + " | ".join(cell.get((name, s), "-") for s in settings) + " |" for name in names]
         winners = [s for s in settings if all(t["met"] for t in report["targets"] if t["hftrain_setting"] == s)]
         lines += ["", f"hftrain settings meeting every target: {', '.join(winners) or 'none'}"]
+    if report.get("skipped"):
+        lines += ["", f"Not run (past the --budget): {', '.join(report['skipped'])}"]
     return "\n".join(lines)
 
 
@@ -701,6 +709,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, help="working folder (default: a temporary one, removed at the end)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="skip the untimed 2-step run per contender that warms the datasets and OS caches")
+    parser.add_argument("--budget", type=float, help="seconds the whole benchmark may take: a run whose start "
+                        "would let the longest run so far end past it is skipped and listed in the report")
     parser.add_argument("--scaling", action="store_true", help="instead of the comparison: hftrain_accum at each "
                         "sequence length and model size of SCALING (one warm run each), into the scaling section")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # child side: run one contender
@@ -727,7 +737,8 @@ def main(argv: list[str] | None = None) -> None:
         command = "HF_HUB_OFFLINE=1 .venv/bin/python scripts/bench.py " + " ".join(sys.argv[1:] if argv is None
                                                                                   else argv)
         runs = scaling(work, out, command) if args.scaling else \
-            bench(names, size, args.reps or size.reps, args.warmup and size is not QUICK, work, out, command)
+            bench(names, size, args.reps or size.reps, args.warmup and size is not QUICK, work, out, command,
+                  args.budget)
         completed = all(r.ok for r in runs)
     finally:
         if args.work is None and completed:
@@ -777,8 +788,12 @@ def scaling(work: Path, out: Path, command: str) -> list[Run]:
     return runs
 
 
-def bench(names: list[str], size: Size, reps: int, warmup: bool, work: Path, out: Path, command: str) -> list[Run]:
-    """Build the model and data, run every contender `reps` times (alternating), write the report."""
+def bench(names: list[str], size: Size, reps: int, warmup: bool, work: Path, out: Path, command: str,
+          budget: float | None = None) -> list[Run]:
+    """Build the model and data, run every contender `reps` times (alternating), write the report. `budget`
+    (seconds from the start): a run is not started when the longest run so far would end past it; the report lists
+    the contenders it skipped (a device call with a time limit still returns the runs that fit)."""
+    started = time.time()
     model_dir, data = work / "model", work / "chats.jsonl"
     n_params = build_model(size, model_dir)
     lengths = make_chats(size, model_dir, data)
@@ -790,9 +805,15 @@ def bench(names: list[str], size: Size, reps: int, warmup: bool, work: Path, out
     if warmup:
         for name in names:
             run_contender(name, -1, setup, max_steps=2)  # fills the tokenization cache and the page cache
-    runs = []
+    runs, skipped = [], []
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:  # alternate, rotating who goes first
+            longest = max((r.exit - r.start for r in runs), default=0.0)
+            if budget is not None and runs and time.time() + longest > started + budget:
+                skipped.append(name)
+                print(f"bench: {name} rep {rep} skipped: the longest run so far ({longest:.0f} s) would end past the "
+                      f"budget of {budget:.0f} s", flush=True)
+                continue
             run = run_contender(name, rep, setup)
             runs.append(run)
             done = run.summary()
@@ -802,7 +823,7 @@ def bench(names: list[str], size: Size, reps: int, warmup: bool, work: Path, out
     load_after = [round(x, 2) for x in os.getloadavg()]
 
     paddings = {}
-    for name in names:
+    for name in dict.fromkeys(r.contender for r in runs):
         contender = CONTENDERS[name]
         counted = [r.padding for r in runs if r.contender == name and r.padding is not None]
         if contender.kind == "hftrain":
@@ -823,6 +844,7 @@ def bench(names: list[str], size: Size, reps: int, warmup: bool, work: Path, out
         "data": {"chats": len(lengths), "min_tokens": min(lengths), "max_tokens": max(lengths),
                  "median_tokens": int(statistics.median(lengths)), "max_length": size.max_length},
         "results": table, "targets": targets(table), "runs": [r.summary() for r in runs],
+        "skipped": list(dict.fromkeys(skipped)),
     }
     write_report(report, out)
     print(markdown(report))

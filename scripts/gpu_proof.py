@@ -17,6 +17,11 @@ numbers measured, the bound they are held to, and the exit status of the process
 - throughput: scripts/bench.py --size gpu (a 1.24B Llama at max_length 4096, packed chat data) with hftrain's
   recommended GPU setting, transformers Trainer and TRL SFTTrainer (padding and packing): tokens/s, peak CUDA
   memory, MFU, and the issue's targets;
+- varlen: attn_implementation varlen (torch's variable-length FlashAttention, hftrain's default for packed rows on
+  CUDA in bf16/fp16): packed rows = separate examples (bf16, fp16, grouped key/value heads), fp32 refused, one step
+  = plain PyTorch (bf16 with varlen, fp32 with sdpa), then bench.py --size gpu_long: the default against TRL's
+  packing and each lever alone (varlen/sdpa, compile, loss chunking, Liger), within --budget: one call of <= 8 min
+  with --budget 330;
 - memory: `hftrain.estimate` against the peak CUDA memory of 2-step runs, full, LoRA and QLoRA;
 - grpo_pp: GRPO on CUDA (1 x 8 completions = 4 x 2 accumulation; a resume inside a generation window = the
   uninterrupted run) and pipeline parallelism's refusal on one process.
@@ -24,7 +29,8 @@ numbers measured, the bound they are held to, and the exit status of the process
 Each part fits one device call of at most 10 minutes (throughput with its contenders split over two calls,
 --contenders); results are rewritten after every check into OUT/gpu_proof.json and OUT/gpu_proof.md, so a call
 cut short still returns what it measured. --dry-run runs the same parts on CPU with the tiny model in 1-3
-minutes on 2 cores (what needs CUDA is reported as skipped).
+minutes on 2 cores (what needs CUDA is reported as skipped; varlen's CUDA kernel is replaced by
+tests/varlen_reference.py's CPU reference, in this process and through tests/launchers/varlen_on_cpu.py).
 docs/gpu-proof.md explains how to read the results.
 """
 
@@ -51,7 +57,7 @@ MANIFEST = REPO / "scripts" / "gpu_bundle.json"
 BUNDLE = REPO / ".gpu-bundle"
 MIB = 2**20
 TINY = REPO / "models" / "tiny-llama"
-PARTS = ("env", "correctness", "throughput", "memory", "grpo_pp")
+PARTS = ("env", "correctness", "throughput", "varlen", "memory", "grpo_pp")
 
 
 # ------------------------------------------------------------------------------------------- the bundle
@@ -255,12 +261,14 @@ def child_env(extra: dict | None = None) -> dict:
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
-def hftrain_run(mode: Mode, name: str, *args: str, env: dict | None = None,
-                overwrite: bool = True) -> tuple[int, Path, str]:
+def hftrain_run(mode: Mode, name: str, *args: str, env: dict | None = None, overwrite: bool = True,
+                script: Path | None = None) -> tuple[int, Path, str]:
     """`python -m hftrain.finetune` (the real entry point, one process): (exit status, output_dir, stderr tail).
-    `overwrite` False keeps what output_dir holds (a resume)."""
+    `overwrite` False keeps what output_dir holds (a resume); `script`: a test launcher in its place (the dry run's
+    stand-in for a CUDA-only kernel)."""
     out = mode.work / "runs" / name
-    cmd = [sys.executable, "-m", "hftrain.finetune", "--output_dir", str(out), "--disable_tqdm", "true",
+    entry = ["-m", "hftrain.finetune"] if script is None else [str(script)]
+    cmd = [sys.executable, *entry, "--output_dir", str(out), "--disable_tqdm", "true",
            "--report_to", "none", *(["--overwrite_output_dir", "true"] if overwrite else []), *args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=child_env(env),
@@ -319,7 +327,8 @@ def part_env(report: Report, mode: Mode) -> None:
 N_EXAMPLES = 8
 # worst |hftrain step - plain step| / max |gradient| over tensors. On CPU (dry run, tiny model) the exact runs gave
 # 8e-5 (fp32) and 5e-3 (bf16); the naive accumulation 8e-2 in both: each bound sits between the two
-TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2}
+TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2, "fp16": 2e-2}
+AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def texts() -> list[str]:
@@ -372,12 +381,36 @@ def sgd_args(data: Path, batch: int, accum: int, precision: str) -> list[str]:
             "--logging_steps", "1"]
 
 
-def part_correctness(report: Report, mode: Mode) -> None:
+def step_check(mode: Mode, name: str, data: Path, precision: str, batch: int, accum: int,
+               reference: tuple[dict, dict], *extra: str, script: Path | None = None) -> Check:
+    """One SGD step of `hftrain_run` over the 8 examples of `data` against plain PyTorch's (`reference`: weights
+    before, gradient), within TOLERANCE; the run's attention (hftrain_state.json) in the detail and numbers."""
     from safetensors.torch import load_file
 
-    device = "cuda" if mode.cuda else "cpu"
-    data = mode.work / "text8.jsonl"  # the examples of the plain step, in its order
+    before, grads = reference
+    code, out, stderr = hftrain_run(mode, name, *sgd_args(data, batch, accum, precision), *extra, script=script)
+    if code != 0:
+        return Check("", "", "FAIL", exit=code, detail=stderr)
+    err, where = step_error(before, load_file(out / "final" / "model.safetensors"), grads)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    loss = next(r["loss"] for r in rows if "loss" in r)
+    attention = json.loads((out / "final" / "hftrain_state.json").read_text())["model"].get("attention")
+    tol = TOLERANCE[precision]
+    return Check("", "", "pass" if err <= tol else "FAIL", measured=f"{err:.2e}", bound=f"<= {tol:.0e}",
+                 exit=code, detail=f"worst tensor {where}; step-1 loss {loss:.6f}; attention {attention}",
+                 numbers={"error": err, "loss": loss, "attention": attention})
+
+
+def text8(mode: Mode) -> Path:
+    """The 8 examples of the plain step, in its order, as a data file."""
+    data = mode.work / "text8.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts()))
+    return data
+
+
+def part_correctness(report: Report, mode: Mode) -> None:
+    device = "cuda" if mode.cuda else "cpu"
+    data = text8(mode)
     references = {}
 
     def reference(precision: str) -> tuple[dict, dict]:
@@ -388,17 +421,10 @@ def part_correctness(report: Report, mode: Mode) -> None:
     losses = {}
 
     def exactness(name: str, precision: str, batch: int, accum: int, *extra: str) -> Check:
-        before, grads = reference(precision)
-        code, out, stderr = hftrain_run(mode, name, *sgd_args(data, batch, accum, precision), *extra)
-        if code != 0:
-            return Check("", "", "FAIL", exit=code, detail=stderr)
-        err, where = step_error(before, load_file(out / "final" / "model.safetensors"), grads)
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        losses[name] = next(r["loss"] for r in rows if "loss" in r)
-        tol = TOLERANCE[precision]
-        return Check("", "", "pass" if err <= tol else "FAIL", measured=f"{err:.2e}", bound=f"<= {tol:.0e}",
-                     exit=code, detail=f"worst tensor {where}; step-1 loss {losses[name]:.6f}",
-                     numbers={"error": err, "loss": losses[name]})
+        check = step_check(mode, name, data, precision, batch, accum, reference(precision), *extra)
+        if "loss" in check.numbers:
+            losses[name] = check.numbers["loss"]
+        return check
 
     def sharpness(precision: str) -> Check:
         """The tolerance tells the exact step from the naive accumulation (mean per micro-batch of 2)."""
@@ -447,10 +473,12 @@ def part_correctness(report: Report, mode: Mode) -> None:
 def packed_check(device: str, attn: str, precision: str, small: bool = False) -> Check:
     """Loss and gradient of two packed rows (3 + 2 examples, position_ids restarting) through hftrain's
     CausalLMTokenLoss, against each example on its own, on a random Llama with 4 layers (`small`: rows of 60
-    tokens and a 1,000-token vocabulary, for the dry run on CPU)."""
+    tokens and a 1,000-token vocabulary, for the dry run on CPU). varlen gets the documents' boundaries as hftrain's
+    collator gives them (data.batching.document_boundaries)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from hftrain.data.batching import document_boundaries
     from hftrain.objectives.sft import CausalLMTokenLoss
 
     if attn == "flash_attention_2":
@@ -481,17 +509,22 @@ def packed_check(device: str, attn: str, precision: str, small: bool = False) ->
             examples.append(ids)
             offset += n
         position_ids[r, offset:] = torch.arange(width - offset)
+    documents = {}
+    if attn == "varlen":
+        documents = document_boundaries([[(range(n), None) for n in lengths] for lengths in rows], width)
+        documents = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in documents.items()}
 
     def loss_and_grads(fn) -> tuple[float, dict]:
         model.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        dtype = getattr(torch, AUTOCAST.get(precision, "bfloat16"))
+        with torch.autocast(device, dtype=dtype, enabled=precision in AUTOCAST):
             loss = fn()
         loss.backward()
         return loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters()}
 
     wrapped = CausalLMTokenLoss(model)
     packed, packed_grads = loss_and_grads(lambda: wrapped(input_ids.to(device), labels.to(device),
-                                                          position_ids=position_ids.to(device)))
+                                                          position_ids=position_ids.to(device), **documents))
     separate, separate_grads = loss_and_grads(lambda: sum(
         wrapped(ids[None].to(device), torch.cat([torch.tensor([-100]), ids[1:]])[None].to(device))
         for ids in examples))
@@ -520,12 +553,13 @@ def keep_failed_logs(row: dict, dest: Path, lines: int = 200) -> str:
     return " / ".join(text.splitlines()[-6:])[-1200:]
 
 
-def part_throughput(report: Report, mode: Mode) -> None:
-    out = report.out / "bench"
-    names = mode.contenders or (DRY_CONTENDERS if mode.dry_run else GPU_CONTENDERS)
-    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--size", "quick" if mode.dry_run else "gpu",
-           "--contenders", ",".join(names), "--reps", "1", "--no-warmup", "--out", str(out),
-           "--work", str(mode.work / "bench")]
+def run_bench(report: Report, mode: Mode, part: str, size: str, names: list[str], folder: str, *extra: str) -> dict:
+    """scripts/bench.py with `names` at `size` into report.out/`folder` (one check: every contender ran, a failed one's
+    log kept beside the report), then one info row per contender that ran, naming the attention, compile and loss path
+    hftrain's runs said at start-up. Returns bench.py's report ({} when it wrote none)."""
+    out = report.out / folder
+    cmd = [sys.executable, str(REPO / "scripts" / "bench.py"), "--size", size, "--contenders", ",".join(names),
+           "--reps", "1", "--no-warmup", "--out", str(out), "--work", str(mode.work / folder), *extra]
     state = {}
 
     def bench() -> Check:
@@ -540,25 +574,46 @@ def part_throughput(report: Report, mode: Mode) -> None:
         if not (out / "benchmarks.json").exists():
             return Check("", "", "FAIL", exit=proc.returncode, detail=(proc.stdout + proc.stderr)[-1500:])
         state["report"] = json.loads((out / "benchmarks.json").read_text())
-        failed = [n for n, r in state["report"]["results"].items() if "tokens_per_second" not in r]
-        tails = {n: keep_failed_logs(state["report"]["results"][n], out / f"failed-{n}.log") for n in failed}
+        results, skipped = state["report"]["results"], state["report"].get("skipped", [])
+        failed = [n for n, r in results.items() if "tokens_per_second" not in r]
+        tails = {n: keep_failed_logs(results[n], out / f"failed-{n}.log") for n in failed}
         return Check("", "", "FAIL" if proc.returncode or failed else "pass", exit=proc.returncode,
-                     measured=f"{len(names) - len(failed)}/{len(names)} contenders ran",
+                     measured=f"{len(results) - len(failed)}/{len(names)} contenders ran",
                      detail=f"{state['report']['model_parameters']:,} parameters, max_length "
-                            f"{state['report']['data']['max_length']}; failed: {', '.join(failed) or 'none'}; "
-                            f"tables in bench/benchmarks.md" + "".join(f"; {n}'s log ends: {t}"
-                                                                       for n, t in tails.items()))
+                            f"{state['report']['data']['max_length']}; failed: {', '.join(failed) or 'none'}"
+                            + (f"; not run (past the budget): {', '.join(skipped)}" if skipped else "")
+                            + f"; tables in {folder}/benchmarks.md"
+                            + "".join(f"; {n}'s log ends: {t}" for n, t in tails.items()))
 
-    timed(report, "throughput", "scripts/bench.py " + " ".join(cmd[3:9]), bench)
-    results = state.get("report", {}).get("results", {})
+    timed(report, part, f"scripts/bench.py --size {size} --contenders {','.join(names)}", bench)
+    bench_report = state.get("report", {})
+    logs = {r["contender"]: r["log"] for r in bench_report.get("runs", []) if r.get("ok")}
     memory_key = "peak_rss_mb" if mode.dry_run else "peak_cuda_mb"
-    for name, row in results.items():
+    for name, row in bench_report.get("results", {}).items():
         if "tokens_per_second" in row:
+            said = attention_line(logs[name]) if name in logs and name.startswith("hftrain") else row["label"]
             mfu = f", MFU {row['mfu']:.1%}" if "mfu" in row else ""
-            report.add(Check("throughput", name, "info", measured=f"{row['tokens_per_second']:,.0f} tokens/s, "
-                             f"{row.get(memory_key, 0):,.0f} MB{mfu}", exit=state["code"], detail=row["label"],
+            report.add(Check(part, name, "info", measured=f"{row['tokens_per_second']:,.0f} tokens/s, "
+                             f"{row.get(memory_key, 0):,.0f} MB{mfu}, first step {row['time_to_first_step_s']:.1f} s",
+                             exit=state["code"], detail=said,
                              numbers={k: row.get(k) for k in ("tokens_per_second", "peak_cuda_mb", "peak_rss_mb",
-                                                              "mfu", "steps", "trained_tokens")}))
+                                                              "mfu", "time_to_first_step_s", "steps",
+                                                              "trained_tokens")}))
+    return bench_report
+
+
+def attention_line(log: str) -> str:
+    """The start-up line naming a run's attention, compile and loss path, from its log."""
+    text = Path(log).read_text(errors="replace").splitlines() if Path(log).exists() else []
+    said = [line for line in text if line.startswith("hftrain: attention")]
+    return said[0].removeprefix("hftrain: ") if said else "no start-up line"
+
+
+def part_throughput(report: Report, mode: Mode) -> None:
+    names = mode.contenders or (DRY_CONTENDERS if mode.dry_run else GPU_CONTENDERS)
+    results = run_bench(report, mode, "throughput", "quick" if mode.dry_run else "gpu", names, "bench").get(
+        "results", {})
+    memory_key = "peak_rss_mb" if mode.dry_run else "peak_cuda_mb"
     ours = names[0]
     trl = [n for n in names if n.startswith("trl") and "tokens_per_second" in results.get(n, {})]
 
@@ -589,6 +644,114 @@ def part_throughput(report: Report, mode: Mode) -> None:
 
     timed(report, "throughput", f"MFU of {ours}, 1B full bf16", mfu)
     timed(report, "throughput", f"{ours} against TRL's best", versus_trl)
+
+
+# ---------------------------------------------------------------------------------------- part: varlen
+LAUNCHER = REPO / "tests" / "launchers" / "varlen_on_cpu.py"  # the dry run's stand-in for torch's CUDA-only kernel
+# hftrain's GPU default (varlen for packed bf16 rows), then TRL's packing, then one lever each, in the order they are
+# dropped when the call's time runs out (bench.py --budget): the last first
+VARLEN_CONTENDERS = ["hftrain_gpu_noliger", "trl_packing", "hftrain_gpu_sdpa", "hftrain_gpu_compile",
+                     "hftrain_gpu_chunked", "hftrain_gpu"]
+DRY_VARLEN_CONTENDERS = ["hftrain_packed", "hftrain_gpu_sdpa"]  # the dry run: the orchestration, tiny model, fp32
+LEVERS = {  # lever contender: what it changes against hftrain's default
+    "hftrain_gpu_sdpa": "varlen -> sdpa's block-diagonal mask",
+    "hftrain_gpu_compile": "torch_compile off -> on",
+    "hftrain_gpu_chunked": "full fp32 logits of the trained tokens -> loss_chunk_tokens 8192",
+    "hftrain_gpu": "-> Liger's kernels and fused linear cross-entropy",
+}
+
+
+def reference_kernel_in_place():
+    """The dry run: tests/varlen_reference.py's per-document sdpa stands in for torch's CUDA-only kernel in this
+    process (as tests/launchers/varlen_on_cpu.py does in the hftrain runs)."""
+    import hftrain.attention
+    from tests.varlen_reference import reference_kernel
+
+    kernel = reference_kernel(gqa=True)
+    hftrain.attention.varlen_kernel = lambda: kernel
+
+
+def part_varlen(report: Report, mode: Mode) -> None:
+    """attn_implementation varlen (torch's variable-length FlashAttention for packed rows, hftrain's default on CUDA in
+    bf16): packed rows = separate examples (bf16, fp16; grouped key/value heads), fp32 refused, one step = plain
+    PyTorch through hftrain's entry point (bf16 with varlen, fp32 with sdpa), then bench.py: the default against TRL's
+    packing at gpu_long and each lever alone, within the call's time (--budget)."""
+    device = "cuda" if mode.cuda else "cpu"
+    script = None if mode.cuda else LAUNCHER
+    stand_in = "" if mode.cuda else " (dry run: tests/varlen_reference.py stands in for torch's CUDA-only kernel)"
+    if mode.dry_run:
+        reference_kernel_in_place()
+    for precision in ("bf16", "fp16"):
+        if mode.dry_run and precision == "fp16":
+            timed(report, "varlen", "packed rows = separate examples, varlen, fp16",
+                  lambda: Check("", "", "skip", detail="fp16 autocast needs CUDA (dry run on CPU)"))
+            continue
+        timed(report, "varlen", f"packed rows = separate examples, varlen, {precision}",
+              lambda p=precision: packed_check(device, "varlen", p, small=mode.dry_run))
+    data = text8(mode)
+    packed = ["--packing", "true", "--max_length", "96"]  # the 8 examples pack into 4 rows: 2 x 2 is one step
+
+    def fp32_refused() -> Check:
+        code, out, err = hftrain_run(mode, "varlen-fp32", *sgd_args(data, 2, 2, "fp32"), *packed,
+                                     "--attn_implementation", "varlen", script=script)
+        said = " ".join(err.split())
+        ok = code == 2 and "computes in bf16 or fp16 only" in said and "Traceback" not in err
+        return Check("", "", "pass" if ok else "FAIL", measured=f"exit {code}", bound="exit 2, one paragraph",
+                     exit=code, detail=said[-500:])
+
+    def one_step(precision: str, expected: str) -> Check:
+        check = step_check(mode, f"varlen-step-{precision}", data, precision, 2, 2,
+                           plain_step(TINY, device, precision), *packed, script=script)
+        if check.status == "pass" and check.numbers.get("attention") != expected:
+            check.status = "FAIL"
+        check.bound += f"; attention {expected}"
+        check.detail += stand_in
+        return check
+
+    timed(report, "varlen", "fp32 with varlen: refused by the preflight", fp32_refused)
+    timed(report, "varlen", "one step = plain PyTorch, packed 2x2, bf16 (varlen chosen)",
+          lambda: one_step("bf16", "varlen"))
+    timed(report, "varlen", "one step = plain PyTorch, packed 2x2, fp32 (sdpa kept)", (lambda: one_step("fp32", "sdpa"))
+          if mode.cuda else lambda: Check("", "", "skip", detail="on CPU the automatic choice keeps sdpa for want of "
+                                                                  "CUDA, whatever the precision (dry run)"))
+    levers_bench(report, mode)
+
+
+def levers_bench(report: Report, mode: Mode) -> None:
+    """bench.py --size gpu_long: hftrain's default against TRL's packing, then each lever alone, stopping before a run
+    that would not end within the call (bench.py --budget); the default against TRL is the issue's target."""
+    names = mode.contenders or (DRY_VARLEN_CONTENDERS if mode.dry_run else VARLEN_CONTENDERS)
+    results = run_bench(report, mode, "varlen", "quick" if mode.dry_run else "gpu_long", names, "bench-varlen",
+                        "--budget", str(max(mode.bench_timeout - 30, 60))).get("results", {})
+    memory_key = "peak_rss_mb" if mode.dry_run else "peak_cuda_mb"
+    ours = names[0]
+
+    def versus(first: str, other: str, what: str, judged: bool = False) -> Check:
+        """`first` against `other`: tokens/s, memory and first-step ratios; `judged`: the issue's target."""
+        if "tokens_per_second" not in results.get(first, {}) or "tokens_per_second" not in results.get(other, {}):
+            return Check("", "", "skip", detail=f"{first} or {other} did not run (failed, or past the budget)")
+        a, b = results[first], results[other]
+        speed, memory = a["tokens_per_second"] / b["tokens_per_second"], a.get(memory_key, 0) / max(b.get(memory_key,
+                                                                                                          0), 1e-9)
+        later = a["time_to_first_step_s"] - b["time_to_first_step_s"]
+        ok = speed >= TARGETS["vs_trl"] and memory <= 1.0
+        return Check("", "", ("pass" if ok else "FAIL") if judged and mode.cuda else "info",
+                     measured=f"{first} / {other}: {speed:.2f}x tokens/s, {memory:.2f}x memory, first step "
+                              f"{later:+.1f} s", bound=f">= {TARGETS['vs_trl']}x, <= 1.00x" if judged else "",
+                     detail=what + (" (dry run: tiny model on CPU, not judged)" if mode.dry_run else ""),
+                     numbers={"tokens_ratio": speed, "memory_ratio": memory, "first_step_difference_s": later})
+
+    if mode.cuda or "trl_packing" in names:
+        timed(report, "varlen", f"{ours} (hftrain's default) against TRL's packing",
+              lambda: versus(ours, "trl_packing", "the issue's target", judged=True))
+    for lever, what in LEVERS.items():
+        if lever in names:
+            timed(report, "varlen", f"lever: {what}",
+                  lambda lever=lever: versus(ours, lever, f"{ours} against {lever}"))
+    if "hftrain_gpu_chunked" in names and "hftrain_gpu" in names:
+        timed(report, "varlen", "lever: loss chunking against Liger",
+              lambda: versus("hftrain_gpu_chunked", "hftrain_gpu", "loss_chunk_tokens 8192 against Liger's fused "
+                             "linear cross-entropy"))
 
 
 # ---------------------------------------------------------------------------------------- part: memory
@@ -795,8 +958,8 @@ def main(argv: list[str] | None = None) -> None:
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() and not args.dry_run else "CPU",
             "versions": versions(), "work": str(work)}
     report = Report(args.out, meta)
-    runners = {"env": part_env, "correctness": part_correctness, "throughput": part_throughput, "memory": part_memory,
-               "grpo_pp": part_grpo_pp}
+    runners = {"env": part_env, "correctness": part_correctness, "throughput": part_throughput, "varlen": part_varlen,
+               "memory": part_memory, "grpo_pp": part_grpo_pp}
     for part in parts:
         runners[part](report, mode)
         if torch.cuda.is_available():  # the next part's child processes get the GPU memory this one cached

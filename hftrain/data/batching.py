@@ -8,6 +8,7 @@ micro-batch of each optimizer step; `Collator` turns a list of rows into tensors
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -154,6 +155,13 @@ class Collator:
     restarting at 0 for each example; with no attention mask transformers turns them into a
     block-diagonal causal mask (and flash-attention into per-example sequence lengths), so no token
     attends across examples. The padding after a packed row starts its own position run too.
+
+    `mark_documents` (set for a model whose attention is hftrain.attention's varlen): the batch also carries the
+    documents' boundaries as transformers' flash attention takes them, so that no one scans position_ids for them:
+    `cu_seq_lens_q` / `cu_seq_lens_k`, int32 cumulative lengths over the micro-batch flattened row after row, in
+    which every example is a segment and so is each row's padding (a one-token example, an example filling its row,
+    the one-token filler row of an empty micro-batch alike), and `max_length_q` / `max_length_k`, the longest
+    segment as a Python int (the kernel takes it from the host: no device sync reads it).
     """
 
     def __init__(self, dataset, pad_token_id: int, rows: list[list[int]] | None = None, packed: bool = False):
@@ -162,6 +170,7 @@ class Collator:
         self.rows = rows
         self.packed = packed
         self.mark_real_tokens = False  # add `real_tokens` (not padding): a mixture-of-experts router loss needs it
+        self.mark_documents = False  # add the documents' boundaries (cu_seq_lens_q, ...): varlen attention takes them
         # preference pairs: b pairs collate to 2b rows, the b chosen rows then the b rejected rows (one forward)
         self.paired = "rejected_input_ids" in dataset.column_names
         self.reference = None  # [pairs, 2] precomputed reference log-probs: added to each batch as `ref_logps`
@@ -195,6 +204,8 @@ class Collator:
         batch = {"input_ids": input_ids, "labels": labels, "num_examples": torch.tensor(len(flat))}
         if self.packed:
             batch["position_ids"] = position_ids
+        if self.mark_documents:
+            batch.update(document_boundaries(rows, width))
         if self.mark_real_tokens:
             batch["real_tokens"] = real_tokens
         if "margin" in self.dataset.column_names:  # reward models' optional margin, one per pair
@@ -203,6 +214,20 @@ class Collator:
             ref = self.reference[flat] if flat else torch.zeros(1, 2)
             batch["ref_logps"] = torch.cat([ref[:, 0], ref[:, 1]])
         return batch
+
+
+def document_boundaries(rows: list[list[tuple[list, list]]], width: int) -> dict:
+    """transformers' flash keyword arguments for rows of (input_ids, labels) parts right-padded to `width`: each part
+    a segment, then the row's padding (if any) one more, cumulated over the rows in order."""
+    lengths = []
+    for parts in rows:
+        lengths += [len(ids) for ids, _ in parts]
+        if (padding := width - sum(len(ids) for ids, _ in parts)) > 0:
+            lengths.append(padding)
+    cumulative = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    longest = max(lengths)
+    return {"cu_seq_lens_q": cumulative, "cu_seq_lens_k": cumulative, "max_length_q": longest,
+            "max_length_k": longest}
 
 
 def make_loader(batches: Iterator[list[int]] | list[list[int]], collator: Collator, num_workers: int, *,

@@ -343,6 +343,7 @@ class StreamCollator:
     def __init__(self, pad_token_id: int, packed: bool, paired: bool):
         self.pad_token_id, self.packed, self.paired = pad_token_id, packed, paired
         self.mark_real_tokens = False
+        self.mark_documents = False
         self.reference = None  # precomputed reference log-probs are refused with streaming
 
     def __call__(self, rows: list[list[dict]]):
@@ -352,7 +353,7 @@ class StreamCollator:
             groups.append(list(range(start, start + len(row))))
             start += len(row)
         collator = Collator(_Columns(examples, self.paired), self.pad_token_id, groups, packed=self.packed)
-        collator.mark_real_tokens = self.mark_real_tokens
+        collator.mark_real_tokens, collator.mark_documents = self.mark_real_tokens, self.mark_documents
         return collator(list(range(len(rows))))
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from hftrain.attention import VARLEN
 from hftrain.compat.transformers import attn_implementation
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
@@ -40,7 +41,9 @@ class CausalLMTokenLoss(ObjectiveLoss):
         self.chunk_tokens = chunk_tokens  # > 0: logits of this many trained tokens at a time (head-only models)
         # transformers' flash attention tells packed examples apart by their position_ids only in a batch of one
         # row (`_is_packed_sequence`); with more rows it would attend across them. One row of rows x length is exact.
-        self.flatten_packed = str(attn_implementation(lm.config)).startswith("flash_attention")
+        # varlen takes the documents' boundaries over the flattened micro-batch: one row keeps the compiled blocks'
+        # batch dimension at 1 whatever the rows per micro-batch (no recompile when a short last step has fewer).
+        self.flatten_packed = str(attn_implementation(lm.config)).startswith(("flash_attention", VARLEN))
         self.fused_ce = None
         if fused_cross_entropy:
             head = lm.get_output_embeddings()
@@ -60,7 +63,8 @@ class CausalLMTokenLoss(ObjectiveLoss):
         (not padding) is needed only for the router loss. `shift_labels` instead of `labels`: the target of every
         position, already shifted (a sequence-parallel shard, whose last target is the next shard's first token).
         `model_inputs`: whatever else the model takes as it is (an image-text processor's pixel_values,
-        attention_mask, image_grid_thw, ...: hftrain.data.image_chats)."""
+        attention_mask, image_grid_thw, ...: hftrain.data.image_chats; the packed documents' boundaries for varlen
+        attention, cu_seq_lens_q and the rest: data.batching.Collator's `mark_documents`)."""
         targets = labels[:, 1:] if shift_labels is None else shift_labels
         trained = targets != IGNORE_INDEX
         rows = input_ids.shape
@@ -89,6 +93,14 @@ class CausalLMTokenLoss(ObjectiveLoss):
         if router is not None:
             loss = router.add(loss, outputs.router_logits, real_tokens, trained.sum())
         return loss
+
+    @property
+    def loss_path(self) -> str:
+        if self.fused_ce is not None:
+            return "Liger fused linear cross-entropy"
+        if not self.head_only:
+            return "full logits (the model's own head)"
+        return f"chunked {self.chunk_tokens} tokens" if self.chunk_tokens else "logits at trained positions"
 
     def eval_metrics(self, loss_sum: float, units: int, stats: dict[str, float]) -> dict[str, float]:
         loss = loss_sum / max(units, 1)

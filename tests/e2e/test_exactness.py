@@ -66,6 +66,10 @@ def one_sgd_step(tmp_path, tiny_model, texts, processes, batch, accum, *extra):
     assert info["model_wrapper"] == ("DistributedDataParallel" if processes > 1 else "CausalLMTokenLoss")
     compiled_layers = 2 if "--torch_compile" in extra else 0  # the tiny model has 2 decoder layers
     assert run.state()["model"]["compiled_blocks"] == compiled_layers
+    if compiled_layers:  # the start-up lines say so, and how long the first step took, compiling
+        assert "; compile on (2 blocks, mode default, dynamic shapes;" in run.stdout
+        assert "hftrain: compile: step 1 took " in run.stdout and "compiling 2 blocks' forward and backward" in \
+            run.stdout
     return load_file(run.output_dir / "final" / "model.safetensors")
 
 
@@ -80,8 +84,8 @@ def test_one_step_equals_plain_pytorch(tmp_path, tiny_model, texts, reference, p
 
 @pytest.mark.parametrize("processes, batch, accum", [(1, 2, 4), (2, 1, 4)])
 def test_compiled_step_equals_plain_pytorch(tmp_path, tiny_model, texts, reference, processes, batch, accum):
-    """torch_compile (inductor, each decoder layer in place) computes the same step: micro-batches of different
-    lengths make it recompile with dynamic shapes, and DDP's gradient hooks see the compiled layers' parameters."""
+    """torch_compile (inductor, each decoder layer in place, dynamic shapes) computes the same step over
+    micro-batches of different lengths, and DDP's gradient hooks see the compiled layers' parameters."""
     params = one_sgd_step(tmp_path, tiny_model, texts, processes, batch, accum, "--torch_compile", "true")
     assert params.keys() == reference.keys()
     for name, expected in reference.items():

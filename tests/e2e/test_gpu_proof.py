@@ -104,10 +104,10 @@ def test_dry_run_goes_through_every_part(tmp_path):
     report = json.loads((out / "gpu_proof.json").read_text())
     checks = report["checks"]
     assert report["dry_run"] and report["device"] == "CPU"
-    assert {c["part"] for c in checks} == {"env", "correctness", "throughput", "memory", "grpo_pp"}
+    assert {c["part"] for c in checks} == {"env", "correctness", "throughput", "varlen", "memory", "grpo_pp"}
     assert {c["status"] for c in checks} <= {"pass", "skip", "info"}
     assert all(c["detail"] for c in checks if c["status"] == "skip")  # every skip says why
-    exact = [c for c in checks if c["name"].startswith("one step = plain PyTorch")]
+    exact = [c for c in checks if c["part"] == "correctness" and c["name"].startswith("one step = plain PyTorch")]
     assert [c["status"] for c in exact] == ["pass", "pass"]  # fp32 and bf16, 2 x 4 accumulation
     sharp = [c for c in checks if c["name"].startswith("tolerance")]
     assert all(c["numbers"]["error"] > 10 * e["numbers"]["error"] for c, e in zip(sharp, exact))
@@ -116,6 +116,16 @@ def test_dry_run_goes_through_every_part(tmp_path):
     bench = json.loads((out / "bench" / "benchmarks.json").read_text())
     assert set(bench["results"]) == {"hftrain_packed", "trl_packing"}
     assert {c["name"] for c in checks if c["part"] == "throughput" and c["status"] == "info"} >= set(bench["results"])
+    # varlen, through the reference kernel that tests/launchers/varlen_on_cpu.py stands in for torch's CUDA-only one
+    varlen = {c["name"]: c for c in checks if c["part"] == "varlen"}
+    assert varlen["packed rows = separate examples, varlen, bf16"]["status"] == "pass"
+    assert varlen["fp32 with varlen: refused by the preflight"]["status"] == "pass"
+    step = varlen["one step = plain PyTorch, packed 2x2, bf16 (varlen chosen)"]
+    assert (step["status"], step["numbers"]["attention"]) == ("pass", "varlen")
+    levers = json.loads((out / "bench-varlen" / "benchmarks.json").read_text())
+    assert set(levers["results"]) == {"hftrain_packed", "hftrain_gpu_sdpa"} and levers["skipped"] == []
+    assert varlen["hftrain_packed"]["detail"].startswith("attention sdpa (block-diagonal mask over packed rows")
+    assert varlen["lever: varlen -> sdpa's block-diagonal mask"]["status"] == "info"
 
     page = (out / "gpu_proof.md").read_text()
     assert page.startswith("# GPU proof (dry run on CPU)")

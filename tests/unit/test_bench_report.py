@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -68,3 +71,26 @@ def test_run_summary_carries_cuda_numbers_only_when_measured(bench):
     assert run.summary()["peak_cuda_mb"] == 100.0 and run.summary()["mfu"] == 0.5
     table = bench.aggregate([run], {})
     assert table["hftrain"]["peak_cuda_mb"] == 100.0 and table["hftrain"]["mfu"] == 0.5
+
+
+def test_a_budget_skips_the_runs_that_would_end_past_it(bench, monkeypatch, tmp_path):
+    """--budget (a device call's time limit): a run starts only while the longest run so far would still end within
+    it; the report lists the contenders it skipped, so a call cut short returns the runs that fit."""
+    clock = [1000.0]
+    monkeypatch.setattr(bench, "time", SimpleNamespace(time=lambda: clock[0], strftime=time.strftime))
+    monkeypatch.setattr(bench, "build_model", lambda size, out: 1000)
+    monkeypatch.setattr(bench, "make_chats", lambda size, model_dir, out: [3, 5, 9])
+
+    def run_contender(name, rep, setup, max_steps=-1):
+        start = clock[0]
+        clock[0] += 100
+        return bench.Run(name, rep, 0, start, clock[0], 500.0, "log", steps=3, first_step_end=start + 10,
+                         last_step_end=start + 90, trained_tokens=300, steady_tokens=200)
+
+    monkeypatch.setattr(bench, "run_contender", run_contender)
+    names = ["trainer", "trl_padding", "trl_packing", "loop"]
+    runs = bench.bench(names, bench.QUICK, 1, False, tmp_path, tmp_path / "out", "bench", budget=250)
+    assert [r.contender for r in runs] == ["trainer", "trl_padding"]  # the third would end at 300 s
+    written = json.loads((tmp_path / "out" / "benchmarks.json").read_text())
+    assert written["skipped"] == ["trl_packing", "loop"] and set(written["results"]) == {"trainer", "trl_padding"}
+    assert "Not run (past the --budget): trl_packing, loop" in (tmp_path / "out" / "benchmarks.md").read_text()

@@ -25,6 +25,7 @@ from hftrain.data import (
     tokenize_dataset,
     tokenize_example,
 )
+from hftrain.data.streaming import StreamCollator
 from hftrain.errors import HftrainError
 from tests.conftest import REPO
 
@@ -456,6 +457,58 @@ def test_collator_packed_rows(rows):
     assert batch["labels"].tolist() == [[IGNORE_INDEX] * 4, [IGNORE_INDEX, 6, 7, IGNORE_INDEX]]
     assert batch["position_ids"].tolist() == [[0, 1, 0, 1], [0, 1, 2, 0]]  # restart per example and in padding
     assert batch["num_examples"].item() == 3
+
+
+def test_collator_marks_the_documents_of_the_flattened_micro_batch(rows):
+    """mark_documents (varlen attention): int32 cumulative lengths over the micro-batch flattened row after row, each
+    example a segment (a one-token one too) and each row's padding one more, a row that its examples fill ending
+    without one; the longest segment as a Python int, so that no device sync reads it."""
+    packed = Collator(rows, pad_token_id=1, rows=[[0, 1], [2]], packed=True)
+    assert "cu_seq_lens_q" not in packed([1, 0])
+    packed.mark_documents = True
+    batch = packed([1, 0])  # row [2]: 2 tokens + 2 of padding; row [0, 1]: 3 + 1, filling the width of 4
+    assert batch["cu_seq_lens_q"].tolist() == [0, 2, 4, 7, 8] and batch["cu_seq_lens_q"].dtype == torch.int32
+    assert torch.equal(batch["cu_seq_lens_k"], batch["cu_seq_lens_q"])
+    assert batch["max_length_q"] == batch["max_length_k"] == 3 and type(batch["max_length_q"]) is int
+    empty = packed([])  # an epoch's short last step: the one-token filler row is one segment
+    assert empty["cu_seq_lens_q"].tolist() == [0, 1] and empty["max_length_q"] == 1
+
+
+def test_document_boundaries_are_where_position_ids_restart():
+    """Random packings of examples of 1-9 tokens into rows of 12, several rows per micro-batch: the collator's
+    boundaries are exactly the positions where the flattened position_ids restart at 0 (what transformers would scan
+    them from), and the longest segment is the longest run."""
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 10, (60,), generator=g).tolist()
+    data = Dataset.from_dict({"input_ids": [[3] * n for n in lengths], "labels": [[3] * n for n in lengths]})
+    bins = pack_best_fit_decreasing(lengths, 12)
+    collator = Collator(data, pad_token_id=0, rows=bins, packed=True)
+    collator.mark_documents = True
+    for start in range(0, len(bins), 3):
+        batch = collator(list(range(start, min(start + 3, len(bins)))))
+        flat = batch["position_ids"].flatten()
+        starts = (flat == 0).nonzero().flatten().tolist()
+        assert batch["cu_seq_lens_q"].tolist() == starts + [len(flat)]
+        assert batch["max_length_q"] == max(b - a for a, b in zip(starts, starts[1:] + [len(flat)]))
+
+
+def test_stream_collator_marks_documents_too():
+    collator = StreamCollator(0, packed=True, paired=False)
+    collator.mark_documents = True
+    batch = collator([[{"input_ids": [5, 6], "labels": [IGNORE_INDEX, 6]}, {"input_ids": [7], "labels": [7]}]])
+    assert batch["cu_seq_lens_q"].tolist() == [0, 2, 3] and batch["max_length_q"] == 2
+
+
+def test_the_loop_moves_tensors_and_keeps_host_numbers(rows):
+    """The loader (pinned or not) and the loop's copy to the device keep max_length_q a Python int."""
+    from hftrain.finetune import to_device
+
+    packed = Collator(rows, pad_token_id=1, rows=[[0, 1], [2]], packed=True)
+    packed.mark_documents = True
+    (batch,) = list(make_loader([[0, 1]], packed, num_workers=0, pin_memory=True))
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved["max_length_q"] == 3 and type(moved["max_length_q"]) is int
+    assert torch.equal(moved["cu_seq_lens_q"], batch["cu_seq_lens_q"])
 
 
 def naive_best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:

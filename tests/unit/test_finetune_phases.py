@@ -34,6 +34,7 @@ class Printed:
 
 
 def described(record: Parallelism | None = None, resume_from: Path | None = None, notes=(), summary=None,
+              attention_note: str | None = None, loss_path: str = "logits at trained positions",
               **recipe) -> list[str]:
     """The lines `describe_run` prints for a run set up as the phases before it would leave it."""
     run = Finetune(Recipe(per_device_train_batch_size=2, gradient_accumulation_steps=4, **recipe))
@@ -44,7 +45,10 @@ def described(record: Parallelism | None = None, resume_from: Path | None = None
     run.dp = SimpleNamespace(world=record.dp_world if record else 1)
     run.run_info = {"memory_estimate": MEMORY, "launch": {"model_wrapper": "CausalLMTokenLoss"}}
     run.parameters = ParameterCounts.uniform(1_000, 160_000, 4)
-    run.parts = SimpleNamespace(notes=list(notes), summary=summary or {"method": "full", "quantized_linear_layers": {}})
+    run.parts = SimpleNamespace(notes=list(notes), loss=SimpleNamespace(loss_path=loss_path),
+                                summary={"method": "full", "quantized_linear_layers": {}, "attention": "sdpa",
+                                         "compiled_blocks": 0, **(summary or {})})
+    run.attention_note = attention_note
     run.data = SimpleNamespace(plan=SimpleNamespace(global_batch=8 * run.dp.world, steps_per_epoch=5), total_steps=10,
                                data_line=("(5 per epoch)", "40 training examples in 40 rows"))  # map-style data's
     run.resume_from, run.progress = resume_from, SimpleNamespace(step=6)
@@ -90,9 +94,22 @@ def test_resume_notes_and_preset_reason_are_in_the_start_up_lines():
     lines = described(resume_from=Path("out/checkpoint-6"), notes=["a note from the model builder"],
                       launch_preset="cpu", launch_preset_reason="small enough for one process")
     assert lines[0].endswith("; resuming from out/checkpoint-6 at step 6")
-    assert lines[1] == "hftrain: a note from the model builder"
-    assert lines[2].endswith("; the recipe is sized for preset cpu: small enough for one process")
-    assert len(lines) == 3
+    assert lines[2] == "hftrain: a note from the model builder"
+    assert lines[3].endswith("; the recipe is sized for preset cpu: small enough for one process")
+    assert len(lines) == 4
+
+
+def test_the_attention_compile_and_loss_path_are_one_start_up_line():
+    """Which attention the loaded model runs (and, for packed rows that kept sdpa, why not varlen), torch.compile
+    and the loss's path to the logits."""
+    assert described()[1] == "hftrain: attention sdpa; compile off; loss logits at trained positions"
+    assert described(summary={"attention": "varlen"}, packing=True, loss_path="chunked 8192 tokens")[1] == \
+        "hftrain: attention varlen (torch flash, packed rows); compile off; loss chunked 8192 tokens"
+    line = described(packing=True, attention_note="varlen needs CUDA", torch_compile=True,
+                     summary={"compiled_blocks": 2})[1]
+    assert line == ("hftrain: attention sdpa (block-diagonal mask over packed rows; varlen needs CUDA); compile on "
+                    "(2 blocks, mode default, dynamic shapes; the first step's time is reported); loss logits at "
+                    "trained positions")
 
 
 def test_run_calls_the_phases_in_order():

@@ -65,6 +65,9 @@ LATER_CHANGES = {
     ("loss_type", "help"): "issue 40: kto's loss types",
     ("loss_type", "choices"): "issue 40: kto's loss types",
     ("dataset_format", "choices"): "issue 40: kto's unpaired format",
+    ("attn_implementation", "help"): "issue 50: varlen, hftrain's attention for packed rows where it can run",
+    ("attn_implementation", "choices"): "issue 50: varlen",
+    ("torch_compile", "help"): "issue 50: dynamic shapes from the first compile; the first step's time is reported",
 }
 
 
