@@ -90,7 +90,7 @@ def test_two_rank_metrics_are_consistent(tmp_path):
                           text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     report = (run.output_dir / "report" / "report.md").read_text()
-    assert "MULTI_CPU, 2 process(es), model wrapped as DistributedDataParallel" in report
+    assert "- launch: 2 processes (DDP), CPU, fp32" in report  # in a user's words, not accelerate's (issue 49)
     assert f"steps logged: 1 to 9 of 9; epoch {rows[-1]['epoch']}" in report and "MFU" in report
     assert all((run.output_dir / "report" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
                for name in ("loss", "learning_rate", "tokens_per_second", "rank_throughput", "step_time", "memory"))
