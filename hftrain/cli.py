@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TextIO
@@ -482,16 +483,26 @@ def relay_errors(chunks: Iterable[str], out: TextIO) -> int | None:
     echo: list[str] = []  # lines that so far repeat what went out, after ECHO
     echoed = False  # the echo was just dropped: the blank lines before the launcher's traceback go with it
     partial, sent = "", 0  # the unfinished last line, and how much of it was passed on already
-    relayed = ""  # the end of what went out
+    # the end of what went out, in pieces (joined only to look for an echo, which is rare: every progress bar's
+    # update goes through `emit`), and that text joined while nothing more has gone out
+    relayed: deque[str] = deque()
+    relayed_size, joined = 0, None
 
     def emit(text: str) -> None:
-        nonlocal relayed
+        nonlocal relayed_size, joined
         out.write(text)
-        relayed = (relayed + text)[-ECHO_SPAN:]
+        if text:
+            relayed.append(text)
+            relayed_size, joined = relayed_size + len(text), None
+            while relayed_size - len(relayed[0]) >= ECHO_SPAN:
+                relayed_size -= len(relayed.popleft())
 
     def repeats(lines: list[str]) -> bool:
+        nonlocal joined
+        if joined is None:
+            joined = "".join(relayed)
         body = "".join(lines)[len(ECHO):].rstrip("\n").lstrip("\ufffd")  # the tail may begin mid-character
-        return body in relayed
+        return body in joined
 
     def complete(line: str) -> None:
         nonlocal held, echo, echoed

@@ -91,7 +91,8 @@ def write_stderr_past_launchers_copy() -> None:
         return
     target = f"/proc/{launcher}/fd/2"
     try:
-        if not (stat.S_ISFIFO(os.stat(target).st_mode) or stat.S_ISCHR(os.stat(target).st_mode)):
+        mode = os.stat(target).st_mode
+        if not (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
             return
         fd = os.open(target, os.O_WRONLY)
     except OSError:
