@@ -421,3 +421,20 @@ def test_the_field_doc_names_every_architecture_varlen_runs():
     doc = R.__dataclass_fields__["attn_implementation"].metadata["help"]
     assert all(model_type in doc for model_type in VARLEN_MODEL_TYPES)
     assert VARLEN in R.__dataclass_fields__["attn_implementation"].metadata["choices"]
+
+
+def test_the_shipped_gpu_recipes_get_varlen_on_a_gpu_without_naming_it():
+    """A recipe made for GPUs names no attention and packs its rows: on CUDA in bf16 the automatic choice is varlen
+    (issue 50's 'one fast default'), checked against the recipe's own model type (a Qwen2 config built here)."""
+    from transformers import Qwen2Config
+
+    from hftrain.config import load_recipe, shipped_recipes
+
+    gpu = [p for p in shipped_recipes() if "launch_preset: single_gpu" in p.read_text()]
+    assert gpu, "no shipped recipe for one GPU"
+    qwen2 = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2)
+    for path in gpu:
+        r = load_recipe(["--config", str(path)], for_training=False)
+        assert r.attn_implementation is None and r.packing and r.optim == "adamw_torch_fused", path.name
+        assert attention_choice(r, ONE, True, qwen2) == (VARLEN, None), path.name
