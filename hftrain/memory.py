@@ -1,6 +1,6 @@
 """The model-state memory model: bytes of weights, gradients and optimizer state per device, for any layout.
 
-Two callers, one arithmetic: `hftrain estimate` (hftrain/estimate.py) gives it facts read from a model's config and
+Two callers, one arithmetic: `hftrain estimate` (hftrain/estimate/) gives it facts read from a model's config and
 the strategies it compares; each run's start-up line ("model state ~X GiB per device", `Backend.memory`) gives it the
 facts of the layout that runs (its `Parallelism` record: what is sharded over how many processes, what is offloaded)
 and the live model's parameters (`ParameterCounts`: how many, and the bytes they are stored in). What the model says:

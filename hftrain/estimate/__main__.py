@@ -1,0 +1,5 @@
+"""python -m hftrain.estimate"""
+
+from hftrain.estimate.cli import main
+
+main()
