@@ -3,7 +3,7 @@ end `make test-newest` runs, whose source has each of them unchanged from 2.13).
 
 - pipelining: the lowering of a hand-written action order into one with sends and receives (`_Action`,
   `_ComputationType`, `_add_send_recv` in torch/distributed/pipelining/schedules.py) and the order a runtime schedule
-  runs (`pipeline_order_with_comms`), for the V schedules' forward-only evaluation (parallel/pipeline.py);
+  runs (`pipeline_order_with_comms`), for the V schedules' forward-only evaluation (parallel/pipeline/);
 - context parallelism: the SDPA kernels torch's ring attention dispatches and its rotate method
   (torch/distributed/tensor/experimental/_attention.py and _context_parallel/);
 - DTensor: a rank's block of a sharded tensor (`compute_local_shape_and_global_offset`, torch/distributed/tensor/

@@ -14,7 +14,7 @@ from hftrain.stages import STAGES_PER_PROCESS, split_layers, stage_indices
 
 @dataclass(frozen=True)
 class StageMemory:
-    """What one process of a pipeline (pp_size, `hftrain/parallel/pipeline.py`) holds, in bytes."""
+    """What one process of a pipeline (pp_size, `hftrain/parallel/pipeline/`) holds, in bytes."""
 
     rank: int  # position in the pipeline (stages rank, rank + pp, ... with Interleaved1F1B)
     layers: int  # decoder layers of its stages
@@ -66,7 +66,7 @@ def pipeline_memory(shape: ModelShape, pp: int, schedule: str, microbatches: int
     the largest tp rank of each stage. Its parameters are the plan's shards (`ModelShape.layer_tp`: attention and MLP
     linears 1/tp, norms whole; Llama's embedding and head 1/tp of the vocabulary), their gradients and moments alike,
     except the vocabulary-parallel embedding's gradient, which transformers 5.23 leaves whole (replicated) on every tp
-    rank (`sum_whole` in parallel/pipeline.py relies on it); activations per `layer_activation_bytes`; the loss
+    rank (`sum_whole` in parallel/pipeline/ relies on it); activations per `layer_activation_bytes`; the loss
     buffers whole (the head gathers the logits: `colwise_gather_output`). pp == 1 with tp: the tensor-parallel
     backend, one microbatch (`batch` rows) at a time. `checkpointing`: each chunk keeps only its layers' inputs,
     and backward recomputes one layer at a time."""

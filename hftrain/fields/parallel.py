@@ -61,7 +61,7 @@ class ParallelFields:
         "dispatching its own slice of the shared batch (e.g. 2 processes: --tp_size 2 --ep_size 2 under cpu_ddp). "
         "Exact against one process on the same global batch. docs/parallelism.md. 1 = off.", group="parallelism",
     )
-    # pipeline parallelism (hftrain/parallel/pipeline.py, docs/pipeline.md): one contiguous block
+    # pipeline parallelism (hftrain/parallel/pipeline/, docs/pipeline.md): one contiguous block
     pp_size: int = _f(
         1, "Pipeline-parallel degree: the model's layers split into N stages by its pp plan (base_model_pp_plan), one "
         "per process (two with Interleaved1F1B), run by torch.distributed.pipelining. Needs a DDP-type preset "

@@ -450,7 +450,7 @@ class Backend:
     def forward_backward(self, model, inputs: dict[str, torch.Tensor], scale: torch.Tensor, timer) -> torch.Tensor:
         """Forward and backward of one micro-batch (`model(**inputs)` returns its summed loss); returns that sum,
         detached. The backward is of sum x `scale`, divided by the accumulation steps by accelerate's backward (and
-        by DeepSpeed's engine). Pipeline parallelism runs both inside its schedule (parallel/pipeline.py)."""
+        by DeepSpeed's engine). Pipeline parallelism runs both inside its schedule (parallel/pipeline/)."""
         loss_sum = model(**inputs)
         timer.lap("forward")
         self.accelerator.backward(loss_sum * scale)

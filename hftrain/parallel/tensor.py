@@ -20,7 +20,7 @@ Process layout (transformers' device mesh, TP innermost): rank = dp_rank * tp + 
 tp_size=2: TP groups {0,1} {2,3} hold the two halves of every linear layer; data-parallel groups {0,2} {1,3} hold
 the same half, train on different batches and average their gradients (or, under FSDP2, each hold half of it).
 
-The pipeline holds tp inside its stages itself (parallel/pipeline.py, with `model_load_kwargs`).
+The pipeline holds tp inside its stages itself (parallel/pipeline/, with `model_load_kwargs`).
 """
 
 from __future__ import annotations

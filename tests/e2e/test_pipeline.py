@@ -1,4 +1,4 @@
-"""Pipeline parallelism (pp_size, parallel/pipeline.py) through `accelerate launch` with the cpu_pp preset (2 gloo
+"""Pipeline parallelism (pp_size, parallel/pipeline/) through `accelerate launch` with the cpu_pp preset (2 gloo
 processes, one 2-stage pipeline; GPipe on 4: two data-parallel copies of the pipeline; pp2xtp2 on 4: each stage's
 layers split by transformers' tp plan; the 3D layout, pp2xtp2xdp2 on 8, continuing a one-process checkpoint, and
 opt-in from step 1) against one process on the same global batch of 16 examples.

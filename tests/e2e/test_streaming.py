@@ -260,7 +260,7 @@ def test_pipeline_copies_read_the_streams_of_ddp_ranks(shards_pipeline, shards_u
     assert shards_pipeline.state()["parallelism"]["dp_world"] == 2
     assert "2 ranks read disjoint shards (1 of 2 each) (a rank is one copy of the 2-stage pipeline: its stages read " \
         "the same rows)" in shards_pipeline.stdout
-    # process = stage x 2 + copy (parallel/pipeline.py): processes 0 and 2 are copy 0's stages, 1 and 3 copy 1's
+    # process = stage x 2 + copy (parallel/pipeline/): processes 0 and 2 are copy 0's stages, 1 and 3 copy 1's
     for folder in ("checkpoint-3", "checkpoint-6"):
         for process in range(4):
             ours, ddp = STREAM_STATE.format(index=process), STREAM_STATE.format(index=process % 2)

@@ -26,7 +26,7 @@ from hftrain.parallel.tensor import TensorParallel
 
 
 def test_pipeline_ranks_follow_the_documented_order():
-    """parallel/pipeline.py: rank = (stage_rank * copies + copy) * tp_size + tp_rank."""
+    """parallel/pipeline/: rank = (stage_rank * copies + copy) * tp_size + tp_rank."""
     dims = ParallelDims(world=8, strategy="ddp", pp=2, tp=2)
     assert dims.mesh == (("pp", 2), ("dp", 2), ("tp", 2)) and dims.replicas == 4 and dims.dp == 2
     for stage, copy, tp_rank in itertools.product(range(2), range(2), range(2)):

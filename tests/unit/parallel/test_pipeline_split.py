@@ -1,4 +1,4 @@
-"""Pipeline splitting (parallel/pipeline.py) in one process: the layer balance, and stages that chain to the
+"""Pipeline splitting (parallel/pipeline/) in one process: the layer balance, and stages that chain to the
 model's own forward with the HF parameter names kept. The distributed runs are in tests/e2e/test_pipeline.py."""
 
 from __future__ import annotations
