@@ -25,8 +25,7 @@ import yaml
 
 from hftrain import from_trl
 from hftrain.errors import ConfigError, first_line
-from hftrain.fields import recipe_field as _f
-from hftrain.fields.data import DataFields, DatasetSource, looks_local
+from hftrain.fields.data import DataFields, DatasetSource
 from hftrain.fields.data import problems as data_problems
 from hftrain.fields.distill import DISTILL_DEFAULTS, DistillFields
 from hftrain.fields.distill import problems as distill_problems
@@ -37,6 +36,10 @@ from hftrain.fields.grpo import problems as grpo_problems
 from hftrain.fields.hub import SECRET_FIELDS, HubFields
 from hftrain.fields.hub import problems as hub_problems
 from hftrain.fields.hub import unused as hub_unused
+from hftrain.fields.logging import LoggingFields
+from hftrain.fields.logging import problems as logging_problems
+from hftrain.fields.model import ModelFields
+from hftrain.fields.model import problems as model_problems
 from hftrain.fields.monitoring import MonitoringFields
 from hftrain.fields.monitoring import problems as monitoring_problems
 from hftrain.fields.objectives import ObjectiveFields
@@ -45,229 +48,21 @@ from hftrain.fields.parallel import ParallelFields
 from hftrain.fields.parallel import problems as parallel_problems
 from hftrain.fields.peft import PeftFields
 from hftrain.fields.peft import problems as peft_problems
+from hftrain.fields.training import TORCH_ADAMW as TORCH_ADAMW  # `as`: re-exported
+from hftrain.fields.training import TrainingFields
+from hftrain.fields.training import problems as training_problems
 from hftrain.options import is_bool_word, parse_bool
 from hftrain.paths import DEFAULT_DATASET as DEFAULT_DATASET  # `as`: re-exported (shipped paths, in hftrain.paths)
-from hftrain.paths import DEFAULT_MODEL, FINAL_DIR, RECIPE_DIR, complete_checkpoints, holds_a_run
+from hftrain.paths import FINAL_DIR, RECIPE_DIR, complete_checkpoints, holds_a_run
 from hftrain.paths import PRESET_DIR as PRESET_DIR
 from hftrain.paths import SHIPPED as SHIPPED
 
-TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
-OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 DEFAULT_RECIPE_NOTE = ("with no --config, each field takes the default shown (the tiny offline model and the chat "
                        "data shipped inside hftrain); `hftrain launch`, `hftrain finetune` and `hftrain data` with no "
                        "--config use the demo recipe tiny-chat instead")
 # fields that name a file or folder: a relative one that is not under the current folder may be a shipped file
 PATH_FIELDS = ("model_name_or_path", "tokenizer_name_or_path", "dataset_name", "eval_dataset_name",
                "chat_template_path", "teacher_model_name_or_path")
-
-
-def _cadence(action: str, every: str, none: str, note: str) -> Any:
-    """eval_strategy / save_strategy: TrainingArguments' IntervalStrategy values, documented alike."""
-    return _f("steps", f"When to {action} (TrainingArguments' name): steps (every {every} when set), epoch (after "
-              f"every epoch) or no ({none}). {note}", group="logging", choices=("steps", "epoch", "no"))
-
-
-@dataclass
-class ModelFields:
-    model_name_or_path: str = _f(
-        str(DEFAULT_MODEL),
-        "Hub model id (org/name) or local folder, loaded with AutoModelForCausalLM.from_pretrained. Default: the tiny "
-        "offline model shipped inside hftrain.",
-        group="model",
-    )
-    tokenizer_name_or_path: str | None = _f(
-        None, "Tokenizer id or folder; defaults to model_name_or_path.", group="model"
-    )
-    model_revision: str = _f("main", "Hub revision (branch, tag or commit) of the model.", group="model")
-    trust_remote_code: bool = _f(
-        False, "Allow model code from the hub repository to run. Off unless you trust the repository.", group="model"
-    )
-    dtype: str = _f(
-        "float32",
-        "dtype the weights are loaded in. Keep float32 for mixed-precision training (bf16 autocast keeps "
-        "fp32 master weights); bfloat16 halves memory but trains in pure bf16.",
-        group="model",
-        choices=("float32", "bfloat16", "float16"),
-    )
-    attn_implementation: str | None = _f(
-        None, "Attention kernel: eager, sdpa, flash_attention_2 (CUDA only; needs the flash-attn package: pip install "
-        "flash-attn --no-build-isolation) or varlen (torch's own variable-length FlashAttention, "
-        "torch.nn.attention.varlen: CUDA, bf16/fp16, packing; each packed document attends as its own sequence, by "
-        "the packer's boundaries, with no mask, so a row costs the sum of its documents' causal squares instead of "
-        "the row's). Default: varlen where it can run (CUDA, bf16 or fp16, packing: true, llama, mistral, mixtral, "
-        "qwen2, qwen3, phi3, olmo2 or gemma, without sp_size, pp_size, log_completions or eval_tasks), else the "
-        "model's choice (sdpa: packed rows get a block-diagonal mask). Every kernel keeps packed examples apart: "
-        "transformers' flash attention finds examples from position_ids only in a batch of one row, so hftrain hands "
-        "it (and varlen) each packed micro-batch flattened into one row. The start-up line names the one in use.",
-        group="model", choices=(None, "eager", "sdpa", "flash_attention_2", "varlen"),
-    )
-    use_liger_kernel: bool = _f(
-        False, "Liger's Triton kernels (CUDA only; pip install liger-kernel==0.8.5, or the [cuda] extra): RMSNorm, "
-        "SwiGLU/GeGLU and RoPE patched into the loaded model, and the output projection fused with the "
-        "cross-entropy (chunked internally, gradients computed in forward), so the logits of a micro-batch are never "
-        "materialised in fp32. For the architectures whose logits are lm_head(hidden); excludes loss_chunk_tokens.",
-        group="model",
-    )
-    gradient_checkpointing: bool = _f(
-        False, "Recompute activations in backward (non-reentrant) to save memory at ~30% more compute.",
-        group="model",
-    )
-    loss_chunk_tokens: int = _f(
-        0, "Compute the output projection and cross-entropy over this many trained tokens at a time, recomputing "
-        "each chunk's logits in backward, so that the fp32 logits of a whole micro-batch never exist at once "
-        "(they take tokens x vocabulary x 4 bytes, several GB for 100k+ vocabularies). 0: one chunk. Costs one "
-        "more output projection per chunk in backward; for the architectures whose logits are lm_head(hidden).",
-        group="model",
-    )
-    torch_compile: bool = _f(
-        False, "Compile the model's repeated blocks (each decoder layer) with torch.compile, in place: parameter "
-        "names and checkpoints are unchanged. Shapes are dynamic from the first compile, so varying lengths (and "
-        "packed documents) do not recompile. The first step takes longer (it compiles; the start-up reports its "
-        "time), later steps run faster; worth it for runs of many steps. CPU needs a C++ compiler (inductor).",
-        group="model",
-    )
-    torch_compile_mode: str | None = _f(
-        None, "torch.compile mode with torch_compile: default, reduce-overhead (CUDA graphs), max-autotune, "
-        "max-autotune-no-cudagraphs. Default: torch's default.", group="model",
-        choices=(None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
-    )
-    freeze_vision_tower: bool = _f(
-        True, "Image-text models: the vision tower gets no gradient (full fine-tuning) and no LoRA adapters "
-        "(all-linear). No effect on text models. See docs/vision.md.", group="model",
-    )
-    freeze_projector: bool = _f(
-        True, "Image-text models: the projector between the vision tower and the language model (LLaVA's "
-        "multi_modal_projector, Qwen's merger, Idefics3's connector) gets no gradient and no LoRA adapters "
-        "(all-linear). No effect on text models.", group="model",
-    )
-
-
-@dataclass
-class TrainingFields:
-    output_dir: str = _f("outputs/tiny-chat", "Where checkpoints, metrics.jsonl and the final model go (relative: to "
-                         "the current folder).",
-                         group="training")
-    overwrite_output_dir: bool = _f(
-        False, "Allow training into an output_dir that already holds another run (its files are replaced).",
-        group="training",
-    )
-    max_steps: int = _f(-1, "Total optimizer steps; > 0 overrides num_train_epochs.", group="training")
-    num_train_epochs: float = _f(1.0, "Epochs to train when max_steps <= 0 (fractions allowed).", group="training")
-    per_device_train_batch_size: int = _f(8, "Examples per process per micro-batch.", group="training")
-    per_device_eval_batch_size: int = _f(8, "Examples per process per evaluation batch.", group="training")
-    gradient_accumulation_steps: int = _f(
-        1, "Micro-batches per optimizer step. Effective batch = per_device x processes x this.", group="training"
-    )
-    learning_rate: float = _f(5e-5, "Peak learning rate.", group="training")
-    scale_lr: str = _f(
-        "none", "Scale learning_rate with the effective batch (per_device x processes x accumulation): linear "
-        "(x effective/base_batch_size, Goyal et al.), sqrt (x its square root, common for Adam) or none. The scaled "
-        "value is printed at start, recorded in hftrain_state.json (lr_scaling) and logged as learning_rate; a "
-        "resume follows the resumed run's effective batch.", group="training", choices=("none", "linear", "sqrt"),
-    )
-    base_batch_size: int | None = _f(
-        None, "The effective batch, in examples, that learning_rate was tuned for (needed by scale_lr linear/sqrt).",
-        group="training",
-    )
-    lr_scheduler_type: str = _f(
-        "linear", "Schedule after warmup.", group="training",
-        choices=("constant", "constant_with_warmup", "linear", "cosine"),
-    )
-    warmup_steps: int = _f(0, "Linear warmup length in optimizer steps (excludes warmup_ratio).", group="training")
-    warmup_ratio: float = _f(0.0, "Warmup as a fraction of total steps (excludes warmup_steps).", group="training")
-    weight_decay: float = _f(0.0, "Decoupled weight decay (AdamW); not applied to biases and norms.",
-                             group="training")
-    adam_beta1: float = _f(0.9, "AdamW beta1.", group="training")
-    adam_beta2: float = _f(0.999, "AdamW beta2.", group="training")
-    adam_epsilon: float = _f(1e-8, "AdamW epsilon.", group="training")
-    sgd_momentum: float = _f(0.0, "Momentum for optim: sgd (0 = plain SGD).", group="training")
-    router_aux_loss_coef: float | None = _f(
-        None, "Mixture-of-experts models: weight of the router load-balancing loss added to the training loss, "
-        "as TRL's SFTTrainer does (its name). Default: the model config's own coefficient (0.001 for Mixtral and "
-        "Qwen3-MoE); 0 turns it off. Logged as aux_loss; evaluation reports the token cross-entropy alone.",
-        group="training",
-    )
-    router_aux_loss_scope: str = _f(
-        "micro_batch", "Mixture-of-experts models: what the router load-balancing loss averages over. micro_batch: "
-        "each micro-batch's own aux, weighted by its trained tokens (as HF's Trainer; splitting a batch changes the "
-        "aux slightly, it is a product of two batch means). step: exactly the aux of the whole optimizer step over "
-        "all micro-batches and data-parallel ranks (k micro-batches of b on n ranks equal one batch of k*n*b), at "
-        "the cost of one extra no-grad forward per micro-batch (a routing pass before the step trains).",
-        group="training", choices=("micro_batch", "step"),
-    )
-    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this value; 0 disables clipping.",
-                              group="training")
-    optim: str = _f(
-        "adamw_torch",
-        "Optimizer: adamw_torch, adamw_torch_fused (the same AdamW as one fused kernel per parameter group, CPU and "
-        "CUDA), sgd, or bitsandbytes adamw_bnb_8bit / paged_adamw_8bit / paged_adamw_32bit "
-        "(8-bit optimizer state for tensors of 4096+ elements, 32-bit below; 'paged' only pages on CUDA).",
-        group="training", choices=OPTIMIZERS,
-    )
-    train_sampling_strategy: str = _f(
-        "random", "random: shuffled each epoch from `seed`; sequential: the dataset's own order; group_by_length: "
-        "shuffled, then rows of similar length share an optimizer step (windows of 50 global batches sorted by "
-        "length, batch order shuffled), so right padding wastes little compute when packing is off.",
-        group="training", choices=("random", "sequential", "group_by_length"),
-    )
-    seed: int = _f(42, "Seed for model-independent randomness (data order, dropout).", group="training")
-    data_seed: int | None = _f(
-        None, "Seed of the data alone (order, eval hold-out, mixture sampling), as TRL's data_seed; default: seed.",
-        group="training",
-    )
-    nan_policy: str = _f(
-        "stop", "A step whose loss or gradient norm is NaN/inf: stop (checkpoint of the last good step, clear error) "
-        "or skip_step (no update, counted in nan_skipped_steps).", group="training", choices=("stop", "skip_step"),
-    )
-    ddp_timeout: int = _f(
-        1800, "Seconds a rank waits in a collective (e.g. while rank 0 tokenizes a large dataset) before failing.",
-        group="training",
-    )
-    bf16: bool = _f(False, "bfloat16 mixed precision (CPU and GPU).", group="training")
-    fp16: bool = _f(False, "float16 mixed precision with loss scaling (CUDA only).", group="training")
-
-
-@dataclass
-class LoggingFields:
-    logging_steps: int = _f(10, "Log training metrics every N optimizer steps (and at the first step).",
-                            group="logging")
-    eval_strategy: str = _cadence("evaluate", "eval_steps", "never; nothing is held out, and eval_steps and "
-                                  "eval_dataset_name are not used",
-                                  "Any but no also evaluates at the end.")
-    eval_steps: int | None = _f(None, "Evaluate every N optimizer steps (eval_strategy steps); always at the end.",
-                                group="logging")
-    save_strategy: str = _cadence("save checkpoint-N", "save_steps", "no checkpoints; save_steps is not used",
-                                  "The final model is saved all the same.")
-    save_steps: int | None = _f(None, "Save checkpoint-N every N optimizer steps (save_strategy steps).",
-                                group="logging")
-    checkpoint_preflight: bool = _f(
-        True, "When the run saves periodic checkpoints (save_strategy epoch, or steps with save_steps): before step "
-        "1, save a checkpoint of the initial state under the real strategy and process count, load it back, check "
-        "that weights and optimizer state are unchanged and that the disk holds another checkpoint of that size, "
-        "then delete it and print the save and load times. A run whose checkpoints would not save or load stops "
-        "there instead of at its first save.", group="logging",
-    )
-    async_checkpointing: bool | None = _f(
-        None, "Write periodic checkpoints in the background: training waits only while the state is copied to CPU "
-        "memory (one more copy of it stays there), at most one save is in flight, and checkpoint-N appears only once "
-        "complete. Works with one process, DDP and FSDP2 (sharded state dicts); DeepSpeed and tensor-parallel runs "
-        "save synchronously and say why. Preemption, NaN-stop and final saves wait for the one in flight. Unset "
-        "(default): on for FSDP2 (each rank stages only its shard), off for one process and DDP (the copy is the "
-        "whole model and optimizer state on rank 0, and a local disk's page cache already absorbs the write: "
-        "docs/benchmarks.md); set true for slow or network storage.",
-        group="logging",
-    )
-    save_total_limit: int | None = _f(None, "Keep at most this many checkpoints (oldest removed first).",
-                                      group="logging")
-    resume_from_checkpoint: str | None = _f(
-        None, "'latest' (newest checkpoint in output_dir) or a checkpoint folder to continue from.", group="logging"
-    )
-    report_to: list[str] = _f(
-        ["none"], "Trackers: wandb, tensorboard, mlflow (needs the mlflow package), or none. metrics.jsonl is "
-        "always written.", group="logging"
-    )
-    project_name: str = _f("hftrain", "Tracker project (W&B project).", group="logging")
-    run_name: str | None = _f(None, "Tracker run name; defaults to the output_dir name.", group="logging")
 
 
 @dataclass
@@ -305,7 +100,6 @@ class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, Logg
 
 FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
 TYPES = typing.get_type_hints(Recipe)  # resolved annotations (they are strings under __future__ annotations)
-TRACKERS = ("wandb", "tensorboard", "mlflow", "none")
 
 
 # --------------------------------------------------------------------------- coercion
@@ -430,84 +224,15 @@ def with_objective_defaults(values: dict[str, Any]) -> dict[str, Any]:
 def validate(recipe: Recipe) -> list[str]:
     """Every problem with the recipe's values and combinations; [] when it is usable."""
     r, problems = recipe, []
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            problems.append(msg)
-
     for name, f in FIELDS.items():
         choices = f.metadata["choices"]
         if choices and getattr(r, name) not in choices:
             shown = ", ".join(str(c) for c in choices if c is not None)
             problems.append(f"{name}={getattr(r, name)!r} is not one of: {shown}")
-    bad_trackers = [t for t in r.report_to if t not in TRACKERS]
-    need(not bad_trackers, f"report_to has unknown tracker(s) {bad_trackers}; use {', '.join(TRACKERS)}")
-    need(not ("none" in r.report_to and len(r.report_to) > 1), "report_to mixes 'none' with trackers")
-
-    need(r.max_steps > 0 or r.num_train_epochs > 0, "set max_steps > 0 or num_train_epochs > 0 (both are off)")
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "logging_steps"):
-        need(getattr(r, name) >= 1, f"{name} must be >= 1, got {getattr(r, name)}")
-    for kind in ("eval", "save"):  # `no` turns the cadence off whatever its steps say (unused_settings notes them)
-        strategy, steps = getattr(r, f"{kind}_strategy"), getattr(r, f"{kind}_steps")
-        need(steps is None or strategy != "epoch", f"{kind}_steps={steps} applies to {kind}_strategy=steps, but "
-             f"{kind}_strategy=epoch; remove {kind}_steps (on the command line: --{kind}_steps null) or set "
-             f"{kind}_strategy: steps")
-    for name in ("eval_steps", "save_steps", "save_total_limit", "max_samples"):
-        value = getattr(r, name)
-        need(value is None or value >= 1, f"{name} must be >= 1 or unset, got {value}")
-    need(r.max_length >= 2, f"max_length must be >= 2 tokens, got {r.max_length}")
-    need(r.learning_rate > 0, f"learning_rate must be > 0, got {r.learning_rate}")
-    need(r.scale_lr == "none" or (r.base_batch_size or 0) >= 1, f"scale_lr={r.scale_lr} scales learning_rate "
-         f"from the batch it was tuned for: set base_batch_size (>= 1 examples), got {r.base_batch_size}")
-    need(r.scale_lr != "none" or r.base_batch_size is None, f"base_batch_size={r.base_batch_size} only applies "
-         "with scale_lr linear or sqrt; set scale_lr or remove base_batch_size")
-    need(r.warmup_steps >= 0, f"warmup_steps must be >= 0, got {r.warmup_steps}")
-    need(0 <= r.warmup_ratio < 1, f"warmup_ratio must be in [0, 1), got {r.warmup_ratio}")
-    need(not (r.warmup_steps > 0 and r.warmup_ratio > 0),
-         "warmup_steps and warmup_ratio are both set; keep one (warmup_steps=0 or warmup_ratio=0)")
-    need(not (r.lr_scheduler_type == "constant" and (r.warmup_steps > 0 or r.warmup_ratio > 0)),
-         "lr_scheduler_type=constant has no warmup; use constant_with_warmup or set warmup to 0")
-    need(r.router_aux_loss_coef is None or r.router_aux_loss_coef >= 0,
-         f"router_aux_loss_coef must be >= 0 or unset, got {r.router_aux_loss_coef}")
-    need(r.router_aux_loss_scope == "micro_batch" or (r.router_aux_loss_coef != 0 and r.objective == "sft"),
-         "router_aux_loss_scope=step makes the router load-balancing loss exact over a step, but there is none here "
-         f"(router_aux_loss_coef={r.router_aux_loss_coef}, objective={r.objective}; it needs a coefficient > 0 or "
-         "the model's own, and objective sft); remove router_aux_loss_scope")
-    need(r.max_grad_norm >= 0, f"max_grad_norm must be >= 0 (0 disables clipping), got {r.max_grad_norm}")
-    need(r.weight_decay >= 0, f"weight_decay must be >= 0, got {r.weight_decay}")
-    need(0 <= r.adam_beta1 < 1 and 0 <= r.adam_beta2 < 1, "adam_beta1 and adam_beta2 must be in [0, 1)")
-    need(r.adam_epsilon > 0, f"adam_epsilon must be > 0, got {r.adam_epsilon}")
-    need(r.sgd_momentum >= 0, f"sgd_momentum must be >= 0, got {r.sgd_momentum}")
-    need(not (r.sgd_momentum > 0 and r.optim != "sgd"), "sgd_momentum is set but optim is not sgd")
-    need(0 <= r.validation_split_percentage < 100,
-         f"validation_split_percentage must be in [0, 100), got {r.validation_split_percentage}")
-    need(not (r.eval_dataset_name and r.validation_split_percentage not in (0, 5.0)),
-         "eval_dataset_name and validation_split_percentage are both set; the carve-out is only used "
-         "without eval_dataset_name")
-    need(r.dataloader_num_workers >= 0, "dataloader_num_workers must be >= 0")
-    need(r.ddp_timeout >= 1, f"ddp_timeout must be >= 1 second, got {r.ddp_timeout}")
-    need(not (r.bf16 and r.fp16), "bf16 and fp16 are both true; choose one")
-    need(not (r.fp16 and r.dtype == "bfloat16"), "fp16 mixed precision with dtype=bfloat16 weights; use bf16")
-    problems += data_problems(r)
-    problems += objective_problems(r)
-    problems += grpo_problems(r)
-    problems += distill_problems(r)
-    problems += _validate_performance(r)
-    problems += monitoring_problems(r)
-    problems += hub_problems(r)
-    problems += evaluation_problems(r)
-
-    problems += peft_problems(r)
-
-    if looks_local(r.model_name_or_path) and not Path(r.model_name_or_path).expanduser().is_dir():
-        problems.append(f"model_name_or_path {r.model_name_or_path!r} is not a folder; give a local model "
-                        "folder or a hub id (org/name). scripts/make_tiny_model.py builds an offline one")
-    for name in ("dataset_name", "eval_dataset_name"):
-        path = getattr(r, name)
-        if path and looks_local(path) and not Path(path).expanduser().exists():
-            problems.append(f"{name} {path!r} does not exist; give a data file, a saved dataset folder or a hub id")
-
+    for group in (logging_problems, training_problems, data_problems, objective_problems, grpo_problems,
+                  distill_problems, model_problems, monitoring_problems, hub_problems, evaluation_problems,
+                  peft_problems):
+        problems += group(r)
     return problems
 
 
@@ -518,29 +243,6 @@ def unused_settings(r: Recipe) -> list[str]:
               "save": [name for name in ("save_steps", "save_total_limit") if getattr(r, name) is not None]}
     return [f"{kind}_strategy no: {', '.join(f'{name}={getattr(r, name)}' for name in names)} not used"
             for kind, names in unused.items() if names and getattr(r, f"{kind}_strategy") == "no"] + hub_unused(r)
-
-
-def _validate_performance(r: Recipe) -> list[str]:
-    """Speed options that cannot work together."""
-    problems = []
-    if r.loss_chunk_tokens < 0:
-        problems.append(f"loss_chunk_tokens must be >= 0 (0 = no chunking), got {r.loss_chunk_tokens}")
-    if r.torch_compile_mode is not None and not r.torch_compile:
-        problems.append(f"torch_compile_mode={r.torch_compile_mode} is set but torch_compile is false; set "
-                        "torch_compile: true or remove torch_compile_mode")
-    if r.torch_compile and r.tp_size > 1:
-        problems.append("torch_compile with tp_size > 1 is refused: compiling transformers' tensor-parallel layers "
-                        "(DTensor weights) fails in backward with torch 2.13 (a RecursionError in a view's backward); "
-                        "use tensor parallelism or torch_compile, not both")
-    if r.use_liger_kernel and r.tp_size > 1:
-        problems.append(f"use_liger_kernel with tp_size={r.tp_size} is refused: Liger's fused loss reads "
-                        "lm_head.weight directly, and under tensor parallelism that is a DTensor holding 1/tp_size of "
-                        "the vocabulary (transformers' tp plan splits the head), which its Triton kernel cannot "
-                        "take as the whole head; use tensor parallelism or Liger, not both")
-    if r.packing and r.train_sampling_strategy == "group_by_length":
-        problems.append("train_sampling_strategy=group_by_length with packing=true has nothing to group: packed rows "
-                        "all hold close to max_length tokens; use random with packing, or turn packing off")
-    return problems
 
 
 def check_output_dir(r: Recipe) -> list[str]:

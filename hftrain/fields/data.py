@@ -125,7 +125,28 @@ class DataFields:
 
 def problems(r) -> list[str]:
     """The data group's rules, then streaming's."""
-    return _source_problems(r) + _streaming_problems(r)
+    return _value_problems(r) + _source_problems(r) + _streaming_problems(r)
+
+
+def _value_problems(r) -> list[str]:
+    """Sizes and shares out of range, and local paths that do not exist."""
+    problems = []
+    if r.max_samples is not None and r.max_samples < 1:
+        problems.append(f"max_samples must be >= 1 or unset, got {r.max_samples}")
+    if r.max_length < 2:
+        problems.append(f"max_length must be >= 2 tokens, got {r.max_length}")
+    if not 0 <= r.validation_split_percentage < 100:
+        problems.append(f"validation_split_percentage must be in [0, 100), got {r.validation_split_percentage}")
+    if r.eval_dataset_name and r.validation_split_percentage not in (0, 5.0):
+        problems.append("eval_dataset_name and validation_split_percentage are both set; the carve-out is only used "
+                        "without eval_dataset_name")
+    if r.dataloader_num_workers < 0:
+        problems.append("dataloader_num_workers must be >= 0")
+    for name in ("dataset_name", "eval_dataset_name"):
+        path = getattr(r, name)
+        if path and looks_local(path) and not Path(path).expanduser().exists():
+            problems.append(f"{name} {path!r} does not exist; give a data file, a saved dataset folder or a hub id")
+    return problems
 
 
 def _source_problems(r) -> list[str]:
