@@ -20,6 +20,7 @@ from transformers import GenerationConfig
 
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
+from hftrain.jsonl import keep_through
 from hftrain.model import pad_token_id
 from hftrain.paths import COMPLETIONS_FILE, STATE_FILE
 from hftrain.tracking import Table
@@ -67,9 +68,8 @@ class CompletionSamples:
         start = 0
         if run.resume_from is not None:
             start = json.loads((run.resume_from / STATE_FILE).read_text(encoding="utf-8"))["progress"]["step"]
-        kept = [line for line in self.file.read_text(encoding="utf-8").splitlines()
-                if json.loads(line)["step"] <= start] if self.file.exists() else []
-        self.file.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        keep_through(self.file, start)
+        self.file.touch()
         self.started = True
 
     def __call__(self, run) -> dict:

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError, first_line
+from hftrain.jsonl import keep_through
 from hftrain.paths import METRICS_FILE
 
 SECRET_NAME = re.compile(r"token|key|secret|password|credential", re.IGNORECASE)
@@ -46,14 +47,6 @@ def redact(name: str, value):
     if SECRET_NAME.search(name.rsplit("/", 1)[-1]) or (isinstance(value, str) and SECRET_VALUE.match(value)):
         return REDACTED
     return value
-
-
-def _step_of(line: str) -> int | None:
-    """The step of a metrics line, or None for a line cut short by a crash."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def tracker_config(recipe: Recipe, run_info: dict) -> dict:
@@ -129,9 +122,11 @@ class MetricLogger:
         if self.main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # A resumed run continues the file; rows logged after its checkpoint are dropped.
-            rows = self.path.read_text(encoding="utf-8").splitlines() if start_step and self.path.exists() else []
-            kept = [r for r in rows if _step_of(r) is not None and _step_of(r) <= start_step]
-            self.path.write_text("".join(r + "\n" for r in kept), encoding="utf-8")
+            if start_step:
+                keep_through(self.path, start_step)
+                self.path.touch()
+            else:
+                self.path.write_text("", encoding="utf-8")
         if self.trackers:
             self._start_trackers(recipe, run_info, resumed)
 

@@ -48,6 +48,7 @@ from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.data.feeds import TrainingData
 from hftrain.errors import HftrainError
+from hftrain.jsonl import keep_through
 from hftrain.loss import ObjectiveLoss
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, WrapsCausalLM, load_base_model, pad_token_id
 from hftrain.objectives.base import Objective
@@ -311,9 +312,8 @@ class OnPolicyFeed:
 
     def start(self, step: int, state) -> None:
         """A resumed run (or one overwriting an earlier run) keeps rollouts.jsonl's rows up to `step`."""
-        if self.accelerator.is_main_process and self.file.exists():
-            kept = [line for line in self.file.read_text().splitlines() if json.loads(line)["step"] <= step]
-            self.file.write_text("".join(line + "\n" for line in kept))
+        if self.accelerator.is_main_process:
+            keep_through(self.file, step)
         self.inner.start(step, state)
 
     def batches(self, progress) -> Iterator[dict]:

@@ -26,6 +26,7 @@ from torch import nn
 
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError
+from hftrain.jsonl import keep_through
 from hftrain.loss import ObjectiveLoss
 from hftrain.model import WrapsCausalLM
 from hftrain.parallel.sequence import GroupSum
@@ -330,10 +331,8 @@ class Rollouts:
     def start(self, step: int, state: dict | None) -> None:
         """Before the first step: a checkpoint saved inside a window hands its buffered micro-batches back; the
         evaluations after `step` (of the run resumed, or of a run this one overwrites) leave eval_rollouts.jsonl."""
-        evaluations = self.file.parent / EVAL_ROLLOUTS_FILE
-        if self.accelerator.is_main_process and evaluations.exists():
-            kept = [line for line in evaluations.read_text().splitlines() if json.loads(line)["step"] <= step]
-            evaluations.write_text("".join(line + "\n" for line in kept))
+        if self.accelerator.is_main_process:
+            keep_through(self.file.parent / EVAL_ROLLOUTS_FILE, step)
         if state is None:
             return
         types = {"input_ids": torch.long, "labels": torch.long, "num_examples": torch.long}
@@ -656,10 +655,8 @@ class Rollouts:
 
     def truncate_rows(self, before_window: int) -> None:
         """On resume: keep the rows of the windows generated before the checkpoint's next window."""
-        if not (self.accelerator.is_main_process and self.file.exists()):
-            return
-        kept = [line for line in self.file.read_text().splitlines() if json.loads(line)["window"] < before_window]
-        self.file.write_text("".join(line + "\n" for line in kept))
+        if self.accelerator.is_main_process:
+            keep_through(self.file, before_window - 1, key="window")
 
     def reward_metrics(self, per_func: torch.Tensor, rewards: torch.Tensor, zero_std: torch.Tensor,
                        lengths: torch.Tensor) -> dict[str, float]:
