@@ -18,6 +18,12 @@ Causal attention is `window_size=(-1, 0)` in every version (none of their `varle
 kernel has no dropout, and a sliding window shorter than a document is not applied: the preflight refuses both
 (`preflight.varlen_obstacles`), and `varlen_attention_forward` raises if it meets them anyway.
 
+On a machine without CUDA a named `varlen` runs `CPU_KERNEL` instead: the same contract computed as torch's sdpa over
+each document in turn (causal, in fp32 or 16 bits), so a packed row costs its documents' causal squares there too
+rather than the full square sdpa computes under a block-diagonal mask (about 4x less attention work for rows of five
+documents; docs/benchmarks.md). It is chosen only when named: the automatic choice keeps the model's attention on CPU.
+Under torch_compile the per-document loop runs between the compiled pieces of each layer (a graph break).
+
 Where it is chosen (automatically on CUDA for packed rows in 16 bits, or by name) and what does not combine with it:
 `preflight.varlen_obstacles`, asked for an explicit request and for the automatic choice (`preflight.attention_choice`).
 """
@@ -29,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface
 
@@ -49,21 +56,49 @@ class VarlenKernel:
     """A variable-length attention kernel with the contract of `torch.nn.attention.varlen.varlen_attn`: (total, heads,
     dim) query, key and value, int32 cumulative lengths and Python-int maximum lengths, keyword `scale` and
     `window_size` ((-1, 0): causal). `gqa`: it takes `enable_gqa` (torch >= 2.12), so key/value heads may be fewer
-    than query heads without a copy; `needs_cuda`: it runs on CUDA tensors only."""
+    than query heads without a copy; `needs_cuda`: it runs on CUDA tensors only; `flash`: it is a FlashAttention kernel
+    (16-bit compute only, head dimensions up to `MAX_HEAD_DIM`)."""
 
     call: Callable[..., torch.Tensor]
     gqa: bool
     name: str
     needs_cuda: bool = True
+    flash: bool = True
 
 
 # public since torch 2.10 (hftrain's floor is 2.11); CUDA only
 TORCH_KERNEL = VarlenKernel(varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters, "torch flash")
 
 
+def per_document_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_q: torch.Tensor,
+                      cu_seq_k: torch.Tensor, max_q: int, max_k: int, *, scale: float | None = None,
+                      window_size: tuple[int, int] = (-1, -1), enable_gqa: bool = False) -> torch.Tensor:
+    """`varlen_attn`'s contract on any device: sdpa over each segment of the flattened tokens (the same segments for
+    queries and keys, as hftrain passes them), causal for window (-1, 0). sdpa's causal kernel computes each
+    document's triangle, and nothing across documents."""
+    bounds = cu_seq_q.tolist()
+    causal = tuple(window_size) == (-1, 0)
+    pieces = []
+    for start, end in zip(bounds, bounds[1:]):
+        q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # (1, heads, length, dim)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=enable_gqa)
+        pieces.append(out.squeeze(0).transpose(0, 1))
+    return torch.cat(pieces)
+
+
+CPU_KERNEL = VarlenKernel(per_document_sdpa, True, "per-document sdpa", needs_cuda=False, flash=False)
+
+
 def varlen_kernel() -> VarlenKernel:
-    """The kernel `varlen_attention_forward` calls: torch's."""
+    """The kernel `varlen_attention_forward` calls where it can run: torch's."""
     return TORCH_KERNEL
+
+
+def kernel_for(cuda: bool) -> VarlenKernel:
+    """The kernel that runs on a machine with (`cuda`) or without a CUDA GPU: `varlen_kernel()`, or, where it needs
+    CUDA and there is none, `CPU_KERNEL`."""
+    kernel = varlen_kernel()
+    return CPU_KERNEL if kernel.needs_cuda and not cuda else kernel
 
 
 def compute_dtype(query: torch.Tensor, module: torch.nn.Module) -> torch.dtype:
@@ -117,7 +152,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     # layout survived the transposes, as in transformers' Llama-style attention
     q, k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3]).to(dtype)
                for t in (query, key, value))
-    kernel = varlen_kernel()
+    kernel = kernel_for(query.device.type == "cuda")
     grouped = {}
     if kv_heads != heads:
         if kernel.gqa:
@@ -133,11 +168,11 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out, None
 
 
-def describe(kernel: str | None, packed: bool, why_not_varlen: str | None = None) -> str:
-    """The start-up line's words for the attention a loaded model runs (`kernel`: its attn_implementation), and why
-    varlen was not chosen where packed rows could have used it."""
+def describe(kernel: str | None, packed: bool, why_not_varlen: str | None = None, cuda: bool = True) -> str:
+    """The start-up line's words for the attention a loaded model runs (`kernel`: its attn_implementation) on a
+    machine with or without CUDA, and why varlen was not chosen where packed rows could have used it."""
     if kernel == VARLEN:
-        details = [f"{varlen_kernel().name}, packed rows"]
+        details = [f"{kernel_for(cuda).name}, packed rows"]
     elif packed:
         flash = str(kernel).startswith("flash_attention")
         details = ["packed rows flattened into one" if flash else "block-diagonal mask over packed rows"]

@@ -323,7 +323,8 @@ class Finetune:
         """The start-up line of the speed levers in use: the attention the loaded model runs (and, where packed rows
         kept sdpa, why not varlen), torch.compile, the loss's path to the logits."""
         summary, recipe = self.parts.summary, self.recipe
-        kernel = attention.describe(summary["attention"], recipe.packing, self.attention_note)
+        kernel = attention.describe(summary["attention"], recipe.packing, self.attention_note,
+                                    self.accelerator.device.type == "cuda")
         compiled = (f"on ({summary['compiled_blocks']} blocks, mode {recipe.torch_compile_mode or 'default'}, "
                     "dynamic shapes; the first step's time is reported)" if recipe.torch_compile else "off")
         return f"attention {kernel}; compile {compiled}; loss {self.parts.loss.loss_path}"

@@ -496,21 +496,23 @@ class Obstacle:
     problem: str
 
 
-def varlen_obstacles(recipe: Recipe, launch: Launch, cuda: bool,
-                     model_config: PretrainedConfig | None) -> list[Obstacle]:
-    """Everything that stands between this run and attn_implementation=varlen (hftrain.attention): a machine without
-    the kernel's device, fp32 compute, rows that are not packed, a layout whose attention is another module's
-    (sequence parallelism, the pipeline; context parallelism's own rule refuses any attention but sdpa), generation
-    through the trained model, and a model whose attention the kernel cannot compute."""
-    r, kernel, found = recipe, attention.varlen_kernel(), []
+def varlen_obstacles(recipe: Recipe, launch: Launch, cuda: bool, model_config: PretrainedConfig | None,
+                     automatic: bool = False) -> list[Obstacle]:
+    """Everything that stands between this run and attn_implementation=varlen (hftrain.attention): fp32 compute for a
+    FlashAttention kernel, rows that are not packed, a layout whose attention is another module's (sequence
+    parallelism, the pipeline; context parallelism's own rule refuses any attention but sdpa), generation through
+    the trained model, and a model whose attention the kernel cannot compute. `automatic`: for the automatic choice,
+    which takes varlen only where a FlashAttention kernel runs it (on CPU, hftrain's per-document sdpa runs it when
+    named)."""
+    r, kernel, found = recipe, attention.kernel_for(cuda), []
 
     def add(short: str, problem: str) -> None:
         found.append(Obstacle(short, f"attn_implementation={VARLEN} {problem}"))
 
-    if kernel.needs_cuda and not cuda:
-        add("needs CUDA", "runs torch's variable-length FlashAttention kernel (torch.nn.attention.varlen), which "
-            "needs a CUDA GPU, and this machine has none; use sdpa (packed rows then get a block-diagonal mask)")
-    if not (r.bf16 or r.fp16 or r.dtype in ("bfloat16", "float16")):
+    if automatic and kernel is attention.CPU_KERNEL:
+        add("runs on CPU when named", "on a machine without CUDA runs as per-document sdpa: set "
+            "attn_implementation: varlen to use it")
+    if kernel.flash and not (r.bf16 or r.fp16 or r.dtype in ("bfloat16", "float16")):
         add("needs bf16/fp16", "computes in bf16 or fp16 only (FlashAttention has no fp32 kernel), and this run "
             "computes in fp32; set bf16: true (or fp16: true), or use sdpa")
     if not r.packing:
@@ -538,7 +540,7 @@ def varlen_obstacles(recipe: Recipe, launch: Launch, cuda: bool,
     if model_config.model_type not in VARLEN_MODEL_TYPES:
         add("does not run this model", f"runs the architectures whose attention hftrain checked against it "
             f"({', '.join(sorted(VARLEN_MODEL_TYPES))}); this model is {model_config.model_type!r}: use sdpa")
-    elif head_dim > MAX_HEAD_DIM:
+    elif kernel.flash and head_dim > MAX_HEAD_DIM:
         add("does not run this model", f"needs a head dimension of at most {MAX_HEAD_DIM} (FlashAttention-2's), and "
             f"this model's is {head_dim}: use sdpa")
     if window is not None and window < r.max_length:
@@ -559,7 +561,7 @@ def attention_choice(recipe: Recipe, launch: Launch, cuda: bool,
     (sdpa for every architecture hftrain names)."""
     if recipe.attn_implementation is not None:
         return recipe.attn_implementation, None
-    obstacles = varlen_obstacles(recipe, launch, cuda, model_config)
+    obstacles = varlen_obstacles(recipe, launch, cuda, model_config, automatic=True)
     if not obstacles:
         return VARLEN, None
     return None, f"{VARLEN} {obstacles[0].short}" if recipe.packing else None

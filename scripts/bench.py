@@ -149,6 +149,11 @@ CONTENDERS = {
                                 {"train_sampling_strategy": "random"}),
     "hftrain_packed": Contender("hftrain", "hftrain, packing (BFD, padding-free, position_ids)",
                                 {"packing": True}, packed=True),
+    # packed rows with no block-diagonal mask on CPU: attn_implementation varlen runs there as sdpa over each document
+    # (hftrain.attention.CPU_KERNEL), the causal squares of the documents instead of a masked square of each row
+    "hftrain_varlen": Contender("hftrain", "hftrain, packing, attn_implementation: varlen (per-document sdpa on CPU), "
+                                "1 dataloader worker", {"packing": True, "attn_implementation": "varlen",
+                                                        "dataloader_num_workers": 1}, packed=True),
     "trainer": Contender("trainer", "transformers Trainer, random batches padded to the longest "
                                     "(DataCollatorForSeq2Seq)"),
     "trl_padding": Contender("trl", "TRL SFTTrainer, random batches padded to the longest",

@@ -10,6 +10,7 @@ tensors document by document, or the same examples run one by one through the HF
 from __future__ import annotations
 
 import copy
+import dataclasses
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -41,10 +42,22 @@ SEGMENTS = [(0, 0, 5), (0, 5, 6), (0, 6, 10), (0, 10, 12), (1, 0, 12)]
 CU = torch.tensor([0, 5, 6, 10, 12, 24], dtype=torch.int32)
 
 
-@pytest.fixture(params=[True, False], ids=["torch>=2.12", "torch2.11"])
+@pytest.fixture(params=[True, False, "cpu"], ids=["torch>=2.12", "torch2.11", "cpu"])
 def calls(request, monkeypatch) -> Calls:
-    """The reference kernel in place of torch's, with enable_gqa (2.12+) or without (2.11); what it was called with."""
+    """The reference kernel in place of torch's, with enable_gqa (2.12+) or without (2.11), or hftrain's own kernel on
+    a machine without CUDA (`CPU_KERNEL`, recorded as it runs); what it was called with."""
     seen = Calls()
+    if request.param == "cpu":
+        own = hftrain.attention.CPU_KERNEL
+
+        def recorded(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **options):
+            seen.add(query, key, max_q, max_k, options.get("enable_gqa", False))
+            return own.call(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **options)
+
+        monkeypatch.setattr(hftrain.attention, "CPU_KERNEL", dataclasses.replace(own, call=recorded))
+        assert hftrain.attention.kernel_for(cuda=False) is hftrain.attention.CPU_KERNEL
+        seen.gqa = True
+        return seen
     kernel = reference_kernel(gqa=request.param, calls=seen)
     monkeypatch.setattr(hftrain.attention, "varlen_kernel", lambda: kernel)
     seen.gqa = request.param
@@ -339,7 +352,6 @@ def test_varlen_runs_where_it_can(monkeypatch):
 
 
 @pytest.mark.parametrize("values, cuda, said", [
-    ({}, False, "needs a CUDA GPU, and this machine has none"),
     ({"bf16": False}, True, "computes in bf16 or fp16 only (FlashAttention has no fp32 kernel)"),
     ({"packing": False}, True, "without packing every row is one example"),
     ({"log_completions": True}, True, "cannot generate"),
@@ -380,14 +392,26 @@ def test_explicit_varlen_with_a_layout_it_does_not_combine_with_is_refused(monke
     assert any(said in p for p in problems), problems
 
 
-def test_every_varlen_problem_is_reported_at_once():
-    problems = varlen_problems(Recipe(model_name_or_path=str(MODEL), attn_implementation=VARLEN, log_completions=True),
-                               cuda=False)
-    assert len(problems) == 4  # CUDA, fp32, no packing, generation
+def test_every_varlen_problem_is_reported_at_once(monkeypatch):
+    r = Recipe(model_name_or_path=str(MODEL), attn_implementation=VARLEN, log_completions=True)
+    assert len(varlen_problems(r, cuda=False)) == 2  # no packing, generation (hftrain's CPU kernel computes fp32)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert len(varlen_problems(r, cuda=True)) == 3  # and fp32, which FlashAttention does not compute
+
+
+def test_named_varlen_runs_on_a_machine_without_cuda_in_any_precision():
+    """On CPU a named varlen passes the preflight in fp32 and bf16 and runs hftrain's per-document sdpa (the start-up
+    line says so); the automatic choice keeps sdpa there and says why."""
+    for values in ({"bf16": False}, {}):
+        r = recipe(attn_implementation=VARLEN, **values)
+        assert preflight(r, ONE, cuda=False) is not None
+        assert attention_choice(r, ONE, False, None) == (VARLEN, None)
+    assert describe(VARLEN, True, cuda=False) == "varlen (per-document sdpa, packed rows)"
+    assert attention_choice(recipe(), ONE, False, None) == (None, "varlen runs on CPU when named")
 
 
 @pytest.mark.parametrize("values, cuda, note", [
-    ({}, False, "varlen needs CUDA"),
+    ({}, False, "varlen runs on CPU when named"),
     ({"bf16": False}, True, "varlen needs bf16/fp16"),
     ({"packing": False}, True, None),
     ({"sp_size": 2}, True, "varlen does not combine with sp_size"),
