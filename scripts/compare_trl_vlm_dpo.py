@@ -10,8 +10,10 @@ images), in the same order, with the same hyperparameters (scripts/trl_compare.p
 at 1.0, fp32, 4 pairs per step; plain SGD, learning rate 0.2, so that the final weights compare too: AdamW's first
 steps turn the rounding noise of a gradient that is zero in exact arithmetic, such as an attention key's bias, into
 updates of the learning rate's size) and every part trained (the vision tower and projector too:
-freeze_vision_tower / freeze_projector false), for loss_type sigmoid and ipo. TRL loads a reference copy, hftrain
-copies the policy; both give the reference the same pixels. The model folder is copied with a chat template that
+freeze_vision_tower / freeze_projector false), for loss_type sigmoid and ipo, and sigmoid with LoRA (scripts/
+trl_compare.py's adapters on q/k/v/o_proj: the language model's and the vision tower's attention). Full fine-tuning:
+TRL loads a reference copy, hftrain copies the policy; LoRA: both disable the adapters; both give the reference the
+same pixels. The model folder is copied with a chat template that
 writes the newline between turns before each turn, so that nothing follows a completion's <|im_end|> (TRL trains
 what the template renders after the completion, hftrain stops at the end-of-turn token: docs/from-trl.md).
 
@@ -33,7 +35,7 @@ import trl_compare as compare  # noqa: E402 - the comparisons' shared part, besi
 from trl_compare import REPO, SETTINGS  # noqa: E402
 
 OPTIMIZER = dict(optim="sgd", learning_rate=0.2)
-VARIANTS = ("sigmoid", "ipo")
+VARIANTS = {"sigmoid full": ("sigmoid", "full"), "ipo full": ("ipo", "full"), "sigmoid lora": ("sigmoid", "lora")}
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 # the tiny LLaVA's template (ChatML with list-of-parts content), the newline between turns written before each turn
 NO_TRAILING_NEWLINE = (
@@ -64,7 +66,7 @@ def pairs(count: int, out: Path) -> Path:
     return path
 
 
-def run_trl(model_path: Path, data: Path, steps: int, out: Path, loss: str) -> list:
+def run_trl(model_path: Path, data: Path, steps: int, out: Path, loss: str, method: str) -> list:
     import datasets
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
@@ -79,7 +81,7 @@ def run_trl(model_path: Path, data: Path, steps: int, out: Path, loss: str) -> l
 
     dataset = datasets.load_dataset("json", data_files=str(data), split="train")
     dataset = dataset.cast_column("images", datasets.Sequence(datasets.Image()))  # decoded as PIL images
-    model = compare.policy(model_path, "full", model_class=AutoModelForImageTextToText)
+    model = compare.policy(model_path, method, model_class=AutoModelForImageTextToText)
     args = DPOConfig(output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False,
                      max_steps=steps, train_sampling_strategy="sequential", eval_strategy="no", save_strategy="no",
                      report_to=[], disable_tqdm=True, loss_type=[loss], **OPTIMIZER, **SETTINGS)
@@ -92,8 +94,8 @@ def run_trl(model_path: Path, data: Path, steps: int, out: Path, loss: str) -> l
     return rows
 
 
-def run_hftrain(model_path: Path, data: Path, steps: int, out: Path, loss: str) -> list:
-    rows = compare.run_hftrain(out, model_path, data, steps, "full", objective="dpo", loss_type=loss, **OPTIMIZER,
+def run_hftrain(model_path: Path, data: Path, steps: int, out: Path, loss: str, method: str) -> list:
+    rows = compare.run_hftrain(out, model_path, data, steps, method, objective="dpo", loss_type=loss, **OPTIMIZER,
                                freeze_vision_tower=False,
                                freeze_projector=False, **SETTINGS)
     return compare.train_steps(rows, KEYS)
@@ -108,12 +110,12 @@ def main() -> None:
     model = model_copy(args.model, args.out)
     data = pairs(SETTINGS["per_device_train_batch_size"] * args.steps, args.out)
     results = {}
-    for i, loss in enumerate(VARIANTS):
-        trl = run_trl(model, data, args.steps, args.out / f"trl-{i}", loss)
-        mine = run_hftrain(model, data, args.steps, args.out / f"hftrain-{i}", loss)
-        results[loss] = {"trl": trl, "hftrain": mine, "trl_final": str(args.out / f"trl-{i}" / "final"),
+    for i, (name, (loss, method)) in enumerate(VARIANTS.items()):
+        trl = run_trl(model, data, args.steps, args.out / f"trl-{i}", loss, method)
+        mine = run_hftrain(model, data, args.steps, args.out / f"hftrain-{i}", loss, method)
+        results[name] = {"trl": trl, "hftrain": mine, "trl_final": str(args.out / f"trl-{i}" / "final"),
                          "hftrain_final": str(args.out / f"hftrain-{i}" / "final")}
-        print(f"== {loss}")
+        print(f"== {name}")
         compare.print_steps(trl, mine, [("loss", "loss", ".6f"), ("margins", "rewards/margins", ".6f")])
     compare.write_json(args.json, results)
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
@@ -49,14 +50,15 @@ def test_the_recipe_learns_the_image_preferences(tmp_path):
 
 def test_equal_to_trl_dpo_trainer_on_images(tmp_path):
     """scripts/compare_trl_vlm_dpo.py: TRL 1.16's DPOTrainer and hftrain on the same image pairs, order and
-    hyperparameters, sigmoid and ipo, every part trained: per-step loss, rewards and log-probs, and the final
-    weights (hftrain's saved folder loaded by transformers against TRL's trained model)."""
+    hyperparameters, sigmoid and ipo with every part trained, sigmoid with LoRA (the reference: the adapters
+    disabled, on the same pixels): per-step loss, rewards and log-probs, and the final weights (hftrain's saved
+    folder loaded by transformers, or its adapter by peft, against TRL's trained model)."""
     results = tmp_path / "results.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_vlm_dpo.py"), "--out", str(tmp_path),
                            "--json", str(results)], capture_output=True, text=True, cwd=REPO, env=launch_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     compared = json.loads(results.read_text())
-    assert sorted(compared) == ["ipo", "sigmoid"]
+    assert sorted(compared) == ["ipo full", "sigmoid full", "sigmoid lora"]
     for name, runs in compared.items():
         assert len(runs["trl"]) == len(runs["hftrain"]) == 3, name
         assert runs["trl"][-1]["rewards/margins"] != 0  # both moved away from the reference
@@ -64,12 +66,18 @@ def test_equal_to_trl_dpo_trainer_on_images(tmp_path):
             for key, value in ours.items():
                 assert value == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), (name, step, key)
         trl = torch.load(f"{runs['trl_final']}/weights.pt")
-        mine = AutoModelForImageTextToText.from_pretrained(runs["hftrain_final"]).state_dict()
-        assert sorted(mine) == sorted(trl)
+        base = AutoModelForImageTextToText.from_pretrained(REPO / "models" / "tiny-vlm")
+        before = {key: value.clone() for key, value in base.state_dict().items()}
+        if name.endswith("lora"):  # the adapter on its base, as TRL's PeftModel names its tensors
+            mine = PeftModel.from_pretrained(base, runs["hftrain_final"]).state_dict()
+            moved = [key for key in mine if "lora_B" in key and mine[key].abs().max() > 0]
+        else:
+            mine = AutoModelForImageTextToText.from_pretrained(runs["hftrain_final"]).state_dict()
+            moved = [key for key in mine if not torch.equal(mine[key], before[key])]
+        extra = set(trl) - set(mine)  # TRL keeps the starting adapter as a second one, "ref", for its reference
+        assert set(mine) <= set(trl) and all(".ref." in key for key in extra), sorted(extra)[:3]
         for key, value in mine.items():
             torch.testing.assert_close(value, trl[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
-        base = AutoModelForImageTextToText.from_pretrained(REPO / "models" / "tiny-vlm").state_dict()
-        moved = [key for key in mine if not torch.equal(mine[key], base[key])]
         assert any(".vision_tower." in key for key in moved) and any("language_model" in key for key in moved)
 
 

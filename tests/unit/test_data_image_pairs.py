@@ -72,7 +72,7 @@ class CountingProcessor:
         return self.processor(*args, **kwargs)
 
 
-def side_log_prob(model, processor, row, side) -> torch.Tensor:
+def side_log_prob(model, processor, row, side, length: bool = False):
     """A side's summed completion log-prob, encoded independently of hftrain: the processor on the chat template's
     full text with the images; the completion's tokens are those after the prompt rendered with the generation
     prompt, through the last <|im_end|> (the tiny template writes a newline after it, which is not trained)."""
@@ -88,7 +88,8 @@ def side_log_prob(model, processor, row, side) -> torch.Tensor:
     ids = inputs["input_ids"][0]
     end = max(i for i, t in enumerate(ids.tolist()) if t == processor.tokenizer.convert_tokens_to_ids("<|im_end|>"))
     logps = model(**inputs).logits[0].float().log_softmax(-1)
-    return sum(logps[i - 1, ids[i]] for i in range(start, end + 1))
+    total = sum(logps[i - 1, ids[i]] for i in range(start, end + 1))
+    return (total, end + 1 - start) if length else total
 
 
 def test_dpo_loss_of_a_micro_batch_equals_plain_pytorch(processor, rows, pairs):
@@ -146,3 +147,20 @@ def test_the_preflight_takes_dpo_and_simpo_and_refuses_the_rest_by_name():
     refused = problems(objective="dpo", precompute_ref_log_probs=True, max_prompt_length=64)
     assert [p for p in refused if p.startswith("precompute_ref_log_probs with objective=dpo on image preference")]
     assert [p for p in refused if p.startswith("max_prompt_length with objective=dpo on image preference pairs")]
+
+
+def test_simpo_loss_of_a_micro_batch_equals_plain_pytorch(processor, rows, pairs):
+    """simpo (reference-free, beta 2, gamma 0.5): the length-normalised margin of the same independent log-probs."""
+    batch = ImagePairCollator(pairs, processor, processor.tokenizer.pad_token_id)([2, 3])
+    batch.pop("num_examples")
+    policy = AutoModelForImageTextToText.from_pretrained(MODEL).eval()
+    recipe = Recipe(model_name_or_path=str(MODEL), dataset_name=str(DATA), objective="simpo", beta=2.0,
+                    simpo_gamma=0.5)
+    with torch.no_grad():
+        ours = PreferenceLoss(policy, recipe, None)(**batch)
+        expected = 0.0
+        for i in (2, 3):
+            (c, nc), (r, nr) = (side_log_prob(policy, processor, rows[i], side, length=True)
+                                for side in ("chosen", "rejected"))
+            expected = expected - F.logsigmoid(2.0 * (c / nc - r / nr - 0.5 / 2.0))
+    assert ours.item() == pytest.approx(float(expected), rel=1e-5)
