@@ -22,11 +22,10 @@ from hftrain import hub
 from hftrain.compat.transformers import needs_missing_backend
 from hftrain.errors import HftrainError, first_line
 
-# The objectives that train an image-text model (image chats for sft, image preference pairs for dpo and simpo:
-# hftrain.data.image_pairs), and what each other objective would need, in words for its refusal.
-IMAGE_OBJECTIVES = ("sft", "dpo", "simpo")
+# The objectives that train an image-text model (image chats for sft, image preference pairs for dpo, simpo and
+# orpo: hftrain.data.image_pairs), and what each other objective would need, in words for its refusal.
+IMAGE_OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
 IMAGE_OBJECTIVES_NOT_YET = {
-    "orpo": "orpo on preference pairs with images is",
     "kto": "kto on unpaired feedback with images is",
     "reward": "a reward model (a sequence classifier) on an image-text model is",
     "grpo": "grpo with images (prompts with images, generation with the processor's inputs, reward functions that "

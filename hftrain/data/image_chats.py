@@ -161,7 +161,8 @@ def expanded_spans(processor, inputs, text: str, images: list, where: str) -> li
 
 def encode(processor, messages: list[dict], images: list, spec: DataSpec, where: str) -> dict:
     """One example through the processor: {"inputs": processor outputs (batch of 1, truncated), "labels": [1, L],
-    "image_tokens": feature tokens, "added_tokens": every token of the images' expansions, "dropped": "" |
+    "image_tokens": feature tokens, "added_tokens": every token of the images' expansions, "image_mask": per token,
+    whether it is one of those (truncated as the labels), "dropped": "" |
     "overlong" | "image_cut" | "no_trained_tokens", "truncated": tokens cut}.
 
     Every token is placed by its characters: the processor expands each image placeholder of the template's text
@@ -195,7 +196,7 @@ def encode(processor, messages: list[dict], images: list, spec: DataSpec, where:
     if labels:
         labels[0] = IGNORE_INDEX  # never a target (tokenize.py's rule): trained-token counts stay exact
     result = {"inputs": inputs, "labels": torch.tensor([labels]), "dropped": "", "truncated": 0, "text": text,
-              "image_tokens": sum(t in feature_ids for t in ids), "added_tokens": sum(added)}
+              "image_tokens": sum(t in feature_ids for t in ids), "added_tokens": sum(added), "image_mask": added}
     if len(ids) > spec.max_length:
         last_image = max((k for k, inside in enumerate(added) if inside), default=-1)
         if spec.overlong_examples == "drop":
@@ -205,6 +206,7 @@ def encode(processor, messages: list[dict], images: list, spec: DataSpec, where:
         else:
             result["truncated"] = len(ids) - spec.max_length
             result["labels"] = result["labels"][:, :spec.max_length]
+            result["image_mask"] = added[:spec.max_length]
             truncate(inputs, spec.max_length)
     if not result["dropped"] and not (result["labels"] != IGNORE_INDEX).any():
         result["dropped"] = "no_trained_tokens"

@@ -1,4 +1,4 @@
-"""Preference pairs with images (dpo, simpo) for image-text models, in TRL's vision formats: loading, exact masks,
+"""Preference pairs with images (dpo, simpo, orpo) for image-text models, in TRL's vision formats: loading, exact masks,
 truncation, collation with one image encoding per pair.
 
 A row is `prompt` (messages), `chosen` and `rejected` (one assistant message each; without a prompt column the
@@ -172,7 +172,8 @@ def prepare_pairs(raw, processor, spec: DataSpec, name: str) -> tuple[ImagePairs
         rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "images": refs, "text": c["text"],
                      "input_ids": c["inputs"]["input_ids"][0].tolist(), "labels": c["labels"][0].tolist(),
                      "rejected_input_ids": r["inputs"]["input_ids"][0].tolist(),
-                     "rejected_labels": r["labels"][0].tolist(), "prompt_tokens": pair["prompt_tokens"]})
+                     "rejected_labels": r["labels"][0].tolist(), "prompt_tokens": pair["prompt_tokens"],
+                     "image_positions": [k for k, inside in enumerate(c["image_mask"]) if inside]})
         stats["images"] += len(refs)
         stats["image_tokens"] += c["image_tokens"]
         stats["tokens"] += len(rows[-1]["input_ids"]) + len(rows[-1]["rejected_input_ids"])
@@ -195,7 +196,7 @@ class ImagePairCollator:
     text pairs), right-padded (image_chats.collate); per-image outputs in row order, so the pixels of pair k serve
     row k and row b + k. A micro-batch without an image gets one more pair, the set's first pair with an image, every
     label -100 (image_chats.ImageChatCollator's filler: every process runs the vision tower); `num_examples` counts
-    the real pairs."""
+    the real pairs; `image_tokens` marks each row's image tokens (orpo's NLL leaves them out)."""
 
     def __init__(self, dataset: ImagePairs, processor, pad_token_id: int):
         self.dataset, self.processor, self.pad_token_id = dataset, processor, pad_token_id
@@ -210,4 +211,11 @@ class ImagePairCollator:
             encoded.append((inputs, [torch.full_like(label, IGNORE_INDEX) for label in labels]))
         inputs = [x[side] for side in (0, 1) for x, _ in encoded]
         labels = [y[side] for side in (0, 1) for _, y in encoded]
-        return {**collate(inputs, labels, self.pad_token_id), "num_examples": torch.tensor(len(row_indices))}
+        batch = collate(inputs, labels, self.pad_token_id)
+        # the image tokens (expansions and their tags; the same positions on both sides, which share the prompt):
+        # orpo's NLL over the chosen rows' tokens leaves them out; dpo's and simpo's labels already do
+        image_tokens = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+        rows = [*row_indices, *([self.filler] if len(encoded) > len(row_indices) else [])]
+        for r, i in enumerate(rows * 2):
+            image_tokens[r, self.dataset.rows[i]["image_positions"]] = True
+        return {**batch, "image_tokens": image_tokens, "num_examples": torch.tensor(len(row_indices))}

@@ -94,10 +94,11 @@ class PreferenceLoss(ObjectiveLoss):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
                 real_tokens: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
-                **model_inputs: torch.Tensor) -> torch.Tensor:
+                image_tokens: torch.Tensor | None = None, **model_inputs: torch.Tensor) -> torch.Tensor:
         """`ref_logps`: each row's precomputed reference log-prob (precompute_ref_log_probs). `model_inputs`: an
         image-text processor's outputs (pixel_values, attention_mask, ...: hftrain.data.image_pairs), given to the
-        policy and the reference alike."""
+        policy and the reference alike; `image_tokens` (image pairs) is not needed here: the labels leave those
+        tokens out."""
         logps, lengths = sequence_log_probs(self.lm, self.head_only, input_ids, labels, **model_inputs)
         if self.collecting:
             return logps.detach()

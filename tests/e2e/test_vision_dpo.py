@@ -100,3 +100,20 @@ def test_accumulation_and_two_ddp_processes_equal_one_batch(tmp_path):
     assert one.train_rows()[-1]["rewards/margins"] != 0
     base = load_file(REPO / "models" / "tiny-vlm" / "model.safetensors")
     assert any(not torch.equal(value, expected[name]) for name, value in base.items() if "multi_modal_projector" in name)
+
+
+def test_orpo_on_image_pairs_accumulates_like_one_batch(tmp_path):
+    """orpo through the entry script on the image pairs: 2 accumulated micro-batches of 2 pairs equal one of 4 (the
+    NLL's token mean over the step's chosen rows, image tokens left out, counted across micro-batches before the
+    step: the loss, its NLL part and the final weights)."""
+    args = [*EXACT, "--objective", "orpo", "--max_steps", "2"]
+    one = run_script(tmp_path / "one", *args, "--per_device_train_batch_size", "4")
+    accum = run_script(tmp_path / "accum", *args, "--per_device_train_batch_size", "2",
+                       "--gradient_accumulation_steps", "2")
+    for key in ("loss", "nll_loss", "log_odds_ratio", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in accum.train_rows()]),
+                                   torch.tensor([r[key] for r in one.train_rows()]), rtol=1e-5, atol=1e-6, msg=key)
+    expected = load_file(one.output_dir / "final" / "model.safetensors")
+    for name, value in load_file(accum.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert "objective orpo" in one.stdout + one.stderr

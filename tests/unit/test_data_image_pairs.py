@@ -132,16 +132,16 @@ def test_dpo_loss_of_a_micro_batch_equals_plain_pytorch(processor, rows, pairs):
     assert empty["pixel_values"].shape[0] == 2 * len(pairs.rows[0]["images"])
 
 
-def test_the_preflight_takes_dpo_and_simpo_and_refuses_the_rest_by_name():
+def test_the_preflight_takes_dpo_simpo_and_orpo_and_refuses_the_rest_by_name():
     from hftrain.preflight import model_problems
 
     def problems(**fields):
         return model_problems(Recipe(model_name_or_path=str(MODEL), dataset_name=str(DATA), **fields))[1]
 
-    assert problems(objective="dpo") == [] and problems(objective="simpo") == []
+    assert problems(objective="dpo") == problems(objective="simpo") == problems(objective="orpo") == []
     assert problems(objective="dpo", loss_type="ipo") == []
-    for objective, words in (("orpo", "orpo on preference pairs with images is not supported yet"),
-                             ("kto", "kto on unpaired feedback with images is not supported yet"),
+    for objective, words in (("kto", "kto on unpaired feedback with images is not supported yet"),
+                             ("reward", "a reward model (a sequence classifier) on an image-text model is not"),
                              ("grpo", "grpo with images (prompts with images, generation with the processor's inputs")):
         assert [p for p in problems(objective=objective) if words in p], objective
     refused = problems(objective="dpo", precompute_ref_log_probs=True, max_prompt_length=64)
@@ -163,4 +163,45 @@ def test_simpo_loss_of_a_micro_batch_equals_plain_pytorch(processor, rows, pairs
             (c, nc), (r, nr) = (side_log_prob(policy, processor, rows[i], side, length=True)
                                 for side in ("chosen", "rejected"))
             expected = expected - F.logsigmoid(2.0 * (c / nc - r / nr - 0.5 / 2.0))
+    assert ours.item() == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_orpo_loss_of_a_micro_batch_equals_plain_pytorch(processor, rows, pairs):
+    """orpo (beta 0.1) on 2 pairs: the chosen rows' NLL token mean over every real token after the first except the
+    image tokens (TRL's NLL, prompt included; image tokens are never trained), minus beta x the mean log sigmoid of
+    the log odds of the mean completion log-probs; from the same independent encodings. The step's NLL tokens come
+    from `prepare_step`, as in training."""
+    from hftrain.objectives.orpo import ORPOLoss
+
+    picked = [0, 3]
+    batch = ImagePairCollator(pairs, processor, processor.tokenizer.pad_token_id)(picked)
+    batch.pop("num_examples")
+    assert batch["image_tokens"].sum() == 2 * IMAGE_TOKENS * sum(len(rows[i]["images"]) for i in picked)
+    policy = AutoModelForImageTextToText.from_pretrained(MODEL)
+    recipe = Recipe(model_name_or_path=str(MODEL), dataset_name=str(DATA), objective="orpo", beta=0.1)
+    loss = ORPOLoss(policy, recipe).train()
+    loss.prepare_step(loss, [batch], lambda x: x)
+    image_id, end_id = (processor.tokenizer.convert_tokens_to_ids(t) for t in ("<image>", "<|im_end|>"))
+    with torch.no_grad():
+        ours = loss(**batch) / len(picked)
+        nll, tokens, ratio = 0.0, 0, 0.0
+        for i in picked:
+            row = rows[i]
+            (c, nc), (r, nr) = (side_log_prob(policy, processor, row, side, length=True)
+                                for side in ("chosen", "rejected"))
+            log_odds = (c / nc - r / nr) - (torch.log1p(-torch.exp(c / nc)) - torch.log1p(-torch.exp(r / nr)))
+            ratio = ratio + F.logsigmoid(log_odds)
+            prompt = [{"role": "user", "content": [*[{"type": "image"}] * len(row["images"]),
+                                                    {"type": "text", "text": row["prompt"][0]["content"]}]}] \
+                if isinstance(row["prompt"][0]["content"], str) else row["prompt"]
+            inputs = processor(text=[processor.apply_chat_template([*prompt, *row["chosen"]], tokenize=False)],
+                               images=[open_image(p, DATA.parent, "test") for p in row["images"]],
+                               return_tensors="pt", add_special_tokens=False)
+            ids = inputs["input_ids"][0].tolist()
+            logps = policy(**inputs).logits[0].float().log_softmax(-1)
+            end = max(k for k, t in enumerate(ids) if t == end_id)
+            for k in range(1, end + 1):
+                if ids[k] != image_id:
+                    nll, tokens = nll - logps[k - 1, ids[k]], tokens + 1
+        expected = nll / tokens - 0.1 * ratio / len(picked)
     assert ours.item() == pytest.approx(float(expected), rel=1e-5)
