@@ -173,7 +173,8 @@ def prepare_pairs(raw, processor, spec: DataSpec, name: str) -> tuple[ImagePairs
                      "input_ids": c["inputs"]["input_ids"][0].tolist(), "labels": c["labels"][0].tolist(),
                      "rejected_input_ids": r["inputs"]["input_ids"][0].tolist(),
                      "rejected_labels": r["labels"][0].tolist(), "prompt_tokens": pair["prompt_tokens"],
-                     "image_positions": [k for k, inside in enumerate(c["image_mask"]) if inside]})
+                     "image_positions": [k for k, inside in enumerate(c["image_mask"]) if inside],
+                     "image_tokens": c["image_tokens"]})
         stats["images"] += len(refs)
         stats["image_tokens"] += c["image_tokens"]
         stats["tokens"] += len(rows[-1]["input_ids"]) + len(rows[-1]["rejected_input_ids"])

@@ -3,6 +3,7 @@ completion trained, image tokens never), TRL's image placement for string prompt
 dpo's loss on a collated micro-batch against a plain PyTorch computation on independent encodings of each side."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -205,3 +206,20 @@ def test_orpo_loss_of_a_micro_batch_equals_plain_pytorch(processor, rows, pairs)
                     nll, tokens = nll - logps[k - 1, ids[k]], tokens + 1
         expected = nll / tokens - 0.1 * ratio / len(picked)
     assert ours.item() == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_the_preview_shows_both_sides_of_each_pair(capsys, rows):
+    """python -m hftrain.data --show on recipes/tiny-vlm-dpo.yaml: each pair's chosen and rejected side, its image
+    tokens collapsed, only the answer marked as trained; the statistics count the pairs and their images."""
+    from hftrain.data.__main__ import preview
+
+    preview(["--config", str(REPO / "recipes" / "tiny-vlm-dpo.yaml"), "--validation_split_percentage", "0",
+             "--show", "2"])
+    out = capsys.readouterr().out
+    for i in (0, 1):
+        for side in ("chosen", "rejected"):
+            block = out.split(f"--- pair {i}, {side} side")[1].split("---")[0]
+            assert re.findall("⟦(.*?)⟧", block, flags=re.S) == [answer(rows[i][side]) + "<|im_end|>"]
+            assert f"<image>x{IMAGE_TOKENS * len(rows[i]['images'])}" in block
+    assert f"{len(rows)} examples kept with {sum(len(r['images']) for r in rows)} images" in out
+    assert "masks: each side's completion" in out
