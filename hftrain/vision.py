@@ -22,6 +22,16 @@ from hftrain import hub
 from hftrain.compat.transformers import needs_missing_backend
 from hftrain.errors import HftrainError, first_line
 
+# The objectives that train an image-text model (image chats for sft, image preference pairs for dpo, simpo and
+# orpo: hftrain.data.image_pairs), and what each other objective would need, in words for its refusal.
+IMAGE_OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
+IMAGE_OBJECTIVES_NOT_YET = {
+    "kto": "kto on unpaired feedback with images is",
+    "reward": "a reward model (a sequence classifier) on an image-text model is",
+    "grpo": "grpo with images (prompts with images, generation with the processor's inputs, reward functions that "
+            "receive the images) is",
+    "distill": "distillation with images is",
+}
 VISION_TOWER_NAMES = ("vision_tower", "visual", "vision_model")
 PROJECTOR_NAMES = ("multi_modal_projector", "connector", "merger", "mm_projector")
 
@@ -86,9 +96,21 @@ def problems(recipe, config: PretrainedConfig | None) -> list[str]:
     if recipe.packing:
         found.append(f"packing: true with the image-text model {kind!r}: rows with images are not packed (each "
                      "example's image features must meet its own placeholder tokens); set packing: false")
-    if recipe.objective != "sft":
-        found.append(f"objective={recipe.objective} with the image-text model {kind!r}: preference pairs with images "
-                     "are not supported yet; use objective: sft")
+    if recipe.objective not in IMAGE_OBJECTIVES:
+        found.append(f"objective={recipe.objective} with the image-text model {kind!r}: "
+                     f"{IMAGE_OBJECTIVES_NOT_YET[recipe.objective]} not supported yet; objectives that train an "
+                     f"image-text model today: {', '.join(IMAGE_OBJECTIVES)}")
+    pairs = f"objective={recipe.objective} on image preference pairs with the image-text model {kind!r}"
+    if recipe.objective in IMAGE_OBJECTIVES and recipe.objective != "sft":
+        if recipe.precompute_ref_log_probs:
+            found.append(f"precompute_ref_log_probs with {pairs} is not supported yet (the reference runs beside "
+                         "the policy on the same pixels); set precompute_ref_log_probs: false")
+        if recipe.streaming:
+            found.append(f"streaming: true with {pairs} is not supported yet; set streaming: false")
+        for name in ("max_prompt_length", "max_completion_length"):
+            if getattr(recipe, name) is not None:
+                found.append(f"{name} with {pairs} is not supported yet (a cut prompt would lose its image tokens); "
+                             "pairs longer than max_length are truncated after their images, or dropped")
     if recipe.dataset_mixture:
         found.append(f"dataset_mixture with the image-text model {kind!r}: image chats load from one dataset_name "
                      "(plus eval_dataset_name) today; merge the files into one")

@@ -1,11 +1,16 @@
 """Build the shipped mini image-chat set: coloured shapes on plain backgrounds, with captions, in TRL's vision format.
 
-    python scripts/make_image_chat.py [OUT_DIR]     # default: data/ (writes image-chat.jsonl and images/*.png)
+    python scripts/make_image_chat.py [OUT_DIR]     # default: data/ (image-chat.jsonl, image-pairs.jsonl, images/*.png)
 
 Each row has `messages` whose content is a list of parts for every role ({"type": "image"} / {"type": "text"}) and an
 `images` column of PNG paths relative to the JSONL file, one per image part in order of appearance. Most rows ask for
 one shape's colour and kind; some hold two images in one turn, some an image in a later user turn, some a system
 message. Deterministic: the same files every time (no randomness beyond a fixed-seed generator).
+
+`image-pairs.jsonl`: preference pairs on the same images in TRL's vision formats (dpo, simpo): `prompt` messages,
+one-message `chosen` (the right colour and shape) and `rejected` (a wrong one), and `images`; half the prompts give
+their image parts in list-of-parts content, half give string content, into whose first user message the images go
+before the text (as TRL's `prepare_multimodal_messages` puts them); some prompts hold two images.
 """
 
 import argparse
@@ -79,7 +84,24 @@ def main() -> None:
     with open(args.out_dir / "image-chat.jsonl", "w", encoding="utf-8") as out:
         for row in rows:
             out.write(json.dumps(row) + "\n")
-    print(f"{len(rows)} image chats and {len(names)} images in {args.out_dir}")
+    pairs_rng, preference = random.Random(1), []
+    for i in range(32):
+        count = 2 if i % 4 == 3 else 1
+        shown = pairs_rng.sample(pairs, count)
+        wrong = [(pairs_rng.choice([c for c in COLOURS if c != colour]), shape) for colour, shape in shown]
+        right_text, wrong_text = (", then ".join(f"a {c} {s}" for c, s in answer) for answer in (shown, wrong))
+        question = "Name both shapes." if count == 2 else pairs_rng.choice(["What is this?", "Describe the image."])
+        prompt = ([{"role": "user", "content": [*[IMAGE] * count, text(question)]}] if i % 2 else
+                  [{"role": "user", "content": question}])
+        preference.append({"prompt": prompt,
+                           "chosen": [{"role": "assistant", "content": right_text[0].upper() + right_text[1:] + "."}],
+                           "rejected": [{"role": "assistant", "content": wrong_text[0].upper() + wrong_text[1:] + "."}],
+                           "images": [names[pair] for pair in shown]})
+    with open(args.out_dir / "image-pairs.jsonl", "w", encoding="utf-8") as out:
+        for row in preference:
+            out.write(json.dumps(row) + "\n")
+    print(f"{len(rows)} image chats, {len(preference)} image preference pairs and {len(names)} images in "
+          f"{args.out_dir}")
 
 
 if __name__ == "__main__":

@@ -122,11 +122,11 @@ def train_trl(trainer_class, config_class, model, processing_class, data: Path, 
 
 def run_hftrain(out: Path, model_path: Path, data: Path, steps: int, method: str = "full", **fields) -> list[dict]:
     """hftrain's entry script on `data` in file order for `steps` steps, no checkpoint on the way, LoRA as LORA for
-    method "lora", `fields` added to the recipe: every row of its metrics.jsonl."""
-    recipe = dict(model_name_or_path=str(model_path), dataset_name=str(data), validation_split_percentage=0,
-                  train_sampling_strategy="sequential", optim="adamw_torch", max_steps=steps, output_dir=str(out),
-                  overwrite_output_dir=True, report_to=["none"], disable_tqdm=True, save_steps=10_000,
-                  **{k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
+    method "lora", `fields` added to the recipe (or replacing its defaults: optim): every row of its metrics.jsonl."""
+    recipe = {**dict(model_name_or_path=str(model_path), dataset_name=str(data), validation_split_percentage=0,
+                     train_sampling_strategy="sequential", optim="adamw_torch", max_steps=steps, output_dir=str(out),
+                     overwrite_output_dir=True, report_to=["none"], disable_tqdm=True, save_steps=10_000),
+              **{k: str(v) if isinstance(v, Path) else v for k, v in fields.items()}}
     if method == "lora":
         recipe.update(use_peft=True, lora_r=LORA["r"], lora_alpha=LORA["lora_alpha"],
                       lora_dropout=LORA["lora_dropout"], lora_target_modules=LORA["target_modules"])

@@ -172,22 +172,30 @@ def preview_image_chats(recipe, show: int, color: bool) -> None:
     shown = tokenizer.convert_ids_to_tokens(sorted(image_token_ids(processor)))[0]  # <image>, <image_soft_token>, ...
     token = re.escape(shown)
     for i, row in enumerate(train.rows[:show]):
-        trained = sum(label != IGNORE_INDEX for label in row["labels"])
-        print(f"--- example {i} ({len(row['input_ids'])} tokens, {len(row['images'])} image(s) = "
-              f"{row['image_tokens']} image tokens, {trained} trained)")
-        text = marked_text(tokenizer, row["input_ids"], row["labels"], color)
-        print(re.sub(f"(?:{token})+", lambda m: f"{shown}x{len(re.findall(token, m.group(0)))}", text))
+        # an image preference pair (hftrain.data.image_pairs) shows both sides, each a row of its own
+        sides = [("", "input_ids", "labels")] + ([("rejected ", "rejected_input_ids", "rejected_labels")]
+                                                 if "rejected_input_ids" in row else [])
+        for side, ids, labels in sides:
+            trained = sum(label != IGNORE_INDEX for label in row[labels])
+            what = f"pair {i}, {side or 'chosen '}side" if len(sides) == 2 else f"example {i}"
+            print(f"--- {what} ({len(row[ids])} tokens, {len(row['images'])} image(s) = "
+                  f"{row['image_tokens']} image tokens, {trained} trained)")
+            text = marked_text(tokenizer, row[ids], row[labels], color)
+            print(re.sub(f"(?:{token})+", lambda m: f"{shown}x{len(re.findall(token, m.group(0)))}", text))
     print("--- statistics")
     for source in stats["sources"] + ([{"name": "eval", **stats["eval"]}] if "eval" in stats else []):
         print(f"  {source['name']} (format {source['format']}): {source['examples']} examples kept with "
               f"{source['images']} images ({source['image_tokens']} image tokens, never trained), "
               f"{source['dropped_overlong']} dropped as over-long, {source['dropped_image_cut']} dropped because "
               f"max_length={recipe.max_length} would cut inside an image, {source['dropped_no_trained_tokens']} with "
-              f"no trained token, {source['truncated_examples']} truncated ({source['truncated_tokens']} tokens "
+              f"no trained token, " + (f"{source['dropped_identical']} with identical sides, "
+                                       if "dropped_identical" in source else "") + f"{source['truncated_examples']} truncated ({source['truncated_tokens']} tokens "
               f"cut), {source['trained_tokens']} trained of {source['tokens']} tokens")
     policy = "assistant turns only" if recipe.assistant_only_loss else "every text token"
-    print(f"  masks: {policy} (assistant_only_loss: {str(recipe.assistant_only_loss).lower()}); image tokens and "
-          "padding never")
+    policy = f"{policy} (assistant_only_loss: {str(recipe.assistant_only_loss).lower()})"
+    if train.rows and "rejected_input_ids" in train.rows[0]:
+        policy = "each side's completion (its answer and end-of-turn token)"
+    print(f"  masks: {policy}; image tokens and padding never")
     print(f"--- length histogram (tokens per training example, max_length {recipe.max_length})")
     print(histogram([len(ids) for ids in train["input_ids"]], recipe.max_length))
 

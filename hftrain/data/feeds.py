@@ -95,8 +95,8 @@ def setup_examples(run) -> TrainingData:
             )
     pad = pad_token_id(run.tokenizer)
     if run.processor is not None:  # rows are single examples (packing is refused for image-text models)
-        collator = ImageChatCollator(train_set, run.processor, pad)
-        eval_collator = ImageChatCollator(eval_set, run.processor, pad) if eval_set is not None else None
+        collator = train_set.collator(run.processor, pad)  # image chats, or image preference pairs
+        eval_collator = eval_set.collator(run.processor, pad) if eval_set is not None else None
     else:
         collator = Collator(train_set, pad, rows, packed=recipe.packing)
         eval_collator = Collator(eval_set, pad) if eval_set is not None else None

@@ -31,7 +31,8 @@ from PIL import Image
 
 from hftrain.data.formats import ROLES
 from hftrain.data.origin import ROW_COLUMN
-from hftrain.data.sources import hold_out, load_raw, numbered, renamed, row_origin
+from hftrain.data.formats import detect_format
+from hftrain.data.sources import check_objective, hold_out, load_raw, numbered, renamed, row_origin
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec, assistant_char_spans
 from hftrain.errors import HftrainError
 
@@ -160,7 +161,8 @@ def expanded_spans(processor, inputs, text: str, images: list, where: str) -> li
 
 def encode(processor, messages: list[dict], images: list, spec: DataSpec, where: str) -> dict:
     """One example through the processor: {"inputs": processor outputs (batch of 1, truncated), "labels": [1, L],
-    "image_tokens": feature tokens, "added_tokens": every token of the images' expansions, "dropped": "" |
+    "image_tokens": feature tokens, "added_tokens": every token of the images' expansions, "image_mask": per token,
+    whether it is one of those (truncated as the labels), "dropped": "" |
     "overlong" | "image_cut" | "no_trained_tokens", "truncated": tokens cut}.
 
     Every token is placed by its characters: the processor expands each image placeholder of the template's text
@@ -194,7 +196,7 @@ def encode(processor, messages: list[dict], images: list, spec: DataSpec, where:
     if labels:
         labels[0] = IGNORE_INDEX  # never a target (tokenize.py's rule): trained-token counts stay exact
     result = {"inputs": inputs, "labels": torch.tensor([labels]), "dropped": "", "truncated": 0, "text": text,
-              "image_tokens": sum(t in feature_ids for t in ids), "added_tokens": sum(added)}
+              "image_tokens": sum(t in feature_ids for t in ids), "added_tokens": sum(added), "image_mask": added}
     if len(ids) > spec.max_length:
         last_image = max((k for k, inside in enumerate(added) if inside), default=-1)
         if spec.overlong_examples == "drop":
@@ -204,6 +206,7 @@ def encode(processor, messages: list[dict], images: list, spec: DataSpec, where:
         else:
             result["truncated"] = len(ids) - spec.max_length
             result["labels"] = result["labels"][:, :spec.max_length]
+            result["image_mask"] = added[:spec.max_length]
             truncate(inputs, spec.max_length)
     if not result["dropped"] and not (result["labels"] != IGNORE_INDEX).any():
         result["dropped"] = "no_trained_tokens"
@@ -234,6 +237,9 @@ class ImageChats:
         if key in ("input_ids", "labels"):
             return [row[key] for row in self.rows]
         raise KeyError(key)
+
+    def collator(self, processor, pad_token_id: int) -> ImageChatCollator:
+        return ImageChatCollator(self, processor, pad_token_id)
 
     def example(self, i: int, processor) -> tuple[dict, torch.Tensor]:
         """(processor outputs for a batch of 1, labels [1, L]) of kept row i."""
@@ -288,31 +294,40 @@ def prepare(raw, processor, spec: DataSpec, name: str) -> tuple[ImageChats, dict
 
 def load_image_chats(recipe, processor):
     """(train, eval or None, stats) for an image-text model: dataset_name (and eval_dataset_name, or the
-    validation_split_percentage carve-out), read as image chats."""
+    validation_split_percentage carve-out), read as image chats, or as image preference pairs where the set has chosen
+    and rejected columns (hftrain.data.image_pairs; check_objective pairs the format with the objective)."""
     spec = DataSpec.from_recipe(recipe)
+
+    from hftrain.data.image_pairs import prepare_pairs  # beside this module; it builds on its encoding
+
+    preparers = {"messages": prepare, "preference": prepare_pairs}
 
     def load(name: str, split: str, columns: dict):
         raw = renamed(load_raw(name, recipe.dataset_config, split), columns, name)
         if not len(raw):
             raise HftrainError(f"dataset {name!r} split {split!r} is empty")
-        if spec.messages_field not in raw.column_names:
+        fmt = detect_format(raw.column_names, recipe.dataset_format, spec.text_field, spec.messages_field, name,
+                            recipe.objective) if {"chosen", "rejected"} <= set(raw.column_names) else "messages"
+        if fmt == "messages" and spec.messages_field not in raw.column_names:
             raise HftrainError(f"dataset {name!r} has columns {raw.column_names}: an image-text model trains on "
                                f"chats ({spec.messages_field!r} with list-of-parts content and an {IMAGES_COLUMN!r} "
-                               "column, TRL's vision format; see docs/vision.md)")
-        return numbered(raw)
+                               "column, TRL's vision format; see docs/vision.md) or, for dpo and simpo, on "
+                               f"preference pairs (prompt, chosen, rejected and {IMAGES_COLUMN!r})")
+        check_objective(recipe, fmt, name)
+        return numbered(raw), preparers[fmt]
 
-    raw = load(recipe.dataset_name, recipe.dataset_train_split, recipe.dataset_columns)
+    raw, prepare_train = load(recipe.dataset_name, recipe.dataset_train_split, recipe.dataset_columns)
     evaluation, stats = None, {"sources": []}
     if recipe.reads_eval_dataset:
-        evaluation, stats["eval"] = prepare(load(recipe.eval_dataset_name, recipe.eval_split, recipe.dataset_columns),
-                                            processor, spec, recipe.eval_dataset_name)
+        eval_raw, prepare_eval = load(recipe.eval_dataset_name, recipe.eval_split, recipe.dataset_columns)
+        evaluation, stats["eval"] = prepare_eval(eval_raw, processor, spec, recipe.eval_dataset_name)
     elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
         raw, held_out = hold_out(raw, recipe, recipe.dataset_name)
-        evaluation, stats["eval"] = prepare(held_out, processor, spec, recipe.dataset_name)
+        evaluation, stats["eval"] = prepare_train(held_out, processor, spec, recipe.dataset_name)
         evaluation.name = f"{recipe.dataset_name} (eval)"
     if recipe.max_samples is not None:
         raw = raw.select(range(min(recipe.max_samples, len(raw))))
-    train, train_stats = prepare(raw, processor, spec, recipe.dataset_name)
+    train, train_stats = prepare_train(raw, processor, spec, recipe.dataset_name)
     stats["sources"].append({"name": recipe.dataset_name, "weight": 1.0, **train_stats})
     stats["train_examples"] = len(train)
     stats["eval_examples"] = len(evaluation) if evaluation is not None else 0

@@ -7,7 +7,8 @@ The NLL term is TRL's: the token mean of the chosen rows' cross-entropy over *al
 prompt included (not only the completion). TRL takes that mean per micro-batch; here it is the mean over the
 optimizer step's chosen tokens (all micro-batches and data-parallel ranks, counted in `prepare_step`), and the
 odds-ratio term the mean over the step's pairs, so accumulation and processes leave the step unchanged, and a step
-of one micro-batch on one process is TRL's.
+of one micro-batch on one process is TRL's. On an image-text model (image pairs: hftrain.data.image_pairs) the
+image tokens are never NLL targets (TRL's ORPOTrainer takes no images).
 """
 
 from __future__ import annotations
@@ -46,19 +47,28 @@ def real_lengths(trained: torch.Tensor) -> torch.Tensor:
     return F.pad(torch.where(trained, positions, 0), (1, 0)).amax(dim=1) + 1
 
 
-def orpo_token_log_probs(lm: nn.Module, head_only: bool, input_ids: torch.Tensor, labels: torch.Tensor):
+def nll_targets(labels: torch.Tensor, image_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, L-1]: the targets of the NLL term, positions 1..len-1 of each chosen row (rows are b chosen then b
+    rejected), as TRL's labels (input_ids where attention_mask is 1) shifted by one; an image-text model's image
+    tokens (`image_tokens`, hftrain.data.image_pairs) are never targets."""
+    trained = labels[:, 1:] != IGNORE_INDEX
+    positions = torch.arange(trained.shape[1], device=labels.device)
+    chosen_row = torch.arange(len(labels), device=labels.device) < len(labels) // 2
+    mask = (positions[None] < (real_lengths(trained) - 1)[:, None]) & chosen_row[:, None]
+    return mask & ~image_tokens[:, 1:] if image_tokens is not None else mask
+
+
+def orpo_token_log_probs(lm: nn.Module, head_only: bool, input_ids: torch.Tensor, labels: torch.Tensor,
+                         image_tokens: torch.Tensor | None = None, **model_inputs: torch.Tensor):
     """(per-row summed completion log-prob, completion tokens per row, summed chosen-row NLL, its tokens), fp32.
 
     Rows are b chosen then b rejected (`data.Collator`), right-padded. A row's real length is the position after its
-    last trained label (truncation keeps the completion at the end). The NLL covers positions 1..len-1 of each chosen
-    row, as TRL's labels (input_ids where attention_mask is 1) shifted by one."""
+    last trained label (truncation keeps the completion at the end). The NLL covers `nll_targets`. `model_inputs`:
+    an image-text processor's outputs (pixel_values, attention_mask, ...)."""
     targets, trained = input_ids[:, 1:], labels[:, 1:] != IGNORE_INDEX
-    positions = torch.arange(targets.shape[1], device=input_ids.device)
-    length = real_lengths(trained)
-    chosen_row = torch.arange(len(input_ids), device=input_ids.device) < len(input_ids) // 2
-    nll_mask = (positions[None] < (length - 1)[:, None]) & chosen_row[:, None]
+    nll_mask = nll_targets(labels, image_tokens)
     needed = trained | nll_mask
-    inputs = {"input_ids": input_ids, "use_cache": False}
+    inputs = {"input_ids": input_ids, "use_cache": False, **model_inputs}
     if head_only:
         hidden = lm.get_decoder()(**inputs).last_hidden_state[:, :-1][needed]
         logits = lm.get_output_embeddings()(hidden)
@@ -86,14 +96,15 @@ class ORPOLoss(PreferenceLoss):
         for batch in micro_batches:
             labels = batch["labels"]
             trained = labels[: len(labels) // 2, 1:] != IGNORE_INDEX
-            length = real_lengths(trained)
-            local += torch.stack([trained.any(dim=1).sum(), (length - 1).sum()])
+            local += torch.stack([trained.any(dim=1).sum(), nll_targets(labels, batch.get("image_tokens")).sum()])
         pairs, tokens = reduce(local).tolist()
         self.nll_scale = pairs / max(tokens, 1)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-                real_tokens: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None) -> torch.Tensor:
-        sums, lengths, nll_sum, nll_tokens = orpo_token_log_probs(self.lm, self.head_only, input_ids, labels)
+                real_tokens: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
+                image_tokens: torch.Tensor | None = None, **model_inputs: torch.Tensor) -> torch.Tensor:
+        sums, lengths, nll_sum, nll_tokens = orpo_token_log_probs(self.lm, self.head_only, input_ids, labels,
+                                                                  image_tokens, **model_inputs)
         half = len(input_ids) // 2
         # a filler pair (an empty micro-batch's) has no completion: a mean log-prob of -1 keeps its odds finite, and
         # `real` then keeps it out of the loss and the statistics (0 would be log(1 - 1) = -inf, and NaN x 0 = NaN)
@@ -140,6 +151,7 @@ class ORPO(Preference):
         return ORPOLoss(lm, recipe)
 
     def notes(self, run) -> list[str]:
+        images = ", image tokens left out" if run.processor is not None else ""
         return [f"objective orpo, beta {run.recipe.beta:g}; reference: none (reference-free); the loss is the NLL "
-                "token mean over the step's chosen rows (prompt tokens included, as TRL) - beta x the mean log "
-                "sigmoid(log odds) over its pairs"]
+                f"token mean over the step's chosen rows (prompt tokens included, as TRL{images}) - beta x the mean "
+                "log sigmoid(log odds) over its pairs"]

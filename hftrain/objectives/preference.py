@@ -93,14 +93,18 @@ class PreferenceLoss(ObjectiveLoss):
         return (chosen != IGNORE_INDEX).any(dim=1).sum()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-                real_tokens: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None) -> torch.Tensor:
-        """`ref_logps`: each row's precomputed reference log-prob (precompute_ref_log_probs)."""
-        logps, lengths = sequence_log_probs(self.lm, self.head_only, input_ids, labels)
+                real_tokens: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
+                image_tokens: torch.Tensor | None = None, **model_inputs: torch.Tensor) -> torch.Tensor:
+        """`ref_logps`: each row's precomputed reference log-prob (precompute_ref_log_probs). `model_inputs`: an
+        image-text processor's outputs (pixel_values, attention_mask, ...: hftrain.data.image_pairs), given to the
+        policy and the reference alike; `image_tokens` (image pairs) is not needed here: the labels leave those
+        tokens out."""
+        logps, lengths = sequence_log_probs(self.lm, self.head_only, input_ids, labels, **model_inputs)
         if self.collecting:
             return logps.detach()
         ref = ref_logps
         if ref is None and isinstance(self.reference, (AdapterReference, FrozenReference)):
-            ref = self.reference.log_probs(input_ids, labels)
+            ref = self.reference.log_probs(input_ids, labels, **model_inputs)
         if ref is None and self.recipe.objective == "dpo":
             raise HftrainError("dpo needs the reference log-probs of this batch, and none were computed")
         half = len(input_ids) // 2

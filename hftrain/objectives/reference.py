@@ -34,13 +34,14 @@ from hftrain.model import HEAD_ONLY_MODEL_TYPES, WrapsCausalLM
 from hftrain.paths import TMP_PREFIX
 
 
-def sequence_log_probs(lm: nn.Module, head_only: bool, input_ids: torch.Tensor,
-                       labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_log_probs(lm: nn.Module, head_only: bool, input_ids: torch.Tensor, labels: torch.Tensor,
+                       **model_inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-prob of each row's trained tokens, trained tokens per row), in fp32. For the architectures whose
-    logits are lm_head(hidden) the head runs on trained positions only."""
+    logits are lm_head(hidden) the head runs on trained positions only. `model_inputs`: what else the model takes
+    as it is (an image-text processor's pixel_values, attention_mask, ...: hftrain.data.image_pairs)."""
     targets = labels[:, 1:]
     trained = targets != IGNORE_INDEX
-    inputs = {"input_ids": input_ids, "use_cache": False}
+    inputs = {"input_ids": input_ids, "use_cache": False, **model_inputs}
     if head_only:
         hidden = lm.get_decoder()(**inputs).last_hidden_state[:, :-1][trained]
         logits = lm.get_output_embeddings()(hidden)
@@ -55,7 +56,8 @@ def sequence_log_probs(lm: nn.Module, head_only: bool, input_ids: torch.Tensor,
 
 def summed_log_probs(head_only: bool) -> Callable[..., torch.Tensor]:
     """dpo's reference computation: `(lm, input_ids, labels) -> each row's summed log-prob of its trained tokens`."""
-    return lambda lm, input_ids, labels: sequence_log_probs(lm, head_only, input_ids, labels)[0]
+    return lambda lm, input_ids, labels, **model_inputs: sequence_log_probs(lm, head_only, input_ids, labels,
+                                                                            **model_inputs)[0]
 
 
 class AdapterReference:
@@ -70,9 +72,9 @@ class AdapterReference:
         return "the base model with the adapters disabled (no second copy in memory)"
 
     @torch.no_grad()
-    def log_probs(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def log_probs(self, *inputs: torch.Tensor, **model_inputs: torch.Tensor) -> torch.Tensor:
         with self.lm.disable_adapter():
-            return self.compute(self.lm, *inputs)
+            return self.compute(self.lm, *inputs, **model_inputs)
 
 
 class ReferenceLogProbs(WrapsCausalLM):
@@ -84,8 +86,8 @@ class ReferenceLogProbs(WrapsCausalLM):
         super().__init__()
         self.lm, self.sums = lm.eval().requires_grad_(False), summed_log_probs(head_only)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.sums(self.lm, input_ids, labels)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, **model_inputs: torch.Tensor) -> torch.Tensor:
+        return self.sums(self.lm, input_ids, labels, **model_inputs)
 
 
 def local_bytes(module: nn.Module) -> int:
@@ -116,8 +118,8 @@ class FrozenReference:
         return f"a frozen copy of the starting model, {self.how} (+{size:,.1f} MiB per device)"
 
     @torch.no_grad()
-    def log_probs(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self.module(*inputs)
+    def log_probs(self, *inputs: torch.Tensor, **model_inputs: torch.Tensor) -> torch.Tensor:
+        return self.module(*inputs, **model_inputs)
 
 
 class PrecomputedReference:

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.launch
 # tiny-dpo.yaml, tiny-orpo.yaml and tiny-kto.yaml train preferences: tests/e2e/test_preference.py, test_orpo.py and
 # test_kto.py run them with their own assertions (kto's loss lies in [0, w]: it cannot fall by 0.5), as
 # tests/e2e/test_reward.py runs tiny-reward.yaml (a reward model: its held-out ranking); tiny-vlm.yaml
-# (an image-text model) is run by tests/e2e/test_vision.py; tiny-grpo.yaml (a policy-gradient loss, near 0 at
+# (an image-text model) is run by tests/e2e/test_vision.py, tiny-vlm-dpo.yaml (dpo on image pairs) by
+# tests/e2e/test_vision_dpo.py; tiny-grpo.yaml (a policy-gradient loss, near 0 at
 # every step by construction, so "the loss falls" says nothing) by
 # tests/e2e/test_grpo.py, which asserts that its reward rises
 # tiny-tools-sft.yaml and tiny-tools.yaml are one two-stage run (SFT teaching a tool-call format, then GRPO from its
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.launch
 # (tests/e2e/test_distill.py asserts that it falls)
 TINY_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("tiny-*.yaml")
                       if p.name not in ("tiny-dpo.yaml", "tiny-orpo.yaml", "tiny-kto.yaml", "tiny-reward.yaml",
-                                        "tiny-vlm.yaml", "tiny-grpo.yaml", "tiny-tools-sft.yaml", "tiny-tools.yaml",
+                                        "tiny-vlm.yaml", "tiny-vlm-dpo.yaml", "tiny-grpo.yaml", "tiny-tools-sft.yaml", "tiny-tools.yaml",
                                         "tiny-distill.yaml"))
 
 

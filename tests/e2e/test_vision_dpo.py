@@ -1,0 +1,119 @@
+"""dpo on an image-text model through the real entry script: recipes/tiny-vlm-dpo.yaml learns the shipped image
+preference pairs; per-step losses, rewards, log-probs and the updated weights equal TRL 1.16's DPOTrainer on the same
+rows (scripts/compare_trl_vlm_dpo.py); one step is the same as 1 micro-batch of 4 pairs, 2 accumulated micro-batches
+of 2 and 2 DDP processes of 2 (gloo)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText
+
+from tests.conftest import REPO, launch, launch_env, run_script
+
+pytestmark = pytest.mark.launch
+RECIPE = ["--config", str(REPO / "recipes" / "tiny-vlm-dpo.yaml")]
+# 3 steps of 4 pairs in file order, no evaluation, the projector trained too (the vision tower stays frozen: LLaVA
+# reads the tower's second-to-last layer, so its last layer gets no gradient, which DDP without
+# find_unused_parameters refuses); SGD with momentum (as tests/e2e/test_preference.py: AdamW's first steps turn
+# last-bit differences of a reduction into 1e-4 weights)
+EXACT = [*RECIPE, "--max_steps", "3", "--logging_steps", "1", "--train_sampling_strategy", "sequential",
+         "--validation_split_percentage", "0", "--optim", "sgd", "--sgd_momentum", "0.9", "--learning_rate", "0.5",
+         "--max_grad_norm", "0.05", "--warmup_steps", "0", "--freeze_projector", "false"]
+COMPARED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+            "logps/rejected")
+
+
+def test_the_recipe_learns_the_image_preferences(tmp_path):
+    """Starts at policy = reference (loss log 2, margins 0) and ends preferring the chosen answers of the held-out
+    pairs; the frozen vision tower and projector are the base's."""
+    run = run_script(tmp_path / "out", *RECIPE, "--max_steps", "16", "--eval_steps", "16", "--logging_steps", "1")
+    out = " ".join((run.stdout + run.stderr).split())
+    assert "objective dpo (sigmoid), beta 0.1; reference: a frozen copy of the starting model" in out
+    rows, evals = run.train_rows(), run.eval_rows()
+    assert rows[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and rows[0]["rewards/margins"] == 0
+    assert evals[-1]["eval_pairs"] == 8 and evals[-1]["eval_loss"] < math.log(2) - 0.1
+    assert evals[-1]["eval_rewards/margins"] > 0
+    assert run.state()["data"]["sources"][0]["format"] == "image_preference"
+    base = load_file(REPO / "models" / "tiny-vlm" / "model.safetensors")
+    for name, value in load_file(run.output_dir / "final" / "model.safetensors").items():
+        frozen = ".vision_tower." in f".{name}" or ".multi_modal_projector." in f".{name}"
+        assert torch.equal(base[name], value) == frozen, name
+
+
+def test_equal_to_trl_dpo_trainer_on_images(tmp_path):
+    """scripts/compare_trl_vlm_dpo.py: TRL 1.16's DPOTrainer and hftrain on the same image pairs, order and
+    hyperparameters, sigmoid and ipo with every part trained, sigmoid with LoRA (the reference: the adapters
+    disabled, on the same pixels): per-step loss, rewards and log-probs, and the final weights (hftrain's saved
+    folder loaded by transformers, or its adapter by peft, against TRL's trained model)."""
+    results = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_vlm_dpo.py"), "--out", str(tmp_path),
+                           "--json", str(results)], capture_output=True, text=True, cwd=REPO, env=launch_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compared = json.loads(results.read_text())
+    assert sorted(compared) == ["ipo full", "sigmoid full", "sigmoid lora"]
+    for name, runs in compared.items():
+        assert len(runs["trl"]) == len(runs["hftrain"]) == 3, name
+        assert runs["trl"][-1]["rewards/margins"] != 0  # both moved away from the reference
+        for step, (theirs, ours) in enumerate(zip(runs["trl"], runs["hftrain"]), 1):
+            for key, value in ours.items():
+                assert value == pytest.approx(theirs[key], rel=1e-4, abs=1e-5), (name, step, key)
+        trl = torch.load(f"{runs['trl_final']}/weights.pt")
+        base = AutoModelForImageTextToText.from_pretrained(REPO / "models" / "tiny-vlm")
+        before = {key: value.clone() for key, value in base.state_dict().items()}
+        if name.endswith("lora"):  # the adapter on its base, as TRL's PeftModel names its tensors
+            mine = PeftModel.from_pretrained(base, runs["hftrain_final"]).state_dict()
+            moved = [key for key in mine if "lora_B" in key and mine[key].abs().max() > 0]
+        else:
+            mine = AutoModelForImageTextToText.from_pretrained(runs["hftrain_final"]).state_dict()
+            moved = [key for key in mine if not torch.equal(mine[key], before[key])]
+        extra = set(trl) - set(mine)  # TRL keeps the starting adapter as a second one, "ref", for its reference
+        assert set(mine) <= set(trl) and all(".ref." in key for key in extra), sorted(extra)[:3]
+        for key, value in mine.items():
+            torch.testing.assert_close(value, trl[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+        assert any(".vision_tower." in key for key in moved) and any("language_model" in key for key in moved)
+
+
+def test_accumulation_and_two_ddp_processes_equal_one_batch(tmp_path):
+    """4 pairs per step as 1 x 4, 2 accumulated micro-batches x 2 and 2 DDP processes x 2 (gloo): the same losses,
+    rewards, clipped gradient norms and final weights (the loss is the mean over the step's pairs)."""
+    one = run_script(tmp_path / "one", *EXACT, "--per_device_train_batch_size", "4")
+    accum = run_script(tmp_path / "accum", *EXACT, "--per_device_train_batch_size", "2",
+                       "--gradient_accumulation_steps", "2")
+    ddp = launch(tmp_path / "ddp", *EXACT, "--per_device_train_batch_size", "2", preset="cpu_ddp")
+    assert ddp.state()["launch"]["num_processes"] == 2
+    expected = load_file(one.output_dir / "final" / "model.safetensors")
+    for run in (accum, ddp):
+        for key in COMPARED:
+            torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
+                                       torch.tensor([r[key] for r in one.train_rows()]), rtol=1e-4, atol=1e-6,
+                                       msg=key)
+        for name, value in load_file(run.output_dir / "final" / "model.safetensors").items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert one.train_rows()[-1]["rewards/margins"] != 0
+    base = load_file(REPO / "models" / "tiny-vlm" / "model.safetensors")
+    assert any(not torch.equal(value, expected[name]) for name, value in base.items() if "multi_modal_projector" in name)
+
+
+def test_orpo_on_image_pairs_accumulates_like_one_batch(tmp_path):
+    """orpo through the entry script on the image pairs: 2 accumulated micro-batches of 2 pairs equal one of 4 (the
+    NLL's token mean over the step's chosen rows, image tokens left out, counted across micro-batches before the
+    step: the loss, its NLL part and the final weights)."""
+    args = [*EXACT, "--objective", "orpo", "--max_steps", "2"]
+    one = run_script(tmp_path / "one", *args, "--per_device_train_batch_size", "4")
+    accum = run_script(tmp_path / "accum", *args, "--per_device_train_batch_size", "2",
+                       "--gradient_accumulation_steps", "2")
+    for key in ("loss", "nll_loss", "log_odds_ratio", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in accum.train_rows()]),
+                                   torch.tensor([r[key] for r in one.train_rows()]), rtol=1e-5, atol=1e-6, msg=key)
+    expected = load_file(one.output_dir / "final" / "model.safetensors")
+    for name, value in load_file(accum.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert "objective orpo" in one.stdout + one.stderr
