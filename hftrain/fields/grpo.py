@@ -42,7 +42,31 @@ class GRPOFields:
     repetition_penalty: float = _f(1.0, "grpo: generate's repetition penalty (1 = off).", group="grpo")
     epsilon: float = _f(0.2, "grpo: lower clipping range of the importance ratio, 1 - epsilon.", group="grpo")
     epsilon_high: float | None = _f(
-        None, "grpo: upper clipping range, 1 + epsilon_high (default: epsilon; DAPO uses 0.28).", group="grpo",
+        None, "grpo: upper clipping range, 1 + epsilon_high (default: epsilon; DAPO uses 0.28). loss_type cispo: the "
+        "ratio's upper clip itself (not 1 + epsilon_high: the MiniMax-M1 paper's epsilon_max, TRL recommends 5.0).",
+        group="grpo",
+    )
+    sapo_temperature_pos: float = _f(
+        1.0, "grpo, loss_type sapo: the gate's temperature for tokens of completions with a positive advantage "
+        "(TRL's name and default).", group="grpo",
+    )
+    sapo_temperature_neg: float = _f(
+        1.05, "grpo, loss_type sapo: the gate's temperature for tokens of completions with a zero or negative "
+        "advantage (TRL's name and default).", group="grpo",
+    )
+    advantage_estimator: str = _f(
+        "grpo", "grpo: how each completion's advantage is computed from the rewards of its group. grpo: R - group "
+        "mean, scaled by scale_rewards (GRPOTrainer). rloo: TRL RLOOTrainer's leave-one-out baseline, A = R - the "
+        "mean of the other completions of its group that some reward function scored; with beta > 0 the reward is "
+        "first penalised by beta x the completion's summed first-order KL, sum_t (logp - ref logp) with the "
+        "log-probs at generation, and no KL term is added to the loss (RLOOTrainer's KL handling); "
+        "normalize_advantages then standardises the whole generation batch's advantages. The policy loss stays "
+        "loss_type's (docs/grpo.md).", group="grpo", choices=("grpo", "rloo"),
+    )
+    normalize_advantages: bool = _f(
+        False, "grpo, advantage_estimator rloo (RLOOConfig's name and default): standardise the advantages over the "
+        "whole generation batch, (A - mean) / (std + 1e-4), std with Bessel's correction, completions no function "
+        "scored left out.", group="grpo",
     )
     scale_rewards: str = _f(
         "group", "grpo: advantages (R - group mean) divided by the group's reward std (group), the whole "
@@ -260,6 +284,17 @@ def problems(r) -> list[str]:
     problems = stray + unfound + vllm_problems(r)
     if r.loss_type not in LOSS_TYPES:
         problems.append(f"loss_type={r.loss_type} is a dpo loss; grpo takes {', '.join(LOSS_TYPES)}")
+    defaults = {f.name: f.default for f in fields(GRPOFields)}
+    sapo_set = [n for n in ("sapo_temperature_pos", "sapo_temperature_neg") if getattr(r, n) != defaults[n]]
+    if sapo_set and r.loss_type != "sapo":
+        problems.append(f"{', '.join(sapo_set)} set but loss_type={r.loss_type}; they shape loss_type sapo's gate: "
+                        "set loss_type: sapo, or remove them")
+    if r.advantage_estimator == "rloo" and r.scale_rewards != defaults["scale_rewards"]:
+        problems.append(f"scale_rewards={r.scale_rewards} is GRPO's advantage scaling; advantage_estimator rloo "
+                        "scales with normalize_advantages (RLOOConfig's): remove scale_rewards")
+    if r.normalize_advantages and r.advantage_estimator != "rloo":
+        problems.append("normalize_advantages is RLOOConfig's (advantage_estimator: rloo); GRPO scales its advantages "
+                        "with scale_rewards: set advantage_estimator: rloo, or remove normalize_advantages")
     if not r.reward_funcs:
         problems.append("objective grpo needs reward_funcs: a list of pkg.module.func or path/to/file.py:func")
     if r.reward_weights is not None and len(r.reward_weights) != len(r.reward_funcs):
@@ -275,6 +310,8 @@ def problems(r) -> list[str]:
         (r.repetition_penalty > 0, f"repetition_penalty must be > 0, got {r.repetition_penalty}"),
         (r.epsilon > 0, f"epsilon must be > 0, got {r.epsilon}"),
         (r.epsilon_high is None or r.epsilon_high > 0, f"epsilon_high must be > 0, got {r.epsilon_high}"),
+        (r.sapo_temperature_pos > 0 and r.sapo_temperature_neg > 0, "sapo_temperature_pos and sapo_temperature_neg "
+         f"must be > 0 (the gate divides by them), got {r.sapo_temperature_pos} and {r.sapo_temperature_neg}"),
         (r.num_iterations >= 1, f"num_iterations must be >= 1, got {r.num_iterations}"),
         (r.max_completion_length is not None and r.max_completion_length >= 1,
          f"max_completion_length must be >= 1, got {r.max_completion_length}"),

@@ -32,11 +32,13 @@ from hftrain.parallel.sequence import GroupSum
 from hftrain.paths import EVAL_ROLLOUTS_FILE, ROLLOUTS_FILE
 from hftrain.rl.generation import RolloutGenerator
 from hftrain.rl.loss import (
+    TOKEN_NORMALISED,
     LossSettings,
     aggregate,
     clip_statistics,
     completion_log_probs,
     group_advantages,
+    leave_one_out_advantages,
     loss_units,
     micro_batch_loss,
     nanstd,
@@ -65,9 +67,13 @@ EVAL_WINDOW = -1
 
 
 def loss_settings(recipe) -> LossSettings:
+    """The loss's settings; advantage_estimator rloo puts beta's KL into the reward (RLOOTrainer), not the loss."""
     return LossSettings(loss_type=recipe.loss_type, epsilon=recipe.epsilon, epsilon_high=recipe.epsilon_high,
-                        beta=recipe.beta, importance_sampling_level=recipe.importance_sampling_level,
-                        max_completion_length=recipe.max_completion_length)
+                        beta=0.0 if recipe.advantage_estimator == "rloo" else recipe.beta,
+                        importance_sampling_level=recipe.importance_sampling_level,
+                        max_completion_length=recipe.max_completion_length,
+                        sapo_temperature_pos=recipe.sapo_temperature_pos,
+                        sapo_temperature_neg=recipe.sapo_temperature_neg)
 
 
 def token_log_probs(lm: nn.Module, input_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +135,7 @@ class GRPOLoss(ObjectiveLoss):
     def __init__(self, lm: nn.Module, recipe, reference):
         super().__init__(lm)  # no router loss: a dense model, or its router loss left out (coefficient 0)
         self.settings, self.temperature, self.reference = loss_settings(recipe), recipe.temperature, reference
-        self.unit = "tokens" if recipe.loss_type == "dapo" else "completions"
+        self.unit = "tokens" if recipe.loss_type in TOKEN_NORMALISED else "completions"
         self.collecting = False
         # context parallelism (hftrain.parallel.context's RingAttention sets it): the reference's forward on this
         # rank's shards of the rows, inside the ring's context, as the policy's; else on the whole rows
@@ -304,6 +310,8 @@ class Rollouts:
         # importance-sampling correction, whose ratio they are the numerator of (TRL's rules)
         self.correct_sampling = recipe.use_vllm and recipe.vllm_importance_sampling_correction
         self.store_old = recipe.num_iterations > 1 or plan.steps_per_generation > plan.accum or self.correct_sampling
+        # advantage_estimator rloo with beta > 0: the reward is penalised by the KL of the log-probs at generation
+        self.reward_kl = recipe.advantage_estimator == "rloo" and recipe.beta != 0
         self.window, self.buffer, self.truncated = None, [], False
         self.generation_seconds = 0.0  # since the loop last asked (pop_generation_seconds)
         self.generated_metrics: list[dict[str, float]] = []
@@ -452,25 +460,29 @@ class Rollouts:
         if everything[:, -1].any():
             self.stop_on_failure(window, failure, completions, prompts)
             return
-        rewards, advantages, zero_std = group_advantages(all_rewards, self.weights, G, recipe.scale_rewards)
-        self.generated_metrics.append({**self.reward_metrics(all_rewards, rewards, zero_std, all_lengths),
-                                       **self.tool_metrics(all_lengths[:, 2:4])})
-        mine = slice(rows.start, rows.stop)
-        for c, r_k, r, a in zip(completions, all_rewards[mine].tolist(), rewards[mine].tolist(),
-                                advantages[mine].tolist()):
-            c.rewards, c.reward, c.advantage = r_k, r, a
         b = plan.micro_batch
         self.buffer, sampled_with = [], []
-        for k in range(plan.steps_per_generation):
+        for k in range(plan.steps_per_generation):  # the advantages are filled in below
             part = completions[k * b:(k + 1) * b]
             prompt_ids = [p.ids for p in prompts[k * b:(k + 1) * b]]
-            batch = collate(prompt_ids, part, advantages[mine][k * b:(k + 1) * b], self.pad_id,
-                            recipe.mask_truncated_completions)
+            batch = collate(prompt_ids, part, torch.zeros(len(part)), self.pad_id, recipe.mask_truncated_completions)
             sampling = (sampling_log_probs(prompt_ids, part, batch["input_ids"].shape[1]) if self.correct_sampling
                         else None)
             extra = self.rollout_log_probs(batch, sampling)
             self.buffer.append({**batch, **extra})
             sampled_with.append(sampling)
+        kl = self.reward_penalty() if self.reward_kl else None
+        rewards, advantages, zero_std = self.advantages(all_rewards, kl)
+        self.generated_metrics.append({**self.reward_metrics(all_rewards, rewards, zero_std, all_lengths),
+                                       **self.tool_metrics(all_lengths[:, 2:4])})
+        if kl is not None:
+            self.generated_metrics[-1]["kl"] = self.kl_metric
+        mine = slice(rows.start, rows.stop)
+        for c, r_k, r, a in zip(completions, all_rewards[mine].tolist(), rewards[mine].tolist(),
+                                advantages[mine].tolist()):
+            c.rewards, c.reward, c.advantage = r_k, r, a
+        for k, batch in enumerate(self.buffer):
+            batch["advantages"] = advantages[mine][k * b:(k + 1) * b].to(torch.float32)
         if self.correct_sampling:
             self.generated_metrics[-1].update(self.sampling_metrics(sampled_with))
         self.window = window
@@ -531,7 +543,7 @@ class Rollouts:
                                f"after step {step}; fix the function")
         everything = everything[everything[:, -2].bool()]  # the rows of every rank in order, fillers left out
         per_func, lengths = everything[:, :len(self.funcs)], everything[:, len(self.funcs):-2]
-        rewards, _, zero_std = group_advantages(per_func, self.weights, G, recipe.scale_rewards)
+        rewards, _, zero_std = self.advantages(per_func)
         tools = self.tool_metrics(lengths[:, 2:4])
         names = [f.name for f in self.funcs]
         records = [{"step": step, "group": row // G, "prompt_ids": p.ids, "completion_ids": c, "prompt": p.text,
@@ -574,7 +586,7 @@ class Rollouts:
         log-probs of the sampled tokens), the weights of each token's loss, of one micro-batch, in its own padding."""
         out, device = {}, self.accelerator.device
         inputs = {k: v.to(device) for k, v in batch.items() if k != "num_examples"}
-        if self.store_old:
+        if self.store_old or self.reward_kl:
             self.loss_fn.collecting = True
             try:
                 with self.micro_batch(inputs) as sharded:  # context parallelism: inside the ring's context
@@ -592,6 +604,30 @@ class Rollouts:
                 out["old_logps"], sampling_logps, mask, r.vllm_importance_sampling_mode,
                 r.vllm_importance_sampling_clip_min, r.vllm_importance_sampling_clip_max)
         return out
+
+    def advantages(self, per_func: torch.Tensor, kl: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(reward, advantage, zero std) of each completion of a whole window, by advantage_estimator: GRPO's group
+        baseline scaled by scale_rewards, or RLOO's leave-one-out baseline (`kl`: its reward penalty)."""
+        recipe, G = self.recipe, self.plan.num_generations
+        if recipe.advantage_estimator == "rloo":
+            return leave_one_out_advantages(per_func, self.weights, G, recipe.normalize_advantages, kl)
+        return group_advantages(per_func, self.weights, G, recipe.scale_rewards)
+
+    def reward_penalty(self) -> torch.Tensor:
+        """advantage_estimator rloo, beta > 0 (RLOOTrainer): beta x each completion's summed first-order KL,
+        sum_t m (logp - ref logp) with the log-probs at generation, every rank's completions in window order; sets
+        `kl_metric`, TRL's kl (the token mean of logp - ref logp over the window's trained tokens)."""
+        sums, tokens = [], []
+        for batch in self.buffer:
+            mask = (batch["labels"][:, 1:] != IGNORE_INDEX).to(torch.float32)
+            per_token = (batch["old_logps"] - batch["ref_logps"]) * mask
+            sums.append(per_token.sum(-1))
+            tokens.append(mask.sum(-1))
+        local = torch.stack([torch.cat(sums), torch.cat(tokens)], dim=1).double()
+        every = self.dp.gather(local.to(self.accelerator.device)).cpu()
+        self.kl_metric = (every[:, 0].sum() / every[:, 1].sum().clamp(min=1)).item()
+        return self.recipe.beta * every[:, 0].to(torch.float32)
 
     def sampling_metrics(self, sampling_logps: list[torch.Tensor]) -> dict[str, float]:
         """TRL's vLLM metrics of this window, every rank's tokens: |old - sampling log-prob| over the trained tokens
