@@ -255,6 +255,16 @@ class Completion:
     tool_mask: list[int] | None = None
     tool_calls: list | None = None
     messages: list[dict] | None = None
+    # the policy that sampled it: its version (weight pushes to the rollout worker; else the optimizer steps taken)
+    # and its log-prob of each token (a sampler's own, else the trained model's at generation when computed)
+    policy_version: int | None = None
+    behaviour_logps: list[float] | None = None
+
+    def behaviour_values(self) -> list[float | None] | None:
+        """rollouts.jsonl's behaviour_logps: the sampler's log-probs, else the trained model's at generation, else
+        None (not computed); null where a sampler gave none."""
+        values = self.sampling_logps if self.sampling_logps is not None else self.behaviour_logps
+        return None if values is None else [None if math.isnan(v) else v for v in values]
 
     @property
     def model_tokens(self) -> int:
