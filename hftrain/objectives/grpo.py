@@ -23,7 +23,7 @@ from hftrain.objectives.reference import AdapterReference, FrozenReference
 from hftrain.parallel.base import Backend
 from hftrain.parallel.launch import main_process_first
 from hftrain.paths import STREAM_STATE
-from hftrain.rl.async_worker import RolloutWorker, WorkerSpec, queue_windows, worker_threads
+from hftrain.rl.async_worker import STALL_FLOOR_SECONDS, RolloutWorker, WorkerSpec, queue_windows, worker_threads
 from hftrain.rl.generation import build_generator
 from hftrain.rl.grpo import GRPOLoss, Policy, ReferenceTokenLogProbs, Rollouts, RolloutSource, reference_token_log_probs
 from hftrain.rl.rewards import column_problems, load_reward_functions
@@ -67,7 +67,8 @@ def async_worker_starter(run) -> Callable[[int], RolloutWorker]:
                           recipe.temperature, recipe.mask_truncated_completions, first_window, run.data.total_steps,
                           recipe.weight_sync_steps, recipe.max_staleness,
                           worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        return RolloutWorker(spec, lm, bound)
+        stall = STALL_FLOOR_SECONDS if recipe.hang_timeout is None else recipe.hang_timeout  # 0: off
+        return RolloutWorker(spec, lm, bound, stall)
 
     return start
 

@@ -34,10 +34,24 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from transformers import LogitsProcessor
 
 from hftrain.rl.rollouts import Completion, Sampled, Sampling, WindowPlan, collate, generate_rows, row_seed
 
 POLL_SECONDS = 0.5  # how often a waiting trainer checks that its worker is alive
+STALL_FLOOR_SECONDS = 300.0  # hang_timeout unset: a worker silent this long while the trainer waits is hung (TRL's
+# heartbeat_stale_after_s default)
+
+
+class Beat(LogitsProcessor):
+    """Every generated token: the worker's progress time (a shared value the waiting trainer reads)."""
+
+    def __init__(self, progress):
+        self.progress = progress
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.progress.value = time.monotonic()
+        return scores
 
 
 def sampling_version(window: int, weight_sync_steps: int, max_staleness: int) -> int:
@@ -104,9 +118,10 @@ def behaviour_log_probs(model, prompt_ids: list[list[int]], rows: list[tuple[lis
     return out
 
 
-def worker_main(spec: WorkerSpec, control, results) -> None:
+def worker_main(spec: WorkerSpec, control, results, progress) -> None:
     """The worker process: windows first_window.. in order, each with its policy version's weights (read from
-    `control` in push order: (version, state_dict), or None to stop), into `results` (blocking when full)."""
+    `control` in push order: (version, state_dict), or None to stop), into `results` (blocking when full);
+    `progress`: the time of its last sign of progress (a generated token, a window's steps)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -125,12 +140,16 @@ def worker_main(spec: WorkerSpec, control, results) -> None:
                 version, state = message
                 model.load_state_dict(state)
                 del state
+                progress.value = time.monotonic()
             started = time.perf_counter()
+            progress.value = time.monotonic()
             index = plan.window_prompts(window)
             prompt_ids = [spec.prompts[index[row // G]] for row in rows]
             seeds = [row_seed(spec.seed, window, row // G, row % G) for row in rows]
             with torch.no_grad():
-                sampled = generate_rows(model, prompt_ids, seeds, spec.sampling, spec.eos_ids, spec.pad_id)
+                sampled = generate_rows(model, prompt_ids, seeds, spec.sampling, spec.eos_ids, spec.pad_id,
+                                        extra=[Beat(progress)])
+                progress.value = time.monotonic()
                 behaviour = behaviour_log_probs(model, prompt_ids, sampled, plan.micro_batch, spec.pad_id,
                                                 spec.temperature, spec.mask_truncated)
             busy = time.perf_counter() - started
@@ -150,14 +169,16 @@ class WorkerFailure(Exception):
 class RolloutWorker:
     """The trainer's side of one rank's worker: starts the process, pushes weights, takes windows in order."""
 
-    def __init__(self, spec: WorkerSpec, lm, bound: int):
-        self.spec, self.lm, self.bound = spec, lm, bound
+    def __init__(self, spec: WorkerSpec, lm, bound: int, stall_seconds: float):
+        self.spec, self.lm, self.bound, self.stall_seconds = spec, lm, bound, stall_seconds
         context = mp.get_context("spawn")
+        self.progress = context.Value("d", time.monotonic(), lock=False)
         self.control, self.results = context.Queue(), context.Queue(maxsize=bound)
         self.control.cancel_join_thread()  # an exiting trainer does not wait for a dead worker to read its weights
-        self.process = context.Process(target=worker_main, args=(spec, self.control, self.results),
+        self.process = context.Process(target=worker_main, args=(spec, self.control, self.results, self.progress),
                                        name=f"hftrain-rollout-worker-{spec.rank}", daemon=True)
         self.pushed = -1  # the newest version pushed
+        self.received = 0  # windows taken (a worker is judged hung only once it has sent one)
         self.wait_seconds = 0.0  # the trainer's time blocked on the queue, since the last metrics
         self.process.start()
 
@@ -174,8 +195,8 @@ class RolloutWorker:
         self.pushed = version
 
     def take(self, window: int) -> SampledWindow:
-        """Window `window`'s rows (the next in the queue), waiting while the worker lives."""
-        started = time.perf_counter()
+        """Window `window`'s rows (the next in the queue), waiting while the worker lives and makes progress."""
+        started, started_at = time.perf_counter(), time.monotonic()
         while True:
             try:
                 item = self.results.get(timeout=POLL_SECONDS)
@@ -183,20 +204,25 @@ class RolloutWorker:
             except queue.Empty:
                 if not self.process.is_alive():
                     raise WorkerFailure(f"{self.name} died (exit code {self.process.exitcode})") from None
+                silent = time.monotonic() - max(self.progress.value, started_at)
+                if self.stall_seconds and self.received and silent > self.stall_seconds:  # start-up takes any time
+                    self.kill()
+                    raise WorkerFailure(f"{self.name} made no progress for {silent:.0f} s while the trainer waited "
+                                        f"for generation batch {window} (hung; hang_timeout {self.stall_seconds:g} "
+                                        "s); it was killed") from None
         self.wait_seconds += time.perf_counter() - started
+        self.received += 1
         if isinstance(item, tuple) and item and item[0] == "error":
             raise WorkerFailure(f"{self.name} failed: {item[1]} (its traceback: {item[2].strip()})")
         if item.window != window:
             raise WorkerFailure(f"{self.name} sent generation batch {item.window} where {window} was due")
         return item
 
-    def close(self) -> None:
+    def kill(self) -> None:
+        """SIGKILL (a stopped or hung worker ignores SIGTERM, and the exiting trainer would wait for it)."""
         if self.process.is_alive():
-            self.control.put(None)
-            self.process.join(timeout=2)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout=2)
+            self.process.kill()
+            self.process.join(timeout=5)
 
 
 def worker_threads(local_processes: int) -> int:

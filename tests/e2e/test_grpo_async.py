@@ -139,9 +139,9 @@ from hftrain.rl.example_rewards import vowel_share
 CALLS = []
 
 
-def killing_vowel_share(prompts, completions, completion_ids, **kwargs):
+def signalled_vowel_share(prompts, completions, completion_ids, **kwargs):
     CALLS.append(1)
-    if len(CALLS) == 2:  # the second window: kill this process's rollout worker (its child process)
+    if len(CALLS) == 2:  # the second window: signal this process's rollout worker (its spawned child process)
         for pid in os.listdir("/proc"):
             try:
                 status = open(f"/proc/{pid}/status").read()
@@ -149,20 +149,28 @@ def killing_vowel_share(prompts, completions, completion_ids, **kwargs):
             except OSError:
                 continue
             if f"PPid:\\t{os.getpid()}\\n" in status and b"spawn_main" in command:
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(int(pid), getattr(signal, os.environ["WORKER_SIGNAL"]))
     return vowel_share(prompts, completions, completion_ids)
 """
 
 
-def test_a_dead_worker_stops_the_run_naming_it(tmp_path, ending_model):  # noqa: F811
-    reward = tmp_path / "killer.py"
+@pytest.mark.parametrize("signal_name, what", [
+    ("SIGKILL", r"died \(exit code -9\)"),
+    ("SIGSTOP", r"made no progress for \d+ s while the trainer waited for generation batch 2 \(hung; hang_timeout 3 "
+                r"s\); it was killed")])
+def test_a_dead_or_hung_worker_stops_the_run_naming_it(tmp_path, ending_model, signal_name, what):  # noqa: F811
+    """The worker killed (SIGKILL) or frozen (SIGSTOP) after it sent the second window: the trainer stops within
+    seconds (hang_timeout 3) at step 3, every rank at once, with a checkpoint and one paragraph naming the worker."""
+    reward = tmp_path / "signalled.py"
     reward.write_text(KILLER)
     run = run_script(tmp_path / "dead", *args(ending_model, 6), "--async_generation", "true", "--max_staleness", "0",
-                     "--reward_funcs", f"{reward}:killing_vowel_share", check=False, timeout=300)
+                     "--reward_funcs", f"{reward}:signalled_vowel_share", "--hang_timeout", "3", check=False,
+                     timeout=300, env={"WORKER_SIGNAL": signal_name})
     assert run.returncode != 0
     message = " ".join(run.stderr.split())
-    assert re.search(r"the rollout worker of process 0 \(pid \d+\) died \(exit code -9\), so generation batch 2 "
-                     r"\(training step 3\) has no rollouts\. The state after step 2 is in \S+checkpoint-2", message)
+    assert re.search(r"the rollout worker of process 0 \(pid \d+\) " + what + r", so generation batch 2 "
+                     r"\(training step 3\) has no rollouts\. The state after step 2 is in \S+checkpoint-2", message), \
+        message[-1500:]
     assert "Traceback" not in message
     assert not (run.output_dir / "final").exists()
 
