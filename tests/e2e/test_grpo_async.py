@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import REPO, run_script
-from tests.e2e.test_grpo import BASE, ONE_BY_EIGHT, TINY, ending_model, token_log_probs  # noqa: F401 - fixture
+from tests.conftest import REPO, launch, run_script
+from tests.e2e.test_grpo import BASE, ONE_BY_EIGHT, TINY, TWO_PROCS, ending_model, token_log_probs  # noqa: F401
 
 SAVE = ["--save_strategy", "steps", "--save_steps", "1", "--checkpoint_preflight", "false"]
 
@@ -60,6 +60,8 @@ def runs(tmp_path_factory, ending_model):  # noqa: F811 - the imported fixture
                              "--max_staleness", "0"),
         "stale": run_script(tmp / "stale", *stale),
         "stale-raw": run_script(tmp / "stale-raw", *stale, "--vllm_importance_sampling_correction", "false"),
+        # 2 processes under DDP, each with its worker for its rows: 2 x 2 completions x accumulation 2
+        "stale-2procs": launch(tmp / "stale-2procs", *stale, *TWO_PROCS, preset="cpu_ddp"),
     }
 
 
@@ -132,6 +134,24 @@ def test_stale_windows_carry_their_policy_and_train_as_written_out(runs, ending_
     apart = max((results["corrected"][k] - results["raw"][k]).abs().max().item() for k in before)
     assert update > 0 and apart > 0.1 * update  # the correction changes the update materially
     assert runs["stale"].train_rows()[1]["sample/staleness_max"] == 1
+
+
+def test_two_processes_equal_one(runs):
+    """The max_staleness 1 run on 2 processes (each its own worker, 2 completions per micro-batch, accumulation 2):
+    the same rollouts, policy versions and behaviour log-probs, losses and weights as on one."""
+    one, two = runs["stale"], runs["stale-2procs"]
+    a, b = rows_of(one), rows_of(two)
+    assert [(r["completion_ids"], r["policy_version"]) for r in a] == [(r["completion_ids"], r["policy_version"])
+                                                                       for r in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(y["behaviour_logps"]), torch.tensor(x["behaviour_logps"]),
+                                   rtol=1e-5, atol=1e-5)
+    assert [m["loss"] for m in two.train_rows()] == pytest.approx([m["loss"] for m in one.train_rows()], rel=1e-4,
+                                                                  abs=1e-6)
+    got, want = load_file(two.output_dir / "final" / "model.safetensors"), \
+        load_file(one.output_dir / "final" / "model.safetensors")
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 KILLER = """import os, signal
