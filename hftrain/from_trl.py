@@ -126,10 +126,12 @@ def _loss_type(value: Any) -> dict[str, Any]:
     values are the recipe's own."""
     if value == "nll":
         return {}
-    if value in ("sigmoid", "ipo", "hinge", "dapo", "grpo", "bnpo", "dr_grpo", "kto", "apo_zero_unpaired"):
+    if value in ("sigmoid", "ipo", "hinge", "dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "kto",
+                 "apo_zero_unpaired"):
         return {"loss_type": value}
     raise ValueError("hftrain's sft loss is the negative log-likelihood (nll) of the trained tokens, its dpo "
-                     "losses are sigmoid, ipo and hinge, its grpo losses dapo, grpo, bnpo and dr_grpo, its kto "
+                     "losses are sigmoid, ipo and hinge, its grpo losses dapo, grpo, bnpo, dr_grpo, cispo and sapo "
+                     "(TRL's luspo and vespo are not written), its kto "
                      "losses kto and apo_zero_unpaired")
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
-GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")  # loss_type values of objective grpo (objectives and grpo groups)
+# loss_type values of objective grpo (objectives and grpo groups)
+GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo")
 
 
 def recipe_field(default: Any, help: str, *, group: str, choices: tuple | None = None, **kw) -> Any:

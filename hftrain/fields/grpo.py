@@ -42,7 +42,31 @@ class GRPOFields:
     repetition_penalty: float = _f(1.0, "grpo: generate's repetition penalty (1 = off).", group="grpo")
     epsilon: float = _f(0.2, "grpo: lower clipping range of the importance ratio, 1 - epsilon.", group="grpo")
     epsilon_high: float | None = _f(
-        None, "grpo: upper clipping range, 1 + epsilon_high (default: epsilon; DAPO uses 0.28).", group="grpo",
+        None, "grpo: upper clipping range, 1 + epsilon_high (default: epsilon; DAPO uses 0.28). loss_type cispo: the "
+        "ratio's upper clip itself (not 1 + epsilon_high: the MiniMax-M1 paper's epsilon_max, TRL recommends 5.0).",
+        group="grpo",
+    )
+    sapo_temperature_pos: float = _f(
+        1.0, "grpo, loss_type sapo: the gate's temperature for tokens of completions with a positive advantage "
+        "(TRL's name and default).", group="grpo",
+    )
+    sapo_temperature_neg: float = _f(
+        1.05, "grpo, loss_type sapo: the gate's temperature for tokens of completions with a zero or negative "
+        "advantage (TRL's name and default).", group="grpo",
+    )
+    advantage_estimator: str = _f(
+        "grpo", "grpo: how each completion's advantage is computed from the rewards of its group. grpo: R - group "
+        "mean, scaled by scale_rewards (GRPOTrainer). rloo: TRL RLOOTrainer's leave-one-out baseline, A = R - the "
+        "mean of the other completions of its group that some reward function scored; with beta > 0 the reward is "
+        "first penalised by beta x the completion's summed first-order KL, sum_t (logp - ref logp) with the "
+        "log-probs at generation, and no KL term is added to the loss (RLOOTrainer's KL handling); "
+        "normalize_advantages then standardises the whole generation batch's advantages. The policy loss stays "
+        "loss_type's (docs/grpo.md).", group="grpo", choices=("grpo", "rloo"),
+    )
+    normalize_advantages: bool = _f(
+        False, "grpo, advantage_estimator rloo (RLOOConfig's name and default): standardise the advantages over the "
+        "whole generation batch, (A - mean) / (std + 1e-4), std with Bessel's correction, completions no function "
+        "scored left out.", group="grpo",
     )
     scale_rewards: str = _f(
         "group", "grpo: advantages (R - group mean) divided by the group's reward std (group), the whole "
@@ -144,6 +168,29 @@ class GRPOFields:
         30.0, "grpo, tools: seconds each tool call may take; a call that raises or times out returns "
         "{'error': message} as its result and counts in tools/failure_frequency.", group="grpo",
     )
+    async_generation: bool = _f(
+        False, "grpo: sample in a rollout worker beside the trainer (TRL's AsyncGRPOTrainer idea): a separate process "
+        "on this machine's CPU cores generating with transformers from the newest weights the trainer sent it, into a "
+        "bounded queue, while the trainer trains on earlier windows. Window w is sampled by the policy exactly "
+        "min(max_staleness, its version) weight syncs behind the trainer's at the step that trains it (the worker "
+        "waits for those weights; a window that would be older is never generated, so nothing is dropped), each "
+        "completion carries its behaviour log-probs and policy version (rollouts.jsonl), and the loss is corrected by "
+        "vllm_importance_sampling_* (TRL's names) against them. One process or DDP, full fine-tuning, one optimizer "
+        "step per generation window (docs/grpo.md).", group="grpo",
+    )
+    max_staleness: int = _f(
+        4, "grpo, async_generation (TRL's name and default): how many weight syncs behind the trainer the policy "
+        "that samples a window is; 0 with weight_sync_steps 1 is the synchronous run.", group="grpo",
+    )
+    weight_sync_steps: int = _f(
+        1, "grpo, async_generation (TRL's name and default): optimizer steps between two weight pushes to the "
+        "rollout worker (one policy version each).", group="grpo",
+    )
+    max_inflight_tasks: int = _f(
+        -1, "grpo, async_generation (TRL's name): completions the worker may hold sampled ahead of the trainer (the "
+        "queue's bound, whole generation windows, at least one); -1: max(max_staleness, 1) x the completions of one "
+        "optimizer step, as TRL.", group="grpo",
+    )
     ds3_gather_for_generation: bool = _f(
         True, "grpo, DeepSpeed ZeRO-3 (TRL's name and default): true gathers the whole model on every process for "
         "each generation batch (fast sampling; one full copy of the weights per process meanwhile); false samples "
@@ -161,6 +208,39 @@ VLLM_FIELDS = ("vllm_mode", "vllm_gpu_memory_utilization", "vllm_max_model_lengt
                "vllm_enable_sleep_mode", "vllm_model_impl", "vllm_importance_sampling_correction",
                "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
                "vllm_importance_sampling_clip_min")
+
+
+IMPORTANCE_SAMPLING_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                              "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min")
+ASYNC_FIELDS = ("max_staleness", "weight_sync_steps", "max_inflight_tasks")
+GRPO_DEFAULTS = {f.name: f.default for f in fields(GRPOFields)}
+
+
+def async_problems(r) -> list[str]:
+    """async_generation's settings and what its worker does not do yet (judged from the recipe; the strategy, which
+    must hold the whole model on each process, is checked when the worker starts)."""
+    if not r.async_generation:
+        return []
+    checks = [
+        (r.max_staleness >= 0, f"max_staleness must be >= 0, got {r.max_staleness}"),
+        (r.weight_sync_steps >= 1, f"weight_sync_steps must be >= 1, got {r.weight_sync_steps}"),
+        (r.max_inflight_tasks == -1 or r.max_inflight_tasks >= 1,
+         f"max_inflight_tasks must be >= 1, or -1 (automatic), got {r.max_inflight_tasks}"),
+        (not r.use_vllm, "async_generation with use_vllm: the rollout worker generates with transformers in its own "
+         "process; the vLLM-server worker is not written yet: use one of them"),
+        (r.num_iterations == 1 and (r.steps_per_generation is None
+                                    or r.steps_per_generation == r.gradient_accumulation_steps),
+         "async_generation needs one optimizer step per generation window (num_iterations 1, steps_per_generation "
+         "unset): each window is then trained by one policy version"),
+        (not r.use_peft, "async_generation with use_peft is refused: the rollout worker receives the full model's "
+         "weights; pushing adapters is not written yet"),
+        (not (r.tools or r.environment_factory), "async_generation with tools / environment_factory is refused: the "
+         "rollout worker samples single-turn completions only"),
+        (r.tp_size == 1 and r.sp_size == 1 and r.cp_size == 1 and r.pp_size == 1,
+         "async_generation needs the whole model on every process (one process or DDP); tp_size, sp_size, cp_size "
+         "and pp_size must be 1"),
+    ]
+    return [message for ok, message in checks if not ok]
 
 
 def vllm_problems(r) -> list[str]:
@@ -239,15 +319,22 @@ def problems(r) -> list[str]:
     """objective grpo's settings (GRPOConfig's rules) and what it cannot be combined with yet. Other objectives:
     reward_funcs and the tool settings unset. Either way, tools and environment_factory must name something Python
     finds."""
-    stray = [] if r.use_vllm else vllm_defaults_changed(r)
+    stray = [] if r.use_vllm else [name for name in vllm_defaults_changed(r)
+                                   if not (r.async_generation and name in IMPORTANCE_SAMPLING_FIELDS)]
     stray = [f"{', '.join(stray)} set without use_vllm: true; they configure vLLM generation: add use_vllm: true "
              "(objective grpo) or remove them"] if stray else []
+    async_set = [name for name in ASYNC_FIELDS if getattr(r, name) != GRPO_DEFAULTS[name]]
+    if async_set and not r.async_generation:
+        stray.append(f"{', '.join(async_set)} set without async_generation: true; they configure the rollout worker: "
+                     "add async_generation: true or remove them")
     unfound = tool_problems(r)
     if r.objective != "grpo":
         misplaced = [(r.reward_funcs, f"reward_funcs is set but objective={r.objective}; set objective: grpo"),
                      (r.reward_weights is not None, f"reward_weights is set but objective={r.objective}; set "
                       "objective: grpo"),
                      (r.use_vllm, f"use_vllm is grpo's generation setting, but objective={r.objective}; remove it"),
+                     (r.async_generation, f"async_generation is grpo's generation setting, but "
+                      f"objective={r.objective}; remove it"),
                      (not r.ds3_gather_for_generation, "ds3_gather_for_generation: false is grpo's generation "
                       f"setting, but objective={r.objective}; remove it"),
                      (r.tools, f"tools is set but objective={r.objective}; tool calling is grpo's (set objective: "
@@ -257,9 +344,20 @@ def problems(r) -> list[str]:
                      (r.max_tool_calling_iterations is not None, "max_tool_calling_iterations is grpo's tool-calling "
                       f"setting, but objective={r.objective}; remove it")]
         return [message for is_set, message in misplaced if is_set] + stray + unfound
-    problems = stray + unfound + vllm_problems(r)
+    problems = stray + unfound + vllm_problems(r) + async_problems(r)
     if r.loss_type not in LOSS_TYPES:
         problems.append(f"loss_type={r.loss_type} is a dpo loss; grpo takes {', '.join(LOSS_TYPES)}")
+    defaults = {f.name: f.default for f in fields(GRPOFields)}
+    sapo_set = [n for n in ("sapo_temperature_pos", "sapo_temperature_neg") if getattr(r, n) != defaults[n]]
+    if sapo_set and r.loss_type != "sapo":
+        problems.append(f"{', '.join(sapo_set)} set but loss_type={r.loss_type}; they shape loss_type sapo's gate: "
+                        "set loss_type: sapo, or remove them")
+    if r.advantage_estimator == "rloo" and r.scale_rewards != defaults["scale_rewards"]:
+        problems.append(f"scale_rewards={r.scale_rewards} is GRPO's advantage scaling; advantage_estimator rloo "
+                        "scales with normalize_advantages (RLOOConfig's): remove scale_rewards")
+    if r.normalize_advantages and r.advantage_estimator != "rloo":
+        problems.append("normalize_advantages is RLOOConfig's (advantage_estimator: rloo); GRPO scales its advantages "
+                        "with scale_rewards: set advantage_estimator: rloo, or remove normalize_advantages")
     if not r.reward_funcs:
         problems.append("objective grpo needs reward_funcs: a list of pkg.module.func or path/to/file.py:func")
     if r.reward_weights is not None and len(r.reward_weights) != len(r.reward_funcs):
@@ -275,6 +373,8 @@ def problems(r) -> list[str]:
         (r.repetition_penalty > 0, f"repetition_penalty must be > 0, got {r.repetition_penalty}"),
         (r.epsilon > 0, f"epsilon must be > 0, got {r.epsilon}"),
         (r.epsilon_high is None or r.epsilon_high > 0, f"epsilon_high must be > 0, got {r.epsilon_high}"),
+        (r.sapo_temperature_pos > 0 and r.sapo_temperature_neg > 0, "sapo_temperature_pos and sapo_temperature_neg "
+         f"must be > 0 (the gate divides by them), got {r.sapo_temperature_pos} and {r.sapo_temperature_neg}"),
         (r.num_iterations >= 1, f"num_iterations must be >= 1, got {r.num_iterations}"),
         (r.max_completion_length is not None and r.max_completion_length >= 1,
          f"max_completion_length must be >= 1, got {r.max_completion_length}"),

@@ -40,11 +40,12 @@ class ModelFields:
         "torch.nn.attention.varlen: CUDA, bf16/fp16, packing; each packed document attends as its own sequence, by "
         "the packer's boundaries, with no mask, so a row costs the sum of its documents' causal squares instead of "
         "the row's; on a machine without CUDA, when named, hftrain runs it as sdpa over each document, in any "
-        "precision: the same saving). Default: varlen where it can run (CUDA, bf16 or fp16, packing: true, llama, mistral, mixtral, "
-        "qwen2, qwen3, phi3, olmo2 or gemma, without sp_size, pp_size, log_completions or eval_tasks), else the "
-        "model's choice (sdpa: packed rows get a block-diagonal mask). Every kernel keeps packed examples apart: "
-        "transformers' flash attention finds examples from position_ids only in a batch of one row, so hftrain hands "
-        "it (and varlen) each packed micro-batch flattened into one row. The start-up line names the one in use.",
+        "precision: the same saving). Default: varlen where it can run (CUDA, bf16 or fp16, packing: true, llama, "
+        "mistral, mixtral, qwen2, qwen3, phi3, olmo2 or gemma, without sp_size, pp_size, log_completions or "
+        "eval_tasks), else the model's choice (sdpa: packed rows get a block-diagonal mask). Every kernel keeps "
+        "packed examples apart: transformers' flash attention finds examples from position_ids only in a batch of "
+        "one row, so hftrain hands it (and varlen) each packed micro-batch flattened into one row. The start-up line "
+        "names the one in use.",
         group="model", choices=(None, "eager", "sdpa", "flash_attention_2", "varlen"),
     )
     use_liger_kernel: bool = _f(

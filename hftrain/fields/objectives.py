@@ -36,9 +36,14 @@ class ObjectiveFields:
         "sigmoid", "dpo loss (TRL's names): sigmoid (the DPO paper), ipo (squared, per-token-normalised log-ratios, "
         "as TRL), hinge (SLiC). grpo (default dapo there, as TRL): dapo (token mean over the step's completion "
         "tokens), grpo (mean of each completion's token mean), bnpo (TRL's per-micro-batch token mean), dr_grpo "
-        "(token sum / max_completion_length). kto (default kto there, as TRL): kto (the KTO paper's loss against "
-        "the step's KL reference point), apo_zero_unpaired (APO-zero, unpaired: no KL term).", group="objective",
-        choices=("sigmoid", "ipo", "hinge", "dapo", "grpo", "bnpo", "dr_grpo", "kto", "apo_zero_unpaired"),
+        "(token sum / max_completion_length), cispo (MiniMax-M1: the ratio clipped at epsilon_high, stop-gradient, "
+        "times A x log-prob; token mean as dapo; TRL recommends epsilon_high 5.0), sapo (Soft Adaptive Policy "
+        "Optimization: a sigmoid gate of temperature sapo_temperature_pos / _neg instead of the clip; mean of each "
+        "completion's token mean as grpo); docs/grpo.md has every formula. kto (default kto there, as TRL): kto "
+        "(the KTO paper's loss against the step's KL reference point), apo_zero_unpaired (APO-zero, unpaired: no "
+        "KL term).", group="objective",
+        choices=("sigmoid", "ipo", "hinge", "dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "kto",
+                 "apo_zero_unpaired"),
     )
     desirable_weight: float = _f(
         1.0, "kto: the weight of the desirable (label: true) examples' losses (TRL's KTOConfig.desirable_weight); "

@@ -5,6 +5,7 @@ and generation (rl.rollouts), the loss module and the rollout source (rl.grpo)."
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
 
 import torch
@@ -19,8 +20,10 @@ from hftrain.errors import HftrainError
 from hftrain.loss import ObjectiveLoss
 from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import AdapterReference, FrozenReference
+from hftrain.parallel.base import Backend
 from hftrain.parallel.launch import main_process_first
 from hftrain.paths import STREAM_STATE
+from hftrain.rl.async_worker import STALL_FLOOR_SECONDS, RolloutWorker, WorkerSpec, queue_windows, worker_threads
 from hftrain.rl.generation import build_generator
 from hftrain.rl.grpo import GRPOLoss, Policy, ReferenceTokenLogProbs, Rollouts, RolloutSource, reference_token_log_probs
 from hftrain.rl.rewards import column_problems, load_reward_functions
@@ -44,6 +47,30 @@ def build_token_reference(recipe, lm: nn.Module, device: torch.device,
     if hasattr(lm, "disable_adapter"):
         return AdapterReference(lm, reference_token_log_probs(recipe.temperature))
     return FrozenReference(ReferenceTokenLogProbs(copy_model(lm), recipe.temperature), device)
+
+
+def async_worker_starter(run) -> Callable[[int], RolloutWorker]:
+    """async_generation: how this process starts its rollout worker (hftrain.rl.async_worker) once the weights are
+    loaded, given the first window it samples. The worker receives the whole model's weights, so the strategy must
+    hold them whole on each process: one process or DDP."""
+    recipe, source, backend, lm = run.recipe, run.data.feed, run.backend, run.parts.loss.lm
+    if type(backend) is not Backend or backend.laid_out:
+        raise HftrainError(f"async_generation under {backend.record.name} is refused: the rollout worker receives the "
+                           "whole model's weights at each push, and this strategy shards them; use one process or "
+                           "DDP (cpu_ddp / ddp presets)")
+    plan = source.plan
+    bound = queue_windows(recipe.max_inflight_tasks, recipe.max_staleness, plan.window_size, plan.global_batch)
+
+    def start(first_window: int) -> RolloutWorker:
+        spec = WorkerSpec(lm.config, next(lm.parameters()).dtype, [p.ids for p in source.prompts], plan,
+                          source.dp.rank, recipe.seed, source.sampling, source.eos_ids, source.pad_id,
+                          recipe.temperature, recipe.mask_truncated_completions, first_window, run.data.total_steps,
+                          recipe.weight_sync_steps, recipe.max_staleness,
+                          worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        stall = STALL_FLOOR_SECONDS if recipe.hang_timeout is None else recipe.hang_timeout  # 0: off
+        return RolloutWorker(spec, lm, bound, stall)
+
+    return start
 
 
 class GRPO(Objective):
@@ -180,8 +207,18 @@ class GRPO(Objective):
         generator = build_generator(run.recipe, backend, run.model, loss.lm, run.accelerator, source.sampling,
                                     source.eos_ids, source.pad_id)
         config = getattr(loss.lm, "config", None)
+        start_worker = async_worker_starter(run) if run.recipe.async_generation else None
         return Rollouts(source, Policy(run.model, loss, generator, backend.whole_sequences, backend.micro_batch,
-                                       getattr(config, "max_position_embeddings", None)))
+                                       getattr(config, "max_position_embeddings", None), start_worker))
+
+    @staticmethod
+    def sampler(run) -> str:
+        r = run.recipe
+        if not r.async_generation:
+            return run.feed.generator.describe()
+        return (f"transformers' generate in a rollout worker process per trainer process (max_staleness "
+                f"{r.max_staleness}, weight_sync_steps {r.weight_sync_steps}, importance-sampling correction "
+                f"{r.vllm_importance_sampling_mode if r.vllm_importance_sampling_correction else 'off'})")
 
     @staticmethod
     def tools_note(run) -> str:
@@ -198,7 +235,8 @@ class GRPO(Objective):
         ref = reference.describe() if reference is not None else "none (beta 0)"
         return [f"objective grpo ({recipe.loss_type}, {recipe.importance_sampling_level}-level ratios, epsilon "
                 f"{recipe.epsilon:g}/{recipe.epsilon_high if recipe.epsilon_high is not None else recipe.epsilon:g}, "
-                f"beta {recipe.beta:g}; reference: {ref}); sampled with {run.feed.generator.describe()}"
+                f"beta {recipe.beta:g}{' in the reward' if recipe.advantage_estimator == 'rloo' else ''}; advantages: "
+                f"{recipe.advantage_estimator}; reference: {ref}); sampled with {self.sampler(run)}"
                 f"{self.tools_note(run)}; reward "
                 f"functions {', '.join(f.name for f in run.feed.funcs)}; each generation batch: "
                 f"{plan.prompts_per_window} prompts x {plan.num_generations} completions, trained for "

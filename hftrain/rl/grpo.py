@@ -31,13 +31,16 @@ from hftrain.loss import ObjectiveLoss
 from hftrain.model import WrapsCausalLM
 from hftrain.parallel.sequence import GroupSum
 from hftrain.paths import EVAL_ROLLOUTS_FILE, ROLLOUTS_FILE
+from hftrain.rl.async_worker import RolloutWorker, WorkerFailure, sampled_rows
 from hftrain.rl.generation import RolloutGenerator
 from hftrain.rl.loss import (
+    TOKEN_NORMALISED,
     LossSettings,
     aggregate,
     clip_statistics,
     completion_log_probs,
     group_advantages,
+    leave_one_out_advantages,
     loss_units,
     micro_batch_loss,
     nanstd,
@@ -66,9 +69,13 @@ EVAL_WINDOW = -1
 
 
 def loss_settings(recipe) -> LossSettings:
+    """The loss's settings; advantage_estimator rloo puts beta's KL into the reward (RLOOTrainer), not the loss."""
     return LossSettings(loss_type=recipe.loss_type, epsilon=recipe.epsilon, epsilon_high=recipe.epsilon_high,
-                        beta=recipe.beta, importance_sampling_level=recipe.importance_sampling_level,
-                        max_completion_length=recipe.max_completion_length)
+                        beta=0.0 if recipe.advantage_estimator == "rloo" else recipe.beta,
+                        importance_sampling_level=recipe.importance_sampling_level,
+                        max_completion_length=recipe.max_completion_length,
+                        sapo_temperature_pos=recipe.sapo_temperature_pos,
+                        sapo_temperature_neg=recipe.sapo_temperature_neg)
 
 
 def token_log_probs(lm: nn.Module, input_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +137,7 @@ class GRPOLoss(ObjectiveLoss):
     def __init__(self, lm: nn.Module, recipe, reference):
         super().__init__(lm)  # no router loss: a dense model, or its router loss left out (coefficient 0)
         self.settings, self.temperature, self.reference = loss_settings(recipe), recipe.temperature, reference
-        self.unit = "tokens" if recipe.loss_type == "dapo" else "completions"
+        self.unit = "tokens" if recipe.loss_type in TOKEN_NORMALISED else "completions"
         self.collecting = False
         # context parallelism (hftrain.parallel.context's RingAttention sets it): the reference's forward on this
         # rank's shards of the rows, inside the ring's context, as the policy's; else on the whole rows
@@ -281,6 +288,8 @@ class Policy:
     whole_sequences: Callable[[], AbstractContextManager] = nullcontext
     micro_batch: Callable[[dict], AbstractContextManager] = nullcontext
     max_model_length: int | None = None  # the model's context: a tool result may not push a sequence past it
+    # async_generation: starts the rollout worker the windows come from, given the first window it samples
+    start_worker: Callable[[int], RolloutWorker] | None = None
 
 
 class Rollouts:
@@ -298,14 +307,20 @@ class Rollouts:
         self.sampling, self.eos_ids, self.pad_id = source.sampling, source.eos_ids, source.pad_id
         self.model, self.loss_fn, self.generator = policy.model, policy.loss_fn, policy.generator
         self.whole_sequences, self.micro_batch = policy.whole_sequences, policy.micro_batch
+        self.start_worker, self.worker = policy.start_worker, None
         if self.tooling is not None:  # a tool result may not push a sequence past the model's context (TRL's rule)
             self.tooling.loop.max_model_length = policy.max_model_length
         self.weights = torch.tensor(recipe.reward_weights or [1.0] * len(self.funcs), dtype=torch.float32)
         # old log-probs are stored when a window's later micro-batches train after an update, and with vLLM's
-        # importance-sampling correction, whose ratio they are the numerator of (TRL's rules)
-        self.correct_sampling = recipe.use_vllm and recipe.vllm_importance_sampling_correction
+        # importance-sampling correction, whose ratio they are the numerator of (TRL's rules); the rollout worker's
+        # samples are corrected the same way against their behaviour log-probs
+        self.correct_sampling = (recipe.use_vllm or recipe.async_generation) and \
+            recipe.vllm_importance_sampling_correction
         self.store_old = recipe.num_iterations > 1 or plan.steps_per_generation > plan.accum or self.correct_sampling
+        # advantage_estimator rloo with beta > 0: the reward is penalised by the KL of the log-probs at generation
+        self.reward_kl = recipe.advantage_estimator == "rloo" and recipe.beta != 0
         self.window, self.buffer, self.truncated = None, [], False
+        self.async_stats: list[list[float]] = []  # async_generation: per window taken (sample_window)
         self.generation_seconds = 0.0  # since the loop last asked (pop_generation_seconds)
         self.generated_metrics: list[dict[str, float]] = []
         self.latest_rows: list[dict] = []  # log_completions: the last window's rollouts.jsonl rows (main process)
@@ -333,12 +348,29 @@ class Rollouts:
         evaluations after `step` (of the run resumed, or of a run this one overwrites) leave eval_rollouts.jsonl."""
         if self.accelerator.is_main_process:
             keep_through(self.file.parent / EVAL_ROLLOUTS_FILE, step)
+        if self.start_worker is not None:
+            self.worker = self.start_async(step)
         if state is None:
             return
         types = {"input_ids": torch.long, "labels": torch.long, "num_examples": torch.long}
         self.window = state["window"]
         self.buffer = [{k: torch.tensor(v, dtype=types.get(k, torch.float32)) for k, v in batch.items()}
                        for batch in state["micro_batches"]]
+
+    def start_async(self, step: int) -> RolloutWorker:
+        """async_generation: the rollout worker, from the window after `step` (one step per window). A resumed run
+        continues exactly only where the worker's first window is sampled by the checkpoint's weights themselves
+        (max_staleness 0 and a step at a weight push); otherwise its windows need older weights, which a checkpoint
+        does not hold yet."""
+        r = self.recipe
+        if step > 0 and not (r.max_staleness == 0 and step % r.weight_sync_steps == 0):
+            raise HftrainError(
+                f"resuming an async_generation run at step {step} with max_staleness {r.max_staleness} and "
+                f"weight_sync_steps {r.weight_sync_steps} is refused: its next generation batches are sampled by the "
+                "weights of earlier steps, which the checkpoint does not hold (saving the worker's queue with the "
+                "checkpoint is not written yet); resume with max_staleness: 0 from a checkpoint at a multiple of "
+                "weight_sync_steps, or start again")
+        return self.start_worker(step)
 
     def window_metrics(self, dp) -> dict:
         return self.metrics(dp.sum)
@@ -398,6 +430,44 @@ class Rollouts:
         return prompts, [Sampled(e.completion_ids, e.truncated, e.sampling_logps, e.tool_mask,
                                  [c.record() for c in e.calls], e.messages) for e in episodes], environments
 
+    def sample_window(self, window: int, prompts: list[Prompt], seed) -> tuple[list[Prompt], list[Sampled], list | None,
+                                                                            int, str | None]:
+        """(prompts, completions, environments, policy version, failure) of this rank's rows of `window`: sampled
+        here with the current weights (their version: the optimizer steps taken), or (async_generation) taken from
+        the rollout worker after pushing the weights due at this step. A worker that failed or died gives stand-in
+        rows, never trained, and its message as the failure, which stops the run (`stop_on_failure`)."""
+        steps = self.plan.first_step(window) - 1
+        if self.worker is None:
+            return *self.sample(prompts, seed), steps, None
+        sync = self.recipe.weight_sync_steps
+        if steps % sync == 0:
+            self.worker.push(steps // sync)
+        try:
+            item = self.worker.take(window)
+        except WorkerFailure as exc:
+            stand_in = Sampled([next(iter(self.eos_ids))], False, [0.0])
+            return prompts, [stand_in] * len(prompts), None, steps // sync, str(exc)
+        if item.seeds != [seed(i, 0) for i in range(len(prompts))]:
+            raise HftrainError(f"{self.worker.name} sampled generation batch {window} with other row seeds than this "
+                               "process's rows; this is a bug in hftrain")
+        self.async_stats.append([float(steps // sync - item.version), item.busy_seconds, item.idle_seconds,
+                                 self.worker.wait_seconds, float(self.worker.results.qsize())])
+        self.worker.wait_seconds = 0.0
+        return prompts, sampled_rows(item), None, item.version, None
+
+    def async_metrics(self) -> dict[str, float]:
+        """async_generation's metrics of the window just taken, every rank's (TRL's names where TRL has them):
+        sample/staleness_mean and _max (weight syncs between the sampling policy and the trainer's),
+        rollout/worker_busy_s and rollout/worker_idle_s (the worker sampling this window, and waiting for its weights
+        or for room in the queue before it), perf/rollout_wait_s (the trainer blocked on the queue),
+        sample/rollout_queue_size (windows left in the queue)."""
+        local = torch.tensor(self.async_stats[-1], dtype=torch.float64)[None]
+        every = self.dp.gather(local.to(self.accelerator.device)).cpu()
+        return {"sample/staleness_mean": every[:, 0].mean().item(), "sample/staleness_max": every[:, 0].max().item(),
+                "rollout/worker_busy_s": every[:, 1].mean().item(), "rollout/worker_idle_s": every[:, 2].mean().item(),
+                "perf/rollout_wait_s": every[:, 3].mean().item(),
+                "sample/rollout_queue_size": every[:, 4].mean().item()}
+
     def tool_metrics(self, counts: torch.Tensor) -> dict[str, float]:
         """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed / calls) of
         completions whose [calls, failed calls] are `counts`; nothing without tool calling."""
@@ -421,19 +491,20 @@ class Rollouts:
         rows = plan.rank_rows(self.rank)
         self.model_was_training = self.model.training
         self.model.eval()
-        prompts, sampled, environments = self.sample(
-            [self.prompts[prompt_index[row // G]] for row in rows],
+        prompts, sampled, environments, version, failure = self.sample_window(
+            window, [self.prompts[prompt_index[row // G]] for row in rows],
             lambda i, turn: row_seed(recipe.seed, window, rows[i] // G, rows[i] % G, turn))
         completions = [Completion(row, row // G, prompt_index[row // G], s.completion_ids, s.truncated,
                                   sampling_logps=s.sampling_logps, tool_mask=s.tool_mask, tool_calls=s.tool_calls,
-                                  messages=s.messages) for row, s in zip(rows, sampled)]
+                                  messages=s.messages, policy_version=version) for row, s in zip(rows, sampled)]
         self.dp.check_replicas_agree(fingerprint([c.completion_ids for c in completions]), "completions")
         texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
         columns = {k: [p.columns[k] for p in prompts] for k in prompts[0].columns}
         if environments is not None:  # TRL passes reward functions the rollouts' environments
             columns["environments"] = environments
-        local, failure = torch.full((len(completions), len(self.funcs)), math.nan), None
-        if self.dp.leads_group:  # the ranks of a tensor-parallel group hold the same completions: scored once
+        local = torch.full((len(completions), len(self.funcs)), math.nan)
+        # the ranks of a tensor-parallel group hold the same completions: scored once (nothing when the worker failed)
+        if self.dp.leads_group and failure is None:
             try:
                 local = score(self.funcs, [p.value for p in prompts], [self.completion_value(p, t, s) for p, t, s in
                                                                          zip(prompts, texts, sampled)],
@@ -451,25 +522,35 @@ class Rollouts:
         if everything[:, -1].any():
             self.stop_on_failure(window, failure, completions, prompts)
             return
-        rewards, advantages, zero_std = group_advantages(all_rewards, self.weights, G, recipe.scale_rewards)
-        self.generated_metrics.append({**self.reward_metrics(all_rewards, rewards, zero_std, all_lengths),
-                                       **self.tool_metrics(all_lengths[:, 2:4])})
-        mine = slice(rows.start, rows.stop)
-        for c, r_k, r, a in zip(completions, all_rewards[mine].tolist(), rewards[mine].tolist(),
-                                advantages[mine].tolist()):
-            c.rewards, c.reward, c.advantage = r_k, r, a
         b = plan.micro_batch
         self.buffer, sampled_with = [], []
-        for k in range(plan.steps_per_generation):
+        for k in range(plan.steps_per_generation):  # the advantages are filled in below
             part = completions[k * b:(k + 1) * b]
             prompt_ids = [p.ids for p in prompts[k * b:(k + 1) * b]]
-            batch = collate(prompt_ids, part, advantages[mine][k * b:(k + 1) * b], self.pad_id,
-                            recipe.mask_truncated_completions)
+            batch = collate(prompt_ids, part, torch.zeros(len(part)), self.pad_id, recipe.mask_truncated_completions)
             sampling = (sampling_log_probs(prompt_ids, part, batch["input_ids"].shape[1]) if self.correct_sampling
                         else None)
             extra = self.rollout_log_probs(batch, sampling)
             self.buffer.append({**batch, **extra})
             sampled_with.append(sampling)
+        kl = self.reward_penalty() if self.reward_kl else None
+        rewards, advantages, zero_std = self.advantages(all_rewards, kl)
+        self.generated_metrics.append({**self.reward_metrics(all_rewards, rewards, zero_std, all_lengths),
+                                       **self.tool_metrics(all_lengths[:, 2:4]),
+                                       **(self.async_metrics() if self.worker is not None else {})})
+        if kl is not None:
+            self.generated_metrics[-1]["kl"] = self.kl_metric
+        mine = slice(rows.start, rows.stop)
+        for c, r_k, r, a in zip(completions, all_rewards[mine].tolist(), rewards[mine].tolist(),
+                                advantages[mine].tolist()):
+            c.rewards, c.reward, c.advantage = r_k, r, a
+        for k, batch in enumerate(self.buffer):
+            batch["advantages"] = advantages[mine][k * b:(k + 1) * b].to(torch.float32)
+            if "old_logps" in batch:  # the behaviour log-probs where the trained model sampled (no other sampler's)
+                for i, c in enumerate(completions[k * b:(k + 1) * b]):
+                    if c.sampling_logps is None:
+                        start = len(prompts[k * b + i].ids) - 1
+                        c.behaviour_logps = batch["old_logps"][i, start:start + len(c.completion_ids)].tolist()
         if self.correct_sampling:
             self.generated_metrics[-1].update(self.sampling_metrics(sampled_with))
         self.window = window
@@ -530,7 +611,7 @@ class Rollouts:
                                f"after step {step}; fix the function")
         everything = everything[everything[:, -2].bool()]  # the rows of every rank in order, fillers left out
         per_func, lengths = everything[:, :len(self.funcs)], everything[:, len(self.funcs):-2]
-        rewards, _, zero_std = group_advantages(per_func, self.weights, G, recipe.scale_rewards)
+        rewards, _, zero_std = self.advantages(per_func)
         tools = self.tool_metrics(lengths[:, 2:4])
         names = [f.name for f in self.funcs]
         records = [{"step": step, "group": row // G, "prompt_ids": p.ids, "completion_ids": c, "prompt": p.text,
@@ -556,8 +637,12 @@ class Rollouts:
         failures = gather_object([failure]) if self.accelerator.num_processes > 1 else [failure]
         rank, message = next((r, m) for r, m in enumerate(failures) if m is not None)
         where = f" on process {rank}" if self.accelerator.num_processes > 1 else ""
-        self.stop_reason = (f"{message}{where}, scoring the completions of generation batch {window} (training step "
-                            f"{self.plan.first_step(window)}); fix the function")
+        if message.startswith("the rollout worker"):  # WorkerFailure's message names the worker and its process
+            self.stop_reason = (f"{message}, so generation batch {window} (training step "
+                                f"{self.plan.first_step(window)}) has no rollouts")
+        else:
+            self.stop_reason = (f"{message}{where}, scoring the completions of generation batch {window} (training "
+                                f"step {self.plan.first_step(window)}); fix the function")
         b, zeros = self.plan.micro_batch, torch.zeros(len(completions))
         self.buffer = [collate([p.ids for p in prompts[k * b:(k + 1) * b]], completions[k * b:(k + 1) * b],
                                zeros[k * b:(k + 1) * b], self.pad_id, self.recipe.mask_truncated_completions)
@@ -573,7 +658,7 @@ class Rollouts:
         log-probs of the sampled tokens), the weights of each token's loss, of one micro-batch, in its own padding."""
         out, device = {}, self.accelerator.device
         inputs = {k: v.to(device) for k, v in batch.items() if k != "num_examples"}
-        if self.store_old:
+        if self.store_old or self.reward_kl:
             self.loss_fn.collecting = True
             try:
                 with self.micro_batch(inputs) as sharded:  # context parallelism: inside the ring's context
@@ -591,6 +676,30 @@ class Rollouts:
                 out["old_logps"], sampling_logps, mask, r.vllm_importance_sampling_mode,
                 r.vllm_importance_sampling_clip_min, r.vllm_importance_sampling_clip_max)
         return out
+
+    def advantages(self, per_func: torch.Tensor, kl: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(reward, advantage, zero std) of each completion of a whole window, by advantage_estimator: GRPO's group
+        baseline scaled by scale_rewards, or RLOO's leave-one-out baseline (`kl`: its reward penalty)."""
+        recipe, G = self.recipe, self.plan.num_generations
+        if recipe.advantage_estimator == "rloo":
+            return leave_one_out_advantages(per_func, self.weights, G, recipe.normalize_advantages, kl)
+        return group_advantages(per_func, self.weights, G, recipe.scale_rewards)
+
+    def reward_penalty(self) -> torch.Tensor:
+        """advantage_estimator rloo, beta > 0 (RLOOTrainer): beta x each completion's summed first-order KL,
+        sum_t m (logp - ref logp) with the log-probs at generation, every rank's completions in window order; sets
+        `kl_metric`, TRL's kl (the token mean of logp - ref logp over the window's trained tokens)."""
+        sums, tokens = [], []
+        for batch in self.buffer:
+            mask = (batch["labels"][:, 1:] != IGNORE_INDEX).to(torch.float32)
+            per_token = (batch["old_logps"] - batch["ref_logps"]) * mask
+            sums.append(per_token.sum(-1))
+            tokens.append(mask.sum(-1))
+        local = torch.stack([torch.cat(sums), torch.cat(tokens)], dim=1).double()
+        every = self.dp.gather(local.to(self.accelerator.device)).cpu()
+        self.kl_metric = (every[:, 0].sum() / every[:, 1].sum().clamp(min=1)).item()
+        return self.recipe.beta * every[:, 0].to(torch.float32)
 
     def sampling_metrics(self, sampling_logps: list[torch.Tensor]) -> dict[str, float]:
         """TRL's vLLM metrics of this window, every rank's tokens: |old - sampling log-prob| over the trained tokens
@@ -631,7 +740,8 @@ class Rollouts:
                  "prompt_ids": p.ids, "completion_ids": c.completion_ids, "prompt": p.text, "completion": t,
                  "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, c.rewards)},
                  "reward": None if math.isnan(c.reward) else c.reward, "advantage": c.advantage,
-                 "truncated": c.truncated, "row": c.row, **self.tool_columns(c)}
+                 "truncated": c.truncated, "row": c.row, "policy_version": c.policy_version,
+                 "behaviour_logps": c.behaviour_values(), **self.tool_columns(c)}
                 for c, p, t in zip(completions, prompts, texts)]
         rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
         if self.accelerator.is_main_process:

@@ -11,21 +11,33 @@ logits divided by the sampling temperature.
   a completion whose every function returned None gets advantage 0). `group`: A = (R - group mean) / (group std +
   1e-4), std with Bessel's correction; `batch`: the std is the whole batch's, the mean still the group's; `none`:
   A = R - group mean.
+- RLOO's advantages (`leave_one_out_advantages`, advantage_estimator rloo; TRL's RLOOTrainer): R as above, minus
+  beta x sum_t m (logp_gen - ref) (the first-order KL of the log-probs at generation, summed per completion; then
+  no KL term in the loss); A = R - (sum of the group's other scored R) / (its scored count - 1); with
+  normalize_advantages A = (A - nanmean(A)) / (nanstd(A) + 1e-4) over the whole generation batch; NaN (unscored,
+  or a group with one scored completion) -> 0.
 - Ratio (`per_token_loss`): token level rho = exp(logp - logp_old); sequence level (GSPO) one ratio per completion,
   exp(sum_t m (logp - logp_old) / max(1, sum_t m)). logp_old is logp.detach() on the first pass over a rollout
   (the value 1, the gradient of rho) and the stored log-probs of that first pass on later ones (num_iterations > 1).
-- Per token: l = -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A), plus beta * KL with KL = exp(ref - logp)
-  - (ref - logp) - 1, multiplied by rho (TRL's use_bias_correction_kl, on by default).
+- Per token, by loss_type (rho [B, T] at token level, [B, 1] at sequence level, broadcast over the tokens):
+    dapo, grpo, bnpo, dr_grpo   l = -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A)
+    cispo (MiniMax-M1)          l = -sg(min(rho, epsilon_high)) A logp: the ratio (stop-gradient, sg) clipped from
+                                    above at epsilon_high itself (not 1 + epsilon_high; the paper's epsilon_max,
+                                    TRL recommends 5.0), the gradient that of logp
+    sapo (Soft Adaptive PO)     l = -sigmoid(tau (rho - 1)) 4 / tau A, tau = sapo_temperature_pos where A > 0, else
+                                    sapo_temperature_neg: a smooth gate instead of the hard clip
+  plus beta * KL with KL = exp(ref - logp) - (ref - logp) - 1, multiplied by rho (TRL's use_bias_correction_kl, on
+  by default).
 - vLLM's importance-sampling correction (use_vllm, `vllm_importance_sampling_ratio`, computed once per rollout at
   generation): w from d = m (logp_old - logp_vllm) (NaN -> 0), per token (token_*) or summed per completion
   (sequence_*), w = exp(d) clamped to [clip_min, clip_max] (*_truncate) or set to 0 outside it (*_mask); l is
   multiplied by w before the beta KL term is added (TRL's `_generate_and_score_completions` / `_compute_loss`).
 - Aggregation (`micro_batch_loss` returns a sum, `loss_units` what it is a sum over; the loop adds both over the
   micro-batches and processes of an optimizer step and divides once):
-    dapo     sum m l                 / completion tokens of the step on all processes (TRL: num_items_in_batch of
+    dapo, cispo  sum m l             / completion tokens of the step on all processes (TRL: num_items_in_batch of
                                        the generation batch / processes x accumulation / steps_per_generation, the
                                        same number when a generation window is one optimizer step)
-    grpo     sum_i (sum_t m l / max(1, sum_t m))  / completions of the step (TRL: the mean over the micro-batch's
+    grpo, sapo  sum_i (sum_t m l / max(1, sum_t m))  / completions of the step (TRL: the mean over the micro-batch's
                                        completions / accumulation, averaged over processes: the same for equal
                                        micro-batches)
     dr_grpo  sum m l / max_completion_length      / completions of the step
@@ -41,7 +53,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo")
+TOKEN_NORMALISED = ("dapo", "cispo")  # loss types whose step's sum is divided by its completion tokens
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
@@ -57,6 +70,8 @@ class LossSettings:
     beta: float = 0.0
     importance_sampling_level: str = "token"
     max_completion_length: int = 512
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
 
     @property
     def epsilon_low(self) -> float:
@@ -95,6 +110,26 @@ def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_
     advantages = rewards - mean
     if scale_rewards != "none":
         advantages = advantages / (std + STD_EPS)
+    return rewards, torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
+
+
+def leave_one_out_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                             normalize: bool, kl: torch.Tensor | None = None,
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RLOOTrainer's (reward R without the KL penalty, advantage A, whether the group's std of the penalised rewards
+    is zero) of each completion of a whole generation batch; `kl` [N]: beta x each completion's summed first-order
+    KL, subtracted from R before the baseline (None: beta 0)."""
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.to(rewards_per_func).unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    penalised = rewards if kl is None else rewards - kl.to(rewards)
+    grouped = penalised.view(-1, num_generations)
+    scored = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    baselines = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scored - 1)
+    advantages = penalised - baselines.view(-1)
+    if normalize:
+        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + STD_EPS)
+    std = nanstd(grouped, dim=1).repeat_interleave(num_generations)
     return rewards, torch.nan_to_num(advantages, nan=0.0), torch.isclose(std, torch.zeros_like(std))
 
 
@@ -154,8 +189,14 @@ def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, ref_logp
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
     adv = per_token(advantages, logps)
-    clipped = torch.clamp(ratio, 1 - settings.epsilon_low, 1 + settings.upper)
-    loss = -torch.min(ratio * adv, clipped * adv)
+    if settings.loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=settings.upper).detach() * adv * logps
+    elif settings.loss_type == "sapo":
+        tau = torch.where(adv > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg).to(ratio.dtype)
+        loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    else:
+        clipped = torch.clamp(ratio, 1 - settings.epsilon_low, 1 + settings.upper)
+        loss = -torch.min(ratio * adv, clipped * adv)
     if sampling_weights is not None:
         loss = loss * sampling_weights
     kl = None
@@ -177,9 +218,9 @@ def micro_batch_loss(loss: torch.Tensor, mask: torch.Tensor, settings: LossSetti
 def aggregate(summed: torch.Tensor, mask: torch.Tensor, settings: LossSettings) -> torch.Tensor:
     """`micro_batch_loss` from each completion's summed token loss `summed` [B] and the micro-batch's mask [B, T]."""
     mask = mask.to(summed.dtype)
-    if settings.loss_type == "dapo":
+    if settings.loss_type in TOKEN_NORMALISED:
         return summed.sum()
-    if settings.loss_type == "grpo":
+    if settings.loss_type in ("grpo", "sapo"):
         return (summed / mask.sum(-1).clamp(min=1.0)).sum()
     if settings.loss_type == "dr_grpo":
         return summed.sum() / settings.max_completion_length
@@ -189,8 +230,8 @@ def aggregate(summed: torch.Tensor, mask: torch.Tensor, settings: LossSettings) 
 
 
 def loss_units(mask: torch.Tensor, loss_type: str) -> torch.Tensor:
-    """What `micro_batch_loss` sums over: completion tokens (dapo) or completions (the others), int64."""
-    if loss_type == "dapo":
+    """What `micro_batch_loss` sums over: completion tokens (dapo, cispo) or completions (the others), int64."""
+    if loss_type in TOKEN_NORMALISED:
         return mask.sum().long()
     return torch.tensor(len(mask), dtype=torch.long, device=mask.device)
 
@@ -198,12 +239,17 @@ def loss_units(mask: torch.Tensor, loss_type: str) -> torch.Tensor:
 def clip_statistics(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                     settings: LossSettings) -> dict[str, torch.Tensor]:
     """Sums and counts behind TRL's clip_ratio/low_mean, high_mean and region_mean (token-weighted, or one value per
-    completion at sequence level): {name: (sum, count)} to be added over micro-batches and processes."""
+    completion at sequence level): {name: (sum, count)} to be added over micro-batches and processes. cispo: TRL's
+    cispo_clip_ratio (ratio > epsilon_high where A > 0) instead; sapo clips nothing, so none (as TRL)."""
     adv = per_token(advantages, mask)
-    low = (ratio < 1 - settings.epsilon_low) & (adv < 0)
-    high = (ratio > 1 + settings.upper) & (adv > 0)
     weights = mask.to(torch.float64) if ratio.shape[-1] != 1 else torch.ones_like(ratio, dtype=torch.float64)
     count = weights.sum()
-    return {name: torch.stack([(flag.to(torch.float64) * weights).sum(), count])
-            for name, flag in (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high),
-                               ("clip_ratio/region_mean", low | high))}
+    if settings.loss_type == "sapo":
+        return {}
+    if settings.loss_type == "cispo":
+        flags = (("cispo_clip_ratio", (ratio > settings.upper) & (adv > 0)),)
+    else:
+        low = (ratio < 1 - settings.epsilon_low) & (adv < 0)
+        high = (ratio > 1 + settings.upper) & (adv > 0)
+        flags = (("clip_ratio/low_mean", low), ("clip_ratio/high_mean", high), ("clip_ratio/region_mean", low | high))
+    return {name: torch.stack([(flag.to(torch.float64) * weights).sum(), count]) for name, flag in flags}

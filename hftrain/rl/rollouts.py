@@ -180,11 +180,13 @@ class RowSeededSampling(LogitsProcessor):
 
 @torch.no_grad()
 def generate_rows(lm, prompts: list[list[int]], seeds: list[int], sampling: Sampling, eos_ids: set[int],
-                  pad_id: int, synced_gpus: bool = False) -> list[tuple[list[int], bool]]:
+                  pad_id: int, synced_gpus: bool = False,
+                  extra: list[LogitsProcessor] = ()) -> list[tuple[list[int], bool]]:
     """One completion of each prompt, all in one `lm.generate` call (prompts left-padded), row i sampled with the
     generator seeded by seeds[i] (RowSeededSampling): each (its tokens up to and including the first EOS, whether it
     was truncated at max_completion_length). `lm` and `synced_gpus`: what the backend's `generation_context` gives
-    (a causal LM, or the loss wrapper whose generate is the causal LM's)."""
+    (a causal LM, or the loss wrapper whose generate is the causal LM's). `extra`: processors that only observe
+    (the rollout worker's progress beat), run first."""
     device = next(lm.parameters()).device
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -204,7 +206,7 @@ def generate_rows(lm, prompts: list[list[int]], seeds: list[int], sampling: Samp
                               pad_token_id=pad_id, eos_token_id=sorted(eos_ids), use_cache=True)
     out = lm.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                       generation_config=config, synced_gpus=synced_gpus,
-                      logits_processor=LogitsProcessorList([*warpers, RowSeededSampling(seeds, device)]))
+                      logits_processor=LogitsProcessorList([*extra, *warpers, RowSeededSampling(seeds, device)]))
     completions = []
     for row in out[:, width:].tolist():
         end = next((i for i, token in enumerate(row) if token in eos_ids), None)
@@ -255,6 +257,16 @@ class Completion:
     tool_mask: list[int] | None = None
     tool_calls: list | None = None
     messages: list[dict] | None = None
+    # the policy that sampled it: its version (weight pushes to the rollout worker; else the optimizer steps taken)
+    # and its log-prob of each token (a sampler's own, else the trained model's at generation when computed)
+    policy_version: int | None = None
+    behaviour_logps: list[float] | None = None
+
+    def behaviour_values(self) -> list[float | None] | None:
+        """rollouts.jsonl's behaviour_logps: the sampler's log-probs, else the trained model's at generation, else
+        None (not computed); null where a sampler gave none."""
+        values = self.sampling_logps if self.sampling_logps is not None else self.behaviour_logps
+        return None if values is None else [None if math.isnan(v) else v for v in values]
 
     @property
     def model_tokens(self) -> int:

@@ -23,11 +23,12 @@ pytestmark = pytest.mark.launch
 # tiny-tools-sft.yaml and tiny-tools.yaml are one two-stage run (SFT teaching a tool-call format, then GRPO from its
 # output, minutes on CPU): tests/e2e/test_grpo_tools.py checks the mechanics on a scripted policy and that the
 # recipes and their shipped data agree; tiny-distill.yaml's loss is a divergence to its teacher
-# (tests/e2e/test_distill.py asserts that it falls)
+# (tests/e2e/test_distill.py asserts that it falls); tiny-grpo-async.yaml's reward rises in
+# tests/e2e/test_grpo_async.py
 TINY_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("tiny-*.yaml")
                       if p.name not in ("tiny-dpo.yaml", "tiny-orpo.yaml", "tiny-kto.yaml", "tiny-reward.yaml",
-                                        "tiny-vlm.yaml", "tiny-vlm-dpo.yaml", "tiny-grpo.yaml", "tiny-tools-sft.yaml", "tiny-tools.yaml",
-                                        "tiny-distill.yaml"))
+                                        "tiny-vlm.yaml", "tiny-vlm-dpo.yaml", "tiny-grpo.yaml", "tiny-tools-sft.yaml",
+                                        "tiny-tools.yaml", "tiny-distill.yaml", "tiny-grpo-async.yaml"))
 
 
 def test_every_tiny_recipe_is_covered():

@@ -99,7 +99,8 @@ def test_accumulation_and_two_ddp_processes_equal_one_batch(tmp_path):
             torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
     assert one.train_rows()[-1]["rewards/margins"] != 0
     base = load_file(REPO / "models" / "tiny-vlm" / "model.safetensors")
-    assert any(not torch.equal(value, expected[name]) for name, value in base.items() if "multi_modal_projector" in name)
+    assert any(not torch.equal(value, expected[name]) for name, value in base.items()
+               if "multi_modal_projector" in name)
 
 
 def test_orpo_on_image_pairs_accumulates_like_one_batch(tmp_path):

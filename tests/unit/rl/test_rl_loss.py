@@ -59,17 +59,24 @@ def trl_formula(logps, old, ref, adv, mask, s: LossSettings, micro: int, process
                 seq_ratio = torch.exp(sum((logps[i, t] - old[i, t] for t in range(n_i)), zero) / max(1, n_i))
                 for t in range(n_i):
                     ratio = torch.exp(logps[i, t] - old[i, t]) if s.importance_sampling_level == "token" else seq_ratio
-                    clipped = torch.clamp(ratio, 1 - lo, 1 + hi)
-                    loss = -torch.min(ratio * adv[i], clipped * adv[i])
+                    if s.loss_type == "cispo":  # MiniMax-M1: REINFORCE weighted by the ratio clipped at eps_high
+                        loss = -min(ratio.item(), hi) * adv[i] * logps[i, t]
+                    elif s.loss_type == "sapo":  # a sigmoid gate of temperature tau (float32, as TRL's torch.where)
+                        tau = float(torch.tensor(s.sapo_temperature_pos if adv[i] > 0 else s.sapo_temperature_neg,
+                                                 dtype=torch.float32))
+                        loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv[i]
+                    else:
+                        clipped = torch.clamp(ratio, 1 - lo, 1 + hi)
+                        loss = -torch.min(ratio * adv[i], clipped * adv[i])
                     if s.beta:
                         d = ref[i, t] - logps[i, t]
                         loss = loss + s.beta * (torch.exp(d) - d - 1) * ratio
                     token_losses[i, t] = loss
             micro_sum = sum(token_losses.values(), torch.zeros((), dtype=torch.float64))
             micro_tokens = sum(int(mask[i].sum()) for i in rows)
-            if s.loss_type == "dapo":  # normaliser: all tokens of the generation batch / processes x accum / accum
+            if s.loss_type in ("dapo", "cispo"):  # all tokens of the generation batch / processes x accum / accum
                 part = micro_sum / (tokens_all / processes)
-            elif s.loss_type == "grpo":
+            elif s.loss_type in ("grpo", "sapo"):
                 per_seq = [sum((token_losses[i, t] for t in range(int(mask[i].sum()))),
                                torch.zeros((), dtype=torch.float64)) / max(1, int(mask[i].sum())) for i in rows]
                 part = sum(per_seq) / micro / accum
@@ -95,6 +102,8 @@ def ours(logps, old, ref, adv, mask, s: LossSettings, micro: int) -> torch.Tenso
 
 
 SPLITS = [(8, 1), (2, 1), (2, 2)]  # (micro-batch, processes): 1 x 8, accumulation 4 x 2, 2 processes x 2 x 2
+# cispo's epsilon_high is the ratio's upper clip itself: 1.1 clips some of these ratios (0.28 would clip nearly all)
+EPSILON_HIGH = {**dict.fromkeys(LOSS_TYPES, 0.28), "cispo": 1.1}
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -103,8 +112,9 @@ def test_loss_and_gradient_match_trl_formula(loss_type, level):
     """Every loss type, both importance-sampling levels, stored old log-probs (ratios away from 1, so clipping on
     both sides happens), beta > 0 and an asymmetric epsilon_high: the loss and its gradient equal TRL's formula for
     every micro-batch split and process count of the generation batch that TRL's normalisation makes equal."""
-    s = LossSettings(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=0.04, importance_sampling_level=level,
-                     max_completion_length=MAX_LEN)
+    s = LossSettings(loss_type=loss_type, epsilon=0.2, epsilon_high=EPSILON_HIGH[loss_type], beta=0.04,
+                     importance_sampling_level=level, max_completion_length=MAX_LEN, sapo_temperature_pos=0.9,
+                     sapo_temperature_neg=1.3)
     logps, old, ref, adv, mask = rollouts(beta=True, old=True)
     for micro, processes in SPLITS:
         if loss_type == "bnpo" and (micro, processes) != (8, 1):
@@ -232,7 +242,9 @@ def trl_compute_loss(logps, old, ref, adv, mask, s: LossSettings, micro: int, pr
             current_gradient_accumulation_steps=accum, max_completion_length=s.max_completion_length,
             accelerator=_Accelerator(processes), _entropy_bonus_enabled=False,
             _metrics=defaultdict(lambda: defaultdict(list)),
-            args=SimpleNamespace(use_bias_correction_kl=True, delta=None, steps_per_generation=accum),
+            args=SimpleNamespace(use_bias_correction_kl=True, delta=None, steps_per_generation=accum,
+                                 sapo_temperature_pos=s.sapo_temperature_pos,
+                                 sapo_temperature_neg=s.sapo_temperature_neg),
             _get_per_token_logps_and_entropies=lambda *a, _r=rows, **k: (logps[_r], torch.zeros_like(logps[_r]), None),
         )
         inputs = {"prompt_ids": torch.zeros(micro, 2, dtype=torch.long), "prompt_mask": torch.ones(micro, 2),
@@ -252,8 +264,9 @@ def test_against_trl_compute_loss(loss_type):
     4 x 2, which TRL normalises per micro-batch), token and sequence level, old and reference log-probs."""
     logps, old, ref, adv, mask = rollouts(seed=3, beta=True, old=True)
     for level in ("token", "sequence"):
-        s = LossSettings(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=0.04,
-                         importance_sampling_level=level, max_completion_length=MAX_LEN)
+        s = LossSettings(loss_type=loss_type, epsilon=0.2, epsilon_high=EPSILON_HIGH[loss_type], beta=0.04,
+                         importance_sampling_level=level, max_completion_length=MAX_LEN, sapo_temperature_pos=0.9,
+                         sapo_temperature_neg=1.3)
         for micro, processes in SPLITS:
             if loss_type == "bnpo" and processes > 1:
                 continue
@@ -264,8 +277,57 @@ def test_against_trl_compute_loss(loss_type):
             assert got.item() == pytest.approx(expected.item(), rel=1e-10), (level, micro, processes)
             torch.testing.assert_close(got_grad, want_grad, rtol=1e-9, atol=1e-12)
     # TRL's clip-ratio metrics for one micro-batch of the whole batch equal clip_statistics' sums / counts
-    s = LossSettings(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, max_completion_length=MAX_LEN)
+    s = LossSettings(loss_type=loss_type, epsilon=0.2, epsilon_high=EPSILON_HIGH[loss_type],
+                     max_completion_length=MAX_LEN)
     _, metrics = trl_compute_loss(logps, old, None, adv, mask, s, N, 1)
     _, ratio, _ = per_token_loss(logps, old, None, adv, mask, s)
-    for name, (value, count) in clip_statistics(ratio, adv, mask, s).items():
+    statistics = clip_statistics(ratio, adv, mask, s)
+    # the same metric names as TRL (sapo: none; cispo: cispo_clip_ratio), and some clipping happened
+    assert set(statistics) == {name for name in metrics if "clip" in name and not name.endswith(("_min", "_max"))}
+    assert loss_type == "sapo" or any(value > 0 for value, _ in statistics.values())
+    for name, (value, count) in statistics.items():
         assert (value / count).item() == pytest.approx(metrics[name][-1], rel=1e-6), name
+
+
+# ----------------------------------------------------------------------------------- RLOO's leave-one-out advantages
+def plain_rloo(rewards_per_func, weights, kl, normalize):
+    """RLOOTrainer's advantages one completion at a time (TRL 1.16 `_generate_and_score_completions`): the weighted
+    reward minus the KL penalty, minus the mean of the other scored rewards of its group; then optionally
+    standardised over the batch (Bessel std, + 1e-4); unscored (or alone in its group) -> 0."""
+    rewards = []
+    for row, k in zip(rewards_per_func.tolist(), kl):
+        scored = [w * r for w, r in zip(weights, row) if not math.isnan(r)]
+        rewards.append(sum(scored) - k if scored else math.nan)
+    adv = []
+    for i, r in enumerate(rewards):
+        others = [v for j, v in enumerate(rewards[i // G * G:(i // G + 1) * G]) if j != i % G and not math.isnan(v)]
+        adv.append(math.nan if math.isnan(r) or not others else r - sum(others) / len(others))
+    if normalize:
+        vals = [a for a in adv if not math.isnan(a)]
+        m = sum(vals) / len(vals)
+        sd = math.sqrt(sum((a - m) ** 2 for a in vals) / (len(vals) - 1))
+        adv = [(a - m) / (sd + 1e-4) for a in adv]
+    return [0.0 if math.isnan(a) else a for a in adv]
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("with_kl", [False, True])
+def test_leave_one_out_advantages_are_rloos(normalize, with_kl):
+    """Weighted rewards with None, one completion no function scored (advantage 0, left out of its siblings'
+    baselines), one group whose rewards are equal; the KL penalty (beta x summed first-order KL) enters the reward
+    before the baseline; the logged reward is the unpenalised one, as RLOOTrainer logs it."""
+    from hftrain.rl.loss import leave_one_out_advantages
+
+    r = torch.tensor([[1.0, 0.5], [0.0, math.nan], [2.0, 1.0], [math.nan, math.nan],
+                      [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    weights = [1.0, -0.5]
+    kl = torch.tensor([0.3, -0.1, 0.0, 0.7, 0.2, 0.0, -0.4, 0.1]) if with_kl else None
+    rewards, adv, zero_std = leave_one_out_advantages(r, torch.tensor(weights), G, normalize, kl)
+    want = plain_rloo(r, weights, kl.tolist() if with_kl else [0.0] * N, normalize)
+    torch.testing.assert_close(adv, torch.tensor(want), rtol=1e-5, atol=1e-6)
+    assert adv[3] == 0
+    torch.testing.assert_close(rewards, torch.tensor([0.75, 0.0, 1.5, math.nan, 0.5, 0.5, 0.5, 0.5]), equal_nan=True)
+    assert zero_std.tolist() == [False] * 4 + [not with_kl] * 4
+    if not normalize and not with_kl:  # the leave-one-out baseline differs from GRPO's group mean
+        _, grpo_adv, _ = group_advantages(r, torch.tensor(weights), G, "none")
+        assert not torch.allclose(adv, grpo_adv)

@@ -90,6 +90,23 @@ def test_grpo_recipe_defaults_and_refusals(tmp_path):
         _problems(tmp_path, "--objective", "sft", "--ds3_gather_for_generation", "false")
 
 
+def test_new_loss_types_and_rloo_settings(tmp_path):
+    """cispo, sapo and advantage_estimator rloo are accepted with TRL's defaults; what belongs to another setting is
+    refused, each in one line of the same report."""
+    recipe = load_recipe(["--config", "recipes/tiny-grpo.yaml", "--output_dir", str(tmp_path / "o"),
+                          "--loss_type", "sapo", "--advantage_estimator", "rloo", "--normalize_advantages", "true"])
+    assert (recipe.sapo_temperature_pos, recipe.sapo_temperature_neg) == (1.0, 1.05)  # GRPOConfig's defaults
+    load_recipe(["--config", "recipes/tiny-grpo.yaml", "--output_dir", str(tmp_path / "p"), "--loss_type", "cispo",
+                 "--epsilon_high", "5.0"])
+    text = _problems(tmp_path, "--sapo_temperature_pos", "2", "--normalize_advantages", "true")
+    assert "sapo_temperature_pos set but loss_type=dapo" in text
+    assert "normalize_advantages is RLOOConfig's (advantage_estimator: rloo)" in text
+    text = _problems(tmp_path, "--advantage_estimator", "rloo", "--scale_rewards", "batch", "--loss_type", "sapo",
+                     "--sapo_temperature_neg", "0")
+    assert "scale_rewards=batch is GRPO's advantage scaling" in text
+    assert "sapo_temperature_pos and sapo_temperature_neg must be > 0" in text
+
+
 def test_window_layout():
     """b=2 per device, 2 processes, S=4 micro-batches per generation, accumulation 2, 2 iterations, G=4: 16
     completions = 4 prompts per window; each window is trained for 4 optimizer steps."""

@@ -33,7 +33,8 @@ from hftrain.rl.loss import LOSS_TYPES
 
 VOCAB, SP = 11, 2
 # every loss_type with token-level ratios; sequence-level (GSPO) ratios, each a completion's mean over its slices
-CASES = [(loss_type, "token") for loss_type in LOSS_TYPES] + [("dapo", "sequence"), ("grpo", "sequence")]
+CASES = [(loss_type, "token") for loss_type in LOSS_TYPES] + [("dapo", "sequence"), ("grpo", "sequence"),
+                                                               ("cispo", "sequence"), ("sapo", "sequence")]
 LAYOUTS = ("sp", "cp")
 
 
@@ -119,7 +120,8 @@ def compare_losses(slices, layout: str) -> dict:
         torch.manual_seed(0)
         lm = TokenWise()
         recipe = SimpleNamespace(loss_type=loss_type, epsilon=0.1, epsilon_high=0.3, beta=0.5,
-                                 importance_sampling_level=level, max_completion_length=6, temperature=0.8)
+                                 importance_sampling_level=level, max_completion_length=6, temperature=0.8,
+                                 sapo_temperature_pos=0.9, sapo_temperature_neg=1.3, advantage_estimator="grpo")
         loss_fn = GRPOLoss(lm, recipe, reference=None)
         batch = micro_batch()
         whole = loss_fn(**batch)

@@ -1,0 +1,208 @@
+"""async_generation end to end on the tiny model that often ends its completions: the rollout worker (a second
+process) with max_staleness 0 and weight_sync_steps 1 gives the synchronous run (the same rollouts, losses and
+weights); with max_staleness 1 each completion's recorded policy version and behaviour log-probs are those of that
+version's weights (recomputed from the checkpoints), and each step's update equals the step written in plain PyTorch
+from rollouts.jsonl, with TRL's importance-sampling correction (sequence_mask) and without it (a run with
+vllm_importance_sampling_correction false), the two updates differing where the policy versions differ; a worker
+killed mid-run stops the run within seconds with a message naming it and the checkpoint it saved.
+
+Runs of 2-3 steps of 8 completions of <= 6 tokens, with SGD (its update is proportional to the gradient)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import REPO, launch, run_script
+from tests.e2e.test_grpo import BASE, ONE_BY_EIGHT, TINY, TWO_PROCS, ending_model, token_log_probs  # noqa: F401
+
+SAVE = ["--save_strategy", "steps", "--save_steps", "1", "--checkpoint_preflight", "false"]
+
+
+def args(model: Path, steps: int) -> list[str]:
+    """BASE on `model`, num_iterations 1, beta 0, `steps` steps of one 8-completion window each."""
+    out = [str(model) if a == TINY else a for a in BASE]
+    for name, value in (("--num_iterations", "1"), ("--beta", "0"), ("--max_steps", str(steps))):
+        out[out.index(name) + 1] = value
+    return [*out, *ONE_BY_EIGHT]
+
+
+def rows_of(run) -> list[dict]:
+    return [json.loads(line) for line in (run.output_dir / "rollouts.jsonl").read_text().splitlines()]
+
+
+def weights_at(run, model: Path, step: int):
+    """The causal LM after `step` optimizer steps (0: the starting model)."""
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    if step:
+        lm.load_state_dict({k.removeprefix("lm."): v for k, v in
+                            load_file(run.output_dir / f"checkpoint-{step}" / "model.safetensors").items()})
+    return lm
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, ending_model):  # noqa: F811 - the imported fixture
+    tmp = tmp_path_factory.mktemp("grpo-async")
+    # a smaller step and another seed: the policy moves by about a nat per token in a step (the importance weights
+    # are 0.2-0.3, one masked), and the second window's rewards differ within its groups
+    stale = [*args(ending_model, 2), "--learning_rate", "0.02", "--seed", "4", "--async_generation", "true",
+             "--max_staleness", "1", *SAVE]
+    return {
+        "sync": run_script(tmp / "sync", *args(ending_model, 3)),
+        "async0": run_script(tmp / "async0", *args(ending_model, 3), "--async_generation", "true",
+                             "--max_staleness", "0"),
+        "stale": run_script(tmp / "stale", *stale),
+        "stale-raw": run_script(tmp / "stale-raw", *stale, "--vllm_importance_sampling_correction", "false"),
+        # 2 processes under DDP, each with its worker for its rows: 2 x 2 completions x accumulation 2
+        "stale-2procs": launch(tmp / "stale-2procs", *stale, *TWO_PROCS, preset="cpu_ddp"),
+    }
+
+
+def test_max_staleness_0_is_the_synchronous_run(runs):
+    sync, async0 = runs["sync"], runs["async0"]
+    a, b = rows_of(sync), rows_of(async0)
+    assert [r["completion_ids"] for r in a] == [r["completion_ids"] for r in b]
+    torch.testing.assert_close(torch.tensor([r["advantage"] for r in b]), torch.tensor([r["advantage"] for r in a]))
+    assert [r["policy_version"] for r in b] == [r["step"] - 1 for r in b]  # every window by the weights before it
+    assert [m["loss"] for m in async0.train_rows()] == pytest.approx([m["loss"] for m in sync.train_rows()],
+                                                                     rel=1e-5, abs=1e-7)
+    got, want = load_file(async0.output_dir / "final" / "model.safetensors"), \
+        load_file(sync.output_dir / "final" / "model.safetensors")
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    metrics = async0.train_rows()
+    assert all(m["sample/staleness_max"] == 0 for m in metrics)
+    assert {"rollout/worker_busy_s", "perf/rollout_wait_s", "sampling/importance_sampling_ratio/mean"} <= set(
+        metrics[0])
+
+
+def plain_step(before, rows: list[dict], corrected: bool, lr: float = 0.02) -> dict[str, torch.Tensor]:
+    """One dapo step of the trainer's weights `before` on `rows` (first pass: ratio exp(logp - logp.detach())),
+    each completion's token losses times TRL's sequence_mask weight exp(sum_t (logp_old - behaviour)) (0 above
+    vllm_importance_sampling_clip_max 3.0) when `corrected`, then clipping at 1.0 and SGD at `lr`."""
+    loss, tokens = 0.0, 0
+    for r in rows:
+        logps = token_log_probs(before, r)
+        weight = 1.0
+        if corrected:
+            weight = math.exp((logps.detach() - torch.tensor(r["behaviour_logps"])).sum().item())
+            weight = 0.0 if weight > 3.0 else weight
+        loss = loss - (r["advantage"] * torch.exp(logps - logps.detach()) * weight).sum()
+        tokens += len(r["completion_ids"])
+    (loss / tokens).backward()
+    torch.nn.utils.clip_grad_norm_(before.parameters(), 1.0)
+    torch.optim.SGD(before.parameters(), lr=lr).step()
+    return before.state_dict()
+
+
+def test_stale_windows_carry_their_policy_and_train_as_written_out(runs, ending_model):  # noqa: F811
+    """max_staleness 1: windows 0 and 1 are sampled by version 0 (the starting model), window 1 trained at step 2
+    by the weights after step 1; the recorded behaviour log-probs are version 0's, the IS weights differ from 1, and
+    each run's checkpoint-2 equals its step written out: with the correction, and without it, and the two differ."""
+    stale, raw = runs["stale"], runs["stale-raw"]
+    rows = rows_of(stale)
+    assert [r["policy_version"] for r in rows] == [0] * 16
+    assert [r["completion_ids"] for r in rows] == [r["completion_ids"] for r in rows_of(raw)]
+    start = weights_at(stale, ending_model, 0)
+    with torch.no_grad():
+        for r in rows:
+            torch.testing.assert_close(torch.tensor(r["behaviour_logps"]), token_log_probs(start, r),
+                                       rtol=1e-5, atol=1e-5)
+    step2 = [r for r in rows if r["step"] == 2]
+    with torch.no_grad():
+        after1 = weights_at(stale, ending_model, 1)
+        drift = [(token_log_probs(after1, r) - torch.tensor(r["behaviour_logps"])).sum().item() for r in step2]
+    assert max(abs(d) for d in drift) > 0.5  # the version differs: the correction has something to do
+    assert any(r["advantage"] != 0 for r in step2)
+    results = {}
+    for name, run, corrected in (("corrected", stale, True), ("raw", raw, False)):
+        want = plain_step(weights_at(run, ending_model, 1), [r for r in rows_of(run) if r["step"] == 2], corrected)
+        got = {k.removeprefix("lm."): v for k, v in
+               load_file(run.output_dir / "checkpoint-2" / "model.safetensors").items()}
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=2e-6, msg=lambda m, key=key: f"{key}: {m}")
+        results[name] = got
+    before = {k: v for k, v in weights_at(stale, ending_model, 1).state_dict().items()}
+    update = max((results["raw"][k] - before[k]).abs().max().item() for k in before)
+    apart = max((results["corrected"][k] - results["raw"][k]).abs().max().item() for k in before)
+    assert update > 0 and apart > 0.1 * update  # the correction changes the update materially
+    assert runs["stale"].train_rows()[1]["sample/staleness_max"] == 1
+
+
+def test_two_processes_equal_one(runs):
+    """The max_staleness 1 run on 2 processes (each its own worker, 2 completions per micro-batch, accumulation 2):
+    the same rollouts, policy versions and behaviour log-probs, losses and weights as on one."""
+    one, two = runs["stale"], runs["stale-2procs"]
+    a, b = rows_of(one), rows_of(two)
+    assert [(r["completion_ids"], r["policy_version"]) for r in a] == [(r["completion_ids"], r["policy_version"])
+                                                                       for r in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(y["behaviour_logps"]), torch.tensor(x["behaviour_logps"]),
+                                   rtol=1e-5, atol=1e-5)
+    assert [m["loss"] for m in two.train_rows()] == pytest.approx([m["loss"] for m in one.train_rows()], rel=1e-4,
+                                                                  abs=1e-6)
+    got, want = load_file(two.output_dir / "final" / "model.safetensors"), \
+        load_file(one.output_dir / "final" / "model.safetensors")
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+KILLER = """import os, signal
+from hftrain.rl.example_rewards import vowel_share
+CALLS = []
+
+
+def signalled_vowel_share(prompts, completions, completion_ids, **kwargs):
+    CALLS.append(1)
+    if len(CALLS) == 2:  # the second window: signal this process's rollout worker (its spawned child process)
+        for pid in os.listdir("/proc"):
+            try:
+                status = open(f"/proc/{pid}/status").read()
+                command = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if f"PPid:\\t{os.getpid()}\\n" in status and b"spawn_main" in command:
+                os.kill(int(pid), getattr(signal, os.environ["WORKER_SIGNAL"]))
+    return vowel_share(prompts, completions, completion_ids)
+"""
+
+
+@pytest.mark.parametrize("signal_name, what", [
+    ("SIGKILL", r"died \(exit code -9\)"),
+    ("SIGSTOP", r"made no progress for \d+ s while the trainer waited for generation batch 2 \(hung; hang_timeout 3 "
+                r"s\); it was killed")])
+def test_a_dead_or_hung_worker_stops_the_run_naming_it(tmp_path, ending_model, signal_name, what):  # noqa: F811
+    """The worker killed (SIGKILL) or frozen (SIGSTOP) after it sent the second window: the trainer stops within
+    seconds (hang_timeout 3) at step 3, every rank at once, with a checkpoint and one paragraph naming the worker."""
+    reward = tmp_path / "signalled.py"
+    reward.write_text(KILLER)
+    run = run_script(tmp_path / "dead", *args(ending_model, 6), "--async_generation", "true", "--max_staleness", "0",
+                     "--reward_funcs", f"{reward}:signalled_vowel_share", "--hang_timeout", "3", check=False,
+                     timeout=300, env={"WORKER_SIGNAL": signal_name})
+    assert run.returncode != 0
+    message = " ".join(run.stderr.split())
+    assert re.search(r"the rollout worker of process 0 \(pid \d+\) " + what + r", so generation batch 2 "
+                     r"\(training step 3\) has no rollouts\. The state after step 2 is in \S+checkpoint-2", message), \
+        message[-1500:]
+    assert "Traceback" not in message
+    assert not (run.output_dir / "final").exists()
+
+
+def test_tiny_grpo_async_recipe_learns(tmp_path):
+    """recipes/tiny-grpo-async.yaml as shipped: the mean reward of the last 5 steps is above the first 5 steps',
+    every window after the first two sampled one version behind the trainer."""
+    run = run_script(tmp_path / "tiny-grpo-async", "--config", str(REPO / "recipes" / "tiny-grpo-async.yaml"),
+                     "--logging_steps", "1")
+    rewards = [m["reward"] for m in run.train_rows()]
+    assert len(rewards) == 20 and sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.05, rewards
+    assert [m["sample/staleness_max"] for m in run.train_rows()] == [0] + [1] * 19
+    rows = rows_of(run)
+    assert [r["policy_version"] for r in rows[::16]] == [0, 0, *range(1, 19)]
+    assert all(len(r["behaviour_logps"]) == len(r["completion_ids"]) for r in rows)
