@@ -39,6 +39,8 @@ from hftrain.fields.hub import problems as hub_problems
 from hftrain.fields.hub import unused as hub_unused
 from hftrain.fields.monitoring import MonitoringFields
 from hftrain.fields.monitoring import problems as monitoring_problems
+from hftrain.fields.muon import MuonFields
+from hftrain.fields.muon import problems as muon_problems
 from hftrain.fields.objectives import ObjectiveFields
 from hftrain.fields.objectives import problems as objective_problems
 from hftrain.fields.parallel import ParallelFields
@@ -52,7 +54,7 @@ from hftrain.paths import PRESET_DIR as PRESET_DIR
 from hftrain.paths import SHIPPED as SHIPPED
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
-OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "muon")
 DEFAULT_RECIPE_NOTE = ("with no --config, each field takes the default shown (the tiny offline model and the chat "
                        "data shipped inside hftrain); `hftrain launch`, `hftrain finetune` and `hftrain data` with no "
                        "--config use the demo recipe tiny-chat instead")
@@ -201,7 +203,9 @@ class TrainingFields:
         "adamw_torch",
         "Optimizer: adamw_torch, adamw_torch_fused (the same AdamW as one fused kernel per parameter group, CPU and "
         "CUDA), sgd, or bitsandbytes adamw_bnb_8bit / paged_adamw_8bit / paged_adamw_32bit "
-        "(8-bit optimizer state for tensors of 4096+ elements, 32-bit below; 'paged' only pages on CUDA).",
+        "(8-bit optimizer state for tensors of 4096+ elements, 32-bit below; 'paged' only pages on CUDA), or muon: "
+        "torch.optim.Muon on the hidden 2-D weight matrices and torch AdamW on the embeddings, the head, norms and "
+        "biases, at the one learning_rate and weight_decay (Moonlight's recipe; the muon_* fields, docs/muon.md).",
         group="training", choices=OPTIMIZERS,
     )
     train_sampling_strategy: str = _f(
@@ -271,7 +275,8 @@ class LoggingFields:
 
 
 @dataclass
-class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, LoggingFields, PeftFields, TrainingFields,
+class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, LoggingFields, PeftFields, MuonFields,
+             TrainingFields,
              DistillFields, GRPOFields, ObjectiveFields, DataFields, ModelFields):
     """One flat, typed schema: every field of every group (declared per group, in this order: model, data,
     objective, training, peft and quantization, logging, evaluation, monitoring, parallelism, hub; dataclasses collect
@@ -495,6 +500,7 @@ def validate(recipe: Recipe) -> list[str]:
     problems += distill_problems(r)
     problems += _validate_performance(r)
     problems += monitoring_problems(r)
+    problems += muon_problems(r)
     problems += hub_problems(r)
     problems += evaluation_problems(r)
 

@@ -39,7 +39,13 @@ from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary
 from hftrain.objectives import objective_for
 from hftrain.objectives.base import ModelParts
-from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
+from hftrain.optim import (
+    build_optimizer,
+    build_scheduler,
+    optimizer_notes,
+    scaled_learning_rate,
+    set_peak_learning_rate,
+)
 from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve, run_process
 from hftrain.paths import CONFIG_FILE, FINAL_DIR, HUB_UPLOAD_DIR, PROFILE_DIR
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest, signal_names
@@ -238,6 +244,7 @@ class Finetune:
                               f"{self.lr_scaling['factor']:.6g} (scale_lr {recipe.scale_lr}: effective batch "
                               f"{self.data.plan.global_batch} for base_batch_size {recipe.base_batch_size})")
         self.optimizer = build_optimizer(recipe, parts.loss, self.learning_rate)
+        self.parts.notes.extend(optimizer_notes(self.optimizer))
         self.model, self.optimizer = self.backend.prepare(parts.loss, self.optimizer)
         check_ties(self.backend.unwrap(self.model), f"preparing the model for {self.backend.record.name}")
         self.scheduler = build_scheduler(recipe, self.optimizer, self.data.total_steps)  # on the optimizer that steps

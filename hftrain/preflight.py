@@ -43,7 +43,7 @@ from hftrain.estimate import ulysses_splits
 from hftrain.fields.grpo import VLLM_REQUIREMENT
 from hftrain.fields.parallel import V_SCHEDULES
 from hftrain.model import DTYPES, HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, router_coefficient
-from hftrain.optim import BNB_ADAMW
+from hftrain.optim import BNB_ADAMW, muon_launch_problems
 from hftrain.parallel.deepspeed import deepspeed_problems
 from hftrain.parallel.expert import expert_problems
 from hftrain.parallel.launch import Launch, strategy_problems
@@ -237,6 +237,7 @@ def launch_problems(recipe: Recipe, launch: Launch) -> list[str]:
                         "and use mixed_precision: 'no' in the preset")
     problems += quantization_problems(recipe, launch)
     problems += missing_extra_problems(recipe, launch)
+    problems += muon_launch_problems(recipe, launch.kind, launch.zero_stage)
     if launch.kind == "deepspeed":
         if launch.deepspeed_config is None:
             problems.append("the DeepSpeed preset names no deepspeed_config_file; hftrain's presets point at "
