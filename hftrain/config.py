@@ -47,6 +47,8 @@ from hftrain.fields.parallel import ParallelFields
 from hftrain.fields.parallel import problems as parallel_problems
 from hftrain.fields.peft import PeftFields
 from hftrain.fields.peft import problems as peft_problems
+from hftrain.fields.qat import QATFields
+from hftrain.fields.qat import problems as qat_problems
 from hftrain.options import is_bool_word, parse_bool
 from hftrain.paths import DEFAULT_DATASET as DEFAULT_DATASET  # `as`: re-exported (shipped paths, in hftrain.paths)
 from hftrain.paths import DEFAULT_MODEL, FINAL_DIR, RECIPE_DIR, complete_checkpoints, holds_a_run
@@ -275,8 +277,8 @@ class LoggingFields:
 
 
 @dataclass
-class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, LoggingFields, PeftFields, MuonFields,
-             TrainingFields,
+class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, LoggingFields, QATFields, PeftFields,
+             MuonFields, TrainingFields,
              DistillFields, GRPOFields, ObjectiveFields, DataFields, ModelFields):
     """One flat, typed schema: every field of every group (declared per group, in this order: model, data,
     objective, training, peft and quantization, logging, evaluation, monitoring, parallelism, hub; dataclasses collect
@@ -501,6 +503,7 @@ def validate(recipe: Recipe) -> list[str]:
     problems += _validate_performance(r)
     problems += monitoring_problems(r)
     problems += muon_problems(r)
+    problems += qat_problems(r)
     problems += hub_problems(r)
     problems += evaluation_problems(r)
 
