@@ -42,12 +42,16 @@ from hftrain.fields.model import ModelFields
 from hftrain.fields.model import problems as model_problems
 from hftrain.fields.monitoring import MonitoringFields
 from hftrain.fields.monitoring import problems as monitoring_problems
+from hftrain.fields.muon import MuonFields
+from hftrain.fields.muon import problems as muon_problems
 from hftrain.fields.objectives import ObjectiveFields
 from hftrain.fields.objectives import problems as objective_problems
 from hftrain.fields.parallel import ParallelFields
 from hftrain.fields.parallel import problems as parallel_problems
 from hftrain.fields.peft import PeftFields
 from hftrain.fields.peft import problems as peft_problems
+from hftrain.fields.qat import QATFields
+from hftrain.fields.qat import problems as qat_problems
 from hftrain.fields.training import TORCH_ADAMW as TORCH_ADAMW  # `as`: re-exported
 from hftrain.fields.training import TrainingFields
 from hftrain.fields.training import problems as training_problems
@@ -66,7 +70,8 @@ PATH_FIELDS = ("model_name_or_path", "tokenizer_name_or_path", "dataset_name", "
 
 
 @dataclass
-class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, LoggingFields, PeftFields, TrainingFields,
+class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, LoggingFields, QATFields, PeftFields,
+             MuonFields, TrainingFields,
              DistillFields, GRPOFields, ObjectiveFields, DataFields, ModelFields):
     """One flat, typed schema: every field of every group (declared per group, in this order: model, data,
     objective, training, peft and quantization, logging, evaluation, monitoring, parallelism, hub; dataclasses collect
@@ -230,8 +235,8 @@ def validate(recipe: Recipe) -> list[str]:
             shown = ", ".join(str(c) for c in choices if c is not None)
             problems.append(f"{name}={getattr(r, name)!r} is not one of: {shown}")
     for group in (logging_problems, training_problems, data_problems, objective_problems, grpo_problems,
-                  distill_problems, model_problems, monitoring_problems, hub_problems, evaluation_problems,
-                  peft_problems):
+                  distill_problems, model_problems, monitoring_problems, muon_problems, qat_problems, hub_problems,
+                  evaluation_problems, peft_problems):
         problems += group(r)
     return problems
 

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
 import torch
 from accelerate.utils import set_seed
 
-from hftrain import attention, card, checkpoint
+from hftrain import attention, card, checkpoint, qat
 from hftrain.config import PRESET_DIR, Recipe, load_recipe, read_yaml, unused_settings
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.data.feeds import TrainingData, setup_examples
@@ -39,7 +39,13 @@ from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary
 from hftrain.objectives import objective_for
 from hftrain.objectives.base import ModelParts
-from hftrain.optim import build_optimizer, build_scheduler, scaled_learning_rate, set_peak_learning_rate
+from hftrain.optim import (
+    build_optimizer,
+    build_scheduler,
+    optimizer_notes,
+    scaled_learning_rate,
+    set_peak_learning_rate,
+)
 from hftrain.parallel import Launch, devices_record, make_accelerator, phase, resolve, run_process
 from hftrain.paths import CONFIG_FILE, FINAL_DIR, HUB_UPLOAD_DIR, PROFILE_DIR
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest, signal_names
@@ -238,6 +244,7 @@ class Finetune:
                               f"{self.lr_scaling['factor']:.6g} (scale_lr {recipe.scale_lr}: effective batch "
                               f"{self.data.plan.global_batch} for base_batch_size {recipe.base_batch_size})")
         self.optimizer = build_optimizer(recipe, parts.loss, self.learning_rate)
+        self.parts.notes.extend(optimizer_notes(self.optimizer))
         self.model, self.optimizer = self.backend.prepare(parts.loss, self.optimizer)
         check_ties(self.backend.unwrap(self.model), f"preparing the model for {self.backend.record.name}")
         self.scheduler = build_scheduler(recipe, self.optimizer, self.data.total_steps)  # on the optimizer that steps
@@ -628,6 +635,7 @@ class Finetune:
         """The final model first (with its card), then the final evaluation (whatever it does, the trained model is
         kept) and the card again with its result, then the push to the hub after the uploads in flight."""
         final_dir = self.save_final()
+        self.save_quantized(final_dir)
         if self.evaluates:
             self.final_evaluation(final_dir)
             if self.accelerator.is_main_process:
@@ -664,6 +672,17 @@ class Finetune:
                 f"{rescue} (it resumes at the end and saves the final model without training again)"
             ) from exc
         return final_dir
+
+    def save_quantized(self, final_dir: Path) -> None:
+        """qat_scheme: final-quantized/, the trained final/ converted to real quantized weights (hftrain.qat)."""
+        if self.recipe.qat_scheme is None:
+            return
+        if self.accelerator.is_main_process:
+            folder = qat.save_quantized(self.recipe, final_dir, self.output_dir / qat.QUANTIZED_DIR,
+                                        self.processor or self.tokenizer)
+            self.logger.print(f"hftrain: quantized model ({self.recipe.qat_scheme}, torchao) saved to {folder}")
+        with phase(self.accelerator, "the conversion of the QAT model", self.recipe.ddp_timeout):
+            self.accelerator.wait_for_everyone()
 
     def final_evaluation(self, final_dir: Path) -> None:
         try:

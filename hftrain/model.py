@@ -241,6 +241,10 @@ def build_full_model(recipe: Recipe, load_kwargs: dict | None = None, layers: se
     model = load_base_model(recipe, load_kwargs, layers)
     if vision.is_image_text(model.config):
         model.hftrain_notes = [vision.describe_frozen(vision.freeze(model, recipe))]
+    if recipe.qat_scheme is not None:  # torchao's fake quantization, before the optimizer sees the parameters
+        from hftrain import qat
+
+        model.hftrain_notes = [*getattr(model, "hftrain_notes", []), qat.prepare(model, recipe)]
     if recipe.gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model

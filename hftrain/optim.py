@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hftrain.config import Recipe
+from hftrain.fields.muon import WHOLE_MATRICES
 
 BNB_ADAMW = {"adamw_bnb_8bit": (8, False), "paged_adamw_8bit": (8, True), "paged_adamw_32bit": (32, True)}
 
@@ -32,12 +33,10 @@ def build_optimizer(recipe: Recipe, model: nn.Module, learning_rate: float | Non
     """
     learning_rate = recipe.learning_rate if learning_rate is None else learning_rate
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]] or (groups[1:] if allow_empty else [])
-    adam = {"lr": learning_rate, "betas": (recipe.adam_beta1, recipe.adam_beta2), "eps": recipe.adam_epsilon}
+    if recipe.optim == "muon":
+        return MuonWithAdamW(recipe, model, learning_rate)
+    groups = decay_groups(recipe, params, allow_empty)
+    adam = adamw_settings(recipe, learning_rate)
     if recipe.optim == "sgd":
         return torch.optim.SGD(groups, lr=learning_rate, momentum=recipe.sgd_momentum)
     if recipe.optim in BNB_ADAMW:
@@ -47,6 +46,106 @@ def build_optimizer(recipe: Recipe, model: nn.Module, learning_rate: float | Non
         return bnb.optim.AdamW(groups, **adam, optim_bits=bits, is_paged=paged)
     # fused=None (not False) for adamw_torch: torch then keeps its own default (foreach on CUDA)
     return torch.optim.AdamW(groups, **adam, fused=True if recipe.optim == "adamw_torch_fused" else None)
+
+
+def decay_groups(recipe: Recipe, params: list[nn.Parameter], allow_empty: bool = False) -> list[dict]:
+    """Weight decay on matrices (ndim >= 2), none on biases and norm weights; empty groups left out."""
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]] or (groups[1:] if allow_empty else [])
+
+
+def adamw_settings(recipe: Recipe, learning_rate: float) -> dict:
+    return {"lr": learning_rate, "betas": (recipe.adam_beta1, recipe.adam_beta2), "eps": recipe.adam_epsilon}
+
+
+HEAD_NAMES = ("score", "classifier")  # transformers' sequence-classification heads (get_output_embeddings: None)
+
+
+def muon_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The trained parameters of `model` for Muon (the hidden 2-D weight matrices) and for AdamW (the rest): every
+    nn.Embedding's weight, the output head of each transformers model inside (`get_output_embeddings()`, or its
+    `score` / `classifier` classification head), and every parameter that is not 2-D (norms, biases, 3-D fused
+    experts, convolutions) go to AdamW, as Muon's authors and Moonlight do. A tied head is the embedding itself."""
+    outside = set()
+    for module in model.modules():
+        heads = [module] if isinstance(module, nn.Embedding) else []
+        if hasattr(module, "get_output_embeddings") and hasattr(module, "get_input_embeddings"):
+            heads += [module.get_output_embeddings(), *(getattr(module, name, None) for name in HEAD_NAMES)]
+        outside |= {id(p) for head in heads if isinstance(head, nn.Module) for p in head.parameters()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    hidden = [p for p in params if p.ndim == 2 and id(p) not in outside]
+    chosen = {id(p) for p in hidden}
+    return hidden, [p for p in params if id(p) not in chosen]
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon on the hidden matrices and torch.optim.AdamW on the other parameters (`muon_split`), as one
+    optimizer: its param_groups are the two optimizers' own group dicts (Muon's first), so the schedule sets the
+    learning rate of both, and its state is theirs (one dict, the parameters disjoint), so one state_dict holds both
+    optimizers' states and a checkpoint restores them together.
+
+    Moonlight's recipe ('Muon is Scalable for LLM Training'): one learning rate and weight decay for both, Muon's update
+    of an A x B matrix scaled by 0.2 x sqrt(max(A, B)) (adjust_lr_fn match_rms_adamw) so that its RMS matches AdamW's.
+    Weight decay as hftrain's AdamW: on every matrix (Muon's included), not on norms and biases."""
+
+    def __init__(self, recipe: Recipe, model: nn.Module, learning_rate: float) -> None:
+        hidden, rest = muon_split(model)
+        self.parts: list[torch.optim.Optimizer] = []
+        if hidden:
+            self.parts.append(torch.optim.Muon(
+                hidden, lr=learning_rate, weight_decay=recipe.weight_decay, momentum=recipe.muon_momentum,
+                nesterov=recipe.muon_nesterov, ns_steps=recipe.muon_ns_steps, adjust_lr_fn=recipe.muon_adjust_lr))
+        if rest:
+            self.parts.append(torch.optim.AdamW(decay_groups(recipe, rest), **adamw_settings(recipe, learning_rate)))
+        self.split = (sum(p.numel() for p in hidden), len(hidden), sum(p.numel() for p in rest), len(rest))
+        super().__init__([group for part in self.parts for group in part.param_groups], {})
+        self._share()
+
+    def _share(self) -> None:
+        """Point the two optimizers at this one's group dicts and state (after construction and after a load)."""
+        start = 0
+        for part in self.parts:
+            part.param_groups = self.param_groups[start:start + len(part.param_groups)]
+            part.state = self.state
+            start += len(part.param_groups)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # replaces this optimizer's group dicts and state
+        self._share()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for part in self.parts:
+            part.step()
+        return loss
+
+    def describe(self) -> str:
+        """The start-up line: which parameters each optimizer trains."""
+        muon_elements, matrices, adamw_elements, tensors = self.split
+        return (f"optim muon: torch.optim.Muon on {matrices} hidden matrices ({muon_elements:,} parameters), AdamW on "
+                f"{tensors} other tensors ({adamw_elements:,} parameters: embeddings, head, norms, biases)")
+
+
+def optimizer_notes(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Start-up lines about the optimizer built (none for a single torch or bitsandbytes optimizer)."""
+    return [optimizer.describe()] if isinstance(optimizer, MuonWithAdamW) else []
+
+
+def muon_launch_problems(recipe: Recipe, kind: str, zero_stage: int | None) -> list[str]:
+    """optim: muon under a launch whose processes hold shards of the weight matrices (the preflight's check)."""
+    if recipe.optim != "muon":
+        return []
+    sharding = {"fsdp2": "FSDP2 shards every parameter over the processes",
+                "deepspeed": f"DeepSpeed ZeRO-{zero_stage} flattens the parameters and partitions them (and the "
+                "optimizer's work) over the processes"}.get(kind)
+    return [] if sharding is None else [f"optim: muon with {kind} is refused ({sharding}): {WHOLE_MATRICES}"]
 
 
 def scaled_learning_rate(recipe: Recipe, effective_batch_size: int) -> tuple[float, dict | None]:

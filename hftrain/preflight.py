@@ -29,7 +29,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
-from hftrain import attention, compat, hub, vision
+from hftrain import attention, compat, hub, qat, vision
 from hftrain.attention import MAX_HEAD_DIM, VARLEN, VARLEN_MODEL_TYPES
 from hftrain.compat import accelerate as compat_accelerate
 from hftrain.compat import cpython as compat_cpython
@@ -43,7 +43,7 @@ from hftrain.estimate import ulysses_splits
 from hftrain.fields.grpo import VLLM_REQUIREMENT
 from hftrain.fields.parallel import V_SCHEDULES
 from hftrain.model import DTYPES, HEAD_ONLY_MODEL_TYPES, LIGER_MODEL_TYPES, load_error, router_coefficient
-from hftrain.optim import BNB_ADAMW
+from hftrain.optim import BNB_ADAMW, muon_launch_problems
 from hftrain.parallel.deepspeed import deepspeed_problems
 from hftrain.parallel.expert import expert_problems
 from hftrain.parallel.launch import Launch, strategy_problems
@@ -84,6 +84,7 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += host_memory_problems(recipe, launch, model_config)
     problems += vllm_problems(recipe, launch, cuda)
     problems += evaluation_problems(recipe, launch, model_config)
+    problems += qat.preflight_problems(recipe, launch.kind, model_config)
     problems += hub.preflight_problems(recipe)
     # the installed libraries' problems are not the recipe's either: each names the install that fixes it
     unusable = unloadable + library_problems(recipe, launch)
@@ -237,6 +238,7 @@ def launch_problems(recipe: Recipe, launch: Launch) -> list[str]:
                         "and use mixed_precision: 'no' in the preset")
     problems += quantization_problems(recipe, launch)
     problems += missing_extra_problems(recipe, launch)
+    problems += muon_launch_problems(recipe, launch.kind, launch.zero_stage)
     if launch.kind == "deepspeed":
         if launch.deepspeed_config is None:
             problems.append("the DeepSpeed preset names no deepspeed_config_file; hftrain's presets point at "
@@ -247,7 +249,7 @@ def launch_problems(recipe: Recipe, launch: Launch) -> list[str]:
 
 
 # the optional packages a run may need: (package, hftrain's extra that installs it)
-EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "quantization", "wandb": "wandb"}
+EXTRAS = {"deepspeed": "deepspeed", "bitsandbytes": "quantization", "wandb": "wandb", "torchao": "qat"}
 
 
 def missing_extra_problems(recipe: Recipe, launch: Launch) -> list[str]:
@@ -257,6 +259,7 @@ def missing_extra_problems(recipe: Recipe, launch: Launch) -> list[str]:
              ("bitsandbytes", "load_in_4bit" if recipe.load_in_4bit else "load_in_8bit")
              if recipe.load_in_4bit or recipe.load_in_8bit else None,
              ("bitsandbytes", f"optim={recipe.optim}") if recipe.optim in BNB_ADAMW else None,
+             ("torchao", f"qat_scheme={recipe.qat_scheme}") if recipe.qat_scheme is not None else None,
              ("wandb", "report_to: wandb") if "wandb" in recipe.report_to else None]
     return [f"{what} needs the {package} package, which is not installed: pip install 'hftrain[{EXTRAS[package]}]'"
             f" (or pip install {package})" for package, what in filter(None, needs)

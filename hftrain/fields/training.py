@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from hftrain.fields import recipe_field as _f
 
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # torch.optim.AdamW: state exp_avg, exp_avg_sq
-OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+OPTIMIZERS = (*TORCH_ADAMW, "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "muon")
 
 
 @dataclass
@@ -70,7 +70,9 @@ class TrainingFields:
         "adamw_torch",
         "Optimizer: adamw_torch, adamw_torch_fused (the same AdamW as one fused kernel per parameter group, CPU and "
         "CUDA), sgd, or bitsandbytes adamw_bnb_8bit / paged_adamw_8bit / paged_adamw_32bit "
-        "(8-bit optimizer state for tensors of 4096+ elements, 32-bit below; 'paged' only pages on CUDA).",
+        "(8-bit optimizer state for tensors of 4096+ elements, 32-bit below; 'paged' only pages on CUDA), or muon: "
+        "torch.optim.Muon on the hidden 2-D weight matrices and torch AdamW on the embeddings, the head, norms and "
+        "biases, at the one learning_rate and weight_decay (Moonlight's recipe; the muon_* fields, docs/muon.md).",
         group="training", choices=OPTIMIZERS,
     )
     train_sampling_strategy: str = _f(

@@ -537,8 +537,9 @@ class Backend:
 
     # ------------------------------------------------------------------ memory
     def optimizer_state_bytes(self) -> int:
-        """Optimizer-state bytes per trained parameter (`memory.optimizer_bytes`)."""
-        return optimizer_bytes(self.recipe.optim in TORCH_ADAMW, self.recipe.sgd_momentum)
+        """Optimizer-state bytes per trained parameter (`memory.optimizer_bytes`); optim muon: AdamW's, an upper bound
+        (Muon keeps one momentum buffer, 4 bytes, for the hidden matrices; AdamW two moments for the rest)."""
+        return optimizer_bytes(self.recipe.optim in (*TORCH_ADAMW, "muon"), self.recipe.sgd_momentum)
 
     def model_state(self, counts: ParameterCounts) -> ModelState:
         """One whole copy of the model state: the weights as stored, a gradient like each trained weight, the

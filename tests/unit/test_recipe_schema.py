@@ -68,6 +68,8 @@ LATER_CHANGES = {
     ("attn_implementation", "help"): "issue 50: varlen, hftrain's attention for packed rows where it can run",
     ("attn_implementation", "choices"): "issue 50: varlen",
     ("torch_compile", "help"): "issue 50: dynamic shapes from the first compile; the first step's time is reported",
+    ("optim", "help"): "issue 53: optim muon",
+    ("optim", "choices"): "issue 53: optim muon",
 }
 
 
