@@ -18,11 +18,18 @@ whole machine; `--threads N` gives every process N instead.
 What is measured, from the run's own files:
 - tokens/s: trained tokens (`trained_tokens` of metrics.jsonl, the same in every layout) over the summed `step_time`
   of steps 3 .. steps - 2 (the first two warm up, the last two are profiled); per process = that / processes;
+  against one process: each run's per process over the one-process run of its own repetition (`--reps`
+  alternates the layouts), the median of those ratios;
 - all-to-all share: the last 2 steps run under hftrain's profiler (`profile_steps`, one Chrome trace per rank); the
   share is the wall time during which an all-to-all ran in gloo (the union of the trace's `gloo:all_to_all` events,
   which span from the collective's start to its end, waiting for the peer included) over the traced steps' wall
   time (`ProfilerStep#` events), per rank, then averaged; the other collectives (FSDP2's all-gather / reduce-scatter,
   all-reduce) likewise. The profiler (shapes and memory recorded) slows the traced steps; the share is within them;
+- expert load: in the same traces, the (token, expert) rows each MoE layer's dispatch brought each rank (the receive
+  size of the all-to-all that follows each exchange of the split sizes, from the recorded shapes); summed over the
+  traced layer calls, the busier rank's rows over an even split. Every layer's results come back in one all-to-all
+  that waits for both ranks, so at 1.50 the slower rank runs 1.5x the expert work it would under balanced routing,
+  and the other waits for it (the random model's router, unlike a trained one, is far from balanced);
 - memory: peak RSS of the largest process (`peak_memory_mb` of metrics.jsonl, at the last step before profiling)
   minus its RSS before the model was built (`memory_baseline_mb`), with glibc returning freed tensors at once (as
   scripts/measure_memory.py does), against the estimate's peak for the layout: `hftrain estimate --precision fp32`'s
@@ -86,6 +93,26 @@ def trace_shares(trace: Path) -> tuple[float, float]:
             covered({"gloo:all_gather", "gloo:reduce_scatter", "gloo:all_reduce", "gloo:allreduce"}) / wall)
 
 
+def dispatched_rows(trace: Path, experts: int, ep: int) -> list[int]:
+    """The rows each MoE layer's forward dispatch brought this rank, in order: in transformers' `AllToAllEP` the
+    exchange of the split sizes (an all-to-all of an [ep, experts / ep] tensor) precedes the one of the tokens, whose
+    first input is the received rows, [rows, hidden] (the recorded `Input Dims` of gloo's `c10d::alltoall_base_`)."""
+    calls = sorted((e for e in json.loads(trace.read_text())["traceEvents"]
+                    if e.get("ph") == "X" and e["name"] == "c10d::alltoall_base_"), key=lambda e: e["ts"])
+    dims = [e.get("args", {}).get("Input Dims") or [[]] for e in calls]
+    sizes = [ep, experts // ep]
+    return [after[0][0] for before, after in zip(dims, dims[1:]) if before[:2] == [sizes, sizes]]
+
+
+def expert_load(traces: list[Path], experts: int) -> float | None:
+    """The busier rank's dispatched rows over an even split, summed over the traced layer calls (None: no exchange)."""
+    per_rank = [dispatched_rows(t, experts, len(traces)) for t in traces]
+    if not per_rank or not per_rank[0] or len({len(r) for r in per_rank}) != 1:
+        return None
+    busiest = sum(max(rows) for rows in zip(*per_rank))
+    return busiest / (sum(map(sum, per_rank)) / len(per_rank))
+
+
 def run(name: str, model: Path, data: Path, out: Path, args) -> dict:
     processes, extra, _ = LAYOUTS[name]
     threads = args.threads or max(1, (os.cpu_count() or 1) // processes)
@@ -114,12 +141,14 @@ def run(name: str, model: Path, data: Path, out: Path, args) -> dict:
     baseline = json.loads((out / "final" / "hftrain_state.json").read_text())["memory_baseline_mb"]
     last = rows[timed[-1]]
     peak = max([last["peak_memory_mb"], *(v for k, v in last.items() if k.endswith("/peak_memory_mb"))])
-    shares = [trace_shares(t) for t in sorted((out / "profile").glob("rank*.pt.trace.json"))]
+    traces = sorted((out / "profile").glob("rank*.pt.trace.json"))
+    shares = [trace_shares(t) for t in traces]
     return {"layout": name, "processes": processes, "threads": threads, "tokens": tokens, "seconds": seconds,
             "tokens_per_second": tokens / seconds, "per_process": tokens / seconds / processes,
             "peak_mb": peak, "baseline_mb": baseline, "measured_mb": peak - baseline,
             "all_to_all": statistics.mean(a for a, _ in shares),
             "other_collectives": statistics.mean(o for _, o in shares),
+            "expert_load": expert_load(traces, args.experts) if name == "ep2" else None,
             "load_before": load, "load_after": os.getloadavg()[0]}
 
 
@@ -133,21 +162,27 @@ def estimated_mb(model: Path, name: str, args) -> float:
 
 def table(runs: list[dict], estimates: dict[str, float], layouts: list[str]) -> list[str]:
     lines = ["| layout | processes x threads | tokens/s (all) | tokens/s per process | vs one process (per process) | "
-             "all-to-all share of the step | other collectives | measured peak - baseline (MiB, largest process) | "
-             "estimate (MiB) | estimate / measured | load average (before / after) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "all-to-all share of the step | expert rows, busier rank / even split | other collectives | "
+             "measured peak - baseline (MiB, largest process) | estimate (MiB) | estimate / measured | "
+             "load average (before / after) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     median = {}
     for name in layouts:
         mine = [r for r in runs if r["layout"] == name]
         median[name] = {k: statistics.median(r[k] for r in mine) for k in
                         ("tokens_per_second", "per_process", "all_to_all", "other_collectives", "measured_mb")}
+        # each run against the one-process run of its own repetition (the load moves between repetitions)
+        median[name]["versus"] = statistics.median(r["per_process"] / one["per_process"] for r, one in
+                                                   zip(mine, [r for r in runs if r["layout"] == "one"], strict=True))
+        loads = [r["expert_load"] for r in mine if r.get("expert_load") is not None]
+        median[name]["expert_load"] = f"{statistics.median(loads):.2f}" if loads else "-"
         median[name]["threads"] = mine[0]["threads"]
         median[name]["loads"] = ", ".join(f"{r['load_before']:.1f} / {r['load_after']:.1f}" for r in mine)
     for name, m in median.items():
         shares = ("-", "-") if name == "one" else (f"{m['all_to_all']:.1%}", f"{m['other_collectives']:.1%}")
-        versus = m["per_process"] / median["one"]["per_process"]
         lines.append(f"| {name} | {LAYOUTS[name][0]} x {m['threads']} | {m['tokens_per_second']:,.0f} | "
-                     f"{m['per_process']:,.0f} | {versus:.2f}x | {shares[0]} | {shares[1]} | {m['measured_mb']:,.0f} | "
+                     f"{m['per_process']:,.0f} | {m['versus']:.2f}x | {shares[0]} | {m['expert_load']} | {shares[1]} | "
+                     f"{m['measured_mb']:,.0f} | "
                      f"{estimates[name]:,.0f} | {estimates[name] / m['measured_mb']:.2f} | {m['loads']} |")
     return lines
 

@@ -14,7 +14,9 @@ from a forward pre-hook instead of a wrapped forward, the same post-accumulate a
   5.17: Idefics3's Pillow image processor needs torchvision there);
 - transformers' tensor-parallel device mesh (`_mesh_manager`) and its plan expanded to parameter names
   (`_expand_parallel_plan`), both from its distributed mixin (5.23: 5.17 has neither);
-- what its `replicated_with_grad_allreduce` style does to a gradient (`accumulation_safe_partial_gradients`, 5.23).
+- what its `replicated_with_grad_allreduce` style does to a gradient (`accumulation_safe_partial_gradients`, 5.23);
+- the flag by which an experts module split by expert parallelism masks off-rank routes (`_is_expert_parallel`,
+  `unmask_dispatched_experts`, 5.23).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ PARALLEL_PLAN = Use("transformers", CHECKED, "estimating a tensor-parallel layou
 PARTIAL_GRADIENTS = Use("transformers", CHECKED, "tensor parallelism of a model whose plan sums partial gradients "
                         "(replicated_with_grad_allreduce: Qwen3's q_norm / k_norm)")
 PARTIAL_GRADIENT_STYLE = "replicated_with_grad_allreduce"
+EXPERT_SENTINELS = Use("transformers", CHECKED, "expert parallelism's experts without the off-rank route masks")
 
 
 def load_decoder_layers(auto_class: type, config, path: str, kwargs: dict, layers: set[int]) -> nn.Module:
@@ -173,3 +176,24 @@ def _unsum_accumulated(param: nn.Parameter, tp: int):
             param.grad.div_(tp)  # the group's sum so far: the all-reduce after accumulation sums it back
         return grad
     return hook
+
+
+def unmask_dispatched_experts(lm: nn.Module) -> int:
+    """Run the experts of a model laid out with `ep_implementation="all_to_all"` without the masks for off-rank
+    routes; returns how many experts modules changed. transformers marks every experts module whose weights expert
+    parallelism split (`MoEParamShard`: `module._is_expert_parallel = True`) and its experts forwards (grouped_mm,
+    batched_mm, the fp8 and DeepGEMM ones) then treat an expert id >= the local expert count as a route to another
+    rank's expert (a sentinel, which `AllReduceEP` sends with weight 0): grouped_mm masks the gathered rows before its
+    first matmul and the outputs after each of its two (three `masked_fill` in the forward, three more in the
+    backward, over every received (token, expert) row). `AllToAllEP` hands the experts only the rows sent to this
+    rank, each with a local id (`arange(local experts)` repeated by the received counts), so every mask is all-false:
+    an identity forward and backward that cost ~6% of an ep 2 step on CPU (scripts/bench_ep.py's model, profiled).
+    Clearing the flag skips them; the experts' arithmetic is the same. Only for the all-to-all dispatch (hftrain's
+    `parallel.expert.load_kwargs`): `AllReduceEP` needs the masks. Outside the versions read (5.23-5.25) nothing
+    changes."""
+    if EXPERT_SENTINELS.problem() is not None:
+        return 0
+    marked = [module for module in lm.modules() if getattr(module, "_is_expert_parallel", False)]
+    for module in marked:
+        module._is_expert_parallel = False
+    return len(marked)

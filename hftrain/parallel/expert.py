@@ -29,6 +29,10 @@ the layout is tensor parallelism's, held as its whole copies under a DDP-type pr
 `ReplicaGradients`, experts included); with ep > T an expert group spans batches, which transformers lays out over
 its FSDP2 ranks only (efsdp = fsdp x tp / ep), so FSDP2 holds it (FSDP2 x TP, `fsdp_size` = processes / T).
 
+The experts run as transformers' experts implementation (`grouped_mm` by default: one grouped matmul per
+projection over the rows sorted by expert, `torch._grouped_mm` on CPU too) on the rows the all-to-all brought, without
+the masks for routes to other ranks' experts, which the all-to-all never brings (`unmask_dispatched_experts`).
+
 The rules that need the launch or the model's config are `expert_problems` (the preflight); those of the recipe alone
 are hftrain/fields/parallel.py's.
 """
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from hftrain.compat.transformers import unmask_dispatched_experts
 from hftrain.config import Recipe
 from hftrain.metrics import num_experts
 from hftrain.parallel.base import LaidOutAtLoad, Parallelism
@@ -120,6 +125,15 @@ class ExpertParallel(LaidOutAtLoad):
 
     def distributed_fields(self) -> dict:
         return load_kwargs(self.ep)
+
+    def apply(self, model) -> None:
+        """The experts without the off-rank route masks the all-to-all dispatch never needs
+        (`unmask_dispatched_experts`)."""
+        unmask_dispatched_experts(model)
+
+    def prepare_frozen(self, module):
+        unmask_dispatched_experts(module)
+        return super().prepare_frozen(module)
 
     def describe(self, record: Parallelism) -> Parallelism:
         name = f"expert parallel (ep_size={self.ep}: 1/{self.ep} of every MoE layer's experts per process), dense " \

@@ -45,3 +45,31 @@ def test_union_of_intervals():
     assert bench.union([(0, 1), (2, 3)]) == 2
     assert bench.union([(0, 10), (2, 3), (5, 12)]) == 12
     assert bench.union([]) == 0
+
+
+def exchange(start: float, received: int, sent: int, hidden: int = 8) -> dict:
+    dims = [[received, hidden], [sent, hidden], [], [], [], [], []]
+    return {**event("c10d::alltoall_base_", start, start + 1), "args": {"Input Dims": dims}}
+
+
+def split_sizes(start: float) -> dict:  # ep 2, 4 experts: an [ep, experts / ep] tensor each way
+    return {**event("c10d::alltoall_base_", start, start + 1), "args": {"Input Dims": [[2, 2], [2, 2], [], []]}}
+
+
+def test_expert_load_is_the_busier_ranks_dispatched_rows_over_an_even_split(tmp_path):
+    """Two MoE layers, 10 rows sent by each rank to each layer: layer 1 brings rank 0 14 rows and rank 1 6, layer 2
+    brings 5 and 15. Only the exchange after the split sizes counts: the outputs' way back and the backward's
+    exchanges (no split sizes before them) do not."""
+    bench = load_bench()
+    traces = []
+    for rank, (first, second) in enumerate([(14, 5), (6, 15)]):
+        trace = tmp_path / f"rank{rank}.pt.trace.json"
+        trace.write_text(json.dumps({"traceEvents": [
+            split_sizes(0), exchange(1, first, 10), exchange(3, 10, first),  # layer 1: dispatch, combine
+            split_sizes(5), exchange(6, second, 10), exchange(8, 10, second),  # layer 2
+            exchange(20, second, 10), exchange(22, 10, second),  # the backward of layer 2
+            event("c10d::allreduce_", 30, 31),
+        ]}))
+        traces.append(trace)
+    assert bench.dispatched_rows(traces[0], experts=4, ep=2) == [14, 5]
+    assert bench.expert_load(traces, experts=4) == (14 + 15) / ((14 + 5 + 6 + 15) / 2)

@@ -6,9 +6,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 import transformers
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from hftrain import versions
+from hftrain.compat.transformers import unmask_dispatched_experts
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError, HftrainError
 from hftrain.estimate import estimate, model_shape
@@ -206,3 +209,40 @@ def test_one_process_resumes_an_ep_x_tp_checkpoint_as_an_expert_parallel_one(sav
         return
     with pytest.raises(HftrainError, match=refusal):
         checkpoints.check_resumable({**SAVED, **saved})
+
+
+@needs_ep
+def test_dispatched_experts_without_the_route_masks_equal_a_per_expert_loop():
+    """The rows `AllToAllEP` hands a rank's experts (grouped by sending rank, then by local expert; local ids, top-1,
+    unit weights) through transformers' default experts implementation (grouped_mm) with the off-rank route masks
+    cleared (`unmask_dispatched_experts`), against plain PyTorch one expert at a time (each row through its expert's
+    SwiGLU): the output and the gradients of the rows and of both expert weights. One local expert gets no rows."""
+    config = transformers.Qwen3MoeConfig(num_experts=4, hidden_size=32, moe_intermediate_size=16,
+                                         experts_implementation="grouped_mm")
+    torch.manual_seed(0)
+    experts = Qwen3MoeExperts(config)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(std=0.3)
+        experts.down_proj.normal_(std=0.3)
+    experts._is_expert_parallel = True  # as transformers' MoEParamShard marks the experts it splits over ep ranks
+    assert unmask_dispatched_experts(torch.nn.Sequential(experts)) == 1
+
+    counts = torch.tensor([[3, 0, 5, 2], [4, 0, 6, 1]])  # rows from rank 0, then rank 1, per local expert
+    ids = torch.arange(4).repeat(2).repeat_interleave(counts.reshape(-1))
+    rows = torch.randn(len(ids), 32, requires_grad=True)
+    out = experts(rows, ids.unsqueeze(-1), torch.ones(len(ids), 1))
+    upstream = torch.randn_like(out)
+    got = torch.autograd.grad(out, (rows, experts.gate_up_proj, experts.down_proj), upstream)
+
+    gate_up = experts.gate_up_proj.detach().clone().requires_grad_()
+    down = experts.down_proj.detach().clone().requires_grad_()
+    expected = torch.zeros(len(ids), 32)
+    for e in range(4):
+        picked = ids == e
+        gate, up = (rows[picked] @ gate_up[e].T).chunk(2, dim=-1)
+        expected = expected.index_put((picked.nonzero()[:, 0],), (torch.nn.functional.silu(gate) * up) @ down[e].T)
+    want = torch.autograd.grad(expected, (rows, gate_up, down), upstream)
+    torch.testing.assert_close(out, expected)
+    for name, a, b in zip(("rows", "gate_up_proj", "down_proj"), got, want, strict=True):
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
+    assert got[1][1].abs().sum() == 0  # the expert without rows: no gradient
