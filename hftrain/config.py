@@ -45,6 +45,8 @@ from hftrain.fields.parallel import ParallelFields
 from hftrain.fields.parallel import problems as parallel_problems
 from hftrain.fields.peft import PeftFields
 from hftrain.fields.peft import problems as peft_problems
+from hftrain.fields.retrieval import RetrievalFields
+from hftrain.fields.retrieval import problems as retrieval_problems
 from hftrain.options import is_bool_word, parse_bool
 from hftrain.paths import DEFAULT_DATASET as DEFAULT_DATASET  # `as`: re-exported (shipped paths, in hftrain.paths)
 from hftrain.paths import DEFAULT_MODEL, FINAL_DIR, RECIPE_DIR, complete_checkpoints, holds_a_run
@@ -272,7 +274,7 @@ class LoggingFields:
 
 @dataclass
 class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, LoggingFields, PeftFields, TrainingFields,
-             DistillFields, GRPOFields, ObjectiveFields, DataFields, ModelFields):
+             RetrievalFields, DistillFields, GRPOFields, ObjectiveFields, DataFields, ModelFields):
     """One flat, typed schema: every field of every group (declared per group, in this order: model, data,
     objective, training, peft and quantization, logging, evaluation, monitoring, parallelism, hub; dataclasses collect
     the bases' fields from the last base to the first)."""
@@ -493,6 +495,7 @@ def validate(recipe: Recipe) -> list[str]:
     problems += objective_problems(r)
     problems += grpo_problems(r)
     problems += distill_problems(r)
+    problems += retrieval_problems(r)
     problems += _validate_performance(r)
     problems += monitoring_problems(r)
     problems += hub_problems(r)
@@ -681,11 +684,14 @@ HELP_GROUPS = {
     "data": ("datasets, formats and columns, chat template and loss masks, length, packing, streaming",
              ("dataset_name", "eval_dataset_name", "validation_split_percentage", "max_length", "packing",
               "assistant_only_loss")),
-    "objective": ("what the loss is (sft, dpo, simpo, orpo, kto, reward, distill, grpo) and its coefficients",
+    "objective": ("what the loss is (sft, dpo, simpo, orpo, kto, reward, distill, grpo, embedding) and its "
+                  "coefficients",
                   ("objective", "beta")),
     "grpo": ("online RL, objective grpo: reward functions, generations, clipping, vLLM, tools",
              ("reward_funcs", "num_generations")),
     "distill": ("objective distill: the teacher and the on-policy share", ("teacher_model_name_or_path",)),
+    "retrieval": ("objective embedding: pooling, the contrastive loss's scale, the query prompt, the cached mode",
+                  ("pooling", "contrastive_scale", "query_prompt", "mini_batch_size")),
     "training": ("the run: output, length, batch, optimizer and schedule, precision, seeds",
                  ("output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size",
                   "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_ratio", "bf16",
