@@ -96,9 +96,10 @@ def test_one_process_equals_multiple_negatives_ranking_loss(rows, one_process):
 
 
 def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path, rows):
-    """2 ranks x 2 rows: each anchor's candidates are all 4 rows' positives and negatives, as in one batch of 4."""
+    """2 ranks x 2 rows: each anchor's candidates are all 4 rows' positives and negatives, as in one batch of 4; in
+    the cached mode (pieces of 4 of each rank's 6 texts, recomputed in backward under DDP)."""
     run = launch(tmp_path / "out", "--dataset_name", rows[1], *EXACT, "--per_device_train_batch_size", "2",
-                 preset="cpu_ddp", processes=2)
+                 "--mini_batch_size", "4", preset="cpu_ddp", processes=2)
     assert "the candidates of all 2 data-parallel ranks gathered" in run.stdout + run.stderr
     assert_matches(run, reference(rows[0], batch=4, micro=4))
 
