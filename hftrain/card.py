@@ -43,13 +43,16 @@ OBJECTIVES = {
               "RewardTrainer)",
     "grpo": "GRPO (online RL: completions sampled from the model and scored by reward functions)",
     "distill": "knowledge distillation (the generalized JSD to a teacher model's next-token distributions)",
+    "embedding": "a text-embedding model (a bi-encoder trained with sentence-transformers' "
+                 "MultipleNegativesRankingLoss on anchor/positive pairs with in-batch and hard negatives)",
 }
 PIPELINE_TAG = "text-generation"
 # the results' metrics (metrics.jsonl's keys, TRL's names) in words: a training row's as given, an evaluation's
 # (eval_<key>) as "eval <words>"
 LABELS = {"reward": "mean reward", "reward_std": "reward std", "rewards/accuracies": "reward accuracy",
           "rewards/margins": "reward margin", "accuracy": "accuracy", "margin": "margin"}
-PIPELINE_TAGS = {"reward": "text-classification"}  # objectives whose folder is not a text generator
+# objectives whose folder is not a text generator
+PIPELINE_TAGS = {"reward": "text-classification", "embedding": "sentence-similarity"}
 
 
 # ------------------------------------------------------------------------------------------------ facts
@@ -197,9 +200,25 @@ def _reward_quick_start(load_from: str, kind: str, chat: bool) -> str:
     return f"```python\n{head}{body}\n```"
 
 
+def _embedding_quick_start(load_from: str, kind: str) -> str:
+    """Encoding queries and documents with an embedding model's folder: sentence-transformers reads its
+    modules.json (pooling, normalisation, the query prompt); transformers alone loads the bare encoder."""
+    adapter = ("# an adapter folder: sentence-transformers loads its base, then the adapter (peft installed)\n"
+               if kind == "adapter" else "")
+    return ("```python\nfrom sentence_transformers import SentenceTransformer\n\n" + adapter +
+            f'model = SentenceTransformer("{load_from}")\n'
+            'queries = model.encode_query(["What is 2 + 2?"])  # adds the query prompt the model was trained with\n'
+            'documents = model.encode_document(["2 + 2 = 4.", "Paris is in France."])\n'
+            "print(model.similarity(queries, documents))  # cosine similarities\n```\n\n"
+            "The encoder alone loads with transformers' `AutoModel.from_pretrained`; its embedding is the pooling "
+            "named in `1_Pooling/config.json` over the last hidden states, L2-normalised.")
+
+
 def _quick_start(load_from: str, kind: str, chat: bool, objective: str = "sft") -> str:
     if objective == "reward":
         return _reward_quick_start(load_from, kind, chat)
+    if objective == "embedding":
+        return _embedding_quick_start(load_from, kind)
     if kind == "adapter":
         head = ("from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
                 f'model = AutoPeftModelForCausalLM.from_pretrained("{load_from}")  # the base model, then this adapter')
@@ -250,7 +269,9 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
     base_id = hub_id(base)
     tags = ["hftrain", *([objective] if state else []), method_tag, *(["merge"] if kind == "merged" else [])]
     data = ModelCardData(
-        base_model=base_id, library_name="peft" if kind == "adapter" else "transformers",
+        base_model=base_id,
+        library_name="peft" if kind == "adapter" else "sentence-transformers" if objective == "embedding" else
+        "transformers",
         pipeline_tag=PIPELINE_TAGS.get(objective, PIPELINE_TAG),
         tags=list(dict.fromkeys(tags)), datasets=hub_datasets(recipe) or None,
         license=base_license(base, recipe.get("model_revision")),

@@ -52,6 +52,8 @@ from hftrain.fields.peft import PeftFields
 from hftrain.fields.peft import problems as peft_problems
 from hftrain.fields.qat import QATFields
 from hftrain.fields.qat import problems as qat_problems
+from hftrain.fields.retrieval import RetrievalFields
+from hftrain.fields.retrieval import problems as retrieval_problems
 from hftrain.fields.training import TORCH_ADAMW as TORCH_ADAMW  # `as`: re-exported
 from hftrain.fields.training import TrainingFields
 from hftrain.fields.training import problems as training_problems
@@ -72,7 +74,7 @@ PATH_FIELDS = ("model_name_or_path", "tokenizer_name_or_path", "dataset_name", "
 @dataclass
 class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, LoggingFields, QATFields, PeftFields,
              MuonFields, TrainingFields,
-             DistillFields, GRPOFields, ObjectiveFields, DataFields, ModelFields):
+             RetrievalFields, DistillFields, GRPOFields, ObjectiveFields, DataFields, ModelFields):
     """One flat, typed schema: every field of every group (declared per group, in this order: model, data,
     objective, training, peft and quantization, logging, evaluation, monitoring, parallelism, hub; dataclasses collect
     the bases' fields from the last base to the first)."""
@@ -235,8 +237,8 @@ def validate(recipe: Recipe) -> list[str]:
             shown = ", ".join(str(c) for c in choices if c is not None)
             problems.append(f"{name}={getattr(r, name)!r} is not one of: {shown}")
     for group in (logging_problems, training_problems, data_problems, objective_problems, grpo_problems,
-                  distill_problems, model_problems, monitoring_problems, muon_problems, qat_problems, hub_problems,
-                  evaluation_problems, peft_problems):
+                  distill_problems, model_problems, monitoring_problems, muon_problems, qat_problems,
+                  retrieval_problems, hub_problems, evaluation_problems, peft_problems):
         problems += group(r)
     return problems
 
@@ -388,11 +390,14 @@ HELP_GROUPS = {
     "data": ("datasets, formats and columns, chat template and loss masks, length, packing, streaming",
              ("dataset_name", "eval_dataset_name", "validation_split_percentage", "max_length", "packing",
               "assistant_only_loss")),
-    "objective": ("what the loss is (sft, dpo, simpo, orpo, kto, reward, distill, grpo) and its coefficients",
+    "objective": ("what the loss is (sft, dpo, simpo, orpo, kto, reward, distill, grpo, embedding) and its "
+                  "coefficients",
                   ("objective", "beta")),
     "grpo": ("online RL, objective grpo: reward functions, generations, clipping, vLLM, tools",
              ("reward_funcs", "num_generations")),
     "distill": ("objective distill: the teacher and the on-policy share", ("teacher_model_name_or_path",)),
+    "retrieval": ("objective embedding: pooling, the contrastive loss's scale, the query prompt, the cached mode",
+                  ("pooling", "contrastive_scale", "query_prompt", "mini_batch_size")),
     "training": ("the run: output, length, batch, optimizer and schedule, precision, seeds",
                  ("output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size",
                   "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_ratio", "bf16",

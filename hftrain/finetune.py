@@ -121,14 +121,15 @@ def optimizer_step(backend, model, optimizer, scheduler, micro_batches, scale, m
     return step_loss, grad_norm, finite
 
 
-def next_steps(output_dir: Path, writes_text: bool, processor=None) -> str:
+def next_steps(output_dir: Path, writes_text: bool, processor=None, use: str = "score conversations") -> str:
     """The closing line's commands: talking to the final model (`hftrain chat`, for a model that writes text from text,
-    not for an image-text model's, whose `processor` reads images; a model that does not write text, a reward
-    model, scores, as its README.md shows) and the run's report."""
+    not for an image-text model's, whose `processor` reads images; a model that does not write text is used as its
+    README.md shows: `use`, e.g. a reward model scores conversations, an embedding model encodes texts) and the run's
+    report."""
     final, out = shlex.quote(str(output_dir / FINAL_DIR)), shlex.quote(str(output_dir))
     report = f"hftrain report {out} for plots and a summary of the run"
     if not writes_text:
-        return f"score conversations with {final} as its README.md shows; {report}"
+        return f"{use} with {final} as its README.md shows; {report}"
     return report if processor is not None else f"hftrain chat {final} to talk to the model; {report}"
 
 
@@ -527,7 +528,9 @@ class Finetune:
 
     def write_card(self, folder: Path, location: Path, curve: bool = True) -> Path:
         """README.md of a folder for use (hftrain.card), from its run files and metrics.jsonl so far; `curve`: draw
-        the loss curve (matplotlib, ~0.5 s: skipped for final/'s first card when the final evaluation rewrites it)."""
+        the loss curve (matplotlib, ~0.5 s: skipped for final/'s first card when the final evaluation rewrites it). The
+        objective's own files first (`Objective.add_files`)."""
+        self.objective.add_files(self, folder)
         return card.run_card(folder, self.output_dir, kind="adapter" if self.recipe.use_peft else "model",
                              device_hours=self.meter.device_hours(),
                              repo_id=self.hub.repo_id if self.recipe.push_to_hub else None, location=location,
@@ -647,7 +650,7 @@ class Finetune:
                           + (f"; last logged {last}" if last else ""))
         try:
             self.hub.finish(final_dir, self.output_dir / HUB_UPLOAD_DIR if self.hub.at_saves else None)
-            advice = next_steps(self.output_dir, self.objective.writes_text, self.processor)
+            advice = next_steps(self.output_dir, self.objective.writes_text, self.processor, self.objective.final_use)
             self.logger.print(f"hftrain: next: {advice}")
         finally:
             self.logger.close()

@@ -17,6 +17,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from transformers import (
+    AutoModel,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
@@ -123,9 +124,11 @@ def quantization_config(recipe: Recipe):
 def auto_model_class(recipe: Recipe, config):
     """What the base is loaded as: `AutoModelForSequenceClassification` for a reward model (objective reward: the
     causal LM's body, a fresh one-output `score` head), `AutoModelForImageTextToText` for an image-text model, else
-    `AutoModelForCausalLM`."""
+    `AutoModelForCausalLM`; `AutoModel` (the body alone: its last hidden states are pooled) for an embedding model."""
     if recipe.objective == "reward":
         return AutoModelForSequenceClassification
+    if recipe.objective == "embedding":
+        return AutoModel
     return AutoModelForImageTextToText if vision.is_image_text(config) else AutoModelForCausalLM
 
 
@@ -152,6 +155,8 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set
             model = load_decoder_layers(auto, config, recipe.model_name_or_path, kwargs, layers)
         elif auto is AutoModelForSequenceClassification:
             model = load_as_reward_model(recipe.model_name_or_path, **kwargs)
+        elif auto is AutoModel:
+            model = load_as_encoder(recipe.model_name_or_path, **kwargs)
         else:
             model = auto.from_pretrained(recipe.model_name_or_path, **kwargs)
     except (OSError, ValueError) as exc:
@@ -177,6 +182,25 @@ class _HeldLoadReport(logging.Filter):
             self.held.append(record)
             return False
         return True
+
+
+def load_as_encoder(name: str, **kwargs) -> nn.Module:
+    """`AutoModel.from_pretrained`: the body of a causal LM's (or an encoder's) folder. Loading a causal LM's folder,
+    transformers' load report lists its language-model head as UNEXPECTED, which is what an embedding model drops;
+    the report is printed only when it lists anything else."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    report = _HeldLoadReport()
+    logger.addFilter(report)
+    try:
+        model, info = AutoModel.from_pretrained(name, output_loading_info=True, **kwargs)
+    finally:
+        logger.removeFilter(report)
+    head_only = (not info.get("missing_keys") and not info.get("mismatched_keys") and not info.get("error_msgs")
+                 and all(key.startswith(("lm_head.", "cls.", "pooler.")) for key in info.get("unexpected_keys", ())))
+    if not head_only:
+        for record in report.held:
+            logger.handle(record)
+    return model
 
 
 def load_as_reward_model(name: str, **kwargs) -> nn.Module:
@@ -261,7 +285,7 @@ def lora_config(recipe: Recipe, dropout: float | None = None):
     return LoraConfig(
         # a reward model's adapter: peft's sequence-classification task trains the score head whole (it adds "score"
         # to modules_to_save) and AutoPeftModelForSequenceClassification loads it
-        task_type="SEQ_CLS" if recipe.objective == "reward" else "CAUSAL_LM",
+        task_type={"reward": "SEQ_CLS", "embedding": "FEATURE_EXTRACTION"}.get(recipe.objective, "CAUSAL_LM"),
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,
         lora_dropout=recipe.lora_dropout if dropout is None else dropout,

@@ -19,12 +19,14 @@ class ObjectiveFields:
         "unpaired thumbs-up/down feedback against a reference model), reward (a reward model: the base as "
         "AutoModelForSequenceClassification with one output, trained to score chosen above rejected, as TRL's "
         "RewardTrainer), grpo (online RL: completions sampled from the model, scored by reward_funcs, TRL's GRPO "
-        "loss) or distill (knowledge distillation: the generalized JSD to teacher_model_name_or_path's next-token "
-        "distributions, see docs/distillation.md). dpo, simpo, orpo and reward need preference data (chosen, "
+        "loss), distill (knowledge distillation: the generalized JSD to teacher_model_name_or_path's next-token "
+        "distributions, see docs/distillation.md) or embedding (a bi-encoder: the base as AutoModel, its pooled, "
+        "normalised vectors trained with sentence-transformers' MultipleNegativesRankingLoss on (anchor, positive[, "
+        "negative]) rows, see docs/retrieval.md). dpo, simpo, orpo and reward need preference data (chosen, "
         "rejected and optionally prompt columns; "
         "reward also an optional margin column), kto unpaired data (prompt, completion, label: true/false), see "
         "docs/preference.md; grpo a prompt column, see docs/grpo.md.", group="objective",
-        choices=("sft", "dpo", "simpo", "orpo", "kto", "reward", "grpo", "distill"),
+        choices=("sft", "dpo", "simpo", "orpo", "kto", "reward", "grpo", "distill", "embedding"),
     )
     beta: float = _f(
         0.1, "dpo/simpo temperature: how far the policy may move from the reference (dpo) or the reward scale "
@@ -106,7 +108,8 @@ def problems(r) -> list[str]:
     """dpo / simpo settings and what a preference objective cannot be combined with (grpo's: fields/grpo.py)."""
     problems, preference = [], r.objective in ("dpo", "simpo", "orpo", "kto", "reward")
     problems += reward_problems(r)
-    if r.objective in ("grpo", "distill"):  # their own groups judge beta and the lengths (fields/grpo.py, distill.py)
+    if r.objective in ("grpo", "distill", "embedding"):  # their own groups judge beta and the lengths (fields/grpo.py,
+        # distill.py, retrieval.py)
         return problems
     if r.objective == "kto":
         problems += kto_problems(r)

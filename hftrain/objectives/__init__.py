@@ -16,6 +16,9 @@
   log-probs and their cross-run cache).
 - `distill.py`: `distill`, `DistillLoss`: the generalized JSD to a frozen teacher's next-token distributions per
   trained token (the teacher's logits made one chunk of tokens at a time); the loop divides by the step's tokens.
+- `embedding.py`: `embedding`, `EmbeddingLoss`: a bi-encoder (AutoModel, pooled and normalised) trained with
+  sentence-transformers' MultipleNegativesRankingLoss, the candidates gathered over data-parallel ranks; the loop
+  divides by the step's anchors. Its final folder is sentence-transformers' layout (`add_files`).
 - `grpo.py`: `grpo`, online RL (generation windows, rewards, TRL's GRPO loss; pieces in hftrain/rl/). It plugged in
   the way any objective does: a module with its `Objective` subclass, one entry in `OBJECTIVES`,
   the name in the recipe's `objective` choices, its fields and rules in `hftrain/fields/objectives.py`
@@ -39,6 +42,7 @@ from hftrain.fields.objectives import problems
 from hftrain.loss import ObjectiveLoss
 from hftrain.objectives.base import Objective
 from hftrain.objectives.distill import Distill
+from hftrain.objectives.embedding import Embedding
 from hftrain.objectives.grpo import GRPO
 from hftrain.objectives.kto import KTO
 from hftrain.objectives.orpo import ORPO
@@ -59,6 +63,7 @@ OBJECTIVES: dict[str, Objective] = {
     "reward": Reward(),
     "grpo": GRPO(),
     "distill": Distill(),
+    "embedding": Embedding(),
 }
 
 

@@ -73,6 +73,7 @@ class Objective:
     completes_eval_prompts = True
     # the final model writes text, so the run's closing line offers `hftrain chat` with it (a reward model scores)
     writes_text = True
+    final_use = "score conversations"  # what the closing line offers to do with a final model that writes no text
 
     def evaluate(self, run) -> dict[str, float]:
         """The evaluation's metrics (every rank calls it at once, when `run.data.eval_set` is set): the loss module's
@@ -82,3 +83,8 @@ class Objective:
     def notes(self, run) -> list[str]:
         """Start-up lines describing the objective (printed after the layout line; `run` as for `prepare`)."""
         return []
+
+    def add_files(self, run, folder) -> None:
+        """Files of the objective's own in a folder for use (the final model, a hub upload), written by the main
+        process beside the saved model before its card (embedding: sentence-transformers' modules.json and the
+        rest)."""

@@ -283,7 +283,7 @@ def test_a_missing_recipe_names_the_shipped_ones(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as error:
         load_recipe(["--config", "tiny-dop"])
     message = " ".join(str(error.value).split())
-    assert "cannot read recipe file 'tiny-dop'" in message and "tiny-dpo, tiny-grpo" in message
+    assert "cannot read recipe file 'tiny-dop'" in message and "tiny-dpo, tiny-embedding, tiny-grpo" in message
     assert "hftrain recipes" in message
 
 

@@ -1,0 +1,140 @@
+"""objective embedding's data: (anchor, positive[, negative...]) rows, sentence-transformers' column names.
+
+A row is a JSON object with `anchor` and `positive` texts and optionally `negative`: one hard-negative text or a list
+of them; every row of a dataset has the same number of negatives (a contrastive batch is columns of equal length, as
+in sentence-transformers). `dataset_columns` renames columns first (e.g. {query: anchor, document: positive}). A
+`.jsonl` file is read line by line here, so a bad row is named by file and line; other sources (a `.json`/`.csv`/
+`.parquet` file, a saved folder, a hub id) through `datasets`, a bad row named by its row number.
+
+Each text is tokenized as sentence-transformers' Transformer module does (the tokenizer's own special tokens,
+truncation at max_length, no padding here; `EmbeddingCollator` pads a micro-batch on the tokenizer's padding side),
+the anchor with the recipe's `query_prompt` in front.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hftrain.data.jsonlines import BAD_LINE, parse_line
+from hftrain.data.sources import load_raw
+from hftrain.data.tokenize import IGNORE_INDEX
+from hftrain.errors import HftrainError
+
+COLUMNS = ("anchor", "positive", "negative")
+
+
+def read_rows(name: str, config: str | None, split: str, columns: dict[str, str]) -> list[tuple[str, dict]]:
+    """(where, row) of every row of a dataset: `where` names the file and line (a .jsonl file) or the row number."""
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix.lower() == ".jsonl":
+        rows = []
+        with open(path, "rb") as f:
+            for line, text in enumerate(f, start=1):
+                if not text.strip():
+                    continue
+                row = parse_line(text, str(path), line, columns)
+                if BAD_LINE in row:
+                    raise HftrainError(f"{row[BAD_LINE]}; each line must be one JSON object with anchor and "
+                                       "positive texts (and optionally negative)")
+                rows.append((f"{path}, line {line}", row))
+        return rows
+    raw = load_raw(name, config, split)
+    return [(f"dataset {name!r}, row {i}", {columns.get(k, k): v for k, v in row.items()})
+            for i, row in enumerate(raw)]
+
+
+def row_texts(row: dict, where: str) -> list[str]:
+    """[anchor, positive, *negatives] of a row, or an HftrainError naming the row and what is wrong."""
+    has = ", ".join(repr(k) for k, v in row.items() if v is not None) or "no field with a value"
+    for column in ("anchor", "positive"):
+        if row.get(column) is None:
+            raise HftrainError(f"{where}: the row has no {column!r} field (or it is null): objective embedding "
+                               f"trains on anchor, positive and optionally negative texts; it has {has}. Rename "
+                               "columns with dataset_columns, e.g. {query: anchor, document: positive}")
+    negatives = row.get("negative")
+    negatives = [] if negatives is None else [negatives] if isinstance(negatives, str) else negatives
+    if not isinstance(negatives, list):
+        raise HftrainError(f"{where}: negative must be a text or a list of texts, got {type(negatives).__name__}")
+    texts = [row["anchor"], row["positive"], *negatives]
+    for i, text in enumerate(texts):
+        column = COLUMNS[min(i, 2)] + (f" {i - 1}" if i >= 2 and len(negatives) > 1 else "")
+        if not isinstance(text, str) or not text.strip():
+            raise HftrainError(f"{where}: {column} must be a non-empty text, got {text!r:.60}")
+    return texts
+
+
+@dataclass(frozen=True)
+class TextRows:
+    """A tokenized dataset of contrastive rows: `ids[i][c]` the token ids of row i's column c (anchor, positive,
+    negatives...). `len()` is what a BatchPlan counts."""
+
+    ids: list[list[list[int]]]
+    columns: int  # 2 + negatives per row
+    where: list[str]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def column_names(self) -> list[str]:
+        return ["anchor", "positive", *[f"negative_{i + 1}" for i in range(self.columns - 2)]]
+
+
+def tokenize_rows(rows: list[tuple[str, dict]], tokenizer, max_length: int, query_prompt: str | None,
+                  name: str) -> TextRows:
+    """Every row's texts checked and tokenized; refuses rows whose number of negatives differs from the first's."""
+    if not rows:
+        raise HftrainError(f"dataset {name!r} has no rows")
+    texts, where, columns = [], [], None
+    for place, row in rows:
+        row_columns = row_texts(row, place)
+        if columns is None:
+            columns, first = len(row_columns), place
+        elif len(row_columns) != columns:
+            raise HftrainError(f"{place}: the row has {len(row_columns) - 2} negatives, the first row ({first}) "
+                               f"{columns - 2}: every row of a contrastive batch needs the same number of negatives "
+                               "(sentence-transformers' columns); give every row as many, or none")
+        texts.append(row_columns)
+        where.append(place)
+    prefix = query_prompt or ""
+    flat = [prefix + r[0] if c == 0 else r[c] for r in texts for c in range(columns)]
+    encoded = tokenizer(flat, truncation=True, max_length=max_length)["input_ids"]
+    ids = [encoded[i * columns:(i + 1) * columns] for i in range(len(texts))]
+    return TextRows(ids, columns, where)
+
+
+class EmbeddingCollator:
+    """A micro-batch of b rows -> the texts of each column one after the other (anchors, positives, negatives),
+    padded on the tokenizer's side, with their attention mask.
+
+    `rows_per_batch`: pad the batch to this many rows with filler rows (one pad token, `valid` false), so that every
+    data-parallel rank gathers embeddings of one shape (a short last step); None pads only an empty batch (to one
+    row). `labels` has a leading ignored column, then each text's ids at its real tokens: the loop counts the
+    real tokens from it (labels[:, 1:]); the loss does not read it.
+    """
+
+    def __init__(self, data: TextRows, pad_token_id: int, padding_side: str, rows_per_batch: int | None = None):
+        self.data, self.pad_token_id, self.padding_side = data, pad_token_id, padding_side
+        self.rows_per_batch = rows_per_batch
+
+    def __call__(self, row_indices: list[int]) -> dict[str, torch.Tensor]:
+        size = max(self.rows_per_batch or len(row_indices), len(row_indices), 1)
+        columns = self.data.columns
+        rows = [self.data.ids[i] for i in row_indices] + [[[self.pad_token_id]] * columns] * (size - len(row_indices))
+        texts = [rows[r][c] for c in range(columns) for r in range(size)]
+        width = max(len(ids) for ids in texts)
+        input_ids = torch.full((len(texts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        labels = torch.full((len(texts), width + 1), IGNORE_INDEX, dtype=torch.long)
+        for t, ids in enumerate(texts):
+            span = slice(width - len(ids), width) if self.padding_side == "left" else slice(0, len(ids))
+            input_ids[t, span] = torch.tensor(ids)
+            attention_mask[t, span] = 1
+            if t % size < len(row_indices):
+                labels[t, 1:][span] = torch.tensor(ids)
+        valid = torch.arange(size) < len(row_indices)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "valid": valid,
+                "num_examples": torch.tensor(len(row_indices))}

@@ -1,0 +1,91 @@
+"""The retrieval group of the recipe: objective embedding's fields (`RetrievalFields`, sentence-transformers' names
+where it has one) and the rules judged from the recipe alone (`problems`); the objective itself is
+`hftrain/objectives/embedding.py`, its data `hftrain/data/retrieval.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hftrain.fields import recipe_field as _f
+
+POOLINGS = ("mean", "cls", "last_token")
+
+
+@dataclass
+class RetrievalFields:
+    pooling: str = _f(
+        "mean", "embedding: how a text's token states become one vector (sentence-transformers' Pooling): mean (of the "
+        "real tokens), cls (the first token: BERT-like encoders) or last_token (the last real token: decoder "
+        "embedders such as Qwen3-Embedding, whose tokenizer appends the EOS token the model pools; the text is "
+        "tokenized as the saved tokenizer does, so training and sentence-transformers' encode agree). The vector is "
+        "L2-normalised.", group="retrieval", choices=POOLINGS,
+    )
+    contrastive_scale: float = _f(
+        20.0, "embedding: sentence-transformers' MultipleNegativesRankingLoss `scale`, the factor on the cosine "
+        "similarities before the softmax (1 / temperature; 20 = temperature 0.05, its default).", group="retrieval",
+    )
+    symmetric_loss: bool = _f(
+        False, "embedding: add the positive -> anchors direction (MultipleNegativesRankingLoss with directions "
+        "query_to_doc and doc_to_query, partition_mode per_direction: the old MultipleNegativesSymmetricRankingLoss);"
+        " false: anchor -> candidates only (InfoNCE).", group="retrieval",
+    )
+    query_prompt: str | None = _f(
+        None, "embedding: an instruction prefixed to every anchor (query) text, e.g. 'Instruct: Given a question, "
+        "retrieve passages that answer it\\nQuery: ' for Qwen3-Embedding; saved as the final folder's "
+        "sentence-transformers prompt 'query', so model.encode_query adds it. Unset: anchors as written.",
+        group="retrieval",
+    )
+    mini_batch_size: int | None = _f(
+        None, "embedding: the cached-gradient mode (GradCache, as sentence-transformers' "
+        "CachedMultipleNegativesRankingLoss): the texts of a micro-batch are embedded this many at a time without "
+        "keeping their activations, and recomputed one piece at a time in backward, so per_device_train_batch_size "
+        "(the contrastive batch) can grow far past what fits in memory at the cost of a second forward. The loss "
+        "and update equal the uncached ones. Unset: uncached.", group="retrieval",
+    )
+
+
+def problems(r) -> list[str]:
+    """objective embedding's settings and what a contrastive batch of whole texts cannot be combined with; other
+    objectives: no retrieval field set."""
+    defaults = RetrievalFields.__dataclass_fields__
+    if r.objective != "embedding":
+        return [f"{name} is set but objective={r.objective}; it configures objective embedding"
+                for name in ("pooling", "contrastive_scale", "symmetric_loss", "query_prompt", "mini_batch_size")
+                if getattr(r, name) != defaults[name].default]
+    problems = []
+    if r.contrastive_scale <= 0:
+        problems.append(f"contrastive_scale must be > 0 (sentence-transformers' scale), got {r.contrastive_scale}")
+    if r.mini_batch_size is not None and r.mini_batch_size < 1:
+        problems.append(f"mini_batch_size must be >= 1 or unset, got {r.mini_batch_size}")
+    if r.packing:
+        problems.append("packing with objective embedding is refused: each text is embedded as a whole sequence of "
+                        "its own; set packing: false")
+    if r.streaming:
+        problems.append("streaming with objective embedding is not supported yet; set streaming: false")
+    if r.dataset_mixture:
+        problems.append("dataset_mixture with objective embedding is not supported yet; name one file in "
+                        "dataset_name")
+    if r.dataset_format != "auto":
+        problems.append(f"objective embedding reads (anchor, positive[, negative]) rows: leave dataset_format at "
+                        f"auto, got {r.dataset_format}")
+    if r.train_sampling_strategy == "group_by_length":
+        problems.append("train_sampling_strategy=group_by_length with objective embedding is refused: the texts of "
+                        "a contrastive batch are each other's negatives, sorting them by length would make the "
+                        "batches easy; use random or sequential")
+    if r.use_liger_kernel or r.loss_chunk_tokens:
+        problems.append("use_liger_kernel and loss_chunk_tokens fuse a language-model head's cross-entropy; an "
+                        "embedding model has no such head: turn them off")
+    for name in ("pp_size", "tp_size", "cp_size", "sp_size"):
+        if getattr(r, name) > 1:
+            problems.append(f"{name}={getattr(r, name)} with objective embedding is refused: the contrastive loss "
+                            "gathers whole embeddings over data-parallel ranks only; use DDP, ZeRO or FSDP2")
+    if r.eval_tasks:
+        problems.append("eval_tasks runs lm-evaluation-harness on a causal LM; an embedding model writes no text: "
+                        "remove eval_tasks")
+    if r.log_completions:
+        problems.append("log_completions completes prompts with the trained model; an embedding model writes no "
+                        "text: remove log_completions")
+    if r.beta != 0.1 or r.loss_type != "sigmoid":
+        problems.append("beta and loss_type configure dpo, kto, orpo and grpo; objective embedding's loss is set by "
+                        "contrastive_scale and symmetric_loss: remove them")
+    return problems

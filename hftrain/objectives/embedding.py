@@ -1,0 +1,301 @@
+"""Embedding models (recipe `objective: embedding`): a bi-encoder trained contrastively, as sentence-transformers 6's
+MultipleNegativesRankingLoss (sentence_transformer/losses/multiple_negatives_ranking.py).
+
+The base is loaded as `AutoModel` (the body; a causal LM's head is dropped: `model.load_as_encoder`). A text's
+embedding is its last hidden states pooled (`pooling`: mean of the real tokens, the first token (cls), or the last
+real token (last_token)) and L2-normalised, as sentence-transformers' Pooling and Normalize modules compute it. A
+micro-batch holds b rows (anchor, positive, negatives...) collated as columns (`data.retrieval.EmbeddingCollator`).
+For anchor i, with s(x, y) the cosine similarity times `contrastive_scale`, the candidates are every positive and
+every negative of the contrastive batch:
+
+    loss_i = -s(a_i, p_i) + log sum_c exp s(a_i, c)
+    symmetric_loss: loss_i = -s(a_i, p_i) + (log sum_c exp s(a_i, c) + log sum_j exp s(p_i, a_j)) / 2
+
+The contrastive batch is one micro-batch on every data-parallel rank together: the embeddings are gathered from
+every rank (`gather`), whose backward hands each embedding the gradient every rank computed for it (sentence-
+transformers' `gather_across_devices=True`), so n processes of b rows equal one process of n*b rows. Each
+micro-batch returns the sum of its (valid) anchors' losses and the loop divides by the step's anchors: gradient
+accumulation over k micro-batches trains on k *separate* contrastive batches (anchor i's negatives are its own
+micro-batch's), the mean of their losses, as sentence-transformers' trainer does with gradient_accumulation_steps.
+To make a larger contrastive batch fit in memory, raise per_device_train_batch_size with `mini_batch_size` (the
+cached mode: each piece of mini_batch_size texts is embedded inside a non-reentrant `torch.utils.checkpoint`, so
+its activations are dropped and recomputed one piece at a time in backward, as CachedMultipleNegativesRankingLoss's
+GradCache does; without dropout its loss and gradients are the uncached batch's, with dropout each piece draws its
+own masks, as there). Evaluation: the same loss per eval micro-batch on each rank, without gathering.
+
+The final folder is sentence-transformers 6's layout (`write_sentence_transformers_files`): the encoder and tokenizer
+at its root (transformers' `AutoModel` loads it), modules.json, sentence_bert_config.json, 1_Pooling/config.json,
+2_Normalize/config.json and config_sentence_transformers.json with the query prompt.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+from hftrain.config import Recipe
+from hftrain.data.batching import BatchPlan, IndexedFeed
+from hftrain.data.feeds import TrainingData, total_steps
+from hftrain.data.retrieval import EmbeddingCollator, read_rows, tokenize_rows
+from hftrain.errors import HftrainError, same_in_every_process
+from hftrain.loss import ObjectiveLoss
+from hftrain.objectives.base import Objective
+from hftrain.parallel.launch import main_process_first, phase
+
+# sentence-transformers' names of the pooling modes (1_Pooling/config.json's pooling_mode)
+ST_POOLING = {"mean": "mean", "cls": "cls", "last_token": "lasttoken"}
+EMBEDDING_STATS = ("accuracy",)  # share of anchors whose positive scores above every other candidate
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """One vector per row of `hidden` [rows, length, dim] from its real tokens (`attention_mask`), padding on either
+    side: the mean of the real tokens, the first real token, or the last real token."""
+    mask = attention_mask.bool()
+    if pooling == "mean":
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    if pooling == "cls":
+        index = torch.where(mask, positions, mask.shape[1]).amin(dim=1)
+    else:
+        index = torch.where(mask, positions, -1).amax(dim=1)
+    return hidden[torch.arange(len(hidden), device=hidden.device), index]
+
+
+class _GatherWithGradients(torch.autograd.Function):
+    """All ranks' equal-shaped tensors concatenated in rank order; backward: the gradients every rank computed for
+    this rank's rows, summed (an all-reduce of the whole gradient, then this rank's slice: public collectives that
+    gloo and NCCL both have; torch.distributed.nn's all_gather is deprecated in torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        ctx.rows = len(tensor)
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        start = dist.get_rank() * ctx.rows
+        return grad[start:start + ctx.rows]
+
+
+def gather(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` of every data-parallel rank, concatenated in rank order, with gradients flowing back to each owner
+    (the local one included); the tensor itself when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tensor
+    return _GatherWithGradients.apply(tensor)
+
+
+def contrastive_losses(anchors: torch.Tensor, candidates: list[torch.Tensor], valid: torch.Tensor, scale: float,
+                       symmetric: bool, across_ranks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each local anchor's loss, whether its positive scored highest), from normalised embeddings: `anchors`
+    [b, d], `candidates` [positives, *negatives], each [b, d]; rows where `valid` is false (a short batch's filler)
+    are neither anchors nor candidates. `across_ranks`: the candidates (and, symmetric, the anchors) of every rank."""
+    b = len(anchors)
+    offset = 0
+    all_anchors, all_candidates, all_valid = anchors, candidates, valid
+    if across_ranks:
+        all_anchors = gather(anchors)
+        all_candidates = [gather(column) for column in candidates]
+        all_valid = gather(valid.to(anchors.dtype)).bool()
+        offset = dist.get_rank() * b if len(all_anchors) > b else 0
+    local = torch.arange(offset, offset + b, device=anchors.device)
+    docs = torch.cat(all_candidates)
+    scores = scale * anchors @ docs.T  # [b, n * columns]
+    # a filler row's texts are no candidates (a finite fill: an all-filler micro-batch keeps finite gradients)
+    lowest = torch.finfo(scores.dtype).min
+    scores = scores.masked_fill(~all_valid.repeat(len(candidates))[None], lowest)
+    positive = scores[torch.arange(b, device=anchors.device), local]
+    log_z = torch.logsumexp(scores, dim=1)
+    if symmetric:
+        reverse = (scale * candidates[0] @ all_anchors.T).masked_fill(~all_valid[None], lowest)  # [b, n]
+        log_z = (log_z + torch.logsumexp(reverse, dim=1)) / 2
+    with torch.no_grad():
+        best = (scores.argmax(dim=1) == local) & valid
+    return torch.where(valid, log_z - positive, 0.0), best
+
+
+class EmbeddingLoss(ObjectiveLoss):
+    """The encoder `lm` (an AutoModel) whose `forward` returns the sum of the micro-batch's anchors' contrastive
+    losses (the loop divides by the step's anchors)."""
+
+    unit = "anchors"
+    headline = ("loss", "accuracy")
+
+    def __init__(self, lm: nn.Module, recipe: Recipe):
+        super().__init__(lm)
+        self.pooling, self.scale, self.symmetric = recipe.pooling, recipe.contrastive_scale, recipe.symmetric_loss
+        self.mini_batch_size = recipe.mini_batch_size
+        self.stats = None
+
+    @property
+    def loss_path(self) -> str:
+        cached = (f"; cached: {self.mini_batch_size} texts per piece, recomputed in backward" if self.mini_batch_size
+                  else "")
+        return f"{self.pooling} pooling, normalised, in-batch negatives{cached}"
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Normalised fp32 embeddings of the rows (sentence-transformers' Transformer -> Pooling -> Normalize)."""
+        hidden = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return F.normalize(pool(hidden, attention_mask, self.pooling).float(), p=2, dim=-1)
+
+    def embed_all(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Every row's embedding; cached mode (training): mini_batch_size rows at a time, each piece's activations
+        dropped after its forward and recomputed in backward (the checkpoint replays the piece's random state)."""
+        if not (self.mini_batch_size and self.training and torch.is_grad_enabled()):
+            return self.embed(input_ids, attention_mask)
+        pieces = zip(input_ids.split(self.mini_batch_size), attention_mask.split(self.mini_batch_size), strict=True)
+        return torch.cat([torch.utils.checkpoint.checkpoint(self.embed, ids, mask, use_reentrant=False)
+                          for ids, mask in pieces])
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, valid: torch.Tensor,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows: the b anchors, the b positives, then each negative column's b texts (`EmbeddingCollator`)."""
+        b = len(valid)
+        embeddings = self.embed_all(input_ids, attention_mask)
+        anchors, *candidates = embeddings.split(b)
+        losses, best = contrastive_losses(anchors, candidates, valid, self.scale, self.symmetric,
+                                          across_ranks=self.training)
+        real = valid.to(losses.dtype)
+        with torch.no_grad():
+            stats = (best.to(real.dtype) @ real)[None]
+            self.stats = stats if self.stats is None else self.stats + stats
+        return (losses * real).sum()
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["valid"].sum()
+
+    def pop_stats(self) -> dict[str, torch.Tensor]:
+        stats, self.stats = self.stats, None
+        return {} if stats is None else dict(zip(EMBEDDING_STATS, stats.double()))
+
+    def eval_metrics(self, loss_sum: float, units: int, stats: dict[str, float]) -> dict[str, float]:
+        return {"eval_loss": loss_sum / max(units, 1), "eval_anchors": int(units),
+                **{f"eval_{name}": value / max(units, 1) for name, value in stats.items()}}
+
+
+def held_out(rows: list, percent: float, seed: int, name: str) -> tuple[list, list]:
+    """(train, eval) rows: `percent` of them held out by a permutation seeded with `seed`."""
+    n_eval = max(1, int(len(rows) * percent / 100))
+    if n_eval >= len(rows):
+        raise HftrainError(f"dataset {name!r} has {len(rows)} rows, too few to hold out {percent}% for evaluation")
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    evaluation = set(order[:n_eval])
+    return [r for i, r in enumerate(rows) if i not in evaluation], [rows[i] for i in sorted(evaluation)]
+
+
+def write_sentence_transformers_files(folder: Path, recipe: Recipe, dimension: int) -> None:
+    """sentence-transformers 6's files of a folder whose root holds the encoder and tokenizer (what its
+    SentenceTransformer.save writes for Transformer -> Pooling -> Normalize)."""
+    def write(path: Path, value) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+
+    write(folder / "modules.json", [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.base.modules.normalize.Normalize"},
+    ])
+    write(folder / "sentence_bert_config.json", {
+        "transformer_task": "feature-extraction",
+        "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+        "module_output_name": "token_embeddings"})
+    write(folder / "1_Pooling" / "config.json", {"embedding_dimension": dimension,
+                                                 "pooling_mode": ST_POOLING[recipe.pooling], "include_prompt": True})
+    write(folder / "2_Normalize" / "config.json", {"module_input_name": "sentence_embedding",
+                                                   "module_output_name": "sentence_embedding"})
+    write(folder / "config_sentence_transformers.json", {
+        "model_type": "SentenceTransformer", "prompts": {"query": recipe.query_prompt or "", "document": ""},
+        "default_prompt_name": None, "similarity_fn_name": "cosine"})
+
+
+class Embedding(Objective):
+    """embedding: `EmbeddingLoss` around the AutoModel; data: `data.retrieval`."""
+
+    name = "embedding"
+    completes_eval_prompts = writes_text = False
+    final_use = "encode queries and documents (sentence-transformers)"
+
+    def setup_data(self, run) -> TrainingData:
+        """The contrastive rows (read, checked and tokenized before the model loads), the plan and the feed."""
+        recipe, tokenizer, world = run.recipe, run.tokenizer, run.dp.world
+        if tokenizer.pad_token is None:  # sentence-transformers pads with the saved tokenizer's pad token
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.model_max_length = recipe.max_length  # saved: sentence-transformers truncates where training did
+        with phase(run.accelerator, "data preparation", recipe.ddp_timeout), main_process_first(run.accelerator):
+            rows = read_rows(recipe.dataset_name, recipe.dataset_config, recipe.dataset_train_split,
+                             recipe.dataset_columns)
+            eval_rows = None
+            if recipe.eval_dataset_name:
+                eval_rows = read_rows(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split,
+                                      recipe.dataset_columns)
+            elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
+                rows, eval_rows = held_out(rows, recipe.validation_split_percentage, recipe.order_seed,
+                                           recipe.dataset_name)
+            if recipe.max_samples is not None:
+                rows = rows[:recipe.max_samples]
+            train = tokenize_rows(rows, tokenizer, recipe.max_length, recipe.query_prompt, recipe.dataset_name)
+            evaluation = None if eval_rows is None else tokenize_rows(
+                eval_rows, tokenizer, recipe.max_length, recipe.query_prompt, recipe.eval_dataset_name or
+                f"{recipe.dataset_name} (held out)")
+        if evaluation is not None and evaluation.columns != train.columns:
+            raise HftrainError(f"the eval rows have {evaluation.columns - 2} negatives each, the training rows "
+                               f"{train.columns - 2}: give both as many")
+        plan = BatchPlan(len(train), recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps,
+                         recipe.order_seed, shuffle=recipe.train_sampling_strategy != "sequential")
+        if len(train) < plan.global_batch:
+            with same_in_every_process():
+                raise HftrainError(f"the training set has {len(train)} rows, fewer than one global batch of "
+                                   f"{plan.global_batch} (per_device_train_batch_size x {world} processes x "
+                                   "gradient_accumulation_steps); use a smaller batch or more data")
+        pad, side = tokenizer.pad_token_id, tokenizer.padding_side
+        collator = EmbeddingCollator(train, pad, side, rows_per_batch=recipe.per_device_train_batch_size)
+        eval_collator = None if evaluation is None else EmbeddingCollator(evaluation, pad, side)
+        feed = IndexedFeed(plan, collator, run.dp.rank, recipe.dataloader_num_workers, recipe.dataloader_pin_memory)
+        negatives = train.columns - 2
+        stats = {"sources": [{"name": recipe.dataset_name, "rows": len(train)}], "columns": train.column_names,
+                 "train_examples": len(train), "eval_examples": len(evaluation) if evaluation is not None else 0}
+        line = (f"({plan.steps_per_epoch} per epoch)",
+                f"{len(train)} training rows (anchor, positive"
+                f"{f', {negatives} negative' + 's' * (negatives > 1) if negatives else ''})")
+        return TrainingData(feed, plan, total_steps(recipe, plan), line, stats, train, evaluation, None, collator,
+                            eval_collator)
+
+    def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
+                   copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> EmbeddingLoss:
+        return EmbeddingLoss(lm, recipe)
+
+    def notes(self, run) -> list[str]:
+        recipe = run.recipe
+        loss = ("anchor -> candidates and positive -> anchors (symmetric_loss)" if recipe.symmetric_loss
+                else "anchor -> candidates")
+        world = run.dp.world
+        across = (f", the candidates of all {world} data-parallel ranks gathered (gradients flow back to their owners)"
+                  if world > 1 else "")
+        accum = (f"; each of the {recipe.gradient_accumulation_steps} accumulated micro-batches is a contrastive "
+                 "batch of its own" if recipe.gradient_accumulation_steps > 1 else "")
+        prompt = f"; anchors prefixed with query_prompt {recipe.query_prompt!r}" if recipe.query_prompt else ""
+        return [f"objective embedding: {recipe.pooling} pooling of {type(run.parts.loss.lm).__name__}'s last hidden "
+                f"states, L2-normalised; MultipleNegativesRankingLoss (scale {recipe.contrastive_scale:g}, {loss}) "
+                f"over the {recipe.per_device_train_batch_size * world} rows of each micro-batch{across}{accum}"
+                f"{prompt}"]
+
+    def add_files(self, run, folder: Path) -> None:
+        """sentence-transformers' files beside the saved encoder and tokenizer."""
+        lm = run.parts.loss.lm
+        config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+        write_sentence_transformers_files(folder, run.recipe, config.hidden_size)

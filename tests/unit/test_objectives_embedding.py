@@ -1,0 +1,180 @@
+"""objective embedding's loss against sentence-transformers 6 on the same rows and the same tiny random encoders (a
+Llama body and a BERT, built here): the loss and the weights after one torch optimizer step equal
+MultipleNegativesRankingLoss's (each pooling, plain and symmetric, with a hard negative and a query prompt), the
+cached mode equals the uncached loss and gradients (and CachedMultipleNegativesRankingLoss's loss), a short batch's
+filler rows change nothing, and bad rows are refused naming the file and line."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from hftrain.config import Recipe
+from hftrain.data.retrieval import EmbeddingCollator, read_rows, tokenize_rows
+from hftrain.errors import HftrainError
+from hftrain.objectives.embedding import EmbeddingLoss
+from tests.conftest import REPO
+
+st = pytest.importorskip("sentence_transformers")
+from sentence_transformers.base.modules.transformer import Transformer  # noqa: E402
+from sentence_transformers.sentence_transformer import losses  # noqa: E402
+from sentence_transformers.sentence_transformer.modules import Normalize, Pooling  # noqa: E402
+
+PROMPT = "query: "
+TEXT_ONLY = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
+ST_POOLING = {"mean": "mean", "cls": "cls", "last_token": "lasttoken"}
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory) -> dict[str, str]:
+    """Folders of two tiny random encoders with the shipped tokenizer: the shipped tiny Llama (AutoModel reads its
+    body) and a 2-layer BERT drawn here (no dropout: both libraries then compute the same function)."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                                attention_probs_dropout_prob=0.0, pad_token_id=tokenizer.pad_token_id))
+    folder = tmp_path_factory.mktemp("bert")
+    bert.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return {"llama": str(REPO / "models" / "tiny-llama"), "bert": str(folder)}
+
+
+def rows(count: int) -> list[dict]:
+    lines = (REPO / "data" / "retrieval.jsonl").read_text(encoding="utf-8").splitlines()[:count]
+    return [json.loads(line) for line in lines]
+
+
+def hftrain_side(folder: str, recipe: Recipe, examples: list[dict], rows_per_batch: int | None = None):
+    """(EmbeddingLoss around AutoModel, the collated batch of `examples`)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    data = tokenize_rows([(f"row {i}", r) for i, r in enumerate(examples)], tokenizer, recipe.max_length,
+                         recipe.query_prompt, "rows")
+    batch = EmbeddingCollator(data, tokenizer.pad_token_id, tokenizer.padding_side, rows_per_batch)(
+        list(range(len(examples))))
+    batch.pop("num_examples")
+    return EmbeddingLoss(AutoModel.from_pretrained(folder), recipe), batch
+
+
+def st_side(folder: str, pooling: str, examples: list[dict]):
+    """(a SentenceTransformer Transformer -> Pooling -> Normalize of `folder`, the features of the three columns as
+    its trainer makes them: the prompt prefixed to the anchors). The Transformer reads plain text, as hftrain's final
+    folder declares it (sentence-transformers 6 would otherwise render text through a chat template the tokenizer
+    has, as a user message)."""
+    transformer = Transformer(folder, modality_config=TEXT_ONLY, module_output_name="token_embeddings")
+    model = st.SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(),
+                                                                 ST_POOLING[pooling]), Normalize()])
+    columns = [[PROMPT + r["anchor"] for r in examples], [r["positive"] for r in examples],
+               [r["negative"] for r in examples]]
+    return model, [model.preprocess(texts) for texts in columns]
+
+
+def parameters(module) -> dict[str, torch.Tensor]:
+    """The encoder's parameters by transformers' names (sentence-transformers' `0.model.`, hftrain's `lm.`)."""
+    return {name.removeprefix("0.model.").removeprefix("lm."): p.detach().clone()
+            for name, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize(("encoder", "pooling", "symmetric"), [
+    ("llama", "last_token", False), ("llama", "mean", True), ("bert", "cls", False), ("bert", "mean", False),
+])
+def test_loss_and_update_equal_multiple_negatives_ranking_loss(encoders, encoder, pooling, symmetric):
+    """6 rows (anchor with a prompt, positive, hard negative): hftrain's summed loss / 6 is sentence-transformers'
+    mean loss, and one SGD step from each library's gradient gives the same weights (SGD: AdamW's first step,
+    ~lr x sign(gradient), would magnify last-bit differences of near-zero gradients)."""
+    examples = rows(6)
+    recipe = Recipe(objective="embedding", pooling=pooling, symmetric_loss=symmetric, query_prompt=PROMPT,
+                    max_length=64)
+    ours, batch = hftrain_side(encoders[encoder], recipe, examples)
+    theirs, features = st_side(encoders[encoder], pooling, examples)
+    directions = ("query_to_doc", "doc_to_query") if symmetric else ("query_to_doc",)
+    reference = losses.MultipleNegativesRankingLoss(theirs, scale=20.0, directions=directions,
+                                                    partition_mode="per_direction" if symmetric else "joint")
+    before = parameters(ours)
+    assert before.keys() == parameters(theirs).keys()
+    for name, value in parameters(theirs).items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+    ours.train(), theirs.train()
+    loss = ours(**batch) / 6
+    expected = reference(features, None)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for module, value in ((ours, loss), (theirs, expected)):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+        value.backward()
+        optimizer.step()
+    theirs_after = parameters(theirs)
+    for name, value in parameters(ours).items():
+        # rows of tokens no text holds keep their embedding; BERT's pooler is not used by sentence embeddings
+        assert not torch.equal(value, before[name]) or name.endswith("embed_tokens.weight") or \
+            name.startswith("pooler."), name
+        torch.testing.assert_close(value, theirs_after[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_cached_mode_equals_the_uncached_loss_and_gradients(encoders, symmetric):
+    """mini_batch_size 5 on 6 rows x 3 texts (pieces of 5, 5, 5, 3 texts): the same loss and parameter gradients as
+    the uncached batch, and the loss of sentence-transformers' CachedMultipleNegativesRankingLoss."""
+    examples = rows(6)
+    recipe = Recipe(objective="embedding", pooling="mean", symmetric_loss=symmetric, query_prompt=PROMPT,
+                    max_length=64)
+    plain, batch = hftrain_side(encoders["llama"], recipe, examples)
+    cached = copy.deepcopy(plain)
+    cached.mini_batch_size = 5
+    plain.train(), cached.train()
+    losses_ = [module(**batch) for module in (plain, cached)]
+    torch.testing.assert_close(losses_[1], losses_[0], rtol=1e-6, atol=1e-6)
+    for value in losses_:
+        value.backward()
+    grads = [{n: p.grad for n, p in module.named_parameters()} for module in (plain, cached)]
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+    theirs, features = st_side(encoders["llama"], "mean", examples)
+    directions = ("query_to_doc", "doc_to_query") if symmetric else ("query_to_doc",)
+    reference = losses.CachedMultipleNegativesRankingLoss(theirs, scale=20.0, mini_batch_size=5,
+                                                          directions=directions,
+                                                          partition_mode="per_direction" if symmetric else "joint")
+    torch.testing.assert_close(losses_[1].detach() / 6, reference(features, None).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_filler_rows_of_a_short_batch_change_nothing(encoders):
+    """4 rows padded to 6 (a short last step: filler rows of one pad token, not valid) give the loss and gradients of
+    the 4 rows alone, and count 4 anchors."""
+    examples = rows(4)
+    recipe = Recipe(objective="embedding", pooling="last_token", max_length=64)
+    short, padded_batch = hftrain_side(encoders["llama"], recipe, examples, rows_per_batch=6)
+    whole, batch = hftrain_side(encoders["llama"], recipe, examples)
+    assert padded_batch["input_ids"].shape[0] == 18 and short.loss_units(padded_batch) == 4
+    values = [short(**padded_batch), whole(**batch)]
+    torch.testing.assert_close(values[0], values[1], rtol=1e-6, atol=1e-6)
+    for value in values:
+        value.backward()
+    for (name, p), q in zip(short.named_parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ('{"anchor": "a", "positive": "b", "negative": "c"}\nnot json\n', "line 2: not JSON"),
+    ('{"anchor": "a", "positive": "b"}\n\n{"query": "a", "positive": "b"}\n', "line 3: the row has no 'anchor'"),
+    ('{"anchor": "a", "positive": "b", "negative": "c"}\n{"anchor": "a", "positive": "b"}\n',
+     "line 2: the row has 0 negatives, the first row"),
+    ('{"anchor": "a", "positive": ""}\n', "line 1: positive must be a non-empty text"),
+    ('{"anchor": "a", "positive": "b", "negative": 3}\n', "line 1: negative must be a text or a list"),
+])
+def test_bad_rows_are_refused_naming_the_file_and_line(tmp_path, line, says):
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(line, encoding="utf-8")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
+    with pytest.raises(HftrainError) as refused:
+        tokenize_rows(read_rows(str(path), None, "train", {}), tokenizer, 32, None, str(path))
+    assert f"{path}, {says}" in str(refused.value)
