@@ -17,3 +17,19 @@ logging.getLogger("kernels._internals.hf_hub").addFilter(
 # suboptimal ... flatten mesh dimensions"): on every step of FSDP2 x TP and of expert parallelism, whose meshes
 # transformers builds. It is advice to the mesh's builder, repeated per rank and step, with nothing a user can change.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+# With torchao installed (the qat extra), transformers imports it whenever it loads (its torchao quantizer), and
+# torchao's import warns once per compiled extension it cannot load: on a machine without CUDA, its CUDA kernels, which
+# neither QAT's fake quantization nor its int4 conversion on CPU use. Its import also registers two enums with torch's
+# pytree, which torch 2.13 calls deprecated. Both are about torchao's packaging, printed at every run, with nothing a
+# user can change; a failure to load an extension on a CUDA machine is still shown.
+logging.getLogger("torchao").addFilter(
+    lambda record: not record.getMessage().startswith("Failed to load") or _cuda_machine())
+logging.getLogger("torch.utils._pytree").addFilter(
+    lambda record: "is an Enum subclass and is now natively supported by torch.compile" not in record.getMessage())
+
+
+def _cuda_machine() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

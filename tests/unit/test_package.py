@@ -4,6 +4,7 @@ packages, and a plain run that does not load them (issue 13 item 3)."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -182,6 +183,18 @@ def test_importing_finetune_and_saving_a_model_load_no_optional_heavy_package(tm
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] []", out.stdout + out.stderr
     assert (tmp_path / "model.safetensors").exists() and (tmp_path / "config.json").exists()
+
+
+def test_importing_the_entry_point_prints_nothing_with_every_extra_installed():
+    """The dev environment holds every extra (torchao, sentence-transformers, bitsandbytes, kernels...): importing
+    hftrain.finetune, as every run does, writes nothing to the console (torchao's CUDA extensions that a CPU machine
+    cannot load, torch's pytree deprecation note about torchao's enums, bitsandbytes' CPU kernel note)."""
+    import importlib.util
+
+    assert importlib.util.find_spec("torchao") is not None  # what the filters are for is installed here
+    out = subprocess.run([sys.executable, "-c", "import hftrain.finetune"], cwd=REPO, capture_output=True, text=True,
+                         check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.stdout == "" and out.stderr == "", out.stderr
 
 
 def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
