@@ -59,6 +59,7 @@ from hftrain.fields.training import TrainingFields
 from hftrain.fields.training import problems as training_problems
 from hftrain.options import is_bool_word, parse_bool
 from hftrain.paths import DEFAULT_DATASET as DEFAULT_DATASET  # `as`: re-exported (shipped paths, in hftrain.paths)
+from hftrain.paths import DEFAULT_MODEL as DEFAULT_MODEL
 from hftrain.paths import FINAL_DIR, RECIPE_DIR, complete_checkpoints, holds_a_run
 from hftrain.paths import PRESET_DIR as PRESET_DIR
 from hftrain.paths import SHIPPED as SHIPPED
