@@ -1,6 +1,7 @@
 """hftrain: fine-tune causal LMs with one Accelerator loop, one typed recipe and a launch preset."""
 
 import logging
+import sys
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,5 @@ logging.getLogger("torch.utils._pytree").addFilter(
 
 
 def _cuda_machine() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    """Whether this machine has a CUDA GPU (asked when torchao logs: torch is imported by then)."""
+    return sys.modules["torch"].cuda.is_available()

@@ -31,7 +31,7 @@ from hftrain import attention, card, checkpoint, qat
 from hftrain.config import PRESET_DIR, Recipe, load_recipe, read_yaml, unused_settings
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.data.feeds import TrainingData, setup_examples
-from hftrain.data.image_chats import load_image_chats
+from hftrain.data.image_data import load_image_chats
 from hftrain.errors import HftrainError, first_line, run_tool, same_in_every_process
 from hftrain.eval_tasks import TaskEvaluation
 from hftrain.hub import HubPush, repo_url

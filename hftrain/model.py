@@ -28,7 +28,7 @@ from transformers import (
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import hftrain.attention  # noqa: F401 - registers attn_implementation "varlen" in transformers before any load
-from hftrain import hub, vision
+from hftrain import hub, qat, vision
 from hftrain.compat.accelerate import deepspeed_probed_by_import
 from hftrain.compat.liger import apply_liger_kernel_to_instance
 from hftrain.compat.torch import is_compiled
@@ -266,8 +266,6 @@ def build_full_model(recipe: Recipe, load_kwargs: dict | None = None, layers: se
     if vision.is_image_text(model.config):
         model.hftrain_notes = [vision.describe_frozen(vision.freeze(model, recipe))]
     if recipe.qat_scheme is not None:  # torchao's fake quantization, before the optimizer sees the parameters
-        from hftrain import qat
-
         model.hftrain_notes = [*getattr(model, "hftrain_notes", []), qat.prepare(model, recipe)]
     if recipe.gradient_checkpointing:
         enable_activation_checkpointing(model)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, TorchAoConfig
 
 from hftrain.config import Recipe
 from hftrain.fields.qat import QAT_SCHEMES
@@ -89,15 +90,11 @@ def convert(model: nn.Module, recipe: Recipe) -> nn.Module:
 def save_quantized(recipe: Recipe, final_dir: Path, folder: Path, tokenizer) -> Path:
     """final-quantized/: the trained final/ loaded by transformers with TorchAoConfig of the scheme (quantized while
     loading) and saved with its tokenizer; written to a temporary folder and renamed when complete."""
-    from transformers import AutoModelForCausalLM, TorchAoConfig
-
-    from hftrain.model import DTYPES
-
     tmp = folder.with_name(f".tmp-{folder.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     with quiet_torchao():
         quantized = AutoModelForCausalLM.from_pretrained(
-            final_dir, dtype=DTYPES[recipe.dtype],
+            final_dir, dtype=getattr(torch, recipe.dtype),
             quantization_config=TorchAoConfig(base_config(recipe.qat_scheme, recipe.qat_group_size)))
         quantized.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

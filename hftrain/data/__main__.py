@@ -24,7 +24,8 @@ import sys
 
 from hftrain.config import load_recipe
 from hftrain.data.batching import Collator, training_plan, training_rows
-from hftrain.data.image_chats import image_token_ids, load_image_chats
+from hftrain.data.image_chats import image_token_ids
+from hftrain.data.image_data import load_image_chats
 from hftrain.data.sources import load_datasets
 from hftrain.data.streaming import load_stream
 from hftrain.data.tokenize import IGNORE_INDEX

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from PIL import Image
 
-from hftrain.data.formats import ROLES, detect_format
+from hftrain.data.formats import ROLES
 from hftrain.data.origin import ROW_COLUMN
-from hftrain.data.sources import check_objective, hold_out, load_raw, numbered, renamed, row_origin
+from hftrain.data.sources import row_origin
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec, assistant_char_spans
 from hftrain.errors import HftrainError
 
@@ -289,48 +289,6 @@ def prepare(raw, processor, spec: DataSpec, name: str) -> tuple[ImageChats, dict
             f"or before an image's tokens, {counts['no_trained_tokens']} without a trained token; raise max_length"
         )
     return ImageChats(rows, base, name), stats
-
-
-def load_image_chats(recipe, processor):
-    """(train, eval or None, stats) for an image-text model: dataset_name (and eval_dataset_name, or the
-    validation_split_percentage carve-out), read as image chats, or as image preference pairs where the set has chosen
-    and rejected columns (hftrain.data.image_pairs; check_objective pairs the format with the objective)."""
-    spec = DataSpec.from_recipe(recipe)
-
-    from hftrain.data.image_pairs import prepare_pairs  # beside this module; it builds on its encoding
-
-    preparers = {"messages": prepare, "preference": prepare_pairs}
-
-    def load(name: str, split: str, columns: dict):
-        raw = renamed(load_raw(name, recipe.dataset_config, split), columns, name)
-        if not len(raw):
-            raise HftrainError(f"dataset {name!r} split {split!r} is empty")
-        fmt = detect_format(raw.column_names, recipe.dataset_format, spec.text_field, spec.messages_field, name,
-                            recipe.objective) if {"chosen", "rejected"} <= set(raw.column_names) else "messages"
-        if fmt == "messages" and spec.messages_field not in raw.column_names:
-            raise HftrainError(f"dataset {name!r} has columns {raw.column_names}: an image-text model trains on "
-                               f"chats ({spec.messages_field!r} with list-of-parts content and an {IMAGES_COLUMN!r} "
-                               "column, TRL's vision format; see docs/vision.md) or, for dpo and simpo, on "
-                               f"preference pairs (prompt, chosen, rejected and {IMAGES_COLUMN!r})")
-        check_objective(recipe, fmt, name)
-        return numbered(raw), preparers[fmt]
-
-    raw, prepare_train = load(recipe.dataset_name, recipe.dataset_train_split, recipe.dataset_columns)
-    evaluation, stats = None, {"sources": []}
-    if recipe.reads_eval_dataset:
-        eval_raw, prepare_eval = load(recipe.eval_dataset_name, recipe.eval_split, recipe.dataset_columns)
-        evaluation, stats["eval"] = prepare_eval(eval_raw, processor, spec, recipe.eval_dataset_name)
-    elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
-        raw, held_out = hold_out(raw, recipe, recipe.dataset_name)
-        evaluation, stats["eval"] = prepare_train(held_out, processor, spec, recipe.dataset_name)
-        evaluation.name = f"{recipe.dataset_name} (eval)"
-    if recipe.max_samples is not None:
-        raw = raw.select(range(min(recipe.max_samples, len(raw))))
-    train, train_stats = prepare_train(raw, processor, spec, recipe.dataset_name)
-    stats["sources"].append({"name": recipe.dataset_name, "weight": 1.0, **train_stats})
-    stats["train_examples"] = len(train)
-    stats["eval_examples"] = len(evaluation) if evaluation is not None else 0
-    return train, evaluation, stats
 
 
 class ImageChatCollator:

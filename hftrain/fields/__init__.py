@@ -9,11 +9,21 @@ the concern's own package re-exports its `problems` next to its code (e.g. `hftr
 
 from __future__ import annotations
 
+import os
 from dataclasses import field
 from typing import Any
 
 # loss_type values of objective grpo (objectives and grpo groups)
 GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo")
+
+
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow")  # what a local data file ends with
+
+
+def looks_local(path: str) -> bool:
+    """A filesystem path rather than a hub id (`org/name`)."""
+    return (path.startswith((".", "/", "~")) or path.count("/") > 1 or path.lower().endswith(DATA_SUFFIXES)
+            or os.path.exists(path))
 
 
 def recipe_field(default: Any, help: str, *, group: str, choices: tuple | None = None, **kw) -> Any:

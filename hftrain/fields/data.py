@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hftrain.fields import DATA_SUFFIXES as DATA_SUFFIXES  # `as`: re-exported
+from hftrain.fields import looks_local as looks_local
 from hftrain.fields import recipe_field as _f
 from hftrain.paths import DEFAULT_DATASET
 
@@ -22,15 +23,6 @@ class DatasetSource:
     weight: float = 1.0
     format: str = "auto"
     columns: dict[str, str] = field(default_factory=dict)
-
-
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".arrow")
-
-
-def looks_local(path: str) -> bool:
-    """A filesystem path rather than a hub id (`org/name`)."""
-    return (path.startswith((".", "/", "~")) or path.count("/") > 1 or path.lower().endswith(DATA_SUFFIXES)
-            or os.path.exists(path))
 
 
 @dataclass

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from hftrain.fields import looks_local
 from hftrain.fields import recipe_field as _f
-from hftrain.fields.data import looks_local
 from hftrain.paths import DEFAULT_MODEL
 
 

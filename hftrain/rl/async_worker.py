@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from transformers import LogitsProcessor
+from transformers import AutoModelForCausalLM, LogitsProcessor
 
+from hftrain.rl.loss import token_log_probs
 from hftrain.rl.rollouts import Completion, Sampled, Sampling, WindowPlan, collate, generate_rows, row_seed
 
 POLL_SECONDS = 0.5  # how often a waiting trainer checks that its worker is alive
@@ -104,8 +105,6 @@ def behaviour_log_probs(model, prompt_ids: list[list[int]], rows: list[tuple[lis
                         pad_id: int, temperature: float, mask_truncated: bool) -> list[list[float]]:
     """The sampling model's log-prob of each sampled token, computed per micro-batch in the layout the trainer
     collates (`rollouts.collate`), from logits / temperature as the trained log-probs."""
-    from hftrain.rl.grpo import token_log_probs  # the trainer's computation
-
     out = []
     for start in range(0, len(rows), micro_batch):
         chunk = rows[start:start + micro_batch]
@@ -122,8 +121,6 @@ def worker_main(spec: WorkerSpec, control, results, progress) -> None:
     """The worker process: windows first_window.. in order, each with its policy version's weights (read from
     `control` in push order: (version, state_dict), or None to stop), into `results` (blocking when full);
     `progress`: the time of its last sign of progress (a generated token, a window's steps)."""
-    from transformers import AutoModelForCausalLM
-
     try:
         torch.set_num_threads(spec.threads)
         torch.manual_seed(spec.seed)

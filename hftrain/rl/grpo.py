@@ -45,6 +45,7 @@ from hftrain.rl.loss import (
     micro_batch_loss,
     nanstd,
     per_token_loss,
+    token_log_probs,
     vllm_importance_sampling_ratio,
 )
 from hftrain.rl.rewards import RewardFailure, RewardFunction, score
@@ -76,12 +77,6 @@ def loss_settings(recipe) -> LossSettings:
                         max_completion_length=recipe.max_completion_length,
                         sapo_temperature_pos=recipe.sapo_temperature_pos,
                         sapo_temperature_neg=recipe.sapo_temperature_neg)
-
-
-def token_log_probs(lm: nn.Module, input_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob of each next token [B, L-1] from the logits / temperature, fp32; the entropies, detached)."""
-    logits = lm(input_ids=input_ids, use_cache=False).logits[:, :-1]
-    return completion_log_probs(logits, input_ids[:, 1:], temperature)
 
 
 def sharded_token_log_probs(lm: nn.Module, input_ids: torch.Tensor, temperature: float, shards) -> torch.Tensor:

@@ -144,6 +144,13 @@ def completion_log_probs(logits: torch.Tensor, tokens: torch.Tensor,
     return token_logps, entropy
 
 
+def token_log_probs(lm: torch.nn.Module, input_ids: torch.Tensor,
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each next token [B, L-1] from the logits / temperature, fp32; the entropies, detached)."""
+    logits = lm(input_ids=input_ids, use_cache=False).logits[:, :-1]
+    return completion_log_probs(logits, input_ids[:, 1:], temperature)
+
+
 VLLM_IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 

@@ -13,7 +13,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from hftrain import vision
 from hftrain.config import load_recipe
-from hftrain.data.image_chats import load_image_chats, open_image
+from hftrain.data.image_chats import open_image
+from hftrain.data.image_data import load_image_chats
 from hftrain.merge import merge
 from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, run_script
 

@@ -104,7 +104,7 @@ def test_the_attention_compile_and_loss_path_are_one_start_up_line():
     and the loss's path to the logits."""
     assert described()[1] == "hftrain: attention sdpa; compile off; loss logits at trained positions"
     assert described(summary={"attention": "varlen"}, packing=True, loss_path="chunked 8192 tokens")[1] == \
-        "hftrain: attention varlen (torch flash, packed rows); compile off; loss chunked 8192 tokens"
+        "hftrain: attention varlen (per-document sdpa, packed rows); compile off; loss chunked 8192 tokens"  # CPU
     line = described(packing=True, attention_note="varlen needs CUDA", torch_compile=True,
                      summary={"compiled_blocks": 2})[1]
     assert line == ("hftrain: attention sdpa (block-diagonal mask over packed rows; varlen needs CUDA); compile on "

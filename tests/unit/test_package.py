@@ -26,6 +26,7 @@ LAZY_ALLOWED = {
     "matplotlib": "drawn only when a report or a model card's loss curve is; every training process (each rank of a "
                   "launch) would otherwise import it (~0.5 s) for the card's module",
     "lm_eval": "optional extra (pip install hftrain[eval]); only `hftrain eval` and eval_tasks need it",
+    "torchao": "optional extra (pip install hftrain[qat]); only qat_scheme runs need it",
 }
 
 

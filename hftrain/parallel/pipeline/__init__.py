@@ -1,8 +1,8 @@
 """Pipeline parallelism: the model's layers split into stages, run by `torch.distributed.pipelining`.
 
 The rooms: `checks` (what a pipeline needs of the recipe, the launch and the model), `stage` (one stage: the model's
-forward over the layers it owns, the schedule over the stages), `holding` (how a strategy holds the stages: copies or
-FSDP2 shards), `backend` (`PipelineBackend`: mesh, wrap, step, clipping, records).
+forward over the layers it owns, the schedule over the stages), `backend` (how a strategy holds the stages, copies or
+FSDP2 shards, and `PipelineBackend`: mesh, wrap, step, clipping, records).
 
 `--pp_size N` splits the transformers model by hand along its own pp plan (`base_model_pp_plan`: embed_tokens, the
 layer list, norm; the causal LM's `_pp_plan`: lm_head), not with torch's tracer (it fails on HF models with rotary
@@ -50,7 +50,7 @@ layers the stage owns; the stage's forward runs transformers' sharded layers (th
 """
 
 
-from hftrain.parallel.pipeline.backend import PipelineBackend
+from hftrain.parallel.pipeline.backend import PipelineBackend, ShardedStages, StageCopies
 from hftrain.parallel.pipeline.checks import (
     PIPELINE_MODEL_TYPES,
     fsdp2_stage_problems,
@@ -58,7 +58,6 @@ from hftrain.parallel.pipeline.checks import (
     pipeline_problems,
     resume_problems,
 )
-from hftrain.parallel.pipeline.holding import ShardedStages, StageCopies
 from hftrain.parallel.pipeline.stage import (
     Elsewhere,
     PipelineStages,
