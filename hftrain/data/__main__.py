@@ -188,8 +188,9 @@ def preview_image_chats(recipe, show: int, color: bool) -> None:
               f"{source['images']} images ({source['image_tokens']} image tokens, never trained), "
               f"{source['dropped_overlong']} dropped as over-long, {source['dropped_image_cut']} dropped because "
               f"max_length={recipe.max_length} would cut inside an image, {source['dropped_no_trained_tokens']} with "
-              f"no trained token, " + (f"{source['dropped_identical']} with identical sides, "
-                                       if "dropped_identical" in source else "") + f"{source['truncated_examples']} truncated ({source['truncated_tokens']} tokens "
+              "no trained token, " + (f"{source['dropped_identical']} with identical sides, "
+                                      if "dropped_identical" in source else "")
+              + f"{source['truncated_examples']} truncated ({source['truncated_tokens']} tokens "
               f"cut), {source['trained_tokens']} trained of {source['tokens']} tokens")
     policy = "assistant turns only" if recipe.assistant_only_loss else "every text token"
     policy = f"{policy} (assistant_only_loss: {str(recipe.assistant_only_loss).lower()})"

@@ -29,9 +29,8 @@ from typing import Any
 import torch
 from PIL import Image
 
-from hftrain.data.formats import ROLES
+from hftrain.data.formats import ROLES, detect_format
 from hftrain.data.origin import ROW_COLUMN
-from hftrain.data.formats import detect_format
 from hftrain.data.sources import check_objective, hold_out, load_raw, numbered, renamed, row_origin
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec, assistant_char_spans
 from hftrain.errors import HftrainError

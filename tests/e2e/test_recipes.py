@@ -26,8 +26,8 @@ pytestmark = pytest.mark.launch
 # (tests/e2e/test_distill.py asserts that it falls)
 TINY_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("tiny-*.yaml")
                       if p.name not in ("tiny-dpo.yaml", "tiny-orpo.yaml", "tiny-kto.yaml", "tiny-reward.yaml",
-                                        "tiny-vlm.yaml", "tiny-vlm-dpo.yaml", "tiny-grpo.yaml", "tiny-tools-sft.yaml", "tiny-tools.yaml",
-                                        "tiny-distill.yaml"))
+                                        "tiny-vlm.yaml", "tiny-vlm-dpo.yaml", "tiny-grpo.yaml", "tiny-tools-sft.yaml",
+                                        "tiny-tools.yaml", "tiny-distill.yaml"))
 
 
 def test_every_tiny_recipe_is_covered():

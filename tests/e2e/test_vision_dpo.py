@@ -53,8 +53,8 @@ def test_equal_to_trl_dpo_trainer_on_images(tmp_path):
     """scripts/compare_trl_vlm_dpo.py: TRL 1.16's DPOTrainer and hftrain on the same image pairs, order and
     hyperparameters, sigmoid with every part trained and with LoRA (the reference: the adapters disabled, on the
     same pixels; ipo's formula is compared with TRL on text pairs by tests/e2e/test_preference.py, and the script's
-    ipo run on images gave the same agreement when measured): per-step loss, rewards and log-probs, and the final weights (hftrain's saved
-    folder loaded by transformers, or its adapter by peft, against TRL's trained model)."""
+    ipo run on images gave the same agreement when measured): per-step loss, rewards and log-probs, and the final
+    weights (hftrain's saved folder loaded by transformers, or its adapter by peft, against TRL's trained model)."""
     results = tmp_path / "results.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_vlm_dpo.py"), "--out", str(tmp_path),
                            "--json", str(results), "--variants", "sigmoid full", "sigmoid lora"],
@@ -105,7 +105,8 @@ def test_accumulation_and_two_ddp_processes_equal_one_batch_and_a_resume_continu
             torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
     assert one.train_rows()[-1]["rewards/margins"] != 0
     base = load_file(REPO / "models" / "tiny-vlm" / "model.safetensors")
-    assert any(not torch.equal(value, expected[name]) for name, value in base.items() if "multi_modal_projector" in name)
+    assert any(not torch.equal(value, expected[name]) for name, value in base.items()
+               if "multi_modal_projector" in name)
 
     uninterrupted = one.train_rows()[-1]
     shutil.rmtree(one.output_dir / "final")
