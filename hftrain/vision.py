@@ -120,6 +120,18 @@ def problems(recipe, config: PretrainedConfig | None) -> list[str]:
     return found
 
 
+def layout_problems(recipe, launch, config: PretrainedConfig | None) -> list[str]:
+    """What an image-text model's objective cannot do under the launch's strategy today (called by the preflight)."""
+    if not is_image_text(config) or recipe.objective not in IMAGE_OBJECTIVES or recipe.objective == "sft":
+        return []
+    if launch.kind == "deepspeed" and launch.zero_stage == 3:
+        return [f"objective={recipe.objective} on image preference pairs under DeepSpeed ZeRO-3 is not supported "
+                "yet: dpo's frozen reference copy of an image-text model fails in its first forward there, and with "
+                "LoRA the steps are not yet equal to one process's; use DDP, ZeRO-2 or FSDP2 (each equals one "
+                "process; docs/vision.md)"]
+    return []
+
+
 def build_processor(recipe):
     """The model's processor (`AutoProcessor`): its tokenizer, image processor and chat template."""
     name = recipe.tokenizer_name_or_path or recipe.model_name_or_path

@@ -105,12 +105,15 @@ def main() -> None:
     parser = compare.parser(__doc__, "/tmp/compare-trl-vlm-dpo", model=False)
     parser.add_argument("--model", type=Path, default=REPO / "models" / "tiny-vlm",
                         help="The image-text model both train, a local folder (default: %(default)s).")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="Which comparisons to run (default: all).")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     model = model_copy(args.model, args.out)
     data = pairs(SETTINGS["per_device_train_batch_size"] * args.steps, args.out)
     results = {}
-    for i, (name, (loss, method)) in enumerate(VARIANTS.items()):
+    for i, name in enumerate(args.variants):
+        loss, method = VARIANTS[name]
         trl = run_trl(model, data, args.steps, args.out / f"trl-{i}", loss, method)
         mine = run_hftrain(model, data, args.steps, args.out / f"hftrain-{i}", loss, method)
         results[name] = {"trl": trl, "hftrain": mine, "trl_final": str(args.out / f"trl-{i}" / "final"),
