@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from transformers import LogitsProcessor
+from transformers import AutoModelForCausalLM, LogitsProcessor
 
+from hftrain.rl.loss import completion_log_probs
 from hftrain.rl.rollouts import Completion, Sampled, Sampling, WindowPlan, collate, generate_rows, row_seed
 
 POLL_SECONDS = 0.5  # how often a waiting trainer checks that its worker is alive
@@ -103,16 +104,15 @@ class SampledWindow:
 def behaviour_log_probs(model, prompt_ids: list[list[int]], rows: list[tuple[list[int], bool]], micro_batch: int,
                         pad_id: int, temperature: float, mask_truncated: bool) -> list[list[float]]:
     """The sampling model's log-prob of each sampled token, computed per micro-batch in the layout the trainer
-    collates (`rollouts.collate`), from logits / temperature as the trained log-probs."""
-    from hftrain.rl.grpo import token_log_probs  # the trainer's computation
-
+    collates (`rollouts.collate`), from logits / temperature as the trained log-probs (`rl.grpo.token_log_probs`)."""
     out = []
     for start in range(0, len(rows), micro_batch):
         chunk = rows[start:start + micro_batch]
         part = [Completion(i, 0, 0, ids, truncated) for i, (ids, truncated) in enumerate(chunk)]
         prompts = prompt_ids[start:start + micro_batch]
         batch = collate(prompts, part, torch.zeros(len(part)), pad_id, mask_truncated)
-        logps = token_log_probs(model, batch["input_ids"], temperature)[0]
+        ids = batch["input_ids"]
+        logps = completion_log_probs(model(input_ids=ids, use_cache=False).logits[:, :-1], ids[:, 1:], temperature)[0]
         for i, (p, c) in enumerate(zip(prompts, part)):
             out.append(logps[i, len(p) - 1:len(p) - 1 + len(c.completion_ids)].tolist())
     return out
@@ -122,8 +122,6 @@ def worker_main(spec: WorkerSpec, control, results, progress) -> None:
     """The worker process: windows first_window.. in order, each with its policy version's weights (read from
     `control` in push order: (version, state_dict), or None to stop), into `results` (blocking when full);
     `progress`: the time of its last sign of progress (a generated token, a window's steps)."""
-    from transformers import AutoModelForCausalLM
-
     try:
         torch.set_num_threads(spec.threads)
         torch.manual_seed(spec.seed)
