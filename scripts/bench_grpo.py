@@ -21,6 +21,12 @@ Measured per run:
 - process wall time: process start to exit, measured the same way from outside for both (imports, model load,
   all steps, saving).
 Results go to OUT/bench_grpo.json; the printed table is what docs/benchmarks.md quotes.
+
+`--contenders hftrain hftrain-async trl` adds hftrain with `async_generation: true` (max_staleness 1, its rollout
+worker a second process with one torch thread: one core for the worker, one for the trainer on a 2-core machine);
+`--completion-length N` changes max_completion_length for every contender (longer completions: more generation
+time per step against the same kind of training step), to see how the asynchronous gain follows the ratio of
+generation to training time; the table then also gives hftrain's share of generation in its synchronous steps.
 """
 
 from __future__ import annotations
@@ -84,11 +90,11 @@ def run_trl(model: Path, prompts: Path, steps: int, out: Path) -> dict:
     return {"steps": len(step_ends), "steady_s": step_ends[-1] - step_ends[0], "step_tokens": step_tokens}
 
 
-def run_hftrain(model: Path, prompts: Path, steps: int, out: Path) -> dict:
+def run_hftrain(model: Path, prompts: Path, steps: int, out: Path, **extra) -> dict:
     recipe = dict(model_name_or_path=str(model), dataset_name=str(prompts), objective="grpo", reward_funcs=[REWARD],
                   optim="adamw_torch", max_steps=steps, logging_steps=1, output_dir=str(out),
                   overwrite_output_dir=True, eval_strategy="no", save_strategy="no", report_to=["none"],
-                  disable_tqdm=True, **SETTINGS)
+                  disable_tqdm=True, **SETTINGS, **extra)
     path = out.parent / f"{out.name}-recipe.json"  # beside the run's result file, {out.name}.json
     path.write_text(json.dumps(recipe))  # JSON is YAML
     proc = subprocess.run([sys.executable, "-m", "hftrain.finetune", "--config", str(path)], capture_output=True,
@@ -101,11 +107,16 @@ def run_hftrain(model: Path, prompts: Path, steps: int, out: Path) -> dict:
     for line in (out / "rollouts.jsonl").read_text().splitlines():
         row = json.loads(line)
         tokens[row["step"]] = tokens.get(row["step"], 0) + len(row["completion_ids"])
+    generation = sum(r.get("generation_time", 0.0) for r in rows if r.get("step", 0) >= 2)
     return {"steps": len(step_time), "steady_s": sum(step_time[s] for s in range(2, steps + 1)),
-            "step_tokens": [tokens[s] for s in sorted(tokens)]}
+            "step_tokens": [tokens[s] for s in sorted(tokens)], "generation_s": generation}
 
 
-RUNNERS = {"hftrain": run_hftrain, "trl": run_trl}
+def run_hftrain_async(model: Path, prompts: Path, steps: int, out: Path) -> dict:
+    return run_hftrain(model, prompts, steps, out, async_generation=True, max_staleness=1)
+
+
+RUNNERS = {"hftrain": run_hftrain, "hftrain-async": run_hftrain_async, "trl": run_trl}
 
 
 # ------------------------------------------------------------------------------------------------- the driver
@@ -113,7 +124,7 @@ def one_run(name: str, args, prompts: Path, rep: int) -> dict:
     result = args.out / f"{name}-{rep}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run", name, "--model", str(args.model), "--steps",
            str(args.steps), "--prompts", str(prompts), "--result", str(result),
-           "--out", str(args.out / f"{name}-{rep}")]
+           "--out", str(args.out / f"{name}-{rep}"), "--completion-length", str(args.completion_length)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     start = time.perf_counter()
@@ -127,17 +138,23 @@ def one_run(name: str, args, prompts: Path, rep: int) -> dict:
     assert data["steps"] == args.steps and len(data["step_tokens"]) == args.steps, (name, data)
     return {"contender": name, "rep": rep, "wall_s": wall, "steady_s": data["steady_s"],
             "completions_per_s": completions / data["steady_s"], "tokens_per_s": steady_tokens / data["steady_s"],
-            "trained_tokens": sum(data["step_tokens"])}
+            "trained_tokens": sum(data["step_tokens"]),
+            "generation_share": data.get("generation_s", 0.0) / data["steady_s"]}
 
 
-def table(runs: list[dict]) -> list[str]:
+def table(runs: list[dict], contenders: list[str]) -> list[str]:
     lines = ["| contender | completions/s (steps 2..N) | trained tokens/s (steps 2..N) | trained tokens (all steps) "
              "| process wall (s) | runs |", "|---|---|---|---|---|---|"]
-    for name in RUNNERS:
+    for name in contenders:
         mine = [r for r in runs if r["contender"] == name]
         med = {k: statistics.median(r[k] for r in mine) for k in ("completions_per_s", "tokens_per_s", "wall_s")}
         lines.append(f"| {name} | {med['completions_per_s']:.1f} | {med['tokens_per_s']:.0f} | "
                      f"{', '.join(str(r['trained_tokens']) for r in mine)} | {med['wall_s']:.1f} | {len(mine)} |")
+    sync = [r["generation_share"] for r in runs if r["contender"] == "hftrain"]
+    if "hftrain-async" in contenders and sync:
+        lines.append("")
+        lines.append(f"hftrain's synchronous steps spent {statistics.median(sync):.0%} of their time generating "
+                     f"(median); max_completion_length {SETTINGS['max_completion_length']}.")
     return lines
 
 
@@ -149,10 +166,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-grpo"))
     parser.add_argument("--write-docs", action="store_true", help="replace the marked section of docs/benchmarks.md")
+    parser.add_argument("--contenders", nargs="+", choices=list(RUNNERS), default=["hftrain", "trl"])
+    parser.add_argument("--completion-length", type=int, default=SETTINGS["max_completion_length"])
     parser.add_argument("--run", choices=list(RUNNERS), help=argparse.SUPPRESS)  # a child: one contender
     parser.add_argument("--prompts", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    SETTINGS["max_completion_length"] = args.completion_length
     args.out.mkdir(parents=True, exist_ok=True)
     if args.run:
         sys.path.insert(0, str(REPO))
@@ -160,7 +180,7 @@ def main() -> None:
         args.result.write_text(json.dumps(result))
         return
     prompts = write_prompts(args.out)
-    runs = [one_run(name, args, prompts, rep) for rep in range(args.reps) for name in RUNNERS]
+    runs = [one_run(name, args, prompts, rep) for rep in range(args.reps) for name in args.contenders]
     import torch
     import trl
 
@@ -169,8 +189,10 @@ def main() -> None:
     (args.out / "bench_grpo.json").write_text(json.dumps({"runs": runs, "environment": environment,
                                                           "settings": SETTINGS, "steps": args.steps}, indent=1))
     command = (f"python scripts/bench_grpo.py --steps {args.steps} --reps {args.reps} --threads {args.threads}"
+               + (f" --contenders {' '.join(args.contenders)}" if args.contenders != ["hftrain", "trl"] else "")
+               + (f" --completion-length {args.completion_length}" if args.completion_length != 8 else "")
                + (" --write-docs" if args.write_docs else ""))
-    lines = table(runs)
+    lines = table(runs, args.contenders)
     print("\n".join(lines))
     if args.write_docs:
         page = (REPO / "docs" / "benchmarks.md").read_text()

@@ -29,7 +29,7 @@ import os
 import queue
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -104,7 +104,7 @@ class SampledWindow:
 def behaviour_log_probs(model, prompt_ids: list[list[int]], rows: list[tuple[list[int], bool]], micro_batch: int,
                         pad_id: int, temperature: float, mask_truncated: bool) -> list[list[float]]:
     """The sampling model's log-prob of each sampled token, computed per micro-batch in the layout the trainer
-    collates (`rollouts.collate`), from logits / temperature as the trained log-probs."""
+    collates (`rollouts.collate`), from logits / temperature as the trained log-probs (`rl.loss.token_log_probs`)."""
     out = []
     for start in range(0, len(rows), micro_batch):
         chunk = rows[start:start + micro_batch]
@@ -176,6 +176,7 @@ class RolloutWorker:
                                        name=f"hftrain-rollout-worker-{spec.rank}", daemon=True)
         self.pushed = -1  # the newest version pushed
         self.received = 0  # windows taken (a worker is judged hung only once it has sent one)
+        self.pending: dict[int, SampledWindow] = {}  # windows taken for a checkpoint, or handed back by one
         self.wait_seconds = 0.0  # the trainer's time blocked on the queue, since the last metrics
         self.process.start()
 
@@ -191,8 +192,39 @@ class RolloutWorker:
         self.control.put((version, state))
         self.pushed = version
 
+    def held(self, step: int) -> dict:
+        """A checkpoint after `step`: the sampled windows after it whose policy version the resumed run cannot push
+        again (older than the checkpoint's weights, which are version step / weight_sync_steps only at a push),
+        taken from the queue now (waiting for the worker) and kept here for their steps; `async_complete` false when
+        the worker failed on the way (the checkpoint then cannot resume exactly)."""
+        sync, stale = self.spec.weight_sync_steps, self.spec.max_staleness
+        available = step // sync + (step % sync != 0)  # the oldest version the resumed run pushes
+        due = []
+        window = step
+        while window < self.spec.last_window and sampling_version(window, sync, stale) < available:
+            due.append(window)
+            window += 1
+        try:
+            for window in due:
+                if window not in self.pending:
+                    self.pending[window] = self.receive(window)
+        except WorkerFailure:
+            return {"async_complete": False, "async_windows": []}
+        return {"async_complete": True, "async_windows": [asdict(self.pending[w]) for w in due]}
+
+    def hold(self, windows: list[SampledWindow]) -> None:
+        """A resumed run: the windows its checkpoint held, handed out before the worker's."""
+        self.pending.update({item.window: item for item in windows})
+
     def take(self, window: int) -> SampledWindow:
-        """Window `window`'s rows (the next in the queue), waiting while the worker lives and makes progress."""
+        """Window `window`'s rows: held ones first, else the next in the queue."""
+        if window in self.pending:
+            return self.pending.pop(window)
+        return self.receive(window)
+
+    def receive(self, window: int) -> SampledWindow:
+        """The next window in the queue, which must be `window`, waiting while the worker lives and makes
+        progress."""
         started, started_at = time.perf_counter(), time.monotonic()
         while True:
             try:

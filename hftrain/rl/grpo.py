@@ -31,7 +31,7 @@ from hftrain.loss import ObjectiveLoss
 from hftrain.model import WrapsCausalLM
 from hftrain.parallel.sequence import GroupSum
 from hftrain.paths import EVAL_ROLLOUTS_FILE, ROLLOUTS_FILE
-from hftrain.rl.async_worker import RolloutWorker, WorkerFailure, sampled_rows
+from hftrain.rl.async_worker import RolloutWorker, SampledWindow, WorkerFailure, sampled_rows
 from hftrain.rl.generation import RolloutGenerator
 from hftrain.rl.loss import (
     TOKEN_NORMALISED,
@@ -109,6 +109,11 @@ class ReferenceTokenLogProbs(WrapsCausalLM):
 
     def forward(self, input_ids: torch.Tensor, shards=None) -> torch.Tensor:
         return self.compute(self.lm, input_ids, shards)
+
+
+def stored_windows(state: dict | None) -> list[SampledWindow]:
+    """The rollout worker's windows a checkpoint holds (async_generation), in window order."""
+    return [SampledWindow(**item) for item in (state or {}).get("async_windows", [])]
 
 
 def fingerprint(sequences: list[list[int]]) -> torch.Tensor:
@@ -332,7 +337,10 @@ class Rollouts:
     def state_dict(self, step: int) -> dict | None:
         """What a checkpoint after `step` needs to continue exactly: nothing at the end of a generation window (the
         next one is sampled from seeds and the saved weights), else this rank's buffered micro-batches, whose
-        rollouts were sampled from weights that are gone (JSON: float32 values round-trip exactly)."""
+        rollouts were sampled from weights that are gone (JSON: float32 values round-trip exactly). async_generation:
+        the windows after `step` whose policy versions the resumed run cannot push again (`RolloutWorker.held`)."""
+        if self.worker is not None:
+            return {"rank": self.rank, "world": self.plan.world, **self.worker.held(step)}
         if step % self.plan.steps_per_window == 0 or self.window is None:
             return None
         return {"rank": self.rank, "world": self.plan.world, "window": self.window,
@@ -344,7 +352,8 @@ class Rollouts:
         if self.accelerator.is_main_process:
             keep_through(self.file.parent / EVAL_ROLLOUTS_FILE, step)
         if self.start_worker is not None:
-            self.worker = self.start_async(step)
+            self.worker = self.start_async(step, state)
+            return
         if state is None:
             return
         types = {"input_ids": torch.long, "labels": torch.long, "num_examples": torch.long}
@@ -352,20 +361,20 @@ class Rollouts:
         self.buffer = [{k: torch.tensor(v, dtype=types.get(k, torch.float32)) for k, v in batch.items()}
                        for batch in state["micro_batches"]]
 
-    def start_async(self, step: int) -> RolloutWorker:
-        """async_generation: the rollout worker, from the window after `step` (one step per window). A resumed run
-        continues exactly only where the worker's first window is sampled by the checkpoint's weights themselves
-        (max_staleness 0 and a step at a weight push); otherwise its windows need older weights, which a checkpoint
-        does not hold yet."""
-        r = self.recipe
-        if step > 0 and not (r.max_staleness == 0 and step % r.weight_sync_steps == 0):
-            raise HftrainError(
-                f"resuming an async_generation run at step {step} with max_staleness {r.max_staleness} and "
-                f"weight_sync_steps {r.weight_sync_steps} is refused: its next generation batches are sampled by the "
-                "weights of earlier steps, which the checkpoint does not hold (saving the worker's queue with the "
-                "checkpoint is not written yet); resume with max_staleness: 0 from a checkpoint at a multiple of "
-                "weight_sync_steps, or start again")
-        return self.start_worker(step)
+    def start_async(self, step: int, state: dict | None) -> RolloutWorker:
+        """async_generation: the rollout worker, from the window after `step` (one step per window) or after the
+        windows the checkpoint holds (sampled by weights the resumed run cannot push again), which it hands back
+        first: the resumed run continues exactly."""
+        held = stored_windows(state)
+        if step > 0 and (state is None or not state.get("async_complete", False)):
+            why = ("was saved without the rollout worker's sampled windows (by a synchronous run, or when the worker "
+                   "had failed)") if state is None or "async_complete" in state else "holds no rollout worker state"
+            raise HftrainError(f"the checkpoint resumed from (step {step}) {why}; an async_generation run resumes "
+                               "exactly only from a checkpoint saved by a run whose worker was alive: resume from an "
+                               "earlier checkpoint, or start again")
+        worker = self.start_worker(step + len(held))
+        worker.hold(held)
+        return worker
 
     def window_metrics(self, dp) -> dict:
         return self.metrics(dp.sum)

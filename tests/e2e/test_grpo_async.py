@@ -154,6 +154,26 @@ def test_two_processes_equal_one(runs):
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_a_run_resumed_mid_queue_equals_the_uninterrupted_run(runs, tmp_path):
+    """The max_staleness 1 run's checkpoint-1 holds window 1 (sampled by version 0, which the resumed run cannot push
+    again: its weights are version 1); resumed from it, step 2 trains the same rollouts and ends with the same
+    weights as the uninterrupted run."""
+    stale = runs["stale"]
+    state = json.loads((stale.output_dir / "checkpoint-1" / "data_stream_process0.json").read_text())
+    assert state["async_complete"] and [w["window"] for w in state["async_windows"]] == [1]
+    assert [w["version"] for w in state["async_windows"]] == [0]
+    config = stale.output_dir / "hftrain_config.yaml"
+    resumed = run_script(tmp_path / "resumed", "--config", str(config), "--output_dir", str(tmp_path / "resumed"),
+                         "--resume_from_checkpoint", str(stale.output_dir / "checkpoint-1"))
+    want = [r for r in rows_of(stale) if r["step"] == 2]
+    assert [(r["completion_ids"], r["behaviour_logps"], r["advantage"]) for r in rows_of(resumed)] == \
+        [(r["completion_ids"], r["behaviour_logps"], r["advantage"]) for r in want]
+    got, expected = load_file(resumed.output_dir / "final" / "model.safetensors"), \
+        load_file(stale.output_dir / "final" / "model.safetensors")
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
 KILLER = """import os, signal
 from hftrain.rl.example_rewards import vowel_share
 CALLS = []

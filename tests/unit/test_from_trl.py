@@ -129,3 +129,25 @@ def test_trl_cli_model_and_script_fields(tmp_path):
                  "eval_dataset_name", "lora_target_parameters (a TRL/TrainingArguments field)",
                  "lora_task_type='SEQ_CLS'", "dataset_streaming=True"):
         assert part in text, part
+
+
+def test_trl_grpo_rloo_and_async_field_names(tmp_path):
+    """GRPOConfig's cispo / sapo settings, RLOOConfig's normalize_advantages and AsyncGRPOConfig's pipeline fields:
+    the real TRL 1.16 names, with their defaults, are the recipe's."""
+    import trl
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    grpo, rloo, asynchronous = (trl.GRPOConfig.__dataclass_fields__, trl.RLOOConfig.__dataclass_fields__,
+                                AsyncGRPOConfig.__dataclass_fields__)
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        assert grpo[name].default == FIELDS[name].default
+    assert rloo["normalize_advantages"].default == FIELDS["normalize_advantages"].default
+    for name in ("max_staleness", "weight_sync_steps", "max_inflight_tasks"):
+        assert asynchronous[name].default == FIELDS[name].default, name
+    recipe = recipe_from_dict({"objective": "grpo", "reward_funcs": ["hftrain.rl.example_rewards.vowel_share"],
+                               "dataset_name": "data/prompt_completion.jsonl", "loss_type": "sapo",
+                               "sapo_temperature_neg": 1.2, "output_dir": str(tmp_path)}, for_training=False)
+    assert (recipe.loss_type, recipe.sapo_temperature_neg) == ("sapo", 1.2)
+    with pytest.raises(ConfigError, match="loss_type='luspo'.*TRL's luspo and vespo are not written"):
+        recipe_from_dict({"objective": "grpo", "reward_funcs": ["hftrain.rl.example_rewards.vowel_share"],
+                          "loss_type": "luspo", "output_dir": str(tmp_path)}, for_training=False)
