@@ -196,6 +196,49 @@ def held_out(rows: list, percent: float, seed: int, name: str) -> tuple[list, li
     return [r for i, r in enumerate(rows) if i not in evaluation], [rows[i] for i in sorted(evaluation)]
 
 
+def retrieval_data(run, tokenize, collate, columns_words) -> TrainingData:
+    """The data phase of objectives embedding and reranker: rows read (`data.retrieval.read_rows`) and tokenized
+    (`tokenize(rows, name)`) before the model loads, the eval rows (eval_dataset_name, or validation_split_percentage
+    held out with the order seed), the BatchPlan and the feed; `collate(data, pad id, padding side, train)` makes a
+    collator, `columns_words(data)` says what a row holds."""
+    recipe, tokenizer, world = run.recipe, run.tokenizer, run.dp.world
+    if tokenizer.pad_token is None:  # sentence-transformers pads with the saved tokenizer's pad token
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.model_max_length = recipe.max_length  # saved: sentence-transformers truncates where training did
+    with phase(run.accelerator, "data preparation", recipe.ddp_timeout), main_process_first(run.accelerator):
+        rows = read_rows(recipe.dataset_name, recipe.dataset_config, recipe.dataset_train_split, recipe.dataset_columns)
+        eval_rows, eval_name = None, recipe.eval_dataset_name
+        if recipe.eval_dataset_name:
+            eval_rows = read_rows(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split,
+                                  recipe.dataset_columns)
+        elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
+            rows, eval_rows = held_out(rows, recipe.validation_split_percentage, recipe.order_seed, recipe.dataset_name)
+            eval_name = f"{recipe.dataset_name} (held out)"
+        if recipe.max_samples is not None:
+            rows = rows[:recipe.max_samples]
+        train = tokenize(rows, recipe.dataset_name)
+        evaluation = None if eval_rows is None else tokenize(eval_rows, eval_name)
+    if evaluation is not None and evaluation.columns != train.columns:
+        raise HftrainError(f"the eval rows hold {columns_words(evaluation)}, the training rows {columns_words(train)}: "
+                           "give both the same columns")
+    plan = BatchPlan(len(train), recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps,
+                     recipe.order_seed, shuffle=recipe.train_sampling_strategy != "sequential")
+    if len(train) < plan.global_batch:
+        with same_in_every_process():
+            raise HftrainError(f"the training set has {len(train)} rows, fewer than one global batch of "
+                               f"{plan.global_batch} (per_device_train_batch_size x {world} processes x "
+                               "gradient_accumulation_steps); use a smaller batch or more data")
+    pad, side = tokenizer.pad_token_id, tokenizer.padding_side
+    collator = collate(train, pad, side, True)
+    eval_collator = None if evaluation is None else collate(evaluation, pad, side, False)
+    feed = IndexedFeed(plan, collator, run.dp.rank, recipe.dataloader_num_workers, recipe.dataloader_pin_memory)
+    stats = {"sources": [{"name": recipe.dataset_name, "rows": len(train)}], "columns": columns_words(train),
+             "train_examples": len(train), "eval_examples": len(evaluation) if evaluation is not None else 0}
+    line = (f"({plan.steps_per_epoch} per epoch)", f"{len(train)} training rows ({columns_words(train)})")
+    return TrainingData(feed, plan, total_steps(recipe, plan), line, stats, train, evaluation, None, collator,
+                        eval_collator)
+
+
 def write_sentence_transformers_files(folder: Path, recipe: Recipe, dimension: int) -> None:
     """sentence-transformers 6's files of a folder whose root holds the encoder and tokenizer (what its
     SentenceTransformer.save writes for Transformer -> Pooling -> Normalize)."""
@@ -231,49 +274,15 @@ class Embedding(Objective):
     final_use = "encode queries and documents (sentence-transformers)"
 
     def setup_data(self, run) -> TrainingData:
-        """The contrastive rows (read, checked and tokenized before the model loads), the plan and the feed."""
-        recipe, tokenizer, world = run.recipe, run.tokenizer, run.dp.world
-        if tokenizer.pad_token is None:  # sentence-transformers pads with the saved tokenizer's pad token
-            tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.model_max_length = recipe.max_length  # saved: sentence-transformers truncates where training did
-        with phase(run.accelerator, "data preparation", recipe.ddp_timeout), main_process_first(run.accelerator):
-            rows = read_rows(recipe.dataset_name, recipe.dataset_config, recipe.dataset_train_split,
-                             recipe.dataset_columns)
-            eval_rows = None
-            if recipe.eval_dataset_name:
-                eval_rows = read_rows(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split,
-                                      recipe.dataset_columns)
-            elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
-                rows, eval_rows = held_out(rows, recipe.validation_split_percentage, recipe.order_seed,
-                                           recipe.dataset_name)
-            if recipe.max_samples is not None:
-                rows = rows[:recipe.max_samples]
-            train = tokenize_rows(rows, tokenizer, recipe.max_length, recipe.query_prompt, recipe.dataset_name)
-            evaluation = None if eval_rows is None else tokenize_rows(
-                eval_rows, tokenizer, recipe.max_length, recipe.query_prompt, recipe.eval_dataset_name or
-                f"{recipe.dataset_name} (held out)")
-        if evaluation is not None and evaluation.columns != train.columns:
-            raise HftrainError(f"the eval rows have {evaluation.columns - 2} negatives each, the training rows "
-                               f"{train.columns - 2}: give both as many")
-        plan = BatchPlan(len(train), recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps,
-                         recipe.order_seed, shuffle=recipe.train_sampling_strategy != "sequential")
-        if len(train) < plan.global_batch:
-            with same_in_every_process():
-                raise HftrainError(f"the training set has {len(train)} rows, fewer than one global batch of "
-                                   f"{plan.global_batch} (per_device_train_batch_size x {world} processes x "
-                                   "gradient_accumulation_steps); use a smaller batch or more data")
-        pad, side = tokenizer.pad_token_id, tokenizer.padding_side
-        collator = EmbeddingCollator(train, pad, side, rows_per_batch=recipe.per_device_train_batch_size)
-        eval_collator = None if evaluation is None else EmbeddingCollator(evaluation, pad, side)
-        feed = IndexedFeed(plan, collator, run.dp.rank, recipe.dataloader_num_workers, recipe.dataloader_pin_memory)
-        negatives = train.columns - 2
-        stats = {"sources": [{"name": recipe.dataset_name, "rows": len(train)}], "columns": train.column_names,
-                 "train_examples": len(train), "eval_examples": len(evaluation) if evaluation is not None else 0}
-        line = (f"({plan.steps_per_epoch} per epoch)",
-                f"{len(train)} training rows (anchor, positive"
-                f"{f', {negatives} negative' + 's' * (negatives > 1) if negatives else ''})")
-        return TrainingData(feed, plan, total_steps(recipe, plan), line, stats, train, evaluation, None, collator,
-                            eval_collator)
+        """The contrastive rows (read, checked and tokenized before the model loads), the plan and the feed; every
+        rank's micro-batch padded to per_device_train_batch_size rows (the gathered embeddings have one shape)."""
+        recipe = run.recipe
+        return retrieval_data(
+            run, lambda rows, name: tokenize_rows(rows, run.tokenizer, recipe.max_length, recipe.query_prompt, name),
+            lambda data, pad, side, train: EmbeddingCollator(
+                data, pad, side, rows_per_batch=recipe.per_device_train_batch_size if train else None),
+            lambda data: "anchor, positive" + (f", {data.columns - 2} negative" + "s" * (data.columns > 3)
+                                               if data.columns > 2 else ""))
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> EmbeddingLoss:
