@@ -5,6 +5,7 @@ where it has one) and the rules judged from the recipe alone (`problems`); the o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from hftrain.fields import recipe_field as _f
 
@@ -42,6 +43,12 @@ class RetrievalFields:
         "(the contrastive batch) can grow far past what fits in memory at the cost of a second forward. The loss "
         "and update equal the uncached ones. Unset: uncached.", group="retrieval",
     )
+    retrieval_eval_dir: str | None = _f(
+        None, "embedding: a folder of BEIR's files (queries.jsonl, corpus.jsonl, qrels.tsv) ranked by the live model "
+        "at each evaluation: eval_ndcg@10, eval_mrr@10, eval_recall@1/5/10 (sentence-transformers' "
+        "InformationRetrievalEvaluator's definitions). data/retrieval-eval is a tiny one. Read and checked before "
+        "the model loads.", group="retrieval",
+    )
 
 
 def problems(r) -> list[str]:
@@ -49,7 +56,8 @@ def problems(r) -> list[str]:
     with; other objectives: no retrieval field set."""
     defaults = RetrievalFields.__dataclass_fields__
     misplaced = [f"{name} is set but objective={r.objective}; it configures objective embedding"
-                 for name in ("pooling", "contrastive_scale", "symmetric_loss", "query_prompt", "mini_batch_size")
+                 for name in ("pooling", "contrastive_scale", "symmetric_loss", "query_prompt", "mini_batch_size",
+                              "retrieval_eval_dir")
                  if getattr(r, name) != defaults[name].default]
     if r.objective not in ("embedding", "reranker"):
         return misplaced
@@ -58,6 +66,8 @@ def problems(r) -> list[str]:
         problems.append(f"contrastive_scale must be > 0 (sentence-transformers' scale), got {r.contrastive_scale}")
     if r.mini_batch_size is not None and r.mini_batch_size < 1:
         problems.append(f"mini_batch_size must be >= 1 or unset, got {r.mini_batch_size}")
+    if r.retrieval_eval_dir and not Path(r.retrieval_eval_dir).expanduser().is_dir():
+        problems.append(f"retrieval_eval_dir {r.retrieval_eval_dir!r} is not a folder")
     what = f"objective {r.objective}"
     if r.packing:
         problems.append(f"packing with {what} is refused: each text (pair) is scored as a whole sequence of its "

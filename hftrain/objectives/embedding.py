@@ -49,6 +49,7 @@ from hftrain.errors import HftrainError, same_in_every_process
 from hftrain.loss import ObjectiveLoss
 from hftrain.objectives.base import Objective
 from hftrain.parallel.launch import main_process_first, phase
+from hftrain.retrieval_eval import RetrievalEvaluation
 
 # sentence-transformers' names of the pooling modes (1_Pooling/config.json's pooling_mode)
 ST_POOLING = {"mean": "mean", "cls": "cls", "last_token": "lasttoken"}
@@ -160,9 +161,13 @@ class EmbeddingLoss(ObjectiveLoss):
         return torch.cat([torch.utils.checkpoint.checkpoint(self.embed, ids, mask, use_reentrant=False)
                           for ids, mask in pieces])
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, valid: torch.Tensor,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows: the b anchors, the b positives, then each negative column's b texts (`EmbeddingCollator`)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, valid: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, embed_only: bool = False) -> torch.Tensor:
+        """Rows: the b anchors, the b positives, then each negative column's b texts (`EmbeddingCollator`).
+        `embed_only`: the rows' embeddings instead (retrieval metrics, called through the prepared model so that
+        a sharded one gathers its weights as for the loss)."""
+        if embed_only:
+            return self.embed(input_ids, attention_mask)
         b = len(valid)
         embeddings = self.embed_all(input_ids, attention_mask)
         anchors, *candidates = embeddings.split(b)
@@ -302,6 +307,10 @@ class Embedding(Objective):
                 f"states, L2-normalised; MultipleNegativesRankingLoss (scale {recipe.contrastive_scale:g}, {loss}) "
                 f"over the {recipe.per_device_train_batch_size * world} rows of each micro-batch{across}{accum}"
                 f"{prompt}"]
+
+    def eval_addons(self, run) -> list:
+        """retrieval_eval_dir: the retrieval metrics at each evaluation (its files read and checked now)."""
+        return [RetrievalEvaluation(run.recipe, run.tokenizer)] if run.recipe.retrieval_eval_dir else []
 
     def add_files(self, run, folder: Path) -> None:
         """sentence-transformers' files beside the saved encoder and tokenizer."""

@@ -22,6 +22,7 @@ from sentence_transformers.sentence_transformer.modules import Normalize, Poolin
 
 pytestmark = pytest.mark.launch
 MODEL = REPO / "models" / "tiny-llama"
+RETRIEVAL_SET = REPO / "data" / "retrieval-eval"  # the shipped queries / corpus / qrels
 PROMPT = "query: "
 TEXT_ONLY = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
 # 2 steps of 4 rows in file order, mean pooling, a query prompt, a hard negative per row; plain SGD at a constant
@@ -88,7 +89,7 @@ def assert_matches(run: Run, expected: tuple[list[float], dict[str, torch.Tensor
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, rows) -> Run:
     return run_script(tmp_path_factory.mktemp("embedding-one") / "out", "--dataset_name", rows[1], *EXACT,
-                      "--per_device_train_batch_size", "4")
+                      "--per_device_train_batch_size", "4", "--retrieval_eval_dir", str(RETRIEVAL_SET))
 
 
 def test_one_process_equals_multiple_negatives_ranking_loss(rows, one_process):
@@ -190,3 +191,26 @@ def test_the_reranker_folder_loads_with_cross_encoder_and_transformers(reranker_
     torch.testing.assert_close(scores.float(), plain, rtol=1e-5, atol=1e-6)
     card = ModelCard.load(final / "README.md")
     assert card.data.library_name == "sentence-transformers" and f'CrossEncoder("{final.resolve()}")' in card.text
+
+
+def test_retrieval_metrics_equal_information_retrieval_evaluator(one_process):
+    """The final evaluation's eval_ndcg@10, eval_mrr@10 and eval_recall@k on the shipped task equal
+    sentence-transformers' InformationRetrievalEvaluator on SentenceTransformer(final) with the same query prompt,
+    reading the BEIR files here."""
+    from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+    def texts(name: str) -> dict[str, str]:
+        return {row["_id"]: row["text"] for row in map(json.loads, (RETRIEVAL_SET / name).read_text().splitlines())}
+
+    relevant: dict[str, set[str]] = {}
+    for line in (RETRIEVAL_SET / "qrels.tsv").read_text().splitlines()[1:]:
+        query, doc, score = line.split("\t")
+        if float(score) > 0:
+            relevant.setdefault(query, set()).add(doc)
+    evaluator = InformationRetrievalEvaluator(texts("queries.jsonl"), texts("corpus.jsonl"), relevant,
+                                              precision_recall_at_k=[1, 5, 10], query_prompt=PROMPT, name="task",
+                                              write_csv=False)
+    theirs = evaluator(st.SentenceTransformer(str(one_process.output_dir / "final")))
+    ours = [r for r in one_process.metrics() if "eval_ndcg@10" in r][-1]  # the final evaluation (no eval set)
+    for name in ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10"):
+        assert ours[f"eval_{name}"] == pytest.approx(theirs[f"task_cosine_{name}"], abs=1e-6), name

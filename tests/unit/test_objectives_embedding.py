@@ -274,3 +274,20 @@ def test_bad_reranker_rows_are_refused_naming_the_file_and_line(tmp_path, line, 
     with pytest.raises(HftrainError) as refused:
         tokenize_pairs(read_rows(str(path), None, "train", {}), tokenizer, 32, str(path))
     assert f"{path}, {says}" in str(refused.value)
+
+
+@pytest.mark.parametrize(("files", "says"), [
+    ({"queries.jsonl": '{"_id": "q0", "text": "a"}\n{"_id": "q1"}\n'}, "queries.jsonl, line 2: each line must be"),
+    ({"qrels.tsv": "query-id\tcorpus-id\tscore\nq0\td9\t1\n"}, "qrels.tsv, line 2: document 'd9' is not in"),
+    ({"qrels.tsv": "query-id\tcorpus-id\tscore\nq0 d0 1\n"}, "qrels.tsv, line 2: expected query-id, corpus-id"),
+])
+def test_a_bad_retrieval_task_is_refused_naming_the_file_and_line(tmp_path, files, says):
+    from hftrain.retrieval_eval import load_retrieval_set
+
+    good = {"queries.jsonl": '{"_id": "q0", "text": "a"}\n', "corpus.jsonl": '{"_id": "d0", "text": "b"}\n',
+            "qrels.tsv": "query-id\tcorpus-id\tscore\nq0\td0\t1\n"}
+    for name, text in {**good, **files}.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    with pytest.raises(HftrainError) as refused:
+        load_retrieval_set(tmp_path)
+    assert f"{tmp_path}/{says}" in str(refused.value)
