@@ -214,3 +214,29 @@ def test_retrieval_metrics_equal_information_retrieval_evaluator(one_process):
     ours = [r for r in one_process.metrics() if "eval_ndcg@10" in r][-1]  # the final evaluation (no eval set)
     for name in ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10"):
         assert ours[f"eval_{name}"] == pytest.approx(theirs[f"task_cosine_{name}"], abs=1e-6), name
+
+
+def test_a_lora_embedding_adapter_loads_with_sentence_transformers_and_merges(tmp_path, rows):
+    """LoRA (use_peft): step 1's loss is the base's (the adapters start as the identity) and equals
+    MultipleNegativesRankingLoss's; the adapter folder loads with SentenceTransformer and `hftrain merge` writes a
+    folder that loads with it too, both encoding as peft's PeftModel on AutoModel(base) with mean pooling does."""
+    from peft import PeftModel
+    from transformers import AutoModel, AutoTokenizer
+
+    from hftrain.cli import main as cli
+
+    run = run_script(tmp_path / "out", "--dataset_name", rows[1], *EXACT, "--per_device_train_batch_size", "4",
+                     "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "0.1")
+    assert run.train_rows()[0]["loss"] == pytest.approx(reference(rows[0], batch=4, micro=4)[0][0], rel=1e-5)
+    adapter, merged = run.output_dir / "final", tmp_path / "merged"
+    cli(["merge", str(adapter), str(merged)])
+    texts = [r["positive"] for r in rows[0][:4]]
+    base = AutoModel.from_pretrained(MODEL)
+    model, tokenizer = PeftModel.from_pretrained(base, adapter).eval(), AutoTokenizer.from_pretrained(adapter)
+    with torch.no_grad():
+        plain = torch.stack([torch.nn.functional.normalize(
+            model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0].mean(0), dim=-1) for text in texts])
+    for folder in (adapter, merged):
+        encoded = st.SentenceTransformer(str(folder)).encode(texts, convert_to_tensor=True)
+        torch.testing.assert_close(encoded, plain, rtol=1e-4, atol=1e-5, msg=lambda m, f=folder: f"{f}: {m}")
+    assert not torch.allclose(plain, st_model().encode(texts, convert_to_tensor=True), atol=1e-4)  # it trained
