@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModel, AutoTokenizer
 
 from hftrain.errors import HftrainError
+from hftrain.pooling import pool
 
 FILES = ("queries.jsonl", "corpus.jsonl", "qrels.tsv")
 CUTOFFS = (1, 5, 10)
@@ -152,3 +154,46 @@ class RetrievalEvaluation:
             model.train()
         metrics = ranking_metrics(queries @ documents.T, self.task.relevant)
         return {f"eval_{name}": value for name, value in metrics.items()}
+
+
+# ------------------------------------------------------------------------------------ hftrain eval --retrieval
+ST_POOLING_NAMES = {"mean": "mean", "cls": "cls", "lasttoken": "last_token"}
+
+
+def load_encoder(folder: Path):
+    """(encoder, tokenizer, pooling, query prompt) of an embedding model's folder as objective embedding writes it
+    (sentence-transformers' files beside an AutoModel or a peft adapter), with transformers and peft alone."""
+    pooling_file, config_file = folder / "1_Pooling" / "config.json", folder / "config_sentence_transformers.json"
+    if not (folder / "modules.json").is_file() or not pooling_file.is_file():
+        raise HftrainError(f"{folder} is not an embedding model's folder (no modules.json and 1_Pooling/config.json, "
+                           "as objective embedding's final folder has): --retrieval ranks with an embedding model")
+    mode = json.loads(pooling_file.read_text(encoding="utf-8")).get("pooling_mode")
+    if mode not in ST_POOLING_NAMES:
+        raise HftrainError(f"{pooling_file}: pooling_mode {mode!r} is not one hftrain computes (mean, cls, lasttoken)")
+    prompts = json.loads(config_file.read_text(encoding="utf-8")).get("prompts", {}) if config_file.is_file() else {}
+    if (folder / "adapter_config.json").is_file():
+        from peft import PeftModel  # optional heavy: peft imports bitsandbytes
+
+        base = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))["base_model_name_or_path"]
+        encoder = PeftModel.from_pretrained(AutoModel.from_pretrained(base), str(folder))
+    else:
+        encoder = AutoModel.from_pretrained(folder)
+    return encoder.eval(), AutoTokenizer.from_pretrained(folder), ST_POOLING_NAMES[mode], prompts.get("query") or ""
+
+
+@torch.no_grad()
+def evaluate_folder(folder: Path, task_dir: Path, batch_size: int = 32) -> dict[str, float]:
+    """The retrieval metrics of an embedding model's folder on a BEIR-style task (the task checked first)."""
+    task = load_retrieval_set(task_dir)
+    encoder, tokenizer, pooling, prompt = load_encoder(folder)
+
+    def embed(texts: list[str]) -> torch.Tensor:
+        ids = tokenizer(texts, truncation=True)["input_ids"]
+        pieces = []
+        for start in range(0, len(ids), batch_size):
+            input_ids, mask = pad_texts(ids[start:start + batch_size], tokenizer.pad_token_id, tokenizer.padding_side)
+            hidden = encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
+            pieces.append(torch.nn.functional.normalize(pool(hidden, mask, pooling).float(), dim=-1))
+        return torch.cat(pieces)
+
+    return ranking_metrics(embed([prompt + q for q in task.queries]) @ embed(task.documents).T, task.relevant)

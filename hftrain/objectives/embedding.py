@@ -49,26 +49,12 @@ from hftrain.errors import HftrainError, same_in_every_process
 from hftrain.loss import ObjectiveLoss
 from hftrain.objectives.base import Objective
 from hftrain.parallel.launch import main_process_first, phase
+from hftrain.pooling import pool
 from hftrain.retrieval_eval import RetrievalEvaluation
 
 # sentence-transformers' names of the pooling modes (1_Pooling/config.json's pooling_mode)
 ST_POOLING = {"mean": "mean", "cls": "cls", "last_token": "lasttoken"}
 EMBEDDING_STATS = ("accuracy",)  # share of anchors whose positive scores above every other candidate
-
-
-def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
-    """One vector per row of `hidden` [rows, length, dim] from its real tokens (`attention_mask`), padding on either
-    side: the mean of the real tokens, the first real token, or the last real token."""
-    mask = attention_mask.bool()
-    if pooling == "mean":
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    if pooling == "cls":
-        index = torch.where(mask, positions, mask.shape[1]).amin(dim=1)
-    else:
-        index = torch.where(mask, positions, -1).amax(dim=1)
-    return hidden[torch.arange(len(hidden), device=hidden.device), index]
 
 
 class _GatherWithGradients(torch.autograd.Function):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, Run, launch, run_script, write_jsonl
+from tests.e2e import objective_checks as checks
 
 st = pytest.importorskip("sentence_transformers")
 from sentence_transformers.base.modules.transformer import Transformer  # noqa: E402
@@ -36,7 +37,7 @@ EXACT = ["--model_name_or_path", str(MODEL), "--objective", "embedding", "--pool
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> tuple[list[dict], str]:
-    lines = (REPO / "data" / "retrieval.jsonl").read_text(encoding="utf-8").splitlines()[:8]
+    lines = (REPO / "data" / "retrieval.jsonl").read_text(encoding="utf-8").splitlines()[:12]
     examples = [json.loads(line) for line in lines]
     return examples, str(write_jsonl(tmp_path_factory.mktemp("embedding-data") / "rows.jsonl", examples))
 
@@ -86,14 +87,25 @@ def assert_matches(run: Run, expected: tuple[list[float], dict[str, torch.Tensor
         torch.testing.assert_close(saved[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+ONE_PROCESS = ["--per_device_train_batch_size", "4", "--retrieval_eval_dir", str(RETRIEVAL_SET), "--max_steps", "3",
+               "--save_strategy", "steps", "--save_steps", "2"]
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, rows) -> Run:
+    """3 steps of 4 rows, a checkpoint at step 2, the retrieval metrics at the final evaluation."""
     return run_script(tmp_path_factory.mktemp("embedding-one") / "out", "--dataset_name", rows[1], *EXACT,
-                      "--per_device_train_batch_size", "4", "--retrieval_eval_dir", str(RETRIEVAL_SET))
+                      *ONE_PROCESS)
 
 
 def test_one_process_equals_multiple_negatives_ranking_loss(rows, one_process):
     assert_matches(one_process, reference(rows[0], batch=4, micro=4))
+
+
+def test_a_resumed_run_continues_exactly(tmp_path, rows, one_process):
+    """Resumed from checkpoint-2: step 3's loss and the final weights equal the uninterrupted run's."""
+    checks.assert_resumes_exactly(tmp_path, one_process, ["--dataset_name", rows[1], *EXACT, *ONE_PROCESS],
+                                  ("loss", "grad_norm", "accuracy"))
 
 
 def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path, rows):
@@ -102,7 +114,7 @@ def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path, rows):
     run = launch(tmp_path / "out", "--dataset_name", rows[1], *EXACT, "--per_device_train_batch_size", "2",
                  "--mini_batch_size", "4", preset="cpu_ddp", processes=2)
     assert "the candidates of all 2 data-parallel ranks gathered" in run.stdout + run.stderr
-    assert_matches(run, reference(rows[0], batch=4, micro=4))
+    assert_matches(run, reference(rows[0][:8], batch=4, micro=4))
 
 
 def test_accumulation_trains_separate_contrastive_batches(tmp_path, rows):
@@ -110,9 +122,9 @@ def test_accumulation_trains_separate_contrastive_batches(tmp_path, rows):
     own micro-batch's), not one batch of 4, as docs/retrieval.md says."""
     run = run_script(tmp_path / "out", "--dataset_name", rows[1], *EXACT, "--per_device_train_batch_size", "2",
                      "--gradient_accumulation_steps", "2")
-    expected = reference(rows[0], batch=4, micro=2)
+    expected = reference(rows[0][:8], batch=4, micro=2)
     assert_matches(run, expected)
-    assert expected[0] != pytest.approx(reference(rows[0], batch=4, micro=4)[0], rel=1e-3)
+    assert expected[0] != pytest.approx(reference(rows[0][:8], batch=4, micro=4)[0], rel=1e-3)
 
 
 def test_the_final_folder_loads_with_sentence_transformers_and_transformers(rows, one_process):
@@ -193,11 +205,13 @@ def test_the_reranker_folder_loads_with_cross_encoder_and_transformers(reranker_
     assert card.data.library_name == "sentence-transformers" and f'CrossEncoder("{final.resolve()}")' in card.text
 
 
-def test_retrieval_metrics_equal_information_retrieval_evaluator(one_process):
-    """The final evaluation's eval_ndcg@10, eval_mrr@10 and eval_recall@k on the shipped task equal
-    sentence-transformers' InformationRetrievalEvaluator on SentenceTransformer(final) with the same query prompt,
-    reading the BEIR files here."""
+def test_retrieval_metrics_equal_information_retrieval_evaluator(tmp_path, one_process):
+    """The final evaluation's eval_ndcg@10, eval_mrr@10 and eval_recall@k on the shipped task, and `hftrain eval
+    final --retrieval` (transformers alone), equal sentence-transformers' InformationRetrievalEvaluator on
+    SentenceTransformer(final) with the same query prompt, reading the BEIR files here."""
     from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+    from hftrain.cli import main as cli
 
     def texts(name: str) -> dict[str, str]:
         return {row["_id"]: row["text"] for row in map(json.loads, (RETRIEVAL_SET / name).read_text().splitlines())}
@@ -212,8 +226,12 @@ def test_retrieval_metrics_equal_information_retrieval_evaluator(one_process):
                                               write_csv=False)
     theirs = evaluator(st.SentenceTransformer(str(one_process.output_dir / "final")))
     ours = [r for r in one_process.metrics() if "eval_ndcg@10" in r][-1]  # the final evaluation (no eval set)
+    cli(["eval", str(one_process.output_dir / "final"), "--retrieval", str(RETRIEVAL_SET), "--output",
+         str(tmp_path / "metrics.json")])
+    offline = json.loads((tmp_path / "metrics.json").read_text())
     for name in ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10"):
         assert ours[f"eval_{name}"] == pytest.approx(theirs[f"task_cosine_{name}"], abs=1e-6), name
+        assert offline[name] == pytest.approx(theirs[f"task_cosine_{name}"], abs=1e-6), name
 
 
 def test_a_lora_embedding_adapter_loads_with_sentence_transformers_and_merges(tmp_path, rows):
@@ -227,7 +245,7 @@ def test_a_lora_embedding_adapter_loads_with_sentence_transformers_and_merges(tm
 
     run = run_script(tmp_path / "out", "--dataset_name", rows[1], *EXACT, "--per_device_train_batch_size", "4",
                      "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "0.1")
-    assert run.train_rows()[0]["loss"] == pytest.approx(reference(rows[0], batch=4, micro=4)[0][0], rel=1e-5)
+    assert run.train_rows()[0]["loss"] == pytest.approx(reference(rows[0][:8], batch=4, micro=4)[0][0], rel=1e-5)
     adapter, merged = run.output_dir / "final", tmp_path / "merged"
     cli(["merge", str(adapter), str(merged)])
     texts = [r["positive"] for r in rows[0][:4]]
