@@ -258,3 +258,14 @@ def test_a_lora_embedding_adapter_loads_with_sentence_transformers_and_merges(tm
         encoded = st.SentenceTransformer(str(folder)).encode(texts, convert_to_tensor=True)
         torch.testing.assert_close(encoded, plain, rtol=1e-4, atol=1e-5, msg=lambda m, f=folder: f"{f}: {m}")
     assert not torch.allclose(plain, st_model().encode(texts, convert_to_tensor=True), atol=1e-4)  # it trained
+
+
+def test_a_bad_row_is_refused_before_the_model_loads(tmp_path, rows):
+    """The entry script on rows whose third line lacks its positive: one paragraph naming file and line, a non-zero
+    exit, no traceback, no weights loaded."""
+    bad = [*rows[0][:2], {"anchor": "What is 1 + 1?"}, *rows[0][3:8]]
+    data = write_jsonl(tmp_path / "rows.jsonl", bad)
+    run = run_script(tmp_path / "out", "--dataset_name", str(data), *EXACT, check=False)
+    said = " ".join(run.stderr.split())
+    assert run.returncode != 0 and "Traceback" not in run.stderr and "Loading weights" not in run.stderr
+    assert f"{data}, line 3: the row has no 'positive' field" in said
