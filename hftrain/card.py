@@ -45,6 +45,8 @@ OBJECTIVES = {
     "distill": "knowledge distillation (the generalized JSD to a teacher model's next-token distributions)",
     "embedding": "a text-embedding model (a bi-encoder trained with sentence-transformers' "
                  "MultipleNegativesRankingLoss on anchor/positive pairs with in-batch and hard negatives)",
+    "reranker": "a reranker (a cross-encoder scoring query/passage pairs, trained with sentence-transformers' "
+                "CrossEncoder losses)",
 }
 PIPELINE_TAG = "text-generation"
 # the results' metrics (metrics.jsonl's keys, TRL's names) in words: a training row's as given, an evaluation's
@@ -52,7 +54,8 @@ PIPELINE_TAG = "text-generation"
 LABELS = {"reward": "mean reward", "reward_std": "reward std", "rewards/accuracies": "reward accuracy",
           "rewards/margins": "reward margin", "accuracy": "accuracy", "margin": "margin"}
 # objectives whose folder is not a text generator
-PIPELINE_TAGS = {"reward": "text-classification", "embedding": "sentence-similarity"}
+PIPELINE_TAGS = {"reward": "text-classification", "embedding": "sentence-similarity",
+                 "reranker": "text-ranking"}
 
 
 # ------------------------------------------------------------------------------------------------ facts
@@ -214,11 +217,23 @@ def _embedding_quick_start(load_from: str, kind: str) -> str:
             "named in `1_Pooling/config.json` over the last hidden states, L2-normalised.")
 
 
+def _reranker_quick_start(load_from: str) -> str:
+    """Scoring (query, passage) pairs with a reranker's folder."""
+    return ("```python\nfrom sentence_transformers import CrossEncoder\n\n"
+            f'model = CrossEncoder("{load_from}")\n'
+            'scores = model.predict([("What is 2 + 2?", "2 + 2 = 4."), ("What is 2 + 2?", "Paris is in France.")])\n'
+            "print(scores)  # sigmoid of each pair's score: higher is more relevant\n```\n\n"
+            "transformers alone: `AutoModelForSequenceClassification.from_pretrained` and "
+            "`tokenizer(query, passage)`; the logit is the score.")
+
+
 def _quick_start(load_from: str, kind: str, chat: bool, objective: str = "sft") -> str:
     if objective == "reward":
         return _reward_quick_start(load_from, kind, chat)
     if objective == "embedding":
         return _embedding_quick_start(load_from, kind)
+    if objective == "reranker":
+        return _reranker_quick_start(load_from)
     if kind == "adapter":
         head = ("from peft import AutoPeftModelForCausalLM\nfrom transformers import AutoTokenizer\n\n"
                 f'model = AutoPeftModelForCausalLM.from_pretrained("{load_from}")  # the base model, then this adapter')
@@ -270,8 +285,8 @@ def build_card(folder: Path, recipe: dict, state: dict, rows: list[dict], *, kin
     tags = ["hftrain", *([objective] if state else []), method_tag, *(["merge"] if kind == "merged" else [])]
     data = ModelCardData(
         base_model=base_id,
-        library_name="peft" if kind == "adapter" else "sentence-transformers" if objective == "embedding" else
-        "transformers",
+        library_name="peft" if kind == "adapter" else "sentence-transformers" if objective in ("embedding", "reranker")
+        else "transformers",
         pipeline_tag=PIPELINE_TAGS.get(objective, PIPELINE_TAG),
         tags=list(dict.fromkeys(tags)), datasets=hub_datasets(recipe) or None,
         license=base_license(base, recipe.get("model_revision")),

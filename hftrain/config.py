@@ -69,7 +69,7 @@ DEFAULT_RECIPE_NOTE = ("with no --config, each field takes the default shown (th
                        "--config use the demo recipe tiny-chat instead")
 # fields that name a file or folder: a relative one that is not under the current folder may be a shipped file
 PATH_FIELDS = ("model_name_or_path", "tokenizer_name_or_path", "dataset_name", "eval_dataset_name",
-               "chat_template_path", "teacher_model_name_or_path")
+               "chat_template_path", "teacher_model_name_or_path", "retrieval_eval_dir")
 
 
 @dataclass

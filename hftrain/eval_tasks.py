@@ -2,6 +2,7 @@
 
     hftrain eval outputs/run/final --tasks hellaswag,arc_easy [--limit 100] [--num_fewshot 5] [--output results.json]
     hftrain eval outputs/run/final --tasks path/to/my_task.yaml        # a local task: its YAML file
+    hftrain eval outputs/embedding/final --retrieval data/retrieval-eval   # an embedding model on a BEIR-style task
 
 FOLDER is a final, merged or adapter folder, or a checkpoint-N saved by one process or DDP (hftrain.trained). Tasks are
 names of lm-eval's installed tasks (globs such as `mmlu_*` too) or paths to task YAML files; every one is checked,
@@ -29,6 +30,7 @@ import torch
 from hftrain import trained
 from hftrain.errors import HftrainError, first_line, run_tool
 from hftrain.options import Parser, add_switch
+from hftrain.retrieval_eval import evaluate_folder
 
 INSTALL = "pip install 'hftrain[eval]' (lm-eval)"
 
@@ -139,6 +141,12 @@ def write_results(results: dict, path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------- the command
 def run_eval(args: argparse.Namespace) -> None:
+    if bool(args.tasks) == bool(args.retrieval):
+        raise HftrainError("give --tasks (lm-evaluation-harness tasks, for a model that writes text) or --retrieval "
+                           "(a folder of queries.jsonl, corpus.jsonl and qrels.tsv, for an embedding model), one "
+                           "of the two")
+    if args.retrieval:
+        return run_retrieval(args)
     problems = []
     if args.limit is not None and args.limit <= 0:
         problems.append(f"--limit must be > 0 (examples per task, or a fraction below 1), got {args.limit}")
@@ -167,13 +175,26 @@ def run_eval(args: argparse.Namespace) -> None:
         print(f"hftrain eval: results written to {args.output}")
 
 
+def run_retrieval(args: argparse.Namespace) -> None:
+    """--retrieval: NDCG@10, MRR@10 and recall@k of an embedding model's folder (hftrain.retrieval_eval), printed as
+    JSON (and written to --output)."""
+    metrics = evaluate_folder(args.folder, args.retrieval, batch_size=args.batch_size)
+    print(json.dumps(metrics, indent=2))
+    if args.output is not None:
+        args.output.write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+        print(f"hftrain eval: results written to {args.output}")
+
+
 def build_arg_parser(prog: str = "hftrain eval") -> argparse.ArgumentParser:
     parser = Parser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
     parser.add_argument("folder", type=Path, help="final, merged, adapter or checkpoint-N folder")
-    parser.add_argument("--tasks", required=True, action="append", help="Comma-separated lm-eval task names "
+    parser.add_argument("--tasks", action="append", help="Comma-separated lm-eval task names "
                         "(globs too) or task YAML files; may be repeated.")
+    parser.add_argument("--retrieval", type=Path, default=None, help="Instead of --tasks, for an embedding model's "
+                        "folder (objective embedding): a folder of BEIR's queries.jsonl, corpus.jsonl and qrels.tsv; "
+                        "prints NDCG@10, MRR@10 and recall@1/5/10 (docs/retrieval.md).")
     parser.add_argument("--limit", type=float, default=None, help="At most this many examples per task (a fraction "
                         "below 1: that share of each task); for quick checks, not for reported numbers.")
     parser.add_argument("--batch_size", type=int, default=8, help="Examples per forward (default 8).")

@@ -208,7 +208,7 @@ class Finetune:
         # what each evaluation runs on the live model after the objective's own evaluation
         samples = recipe.log_completions and self.objective.completes_eval_prompts and self.data.eval_set is not None
         self.eval_addons = [addon for addon in (self.task_evaluation, CompletionSamples(self) if samples else None)
-                            if addon is not None]
+                            if addon is not None] + self.objective.eval_addons(self)
 
     def setup_examples(self) -> TrainingData:
         """Examples from datasets, map-style or streamed (sft, dpo, simpo, orpo, kto): hftrain.data.feeds reads

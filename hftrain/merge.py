@@ -14,13 +14,17 @@ quantization settings, safetensors with the base model's tensor names, one float
 template, generation config. A reward model's adapter (objective reward: peft's SEQ_CLS task, its score head trained
 whole) is merged into the base loaded as `AutoModelForSequenceClassification` with one output, its pad token set as
 training set it (the score is read at the last token that is not padding): the output loads with
-`AutoModelForSequenceClassification.from_pretrained` and as a grpo reward function.
+`AutoModelForSequenceClassification.from_pretrained` and as a grpo reward function (a reranker's likewise). An
+embedding model's adapter (objective embedding: peft's FEATURE_EXTRACTION task) is merged into the base loaded as
+`AutoModel`; the sentence-transformers files beside the adapter (modules.json, the pooling...) are copied, so the
+output loads with `SentenceTransformer` (a reranker's: `CrossEncoder`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -46,6 +50,7 @@ from hftrain.config import read_yaml, recipe_subset
 from hftrain.errors import ConfigError, HftrainError, run_tool
 from hftrain.model import (
     DTYPES,
+    load_as_encoder,
     load_as_reward_model,
     load_error,
     name_deepspeeds_cpu_accelerator,
@@ -57,6 +62,9 @@ from hftrain.options import Parser, add_switch
 from hftrain.paths import CONFIG_FILE
 
 MERGE_FILE = "hftrain_merge.json"
+# the files objective embedding and reranker add beside the model (objectives/embedding.py, reranker.py)
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
+                               "1_Pooling", "2_Normalize")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # What the merge needs from the training recipe: where the base is and how it was quantized.
 BASE_FIELDS = ("model_name_or_path", "model_revision", "trust_remote_code", "load_in_4bit", "load_in_8bit",
@@ -79,14 +87,21 @@ def training_recipe(adapter_dir: Path, base: str | None):
     return recipe_subset(values, BASE_FIELDS, source=str(config_file)), config_file.exists()
 
 
+def task_type(adapter_dir: Path) -> str | None:
+    """peft's task of the adapter: SEQ_CLS (objective reward or reranker: a one-output sequence classifier),
+    FEATURE_EXTRACTION (objective embedding: the body alone), CAUSAL_LM..."""
+    return json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8")).get("task_type")
+
+
 def scores(adapter_dir: Path) -> bool:
-    """Whether the adapter is a reward model's (peft's SEQ_CLS task: objective reward)."""
-    return json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8")).get("task_type") == "SEQ_CLS"
+    """Whether the adapter is a reward model's or a reranker's (peft's SEQ_CLS task)."""
+    return task_type(adapter_dir) == "SEQ_CLS"
 
 
-def load_dequantized_base(recipe, reward: bool = False):
+def load_dequantized_base(recipe, reward: bool = False, encoder: bool = False):
     """The base in float32; quantized and dequantized again exactly as in training for a QLoRA adapter. `reward`:
-    as objective reward loads it, a sequence classifier with one output."""
+    as objective reward loads it, a sequence classifier with one output; `encoder`: as objective embedding loads it,
+    AutoModel."""
     hub.reach("base model", recipe.model_name_or_path, recipe.model_revision)
     quantization = quantization_config(recipe)
     kwargs = {"dtype": torch.float32, "revision": recipe.model_revision, "trust_remote_code": recipe.trust_remote_code}
@@ -95,7 +110,8 @@ def load_dequantized_base(recipe, reward: bool = False):
         auto, kwargs["num_labels"] = AutoModelForSequenceClassification, 1
     if quantization is not None:
         kwargs["quantization_config"] = quantization
-    load = load_as_reward_model if reward else auto.from_pretrained  # the former holds back the head-swap report
+    # the former two hold back the head-swap report
+    load = load_as_reward_model if reward else load_as_encoder if encoder else auto.from_pretrained
     try:
         model = load(recipe.model_name_or_path, **kwargs)
     except (OSError, ValueError) as exc:
@@ -113,8 +129,8 @@ def merge(adapter_dir: Path, output_dir: Path, base: str | None = None, dtype: s
     if output_dir.exists() and any(output_dir.iterdir()):
         raise HftrainError(f"output folder {str(output_dir)!r} is not empty; choose a new folder")
     recipe, from_hftrain = training_recipe(adapter_dir, base)
-    reward = scores(adapter_dir)
-    model = load_dequantized_base(recipe, reward)
+    reward, encoder = scores(adapter_dir), task_type(adapter_dir) == "FEATURE_EXTRACTION"
+    model = load_dequantized_base(recipe, reward, encoder)
     base_dtype = model.config.dtype
     with quiet_peft():
         model = PeftModel.from_pretrained(model, str(adapter_dir), torch_device="cpu")
@@ -138,6 +154,11 @@ def merge(adapter_dir: Path, output_dir: Path, base: str | None = None, dtype: s
     with deepspeed_probed_by_import():
         model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
+    for name in SENTENCE_TRANSFORMERS_FILES:  # an embedding model's or reranker's: it loads with sentence-transformers
+        if (adapter_dir / name).is_dir():
+            shutil.copytree(adapter_dir / name, output_dir / name)
+        elif (adapter_dir / name).is_file():
+            shutil.copy2(adapter_dir / name, output_dir / name)
     quantized = "4bit" if recipe.load_in_4bit else "8bit" if recipe.load_in_8bit else None
     record = {
         "adapter": str(adapter_dir.resolve()),

@@ -125,7 +125,7 @@ def auto_model_class(recipe: Recipe, config):
     """What the base is loaded as: `AutoModelForSequenceClassification` for a reward model (objective reward: the
     causal LM's body, a fresh one-output `score` head), `AutoModelForImageTextToText` for an image-text model, else
     `AutoModelForCausalLM`; `AutoModel` (the body alone: its last hidden states are pooled) for an embedding model."""
-    if recipe.objective == "reward":
+    if recipe.objective in ("reward", "reranker"):
         return AutoModelForSequenceClassification
     if recipe.objective == "embedding":
         return AutoModel
@@ -146,7 +146,7 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set
         kwargs["attn_implementation"] = recipe.attn_implementation
     if (quantization := quantization_config(recipe)) is not None:
         kwargs["quantization_config"] = quantization
-    if recipe.objective == "reward":  # a score head with one output: the reward (hftrain.objectives.reward)
+    if recipe.objective in ("reward", "reranker"):  # a score head with one output: the reward, the pair's score
         kwargs["num_labels"] = 1
     try:
         config = vision.model_config(recipe)
@@ -283,7 +283,8 @@ def lora_config(recipe: Recipe, dropout: float | None = None):
     return LoraConfig(
         # a reward model's adapter: peft's sequence-classification task trains the score head whole (it adds "score"
         # to modules_to_save) and AutoPeftModelForSequenceClassification loads it
-        task_type={"reward": "SEQ_CLS", "embedding": "FEATURE_EXTRACTION"}.get(recipe.objective, "CAUSAL_LM"),
+        task_type={"reward": "SEQ_CLS", "reranker": "SEQ_CLS", "embedding": "FEATURE_EXTRACTION"}.get(
+            recipe.objective, "CAUSAL_LM"),
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,
         lora_dropout=recipe.lora_dropout if dropout is None else dropout,

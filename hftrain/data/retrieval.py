@@ -138,3 +138,101 @@ class EmbeddingCollator:
         valid = torch.arange(size) < len(row_indices)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "valid": valid,
                 "num_examples": torch.tensor(len(row_indices))}
+
+
+def labelled(value, where: str) -> float:
+    """A pair's relevance label: true/false or a number in [0, 1] (BinaryCrossEntropyLoss's targets)."""
+    if isinstance(value, bool) or (isinstance(value, (int, float)) and 0 <= value <= 1):
+        return float(value)
+    raise HftrainError(f"{where}: label must be true/false or a number in [0, 1] (the pair's relevance), got "
+                       f"{value!r:.60}")
+
+
+def pair_texts(row: dict, where: str) -> tuple[str, list[str], float | None]:
+    """(query, passages, label) of a reranker row: a labelled pair (query, passage or document, label) -> one
+    passage and its label; a ranked row (query, positive, negative...) -> [positive, *negatives] and None."""
+    has = ", ".join(repr(k) for k, v in row.items() if v is not None) or "no field with a value"
+    query = row.get("query")
+    if not isinstance(query, str) or not query.strip():
+        raise HftrainError(f"{where}: the row needs a non-empty 'query' text: objective reranker trains on (query, "
+                           f"passage, label) or (query, positive, negative) rows; it has {has}. Rename columns with "
+                           "dataset_columns, e.g. {anchor: query}")
+    if row.get("label") is not None:
+        passage = row.get("passage", row.get("document"))
+        if not isinstance(passage, str) or not passage.strip():
+            raise HftrainError(f"{where}: a labelled row needs a non-empty 'passage' (or 'document') text; it has "
+                               f"{has}")
+        return query, [passage], labelled(row["label"], where)
+    texts = row_texts({"anchor": query, "positive": row.get("positive"), "negative": row.get("negative")}, where)
+    if len(texts) < 3:
+        raise HftrainError(f"{where}: a row without a label needs at least one 'negative' text: the listwise loss "
+                           "ranks the positive above its negatives (or give passage and label for the binary "
+                           f"loss); it has {has}")
+    return query, texts[1:], None
+
+
+@dataclass(frozen=True)
+class PairRows:
+    """A tokenized reranker dataset: `ids[i][c]` the token ids of row i's pair c (query, passage) as the tokenizer
+    encodes a text pair; `labels[i]` the labelled pair's target, or None for ranked rows (pair 0 the positive)."""
+
+    ids: list[list[list[int]]]
+    labels: list[float] | None
+    columns: int  # pairs per row: 1 (labelled) or 1 + negatives (ranked)
+    where: list[str]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def tokenize_pairs(rows: list[tuple[str, dict]], tokenizer, max_length: int, name: str) -> PairRows:
+    """Every reranker row checked (one kind, the same number of negatives) and its pairs tokenized, as
+    sentence-transformers' CrossEncoder tokenizes (query, passage): tokenizer(query, passage), truncated."""
+    if not rows:
+        raise HftrainError(f"dataset {name!r} has no rows")
+    parsed = [(place, *pair_texts(row, place)) for place, row in rows]
+    first_place, _, first_passages, first_label = parsed[0]
+    def kind(passages: list[str], label: float | None) -> str:
+        return "a label" if label is not None else f"{len(passages) - 1} negatives"
+
+    for place, _, passages, label in parsed:
+        if (label is None) != (first_label is None) or len(passages) != len(first_passages):
+            raise HftrainError(f"{place}: the row has {kind(passages, label)}, the first row ({first_place}) "
+                               f"{kind(first_passages, first_label)}: a dataset is all labelled pairs or all ranked "
+                               "rows with as many negatives each")
+    columns = len(first_passages)
+    queries = [query for _, query, passages, _ in parsed for _ in passages]
+    passages = [p for _, _, row_passages, _ in parsed for p in row_passages]
+    encoded = tokenizer(queries, passages, truncation=True, max_length=max_length)["input_ids"]
+    ids = [encoded[i * columns:(i + 1) * columns] for i in range(len(parsed))]
+    labels = None if first_label is None else [label for *_, label in parsed]
+    return PairRows(ids, labels, columns, [place for place, *_ in parsed])
+
+
+class RerankerCollator:
+    """A micro-batch of b rows -> their pairs row after row (a ranked row's positive first), padded on the
+    tokenizer's side; `targets` for labelled pairs; `valid` (an empty batch becomes one filler row, not valid);
+    `labels` as EmbeddingCollator's, for the loop's token count."""
+
+    def __init__(self, data: PairRows, pad_token_id: int, padding_side: str):
+        self.data, self.pad_token_id, self.padding_side = data, pad_token_id, padding_side
+
+    def __call__(self, row_indices: list[int]) -> dict[str, torch.Tensor]:
+        columns = self.data.columns
+        rows = [self.data.ids[i] for i in row_indices] or [[[self.pad_token_id]] * columns]
+        texts = [ids for row in rows for ids in row]
+        width = max(len(ids) for ids in texts)
+        input_ids = torch.full((len(texts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        labels = torch.full((len(texts), width + 1), IGNORE_INDEX, dtype=torch.long)
+        for t, ids in enumerate(texts):
+            span = slice(width - len(ids), width) if self.padding_side == "left" else slice(0, len(ids))
+            input_ids[t, span] = torch.tensor(ids)
+            attention_mask[t, span] = 1
+            if row_indices:
+                labels[t, 1:][span] = torch.tensor(ids)
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
+                 "valid": torch.full((len(rows),), bool(row_indices)), "num_examples": torch.tensor(len(row_indices))}
+        if self.data.labels is not None:
+            batch["targets"] = torch.tensor([self.data.labels[i] for i in row_indices] or [0.0])
+        return batch

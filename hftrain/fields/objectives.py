@@ -26,7 +26,7 @@ class ObjectiveFields:
         "rejected and optionally prompt columns; "
         "reward also an optional margin column), kto unpaired data (prompt, completion, label: true/false), see "
         "docs/preference.md; grpo a prompt column, see docs/grpo.md.", group="objective",
-        choices=("sft", "dpo", "simpo", "orpo", "kto", "reward", "grpo", "distill", "embedding"),
+        choices=("sft", "dpo", "simpo", "orpo", "kto", "reward", "grpo", "distill", "embedding", "reranker"),
     )
     beta: float = _f(
         0.1, "dpo/simpo temperature: how far the policy may move from the reference (dpo) or the reward scale "
@@ -108,8 +108,8 @@ def problems(r) -> list[str]:
     """dpo / simpo settings and what a preference objective cannot be combined with (grpo's: fields/grpo.py)."""
     problems, preference = [], r.objective in ("dpo", "simpo", "orpo", "kto", "reward")
     problems += reward_problems(r)
-    if r.objective in ("grpo", "distill", "embedding"):  # their own groups judge beta and the lengths (fields/grpo.py,
-        # distill.py, retrieval.py)
+    # their own groups judge beta and the lengths (fields/grpo.py, distill.py, retrieval.py)
+    if r.objective in ("grpo", "distill", "embedding", "reranker"):
         return problems
     if r.objective == "kto":
         problems += kto_problems(r)

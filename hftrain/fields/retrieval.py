@@ -5,6 +5,7 @@ where it has one) and the rules judged from the recipe alone (`problems`); the o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from hftrain.fields import recipe_field as _f
 
@@ -42,50 +43,60 @@ class RetrievalFields:
         "(the contrastive batch) can grow far past what fits in memory at the cost of a second forward. The loss "
         "and update equal the uncached ones. Unset: uncached.", group="retrieval",
     )
+    retrieval_eval_dir: str | None = _f(
+        None, "embedding: a folder of BEIR's files (queries.jsonl, corpus.jsonl, qrels.tsv) ranked by the live model "
+        "at each evaluation: eval_ndcg@10, eval_mrr@10, eval_recall@1/5/10 (sentence-transformers' "
+        "InformationRetrievalEvaluator's definitions). data/retrieval-eval is a tiny one. Read and checked before "
+        "the model loads.", group="retrieval",
+    )
 
 
 def problems(r) -> list[str]:
-    """objective embedding's settings and what a contrastive batch of whole texts cannot be combined with; other
-    objectives: no retrieval field set."""
+    """objectives embedding's and reranker's settings and what whole texts scored one by one cannot be combined
+    with; other objectives: no retrieval field set."""
     defaults = RetrievalFields.__dataclass_fields__
-    if r.objective != "embedding":
-        return [f"{name} is set but objective={r.objective}; it configures objective embedding"
-                for name in ("pooling", "contrastive_scale", "symmetric_loss", "query_prompt", "mini_batch_size")
-                if getattr(r, name) != defaults[name].default]
-    problems = []
+    misplaced = [f"{name} is set but objective={r.objective}; it configures objective embedding"
+                 for name in ("pooling", "contrastive_scale", "symmetric_loss", "query_prompt", "mini_batch_size",
+                              "retrieval_eval_dir")
+                 if getattr(r, name) != defaults[name].default]
+    if r.objective not in ("embedding", "reranker"):
+        return misplaced
+    problems = misplaced if r.objective == "reranker" else []
     if r.contrastive_scale <= 0:
         problems.append(f"contrastive_scale must be > 0 (sentence-transformers' scale), got {r.contrastive_scale}")
     if r.mini_batch_size is not None and r.mini_batch_size < 1:
         problems.append(f"mini_batch_size must be >= 1 or unset, got {r.mini_batch_size}")
+    if r.retrieval_eval_dir and not Path(r.retrieval_eval_dir).expanduser().is_dir():
+        problems.append(f"retrieval_eval_dir {r.retrieval_eval_dir!r} is not a folder")
+    what = f"objective {r.objective}"
     if r.packing:
-        problems.append("packing with objective embedding is refused: each text is embedded as a whole sequence of "
-                        "its own; set packing: false")
+        problems.append(f"packing with {what} is refused: each text (pair) is scored as a whole sequence of its "
+                        "own; set packing: false")
     if r.streaming:
-        problems.append("streaming with objective embedding is not supported yet; set streaming: false")
+        problems.append(f"streaming with {what} is not supported yet; set streaming: false")
     if r.dataset_mixture:
-        problems.append("dataset_mixture with objective embedding is not supported yet; name one file in "
-                        "dataset_name")
+        problems.append(f"dataset_mixture with {what} is not supported yet; name one file in dataset_name")
     if r.dataset_format != "auto":
-        problems.append(f"objective embedding reads (anchor, positive[, negative]) rows: leave dataset_format at "
-                        f"auto, got {r.dataset_format}")
+        problems.append(f"{what} reads its own rows (docs/retrieval.md): leave dataset_format at auto, got "
+                        f"{r.dataset_format}")
     if r.train_sampling_strategy == "group_by_length":
-        problems.append("train_sampling_strategy=group_by_length with objective embedding is refused: the texts of "
-                        "a contrastive batch are each other's negatives, sorting them by length would make the "
-                        "batches easy; use random or sequential")
+        problems.append(f"train_sampling_strategy=group_by_length with {what} is refused: sorting rows by length "
+                        "makes a batch's negatives easy and its order unlike the data's; use random or sequential")
     if r.use_liger_kernel or r.loss_chunk_tokens:
-        problems.append("use_liger_kernel and loss_chunk_tokens fuse a language-model head's cross-entropy; an "
-                        "embedding model has no such head: turn them off")
+        problems.append("use_liger_kernel and loss_chunk_tokens fuse a language-model head's cross-entropy; "
+                        f"{what} has no such head: turn them off")
     for name in ("pp_size", "tp_size", "cp_size", "sp_size"):
         if getattr(r, name) > 1:
-            problems.append(f"{name}={getattr(r, name)} with objective embedding is refused: the contrastive loss "
-                            "gathers whole embeddings over data-parallel ranks only; use DDP, ZeRO or FSDP2")
+            problems.append(f"{name}={getattr(r, name)} with {what} is refused: verified for whole sequences on "
+                            "data-parallel ranks only (the embeddings are gathered over them); use DDP, ZeRO or "
+                            "FSDP2")
     if r.eval_tasks:
-        problems.append("eval_tasks runs lm-evaluation-harness on a causal LM; an embedding model writes no text: "
-                        "remove eval_tasks")
+        problems.append(f"eval_tasks runs lm-evaluation-harness on a causal LM; {what} writes no text: remove "
+                        "eval_tasks")
     if r.log_completions:
-        problems.append("log_completions completes prompts with the trained model; an embedding model writes no "
-                        "text: remove log_completions")
+        problems.append(f"log_completions completes prompts with the trained model; {what} writes no text: remove "
+                        "log_completions")
     if r.beta != 0.1 or r.loss_type != "sigmoid":
-        problems.append("beta and loss_type configure dpo, kto, orpo and grpo; objective embedding's loss is set by "
-                        "contrastive_scale and symmetric_loss: remove them")
+        problems.append(f"beta and loss_type configure dpo, kto, orpo and grpo, not {what} (docs/retrieval.md): "
+                        "remove them")
     return problems

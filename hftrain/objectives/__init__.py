@@ -19,6 +19,9 @@
 - `embedding.py`: `embedding`, `EmbeddingLoss`: a bi-encoder (AutoModel, pooled and normalised) trained with
   sentence-transformers' MultipleNegativesRankingLoss, the candidates gathered over data-parallel ranks; the loop
   divides by the step's anchors. Its final folder is sentence-transformers' layout (`add_files`).
+- `reranker.py`: `reranker`, `RerankerLoss`: a cross-encoder (a one-output sequence classifier) trained with
+  sentence-transformers' CrossEncoder losses (binary cross-entropy on labelled pairs, listwise cross-entropy of a
+  positive against its hard negatives); the loop divides by the step's rows.
 - `grpo.py`: `grpo`, online RL (generation windows, rewards, TRL's GRPO loss; pieces in hftrain/rl/). It plugged in
   the way any objective does: a module with its `Objective` subclass, one entry in `OBJECTIVES`,
   the name in the recipe's `objective` choices, its fields and rules in `hftrain/fields/objectives.py`
@@ -48,6 +51,7 @@ from hftrain.objectives.kto import KTO
 from hftrain.objectives.orpo import ORPO
 from hftrain.objectives.preference import PAIR_STATS, Preference, PreferenceLoss, pair_losses
 from hftrain.objectives.reference import AdapterReference, FrozenReference, PrecomputedReference, build_reference
+from hftrain.objectives.reranker import Reranker
 from hftrain.objectives.reward import Reward
 from hftrain.objectives.sft import SFT
 
@@ -64,6 +68,7 @@ OBJECTIVES: dict[str, Objective] = {
     "grpo": GRPO(),
     "distill": Distill(),
     "embedding": Embedding(),
+    "reranker": Reranker(),
 }
 
 

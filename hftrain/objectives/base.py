@@ -84,6 +84,12 @@ class Objective:
         """Start-up lines describing the objective (printed after the layout line; `run` as for `prepare`)."""
         return []
 
+    def eval_addons(self, run) -> list:
+        """What each evaluation runs on the live model besides the objective's own evaluation, as
+        `Finetune.eval_addons` (callables of the run returning metrics), created in the data phase (embedding's
+        retrieval metrics)."""
+        return []
+
     def add_files(self, run, folder) -> None:
         """Files of the objective's own in a folder for use (the final model, a hub upload), written by the main
         process beside the saved model before its card (embedding: sentence-transformers' modules.json and the

@@ -49,25 +49,12 @@ from hftrain.errors import HftrainError, same_in_every_process
 from hftrain.loss import ObjectiveLoss
 from hftrain.objectives.base import Objective
 from hftrain.parallel.launch import main_process_first, phase
+from hftrain.pooling import pool
+from hftrain.retrieval_eval import RetrievalEvaluation
 
 # sentence-transformers' names of the pooling modes (1_Pooling/config.json's pooling_mode)
 ST_POOLING = {"mean": "mean", "cls": "cls", "last_token": "lasttoken"}
 EMBEDDING_STATS = ("accuracy",)  # share of anchors whose positive scores above every other candidate
-
-
-def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
-    """One vector per row of `hidden` [rows, length, dim] from its real tokens (`attention_mask`), padding on either
-    side: the mean of the real tokens, the first real token, or the last real token."""
-    mask = attention_mask.bool()
-    if pooling == "mean":
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    if pooling == "cls":
-        index = torch.where(mask, positions, mask.shape[1]).amin(dim=1)
-    else:
-        index = torch.where(mask, positions, -1).amax(dim=1)
-    return hidden[torch.arange(len(hidden), device=hidden.device), index]
 
 
 class _GatherWithGradients(torch.autograd.Function):
@@ -160,9 +147,13 @@ class EmbeddingLoss(ObjectiveLoss):
         return torch.cat([torch.utils.checkpoint.checkpoint(self.embed, ids, mask, use_reentrant=False)
                           for ids, mask in pieces])
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, valid: torch.Tensor,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows: the b anchors, the b positives, then each negative column's b texts (`EmbeddingCollator`)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, valid: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, embed_only: bool = False) -> torch.Tensor:
+        """Rows: the b anchors, the b positives, then each negative column's b texts (`EmbeddingCollator`).
+        `embed_only`: the rows' embeddings instead (retrieval metrics, called through the prepared model so that
+        a sharded one gathers its weights as for the loss)."""
+        if embed_only:
+            return self.embed(input_ids, attention_mask)
         b = len(valid)
         embeddings = self.embed_all(input_ids, attention_mask)
         anchors, *candidates = embeddings.split(b)
@@ -194,6 +185,49 @@ def held_out(rows: list, percent: float, seed: int, name: str) -> tuple[list, li
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     evaluation = set(order[:n_eval])
     return [r for i, r in enumerate(rows) if i not in evaluation], [rows[i] for i in sorted(evaluation)]
+
+
+def retrieval_data(run, tokenize, collate, columns_words) -> TrainingData:
+    """The data phase of objectives embedding and reranker: rows read (`data.retrieval.read_rows`) and tokenized
+    (`tokenize(rows, name)`) before the model loads, the eval rows (eval_dataset_name, or validation_split_percentage
+    held out with the order seed), the BatchPlan and the feed; `collate(data, pad id, padding side, train)` makes a
+    collator, `columns_words(data)` says what a row holds."""
+    recipe, tokenizer, world = run.recipe, run.tokenizer, run.dp.world
+    if tokenizer.pad_token is None:  # sentence-transformers pads with the saved tokenizer's pad token
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.model_max_length = recipe.max_length  # saved: sentence-transformers truncates where training did
+    with phase(run.accelerator, "data preparation", recipe.ddp_timeout), main_process_first(run.accelerator):
+        rows = read_rows(recipe.dataset_name, recipe.dataset_config, recipe.dataset_train_split, recipe.dataset_columns)
+        eval_rows, eval_name = None, recipe.eval_dataset_name
+        if recipe.eval_dataset_name:
+            eval_rows = read_rows(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split,
+                                  recipe.dataset_columns)
+        elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
+            rows, eval_rows = held_out(rows, recipe.validation_split_percentage, recipe.order_seed, recipe.dataset_name)
+            eval_name = f"{recipe.dataset_name} (held out)"
+        if recipe.max_samples is not None:
+            rows = rows[:recipe.max_samples]
+        train = tokenize(rows, recipe.dataset_name)
+        evaluation = None if eval_rows is None else tokenize(eval_rows, eval_name)
+    if evaluation is not None and evaluation.columns != train.columns:
+        raise HftrainError(f"the eval rows hold {columns_words(evaluation)}, the training rows {columns_words(train)}: "
+                           "give both the same columns")
+    plan = BatchPlan(len(train), recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps,
+                     recipe.order_seed, shuffle=recipe.train_sampling_strategy != "sequential")
+    if len(train) < plan.global_batch:
+        with same_in_every_process():
+            raise HftrainError(f"the training set has {len(train)} rows, fewer than one global batch of "
+                               f"{plan.global_batch} (per_device_train_batch_size x {world} processes x "
+                               "gradient_accumulation_steps); use a smaller batch or more data")
+    pad, side = tokenizer.pad_token_id, tokenizer.padding_side
+    collator = collate(train, pad, side, True)
+    eval_collator = None if evaluation is None else collate(evaluation, pad, side, False)
+    feed = IndexedFeed(plan, collator, run.dp.rank, recipe.dataloader_num_workers, recipe.dataloader_pin_memory)
+    stats = {"sources": [{"name": recipe.dataset_name, "rows": len(train)}], "columns": columns_words(train),
+             "train_examples": len(train), "eval_examples": len(evaluation) if evaluation is not None else 0}
+    line = (f"({plan.steps_per_epoch} per epoch)", f"{len(train)} training rows ({columns_words(train)})")
+    return TrainingData(feed, plan, total_steps(recipe, plan), line, stats, train, evaluation, None, collator,
+                        eval_collator)
 
 
 def write_sentence_transformers_files(folder: Path, recipe: Recipe, dimension: int) -> None:
@@ -231,49 +265,15 @@ class Embedding(Objective):
     final_use = "encode queries and documents (sentence-transformers)"
 
     def setup_data(self, run) -> TrainingData:
-        """The contrastive rows (read, checked and tokenized before the model loads), the plan and the feed."""
-        recipe, tokenizer, world = run.recipe, run.tokenizer, run.dp.world
-        if tokenizer.pad_token is None:  # sentence-transformers pads with the saved tokenizer's pad token
-            tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.model_max_length = recipe.max_length  # saved: sentence-transformers truncates where training did
-        with phase(run.accelerator, "data preparation", recipe.ddp_timeout), main_process_first(run.accelerator):
-            rows = read_rows(recipe.dataset_name, recipe.dataset_config, recipe.dataset_train_split,
-                             recipe.dataset_columns)
-            eval_rows = None
-            if recipe.eval_dataset_name:
-                eval_rows = read_rows(recipe.eval_dataset_name, recipe.dataset_config, recipe.eval_split,
-                                      recipe.dataset_columns)
-            elif recipe.validation_split_percentage > 0 and recipe.eval_strategy != "no":
-                rows, eval_rows = held_out(rows, recipe.validation_split_percentage, recipe.order_seed,
-                                           recipe.dataset_name)
-            if recipe.max_samples is not None:
-                rows = rows[:recipe.max_samples]
-            train = tokenize_rows(rows, tokenizer, recipe.max_length, recipe.query_prompt, recipe.dataset_name)
-            evaluation = None if eval_rows is None else tokenize_rows(
-                eval_rows, tokenizer, recipe.max_length, recipe.query_prompt, recipe.eval_dataset_name or
-                f"{recipe.dataset_name} (held out)")
-        if evaluation is not None and evaluation.columns != train.columns:
-            raise HftrainError(f"the eval rows have {evaluation.columns - 2} negatives each, the training rows "
-                               f"{train.columns - 2}: give both as many")
-        plan = BatchPlan(len(train), recipe.per_device_train_batch_size, world, recipe.gradient_accumulation_steps,
-                         recipe.order_seed, shuffle=recipe.train_sampling_strategy != "sequential")
-        if len(train) < plan.global_batch:
-            with same_in_every_process():
-                raise HftrainError(f"the training set has {len(train)} rows, fewer than one global batch of "
-                                   f"{plan.global_batch} (per_device_train_batch_size x {world} processes x "
-                                   "gradient_accumulation_steps); use a smaller batch or more data")
-        pad, side = tokenizer.pad_token_id, tokenizer.padding_side
-        collator = EmbeddingCollator(train, pad, side, rows_per_batch=recipe.per_device_train_batch_size)
-        eval_collator = None if evaluation is None else EmbeddingCollator(evaluation, pad, side)
-        feed = IndexedFeed(plan, collator, run.dp.rank, recipe.dataloader_num_workers, recipe.dataloader_pin_memory)
-        negatives = train.columns - 2
-        stats = {"sources": [{"name": recipe.dataset_name, "rows": len(train)}], "columns": train.column_names,
-                 "train_examples": len(train), "eval_examples": len(evaluation) if evaluation is not None else 0}
-        line = (f"({plan.steps_per_epoch} per epoch)",
-                f"{len(train)} training rows (anchor, positive"
-                f"{f', {negatives} negative' + 's' * (negatives > 1) if negatives else ''})")
-        return TrainingData(feed, plan, total_steps(recipe, plan), line, stats, train, evaluation, None, collator,
-                            eval_collator)
+        """The contrastive rows (read, checked and tokenized before the model loads), the plan and the feed; every
+        rank's micro-batch padded to per_device_train_batch_size rows (the gathered embeddings have one shape)."""
+        recipe = run.recipe
+        return retrieval_data(
+            run, lambda rows, name: tokenize_rows(rows, run.tokenizer, recipe.max_length, recipe.query_prompt, name),
+            lambda data, pad, side, train: EmbeddingCollator(
+                data, pad, side, rows_per_batch=recipe.per_device_train_batch_size if train else None),
+            lambda data: "anchor, positive" + (f", {data.columns - 2} negative" + "s" * (data.columns > 3)
+                                               if data.columns > 2 else ""))
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> EmbeddingLoss:
@@ -293,6 +293,10 @@ class Embedding(Objective):
                 f"states, L2-normalised; MultipleNegativesRankingLoss (scale {recipe.contrastive_scale:g}, {loss}) "
                 f"over the {recipe.per_device_train_batch_size * world} rows of each micro-batch{across}{accum}"
                 f"{prompt}"]
+
+    def eval_addons(self, run) -> list:
+        """retrieval_eval_dir: the retrieval metrics at each evaluation (its files read and checked now)."""
+        return [RetrievalEvaluation(run.recipe, run.tokenizer)] if run.recipe.retrieval_eval_dir else []
 
     def add_files(self, run, folder: Path) -> None:
         """sentence-transformers' files beside the saved encoder and tokenizer."""

@@ -25,12 +25,12 @@ pytestmark = pytest.mark.launch
 # recipes and their shipped data agree; tiny-distill.yaml's loss is a divergence to its teacher
 # (tests/e2e/test_distill.py asserts that it falls); tiny-grpo-async.yaml's reward rises in
 # tests/e2e/test_grpo_async.py; tiny-embedding.yaml's contrastive batches differ step to step
-# (tests/e2e/test_embedding.py asserts its held-out loss against chance)
+# (tests/e2e/test_embedding.py asserts its held-out loss against chance), as it runs tiny-reranker.yaml
 TINY_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("tiny-*.yaml")
                       if p.name not in ("tiny-dpo.yaml", "tiny-orpo.yaml", "tiny-kto.yaml", "tiny-reward.yaml",
                                         "tiny-vlm.yaml", "tiny-vlm-dpo.yaml", "tiny-grpo.yaml", "tiny-tools-sft.yaml",
                                         "tiny-tools.yaml", "tiny-distill.yaml", "tiny-grpo-async.yaml",
-                                        "tiny-embedding.yaml"))
+                                        "tiny-embedding.yaml", "tiny-reranker.yaml"))
 
 
 def test_every_tiny_recipe_is_covered():

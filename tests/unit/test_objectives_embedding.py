@@ -1,8 +1,9 @@
-"""objective embedding's loss against sentence-transformers 6 on the same rows and the same tiny random encoders (a
-Llama body and a BERT, built here): the loss and the weights after one torch optimizer step equal
-MultipleNegativesRankingLoss's (each pooling, plain and symmetric, with a hard negative and a query prompt), the
-cached mode equals the uncached loss and gradients (and CachedMultipleNegativesRankingLoss's loss), a short batch's
-filler rows change nothing, and bad rows are refused naming the file and line."""
+"""objectives embedding and reranker against sentence-transformers 6 on the same rows and the same tiny random models
+(a Llama body and a BERT built here; the Llama as a one-output classifier): the loss and the weights after one torch
+optimizer step equal MultipleNegativesRankingLoss's (each pooling, plain and symmetric, with a hard negative and a
+query prompt) and the CrossEncoder losses' (binary, listwise), the cached mode equals the uncached loss and
+gradients (and CachedMultipleNegativesRankingLoss's loss), a short batch's filler rows change nothing, and bad rows
+are refused naming the file and line."""
 
 from __future__ import annotations
 
@@ -178,3 +179,115 @@ def test_bad_rows_are_refused_naming_the_file_and_line(tmp_path, line, says):
     with pytest.raises(HftrainError) as refused:
         tokenize_rows(read_rows(str(path), None, "train", {}), tokenizer, 32, None, str(path))
     assert f"{path}, {says}" in str(refused.value)
+
+
+# ------------------------------------------------------------------------------------------------- reranker
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory) -> str:
+    """The shipped tiny Llama as a one-output sequence classifier (its score head drawn with seed 0), pad id set."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(REPO / "models" / "tiny-llama", num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
+    model.config.pad_token_id = tokenizer.pad_token_id
+    folder = tmp_path_factory.mktemp("classifier")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("labelled", [True, False])
+def test_reranker_loss_and_update_equal_cross_encoder_losses(classifier, labelled):
+    """6 rows: labelled pairs (query, passage, label) against BinaryCrossEntropyLoss, ranked rows (query, positive,
+    negative) against CrossEncoder MultipleNegativesRankingLoss's scoring and loss of the hard negatives, without
+    in-batch negatives, activation or scale (listwise cross-entropy); the CrossEncoder reads plain text pairs, as
+    hftrain's folder declares. The loss / 6 and the weights after one SGD step are equal."""
+    from sentence_transformers.cross_encoder import CrossEncoder
+    from sentence_transformers.cross_encoder import losses as ce_losses
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hftrain.data.retrieval import RerankerCollator, tokenize_pairs
+    from hftrain.objectives.reranker import RerankerLoss
+
+    examples = rows(6)
+    if labelled:  # the positive and the negative as two labelled pairs, alternating
+        data_rows = [{"query": r["anchor"], "passage": r["positive"] if i % 2 else r["negative"], "label": i % 2}
+                     for i, r in enumerate(examples)]
+    else:
+        data_rows = [{"query": r["anchor"], "positive": r["positive"], "negative": r["negative"]} for r in examples]
+    tokenizer = AutoTokenizer.from_pretrained(classifier)
+    data = tokenize_pairs([(f"row {i}", r) for i, r in enumerate(data_rows)], tokenizer, 64, "rows")
+    batch = RerankerCollator(data, tokenizer.pad_token_id, tokenizer.padding_side)(list(range(6)))
+    batch.pop("num_examples")
+    ours = RerankerLoss(AutoModelForSequenceClassification.from_pretrained(classifier))
+
+    transformer = Transformer(classifier, transformer_task="sequence-classification", module_output_name="scores",
+                              modality_config={"text": {"method": "forward", "method_output_name": "logits"}})
+    theirs = CrossEncoder(modules=[transformer])
+    queries = [r["query"] for r in data_rows]
+    if labelled:
+        reference = ce_losses.BinaryCrossEntropyLoss(theirs)
+        inputs = [queries, [r["passage"] for r in data_rows]]
+        targets = torch.tensor([float(r["label"]) for r in data_rows])
+    else:
+        # its forward with the hard negatives only (num_negatives=0 is refused by torch.multinomial there): the
+        # scores of each column, then its own calculate_loss
+        listwise = ce_losses.MultipleNegativesRankingLoss(theirs, activation_fn=None, scale=1.0)
+
+        def reference(inputs, targets):
+            return listwise.calculate_loss([listwise.call_model_with_columns(inputs[0], column)
+                                            for column in inputs[1:]], len(inputs[0]))
+        inputs = [queries, [r["positive"] for r in data_rows], [r["negative"] for r in data_rows]]
+        targets = None
+    before = parameters(ours)
+    ours.train(), theirs.train()
+    loss = ours(**batch) / 6
+    expected = reference(inputs, targets)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for module, value in ((ours, loss), (theirs, expected)):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+        value.backward()
+        optimizer.step()
+    theirs_after = parameters(theirs)
+    assert theirs_after.keys() == before.keys()
+    for name, value in parameters(ours).items():
+        torch.testing.assert_close(value, theirs_after[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert not torch.equal(parameters(ours)["score.weight"], before["score.weight"])
+
+
+@pytest.mark.parametrize(("line", "says"), [
+    ('{"query": "a", "passage": "b", "label": 2}\n', "line 1: label must be true/false or a number in [0, 1]"),
+    ('{"query": "a", "passage": "b", "label": 1}\n{"query": "a", "positive": "b", "negative": "c"}\n',
+     "line 2: the row has 1 negatives, the first row"),
+    ('{"query": "a", "positive": "b"}\n', "line 1: a row without a label needs at least one 'negative'"),
+    ('{"anchor": "a", "positive": "b", "negative": "c"}\n', "line 1: the row needs a non-empty 'query' text"),
+])
+def test_bad_reranker_rows_are_refused_naming_the_file_and_line(tmp_path, line, says):
+    from transformers import AutoTokenizer
+
+    from hftrain.data.retrieval import tokenize_pairs
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(line, encoding="utf-8")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
+    with pytest.raises(HftrainError) as refused:
+        tokenize_pairs(read_rows(str(path), None, "train", {}), tokenizer, 32, str(path))
+    assert f"{path}, {says}" in str(refused.value)
+
+
+@pytest.mark.parametrize(("files", "says"), [
+    ({"queries.jsonl": '{"_id": "q0", "text": "a"}\n{"_id": "q1"}\n'}, "queries.jsonl, line 2: each line must be"),
+    ({"qrels.tsv": "query-id\tcorpus-id\tscore\nq0\td9\t1\n"}, "qrels.tsv, line 2: document 'd9' is not in"),
+    ({"qrels.tsv": "query-id\tcorpus-id\tscore\nq0 d0 1\n"}, "qrels.tsv, line 2: expected query-id, corpus-id"),
+])
+def test_a_bad_retrieval_task_is_refused_naming_the_file_and_line(tmp_path, files, says):
+    from hftrain.retrieval_eval import load_retrieval_set
+
+    good = {"queries.jsonl": '{"_id": "q0", "text": "a"}\n', "corpus.jsonl": '{"_id": "d0", "text": "b"}\n',
+            "qrels.tsv": "query-id\tcorpus-id\tscore\nq0\td0\t1\n"}
+    for name, text in {**good, **files}.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    with pytest.raises(HftrainError) as refused:
+        load_retrieval_set(tmp_path)
+    assert f"{tmp_path}/{says}" in str(refused.value)

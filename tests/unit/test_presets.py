@@ -185,12 +185,12 @@ STATED_SIZE = re.compile(r"(\d+(?:\.\d+)?)M[- ]parameter")  # "0.18M parameters"
 
 
 def parameters(folder: Path, objective: str) -> int:
-    """The model a recipe trains, as transformers loads it for that objective (reward: a one-score classifier;
+    """The model a recipe trains, as transformers loads it for that objective (reward, reranker: a one-score classifier;
     embedding: the body, AutoModel)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(folder)
-    if objective == "reward":
+    if objective in ("reward", "reranker"):
         auto = transformers.AutoModelForSequenceClassification
         config.num_labels = 1
     elif objective == "embedding":
