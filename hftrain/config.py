@@ -32,6 +32,8 @@ from hftrain.fields.distill import DISTILL_DEFAULTS, DistillFields
 from hftrain.fields.distill import problems as distill_problems
 from hftrain.fields.evaluation import EvaluationFields
 from hftrain.fields.evaluation import problems as evaluation_problems
+from hftrain.fields.fp8 import FP8Fields
+from hftrain.fields.fp8 import problems as fp8_problems
 from hftrain.fields.grpo import OBJECTIVE_DEFAULTS, GRPOFields
 from hftrain.fields.grpo import problems as grpo_problems
 from hftrain.fields.hub import SECRET_FIELDS, HubFields
@@ -278,7 +280,7 @@ class LoggingFields:
 
 @dataclass
 class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, LoggingFields, QATFields, PeftFields,
-             MuonFields, TrainingFields,
+             MuonFields, FP8Fields, TrainingFields,
              DistillFields, GRPOFields, ObjectiveFields, DataFields, ModelFields):
     """One flat, typed schema: every field of every group (declared per group, in this order: model, data,
     objective, training, peft and quantization, logging, evaluation, monitoring, parallelism, hub; dataclasses collect
@@ -504,6 +506,7 @@ def validate(recipe: Recipe) -> list[str]:
     problems += monitoring_problems(r)
     problems += muon_problems(r)
     problems += qat_problems(r)
+    problems += fp8_problems(r)
     problems += hub_problems(r)
     problems += evaluation_problems(r)
 

@@ -245,6 +245,10 @@ def build_full_model(recipe: Recipe, load_kwargs: dict | None = None, layers: se
         from hftrain import qat
 
         model.hftrain_notes = [*getattr(model, "hftrain_notes", []), qat.prepare(model, recipe)]
+    if recipe.fp8:  # torchao's float8 linear layers (CUDA >= 8.9: the preflight refused the rest)
+        from hftrain import fp8
+
+        model.hftrain_notes = [*getattr(model, "hftrain_notes", []), fp8.convert(model, recipe)]
     if recipe.gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model
