@@ -71,6 +71,7 @@ from hftrain.errors import ConfigError, HftrainError, first_line, run_tool
 from hftrain.memory import (
     ADAMW_BYTES,
     GIB,
+    MOMENTUM_BYTES,
     SINGLE,
     ModelState,
     Placement,
@@ -623,12 +624,17 @@ class Plan:
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 1
     tp: int = 1  # --tp: tensor parallel inside each stage (or alone), in the per-stage lines
+    optim: str = "adamw"  # --optim
 
 
 def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str = "bf16", lora_r: int = 16,
              objective: str = "sft", sp: int = 1, ep: int = 1, teacher: ModelShape | None = None,
-             precompute_ref: bool = False) -> Plan:
+             precompute_ref: bool = False, optim: str = "adamw") -> Plan:
     """Memory per GPU for every strategy (bytes).
+
+    optim muon (`optim: muon`): Muon keeps one fp32 momentum buffer (4 bytes) per parameter of the decoder layers'
+    linear weights (the hidden matrices) and AdamW its two moments (8 bytes) for the rest; only the rows muon runs
+    under are kept (one GPU and DDP, full fine-tuning: the sharded strategies and LoRA refuse it).
 
     ep > 1 (a mixture-of-experts model): the expert-parallel row, transformers' layout (`ep_size`,
     parallel/expert.py): the dense weights FSDP2-sharded over every GPU, each GPU's experts (1/ep of each layer's)
@@ -657,7 +663,9 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     copy_note = f"with {objective}'s frozen reference copy; precompute_ref_log_probs needs none"
     # the model state per GPU is hftrain.memory's (the run's start-up line computes it alike); what a strategy holds
     # beyond it is added here by name
-    fp32 = ModelState.of(n, n, 4, ADAMW_BYTES)  # DDP and FSDP: fp32 weights and gradients, AdamW's two moments
+    state = ADAMW_BYTES if optim == "adamw" else (MOMENTUM_BYTES * shape.layer_linear_params
+                                                  + ADAMW_BYTES * (n - shape.layer_linear_params)) / n
+    fp32 = ModelState.of(n, n, 4, state)  # DDP and FSDP: fp32 weights and gradients, the optimizer's state
     w16, master = deepspeed_bytes(4, ADAMW_BYTES, mixed)  # ZeRO: 16-bit weights, fp32 master weights in the state
     zero_state = ModelState.of(n, n, w16, master)
     autocast_copy = 2 * n if mixed else 0  # bf16 weight copies autocast keeps for the forward
@@ -725,6 +733,8 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
             weights=2 * unit, grads=trained.gradients if g > 1 else 0, method="qlora", copies=base,
             note="base in 4-bit NF4"),  # + one layer dequantized for compute
     ]
+    if optim == "muon":  # the one layout muon runs under
+        rows = rows[:1]
     if objective in ("dpo", "kto") and not precompute_ref:  # full fine-tuning's frozen reference; LoRA's: adapters off
         for r in rows:
             if r.method == "full":
@@ -735,7 +745,7 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
         for r in rows:
             r.add_frozen(t, r.copy_bytes)
             r.note = "; ".join(filter(None, [r.note, f"with the {t / 1e9:,.2f}B-parameter teacher"]))
-    return Plan(shape, gpus, batch, seq, precision, lora_r, rows, sp)
+    return Plan(shape, gpus, batch, seq, precision, lora_r, rows, sp, optim=optim)
 
 
 def sequence_parallel_hint(plan: Plan, gpu_memory_gib: float, objective: str = "sft") -> str | None:
@@ -813,7 +823,8 @@ def format_plan(plan: Plan, gpu_memory_gib: float, method: str, planned_tokens: 
     lines = [
         f"{s.name}: {s.architecture}, {s.params / 1e9:.3f}B parameters{active} ({s.layers} layers, hidden {s.hidden}, "
         f"vocab {s.vocab}); {plan.gpus} GPU(s) x {gpu_memory_gib:g} GiB; micro-batch {plan.batch} x {plan.seq} "
-        f"tokens per GPU; {'bf16 mixed precision' if plan.precision == 'bf16' else 'fp32'}, AdamW.",
+        f"tokens per GPU; {'bf16 mixed precision' if plan.precision == 'bf16' else 'fp32'}, "
+        f"{'Muon + AdamW' if plan.optim == 'muon' else 'AdamW'}.",
         "GiB per GPU. peak = weights + optimizer + max(activations, grads); ckpt = with gradient checkpointing.",
         "",
         f"{'strategy':<42} {'preset':<14} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} "
@@ -866,6 +877,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_switch(method, "--lora", help="Recommend for LoRA fine-tuning.")
     add_switch(method, "--qlora", help="Recommend for QLoRA (4-bit base) fine-tuning.")
     parser.add_argument("--lora_r", type=int, default=16, help="LoRA rank (all linear layers adapted).")
+    parser.add_argument("--optim", choices=("adamw", "muon"), default="adamw",
+                        help="adamw (two fp32 moments per parameter) or muon (optim: muon: one momentum buffer for "
+                        "the hidden matrices, AdamW's moments for the rest; one GPU or DDP only).")
     parser.add_argument("--seq", type=int, default=2048, help="Tokens per sequence (max_length).")
     parser.add_argument("--batch", type=int, default=1, help="Sequences per GPU per micro-batch.")
     parser.add_argument("--sp", type=int, default=1,
@@ -954,6 +968,11 @@ def print_plan(args: argparse.Namespace) -> None:
         problems.append(f"--gpu_memory must be above {CUDA_OVERHEAD_GIB:g} GiB, got {args.gpu_memory:g}")
     if (args.objective == "distill") != (args.teacher is not None):
         problems.append("--objective distill and --teacher go together (the teacher's weights are counted)")
+    if args.optim == "muon" and (args.lora or args.qlora or cluster or args.sp > 1 or args.ep > 1 or args.pp > 1
+                                 or args.tp > 1):
+        problems.append("--optim muon runs on one GPU or under DDP with full fine-tuning (hftrain refuses it with "
+                        "LoRA and with layouts that split the weight matrices); drop --lora/--qlora, --nodes, --sp, "
+                        "--ep, --pp and --tp")
     if args.precompute_ref_log_probs and args.objective not in ("dpo", "kto"):
         problems.append(f"--precompute_ref_log_probs precomputes dpo's or kto's reference, but --objective is "
                         f"{args.objective}")
@@ -969,7 +988,7 @@ def print_plan(args: argparse.Namespace) -> None:
     if problems:
         raise ConfigError(problems, "estimate arguments")
     plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective, args.sp,
-                    args.ep, teacher, args.precompute_ref_log_probs)
+                    args.ep, teacher, args.precompute_ref_log_probs, args.optim)
     if args.pp > 1 or args.tp > 1:
         stages = args.pp * STAGES_PER_PROCESS[args.pp_schedule]
         plan.pp, plan.pp_schedule, plan.tp = args.pp, args.pp_schedule, args.tp
