@@ -17,3 +17,14 @@ logging.getLogger("kernels._internals.hf_hub").addFilter(
 # suboptimal ... flatten mesh dimensions"): on every step of FSDP2 x TP and of expert parallelism, whose meshes
 # transformers builds. It is advice to the mesh's builder, repeated per rank and step, with nothing a user can change.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+# torchao (the qat extra), which transformers imports whenever it is installed, logs one warning per compiled extension
+# it cannot load: on a CPU build of torch, every one of its CUDA kernels, in every process. hftrain's QAT path is plain
+# PyTorch, and fp8's CUDA requirements are checked by the preflight.
+logging.getLogger("torchao").addFilter(
+    lambda record: not (record.getMessage().startswith("Failed to load") and "Could not load this library"
+                        in record.getMessage()))
+# torchao 0.18 registers its enums with torch's pytree at import, which torch 2.13 logs as deprecated (2 lines per
+# process, whatever the run does): torchao's to change, nothing a user can act on.
+logging.getLogger("torch.utils._pytree").addFilter(
+    lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
