@@ -31,6 +31,8 @@ from hftrain.fields.distill import DISTILL_DEFAULTS, DistillFields
 from hftrain.fields.distill import problems as distill_problems
 from hftrain.fields.evaluation import EvaluationFields
 from hftrain.fields.evaluation import problems as evaluation_problems
+from hftrain.fields.fp8 import FP8Fields
+from hftrain.fields.fp8 import problems as fp8_problems
 from hftrain.fields.grpo import OBJECTIVE_DEFAULTS, GRPOFields
 from hftrain.fields.grpo import problems as grpo_problems
 from hftrain.fields.hub import SECRET_FIELDS, HubFields
@@ -74,7 +76,7 @@ PATH_FIELDS = ("model_name_or_path", "tokenizer_name_or_path", "dataset_name", "
 
 @dataclass
 class Recipe(HubFields, ParallelFields, MonitoringFields, EvaluationFields, LoggingFields, QATFields, PeftFields,
-             MuonFields, TrainingFields,
+             MuonFields, FP8Fields, TrainingFields,
              RetrievalFields, DistillFields, GRPOFields, ObjectiveFields, DataFields, ModelFields):
     """One flat, typed schema: every field of every group (declared per group, in this order: model, data,
     objective, training, peft and quantization, logging, evaluation, monitoring, parallelism, hub; dataclasses collect
@@ -238,7 +240,7 @@ def validate(recipe: Recipe) -> list[str]:
             shown = ", ".join(str(c) for c in choices if c is not None)
             problems.append(f"{name}={getattr(r, name)!r} is not one of: {shown}")
     for group in (logging_problems, training_problems, data_problems, objective_problems, grpo_problems,
-                  distill_problems, model_problems, monitoring_problems, muon_problems, qat_problems,
+                  distill_problems, model_problems, monitoring_problems, muon_problems, qat_problems, fp8_problems,
                   retrieval_problems, hub_problems, evaluation_problems, peft_problems):
         problems += group(r)
     return problems

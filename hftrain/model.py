@@ -28,7 +28,7 @@ from transformers import (
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import hftrain.attention  # noqa: F401 - registers attn_implementation "varlen" in transformers before any load
-from hftrain import hub, qat, vision
+from hftrain import fp8, hub, qat, vision
 from hftrain.compat.accelerate import deepspeed_probed_by_import
 from hftrain.compat.liger import apply_liger_kernel_to_instance
 from hftrain.compat.torch import is_compiled
@@ -267,6 +267,8 @@ def build_full_model(recipe: Recipe, load_kwargs: dict | None = None, layers: se
         model.hftrain_notes = [vision.describe_frozen(vision.freeze(model, recipe))]
     if recipe.qat_scheme is not None:  # torchao's fake quantization, before the optimizer sees the parameters
         model.hftrain_notes = [*getattr(model, "hftrain_notes", []), qat.prepare(model, recipe)]
+    if recipe.fp8:  # torchao's float8 linear layers (CUDA >= 8.9: the preflight refused the rest)
+        model.hftrain_notes = [*getattr(model, "hftrain_notes", []), fp8.convert(model, recipe)]
     if recipe.gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model

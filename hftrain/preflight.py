@@ -29,13 +29,14 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
 
-from hftrain import attention, compat, hub, qat, vision
+from hftrain import attention, compat, fp8, hub, qat, vision
 from hftrain.attention import MAX_HEAD_DIM, VARLEN, VARLEN_MODEL_TYPES
 from hftrain.compat import accelerate as compat_accelerate
 from hftrain.compat import cpython as compat_cpython
 from hftrain.compat import datasets as compat_datasets
 from hftrain.compat import liger as compat_liger
 from hftrain.compat import torch as compat_torch
+from hftrain.compat import torchao as compat_torchao
 from hftrain.compat import transformers as compat_transformers
 from hftrain.config import Recipe
 from hftrain.errors import ConfigError
@@ -86,6 +87,7 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += evaluation_problems(recipe, launch, model_config)
     problems += qat.preflight_problems(recipe, launch.kind, model_config)
     problems += vision.layout_problems(recipe, launch, model_config)
+    problems += fp8.preflight_problems(recipe, cuda, fp8.device_capability(cuda), launch.kind)
     problems += hub.preflight_problems(recipe)
     # the installed libraries' problems are not the recipe's either: each names the install that fixes it
     unusable = unloadable + library_problems(recipe, launch)
@@ -131,6 +133,8 @@ def library_uses(recipe: Recipe, launch: Launch) -> list[compat.Use]:
         uses.append(compat_torch.PERSISTENT_BUFFERS)
         uses += [] if recipe.use_peft else [compat_transformers.STAGE_LOAD]
         uses += [compat_torch.V_SCHEDULE_EVAL] if recipe.pp_schedule in V_SCHEDULES else []
+    if recipe.fp8 and compat.installed_version("torchao") is not None:  # else missing_extra_problems
+        uses.append(compat_torchao.FLOAT8_FILTER)
     if recipe.use_liger_kernel and compat.installed_version("liger-kernel") is not None:  # else liger_problems
         uses.append(compat_liger.INSTANCE_KERNELS)
     return uses
@@ -261,6 +265,7 @@ def missing_extra_problems(recipe: Recipe, launch: Launch) -> list[str]:
              if recipe.load_in_4bit or recipe.load_in_8bit else None,
              ("bitsandbytes", f"optim={recipe.optim}") if recipe.optim in BNB_ADAMW else None,
              ("torchao", f"qat_scheme={recipe.qat_scheme}") if recipe.qat_scheme is not None else None,
+             ("torchao", "fp8") if recipe.fp8 else None,
              ("wandb", "report_to: wandb") if "wandb" in recipe.report_to else None]
     return [f"{what} needs the {package} package, which is not installed: pip install 'hftrain[{EXTRAS[package]}]'"
             f" (or pip install {package})" for package, what in filter(None, needs)

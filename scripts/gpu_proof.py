@@ -24,7 +24,11 @@ numbers measured, the bound they are held to, and the exit status of the process
   with --budget 330;
 - memory: `hftrain.estimate` against the peak CUDA memory of 2-step runs, full, LoRA and QLoRA;
 - grpo_pp: GRPO on CUDA (1 x 8 completions = 4 x 2 accumulation; a resume inside a generation window = the
-  uninterrupted run) and pipeline parallelism's refusal on one process.
+  uninterrupted run) and pipeline parallelism's refusal on one process;
+- fp8: `fp8: true` refused on a machine without float8 tensor cores (the dry run's CPU); on the GPU, tokens/s and
+  peak memory of bf16 against torchao float8 (tensorwise, rowwise) training steps of a 2-layer Llama-3-8B-shaped
+  model in the same call, compiled, with the layers hftrain.fp8 chooses (needs torchao: not in the image, add
+  torchao 0.18.0 to scripts/gpu_bundle.json first).
 
 Each part fits one device call of at most 10 minutes (throughput with its contenders split over two calls,
 --contenders); results are rewritten after every check into OUT/gpu_proof.json and OUT/gpu_proof.md, so a call
@@ -57,7 +61,7 @@ MANIFEST = REPO / "scripts" / "gpu_bundle.json"
 BUNDLE = REPO / ".gpu-bundle"
 MIB = 2**20
 TINY = REPO / "models" / "tiny-llama"
-PARTS = ("env", "correctness", "throughput", "varlen", "memory", "grpo_pp")
+PARTS = ("env", "correctness", "throughput", "varlen", "memory", "grpo_pp", "fp8")
 
 
 # ------------------------------------------------------------------------------------------- the bundle
@@ -912,6 +916,97 @@ def part_grpo_pp(report: Report, mode: Mode) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- main
+
+
+# ------------------------------------------------------------------------------------------ part: fp8
+FP8_SHAPE = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 2,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096}
+
+
+def fp8_steps(precision: str, batch: int = 4, length: int = 2048, warmup: int = 3, steps: int = 10) -> dict:
+    """Training steps (bf16 autocast, AdamW, torch.compile) of a random FP8_SHAPE Llama, in bf16 or with hftrain's
+    float8 layers (`precision`: bf16, tensorwise, rowwise): tokens/s over `steps` after `warmup`, peak CUDA memory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hftrain import fp8
+    from hftrain.config import Recipe
+
+    torch.manual_seed(0)
+    torch.cuda.reset_peak_memory_stats()
+    model = LlamaForCausalLM(LlamaConfig(**FP8_SHAPE)).cuda()
+    note = "bf16 autocast"
+    if precision != "bf16":
+        note = fp8.convert(model, Recipe(fp8=True, fp8_recipe=precision, bf16=True))
+    model = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, FP8_SHAPE["vocab_size"], (batch, length), device="cuda")
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            start = time.time()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    seconds = time.time() - start
+    result = {"tokens_per_second": batch * length * steps / seconds, "peak_cuda_mb": torch.cuda.max_memory_allocated()
+              / MIB, "loss": loss.item(), "layers": note}
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return result
+
+
+def part_fp8(report: Report, mode: Mode) -> None:
+    """fp8: the refusal where float8 cannot run, then (CUDA, compute capability >= 8.9) bf16 against float8."""
+    data = text8(mode)
+
+    def refused() -> Check:
+        code, out, err = hftrain_run(mode, "fp8-refused", *sgd_args(data, 2, 2, "bf16"), "--fp8", "true")
+        said = " ".join(err.split())
+        ok = code == 2 and "fp8 needs a" in said and "Traceback" not in err
+        return Check("", "", "pass" if ok else "FAIL", measured=f"exit {code}", bound="exit 2, one paragraph",
+                     exit=code, detail=said[-500:])
+
+    if not mode.cuda:
+        timed(report, "fp8", "fp8 refused without float8 tensor cores (CPU)", refused)
+        timed(report, "fp8", "bf16 against float8: tokens/s and memory",
+              lambda: Check("", "", "skip", detail="float8 matmuls need CUDA with compute capability >= 8.9 (dry run "
+                                                   "on CPU)"))
+        return
+    import torch
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        timed(report, "fp8", "fp8 refused below compute capability 8.9", refused)
+        return
+    if importlib.util.find_spec("torchao") is None:
+        timed(report, "fp8", "bf16 against float8: tokens/s and memory",
+              lambda: Check("", "", "skip", detail="torchao is not installed: add torchao 0.18.0 to "
+                                                   "scripts/gpu_bundle.json (python scripts/gpu_proof.py assemble)"))
+        return
+    measured = {}
+    for precision in ("bf16", "tensorwise", "rowwise"):
+        def one(p=precision) -> Check:
+            measured[p] = fp8_steps(p)
+            row = measured[p]
+            return Check("", "", "info", measured=f"{row['tokens_per_second']:,.0f} tokens/s, "
+                         f"{row['peak_cuda_mb']:,.0f} MB", detail=f"{row['layers']}; loss {row['loss']:.3f}",
+                         numbers=row)
+        timed(report, "fp8", f"{precision}: 2-layer Llama-3-8B shape, 4 x 2048 tokens, compiled", one)
+    for precision in ("tensorwise", "rowwise"):
+        def versus(p=precision) -> Check:
+            if p not in measured or "bf16" not in measured:
+                return Check("", "", "skip", detail=f"{p} or bf16 did not run")
+            speed = measured[p]["tokens_per_second"] / measured["bf16"]["tokens_per_second"]
+            memory = measured[p]["peak_cuda_mb"] / measured["bf16"]["peak_cuda_mb"]
+            return Check("", "", "info", measured=f"{speed:.2f}x tokens/s, {memory:.2f}x memory",
+                         detail="torchtitan reports float8 ~1.2-1.3x over compiled bf16 on H100 at larger shapes",
+                         numbers={"tokens_ratio": speed, "memory_ratio": memory})
+        timed(report, "fp8", f"{precision} against bf16", versus)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -959,7 +1054,7 @@ def main(argv: list[str] | None = None) -> None:
             "versions": versions(), "work": str(work)}
     report = Report(args.out, meta)
     runners = {"env": part_env, "correctness": part_correctness, "throughput": part_throughput, "varlen": part_varlen,
-               "memory": part_memory, "grpo_pp": part_grpo_pp}
+               "memory": part_memory, "grpo_pp": part_grpo_pp, "fp8": part_fp8}
     for part in parts:
         runners[part](report, mode)
         if torch.cuda.is_available():  # the next part's child processes get the GPU memory this one cached

@@ -104,7 +104,7 @@ def test_dry_run_goes_through_every_part(tmp_path):
     report = json.loads((out / "gpu_proof.json").read_text())
     checks = report["checks"]
     assert report["dry_run"] and report["device"] == "CPU"
-    assert {c["part"] for c in checks} == {"env", "correctness", "throughput", "varlen", "memory", "grpo_pp"}
+    assert {c["part"] for c in checks} == {"env", "correctness", "throughput", "varlen", "memory", "grpo_pp", "fp8"}
     assert {c["status"] for c in checks} <= {"pass", "skip", "info"}
     assert all(c["detail"] for c in checks if c["status"] == "skip")  # every skip says why
     exact = [c for c in checks if c["part"] == "correctness" and c["name"].startswith("one step = plain PyTorch")]
@@ -126,6 +126,10 @@ def test_dry_run_goes_through_every_part(tmp_path):
     assert set(levers["results"]) == {"hftrain_packed", "hftrain_gpu_sdpa"} and levers["skipped"] == []
     assert varlen["hftrain_packed"]["detail"].startswith("attention sdpa (block-diagonal mask over packed rows")
     assert varlen["lever: varlen -> sdpa's block-diagonal mask"]["status"] == "info"
+
+    fp8 = {c["name"]: c["status"] for c in checks if c["part"] == "fp8"}
+    assert fp8 == {"fp8 refused without float8 tensor cores (CPU)": "pass",
+                   "bf16 against float8: tokens/s and memory": "skip"}
 
     page = (out / "gpu_proof.md").read_text()
     assert page.startswith("# GPU proof (dry run on CPU)")

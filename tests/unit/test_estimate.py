@@ -321,3 +321,28 @@ def test_cli_prints_the_pipeline_stages_and_bubble(model_dir):
     bad = subprocess.run([sys.executable, "-m", "hftrain.estimate", "--model", str(model_dir), "--gpus", "3",
                           "--pp", "2"], capture_output=True, text=True, cwd=REPO, env=OFFLINE)
     assert bad.returncode == 2 and "--pp 2 must be >= 1 and divide --gpus 3" in " ".join(bad.stderr.split())
+
+
+def test_muon_holds_one_momentum_buffer_per_hidden_matrix_parameter(model_dir):
+    """--optim muon: 4 bytes for each parameter of the matrices torch.optim.Muon gets (hftrain.optim.muon_split on
+    the model built on the meta device) and AdamW's 8 for the rest; DDP is the one row (sharded layouts refuse it)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hftrain.errors import ConfigError
+    from hftrain.estimate import build_parser, print_plan
+    from hftrain.optim import muon_split
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    hidden, rest = muon_split(model)
+    n, linear = hand_params()
+    assert sum(p.numel() for p in hidden) == linear and sum(p.numel() for p in rest) == n - linear
+    plan = estimate(model_shape(str(model_dir)), gpus=2, batch=1, seq=64, optim="muon")
+    (row,) = plan.rows
+    assert row.strategy == "DDP" and row.optimizer == pytest.approx(4 * linear + 8 * (n - linear))
+    adamw = {r.strategy: r for r in estimate(model_shape(str(model_dir)), gpus=2, batch=1, seq=64).rows}["DDP"]
+    assert (row.weights, row.grads) == (adamw.weights, adamw.grads) and adamw.optimizer == 8 * n
+    with pytest.raises(ConfigError) as refused:
+        print_plan(build_parser().parse_args(["--model", str(model_dir), "--optim", "muon", "--lora"]))
+    assert any(p.startswith("--optim muon runs on one GPU or under DDP") for p in refused.value.problems)
