@@ -60,6 +60,18 @@ def sampling_version(window: int, weight_sync_steps: int, max_staleness: int) ->
     return max(0, window // weight_sync_steps - max_staleness)
 
 
+def held_windows(step: int, last_window: int, weight_sync_steps: int, max_staleness: int) -> list[int]:
+    """The windows a checkpoint after `step` must hold: those after it sampled by a policy version older than the
+    oldest one the resumed run pushes (its weights are version step / weight_sync_steps only at a push; else its
+    first push is the next version)."""
+    available = step // weight_sync_steps + (step % weight_sync_steps != 0)
+    due, window = [], step
+    while window < last_window and sampling_version(window, weight_sync_steps, max_staleness) < available:
+        due.append(window)
+        window += 1
+    return due
+
+
 def queue_windows(max_inflight_tasks: int, max_staleness: int, window_size: int, global_batch: int) -> int:
     """The worker queue's bound in whole windows: max_inflight_tasks completions (-1: TRL's automatic
     max(max_staleness, 1) x the completions of one optimizer step), at least one window."""
@@ -197,13 +209,7 @@ class RolloutWorker:
         again (older than the checkpoint's weights, which are version step / weight_sync_steps only at a push),
         taken from the queue now (waiting for the worker) and kept here for their steps; `async_complete` false when
         the worker failed on the way (the checkpoint then cannot resume exactly)."""
-        sync, stale = self.spec.weight_sync_steps, self.spec.max_staleness
-        available = step // sync + (step % sync != 0)  # the oldest version the resumed run pushes
-        due = []
-        window = step
-        while window < self.spec.last_window and sampling_version(window, sync, stale) < available:
-            due.append(window)
-            window += 1
+        due = held_windows(step, self.spec.last_window, self.spec.weight_sync_steps, self.spec.max_staleness)
         try:
             for window in due:
                 if window not in self.pending:

@@ -1,10 +1,12 @@
 """async_generation end to end on the tiny model that often ends its completions: the rollout worker (a second
-process) with max_staleness 0 and weight_sync_steps 1 gives the synchronous run (the same rollouts, losses and
-weights); with max_staleness 1 each completion's recorded policy version and behaviour log-probs are those of that
-version's weights (recomputed from the checkpoints), and each step's update equals the step written in plain PyTorch
-from rollouts.jsonl, with TRL's importance-sampling correction (sequence_mask) and without it (a run with
-vllm_importance_sampling_correction false), the two updates differing where the policy versions differ; a worker
-killed mid-run stops the run within seconds with a message naming it and the checkpoint it saved.
+process) with max_staleness 0 and weight_sync_steps 1 gives the synchronous run (the same rollouts, losses,
+evaluations and weights); with max_staleness 1 each completion's recorded policy version and behaviour log-probs
+are those of that version's weights (recomputed from the checkpoints), and each step's update equals the step written
+in plain PyTorch from rollouts.jsonl, with TRL's importance-sampling correction (sequence_mask) and without it (a run
+with vllm_importance_sampling_correction false), the two updates differing where the policy versions differ; a worker
+killed or frozen mid-run stops the run within seconds with a message naming it and the checkpoint it saved; 2 DDP
+processes equal one; a run resumed from a checkpoint that holds a stale window equals the uninterrupted one; the
+shipped recipe learns.
 
 Runs of 2-3 steps of 8 completions of <= 6 tokens, with SGD (its update is proportional to the gradient)."""
 
@@ -21,7 +23,15 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import REPO, launch, run_script
-from tests.e2e.test_grpo import BASE, ONE_BY_EIGHT, TINY, TWO_PROCS, ending_model, token_log_probs  # noqa: F401
+from tests.e2e.test_grpo import (  # noqa: F401 - ending_model: the fixture
+    BASE,
+    ONE_BY_EIGHT,
+    TINY,
+    TWO_PROCS,
+    ending_model,
+    evaluating,
+    token_log_probs,
+)
 
 SAVE = ["--save_strategy", "steps", "--save_steps", "1", "--checkpoint_preflight", "false"]
 
@@ -55,9 +65,10 @@ def runs(tmp_path_factory, ending_model):  # noqa: F811 - the imported fixture
     stale = [*args(ending_model, 2), "--learning_rate", "0.02", "--seed", "4", "--async_generation", "true",
              "--max_staleness", "1", *SAVE]
     return {
-        "sync": run_script(tmp / "sync", *args(ending_model, 3)),
+        # both evaluate after step 2 and at the end (the trainer completes the eval prompts itself)
+        "sync": run_script(tmp / "sync", *args(ending_model, 3), *evaluating(tmp)),
         "async0": run_script(tmp / "async0", *args(ending_model, 3), "--async_generation", "true",
-                             "--max_staleness", "0"),
+                             "--max_staleness", "0", *evaluating(tmp)),
         "stale": run_script(tmp / "stale", *stale),
         "stale-raw": run_script(tmp / "stale-raw", *stale, "--vllm_importance_sampling_correction", "false"),
         # 2 processes under DDP, each with its worker for its rows: 2 x 2 completions x accumulation 2
@@ -77,6 +88,10 @@ def test_max_staleness_0_is_the_synchronous_run(runs):
         load_file(sync.output_dir / "final" / "model.safetensors")
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    evaluations = [m for m in async0.metrics() if "eval_reward" in m]
+    assert [m["step"] for m in evaluations] == [2, 3]
+    assert [m["eval_reward"] for m in evaluations] == pytest.approx(
+        [m["eval_reward"] for m in sync.metrics() if "eval_reward" in m], rel=1e-6)
     metrics = async0.train_rows()
     assert all(m["sample/staleness_max"] == 0 for m in metrics)
     assert {"rollout/worker_busy_s", "perf/rollout_wait_s", "sampling/importance_sampling_ratio/mean"} <= set(

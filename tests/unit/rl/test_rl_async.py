@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hftrain.config import ConfigError, load_recipe
-from hftrain.rl.async_worker import queue_windows, sampling_version
+from hftrain.rl.async_worker import held_windows, queue_windows, sampling_version
 
 
 def test_each_window_is_sampled_max_staleness_versions_behind_its_training_step():
@@ -18,6 +18,29 @@ def test_each_window_is_sampled_max_staleness_versions_behind_its_training_step(
         for stale in (0, 1, 4):
             for w in range(20):  # never older than max_staleness versions, never newer than the trainer's
                 assert w // sync - stale <= sampling_version(w, sync, stale) <= w // sync
+
+
+def test_a_checkpoint_holds_exactly_the_windows_the_resumed_run_cannot_sample_again():
+    """After step n the resumed run holds the weights after step n: version n / sync at a push, else it pushes the
+    next version first (at the next multiple of sync). Every window it must sample itself is sampled by a version it
+    pushes before it takes that window; the held ones are those sampled by older versions."""
+    assert held_windows(1, 10, 1, 1) == [1]  # window 1 by version 0; the resumed weights are version 1
+    assert held_windows(3, 10, 1, 0) == []  # the synchronous schedule holds nothing
+    assert held_windows(3, 10, 2, 0) == [3]  # version 1 (after step 2) is gone at step 3
+    assert held_windows(8, 9, 1, 4) == [8]  # never past the run's last window
+    for sync in (1, 2, 3):
+        for stale in (0, 1, 2):
+            for step in range(12):
+                held = held_windows(step, 40, sync, stale)
+                assert held == list(range(step, step + len(held)))
+                first = step + len(held)  # the resumed worker's first window
+                for window in range(first, 40):
+                    version = sampling_version(window, sync, stale)
+                    pushed_at = version * sync  # the window at whose start the trainer pushes `version`
+                    assert pushed_at >= step and (pushed_at > step or step % sync == 0) and pushed_at <= window
+                for window in held:
+                    assert sampling_version(window, sync, stale) * sync < step or (
+                        step % sync and sampling_version(window, sync, stale) == step // sync)
 
 
 def test_queue_bound_is_trls_max_inflight_tasks_in_whole_windows():
