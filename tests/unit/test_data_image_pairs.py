@@ -242,3 +242,53 @@ def test_zero3_is_refused_for_image_pairs_by_name():
     assert vision.layout_problems(recipe, Launch("fsdp2", 2, 2), config) == []
     sft = Recipe(model_name_or_path=str(MODEL), dataset_name=str(REPO / "data" / "image-chat.jsonl"))
     assert vision.layout_problems(sft, zero[3], config) == []
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "idefics3"])
+def test_dpo_loss_equals_plain_pytorch_for_other_families(arch, image_text_model, rows):
+    """The tiny Gemma 3 (token_type_ids per token: the rejected row's are built from the chosen row's prompt) and
+    Idefics3 (tiles per row, pixel_attention_mask) built by scripts/make_tiny_model.py: dpo's loss on a collated
+    micro-batch equals the formula on log-probs of independent encodings of each side (the processor on the
+    template's text for prompt + completion; trained: the tokens after the prompt rendered with the generation
+    prompt, through the last one that is not whitespace), against a reference that differs from the policy."""
+    folder = image_text_model(arch)
+    processor = AutoProcessor.from_pretrained(folder)
+    picked = [0, 1, 3]
+    pairs = prepare_pairs([dict(rows[i]) for i in picked], processor, SPEC, str(DATA))[0]
+    batch = ImagePairCollator(pairs, processor, processor.tokenizer.pad_token_id)([0, 1, 2])
+    batch.pop("num_examples")
+    torch.manual_seed(0)
+    policy = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    reference = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+    def log_prob(model, row, side) -> torch.Tensor:
+        prompt = row["prompt"]
+        if isinstance(prompt[0]["content"], str):
+            prompt = [{"role": "user", "content": [*[{"type": "image"}] * len(row["images"]),
+                                                    {"type": "text", "text": prompt[0]["content"]}]}]
+        images = [open_image(path, DATA.parent, "test") for path in row["images"]]
+        head = processor(text=[processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)],
+                         images=images, return_tensors="pt", add_special_tokens=False)["input_ids"][0].tolist()
+        inputs = processor(text=[processor.apply_chat_template([*prompt, *row[side]], tokenize=False)],
+                           images=images, return_tensors="pt", add_special_tokens=False)
+        ids = inputs["input_ids"][0].tolist()
+        assert ids[:len(head)] == head
+        end = max(k for k, t in enumerate(ids) if processor.tokenizer.decode([t]).strip())
+        logps = model(**inputs).logits[0].float().log_softmax(-1)
+        return sum(logps[k - 1, ids[k]] for k in range(len(head), end + 1))
+
+    recipe = Recipe(model_name_or_path=str(folder), dataset_name=str(DATA), objective="dpo", beta=0.1)
+    loss = PreferenceLoss(policy, recipe, FrozenReference(ReferenceLogProbs(reference, False), torch.device("cpu")))
+    with torch.no_grad():
+        ours = loss(**batch)
+        expected = 0.0
+        for i in picked:
+            delta = ((log_prob(policy, rows[i], "chosen") - log_prob(reference, rows[i], "chosen"))
+                     - (log_prob(policy, rows[i], "rejected") - log_prob(reference, rows[i], "rejected")))
+            expected = expected - F.logsigmoid(0.1 * delta)
+    assert ours.item() == pytest.approx(float(expected), rel=1e-5)
+    if arch == "gemma3":
+        assert batch["token_type_ids"].sum() > 0
