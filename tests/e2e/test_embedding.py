@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import REPO, Run, launch, run_script, write_jsonl
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, run_script, write_jsonl
 from tests.e2e import objective_checks as checks
 
 st = pytest.importorskip("sentence_transformers")
@@ -114,6 +114,16 @@ def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path, rows):
     run = launch(tmp_path / "out", "--dataset_name", rows[1], *EXACT, "--per_device_train_batch_size", "2",
                  "--mini_batch_size", "4", preset="cpu_ddp", processes=2)
     assert "the candidates of all 2 data-parallel ranks gathered" in run.stdout + run.stderr
+    assert_matches(run, reference(rows[0][:8], batch=4, micro=4))
+
+
+@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
+def test_sharded_presets_equal_one_process_on_the_whole_batch(tmp_path, rows, preset):
+    """2 processes x 2 rows with the encoder partitioned (ZeRO-3) or sharded (FSDP2, forced on CPU by the test
+    launcher): the gathered candidates and the update are those of one batch of 4 (losses, gathered final weights)."""
+    run = launch(tmp_path / "out", "--dataset_name", rows[1], *EXACT, "--per_device_train_batch_size", "2",
+                 preset=preset, processes=2, script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY)
+    assert run.state()["launch"]["distributed_type"] == ("DEEPSPEED" if preset == "zero3" else "FSDP")
     assert_matches(run, reference(rows[0][:8], batch=4, micro=4))
 
 
