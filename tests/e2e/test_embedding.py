@@ -279,3 +279,24 @@ def test_a_bad_row_is_refused_before_the_model_loads(tmp_path, rows):
     said = " ".join(run.stderr.split())
     assert run.returncode != 0 and "Traceback" not in run.stderr and "Loading weights" not in run.stderr
     assert f"{data}, line 3: the row has no 'positive' field" in said
+
+
+def test_chat_and_eval_tasks_refuse_embedding_and_reranker_folders(one_process, reranker_run, capsys):
+    """`hftrain chat` / `hftrain eval --tasks` on an embedding model's final folder or checkpoint, or a reranker's:
+    one paragraph naming what the folder is and how to use it, before any weights load (chat would otherwise load
+    the encoder under a newly drawn language-model head and write noise)."""
+    from hftrain.cli import main as cli
+
+    embedding, reranker = one_process.output_dir / "final", reranker_run.output_dir / "final"
+    checkpoint = one_process.output_dir / "checkpoint-2"
+    for argv, what in ((["chat", str(embedding)], "an embedding model (sentence-transformers' SentenceTransformer)"),
+                       (["eval", str(embedding), "--tasks", "hellaswag"], "an embedding model"),
+                       (["chat", str(checkpoint)], "an embedding model"),
+                       (["chat", str(reranker)], "a reranker (sentence-transformers' CrossEncoder)")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            cli(argv)
+        err = capsys.readouterr().err
+        said = " ".join(err.split())
+        assert exit_.value.code == 2 and err.count("hftrain: error") == 1 and "Traceback" not in err, err
+        assert f"is {what}" in said and "writes no text" in said and "Loading weights" not in err, said
