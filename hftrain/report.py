@@ -43,6 +43,8 @@ TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency")  # grpo with 
 REWARDS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")  # dpo / simpo / orpo rows
 ORPO_TERMS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")  # orpo's two loss terms and its log odds (TRL's names)
 REWARD_MODEL = ("accuracy", "margin", "mean_reward")  # objective reward (RewardTrainer's names)
+# objective embedding's retrieval_eval_dir metrics (evaluation rows' eval_<name>)
+RETRIEVAL = ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10")
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -174,7 +176,8 @@ def is_kto(train: list[dict]) -> bool:
     return any("kl" in r and "rewards/chosen" in r for r in train)
 
 
-def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
+def plot_all(train: list[dict], evals: list[dict], folder: Path, ranked: list[dict] = ()) -> list[Path]:
+    """The run's plots; `ranked`: the evaluation rows with retrieval metrics (with or without an eval loss)."""
     made, steps = [plot_loss(train, evals, folder / "loss.png")], sorted({r["step"] for r in train})
     many_ranks = len(rank_keys(train, "tokens_per_second")) > 1  # one process: its rank0 line is the total
     pairs = any(REWARDS[1] in r for r in train)  # rewards/margins: dpo, simpo, orpo and kto
@@ -195,10 +198,16 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path) -> list[Path]:
         plot_train_and_eval(ax, train, evals, ["kl"])
         made.append(_save(fig, ax, folder / "kto.png", steps))
 
-    if any(REWARD_MODEL[0] in r for r in train):  # reward: pairs ranked right, chosen - rejected, mean score
+    if any(REWARD_MODEL[2] in r for r in train):  # reward: pairs ranked right, chosen - rejected, mean score
         fig, ax = _figure("Reward model (accuracy, margin = r_chosen - r_rejected, mean reward)", "value")
         plot_train_and_eval(ax, train, evals, REWARD_MODEL)
         made.append(_save(fig, ax, folder / "reward_model.png", steps))
+
+    if ranked:  # embedding's retrieval_eval_dir: the live model's ranking of the task's corpus at each evaluation
+        fig, ax = _figure("Retrieval (retrieval_eval_dir: the corpus ranked for each query)", "value")
+        for key in RETRIEVAL:
+            ax.plot(*series(ranked, f"eval_{key}"), marker="o", label=key)
+        made.append(_save(fig, ax, folder / "retrieval.png", sorted({r["step"] for r in ranked})))
 
     grpo = any("reward_std" in r for r in train)  # grpo logs an entropy too
     if any("entropy" in r for r in train) and not grpo:  # distill: the student's entropy per trained token (TRL's)
@@ -289,7 +298,8 @@ def _fmt(value, digits: int = 4) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict, images: list[Path]) -> str:
+def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict, images: list[Path],
+            ranked: list[dict] = ()) -> str:
     last = train[-1]
     launch = state.get("launch", {})  # absent when the run has not saved anything yet
     lines = [f"# Run report: {output_dir.resolve().name}", ""]
@@ -327,13 +337,17 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
     if is_kto(train):
         lines.append(f"- kto reference point (last train window): kl {_fmt(last.get('kl'))}"
                      + (f"; eval_kl {_fmt(evals[-1].get('eval_kl'))} at step {evals[-1]['step']}" if evals else ""))
-    if any(REWARD_MODEL[0] in r for r in train):
+    if any(REWARD_MODEL[2] in r for r in train):
         lines.append("- reward model (last train window): " + ", ".join(f"{key} {_fmt(last.get(key))}"
                                                                        for key in REWARD_MODEL))
         if evals:
             lines.append(f"- eval at step {evals[-1]['step']}: " + ", ".join(
                 f"{key} {_fmt(evals[-1].get(f'eval_{key}'))}" for key in REWARD_MODEL) + f"; first eval (step "
                 f"{evals[0]['step']}) accuracy {_fmt(evals[0].get('eval_accuracy'))}")
+    if ranked:
+        lines.append(f"- retrieval at step {ranked[-1]['step']}: " + ", ".join(
+            f"{key} {_fmt(ranked[-1][f'eval_{key}'])}" for key in RETRIEVAL) + f"; first (step {ranked[0]['step']}) "
+            f"ndcg@10 {_fmt(ranked[0]['eval_ndcg@10'])}")
     if any(ORPO_TERMS[1] in r for r in train):
         lines.append("- orpo terms (last train window): " + ", ".join(f"{key} {_fmt(last.get(key))}"
                                                                      for key in ORPO_TERMS))
@@ -388,11 +402,12 @@ def write_report(output_dir: Path) -> Path:
     rows = read_metrics(output_dir)
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
+    ranked = [r for r in rows if f"eval_{RETRIEVAL[0]}" in r]
     folder = output_dir / REPORT_DIR
     folder.mkdir(exist_ok=True)
-    images = plot_all(train, evals, folder)
+    images = plot_all(train, evals, folder, ranked)
     report = folder / "report.md"
-    report.write_text(summary(output_dir, train, evals, run_state(output_dir), images), encoding="utf-8")
+    report.write_text(summary(output_dir, train, evals, run_state(output_dir), images, ranked), encoding="utf-8")
     return report
 
 

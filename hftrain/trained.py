@@ -76,15 +76,18 @@ def inspect(folder: Path, base: str | None = None) -> Folder:
         raise HftrainError(f"{str(folder)!r} is not a folder; give a trained model folder: output_dir/{FINAL_DIR}, a "
                            f"merged folder, an adapter folder or output_dir/{PREFIX}N")
     if (folder / ADAPTER_CONFIG).is_file():
+        refuse_retrieval_model(folder)
         refuse_reward_model(folder, "adapter")
         found = Folder(folder, "adapter", base or adapter_base(folder))
     elif (folder / "config.json").is_file():
         if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
             raise HftrainError(f"{folder} has config.json but no weights (*.safetensors or *.bin): it describes a "
                                "model without holding one; give the folder the model was saved to")
+        refuse_retrieval_model(folder)
         refuse_reward_model(folder, "model")
         return Folder(folder, "model")
     elif (folder / STATE_FILE).is_file() and (folder / CONFIG_FILE).is_file():
+        refuse_retrieval_model(folder)
         refuse_reward_model(folder, "checkpoint")
         recipe = checkpoint_recipe(folder, base)
         found = Folder(folder, "checkpoint", recipe.model_name_or_path, recipe.use_peft)
@@ -114,6 +117,30 @@ def sequence_classifier(folder: Path, kind: str) -> str | None:
         return f"a LoRA adapter of a sequence classifier (task_type {task})" if task == "SEQ_CLS" else None
     objective = (read_yaml(str(folder / CONFIG_FILE)) or {}).get("objective")
     return "a checkpoint of an objective reward run" if objective == "reward" else None
+
+
+def refuse_retrieval_model(folder: Path) -> None:
+    """An embedding model or a reranker (objective embedding / reranker: sentence-transformers' files beside the
+    model, or a checkpoint of such a run) writes no text: chat and eval's tasks have nothing to run on it."""
+    st_config = folder / "config_sentence_transformers.json"
+    if st_config.is_file():
+        model_type = json.loads(st_config.read_text(encoding="utf-8")).get("model_type", "SentenceTransformer")
+    elif (folder / CONFIG_FILE).is_file() and (folder / STATE_FILE).is_file():
+        objective = (read_yaml(str(folder / CONFIG_FILE)) or {}).get("objective")
+        model_type = {"embedding": "SentenceTransformer", "reranker": "CrossEncoder"}.get(objective)
+    else:
+        model_type = None
+    if model_type not in ("SentenceTransformer", "CrossEncoder"):
+        return
+    what, use = (("an embedding model", f"encode texts with sentence_transformers.SentenceTransformer({str(folder)!r}) "
+                  f"as its README.md shows, or rank a local task with `hftrain eval {folder} --retrieval DIR`")
+                 if model_type == "SentenceTransformer" else
+                 ("a reranker", f"score (query, passage) pairs with sentence_transformers.CrossEncoder({str(folder)!r})"
+                  " as its README.md shows"))
+    if not st_config.is_file():
+        use = f"use the run's {FINAL_DIR} folder: {use.replace(str(folder), f'output_dir/{FINAL_DIR}')}"
+    raise HftrainError(f"{folder} is {what} (sentence-transformers' {model_type}): it writes no text, so chat and "
+                       f"eval's --tasks, which generate text, cannot use it. Instead, {use}.")
 
 
 def refuse_reward_model(folder: Path, kind: str) -> None:

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import REPO, Run, launch, run_script, write_jsonl
+from tests.conftest import ENTRY, FSDP_LAUNCHER, REPO, Run, launch, run_script, write_jsonl
 from tests.e2e import objective_checks as checks
 
 st = pytest.importorskip("sentence_transformers")
@@ -114,6 +114,16 @@ def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path, rows):
     run = launch(tmp_path / "out", "--dataset_name", rows[1], *EXACT, "--per_device_train_batch_size", "2",
                  "--mini_batch_size", "4", preset="cpu_ddp", processes=2)
     assert "the candidates of all 2 data-parallel ranks gathered" in run.stdout + run.stderr
+    assert_matches(run, reference(rows[0][:8], batch=4, micro=4))
+
+
+@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
+def test_sharded_presets_equal_one_process_on_the_whole_batch(tmp_path, rows, preset):
+    """2 processes x 2 rows with the encoder partitioned (ZeRO-3) or sharded (FSDP2, forced on CPU by the test
+    launcher): the gathered candidates and the update are those of one batch of 4 (losses, gathered final weights)."""
+    run = launch(tmp_path / "out", "--dataset_name", rows[1], *EXACT, "--per_device_train_batch_size", "2",
+                 preset=preset, processes=2, script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY)
+    assert run.state()["launch"]["distributed_type"] == ("DEEPSPEED" if preset == "zero3" else "FSDP")
     assert_matches(run, reference(rows[0][:8], batch=4, micro=4))
 
 
@@ -269,3 +279,24 @@ def test_a_bad_row_is_refused_before_the_model_loads(tmp_path, rows):
     said = " ".join(run.stderr.split())
     assert run.returncode != 0 and "Traceback" not in run.stderr and "Loading weights" not in run.stderr
     assert f"{data}, line 3: the row has no 'positive' field" in said
+
+
+def test_chat_and_eval_tasks_refuse_embedding_and_reranker_folders(one_process, reranker_run, capsys):
+    """`hftrain chat` / `hftrain eval --tasks` on an embedding model's final folder or checkpoint, or a reranker's:
+    one paragraph naming what the folder is and how to use it, before any weights load (chat would otherwise load
+    the encoder under a newly drawn language-model head and write noise)."""
+    from hftrain.cli import main as cli
+
+    embedding, reranker = one_process.output_dir / "final", reranker_run.output_dir / "final"
+    checkpoint = one_process.output_dir / "checkpoint-2"
+    for argv, what in ((["chat", str(embedding)], "an embedding model (sentence-transformers' SentenceTransformer)"),
+                       (["eval", str(embedding), "--tasks", "hellaswag"], "an embedding model"),
+                       (["chat", str(checkpoint)], "an embedding model"),
+                       (["chat", str(reranker)], "a reranker (sentence-transformers' CrossEncoder)")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            cli(argv)
+        err = capsys.readouterr().err
+        said = " ".join(err.split())
+        assert exit_.value.code == 2 and err.count("hftrain: error") == 1 and "Traceback" not in err, err
+        assert f"is {what}" in said and "writes no text" in said and "Loading weights" not in err, said

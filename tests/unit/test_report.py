@@ -216,3 +216,22 @@ def test_a_reward_models_report_names_its_eval_metrics_as_its_training_ones(tmp_
     text = write_report(tmp_path).read_text()
     assert "- eval at step 1: accuracy 0.25, margin 0.05, mean_reward 0.5; first eval (step 1) accuracy 0.25" in text
 
+
+
+def test_an_embedding_run_reports_its_retrieval_metrics_and_no_reward_model(tmp_path):
+    """objective embedding logs an accuracy (no margin, no mean reward: not a reward model) and, with
+    retrieval_eval_dir and no eval set, evaluation rows of retrieval metrics alone: plotted and stated (numbers made
+    up here, read back by hand)."""
+    def ranked(step: int, ndcg: float) -> dict:
+        return {"step": step, "eval_ndcg@10": ndcg, "eval_mrr@10": ndcg / 2, "eval_recall@1": 0.25,
+                "eval_recall@5": 0.5, "eval_recall@10": 0.75}
+
+    rows = [{**train_row(1, 2.0), "accuracy": 0.25}, ranked(1, 0.2), {**train_row(2, 1.5), "accuracy": 0.5},
+            ranked(2, 0.4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = write_report(tmp_path)
+    assert (report.parent / "retrieval.png").is_file() and not (report.parent / "reward_model.png").exists()
+    text = report.read_text()
+    assert ("retrieval at step 2: ndcg@10 0.4, mrr@10 0.2, recall@1 0.25, recall@5 0.5, recall@10 0.75; first "
+            "(step 1) ndcg@10 0.2") in text
+    assert "reward model" not in text
