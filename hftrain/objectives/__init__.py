@@ -25,7 +25,7 @@
 - `grpo.py`: `grpo`, online RL (generation windows, rewards, TRL's GRPO loss; pieces in hftrain/rl/). It plugged in
   the way any objective does: a module with its `Objective` subclass, one entry in `OBJECTIVES`,
   the name in the recipe's `objective` choices, its fields and rules in `hftrain/fields/objectives.py`
-  (`problems`, re-exported here); see docs/architecture.md, "Adding an objective".
+  (`problems`, re-exported here); see docs/modules.md, "Plug-in points".
 
 Every loss module returns a *sum* and says what it sums over (`loss_units(batch)`): the loop adds those units
 over all micro-batches and data-parallel ranks of the optimizer step and divides once, so k micro-batches of b,

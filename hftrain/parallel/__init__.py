@@ -81,7 +81,7 @@ def layout_of(dims: ParallelDims) -> tuple[Callable[..., Backend], tuple[type[Tr
                            for t in transforms):
         axes = " x ".join(sorted(dims.axes)) or "data parallelism alone"
         raise HftrainError(f"no hftrain backend runs {axes} under a {dims.strategy} launch ({dims.describe()}); "
-                           "docs/architecture.md lists the layouts that run")
+                           "docs/parallelism.md lists the presets and the layouts they run")
     return BACKENDS[(strategy, held)], transforms
 
 
