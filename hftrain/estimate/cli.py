@@ -23,7 +23,8 @@ def format_plan(plan: Plan, gpu_memory_gib: float, method: str, planned_tokens: 
     lines = [
         f"{s.name}: {s.architecture}, {s.params / 1e9:.3f}B parameters{active} ({s.layers} layers, hidden {s.hidden}, "
         f"vocab {s.vocab}); {plan.gpus} GPU(s) x {gpu_memory_gib:g} GiB; micro-batch {plan.batch} x {plan.seq} "
-        f"tokens per GPU; {'bf16 mixed precision' if plan.precision == 'bf16' else 'fp32'}, AdamW.",
+        f"tokens per GPU; {'bf16 mixed precision' if plan.precision == 'bf16' else 'fp32'}, "
+        f"{'Muon + AdamW' if plan.optim == 'muon' else 'AdamW'}.",
         "GiB per GPU. peak = weights + optimizer + max(activations, grads); ckpt = with gradient checkpointing.",
         "",
         f"{'strategy':<42} {'preset':<14} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} "
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_switch(method, "--lora", help="Recommend for LoRA fine-tuning.")
     add_switch(method, "--qlora", help="Recommend for QLoRA (4-bit base) fine-tuning.")
     parser.add_argument("--lora_r", type=int, default=16, help="LoRA rank (all linear layers adapted).")
+    parser.add_argument("--optim", choices=("adamw", "muon"), default="adamw",
+                        help="adamw (two fp32 moments per parameter) or muon (optim: muon: one momentum buffer for "
+                        "the hidden matrices, AdamW's moments for the rest; one GPU or DDP only).")
     parser.add_argument("--seq", type=int, default=2048, help="Tokens per sequence (max_length).")
     parser.add_argument("--batch", type=int, default=1, help="Sequences per GPU per micro-batch.")
     parser.add_argument("--sp", type=int, default=1,
@@ -164,6 +168,11 @@ def print_plan(args: argparse.Namespace) -> None:
         problems.append(f"--gpu_memory must be above {CUDA_OVERHEAD_GIB:g} GiB, got {args.gpu_memory:g}")
     if (args.objective == "distill") != (args.teacher is not None):
         problems.append("--objective distill and --teacher go together (the teacher's weights are counted)")
+    if args.optim == "muon" and (args.lora or args.qlora or cluster or args.sp > 1 or args.ep > 1 or args.pp > 1
+                                 or args.tp > 1):
+        problems.append("--optim muon runs on one GPU or under DDP with full fine-tuning (hftrain refuses it with "
+                        "LoRA and with layouts that split the weight matrices); drop --lora/--qlora, --nodes, --sp, "
+                        "--ep, --pp and --tp")
     if args.precompute_ref_log_probs and args.objective not in ("dpo", "kto"):
         problems.append(f"--precompute_ref_log_probs precomputes dpo's or kto's reference, but --objective is "
                         f"{args.objective}")
@@ -179,7 +188,7 @@ def print_plan(args: argparse.Namespace) -> None:
     if problems:
         raise ConfigError(problems, "estimate arguments")
     plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective, args.sp,
-                    args.ep, teacher, args.precompute_ref_log_probs)
+                    args.ep, teacher, args.precompute_ref_log_probs, args.optim)
     if args.pp > 1 or args.tp > 1:
         stages = args.pp * STAGES_PER_PROCESS[args.pp_schedule]
         plan.pp, plan.pp_schedule, plan.tp = args.pp, args.pp_schedule, args.tp

@@ -11,6 +11,7 @@ from hftrain.estimate.shape import ModelShape, ulysses_splits
 from hftrain.memory import (
     ADAMW_BYTES,
     GIB,
+    MOMENTUM_BYTES,
     SINGLE,
     ModelState,
     Placement,
@@ -67,12 +68,17 @@ class Plan:
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 1
     tp: int = 1  # --tp: tensor parallel inside each stage (or alone), in the per-stage lines
+    optim: str = "adamw"  # --optim
 
 
 def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str = "bf16", lora_r: int = 16,
              objective: str = "sft", sp: int = 1, ep: int = 1, teacher: ModelShape | None = None,
-             precompute_ref: bool = False) -> Plan:
+             precompute_ref: bool = False, optim: str = "adamw") -> Plan:
     """Memory per GPU for every strategy (bytes).
+
+    optim muon (`optim: muon`): Muon keeps one fp32 momentum buffer (4 bytes) per parameter of the decoder layers'
+    linear weights (the hidden matrices) and AdamW its two moments (8 bytes) for the rest; only the rows muon runs
+    under are kept (one GPU and DDP, full fine-tuning: the sharded strategies and LoRA refuse it).
 
     ep > 1 (a mixture-of-experts model): the expert-parallel row, transformers' layout (`ep_size`,
     parallel/expert.py): the dense weights FSDP2-sharded over every GPU, each GPU's experts (1/ep of each layer's)
@@ -101,7 +107,9 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     copy_note = f"with {objective}'s frozen reference copy; precompute_ref_log_probs needs none"
     # the model state per GPU is hftrain.memory's (the run's start-up line computes it alike); what a strategy holds
     # beyond it is added here by name
-    fp32 = ModelState.of(n, n, 4, ADAMW_BYTES)  # DDP and FSDP: fp32 weights and gradients, AdamW's two moments
+    state = ADAMW_BYTES if optim == "adamw" else (MOMENTUM_BYTES * shape.layer_linear_params
+                                                  + ADAMW_BYTES * (n - shape.layer_linear_params)) / n
+    fp32 = ModelState.of(n, n, 4, state)  # DDP and FSDP: fp32 weights and gradients, the optimizer's state
     w16, master = deepspeed_bytes(4, ADAMW_BYTES, mixed)  # ZeRO: 16-bit weights, fp32 master weights in the state
     zero_state = ModelState.of(n, n, w16, master)
     autocast_copy = 2 * n if mixed else 0  # bf16 weight copies autocast keeps for the forward
@@ -169,6 +177,8 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
             weights=2 * unit, grads=trained.gradients if g > 1 else 0, method="qlora", copies=base,
             note="base in 4-bit NF4"),  # + one layer dequantized for compute
     ]
+    if optim == "muon":  # the one layout muon runs under
+        rows = rows[:1]
     if objective in ("dpo", "kto") and not precompute_ref:  # full fine-tuning's frozen reference; LoRA's: adapters off
         for r in rows:
             if r.method == "full":
@@ -179,7 +189,7 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
         for r in rows:
             r.add_frozen(t, r.copy_bytes)
             r.note = "; ".join(filter(None, [r.note, f"with the {t / 1e9:,.2f}B-parameter teacher"]))
-    return Plan(shape, gpus, batch, seq, precision, lora_r, rows, sp)
+    return Plan(shape, gpus, batch, seq, precision, lora_r, rows, sp, optim=optim)
 
 
 def sequence_parallel_hint(plan: Plan, gpu_memory_gib: float, objective: str = "sft") -> str | None:
