@@ -2,6 +2,10 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/compare_qat.py                  # both schemes, ~2-4 min on 2 cores
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/compare_qat.py --steps 150 --schemes int4_weight_only
+    # make smollm2 first (models/smollm2-135m-instruct): real weights, full fine-tuning
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/compare_qat.py --model models/smollm2-135m-instruct \
+        --config recipes/smollm2-135m-lora-cpu.yaml --steps 20 --schemes int4_weight_only \
+        --extra="--use_peft false --learning_rate 5e-5 --assistant_only_loss false"
 
 data/text.jsonl is split once (the last 60 rows held out). For each scheme, the same recipe (tiny-text's settings,
 full fine-tuning of models/tiny-llama) trains twice through hftrain's entry script: in full precision, and with
@@ -34,9 +38,9 @@ from hftrain import qat  # noqa: E402
 from hftrain.config import Recipe  # noqa: E402
 
 
-def train(out: Path, train_file: Path, steps: int, extra: list[str]) -> None:
-    subprocess.run([sys.executable, str(REPO / "hftrain" / "finetune.py"), "--config",
-                    str(REPO / "recipes" / "tiny-text.yaml"), "--dataset_name", str(train_file),
+def train(out: Path, train_file: Path, steps: int, extra: list[str], config: str, model: str) -> None:
+    subprocess.run([sys.executable, str(REPO / "hftrain" / "finetune.py"), "--config", config,
+                    "--model_name_or_path", model, "--dataset_name", str(train_file),
                     "--validation_split_percentage", "0", "--eval_strategy", "no", "--save_strategy", "no",
                     "--max_steps", str(steps), "--logging_steps", str(steps), "--output_dir", str(out),
                     "--overwrite_output_dir", "true", *extra], check=True, capture_output=True, text=True)
@@ -55,9 +59,12 @@ def held_out_loss(model, tokenizer, texts: list[str]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--steps", type=int, default=80, help="0: no training, the model's own PTQ gap")
     parser.add_argument("--group_size", type=int, default=32)
     parser.add_argument("--schemes", nargs="+", default=["int4_weight_only", "int8_dynamic_activation_int4_weight"])
+    parser.add_argument("--model", default=str(REPO / "models" / "tiny-llama"))
+    parser.add_argument("--config", default=str(REPO / "recipes" / "tiny-text.yaml"))
+    parser.add_argument("--extra", default="", help="more recipe fields for both runs, as one string")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer, TorchAoConfig
 
@@ -66,8 +73,19 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="compare-qat-"))
     train_file = work / "train.jsonl"
     train_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in train_rows))
-    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
-    train(work / "fp", train_file, args.steps, [])
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    extra = args.extra.split()
+    start = held_out_loss(AutoModelForCausalLM.from_pretrained(args.model), tokenizer, held_out)
+    if args.steps == 0:  # the quantization gap of the model as it is, no training
+        for scheme in args.schemes:
+            with qat.quiet_torchao():
+                ptq_model = AutoModelForCausalLM.from_pretrained(
+                    args.model, quantization_config=TorchAoConfig(qat.base_config(scheme, args.group_size)))
+            ptq = held_out_loss(ptq_model, tokenizer, held_out)
+            print(json.dumps({"model": args.model, "scheme": scheme, "group_size": args.group_size, "fp": start,
+                              "ptq": ptq}))
+        return
+    train(work / "fp", train_file, args.steps, extra, args.config, args.model)
     fp_final = work / "fp" / "final"
     fp = held_out_loss(AutoModelForCausalLM.from_pretrained(fp_final), tokenizer, held_out)
     results = []
@@ -76,14 +94,15 @@ def main() -> None:
         with qat.quiet_torchao():
             ptq_model = AutoModelForCausalLM.from_pretrained(fp_final, quantization_config=TorchAoConfig(config))
         ptq = held_out_loss(ptq_model, tokenizer, held_out)
-        train(work / scheme, train_file, args.steps, ["--qat_scheme", scheme, "--qat_group_size",
-                                                      str(args.group_size)])
+        train(work / scheme, train_file, args.steps, [*extra, "--qat_scheme", scheme, "--qat_group_size",
+                                                      str(args.group_size)], args.config, args.model)
         converted = AutoModelForCausalLM.from_pretrained(work / scheme / qat.QUANTIZED_DIR)
         qat_loss = held_out_loss(converted, tokenizer, held_out)
         fq = AutoModelForCausalLM.from_pretrained(work / scheme / "final")  # the QAT weights in full precision
         fq_fp = held_out_loss(fq, tokenizer, held_out)
         qat.prepare(fq, Recipe(qat_scheme=scheme, qat_group_size=args.group_size))
-        results.append({"scheme": scheme, "group_size": args.group_size, "steps": args.steps, "fp": fp, "ptq": ptq,
+        results.append({"model": args.model, "start": start, "scheme": scheme, "group_size": args.group_size,
+                        "steps": args.steps, "fp": fp, "ptq": ptq,
                         "qat": qat_loss, "qat_fake_quantized": held_out_loss(fq, tokenizer, held_out),
                         "qat_weights_unquantized": fq_fp,
                         "recovered": (ptq - qat_loss) / (ptq - fp) if ptq != fp else None})
