@@ -191,6 +191,29 @@ class GRPOFields:
         "queue's bound, whole generation windows, at least one); -1: max(max_staleness, 1) x the completions of one "
         "optimizer step, as TRL.", group="grpo",
     )
+    async_worker: str = _f(
+        "transformers", "grpo, async_generation: the rollout worker's kind: transformers (a process on this machine "
+        "generating with transformers) or vllm_server (a running `vllm serve` at vllm_server_base_url, sampled over "
+        "its OpenAI-compatible /v1/completions with each completion's seed and log-probs, weights pushed through "
+        "vLLM's weight-update routes as TRL's AsyncGRPOTrainer does; its NCCL weight transfer is not written yet, so "
+        "it is refused).", group="grpo", choices=("transformers", "vllm_server"),
+    )
+    vllm_server_base_url: str = _f(
+        "http://localhost:8000", "grpo, async_worker vllm_server (TRL's name and default): the vLLM server's base "
+        "URL.", group="grpo",
+    )
+    vllm_server_timeout: float = _f(
+        240.0, "grpo, async_worker vllm_server (TRL's name and default): seconds to wait for the server to answer "
+        "GET /health at start.", group="grpo",
+    )
+    request_timeout: float = _f(
+        600.0, "grpo, async_worker vllm_server (TRL's name and default): seconds one HTTP request to the server may "
+        "take before it counts as failed and is retried.", group="grpo",
+    )
+    vllm_server_retries: int = _f(
+        3, "grpo, async_worker vllm_server: retries of a request the server refuses, drops or leaves unanswered "
+        "(pauses of 1, 2, 4... s; TRL retries 3 times); then the run stops naming the server.", group="grpo",
+    )
     ds3_gather_for_generation: bool = _f(
         True, "grpo, DeepSpeed ZeRO-3 (TRL's name and default): true gathers the whole model on every process for "
         "each generation batch (fast sampling; one full copy of the weights per process meanwhile); false samples "
@@ -212,7 +235,8 @@ VLLM_FIELDS = ("vllm_mode", "vllm_gpu_memory_utilization", "vllm_max_model_lengt
 
 IMPORTANCE_SAMPLING_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
                               "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min")
-ASYNC_FIELDS = ("max_staleness", "weight_sync_steps", "max_inflight_tasks")
+ASYNC_FIELDS = ("max_staleness", "weight_sync_steps", "max_inflight_tasks", "async_worker")
+SERVER_FIELDS = ("vllm_server_base_url", "vllm_server_timeout", "request_timeout", "vllm_server_retries")
 GRPO_DEFAULTS = {f.name: f.default for f in fields(GRPOFields)}
 
 
@@ -228,6 +252,14 @@ def async_problems(r) -> list[str]:
          f"max_inflight_tasks must be >= 1, or -1 (automatic), got {r.max_inflight_tasks}"),
         (not r.use_vllm, "async_generation with use_vllm: the rollout worker generates with transformers in its own "
          "process; the vLLM-server worker is not written yet: use one of them"),
+        (r.request_timeout > 0, f"request_timeout must be > 0, got {r.request_timeout}"),
+        (r.vllm_server_retries >= 0, f"vllm_server_retries must be >= 0, got {r.vllm_server_retries}"),
+        (r.async_worker != "vllm_server", "async_worker: vllm_server is refused: its HTTP client "
+         "(hftrain/rl/vllm_server.py: /v1/completions with per-completion seeds and log-probs, the weight-update "
+         "handshake, bounded retries) is written and tested against a stand-in server, but pushing the trainer's "
+         "weights to a real `vllm serve` needs vLLM's NCCL weight-transfer backend (a CUDA GPU and the vllm package "
+         "on the trainer's side), which is not written, and the trainer's rollout-worker wiring for it is not "
+         "finished; use async_worker: transformers (the default)"),
         (r.num_iterations == 1 and (r.steps_per_generation is None
                                     or r.steps_per_generation == r.gradient_accumulation_steps),
          "async_generation needs one optimizer step per generation window (num_iterations 1, steps_per_generation "
@@ -323,6 +355,10 @@ def problems(r) -> list[str]:
                                    if not (r.async_generation and name in IMPORTANCE_SAMPLING_FIELDS)]
     stray = [f"{', '.join(stray)} set without use_vllm: true; they configure vLLM generation: add use_vllm: true "
              "(objective grpo) or remove them"] if stray else []
+    server_set = [name for name in SERVER_FIELDS if getattr(r, name) != GRPO_DEFAULTS[name]]
+    if server_set and r.async_worker != "vllm_server":
+        stray.append(f"{', '.join(server_set)} set without async_worker: vllm_server; they configure the vLLM-server "
+                     "rollout worker: add async_worker: vllm_server (with async_generation: true) or remove them")
     async_set = [name for name in ASYNC_FIELDS if getattr(r, name) != GRPO_DEFAULTS[name]]
     if async_set and not r.async_generation:
         stray.append(f"{', '.join(async_set)} set without async_generation: true; they configure the rollout worker: "

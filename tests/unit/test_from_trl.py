@@ -142,7 +142,8 @@ def test_trl_grpo_rloo_and_async_field_names(tmp_path):
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         assert grpo[name].default == FIELDS[name].default
     assert rloo["normalize_advantages"].default == FIELDS["normalize_advantages"].default
-    for name in ("max_staleness", "weight_sync_steps", "max_inflight_tasks"):
+    for name in ("max_staleness", "weight_sync_steps", "max_inflight_tasks", "vllm_server_base_url",
+                 "vllm_server_timeout", "request_timeout"):
         assert asynchronous[name].default == FIELDS[name].default, name
     recipe = recipe_from_dict({"objective": "grpo", "reward_funcs": ["hftrain.rl.example_rewards.vowel_share"],
                                "dataset_name": "data/prompt_completion.jsonl", "loss_type": "sapo",
