@@ -19,7 +19,8 @@ pytestmark = pytest.mark.launch
 # (an image-text model) is run by tests/e2e/test_vision.py, tiny-vlm-dpo.yaml (dpo on image pairs) by
 # tests/e2e/test_vision_dpo.py; tiny-vlm-kto.yaml's loss lies in [0, 1] as tiny-kto.yaml's, and its data and
 # objective run in tests/e2e/test_vision_kto.py (against TRL); tiny-grpo.yaml (a policy-gradient loss, near 0 at
-# every step by construction, so "the loss falls" says nothing) by tests/e2e/test_grpo.py, which asserts that its reward rises
+# every step by construction, so "the loss falls" says nothing) by tests/e2e/test_grpo.py, which asserts that its
+# reward rises
 # tiny-tools-sft.yaml and tiny-tools.yaml are one two-stage run (SFT teaching a tool-call format, then GRPO from its
 # output, minutes on CPU): tests/e2e/test_grpo_tools.py checks the mechanics on a scripted policy and that the
 # recipes and their shipped data agree; tiny-distill.yaml's loss is a divergence to its teacher
