@@ -122,3 +122,23 @@ def test_the_preflight_takes_kto_with_images_and_refuses_what_is_not_done():
     assert problems() == []
     refused = problems(precompute_ref_log_probs=True)
     assert [p for p in refused if p.startswith("precompute_ref_log_probs with objective=kto on image preference rows")]
+
+
+def test_the_preview_shows_each_row_with_its_completion_trained(capsys):
+    """python -m hftrain.data --show on recipes/tiny-vlm-kto.yaml: each row's image tokens collapsed, only its
+    completion marked as trained; the statistics count the rows and their images."""
+    import re
+
+    from hftrain.data.__main__ import preview
+
+    rows = [json.loads(line) for line in (REPO / "data" / "image-unpaired.jsonl").read_text().splitlines()]
+    preview(["--config", str(REPO / "recipes" / "tiny-vlm-kto.yaml"), "--validation_split_percentage", "0",
+             "--show", "2"])
+    out = capsys.readouterr().out
+    for i in (0, 1):
+        block = out.split(f"--- example {i} ")[1].split("---")[0]
+        assert re.findall("⟦(.*?)⟧", block, flags=re.S) == [answer(rows[i]["completion"]) + "<|im_end|>"]
+        assert f"<image>x{16 * len(rows[i]['images'])}" in block
+    assert f"(format image_unpaired): {len(rows)} examples kept with {sum(len(r['images']) for r in rows)} images" \
+        in out
+    assert "masks: each row's completion" in out
