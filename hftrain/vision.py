@@ -23,10 +23,10 @@ from hftrain.compat.transformers import needs_missing_backend
 from hftrain.errors import HftrainError, first_line
 
 # The objectives that train an image-text model (image chats for sft, image preference pairs for dpo, simpo and
-# orpo: hftrain.data.image_pairs), and what each other objective would need, in words for its refusal.
-IMAGE_OBJECTIVES = ("sft", "dpo", "simpo", "orpo")
+# orpo: hftrain.data.image_pairs, unpaired rows for kto: hftrain.data.image_unpaired), and what each other
+# objective would need, in words for its refusal.
+IMAGE_OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto")
 IMAGE_OBJECTIVES_NOT_YET = {
-    "kto": "kto on unpaired feedback with images is",
     "reward": "a reward model (a sequence classifier) on an image-text model is",
     "grpo": "grpo with images (prompts with images, generation with the processor's inputs, reward functions that "
             "receive the images) is",
@@ -100,7 +100,8 @@ def problems(recipe, config: PretrainedConfig | None) -> list[str]:
         found.append(f"objective={recipe.objective} with the image-text model {kind!r}: "
                      f"{IMAGE_OBJECTIVES_NOT_YET[recipe.objective]} not supported yet; objectives that train an "
                      f"image-text model today: {', '.join(IMAGE_OBJECTIVES)}")
-    pairs = f"objective={recipe.objective} on image preference pairs with the image-text model {kind!r}"
+    pairs = f"objective={recipe.objective} on image preference {'rows' if recipe.objective == 'kto' else 'pairs'} " \
+        f"with the image-text model {kind!r}"
     if recipe.objective in IMAGE_OBJECTIVES and recipe.objective != "sft":
         if recipe.precompute_ref_log_probs:
             found.append(f"precompute_ref_log_probs with {pairs} is not supported yet (the reference runs beside "

@@ -1,6 +1,7 @@
 """Build the shipped mini image-chat set: coloured shapes on plain backgrounds, with captions, in TRL's vision format.
 
-    python scripts/make_image_chat.py [OUT_DIR]     # default: data/ (image-chat.jsonl, image-pairs.jsonl, images/*.png)
+    python scripts/make_image_chat.py [OUT_DIR]     # default: data/ (image-chat.jsonl, image-pairs.jsonl,
+                                                    # image-unpaired.jsonl, images/*.png)
 
 Each row has `messages` whose content is a list of parts for every role ({"type": "image"} / {"type": "text"}) and an
 `images` column of PNG paths relative to the JSONL file, one per image part in order of appearance. Most rows ask for
@@ -11,6 +12,8 @@ message. Deterministic: the same files every time (no randomness beyond a fixed-
 one-message `chosen` (the right colour and shape) and `rejected` (a wrong one), and `images`; half the prompts give
 their image parts in list-of-parts content, half give string content, into whose first user message the images go
 before the text (as TRL's `prepare_multimodal_messages` puts them); some prompts hold two images.
+`image-unpaired.jsonl`: the same pairs unpaired for kto (TRL's unpairing): `prompt`, `completion` (one message),
+`label` (true for the chosen answer, false for the rejected one) and `images`.
 """
 
 import argparse
@@ -100,6 +103,11 @@ def main() -> None:
     with open(args.out_dir / "image-pairs.jsonl", "w", encoding="utf-8") as out:
         for row in preference:
             out.write(json.dumps(row) + "\n")
+    with open(args.out_dir / "image-unpaired.jsonl", "w", encoding="utf-8") as out:  # kto: each pair as two rows
+        for row in preference:
+            for side in ("chosen", "rejected"):
+                out.write(json.dumps({"prompt": row["prompt"], "completion": row[side], "label": side == "chosen",
+                                      "images": row["images"]}) + "\n")
     print(f"{len(rows)} image chats, {len(preference)} image preference pairs and {len(names)} images in "
           f"{args.out_dir}")
 

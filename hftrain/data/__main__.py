@@ -197,6 +197,8 @@ def preview_image_chats(recipe, show: int, color: bool) -> None:
     policy = f"{policy} (assistant_only_loss: {str(recipe.assistant_only_loss).lower()})"
     if train.rows and "rejected_input_ids" in train.rows[0]:
         policy = "each side's completion (its answer and end-of-turn token)"
+    elif train.rows and "prompt_length" in train.rows[0]:  # kto's unpaired rows (hftrain.data.image_unpaired)
+        policy = "each row's completion (its answer and end-of-turn token)"
     print(f"  masks: {policy}; image tokens and padding never")
     print(f"--- length histogram (tokens per training example, max_length {recipe.max_length})")
     print(histogram([len(ids) for ids in train["input_ids"]], recipe.max_length))

@@ -1,12 +1,14 @@
-"""An image-text model's training data: the recipe's sets read as image chats (hftrain.data.image_chats) or, where a
-set has chosen and rejected columns, as image preference pairs (hftrain.data.image_pairs), with the eval set or the
-carve-out and the statistics the data preview and the start-up print."""
+"""An image-text model's training data: the recipe's sets read as image chats (hftrain.data.image_chats), where a set
+has chosen and rejected columns as image preference pairs (hftrain.data.image_pairs), or for kto as unpaired rows
+(hftrain.data.image_unpaired), with the eval set or the carve-out and the statistics the data preview and the
+start-up print."""
 
 from __future__ import annotations
 
 from hftrain.data.formats import detect_format
 from hftrain.data.image_chats import IMAGES_COLUMN, prepare
 from hftrain.data.image_pairs import prepare_pairs
+from hftrain.data.image_unpaired import prepare_unpaired
 from hftrain.data.sources import check_objective, hold_out, load_raw, numbered, renamed
 from hftrain.data.tokenize import DataSpec
 from hftrain.errors import HftrainError
@@ -17,14 +19,20 @@ def load_image_chats(recipe, processor):
     validation_split_percentage carve-out), read as image chats, or as image preference pairs where the set has chosen
     and rejected columns (hftrain.data.image_pairs; check_objective pairs the format with the objective)."""
     spec = DataSpec.from_recipe(recipe)
-    preparers = {"messages": prepare, "preference": prepare_pairs}
+    preparers = {"messages": prepare, "preference": prepare_pairs, "unpaired": prepare_unpaired}
 
     def load(name: str, split: str, columns: dict):
         raw = renamed(load_raw(name, recipe.dataset_config, split), columns, name)
         if not len(raw):
             raise HftrainError(f"dataset {name!r} split {split!r} is empty")
         fmt = detect_format(raw.column_names, recipe.dataset_format, spec.text_field, spec.messages_field, name,
-                            recipe.objective) if {"chosen", "rejected"} <= set(raw.column_names) else "messages"
+                            recipe.objective) if {"chosen", "rejected"} <= set(raw.column_names) or \
+            recipe.objective == "kto" else "messages"
+        if recipe.objective == "kto" and fmt == "preference":
+            raise HftrainError(f"dataset {name!r} holds preference pairs (chosen, rejected): kto on an image-text "
+                               "model trains on unpaired rows (prompt, completion, label and "
+                               f"{IMAGES_COLUMN!r}); unpair the pairs into two rows each (TRL's KTOTrainer refuses "
+                               "paired vision data too; docs/vision.md)")
         if fmt == "messages" and spec.messages_field not in raw.column_names:
             raise HftrainError(f"dataset {name!r} has columns {raw.column_names}: an image-text model trains on "
                                f"chats ({spec.messages_field!r} with list-of-parts content and an {IMAGES_COLUMN!r} "

@@ -39,6 +39,7 @@ from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches
 from hftrain.data.batching import BatchPlan, IndexedFeed
 from hftrain.data.feeds import TrainingData
+from hftrain.data.image_unpaired import ImageKTOCollator
 from hftrain.errors import HftrainError
 from hftrain.objectives.base import Objective
 from hftrain.objectives.preference import PreferenceLoss
@@ -200,20 +201,26 @@ class KTOLoss(PreferenceLoss):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, desirable: torch.Tensor | None = None,
                 kl_input_ids: torch.Tensor | None = None, kl_labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, real_tokens: torch.Tensor | None = None,
-                ref_logps: torch.Tensor | None = None, kl_ref_logps: torch.Tensor | None = None) -> torch.Tensor:
+                ref_logps: torch.Tensor | None = None, kl_ref_logps: torch.Tensor | None = None,
+                **model_inputs: torch.Tensor) -> torch.Tensor:
         """The micro-batch's summed loss; in the KL pass the sums of its mismatched rows' log-ratios; while
         precomputing (`collecting`) each row's log-prob. `ref_logps` / `kl_ref_logps`: precomputed reference
-        log-probs of the rows / mismatched rows (precompute_ref_log_probs), else the reference computes them."""
+        log-probs of the rows / mismatched rows (precompute_ref_log_probs), else the reference computes them.
+        `model_inputs`: an image-text processor's outputs (hftrain.data.image_unpaired): the rows' per-token ones
+        (attention_mask, ...), the KL rows' as `kl_<name>`, and the per-image ones (pixel_values, ...), which both
+        read, for the policy and the reference alike."""
+        row_inputs = {k: v for k, v in model_inputs.items() if not k.startswith("kl_")}
         if self.collecting:  # as the live reference: under LoRA the base with the adapters disabled
             with self.lm.disable_adapter() if hasattr(self.lm, "disable_adapter") else contextlib.nullcontext():
-                return sequence_log_probs(self.lm, self.head_only, input_ids, labels)[0].detach()
+                return sequence_log_probs(self.lm, self.head_only, input_ids, labels, **row_inputs)[0].detach()
         if self.kl_pass:
-            logps, lengths = sequence_log_probs(self.lm, self.head_only, kl_input_ids, kl_labels)
-            ratio = logps - self.reference_log_probs(kl_ref_logps, kl_input_ids, kl_labels)
+            kl_inputs = {**row_inputs, **{k[3:]: v for k, v in model_inputs.items() if k.startswith("kl_")}}
+            logps, lengths = sequence_log_probs(self.lm, self.head_only, kl_input_ids, kl_labels, **kl_inputs)
+            ratio = logps - self.reference_log_probs(kl_ref_logps, kl_input_ids, kl_labels, **kl_inputs)
             real = lengths > 0
             return torch.stack([(ratio * real).sum(), real.sum()]).double()
-        logps, lengths = sequence_log_probs(self.lm, self.head_only, input_ids, labels)
-        ratio = logps - self.reference_log_probs(ref_logps, input_ids, labels)
+        logps, lengths = sequence_log_probs(self.lm, self.head_only, input_ids, labels, **row_inputs)
+        ratio = logps - self.reference_log_probs(ref_logps, input_ids, labels, **row_inputs)
         real = lengths > 0
         good, bad = (desirable & real).to(ratio.dtype), (~desirable & real).to(ratio.dtype)
         losses = kto_losses(self.recipe, ratio, desirable, self.kl.to(ratio.device)) * real
@@ -228,12 +235,12 @@ class KTOLoss(PreferenceLoss):
         return losses.sum()
 
     def reference_log_probs(self, precomputed: torch.Tensor | None, input_ids: torch.Tensor,
-                            labels: torch.Tensor) -> torch.Tensor:
+                            labels: torch.Tensor, **model_inputs: torch.Tensor) -> torch.Tensor:
         if precomputed is not None:
             return precomputed
         if isinstance(self.reference, PrecomputedReference):
             raise HftrainError("kto needs the reference log-probs of this batch, and none were precomputed")
-        return self.reference.log_probs(input_ids, labels)
+        return self.reference.log_probs(input_ids, labels, **model_inputs)
 
     def step_stats(self, sums: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of KTO_STATS x the step's rows: the loop divides the window's sums by its rows,
@@ -314,10 +321,13 @@ class KTO(Objective):
         if warning and run.accelerator.is_main_process:
             print(f"hftrain: warning: {warning}", file=sys.stderr)
         plan = KTOPlan(**asdict(data.plan))
-        pad = data.collator.pad_token_id
-        collator = KTOCollator(data.train_set, pad, recipe.max_length)
-        eval_collator = KTOCollator(data.eval_set, pad, recipe.max_length) if data.eval_set is not None \
-            else data.eval_collator
+        if isinstance(data.collator, ImageKTOCollator):  # image-text rows: their collators build the KL rows
+            collator, eval_collator = data.collator, data.eval_collator
+        else:
+            pad = data.collator.pad_token_id
+            collator = KTOCollator(data.train_set, pad, recipe.max_length)
+            eval_collator = KTOCollator(data.eval_set, pad, recipe.max_length) if data.eval_set is not None \
+                else data.eval_collator
         feed = IndexedFeed(plan, collator, run.dp.rank, recipe.dataloader_num_workers, recipe.dataloader_pin_memory)
         line = (data.data_line[0], f"{data.data_line[1]} ({desirable} desirable, {undesirable} undesirable)")
         return replace(data, feed=feed, plan=plan, collator=collator, eval_collator=eval_collator, data_line=line)

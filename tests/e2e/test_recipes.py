@@ -17,9 +17,10 @@ pytestmark = pytest.mark.launch
 # test_kto.py run them with their own assertions (kto's loss lies in [0, w]: it cannot fall by 0.5), as
 # tests/e2e/test_reward.py runs tiny-reward.yaml (a reward model: its held-out ranking); tiny-vlm.yaml
 # (an image-text model) is run by tests/e2e/test_vision.py, tiny-vlm-dpo.yaml (dpo on image pairs) by
-# tests/e2e/test_vision_dpo.py; tiny-grpo.yaml (a policy-gradient loss, near 0 at
-# every step by construction, so "the loss falls" says nothing) by
-# tests/e2e/test_grpo.py, which asserts that its reward rises
+# tests/e2e/test_vision_dpo.py; tiny-vlm-kto.yaml's loss lies in [0, 1] as tiny-kto.yaml's, and its data and
+# objective run in tests/e2e/test_vision_kto.py (against TRL); tiny-grpo.yaml (a policy-gradient loss, near 0 at
+# every step by construction, so "the loss falls" says nothing) by tests/e2e/test_grpo.py, which asserts that its
+# reward rises
 # tiny-tools-sft.yaml and tiny-tools.yaml are one two-stage run (SFT teaching a tool-call format, then GRPO from its
 # output, minutes on CPU): tests/e2e/test_grpo_tools.py checks the mechanics on a scripted policy and that the
 # recipes and their shipped data agree; tiny-distill.yaml's loss is a divergence to its teacher
@@ -28,9 +29,9 @@ pytestmark = pytest.mark.launch
 # (tests/e2e/test_embedding.py asserts its held-out loss against chance), as it runs tiny-reranker.yaml
 TINY_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("tiny-*.yaml")
                       if p.name not in ("tiny-dpo.yaml", "tiny-orpo.yaml", "tiny-kto.yaml", "tiny-reward.yaml",
-                                        "tiny-vlm.yaml", "tiny-vlm-dpo.yaml", "tiny-grpo.yaml", "tiny-tools-sft.yaml",
-                                        "tiny-tools.yaml", "tiny-distill.yaml", "tiny-grpo-async.yaml",
-                                        "tiny-embedding.yaml", "tiny-reranker.yaml"))
+                                        "tiny-vlm.yaml", "tiny-vlm-dpo.yaml", "tiny-vlm-kto.yaml", "tiny-grpo.yaml",
+                                        "tiny-tools-sft.yaml", "tiny-tools.yaml", "tiny-distill.yaml",
+                                        "tiny-grpo-async.yaml", "tiny-embedding.yaml", "tiny-reranker.yaml"))
 
 
 def test_every_tiny_recipe_is_covered():

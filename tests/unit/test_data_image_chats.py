@@ -198,8 +198,8 @@ def test_image_text_models_are_recognised_and_frozen_by_part():
     unfrozen = vision.lora_targets(model, replace(recipe, freeze_projector=False))
     projector = {"model.multi_modal_projector.linear_1", "model.multi_modal_projector.linear_2"}
     assert set(unfrozen) - set(targets) == projector
-    said = vision.problems(replace(recipe, packing=True, objective="kto"), config)
-    assert len(said) == 2 and "packing" in said[0] and "objective=kto" in said[1]
+    said = vision.problems(replace(recipe, packing=True, objective="reward"), config)
+    assert len(said) == 2 and "packing" in said[0] and "objective=reward" in said[1]
 
 
 def test_the_preview_shows_image_rows_with_their_image_tokens_and_masks(capsys, tmp_path, rows):

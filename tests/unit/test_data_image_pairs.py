@@ -141,8 +141,7 @@ def test_the_preflight_takes_dpo_simpo_and_orpo_and_refuses_the_rest_by_name():
 
     assert problems(objective="dpo") == problems(objective="simpo") == problems(objective="orpo") == []
     assert problems(objective="dpo", loss_type="ipo") == []
-    for objective, words in (("kto", "kto on unpaired feedback with images is not supported yet"),
-                             ("reward", "a reward model (a sequence classifier) on an image-text model is not"),
+    for objective, words in (("reward", "a reward model (a sequence classifier) on an image-text model is not"),
                              ("grpo", "grpo with images (prompts with images, generation with the processor's inputs")):
         assert [p for p in problems(objective=objective) if words in p], objective
     refused = problems(objective="dpo", precompute_ref_log_probs=True, max_prompt_length=64)
