@@ -126,10 +126,10 @@ def layout_problems(recipe, launch, config: PretrainedConfig | None) -> list[str
     if not is_image_text(config) or recipe.objective not in IMAGE_OBJECTIVES or recipe.objective == "sft":
         return []
     if launch.kind == "deepspeed" and launch.zero_stage == 3:
-        return [f"objective={recipe.objective} on image preference pairs under DeepSpeed ZeRO-3 is not supported "
-                "yet: dpo's frozen reference copy of an image-text model fails in its first forward there, and with "
-                "LoRA the steps are not yet equal to one process's; use DDP, ZeRO-2 or FSDP2 (each equals one "
-                "process; docs/vision.md)"]
+        rows = "rated rows" if recipe.objective == "kto" else "preference pairs"
+        return [f"objective={recipe.objective} on image {rows} under DeepSpeed ZeRO-3 is not supported yet: the "
+                "frozen reference copy of an image-text model fails in its first forward there, and with LoRA the "
+                "steps are not yet equal to one process's; use DDP, ZeRO-2 or FSDP2 (docs/vision.md)"]
     return []
 
 
