@@ -415,3 +415,22 @@ def test_bad_yes_no_settings_are_refused(fields, says):
 
     recipe = Recipe(model_name_or_path="m", dataset_name="d", output_dir="o", **fields)
     assert any(says in problem for problem in problems(recipe)), problems(recipe)
+
+
+def test_a_long_templated_pair_keeps_the_template_start_and_end(yes_no_lm):
+    """A pair too long for max_length: max_length tokens, ending with the tokens of the text after {document}
+    tokenized alone (Qwen3's starts with the special <|im_end|>: the prompt's last tokens, where the score is read,
+    survive) and starting with those of the text before {query} but its last (its trailing space merges with the
+    query's first word); a max_length the template alone fills is refused."""
+    from transformers import AutoTokenizer
+
+    from hftrain.data.retrieval import templated_pairs
+    from hftrain.fields.retrieval import QWEN3_RERANKER_TEMPLATE as TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(yes_no_lm)
+    head, tail = TEMPLATE.split("{query}")[0], TEMPLATE.split("{document}")[1]
+    head_ids, tail_ids = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in (head, tail))
+    [ids] = templated_pairs(tokenizer, TEMPLATE, ["What is 8 + 1?"], ["nine " * 200], 300)
+    assert len(ids) == 300 and ids[:len(head_ids) - 1] == head_ids[:-1] and ids[-len(tail_ids):] == tail_ids
+    with pytest.raises(HftrainError, match="max_length 40 leaves"):
+        templated_pairs(tokenizer, TEMPLATE, ["q"], ["d"], 40)
