@@ -417,20 +417,32 @@ def test_bad_yes_no_settings_are_refused(fields, says):
     assert any(says in problem for problem in problems(recipe)), problems(recipe)
 
 
-def test_a_long_templated_pair_keeps_the_template_start_and_end(yes_no_lm):
+def test_a_long_templated_pair_keeps_the_template_start_and_end(yes_no_lm, tmp_path):
     """A pair too long for max_length: max_length tokens, ending with the tokens of the text after {document}
     tokenized alone (Qwen3's starts with the special <|im_end|>: the prompt's last tokens, where the score is read,
     survive) and starting with those of the text before {query} but its last (its trailing space merges with the
-    query's first word); a max_length the template alone fills is refused."""
+    query's first word), as sentence-transformers' CrossEncoder truncates it on the folder hftrain writes (its
+    tokenizer's model_max_length the run's max_length); a max_length the template alone fills is refused."""
+    import shutil
+    from pathlib import Path
+
+    from sentence_transformers.cross_encoder import CrossEncoder
     from transformers import AutoTokenizer
 
     from hftrain.data.retrieval import templated_pairs
     from hftrain.fields.retrieval import QWEN3_RERANKER_TEMPLATE as TEMPLATE
+    from hftrain.objectives.reranker import write_yes_no_cross_encoder_files, yes_no_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(yes_no_lm)
     head, tail = TEMPLATE.split("{query}")[0], TEMPLATE.split("{document}")[1]
     head_ids, tail_ids = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in (head, tail))
     [ids] = templated_pairs(tokenizer, TEMPLATE, ["What is 8 + 1?"], ["nine " * 200], 300)
     assert len(ids) == 300 and ids[:len(head_ids) - 1] == head_ids[:-1] and ids[-len(tail_ids):] == tail_ids
+    folder = Path(shutil.copytree(yes_no_lm, tmp_path / "folder"))
+    tokenizer.model_max_length = 300
+    tokenizer.save_pretrained(folder)
+    write_yes_no_cross_encoder_files(folder, TEMPLATE, yes_no_token_ids(tokenizer, yes_no_lm))
+    pair = ("What is 8 + 1?", "nine " * 200)
+    assert CrossEncoder(str(folder))[0].preprocess([pair])["input_ids"][0].tolist() == ids
     with pytest.raises(HftrainError, match="max_length 40 leaves"):
         templated_pairs(tokenizer, TEMPLATE, ["q"], ["d"], 40)
