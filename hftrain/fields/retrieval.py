@@ -56,8 +56,6 @@ class RetrievalFields:
         "InformationRetrievalEvaluator's definitions). data/retrieval-eval is a tiny one. Read and checked before "
         "the model loads.", group="retrieval",
     )
-
-
     reranker_head: str = _f(
         "classifier", "reranker: what scores a (query, passage) pair. classifier: a new one-output score head "
         "(AutoModelForSequenceClassification) read at the pair's last token, the pair tokenized as a text pair; "
@@ -69,9 +67,10 @@ class RetrievalFields:
     reranker_template: str = _f(
         QWEN3_RERANKER_TEMPLATE, "reranker with reranker_head yes_no: the prompt a pair is scored in, {query} and "
         "{document} (once each, in that order) replaced by its texts; the default is Qwen3-Reranker's, with its "
-        "default instruction (rewrite the '<Instruct>: ...' line for your task). Tokenized as Qwen3-Reranker's "
-        "code does: the text before {query}, the middle and the text after {document} each without special "
-        "tokens, the middle truncated so the whole fits max_length.", group="retrieval",
+        "default instruction (rewrite the '<Instruct>: ...' line for your task). The filled text is tokenized whole "
+        "without special tokens (as the chat template saved with the final folder renders it for "
+        "sentence-transformers' CrossEncoder); a longer text than max_length loses tokens from the end of the pair "
+        "part, keeping the template's end, where the score is read.", group="retrieval",
     )
 
 

@@ -147,8 +147,9 @@ def pair_chat_template(template: str) -> str:
     """A jinja chat template rendering a (query, document) message pair (sentence-transformers' pair roles) as
     `template` fills it; the fixed text is emitted as jinja string literals."""
     start, end = template.index("{query}"), template.index("{document}")
+
     def literal(text: str) -> str:
-        return "{{ " + json.dumps(text) + " }}" if text else ""
+        return "{{ " + json.dumps(text, ensure_ascii=False) + " }}" if text else ""
 
     def role(name: str) -> str:
         return ('{{ messages | selectattr("role", "eq", "' + name + '") | map(attribute="content") | first }}')

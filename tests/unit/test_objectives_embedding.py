@@ -446,3 +446,18 @@ def test_a_long_templated_pair_keeps_the_template_start_and_end(yes_no_lm, tmp_p
     assert CrossEncoder(str(folder))[0].preprocess([pair])["input_ids"][0].tolist() == ids
     with pytest.raises(HftrainError, match="max_length 40 leaves"):
         templated_pairs(tokenizer, TEMPLATE, ["q"], ["d"], 40)
+
+
+def test_the_pair_chat_template_renders_any_template_text_as_str_replace_does():
+    """Quotes, backslashes, braces, jinja syntax, tabs and non-ASCII letters in reranker_template come out of the
+    saved chat template (transformers' apply_chat_template on query/document messages) as str.replace fills them."""
+    from transformers import AutoTokenizer
+
+    from hftrain.objectives.reranker import pair_chat_template
+
+    template = 'Ünïcode "q" \\ {{x}} {% raw %}\n<Q>: {query}\n<D>: {document}\nend\t'
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
+    tokenizer.chat_template = pair_chat_template(template)
+    messages = [{"role": "query", "content": "What is {x}?"}, {"role": "document", "content": "It's \"{{ y }}\"."}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert rendered == template.replace("{query}", "What is {x}?").replace("{document}", "It's \"{{ y }}\".")
