@@ -461,3 +461,18 @@ def test_the_pair_chat_template_renders_any_template_text_as_str_replace_does():
     messages = [{"role": "query", "content": "What is {x}?"}, {"role": "document", "content": "It's \"{{ y }}\"."}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)
     assert rendered == template.replace("{query}", "What is {x}?").replace("{document}", "It's \"{{ y }}\".")
+
+
+def test_a_yes_no_reranker_on_a_model_without_a_causal_lm_class_is_refused():
+    """The image-text tiny model (llava) has no AutoModelForCausalLM class: one paragraph naming it, before loading;
+    the tiny Llama passes, and the classifier head is not judged by this rule."""
+    from transformers import AutoConfig
+
+    from hftrain.preflight import yes_no_reranker_problems
+
+    vlm = AutoConfig.from_pretrained(REPO / "models" / "tiny-vlm")
+    recipe = Recipe(objective="reranker", reranker_head="yes_no", model_name_or_path=str(REPO / "models" / "tiny-vlm"))
+    (problem,) = yes_no_reranker_problems(recipe, vlm)
+    assert "no causal-LM class for model type 'llava'" in problem and "\n" not in problem
+    assert yes_no_reranker_problems(recipe, AutoConfig.from_pretrained(REPO / "models" / "tiny-llama")) == []
+    assert yes_no_reranker_problems(Recipe(objective="reranker"), vlm) == []
