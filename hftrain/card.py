@@ -224,7 +224,10 @@ def _reranker_quick_start(load_from: str) -> str:
             'scores = model.predict([("What is 2 + 2?", "2 + 2 = 4."), ("What is 2 + 2?", "Paris is in France.")])\n'
             "print(scores)  # sigmoid of each pair's score: higher is more relevant\n```\n\n"
             "transformers alone: `AutoModelForSequenceClassification.from_pretrained` and "
-            "`tokenizer(query, passage)`; the logit is the score.")
+            "`tokenizer(query, passage)`; the logit is the score. A yes/no reranker (a `1_LogitScore` folder, the "
+            "Qwen3-Reranker form): `AutoModelForCausalLM.from_pretrained`, the pair rendered by the folder's chat "
+            "template (messages with roles `query` and `document`); the score is logit('yes') - logit('no') at the "
+            "last position.")
 
 
 def _quick_start(load_from: str, kind: str, chat: bool, objective: str = "sft") -> str:

@@ -64,7 +64,7 @@ from hftrain.paths import CONFIG_FILE
 MERGE_FILE = "hftrain_merge.json"
 # the files objective embedding and reranker add beside the model (objectives/embedding.py, reranker.py)
 SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
-                               "1_Pooling", "2_Normalize")
+                               "1_Pooling", "2_Normalize", "1_LogitScore", "chat_template.jinja")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # What the merge needs from the training recipe: where the base is and how it was quantized.
 BASE_FIELDS = ("model_name_or_path", "model_revision", "trust_remote_code", "load_in_4bit", "load_in_8bit",

@@ -121,11 +121,17 @@ def quantization_config(recipe: Recipe):
     return None
 
 
+def has_score_head(recipe: Recipe) -> bool:
+    """A new one-output score head on the body: objective reward, and reranker with its classifier head (the yes/no
+    reranker reads the causal LM's own logits)."""
+    return recipe.objective == "reward" or (recipe.objective == "reranker" and recipe.reranker_head == "classifier")
+
+
 def auto_model_class(recipe: Recipe, config):
     """What the base is loaded as: `AutoModelForSequenceClassification` for a reward model (objective reward: the
     causal LM's body, a fresh one-output `score` head), `AutoModelForImageTextToText` for an image-text model, else
     `AutoModelForCausalLM`; `AutoModel` (the body alone: its last hidden states are pooled) for an embedding model."""
-    if recipe.objective in ("reward", "reranker"):
+    if has_score_head(recipe):
         return AutoModelForSequenceClassification
     if recipe.objective == "embedding":
         return AutoModel
@@ -146,7 +152,7 @@ def load_base_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set
         kwargs["attn_implementation"] = recipe.attn_implementation
     if (quantization := quantization_config(recipe)) is not None:
         kwargs["quantization_config"] = quantization
-    if recipe.objective in ("reward", "reranker"):  # a score head with one output: the reward, the pair's score
+    if has_score_head(recipe):  # a score head with one output: the reward, the pair's score
         kwargs["num_labels"] = 1
     try:
         config = vision.model_config(recipe)
@@ -285,7 +291,7 @@ def lora_config(recipe: Recipe, dropout: float | None = None):
     return LoraConfig(
         # a reward model's adapter: peft's sequence-classification task trains the score head whole (it adds "score"
         # to modules_to_save) and AutoPeftModelForSequenceClassification loads it
-        task_type={"reward": "SEQ_CLS", "reranker": "SEQ_CLS", "embedding": "FEATURE_EXTRACTION"}.get(
+        task_type="SEQ_CLS" if has_score_head(recipe) else {"embedding": "FEATURE_EXTRACTION"}.get(
             recipe.objective, "CAUSAL_LM"),
         r=recipe.lora_r,
         lora_alpha=recipe.lora_alpha,

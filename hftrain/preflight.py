@@ -27,7 +27,10 @@ from dataclasses import dataclass
 import psutil
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+)
 
 from hftrain import attention, compat, fp8, hub, qat, vision
 from hftrain.attention import MAX_HEAD_DIM, VARLEN, VARLEN_MODEL_TYPES
@@ -430,7 +433,21 @@ def model_problems(recipe: Recipe) -> tuple[PretrainedConfig | None, list[str]]:
     problems += saved_quantization_problems(recipe, config)
     problems += vision.problems(recipe, config)
     problems += reward_model_problems(recipe, config)
+    problems += yes_no_reranker_problems(recipe, config)
     return config, problems
+
+
+def yes_no_reranker_problems(recipe: Recipe, config: PretrainedConfig) -> list[str]:
+    """reranker_head yes_no reads the base's own next-token logits: it must load as AutoModelForCausalLM."""
+    if recipe.objective != "reranker" or recipe.reranker_head != "yes_no":
+        return []
+    remote = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (remote and recipe.trust_remote_code):
+        return []
+    return [f"reranker_head yes_no reads the 'yes' and 'no' next-token logits of {recipe.model_name_or_path!r} "
+            f"loaded as AutoModelForCausalLM, but transformers has no causal-LM class for model type "
+            f"{config.model_type!r}{' (its remote code has one: set trust_remote_code: true)' if remote else ''}; "
+            "start from a causal LM (Qwen3, Qwen2.5, Llama 3...) or use reranker_head: classifier"]
 
 
 def reward_model_problems(recipe: Recipe, config: PretrainedConfig) -> list[str]:

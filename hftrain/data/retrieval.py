@@ -185,9 +185,30 @@ class PairRows:
         return len(self.ids)
 
 
-def tokenize_pairs(rows: list[tuple[str, dict]], tokenizer, max_length: int, name: str) -> PairRows:
+def templated_pairs(tokenizer, template: str, queries: list[str], passages: list[str], max_length: int,
+                    ) -> list[list[int]]:
+    """Each (query, passage) filled into `template` ({query} ... {document}) and tokenized whole without special
+    tokens (as a chat template renders and tokenizes it: what sentence-transformers' CrossEncoder reads from the
+    saved folder); a text longer than max_length loses tokens from the end of its middle (the pair's part), keeping
+    as many tokens of the start and the end as the text before {query} and after {document} take alone."""
+    start, end = template.index("{query}"), template.index("{document}") + len("{document}")
+    prefix, suffix = (len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                      for text in (template[:start], template[end:]))
+    if max_length - prefix - suffix < 2:
+        raise HftrainError(f"max_length {max_length} leaves {max_length - prefix - suffix} tokens for the pair: "
+                           f"reranker_template alone takes {prefix + suffix}; raise max_length or shorten it")
+    between = template[start + len("{query}"):end - len("{document}")]
+    texts = [template[:start] + query + between + passage + template[end:]
+             for query, passage in zip(queries, passages)]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [ids if len(ids) <= max_length else ids[:max_length - suffix] + ids[len(ids) - suffix:] for ids in encoded]
+
+
+def tokenize_pairs(rows: list[tuple[str, dict]], tokenizer, max_length: int, name: str,
+                   template: str | None = None) -> PairRows:
     """Every reranker row checked (one kind, the same number of negatives) and its pairs tokenized, as
-    sentence-transformers' CrossEncoder tokenizes (query, passage): tokenizer(query, passage), truncated."""
+    sentence-transformers' CrossEncoder tokenizes (query, passage): tokenizer(query, passage), truncated; with a
+    `template` (reranker_head yes_no): `templated_pairs`."""
     if not rows:
         raise HftrainError(f"dataset {name!r} has no rows")
     parsed = [(place, *pair_texts(row, place)) for place, row in rows]
@@ -203,7 +224,8 @@ def tokenize_pairs(rows: list[tuple[str, dict]], tokenizer, max_length: int, nam
     columns = len(first_passages)
     queries = [query for _, query, passages, _ in parsed for _ in passages]
     passages = [p for _, _, row_passages, _ in parsed for p in row_passages]
-    encoded = tokenizer(queries, passages, truncation=True, max_length=max_length)["input_ids"]
+    encoded = (tokenizer(queries, passages, truncation=True, max_length=max_length)["input_ids"] if template is None
+               else templated_pairs(tokenizer, template, queries, passages, max_length))
     ids = [encoded[i * columns:(i + 1) * columns] for i in range(len(parsed))]
     labels = None if first_label is None else [label for *_, label in parsed]
     return PairRows(ids, labels, columns, [place for place, *_ in parsed])

@@ -10,6 +10,13 @@ from pathlib import Path
 from hftrain.fields import recipe_field as _f
 
 POOLINGS = ("mean", "cls", "last_token")
+RERANKER_HEADS = ("classifier", "yes_no")
+# Qwen3-Reranker's prompt (its model card), the instruction its card uses by default
+QWEN3_RERANKER_TEMPLATE = (
+    '<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct '
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n<Instruct>: Given a web '
+    'search query, retrieve relevant passages that answer the query\n<Query>: {query}\n<Document>: {document}'
+    '<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n')
 
 
 @dataclass
@@ -49,6 +56,32 @@ class RetrievalFields:
         "InformationRetrievalEvaluator's definitions). data/retrieval-eval is a tiny one. Read and checked before "
         "the model loads.", group="retrieval",
     )
+    reranker_head: str = _f(
+        "classifier", "reranker: what scores a (query, passage) pair. classifier: a new one-output score head "
+        "(AutoModelForSequenceClassification) read at the pair's last token, the pair tokenized as a text pair; "
+        "yes_no: the Qwen3-Reranker form, the causal LM itself (AutoModelForCausalLM, no new weights) reading "
+        "reranker_template filled with the pair, the score the logit of the token 'yes' minus that of 'no' at the "
+        "last position (sigmoid of it = P(yes) of the softmax over the two: sentence-transformers' LogitScore). The "
+        "tokenizer must hold 'yes' and 'no' as single tokens.", group="retrieval", choices=RERANKER_HEADS,
+    )
+    reranker_template: str = _f(
+        QWEN3_RERANKER_TEMPLATE, "reranker with reranker_head yes_no: the prompt a pair is scored in, {query} and "
+        "{document} (once each, in that order) replaced by its texts; the default is Qwen3-Reranker's, with its "
+        "default instruction (rewrite the '<Instruct>: ...' line for your task). The filled text is tokenized whole "
+        "without special tokens (as the chat template saved with the final folder renders it for "
+        "sentence-transformers' CrossEncoder); a longer text than max_length loses tokens from the end of the pair "
+        "part, keeping the template's end, where the score is read.", group="retrieval",
+    )
+
+
+def template_problems(template: str) -> list[str]:
+    """What makes `template` unusable as a yes/no reranker's prompt."""
+    counts = {name: template.count("{" + name + "}") for name in ("query", "document")}
+    if counts != {"query": 1, "document": 1} or template.index("{query}") > template.index("{document}"):
+        return [f"reranker_template must hold {{query}} and then {{document}}, once each (it holds {{query}} "
+                f"{counts['query']} times, {{document}} {counts['document']} times, in that order or not): hftrain "
+                "fills them with each pair's texts"]
+    return []
 
 
 def problems(r) -> list[str]:
@@ -59,9 +92,18 @@ def problems(r) -> list[str]:
                  for name in ("pooling", "contrastive_scale", "symmetric_loss", "query_prompt", "mini_batch_size",
                               "retrieval_eval_dir")
                  if getattr(r, name) != defaults[name].default]
+    head = [f"{name} is set but objective={r.objective}; it configures objective reranker"
+            for name in ("reranker_head", "reranker_template")
+            if r.objective != "reranker" and getattr(r, name) != defaults[name].default]
+    if r.objective == "reranker" and r.reranker_head == "classifier" and (
+            r.reranker_template != defaults["reranker_template"].default):
+        head.append("reranker_template is set but reranker_head=classifier (a text pair, no prompt); it configures "
+                    "reranker_head yes_no")
+    if r.objective == "reranker" and r.reranker_head == "yes_no":
+        head += template_problems(r.reranker_template)
     if r.objective not in ("embedding", "reranker"):
-        return misplaced
-    problems = misplaced if r.objective == "reranker" else []
+        return misplaced + head
+    problems = (misplaced if r.objective == "reranker" else []) + head
     if r.contrastive_scale <= 0:
         problems.append(f"contrastive_scale must be > 0 (sentence-transformers' scale), got {r.contrastive_scale}")
     if r.mini_batch_size is not None and r.mini_batch_size < 1:

@@ -19,7 +19,8 @@
 - `embedding.py`: `embedding`, `EmbeddingLoss`: a bi-encoder (AutoModel, pooled and normalised) trained with
   sentence-transformers' MultipleNegativesRankingLoss, the candidates gathered over data-parallel ranks; the loop
   divides by the step's anchors. Its final folder is sentence-transformers' layout (`add_files`).
-- `reranker.py`: `reranker`, `RerankerLoss`: a cross-encoder (a one-output sequence classifier) trained with
+- `reranker.py`: `reranker`, `RerankerLoss`: a cross-encoder (a one-output sequence classifier, or a causal LM's
+  yes/no logits: `reranker_head: yes_no`, the Qwen3-Reranker form) trained with
   sentence-transformers' CrossEncoder losses (binary cross-entropy on labelled pairs, listwise cross-entropy of a
   positive against its hard negatives); the loop divides by the step's rows.
 - `grpo.py`: `grpo`, online RL (generation windows, rewards, TRL's GRPO loss; pieces in hftrain/rl/). It plugged in

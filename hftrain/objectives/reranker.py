@@ -1,9 +1,17 @@
 """Rerankers (recipe `objective: reranker`): a cross-encoder scoring (query, passage) pairs, as sentence-transformers
 6's CrossEncoder losses (cross_encoder/losses/).
 
-The base is loaded as `AutoModelForSequenceClassification` with one output (`model.load_as_reward_model`: the body
-plus a new `score` head, read at each pair's last real token, `config.pad_token_id` the collator's pad id), each
-pair tokenized as the CrossEncoder tokenizes plain text pairs: tokenizer(query, passage). The data decides the loss
+Two heads score a pair (`reranker_head`):
+
+- classifier: the base loaded as `AutoModelForSequenceClassification` with one output (`model.load_as_reward_model`:
+  the body plus a new `score` head, read at each pair's last real token, `config.pad_token_id` the collator's pad
+  id), each pair tokenized as the CrossEncoder tokenizes plain text pairs: tokenizer(query, passage);
+- yes_no (the Qwen3-Reranker form): the causal LM itself (`AutoModelForCausalLM`) reads `reranker_template` filled
+  with the pair (`data.retrieval.templated_pairs`), left-padded, position ids counting real tokens only (so a pair
+  scores as it does alone); the score is logit("yes") - logit("no") at the last position, whose sigmoid is P(yes)
+  of the softmax over the two (sentence-transformers' LogitScore with its Sigmoid activation).
+
+The data decides the loss
 (`data.retrieval.pair_texts`), each row's loss summed and the loop dividing by the step's rows:
 
 - labelled pairs (query, passage, label in [0, 1]): binary cross-entropy on the score's logit
@@ -15,8 +23,9 @@ pair tokenized as the CrossEncoder tokenizes plain text pairs: tokenizer(query, 
 Each row's pairs are its own (no in-batch negatives), so accumulation and data parallelism are exact (the loop's
 sum over rows). The final folder is a CrossEncoder's (modules.json with its Transformer in sequence-classification
 form, plain text input; config_sentence_transformers.json with the Sigmoid CrossEncoder.predict applies) that
-transformers' AutoModelForSequenceClassification loads too. The Qwen3-Reranker form (a decoder's yes/no logits)
-is not here yet.
+transformers' AutoModelForSequenceClassification loads too; the yes/no reranker's folder is the causal LM
+(AutoModelForCausalLM loads it) with a CrossEncoder's Transformer (text-generation) and LogitScore, and a chat
+template that renders a (query, document) pair as `reranker_template` does.
 """
 
 from __future__ import annotations
@@ -33,24 +42,58 @@ from torch import nn
 from hftrain.config import Recipe
 from hftrain.data.feeds import TrainingData
 from hftrain.data.retrieval import RerankerCollator, tokenize_pairs
+from hftrain.errors import HftrainError
 from hftrain.loss import ObjectiveLoss
-from hftrain.model import pad_token_id
+from hftrain.model import build_tokenizer, pad_token_id
 from hftrain.objectives.base import Objective
 from hftrain.objectives.embedding import retrieval_data
 
 RERANKER_STATS = ("accuracy",)  # labelled: the score's sign agrees with label >= 0.5; ranked: the positive first
 
 
+YES_NO = ("yes", "no")
+
+
+def yes_no_token_ids(tokenizer, model: str) -> tuple[int, int]:
+    """The ids of the tokens "yes" and "no" (as Qwen3-Reranker's code and sentence-transformers' CrossEncoder
+    look them up), or an HftrainError when either is not one token of the vocabulary."""
+    ids, wrong = [], []
+    for token in YES_NO:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        encoded = tokenizer(token, add_special_tokens=False)["input_ids"]
+        if token_id is None or token_id == tokenizer.unk_token_id or encoded != [token_id]:
+            wrong.append(f"{token!r} is encoded as {len(encoded)} tokens {encoded}")
+        ids.append(token_id)
+    if wrong:
+        raise HftrainError(
+            f"reranker_head yes_no scores a pair by the logits of the tokens 'yes' and 'no' at the last position (the "
+            f"Qwen3-Reranker form), but the tokenizer of {model} has no single token for them: "
+            f"{'; '.join(wrong)}. Use a model whose vocabulary holds both (Qwen3, Qwen2.5, Llama 3...), or "
+            "reranker_head: classifier (a new score head, any tokenizer).")
+    return ids[0], ids[1]
+
+
 class RerankerLoss(ObjectiveLoss):
-    """The sequence classifier `lm` whose `forward` returns the sum of the micro-batch's rows' losses."""
+    """The reranker `lm` whose `forward` returns the sum of the micro-batch's rows' losses: a one-output sequence
+    classifier, or (`yes_no`: the ids of "yes" and "no") a causal LM fed left-padded pairs."""
 
     unit = "rows"
     headline = ("loss", "accuracy")
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, yes_no: tuple[int, int] | None = None):
         super().__init__(lm)
         self.head_only = False  # the model's own forward: its score head and pooling
+        self.yes_no = yes_no
         self.stats = None
+
+    def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """One score per pair (float32): the classifier's output, or logit(yes) - logit(no) at the last position."""
+        if self.yes_no is None:
+            return self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()[:, 0]
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         logits_to_keep=1, use_cache=False).logits[:, -1].float()
+        return logits[:, self.yes_no[0]] - logits[:, self.yes_no[1]]
 
     @property
     def loss_path(self) -> str:
@@ -59,8 +102,7 @@ class RerankerLoss(ObjectiveLoss):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, valid: torch.Tensor,
                 targets: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of pairs row after row (`RerankerCollator`); `targets`: labelled pairs' labels, else ranked rows."""
-        scores = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
-        scores = scores.reshape(len(valid), -1)
+        scores = self.scores(input_ids, attention_mask).reshape(len(valid), -1)
         if targets is not None:
             losses = F.binary_cross_entropy_with_logits(scores[:, 0], targets.to(scores.dtype), reduction="none")
             right = (scores[:, 0] > 0) == (targets >= 0.5)
@@ -101,6 +143,45 @@ def write_cross_encoder_files(folder: Path) -> None:
         "default_prompt_name": None})
 
 
+def pair_chat_template(template: str) -> str:
+    """A jinja chat template rendering a (query, document) message pair (sentence-transformers' pair roles) as
+    `template` fills it; the fixed text is emitted as jinja string literals."""
+    start, end = template.index("{query}"), template.index("{document}")
+
+    def literal(text: str) -> str:
+        return "{{ " + json.dumps(text, ensure_ascii=False) + " }}" if text else ""
+
+    def role(name: str) -> str:
+        return ('{{ messages | selectattr("role", "eq", "' + name + '") | map(attribute="content") | first }}')
+    return (literal(template[:start]) + role("query") + literal(template[start + len("{query}"):end])
+            + role("document") + literal(template[end + len("{document}"):]))
+
+
+def write_yes_no_cross_encoder_files(folder: Path, template: str, yes_no: tuple[int, int]) -> None:
+    """sentence-transformers 6's files of a CrossEncoder on a causal LM: its Transformer (text-generation, a pair
+    as query/document messages through the chat template) and LogitScore (logit yes - logit no), Sigmoid on top;
+    the chat template written as chat_template.jinja (transformers reads it with the tokenizer)."""
+    def write(path: Path, value) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+
+    write(folder / "modules.json", [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_LogitScore",
+         "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"}])
+    write(folder / "sentence_bert_config.json", {
+        "transformer_task": "text-generation",
+        "modality_config": {"text": {"method": "forward", "method_output_name": "logits"},
+                            "message": {"method": "forward", "method_output_name": "logits", "format": "flat"}},
+        "module_output_name": "causal_logits"})
+    write(folder / "1_LogitScore" / "config.json", {"true_token_id": yes_no[0], "false_token_id": yes_no[1],
+                                                     "module_input_name": "causal_logits"})
+    write(folder / "config_sentence_transformers.json", {
+        "model_type": "CrossEncoder", "activation_fn": "torch.nn.modules.activation.Sigmoid", "prompts": {},
+        "default_prompt_name": None})
+    (folder / "chat_template.jinja").write_text(pair_chat_template(template), encoding="utf-8")
+
+
 class Reranker(Objective):
     """reranker: `RerankerLoss` around the one-output sequence classifier; data: `data.retrieval`."""
 
@@ -109,20 +190,32 @@ class Reranker(Objective):
     final_use = "score (query, passage) pairs (sentence-transformers' CrossEncoder)"
 
     def setup_data(self, run) -> TrainingData:
+        """The pairs tokenized; with reranker_head yes_no the tokenizer's "yes" and "no" checked first (before the
+        model loads) and the pairs filled into reranker_template, left-padded (the score is read at the last
+        position)."""
         recipe = run.recipe
+        yes_no = recipe.reranker_head == "yes_no"
+        if yes_no:
+            yes_no_token_ids(run.tokenizer, recipe.tokenizer_name_or_path or recipe.model_name_or_path)
+        template = recipe.reranker_template if yes_no else None
         return retrieval_data(
-            run, lambda rows, name: tokenize_pairs(rows, run.tokenizer, recipe.max_length, name),
-            lambda data, pad, side, train: RerankerCollator(data, pad, side),
+            run, lambda rows, name: tokenize_pairs(rows, run.tokenizer, recipe.max_length, name, template),
+            lambda data, pad, side, train: RerankerCollator(data, pad, "left" if yes_no else side),
             lambda data: "query, passage, label" if data.labels is not None else
             f"query, positive, {data.columns - 1} negative" + "s" * (data.columns > 2))
 
     def build_loss(self, recipe: Recipe, lm: nn.Module, device: torch.device,
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> RerankerLoss:
-        return RerankerLoss(lm)
+        if recipe.reranker_head == "classifier":
+            return RerankerLoss(lm)
+        name = recipe.tokenizer_name_or_path or recipe.model_name_or_path
+        return RerankerLoss(lm, yes_no_token_ids(build_tokenizer(recipe), name))
 
     def prepare(self, run) -> None:
-        """The model reads each score at the last token that is not `config.pad_token_id`: the collator's pad id
-        (saved with the folder, so that CrossEncoder pools as training did)."""
+        """The classifier reads each score at the last token that is not `config.pad_token_id`: the collator's pad
+        id (saved with the folder, so that CrossEncoder pools as training did)."""
+        if run.recipe.reranker_head != "classifier":
+            return None
         config = run.parts.loss.lm.config
         config.get_text_config().pad_token_id = config.pad_token_id = pad_token_id(run.tokenizer)
         return None
@@ -132,8 +225,14 @@ class Reranker(Objective):
         loss = ("binary cross-entropy on each labelled pair's score" if data.labels is not None else
                 f"listwise cross-entropy of each query's positive against its {data.columns - 1} hard negative"
                 + "s" * (data.columns > 2))
-        return [f"objective reranker: a new score head (num_labels 1) on {type(run.parts.loss.lm).__name__}; {loss}, "
-                "the mean over the step's rows"]
+        head = (f"a new score head (num_labels 1) on {type(run.parts.loss.lm).__name__}"
+                if run.recipe.reranker_head == "classifier" else
+                f"logit('yes') - logit('no') of {type(run.parts.loss.lm).__name__} at the last position of "
+                "reranker_template (Qwen3-Reranker's form)")
+        return [f"objective reranker: {head}; {loss}, the mean over the step's rows"]
 
     def add_files(self, run, folder: Path) -> None:
-        write_cross_encoder_files(folder)
+        if run.recipe.reranker_head == "classifier":
+            write_cross_encoder_files(folder)
+        else:
+            write_yes_no_cross_encoder_files(folder, run.recipe.reranker_template, run.parts.loss.yes_no)

@@ -300,3 +300,48 @@ def test_chat_and_eval_tasks_refuse_embedding_and_reranker_folders(one_process, 
         said = " ".join(err.split())
         assert exit_.value.code == 2 and err.count("hftrain: error") == 1 and "Traceback" not in err, err
         assert f"is {what}" in said and "writes no text" in said and "Loading weights" not in err, said
+
+
+def test_a_yes_no_reranker_folder_scores_as_its_causal_lm(tmp_path):
+    """reranker_head yes_no (the Qwen3-Reranker form) through the entry script, 2 steps on a tiny Llama whose
+    tokenizer holds 'yes' and 'no': the final folder loads with AutoModelForCausalLM, and P(yes) of the softmax over
+    the 'yes' and 'no' logits at the last position of Qwen3-Reranker's prompt (built here with str.replace) equals
+    CrossEncoder(final).predict, one pair at a time; the weights moved."""
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftrain.fields.retrieval import QWEN3_RERANKER_TEMPLATE as TEMPLATE
+
+    base = tmp_path / "base"
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    tokenizer.add_tokens(["yes", "no"])
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    run_script(tmp_path / "out", "--config", str(REPO / "recipes" / "tiny-reranker.yaml"), "--model_name_or_path",
+               str(base), "--reranker_head", "yes_no", "--max_length", "320", "--max_steps", "2",
+               "--save_strategy", "no", "--eval_strategy", "no")
+    final = tmp_path / "out" / "final"
+    trained, tokenizer = AutoModelForCausalLM.from_pretrained(final).eval(), AutoTokenizer.from_pretrained(final)
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    examples = [json.loads(line) for line in
+                (REPO / "data" / "retrieval.jsonl").read_text(encoding="utf-8").splitlines()[:2]]
+    pairs = [(r["anchor"], text) for r in examples for text in (r["positive"], r["negative"])]
+    with torch.no_grad():
+        plain = torch.stack([torch.softmax(trained(**tokenizer(
+            TEMPLATE.replace("{query}", q).replace("{document}", p), add_special_tokens=False, return_tensors="pt",
+        )).logits[0, -1, [yes, no]], dim=0)[0] for q, p in pairs])
+    scores = torch.as_tensor(CrossEncoder(str(final)).predict(pairs, batch_size=1))
+    torch.testing.assert_close(scores, plain, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(trained.lm_head.weight, model.lm_head.weight)
+
+
+def test_a_yes_no_reranker_on_a_tokenizer_without_yes_and_no_is_refused_before_the_model_loads(tmp_path):
+    """The shipped tiny Llama spells 'yes' and 'no' in pieces: one paragraph, a non-zero exit, no traceback, no
+    weights loaded."""
+    run = run_script(tmp_path / "out", "--config", str(REPO / "recipes" / "tiny-reranker.yaml"),
+                     "--reranker_head", "yes_no", "--max_length", "320", check=False)
+    said = " ".join(run.stderr.split())
+    assert run.returncode != 0 and "Traceback" not in run.stderr and "Loading weights" not in run.stderr
+    assert "has no single token for them" in said and "reranker_head: classifier" in said, run.stderr[-2000:]

@@ -291,3 +291,188 @@ def test_a_bad_retrieval_task_is_refused_naming_the_file_and_line(tmp_path, file
     with pytest.raises(HftrainError) as refused:
         load_retrieval_set(tmp_path)
     assert f"{tmp_path}/{says}" in str(refused.value)
+
+
+# ------------------------------------------------------------------------- reranker_head yes_no (Qwen3-Reranker)
+@pytest.fixture(scope="module")
+def yes_no_lm(tmp_path_factory) -> str:
+    """The shipped tiny Llama with "yes" and "no" added to its tokenizer as single tokens, their embedding and
+    output rows drawn with seed 0 (so the two logits differ)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
+    tokenizer.add_tokens(["yes", "no"])
+    model = AutoModelForCausalLM.from_pretrained(REPO / "models" / "tiny-llama")
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for weights in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+            weights[-2:] = torch.randn_like(weights[-2:]) * 0.5
+    folder = tmp_path_factory.mktemp("yes_no")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("labelled", [True, False])
+def test_yes_no_reranker_loss_and_update_equal_plain_pytorch(yes_no_lm, tmp_path, labelled):
+    """6 rows scored the Qwen3-Reranker way (its template, P(yes) = softmax over the 'yes' and 'no' logits at the
+    last position), each pair computed alone in plain PyTorch from the causal LM's logits (the prompt built with
+    str.replace): the binary cross-entropy on P(yes) / the listwise cross-entropy on log P(yes) - log P(no) equal
+    hftrain's left-padded batch loss / 6, and the weights after one SGD step are equal. The folder hftrain writes
+    beside the model (write_yes_no_cross_encoder_files) makes sentence-transformers' CrossEncoder tokenize a pair
+    as hftrain did and predict the same P(yes)."""
+    from pathlib import Path
+
+    from sentence_transformers.cross_encoder import CrossEncoder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftrain.data.retrieval import RerankerCollator, tokenize_pairs
+    from hftrain.fields.retrieval import QWEN3_RERANKER_TEMPLATE as TEMPLATE
+    from hftrain.objectives.reranker import RerankerLoss, write_yes_no_cross_encoder_files, yes_no_token_ids
+
+    examples = rows(6)
+    if labelled:
+        data_rows = [{"query": r["anchor"], "passage": r["positive"] if i % 2 else r["negative"], "label": i % 2}
+                     for i, r in enumerate(examples)]
+        pairs = [[(r["query"], r["passage"])] for r in data_rows]
+    else:
+        data_rows = [{"query": r["anchor"], "positive": r["positive"], "negative": r["negative"]} for r in examples]
+        pairs = [[(r["query"], r["positive"]), (r["query"], r["negative"])] for r in data_rows]
+    tokenizer = AutoTokenizer.from_pretrained(yes_no_lm)
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    data = tokenize_pairs([(f"row {i}", r) for i, r in enumerate(data_rows)], tokenizer, 512, "rows", TEMPLATE)
+    batch = RerankerCollator(data, tokenizer.pad_token_id, "left")(list(range(6)))
+    batch.pop("num_examples")
+    assert yes_no_token_ids(tokenizer, yes_no_lm) == (yes, no)
+    ours = RerankerLoss(AutoModelForCausalLM.from_pretrained(yes_no_lm), (yes, no))
+    theirs = AutoModelForCausalLM.from_pretrained(yes_no_lm)
+
+    def log_p_yes_no(query: str, passage: str) -> torch.Tensor:
+        text = TEMPLATE.replace("{query}", query).replace("{document}", passage)
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        return torch.log_softmax(theirs(input_ids=ids).logits[0, -1, [yes, no]], dim=0)
+
+    def reference() -> torch.Tensor:
+        if labelled:
+            log_p = torch.stack([log_p_yes_no(*row[0]) for row in pairs])
+            targets = torch.tensor([float(r["label"]) for r in data_rows])
+            return -(targets * log_p[:, 0] + (1 - targets) * log_p[:, 1]).mean()
+        scores = torch.stack([torch.stack([log_p_yes_no(*pair) @ torch.tensor([1.0, -1.0]) for pair in row])
+                              for row in pairs])
+        return -torch.log_softmax(scores, dim=1)[:, 0].mean()
+
+    before = parameters(ours)
+    loss = ours(**batch) / 6
+    expected = reference()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for module, value in ((ours, loss), (theirs, expected)):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+        value.backward()
+        optimizer.step()
+    theirs_after = parameters(theirs)
+    for name, value in parameters(ours).items():
+        torch.testing.assert_close(value, theirs_after[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert not torch.equal(parameters(ours)["lm_head.weight"], before["lm_head.weight"])
+
+    ours.lm.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    write_yes_no_cross_encoder_files(Path(tmp_path), TEMPLATE, (yes, no))
+    cross_encoder = CrossEncoder(str(tmp_path))
+    flat = [pair for row in pairs for pair in row]
+    assert cross_encoder[0].preprocess([flat[0]])["input_ids"][0].tolist() == data.ids[0][0]
+    with torch.no_grad():
+        expected_p = torch.stack([log_p_yes_no(*pair)[0].exp() for pair in flat])
+    torch.testing.assert_close(torch.as_tensor(cross_encoder.predict(flat, batch_size=1)), expected_p,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_yes_no_reranker_refuses_a_tokenizer_without_single_yes_and_no_tokens():
+    """The shipped tiny Llama's tokenizer spells 'yes' and 'no' in several pieces: refused in one paragraph naming
+    the model, the pieces and the way out."""
+    from transformers import AutoTokenizer
+
+    from hftrain.objectives.reranker import yes_no_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
+    with pytest.raises(HftrainError) as refused:
+        yes_no_token_ids(tokenizer, "models/tiny-llama")
+    message = str(refused.value)
+    assert "\n" not in message and "the tokenizer of models/tiny-llama has no single token" in message
+    assert f"'yes' is encoded as 3 tokens {tokenizer('yes', add_special_tokens=False)['input_ids']}" in message
+    assert "reranker_head: classifier" in message
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"objective": "reranker", "reranker_head": "yes_no", "reranker_template": "Q: {query}"},
+     "reranker_template must hold {query} and then {document}, once each"),
+    ({"objective": "reranker", "reranker_template": "{query} {document}"},
+     "reranker_template is set but reranker_head=classifier"),
+    ({"objective": "embedding", "reranker_head": "yes_no"}, "reranker_head is set but objective=embedding"),
+])
+def test_bad_yes_no_settings_are_refused(fields, says):
+    from hftrain.fields.retrieval import problems
+
+    recipe = Recipe(model_name_or_path="m", dataset_name="d", output_dir="o", **fields)
+    assert any(says in problem for problem in problems(recipe)), problems(recipe)
+
+
+def test_a_long_templated_pair_keeps_the_template_start_and_end(yes_no_lm, tmp_path):
+    """A pair too long for max_length: max_length tokens, ending with the tokens of the text after {document}
+    tokenized alone (Qwen3's starts with the special <|im_end|>: the prompt's last tokens, where the score is read,
+    survive) and starting with those of the text before {query} but its last (its trailing space merges with the
+    query's first word), as sentence-transformers' CrossEncoder truncates it on the folder hftrain writes (its
+    tokenizer's model_max_length the run's max_length); a max_length the template alone fills is refused."""
+    import shutil
+    from pathlib import Path
+
+    from sentence_transformers.cross_encoder import CrossEncoder
+    from transformers import AutoTokenizer
+
+    from hftrain.data.retrieval import templated_pairs
+    from hftrain.fields.retrieval import QWEN3_RERANKER_TEMPLATE as TEMPLATE
+    from hftrain.objectives.reranker import write_yes_no_cross_encoder_files, yes_no_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(yes_no_lm)
+    head, tail = TEMPLATE.split("{query}")[0], TEMPLATE.split("{document}")[1]
+    head_ids, tail_ids = (tokenizer(text, add_special_tokens=False)["input_ids"] for text in (head, tail))
+    [ids] = templated_pairs(tokenizer, TEMPLATE, ["What is 8 + 1?"], ["nine " * 200], 300)
+    assert len(ids) == 300 and ids[:len(head_ids) - 1] == head_ids[:-1] and ids[-len(tail_ids):] == tail_ids
+    folder = Path(shutil.copytree(yes_no_lm, tmp_path / "folder"))
+    tokenizer.model_max_length = 300
+    tokenizer.save_pretrained(folder)
+    write_yes_no_cross_encoder_files(folder, TEMPLATE, yes_no_token_ids(tokenizer, yes_no_lm))
+    pair = ("What is 8 + 1?", "nine " * 200)
+    assert CrossEncoder(str(folder))[0].preprocess([pair])["input_ids"][0].tolist() == ids
+    with pytest.raises(HftrainError, match="max_length 40 leaves"):
+        templated_pairs(tokenizer, TEMPLATE, ["q"], ["d"], 40)
+
+
+def test_the_pair_chat_template_renders_any_template_text_as_str_replace_does():
+    """Quotes, backslashes, braces, jinja syntax, tabs and non-ASCII letters in reranker_template come out of the
+    saved chat template (transformers' apply_chat_template on query/document messages) as str.replace fills them."""
+    from transformers import AutoTokenizer
+
+    from hftrain.objectives.reranker import pair_chat_template
+
+    template = 'Ünïcode "q" \\ {{x}} {% raw %}\n<Q>: {query}\n<D>: {document}\nend\t'
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
+    tokenizer.chat_template = pair_chat_template(template)
+    messages = [{"role": "query", "content": "What is {x}?"}, {"role": "document", "content": "It's \"{{ y }}\"."}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert rendered == template.replace("{query}", "What is {x}?").replace("{document}", "It's \"{{ y }}\".")
+
+
+def test_a_yes_no_reranker_on_a_model_without_a_causal_lm_class_is_refused():
+    """The image-text tiny model (llava) has no AutoModelForCausalLM class: one paragraph naming it, before loading;
+    the tiny Llama passes, and the classifier head is not judged by this rule."""
+    from transformers import AutoConfig
+
+    from hftrain.preflight import yes_no_reranker_problems
+
+    vlm = AutoConfig.from_pretrained(REPO / "models" / "tiny-vlm")
+    recipe = Recipe(objective="reranker", reranker_head="yes_no", model_name_or_path=str(REPO / "models" / "tiny-vlm"))
+    (problem,) = yes_no_reranker_problems(recipe, vlm)
+    assert "no causal-LM class for model type 'llava'" in problem and "\n" not in problem
+    assert yes_no_reranker_problems(recipe, AutoConfig.from_pretrained(REPO / "models" / "tiny-llama")) == []
+    assert yes_no_reranker_problems(Recipe(objective="reranker"), vlm) == []
