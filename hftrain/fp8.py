@@ -70,5 +70,7 @@ def preflight_problems(recipe: Recipe, cuda: bool, capability: tuple[int, int] |
     return problems
 
 
-def device_capability(cuda: bool) -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability() if cuda else None
+def device_capability(recipe: Recipe, cuda: bool) -> tuple[int, int] | None:
+    """This machine's GPU compute capability where the recipe asks for fp8 (the only rule that reads it), else None:
+    the preflight of every other run asks CUDA nothing."""
+    return torch.cuda.get_device_capability() if cuda and recipe.fp8 else None

@@ -12,8 +12,8 @@ import pytest
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.launch
-CONTENDERS = ["hftrain", "hftrain_accum", "hftrain_random", "hftrain_packed", "trainer", "trl_padding", "trl_packing",
-              "trl_padding_free", "loop", "loop_accum"]
+CONTENDERS = ["hftrain", "hftrain_accum", "hftrain_random", "hftrain_packed", "hftrain_varlen", "trainer",
+              "trl_padding", "trl_packing", "trl_padding_free", "loop", "loop_accum"]
 
 
 def test_quick_bench_writes_a_row_per_contender(tmp_path):
