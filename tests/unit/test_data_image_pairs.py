@@ -8,7 +8,9 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers.utils import is_torchvision_available
 
 from hftrain.config import Recipe
 from hftrain.data.image_chats import open_image
@@ -251,7 +253,13 @@ def test_dpo_loss_equals_plain_pytorch_for_other_families(arch, image_text_model
     template's text for prompt + completion; trained: the tokens after the prompt rendered with the generation
     prompt, through the last one that is not whitespace), against a reference that differs from the policy."""
     folder = image_text_model(arch)
-    processor = AutoProcessor.from_pretrained(folder)
+    try:
+        processor = AutoProcessor.from_pretrained(folder)
+    except ValueError as e:  # transformers 5.17 marks Idefics3's Pillow image processor as needing torchvision too
+        if is_torchvision_available() or "Missing optional dependencies: torchvision" not in str(e):
+            raise
+        pytest.skip(f"transformers {transformers.__version__} builds {arch}'s processor only with torchvision (5.23 "
+                    f"does without): {str(e)[:200]}")
     picked = [0, 1, 3]
     pairs = prepare_pairs([dict(rows[i]) for i in picked], processor, SPEC, str(DATA))[0]
     batch = ImagePairCollator(pairs, processor, processor.tokenizer.pad_token_id)([0, 1, 2])
