@@ -54,7 +54,6 @@ from hftrain.retrieval_eval import RetrievalEvaluation
 
 # sentence-transformers' names of the pooling modes (1_Pooling/config.json's pooling_mode)
 ST_POOLING = {"mean": "mean", "cls": "cls", "last_token": "lasttoken"}
-EMBEDDING_STATS = ("accuracy",)  # share of anchors whose positive scores above every other candidate
 
 
 class _GatherWithGradients(torch.autograd.Function):
@@ -114,18 +113,48 @@ def contrastive_losses(anchors: torch.Tensor, candidates: list[torch.Tensor], va
     return torch.where(valid, log_z - positive, 0.0), best
 
 
-class EmbeddingLoss(ObjectiveLoss):
+class RowAccuracyLoss(ObjectiveLoss):
+    """What the retrieval losses share: `forward` returns the sum of its rows' losses over the real (`valid`) rows,
+    the loop divides by the step's real rows (`unit`), and the one statistic is each row's accuracy (embedding: the
+    positive scores above every other candidate; reranker: the score's sign agrees with the label, or the positive
+    ranks first)."""
+
+    headline = ("loss", "accuracy")
+
+    def __init__(self, lm: nn.Module):
+        super().__init__(lm)
+        self.stats = None
+
+    def summed(self, losses: torch.Tensor, right: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The real rows' summed loss; their count of right answers added to the statistics."""
+        real = valid.to(losses.dtype)
+        with torch.no_grad():
+            stats = (right.to(real.dtype) @ real)[None]
+            self.stats = stats if self.stats is None else self.stats + stats
+        return (losses * real).sum()
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["valid"].sum()
+
+    def pop_stats(self) -> dict[str, torch.Tensor]:
+        stats, self.stats = self.stats, None
+        return {} if stats is None else {"accuracy": stats.double()[0]}
+
+    def eval_metrics(self, loss_sum: float, units: int, stats: dict[str, float]) -> dict[str, float]:
+        return {"eval_loss": loss_sum / max(units, 1), f"eval_{self.unit}": int(units),
+                **{f"eval_{name}": value / max(units, 1) for name, value in stats.items()}}
+
+
+class EmbeddingLoss(RowAccuracyLoss):
     """The encoder `lm` (an AutoModel) whose `forward` returns the sum of the micro-batch's anchors' contrastive
     losses (the loop divides by the step's anchors)."""
 
     unit = "anchors"
-    headline = ("loss", "accuracy")
 
     def __init__(self, lm: nn.Module, recipe: Recipe):
         super().__init__(lm)
         self.pooling, self.scale, self.symmetric = recipe.pooling, recipe.contrastive_scale, recipe.symmetric_loss
         self.mini_batch_size = recipe.mini_batch_size
-        self.stats = None
 
     @property
     def loss_path(self) -> str:
@@ -159,22 +188,7 @@ class EmbeddingLoss(ObjectiveLoss):
         anchors, *candidates = embeddings.split(b)
         losses, best = contrastive_losses(anchors, candidates, valid, self.scale, self.symmetric,
                                           across_ranks=self.training)
-        real = valid.to(losses.dtype)
-        with torch.no_grad():
-            stats = (best.to(real.dtype) @ real)[None]
-            self.stats = stats if self.stats is None else self.stats + stats
-        return (losses * real).sum()
-
-    def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return batch["valid"].sum()
-
-    def pop_stats(self) -> dict[str, torch.Tensor]:
-        stats, self.stats = self.stats, None
-        return {} if stats is None else dict(zip(EMBEDDING_STATS, stats.double()))
-
-    def eval_metrics(self, loss_sum: float, units: int, stats: dict[str, float]) -> dict[str, float]:
-        return {"eval_loss": loss_sum / max(units, 1), "eval_anchors": int(units),
-                **{f"eval_{name}": value / max(units, 1) for name, value in stats.items()}}
+        return self.summed(losses, best, valid)
 
 
 def held_out(rows: list, percent: float, seed: int, name: str) -> tuple[list, list]:

@@ -43,13 +43,9 @@ from hftrain.config import Recipe
 from hftrain.data.feeds import TrainingData
 from hftrain.data.retrieval import RerankerCollator, tokenize_pairs
 from hftrain.errors import HftrainError
-from hftrain.loss import ObjectiveLoss
 from hftrain.model import build_tokenizer, pad_token_id
 from hftrain.objectives.base import Objective
-from hftrain.objectives.embedding import retrieval_data
-
-RERANKER_STATS = ("accuracy",)  # labelled: the score's sign agrees with label >= 0.5; ranked: the positive first
-
+from hftrain.objectives.embedding import RowAccuracyLoss, retrieval_data
 
 YES_NO = ("yes", "no")
 
@@ -73,18 +69,16 @@ def yes_no_token_ids(tokenizer, model: str) -> tuple[int, int]:
     return ids[0], ids[1]
 
 
-class RerankerLoss(ObjectiveLoss):
+class RerankerLoss(RowAccuracyLoss):
     """The reranker `lm` whose `forward` returns the sum of the micro-batch's rows' losses: a one-output sequence
     classifier, or (`yes_no`: the ids of "yes" and "no") a causal LM fed left-padded pairs."""
 
     unit = "rows"
-    headline = ("loss", "accuracy")
 
     def __init__(self, lm: nn.Module, yes_no: tuple[int, int] | None = None):
         super().__init__(lm)
         self.head_only = False  # the model's own forward: its score head and pooling
         self.yes_no = yes_no
-        self.stats = None
 
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """One score per pair (float32): the classifier's output, or logit(yes) - logit(no) at the last position."""
@@ -109,22 +103,7 @@ class RerankerLoss(ObjectiveLoss):
         else:
             losses = torch.logsumexp(scores, dim=1) - scores[:, 0]
             right = scores.argmax(dim=1) == 0
-        real = valid.to(losses.dtype)
-        with torch.no_grad():
-            stats = (right.to(real.dtype) @ real)[None]
-            self.stats = stats if self.stats is None else self.stats + stats
-        return (losses * real).sum()
-
-    def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return batch["valid"].sum()
-
-    def pop_stats(self) -> dict[str, torch.Tensor]:
-        stats, self.stats = self.stats, None
-        return {} if stats is None else dict(zip(RERANKER_STATS, stats.double()))
-
-    def eval_metrics(self, loss_sum: float, units: int, stats: dict[str, float]) -> dict[str, float]:
-        return {"eval_loss": loss_sum / max(units, 1), "eval_rows": int(units),
-                **{f"eval_{name}": value / max(units, 1) for name, value in stats.items()}}
+        return self.summed(losses, right, valid)
 
 
 def write_cross_encoder_files(folder: Path) -> None:
