@@ -154,6 +154,9 @@ CONTENDERS = {
     "hftrain_varlen": Contender("hftrain", "hftrain, packing, attn_implementation: varlen (per-document sdpa on CPU), "
                                 "1 dataloader worker", {"packing": True, "attn_implementation": "varlen",
                                                         "dataloader_num_workers": 1}, packed=True),
+    "hftrain_varlen_compile": Contender("hftrain", "hftrain_varlen with torch_compile: true",
+                                        {"packing": True, "attn_implementation": "varlen", "dataloader_num_workers": 1,
+                                         "torch_compile": True}, packed=True, lever=True),
     "trainer": Contender("trainer", "transformers Trainer, random batches padded to the longest "
                                     "(DataCollatorForSeq2Seq)"),
     "trl_padding": Contender("trl", "TRL SFTTrainer, random batches padded to the longest",
@@ -621,7 +624,7 @@ def targets(table: dict) -> list[dict]:
         if trl:
             checks.append((ours, f"tokens/s >= 1.5x best TRL ({trl})", tps(ours) / tps(trl), 1.5, ">="))
         if loop:
-            checks.append((ours, "tokens/s >= 0.95x hand-written loop", tps(ours) / tps(loop), 0.95, ">="))
+            checks.append((ours, "tokens/s >= 1.05x hand-written loop", tps(ours) / tps(loop), 1.05, ">="))
         if "trl_packing" in table and "peak_rss_mb" in table["trl_packing"]:
             checks.append((ours, "peak RSS <= TRL packing's",
                            table[ours]["peak_rss_mb"] / table["trl_packing"]["peak_rss_mb"], 1.0, "<="))
