@@ -8,21 +8,20 @@
 
 A layout is the record (`ParallelDims`, dims.py: the strategy and the degree of each axis, built once from the recipe
 and the launch) run by one strategy backend (`BACKENDS[(strategy, the axes it holds itself)]`: plain / DDP, FSDP2,
-DeepSpeed, or the pipeline, whose step is its own schedule and which holds tp inside its stages) with every other axis
-a transform over it (`TRANSFORMS`, torchtitan's `parallelize_fn` steps), applied in one fixed order at fixed points
-(`Transform`, base.py): load (transformers' `DistributedConfig` fields: tp, ep), record, the loss module before the
-strategy's wrapper (cp, sp), each micro-batch, frozen copies, generation. The strategy's own step comes last, as
-torchtitan applies TP, then activation checkpointing and compile, then FSDP. Checkpoint I/O (checkpoint_io.py) and
-generation (generation.py) are components of the layout: the strategy's, or, for a model laid out at load, the
-laid-out one (`layout_of`).
+DeepSpeed, or the pipeline, whose step is its own schedule) with every other axis a transform over it (`TRANSFORMS`,
+torchtitan's `parallelize_fn` steps), applied in one fixed order at fixed points (`Transform`, base.py): load
+(transformers' `DistributedConfig` fields: tp, ep), record, the loss module before the strategy's wrapper (cp, sp), each
+micro-batch, frozen copies, generation. The strategy's own step comes last, as torchtitan applies TP, then activation
+checkpointing and compile, then FSDP. Checkpoint I/O (checkpoint_io.py) and generation (generation.py) are components of
+the layout: the strategy's, or, for a model laid out at load, the laid-out one (`layout_of`).
 
-Strategy backends, one file each: base.py (the interface, `Transform`; one process and DDP, whole copies of a
-laid-out model), fsdp.py (FSDP2; a laid-out model sharded by transformers' FSDP2), deepspeed.py (ZeRO 1-3, offload),
-pipeline.py (pipeline stages through torch.distributed.pipelining, with data-parallel copies and tp inside the stages,
-or each stage sharded by FSDP2 under an FSDP2 preset). Transforms: tensor.py (tensor parallelism), expert.py (expert
-parallelism), context.py (torch's ring attention context parallelism), sequence.py (DeepSpeed's Ulysses sequence
-parallelism). checkpoint_io.py: one checkpoint component per way of holding state; generation.py: one generation
-component per way of holding the model.
+Strategy backends, one file each: base.py (the interface, `Transform`; one process and DDP, whole copies of a laid-out
+model), fsdp.py (FSDP2; a laid-out model sharded by transformers' FSDP2), deepspeed.py (ZeRO 1-3, offload), pipeline/
+(pipeline stages through torch.distributed.pipelining, as data-parallel copies, or each stage sharded by FSDP2 under an
+FSDP2 preset; tp inside the stages is the tensor-parallel transform over it). Transforms: tensor.py (tensor
+parallelism), expert.py (expert parallelism), context.py (torch's ring attention context parallelism), sequence.py
+(DeepSpeed's Ulysses sequence parallelism). checkpoint_io.py: one checkpoint component per way of holding state;
+generation.py: one generation component per way of holding the model.
 
 Nothing else in hftrain asks accelerate, the environment or the DeepSpeed JSON which strategy
 runs. The parallelism fields of the recipe and the rules judged from the recipe alone (`problems`) are
@@ -77,25 +76,23 @@ def layout_of(dims: ParallelDims) -> tuple[Callable[..., Backend], tuple[type[Tr
             strategy = TRANSFORMS[axis].strategy_for(dims, strategy)
     held = max((axes for (s, axes) in BACKENDS if s == strategy and axes <= dims.axes), key=len, default=None)
     transforms = tuple(TRANSFORMS[axis] for axis in TRANSFORMS if axis in dims.axes - (held or frozenset()))
-    if held is None or any(dims.strategy not in t.strategies or not dims.axes - {t.axis} <= t.beside
-                           for t in transforms):
+    if held is None or not all(t.runs_over(dims) for t in transforms):
         axes = " x ".join(sorted(dims.axes)) or "data parallelism alone"
         raise HftrainError(f"no hftrain backend runs {axes} under a {dims.strategy} launch ({dims.describe()}); "
                            "docs/parallelism.md lists the presets and the layouts they run")
     return BACKENDS[(strategy, held)], transforms
 
 
-_NONE, _PP, _PP_TP = frozenset(), frozenset({"pp"}), frozenset({"pp", "tp"})
+_NONE, _PP = frozenset(), frozenset({"pp"})
 # (strategy, the axes it holds itself) -> the strategy backend that holds the model: one per strategy, and the
-# pipeline (its step is its schedule's), its stages held as the strategy holds them: whole data-parallel copies (tp
-# inside its stages), or each stage sharded by FSDP2 (`ShardedStages`).
+# pipeline (its step is its schedule's), its stages held as the strategy holds them: whole data-parallel copies, or
+# each stage sharded by FSDP2 (`ShardedStages`). pp x tp is the pipeline with the tensor-parallel transform over it.
 BACKENDS: dict[tuple[str, frozenset[str]], Callable[..., Backend]] = {
     ("single", _NONE): Backend,
     ("ddp", _NONE): Backend,
     ("fsdp2", _NONE): FSDP2Backend,
     ("deepspeed", _NONE): DeepSpeedBackend,
     ("ddp", _PP): PipelineBackend,
-    ("ddp", _PP_TP): PipelineBackend,
     ("fsdp2", _PP): functools.partial(PipelineBackend, holding=ShardedStages),
 }
 # axis -> the transform that applies it over whichever backend holds the model (its `strategies` and `beside` say

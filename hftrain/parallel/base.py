@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
@@ -197,8 +198,8 @@ class Transform:
        (None: the strategy's).
 
     `TRANSFORMS` says which axis each one runs; `strategies`, under which launch strategies, `beside`, with which
-    other model-splitting axes, and `strategy_for`, where the axis needs another strategy than the launch's to hold
-    the model."""
+    other model-splitting axes (`runs_over` judges both), and `strategy_for`, where the axis needs another strategy
+    than the launch's to hold the model."""
 
     axis: ClassVar[str]
     strategies: ClassVar[frozenset[str]] = frozenset()  # the launch's `ParallelDims.strategy`s it runs under
@@ -207,6 +208,12 @@ class Transform:
 
     def __init__(self, backend: Backend):
         self.backend = backend
+
+    @classmethod
+    def runs_over(cls, dims) -> bool:
+        """Whether this axis runs in the layout `dims` (a `ParallelDims`): under its launch strategy, beside its other
+        axes."""
+        return dims.strategy in cls.strategies and dims.axes - {cls.axis} <= cls.beside
 
     @classmethod
     def strategy_for(cls, dims, strategy: str) -> str:
@@ -249,9 +256,11 @@ class Transform:
 
 
 def with_part(name: str, part: str) -> str:
-    """A layout's name with an axis's `part` added, before the offload note that ends a name."""
-    head, offload, tail = name.partition(" + offload")
-    return head + part + offload + tail
+    """A layout's name with an axis's `part` added, before what ends a name: its data-parallel copies
+    (`with_copies`) and its offload note ("pipeline parallel (...) x tensor parallel (tp_size=2) x 2 data-parallel
+    copies")."""
+    end = re.search(r"( x \d+ data-parallel copies)?( \+ offload.*)?$", name).start()
+    return name[:end] + part + name[end:]
 
 
 class LaidOutAtLoad(Transform):

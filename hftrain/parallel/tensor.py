@@ -16,11 +16,13 @@ model (`Backend.laid_out`):
 Checkpoints are full state (`checkpoint_io.FullStateCheckpoints`), gathered and re-sharded, so they do not depend on
 the layout; frozen copies and generation follow the shards (`base.LaidOutAtLoad`).
 
+- The pipeline (`pipeline.PipelineBackend`, DDP-type presets): every rank loads with the plan over its tp group and
+  keeps its stages' layers; the stages' checkpoints and schedule are the pipeline's, the gradients' sums over the
+  stages and tp shards its clipping's.
+
 Process layout (transformers' device mesh, TP innermost): rank = dp_rank * tp + tp_rank. With 4 processes and
 tp_size=2: TP groups {0,1} {2,3} hold the two halves of every linear layer; data-parallel groups {0,2} {1,3} hold
 the same half, train on different batches and average their gradients (or, under FSDP2, each hold half of it).
-
-The pipeline holds tp inside its stages itself (parallel/pipeline/, with `model_load_kwargs`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from hftrain.compat.transformers import accumulation_safe_partial_gradients
-from hftrain.parallel.base import ALL_PARTS, LaidOutAtLoad, Parallelism, replicated_config, with_copies, with_part
+from hftrain.parallel.base import ALL_PARTS, LaidOutAtLoad, Parallelism, with_copies, with_part
 
 
 def _shard(size: int, parts: int, index: int) -> int:
@@ -55,20 +57,20 @@ def fsdp_tp_blocks_disagree(size: int, fsdp: int, tp: int) -> bool:
     return False
 
 
-def model_load_kwargs(tp: int, world: int) -> dict:
-    """from_pretrained arguments that shard the weights over `tp` processes while they load, with whole copies of
-    each tensor-parallel group on the others (a DDP-type strategy; the pipeline's stages)."""
-    return {"distributed_config": replicated_config({"tp_size": tp}, world // tp)}
-
-
 class TensorParallel(LaidOutAtLoad):
     """tp_size over a DDP-type strategy (whole copies of the tp-split weights: "tensor parallel (tp_size=2) x 2
-    data-parallel copies") or FSDP2 ("FSDP2 FULL_SHARD (fsdp_size=2) x tensor parallel (tp_size=2)"), beside ring
-    attention (tp x cp, parallel/context.py)."""
+    data-parallel copies"), FSDP2 ("FSDP2 FULL_SHARD (fsdp_size=2) x tensor parallel (tp_size=2)") or the pipeline's
+    stages ("pipeline parallel (...) x tensor parallel (tp_size=2)": each stage's layers split by the same plan, the
+    pipeline's whole-copy stages only), beside ring attention (tp x cp, parallel/context.py)."""
 
     axis = "tp"
     strategies = frozenset({"ddp", "fsdp2"})
-    beside = frozenset({"cp", "ep"})
+    beside = frozenset({"cp", "ep", "pp"})
+
+    @classmethod
+    def runs_over(cls, dims) -> bool:
+        """Beside pp only under a DDP-type launch: tp inside FSDP2-sharded stages is not built."""
+        return super().runs_over(dims) and not (dims.pp > 1 and dims.strategy != "ddp")
 
     @property
     def tp(self) -> int:

@@ -44,8 +44,9 @@ meta device, with their names and shapes, until `prepare` drops them), so a mach
 once in host memory, not once each. With adapters every rank reads the whole model: peft draws each adapter's
 initialisation from the global generator in module order, and one process's draws are kept only over the whole model.
 
-pp x tp: every rank loads the model with transformers' tp plan over its tp group (`tensor.model_load_kwargs`: each
-rank reads 1/tp of every layer it reads), then keeps only its stage's layers, so the plan applies per stage to the
+pp x tp: the tensor-parallel transform (`tensor.TensorParallel`) over this backend: every rank loads the model with
+transformers' tp plan over its tp group (`PipelineBackend.distributed_config`: each rank reads 1/tp of every layer it
+reads), then keeps only its stage's layers, so the plan applies per stage to the
 layers the stage owns; the stage's forward runs transformers' sharded layers (their collectives inside the tp group).
 """
 

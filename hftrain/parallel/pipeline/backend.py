@@ -19,13 +19,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 
-from hftrain.compat.transformers import accumulation_safe_partial_gradients
 from hftrain.errors import HftrainError
 from hftrain.fields.parallel import V_SCHEDULES
 from hftrain.memory import ParameterCounts
 from hftrain.metrics import param_checksum
 from hftrain.optim import build_optimizer
-from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism
+from hftrain.parallel.base import ALL_PARTS, Backend, DataParallel, Parallelism, replicated_config
 from hftrain.parallel.checkpoint_io import PipelineCheckpoints
 from hftrain.parallel.pipeline.checks import microbatches
 from hftrain.parallel.pipeline.stage import (
@@ -39,7 +38,6 @@ from hftrain.parallel.pipeline.stage import (
     sharded,
     sum_whole,
 )
-from hftrain.parallel.tensor import model_load_kwargs
 from hftrain.stages import (
     STAGES_PER_PROCESS,
     optimizer_layout,
@@ -61,9 +59,8 @@ class StageCopies:
     def describe(self) -> dict:
         """The strategy's part of the record: its kind, its part of the name, the parts split over `shard_count`."""
         b = self.backend
-        copies = b.accelerator.num_processes // (b.pp * b.tp)
-        name = ((f" x tensor parallel (tp_size={b.tp})" if b.tp > 1 else "") +
-                (f" x {copies} data-parallel copies" if copies > 1 else ""))
+        copies = b.accelerator.num_processes // (b.pp * b.tp)  # (the tp transform adds its part before the copies)
+        name = f" x {copies} data-parallel copies" if copies > 1 else ""
         return {"kind": "pp", "name": name, "sharded": ("weights", "gradients", "optimizer")}
 
     def shard_count(self) -> int:
@@ -210,7 +207,8 @@ class PipelineBackend(Backend):
                 if (c, t) == (self.copy, self.tp_rank):
                     self.tie_group = group
         self.held = self.holding(self)
-        self.checkpoint_io = self.held.checkpoint_io
+        # the stages' checkpoints, whether or not the tp transform laid the weights out at load
+        self.checkpoint_io = self.laid_out_checkpoint_io = self.held.checkpoint_io
         super().__post_init__()
 
     @property
@@ -229,10 +227,11 @@ class PipelineBackend(Backend):
         return DataParallel(copies, self.copy, self.accelerator, replicas=self.pp * self.tp,
                             groups=(self.dp_group, self.batch_group))
 
-    def model_load_kwargs(self) -> dict:
-        """pp x tp: transformers' tp plan over groups of tp_size consecutive ranks (the mesh's innermost axis), every
-        layer sharded at load; `prepare` then keeps this stage's."""
-        return model_load_kwargs(self.tp, self.accelerator.num_processes) if self.tp > 1 else {}
+    def distributed_config(self, fields: dict):
+        """pp x tp (the tp transform's `fields`): transformers' tp plan over groups of tp_size consecutive ranks (the
+        mesh's innermost axis), as whole copies over every stage and data-parallel copy; every layer sharded at load,
+        `wrap` then keeps this stage's."""
+        return replicated_config(fields, self.accelerator.num_processes // self.tp)
 
     def layers_to_load(self, num_layers: int) -> set[int] | None:
         """Full fine-tuning reads only this rank's stages' decoder layers (`model.load_decoder_layers`: the others
@@ -281,7 +280,6 @@ class PipelineBackend(Backend):
             raise HftrainError(f"rank {accelerator.process_index}: layers {sorted(owned - set(read))} of its pipeline "
                                "stages were not loaded")
         keep_only(lm, owned, first=0 in mine, last=count - 1 in mine)
-        accumulation_safe_partial_gradients(lm, self.tp)  # the microbatches' backwards accumulate, as tp's do
         self.layout = {"stages": count, "layers": [[r.start, r.stop] for r in ranges], "mine": mine,
                        "layers_read": read}
         model.to(accelerator.device)
@@ -308,6 +306,11 @@ class PipelineBackend(Backend):
         optimizer = build_optimizer(recipe, model, optimizer.defaults["lr"], allow_empty=True)  # this rank's part
         self.checkpoints.attach(prepared, optimizer)
         return prepared, optimizer
+
+    def wrap_laid_out(self, model, optimizer):
+        """Stages of a model the tp transform laid out at load are split and scheduled as whole layers are: the
+        schedule, not DDP, holds them, and the clipping sums the gradients over the stages and tp shards."""
+        return self.wrap(model, optimizer)
 
     def forward_backward(self, model, inputs, scale, timer) -> torch.Tensor:
         """One pipeline step does every microbatch's forward and backward; accelerate's backward (which divides by

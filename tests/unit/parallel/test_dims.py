@@ -88,7 +88,7 @@ def test_problems_name_the_sizes_that_do_not_divide_the_processes():
     ("fsdp2", {"cp": 2, "tp": 2}, (FSDP2Backend, (TensorParallel, RingAttention))),
     ("deepspeed", {"sp": 2}, (DeepSpeedBackend, (UlyssesAttention,))),
     ("ddp", {"pp": 2}, (PipelineBackend, ())),
-    ("ddp", {"pp": 2, "tp": 2}, (PipelineBackend, ())),
+    ("ddp", {"pp": 2, "tp": 2}, (PipelineBackend, (TensorParallel,))),
     ("fsdp2", {"pp": 2}, ((PipelineBackend, {"holding": ShardedStages}), ())),
 ])
 def test_each_layout_the_preflight_lets_through_has_its_backend(strategy, sizes, expected):

@@ -26,10 +26,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from hftrain.compat.transformers import PARTIAL_GRADIENTS, _unsum_accumulated, accumulation_safe_partial_gradients
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
-from hftrain.parallel.base import DataParallel, data_share
+from hftrain.parallel.base import DataParallel, data_share, replicated_config
 from hftrain.parallel.checkpoint_io import AccelerateCheckpoints, FullStateCheckpoints, _local_blocks
 from hftrain.parallel.fsdp import FSDP2Backend
-from hftrain.parallel.tensor import TensorParallel, fsdp_tp_blocks_disagree, model_load_kwargs
+from hftrain.parallel.tensor import TensorParallel, fsdp_tp_blocks_disagree
 from hftrain.versions import available, feature_problem
 from tests.conftest import REPO
 
@@ -43,10 +43,10 @@ def test_tensor_parallel_groups_of_consecutive_ranks_share_one_data_share(proces
 
 @NEEDS_TP
 def test_tensor_parallel_copies_keep_transformers_mesh_without_its_fsdp():
-    config = model_load_kwargs(2, world=4)["distributed_config"]
+    config = replicated_config({"tp_size": 2}, 2)
     assert (config.tp_size, config.dp_replicate_size, config.fsdp_size) == (2, 2, 1)  # the mesh covers 4 ranks
     assert config.dp_size == 1  # transformers applies FSDP2 only when dp_size > 1: hftrain averages the copies
-    config = model_load_kwargs(2, world=2)["distributed_config"]
+    config = replicated_config({"tp_size": 2}, 1)
     assert (config.tp_size, config.dp_replicate_size, config.dp_size) == (2, 1, 1)
 
 
