@@ -175,6 +175,11 @@ def freeze(model: nn.Module, recipe) -> dict[str, int]:
     return frozen
 
 
+def trains_vision_tower(model: nn.Module) -> bool:
+    """Whether some parameter of an image-text model's vision tower trains (its weights or LoRA adapters on it)."""
+    return any(param.requires_grad and part_of(name) == "vision" for name, param in model.named_parameters())
+
+
 def lora_targets(model: nn.Module, recipe) -> list[str]:
     """LoRA's default (`all-linear`) targets on an image-text model: every Linear layer of the language model (not
     its output head), and of the vision tower / projector only where they are not frozen."""

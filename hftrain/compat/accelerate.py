@@ -7,6 +7,8 @@
   accelerate/utils/fsdp_utils.py), so that hftrain's background save writes the files accelerate would;
 - saving without importing DeepSpeed: the package probe `extract_model_from_parallel` makes (the name
   `is_deepspeed_available` in accelerate/utils/other.py), answered from the imported modules while a model is saved;
+- DDP's `find_unused_parameters` decided once the model is built: the `DistributedDataParallelKwargs` handler
+  `Accelerator.prepare_model` reads from `accelerator.ddp_handler` (set from `kwargs_handlers` at construction);
 - one-process launches (1.16): the launcher's copy of the process's standard error (`_run_subprocess` in
   accelerate/commands/launch.py), which the process writes past (`write_stderr_past_launchers_copy`).
 """
@@ -21,6 +23,7 @@ from contextlib import contextmanager
 
 import accelerate.utils.other
 import psutil
+from accelerate.utils import DistributedDataParallelKwargs
 
 from hftrain.compat import Use
 
@@ -35,6 +38,7 @@ CHECKED = ">=1.15,<1.17"
 CP_HOOKS = Use("accelerate", CHECKED, "context parallelism (accelerate's attention-mask hooks)")
 FSDP2_STATE_DICT = Use("accelerate", CHECKED, "FSDP2 checkpoints (accelerate's state-dict options)")
 UNWRAP_PROBE = Use("accelerate", CHECKED, "saving a model without importing DeepSpeed (accelerate's unwrap probe)")
+DDP_HANDLER = Use("accelerate", CHECKED, "DDP over parameters the model may not use (accelerate's ddp_handler)")
 LAUNCHER_COPY = Use("accelerate", ">=1.16,<1.17", "showing a one-process launch's errors once (accelerate's copy)")
 
 
@@ -42,6 +46,14 @@ def attach_context_parallel_hooks(model) -> None:
     """accelerate's context-parallel hooks on `model`'s attention layers."""
     CP_HOOKS.require()
     _attach_context_parallel_hooks(model)
+
+
+def find_unused_parameters(accelerator) -> None:
+    """The next `accelerator.prepare` wraps the model in DDP with `find_unused_parameters=True`, the other DDP
+    settings kept."""
+    DDP_HANDLER.require()
+    kwargs = accelerator.ddp_handler.to_kwargs() if accelerator.ddp_handler is not None else {}
+    accelerator.ddp_handler = DistributedDataParallelKwargs(**{**kwargs, "find_unused_parameters": True})
 
 
 def fsdp_state_dict_options(fsdp_plugin):

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers.distributed import DistributedConfig
 
+from hftrain import vision
+from hftrain.compat.accelerate import find_unused_parameters
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.memory import GIB, PARTS, ModelState, ParameterCounts, Placement, optimizer_bytes
@@ -418,7 +420,12 @@ class Backend:
         return (self.wrap_laid_out if self.laid_out else self.wrap)(model, optimizer)
 
     def wrap(self, model, optimizer):
-        """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings."""
+        """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings: DDP looks for
+        parameters without a gradient where a trained vision tower has some (LLaVA's features are the tower's
+        second-to-last layer: its last layer and final norm get none, which DDP otherwise stops on at the second
+        step)."""
+        if self.accelerator.num_processes > 1 and vision.trains_vision_tower(model):
+            find_unused_parameters(self.accelerator)
         return self.accelerator.prepare(model, optimizer)
 
     def wrap_laid_out(self, model, optimizer):

@@ -77,6 +77,32 @@ def test_two_ddp_processes_train_like_one(full_run, tmp_path):
         torch.testing.assert_close(torch.tensor(two_values), torch.tensor(one_values), rtol=1e-5, atol=1e-6)
 
 
+def test_a_trained_vision_tower_under_ddp_trains_like_one_process(tmp_path):
+    """freeze_vision_tower: false under 2 DDP processes: LLaVA's features are the tower's second-to-last layer, so
+    its last layer and final norm get no gradient (DDP stopped at the second step on them); the same losses and final
+    weights as one process, the unused layer untouched and the used ones trained."""
+    args = ("--config", "recipes/tiny-vlm.yaml", "--max_steps", "3", "--eval_steps", "3", "--logging_steps", "1",
+            "--freeze_vision_tower", "false")
+    one = run_script(tmp_path / "one", *args)
+    two = launch(tmp_path / "two", *args, "--per_device_train_batch_size", "4", preset="cpu_ddp")
+    assert two.state()["launch"]["model_wrapper"] == "DistributedDataParallel"
+    for key, rows in (("loss", Run.train_rows), ("eval_loss", Run.eval_rows)):
+        assert [r["step"] for r in rows(two)] == [r["step"] for r in rows(one)] != []
+        torch.testing.assert_close(torch.tensor([r[key] for r in rows(two)]),
+                                   torch.tensor([r[key] for r in rows(one)]), rtol=1e-5, atol=1e-6)
+    start = load_file(MODEL / "model.safetensors")
+    a, b = (load_file(run.output_dir / "final" / "model.safetensors") for run in (one, two))
+    config = json.loads((MODEL / "config.json").read_text())
+    layers = config["vision_config"]["num_hidden_layers"]
+    read = layers + 1 + config["vision_feature_layer"]  # hidden_states[read]: the output of layer read - 1
+    tower = [name for name in start if ".vision_tower." in f".{name}"]
+    moved = max(float((a[name] - start[name]).abs().max()) for name in tower)
+    for name in tower:  # Adam on near-zero gradients: float32 sums in another order, bounded by how far they moved
+        assert float((b[name] - a[name]).abs().max()) <= 1e-2 * moved, name
+        unused = "post_layernorm" in name or any(f"layers.{i}." in name for i in range(read, layers))
+        assert torch.equal(a[name], start[name]) == unused, name
+
+
 @pytest.mark.parametrize("preset", ["zero2", "zero3", "fsdp2"])
 def test_sharded_strategies_train_like_one_process(full_run, tmp_path, preset):
     """ZeRO-2, ZeRO-3 and FSDP2 (through the CPU test launcher; CLIP's layers and embeddings are FSDP units of their
