@@ -14,7 +14,7 @@ import transformers
 from torch import nn
 from transformers import AutoConfig, AutoProcessor, PretrainedConfig
 from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
-from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, MODEL_MAPPING
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 from transformers.utils import is_torchvision_available
 
@@ -121,18 +121,6 @@ def problems(recipe, config: PretrainedConfig | None) -> list[str]:
     return found
 
 
-def layout_problems(recipe, launch, config: PretrainedConfig | None) -> list[str]:
-    """What an image-text model's objective cannot do under the launch's strategy today (called by the preflight)."""
-    if not is_image_text(config) or recipe.objective not in IMAGE_OBJECTIVES or recipe.objective == "sft":
-        return []
-    if launch.kind == "deepspeed" and launch.zero_stage == 3:
-        rows = "rated rows" if recipe.objective == "kto" else "preference pairs"
-        return [f"objective={recipe.objective} on image {rows} under DeepSpeed ZeRO-3 is not supported yet: the "
-                "frozen reference copy of an image-text model fails in its first forward there, and with LoRA the "
-                "steps are not yet equal to one process's; use DDP, ZeRO-2 or FSDP2 (docs/vision.md)"]
-    return []
-
-
 def build_processor(recipe):
     """The model's processor (`AutoProcessor`): its tokenizer, image processor and chat template."""
     name = recipe.tokenizer_name_or_path or recipe.model_name_or_path
@@ -146,6 +134,21 @@ def build_processor(recipe):
                            "folder needs its processor files (processor_config.json or preprocessor_config.json, "
                            "tokenizer files, chat template); some families' image processors need torchvision") \
             from None
+
+
+def define_model_classes(config: PretrainedConfig) -> None:
+    """Import the modules of an image-text model's sub-models (its language model's, its vision tower's) before the
+    model loads. DeepSpeed's ZeRO-3 loading (`zero.Init`, DeepSpeed 0.19) wraps the `__init__` of every module class,
+    also of a class first defined while it is active, and puts back on exit the `__init__` it found. transformers'
+    attention classes are decorated after their body by the `kernels` library (`use_kernelized_func`, whose `__init__`
+    gives each instance its `_kernel_funcs`), so an attention class defined inside `zero.Init` gets its undecorated
+    `__init__` back on exit, and every later instance fails in its first forward ("'LlamaAttention' object has no
+    attribute '_kernel_funcs'"). LLaVA's `__init__` imports its language model's module (`AutoModel.from_config`)
+    inside the load, so the frozen reference copy of a ZeRO-3 dpo run, built after it, failed."""
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if isinstance(sub, PretrainedConfig) and type(sub) in MODEL_MAPPING:
+            MODEL_MAPPING[type(sub)]  # the mapping imports the class's module
 
 
 def part_of(name: str) -> str:

@@ -21,9 +21,8 @@ from tests.conftest import REPO, launch, launch_env, run_script
 
 pytestmark = pytest.mark.launch
 RECIPE = ["--config", str(REPO / "recipes" / "tiny-vlm-dpo.yaml")]
-# 3 steps of 4 pairs in file order, no evaluation, the projector trained too (the vision tower stays frozen: LLaVA
-# reads the tower's second-to-last layer, so its last layer gets no gradient, which DDP without
-# find_unused_parameters refuses); SGD with momentum (as tests/e2e/test_preference.py: AdamW's first steps turn
+# 3 steps of 4 pairs in file order, no evaluation, the projector trained too (the vision tower stays frozen); SGD with
+# momentum (as tests/e2e/test_preference.py: AdamW's first steps turn
 # last-bit differences of a reduction into 1e-4 weights)
 EXACT = [*RECIPE, "--max_steps", "3", "--logging_steps", "1", "--train_sampling_strategy", "sequential",
          "--validation_split_percentage", "0", "--optim", "sgd", "--sgd_momentum", "0.9", "--learning_rate", "0.5",
@@ -85,8 +84,9 @@ def test_equal_to_trl_dpo_trainer_on_images(tmp_path):
 
 
 def test_accumulation_and_two_ddp_processes_equal_one_batch_and_a_resume_continues_exactly(tmp_path):
-    """4 pairs per step as 1 x 4, 2 accumulated micro-batches x 2 and 2 DDP processes x 2 (gloo): the same losses,
-    rewards, clipped gradient norms and final weights (the loss is the mean over the step's pairs). The 1 x 4 run,
+    """4 pairs per step as 1 x 4, 2 accumulated micro-batches x 2, 2 DDP processes x 2 (gloo) and 2 ZeRO-3 processes
+    x 2 (its frozen reference rebuilt partitioned): the same losses, rewards, clipped gradient norms and final weights
+    (the loss is the mean over the step's pairs). The 1 x 4 run,
     resumed from its checkpoint-2 (the frozen reference rebuilt), trains step 3 and its final weights as the
     uninterrupted run did."""
     one = run_script(tmp_path / "one", *EXACT, "--per_device_train_batch_size", "4", "--save_strategy", "steps",
@@ -94,9 +94,10 @@ def test_accumulation_and_two_ddp_processes_equal_one_batch_and_a_resume_continu
     accum = run_script(tmp_path / "accum", *EXACT, "--per_device_train_batch_size", "2",
                        "--gradient_accumulation_steps", "2")
     ddp = launch(tmp_path / "ddp", *EXACT, "--per_device_train_batch_size", "2", preset="cpu_ddp")
-    assert ddp.state()["launch"]["num_processes"] == 2
+    zero3 = launch(tmp_path / "zero3", *EXACT, "--per_device_train_batch_size", "2", preset="zero3", processes=2)
+    assert ddp.state()["launch"]["num_processes"] == 2 and zero3.state()["parallelism"]["zero_stage"] == 3
     expected = load_file(one.output_dir / "final" / "model.safetensors")
-    for run in (accum, ddp):
+    for run in (accum, ddp, zero3):
         for key in COMPARED:
             torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
                                        torch.tensor([r[key] for r in one.train_rows()]), rtol=1e-4, atol=1e-6,
@@ -139,3 +140,20 @@ def test_orpo_on_image_pairs_accumulates_like_one_batch(tmp_path):
     for name, value in load_file(accum.output_dir / "final" / "model.safetensors").items():
         torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
     assert "objective orpo" in one.stdout + one.stderr
+
+
+def test_lora_under_zero3_equals_one_process(tmp_path):
+    """LoRA dpo on the image pairs under ZeRO-3 on 2 processes x 2 equals one process x 4: the adapters start from
+    the same draws (the partitioned load of the image-text model leaves the random state alone) and train alike
+    (losses, rewards, clipped norms, the saved adapter). No dropout: its masks are drawn per process."""
+    args = [*EXACT, "--use_peft", "true", "--lora_dropout", "0", "--max_steps", "2"]
+    one = run_script(tmp_path / "one", *args, "--per_device_train_batch_size", "4")
+    zero3 = launch(tmp_path / "zero3", *args, "--per_device_train_batch_size", "2", preset="zero3", processes=2)
+    for key in COMPARED:
+        torch.testing.assert_close(torch.tensor([r[key] for r in zero3.train_rows()]),
+                                   torch.tensor([r[key] for r in one.train_rows()]), rtol=1e-4, atol=1e-6, msg=key)
+    expected = load_file(one.output_dir / "final" / "adapter_model.safetensors")
+    saved = load_file(zero3.output_dir / "final" / "adapter_model.safetensors")
+    assert saved.keys() == expected.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -226,25 +226,6 @@ def test_the_preview_shows_both_sides_of_each_pair(capsys, rows):
     assert "masks: each side's completion" in out
 
 
-def test_zero3_is_refused_for_image_pairs_by_name():
-    """Under DeepSpeed ZeRO-3 dpo's reference copy of an image-text model fails and LoRA's steps differ from one
-    process's (measured by hand): refused up front; ZeRO-2, DDP and FSDP2 are not."""
-    from hftrain import vision
-    from hftrain.parallel.launch import Launch
-
-    recipe = Recipe(model_name_or_path=str(MODEL), dataset_name=str(DATA), objective="dpo")
-    config = vision.model_config(recipe)
-    zero = {stage: Launch("deepspeed", 2, 2, deepspeed_config={"zero_optimization": {"stage": stage}})
-            for stage in (2, 3)}
-    said = vision.layout_problems(recipe, zero[3], config)
-    assert len(said) == 1 and said[0].startswith("objective=dpo on image preference pairs under DeepSpeed ZeRO-3 is "
-                                                 "not supported yet")
-    assert vision.layout_problems(recipe, zero[2], config) == []
-    assert vision.layout_problems(recipe, Launch("fsdp2", 2, 2), config) == []
-    sft = Recipe(model_name_or_path=str(MODEL), dataset_name=str(REPO / "data" / "image-chat.jsonl"))
-    assert vision.layout_problems(sft, zero[3], config) == []
-
-
 @pytest.mark.parametrize("arch", ["gemma3", "idefics3"])
 def test_dpo_loss_equals_plain_pytorch_for_other_families(arch, image_text_model, rows):
     """The tiny Gemma 3 (token_type_ids per token: the rejected row's are built from the chosen row's prompt) and
