@@ -53,7 +53,7 @@ def described(record: Parallelism | None = None, resume_from: Path | None = None
                                data_line=("(5 per epoch)", "40 training examples in 40 rows"))  # map-style data's
     run.resume_from, run.progress = resume_from, SimpleNamespace(step=6)
     run.logger = Printed()
-    run.objective_run = SimpleNamespace()  # what the objective's notes read: sft's none
+    run.train_run = SimpleNamespace()  # what the objective's notes read: sft's none
     run.describe_run()
     return run.logger.lines
 
