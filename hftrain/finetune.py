@@ -214,7 +214,8 @@ class Finetune:
         # what each evaluation runs on the live model after the objective's own evaluation
         samples = recipe.log_completions and self.objective.completes_eval_prompts and self.data.eval_set is not None
         self.eval_addons = [addon for addon in (self.task_evaluation, CompletionSamples(self) if samples else None)
-                            if addon is not None] + self.objective.eval_addons(self.data_run)
+                            if addon is not None]
+        self.objective_addons = self.objective.eval_addons(self.data_run)  # called with the TrainRun, after those
 
     def setup_examples(self) -> TrainingData:
         """Examples from datasets, map-style or streamed (sft, dpo, simpo, orpo, kto): hftrain.data.feeds reads
@@ -611,7 +612,7 @@ class Finetune:
     @property
     def evaluates(self) -> bool:
         """Whether evaluations run anything: the objective's (with an eval set), eval_tasks or log_completions."""
-        return self.data.eval_set is not None or bool(self.eval_addons)
+        return self.data.eval_set is not None or bool(self.eval_addons) or bool(self.objective_addons)
 
     def evaluate(self) -> dict:
         """One evaluation row, every rank calling: the objective's evaluation when there is an eval set
@@ -620,6 +621,8 @@ class Finetune:
         metrics = self.objective.evaluate(self.train_run) if self.data.eval_set is not None else {}
         for addon in self.eval_addons:
             metrics.update(addon(self))
+        for addon in self.objective_addons:  # the objective's own (embedding's retrieval metrics)
+            metrics.update(addon(self.train_run))
         return metrics
 
     def current_run_info(self) -> dict:

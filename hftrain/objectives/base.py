@@ -143,9 +143,9 @@ class Objective:
         return []
 
     def eval_addons(self, run: DataRun) -> list:
-        """What each evaluation runs on the live model besides the objective's own evaluation, as
-        `Finetune.eval_addons` (callables of the run returning metrics), created in the data phase (embedding's
-        retrieval metrics)."""
+        """What each evaluation runs on the live model besides the objective's own evaluation and the run's add-ons
+        (eval_tasks, log_completions): callables of the `TrainRun` returning metrics, created in the data phase
+        (embedding's retrieval metrics)."""
         return []
 
     def add_files(self, run: TrainRun, folder) -> None:
