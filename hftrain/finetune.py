@@ -17,6 +17,7 @@ import shlex
 import sys
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: import the package, not sibling modules as top-level names
@@ -38,7 +39,7 @@ from hftrain.hub import HubPush, repo_url
 from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary
 from hftrain.objectives import objective_for
-from hftrain.objectives.base import ModelParts
+from hftrain.objectives.base import DataRun, ModelParts, ModelRun, TrainRun
 from hftrain.optim import (
     build_optimizer,
     build_scheduler,
@@ -204,11 +205,17 @@ class Finetune:
         recipe = self.recipe
         self.processor = build_processor(recipe) if is_image_text(self.model_config) else None
         self.tokenizer = build_tokenizer(recipe) if self.processor is None else self.processor.tokenizer
-        self.data = self.objective.setup_data(self)
+        # what the objective's hooks may use (objectives.base), handed on with what the later phases add
+        self.data_run = DataRun(recipe=recipe, tokenizer=self.tokenizer, processor=self.processor,
+                                accelerator=self.accelerator, dp=self.dp, backend=self.backend,
+                                resume_from=self.resume_from, output_dir=self.output_dir, watchdog=self.watchdog,
+                                setup_examples=self.setup_examples)
+        self.data = self.objective.setup_data(self.data_run)
         # what each evaluation runs on the live model after the objective's own evaluation
         samples = recipe.log_completions and self.objective.completes_eval_prompts and self.data.eval_set is not None
         self.eval_addons = [addon for addon in (self.task_evaluation, CompletionSamples(self) if samples else None)
-                            if addon is not None] + self.objective.eval_addons(self)
+                            if addon is not None]
+        self.objective_addons = self.objective.eval_addons(self.data_run)  # called with the TrainRun, after those
 
     def setup_examples(self) -> TrainingData:
         """Examples from datasets, map-style or streamed (sft, dpo, simpo, orpo, kto): hftrain.data.feeds reads
@@ -249,14 +256,19 @@ class Finetune:
         self.model, self.optimizer = self.backend.prepare(parts.loss, self.optimizer)
         check_ties(self.backend.unwrap(self.model), f"preparing the model for {self.backend.record.name}")
         self.scheduler = build_scheduler(recipe, self.optimizer, self.data.total_steps)  # on the optimizer that steps
-        self.objective_tensors = self.objective.prepare(self)  # e.g. dpo's reference: placed, precomputed
-        self.feed = self.objective.feed(self)  # grpo's rollouts, built once the model they sample from is prepared
+        prepared = self.data_run.handed_on(ModelRun, data=self.data, parts=parts, model=self.model)
+        self.objective_tensors = self.objective.prepare(prepared)  # e.g. dpo's reference: placed, precomputed
+        self.feed = self.objective.feed(prepared)  # grpo's rollouts, built once the model they sample from is prepared
         self.progress, resumed = checkpoint.Progress(world_size=self.dp.world), {}
         if self.resume_from is not None:
             self.progress, resumed = checkpoint.load_checkpoint(self.backend, self.model, self.scheduler,
                                                                 self.resume_from, self.data.plan)
             if self.lr_scaling is not None:  # the peak follows this run's effective batch, not the saved run's
                 set_peak_learning_rate(self.scheduler, self.learning_rate)
+        self.train_run = prepared.handed_on(
+            TrainRun, feed=self.feed, progress=self.progress,
+            evaluate_loss=partial(evaluate, self.backend, self.model, parts.loss, self.data.eval_set,
+                                  self.data.eval_collator, recipe))
         self.feed.start(self.progress.step, self.data.stream_state)  # a stream continues from the checkpoint's position
         self.saves = checkpoint.BackgroundSaves(self.backend, self.model, self.optimizer, recipe.async_checkpointing)
         if recipe.async_checkpointing and not self.saves.enabled:
@@ -317,7 +329,7 @@ class Finetune:
             f"{self.data.data_line[1]}{resuming}"
         )
         self.logger.print(f"hftrain: {self.speed_words()}")
-        for note in self.parts.notes + unused_settings(recipe) + self.objective.notes(self):
+        for note in self.parts.notes + unused_settings(recipe) + self.objective.notes(self.train_run):
             self.logger.print(f"hftrain: {note}")
         preset = (f"; the recipe is sized for preset {recipe.launch_preset}: "
                   f"{recipe.launch_preset_reason or 'no reason given'}" if recipe.launch_preset else "")
@@ -530,7 +542,7 @@ class Finetune:
         """README.md of a folder for use (hftrain.card), from its run files and metrics.jsonl so far; `curve`: draw
         the loss curve (matplotlib, ~0.5 s: skipped for final/'s first card when the final evaluation rewrites it). The
         objective's own files first (`Objective.add_files`)."""
-        self.objective.add_files(self, folder)
+        self.objective.add_files(self.train_run, folder)
         return card.run_card(folder, self.output_dir, kind="adapter" if self.recipe.use_peft else "model",
                              device_hours=self.meter.device_hours(),
                              repo_id=self.hub.repo_id if self.recipe.push_to_hub else None, location=location,
@@ -600,20 +612,18 @@ class Finetune:
     @property
     def evaluates(self) -> bool:
         """Whether evaluations run anything: the objective's (with an eval set), eval_tasks or log_completions."""
-        return self.data.eval_set is not None or bool(self.eval_addons)
+        return self.data.eval_set is not None or bool(self.eval_addons) or bool(self.objective_addons)
 
     def evaluate(self) -> dict:
         """One evaluation row, every rank calling: the objective's evaluation when there is an eval set
         (`Objective.evaluate`: the eval loss, or grpo's rewards of generated completions), then each add-on on the
         live model (eval_tasks' benchmarks, log_completions' samples)."""
-        metrics = self.objective.evaluate(self) if self.data.eval_set is not None else {}
+        metrics = self.objective.evaluate(self.train_run) if self.data.eval_set is not None else {}
         for addon in self.eval_addons:
             metrics.update(addon(self))
+        for addon in self.objective_addons:  # the objective's own (embedding's retrieval metrics)
+            metrics.update(addon(self.train_run))
         return metrics
-
-    def evaluate_loss(self) -> dict[str, float]:
-        return evaluate(self.backend, self.model, self.parts.loss, self.data.eval_set, self.data.eval_collator,
-                        self.recipe)
 
     def current_run_info(self) -> dict:
         """run_info with what moves during training: device-hours so far and the schedule's state (plain numbers,

@@ -18,12 +18,16 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModel, AutoTokenizer
 
 from hftrain.errors import HftrainError
 from hftrain.pooling import pool
+
+if TYPE_CHECKING:  # hftrain.objectives imports this module (objective embedding's add-on)
+    from hftrain.objectives.base import TrainRun
 
 FILES = ("queries.jsonl", "corpus.jsonl", "qrels.tsv")
 CUTOFFS = (1, 5, 10)
@@ -126,7 +130,8 @@ def pad_texts(ids: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tenso
 
 
 class RetrievalEvaluation:
-    """An evaluation add-on (`Finetune.eval_addons`): the retrieval metrics of the live embedding model."""
+    """An evaluation add-on of objective embedding (`Objective.eval_addons`): the retrieval metrics of the live
+    embedding model."""
 
     def __init__(self, recipe, tokenizer):
         self.task = load_retrieval_set(recipe.retrieval_eval_dir)
@@ -145,7 +150,7 @@ class RetrievalEvaluation:
             pieces.append(model(input_ids=input_ids.to(device), attention_mask=mask.to(device), embed_only=True))
         return torch.cat(pieces)
 
-    def __call__(self, run) -> dict[str, float]:
+    def __call__(self, run: TrainRun) -> dict[str, float]:
         model, device = run.model, run.accelerator.device
         model.eval()
         try:

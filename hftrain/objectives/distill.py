@@ -51,7 +51,7 @@ from hftrain.errors import HftrainError
 from hftrain.jsonl import keep_through
 from hftrain.loss import ObjectiveLoss
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, WrapsCausalLM, load_base_model, pad_token_id
-from hftrain.objectives.base import Objective
+from hftrain.objectives.base import DataRun, ModelRun, Objective, TrainRun
 from hftrain.objectives.reference import local_bytes
 from hftrain.paths import ROLLOUTS_FILE
 from hftrain.rl.generation import build_generator
@@ -375,7 +375,7 @@ class Distill(Objective):
 
     name = "distill"
 
-    def setup_data(self, run) -> TrainingData:
+    def setup_data(self, run: DataRun) -> TrainingData:
         """The teacher checked against the student's tokenizer first (before any model loads), then the examples as
         for sft (their completions are the offline completions)."""
         problems = teacher_problems(run.recipe, run.tokenizer)
@@ -389,12 +389,12 @@ class Distill(Objective):
                                 f"teacher {recipe.teacher_model_name_or_path}")
         return DistillLoss(lm, recipe, teacher)
 
-    def prepare(self, run) -> None:
+    def prepare(self, run: ModelRun) -> None:
         """The teacher placed like the student."""
         run.parts.loss.teacher.prepare(run.backend)
         return None
 
-    def feed(self, run):
+    def feed(self, run: ModelRun):
         """The data phase's feed; with lmbda > 0 inside an `OnPolicyFeed` with the prepared student's sampler
         (transformers' generate inside the backend's generation context, as grpo's)."""
         recipe = run.recipe
@@ -406,7 +406,7 @@ class Distill(Objective):
         return OnPolicyFeed(run.data.feed, recipe, generator, run.tokenizer, pad, run.accelerator, run.dp,
                             run.output_dir)
 
-    def notes(self, run) -> list[str]:
+    def notes(self, run: TrainRun) -> list[str]:
         recipe = run.recipe
         divergence = {0.0: "forward KL(teacher || student)", 1.0: "reverse KL(student || teacher)"}.get(
             recipe.beta, f"generalized JSD, beta {recipe.beta:g}")

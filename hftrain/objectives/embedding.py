@@ -47,7 +47,7 @@ from hftrain.data.feeds import TrainingData, total_steps
 from hftrain.data.retrieval import EmbeddingCollator, read_rows, tokenize_rows
 from hftrain.errors import HftrainError, same_in_every_process
 from hftrain.loss import ObjectiveLoss
-from hftrain.objectives.base import Objective
+from hftrain.objectives.base import DataRun, Objective, TrainRun
 from hftrain.parallel.launch import main_process_first, phase
 from hftrain.pooling import pool
 from hftrain.retrieval_eval import RetrievalEvaluation
@@ -201,7 +201,7 @@ def held_out(rows: list, percent: float, seed: int, name: str) -> tuple[list, li
     return [r for i, r in enumerate(rows) if i not in evaluation], [rows[i] for i in sorted(evaluation)]
 
 
-def retrieval_data(run, tokenize, collate, columns_words) -> TrainingData:
+def retrieval_data(run: DataRun, tokenize, collate, columns_words) -> TrainingData:
     """The data phase of objectives embedding and reranker: rows read (`data.retrieval.read_rows`) and tokenized
     (`tokenize(rows, name)`) before the model loads, the eval rows (eval_dataset_name, or validation_split_percentage
     held out with the order seed), the BatchPlan and the feed; `collate(data, pad id, padding side, train)` makes a
@@ -278,7 +278,7 @@ class Embedding(Objective):
     completes_eval_prompts = writes_text = False
     final_use = "encode queries and documents (sentence-transformers)"
 
-    def setup_data(self, run) -> TrainingData:
+    def setup_data(self, run: DataRun) -> TrainingData:
         """The contrastive rows (read, checked and tokenized before the model loads), the plan and the feed; every
         rank's micro-batch padded to per_device_train_batch_size rows (the gathered embeddings have one shape)."""
         recipe = run.recipe
@@ -293,7 +293,7 @@ class Embedding(Objective):
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> EmbeddingLoss:
         return EmbeddingLoss(lm, recipe)
 
-    def notes(self, run) -> list[str]:
+    def notes(self, run: TrainRun) -> list[str]:
         recipe = run.recipe
         loss = ("anchor -> candidates and positive -> anchors (symmetric_loss)" if recipe.symmetric_loss
                 else "anchor -> candidates")
@@ -308,11 +308,11 @@ class Embedding(Objective):
                 f"over the {recipe.per_device_train_batch_size * world} rows of each micro-batch{across}{accum}"
                 f"{prompt}"]
 
-    def eval_addons(self, run) -> list:
+    def eval_addons(self, run: DataRun) -> list:
         """retrieval_eval_dir: the retrieval metrics at each evaluation (its files read and checked now)."""
         return [RetrievalEvaluation(run.recipe, run.tokenizer)] if run.recipe.retrieval_eval_dir else []
 
-    def add_files(self, run, folder: Path) -> None:
+    def add_files(self, run: TrainRun, folder: Path) -> None:
         """sentence-transformers' files beside the saved encoder and tokenizer."""
         lm = run.parts.loss.lm
         config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config

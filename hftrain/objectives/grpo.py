@@ -18,7 +18,7 @@ from hftrain.data.streaming import read_states
 from hftrain.data.tokenize import prepare_chat_template
 from hftrain.errors import HftrainError
 from hftrain.loss import ObjectiveLoss
-from hftrain.objectives.base import Objective
+from hftrain.objectives.base import DataRun, ModelRun, Objective, TrainRun
 from hftrain.objectives.reference import AdapterReference, FrozenReference
 from hftrain.parallel.base import Backend
 from hftrain.parallel.launch import main_process_first
@@ -49,7 +49,7 @@ def build_token_reference(recipe, lm: nn.Module, device: torch.device,
     return FrozenReference(ReferenceTokenLogProbs(copy_model(lm), recipe.temperature), device)
 
 
-def async_worker_starter(run) -> Callable[[int], RolloutWorker]:
+def async_worker_starter(run: ModelRun) -> Callable[[int], RolloutWorker]:
     """async_generation: how this process starts its rollout worker (hftrain.rl.async_worker) once the weights are
     loaded, given the first window it samples. The worker receives the whole model's weights, so the strategy must
     hold them whole on each process: one process or DDP."""
@@ -78,7 +78,7 @@ class GRPO(Objective):
     eval_headline = "eval_reward"
     completes_eval_prompts = False  # its evaluation completes them (eval_rollouts.jsonl); log_completions: rollouts
 
-    def evaluate(self, run) -> dict[str, float]:
+    def evaluate(self, run: TrainRun) -> dict[str, float]:
         """TRL's GRPO evaluation: the eval prompts completed and scored, no update (`Rollouts.evaluate`)."""
         return run.feed.evaluate(run.data.eval_set, run.progress.step)
 
@@ -86,7 +86,7 @@ class GRPO(Objective):
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> ObjectiveLoss:
         return GRPOLoss(lm, recipe, build_token_reference(recipe, lm, device, copy_model))
 
-    def setup_data(self, run) -> TrainingData:
+    def setup_data(self, run: DataRun) -> TrainingData:
         """The prompts (a `prompt` column, text or chat messages; the other columns go to the reward functions),
         the reward functions checked against those columns, and the generation windows' plan."""
         recipe, world = run.recipe, run.dp.world
@@ -192,13 +192,13 @@ class GRPO(Objective):
         return TrainingData(rollouts, plan, total_steps(recipe, plan), line, stats, train_set=raw,
                             eval_set=eval_set, rows=prompts, stream_state=stream_state)
 
-    def prepare(self, run):
+    def prepare(self, run: ModelRun):
         reference = run.parts.loss.reference
         if reference is not None and hasattr(reference, "prepare"):
             reference.prepare(run.backend)
         return None
 
-    def feed(self, run) -> Rollouts:
+    def feed(self, run: ModelRun) -> Rollouts:
         """The rollouts, built whole from the data phase's `RolloutSource` and the policy they sample from: the
         prepared model, sampled by transformers' generate inside the backend's generation_context (ZeRO-3 gathers
         the weights, FSDP2 generates through the sharded model), or by vLLM, which receives the causal LM's weights
@@ -212,7 +212,7 @@ class GRPO(Objective):
                                        getattr(config, "max_position_embeddings", None), start_worker))
 
     @staticmethod
-    def sampler(run) -> str:
+    def sampler(run: TrainRun) -> str:
         r = run.recipe
         if not r.async_generation:
             return run.feed.generator.describe()
@@ -221,7 +221,7 @@ class GRPO(Objective):
                 f"{r.vllm_importance_sampling_mode if r.vllm_importance_sampling_correction else 'off'})")
 
     @staticmethod
-    def tools_note(run) -> str:
+    def tools_note(run: TrainRun) -> str:
         tooling, recipe = run.feed.tooling, run.recipe
         if tooling is None:
             return ""
@@ -229,7 +229,7 @@ class GRPO(Objective):
         return (f", calling tools {tooling.describe()} (up to {'unlimited' if rounds is None else rounds} rounds, "
                 f"{recipe.tool_call_timeout:g} s per call; tool results not trained)")
 
-    def notes(self, run) -> list[str]:
+    def notes(self, run: TrainRun) -> list[str]:
         recipe, plan = run.recipe, run.data.plan
         reference = run.parts.loss.reference
         ref = reference.describe() if reference is not None else "none (beta 0)"

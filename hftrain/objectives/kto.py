@@ -41,7 +41,7 @@ from hftrain.data.batching import BatchPlan, IndexedFeed
 from hftrain.data.feeds import TrainingData
 from hftrain.data.image_unpaired import ImageKTOCollator
 from hftrain.errors import HftrainError
-from hftrain.objectives.base import Objective
+from hftrain.objectives.base import DataRun, ModelRun, Objective, TrainRun
 from hftrain.objectives.preference import PreferenceLoss
 from hftrain.objectives.reference import (
     PrecomputedReference,
@@ -300,7 +300,7 @@ class KTO(Objective):
 
     name = "kto"
 
-    def setup_data(self, run) -> TrainingData:
+    def setup_data(self, run: DataRun) -> TrainingData:
         """The examples as for dpo, then the plan that pairs each row with its KL partner over the step, the
         collators that build the KL rows, and the label checks: both classes present, TRL's balance warning."""
         data = run.setup_examples()
@@ -336,14 +336,14 @@ class KTO(Objective):
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> KTOLoss:
         return KTOLoss(lm, recipe, build_reference(recipe, lm, device, copy_model))
 
-    def prepare(self, run) -> dict[str, torch.Tensor] | None:
+    def prepare(self, run: ModelRun) -> dict[str, torch.Tensor] | None:
         """The frozen copy placed like the policy (full fine-tuning); with precompute_ref_log_probs, the reference
         log-probs (`precompute_kto_reference`)."""
         if hasattr(run.parts.loss.reference, "prepare"):
             run.parts.loss.reference.prepare(run.backend)
         return precompute_kto_reference(run) if run.recipe.precompute_ref_log_probs else None
 
-    def evaluate(self, run) -> dict[str, float]:
+    def evaluate(self, run: TrainRun) -> dict[str, float]:
         """The eval set's KL reference point (rows rotated over the whole set, every rank a disjoint shard), then
         the loss over the eval set with it."""
         loss, recipe = run.parts.loss, run.recipe
@@ -363,7 +363,7 @@ class KTO(Objective):
             loss.kl = torch.zeros(())
         return run.evaluate_loss()
 
-    def notes(self, run) -> list[str]:
+    def notes(self, run: TrainRun) -> list[str]:
         recipe = run.recipe
         reference = run.parts.loss.reference.describe()
         point = ("the KL reference point is estimated over each optimizer step's whole batch (TRL's mismatched "
@@ -375,7 +375,7 @@ class KTO(Objective):
 
 
 @torch.no_grad()
-def reference_pass(run, collator: KTOCollator, items: list, ids_key: str, labels_key: str) -> torch.Tensor:
+def reference_pass(run: ModelRun, collator: KTOCollator, items: list, ids_key: str, labels_key: str) -> torch.Tensor:
     """[len(items)] summed log-probs of the prepared starting model (`run.model`, under the launch's strategy) of
     each item's row (`input_ids`) or mismatched row (`kl_input_ids`). Every data-parallel rank computes a disjoint
     shard, with the same number of forwards on every rank so that sharded models stay in step; one sum gathers them."""
@@ -396,7 +396,7 @@ def reference_pass(run, collator: KTOCollator, items: list, ids_key: str, labels
     return run.dp.sum(out).float()
 
 
-def precompute_kto_reference(run) -> dict[str, torch.Tensor]:
+def precompute_kto_reference(run: ModelRun) -> dict[str, torch.Tensor]:
     """kto's reference log-probs with precompute_ref_log_probs: for the training set and the eval set, `{name}`
     [rows] (each row's completion) and, for loss_type kto, `{name}_kl` with `{name}_kl_pairs` (each mismatched row's
     log-prob and its (row, partner) pair): the training set's pairs are those every step of the run draws

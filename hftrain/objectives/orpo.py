@@ -22,6 +22,7 @@ from torch import nn
 
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
+from hftrain.objectives.base import TrainRun
 from hftrain.objectives.preference import PAIR_STATS, Preference, PreferenceLoss
 
 # per-pair statistics (summed, divided by the window's pairs when logged), TRL's names; nll_loss is summed per
@@ -150,7 +151,7 @@ class ORPO(Preference):
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> ORPOLoss:
         return ORPOLoss(lm, recipe)
 
-    def notes(self, run) -> list[str]:
+    def notes(self, run: TrainRun) -> list[str]:
         images = ", image tokens left out" if run.processor is not None else ""
         return [f"objective orpo, beta {run.recipe.beta:g}; reference: none (reference-free); the loss is the NLL "
                 f"token mean over the step's chosen rows (prompt tokens included, as TRL{images}) - beta x the mean "

@@ -20,7 +20,7 @@ from hftrain.data import IGNORE_INDEX, Collator
 from hftrain.errors import HftrainError
 from hftrain.loss import ObjectiveLoss
 from hftrain.model import pad_token_id
-from hftrain.objectives.base import Objective
+from hftrain.objectives.base import ModelRun, Objective, TrainRun
 from hftrain.objectives.reference import (
     AdapterReference,
     FrozenReference,
@@ -140,13 +140,13 @@ class Preference(Objective):
         reference = build_reference(recipe, lm, device, copy_model) if self.needs_reference else None
         return PreferenceLoss(lm, recipe, reference)
 
-    def prepare(self, run) -> dict[str, torch.Tensor] | None:
+    def prepare(self, run: ModelRun) -> dict[str, torch.Tensor] | None:
         """dpo's frozen copy placed like the policy; with precompute_ref_log_probs, the reference log-probs."""
         if hasattr(run.parts.loss.reference, "prepare"):
             run.parts.loss.reference.prepare(run.backend)
         return precompute_reference(run) if run.recipe.precompute_ref_log_probs else None
 
-    def notes(self, run) -> list[str]:
+    def notes(self, run: TrainRun) -> list[str]:
         """The preference objective, its settings and its reference, in words."""
         recipe = run.recipe
         reference = getattr(run.parts.loss.reference, "describe", lambda: "none (reference-free)")()
@@ -155,7 +155,7 @@ class Preference(Objective):
                 "mean over the step's pairs"]
 
 
-def precompute_reference(run) -> dict[str, torch.Tensor]:
+def precompute_reference(run: ModelRun) -> dict[str, torch.Tensor]:
     """dpo's reference log-probs of every training and eval pair of the run (`reference_values`: from the resumed
     checkpoint, the cross-run cache, or one pass of the prepared starting model), handed to the collators."""
     sets = {"train": (run.data.train_set, run.data.collator), "eval": (run.data.eval_set, run.data.eval_collator)}

@@ -44,7 +44,7 @@ from hftrain.data.feeds import TrainingData
 from hftrain.data.retrieval import RerankerCollator, tokenize_pairs
 from hftrain.errors import HftrainError
 from hftrain.model import build_tokenizer, pad_token_id
-from hftrain.objectives.base import Objective
+from hftrain.objectives.base import DataRun, ModelRun, Objective, TrainRun
 from hftrain.objectives.embedding import RowAccuracyLoss, retrieval_data
 
 YES_NO = ("yes", "no")
@@ -168,7 +168,7 @@ class Reranker(Objective):
     completes_eval_prompts = writes_text = False
     final_use = "score (query, passage) pairs (sentence-transformers' CrossEncoder)"
 
-    def setup_data(self, run) -> TrainingData:
+    def setup_data(self, run: DataRun) -> TrainingData:
         """The pairs tokenized; with reranker_head yes_no the tokenizer's "yes" and "no" checked first (before the
         model loads) and the pairs filled into reranker_template, left-padded (the score is read at the last
         position)."""
@@ -190,7 +190,7 @@ class Reranker(Objective):
         name = recipe.tokenizer_name_or_path or recipe.model_name_or_path
         return RerankerLoss(lm, yes_no_token_ids(build_tokenizer(recipe), name))
 
-    def prepare(self, run) -> None:
+    def prepare(self, run: ModelRun) -> None:
         """The classifier reads each score at the last token that is not `config.pad_token_id`: the collator's pad
         id (saved with the folder, so that CrossEncoder pools as training did)."""
         if run.recipe.reranker_head != "classifier":
@@ -199,7 +199,7 @@ class Reranker(Objective):
         config.get_text_config().pad_token_id = config.pad_token_id = pad_token_id(run.tokenizer)
         return None
 
-    def notes(self, run) -> list[str]:
+    def notes(self, run: TrainRun) -> list[str]:
         data = run.data.train_set
         loss = ("binary cross-entropy on each labelled pair's score" if data.labels is not None else
                 f"listwise cross-entropy of each query's positive against its {data.columns - 1} hard negative"
@@ -210,7 +210,7 @@ class Reranker(Objective):
                 "reranker_template (Qwen3-Reranker's form)")
         return [f"objective reranker: {head}; {loss}, the mean over the step's rows"]
 
-    def add_files(self, run, folder: Path) -> None:
+    def add_files(self, run: TrainRun, folder: Path) -> None:
         if run.recipe.reranker_head == "classifier":
             write_cross_encoder_files(folder)
         else:

@@ -27,6 +27,7 @@ from torch import nn
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.model import pad_token_id
+from hftrain.objectives.base import ModelRun, TrainRun
 from hftrain.objectives.preference import Preference, PreferenceLoss
 
 # per-pair statistics summed over a window and divided by its pairs when logged (TRL's names)
@@ -108,7 +109,7 @@ class Reward(Preference):
                    copy_model: Callable[[nn.Module], nn.Module] = copy.deepcopy) -> RewardLoss:
         return RewardLoss(lm, recipe)
 
-    def prepare(self, run) -> None:
+    def prepare(self, run: ModelRun) -> None:
         """The model reads each score at the last token that is not `config.pad_token_id`: the collator's pad id,
         so that the saved folder pools as training did; the collators mark each row's real tokens."""
         config = run.parts.loss.lm.config
@@ -118,7 +119,7 @@ class Reward(Preference):
                 collator.mark_real_tokens = True
         return None
 
-    def notes(self, run) -> list[str]:
+    def notes(self, run: TrainRun) -> list[str]:
         recipe, tokenizer = run.recipe, run.tokenizer
         center = recipe.center_rewards_coefficient
         margin = " - margin" if "margin" in run.data.train_set.column_names else ""

@@ -53,6 +53,7 @@ def described(record: Parallelism | None = None, resume_from: Path | None = None
                                data_line=("(5 per epoch)", "40 training examples in 40 rows"))  # map-style data's
     run.resume_from, run.progress = resume_from, SimpleNamespace(step=6)
     run.logger = Printed()
+    run.train_run = SimpleNamespace()  # what the objective's notes read: sft's none
     run.describe_run()
     return run.logger.lines
 
@@ -217,7 +218,7 @@ def finished(tmp_path, **recipe) -> list[str]:
     printed = Printed()
     printed.close = lambda: None
     run.logger, run.output_dir, run.processor = printed, Path(run.recipe.output_dir), None
-    run.data, run.eval_addons = SimpleNamespace(eval_set=None), []
+    run.data, run.eval_addons, run.objective_addons = SimpleNamespace(eval_set=None), [], []
     run.meter = SimpleNamespace(device_hours=lambda: 0.25)
     run.hub = SimpleNamespace(at_saves=False, finish=lambda *args: None)
     run.save_final = lambda: run.output_dir / "final"
