@@ -186,6 +186,12 @@ def part_of(name: str) -> str:
     return "language"
 
 
+def trains_vision_tower(model: nn.Module) -> bool:
+    """Some parameter of the vision tower gets a gradient (freeze_vision_tower false, fully or through its LoRA
+    adapters)."""
+    return any(p.requires_grad and part_of(name) == "vision" for name, p in model.named_parameters())
+
+
 def frozen_parts(recipe) -> set[str]:
     return {part for part, frozen in (("vision", recipe.freeze_vision_tower),
                                       ("projector", recipe.freeze_projector)) if frozen}

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import DistributedDataParallelKwargs
 from torch.nn.parallel import DistributedDataParallel
 from transformers.distributed import DistributedConfig
 
@@ -28,6 +29,7 @@ from hftrain.metrics import param_checksum
 from hftrain.model import parameter_count, stored_bytes
 from hftrain.parallel.checkpoint_io import AccelerateCheckpoints, FullStateCheckpoints
 from hftrain.parallel.generation import LaidOutShards, WholeModel
+from hftrain.vision import trains_vision_tower
 
 ALL_PARTS = PARTS  # the model state: what ZeRO-3 / FULL_SHARD split
 
@@ -409,7 +411,12 @@ class Backend:
         return (self.wrap_laid_out if self.laid_out else self.wrap)(model, optimizer)
 
     def wrap(self, model, optimizer):
-        """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings."""
+        """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings. An image-text model
+        whose vision tower trains, on several processes: DistributedDataParallel with find_unused_parameters, since
+        families that read a layer's hidden states (LLaVA: vision_feature_layer) leave the tower's post_layernorm and
+        the layers after that one without a gradient, which DDP otherwise refuses at the next step's reduction."""
+        if self.accelerator.num_processes > 1 and trains_vision_tower(model):
+            self.accelerator.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
         return self.accelerator.prepare(model, optimizer)
 
     def wrap_laid_out(self, model, optimizer):

@@ -29,7 +29,7 @@ DATA = REPO / "data" / "image-prompts.jsonl"
 REWARD = "hftrain.rl.example_rewards.colour_letters"
 BETA = 0.5
 # sequential: window w holds the data's prompts 2w and 2w + 1; the projector trains with the language model, so the
-# pixels reach the gradient (the vision tower stays frozen: LLaVA reads its second-to-last layer, docs/vision.md)
+# pixels reach the gradient (the vision tower stays frozen, its default)
 BASE = ["--model_name_or_path", str(MODEL), "--dataset_name", str(DATA), "--objective", "grpo",
         "--reward_funcs", REWARD, "--num_generations", "4", "--max_completion_length", "6", "--max_steps", "2",
         "--optim", "sgd", "--learning_rate", "1.0", "--weight_decay", "0", "--lr_scheduler_type", "constant",
