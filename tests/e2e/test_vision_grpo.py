@@ -3,10 +3,11 @@ through the real entry script, on prompts with images in TRL's vision format (da
 sampled with the processor's pixels, every completion in rollouts.jsonl with its prompt's image; steps 1 and 2 equal
 a plain-PyTorch recomputation from rollouts.jsonl (each prompt rendered and its image encoded again by the
 processor, the policy's and the frozen reference's log-probs of the completion tokens on those pixels: dapo's loss
-with beta's KL, clipping, SGD, the projector trained with the language model); step 1 equals TRL 1.16's
-GRPOTrainer on the same rows (its generation replaced by the rollouts' completions, everything else TRL's own: the
-prompt ids, the pixels, the rewards' advantages, the loss and the update); 1 process x 8 completions == 2
-accumulated micro-batches of 4 == 2 DDP processes of 4 (gloo); the shipped recipe raises its image-reading reward.
+with beta's KL, clipping, SGD, the projector trained with the language model), for LLaVA and Gemma 3 (whose
+token_type_ids travel with the pixels); step 1 equals TRL 1.16's GRPOTrainer on the same rows (its generation
+replaced by the rollouts' completions, everything else TRL's own: the prompt ids, the pixels, the rewards'
+advantages, the loss and the update); 1 process x 8 completions == 2 accumulated micro-batches of 4 == 2 DDP
+processes of 4 (gloo); the shipped recipe raises its image-reading reward.
 
 Runs are shared by the assertions (a module fixture): 2 steps of 8 completions of <= 6 tokens each, SGD (its update
 is proportional to the gradient, as tests/e2e/test_grpo.py explains)."""
@@ -60,17 +61,21 @@ def data_rows() -> list[dict]:
 
 def plain_log_probs(model, processor, row: dict, prompt: dict) -> torch.Tensor:
     """The completion tokens' log-probs of `row` (rollouts.jsonl) under `model`, its prompt rendered from the data
-    row `prompt` by the processor's chat template and its image encoded again: TRL's placement of the image before
-    the first user message's text for string content."""
+    row `prompt` by the processor's chat template and its image encoded again (TRL's placement of the image before
+    the first user message's text for string content): every processor output goes to the model, a per-token one
+    (Gemma 3's token_type_ids) extended with 0 over the completion."""
     messages = [{"role": m["role"], "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
                 if isinstance(m["content"], str) else m for m in prompt["prompt"]]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     image = Image.open(DATA.parent / prompt["images"][0]).convert("RGB")
     inputs = processor(text=[text], images=[image], return_tensors="pt", add_special_tokens=False)
-    assert inputs["input_ids"][0].tolist() == row["prompt_ids"]  # the rollouts' prompt: the image's 16 tokens in it
-    ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
-    logps = torch.log_softmax(model(input_ids=ids, pixel_values=inputs["pixel_values"]).logits[0, :-1].float(), -1)
+    assert inputs.pop("input_ids")[0].tolist() == row["prompt_ids"]  # the rollouts' prompt, the image's tokens in it
+    inputs.pop("attention_mask")
     n = len(row["completion_ids"])
+    if "token_type_ids" in inputs:
+        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros(1, n, dtype=torch.long)], dim=1)
+    ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
+    logps = torch.log_softmax(model(input_ids=ids, **inputs).logits[0, :-1].float(), -1)
     return logps[-n:].gather(1, torch.tensor(row["completion_ids"])[:, None]).squeeze(1)
 
 
@@ -98,8 +103,8 @@ def plain_step(model, reference, processor, rows: list[dict]) -> float:
     return kl_sum / tokens
 
 
-def starting_model():
-    model = AutoModelForImageTextToText.from_pretrained(MODEL, dtype=torch.float32)
+def starting_model(folder=MODEL):
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
     model.model.vision_tower.requires_grad_(False)  # freeze_vision_tower's default
     return model
 
@@ -114,24 +119,41 @@ def assert_weights(got: dict, model, **tolerance) -> None:
         torch.testing.assert_close(got[name], value, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
 
 
-def test_two_steps_equal_plain_pytorch_on_the_same_pixels(runs):
-    run = runs["one"]
+def assert_two_steps_equal_plain_pytorch(run, folder) -> None:
+    """Step 1 (the policy is the reference: KL 0) and step 2 (KL > 0, the logged `kl`) written out from
+    rollouts.jsonl, against checkpoint-1 and the final folder; the projector moved."""
     rows = rollouts(run)
     assert [r["step"] for r in rows] == [1] * 8 + [2] * 8 and all(len(r["images"]) == 1 for r in rows)
-    processor = AutoProcessor.from_pretrained(MODEL)
-    image = processor.image_token_id  # 16 in each prompt, never sampled
-    assert all(r["prompt_ids"].count(image) == 16 and image not in r["completion_ids"] for r in rows)
-    model, reference = starting_model(), starting_model().eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    image = processor.image_token_id  # in each prompt, never sampled
+    assert all(image in r["prompt_ids"] and image not in r["completion_ids"] for r in rows)
+    model, reference = starting_model(folder), starting_model(folder).eval()
     kl1 = plain_step(model, reference, processor, [r for r in rows if r["step"] == 1])
-    assert kl1 == pytest.approx(0.0, abs=1e-7)  # the policy is the reference at step 1
+    assert kl1 == pytest.approx(0.0, abs=1e-7)
     assert_weights(load_file(run.output_dir / "checkpoint-1" / "model.safetensors"), model, rtol=1e-4, atol=2e-6)
     kl2 = plain_step(model, reference, processor, [r for r in rows if r["step"] == 2])
-    logged = run.train_rows()[1]
-    assert kl2 > 0 and logged["kl"] == pytest.approx(kl2, rel=1e-4)
+    assert kl2 > 0 and run.train_rows()[1]["kl"] == pytest.approx(kl2, rel=1e-4)
     final = AutoModelForImageTextToText.from_pretrained(run.output_dir / "final", dtype=torch.float32).state_dict()
     assert_weights(final, model, rtol=1e-4, atol=2e-6)
     start = reference.state_dict()
     assert any(not torch.equal(start[k], final[k]) for k in start if "multi_modal_projector" in k)
+
+
+def test_two_steps_equal_plain_pytorch_on_the_same_pixels(runs):
+    """LLaVA: each prompt holds its image's 16 tokens."""
+    assert all(r["prompt_ids"].count(753) == 16 for r in rollouts(runs["one"]))  # models/tiny-vlm's image token
+    assert_two_steps_equal_plain_pytorch(runs["one"], MODEL)
+
+
+def test_gemma3_with_its_token_types_equals_plain_pytorch(image_text_model, tmp_path):
+    """Gemma 3 (built by scripts/make_tiny_model.py): its processor's token_type_ids mark the image tokens, which
+    attend to each other both ways; they reach generate (left-padded) and every forward (0 over the completion), so
+    two steps equal the plain computation given the processor's outputs."""
+    folder = image_text_model("gemma3")
+    run = run_script(tmp_path / "gemma3", *[str(folder) if a == str(MODEL) else a for a in BASE],
+                     "--per_device_train_batch_size", "8", "--save_strategy", "steps", "--save_steps", "1",
+                     "--checkpoint_preflight", "false")
+    assert_two_steps_equal_plain_pytorch(run, folder)
 
 
 @pytest.mark.parametrize("other", ["accum", "ddp"])
