@@ -7,7 +7,8 @@ with beta's KL, clipping, SGD, the projector trained with the language model), f
 token_type_ids travel with the pixels); step 1 equals TRL 1.16's GRPOTrainer on the same rows (its generation
 replaced by the rollouts' completions, everything else TRL's own: the prompt ids, the pixels, the rewards'
 advantages, the loss and the update); 1 process x 8 completions == 2 accumulated micro-batches of 4 == 2 DDP
-processes of 4 (gloo); the shipped recipe raises its image-reading reward.
+processes of 4 (gloo); a checkpoint inside a window resumes exactly; the evaluation completes prompts with images;
+the shipped recipe raises its image-reading reward.
 
 Runs are shared by the assertions (a module fixture): 2 steps of 8 completions of <= 6 tokens each, SGD (its update
 is proportional to the gradient, as tests/e2e/test_grpo.py explains)."""
@@ -15,6 +16,7 @@ is proportional to the gradient, as tests/e2e/test_grpo.py explains)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -238,3 +240,36 @@ def test_the_shipped_recipe_raises_the_reward_read_from_the_images(tmp_path):
     assert len(rewards) == 20 and sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.05, rewards
     shipped = {json.dumps(row["images"]) for row in data_rows()}
     assert all(json.dumps(r["images"]) in shipped for r in rollouts(run))
+
+
+def test_a_checkpoint_inside_a_window_resumes_exactly_and_evaluation_completes_prompts_with_images(tmp_path):
+    """steps_per_generation 2: one window of 8 completions trains steps 1 and 2 (step 2 against the stored old
+    log-probs, computed on the window's pixels), so checkpoint-1 lies inside the window and holds its second
+    micro-batch, pixels included (their dtypes saved beside them). Resumed from it, step 2 and the final weights are
+    the uninterrupted run's. The evaluation at the end completes 2 eval prompts with images (eval_rollouts.jsonl names
+    each one's image as the eval data gives it, and scores it with the image-reading reward)."""
+    evals = [{**row, "images": [str(DATA.parent / row["images"][0])]} for row in data_rows()[-2:]]
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(json.dumps(row) + "\n" for row in evals))
+    args = [*BASE, "--per_device_train_batch_size", "4", "--steps_per_generation", "2", "--save_strategy", "steps",
+            "--save_steps", "1", "--checkpoint_preflight", "false", "--eval_strategy", "steps", "--eval_steps", "2",
+            "--eval_dataset_name", str(eval_file), "--per_device_eval_batch_size", "4"]
+    done = run_script(tmp_path / "run", *args)
+    (state,) = (done.output_dir / "checkpoint-1").glob("data_stream_process*.json")
+    saved = json.loads(state.read_text())
+    assert saved["dtypes"]["pixel_values"] == "float32" and len(saved["micro_batches"]) == 2
+    uninterrupted, expected = done.train_rows()[-1], load_file(done.output_dir / "final" / "model.safetensors")
+    eval_rows = [json.loads(line) for line in (done.output_dir / "eval_rollouts.jsonl").read_text().splitlines()]
+    assert len(eval_rows) == 8 and {json.dumps(r["images"]) for r in eval_rows} == {json.dumps(e["images"])
+                                                                                    for e in evals}
+    assert all(r["reward"] is not None for r in eval_rows) and any("eval_reward" in m for m in done.metrics())
+    shutil.rmtree(done.output_dir / "final")
+    shutil.rmtree(done.output_dir / "checkpoint-2")
+    resumed = run_script(tmp_path / "run", *args, "--resume_from_checkpoint", "latest")
+    assert "resuming from" in resumed.stdout
+    row = resumed.train_rows()[-1]
+    assert row["step"] == 2
+    for key in ("loss", "grad_norm", "kl"):
+        assert row[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key
+    for name, value in load_file(resumed.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7, msg=name)
