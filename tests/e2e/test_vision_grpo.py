@@ -8,7 +8,7 @@ token_type_ids travel with the pixels); step 1 equals TRL 1.16's GRPOTrainer on 
 replaced by the rollouts' completions, everything else TRL's own: the prompt ids, the pixels, the rewards'
 advantages, the loss and the update); 1 process x 8 completions == 2 accumulated micro-batches of 4 == 2 DDP
 processes of 4 (gloo); a checkpoint inside a window resumes exactly; the evaluation completes prompts with images;
-the shipped recipe raises its image-reading reward.
+LoRA trains against the adapter-off model on the same pixels; the shipped recipe raises its image-reading reward.
 
 Runs are shared by the assertions (a module fixture): 2 steps of 8 completions of <= 6 tokens each, SGD (its update
 is proportional to the gradient, as tests/e2e/test_grpo.py explains)."""
@@ -273,3 +273,30 @@ def test_a_checkpoint_inside_a_window_resumes_exactly_and_evaluation_completes_p
         assert row[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key
     for name, value in load_file(resumed.output_dir / "final" / "model.safetensors").items():
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_lora_with_beta_trains_against_the_adapter_off_model_on_the_same_pixels(tmp_path):
+    """LoRA (q_proj, v_proj) with beta 0.5: step 2 written out with peft from checkpoint-1's adapter, the reference
+    the base model (hftrain disables the adapters), both on each prompt's pixels: the logged kl and the adapter after
+    one SGD step (clipping at 1.0) equal the run's checkpoint-2."""
+    from peft import LoraConfig, get_peft_model
+
+    run = run_script(tmp_path / "lora", *BASE, "--per_device_train_batch_size", "8", "--use_peft", "--lora_r", "4",
+                     "--lora_alpha", "8", "--lora_dropout", "0", "--lora_target_modules", "q_proj,v_proj",
+                     "--save_strategy", "steps", "--save_steps", "1", "--checkpoint_preflight", "false")
+    processor = AutoProcessor.from_pretrained(MODEL)
+    policy = get_peft_model(starting_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                         lora_dropout=0.0))
+    trained = {k.removeprefix("lm."): v for k, v in load_file(run.output_dir / "checkpoint-1" /
+                                                              "model.safetensors").items()}
+    assert trained and all("lora_" in k for k in trained)
+    missing, unexpected = policy.load_state_dict(trained, strict=False)
+    assert not unexpected and not [k for k in missing if "lora_" in k]
+    kl = plain_step(policy, starting_model().eval(), processor, [r for r in rollouts(run) if r["step"] == 2])
+    assert kl > 0 and run.train_rows()[1]["kl"] == pytest.approx(kl, rel=1e-4)
+    got = {k.removeprefix("lm."): v for k, v in load_file(run.output_dir / "checkpoint-2" /
+                                                          "model.safetensors").items()}
+    expected = {k: v for k, v in policy.state_dict().items() if "lora_" in k}
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
