@@ -23,13 +23,11 @@ from hftrain.compat.transformers import needs_missing_backend
 from hftrain.errors import HftrainError, first_line
 
 # The objectives that train an image-text model (image chats for sft, image preference pairs for dpo, simpo and
-# orpo: hftrain.data.image_pairs, unpaired rows for kto: hftrain.data.image_unpaired), and what each other
-# objective would need, in words for its refusal.
-IMAGE_OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto")
+# orpo: hftrain.data.image_pairs, unpaired rows for kto: hftrain.data.image_unpaired, prompts with images for grpo:
+# hftrain.rl.images), and what each other objective would need, in words for its refusal.
+IMAGE_OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo")
 IMAGE_OBJECTIVES_NOT_YET = {
     "reward": "a reward model (a sequence classifier) on an image-text model is",
-    "grpo": "grpo with images (prompts with images, generation with the processor's inputs, reward functions that "
-            "receive the images) is",
     "distill": "distillation with images is",
 }
 VISION_TOWER_NAMES = ("vision_tower", "visual", "vision_model")
@@ -102,7 +100,9 @@ def problems(recipe, config: PretrainedConfig | None) -> list[str]:
                      f"image-text model today: {', '.join(IMAGE_OBJECTIVES)}")
     pairs = f"objective={recipe.objective} on image preference {'rows' if recipe.objective == 'kto' else 'pairs'} " \
         f"with the image-text model {kind!r}"
-    if recipe.objective in IMAGE_OBJECTIVES and recipe.objective != "sft":
+    if recipe.objective == "grpo":
+        found += grpo_problems(recipe, kind)
+    if recipe.objective in IMAGE_OBJECTIVES and recipe.objective not in ("sft", "grpo"):
         if recipe.precompute_ref_log_probs:
             found.append(f"precompute_ref_log_probs with {pairs} is not supported yet (the reference runs beside "
                          "the policy on the same pixels); set precompute_ref_log_probs: false")
@@ -119,6 +119,41 @@ def problems(recipe, config: PretrainedConfig | None) -> list[str]:
         found.append(f"use_liger_kernel with the image-text model {kind!r}: Liger's kernels patch text models only; "
                      "set use_liger_kernel: false")
     return found
+
+
+def grpo_problems(recipe, kind: str) -> list[str]:
+    """What grpo on an image-text model does not do yet (hftrain.rl.images: one process or DDP, transformers'
+    generate, one turn)."""
+    what, found = f"objective=grpo with the image-text model {kind!r}", []
+    if recipe.async_generation:
+        found.append(f"async_generation with {what} is not supported yet: the rollout worker process samples from "
+                     "token ids alone (it receives neither the prompts' images nor the processor); set "
+                     "async_generation: false")
+    if recipe.use_vllm:
+        found.append(f"use_vllm with {what} is not supported yet: hftrain hands vLLM token ids only, without the "
+                     "prompts' images; set use_vllm: false (transformers' generate takes the pixels)")
+    if recipe.tools or recipe.environment_factory:
+        found.append(f"tool calling (tools / environment_factory) with {what} is not supported yet: the multi-turn "
+                     "rollouts render each turn with the tokenizer alone, which does not expand the prompt's images; "
+                     "remove tools and environment_factory")
+    split = [f"{name} {getattr(recipe, name)}" for name in ("tp_size", "pp_size", "sp_size", "cp_size", "ep_size")
+             if getattr(recipe, name) > 1]
+    if split:
+        found.append(f"{', '.join(split)} with {what} is not supported yet: the image inputs are not split with the "
+                     "model or the sequences; use one process or DDP")
+    return found
+
+
+def layout_problems(recipe, launch, config: PretrainedConfig | None) -> list[str]:
+    """What an image-text model's objective cannot do under the launch's strategy today (called by the preflight)."""
+    if not is_image_text(config) or recipe.objective not in IMAGE_OBJECTIVES or recipe.objective == "sft":
+        return []
+    if recipe.objective == "grpo" and launch.kind in ("deepspeed", "fsdp2"):
+        strategy = "FSDP2" if launch.kind == "fsdp2" else f"DeepSpeed ZeRO-{launch.zero_stage}"
+        return [f"objective=grpo with the image-text model {config.model_type!r} under {strategy} is not supported "
+                "yet: its generation with the prompts' pixels and its frozen reference are tested on one process and "
+                "under DDP only; use the cpu / cpu_ddp / ddp presets (docs/vision.md)"]
+    return []
 
 
 def build_processor(recipe):
@@ -161,6 +196,12 @@ def part_of(name: str) -> str:
     return "language"
 
 
+def trains_vision_tower(model: nn.Module) -> bool:
+    """Some parameter of the vision tower gets a gradient (freeze_vision_tower false, fully or through its LoRA
+    adapters)."""
+    return any(p.requires_grad and part_of(name) == "vision" for name, p in model.named_parameters())
+
+
 def frozen_parts(recipe) -> set[str]:
     return {part for part, frozen in (("vision", recipe.freeze_vision_tower),
                                       ("projector", recipe.freeze_projector)) if frozen}
@@ -176,11 +217,6 @@ def freeze(model: nn.Module, recipe) -> dict[str, int]:
             param.requires_grad_(False)  # ZeRO-3 loads partitioned: ds_numel is the whole parameter's size
             frozen[part] = frozen.get(part, 0) + getattr(param, "ds_numel", param.numel())
     return frozen
-
-
-def trains_vision_tower(model: nn.Module) -> bool:
-    """Whether some parameter of an image-text model's vision tower trains (its weights or LoRA adapters on it)."""
-    return any(param.requires_grad and part_of(name) == "vision" for name, param in model.named_parameters())
 
 
 def lora_targets(model: nn.Module, recipe) -> list[str]:

@@ -26,6 +26,7 @@ from hftrain.paths import STREAM_STATE
 from hftrain.rl.async_worker import STALL_FLOOR_SECONDS, RolloutWorker, WorkerSpec, queue_windows, worker_threads
 from hftrain.rl.generation import build_generator
 from hftrain.rl.grpo import GRPOLoss, Policy, ReferenceTokenLogProbs, Rollouts, RolloutSource, reference_token_log_probs
+from hftrain.rl.images import PromptImages
 from hftrain.rl.rewards import column_problems, load_reward_functions
 from hftrain.rl.rollouts import WindowPlan, is_conversational, render_prompts
 from hftrain.rl.tools import (
@@ -136,7 +137,9 @@ class GRPO(Objective):
             raise HftrainError("; ".join(problems))
         chat = any(is_conversational(row) for row in raw["prompt"]) or (
             eval_raw is not None and any(is_conversational(row) for row in eval_raw["prompt"]))
-        template_note = prepare_chat_template(run.tokenizer, recipe.chat_template_path, chat)
+        # an image-text model renders with its processor's chat template
+        template_note = prepare_chat_template(run.tokenizer, recipe.chat_template_path, chat) \
+            if run.processor is None else None
         tooling = None
         if recipe.tools or recipe.environment_factory:
             # tool calling: chat prompts only (the tools are rendered by the chat template, the calls parsed from the
@@ -159,10 +162,19 @@ class GRPO(Objective):
 
             tooling = Tooling(recipe, tools, factory, probe, run.tokenizer, max_active)
         schema_tools = tooling.schema_tools if tooling is not None else None
-        # the eval set: its prompts, rendered as the training ones (grpo evaluates by generating: Objective.evaluate)
-        eval_set = render_prompts(eval_raw, run.tokenizer, recipe.max_prompt_length, schema_tools) \
-            if eval_raw is not None else None
-        prompts = render_prompts(raw, run.tokenizer, recipe.max_prompt_length, schema_tools)
+        # the eval set: its prompts, rendered as the training ones (grpo evaluates by generating: Objective.evaluate);
+        # an image-text model's prompts with images: rendered and encoded by its processor (hftrain.rl.images)
+        images = PromptImages(run.processor) if run.processor is not None else None
+        if images is None:
+            eval_set = render_prompts(eval_raw, run.tokenizer, recipe.max_prompt_length, schema_tools) \
+                if eval_raw is not None else None
+            prompts = render_prompts(raw, run.tokenizer, recipe.max_prompt_length, schema_tools)
+        else:
+            eval_set = images.render(eval_raw, recipe.eval_dataset_name or source.name, recipe.max_prompt_length) \
+                if eval_raw is not None else None
+            prompts = images.render(raw, source.name, recipe.max_prompt_length)
+            if run.dp.world > 1 and not (recipe.freeze_vision_tower and recipe.freeze_projector):
+                images.check_every_prompt_has_images(prompts, source.name)
         plan = WindowPlan(len(raw), recipe.num_generations, recipe.per_device_train_batch_size, world,
                               recipe.gradient_accumulation_steps, steps_per_generation, recipe.num_iterations,
                               recipe.order_seed, shuffle=recipe.train_sampling_strategy != "sequential")
@@ -171,7 +183,7 @@ class GRPO(Objective):
                                f"{plan.prompts_per_window} ({window} completions / num_generations); use a "
                                "smaller batch or more prompts")
         rollouts = RolloutSource.read(recipe, plan, prompts, funcs, run.tokenizer, run.accelerator, run.dp,
-                                      run.output_dir, run.watchdog.window, tooling)
+                                      run.output_dir, run.watchdog.window, tooling, images)
         stream_state = None
         if run.resume_from is not None:  # a checkpoint inside a generation window holds each rank's buffer
             saved = read_states(run.resume_from, STREAM_STATE.format(index="*"))

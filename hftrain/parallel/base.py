@@ -420,10 +420,10 @@ class Backend:
         return (self.wrap_laid_out if self.laid_out else self.wrap)(model, optimizer)
 
     def wrap(self, model, optimizer):
-        """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings: DDP looks for
-        parameters without a gradient where a trained vision tower has some (LLaVA's features are the tower's
-        second-to-last layer: its last layer and final norm get none, which DDP otherwise stops on at the second
-        step)."""
+        """`accelerator.prepare(model, optimizer)` with this backend's model-dependent settings. An image-text model
+        whose vision tower trains, on several processes: DistributedDataParallel with find_unused_parameters, since
+        families that read a layer's hidden states (LLaVA: vision_feature_layer) leave the tower's post_layernorm and
+        the layers after that one without a gradient, which DDP otherwise refuses at the next step's reduction."""
         if self.accelerator.num_processes > 1 and vision.trains_vision_tower(model):
             find_unused_parameters(self.accelerator)
         return self.accelerator.prepare(model, optimizer)

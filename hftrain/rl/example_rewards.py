@@ -1,4 +1,5 @@
-"""Reward functions shipped as examples (recipes/tiny-grpo.yaml, docs/grpo.md), with TRL's signature."""
+"""Reward functions shipped as examples (recipes/tiny-grpo.yaml, recipes/tiny-vlm-grpo.yaml, docs/grpo.md), with TRL's
+signature."""
 
 from __future__ import annotations
 
@@ -71,4 +72,37 @@ def answered_from_tool(prompts, completions, completion_ids, **kwargs) -> list[f
         turns = [m for m in messages if m.get("role") == "assistant"]
         last = (turns[-1].get("content") or "") if turns and messages[-1].get("role") == "assistant" else ""
         rewards.append(0.5 + 0.5 * (results[0] in re.findall(r"-?\d+", last)))
+    return rewards
+
+
+COLOURS = {"red": (255, 0, 0), "green": (0, 128, 0), "blue": (0, 0, 255), "yellow": (255, 255, 0)}
+
+
+def shape_colour(image) -> str:
+    """The name in COLOURS nearest the mean of an image's coloured pixels (those that are not white, grey or black),
+    or "" when it has none."""
+    pixels = [p for p in image.convert("RGB").getdata() if max(p) - min(p) > 60]
+    if not pixels:
+        return ""
+    mean = [sum(channel) / len(pixels) for channel in zip(*pixels)]
+    return min(COLOURS, key=lambda name: sum((a - b) ** 2 for a, b in zip(mean, COLOURS[name])))
+
+
+def colour_letters(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    """For prompts with an image (recipes/tiny-vlm-grpo.yaml): the share of the completion's characters that are
+    letters of the name of the shape's colour, read from the pixels of the prompt's first image (each image part of
+    the prompt holds its image, as TRL hands prompts to reward functions); 0 for an empty completion or a prompt
+    without an image. A reward that depends on the image and that a random tiny model can still raise within a few
+    dozen steps (every colour's name shares its e)."""
+    rewards = []
+    for prompt, completion in zip(prompts, completions):
+        images = [part["image"] for message in (prompt if isinstance(prompt, list) else [])
+                  for part in (message.get("content") if isinstance(message.get("content"), list) else [])
+                  if part.get("type") == "image" and part.get("image") is not None]
+        text = _text(completion)
+        if not images or not text:
+            rewards.append(0.0)
+            continue
+        letters = set(shape_colour(images[0]))
+        rewards.append(sum(ch.lower() in letters for ch in text) / len(text))
     return rewards

@@ -39,11 +39,13 @@ class TransformersGenerator:
         self.backend, self.model, self.sampling, self.eos_ids, self.pad_id = backend, model, sampling, eos_ids, pad_id
         self.autocast = autocast
 
-    def sample(self, prompts: list[list[int]], seeds: list[int]) -> list[Sampled]:
+    def sample(self, prompts: list[list[int]], seeds: list[int], inputs: list[dict] | None = None) -> list[Sampled]:
+        """`inputs`: an image-text model's per-prompt processor outputs (hftrain.rl.images), generated with."""
         # every rank at once; a sequence-parallel group's ranks each generate the whole sequences
         with self.backend.generation_context(self.model) as (lm, synced_gpus), self.autocast(), \
                 self.backend.whole_sequences():
-            rows = generate_rows(lm, prompts, seeds, self.sampling, self.eos_ids, self.pad_id, synced_gpus)
+            rows = generate_rows(lm, prompts, seeds, self.sampling, self.eos_ids, self.pad_id, synced_gpus,
+                                 inputs=inputs)
         return [Sampled(ids, truncated) for ids, truncated in rows]
 
     def describe(self) -> str:

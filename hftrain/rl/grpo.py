@@ -33,6 +33,7 @@ from hftrain.parallel.sequence import GroupSum
 from hftrain.paths import EVAL_ROLLOUTS_FILE, ROLLOUTS_FILE
 from hftrain.rl.async_worker import RolloutWorker, SampledWindow, WorkerFailure, sampled_rows
 from hftrain.rl.generation import RolloutGenerator
+from hftrain.rl.images import PromptImages
 from hftrain.rl.loss import (
     TOKEN_NORMALISED,
     LossSettings,
@@ -57,6 +58,7 @@ from hftrain.rl.rollouts import (
     WindowPlan,
     collate,
     is_conversational,
+    model_inputs,
     render_prompt,
     row_seed,
     sampling_log_probs,
@@ -91,10 +93,11 @@ def sharded_token_log_probs(lm: nn.Module, input_ids: torch.Tensor, temperature:
 
 def reference_token_log_probs(temperature: float) -> Callable[..., torch.Tensor]:
     """grpo's reference computation: `(lm, input_ids, shards=None) -> per-token log-probs` from logits / temperature,
-    on the whole rows, or on this rank's shards of them (context parallelism)."""
-    def compute(lm: nn.Module, input_ids: torch.Tensor, shards=None) -> torch.Tensor:
+    on the whole rows (with an image-text model's `model_inputs`: its pixels), or on this rank's shards of them (context
+    parallelism)."""
+    def compute(lm: nn.Module, input_ids: torch.Tensor, shards=None, **model_inputs: torch.Tensor) -> torch.Tensor:
         if shards is None:
-            return token_log_probs(lm, input_ids, temperature)[0]
+            return token_log_probs(lm, input_ids, temperature, **model_inputs)[0]
         return sharded_token_log_probs(lm, input_ids, temperature, shards)
     return compute
 
@@ -107,8 +110,8 @@ class ReferenceTokenLogProbs(WrapsCausalLM):
         super().__init__()
         self.lm, self.compute = lm.eval().requires_grad_(False), reference_token_log_probs(temperature)
 
-    def forward(self, input_ids: torch.Tensor, shards=None) -> torch.Tensor:
-        return self.compute(self.lm, input_ids, shards)
+    def forward(self, input_ids: torch.Tensor, shards=None, **model_inputs: torch.Tensor) -> torch.Tensor:
+        return self.compute(self.lm, input_ids, shards, **model_inputs)
 
 
 def stored_windows(state: dict | None) -> list[SampledWindow]:
@@ -153,8 +156,8 @@ class GRPOLoss(ObjectiveLoss):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor,
                 old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
-                sampling_weights: torch.Tensor | None = None) -> torch.Tensor:
-        logps, entropy = token_log_probs(self.lm, input_ids, self.temperature)
+                sampling_weights: torch.Tensor | None = None, **model_inputs: torch.Tensor) -> torch.Tensor:
+        logps, entropy = token_log_probs(self.lm, input_ids, self.temperature, **model_inputs)
         if self.collecting:
             return logps.detach()
         mask = labels[:, 1:] != IGNORE_INDEX
@@ -227,10 +230,11 @@ class GRPOLoss(ObjectiveLoss):
         # (its backward hands each slice sp x its gradient, undone by the strategy's mean over all processes)
         return aggregate(GroupSum.apply(summed, slices.group), whole_mask, self.settings)
 
-    def reference_log_probs(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The reference's per-token log-probs of the whole rows [B, L-1] (beta > 0)."""
+    def reference_log_probs(self, input_ids: torch.Tensor, **model_inputs: torch.Tensor) -> torch.Tensor:
+        """The reference's per-token log-probs of the whole rows [B, L-1] (beta > 0), on the same pixels as the
+        policy's (`model_inputs`)."""
         if self.reference_shards is None:
-            return self.reference.log_probs(input_ids)
+            return self.reference.log_probs(input_ids, **model_inputs)
         return self.reference.log_probs(input_ids, self.reference_shards)
 
     def pop_stats(self) -> dict[str, torch.Tensor]:
@@ -262,18 +266,21 @@ class RolloutSource:
     pad_id: int
     busy: Callable = lambda name: nullcontext()  # busy(name): a stretch that counts as progress for the watchdog
     tooling: Tooling | None = None  # tool calling (hftrain.rl.tools): multi-turn rollouts
+    images: PromptImages | None = None  # an image-text model's prompts with images (hftrain.rl.images)
 
     @classmethod
     def read(cls, recipe, plan: WindowPlan, prompts, funcs: list[RewardFunction], tokenizer, accelerator, dp,
-             output_dir: Path, busy=lambda name: nullcontext(), tooling: Tooling | None = None) -> RolloutSource:
+             output_dir: Path, busy=lambda name: nullcontext(), tooling: Tooling | None = None,
+             images: PromptImages | None = None) -> RolloutSource:
         """The sampling settings from the recipe, the stop and pad tokens from the tokenizer."""
         sampling = Sampling(recipe.max_completion_length, recipe.temperature, recipe.top_p, recipe.top_k,
-                            recipe.repetition_penalty, recipe.mask_truncated_completions)
+                            recipe.repetition_penalty, recipe.mask_truncated_completions,
+                            images.suppressed if images is not None else ())
         eos = tokenizer.eos_token_id
         eos_ids = frozenset({eos} if isinstance(eos, int) else set(eos or []))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids))
         return cls(recipe, plan, prompts, funcs, tokenizer, accelerator, dp, output_dir, sampling, eos_ids, pad_id,
-                   busy, tooling)
+                   busy, tooling, images)
 
 
 @dataclass(frozen=True)
@@ -300,7 +307,7 @@ class Rollouts:
     def __init__(self, source: RolloutSource, policy: Policy):
         recipe, plan = source.recipe, source.plan
         self.recipe, self.plan, self.prompts, self.funcs = recipe, plan, source.prompts, source.funcs
-        self.tooling, self.busy = source.tooling, source.busy
+        self.tooling, self.busy, self.images = source.tooling, source.busy, source.images
         self.tokenizer, self.accelerator, self.dp, self.rank = source.tokenizer, source.accelerator, source.dp, \
             source.dp.rank
         self.file = source.output_dir / ROLLOUTS_FILE
@@ -344,7 +351,8 @@ class Rollouts:
         if step % self.plan.steps_per_window == 0 or self.window is None:
             return None
         return {"rank": self.rank, "world": self.plan.world, "window": self.window,
-                "micro_batches": [{k: v.tolist() for k, v in batch.items()} for batch in self.buffer]}
+                "micro_batches": [{k: v.tolist() for k, v in batch.items()} for batch in self.buffer],
+                "dtypes": {k: str(v.dtype).removeprefix("torch.") for batch in self.buffer for k, v in batch.items()}}
 
     def start(self, step: int, state: dict | None) -> None:
         """Before the first step: a checkpoint saved inside a window hands its buffered micro-batches back; the
@@ -356,7 +364,8 @@ class Rollouts:
             return
         if state is None:
             return
-        types = {"input_ids": torch.long, "labels": torch.long, "num_examples": torch.long}
+        types = {"input_ids": torch.long, "labels": torch.long, "num_examples": torch.long,
+                 **{k: getattr(torch, name) for k, name in state.get("dtypes", {}).items()}}  # image inputs' too
         self.window = state["window"]
         self.buffer = [{k: torch.tensor(v, dtype=types.get(k, torch.float32)) for k, v in batch.items()}
                        for batch in state["micro_batches"]]
@@ -418,13 +427,25 @@ class Rollouts:
             return sampled.messages
         return [{"role": "assistant", "content": text}] if is_conversational(prompt.value) else text
 
-    def sample(self, prompts: list[Prompt], seed) -> tuple[list[Prompt], list[Sampled], list | None]:
+    def reward_prompt(self, prompt: Prompt):
+        """What reward functions receive as the prompt: the dataset's, or for an image-text model TRL's messages with
+        each image part holding its image (PromptImages.reward_prompt)."""
+        return prompt.value if self.images is None else self.images.reward_prompt(prompt)
+
+    def image_columns(self, prompt: Prompt) -> dict:
+        """rollouts.jsonl's `images` column of an image-text model's prompt: its images as the data names them."""
+        return {} if prompt.images is None else {"images": prompt.images}
+
+    def sample(self, prompts: list[Prompt], seed,
+               inputs: list[dict] | None = None) -> tuple[list[Prompt], list[Sampled], list | None]:
         """(the prompts, the environments' observations added, their completions, the environments or None) of
-        prompts[i] sampled with seed(i, turn): one turn each, or with tool calling the multi-turn rollouts
-        (hftrain.rl.tools), every process sampling together."""
+        prompts[i] sampled with seed(i, turn): one turn each (an image-text model's prompts with their pixels,
+        `inputs`: PromptImages.row_inputs), or with tool calling the multi-turn rollouts (hftrain.rl.tools), every
+        process sampling together."""
         if self.tooling is None:
-            return prompts, self.generator.sample([p.ids for p in prompts], [seed(i, 0) for i in
-                                                                             range(len(prompts))]), None
+            ids, seeds = [p.ids for p in prompts], [seed(i, 0) for i in range(len(prompts))]
+            sampled = self.generator.sample(ids, seeds) if inputs is None else self.generator.sample(ids, seeds, inputs)
+            return prompts, sampled, None
 
         def render(value, columns):
             return render_prompt(value, columns, self.tokenizer, self.recipe.max_prompt_length,
@@ -434,15 +455,15 @@ class Rollouts:
         return prompts, [Sampled(e.completion_ids, e.truncated, e.sampling_logps, e.tool_mask,
                                  [c.record() for c in e.calls], e.messages) for e in episodes], environments
 
-    def sample_window(self, window: int, prompts: list[Prompt], seed) -> tuple[list[Prompt], list[Sampled], list | None,
-                                                                            int, str | None]:
+    def sample_window(self, window: int, prompts: list[Prompt], seed, inputs: list[dict] | None = None
+                      ) -> tuple[list[Prompt], list[Sampled], list | None, int, str | None]:
         """(prompts, completions, environments, policy version, failure) of this rank's rows of `window`: sampled
         here with the current weights (their version: the optimizer steps taken), or (async_generation) taken from
         the rollout worker after pushing the weights due at this step. A worker that failed or died gives stand-in
         rows, never trained, and its message as the failure, which stops the run (`stop_on_failure`)."""
         steps = self.plan.first_step(window) - 1
         if self.worker is None:
-            return *self.sample(prompts, seed), steps, None
+            return *self.sample(prompts, seed, inputs), steps, None
         sync = self.recipe.weight_sync_steps
         if steps % sync == 0:
             self.worker.push(steps // sync)
@@ -495,9 +516,12 @@ class Rollouts:
         rows = plan.rank_rows(self.rank)
         self.model_was_training = self.model.training
         self.model.eval()
+        window_prompts = [self.prompts[prompt_index[row // G]] for row in rows]
+        # an image-text model's prompts: their pixels, for generate and for every forward over the micro-batches
+        inputs = self.images.row_inputs(window_prompts) if self.images is not None else None
         prompts, sampled, environments, version, failure = self.sample_window(
-            window, [self.prompts[prompt_index[row // G]] for row in rows],
-            lambda i, turn: row_seed(recipe.seed, window, rows[i] // G, rows[i] % G, turn))
+            window, window_prompts, lambda i, turn: row_seed(recipe.seed, window, rows[i] // G, rows[i] % G, turn),
+            inputs)
         completions = [Completion(row, row // G, prompt_index[row // G], s.completion_ids, s.truncated,
                                   sampling_logps=s.sampling_logps, tool_mask=s.tool_mask, tool_calls=s.tool_calls,
                                   messages=s.messages, policy_version=version) for row, s in zip(rows, sampled)]
@@ -510,8 +534,8 @@ class Rollouts:
         # the ranks of a tensor-parallel group hold the same completions: scored once (nothing when the worker failed)
         if self.dp.leads_group and failure is None:
             try:
-                local = score(self.funcs, [p.value for p in prompts], [self.completion_value(p, t, s) for p, t, s in
-                                                                         zip(prompts, texts, sampled)],
+                local = score(self.funcs, [self.reward_prompt(p) for p in prompts],
+                              [self.completion_value(p, t, s) for p, t, s in zip(prompts, texts, sampled)],
                               [c.completion_ids for c in completions], columns)
             except RewardFailure as exc:  # still take part in the gather below: the other ranks are waiting in it
                 failure = str(exc)
@@ -531,7 +555,8 @@ class Rollouts:
         for k in range(plan.steps_per_generation):  # the advantages are filled in below
             part = completions[k * b:(k + 1) * b]
             prompt_ids = [p.ids for p in prompts[k * b:(k + 1) * b]]
-            batch = collate(prompt_ids, part, torch.zeros(len(part)), self.pad_id, recipe.mask_truncated_completions)
+            batch = collate(prompt_ids, part, torch.zeros(len(part)), self.pad_id, recipe.mask_truncated_completions,
+                            inputs[k * b:(k + 1) * b] if inputs is not None else None)
             sampling = (sampling_log_probs(prompt_ids, part, batch["input_ids"].shape[1]) if self.correct_sampling
                         else None)
             extra = self.rollout_log_probs(batch, sampling)
@@ -583,9 +608,11 @@ class Rollouts:
         try:
             for k in range(0, per_rank, b):
                 chunk = rows[k:k + b]
+                chunk_rows = [prompts[row // G] for row in chunk]
                 chunk_prompts, chunk_sampled, chunk_environments = self.sample(
-                    [prompts[row // G] for row in chunk],
-                    lambda i, turn, chunk=chunk: row_seed(recipe.seed, EVAL_WINDOW, chunk[i] // G, chunk[i] % G, turn))
+                    chunk_rows,
+                    lambda i, turn, chunk=chunk: row_seed(recipe.seed, EVAL_WINDOW, chunk[i] // G, chunk[i] % G, turn),
+                    self.images.row_inputs(chunk_rows) if self.images is not None else None)
                 rows_prompts += chunk_prompts
                 sampled += chunk_sampled
                 environments += chunk_environments or []
@@ -601,7 +628,7 @@ class Rollouts:
             if environments:
                 columns["environments"] = environments
             try:
-                local = score(self.funcs, [p.value for p in rows_prompts],
+                local = score(self.funcs, [self.reward_prompt(p) for p in rows_prompts],
                               [self.completion_value(p, t, s) for p, t, s in zip(rows_prompts, texts, sampled)], ids,
                               columns)
             except RewardFailure as exc:  # still take part in the gather: the other ranks wait in it
@@ -622,7 +649,7 @@ class Rollouts:
                     "completion": t, "rewards": {n: (None if math.isnan(v) else v)
                                                  for n, v in zip(names, per_func[row].tolist())},
                     "reward": None if math.isnan(rewards[row]) else rewards[row].item(), "truncated": s.truncated,
-                    "row": row, **self.tool_columns(s)}
+                    "row": row, **self.tool_columns(s), **self.image_columns(p)}
                    for row, p, c, t, s in zip(mine, rows_prompts, ids, texts, sampled) if row < total]
         records = gather_object(records) if self.accelerator.num_processes > 1 else records
         if self.accelerator.is_main_process:
@@ -673,7 +700,7 @@ class Rollouts:
             # a sequence-parallel group's ranks: each the whole rows; a context-parallel group's: each its shards,
             # inside the ring's context
             with self.whole_sequences(), self.micro_batch(inputs):
-                out["ref_logps"] = self.loss_fn.reference_log_probs(inputs["input_ids"]).cpu()
+                out["ref_logps"] = self.loss_fn.reference_log_probs(inputs["input_ids"], **model_inputs(inputs)).cpu()
         if sampling_logps is not None:
             r, mask = self.recipe, batch["labels"][:, 1:] != IGNORE_INDEX
             out["sampling_weights"] = vllm_importance_sampling_ratio(
@@ -745,7 +772,7 @@ class Rollouts:
                  "rewards": {n: (None if math.isnan(v) else v) for n, v in zip(names, c.rewards)},
                  "reward": None if math.isnan(c.reward) else c.reward, "advantage": c.advantage,
                  "truncated": c.truncated, "row": c.row, "policy_version": c.policy_version,
-                 "behaviour_logps": c.behaviour_values(), **self.tool_columns(c)}
+                 "behaviour_logps": c.behaviour_values(), **self.tool_columns(c), **self.image_columns(p)}
                 for c, p, t in zip(completions, prompts, texts)]
         rows = gather_object(rows) if self.accelerator.num_processes > 1 else rows
         if self.accelerator.is_main_process:

@@ -144,10 +144,11 @@ def completion_log_probs(logits: torch.Tensor, tokens: torch.Tensor,
     return token_logps, entropy
 
 
-def token_log_probs(lm: torch.nn.Module, input_ids: torch.Tensor,
-                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-prob of each next token [B, L-1] from the logits / temperature, fp32; the entropies, detached)."""
-    logits = lm(input_ids=input_ids, use_cache=False).logits[:, :-1]
+def token_log_probs(lm: torch.nn.Module, input_ids: torch.Tensor, temperature: float,
+                    **model_inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each next token [B, L-1] from the logits / temperature, fp32; the entropies, detached).
+    `model_inputs`: an image-text model's inputs beside the tokens (pixel_values, ...: hftrain.rl.images)."""
+    logits = lm(input_ids=input_ids, use_cache=False, **model_inputs).logits[:, :-1]
     return completion_log_probs(logits, input_ids[:, 1:], temperature)
 
 

@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from hftrain.data import IGNORE_INDEX
+from hftrain.data.image_chats import PER_TOKEN_PAD
 
 
 def is_conversational(prompt) -> bool:
@@ -42,6 +43,10 @@ class Prompt:
     text: str  # rendered (chat template with the generation prompt for messages)
     ids: list[int]
     columns: dict  # the row's other columns, passed to the reward functions
+    # an image-text model's prompt (hftrain.rl.images): its images as the data names them (rollouts.jsonl) and where
+    # each is read from (a path made absolute, or the image itself); None for a text model
+    images: list | None = None
+    image_sources: list | None = None
 
 
 PASSED_OVER = ("prompt", "completion", "completion_ids")  # columns TRL does not pass to reward functions
@@ -159,6 +164,39 @@ class Sampling:
     top_k: int = 0
     repetition_penalty: float = 1.0
     mask_truncated_completions: bool = False
+    suppress_tokens: tuple[int, ...] = ()  # never sampled: an image-text model's image tokens (as TRL suppresses)
+
+
+# A micro-batch's keys other than the model's inputs; every other key (an image-text processor's pixel_values,
+# image_sizes, token_type_ids, ...: hftrain.rl.images) goes to the model's forward as it is
+ROLLOUT_KEYS = ("input_ids", "labels", "advantages", "num_examples", "old_logps", "ref_logps", "sampling_weights")
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A micro-batch's image inputs (nothing for text prompts)."""
+    return {k: v for k, v in batch.items() if k not in ROLLOUT_KEYS}
+
+
+def batch_inputs(rows: list[dict[str, torch.Tensor]], lengths: list[int], width: int,
+                 left: bool) -> dict[str, torch.Tensor]:
+    """Per-row processor outputs (each a batch of 1; {} for a row without images) as one batch's, for rows whose
+    prompts are `lengths` tokens long in a `width`-wide batch: per-token outputs (token_type_ids, ...) where each
+    prompt sits (left-padded for generate, at the start of the row for training), 0 elsewhere (the completion, the
+    padding); per-image outputs (pixel_values, image_sizes, ...) concatenated in row order, as the model fills the
+    image tokens in order."""
+    out = {}
+    for key in sorted({k for row in rows for k in row}):
+        values = [row[key] for row in rows if key in row]
+        if key in PER_TOKEN_PAD:
+            padded = torch.zeros((len(rows), width), dtype=values[0].dtype)
+            for i, (row, n) in enumerate(zip(rows, lengths)):
+                if key in row:
+                    start = width - n if left else 0
+                    padded[i, start:start + n] = row[key][0]
+            out[key] = padded
+        else:
+            out[key] = torch.cat(values)
+    return out
 
 
 class RowSeededSampling(LogitsProcessor):
@@ -180,13 +218,14 @@ class RowSeededSampling(LogitsProcessor):
 
 @torch.no_grad()
 def generate_rows(lm, prompts: list[list[int]], seeds: list[int], sampling: Sampling, eos_ids: set[int],
-                  pad_id: int, synced_gpus: bool = False,
-                  extra: list[LogitsProcessor] = ()) -> list[tuple[list[int], bool]]:
+                  pad_id: int, synced_gpus: bool = False, extra: list[LogitsProcessor] = (),
+                  inputs: list[dict[str, torch.Tensor]] | None = None) -> list[tuple[list[int], bool]]:
     """One completion of each prompt, all in one `lm.generate` call (prompts left-padded), row i sampled with the
     generator seeded by seeds[i] (RowSeededSampling): each (its tokens up to and including the first EOS, whether it
     was truncated at max_completion_length). `lm` and `synced_gpus`: what the backend's `generation_context` gives
     (a causal LM, or the loss wrapper whose generate is the causal LM's). `extra`: processors that only observe
-    (the rollout worker's progress beat), run first."""
+    (the rollout worker's progress beat), run first. `inputs`: an image-text model's per-row processor outputs
+    (pixel_values, ...: hftrain.rl.images), passed to generate with the prompts (`batch_inputs`)."""
     device = next(lm.parameters()).device
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -203,9 +242,12 @@ def generate_rows(lm, prompts: list[list[int]], seeds: list[int], sampling: Samp
     # generation_config (do_sample, temperature, top_k, ...) cannot add a second warper
     config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_completion_length, temperature=1.0,
                               top_k=None, top_p=1.0, repetition_penalty=sampling.repetition_penalty,
-                              pad_token_id=pad_id, eos_token_id=sorted(eos_ids), use_cache=True)
+                              pad_token_id=pad_id, eos_token_id=sorted(eos_ids), use_cache=True,
+                              suppress_tokens=list(sampling.suppress_tokens) or None)
+    images = batch_inputs(inputs, [len(p) for p in prompts], width, left=True) if inputs else {}
     out = lm.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                       generation_config=config, synced_gpus=synced_gpus,
+                      **{k: v.to(device) for k, v in images.items()},
                       logits_processor=LogitsProcessorList([*extra, *warpers, RowSeededSampling(seeds, device)]))
     completions = []
     for row in out[:, width:].tolist():
@@ -286,11 +328,12 @@ def sampling_log_probs(prompt_ids: list[list[int]], completions: list[Completion
 
 
 def collate(prompt_ids: list[list[int]], completions: list[Completion], advantages: torch.Tensor, pad_id: int,
-            mask_truncated: bool) -> dict[str, torch.Tensor]:
+            mask_truncated: bool, inputs: list[dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
     """A micro-batch: prompt + completion right-padded (a causal model never attends to the right padding, so no
     attention mask), labels = the trained completion tokens (-100 elsewhere: tool results (tool_mask 0) are never
     trained, and a truncated completion is not trained with mask_truncated_completions), each completion's advantage,
-    `num_examples`."""
+    `num_examples`; with an image-text model's per-row processor outputs (`inputs`), those as the batch's
+    (`batch_inputs`): the prompts' pixels, read by every forward over the micro-batch."""
     rows = [p + c.completion_ids for p, c in zip(prompt_ids, completions)]
     length = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
@@ -303,5 +346,6 @@ def collate(prompt_ids: list[list[int]], completions: list[Completion], advantag
             if c.tool_mask is not None:
                 trained[torch.tensor(c.tool_mask) == 0] = IGNORE_INDEX
             labels[i, len(p):len(row)] = trained
+    images = batch_inputs(inputs, [len(p) for p in prompt_ids], length, left=False) if inputs else {}
     return {"input_ids": input_ids, "labels": labels, "advantages": advantages.to(torch.float32),
-            "num_examples": torch.tensor(len(rows))}
+            "num_examples": torch.tensor(len(rows)), **images}

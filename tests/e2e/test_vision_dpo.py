@@ -21,8 +21,8 @@ from tests.conftest import REPO, launch, launch_env, run_script
 
 pytestmark = pytest.mark.launch
 RECIPE = ["--config", str(REPO / "recipes" / "tiny-vlm-dpo.yaml")]
-# 3 steps of 4 pairs in file order, no evaluation, the projector trained too (the vision tower stays frozen); SGD with
-# momentum (as tests/e2e/test_preference.py: AdamW's first steps turn
+# 3 steps of 4 pairs in file order, no evaluation, the projector trained too (the vision tower stays frozen, its
+# default); SGD with momentum (as tests/e2e/test_preference.py: AdamW's first steps turn
 # last-bit differences of a reduction into 1e-4 weights)
 EXACT = [*RECIPE, "--max_steps", "3", "--logging_steps", "1", "--train_sampling_strategy", "sequential",
          "--validation_split_percentage", "0", "--optim", "sgd", "--sgd_momentum", "0.9", "--learning_rate", "0.5",

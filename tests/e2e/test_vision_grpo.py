@@ -1,0 +1,302 @@
+"""grpo on an image-text model (the tiny random LLaVA, whose processor expands each <image> into 16 image tokens)
+through the real entry script, on prompts with images in TRL's vision format (data/image-prompts.jsonl): completions
+sampled with the processor's pixels, every completion in rollouts.jsonl with its prompt's image; steps 1 and 2 equal
+a plain-PyTorch recomputation from rollouts.jsonl (each prompt rendered and its image encoded again by the
+processor, the policy's and the frozen reference's log-probs of the completion tokens on those pixels: dapo's loss
+with beta's KL, clipping, SGD, the projector trained with the language model), for LLaVA and Gemma 3 (whose
+token_type_ids travel with the pixels); step 1 equals TRL 1.16's GRPOTrainer on the same rows (its generation
+replaced by the rollouts' completions, everything else TRL's own: the prompt ids, the pixels, the rewards'
+advantages, the loss and the update); 1 process x 8 completions == 2 accumulated micro-batches of 4 == 2 DDP
+processes of 4 (gloo); a checkpoint inside a window resumes exactly; the evaluation completes prompts with images;
+LoRA trains against the adapter-off model on the same pixels; the shipped recipe raises its image-reading reward.
+
+Runs are shared by the assertions (a module fixture): 2 steps of 8 completions of <= 6 tokens each, SGD (its update
+is proportional to the gradient, as tests/e2e/test_grpo.py explains)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from tests.conftest import REPO, launch, run_script
+
+pytestmark = pytest.mark.launch
+MODEL = REPO / "models" / "tiny-vlm"
+DATA = REPO / "data" / "image-prompts.jsonl"
+REWARD = "hftrain.rl.example_rewards.colour_letters"
+BETA = 0.5
+# sequential: window w holds the data's prompts 2w and 2w + 1; the projector trains with the language model, so the
+# pixels reach the gradient (the vision tower stays frozen, its default)
+BASE = ["--model_name_or_path", str(MODEL), "--dataset_name", str(DATA), "--objective", "grpo",
+        "--reward_funcs", REWARD, "--num_generations", "4", "--max_completion_length", "6", "--max_steps", "2",
+        "--optim", "sgd", "--learning_rate", "1.0", "--weight_decay", "0", "--lr_scheduler_type", "constant",
+        "--warmup_steps", "0", "--max_grad_norm", "1.0", "--eval_strategy", "no", "--save_strategy", "no",
+        "--logging_steps", "1", "--report_to", "none", "--seed", "3", "--ddp_timeout", "120", "--beta", str(BETA),
+        "--train_sampling_strategy", "sequential", "--freeze_projector", "false"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vlm-grpo")
+    return {
+        "one": run_script(tmp / "one", *BASE, "--per_device_train_batch_size", "8", "--save_strategy", "steps",
+                          "--save_steps", "1", "--checkpoint_preflight", "false"),
+        "accum": run_script(tmp / "accum", *BASE, "--per_device_train_batch_size", "4",
+                            "--gradient_accumulation_steps", "2"),
+        "ddp": launch(tmp / "ddp", *BASE, "--per_device_train_batch_size", "4", preset="cpu_ddp"),
+    }
+
+
+def rollouts(run) -> list[dict]:
+    return [json.loads(line) for line in (run.output_dir / "rollouts.jsonl").read_text().splitlines()]
+
+
+def data_rows() -> list[dict]:
+    return [json.loads(line) for line in DATA.read_text().splitlines()]
+
+
+def plain_log_probs(model, processor, row: dict, prompt: dict) -> torch.Tensor:
+    """The completion tokens' log-probs of `row` (rollouts.jsonl) under `model`, its prompt rendered from the data
+    row `prompt` by the processor's chat template and its image encoded again (TRL's placement of the image before
+    the first user message's text for string content): every processor output goes to the model, a per-token one
+    (Gemma 3's token_type_ids) extended with 0 over the completion."""
+    messages = [{"role": m["role"], "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
+                if isinstance(m["content"], str) else m for m in prompt["prompt"]]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    image = Image.open(DATA.parent / prompt["images"][0]).convert("RGB")
+    inputs = processor(text=[text], images=[image], return_tensors="pt", add_special_tokens=False)
+    assert inputs.pop("input_ids")[0].tolist() == row["prompt_ids"]  # the rollouts' prompt, the image's tokens in it
+    inputs.pop("attention_mask")
+    n = len(row["completion_ids"])
+    if "token_type_ids" in inputs:
+        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros(1, n, dtype=torch.long)], dim=1)
+    ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
+    logps = torch.log_softmax(model(input_ids=ids, **inputs).logits[0, :-1].float(), -1)
+    return logps[-n:].gather(1, torch.tensor(row["completion_ids"])[:, None]).squeeze(1)
+
+
+def plain_step(model, reference, processor, rows: list[dict]) -> float:
+    """One optimizer step written out: dapo's -sum(A * exp(logp - logp.detach())) + beta x TRL's KL
+    (exp(ref - logp) - (ref - logp) - 1, times the ratio: use_bias_correction_kl) over the completion tokens, divided
+    by their count; clipping at 1.0, SGD at 1.0. Returns the KL's token mean (the step's `kl` metric)."""
+    prompts = data_rows()
+    tokens = sum(len(r["completion_ids"]) for r in rows)
+    loss, kl_sum = 0.0, 0.0
+    for r in rows:
+        prompt = prompts[2 * r["window"] + r["group"]]
+        assert r["images"] == prompt["images"]  # rollouts.jsonl names the prompt's image as the data gives it
+        logps = plain_log_probs(model, processor, r, prompt)
+        with torch.no_grad():
+            ref = plain_log_probs(reference, processor, r, prompt)
+        ratio = torch.exp(logps - logps.detach())
+        kl = (torch.exp(ref - logps) - (ref - logps) - 1) * ratio
+        loss = loss + (-(r["advantage"] * ratio) + BETA * kl).sum()
+        kl_sum += kl.detach().sum().item()
+    (loss / tokens).backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
+    model.zero_grad()
+    return kl_sum / tokens
+
+
+def starting_model(folder=MODEL):
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    model.model.vision_tower.requires_grad_(False)  # freeze_vision_tower's default
+    return model
+
+
+def assert_weights(got: dict, model, **tolerance) -> None:
+    """Every trained tensor of `model` (a checkpoint holds those, under the loss wrapper's names) equals `got`'s."""
+    got = {k.removeprefix("lm."): v for k, v in got.items()}
+    state = model.state_dict()
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trained <= set(got), sorted(trained - set(got))[:3]
+    for name, value in ((n, v) for n, v in state.items() if n in got):
+        torch.testing.assert_close(got[name], value, msg=lambda m, name=name: f"{name}: {m}", **tolerance)
+
+
+def assert_two_steps_equal_plain_pytorch(run, folder) -> None:
+    """Step 1 (the policy is the reference: KL 0) and step 2 (KL > 0, the logged `kl`) written out from
+    rollouts.jsonl, against checkpoint-1 and the final folder; the projector moved."""
+    rows = rollouts(run)
+    assert [r["step"] for r in rows] == [1] * 8 + [2] * 8 and all(len(r["images"]) == 1 for r in rows)
+    processor = AutoProcessor.from_pretrained(folder)
+    image = processor.image_token_id  # in each prompt, never sampled
+    assert all(image in r["prompt_ids"] and image not in r["completion_ids"] for r in rows)
+    model, reference = starting_model(folder), starting_model(folder).eval()
+    kl1 = plain_step(model, reference, processor, [r for r in rows if r["step"] == 1])
+    assert kl1 == pytest.approx(0.0, abs=1e-7)
+    assert_weights(load_file(run.output_dir / "checkpoint-1" / "model.safetensors"), model, rtol=1e-4, atol=2e-6)
+    kl2 = plain_step(model, reference, processor, [r for r in rows if r["step"] == 2])
+    assert kl2 > 0 and run.train_rows()[1]["kl"] == pytest.approx(kl2, rel=1e-4)
+    final = AutoModelForImageTextToText.from_pretrained(run.output_dir / "final", dtype=torch.float32).state_dict()
+    assert_weights(final, model, rtol=1e-4, atol=2e-6)
+    start = reference.state_dict()
+    assert any(not torch.equal(start[k], final[k]) for k in start if "multi_modal_projector" in k)
+
+
+def test_two_steps_equal_plain_pytorch_on_the_same_pixels(runs):
+    """LLaVA: each prompt holds its image's 16 tokens."""
+    assert all(r["prompt_ids"].count(753) == 16 for r in rollouts(runs["one"]))  # models/tiny-vlm's image token
+    assert_two_steps_equal_plain_pytorch(runs["one"], MODEL)
+
+
+def test_gemma3_with_its_token_types_equals_plain_pytorch(image_text_model, tmp_path):
+    """Gemma 3 (built by scripts/make_tiny_model.py): its processor's token_type_ids mark the image tokens, which
+    attend to each other both ways; they reach generate (left-padded) and every forward (0 over the completion), so
+    two steps equal the plain computation given the processor's outputs."""
+    folder = image_text_model("gemma3")
+    run = run_script(tmp_path / "gemma3", *[str(folder) if a == str(MODEL) else a for a in BASE],
+                     "--per_device_train_batch_size", "8", "--save_strategy", "steps", "--save_steps", "1",
+                     "--checkpoint_preflight", "false")
+    assert_two_steps_equal_plain_pytorch(run, folder)
+
+
+@pytest.mark.parametrize("other", ["accum", "ddp"])
+def test_accumulation_and_two_processes_equal_one_batch(runs, other):
+    a, b = runs["one"], runs[other]
+    if other == "ddp":
+        info = b.state()["launch"]
+        assert (info["num_processes"], info["backend"]) == (2, "gloo")
+    keys = ("step", "group", "prompt_ids", "completion_ids", "images")
+    assert [[r[k] for k in keys] for r in rollouts(a)] == [[r[k] for k in keys] for r in rollouts(b)]
+    torch.testing.assert_close(torch.tensor([r["advantage"] for r in rollouts(b)]),
+                               torch.tensor([r["advantage"] for r in rollouts(a)]), rtol=1e-5, atol=1e-6)
+    for x, y in zip(a.train_rows(), b.train_rows(), strict=True):
+        for name in ("loss", "grad_norm", "reward", "kl", "entropy"):
+            assert y[name] == pytest.approx(x[name], rel=1e-4, abs=1e-6), name
+    expected = load_file(a.output_dir / "final" / "model.safetensors")
+    for name, value in load_file(b.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_first_step_equals_trl_grpo_trainer(runs, tmp_path):
+    """TRL 1.16's GRPOTrainer on the first window's two prompts (the data's first rows, their images decoded as PIL
+    images), with the run's settings: its generation (`_generate_single_turn`) hands back the rollouts' completions
+    of each prompt it tokenized (looked up by TRL's own prompt ids, so they must equal rollouts.jsonl's: the image
+    expanded by TRL's processor call), a reward function returns the recorded rewards; the rest is TRL's: the pixels
+    of its forward (its processor call on the images), the reference's log-probs, the advantages, the loss and the
+    SGD update. Its trained weights equal hftrain's checkpoint-1."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    run = runs["one"]
+    rows = [r for r in rollouts(run) if r["step"] == 1]
+    completions, rewards = {}, {}
+    for r in rows:
+        completions.setdefault(tuple(r["prompt_ids"]), []).append(r["completion_ids"])
+        rewards[(r["group"], tuple(r["completion_ids"]))] = r["reward"]
+    prompts = data_rows()[:2]
+    for p in prompts:  # one Arrow type for every row's content: a string prompt with its image part, as TRL places it
+        p["prompt"] = [{"role": m["role"], "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
+                       if isinstance(m["content"], str) else m for m in p["prompt"]]
+    dataset = datasets.Dataset.from_list([{"prompt": p["prompt"], "images": [str(DATA.parent / p["images"][0])],
+                                           "group": g} for g, p in enumerate(prompts)])
+    dataset = dataset.cast_column("images", datasets.Sequence(datasets.Image()))
+
+    def recorded(prompts, completions, completion_ids, group, **kwargs):
+        return [rewards[(g, tuple(ids))] for g, ids in zip(group, completion_ids)]
+
+    model = starting_model()
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=8,
+                      num_generations=4, max_completion_length=6, beta=BETA, loss_type="dapo", optim="sgd",
+                      learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+                      max_steps=1, logging_steps=1, save_strategy="no", report_to=[], seed=3, shuffle_dataset=False,
+                      disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=[recorded], args=args, train_dataset=dataset,
+                          processing_class=AutoProcessor.from_pretrained(MODEL))
+
+    def replayed(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        taken: dict = {}
+        out = []
+        for ids in prompt_ids:
+            key = tuple(ids.tolist() if hasattr(ids, "tolist") else ids)
+            out.append(completions[key][taken.get(key, 0)])
+            taken[key] = taken.get(key, 0) + 1
+        return out, None
+
+    trainer._generate_single_turn = replayed
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["grad_norm"] == pytest.approx(run.train_rows()[0]["grad_norm"], rel=1e-4)
+    assert logged["reward"] == pytest.approx(run.train_rows()[0]["reward"], rel=1e-5)
+    assert_weights(load_file(run.output_dir / "checkpoint-1" / "model.safetensors"), trainer.model, rtol=1e-4,
+                   atol=2e-6)
+
+
+def test_the_shipped_recipe_raises_the_reward_read_from_the_images(tmp_path):
+    """recipes/tiny-vlm-grpo.yaml as shipped (20 steps of 16 completions): the mean reward of the last 5 steps is
+    above the first 5 steps' (colour_letters reads the shape's colour from each prompt's image), and every completion
+    in rollouts.jsonl names its prompt's image as the data does."""
+    run = run_script(tmp_path / "recipe", "--config", str(REPO / "recipes" / "tiny-vlm-grpo.yaml"), "--logging_steps",
+                     "1")
+    rewards = [r["reward"] for r in run.train_rows()]
+    assert len(rewards) == 20 and sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.05, rewards
+    shipped = {json.dumps(row["images"]) for row in data_rows()}
+    assert all(json.dumps(r["images"]) in shipped for r in rollouts(run))
+
+
+def test_a_checkpoint_inside_a_window_resumes_exactly_and_evaluation_completes_prompts_with_images(tmp_path):
+    """steps_per_generation 2: one window of 8 completions trains steps 1 and 2 (step 2 against the stored old
+    log-probs, computed on the window's pixels), so checkpoint-1 lies inside the window and holds its second
+    micro-batch, pixels included (their dtypes saved beside them). Resumed from it, step 2 and the final weights are
+    the uninterrupted run's. The evaluation at the end completes 2 eval prompts with images (eval_rollouts.jsonl names
+    each one's image as the eval data gives it, and scores it with the image-reading reward)."""
+    evals = [{**row, "images": [str(DATA.parent / row["images"][0])]} for row in data_rows()[-2:]]
+    eval_file = tmp_path / "eval.jsonl"
+    eval_file.write_text("".join(json.dumps(row) + "\n" for row in evals))
+    args = [*BASE, "--per_device_train_batch_size", "4", "--steps_per_generation", "2", "--save_strategy", "steps",
+            "--save_steps", "1", "--checkpoint_preflight", "false", "--eval_strategy", "steps", "--eval_steps", "2",
+            "--eval_dataset_name", str(eval_file), "--per_device_eval_batch_size", "4"]
+    done = run_script(tmp_path / "run", *args)
+    (state,) = (done.output_dir / "checkpoint-1").glob("data_stream_process*.json")
+    saved = json.loads(state.read_text())
+    assert saved["dtypes"]["pixel_values"] == "float32" and len(saved["micro_batches"]) == 2
+    uninterrupted, expected = done.train_rows()[-1], load_file(done.output_dir / "final" / "model.safetensors")
+    eval_rows = [json.loads(line) for line in (done.output_dir / "eval_rollouts.jsonl").read_text().splitlines()]
+    assert len(eval_rows) == 8 and {json.dumps(r["images"]) for r in eval_rows} == {json.dumps(e["images"])
+                                                                                    for e in evals}
+    assert all(r["reward"] is not None for r in eval_rows) and any("eval_reward" in m for m in done.metrics())
+    shutil.rmtree(done.output_dir / "final")
+    shutil.rmtree(done.output_dir / "checkpoint-2")
+    resumed = run_script(tmp_path / "run", *args, "--resume_from_checkpoint", "latest")
+    assert "resuming from" in resumed.stdout
+    row = resumed.train_rows()[-1]
+    assert row["step"] == 2
+    for key in ("loss", "grad_norm", "kl"):
+        assert row[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key
+    for name, value in load_file(resumed.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_lora_with_beta_trains_against_the_adapter_off_model_on_the_same_pixels(tmp_path):
+    """LoRA (q_proj, v_proj) with beta 0.5: step 2 written out with peft from checkpoint-1's adapter, the reference
+    the base model (hftrain disables the adapters), both on each prompt's pixels: the logged kl and the adapter after
+    one SGD step (clipping at 1.0) equal the run's checkpoint-2."""
+    from peft import LoraConfig, get_peft_model
+
+    run = run_script(tmp_path / "lora", *BASE, "--per_device_train_batch_size", "8", "--use_peft", "--lora_r", "4",
+                     "--lora_alpha", "8", "--lora_dropout", "0", "--lora_target_modules", "q_proj,v_proj",
+                     "--save_strategy", "steps", "--save_steps", "1", "--checkpoint_preflight", "false")
+    processor = AutoProcessor.from_pretrained(MODEL)
+    policy = get_peft_model(starting_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                         lora_dropout=0.0))
+    trained = {k.removeprefix("lm."): v for k, v in load_file(run.output_dir / "checkpoint-1" /
+                                                              "model.safetensors").items()}
+    assert trained and all("lora_" in k for k in trained)
+    missing, unexpected = policy.load_state_dict(trained, strict=False)
+    assert not unexpected and not [k for k in missing if "lora_" in k]
+    kl = plain_step(policy, starting_model().eval(), processor, [r for r in rollouts(run) if r["step"] == 2])
+    assert kl > 0 and run.train_rows()[1]["kl"] == pytest.approx(kl, rel=1e-4)
+    got = {k.removeprefix("lm."): v for k, v in load_file(run.output_dir / "checkpoint-2" /
+                                                          "model.safetensors").items()}
+    expected = {k: v for k, v in policy.state_dict().items() if "lora_" in k}
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")

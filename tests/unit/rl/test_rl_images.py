@@ -1,0 +1,115 @@
+"""hftrain.rl.images on the tiny LLaVA's processor: prompts with images rendered to the ids TRL 1.16's GRPOTrainer
+tokenizes them to (`prepare_multimodal_messages` + the processor's `apply_chat_template`, TRL's own calls), the
+window's pixels equal to the processor's, reward functions' prompts in TRL's form, `batch_inputs`' placement of
+per-token and per-image outputs, and what is refused by name (the recipe's check and the data's)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor
+
+from hftrain.config import Recipe
+from hftrain.errors import HftrainError
+from hftrain.parallel.launch import Launch
+from hftrain.rl.images import PromptImages
+from hftrain.rl.rollouts import batch_inputs
+from hftrain.vision import layout_problems, model_config
+from tests.conftest import REPO
+
+MODEL = REPO / "models" / "tiny-vlm"
+DATA = REPO / "data" / "image-prompts.jsonl"
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return AutoProcessor.from_pretrained(MODEL)
+
+
+def rows(count: int = 2) -> list[dict]:
+    return [json.loads(line) for line in DATA.read_text().splitlines()[:count]]
+
+
+def test_prompts_are_tokenized_as_trl_tokenizes_them(processor):
+    """A string prompt (the image placed before its text) and a prompt with an image part: the same ids as TRL's
+    tokenization, the image's 16 tokens inside; the window's pixels are the processor's on the opened image; the
+    reward functions' prompt is TRL's `prepare_multimodal_messages` output (the same parts and texts, the same
+    pixels)."""
+    from trl.data_utils import prepare_multimodal_messages
+
+    data = rows()
+    images = PromptImages(processor)
+    prompts = images.render(data, str(DATA), None)
+    assert images.suppressed == (processor.image_token_id,)
+    inputs = images.row_inputs(prompts)
+    for row, prompt, got in zip(data, prompts, inputs):
+        image = Image.open(DATA.parent / row["images"][0])
+        messages = prepare_multimodal_messages(row["prompt"], images=[image])
+        theirs = processor.apply_chat_template(conversation=[messages], add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)
+        assert prompt.ids == list(theirs["input_ids"][0]) and prompt.ids.count(processor.image_token_id) == 16
+        assert prompt.images == row["images"]  # rollouts.jsonl's names: as the data gives them
+        torch.testing.assert_close(got["pixel_values"], processor(text=["<image>"], images=[image.convert("RGB")],
+                                                                  return_tensors="pt")["pixel_values"])
+        mine = PromptImages.reward_prompt(prompt)
+        assert [[{k: v for k, v in p.items() if k != "image"} for p in m["content"]] for m in mine] == \
+            [[{k: v for k, v in p.items() if k != "image"} for p in m["content"]] for m in messages]
+        ours, trls = ([p["image"] for m in ms for p in m["content"] if p["type"] == "image"] for ms in (mine, messages))
+        assert len(ours) == len(trls) == 1
+        assert np.array_equal(np.asarray(ours[0].convert("RGB")), np.asarray(trls[0].convert("RGB")))
+
+
+def test_batch_inputs_place_per_token_outputs_where_each_prompt_sits():
+    """Left-padded for generate, at the start of the row for training, 0 elsewhere (a row without images too);
+    per-image outputs in row order."""
+    one, two = torch.ones(1, 3, 2, 2), 2 * torch.ones(1, 3, 2, 2)
+    rows_ = [{"pixel_values": one, "token_type_ids": torch.tensor([[1, 1, 0]])}, {},
+             {"pixel_values": two, "token_type_ids": torch.tensor([[0, 1]])}]
+    left = batch_inputs(rows_, [3, 4, 2], 5, left=True)
+    assert left["token_type_ids"].tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
+    right = batch_inputs(rows_, [3, 4, 2], 6, left=False)
+    assert right["token_type_ids"].tolist() == [[1, 1, 0, 0, 0, 0], [0] * 6, [0, 1, 0, 0, 0, 0]]
+    assert torch.equal(left["pixel_values"], torch.cat([one, two])) and torch.equal(right["pixel_values"],
+                                                                                    left["pixel_values"])
+
+
+def test_bad_prompts_are_refused_naming_the_row(processor, tmp_path):
+    images = PromptImages(processor)
+    text = [{"prompt": "What is this?", "images": [str(DATA.parent / "images" / "red-circle.png")]}]
+    with pytest.raises(HftrainError, match=r"row 0 has images but a text prompt"):
+        images.render(text, "prompts", None)
+    two_parts = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}],
+                  "images": ["images/red-circle.png"]}]
+    with pytest.raises(HftrainError, match=r"row 0: 2 image part\(s\) in the prompt but 1 image"):
+        images.render(two_parts, str(DATA), None)
+    with pytest.raises(HftrainError, match=r"over max_prompt_length=8; a prompt with images is not cut"):
+        images.render(rows(1), str(DATA), 8)
+    bare = [{"prompt": [{"role": "user", "content": "Hello?"}]}]
+    with pytest.raises(HftrainError, match=r"1 of 1 prompts hold no image"):
+        PromptImages.check_every_prompt_has_images(images.render(bare, str(DATA), None), "prompts")
+
+
+def test_the_recipe_check_refuses_what_grpo_with_images_does_not_do_by_name():
+    from hftrain.preflight import model_problems
+
+    def problems(**fields):
+        return model_problems(Recipe(model_name_or_path=str(MODEL), dataset_name=str(DATA), objective="grpo",
+                                     **fields))[1]
+
+    assert problems() == []
+    refused = " | ".join(problems(async_generation=True, use_vllm=True, tools=["x.py:f"], sp_size=2))
+    for words in ("async_generation with objective=grpo with the image-text model 'llava' is not supported yet",
+                  "use_vllm with objective=grpo", "tool calling (tools / environment_factory) with objective=grpo",
+                  "sp_size 2 with objective=grpo"):
+        assert words in refused, words
+    recipe = Recipe(model_name_or_path=str(MODEL), dataset_name=str(DATA), objective="grpo")
+    for kind in ("fsdp2", "deepspeed"):
+        launch = Launch(kind, 2, 2, deepspeed_config={"zero_optimization": {"stage": 2}} if kind == "deepspeed"
+                        else None)
+        (problem,) = layout_problems(recipe, launch, model_config(recipe))
+        assert "objective=grpo with the image-text model 'llava' under" in problem
+    assert layout_problems(recipe, Launch("ddp", 2, 2), model_config(recipe)) == []
