@@ -175,8 +175,9 @@ class GRPOFields:
         "min(max_staleness, its version) weight syncs behind the trainer's at the step that trains it (the worker "
         "waits for those weights; a window that would be older is never generated, so nothing is dropped), each "
         "completion carries its behaviour log-probs and policy version (rollouts.jsonl), and the loss is corrected by "
-        "vllm_importance_sampling_* (TRL's names) against them. One process or DDP, full fine-tuning, one optimizer "
-        "step per generation window (docs/grpo.md).", group="grpo",
+        "vllm_importance_sampling_* (TRL's names) against them. One process or DDP, full fine-tuning or LoRA (the "
+        "worker receives the adapter merged into the base), one optimizer step per generation window "
+        "(docs/grpo.md).", group="grpo",
     )
     max_staleness: int = _f(
         4, "grpo, async_generation (TRL's name and default): how many weight syncs behind the trainer the policy "
@@ -264,8 +265,9 @@ def async_problems(r) -> list[str]:
                                     or r.steps_per_generation == r.gradient_accumulation_steps),
          "async_generation needs one optimizer step per generation window (num_iterations 1, steps_per_generation "
          "unset): each window is then trained by one policy version"),
-        (not r.use_peft, "async_generation with use_peft is refused: the rollout worker receives the full model's "
-         "weights; pushing adapters is not written yet"),
+        (not (r.load_in_4bit or r.load_in_8bit), "async_generation with load_in_4bit / load_in_8bit (QLoRA) is "
+         "refused: the rollout worker builds the model in the recipe's dtype and receives each LoRA merged into its "
+         "base weight, and merging into a quantized base is not written; use LoRA without quantization"),
         (not (r.tools or r.environment_factory), "async_generation with tools / environment_factory is refused: the "
          "rollout worker samples single-turn completions only"),
         (r.tp_size == 1 and r.sp_size == 1 and r.cp_size == 1 and r.pp_size == 1,

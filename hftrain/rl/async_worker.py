@@ -25,6 +25,7 @@ A worker that fails or dies stops the run at the next window, naming it (`Worker
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import time
@@ -38,6 +39,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor
 
 from hftrain.rl.loss import token_log_probs
 from hftrain.rl.rollouts import Completion, Sampled, Sampling, WindowPlan, collate, generate_rows, row_seed
+from hftrain.rl.vllm_generation import named_weights
 
 POLL_SECONDS = 0.5  # how often a waiting trainer checks that its worker is alive
 STALL_FLOOR_SECONDS = 300.0  # hang_timeout unset: a worker silent this long while the trainer waits is hung (TRL's
@@ -129,9 +131,60 @@ def behaviour_log_probs(model, prompt_ids: list[list[int]], rows: list[tuple[lis
     return out
 
 
+def pushed_weights(lm) -> dict[str, torch.Tensor]:
+    """The weights the worker samples with: the causal LM's state dict, or for a peft model (LoRA, DoRA) the base
+    model's weights under its own names with each adapter merged into a copy of its base weight (peft's safe merge,
+    `vllm_generation.named_weights`: what vLLM receives), so that the worker runs the plain causal LM."""
+    if hasattr(lm, "peft_config"):
+        return {name: tensor.detach() for name, tensor in named_weights(lm)}
+    return {k: v.detach() for k, v in lm.state_dict().items()}
+
+
+@dataclass
+class PackedWeights:
+    """One push: the weights copied into one flat CPU tensor per dtype, and where each lies in it. A queue hands a
+    tensor to another process as a shared-memory block whose file descriptor the receiver fetches from a thread of
+    the sender, which waits for the trainer's GIL; so one block per dtype instead of one per tensor (the worker's
+    wait for a push of the tiny model's 21 tensors: about 0.18 s unpacked, 0.02 s packed, on the loaded 2-core
+    machine; docs/benchmarks.md)."""
+
+    flats: dict[torch.dtype, torch.Tensor]
+    layout: list[tuple[str, torch.dtype, tuple[int, ...], int]]  # name, dtype, shape, offset
+
+    @classmethod
+    def pack(cls, state: dict[str, torch.Tensor]) -> PackedWeights:
+        sizes: dict[torch.dtype, int] = {}
+        layout = []
+        for name, tensor in state.items():
+            offset = sizes.get(tensor.dtype, 0)
+            layout.append((name, tensor.dtype, tuple(tensor.shape), offset))
+            sizes[tensor.dtype] = offset + tensor.numel()
+        # in shared memory already, so that the queue hands the blocks over without copying them again
+        flats = {dtype: torch.empty(size, dtype=dtype).share_memory_() for dtype, size in sizes.items()}
+        for (_, dtype, _, offset), tensor in zip(layout, state.values()):
+            flats[dtype][offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
+        return cls(flats, layout)
+
+    def unpack(self) -> dict[str, torch.Tensor]:
+        return {name: self.flats[dtype][offset:offset + math.prod(shape)].view(shape)
+                for name, dtype, shape, offset in self.layout}
+
+
+def load_pushed(model, state: dict[str, torch.Tensor]) -> None:
+    """Load a push into the worker's model. A merged LoRA push names each parameter once (a tied weight's other name
+    is left out) and no buffers (the model built from the config has them); anything else missing is an error."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    current, buffers = model.state_dict(), {name for name, _ in model.named_buffers()}
+    loaded = {current[name].data_ptr() for name in state}
+    left = [name for name in missing if name not in buffers and current[name].data_ptr() not in loaded]
+    if unexpected or left:
+        raise RuntimeError(f"the pushed weights do not fit the worker's model: unexpected {unexpected[:5]}, missing "
+                           f"{left[:5]}")
+
+
 def worker_main(spec: WorkerSpec, control, results, progress) -> None:
     """The worker process: windows first_window.. in order, each with its policy version's weights (read from
-    `control` in push order: (version, state_dict), or None to stop), into `results` (blocking when full);
+    `control` in push order: (version, PackedWeights), or None to stop), into `results` (blocking when full);
     `progress`: the time of its last sign of progress (a generated token, a window's steps)."""
     try:
         torch.set_num_threads(spec.threads)
@@ -146,9 +199,9 @@ def worker_main(spec: WorkerSpec, control, results, progress) -> None:
                 message = control.get()
                 if message is None:
                     return
-                version, state = message
-                model.load_state_dict(state)
-                del state
+                version, packed = message
+                load_pushed(model, packed.unpack())
+                del packed
                 progress.value = time.monotonic()
             started = time.perf_counter()
             progress.value = time.monotonic()
@@ -200,8 +253,7 @@ class RolloutWorker:
         """Send the current weights as `version` (versions go out in order, each once)."""
         if version <= self.pushed:
             return
-        state = {k: v.detach().to("cpu", copy=True) for k, v in self.lm.state_dict().items()}
-        self.control.put((version, state))
+        self.control.put((version, PackedWeights.pack(pushed_weights(self.lm))))
         self.pushed = version
 
     def held(self, step: int) -> dict:

@@ -146,6 +146,10 @@ class GRPOLoss(ObjectiveLoss):
         # rank's shards of the rows, inside the ring's context, as the policy's; else on the whole rows
         self.reference_shards = None
         self.sums: dict[str, torch.Tensor] = {}  # (sum, count) pairs of kl, entropy and clip ratios, this rank
+        # async_generation's importance-sampling correction, computed in the training forward (`sampling_weights`,
+        # with the recipe's vllm_importance_sampling_* settings): min / max statistics of its weights, this rank
+        self.recipe = recipe
+        self.extremes: dict[str, torch.Tensor] = {}
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return loss_units(batch["labels"][:, 1:] != IGNORE_INDEX, self.settings.loss_type)
@@ -154,13 +158,40 @@ class GRPOLoss(ObjectiveLoss):
         pair = torch.stack([value.detach().double(), count.detach().double()])
         self.sums[name] = pair if name not in self.sums else self.sums[name] + pair
 
+    def _extreme(self, name: str, value: torch.Tensor, pick) -> None:
+        value = value.detach().double().reshape(())
+        self.extremes[name] = value if name not in self.extremes else pick(self.extremes[name], value)
+
+    def sampling_weights(self, logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """async_generation: TRL's importance-sampling weights of a micro-batch against the sampler's log-probs, with
+        this training forward's log-probs as the trained model's at generation (each window is trained once, in one
+        optimizer step, by the weights that took it: a forward at generation would give the same values), and their
+        statistics (TRL's sampling/* metrics: token or completion sums and counts, min and max)."""
+        r = self.recipe
+        weights = vllm_importance_sampling_ratio(logps, sampling_logps, mask, r.vllm_importance_sampling_mode,
+                                                 r.vllm_importance_sampling_clip_min,
+                                                 r.vllm_importance_sampling_clip_max)
+        delta = (logps - sampling_logps).abs()[mask]
+        delta = delta[~torch.isnan(delta)]
+        kept = weights.flatten() if r.vllm_importance_sampling_mode.startswith("sequence") else weights[mask]
+        nan = torch.tensor(math.nan, dtype=torch.float64)
+        self._add("sampling/sampling_logp_difference/mean", delta.sum(), torch.tensor(len(delta)))
+        self._add("sampling/importance_sampling_ratio/mean", kept.sum(), torch.tensor(len(kept)))
+        self._extreme("sampling/sampling_logp_difference/max", delta.max() if len(delta) else nan, torch.fmax)
+        self._extreme("sampling/importance_sampling_ratio/min", kept.min() if len(kept) else nan, torch.fmin)
+        self._extreme("sampling/importance_sampling_ratio/max", kept.max() if len(kept) else nan, torch.fmax)
+        return weights
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, advantages: torch.Tensor,
                 old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
-                sampling_weights: torch.Tensor | None = None, **model_inputs: torch.Tensor) -> torch.Tensor:
+                sampling_weights: torch.Tensor | None = None, sampling_logps: torch.Tensor | None = None,
+                **model_inputs: torch.Tensor) -> torch.Tensor:
         logps, entropy = token_log_probs(self.lm, input_ids, self.temperature, **model_inputs)
         if self.collecting:
             return logps.detach()
         mask = labels[:, 1:] != IGNORE_INDEX
+        if sampling_logps is not None:  # async_generation: the correction against the sampler's log-probs
+            sampling_weights = self.sampling_weights(logps.detach(), sampling_logps, mask)
         loss, ratio, kl = per_token_loss(logps, old_logps, ref_logps, advantages.to(logps.dtype), mask, self.settings,
                                          sampling_weights)
         tokens = mask.sum()
@@ -244,6 +275,10 @@ class GRPOLoss(ObjectiveLoss):
         sums, self.sums = self.sums, {}
         return sums
 
+    def pop_extremes(self) -> dict[str, torch.Tensor]:
+        extremes, self.extremes = self.extremes, {}
+        return extremes
+
 
 @dataclass(frozen=True)
 class RolloutSource:
@@ -323,7 +358,12 @@ class Rollouts:
         # samples are corrected the same way against their behaviour log-probs
         self.correct_sampling = (recipe.use_vllm or recipe.async_generation) and \
             recipe.vllm_importance_sampling_correction
-        self.store_old = recipe.num_iterations > 1 or plan.steps_per_generation > plan.accum or self.correct_sampling
+        # async_generation trains each window once, in one optimizer step, with the weights that took it: the
+        # correction's numerator is then the training forward's own log-probs, and the loss computes the weights
+        # (GRPOLoss.sampling_weights) without a forward at generation
+        self.correct_in_loss = self.correct_sampling and recipe.async_generation
+        self.store_old = recipe.num_iterations > 1 or plan.steps_per_generation > plan.accum or (
+            self.correct_sampling and not self.correct_in_loss)
         # advantage_estimator rloo with beta > 0: the reward is penalised by the KL of the log-probs at generation
         self.reward_kl = recipe.advantage_estimator == "rloo" and recipe.beta != 0
         self.window, self.buffer, self.truncated = None, [], False
@@ -559,7 +599,9 @@ class Rollouts:
                             inputs[k * b:(k + 1) * b] if inputs is not None else None)
             sampling = (sampling_log_probs(prompt_ids, part, batch["input_ids"].shape[1]) if self.correct_sampling
                         else None)
-            extra = self.rollout_log_probs(batch, sampling)
+            extra = self.rollout_log_probs(batch, None if self.correct_in_loss else sampling)
+            if self.correct_in_loss:
+                extra["sampling_logps"] = sampling
             self.buffer.append({**batch, **extra})
             sampled_with.append(sampling)
         kl = self.reward_penalty() if self.reward_kl else None
@@ -580,7 +622,7 @@ class Rollouts:
                     if c.sampling_logps is None:
                         start = len(prompts[k * b + i].ids) - 1
                         c.behaviour_logps = batch["old_logps"][i, start:start + len(c.completion_ids)].tolist()
-        if self.correct_sampling:
+        if self.correct_sampling and not self.correct_in_loss:
             self.generated_metrics[-1].update(self.sampling_metrics(sampled_with))
         self.window = window
         if self.model_was_training:
@@ -840,4 +882,8 @@ class Rollouts:
         for name in sorted(sums):
             value, count = reduce(sums[name].to(self.accelerator.device)).tolist()
             out[name] = value / count if count else None
+        for name, value in sorted(self.loss_fn.pop_extremes().items()):  # TRL's nanmin / nanmax over the ranks
+            every = self.dp.gather(value.reshape(1).to(self.accelerator.device)).cpu()
+            every = every[~torch.isnan(every)]
+            out[name] = (every.max() if name.endswith("max") else every.min()).item() if len(every) else 0.0
         return out

@@ -5,7 +5,8 @@ are those of that version's weights (recomputed from the checkpoints), and each 
 in plain PyTorch from rollouts.jsonl, with TRL's importance-sampling correction (sequence_mask) and without it (a run
 with vllm_importance_sampling_correction false), the two updates differing where the policy versions differ; a worker
 killed or frozen mid-run stops the run within seconds with a message naming it and the checkpoint it saved; 2 DDP
-processes equal one; a run resumed from a checkpoint that holds a stale window equals the uninterrupted one; the
+processes equal one; LoRA (the worker receives the merged weights) with max_staleness 0 equals the synchronous LoRA
+run; a run resumed from a checkpoint that holds a stale window equals the uninterrupted one; the
 shipped recipe learns.
 
 Runs of 2-3 steps of 8 completions of <= 6 tokens, with SGD (its update is proportional to the gradient)."""
@@ -19,12 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import REPO, launch, run_script
 from tests.e2e.test_grpo import (  # noqa: F401 - ending_model: the fixture
     BASE,
+    LORA,
     ONE_BY_EIGHT,
     TINY,
     TWO_PROCS,
@@ -73,6 +76,10 @@ def runs(tmp_path_factory, ending_model):  # noqa: F811 - the imported fixture
         "stale-raw": run_script(tmp / "stale-raw", *stale, "--vllm_importance_sampling_correction", "false"),
         # 2 processes under DDP, each with its worker for its rows: 2 x 2 completions x accumulation 2
         "stale-2procs": launch(tmp / "stale-2procs", *stale, *TWO_PROCS, preset="cpu_ddp"),
+        # LoRA (the worker receives the base with the adapter merged in): synchronous, and max_staleness 0
+        "lora-sync": run_script(tmp / "lora-sync", *args(ending_model, 3), *LORA),
+        "lora-async0": run_script(tmp / "lora-async0", *args(ending_model, 3), *LORA, "--async_generation", "true",
+                                  "--max_staleness", "0", *SAVE),
     }
 
 
@@ -96,6 +103,40 @@ def test_max_staleness_0_is_the_synchronous_run(runs):
     assert all(m["sample/staleness_max"] == 0 for m in metrics)
     assert {"rollout/worker_busy_s", "perf/rollout_wait_s", "sampling/importance_sampling_ratio/mean"} <= set(
         metrics[0])
+
+
+def test_lora_max_staleness_0_is_the_synchronous_lora_run(runs, ending_model):  # noqa: F811
+    """LoRA: at each push the worker receives the base weights with the adapter merged in. With max_staleness 0 it
+    samples, and the run trains, what the synchronous LoRA run does: the same rollouts, advantages, losses and final
+    adapter. The adapter has moved the policy by step 2, and the behaviour log-probs the worker recorded for step 2
+    are those of the base with checkpoint-1's adapter (peft on plain transformers), not the base model's."""
+    sync, lora = runs["lora-sync"], runs["lora-async0"]
+    a, b = rows_of(sync), rows_of(lora)
+    assert [r["completion_ids"] for r in a] == [r["completion_ids"] for r in b]
+    torch.testing.assert_close(torch.tensor([r["advantage"] for r in b]), torch.tensor([r["advantage"] for r in a]))
+    assert [r["policy_version"] for r in b] == [r["step"] - 1 for r in b]
+    # steps 2 and 3 log losses of ~1e-7 (their advantages cancel): float rounding of the merged weights' forward
+    assert [m["loss"] for m in lora.train_rows()] == pytest.approx([m["loss"] for m in sync.train_rows()],
+                                                                    rel=1e-5, abs=1e-6)
+    got, want = load_file(lora.output_dir / "final" / "adapter_model.safetensors"), \
+        load_file(sync.output_dir / "final" / "adapter_model.safetensors")
+    assert want and sorted(got) == sorted(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(ending_model, dtype=torch.float32),
+                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    trained = {k.removeprefix("lm."): v for k, v in
+               load_file(lora.output_dir / "checkpoint-1" / "model.safetensors").items()}
+    missing, unexpected = policy.load_state_dict(trained, strict=False)
+    assert trained and not unexpected and not [k for k in missing if "lora_" in k]
+    base = AutoModelForCausalLM.from_pretrained(ending_model, dtype=torch.float32)
+    moved = 0.0
+    with torch.no_grad():
+        for r in (r for r in b if r["step"] == 2):
+            behaviour = torch.tensor(r["behaviour_logps"])
+            torch.testing.assert_close(behaviour, token_log_probs(policy, r), rtol=1e-5, atol=1e-5)
+            moved = max(moved, (token_log_probs(base, r) - behaviour).abs().max().item())
+    assert moved > 1e-2, moved  # a worker sampling with the base alone would fail the comparison above
 
 
 def plain_step(before, rows: list[dict], corrected: bool, lr: float = 0.02) -> dict[str, torch.Tensor]:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hftrain.config import ConfigError, load_recipe
-from hftrain.rl.async_worker import held_windows, queue_windows, sampling_version
+from hftrain.rl.async_worker import PackedWeights, held_windows, queue_windows, sampling_version
 
 
 def test_each_window_is_sampled_max_staleness_versions_behind_its_training_step():
@@ -50,6 +51,17 @@ def test_queue_bound_is_trls_max_inflight_tasks_in_whole_windows():
     assert queue_windows(3, 4, 16, 16) == 1  # at least one window
 
 
+def test_a_push_is_one_shared_block_per_dtype_that_unpacks_to_the_same_tensors():
+    state = {"a": torch.randn(3, 4), "b": torch.arange(6, dtype=torch.bfloat16).view(2, 3), "c": torch.randn(5),
+             "d": torch.randn(2, 3).t()}  # not contiguous
+    packed = PackedWeights.pack(state)
+    assert set(packed.flats) == {torch.float32, torch.bfloat16} and all(f.is_shared() for f in packed.flats.values())
+    back = packed.unpack()
+    assert list(back) == list(state)
+    for name, tensor in state.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
 def problems(tmp_path, *extra: str) -> str:
     with pytest.raises(ConfigError) as info:
         load_recipe(["--config", "recipes/tiny-grpo.yaml", "--output_dir", str(tmp_path / "o"), *extra])
@@ -66,10 +78,11 @@ def test_async_settings_and_refusals(tmp_path):
     text = problems(tmp_path, "--max_staleness", "2", "--weight_sync_steps", "3")
     assert "max_staleness, weight_sync_steps set without async_generation: true" in text
     text = problems(tmp_path, "--async_generation", "true", "--max_staleness", "-1", "--weight_sync_steps", "0",
-                    "--num_iterations", "2", "--use_peft", "true", "--max_inflight_tasks", "0")
+                    "--num_iterations", "2", "--use_peft", "true", "--load_in_4bit", "true",
+                    "--max_inflight_tasks", "0")
     for expected in ("max_staleness must be >= 0", "weight_sync_steps must be >= 1", "max_inflight_tasks must be >= 1",
                      "async_generation needs one optimizer step per generation window",
-                     "async_generation with use_peft is refused"):
+                     "async_generation with load_in_4bit / load_in_8bit (QLoRA) is refused"):
         assert expected in text, expected
     assert "async_generation is grpo's generation setting, but objective=sft" in problems(
         tmp_path, "--objective", "sft", "--async_generation", "true")

@@ -296,6 +296,36 @@ def test_the_vllm_path_writes_the_same_rollout_rows_as_generate_given_the_same_t
     assert not any(name.startswith("sampling/") for name in plain.generated_metrics[-1])
 
 
+def test_vllms_log_probs_are_recorded_and_correct_each_completion(tmp_path, fake_vllm):
+    """The synchronous vLLM path's off-policy correction (issue 51): the fake engine answers every request with the
+    same tokens and log-probs that differ from the trained model's, by more or less depending on the request's seed;
+    each completion's rollouts.jsonl row records vLLM's log-probs as its behaviour_logps, and its importance weight is
+    TRL's sequence_mask default computed here from a plain forward of the untrained tiny model:
+    exp(sum_t (logp_t - vLLM's logp_t)), 0 above clip_max 3. Some completions are kept, some masked."""
+    tokens = [7, 9, EOS]
+    fake_vllm.script = lambda ids, params: (tokens, [-5.5] * 3 if params.kwargs["seed"] % 2 else [-7.5] * 3)
+    r = recipe(tmp_path, "--num_generations", "4", "--per_device_train_batch_size", "4", "--steps_per_generation", "2",
+               "--max_completion_length", "6", "--use_vllm", "true")
+    feed = rollouts(r, tmp_path, "vllm", {EOS}, lambda source, model, lm: build_generator(
+        r, None, model, lm, accelerator(), source.sampling, source.eos_ids, source.pad_id))
+    feed.generate(0)
+    rows = [json.loads(line) for line in feed.file.read_text().splitlines()]
+    weights = [w for batch in feed.buffer for w in batch["sampling_weights"][:, 0].tolist()]
+    plain = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    expected = []
+    for row in rows:
+        seed = row_seed(r.seed, 0, row["group"], row["row"] % 4)
+        vllm = [-5.5] * 3 if seed % 2 else [-7.5] * 3
+        assert row["completion_ids"] == tokens and row["behaviour_logps"] == vllm
+        with torch.no_grad():
+            logits = plain(input_ids=torch.tensor([row["prompt_ids"] + tokens])).logits[0, -4:-1]
+        logps = torch.log_softmax(logits, -1)[torch.arange(3), torch.tensor(tokens)]
+        weight = math.exp((logps - torch.tensor(vllm)).sum().item())
+        expected.append(0.0 if weight > 3.0 else weight)
+    assert weights == pytest.approx(expected, rel=1e-4, abs=1e-7)
+    assert 0 < sum(w > 0 for w in expected) < len(expected)
+
+
 # ------------------------------------------------------------------------- TRL's importance-sampling correction
 def trl_importance_sampling_ratio(old, sampling, mask, mode, clip_min, clip_max):
     """TRL 1.16 grpo_trainer.py, `_generate_and_score_completions`, transcribed (self.* -> arguments)."""
