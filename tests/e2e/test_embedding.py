@@ -287,6 +287,41 @@ def test_the_tiny_reranker_recipe_learns_to_rank_its_training_rows(reranker_run)
     assert sum(r["accuracy"] for r in late) / 3 > 0.65, late
 
 
+# the reranker recipe, 2 steps of 4 ranked rows in file order, plain SGD (as EXACT), its final evaluation reranking
+# the candidates of the candidates task
+RERANKER_EXACT = ["--config", str(REPO / "recipes" / "tiny-reranker.yaml"), "--max_steps", "2", "--logging_steps", "1",
+                  "--train_sampling_strategy", "sequential", "--validation_split_percentage", "0", "--eval_strategy",
+                  "no", "--optim", "sgd", "--learning_rate", "0.5", "--max_grad_norm", "0", "--lr_scheduler_type",
+                  "constant", "--warmup_steps", "0", "--save_strategy", "no"]
+
+
+@pytest.fixture(scope="module")
+def reranker_one_process(tmp_path_factory, candidates_task) -> Run:
+    return run_script(tmp_path_factory.mktemp("reranker-one") / "out", *RERANKER_EXACT, "--retrieval_eval_dir",
+                      str(candidates_task), "--per_device_train_batch_size", "4")
+
+
+@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
+def test_a_sharded_reranker_equals_one_process(tmp_path, candidates_task, reranker_one_process, preset):
+    """The classifier reranker on 2 processes x 2 rows with the model partitioned (ZeRO-3) or sharded (FSDP2) against
+    one process of 4 rows: each step's loss, the final (gathered) weights and the final evaluation's reranking
+    metrics (every rank scoring the pairs through the sharded model) are equal."""
+    task = ["--retrieval_eval_dir", str(candidates_task)]
+    one = reranker_one_process
+    run = launch(tmp_path / "two", *RERANKER_EXACT, *task, "--per_device_train_batch_size", "2", preset=preset,
+                 processes=2, script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY)
+    assert run.state()["launch"]["distributed_type"] == ("DEEPSPEED" if preset == "zero3" else "FSDP")
+    assert [r["loss"] for r in run.train_rows()] == pytest.approx([r["loss"] for r in one.train_rows()], rel=1e-5)
+    expected = final_weights(one)
+    saved = final_weights(run)
+    assert saved.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(saved[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    ranked = [[r for r in result.metrics() if "eval_ndcg@10" in r][-1] for result in (one, run)]
+    for name in ("eval_ndcg@10", "eval_mrr@10", "eval_recall@1", "eval_recall@5", "eval_recall@10"):
+        assert ranked[1][name] == pytest.approx(ranked[0][name], abs=1e-6), name
+
+
 def test_the_reranker_folder_loads_with_cross_encoder_and_transformers(reranker_run):
     """CrossEncoder(final).predict (no activation) equals the logit of AutoModelForSequenceClassification on
     tokenizer(query, passage), one pair at a time; the card names sentence-transformers and CrossEncoder."""
