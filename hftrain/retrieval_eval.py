@@ -279,20 +279,28 @@ def is_reranker_folder(folder: Path) -> bool:
 
 def load_reranker(folder: Path):
     """(the score of a batch of pairs, tokenizer, the yes/no form's prompt or None) of a reranker's folder as
-    objective reranker writes it, with transformers alone: a one-output sequence classifier, or a causal LM with a
-    `1_LogitScore` (its prompt read back from the folder's chat template, which renders a pair as the template)."""
+    objective reranker writes it, with transformers (and peft, for an adapter) alone: a one-output sequence
+    classifier, or a causal LM with a `1_LogitScore` (its prompt read back from the folder's chat template, which
+    renders a pair as the template)."""
+    from hftrain.model import pad_token_id
     from hftrain.objectives.reranker import RerankerLoss  # not at the top: the objectives import this module
 
-    if (folder / "adapter_config.json").is_file():
-        raise HftrainError(f"{folder} is a reranker's LoRA adapter: merge it into its base first (hftrain merge "
-                           f"{folder} MERGED) and rank with the merged folder")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     logit_score = folder / "1_LogitScore" / "config.json"
+    auto = AutoModelForCausalLM if logit_score.is_file() else AutoModelForSequenceClassification
+    labels = {} if logit_score.is_file() else {"num_labels": 1}
+    if (folder / "adapter_config.json").is_file():
+        from peft import PeftModel  # optional heavy: peft imports bitsandbytes
+
+        base = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))["base_model_name_or_path"]
+        model = PeftModel.from_pretrained(auto.from_pretrained(base, **labels), str(folder))
+        model.config.pad_token_id = pad_token_id(tokenizer)  # the base's config lacks what training set
+    else:
+        model = auto.from_pretrained(folder)
     if not logit_score.is_file():
-        return RerankerLoss(AutoModelForSequenceClassification.from_pretrained(folder).eval()).scores, tokenizer, None
+        return RerankerLoss(model.eval()).scores, tokenizer, None
     tokens = json.loads(logit_score.read_text(encoding="utf-8"))
-    scorer = RerankerLoss(AutoModelForCausalLM.from_pretrained(folder).eval(),
-                          (tokens["true_token_id"], tokens["false_token_id"]))
+    scorer = RerankerLoss(model.eval(), (tokens["true_token_id"], tokens["false_token_id"]))
     template = tokenizer.apply_chat_template([{"role": "query", "content": "{query}"},
                                               {"role": "document", "content": "{document}"}], tokenize=False)
     return scorer.scores, tokenizer, template

@@ -322,6 +322,30 @@ def test_a_sharded_reranker_equals_one_process(tmp_path, candidates_task, rerank
         assert ranked[1][name] == pytest.approx(ranked[0][name], abs=1e-6), name
 
 
+def test_a_lora_reranker_adapter_and_its_merge_rank_as_in_training(tmp_path, candidates_task):
+    """The classifier reranker with use_peft: `hftrain eval --retrieval` on the adapter folder (peft on its base) and
+    on its `hftrain merge` output gives the final evaluation's reranking metrics, and the merged folder's equal
+    CrossEncoderRerankingEvaluator on CrossEncoder(merged)."""
+    from sentence_transformers import CrossEncoder
+
+    from hftrain.cli import main as cli
+
+    run = run_script(tmp_path / "out", *RERANKER_EXACT, "--retrieval_eval_dir", str(candidates_task),
+                     "--per_device_train_batch_size", "4", "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
+                     "--learning_rate", "0.05")
+    ours = [r for r in run.metrics() if "eval_ndcg@10" in r][-1]
+    adapter, merged = run.output_dir / "final", tmp_path / "merged"
+    assert (adapter / "adapter_config.json").is_file()
+    cli(["merge", str(adapter), str(merged)])
+    theirs = cross_encoder_metrics(CrossEncoder(str(merged)), candidates_task)
+    for folder in (adapter, merged):
+        cli(["eval", str(folder), "--retrieval", str(candidates_task), "--output", str(tmp_path / "metrics.json")])
+        offline = json.loads((tmp_path / "metrics.json").read_text())
+        for name, value in theirs.items():
+            assert offline[name] == pytest.approx(ours[f"eval_{name}"], abs=1e-6), (folder, name)
+            assert value == pytest.approx(ours[f"eval_{name}"], abs=1e-6), name
+
+
 def test_the_reranker_folder_loads_with_cross_encoder_and_transformers(reranker_run):
     """CrossEncoder(final).predict (no activation) equals the logit of AutoModelForSequenceClassification on
     tokenizer(query, passage), one pair at a time; the card names sentence-transformers and CrossEncoder."""
