@@ -25,7 +25,9 @@ sum over rows). The final folder is a CrossEncoder's (modules.json with its Tran
 form, plain text input; config_sentence_transformers.json with the Sigmoid CrossEncoder.predict applies) that
 transformers' AutoModelForSequenceClassification loads too; the yes/no reranker's folder is the causal LM
 (AutoModelForCausalLM loads it) with a CrossEncoder's Transformer (text-generation) and LogitScore, and a chat
-template that renders a (query, document) pair as `reranker_template` does.
+template that renders a (query, document) pair as `reranker_template` does. With `retrieval_eval_dir` each
+evaluation reranks a local task's candidates with the live model (`retrieval_eval.RerankingEvaluation`: each pair
+scored by `RerankerLoss.scores`, as in training).
 """
 
 from __future__ import annotations
