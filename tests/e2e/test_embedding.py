@@ -454,7 +454,40 @@ def test_chat_and_eval_tasks_refuse_embedding_and_reranker_folders(one_process, 
         assert f"is {what}" in said and "writes no text" in said and "Loading weights" not in err, said
 
 
-def test_a_yes_no_reranker_folder_scores_as_its_causal_lm(tmp_path, candidates_task):
+@pytest.fixture(scope="module")
+def yes_no_base(tmp_path_factory) -> Path:
+    """The shipped tiny Llama with 'yes' and 'no' added to its tokenizer as single tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = tmp_path_factory.mktemp("yes-no-base")
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    tokenizer.add_tokens(["yes", "no"])
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    return base
+
+
+def test_a_yes_no_reranker_under_ddp_equals_one_process(tmp_path, yes_no_base, candidates_task):
+    """reranker_head yes_no on 2 DDP processes x 2 rows against one process of 4 rows: each step's loss, the final
+    weights and the final evaluation's reranking metrics are equal."""
+    args = [*RERANKER_EXACT, "--model_name_or_path", str(yes_no_base), "--reranker_head", "yes_no", "--max_length",
+            "320", "--retrieval_eval_dir", str(candidates_task)]
+    one = run_script(tmp_path / "one", *args, "--per_device_train_batch_size", "4")
+    run = launch(tmp_path / "two", *args, "--per_device_train_batch_size", "2", preset="cpu_ddp", processes=2)
+    assert run.state()["launch"]["num_processes"] == 2
+    assert [r["loss"] for r in run.train_rows()] == pytest.approx([r["loss"] for r in one.train_rows()], rel=1e-5)
+    expected, saved = final_weights(one), final_weights(run)
+    assert saved.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(saved[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    ranked = [[r for r in result.metrics() if "eval_ndcg@10" in r][-1] for result in (one, run)]
+    for name in ("eval_ndcg@10", "eval_mrr@10", "eval_recall@1", "eval_recall@5", "eval_recall@10"):
+        assert ranked[1][name] == pytest.approx(ranked[0][name], abs=1e-6), name
+
+
+def test_a_yes_no_reranker_folder_scores_as_its_causal_lm(tmp_path, yes_no_base, candidates_task):
     """reranker_head yes_no (the Qwen3-Reranker form) through the entry script, 2 steps on a tiny Llama whose
     tokenizer holds 'yes' and 'no': the final folder loads with AutoModelForCausalLM, and P(yes) of the softmax over
     the 'yes' and 'no' logits at the last position of Qwen3-Reranker's prompt (built here with str.replace) equals
@@ -467,13 +500,8 @@ def test_a_yes_no_reranker_folder_scores_as_its_causal_lm(tmp_path, candidates_t
     from hftrain.cli import main as cli
     from hftrain.fields.retrieval import QWEN3_RERANKER_TEMPLATE as TEMPLATE
 
-    base = tmp_path / "base"
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    tokenizer.add_tokens(["yes", "no"])
-    model = AutoModelForCausalLM.from_pretrained(MODEL)
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    model.save_pretrained(base)
-    tokenizer.save_pretrained(base)
+    base = yes_no_base
+    model = AutoModelForCausalLM.from_pretrained(base)
     run = run_script(tmp_path / "out", "--config", str(REPO / "recipes" / "tiny-reranker.yaml"),
                      "--model_name_or_path", str(base), "--reranker_head", "yes_no", "--max_length", "320",
                      "--max_steps", "2", "--save_strategy", "no", "--eval_strategy", "no", "--retrieval_eval_dir",
