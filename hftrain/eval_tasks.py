@@ -2,7 +2,7 @@
 
     hftrain eval outputs/run/final --tasks hellaswag,arc_easy [--limit 100] [--num_fewshot 5] [--output results.json]
     hftrain eval outputs/run/final --tasks path/to/my_task.yaml        # a local task: its YAML file
-    hftrain eval outputs/embedding/final --retrieval data/retrieval-eval   # an embedding model on a BEIR-style task
+    hftrain eval outputs/embedding/final --retrieval data/retrieval-eval   # an embedding model or a reranker
 
 FOLDER is a final, merged or adapter folder, or a checkpoint-N saved by one process or DDP (hftrain.trained). Tasks are
 names of lm-eval's installed tasks (globs such as `mmlu_*` too) or paths to task YAML files; every one is checked,
@@ -143,8 +143,8 @@ def write_results(results: dict, path: Path) -> None:
 def run_eval(args: argparse.Namespace) -> None:
     if bool(args.tasks) == bool(args.retrieval):
         raise HftrainError("give --tasks (lm-evaluation-harness tasks, for a model that writes text) or --retrieval "
-                           "(a folder of queries.jsonl, corpus.jsonl and qrels.tsv, for an embedding model), one "
-                           "of the two")
+                           "(a folder of queries.jsonl, corpus.jsonl and qrels.tsv, for an embedding model or a "
+                           "reranker), one of the two")
     if args.retrieval:
         return run_retrieval(args)
     problems = []
@@ -176,8 +176,8 @@ def run_eval(args: argparse.Namespace) -> None:
 
 
 def run_retrieval(args: argparse.Namespace) -> None:
-    """--retrieval: NDCG@10, MRR@10 and recall@k of an embedding model's folder (hftrain.retrieval_eval), printed as
-    JSON (and written to --output)."""
+    """--retrieval: NDCG@10, MRR@10 and recall@k of an embedding model's or a reranker's folder
+    (hftrain.retrieval_eval), printed as JSON (and written to --output)."""
     metrics = evaluate_folder(args.folder, args.retrieval, batch_size=args.batch_size)
     print(json.dumps(metrics, indent=2))
     if args.output is not None:
@@ -193,8 +193,9 @@ def build_arg_parser(prog: str = "hftrain eval") -> argparse.ArgumentParser:
     parser.add_argument("--tasks", action="append", help="Comma-separated lm-eval task names "
                         "(globs too) or task YAML files; may be repeated.")
     parser.add_argument("--retrieval", type=Path, default=None, help="Instead of --tasks, for an embedding model's "
-                        "folder (objective embedding): a folder of BEIR's queries.jsonl, corpus.jsonl and qrels.tsv; "
-                        "prints NDCG@10, MRR@10 and recall@1/5/10 (docs/retrieval.md).")
+                        "or a reranker's folder (objectives embedding, reranker): a folder of BEIR's queries.jsonl, "
+                        "corpus.jsonl and qrels.tsv (a reranker scores each query's candidates.tsv documents, or "
+                        "the whole corpus); prints NDCG@10, MRR@10 and recall@1/5/10 (docs/retrieval.md).")
     parser.add_argument("--limit", type=float, default=None, help="At most this many examples per task (a fraction "
                         "below 1: that share of each task); for quick checks, not for reported numbers.")
     parser.add_argument("--batch_size", type=int, default=8, help="Examples per forward (default 8).")

@@ -43,7 +43,7 @@ TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency")  # grpo with 
 REWARDS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")  # dpo / simpo / orpo rows
 ORPO_TERMS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")  # orpo's two loss terms and its log odds (TRL's names)
 REWARD_MODEL = ("accuracy", "margin", "mean_reward")  # objective reward (RewardTrainer's names)
-# objective embedding's retrieval_eval_dir metrics (evaluation rows' eval_<name>)
+# retrieval_eval_dir's metrics, objectives embedding and reranker (evaluation rows' eval_<name>)
 RETRIEVAL = ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10")
 
 
@@ -203,8 +203,8 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path, ranked: list[di
         plot_train_and_eval(ax, train, evals, REWARD_MODEL)
         made.append(_save(fig, ax, folder / "reward_model.png", steps))
 
-    if ranked:  # embedding's retrieval_eval_dir: the live model's ranking of the task's corpus at each evaluation
-        fig, ax = _figure("Retrieval (retrieval_eval_dir: the corpus ranked for each query)", "value")
+    if ranked:  # retrieval_eval_dir (embedding, reranker): the live model's ranking for each query at each evaluation
+        fig, ax = _figure("Retrieval (retrieval_eval_dir: each query's documents ranked)", "value")
         for key in RETRIEVAL:
             ax.plot(*series(ranked, f"eval_{key}"), marker="o", label=key)
         made.append(_save(fig, ax, folder / "retrieval.png", sorted({r["step"] for r in ranked})))

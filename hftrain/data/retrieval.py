@@ -204,11 +204,19 @@ def templated_pairs(tokenizer, template: str, queries: list[str], passages: list
     return [ids if len(ids) <= max_length else ids[:max_length - suffix] + ids[len(ids) - suffix:] for ids in encoded]
 
 
+def pair_ids(tokenizer, queries: list[str], passages: list[str], max_length: int, template: str | None,
+             ) -> list[list[int]]:
+    """The token ids of (query, passage) pairs as a reranker reads them: tokenizer(query, passage), truncated, as
+    sentence-transformers' CrossEncoder tokenizes a plain text pair; with a `template` (reranker_head yes_no):
+    `templated_pairs`. Training and the retrieval metrics both tokenize through it."""
+    if template is None:
+        return tokenizer(queries, passages, truncation=True, max_length=max_length)["input_ids"]
+    return templated_pairs(tokenizer, template, queries, passages, max_length)
+
+
 def tokenize_pairs(rows: list[tuple[str, dict]], tokenizer, max_length: int, name: str,
                    template: str | None = None) -> PairRows:
-    """Every reranker row checked (one kind, the same number of negatives) and its pairs tokenized, as
-    sentence-transformers' CrossEncoder tokenizes (query, passage): tokenizer(query, passage), truncated; with a
-    `template` (reranker_head yes_no): `templated_pairs`."""
+    """Every reranker row checked (one kind, the same number of negatives) and its pairs tokenized (`pair_ids`)."""
     if not rows:
         raise HftrainError(f"dataset {name!r} has no rows")
     parsed = [(place, *pair_texts(row, place)) for place, row in rows]
@@ -224,8 +232,7 @@ def tokenize_pairs(rows: list[tuple[str, dict]], tokenizer, max_length: int, nam
     columns = len(first_passages)
     queries = [query for _, query, passages, _ in parsed for _ in passages]
     passages = [p for _, _, row_passages, _ in parsed for p in row_passages]
-    encoded = (tokenizer(queries, passages, truncation=True, max_length=max_length)["input_ids"] if template is None
-               else templated_pairs(tokenizer, template, queries, passages, max_length))
+    encoded = pair_ids(tokenizer, queries, passages, max_length, template)
     ids = [encoded[i * columns:(i + 1) * columns] for i in range(len(parsed))]
     labels = None if first_label is None else [label for *_, label in parsed]
     return PairRows(ids, labels, columns, [place for place, *_ in parsed])

@@ -51,10 +51,12 @@ class RetrievalFields:
         "and update equal the uncached ones. Unset: uncached.", group="retrieval",
     )
     retrieval_eval_dir: str | None = _f(
-        None, "embedding: a folder of BEIR's files (queries.jsonl, corpus.jsonl, qrels.tsv) ranked by the live model "
-        "at each evaluation: eval_ndcg@10, eval_mrr@10, eval_recall@1/5/10 (sentence-transformers' "
-        "InformationRetrievalEvaluator's definitions). data/retrieval-eval is a tiny one. Read and checked before "
-        "the model loads.", group="retrieval",
+        None, "embedding and reranker: a folder of BEIR's files (queries.jsonl, corpus.jsonl, qrels.tsv) ranked by "
+        "the live model at each evaluation: eval_ndcg@10, eval_mrr@10, eval_recall@1/5/10 (sentence-transformers' "
+        "InformationRetrievalEvaluator's and CrossEncoderRerankingEvaluator's definitions). An embedding model ranks "
+        "the whole corpus; a reranker scores each query's candidates.tsv lines (query-id, corpus-id: e.g. a first "
+        "stage's hits), or the whole corpus without that file. data/retrieval-eval is a tiny one. Read and checked "
+        "before the model loads.", group="retrieval",
     )
     reranker_head: str = _f(
         "classifier", "reranker: what scores a (query, passage) pair. classifier: a new one-output score head "
@@ -89,9 +91,11 @@ def problems(r) -> list[str]:
     with; other objectives: no retrieval field set."""
     defaults = RetrievalFields.__dataclass_fields__
     misplaced = [f"{name} is set but objective={r.objective}; it configures objective embedding"
-                 for name in ("pooling", "contrastive_scale", "symmetric_loss", "query_prompt", "mini_batch_size",
-                              "retrieval_eval_dir")
+                 for name in ("pooling", "contrastive_scale", "symmetric_loss", "query_prompt", "mini_batch_size")
                  if getattr(r, name) != defaults[name].default]
+    if r.objective not in ("embedding", "reranker") and r.retrieval_eval_dir:
+        misplaced.append(f"retrieval_eval_dir is set but objective={r.objective}; it configures objectives "
+                         "embedding and reranker")
     head = [f"{name} is set but objective={r.objective}; it configures objective reranker"
             for name in ("reranker_head", "reranker_template")
             if r.objective != "reranker" and getattr(r, name) != defaults[name].default]

@@ -4,7 +4,8 @@ MultipleNegativesRankingLoss (sentence_transformer/losses/multiple_negatives_ran
 The base is loaded as `AutoModel` (the body; a causal LM's head is dropped: `model.load_as_encoder`). A text's
 embedding is its last hidden states pooled (`pooling`: mean of the real tokens, the first token (cls), or the last
 real token (last_token)) and L2-normalised, as sentence-transformers' Pooling and Normalize modules compute it. A
-micro-batch holds b rows (anchor, positive, negatives...) collated as columns (`data.retrieval.EmbeddingCollator`).
+micro-batch holds b rows (anchor, positive, negatives...) collated as columns (`data.retrieval.EmbeddingCollator`),
+embedded column by column, each at its own longest text's width (as sentence-transformers embeds each column).
 For anchor i, with s(x, y) the cosine similarity times `contrastive_scale`, the candidates are every positive and
 every negative of the contrastive batch:
 
@@ -163,15 +164,23 @@ class EmbeddingLoss(RowAccuracyLoss):
         return f"{self.pooling} pooling, normalised, in-batch negatives{cached}"
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Normalised fp32 embeddings of the rows (sentence-transformers' Transformer -> Pooling -> Normalize)."""
+        """Normalised fp32 embeddings of the rows (sentence-transformers' Transformer -> Pooling -> Normalize). The
+        positions that are padding in every row are cut first: the rows run at their own longest text's width, as
+        sentence-transformers embeds each column padded to that column's longest text."""
+        used = attention_mask.bool().any(dim=0)
+        if not bool(used.all()):
+            input_ids, attention_mask = input_ids[:, used], attention_mask[:, used]
         hidden = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return F.normalize(pool(hidden, attention_mask, self.pooling).float(), p=2, dim=-1)
 
-    def embed_all(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Every row's embedding; cached mode (training): mini_batch_size rows at a time, each piece's activations
-        dropped after its forward and recomputed in backward (the checkpoint replays the piece's random state)."""
+    def embed_all(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: int) -> torch.Tensor:
+        """Every text's embedding, a column (`rows` texts: the anchors, the positives, each negative column) at a
+        time: short queries are not padded to the passages' width. Cached mode (training): mini_batch_size texts at
+        a time, each piece's activations dropped after its forward and recomputed in backward (the checkpoint
+        replays the piece's random state)."""
         if not (self.mini_batch_size and self.training and torch.is_grad_enabled()):
-            return self.embed(input_ids, attention_mask)
+            return torch.cat([self.embed(ids, mask) for ids, mask in zip(input_ids.split(rows),
+                                                                         attention_mask.split(rows), strict=True)])
         pieces = zip(input_ids.split(self.mini_batch_size), attention_mask.split(self.mini_batch_size), strict=True)
         return torch.cat([torch.utils.checkpoint.checkpoint(self.embed, ids, mask, use_reentrant=False)
                           for ids, mask in pieces])
@@ -184,7 +193,7 @@ class EmbeddingLoss(RowAccuracyLoss):
         if embed_only:
             return self.embed(input_ids, attention_mask)
         b = len(valid)
-        embeddings = self.embed_all(input_ids, attention_mask)
+        embeddings = self.embed_all(input_ids, attention_mask, b)
         anchors, *candidates = embeddings.split(b)
         losses, best = contrastive_losses(anchors, candidates, valid, self.scale, self.symmetric,
                                           across_ranks=self.training)

@@ -25,7 +25,9 @@ sum over rows). The final folder is a CrossEncoder's (modules.json with its Tran
 form, plain text input; config_sentence_transformers.json with the Sigmoid CrossEncoder.predict applies) that
 transformers' AutoModelForSequenceClassification loads too; the yes/no reranker's folder is the causal LM
 (AutoModelForCausalLM loads it) with a CrossEncoder's Transformer (text-generation) and LogitScore, and a chat
-template that renders a (query, document) pair as `reranker_template` does.
+template that renders a (query, document) pair as `reranker_template` does. With `retrieval_eval_dir` each
+evaluation reranks a local task's candidates with the live model (`retrieval_eval.RerankingEvaluation`: each pair
+scored by `RerankerLoss.scores`, as in training).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from hftrain.errors import HftrainError
 from hftrain.model import build_tokenizer, pad_token_id
 from hftrain.objectives.base import DataRun, ModelRun, Objective, TrainRun
 from hftrain.objectives.embedding import RowAccuracyLoss, retrieval_data
+from hftrain.retrieval_eval import RerankingEvaluation
 
 YES_NO = ("yes", "no")
 
@@ -93,9 +96,14 @@ class RerankerLoss(RowAccuracyLoss):
     def loss_path(self) -> str:
         return "one score per (query, passage) pair"
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, valid: torch.Tensor,
-                targets: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows of pairs row after row (`RerankerCollator`); `targets`: labelled pairs' labels, else ranked rows."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, valid: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                scores_only: bool = False) -> torch.Tensor:
+        """Rows of pairs row after row (`RerankerCollator`); `targets`: labelled pairs' labels, else ranked rows.
+        `scores_only`: each pair's score instead (retrieval metrics, called through the prepared model so that a
+        sharded one gathers its weights as for the loss)."""
+        if scores_only:
+            return self.scores(input_ids, attention_mask)
         scores = self.scores(input_ids, attention_mask).reshape(len(valid), -1)
         if targets is not None:
             losses = F.binary_cross_entropy_with_logits(scores[:, 0], targets.to(scores.dtype), reduction="none")
@@ -209,6 +217,15 @@ class Reranker(Objective):
                 f"logit('yes') - logit('no') of {type(run.parts.loss.lm).__name__} at the last position of "
                 "reranker_template (Qwen3-Reranker's form)")
         return [f"objective reranker: {head}; {loss}, the mean over the step's rows"]
+
+    def eval_addons(self, run: DataRun) -> list:
+        """retrieval_eval_dir: each query's candidates (or the whole corpus) reranked by the live model at each
+        evaluation (its files read and checked, the pairs tokenized, now)."""
+        recipe = run.recipe
+        if not recipe.retrieval_eval_dir:
+            return []
+        template = recipe.reranker_template if recipe.reranker_head == "yes_no" else None
+        return [RerankingEvaluation(recipe, run.tokenizer, template)]
 
     def add_files(self, run: TrainRun, folder: Path) -> None:
         if run.recipe.reranker_head == "classifier":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,11 +178,103 @@ def test_the_tiny_embedding_recipe_ranks_held_out_answers_above_chance(tmp_path)
     assert final["eval_accuracy"] > 3 / (2 * final["eval_anchors"])  # the right answer first: 3x chance
 
 
+# ------------------------------------------------------------------------------------- reranker retrieval metrics
+def read_task(folder: Path) -> tuple[dict[str, str], dict[str, str], dict[str, set[str]]]:
+    """(query texts, document texts, relevant document ids per query) of a BEIR folder, read here."""
+    def texts(name: str) -> dict[str, str]:
+        return {row["_id"]: row["text"] for row in map(json.loads, (folder / name).read_text().splitlines())}
+
+    relevant: dict[str, set[str]] = {}
+    for line in (folder / "qrels.tsv").read_text().splitlines()[1:]:
+        query, doc, score = line.split("\t")
+        if float(score) > 0:
+            relevant.setdefault(query, set()).add(doc)
+    return texts("queries.jsonl"), texts("corpus.jsonl"), relevant
+
+
 @pytest.fixture(scope="module")
-def reranker_run(tmp_path_factory) -> Run:
+def candidates_task(tmp_path_factory) -> Path:
+    """The shipped task with a candidates.tsv: each query's relevant document (left out for every fourth query: a
+    first stage's miss) and 5 other documents drawn with seed 0, in a shuffled order."""
+    import random
+    import shutil
+
+    folder = tmp_path_factory.mktemp("candidates")
+    for name in ("queries.jsonl", "corpus.jsonl", "qrels.tsv"):
+        shutil.copy(RETRIEVAL_SET / name, folder / name)
+    queries, documents, relevant = read_task(folder)
+    rng = random.Random(0)
+    lines = ["query-id\tcorpus-id"]
+    for i, query in enumerate(queries):
+        picked = rng.sample(sorted(set(documents) - relevant.get(query, set())), 5)
+        picked += sorted(relevant.get(query, set())) if i % 4 else []
+        rng.shuffle(picked)
+        lines += [f"{query}\t{doc}" for doc in picked]
+    (folder / "candidates.tsv").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def cross_encoder_metrics(model, task: Path, batch_size: int = 64) -> dict[str, float]:
+    """sentence-transformers' CrossEncoderRerankingEvaluator on `model` (each query's relevant texts as positives,
+    its candidates.tsv documents, or the whole corpus, as documents in order, always_rerank_positives=False: a
+    relevant document no candidate is missed), its ndcg@10 and mrr@10; recall@k counted here from the same model's
+    scores: the share of a query's relevant documents among its k best-scored documents."""
+    from sentence_transformers.cross_encoder.evaluation import CrossEncoderRerankingEvaluator
+
+    queries, documents, relevant = read_task(task)
+    assert len(set(documents.values())) == len(documents)  # the evaluator finds positives by their text
+    candidates: dict[str, list[str]] = {query: [] for query in queries}
+    if (task / "candidates.tsv").is_file():
+        for line in (task / "candidates.tsv").read_text().splitlines()[1:]:
+            query, doc = line.split("\t")
+            candidates[query].append(doc)
+    else:
+        candidates = {query: list(documents) for query in queries}
+    asked = [query for query in queries if relevant.get(query)]
+    samples = [{"query": queries[q], "positive": [documents[d] for d in sorted(relevant[q])],
+                "documents": [documents[d] for d in candidates[q]]} for q in asked]
+    theirs = CrossEncoderRerankingEvaluator(samples, always_rerank_positives=False, batch_size=batch_size,
+                                            write_csv=False)(model)
+    metrics = {"ndcg@10": theirs["ndcg@10"], "mrr@10": theirs["mrr@10"]}
+    recalls: dict[int, list[float]] = {1: [], 5: [], 10: []}
+    for q in asked:
+        scores = model.predict([(queries[q], documents[d]) for d in candidates[q]], batch_size=batch_size) \
+            if candidates[q] else []
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        for k, values in recalls.items():
+            values.append(len(relevant[q] & {candidates[q][i] for i in order[:k]}) / len(relevant[q]))
+    return {**metrics, **{f"recall@{k}": sum(values) / len(values) for k, values in recalls.items()}}
+
+
+def test_reranker_retrieval_metrics_equal_cross_encoder_reranking_evaluator(tmp_path, reranker_run, candidates_task):
+    """The reranker recipe with retrieval_eval_dir (the shipped task with candidates.tsv): the final evaluation's
+    eval_ndcg@10, eval_mrr@10 and eval_recall@k equal CrossEncoderRerankingEvaluator (and recall counted from
+    CrossEncoder.predict) on CrossEncoder(final); `hftrain eval final --retrieval` (transformers alone) gives the
+    same on that folder, and on the shipped task without candidates (the whole corpus reranked)."""
+    from sentence_transformers import CrossEncoder
+
+    from hftrain.cli import main as cli
+
+    final = reranker_run.output_dir / "final"
+    model = CrossEncoder(str(final))
+    ours = [r for r in reranker_run.metrics() if "eval_ndcg@10" in r][-1]  # the final evaluation
+    for task in (candidates_task, RETRIEVAL_SET):
+        theirs = cross_encoder_metrics(model, task)
+        cli(["eval", str(final), "--retrieval", str(task), "--output", str(tmp_path / "metrics.json")])
+        offline = json.loads((tmp_path / "metrics.json").read_text())
+        for name, value in theirs.items():
+            assert offline[name] == pytest.approx(value, abs=1e-6), (task, name)
+            if task == candidates_task:
+                assert ours[f"eval_{name}"] == pytest.approx(value, abs=1e-6), name
+    assert 0 < ours["eval_recall@10"] < 1  # a quarter of the relevant documents are no candidates
+
+
+@pytest.fixture(scope="module")
+def reranker_run(tmp_path_factory, candidates_task) -> Run:
+    """The reranker recipe, 40 steps, its final evaluation reranking the candidates of `candidates_task`."""
     return run_script(tmp_path_factory.mktemp("reranker") / "out", "--config",
                       str(REPO / "recipes" / "tiny-reranker.yaml"), "--max_steps", "40", "--save_strategy", "no",
-                      "--eval_strategy", "no")
+                      "--eval_strategy", "no", "--retrieval_eval_dir", str(candidates_task))
 
 
 def test_the_tiny_reranker_recipe_learns_to_rank_its_training_rows(reranker_run):
@@ -192,6 +285,65 @@ def test_the_tiny_reranker_recipe_learns_to_rank_its_training_rows(reranker_run)
     late = rows[-3:]
     assert sum(r["loss"] for r in late) / 3 < math.log(2) - 0.15, late
     assert sum(r["accuracy"] for r in late) / 3 > 0.65, late
+
+
+# the reranker recipe, 2 steps of 4 ranked rows in file order, plain SGD (as EXACT), its final evaluation reranking
+# the candidates of the candidates task
+RERANKER_EXACT = ["--config", str(REPO / "recipes" / "tiny-reranker.yaml"), "--max_steps", "2", "--logging_steps", "1",
+                  "--train_sampling_strategy", "sequential", "--validation_split_percentage", "0", "--eval_strategy",
+                  "no", "--optim", "sgd", "--learning_rate", "0.5", "--max_grad_norm", "0", "--lr_scheduler_type",
+                  "constant", "--warmup_steps", "0", "--save_strategy", "no"]
+
+
+@pytest.fixture(scope="module")
+def reranker_one_process(tmp_path_factory, candidates_task) -> Run:
+    return run_script(tmp_path_factory.mktemp("reranker-one") / "out", *RERANKER_EXACT, "--retrieval_eval_dir",
+                      str(candidates_task), "--per_device_train_batch_size", "4")
+
+
+@pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
+def test_a_sharded_reranker_equals_one_process(tmp_path, candidates_task, reranker_one_process, preset):
+    """The classifier reranker on 2 processes x 2 rows with the model partitioned (ZeRO-3) or sharded (FSDP2) against
+    one process of 4 rows: each step's loss, the final (gathered) weights and the final evaluation's reranking
+    metrics (every rank scoring the pairs through the sharded model) are equal."""
+    task = ["--retrieval_eval_dir", str(candidates_task)]
+    one = reranker_one_process
+    run = launch(tmp_path / "two", *RERANKER_EXACT, *task, "--per_device_train_batch_size", "2", preset=preset,
+                 processes=2, script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY)
+    assert run.state()["launch"]["distributed_type"] == ("DEEPSPEED" if preset == "zero3" else "FSDP")
+    assert [r["loss"] for r in run.train_rows()] == pytest.approx([r["loss"] for r in one.train_rows()], rel=1e-5)
+    expected = final_weights(one)
+    saved = final_weights(run)
+    assert saved.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(saved[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    ranked = [[r for r in result.metrics() if "eval_ndcg@10" in r][-1] for result in (one, run)]
+    for name in ("eval_ndcg@10", "eval_mrr@10", "eval_recall@1", "eval_recall@5", "eval_recall@10"):
+        assert ranked[1][name] == pytest.approx(ranked[0][name], abs=1e-6), name
+
+
+def test_a_lora_reranker_adapter_and_its_merge_rank_as_in_training(tmp_path, candidates_task):
+    """The classifier reranker with use_peft: `hftrain eval --retrieval` on the adapter folder (peft on its base) and
+    on its `hftrain merge` output gives the final evaluation's reranking metrics, and the merged folder's equal
+    CrossEncoderRerankingEvaluator on CrossEncoder(merged)."""
+    from sentence_transformers import CrossEncoder
+
+    from hftrain.cli import main as cli
+
+    run = run_script(tmp_path / "out", *RERANKER_EXACT, "--retrieval_eval_dir", str(candidates_task),
+                     "--per_device_train_batch_size", "4", "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
+                     "--learning_rate", "0.05")
+    ours = [r for r in run.metrics() if "eval_ndcg@10" in r][-1]
+    adapter, merged = run.output_dir / "final", tmp_path / "merged"
+    assert (adapter / "adapter_config.json").is_file()
+    cli(["merge", str(adapter), str(merged)])
+    theirs = cross_encoder_metrics(CrossEncoder(str(merged)), candidates_task)
+    for folder in (adapter, merged):
+        cli(["eval", str(folder), "--retrieval", str(candidates_task), "--output", str(tmp_path / "metrics.json")])
+        offline = json.loads((tmp_path / "metrics.json").read_text())
+        for name, value in theirs.items():
+            assert offline[name] == pytest.approx(ours[f"eval_{name}"], abs=1e-6), (folder, name)
+            assert value == pytest.approx(ours[f"eval_{name}"], abs=1e-6), name
 
 
 def test_the_reranker_folder_loads_with_cross_encoder_and_transformers(reranker_run):
@@ -302,26 +454,58 @@ def test_chat_and_eval_tasks_refuse_embedding_and_reranker_folders(one_process, 
         assert f"is {what}" in said and "writes no text" in said and "Loading weights" not in err, said
 
 
-def test_a_yes_no_reranker_folder_scores_as_its_causal_lm(tmp_path):
-    """reranker_head yes_no (the Qwen3-Reranker form) through the entry script, 2 steps on a tiny Llama whose
-    tokenizer holds 'yes' and 'no': the final folder loads with AutoModelForCausalLM, and P(yes) of the softmax over
-    the 'yes' and 'no' logits at the last position of Qwen3-Reranker's prompt (built here with str.replace) equals
-    CrossEncoder(final).predict, one pair at a time; the weights moved."""
-    from sentence_transformers import CrossEncoder
+@pytest.fixture(scope="module")
+def yes_no_base(tmp_path_factory) -> Path:
+    """The shipped tiny Llama with 'yes' and 'no' added to its tokenizer as single tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hftrain.fields.retrieval import QWEN3_RERANKER_TEMPLATE as TEMPLATE
-
-    base = tmp_path / "base"
+    base = tmp_path_factory.mktemp("yes-no-base")
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     tokenizer.add_tokens(["yes", "no"])
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.save_pretrained(base)
     tokenizer.save_pretrained(base)
-    run_script(tmp_path / "out", "--config", str(REPO / "recipes" / "tiny-reranker.yaml"), "--model_name_or_path",
-               str(base), "--reranker_head", "yes_no", "--max_length", "320", "--max_steps", "2",
-               "--save_strategy", "no", "--eval_strategy", "no")
+    return base
+
+
+def test_a_yes_no_reranker_under_ddp_equals_one_process(tmp_path, yes_no_base, candidates_task):
+    """reranker_head yes_no on 2 DDP processes x 2 rows against one process of 4 rows: each step's loss, the final
+    weights and the final evaluation's reranking metrics are equal."""
+    args = [*RERANKER_EXACT, "--model_name_or_path", str(yes_no_base), "--reranker_head", "yes_no", "--max_length",
+            "320", "--retrieval_eval_dir", str(candidates_task)]
+    one = run_script(tmp_path / "one", *args, "--per_device_train_batch_size", "4")
+    run = launch(tmp_path / "two", *args, "--per_device_train_batch_size", "2", preset="cpu_ddp", processes=2)
+    assert run.state()["launch"]["num_processes"] == 2
+    assert [r["loss"] for r in run.train_rows()] == pytest.approx([r["loss"] for r in one.train_rows()], rel=1e-5)
+    expected, saved = final_weights(one), final_weights(run)
+    assert saved.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(saved[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    ranked = [[r for r in result.metrics() if "eval_ndcg@10" in r][-1] for result in (one, run)]
+    for name in ("eval_ndcg@10", "eval_mrr@10", "eval_recall@1", "eval_recall@5", "eval_recall@10"):
+        assert ranked[1][name] == pytest.approx(ranked[0][name], abs=1e-6), name
+
+
+def test_a_yes_no_reranker_folder_scores_as_its_causal_lm(tmp_path, yes_no_base, candidates_task):
+    """reranker_head yes_no (the Qwen3-Reranker form) through the entry script, 2 steps on a tiny Llama whose
+    tokenizer holds 'yes' and 'no': the final folder loads with AutoModelForCausalLM, and P(yes) of the softmax over
+    the 'yes' and 'no' logits at the last position of Qwen3-Reranker's prompt (built here with str.replace) equals
+    CrossEncoder(final).predict, one pair at a time; the weights moved. The final evaluation's reranking metrics
+    (left-padded batches) and `hftrain eval final --retrieval` (the prompt read back from the folder's chat
+    template) equal CrossEncoderRerankingEvaluator on CrossEncoder(final), one pair at a time."""
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftrain.cli import main as cli
+    from hftrain.fields.retrieval import QWEN3_RERANKER_TEMPLATE as TEMPLATE
+
+    base = yes_no_base
+    model = AutoModelForCausalLM.from_pretrained(base)
+    run = run_script(tmp_path / "out", "--config", str(REPO / "recipes" / "tiny-reranker.yaml"),
+                     "--model_name_or_path", str(base), "--reranker_head", "yes_no", "--max_length", "320",
+                     "--max_steps", "2", "--save_strategy", "no", "--eval_strategy", "no", "--retrieval_eval_dir",
+                     str(candidates_task))
     final = tmp_path / "out" / "final"
     trained, tokenizer = AutoModelForCausalLM.from_pretrained(final).eval(), AutoTokenizer.from_pretrained(final)
     yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
@@ -332,9 +516,17 @@ def test_a_yes_no_reranker_folder_scores_as_its_causal_lm(tmp_path):
         plain = torch.stack([torch.softmax(trained(**tokenizer(
             TEMPLATE.replace("{query}", q).replace("{document}", p), add_special_tokens=False, return_tensors="pt",
         )).logits[0, -1, [yes, no]], dim=0)[0] for q, p in pairs])
-    scores = torch.as_tensor(CrossEncoder(str(final)).predict(pairs, batch_size=1))
+    cross_encoder = CrossEncoder(str(final))
+    scores = torch.as_tensor(cross_encoder.predict(pairs, batch_size=1))
     torch.testing.assert_close(scores, plain, rtol=1e-5, atol=1e-6)
     assert not torch.equal(trained.lm_head.weight, model.lm_head.weight)
+
+    ours = [r for r in run.metrics() if "eval_ndcg@10" in r]
+    cli(["eval", str(final), "--retrieval", str(candidates_task), "--output", str(tmp_path / "metrics.json")])
+    offline = json.loads((tmp_path / "metrics.json").read_text())
+    for name, value in cross_encoder_metrics(cross_encoder, candidates_task, batch_size=1).items():
+        assert ours[-1][f"eval_{name}"] == pytest.approx(value, abs=1e-6), name
+        assert offline[name] == pytest.approx(value, abs=1e-6), name
 
 
 def test_a_yes_no_reranker_on_a_tokenizer_without_yes_and_no_is_refused_before_the_model_loads(tmp_path):

@@ -280,6 +280,7 @@ def test_bad_reranker_rows_are_refused_naming_the_file_and_line(tmp_path, line, 
     ({"queries.jsonl": '{"_id": "q0", "text": "a"}\n{"_id": "q1"}\n'}, "queries.jsonl, line 2: each line must be"),
     ({"qrels.tsv": "query-id\tcorpus-id\tscore\nq0\td9\t1\n"}, "qrels.tsv, line 2: document 'd9' is not in"),
     ({"qrels.tsv": "query-id\tcorpus-id\tscore\nq0 d0 1\n"}, "qrels.tsv, line 2: expected query-id, corpus-id"),
+    ({"candidates.tsv": "query-id\tcorpus-id\nq0\td0\nq0\td9\n"}, "candidates.tsv, line 3: document 'd9' is not in"),
 ])
 def test_a_bad_retrieval_task_is_refused_naming_the_file_and_line(tmp_path, files, says):
     from hftrain.retrieval_eval import load_retrieval_set
@@ -476,3 +477,212 @@ def test_a_yes_no_reranker_on_a_model_without_a_causal_lm_class_is_refused():
     assert "no causal-LM class for model type 'llava'" in problem and "\n" not in problem
     assert yes_no_reranker_problems(recipe, AutoConfig.from_pretrained(REPO / "models" / "tiny-llama")) == []
     assert yes_no_reranker_problems(Recipe(objective="reranker"), vlm) == []
+
+
+# ------------------------------------------------------------------------------ LoRA / QLoRA (4-bit) retrieval models
+def quantized(name: str, auto, **kwargs):
+    """`auto.from_pretrained(name)` with its linear layers in bitsandbytes' 4 bits (nf4, fp32 compute), as the
+    reference of a QLoRA step; the bf16 repacking of AVX512-BF16 CPUs turned off (not the layout training uses)."""
+    from transformers import BitsAndBytesConfig
+
+    model = auto.from_pretrained(name, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32), **kwargs)
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def plain_lora(model, task_type: str, **extra):
+    """peft's LoRA on `model` (r 4, alpha 8, no dropout, the attention and MLP projections), the adapter weights
+    to be overwritten with hftrain's initial ones."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type=task_type,
+                                            target_modules=LORA_TARGETS, **extra))
+
+
+LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def start_equal(ours: torch.nn.Module, reference: torch.nn.Module) -> list[str]:
+    """Copy hftrain's trainable parameters (the adapters drawn at random, a new score head) into the reference;
+    returns their names. Every other parameter must already be equal (the 4-bit weights quantized alike)."""
+    mine = dict(ours.named_parameters())
+    trained = [name for name, p in mine.items() if p.requires_grad]
+    theirs = dict(reference.named_parameters())
+    assert sorted(name for name, p in theirs.items() if p.requires_grad) == sorted(trained)
+    with torch.no_grad():
+        for name, p in theirs.items():
+            if name in trained or name.startswith("base_model.model.score.original_module"):
+                p.copy_(mine[name])
+            else:
+                assert torch.equal(p, mine[name]), name
+    return trained
+
+
+def sgd_step_equal(ours_loss: torch.Tensor, ours: torch.nn.Module, reference_loss: torch.Tensor,
+                   reference: torch.nn.Module, trained: list[str]) -> None:
+    """The two losses equal, and the trained weights after one SGD step from each one's gradient (which moved)."""
+    torch.testing.assert_close(ours_loss, reference_loss, rtol=1e-5, atol=1e-6)
+    before = {name: p.detach().clone() for name, p in ours.named_parameters() if name in trained}
+    for module, value in ((ours, ours_loss), (reference, reference_loss)):
+        optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.5)
+        value.backward()
+        optimizer.step()
+    after, theirs = dict(ours.named_parameters()), dict(reference.named_parameters())
+    for name in trained:
+        torch.testing.assert_close(after[name], theirs[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert any(not torch.equal(after[name], before[name]) for name in trained if "lora_B" in name)
+
+
+def test_a_qlora_embedding_step_equals_plain_pytorch_on_the_same_4bit_base():
+    """hftrain's builder (use_peft, load_in_4bit) and EmbeddingLoss on 6 rows against peft's LoRA on the tiny Llama's
+    body loaded in 4 bits by transformers, the loss written here in plain PyTorch (mean of each text's real
+    tokens, normalised, 20 x cosine against every positive and hard negative, cross-entropy): equal loss, and equal
+    adapters after one SGD step."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from hftrain.model import build_peft_model
+
+    examples = rows(6)
+    recipe = Recipe(model_name_or_path=str(REPO / "models" / "tiny-llama"), objective="embedding", pooling="mean",
+                    use_peft=True, load_in_4bit=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                    lora_target_modules=LORA_TARGETS, max_length=64)
+    torch.manual_seed(0)
+    ours = EmbeddingLoss(build_peft_model(recipe), recipe)
+    assert "Linear4bit" in {type(m).__name__ for m in ours.lm.modules()}
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model_name_or_path)
+    data = tokenize_rows([(f"row {i}", r) for i, r in enumerate(examples)], tokenizer, 64, None, "rows")
+    batch = EmbeddingCollator(data, tokenizer.pad_token_id, tokenizer.padding_side)(list(range(6)))
+    batch.pop("num_examples")
+    reference = plain_lora(quantized(recipe.model_name_or_path, AutoModel), "FEATURE_EXTRACTION")
+    trained = start_equal(ours.lm, reference)
+
+    def embed(texts: list[str]) -> torch.Tensor:
+        encoded = tokenizer(texts, padding=True, return_tensors="pt")
+        hidden = reference(**encoded).last_hidden_state
+        mask = encoded["attention_mask"].unsqueeze(-1).float()
+        return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+    anchors = embed([r["anchor"] for r in examples])
+    candidates = torch.cat([embed([r["positive"] for r in examples]), embed([r["negative"] for r in examples])])
+    expected = torch.nn.functional.cross_entropy(20.0 * anchors @ candidates.T, torch.arange(6))
+    ours.train()
+    sgd_step_equal(ours(**batch) / 6, ours.lm, expected, reference, trained)
+
+
+def test_a_qlora_reranker_step_equals_plain_pytorch_on_the_same_4bit_base(classifier):
+    """The classifier reranker with use_peft and load_in_4bit (peft's SEQ_CLS adapter, the score head trained whole)
+    on 6 labelled pairs, against peft's LoRA on the same classifier loaded in 4 bits by transformers and binary
+    cross-entropy on its logit of tokenizer(query, passage) written here: equal loss, equal trained weights after
+    one SGD step."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hftrain.data.retrieval import RerankerCollator, tokenize_pairs
+    from hftrain.model import build_peft_model
+    from hftrain.objectives.reranker import RerankerLoss
+
+    examples = rows(6)
+    pairs = [{"query": r["anchor"], "passage": r["positive"] if i % 2 else r["negative"], "label": i % 2}
+             for i, r in enumerate(examples)]
+    recipe = Recipe(model_name_or_path=classifier, objective="reranker", use_peft=True, load_in_4bit=True, lora_r=4,
+                    lora_alpha=8, lora_dropout=0.0, lora_target_modules=LORA_TARGETS, max_length=64)
+    ours = RerankerLoss(build_peft_model(recipe))
+    assert "Linear4bit" in {type(m).__name__ for m in ours.lm.modules()}
+    tokenizer = AutoTokenizer.from_pretrained(classifier)
+    data = tokenize_pairs([(f"row {i}", r) for i, r in enumerate(pairs)], tokenizer, 64, "rows")
+    batch = RerankerCollator(data, tokenizer.pad_token_id, tokenizer.padding_side)(list(range(6)))
+    batch.pop("num_examples")
+    reference = plain_lora(quantized(classifier, AutoModelForSequenceClassification, num_labels=1), "SEQ_CLS")
+    trained = start_equal(ours.lm, reference)
+    assert any("score" in name for name in trained)  # the new head is trained whole
+    encoded = tokenizer([p["query"] for p in pairs], [p["passage"] for p in pairs], padding=True, return_tensors="pt")
+    logits = reference(**encoded).logits[:, 0]
+    expected = torch.nn.functional.binary_cross_entropy_with_logits(
+        logits, torch.tensor([float(p["label"]) for p in pairs]))
+    ours.train()
+    sgd_step_equal(ours(**batch) / 6, ours.lm, expected, reference, trained)
+
+
+def test_a_lora_yes_no_reranker_step_equals_plain_pytorch(yes_no_lm):
+    """reranker_head yes_no with use_peft (peft's CAUSAL_LM adapter; the LM head, whose 'yes' and 'no' rows give the
+    score, stays frozen) on 6 ranked rows, against peft's LoRA on the same causal LM with each pair scored alone in
+    plain PyTorch (Qwen3-Reranker's prompt by str.replace, log P(yes) - log P(no) at the last position, the
+    listwise cross-entropy): equal loss, equal adapters after one SGD step, the LM head unchanged."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftrain.data.retrieval import RerankerCollator, tokenize_pairs
+    from hftrain.fields.retrieval import QWEN3_RERANKER_TEMPLATE as TEMPLATE
+    from hftrain.model import build_peft_model
+    from hftrain.objectives.reranker import RerankerLoss
+
+    examples = rows(6)
+    data_rows = [{"query": r["anchor"], "positive": r["positive"], "negative": r["negative"]} for r in examples]
+    recipe = Recipe(model_name_or_path=yes_no_lm, objective="reranker", reranker_head="yes_no", use_peft=True,
+                    lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=LORA_TARGETS, max_length=512)
+    tokenizer = AutoTokenizer.from_pretrained(yes_no_lm)
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    torch.manual_seed(0)
+    ours = RerankerLoss(build_peft_model(recipe), (yes, no))
+    data = tokenize_pairs([(f"row {i}", r) for i, r in enumerate(data_rows)], tokenizer, 512, "rows", TEMPLATE)
+    batch = RerankerCollator(data, tokenizer.pad_token_id, "left")(list(range(6)))
+    batch.pop("num_examples")
+    reference = plain_lora(AutoModelForCausalLM.from_pretrained(yes_no_lm), "CAUSAL_LM")
+    trained = start_equal(ours.lm, reference)
+    assert all("lora_" in name for name in trained)
+    head = ours.lm.get_output_embeddings().weight.detach().clone()
+
+    def score(query: str, passage: str) -> torch.Tensor:
+        ids = tokenizer(TEMPLATE.replace("{query}", query).replace("{document}", passage), add_special_tokens=False,
+                        return_tensors="pt")["input_ids"]
+        return torch.log_softmax(reference(input_ids=ids).logits[0, -1, [yes, no]], dim=0) @ torch.tensor([1.0, -1.0])
+
+    scores = torch.stack([torch.stack([score(r["query"], r["positive"]), score(r["query"], r["negative"])])
+                          for r in data_rows])
+    expected = -torch.log_softmax(scores, dim=1)[:, 0].mean()
+    ours.train()
+    sgd_step_equal(ours(**batch) / 6, ours.lm, expected, reference, trained)
+    assert torch.equal(ours.lm.get_output_embeddings().weight, head)
+
+
+def test_reranking_metrics_equal_cross_encoder_reranking_evaluator():
+    """Random scores of 12 queries' candidate lists (3 to 14 documents of 40; one or two relevant among them, and for
+    every fourth query a relevant document that is no candidate): NDCG@10 and MRR@10 equal sentence-transformers'
+    CrossEncoderRerankingEvaluator on the same scores (documents: each candidate list in order, positives: every
+    relevant document, always_rerank_positives=False); recall@k equals the share of relevant documents among the k
+    best-scored candidates, counted here."""
+    from types import SimpleNamespace
+
+    from sentence_transformers.cross_encoder.evaluation import CrossEncoderRerankingEvaluator
+
+    from hftrain.retrieval_eval import reranking_metrics
+
+    generator = torch.Generator().manual_seed(0)
+    texts = [f"document {i}" for i in range(40)]
+    reranked, relevant = [], []
+    for q in range(12):
+        docs = torch.randperm(40, generator=generator)[:int(torch.randint(3, 15, (1,), generator=generator))].tolist()
+        wanted = set(docs[-1 - q % 2:])
+        if q % 4 == 0:
+            wanted.add(next(d for d in range(40) if d not in docs))
+        reranked.append(docs)
+        relevant.append(wanted)
+    scores = torch.randn(sum(len(docs) for docs in reranked), generator=generator)
+    ours = reranking_metrics(scores, reranked, relevant)
+
+    def predict(pairs, **kwargs):  # the evaluator's model: the same scores, pair for pair
+        assert [text for _, text in pairs] == [texts[d] for docs in reranked for d in docs]
+        return scores.numpy()
+
+    model = SimpleNamespace(predict=predict, model_card_data=SimpleNamespace(set_evaluation_metrics=lambda *a: None))
+    samples = [{"query": f"query {q}", "positive": [texts[d] for d in sorted(relevant[q])],
+                "documents": [texts[d] for d in reranked[q]]} for q in range(12)]
+    theirs = CrossEncoderRerankingEvaluator(samples, always_rerank_positives=False, write_csv=False)(model)
+    assert ours["ndcg@10"] == pytest.approx(theirs["ndcg@10"], abs=1e-12)
+    assert ours["mrr@10"] == pytest.approx(theirs["mrr@10"], abs=1e-12)
+    parts = scores.split([len(docs) for docs in reranked])
+    for k in (1, 5, 10):
+        shares = [len(wanted & {docs[i] for i in part.argsort(descending=True)[:k].tolist()}) / len(wanted)
+                  for docs, part, wanted in zip(reranked, parts, relevant, strict=True)]
+        assert ours[f"recall@{k}"] == pytest.approx(sum(shares) / len(shares), abs=1e-12), k
