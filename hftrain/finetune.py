@@ -39,7 +39,6 @@ from hftrain.hub import HubPush, repo_url
 from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary
 from hftrain.objectives import objective_for
-from hftrain.objectives.base import DataRun, ModelParts, ModelRun, TrainRun
 from hftrain.optim import (
     build_optimizer,
     build_scheduler,
@@ -51,6 +50,7 @@ from hftrain.parallel import Launch, devices_record, make_accelerator, phase, re
 from hftrain.paths import CONFIG_FILE, FINAL_DIR, HUB_UPLOAD_DIR, PROFILE_DIR
 from hftrain.preemption import EXIT_PREEMPTED, Preempted, StopRequest, signal_names
 from hftrain.preflight import attention_choice, preflight
+from hftrain.run_parts import DataRun, ModelParts, ModelRun, TrainRun
 from hftrain.samples import CompletionSamples
 from hftrain.steps import StepResult, Window, add_stats, summed_stats
 from hftrain.ties import check_ties

@@ -23,7 +23,6 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -31,9 +30,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceCl
 from hftrain.data.retrieval import pair_ids
 from hftrain.errors import HftrainError
 from hftrain.pooling import pool
-
-if TYPE_CHECKING:  # hftrain.objectives imports this module (objective embedding's add-on)
-    from hftrain.objectives.base import TrainRun
+from hftrain.run_parts import TrainRun
 
 FILES = ("queries.jsonl", "corpus.jsonl", "qrels.tsv")
 CANDIDATES = "candidates.tsv"

@@ -51,12 +51,13 @@ from hftrain.errors import HftrainError
 from hftrain.jsonl import keep_through
 from hftrain.loss import ObjectiveLoss
 from hftrain.model import HEAD_ONLY_MODEL_TYPES, WrapsCausalLM, load_base_model, pad_token_id
-from hftrain.objectives.base import DataRun, ModelRun, Objective, TrainRun
+from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import local_bytes
 from hftrain.paths import ROLLOUTS_FILE
 from hftrain.rl.generation import build_generator
 from hftrain.rl.rollouts import Sampling
 from hftrain.router_loss import router_loss
+from hftrain.run_parts import DataRun, ModelRun, TrainRun
 
 # tokens whose teacher logits exist at once (TRL's TOKEN_CHUNK_SIZE); loss_chunk_tokens > 0 sets another
 TEACHER_CHUNK_TOKENS = 4096

@@ -48,10 +48,11 @@ from hftrain.data.feeds import TrainingData, total_steps
 from hftrain.data.retrieval import EmbeddingCollator, read_rows, tokenize_rows
 from hftrain.errors import HftrainError, same_in_every_process
 from hftrain.loss import ObjectiveLoss
-from hftrain.objectives.base import DataRun, Objective, TrainRun
+from hftrain.objectives.base import Objective
 from hftrain.parallel.launch import main_process_first, phase
 from hftrain.pooling import pool
 from hftrain.retrieval_eval import RetrievalEvaluation
+from hftrain.run_parts import DataRun, TrainRun
 
 # sentence-transformers' names of the pooling modes (1_Pooling/config.json's pooling_mode)
 ST_POOLING = {"mean": "mean", "cls": "cls", "last_token": "lasttoken"}

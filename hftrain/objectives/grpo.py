@@ -18,7 +18,7 @@ from hftrain.data.streaming import read_states
 from hftrain.data.tokenize import prepare_chat_template
 from hftrain.errors import HftrainError
 from hftrain.loss import ObjectiveLoss
-from hftrain.objectives.base import DataRun, ModelRun, Objective, TrainRun
+from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import AdapterReference, FrozenReference
 from hftrain.parallel.base import Backend
 from hftrain.parallel.launch import main_process_first
@@ -37,6 +37,7 @@ from hftrain.rl.tools import (
     load_tools,
     template_problems,
 )
+from hftrain.run_parts import DataRun, ModelRun, TrainRun
 
 
 def build_token_reference(recipe, lm: nn.Module, device: torch.device,

@@ -41,7 +41,7 @@ from hftrain.data.batching import BatchPlan, IndexedFeed
 from hftrain.data.feeds import TrainingData
 from hftrain.data.image_unpaired import ImageKTOCollator
 from hftrain.errors import HftrainError
-from hftrain.objectives.base import DataRun, ModelRun, Objective, TrainRun
+from hftrain.objectives.base import Objective
 from hftrain.objectives.preference import PreferenceLoss
 from hftrain.objectives.reference import (
     PrecomputedReference,
@@ -50,6 +50,7 @@ from hftrain.objectives.reference import (
     sequence_log_probs,
 )
 from hftrain.parallel.launch import phase
+from hftrain.run_parts import DataRun, ModelRun, TrainRun
 
 # statistics TRL's KTOTrainer logs, over the step (training) or the eval set
 KTO_STATS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")

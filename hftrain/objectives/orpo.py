@@ -22,8 +22,8 @@ from torch import nn
 
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
-from hftrain.objectives.base import TrainRun
 from hftrain.objectives.preference import PAIR_STATS, Preference, PreferenceLoss
+from hftrain.run_parts import TrainRun
 
 # per-pair statistics (summed, divided by the window's pairs when logged), TRL's names; nll_loss is summed per
 # micro-batch as its share of the step's token mean x the step's pairs, so the logged value is the step's mean

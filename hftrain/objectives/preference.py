@@ -20,7 +20,7 @@ from hftrain.data import IGNORE_INDEX, Collator
 from hftrain.errors import HftrainError
 from hftrain.loss import ObjectiveLoss
 from hftrain.model import pad_token_id
-from hftrain.objectives.base import ModelRun, Objective, TrainRun
+from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import (
     AdapterReference,
     FrozenReference,
@@ -31,6 +31,7 @@ from hftrain.objectives.reference import (
 )
 from hftrain.parallel.launch import phase
 from hftrain.router_loss import router_loss
+from hftrain.run_parts import ModelRun, TrainRun
 
 # per-pair statistics summed over a window and divided by its pairs when logged (TRL's metric names)
 PAIR_STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

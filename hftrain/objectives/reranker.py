@@ -46,9 +46,10 @@ from hftrain.data.feeds import TrainingData
 from hftrain.data.retrieval import RerankerCollator, tokenize_pairs
 from hftrain.errors import HftrainError
 from hftrain.model import build_tokenizer, pad_token_id
-from hftrain.objectives.base import DataRun, ModelRun, Objective, TrainRun
+from hftrain.objectives.base import Objective
 from hftrain.objectives.embedding import RowAccuracyLoss, retrieval_data
 from hftrain.retrieval_eval import RerankingEvaluation
+from hftrain.run_parts import DataRun, ModelRun, TrainRun
 
 YES_NO = ("yes", "no")
 

@@ -27,8 +27,8 @@ from torch import nn
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.model import pad_token_id
-from hftrain.objectives.base import ModelRun, TrainRun
 from hftrain.objectives.preference import Preference, PreferenceLoss
+from hftrain.run_parts import ModelRun, TrainRun
 
 # per-pair statistics summed over a window and divided by its pairs when logged (TRL's names)
 REWARD_STATS = ("accuracy", "margin", "mean_reward")

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from hftrain.objectives import OBJECTIVES
-from hftrain.objectives.base import DataRun, ModelRun, Objective, TrainRun
+from hftrain.objectives.base import Objective
+from hftrain.run_parts import DataRun, ModelRun, TrainRun
 
 REPO = Path(__file__).resolve().parents[2]
 VALUES = {value.__name__: {field.name for field in dataclasses.fields(value)}
@@ -119,7 +120,8 @@ def test_every_hook_and_add_on_reads_only_the_fields_it_is_handed():
 
 
 PLANTED = '''\
-from hftrain.objectives.base import ModelRun, Objective, TrainRun
+from hftrain.objectives.base import Objective
+from hftrain.run_parts import ModelRun, TrainRun
 
 
 class Planted(Objective):
