@@ -19,6 +19,7 @@ stay in step and every rank gets the same numbers.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceCl
 
 from hftrain.data.retrieval import pair_ids
 from hftrain.errors import HftrainError
+from hftrain.model import pad_token_id
 from hftrain.pooling import pool
 from hftrain.run_parts import TrainRun
 
@@ -279,14 +281,23 @@ def is_reranker_folder(folder: Path) -> bool:
     return config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("model_type") == "CrossEncoder"
 
 
+def pair_score(lm: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               yes_no: tuple[int, int] | None = None) -> torch.Tensor:
+    """One score per (query, passage) pair (float32) of a reranker's model: a one-output classifier's output, or, for
+    the yes/no form (`yes_no`: the two token ids), logit(yes) - logit(no) at the last position of a left-padded row."""
+    if yes_no is None:
+        return lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()[:, 0]
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1,
+                use_cache=False).logits[:, -1].float()
+    return logits[:, yes_no[0]] - logits[:, yes_no[1]]
+
+
 def load_reranker(folder: Path):
     """(the score of a batch of pairs, tokenizer, the yes/no form's prompt or None) of a reranker's folder as
     objective reranker writes it, with transformers (and peft, for an adapter) alone: a one-output sequence
     classifier, or a causal LM with a `1_LogitScore` (its prompt read back from the folder's chat template, which
     renders a pair as the template)."""
-    from hftrain.model import pad_token_id
-    from hftrain.objectives.reranker import RerankerLoss  # not at the top: the objectives import this module
-
     tokenizer = AutoTokenizer.from_pretrained(folder)
     logit_score = folder / "1_LogitScore" / "config.json"
     auto = AutoModelForCausalLM if logit_score.is_file() else AutoModelForSequenceClassification
@@ -300,12 +311,12 @@ def load_reranker(folder: Path):
     else:
         model = auto.from_pretrained(folder)
     if not logit_score.is_file():
-        return RerankerLoss(model.eval()).scores, tokenizer, None
+        return functools.partial(pair_score, model.eval()), tokenizer, None
     tokens = json.loads(logit_score.read_text(encoding="utf-8"))
-    scorer = RerankerLoss(model.eval(), (tokens["true_token_id"], tokens["false_token_id"]))
+    scorer = functools.partial(pair_score, model.eval(), yes_no=(tokens["true_token_id"], tokens["false_token_id"]))
     template = tokenizer.apply_chat_template([{"role": "query", "content": "{query}"},
                                               {"role": "document", "content": "{document}"}], tokenize=False)
-    return scorer.scores, tokenizer, template
+    return scorer, tokenizer, template
 
 
 @torch.no_grad()

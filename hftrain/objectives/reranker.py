@@ -48,7 +48,7 @@ from hftrain.errors import HftrainError
 from hftrain.model import build_tokenizer, pad_token_id
 from hftrain.objectives.base import Objective
 from hftrain.objectives.embedding import RowAccuracyLoss, retrieval_data
-from hftrain.retrieval_eval import RerankingEvaluation
+from hftrain.retrieval_eval import RerankingEvaluation, pair_score
 from hftrain.run_parts import DataRun, ModelRun, TrainRun
 
 YES_NO = ("yes", "no")
@@ -86,12 +86,7 @@ class RerankerLoss(RowAccuracyLoss):
 
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """One score per pair (float32): the classifier's output, or logit(yes) - logit(no) at the last position."""
-        if self.yes_no is None:
-            return self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()[:, 0]
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        logits = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         logits_to_keep=1, use_cache=False).logits[:, -1].float()
-        return logits[:, self.yes_no[0]] - logits[:, self.yes_no[1]]
+        return pair_score(self.lm, input_ids, attention_mask, self.yes_no)
 
     @property
     def loss_path(self) -> str:

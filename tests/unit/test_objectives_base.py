@@ -120,8 +120,7 @@ def test_every_hook_and_add_on_reads_only_the_fields_it_is_handed():
 
 
 PLANTED = '''\
-from hftrain.objectives.base import Objective
-from hftrain.run_parts import ModelRun, TrainRun
+from hftrain.objectives.base import Objective  # (ModelRun, TrainRun: hftrain.run_parts)
 
 
 class Planted(Objective):
