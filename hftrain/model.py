@@ -358,6 +358,8 @@ def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modu
     base_path = Path(recipe.model_name_or_path).expanduser()
     if base_path.is_dir():  # record a path that still finds the base from another working directory
         model.peft_config["default"].base_model_name_or_path = str(base_path.resolve())
+    if recipe.qat_scheme is not None:  # torchao's fake quantization of the frozen base, the adapters in full precision
+        notes.append(qat.prepare(model, recipe))
     if recipe.objective == "reward":
         given = f"modules_to_save {list(recipe.modules_to_save)} + " if recipe.modules_to_save else ""
         notes.append(f"LoRA on a reward model: {given}the score head trained whole (modules_to_save: score, as TRL "

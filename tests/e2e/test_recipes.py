@@ -26,12 +26,15 @@ pytestmark = pytest.mark.launch
 # recipes and their shipped data agree; tiny-distill.yaml's loss is a divergence to its teacher
 # (tests/e2e/test_distill.py asserts that it falls); tiny-grpo-async.yaml's reward rises in
 # tests/e2e/test_grpo_async.py; tiny-embedding.yaml's contrastive batches differ step to step
-# (tests/e2e/test_embedding.py asserts its held-out loss against chance), as it runs tiny-reranker.yaml
+# (tests/e2e/test_embedding.py asserts its held-out loss against chance), as it runs tiny-reranker.yaml;
+# tiny-qat-lora.yaml (LoRA falls slower than 0.5 in 8 steps) runs one step against plain PyTorch in
+# tests/e2e/test_qat_lora.py
 TINY_RECIPES = sorted(p.name for p in (REPO / "recipes").glob("tiny-*.yaml")
                       if p.name not in ("tiny-dpo.yaml", "tiny-orpo.yaml", "tiny-kto.yaml", "tiny-reward.yaml",
                                         "tiny-vlm.yaml", "tiny-vlm-dpo.yaml", "tiny-vlm-kto.yaml", "tiny-grpo.yaml",
                                         "tiny-tools-sft.yaml", "tiny-tools.yaml", "tiny-distill.yaml",
-                                        "tiny-grpo-async.yaml", "tiny-embedding.yaml", "tiny-reranker.yaml"))
+                                        "tiny-grpo-async.yaml", "tiny-embedding.yaml", "tiny-reranker.yaml",
+                                        "tiny-qat-lora.yaml"))
 
 
 def test_every_tiny_recipe_is_covered():
