@@ -91,8 +91,9 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
 
     fp8 (`fp8: true`, the recipe; `shape.float8_params` from `model_shape(..., fp8_recipe)`): only the layouts fp8 runs
     under (one GPU, DDP, FSDP2; full fine-tuning); bf16 autocast's weight copies are not made for the float8 layers
-    (Float8Linear casts its fp32 weight to float8 itself, one matmul at a time). Under FSDP2 the weights are gathered
-    in bf16 as without fp8 (torchao's float8 all-gather is not enabled). The activations saved are the same: a
+    (Float8Linear casts its fp32 weight to float8 itself, one matmul at a time). Under FSDP2 with tensorwise scaling the
+    float8 layers' weights are gathered in float8, 1 byte each (fp8_fsdp_all_gather, on by default; rowwise gathers
+    them in bf16): the two layers in flight hold that much less. The activations saved are the same: a
     Float8Linear keeps its bf16 input and its weight, and casts them again for backward.
 
     ep > 1 (a mixture-of-experts model): the expert-parallel row, transformers' layout (`ep_size`,
@@ -131,6 +132,8 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     bucket = 4 * n if g > 1 else 0  # DDP all-reduce buckets (a second copy of the gradients)
     unit = shape.largest_layer_params
     in_flight = 2 * unit * w16  # ZeRO-3 / FSDP: the two layers gathered for compute (with prefetch), 16-bit
+    # fp8 tensorwise under FSDP2: a layer's float8 weights gathered in float8 (1 byte; fp8_fsdp_all_gather)
+    float8_gathered = 2 * shape.float8_params / shape.layers * (w16 - 1) if fp8 == "tensorwise" else 0
 
     def row(strategy, preset, state, placement, weights=0.0, grads=0.0, method="full", copies=4, note="", acts=None):
         """A strategy's row: `state` placed by `placement`, plus what it holds beyond the model state (`weights`,
@@ -145,7 +148,7 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
         rows += [
             row("ZeRO-1", "zero1", zero_state, zero(1, g), copies=w16),
             row("ZeRO-2", "zero2", zero_state, zero(2, g), copies=w16),
-            row("FSDP full shard", "fsdp2", fp32, fsdp(g), weights=in_flight, grads=unit * 4),
+            row("FSDP full shard", "fsdp2", fp32, fsdp(g), weights=in_flight - float8_gathered, grads=unit * 4),
             row("ZeRO-3", "zero3", zero_state, zero(3, g), weights=in_flight, copies=w16),
         ]
         if sp > 1 and ulysses_splits(shape.heads, shape.kv_heads, sp):
