@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a file: import the package, not sibling 
 import torch
 from accelerate.utils import set_seed
 
-from hftrain import attention, card, checkpoint, qat
+from hftrain import attention, card, checkpoint, fp8, qat
 from hftrain.config import PRESET_DIR, Recipe, load_recipe, read_yaml, unused_settings
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.data.feeds import TrainingData, setup_examples
@@ -171,7 +171,8 @@ class Finetune:
         load_kwargs = self.backend.model_load_kwargs()
         if self.attention is not None:  # the recipe's, or varlen chosen for packed rows (preflight.attention_choice)
             load_kwargs = {**load_kwargs, "attn_implementation": self.attention}
-        return build_model(self.recipe, load_kwargs, self.backend.layers_to_load(layers) if layers else None)
+        return build_model(self.recipe, load_kwargs, self.backend.layers_to_load(layers) if layers else None,
+                           fp8.float8_all_gather(self.recipe, self.backend.record.kind))
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:

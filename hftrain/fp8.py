@@ -9,6 +9,8 @@ dimensions built on the meta device.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -40,15 +42,35 @@ def float8_layers(model: nn.Module, recipe_name: str) -> tuple[list[str], list[s
     return [n for n, m in linears if keep(m, n)], [n for n, m in linears if not keep(m, n)]
 
 
-def convert(model: nn.Module, recipe: Recipe) -> str:
-    """torchao's convert_to_float8_training on the chosen layers, in place; returns the start-up line."""
+def float8_all_gather(recipe: Recipe, launch_kind: str) -> bool:
+    """Whether FSDP2 gathers the float8 layers' weights in float8: fp8 under FSDP2 with the tensorwise recipe (the only
+    one torchao's float8 all-gather supports), as `fp8_fsdp_all_gather` asks."""
+    return recipe.fp8 and recipe.fp8_fsdp_all_gather and recipe.fp8_recipe == "tensorwise" and launch_kind == "fsdp2"
+
+
+def convert(model: nn.Module, recipe: Recipe, all_gather: bool = False) -> str:
+    """torchao's convert_to_float8_training on the chosen layers, in place; returns the start-up line. `all_gather`
+    (`float8_all_gather`): their weights become torchao's WeightWithDynamicFloat8CastTensor, which FSDP2 gathers in
+    float8 (`enable_fsdp_float8_all_gather`); `precompute_scales_after_step` then keeps their scales."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     chosen, kept = float8_layers(model, recipe.fp8_recipe)
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe.fp8_recipe),
-                               module_filter_fn=layer_filter(model, recipe.fp8_recipe))
+    config = Float8LinearConfig.from_recipe_name(recipe.fp8_recipe)
+    if all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=layer_filter(model, recipe.fp8_recipe))
+    gathered = "; FSDP2 gathers their weights in float8" if all_gather else ""
     return (f"fp8 {recipe.fp8_recipe} (torchao float8): {len(chosen)} linear layers in float8, {len(kept)} kept in "
-            f"high precision (the head and those too small or not multiples of 16)")
+            f"high precision (the head and those too small or not multiples of 16){gathered}")
+
+
+def precompute_scales_after_step(optimizer: torch.optim.Optimizer, model: nn.Module):
+    """After each step of `optimizer`, torchao's precompute_float8_dynamic_scale_for_fsdp on `model`: the float8 scale
+    of every weight FSDP2 gathers in float8, from the updated shards in one all-reduce (torchao's float8 all-gather
+    needs it after the optimizer step). Returns the hook's handle."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    return optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
 
 
 def preflight_problems(recipe: Recipe, cuda: bool, capability: tuple[int, int] | None, launch_kind: str) -> list[str]:

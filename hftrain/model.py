@@ -278,7 +278,8 @@ def liger_fused_linear_cross_entropy() -> nn.Module:
     return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def build_full_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set[int] | None = None) -> nn.Module:
+def build_full_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set[int] | None = None,
+                     float8_all_gather: bool = False) -> nn.Module:
     """The causal LM with every parameter trainable (full fine-tuning); an image-text model's vision tower and
     projector stay frozen as the recipe says (hftrain.vision). `layers`: the decoder layers to read (the others stay
     on the meta device), or all."""
@@ -288,7 +289,7 @@ def build_full_model(recipe: Recipe, load_kwargs: dict | None = None, layers: se
     if recipe.qat_scheme is not None:  # torchao's fake quantization, before the optimizer sees the parameters
         model.hftrain_notes = [*getattr(model, "hftrain_notes", []), qat.prepare(model, recipe)]
     if recipe.fp8:  # torchao's float8 linear layers (CUDA >= 8.9: the preflight refused the rest)
-        model.hftrain_notes = [*getattr(model, "hftrain_notes", []), fp8.convert(model, recipe)]
+        model.hftrain_notes = [*getattr(model, "hftrain_notes", []), fp8.convert(model, recipe, float8_all_gather)]
     if recipe.gradient_checkpointing:
         enable_activation_checkpointing(model)
     return model
@@ -372,6 +373,8 @@ def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modu
     base_path = Path(recipe.model_name_or_path).expanduser()
     if base_path.is_dir():  # record a path that still finds the base from another working directory
         model.peft_config["default"].base_model_name_or_path = str(base_path.resolve())
+    if recipe.qat_scheme is not None:  # torchao's fake quantization of the frozen base, the adapters in full precision
+        notes.append(qat.prepare(model, recipe))
     if recipe.objective == "reward":
         given = f"modules_to_save {list(recipe.modules_to_save)} + " if recipe.modules_to_save else ""
         notes.append(f"LoRA on a reward model: {given}the score head trained whole (modules_to_save: score, as TRL "
@@ -380,7 +383,8 @@ def build_peft_model(recipe: Recipe, load_kwargs: dict | None = None) -> nn.Modu
     return model
 
 
-def build_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set[int] | None = None) -> nn.Module:
+def build_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set[int] | None = None,
+                float8_all_gather: bool = False) -> nn.Module:
     """The builder chosen by the recipe's fine-tuning method: full fine-tuning or (Q)LoRA / DoRA, then compiled
     block by block when the recipe asks for it. `load_kwargs`: extra from_pretrained arguments of the parallelism
     backend; `layers`: the decoder layers this process reads (a pipeline stage's; full fine-tuning only: peft
@@ -389,7 +393,7 @@ def build_model(recipe: Recipe, load_kwargs: dict | None = None, layers: set[int
     if recipe.use_peft and layers is not None:
         raise HftrainError("a per-stage load (layers) is for full fine-tuning; LoRA loads every layer")
     model = build_peft_model(recipe, load_kwargs or {}) if recipe.use_peft else \
-        build_full_model(recipe, load_kwargs or {}, layers)
+        build_full_model(recipe, load_kwargs or {}, layers, float8_all_gather)
     if recipe.torch_compile:
         compile_blocks(model, recipe.torch_compile_mode)
     return model

@@ -9,6 +9,14 @@ so `AutoModelForCausalLM.from_pretrained` loads it quantized, torchao installed)
 Both schemes quantize the weights to int4 per group of `qat_group_size` input features, symmetric, one scale per
 group (torchao's IntxUnpackedToInt8Tensor: plain PyTorch, CPU and CUDA); int8_dynamic_activation_int4_weight also
 quantizes each token's activations to int8 (asymmetric) at run time. Checked on torchao 0.18.0 with torch 2.13.
+
+With LoRA (`use_peft`), as torchtune's QAT + LoRA recipe and unsloth's peft integration do it: the same prepare step
+after peft added its adapters, on the frozen base only (each adapted layer's `base_layer`, which becomes
+FakeQuantizedLinear inside peft's lora.Linear, and the linear layers without an adapter), so a layer computes
+F.linear(fq(x), fq(W)) + scaling x B A x, the adapters' path in full precision. final/ is the adapter;
+final-quantized/ is the base with the adapter merged (hftrain.merge: W + scaling x B A, in float32), then converted
+as above: the served weight is the rounding of the merged weight, within one rounding step of what training
+computed (fq(W) + scaling x B A), not equal to it.
 """
 
 from __future__ import annotations
@@ -53,28 +61,38 @@ def base_config(scheme: str, group_size: int):
     raise ValueError(f"qat_scheme {scheme!r} is not one of {QAT_SCHEMES}")
 
 
+def adapter_layer(name: str) -> bool:
+    """Whether the module named `name` is (inside) one of peft's LoRA adapters (lora_A, lora_B...)."""
+    return ".lora_" in f".{name}"
+
+
 def quantized_layer(model: nn.Module):
     """The filter of the layers quantized: every nn.Linear but the output head (transformers' TorchAoConfig leaves
     the input and output embeddings unquantized by default; the prepare step must fake-quantize what the conversion
-    quantizes, no more)."""
+    quantizes, no more) and, under peft, but the LoRA adapters (they train in full precision)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    heads = {id(head), id(getattr(head, "base_layer", head))}
 
     def chosen(module: nn.Module, name: str) -> bool:
-        return isinstance(module, nn.Linear) and module is not head
+        return isinstance(module, nn.Linear) and id(module) not in heads and not adapter_layer(name)
     return chosen
 
 
 def prepare(model: nn.Module, recipe: Recipe) -> str:
-    """Fake-quantize `model`'s layers in place (torchao's QAT prepare step); returns the start-up line."""
+    """Fake-quantize `model`'s layers in place (torchao's QAT prepare step; under peft the frozen base's layers);
+    returns the start-up line."""
     with quiet_torchao():
         from torchao.quantization import quantize_
         from torchao.quantization.qat import FakeQuantizedLinear, QATConfig
     config = base_config(recipe.qat_scheme, recipe.qat_group_size)
     quantize_(model, QATConfig(config, step="prepare"), filter_fn=quantized_layer(model))
     prepared = sum(isinstance(m, FakeQuantizedLinear) for m in model.modules())
-    return (f"qat {recipe.qat_scheme} (torchao, int4 weight groups of {recipe.qat_group_size}): {prepared} linear "
-            f"layers fake-quantized, the head and embeddings in full precision; final/ unconverted, "
-            f"{QUANTIZED_DIR}/ converted")
+    what = (f"{prepared} frozen base linear layers fake-quantized (the LoRA adapters in full precision)"
+            if recipe.use_peft else f"{prepared} linear layers fake-quantized")
+    saved = "final/ the adapter, {q}/ the base with the adapter merged, converted" if recipe.use_peft else \
+        "final/ unconverted, {q}/ converted"
+    return (f"qat {recipe.qat_scheme} (torchao, int4 weight groups of {recipe.qat_group_size}): {what}, the head and "
+            f"embeddings in full precision; {saved.format(q=QUANTIZED_DIR)}")
 
 
 def convert(model: nn.Module, recipe: Recipe) -> nn.Module:
@@ -88,15 +106,26 @@ def convert(model: nn.Module, recipe: Recipe) -> nn.Module:
 
 
 def save_quantized(recipe: Recipe, final_dir: Path, folder: Path, tokenizer) -> Path:
-    """final-quantized/: the trained final/ loaded by transformers with TorchAoConfig of the scheme (quantized while
-    loading) and saved with its tokenizer; written to a temporary folder and renamed when complete."""
-    tmp = folder.with_name(f".tmp-{folder.name}")
+    """final-quantized/: the trained final/ (an adapter: merged into its base first, by hftrain.merge) loaded by
+    transformers with TorchAoConfig of the scheme (quantized while loading) and saved with its tokenizer; written to
+    a temporary folder and renamed when complete."""
+    tmp, merged = folder.with_name(f".tmp-{folder.name}"), folder.with_name(f".tmp-merged-{folder.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    with quiet_torchao():
-        quantized = AutoModelForCausalLM.from_pretrained(
-            final_dir, dtype=getattr(torch, recipe.dtype),
-            quantization_config=TorchAoConfig(base_config(recipe.qat_scheme, recipe.qat_group_size)))
-        quantized.save_pretrained(tmp)
+    shutil.rmtree(merged, ignore_errors=True)
+    source = final_dir
+    if recipe.use_peft:
+        from hftrain.merge import merge  # hftrain.merge imports hftrain.model, which imports this module
+
+        merge(final_dir, merged)
+        source = merged
+    try:
+        with quiet_torchao():
+            quantized = AutoModelForCausalLM.from_pretrained(
+                source, dtype=getattr(torch, recipe.dtype),
+                quantization_config=TorchAoConfig(base_config(recipe.qat_scheme, recipe.qat_group_size)))
+            quantized.save_pretrained(tmp)
+    finally:
+        shutil.rmtree(merged, ignore_errors=True)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)

@@ -27,8 +27,9 @@ numbers measured, the bound they are held to, and the exit status of the process
   uninterrupted run) and pipeline parallelism's refusal on one process;
 - fp8: `fp8: true` refused on a machine without float8 tensor cores (the dry run's CPU); on the GPU, tokens/s and
   peak memory of bf16 against torchao float8 (tensorwise, rowwise) training steps of a 2-layer Llama-3-8B-shaped
-  model in the same call, compiled, with the layers hftrain.fp8 chooses (needs torchao: not in the image, add
-  torchao 0.18.0 to scripts/gpu_bundle.json first).
+  model in the same call, compiled, with the layers hftrain.fp8 chooses, then FSDP2's float8 all-gather on one
+  process (the weights hftrain converts for it, the scales its optimizer hook recomputes, against float8 max / max
+  |w|) (needs torchao: not in the image, add torchao 0.18.0 to scripts/gpu_bundle.json first).
 
 Each part fits one device call of at most 10 minutes (throughput with its contenders split over two calls,
 --contenders); results are rewritten after every check into OUT/gpu_proof.json and OUT/gpu_proof.md, so a call
@@ -44,6 +45,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
@@ -959,6 +961,57 @@ def fp8_steps(precision: str, batch: int = 4, length: int = 2048, warmup: int = 
     return result
 
 
+def fsdp2_float8_all_gather(steps: int = 3, batch: int = 2, length: int = 1024) -> dict:
+    """One-process FSDP2 (nccl) over a FP8_SHAPE Llama converted as hftrain converts it under FSDP2 (tensorwise, the
+    float8 all-gather on: `fp8.convert(..., all_gather=True)`), each decoder layer and the root sharded, the scales
+    recomputed by hftrain's optimizer hook (`fp8.precompute_scales_after_step`): a few AdamW steps; after them every
+    float8-gathered weight's scale against float8 max / max |w| of its updated weight."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hftrain import fp8
+    from hftrain.config import Recipe
+
+    store = tempfile.mkdtemp(prefix="fp8-fsdp2-")
+    dist.init_process_group("nccl", init_method=f"file://{store}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**FP8_SHAPE)).cuda()
+        note = fp8.convert(model, Recipe(fp8=True, fp8_recipe="tensorwise", bf16=True), all_gather=True)
+        mesh = init_device_mesh("cuda", (1,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        fp8.precompute_scales_after_step(optimizer, model)
+        ids = torch.randint(0, FP8_SHAPE["vocab_size"], (batch, length), device="cuda")
+        torch.cuda.synchronize()
+        start = time.time()
+        for _ in range(steps):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        seconds = time.time() - start
+        worst, gathered = 0.0, 0
+        for module in model.modules():
+            local = getattr(getattr(module, "weight", None), "_local_tensor", None)
+            if isinstance(local, WeightWithDynamicFloat8CastTensor):
+                gathered += 1
+                expected = torch.finfo(torch.float8_e4m3fn).max / module.weight.full_tensor().abs().max().double()
+                worst = max(worst, abs(float(local._precomputed_scale) / float(expected) - 1))
+        return {"loss": loss.item(), "gathered_in_float8": gathered, "worst_scale_rel_error": worst,
+                "tokens_per_second": batch * length * steps / seconds, "layers": note}
+    finally:
+        dist.destroy_process_group()
+
+
 def part_fp8(report: Report, mode: Mode) -> None:
     """fp8: the refusal where float8 cannot run, then (CUDA, compute capability >= 8.9) bf16 against float8."""
     data = text8(mode)
@@ -1005,6 +1058,15 @@ def part_fp8(report: Report, mode: Mode) -> None:
                          detail="torchtitan reports float8 ~1.2-1.3x over compiled bf16 on H100 at larger shapes",
                          numbers={"tokens_ratio": speed, "memory_ratio": memory})
         timed(report, "fp8", f"{precision} against bf16", versus)
+
+    def all_gather() -> Check:
+        row = fsdp2_float8_all_gather()
+        ok = row["gathered_in_float8"] == 10 and row["worst_scale_rel_error"] < 1e-6 and math.isfinite(row["loss"])
+        return Check("", "", "pass" if ok else "FAIL", measured=f"{row['gathered_in_float8']} weights gathered in "
+                     f"float8, scales within {row['worst_scale_rel_error']:.1e}, loss {row['loss']:.3f}",
+                     bound="the 10 float8 layers (q o gate up down x 2), scales = float8 max / max |w|",
+                     detail=row["layers"], numbers=row)
+    timed(report, "fp8", "FSDP2 float8 all-gather (one process): scales recomputed after each step", all_gather)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,3 +39,34 @@ def backward_floor_bytes(s: ModelShape, batch: int, seq: int, compute_bytes: int
     (saved, or recomputed under checkpointing) and the gradients flowing through its MLP."""
     tokens = batch * seq
     return layer_activation_bytes(s, tokens, compute_bytes, residual_bytes) + 2 * tokens * s.intermediate * 4
+
+
+def qat_layer_bytes(s: ModelShape, tokens: int, scheme: str, group: int, mixed: bool, trained: bool) -> float:
+    """Bytes torchao's fake quantization (`qat_scheme`, torchao 0.18) adds to what one Llama-style decoder layer (q, k,
+    v, o, gate, up, down) saves for backward, per micro-batch of `tokens`; `mixed`: bf16 autocast, `trained`: the
+    base weights train (full fine-tuning; False: LoRA's frozen base).
+
+    A trained weight's fake quantization keeps its grouped values and two scale-sized tensors (4 + 8 / group bytes per
+    weight), and the matmul keeps the fake-quantized weight (in fp32: 4 more bytes; under autocast its bf16 copy,
+    which stands for the bf16 copy of the weight the plain layer keeps). A frozen weight keeps only the matmul's copy
+    of it (fp32: 4 bytes; autocast: none extra). int8_dynamic_activation_int4_weight also fake-quantizes each linear
+    layer's input: an intermediate of the input's size and dtype (4 bytes a value; under autocast o's and down's
+    inputs are bf16 matmul outputs: 2), and a scale and zero point per token (8 bytes; 4 for a bf16 input); in fp32
+    with trained weights the matmul also keeps fq(x) in place of the input it kept. Counted from autograd's saved
+    tensors (tests/unit/test_estimate_quantized.py measures them on a real decoder layer)."""
+    weights = s.layer_linear_params / s.layers
+    if trained:
+        per_weight = (4 if mixed else 8) + 8 / group
+    else:
+        per_weight = 0 if mixed else 4
+    extra = weights * per_weight
+    if scheme == "int8_dynamic_activation_int4_weight":
+        h, o_in, i = s.hidden, s.heads * (s.kv_dim // s.kv_heads), s.intermediate
+        if mixed:  # q k v gate up read the fp32 norm outputs (4 bytes a value), o and down bf16 matmul outputs (2)
+            per_token = 4 * 5 * h + 2 * (o_in + i) + 5 * 8 + 2 * 4
+        elif trained:  # 8 bytes per input value, less the 4 of each distinct input the plain matmuls kept
+            per_token = 8 * (5 * h + o_in + i) - 4 * (2 * h + o_in + i) + 7 * 8
+        else:
+            per_token = 4 * (5 * h + o_in + i) + 7 * 8
+        extra += tokens * per_token
+    return extra

@@ -11,6 +11,8 @@ from hftrain.estimate.layouts import DEFAULT_GLOBAL_BATCH, format_layouts, layou
 from hftrain.estimate.pipeline import format_pipeline
 from hftrain.estimate.shape import model_shape
 from hftrain.estimate.strategies import Plan, estimate, recommend, sequence_parallel_hint, token_budget_line
+from hftrain.fields.fp8 import FP8_RECIPES
+from hftrain.fields.qat import QAT_SCHEMES
 from hftrain.memory import GIB
 from hftrain.options import Parser, add_switch
 from hftrain.stages import STAGES_PER_PROCESS
@@ -24,7 +26,10 @@ def format_plan(plan: Plan, gpu_memory_gib: float, method: str, planned_tokens: 
         f"{s.name}: {s.architecture}, {s.params / 1e9:.3f}B parameters{active} ({s.layers} layers, hidden {s.hidden}, "
         f"vocab {s.vocab}); {plan.gpus} GPU(s) x {gpu_memory_gib:g} GiB; micro-batch {plan.batch} x {plan.seq} "
         f"tokens per GPU; {'bf16 mixed precision' if plan.precision == 'bf16' else 'fp32'}, "
-        f"{'Muon + AdamW' if plan.optim == 'muon' else 'AdamW'}.",
+        f"{'Muon + AdamW' if plan.optim == 'muon' else 'AdamW'}"
+        + (f"; qat_scheme {plan.qat[0]} (groups of {plan.qat[1]})" if plan.qat else "")
+        + (f"; fp8 {plan.fp8} ({s.float8_params / 1e9:.3f}B weights in float8 linear layers)" if plan.fp8 else "")
+        + ".",
         "GiB per GPU. peak = weights + optimizer + max(activations, grads); ckpt = with gradient checkpointing.",
         "",
         f"{'strategy':<42} {'preset':<14} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} "
@@ -51,7 +56,7 @@ def format_plan(plan: Plan, gpu_memory_gib: float, method: str, planned_tokens: 
     if (plan.pp > 1 or plan.tp > 1) and method == "full":
         lines += format_pipeline(s, plan.pp, plan.pp_schedule, plan.pp_microbatches, plan.batch, plan.seq,
                                  plan.precision, plan.gpus, gpu_memory_gib, plan.tp)
-    hint = sequence_parallel_hint(plan, gpu_memory_gib) if method == "full" else None
+    hint = sequence_parallel_hint(plan, gpu_memory_gib) if method == "full" and not (plan.qat or plan.fp8) else None
     if hint:
         lines.append(hint)
     lines.append(token_budget_line(s.params, planned_tokens))
@@ -80,6 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optim", choices=("adamw", "muon"), default="adamw",
                         help="adamw (two fp32 moments per parameter) or muon (optim: muon: one momentum buffer for "
                         "the hidden matrices, AdamW's moments for the rest; one GPU or DDP only).")
+    parser.add_argument("--qat_scheme", choices=QAT_SCHEMES, default=None,
+                        help="Quantization-aware training (recipe qat_scheme): adds what torchao's fake quantization "
+                        "saves for backward (full fine-tuning: the fake-quantized weights' intermediates, ~4 bytes "
+                        "per weight in bf16; int8 activations: each linear layer's quantized input); one GPU or DDP, "
+                        "full fine-tuning or --lora.")
+    parser.add_argument("--qat_group_size", type=int, default=32, help="--qat_scheme: weights per int4 scale.")
+    parser.add_argument("--fp8", choices=FP8_RECIPES, default=None,
+                        help="FP8 training with this torchao recipe (recipe fp8: true, fp8_recipe): the float8 layers "
+                        "hftrain.fp8 chooses keep no bf16 autocast copy of their weights; one GPU, DDP or FSDP2, "
+                        "full fine-tuning (needs torchao to choose the layers).")
     parser.add_argument("--seq", type=int, default=2048, help="Tokens per sequence (max_length).")
     parser.add_argument("--batch", type=int, default=1, help="Sequences per GPU per micro-batch.")
     parser.add_argument("--sp", type=int, default=1,
@@ -173,12 +188,26 @@ def print_plan(args: argparse.Namespace) -> None:
         problems.append("--optim muon runs on one GPU or under DDP with full fine-tuning (hftrain refuses it with "
                         "LoRA and with layouts that split the weight matrices); drop --lora/--qlora, --nodes, --sp, "
                         "--ep, --pp and --tp")
+    split = cluster or args.sp > 1 or args.ep > 1 or args.pp > 1 or args.tp > 1
+    if args.qat_scheme and split:
+        problems.append("--qat_scheme runs on one GPU or under DDP (hftrain refuses it with sharded or split "
+                        "layouts); drop --nodes, --sp, --ep, --pp and --tp")
+    if args.qat_scheme and args.qlora:
+        problems.append("--qat_scheme with --qlora is refused (the base would be rounded by bitsandbytes before the "
+                        "fake quantization); use --lora")
+    if args.qat_scheme and (args.qat_group_size < 1 or args.qat_group_size & (args.qat_group_size - 1)):
+        problems.append(f"--qat_group_size must be a power of two >= 1, got {args.qat_group_size}")
+    if args.fp8 and (args.lora or args.qlora or split):
+        problems.append("--fp8 trains full fine-tuning on one GPU, under DDP or FSDP2 (hftrain refuses it with LoRA "
+                        "and with split layouts); drop --lora/--qlora, --nodes, --sp, --ep, --pp and --tp")
+    if args.fp8 and args.qat_scheme:
+        problems.append("--fp8 and --qat_scheme both replace the linear layers (hftrain refuses the pair); choose one")
     if args.precompute_ref_log_probs and args.objective not in ("dpo", "kto"):
         problems.append(f"--precompute_ref_log_probs precomputes dpo's or kto's reference, but --objective is "
                         f"{args.objective}")
     if problems:
         raise ConfigError(problems, "estimate arguments")
-    shape = model_shape(args.model, args.trust_remote_code, reward=args.objective == "reward")
+    shape = model_shape(args.model, args.trust_remote_code, reward=args.objective == "reward", fp8_recipe=args.fp8)
     teacher = model_shape(args.teacher, args.trust_remote_code) if args.teacher else None
     problems = layout_problems(shape, args.tp, args.pp, args.pp_schedule)
     if args.ep > 1 and (shape.experts is None or shape.experts % args.ep):
@@ -188,7 +217,8 @@ def print_plan(args: argparse.Namespace) -> None:
     if problems:
         raise ConfigError(problems, "estimate arguments")
     plan = estimate(shape, args.gpus, args.batch, args.seq, args.precision, args.lora_r, args.objective, args.sp,
-                    args.ep, teacher, args.precompute_ref_log_probs, args.optim)
+                    args.ep, teacher, args.precompute_ref_log_probs, args.optim,
+                    (args.qat_scheme, args.qat_group_size) if args.qat_scheme else None, args.fp8)
     if args.pp > 1 or args.tp > 1:
         stages = args.pp * STAGES_PER_PROCESS[args.pp_schedule]
         plan.pp, plan.pp_schedule, plan.tp = args.pp, args.pp_schedule, args.tp

@@ -21,6 +21,7 @@ from transformers.distributed.tensor_parallel import (
 from hftrain import hub
 from hftrain.compat.transformers import expanded_parallel_plan
 from hftrain.errors import HftrainError, first_line
+from hftrain.fp8 import float8_layers
 from hftrain.metrics import active_expert_fraction, num_experts
 
 # transformers >= 5.21 gives embeddings a style of their own (EmbeddingParallel, its `shard_dim`); before, none: it
@@ -60,6 +61,7 @@ class ModelShape:
     experts: int | None = None  # mixture-of-experts: experts per MoE layer (parallel/expert.py reads the config)
     layer_expert_params: int = 0  # the expert weights of the largest decoder layer (what --ep splits)
     scores: bool = False  # a reward model (objective reward): a one-output score head, no vocabulary logits
+    float8_params: int = 0  # fp8: weights of the linear layers hftrain.fp8 converts for the recipe asked (or 0)
 
     @property
     def logit_width(self) -> int:
@@ -73,10 +75,12 @@ def ulysses_splits(heads: int, kv_heads: int, sp: int) -> bool:
     return heads % sp == 0 and (kv_heads % sp == 0 or sp % kv_heads == 0)
 
 
-def model_shape(model: str, trust_remote_code: bool = False, reward: bool = False) -> ModelShape:
+def model_shape(model: str, trust_remote_code: bool = False, reward: bool = False,
+                fp8_recipe: str | None = None) -> ModelShape:
     """Read `model`'s config (local folder or hub id) and count its parameters on the meta device. `reward`: as
     objective reward builds it (AutoModelForSequenceClassification, one output: the causal LM's head replaced by a
-    hidden -> 1 score head)."""
+    hidden -> 1 score head). `fp8_recipe`: also count the weights fp8 converts to float8 for it (hftrain.fp8's
+    choice, torchao's rule: needs torchao)."""
     hub.reach("the config of model", model)
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
@@ -103,6 +107,7 @@ def model_shape(model: str, trust_remote_code: bool = False, reward: bool = Fals
     largest = max(layers, key=lambda layer: sum(p.numel() for p in layer.parameters()))
     head_module = out if out is not None else inp
     pp_plan = getattr(config, "base_model_pp_plan", None) or {}
+    float8 = set(float8_layers(lm, fp8_recipe)[0]) if fp8_recipe else set()
     linears = [m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -125,6 +130,7 @@ def model_shape(model: str, trust_remote_code: bool = False, reward: bool = Fals
         head_tp=split.get(f"{names[id(head_module)]}.weight", (head_module.weight.numel(), 0)),
         tp_plan=bool(split), tp_unmodelled=unmodelled, scores=reward, experts=num_experts(config),
         layer_expert_params=sum(p.numel() for name, p in largest.named_parameters() if ".experts." in f".{name}"),
+        float8_params=sum(m.weight.numel() for name, m in lm.named_modules() if name in float8),
     )
 
 

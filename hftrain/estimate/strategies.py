@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hftrain.estimate.activations import activation_bytes, backward_floor_bytes
+from hftrain.estimate.activations import activation_bytes, backward_floor_bytes, qat_layer_bytes
 from hftrain.estimate.budget import usable_bytes
 from hftrain.estimate.shape import ModelShape, ulysses_splits
 from hftrain.memory import (
@@ -69,16 +69,32 @@ class Plan:
     pp_microbatches: int = 1
     tp: int = 1  # --tp: tensor parallel inside each stage (or alone), in the per-stage lines
     optim: str = "adamw"  # --optim
+    qat: tuple[str, int] | None = None  # --qat_scheme, --qat_group_size
+    fp8: str | None = None  # --fp8 (its recipe)
 
 
 def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str = "bf16", lora_r: int = 16,
              objective: str = "sft", sp: int = 1, ep: int = 1, teacher: ModelShape | None = None,
-             precompute_ref: bool = False, optim: str = "adamw") -> Plan:
+             precompute_ref: bool = False, optim: str = "adamw", qat: tuple[str, int] | None = None,
+             fp8: str | None = None) -> Plan:
     """Memory per GPU for every strategy (bytes).
 
     optim muon (`optim: muon`): Muon keeps one fp32 momentum buffer (4 bytes) per parameter of the decoder layers'
     linear weights (the hidden matrices) and AdamW its two moments (8 bytes) for the rest; only the rows muon runs
     under are kept (one GPU and DDP, full fine-tuning: the sharded strategies and LoRA refuse it).
+
+    qat (`qat_scheme`, (scheme, group size)): only the layouts QAT runs under (one GPU or DDP, full fine-tuning or
+    LoRA); each decoder layer saves what torchao's fake quantization keeps for backward besides
+    (`qat_layer_bytes`: for full fine-tuning the fake-quantized weights' intermediates, ~4 bytes per weight under
+    bf16; with int8 activations also each linear layer's quantized input), under gradient checkpointing only the
+    recomputed layer's.
+
+    fp8 (`fp8: true`, the recipe; `shape.float8_params` from `model_shape(..., fp8_recipe)`): only the layouts fp8 runs
+    under (one GPU, DDP, FSDP2; full fine-tuning); bf16 autocast's weight copies are not made for the float8 layers
+    (Float8Linear casts its fp32 weight to float8 itself, one matmul at a time). Under FSDP2 with tensorwise scaling the
+    float8 layers' weights are gathered in float8, 1 byte each (fp8_fsdp_all_gather, on by default; rowwise gathers
+    them in bf16): the two layers in flight hold that much less. The activations saved are the same: a
+    Float8Linear keeps its bf16 input and its weight, and casts them again for backward.
 
     ep > 1 (a mixture-of-experts model): the expert-parallel row, transformers' layout (`ep_size`,
     parallel/expert.py): the dense weights FSDP2-sharded over every GPU, each GPU's experts (1/ep of each layer's)
@@ -112,10 +128,12 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     fp32 = ModelState.of(n, n, 4, state)  # DDP and FSDP: fp32 weights and gradients, the optimizer's state
     w16, master = deepspeed_bytes(4, ADAMW_BYTES, mixed)  # ZeRO: 16-bit weights, fp32 master weights in the state
     zero_state = ModelState.of(n, n, w16, master)
-    autocast_copy = 2 * n if mixed else 0  # bf16 weight copies autocast keeps for the forward
+    autocast_copy = 2 * (n - (shape.float8_params if fp8 else 0)) if mixed else 0  # bf16 copies autocast keeps
     bucket = 4 * n if g > 1 else 0  # DDP all-reduce buckets (a second copy of the gradients)
     unit = shape.largest_layer_params
     in_flight = 2 * unit * w16  # ZeRO-3 / FSDP: the two layers gathered for compute (with prefetch), 16-bit
+    # fp8 tensorwise under FSDP2: a layer's float8 weights gathered in float8 (1 byte; fp8_fsdp_all_gather)
+    float8_gathered = 2 * shape.float8_params / shape.layers * (w16 - 1) if fp8 == "tensorwise" else 0
 
     def row(strategy, preset, state, placement, weights=0.0, grads=0.0, method="full", copies=4, note="", acts=None):
         """A strategy's row: `state` placed by `placement`, plus what it holds beyond the model state (`weights`,
@@ -130,7 +148,7 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
         rows += [
             row("ZeRO-1", "zero1", zero_state, zero(1, g), copies=w16),
             row("ZeRO-2", "zero2", zero_state, zero(2, g), copies=w16),
-            row("FSDP full shard", "fsdp2", fp32, fsdp(g), weights=in_flight, grads=unit * 4),
+            row("FSDP full shard", "fsdp2", fp32, fsdp(g), weights=in_flight - float8_gathered, grads=unit * 4),
             row("ZeRO-3", "zero3", zero_state, zero(3, g), weights=in_flight, copies=w16),
         ]
         if sp > 1 and ulysses_splits(shape.heads, shape.kv_heads, sp):
@@ -179,6 +197,15 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     ]
     if optim == "muon":  # the one layout muon runs under
         rows = rows[:1]
+    if qat is not None:  # one GPU or DDP, full fine-tuning or LoRA; the fake quantization's saved tensors added
+        rows = [r for r in rows if r.strategy in ("single GPU", "DDP") or r.method == "lora"]
+        for r in rows:
+            extra = qat_layer_bytes(shape, rows_per_step * seq, *qat, mixed, r.method == "full")
+            r.activations += shape.layers * extra
+            r.activations_ckpt += extra
+            r.backward_floor += extra
+    if fp8 is not None:  # full fine-tuning on one GPU, DDP or FSDP2
+        rows = [r for r in rows if r.strategy in ("single GPU", "DDP", "FSDP full shard")]
     if objective in ("dpo", "kto") and not precompute_ref:  # full fine-tuning's frozen reference; LoRA's: adapters off
         for r in rows:
             if r.method == "full":
@@ -189,7 +216,7 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
         for r in rows:
             r.add_frozen(t, r.copy_bytes)
             r.note = "; ".join(filter(None, [r.note, f"with the {t / 1e9:,.2f}B-parameter teacher"]))
-    return Plan(shape, gpus, batch, seq, precision, lora_r, rows, sp, optim=optim)
+    return Plan(shape, gpus, batch, seq, precision, lora_r, rows, sp, optim=optim, qat=qat, fp8=fp8)
 
 
 def sequence_parallel_hint(plan: Plan, gpu_memory_gib: float, objective: str = "sft") -> str | None:

@@ -24,6 +24,13 @@ class FP8Fields:
         "tensorwise", "fp8: torchao's float8 recipe: tensorwise (one dynamic scale per tensor, the fastest) or "
         "rowwise (a scale per row, more accurate).", group="training", choices=FP8_RECIPES,
     )
+    fp8_fsdp_all_gather: bool = _f(
+        True, "fp8 under FSDP2 with fp8_recipe tensorwise: gather the float8 layers' weight shards in float8 (1 byte a "
+        "weight instead of bf16's 2: half their all-gather traffic and gathered memory), torchao's "
+        "enable_fsdp_float8_all_gather, the scales of all such weights computed in one all-reduce after each optimizer "
+        "step (precompute_float8_dynamic_scale_for_fsdp). torchao supports it for tensorwise scaling only: rowwise, "
+        "one process, DDP gather nothing in float8. The start-up line says whether it is on.", group="training",
+    )
 
 
 def problems(r) -> list[str]:

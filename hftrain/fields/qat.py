@@ -22,7 +22,9 @@ class QATFields:
         "post-training config of the scheme, which transformers loads through TorchAoConfig). int4_weight_only: int4 "
         "weights in groups of qat_group_size (IntxWeightOnlyConfig); int8_dynamic_activation_int4_weight: the same "
         "weights, and activations quantized to int8 per token at run time (Int8DynamicActivationIntxWeightConfig, "
-        "ExecuTorch's 8da4w). Full fine-tuning only.",
+        "ExecuTorch's 8da4w). With use_peft (LoRA): the frozen base's linear layers are fake-quantized and the "
+        "adapters train in full precision; final/ is the adapter and final-quantized/ the base with the adapter "
+        "merged, then converted.",
         group="quantization", choices=(None, *QAT_SCHEMES),
     )
     qat_group_size: int = _f(
@@ -39,12 +41,18 @@ def problems(r) -> list[str]:
     size = r.qat_group_size
     if size < 1 or size & (size - 1):
         problems.append(f"qat_group_size must be a power of two >= 1, got {size}")
-    if r.use_peft:
-        problems.append(
-            f"qat_scheme={r.qat_scheme} with use_peft is refused: fake-quantizing the frozen base under LoRA adapters "
-            "and then merging and converting them is not built in hftrain (peft adds its adapters to nn.Linear "
-            "layers, while torchao's prepare step replaces them with FakeQuantizedLinear); train QAT with full "
-            "fine-tuning, or LoRA without qat_scheme")
+    if r.use_peft and (r.load_in_4bit or r.load_in_8bit):
+        problems.append(f"qat_scheme={r.qat_scheme} with load_in_4bit/load_in_8bit (QLoRA) is refused: the base is "
+                        "already rounded by bitsandbytes, and torchao's fake quantization needs the full-precision "
+                        "nn.Linear weights; use LoRA on the unquantized base (load_in_4bit: false)")
+    if r.use_peft and r.use_dora:
+        problems.append(f"qat_scheme={r.qat_scheme} with use_dora is refused: DoRA's magnitude is computed from the "
+                        "base weight unquantized, not from the fake-quantized one the layer computes with; use LoRA "
+                        "(use_dora: false)")
+    if r.use_peft and r.modules_to_save:
+        problems.append(f"qat_scheme={r.qat_scheme} with modules_to_save {list(r.modules_to_save)} is refused: the "
+                        "layers peft trains whole beside the adapters are not verified under fake quantization; "
+                        "leave modules_to_save empty")
     if r.objective == "reward":
         problems.append(f"qat_scheme={r.qat_scheme} with objective reward is refused: the converted folder is loaded "
                         "as a causal LM (AutoModelForCausalLM with TorchAoConfig), not a sequence classifier")

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 from transformers.distributed import DistributedConfig
 
+from hftrain import fp8
 from hftrain.compat.transformers import device_mesh
 from hftrain.errors import HftrainError
 from hftrain.parallel.base import ALL_PARTS, Backend, Parallelism
@@ -74,6 +75,14 @@ class FSDP2Backend(Backend):
 
     def shard_count(self) -> int:
         return self.accelerator.num_processes  # with tp, the TP-split weights further sharded over the fsdp ranks
+
+    def wrap(self, model, optimizer):
+        """accelerate's FSDP2 preparation; with fp8's float8 all-gather (`fp8.float8_all_gather`), torchao's scales
+        of the gathered float8 weights are recomputed after each optimizer step."""
+        model, optimizer = super().wrap(model, optimizer)
+        if fp8.float8_all_gather(self.recipe, "fsdp2"):
+            fp8.precompute_scales_after_step(getattr(optimizer, "optimizer", optimizer), model)
+        return model, optimizer
 
     def distributed_config(self, fields: dict) -> DistributedConfig:
         """transformers' FSDP2 over the fsdp = processes / tp ranks that hold the same tp shard."""

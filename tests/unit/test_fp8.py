@@ -87,3 +87,51 @@ def test_the_entry_script_refuses_fp8_on_cpu_before_the_model_loads(tmp_path):
     assert run.returncode == 2, said[-2000:]
     assert "fp8 needs a CUDA GPU with compute capability >= 8.9" in said and "Traceback" not in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_fsdp2s_float8_all_gather_is_chosen_for_tensorwise_under_fsdp2_only():
+    on = Recipe(fp8=True, bf16=True)
+    assert fp8.float8_all_gather(on, "fsdp2")
+    assert not fp8.float8_all_gather(on, "ddp") and not fp8.float8_all_gather(on, "single")
+    assert not fp8.float8_all_gather(Recipe(fp8=True, bf16=True, fp8_recipe="rowwise"), "fsdp2")  # torchao: no
+    assert not fp8.float8_all_gather(Recipe(fp8=True, bf16=True, fp8_fsdp_all_gather=False), "fsdp2")
+    assert not fp8.float8_all_gather(Recipe(), "fsdp2")
+
+
+def test_with_the_float8_all_gather_the_chosen_layers_weights_are_torchaos_float8_gathered_weights():
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    model = meta_llama(4096, 14336, 8)
+    chosen, kept = fp8.float8_layers(model, "tensorwise")
+    note = fp8.convert(model, Recipe(fp8=True, bf16=True), all_gather=True)
+    assert note.endswith("(the head and those too small or not multiples of 16); FSDP2 gathers their weights in float8")
+    modules = dict(model.named_modules())
+    assert {n for n in chosen + kept if isinstance(modules[n].weight, WeightWithDynamicFloat8CastTensor)} == set(chosen)
+
+
+def test_the_float8_scales_are_recomputed_after_each_optimizer_step_under_fsdp2(tmp_path):
+    """A one-process gloo FSDP2 on CPU: after the optimizer's step, the hook has set every float8-gathered weight's
+    scale to torchao's tensorwise scale of the updated weight (float8 max / max |w|, written out here)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 16, bias=False))
+        convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        fp8.precompute_scales_after_step(optimizer, model)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        for layer in model:
+            weight = layer.weight.full_tensor()
+            expected = (torch.finfo(torch.float8_e4m3fn).max / weight.abs().max().double()).float()
+            # where torchao keeps it: on the DTensor's local WeightWithDynamicFloat8CastTensor (to_local() wraps anew)
+            torch.testing.assert_close(layer.weight._local_tensor._precomputed_scale, expected, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
