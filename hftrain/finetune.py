@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import shlex
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -36,6 +37,7 @@ from hftrain.data.image_data import load_image_chats
 from hftrain.errors import HftrainError, first_line, run_tool, same_in_every_process
 from hftrain.eval_tasks import TaskEvaluation
 from hftrain.hub import HubPush, repo_url
+from hftrain.merge import merge
 from hftrain.metrics import FlopCounter, RunMeter, StepProfiler, current_memory_mb
 from hftrain.model import build_model, build_tokenizer, fit_embeddings_to_tokenizer, model_summary
 from hftrain.objectives import objective_for
@@ -688,12 +690,21 @@ class Finetune:
         return final_dir
 
     def save_quantized(self, final_dir: Path) -> None:
-        """qat_scheme: final-quantized/, the trained final/ converted to real quantized weights (hftrain.qat)."""
+        """qat_scheme: final-quantized/, the trained final/ (an adapter: merged into its base first, `hftrain merge`)
+        converted to real quantized weights (hftrain.qat)."""
         if self.recipe.qat_scheme is None:
             return
         if self.accelerator.is_main_process:
-            folder = qat.save_quantized(self.recipe, final_dir, self.output_dir / qat.QUANTIZED_DIR,
-                                        self.processor or self.tokenizer)
+            folder, merged = self.output_dir / qat.QUANTIZED_DIR, self.output_dir / f".tmp-merged-{qat.QUANTIZED_DIR}"
+            shutil.rmtree(merged, ignore_errors=True)
+            try:
+                source = final_dir
+                if self.recipe.use_peft:
+                    merge(final_dir, merged)
+                    source = merged
+                folder = qat.save_quantized(self.recipe, source, folder, self.processor or self.tokenizer)
+            finally:
+                shutil.rmtree(merged, ignore_errors=True)
             self.logger.print(f"hftrain: quantized model ({self.recipe.qat_scheme}, torchao) saved to {folder}")
         with phase(self.accelerator, "the conversion of the QAT model", self.recipe.ddp_timeout):
             self.accelerator.wait_for_everyone()

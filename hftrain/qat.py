@@ -105,27 +105,18 @@ def convert(model: nn.Module, recipe: Recipe) -> nn.Module:
     return model
 
 
-def save_quantized(recipe: Recipe, final_dir: Path, folder: Path, tokenizer) -> Path:
-    """final-quantized/: the trained final/ (an adapter: merged into its base first, by hftrain.merge) loaded by
-    transformers with TorchAoConfig of the scheme (quantized while loading) and saved with its tokenizer; written to
-    a temporary folder and renamed when complete."""
-    tmp, merged = folder.with_name(f".tmp-{folder.name}"), folder.with_name(f".tmp-merged-{folder.name}")
+def save_quantized(recipe: Recipe, source: Path, folder: Path, tokenizer) -> Path:
+    """final-quantized/: the trained model's folder `source` (final/, or, for an adapter, final/ merged into its base
+    by the caller: `finetune.Finetune.save_quantized`) loaded by transformers with TorchAoConfig of the scheme
+    (quantized while loading) and saved with its tokenizer; written to a temporary folder and renamed when
+    complete."""
+    tmp = folder.with_name(f".tmp-{folder.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(merged, ignore_errors=True)
-    source = final_dir
-    if recipe.use_peft:
-        from hftrain.merge import merge  # hftrain.merge imports hftrain.model, which imports this module
-
-        merge(final_dir, merged)
-        source = merged
-    try:
-        with quiet_torchao():
-            quantized = AutoModelForCausalLM.from_pretrained(
-                source, dtype=getattr(torch, recipe.dtype),
-                quantization_config=TorchAoConfig(base_config(recipe.qat_scheme, recipe.qat_group_size)))
-            quantized.save_pretrained(tmp)
-    finally:
-        shutil.rmtree(merged, ignore_errors=True)
+    with quiet_torchao():
+        quantized = AutoModelForCausalLM.from_pretrained(
+            source, dtype=getattr(torch, recipe.dtype),
+            quantization_config=TorchAoConfig(base_config(recipe.qat_scheme, recipe.qat_group_size)))
+        quantized.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
