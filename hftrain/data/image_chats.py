@@ -219,23 +219,31 @@ def truncate(inputs: dict, length: int) -> None:
             inputs[key] = inputs[key][:, :length]
 
 
-class ImageChats:
-    """The kept rows of one image-chat set: messages, image references, the rendered conversation, and the token ids
-    and labels of the load-time encoding (tokens only: the collator runs the processor again on the text and the
-    images, and checks that it gives the same ids). Indexable like a datasets.Dataset where the batching code reads
-    it (`len`, `["input_ids"]`)."""
+class ImageRows:
+    """The kept rows of one image set (chats, preference pairs, rated rows), indexable like a datasets.Dataset where
+    the batching code reads it: `len`, and by name each of its `column_names` after the images (the load-time token
+    ids, labels and the like)."""
+
+    column_names: list[str] = [IMAGES_COLUMN]
 
     def __init__(self, rows: list[dict], base: Path | None, name: str):
         self.rows, self.base, self.name = rows, base, name
-        self.column_names = ["messages", IMAGES_COLUMN, "input_ids", "labels"]
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, key):
-        if key in ("input_ids", "labels"):
+        if key in self.column_names[self.column_names.index(IMAGES_COLUMN) + 1:]:
             return [row[key] for row in self.rows]
         raise KeyError(key)
+
+
+class ImageChats(ImageRows):
+    """The kept rows of one image-chat set: messages, image references, the rendered conversation, and the token ids
+    and labels of the load-time encoding (tokens only: the collator runs the processor again on the text and the
+    images, and checks that it gives the same ids)."""
+
+    column_names = ["messages", IMAGES_COLUMN, "input_ids", "labels"]
 
     def collator(self, processor, pad_token_id: int) -> ImageChatCollator:
         return ImageChatCollator(self, processor, pad_token_id)

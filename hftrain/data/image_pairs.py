@@ -18,7 +18,6 @@ once, read for both rows) and the rejected completion's tokens.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -26,6 +25,7 @@ from hftrain.data.formats import ROLES
 from hftrain.data.image_chats import (
     IMAGES_COLUMN,
     PER_TOKEN_PAD,
+    ImageRows,
     base_folder,
     check_image_chat,
     collate,
@@ -112,23 +112,13 @@ def encode_pair(processor, prompt, chosen, rejected, images, spec: DataSpec, whe
     return {"chosen": sides[0], "rejected": sides[1], "prompt_tokens": starts[0], "dropped": dropped}
 
 
-class ImagePairs:
+class ImagePairs(ImageRows):
     """The kept pairs of one image preference set: the rendered sides, image references, and the token ids and labels
     of the load-time encoding (the collator runs the processor again on the chosen side with the images and checks
-    that it gives the same ids). Indexable like a datasets.Dataset where the batching code reads it."""
+    that it gives the same ids)."""
 
-    def __init__(self, rows: list[dict], base: Path | None, name: str):
-        self.rows, self.base, self.name = rows, base, name
-        self.column_names = ["prompt", "chosen", "rejected", IMAGES_COLUMN, "input_ids", "labels",
-                             "rejected_input_ids", "rejected_labels"]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, key):
-        if key in self.column_names[4:]:
-            return [row[key] for row in self.rows]
-        raise KeyError(key)
+    column_names = ["prompt", "chosen", "rejected", IMAGES_COLUMN, "input_ids", "labels", "rejected_input_ids",
+                    "rejected_labels"]
 
     def collator(self, processor, pad_token_id: int) -> ImagePairCollator:
         return ImagePairCollator(self, processor, pad_token_id)

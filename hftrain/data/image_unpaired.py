@@ -21,7 +21,16 @@ from pathlib import Path
 
 import torch
 
-from hftrain.data.image_chats import IMAGES_COLUMN, PER_TOKEN_PAD, base_folder, collate, encode, open_image, truncate
+from hftrain.data.image_chats import (
+    IMAGES_COLUMN,
+    PER_TOKEN_PAD,
+    ImageRows,
+    base_folder,
+    collate,
+    encode,
+    open_image,
+    truncate,
+)
 from hftrain.data.image_pairs import check_image_pair, completion_start
 from hftrain.data.origin import ROW_COLUMN
 from hftrain.data.sources import row_origin
@@ -45,23 +54,16 @@ def check_unpaired_row(example: dict, messages_field: str, where: str) -> tuple[
     return prompt, completion, label, refs
 
 
-class ImageUnpaired:
+class ImageUnpaired(ImageRows):
     """The kept rows of one image kto set: the rendered chat, image references, the load-time token ids and labels,
-    where the completion starts (`prompt_length`) and the label. Indexable like a datasets.Dataset where the batching
-    and kto's checks read it."""
+    where the completion starts (`prompt_length`) and the label (kto's checks read them by name too)."""
+
+    column_names = ["prompt", "completion", "label", IMAGES_COLUMN, "input_ids", "labels", "prompt_length",
+                    "desirable"]
 
     def __init__(self, rows: list[dict], base: Path | None, name: str, max_length: int):
-        self.rows, self.base, self.name, self.max_length = rows, base, name, max_length
-        self.column_names = ["prompt", "completion", "label", IMAGES_COLUMN, "input_ids", "labels", "prompt_length",
-                             "desirable"]
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, key):
-        if key in self.column_names[4:]:
-            return [row[key] for row in self.rows]
-        raise KeyError(key)
+        super().__init__(rows, base, name)
+        self.max_length = max_length
 
     def collator(self, processor, pad_token_id: int) -> ImageKTOCollator:
         return ImageKTOCollator(self, processor, pad_token_id)
