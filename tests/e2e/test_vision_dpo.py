@@ -96,6 +96,8 @@ def test_accumulation_and_two_ddp_processes_equal_one_batch_and_a_resume_continu
     ddp = launch(tmp_path / "ddp", *EXACT, "--per_device_train_batch_size", "2", preset="cpu_ddp")
     zero3 = launch(tmp_path / "zero3", *EXACT, "--per_device_train_batch_size", "2", preset="zero3", processes=2)
     assert ddp.state()["launch"]["num_processes"] == 2 and zero3.state()["parallelism"]["zero_stage"] == 3
+    assert (zero3.state()["launch"]["num_processes"], zero3.state()["launch"]["model_wrapper"]) == \
+        (2, "DeepSpeedEngine")
     expected = load_file(one.output_dir / "final" / "model.safetensors")
     for run in (accum, ddp, zero3):
         for key in COMPARED:
@@ -149,6 +151,9 @@ def test_lora_under_zero3_equals_one_process(tmp_path):
     args = [*EXACT, "--use_peft", "true", "--lora_dropout", "0", "--max_steps", "2"]
     one = run_script(tmp_path / "one", *args, "--per_device_train_batch_size", "4")
     zero3 = launch(tmp_path / "zero3", *args, "--per_device_train_batch_size", "2", preset="zero3", processes=2)
+    state = zero3.state()
+    assert (state["launch"]["num_processes"], state["launch"]["model_wrapper"], state["parallelism"]["zero_stage"]) == \
+        (2, "DeepSpeedEngine", 3)
     for key in COMPARED:
         torch.testing.assert_close(torch.tensor([r[key] for r in zero3.train_rows()]),
                                    torch.tensor([r[key] for r in one.train_rows()]), rtol=1e-4, atol=1e-6, msg=key)
