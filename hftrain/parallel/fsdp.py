@@ -80,7 +80,7 @@ class FSDP2Backend(Backend):
         """accelerate's FSDP2 preparation; with fp8's float8 all-gather (`fp8.float8_all_gather`), torchao's scales
         of the gathered float8 weights are recomputed after each optimizer step."""
         model, optimizer = super().wrap(model, optimizer)
-        if fp8.float8_all_gather(self.recipe, "fsdp2"):
+        if fp8.float8_all_gather(self.recipe, self.record.kind):  # as the model was converted (finetune.build_model)
             fp8.precompute_scales_after_step(getattr(optimizer, "optimizer", optimizer), model)
         return model, optimizer
 
