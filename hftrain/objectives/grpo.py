@@ -66,7 +66,7 @@ def async_worker_starter(run: ModelRun) -> Callable[[int], RolloutWorker]:
     def start(first_window: int) -> RolloutWorker:
         spec = WorkerSpec(lm.config, next(lm.parameters()).dtype, [p.ids for p in source.prompts], plan,
                           source.dp.rank, recipe.seed, source.sampling, source.eos_ids, source.pad_id,
-                          recipe.temperature, recipe.mask_truncated_completions, first_window, run.data.total_steps,
+                          first_window, run.data.total_steps,
                           recipe.weight_sync_steps, recipe.max_staleness,
                           worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         stall = STALL_FLOOR_SECONDS if recipe.hang_timeout is None else recipe.hang_timeout  # 0: off

@@ -15,8 +15,8 @@ synchronous run:
 - the worker's queue holds at most `queue_windows` sampled windows (max_inflight_tasks), so it stays that far ahead
   at most;
 - each completion comes back with its behaviour log-probs (the worker's model's log-probs of the sampled tokens from
-  logits / temperature, in the micro-batch layout the trainer uses) and its policy version; the loss corrects for
-  the difference between them and the trained model's log-probs with TRL's importance-sampling correction
+  generate's raw logits / temperature: `rollouts.generate_rows_with_logps`) and its policy version; the loss corrects
+  for the difference between them and the trained model's log-probs with TRL's importance-sampling correction
   (`hftrain.rl.loss.vllm_importance_sampling_ratio`, vllm_importance_sampling_*), as for vLLM's samples.
 
 Every data-parallel rank runs its own worker for its own rows (the same rows and row seeds as the synchronous run).
@@ -37,8 +37,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, LogitsProcessor
 
-from hftrain.rl.loss import token_log_probs
-from hftrain.rl.rollouts import Completion, Sampled, Sampling, WindowPlan, collate, generate_rows, row_seed
+from hftrain.rl.rollouts import Sampled, Sampling, WindowPlan, generate_rows_with_logps, row_seed
 from hftrain.rl.vllm_generation import named_weights
 
 POLL_SECONDS = 0.5  # how often a waiting trainer checks that its worker is alive
@@ -94,8 +93,6 @@ class WorkerSpec:
     sampling: Sampling
     eos_ids: frozenset[int]
     pad_id: int
-    temperature: float
-    mask_truncated: bool
     first_window: int
     last_window: int  # exclusive
     weight_sync_steps: int
@@ -113,22 +110,6 @@ class SampledWindow:
     completions: list[tuple[list[int], bool, list[float]]]  # (tokens, truncated, behaviour log-probs)
     busy_seconds: float  # sampling and scoring this window
     idle_seconds: float  # waiting for its weights or for room in the queue before it
-
-
-def behaviour_log_probs(model, prompt_ids: list[list[int]], rows: list[tuple[list[int], bool]], micro_batch: int,
-                        pad_id: int, temperature: float, mask_truncated: bool) -> list[list[float]]:
-    """The sampling model's log-prob of each sampled token, computed per micro-batch in the layout the trainer
-    collates (`rollouts.collate`), from logits / temperature as the trained log-probs (`rl.loss.token_log_probs`)."""
-    out = []
-    for start in range(0, len(rows), micro_batch):
-        chunk = rows[start:start + micro_batch]
-        part = [Completion(i, 0, 0, ids, truncated) for i, (ids, truncated) in enumerate(chunk)]
-        prompts = prompt_ids[start:start + micro_batch]
-        batch = collate(prompts, part, torch.zeros(len(part)), pad_id, mask_truncated)
-        logps = token_log_probs(model, batch["input_ids"], temperature)[0]
-        for i, (p, c) in enumerate(zip(prompts, part)):
-            out.append(logps[i, len(p) - 1:len(p) - 1 + len(c.completion_ids)].tolist())
-    return out
 
 
 def pushed_weights(lm) -> dict[str, torch.Tensor]:
@@ -209,14 +190,10 @@ def worker_main(spec: WorkerSpec, control, results, progress) -> None:
             prompt_ids = [spec.prompts[index[row // G]] for row in rows]
             seeds = [row_seed(spec.seed, window, row // G, row % G) for row in rows]
             with torch.no_grad():
-                sampled = generate_rows(model, prompt_ids, seeds, spec.sampling, spec.eos_ids, spec.pad_id,
-                                        extra=[Beat(progress)])
-                progress.value = time.monotonic()
-                behaviour = behaviour_log_probs(model, prompt_ids, sampled, plan.micro_batch, spec.pad_id,
-                                                spec.temperature, spec.mask_truncated)
+                sampled = generate_rows_with_logps(model, prompt_ids, seeds, spec.sampling, spec.eos_ids,
+                                                   spec.pad_id, extra=[Beat(progress)])
             busy = time.perf_counter() - started
-            results.put(SampledWindow(window, version, seeds, [(ids, truncated, logps) for (ids, truncated), logps
-                                                               in zip(sampled, behaviour)], busy, started - waited))
+            results.put(SampledWindow(window, version, seeds, sampled, busy, started - waited))
     except KeyboardInterrupt:
         return
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which stops the run naming it

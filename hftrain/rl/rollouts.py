@@ -226,6 +226,34 @@ def generate_rows(lm, prompts: list[list[int]], seeds: list[int], sampling: Samp
     (a causal LM, or the loss wrapper whose generate is the causal LM's). `extra`: processors that only observe
     (the rollout worker's progress beat), run first. `inputs`: an image-text model's per-row processor outputs
     (pixel_values, ...: hftrain.rl.images), passed to generate with the prompts (`batch_inputs`)."""
+    out, width = sampled_sequences(lm, prompts, seeds, sampling, eos_ids, pad_id, synced_gpus, extra, inputs)
+    return [cut_at_eos(row, eos_ids)[:2] for row in out[:, width:].tolist()]
+
+
+def generate_rows_with_logps(lm, prompts: list[list[int]], seeds: list[int], sampling: Sampling, eos_ids: set[int],
+                             pad_id: int, extra: list[LogitsProcessor] = ()
+                             ) -> list[tuple[list[int], bool, list[float]]]:
+    """`generate_rows` (the same tokens) with the sampler's log-prob of each kept token: log-softmax of generate's raw
+    logits / temperature (before repetition penalty, suppression and the warpers, as the trained log-probs
+    `rl.loss.token_log_probs` are), fp32. Generate's incremental forward rounds differently from a full forward over
+    the finished rows, by about 1e-7 per token in fp32: the behaviour log-probs of vLLM's samples are a different
+    computation from the trainer's too, and this costs no second forward."""
+    out, width = sampled_sequences(lm, prompts, seeds, sampling, eos_ids, pad_id, False, extra, None, logits=True)
+    logits = torch.stack(out.logits, dim=1).float() / sampling.temperature  # [B, new tokens, V]
+    tokens = out.sequences[:, width:]
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1).tolist()
+    rows = []
+    for row, row_logps in zip(tokens.tolist(), logps):
+        kept, truncated, length = cut_at_eos(row, eos_ids)
+        rows.append((kept, truncated, row_logps[:length]))
+    return rows
+
+
+def sampled_sequences(lm, prompts: list[list[int]], seeds: list[int], sampling: Sampling, eos_ids: set[int],
+                      pad_id: int, synced_gpus: bool, extra: list[LogitsProcessor],
+                      inputs: list[dict[str, torch.Tensor]] | None, logits: bool = False):
+    """(generate's output: the sequences, or with `logits` a dict of them and each step's raw logits; the prompts'
+    padded width)."""
     device = next(lm.parameters()).device
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -243,17 +271,14 @@ def generate_rows(lm, prompts: list[list[int]], seeds: list[int], sampling: Samp
     config = GenerationConfig(do_sample=False, max_new_tokens=sampling.max_completion_length, temperature=1.0,
                               top_k=None, top_p=1.0, repetition_penalty=sampling.repetition_penalty,
                               pad_token_id=pad_id, eos_token_id=sorted(eos_ids), use_cache=True,
-                              suppress_tokens=list(sampling.suppress_tokens) or None)
+                              suppress_tokens=list(sampling.suppress_tokens) or None,
+                              return_dict_in_generate=logits, output_logits=logits)
     images = batch_inputs(inputs, [len(p) for p in prompts], width, left=True) if inputs else {}
     out = lm.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                       generation_config=config, synced_gpus=synced_gpus,
                       **{k: v.to(device) for k, v in images.items()},
                       logits_processor=LogitsProcessorList([*extra, *warpers, RowSeededSampling(seeds, device)]))
-    completions = []
-    for row in out[:, width:].tolist():
-        end = next((i for i, token in enumerate(row) if token in eos_ids), None)
-        completions.append((row if end is None else row[:end + 1], end is None))
-    return completions
+    return out, width
 
 
 @dataclass

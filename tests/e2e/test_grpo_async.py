@@ -89,8 +89,10 @@ def test_max_staleness_0_is_the_synchronous_run(runs):
     assert [r["completion_ids"] for r in a] == [r["completion_ids"] for r in b]
     torch.testing.assert_close(torch.tensor([r["advantage"] for r in b]), torch.tensor([r["advantage"] for r in a]))
     assert [r["policy_version"] for r in b] == [r["step"] - 1 for r in b]  # every window by the weights before it
+    # the worker's behaviour log-probs come from generate's incremental forward, the trainer's from one forward over
+    # the whole rows: equal within ~1e-7 per token, so the importance weights are 1 within ~1e-6 (losses near 0 here)
     assert [m["loss"] for m in async0.train_rows()] == pytest.approx([m["loss"] for m in sync.train_rows()],
-                                                                     rel=1e-5, abs=1e-7)
+                                                                     rel=1e-5, abs=1e-6)
     got, want = load_file(async0.output_dir / "final" / "model.safetensors"), \
         load_file(sync.output_dir / "final" / "model.safetensors")
     for name, value in want.items():

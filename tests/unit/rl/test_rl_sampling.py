@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from hftrain.config import Recipe
 from hftrain.rl.generation import build_generator
-from hftrain.rl.rollouts import Sampling, generate_rows
+from hftrain.rl.rollouts import Sampling, generate_rows, generate_rows_with_logps
 from tests.conftest import REPO
 
 TINY = REPO / "models" / "tiny-llama"
@@ -37,6 +37,25 @@ def test_a_row_samples_the_same_alone_and_in_a_padded_batch():
     assert again == [batch[1]] and torch.equal(torch.get_rng_state(), rng)  # the global RNG is untouched
     for ids, truncated in batch:
         assert (len(ids) == 6 and not set(ids[:-1]) & EOS) if truncated else ids[-1] in EOS
+
+
+def test_the_samplers_log_probs_are_the_full_forwards_on_the_same_tokens():
+    """generate_rows_with_logps (the rollout worker's behaviour log-probs): the same rows as generate_rows, and for
+    each kept token log_softmax(logits / temperature) of one plain forward over prompt + completion, before the
+    repetition penalty and the suppressed tokens (what the trainer's log-probs are), within generate's incremental
+    rounding."""
+    model = load()
+    prompts = [[1, 12, 99, 7, 250, 31, 400], [1, 45, 300], [1, 45, 300]]
+    sampling = Sampling(max_completion_length=6, temperature=0.7, repetition_penalty=1.3, suppress_tokens=(5, 6))
+    rows = generate_rows_with_logps(model, prompts, [3, 4, 5], sampling, EOS, PAD)
+    assert [(ids, truncated) for ids, truncated, _ in rows] == generate_rows(model, prompts, [3, 4, 5], sampling,
+                                                                              EOS, PAD)
+    for prompt, (ids, _, logps) in zip(prompts, rows):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + ids])).logits[0].double()
+        want = torch.log_softmax(logits / 0.7, dim=-1)[len(prompt) - 1:-1].gather(-1, torch.tensor(ids)[:, None])
+        assert len(logps) == len(ids)
+        torch.testing.assert_close(torch.tensor(logps, dtype=torch.double), want[:, 0], rtol=0, atol=1e-5)
 
 
 def test_first_tokens_follow_the_tempered_top_k_distribution():

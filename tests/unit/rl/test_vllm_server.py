@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hftrain.config import ConfigError, load_recipe
-from hftrain.rl.async_worker import WorkerFailure, WorkerSpec, behaviour_log_probs, sampling_version
+from hftrain.rl.async_worker import WorkerFailure, WorkerSpec, sampling_version
 from hftrain.rl.rollouts import Sampling, WindowPlan, generate_rows, row_seed
 from hftrain.rl.vllm_server import ServerFailure, ServerRolloutWorker, VLLMServer, weight_update_info
 from tests.vllm_server import StandInServer
@@ -64,12 +64,10 @@ def test_completions_and_behaviour_log_probs_equal_the_transformers_workers(serv
         seeds = [row_seed(7, window, g, 0) for g in range(len(PROMPTS))]
         with torch.no_grad():
             rows = generate_rows(reference, PROMPTS, seeds, SAMPLING, {EOS}, PAD)  # batched, left-padded
-            worker_logps = behaviour_log_probs(reference, PROMPTS, rows, 2, PAD, SAMPLING.temperature, False)
         assert [(c.token_ids, c.truncated) for c in got] == rows
         assert any(truncated for _, truncated in rows) or any(ids[-1] == EOS for ids, _ in rows)
-        for prompt, c, logps in zip(PROMPTS, got, worker_logps):
+        for prompt, c in zip(PROMPTS, got):
             torch.testing.assert_close(c.log_probs, plain_log_probs(reference, prompt, c.token_ids, 0.7))
-            torch.testing.assert_close(c.log_probs, logps, atol=1e-5, rtol=1e-5)
     assert sample(client, 1) == got  # the seed decides the sample
     assert sample(client, 2) != got
 
@@ -142,7 +140,7 @@ def test_recipe_refuses_the_server_worker_until_its_weight_transfer_is_written(t
 def worker_spec(prompts, last_window: int, sync: int, stale: int) -> WorkerSpec:
     plan = WindowPlan(num_prompts=len(prompts), num_generations=2, micro_batch=2, world=1, accum=1,
                       steps_per_generation=1, num_iterations=1, seed=3)
-    return WorkerSpec(None, torch.float32, prompts, plan, 0, 7, SAMPLING, frozenset({EOS}), PAD, 0.7, False, 0,
+    return WorkerSpec(None, torch.float32, prompts, plan, 0, 7, SAMPLING, frozenset({EOS}), PAD, 0,
                       last_window, sync, stale, 1)
 
 
@@ -167,11 +165,10 @@ def test_the_server_worker_samples_each_window_with_its_policy_version_as_the_tr
         seeds = [row_seed(7, window, r // G, r % G) for r in rows]
         with torch.no_grad():
             sampled = generate_rows(reference, prompts, seeds, SAMPLING, {EOS}, PAD)
-            logps = behaviour_log_probs(reference, prompts, sampled, 2, PAD, 0.7, False)
         assert (item.window, item.version, item.seeds) == (window, version, seeds)
         assert [(ids, truncated) for ids, truncated, _ in item.completions] == sampled
-        for (_, _, got), want in zip(item.completions, logps):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for prompt, (ids, _, got) in zip(prompts, item.completions):
+            torch.testing.assert_close(got, plain_log_probs(reference, prompt, ids, 0.7), atol=1e-5, rtol=1e-5)
     pushes = [route for route, _ in served.calls if route == "/update_weights"]
     assert len(pushes) == 3  # versions 0, 1 and 2 sample windows 0-3; version 3 is never needed
     worker.kill()
