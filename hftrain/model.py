@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -204,23 +204,31 @@ class _HeldLoadReport(logging.Filter):
         return True
 
 
-def load_as_encoder(name: str, **kwargs) -> nn.Module:
-    """`AutoModel.from_pretrained`: the body of a causal LM's (or an encoder's) folder. Loading a causal LM's folder,
-    transformers' load report lists its language-model head as UNEXPECTED, which is what an embedding model drops;
-    the report is printed only when it lists anything else."""
+def load_reporting_only_surprises(auto_class, name: str, expected: Callable[[dict], bool], **kwargs) -> nn.Module:
+    """`auto_class.from_pretrained(name)` with transformers' load report (missing / unexpected keys) held back, and
+    printed only when `expected(loading_info)` is false: when the report lists more than the head change that the
+    caller makes on purpose."""
     logger = logging.getLogger("transformers.modeling_utils")
     report = _HeldLoadReport()
     logger.addFilter(report)
     try:
-        model, info = AutoModel.from_pretrained(name, output_loading_info=True, **kwargs)
+        model, info = auto_class.from_pretrained(name, output_loading_info=True, **kwargs)
     finally:
         logger.removeFilter(report)
-    head_only = (not info.get("missing_keys") and not info.get("mismatched_keys") and not info.get("error_msgs")
-                 and all(key.startswith(("lm_head.", "cls.", "pooler.")) for key in info.get("unexpected_keys", ())))
-    if not head_only:
+    if not expected(info):
         for record in report.held:
             logger.handle(record)
     return model
+
+
+def load_as_encoder(name: str, **kwargs) -> nn.Module:
+    """`AutoModel.from_pretrained`: the body of a causal LM's (or an encoder's) folder. Loading a causal LM's folder,
+    transformers' load report lists its language-model head as UNEXPECTED, which is what an embedding model drops;
+    the report is printed only when it lists anything else."""
+    def head_only(info: dict) -> bool:
+        return (not info.get("missing_keys") and not info.get("mismatched_keys") and not info.get("error_msgs")
+                and all(key.startswith(("lm_head.", "cls.", "pooler.")) for key in info.get("unexpected_keys", ())))
+    return load_reporting_only_surprises(AutoModel, name, head_only, **kwargs)
 
 
 def load_as_reward_model(name: str, **kwargs) -> nn.Module:
@@ -228,20 +236,11 @@ def load_as_reward_model(name: str, **kwargs) -> nn.Module:
     report then lists the new `score` head as MISSING and the language-model head as UNEXPECTED, which is exactly
     what a reward model is (objective reward's start-up line says so), so the report is printed only when it lists
     anything else: other missing or unexpected weights, mismatched shapes."""
-    logger = logging.getLogger("transformers.modeling_utils")
-    report = _HeldLoadReport()
-    logger.addFilter(report)
-    try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(name, output_loading_info=True, **kwargs)
-    finally:
-        logger.removeFilter(report)
-    head_swap_only = (all(key.startswith("score.") for key in info.get("missing_keys", ()))
-                      and all(key.startswith("lm_head.") for key in info.get("unexpected_keys", ()))
-                      and not info.get("mismatched_keys") and not info.get("error_msgs"))
-    if not head_swap_only:
-        for record in report.held:
-            logger.handle(record)
-    return model
+    def head_swap_only(info: dict) -> bool:
+        return (all(key.startswith("score.") for key in info.get("missing_keys", ()))
+                and all(key.startswith("lm_head.") for key in info.get("unexpected_keys", ()))
+                and not info.get("mismatched_keys") and not info.get("error_msgs"))
+    return load_reporting_only_surprises(AutoModelForSequenceClassification, name, head_swap_only, **kwargs)
 
 
 def keep_4bit_layout(model: nn.Module) -> int:
