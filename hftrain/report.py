@@ -7,6 +7,7 @@ throughput (stragglers stand out), step time split, peak memory per rank, heartb
 hang_timeout (a rank drifting toward a hang stands out), and for dpo/simpo/orpo/kto runs the rewards (TRL's
 rewards/* metrics, train and eval), for orpo its terms (nll_loss, log_odds_*), for kto its KL reference point
 (kl), for grpo its reward and, with tool calling, its tool use (tools/call_frequency, tools/failure_frequency),
+with async_generation the worker's and trainer's times per window and the staleness,
 for a reward model its accuracy, margin and mean reward, for distill the student's entropy (and on-policy
 completion lengths).
 The summary states what ran (from the newest hftrain_state.json), final and best losses, the rewards,
@@ -16,6 +17,7 @@ or desync the run reported.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import re
@@ -43,6 +45,10 @@ TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency")  # grpo with 
 REWARDS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected")  # dpo / simpo / orpo rows
 ORPO_TERMS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")  # orpo's two loss terms and its log odds (TRL's names)
 REWARD_MODEL = ("accuracy", "margin", "mean_reward")  # objective reward (RewardTrainer's names)
+# grpo with async_generation: the rollout worker's and the trainer's time per window (s), the importance weights
+ASYNC_TIMES = ("rollout/worker_busy_s", "rollout/worker_idle_s", "perf/rollout_wait_s")
+IMPORTANCE = ("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
+              "sampling/importance_sampling_ratio/max")
 # retrieval_eval_dir's metrics, objectives embedding and reranker (evaluation rows' eval_<name>)
 RETRIEVAL = ("ndcg@10", "mrr@10", "recall@1", "recall@5", "recall@10")
 
@@ -236,6 +242,17 @@ def plot_all(train: list[dict], evals: list[dict], folder: Path, ranked: list[di
             ax.plot(*series(train, key), label=key, marker=".")
         made.append(_save(fig, ax, folder / "tools.png", steps))
 
+    if any("sample/staleness_max" in r for r in train):  # grpo, async_generation
+        fig, ax = _figure("Asynchronous generation (per window: the worker's sampling and waiting, the trainer's "
+                          "wait; staleness)", "seconds")
+        for key in ASYNC_TIMES:
+            ax.plot(*series(train, key), label=key, marker=".")
+        staleness = ax.twinx()
+        staleness.step(*series(train, "sample/staleness_max"), where="mid", color="grey", linestyle=":",
+                       label="sample/staleness_max (right axis)")
+        staleness.set_ylabel("weight syncs behind the trainer")
+        made.append(_save(fig, ax, folder / "async.png", steps))
+
     fig, ax = _figure("Learning rate", "learning rate")
     ax.plot(*series(train, "learning_rate"), marker=".")
     made.append(_save(fig, ax, folder / "learning_rate.png", steps))
@@ -298,6 +315,27 @@ def _fmt(value, digits: int = 4) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
+def async_words(windows: list[dict]) -> str:
+    """The summary's line for async_generation: the logged windows counted by staleness (a histogram), the medians of
+    the worker's and the trainer's times per window, and the importance weights' range."""
+    counts = collections.Counter(int(r["sample/staleness_max"]) for r in windows)
+
+    def median(key: str) -> str:
+        return _fmt(statistics.median(r[key] for r in windows))
+
+    words = ("- asynchronous generation: logged windows by staleness (weight syncs behind the trainer) "
+             + ", ".join(f"{k}: {counts[k]}" for k in sorted(counts))
+             + f"; per window, medians: worker sampling {median(ASYNC_TIMES[0])} s, worker waiting "
+             f"{median(ASYNC_TIMES[1])} s, trainer waiting {median(ASYNC_TIMES[2])} s")
+    low = [r[IMPORTANCE[0]] for r in windows if isinstance(r.get(IMPORTANCE[0]), (int, float))
+           and math.isfinite(r[IMPORTANCE[0]])]
+    high = [r[IMPORTANCE[2]] for r in windows if isinstance(r.get(IMPORTANCE[2]), (int, float))
+            and math.isfinite(r[IMPORTANCE[2]])]
+    if low and high:
+        words += f"; importance-sampling ratio {_fmt(min(low))} to {_fmt(max(high))} (logged windows)"
+    return words
+
+
 def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict, images: list[Path],
             ranked: list[dict] = ()) -> str:
     last = train[-1]
@@ -322,6 +360,9 @@ def summary(output_dir: Path, train: list[dict], evals: list[dict], state: dict,
         lines.append(f"- tool calls per completion: first {_fmt(calls[0][TOOL_METRICS[0]])}, last "
                      f"{_fmt(calls[-1][TOOL_METRICS[0]])}; failed share of calls last "
                      f"{_fmt(calls[-1][TOOL_METRICS[1]])}")
+    windows = [r for r in train if "sample/staleness_max" in r]
+    if windows:  # grpo, async_generation
+        lines.append(async_words(windows))
     if evals:
         best = min(evals, key=lambda r: r["eval_loss"])
         perplexity = f" (perplexity {_fmt(evals[-1]['eval_perplexity'])})" if "eval_perplexity" in evals[-1] else ""

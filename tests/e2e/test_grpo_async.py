@@ -24,6 +24,8 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from hftrain.paths import REPORT_DIR
+from hftrain.report import write_report
 from tests.conftest import REPO, launch, run_script
 from tests.e2e.test_grpo import (  # noqa: F401 - ending_model: the fixture
     BASE,
@@ -284,3 +286,8 @@ def test_tiny_grpo_async_recipe_learns(tmp_path):
     rows = rows_of(run)
     assert [r["policy_version"] for r in rows[::16]] == [0, 0, *range(1, 19)]
     assert all(len(r["behaviour_logps"]) == len(r["completion_ids"]) for r in rows)
+    # hftrain report's staleness histogram counts what rollouts.jsonl says: trained at step s by version s - 1
+    behind = [r["step"] - 1 - r["policy_version"] for r in rows[::16]]
+    said = write_report(run.output_dir).read_text()
+    assert (f"logged windows by staleness (weight syncs behind the trainer) 0: {behind.count(0)}, 1: "
+            f"{behind.count(1)};") in said and (run.output_dir / REPORT_DIR / "async.png").exists()

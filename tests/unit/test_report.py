@@ -235,3 +235,23 @@ def test_an_embedding_run_reports_its_retrieval_metrics_and_no_reward_model(tmp_
     assert ("retrieval at step 2: ndcg@10 0.4, mrr@10 0.2, recall@1 0.25, recall@5 0.5, recall@10 0.75; first "
             "(step 1) ndcg@10 0.2") in text
     assert "reward model" not in text
+
+
+def test_an_async_grpo_run_reports_its_staleness_histogram_and_the_times_per_window(tmp_path):
+    """async_generation's rows: the summary counts the logged windows by staleness (hand-counted below: one window
+    at 0, three at 1), gives the medians of the worker's and trainer's times and the importance weights' range (NaN:
+    a window with no weight kept, left out), and async.png is drawn."""
+    times = [(0.30, 0.05, 0.40), (0.20, 0.01, 0.10), (0.25, 0.02, 0.05), (0.22, 0.00, 0.07)]
+    ratios = [(1.0, 1.0), (0.5, 1.5), (float("nan"), float("nan")), (0.8, 2.5)]
+    rows = [{k: v for k, v in train_row(step, 1.0).items() if not k.startswith("rank1/")}
+            | {"reward": 0.1, "reward_std": 0.01, "generation_time": 0.1, "sample/staleness_mean": float(stale),
+               "sample/staleness_max": float(stale), "rollout/worker_busy_s": busy, "rollout/worker_idle_s": idle,
+               "perf/rollout_wait_s": wait, "sampling/importance_sampling_ratio/min": low,
+               "sampling/importance_sampling_ratio/mean": 1.0, "sampling/importance_sampling_ratio/max": high}
+            for step, stale, (busy, idle, wait), (low, high) in zip((1, 2, 3, 4), (0, 1, 1, 1), times, ratios)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = write_report(tmp_path).read_text()
+    assert ("- asynchronous generation: logged windows by staleness (weight syncs behind the trainer) 0: 1, 1: 3; "
+            "per window, medians: worker sampling 0.235 s, worker waiting 0.015 s, trainer waiting 0.085 s; "
+            "importance-sampling ratio 0.5 to 2.5 (logged windows)") in text
+    assert Image.open(tmp_path / REPORT_DIR / "async.png").size[0] > 0
