@@ -56,7 +56,7 @@ from hftrain.run_parts import DataRun, ModelParts, ModelRun, TrainRun
 from hftrain.samples import CompletionSamples
 from hftrain.steps import StepResult, Window, add_stats, summed_stats
 from hftrain.ties import check_ties
-from hftrain.tracking import MetricLogger, ProgressDisplay, quiet_other_ranks
+from hftrain.tracking import MetricLogger, ProgressDisplay, quiet_console
 from hftrain.vision import build_processor, is_image_text
 from hftrain.watchdog import Watchdog
 
@@ -189,7 +189,7 @@ class Finetune:
         self.attention, self.attention_note = attention_choice(recipe, launch, torch.cuda.is_available(),
                                                                self.model_config)
         self.accelerator = self.make_accelerator(launch)
-        quiet_other_ranks(self.accelerator)
+        quiet_console(self.accelerator)
         with same_in_every_process():
             self.backend = resolve(self.accelerator, recipe, launch)
         self.devices = devices_record(self.accelerator)  # refuses two processes on one GPU

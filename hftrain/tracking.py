@@ -57,15 +57,17 @@ def tracker_config(recipe: Recipe, run_info: dict) -> dict:
     return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in clean.items()}
 
 
-def quiet_other_ranks(accelerator) -> None:
-    """One console: processes other than the main one show no library progress bars or info logs
-    (their warnings and errors still print)."""
-    if accelerator.is_main_process:
-        return
-    transformers.utils.logging.set_verbosity_warning()
-    transformers.utils.logging.disable_progress_bar()
-    datasets.utils.logging.set_verbosity_warning()
-    datasets.disable_progress_bars()
+def quiet_console(accelerator, stream=None) -> None:
+    """One readable console: processes other than the main one show no library progress bars or info logs (their
+    warnings and errors still print); the main process keeps transformers' and datasets' progress bars (loading
+    weights, mapping rows) on a terminal only: written to a log file or a pipe, each redraw of a bar becomes a line of
+    its own, as `ProgressDisplay` avoids for the training bar."""
+    if not accelerator.is_main_process:
+        transformers.utils.logging.set_verbosity_warning()
+        datasets.utils.logging.set_verbosity_warning()
+    if not accelerator.is_main_process or not (stream or sys.stderr).isatty():
+        transformers.utils.logging.disable_progress_bar()
+        datasets.disable_progress_bars()
 
 
 class ProgressDisplay:

@@ -61,3 +61,35 @@ def test_mlflow_needs_its_package(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     problems = machine_problems(recipe(tmp_path, report_to=["mlflow"]), cuda=False)
     assert problems and "mlflow package is not installed" in problems[0]
+
+
+class Stream:
+    def __init__(self, terminal: bool):
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+@pytest.mark.parametrize(("main", "terminal", "bars"), [(True, True, True), (True, False, False),
+                                                        (False, True, False), (False, False, False)])
+def test_library_progress_bars_show_on_the_main_processs_terminal_only(main, terminal, bars):
+    """transformers' and datasets' bars (loading weights, mapping rows) redraw in place on a terminal; written to a
+    log or a pipe each redraw is a line, and other processes would draw the same bars again."""
+    import datasets
+    import transformers
+
+    from hftrain.tracking import quiet_console
+
+    transformers.utils.logging.enable_progress_bar()
+    datasets.enable_progress_bars()
+    verbosity = transformers.utils.logging.get_verbosity(), datasets.utils.logging.get_verbosity()
+    try:
+        quiet_console(type("Accelerator", (), {"is_main_process": main})(), Stream(terminal))
+        assert transformers.utils.logging.is_progress_bar_enabled() is bars
+        assert datasets.is_progress_bar_enabled() is bars
+    finally:
+        transformers.utils.logging.enable_progress_bar()
+        datasets.enable_progress_bars()
+        transformers.utils.logging.set_verbosity(verbosity[0])
+        datasets.utils.logging.set_verbosity(verbosity[1])
