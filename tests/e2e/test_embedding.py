@@ -352,28 +352,40 @@ def test_a_resumed_reranker_continues_exactly(tmp_path, candidates_task, reranke
     assert final_ranking(resumed) == pytest.approx(final_ranking(reranker_one_process), abs=1e-6)
 
 
-def test_a_lora_reranker_adapter_and_its_merge_rank_as_in_training(tmp_path, candidates_task):
-    """The classifier reranker with use_peft: `hftrain eval --retrieval` on the adapter folder (peft on its base) and
-    on its `hftrain merge` output gives the final evaluation's reranking metrics, and the merged folder's equal
-    CrossEncoderRerankingEvaluator on CrossEncoder(merged)."""
+def merge_and_assert_ranking(run: Run, task: Path, tmp_path: Path, batch_size: int = 64) -> tuple[Path, Path]:
+    """`hftrain merge` of a LoRA reranker run's adapter folder into tmp_path/merged; `hftrain eval --retrieval` on
+    both folders gives the run's final evaluation's reranking metrics on `task`, which equal
+    CrossEncoderRerankingEvaluator on CrossEncoder(merged) (`batch_size` pairs per predict). Returns (adapter,
+    merged)."""
     from sentence_transformers import CrossEncoder
 
     from hftrain.cli import main as cli
 
-    run = run_script(tmp_path / "out", *RERANKER_EXACT, "--retrieval_eval_dir", str(candidates_task),
-                     "--per_device_train_batch_size", "4", "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
-                     "--learning_rate", "0.05")
-    ours = [r for r in run.metrics() if "eval_ndcg@10" in r][-1]
     adapter, merged = run.output_dir / "final", tmp_path / "merged"
     assert (adapter / "adapter_config.json").is_file()
     cli(["merge", str(adapter), str(merged)])
-    theirs = cross_encoder_metrics(CrossEncoder(str(merged)), candidates_task)
+    assert not (merged / "adapter_config.json").exists()
+    ours = final_ranking(run)
+    theirs = cross_encoder_metrics(CrossEncoder(str(merged)), task, batch_size=batch_size)
     for folder in (adapter, merged):
-        cli(["eval", str(folder), "--retrieval", str(candidates_task), "--output", str(tmp_path / "metrics.json")])
+        cli(["eval", str(folder), "--retrieval", str(task), "--output", str(tmp_path / "metrics.json")])
         offline = json.loads((tmp_path / "metrics.json").read_text())
         for name, value in theirs.items():
             assert offline[name] == pytest.approx(ours[f"eval_{name}"], abs=1e-6), (folder, name)
             assert value == pytest.approx(ours[f"eval_{name}"], abs=1e-6), name
+    return adapter, merged
+
+
+def test_a_lora_reranker_adapter_and_its_merge_rank_as_in_training(tmp_path, candidates_task):
+    """The classifier reranker with use_peft: `hftrain eval --retrieval` on the adapter folder (peft on its base) and
+    on its `hftrain merge` output gives the final evaluation's reranking metrics, and the merged folder's equal
+    CrossEncoderRerankingEvaluator on CrossEncoder(merged)."""
+
+
+    run = run_script(tmp_path / "out", *RERANKER_EXACT, "--retrieval_eval_dir", str(candidates_task),
+                     "--per_device_train_batch_size", "4", "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
+                     "--learning_rate", "0.05")
+    merge_and_assert_ranking(run, candidates_task, tmp_path)
 
 
 def test_the_reranker_folder_loads_with_cross_encoder_and_transformers(reranker_run):
@@ -581,16 +593,11 @@ def test_a_lora_yes_no_reranker_adapter_and_its_merge_score_as_in_training(tmp_p
     from sentence_transformers import CrossEncoder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hftrain.cli import main as cli
     from hftrain.fields.retrieval import QWEN3_RERANKER_TEMPLATE as TEMPLATE
 
     run = run_script(tmp_path / "out", *yes_no_args(yes_no_base, candidates_task), "--per_device_train_batch_size",
                      "4", "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "0.05")
-    adapter, merged = run.output_dir / "final", tmp_path / "merged"
-    assert (adapter / "adapter_config.json").is_file()
-    cli(["merge", str(adapter), str(merged)])
-    assert not (merged / "adapter_config.json").exists()
-
+    adapter, merged = merge_and_assert_ranking(run, candidates_task, tmp_path, batch_size=1)
     tokenizer = AutoTokenizer.from_pretrained(yes_no_base)
     yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
     examples = [json.loads(line) for line in
@@ -608,15 +615,6 @@ def test_a_lora_yes_no_reranker_adapter_and_its_merge_score_as_in_training(tmp_p
     for folder in (adapter, merged):
         scores = torch.as_tensor(CrossEncoder(str(folder)).predict(pairs, batch_size=1))
         torch.testing.assert_close(scores, plain, rtol=1e-5, atol=1e-6, msg=lambda m, f=folder: f"{f}: {m}")
-
-    ours = final_ranking(run)
-    theirs = cross_encoder_metrics(CrossEncoder(str(merged)), candidates_task, batch_size=1)
-    for folder in (adapter, merged):
-        cli(["eval", str(folder), "--retrieval", str(candidates_task), "--output", str(tmp_path / "metrics.json")])
-        offline = json.loads((tmp_path / "metrics.json").read_text())
-        for name, value in theirs.items():
-            assert offline[name] == pytest.approx(ours[f"eval_{name}"], abs=1e-6), (folder, name)
-            assert value == pytest.approx(ours[f"eval_{name}"], abs=1e-6), name
 
 
 def test_a_yes_no_reranker_on_a_tokenizer_without_yes_and_no_is_refused_before_the_model_loads(tmp_path):
