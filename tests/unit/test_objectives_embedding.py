@@ -83,6 +83,22 @@ def parameters(module) -> dict[str, torch.Tensor]:
             for name, p in module.named_parameters()}
 
 
+def one_sgd_step_equal(ours: torch.nn.Module, loss: torch.Tensor, theirs: torch.nn.Module,
+                       expected: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The two losses equal, and every weight after one SGD step (lr 0.5) from each one's gradient; returns ours
+    after the step (by transformers' names, `parameters`)."""
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for module, value in ((ours, loss), (theirs, expected)):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+        value.backward()
+        optimizer.step()
+    after, theirs_after = parameters(ours), parameters(theirs)
+    assert after.keys() == theirs_after.keys()
+    for name, value in after.items():
+        torch.testing.assert_close(value, theirs_after[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    return after
+
+
 @pytest.mark.parametrize(("encoder", "pooling", "symmetric"), [
     ("llama", "last_token", False), ("llama", "mean", True), ("bert", "cls", False), ("bert", "mean", False),
 ])
@@ -104,19 +120,11 @@ def test_loss_and_update_equal_multiple_negatives_ranking_loss(encoders, encoder
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
 
     ours.train(), theirs.train()
-    loss = ours(**batch) / 6
-    expected = reference(features, None)
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-    for module, value in ((ours, loss), (theirs, expected)):
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
-        value.backward()
-        optimizer.step()
-    theirs_after = parameters(theirs)
-    for name, value in parameters(ours).items():
+    after = one_sgd_step_equal(ours, ours(**batch) / 6, theirs, reference(features, None))
+    for name, value in after.items():
         # rows of tokens no text holds keep their embedding; BERT's pooler is not used by sentence embeddings
         assert not torch.equal(value, before[name]) or name.endswith("embed_tokens.weight") or \
             name.startswith("pooler."), name
-        torch.testing.assert_close(value, theirs_after[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -262,18 +270,8 @@ def test_reranker_loss_and_update_equal_cross_encoder_losses(classifier, labelle
         targets = None
     before = parameters(ours)
     ours.train(), theirs.train()
-    loss = ours(**batch) / 6
-    expected = reference(inputs, targets)
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-    for module, value in ((ours, loss), (theirs, expected)):
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
-        value.backward()
-        optimizer.step()
-    theirs_after = parameters(theirs)
-    assert theirs_after.keys() == before.keys()
-    for name, value in parameters(ours).items():
-        torch.testing.assert_close(value, theirs_after[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    assert not torch.equal(parameters(ours)["score.weight"], before["score.weight"])
+    after = one_sgd_step_equal(ours, ours(**batch) / 6, theirs, reference(inputs, targets))
+    assert not torch.equal(after["score.weight"], before["score.weight"])
 
 
 @pytest.mark.parametrize("count", [5, 1])
@@ -404,17 +402,8 @@ def test_yes_no_reranker_loss_and_update_equal_plain_pytorch(yes_no_lm, tmp_path
         return -torch.log_softmax(scores, dim=1)[:, 0].mean()
 
     before = parameters(ours)
-    loss = ours(**batch) / 6
-    expected = reference()
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-    for module, value in ((ours, loss), (theirs, expected)):
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
-        value.backward()
-        optimizer.step()
-    theirs_after = parameters(theirs)
-    for name, value in parameters(ours).items():
-        torch.testing.assert_close(value, theirs_after[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    assert not torch.equal(parameters(ours)["lm_head.weight"], before["lm_head.weight"])
+    after = one_sgd_step_equal(ours, ours(**batch) / 6, theirs, reference())
+    assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"])
 
     ours.lm.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
