@@ -21,7 +21,9 @@ The data decides the loss
   loss = -score(q, p) + log(exp score(q, p) + sum_n exp score(q, n)).
 
 Each row's pairs are its own (no in-batch negatives), so accumulation and data parallelism are exact (the loop's
-sum over rows). The final folder is a CrossEncoder's (modules.json with its Transformer in sequence-classification
+sum over rows), and a training micro-batch is scored in two forwards, its shorter and its longer half of pairs, each
+at its own longest pair's width (`RerankerLoss.halves_scores`: less padding than one forward at the longest
+pair's). The final folder is a CrossEncoder's (modules.json with its Transformer in sequence-classification
 form, plain text input; config_sentence_transformers.json with the Sigmoid CrossEncoder.predict applies) that
 transformers' AutoModelForSequenceClassification loads too; the yes/no reranker's folder is the causal LM
 (AutoModelForCausalLM loads it) with a CrossEncoder's Transformer (text-generation) and LogitScore, and a chat
@@ -85,8 +87,26 @@ class RerankerLoss(RowAccuracyLoss):
         self.yes_no = yes_no
 
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """One score per pair (float32): the classifier's output, or logit(yes) - logit(no) at the last position."""
+        """One score per pair (float32): the classifier's output, or logit(yes) - logit(no) at the last position; the
+        positions that are padding in every pair are cut first (the pairs run at their own longest pair's width)."""
+        used = attention_mask.bool().any(dim=0)
+        if not bool(used.all()):
+            input_ids, attention_mask = input_ids[:, used], attention_mask[:, used]
         return pair_score(self.lm, input_ids, attention_mask, self.yes_no)
+
+    def halves_scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """`scores` of a training micro-batch in two forwards: the shorter half of its pairs, then the longer half,
+        each at its own longest pair's width, so that short pairs are not padded to the longest of the micro-batch
+        (each pair's score is its own: the loss and gradients are those of one forward). Always two forwards, so
+        that every rank of a sharded model gathers its weights as often; a lone pair is scored twice, the second
+        weighted 0."""
+        order = torch.argsort(attention_mask.sum(dim=-1), stable=True)
+        half = (len(order) + 1) // 2
+        short, long = order[:half], order[half:] if len(order) > 1 else order
+        scores = [self.scores(input_ids[part], attention_mask[part]) for part in (short, long)]
+        if len(order) == 1:
+            return scores[0] + 0 * scores[1].sum()
+        return torch.cat(scores)[torch.argsort(order)]
 
     @property
     def loss_path(self) -> str:
@@ -100,7 +120,7 @@ class RerankerLoss(RowAccuracyLoss):
         sharded one gathers its weights as for the loss)."""
         if scores_only:
             return self.scores(input_ids, attention_mask)
-        scores = self.scores(input_ids, attention_mask).reshape(len(valid), -1)
+        scores = self.halves_scores(input_ids, attention_mask).reshape(len(valid), -1)
         if targets is not None:
             losses = F.binary_cross_entropy_with_logits(scores[:, 0], targets.to(scores.dtype), reduction="none")
             right = (scores[:, 0] > 0) == (targets >= 0.5)

@@ -295,10 +295,43 @@ RERANKER_EXACT = ["--config", str(REPO / "recipes" / "tiny-reranker.yaml"), "--m
                   "constant", "--warmup_steps", "0", "--save_strategy", "no"]
 
 
+RANKING = ("eval_ndcg@10", "eval_mrr@10", "eval_recall@1", "eval_recall@5", "eval_recall@10")
+# 3 steps of 4 rows and a checkpoint at step 2: the one-process run that the distributed runs and the resumed run
+# are compared with
+RESUMABLE = ["--per_device_train_batch_size", "4", "--max_steps", "3", "--save_strategy", "steps", "--save_steps", "2"]
+
+
+def final_ranking(run: Run) -> dict[str, float]:
+    """The final evaluation's reranking metrics."""
+    final = [r for r in run.metrics() if "eval_ndcg@10" in r][-1]
+    return {name: final[name] for name in RANKING}
+
+
+def assert_same_training(run: Run, one: Run) -> None:
+    """Each step's loss, the final weights and the final evaluation's reranking metrics of `run` equal `one`'s."""
+    assert [r["loss"] for r in run.train_rows()] == pytest.approx([r["loss"] for r in one.train_rows()], rel=1e-5)
+    expected, saved = final_weights(one), final_weights(run)
+    assert saved.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(saved[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert final_ranking(run) == pytest.approx(final_ranking(one), abs=1e-6)
+
+
+def launch_two(output_dir: Path, args: list[str], preset: str) -> Run:
+    """`args` on 2 processes x 2 rows per step under `preset` (cpu_ddp, zero3, or fsdp2 through the test launcher that
+    forces FSDP2 on the CPU), 3 steps; asserts the process count and the wrapper."""
+    run = launch(output_dir, *args, "--per_device_train_batch_size", "2", "--max_steps", "3", preset=preset,
+                 processes=2, script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY)
+    launched = run.state()["launch"]
+    assert launched["num_processes"] == 2
+    assert launched["distributed_type"] == {"cpu_ddp": "MULTI_CPU", "zero3": "DEEPSPEED", "fsdp2": "FSDP"}[preset]
+    return run
+
+
 @pytest.fixture(scope="module")
 def reranker_one_process(tmp_path_factory, candidates_task) -> Run:
     return run_script(tmp_path_factory.mktemp("reranker-one") / "out", *RERANKER_EXACT, "--retrieval_eval_dir",
-                      str(candidates_task), "--per_device_train_batch_size", "4")
+                      str(candidates_task), *RESUMABLE)
 
 
 @pytest.mark.parametrize("preset", ["zero3", "fsdp2"])
@@ -306,44 +339,53 @@ def test_a_sharded_reranker_equals_one_process(tmp_path, candidates_task, rerank
     """The classifier reranker on 2 processes x 2 rows with the model partitioned (ZeRO-3) or sharded (FSDP2) against
     one process of 4 rows: each step's loss, the final (gathered) weights and the final evaluation's reranking
     metrics (every rank scoring the pairs through the sharded model) are equal."""
-    task = ["--retrieval_eval_dir", str(candidates_task)]
-    one = reranker_one_process
-    run = launch(tmp_path / "two", *RERANKER_EXACT, *task, "--per_device_train_batch_size", "2", preset=preset,
-                 processes=2, script=FSDP_LAUNCHER if preset == "fsdp2" else ENTRY)
-    assert run.state()["launch"]["distributed_type"] == ("DEEPSPEED" if preset == "zero3" else "FSDP")
-    assert [r["loss"] for r in run.train_rows()] == pytest.approx([r["loss"] for r in one.train_rows()], rel=1e-5)
-    expected = final_weights(one)
-    saved = final_weights(run)
-    assert saved.keys() == expected.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(saved[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    ranked = [[r for r in result.metrics() if "eval_ndcg@10" in r][-1] for result in (one, run)]
-    for name in ("eval_ndcg@10", "eval_mrr@10", "eval_recall@1", "eval_recall@5", "eval_recall@10"):
-        assert ranked[1][name] == pytest.approx(ranked[0][name], abs=1e-6), name
+    run = launch_two(tmp_path / "two", [*RERANKER_EXACT, "--retrieval_eval_dir", str(candidates_task)], preset)
+    assert_same_training(run, reranker_one_process)
+
+
+def test_a_resumed_reranker_continues_exactly(tmp_path, candidates_task, reranker_one_process):
+    """The classifier reranker resumed from checkpoint-2: step 3's loss, grad norm and accuracy, the final weights and
+    the final evaluation's reranking metrics equal the uninterrupted run's."""
+    resumed = checks.assert_resumes_exactly(
+        tmp_path, reranker_one_process, [*RERANKER_EXACT, "--retrieval_eval_dir", str(candidates_task), *RESUMABLE],
+        ("loss", "grad_norm", "accuracy"))
+    assert final_ranking(resumed) == pytest.approx(final_ranking(reranker_one_process), abs=1e-6)
+
+
+def merge_and_assert_ranking(run: Run, task: Path, tmp_path: Path, batch_size: int = 64) -> tuple[Path, Path]:
+    """`hftrain merge` of a LoRA reranker run's adapter folder into tmp_path/merged; `hftrain eval --retrieval` on
+    both folders gives the run's final evaluation's reranking metrics on `task`, which equal
+    CrossEncoderRerankingEvaluator on CrossEncoder(merged) (`batch_size` pairs per predict). Returns (adapter,
+    merged)."""
+    from sentence_transformers import CrossEncoder
+
+    from hftrain.cli import main as cli
+
+    adapter, merged = run.output_dir / "final", tmp_path / "merged"
+    assert (adapter / "adapter_config.json").is_file()
+    cli(["merge", str(adapter), str(merged)])
+    assert not (merged / "adapter_config.json").exists()
+    ours = final_ranking(run)
+    theirs = cross_encoder_metrics(CrossEncoder(str(merged)), task, batch_size=batch_size)
+    for folder in (adapter, merged):
+        cli(["eval", str(folder), "--retrieval", str(task), "--output", str(tmp_path / "metrics.json")])
+        offline = json.loads((tmp_path / "metrics.json").read_text())
+        for name, value in theirs.items():
+            assert offline[name] == pytest.approx(ours[f"eval_{name}"], abs=1e-6), (folder, name)
+            assert value == pytest.approx(ours[f"eval_{name}"], abs=1e-6), name
+    return adapter, merged
 
 
 def test_a_lora_reranker_adapter_and_its_merge_rank_as_in_training(tmp_path, candidates_task):
     """The classifier reranker with use_peft: `hftrain eval --retrieval` on the adapter folder (peft on its base) and
     on its `hftrain merge` output gives the final evaluation's reranking metrics, and the merged folder's equal
     CrossEncoderRerankingEvaluator on CrossEncoder(merged)."""
-    from sentence_transformers import CrossEncoder
 
-    from hftrain.cli import main as cli
 
     run = run_script(tmp_path / "out", *RERANKER_EXACT, "--retrieval_eval_dir", str(candidates_task),
                      "--per_device_train_batch_size", "4", "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
                      "--learning_rate", "0.05")
-    ours = [r for r in run.metrics() if "eval_ndcg@10" in r][-1]
-    adapter, merged = run.output_dir / "final", tmp_path / "merged"
-    assert (adapter / "adapter_config.json").is_file()
-    cli(["merge", str(adapter), str(merged)])
-    theirs = cross_encoder_metrics(CrossEncoder(str(merged)), candidates_task)
-    for folder in (adapter, merged):
-        cli(["eval", str(folder), "--retrieval", str(candidates_task), "--output", str(tmp_path / "metrics.json")])
-        offline = json.loads((tmp_path / "metrics.json").read_text())
-        for name, value in theirs.items():
-            assert offline[name] == pytest.approx(ours[f"eval_{name}"], abs=1e-6), (folder, name)
-            assert value == pytest.approx(ours[f"eval_{name}"], abs=1e-6), name
+    merge_and_assert_ranking(run, candidates_task, tmp_path)
 
 
 def test_the_reranker_folder_loads_with_cross_encoder_and_transformers(reranker_run):
@@ -474,22 +516,34 @@ def yes_no_base(tmp_path_factory) -> Path:
     return base
 
 
-def test_a_yes_no_reranker_under_ddp_equals_one_process(tmp_path, yes_no_base, candidates_task):
-    """reranker_head yes_no on 2 DDP processes x 2 rows against one process of 4 rows: each step's loss, the final
+def yes_no_args(base: Path, task: Path) -> list[str]:
+    return [*RERANKER_EXACT, "--model_name_or_path", str(base), "--reranker_head", "yes_no", "--max_length", "320",
+            "--retrieval_eval_dir", str(task)]
+
+
+@pytest.fixture(scope="module")
+def yes_no_one_process(tmp_path_factory, yes_no_base, candidates_task) -> Run:
+    return run_script(tmp_path_factory.mktemp("yes-no-one") / "out", *yes_no_args(yes_no_base, candidates_task),
+                      *RESUMABLE)
+
+
+@pytest.mark.parametrize("preset", ["cpu_ddp", "zero3", "fsdp2"])
+def test_a_distributed_yes_no_reranker_equals_one_process(tmp_path, yes_no_base, candidates_task, yes_no_one_process,
+                                                          preset):
+    """reranker_head yes_no (the causal LM scoring its own 'yes'/'no' logits) on 2 processes x 2 rows under DDP,
+    ZeRO-3 (partitioned) and FSDP2 (sharded) against one process of 4 rows: each step's loss, the final (gathered)
     weights and the final evaluation's reranking metrics are equal."""
-    args = [*RERANKER_EXACT, "--model_name_or_path", str(yes_no_base), "--reranker_head", "yes_no", "--max_length",
-            "320", "--retrieval_eval_dir", str(candidates_task)]
-    one = run_script(tmp_path / "one", *args, "--per_device_train_batch_size", "4")
-    run = launch(tmp_path / "two", *args, "--per_device_train_batch_size", "2", preset="cpu_ddp", processes=2)
-    assert run.state()["launch"]["num_processes"] == 2
-    assert [r["loss"] for r in run.train_rows()] == pytest.approx([r["loss"] for r in one.train_rows()], rel=1e-5)
-    expected, saved = final_weights(one), final_weights(run)
-    assert saved.keys() == expected.keys()
-    for name, value in expected.items():
-        torch.testing.assert_close(saved[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    ranked = [[r for r in result.metrics() if "eval_ndcg@10" in r][-1] for result in (one, run)]
-    for name in ("eval_ndcg@10", "eval_mrr@10", "eval_recall@1", "eval_recall@5", "eval_recall@10"):
-        assert ranked[1][name] == pytest.approx(ranked[0][name], abs=1e-6), name
+    run = launch_two(tmp_path / "two", yes_no_args(yes_no_base, candidates_task), preset)
+    assert_same_training(run, yes_no_one_process)
+
+
+def test_a_resumed_yes_no_reranker_continues_exactly(tmp_path, yes_no_base, candidates_task, yes_no_one_process):
+    """The yes/no reranker resumed from checkpoint-2: step 3's values, the final weights and the final evaluation's
+    reranking metrics equal the uninterrupted run's."""
+    resumed = checks.assert_resumes_exactly(tmp_path, yes_no_one_process,
+                                            [*yes_no_args(yes_no_base, candidates_task), *RESUMABLE],
+                                            ("loss", "grad_norm", "accuracy"))
+    assert final_ranking(resumed) == pytest.approx(final_ranking(yes_no_one_process), abs=1e-6)
 
 
 def test_a_yes_no_reranker_folder_scores_as_its_causal_lm(tmp_path, yes_no_base, candidates_task):
@@ -532,6 +586,40 @@ def test_a_yes_no_reranker_folder_scores_as_its_causal_lm(tmp_path, yes_no_base,
     for name, value in cross_encoder_metrics(cross_encoder, candidates_task, batch_size=1).items():
         assert ours[-1][f"eval_{name}"] == pytest.approx(value, abs=1e-6), name
         assert offline[name] == pytest.approx(value, abs=1e-6), name
+
+
+def test_a_lora_yes_no_reranker_adapter_and_its_merge_score_as_in_training(tmp_path, yes_no_base, candidates_task):
+    """The yes/no reranker with use_peft (peft's CAUSAL_LM adapter): `CrossEncoder` on the adapter folder and on its
+    `hftrain merge` output predicts, one pair at a time, the P(yes) of peft's PeftModel on the base causal LM at the
+    last position of Qwen3-Reranker's prompt (built here with str.replace); `hftrain eval --retrieval` on both
+    folders gives the final evaluation's reranking metrics, which equal CrossEncoderRerankingEvaluator on
+    CrossEncoder(merged)."""
+    from peft import PeftModel
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hftrain.fields.retrieval import QWEN3_RERANKER_TEMPLATE as TEMPLATE
+
+    run = run_script(tmp_path / "out", *yes_no_args(yes_no_base, candidates_task), "--per_device_train_batch_size",
+                     "4", "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "0.05")
+    adapter, merged = merge_and_assert_ranking(run, candidates_task, tmp_path, batch_size=1)
+    tokenizer = AutoTokenizer.from_pretrained(yes_no_base)
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    examples = [json.loads(line) for line in
+                (REPO / "data" / "retrieval.jsonl").read_text(encoding="utf-8").splitlines()[:2]]
+    pairs = [(r["anchor"], text) for r in examples for text in (r["positive"], r["negative"])]
+
+    def p_yes(model) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.stack([torch.softmax(model(**tokenizer(
+                TEMPLATE.replace("{query}", q).replace("{document}", p), add_special_tokens=False,
+                return_tensors="pt")).logits[0, -1, [yes, no]], dim=0)[0] for q, p in pairs])
+
+    plain = p_yes(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(yes_no_base), adapter).eval())
+    assert not torch.allclose(plain, p_yes(AutoModelForCausalLM.from_pretrained(yes_no_base).eval()), atol=1e-4)
+    for folder in (adapter, merged):
+        scores = torch.as_tensor(CrossEncoder(str(folder)).predict(pairs, batch_size=1))
+        torch.testing.assert_close(scores, plain, rtol=1e-5, atol=1e-6, msg=lambda m, f=folder: f"{f}: {m}")
 
 
 def test_a_yes_no_reranker_on_a_tokenizer_without_yes_and_no_is_refused_before_the_model_loads(tmp_path):

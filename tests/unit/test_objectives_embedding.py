@@ -83,6 +83,22 @@ def parameters(module) -> dict[str, torch.Tensor]:
             for name, p in module.named_parameters()}
 
 
+def one_sgd_step_equal(ours: torch.nn.Module, loss: torch.Tensor, theirs: torch.nn.Module,
+                       expected: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The two losses equal, and every weight after one SGD step (lr 0.5) from each one's gradient; returns ours
+    after the step (by transformers' names, `parameters`)."""
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for module, value in ((ours, loss), (theirs, expected)):
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
+        value.backward()
+        optimizer.step()
+    after, theirs_after = parameters(ours), parameters(theirs)
+    assert after.keys() == theirs_after.keys()
+    for name, value in after.items():
+        torch.testing.assert_close(value, theirs_after[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    return after
+
+
 @pytest.mark.parametrize(("encoder", "pooling", "symmetric"), [
     ("llama", "last_token", False), ("llama", "mean", True), ("bert", "cls", False), ("bert", "mean", False),
 ])
@@ -104,19 +120,11 @@ def test_loss_and_update_equal_multiple_negatives_ranking_loss(encoders, encoder
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
 
     ours.train(), theirs.train()
-    loss = ours(**batch) / 6
-    expected = reference(features, None)
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-    for module, value in ((ours, loss), (theirs, expected)):
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
-        value.backward()
-        optimizer.step()
-    theirs_after = parameters(theirs)
-    for name, value in parameters(ours).items():
+    after = one_sgd_step_equal(ours, ours(**batch) / 6, theirs, reference(features, None))
+    for name, value in after.items():
         # rows of tokens no text holds keep their embedding; BERT's pooler is not used by sentence embeddings
         assert not torch.equal(value, before[name]) or name.endswith("embed_tokens.weight") or \
             name.startswith("pooler."), name
-        torch.testing.assert_close(value, theirs_after[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -162,22 +170,42 @@ def test_filler_rows_of_a_short_batch_change_nothing(encoders):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize(("line", "says"), [
-    ('{"anchor": "a", "positive": "b", "negative": "c"}\nnot json\n', "line 2: not JSON"),
-    ('{"anchor": "a", "positive": "b"}\n\n{"query": "a", "positive": "b"}\n', "line 3: the row has no 'anchor'"),
-    ('{"anchor": "a", "positive": "b", "negative": "c"}\n{"anchor": "a", "positive": "b"}\n',
+def tokenize_embedding_rows(rows, tokenizer, name):
+    return tokenize_rows(rows, tokenizer, 32, None, name)
+
+
+def tokenize_reranker_rows(rows, tokenizer, name):
+    from hftrain.data.retrieval import tokenize_pairs
+
+    return tokenize_pairs(rows, tokenizer, 32, name)
+
+
+@pytest.mark.parametrize(("tokenize", "line", "says"), [
+    (tokenize_embedding_rows, '{"anchor": "a", "positive": "b", "negative": "c"}\nnot json\n', "line 2: not JSON"),
+    (tokenize_embedding_rows, '{"anchor": "a", "positive": "b"}\n\n{"query": "a", "positive": "b"}\n',
+     "line 3: the row has no 'anchor'"),
+    (tokenize_embedding_rows, '{"anchor": "a", "positive": "b", "negative": "c"}\n{"anchor": "a", "positive": "b"}\n',
      "line 2: the row has 0 negatives, the first row"),
-    ('{"anchor": "a", "positive": ""}\n', "line 1: positive must be a non-empty text"),
-    ('{"anchor": "a", "positive": "b", "negative": 3}\n', "line 1: negative must be a text or a list"),
+    (tokenize_embedding_rows, '{"anchor": "a", "positive": ""}\n', "line 1: positive must be a non-empty text"),
+    (tokenize_embedding_rows, '{"anchor": "a", "positive": "b", "negative": 3}\n',
+     "line 1: negative must be a text or a list"),
+    (tokenize_reranker_rows, '{"query": "a", "passage": "b", "label": 2}\n',
+     "line 1: label must be true/false or a number in [0, 1]"),
+    (tokenize_reranker_rows, '{"query": "a", "passage": "b", "label": 1}\n{"query": "a", "positive": "b", '
+     '"negative": "c"}\n', "line 2: the row has 1 negatives, the first row"),
+    (tokenize_reranker_rows, '{"query": "a", "positive": "b"}\n',
+     "line 1: a row without a label needs at least one 'negative'"),
+    (tokenize_reranker_rows, '{"anchor": "a", "positive": "b", "negative": "c"}\n',
+     "line 1: the row needs a non-empty 'query' text"),
 ])
-def test_bad_rows_are_refused_naming_the_file_and_line(tmp_path, line, says):
+def test_bad_embedding_and_reranker_rows_are_refused_naming_the_file_and_line(tmp_path, tokenize, line, says):
     from transformers import AutoTokenizer
 
     path = tmp_path / "rows.jsonl"
     path.write_text(line, encoding="utf-8")
     tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
     with pytest.raises(HftrainError) as refused:
-        tokenize_rows(read_rows(str(path), None, "train", {}), tokenizer, 32, None, str(path))
+        tokenize(read_rows(str(path), None, "train", {}), tokenizer, str(path))
     assert f"{path}, {says}" in str(refused.value)
 
 
@@ -242,38 +270,48 @@ def test_reranker_loss_and_update_equal_cross_encoder_losses(classifier, labelle
         targets = None
     before = parameters(ours)
     ours.train(), theirs.train()
-    loss = ours(**batch) / 6
-    expected = reference(inputs, targets)
+    after = one_sgd_step_equal(ours, ours(**batch) / 6, theirs, reference(inputs, targets))
+    assert not torch.equal(after["score.weight"], before["score.weight"])
+
+
+@pytest.mark.parametrize("count", [5, 1])
+def test_a_reranker_micro_batch_runs_in_two_length_sorted_halves(classifier, count):
+    """A micro-batch of `count` labelled pairs of different lengths: the model runs twice, on the shorter half of the
+    pairs at that half's longest pair's width (narrower than the micro-batch's longest pair), then on the longer half
+    (a lone pair: itself twice); the summed loss and the gradients equal plain PyTorch on each pair alone (the
+    classifier on its unpadded tokens, binary cross-entropy on the logit)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from hftrain.data.retrieval import RerankerCollator, tokenize_pairs
+    from hftrain.objectives.reranker import RerankerLoss
+
+    data_rows = [{"query": r["anchor"], "passage": r["positive"] * (1 + i % 3), "label": i % 2}
+                 for i, r in enumerate(rows(count))]
+    tokenizer = AutoTokenizer.from_pretrained(classifier)
+    data = tokenize_pairs([(f"row {i}", r) for i, r in enumerate(data_rows)], tokenizer, 64, "rows")
+    batch = RerankerCollator(data, tokenizer.pad_token_id, tokenizer.padding_side)(list(range(count)))
+    batch.pop("num_examples")
+    ours = RerankerLoss(AutoModelForSequenceClassification.from_pretrained(classifier)).train()
+    theirs = AutoModelForSequenceClassification.from_pretrained(classifier).train()
+    widths = []
+    ours.lm.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape),
+                                      with_kwargs=True)
+    loss = ours(**batch)
+    lengths = sorted(len(pair[0]) for pair in data.ids)
+    half = (count + 1) // 2
+    expected_widths = [(half, lengths[half - 1]), (count - half, lengths[-1])] if count > 1 else [(1, lengths[0])] * 2
+    assert [tuple(w) for w in widths] == expected_widths
+    if count > 1:
+        assert lengths[half - 1] < batch["input_ids"].shape[1]
+    expected = sum(torch.nn.functional.binary_cross_entropy_with_logits(
+        theirs(input_ids=torch.tensor([pair[0]])).logits[0, 0], torch.tensor(float(r["label"])))
+        for pair, r in zip(data.ids, data_rows, strict=True))
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-    for module, value in ((ours, loss), (theirs, expected)):
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
-        value.backward()
-        optimizer.step()
-    theirs_after = parameters(theirs)
-    assert theirs_after.keys() == before.keys()
-    for name, value in parameters(ours).items():
-        torch.testing.assert_close(value, theirs_after[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    assert not torch.equal(parameters(ours)["score.weight"], before["score.weight"])
-
-
-@pytest.mark.parametrize(("line", "says"), [
-    ('{"query": "a", "passage": "b", "label": 2}\n', "line 1: label must be true/false or a number in [0, 1]"),
-    ('{"query": "a", "passage": "b", "label": 1}\n{"query": "a", "positive": "b", "negative": "c"}\n',
-     "line 2: the row has 1 negatives, the first row"),
-    ('{"query": "a", "positive": "b"}\n', "line 1: a row without a label needs at least one 'negative'"),
-    ('{"anchor": "a", "positive": "b", "negative": "c"}\n', "line 1: the row needs a non-empty 'query' text"),
-])
-def test_bad_reranker_rows_are_refused_naming_the_file_and_line(tmp_path, line, says):
-    from transformers import AutoTokenizer
-
-    from hftrain.data.retrieval import tokenize_pairs
-
-    path = tmp_path / "pairs.jsonl"
-    path.write_text(line, encoding="utf-8")
-    tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "tiny-llama")
-    with pytest.raises(HftrainError) as refused:
-        tokenize_pairs(read_rows(str(path), None, "train", {}), tokenizer, 32, str(path))
-    assert f"{path}, {says}" in str(refused.value)
+    loss.backward()
+    expected.backward()
+    ours_grads = {n.removeprefix("lm."): p.grad for n, p in ours.named_parameters()}
+    for name, p in theirs.named_parameters():
+        torch.testing.assert_close(ours_grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize(("files", "says"), [
@@ -364,17 +402,8 @@ def test_yes_no_reranker_loss_and_update_equal_plain_pytorch(yes_no_lm, tmp_path
         return -torch.log_softmax(scores, dim=1)[:, 0].mean()
 
     before = parameters(ours)
-    loss = ours(**batch) / 6
-    expected = reference()
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
-    for module, value in ((ours, loss), (theirs, expected)):
-        optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
-        value.backward()
-        optimizer.step()
-    theirs_after = parameters(theirs)
-    for name, value in parameters(ours).items():
-        torch.testing.assert_close(value, theirs_after[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
-    assert not torch.equal(parameters(ours)["lm_head.weight"], before["lm_head.weight"])
+    after = one_sgd_step_equal(ours, ours(**batch) / 6, theirs, reference())
+    assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"])
 
     ours.lm.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
