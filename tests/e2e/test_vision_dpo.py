@@ -1,8 +1,8 @@
 """dpo on an image-text model through the real entry script: recipes/tiny-vlm-dpo.yaml learns the shipped image
 preference pairs; per-step losses, rewards, log-probs and the updated weights equal TRL 1.16's DPOTrainer on the same
 rows (scripts/compare_trl_vlm_dpo.py); one step is the same as 1 micro-batch of 4 pairs, 2 accumulated micro-batches
-of 2 and 2 processes of 2 (gloo) under DDP, ZeRO-3 and FSDP2, and a ZeRO-3 run resumed continues exactly; orpo
-accumulates like one batch."""
+of 2, 2 processes of 2 (gloo) under DDP, ZeRO-3 and FSDP2, and the pairs streamed, and a ZeRO-3 run resumed
+continues exactly; orpo accumulates like one batch."""
 
 from __future__ import annotations
 
@@ -89,10 +89,11 @@ def test_equal_to_trl_dpo_trainer_on_images(tmp_path):
         assert any(".vision_tower." in key for key in moved) and any("language_model" in key for key in moved)
 
 
-def test_accumulation_and_two_processes_equal_one_batch_and_a_zero3_resume_continues_exactly(tmp_path):
+def test_accumulation_two_processes_and_streaming_equal_one_batch_and_a_zero3_resume_continues_exactly(tmp_path):
     """4 pairs per step as 1 x 4, 2 accumulated micro-batches x 2, and 2 processes x 2 (gloo) under DDP, DeepSpeed
     ZeRO-3 (its frozen reference rebuilt partitioned) and FSDP2 (the CPU test launcher; the reference sharded like
-    the policy): the same losses, rewards, clipped gradient norms and final weights (the loss is the mean over the
+    the policy), and 1 x 4 streamed (`streaming: true`: each pair encoded when read, its image opened again when
+    collated): the same losses, rewards, clipped gradient norms and final weights (the loss is the mean over the
     step's pairs). The ZeRO-3 run, resumed from its checkpoint-2 (DeepSpeed's partitioned model and optimizer
     states, the frozen reference rebuilt partitioned), trains step 3 and its final weights as the uninterrupted run
     did."""
@@ -104,11 +105,13 @@ def test_accumulation_and_two_processes_equal_one_batch_and_a_zero3_resume_conti
     zero3 = launch(tmp_path / "zero3", *saving, preset="zero3", processes=2)
     fsdp2 = launch(tmp_path / "fsdp2", *EXACT, "--per_device_train_batch_size", "2", preset="fsdp2", processes=2,
                    script=FSDP_LAUNCHER)
+    stream = run_script(tmp_path / "stream", *EXACT, "--per_device_train_batch_size", "4", "--streaming", "true")
+    assert "image-pairs.jsonl' (preference): one rank reads 1 shard(s)" in " ".join(stream.stdout.split())
     for run, wrapper in ((ddp, "DistributedDataParallel"), (zero3, "DeepSpeedEngine"), (fsdp2, "FSDPPreferenceLoss")):
         assert (run.state()["launch"]["num_processes"], run.state()["launch"]["model_wrapper"]) == (2, wrapper)
     assert zero3.state()["parallelism"]["zero_stage"] == 3
     expected = load_file(one.output_dir / "final" / "model.safetensors")
-    for run in (accum, ddp, zero3, fsdp2):
+    for run in (accum, ddp, zero3, fsdp2, stream):
         for key in COMPARED:
             torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
                                        torch.tensor([r[key] for r in one.train_rows()]), rtol=1e-4, atol=1e-6,
