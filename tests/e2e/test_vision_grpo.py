@@ -24,7 +24,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from tests.conftest import FSDP_LAUNCHER, REPO, launch, run_script
+from tests.conftest import FSDP_LAUNCHER, REPO, launch, run_script, write_jsonl
 
 pytestmark = pytest.mark.launch
 MODEL = REPO / "models" / "tiny-vlm"
@@ -335,3 +335,22 @@ def test_lora_with_beta_trains_against_the_adapter_off_model_on_the_same_pixels(
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_under_zero3_a_prompt_without_an_image_is_refused_before_the_model_loads(tmp_path):
+    """ZeRO-3 gathers the vision tower's weights from every process in each of its forwards, frozen or not: a
+    process whose batch held no image would leave the other waiting. A prompt set with one prompt without an image
+    (the vision tower and projector frozen, which DDP would take) stops the run at the data, naming the count."""
+    rows = [{**row, "images": [str(DATA.parent / row["images"][0])]} for row in data_rows()[:8]]
+    rows[3] = {"prompt": [{"role": "user", "content": "Say something."}]}
+    data = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    assert BASE[-2:] == ["--freeze_projector", "false"]  # left out: both parts frozen
+    args = [str(data) if a == str(DATA) else a for a in BASE[:-2]]
+    run = launch(tmp_path / "zero3", *args, "--per_device_train_batch_size", "4", preset="zero3", processes=2,
+                 check=False)
+    assert run.returncode != 0
+    first = run.stderr.index("hftrain: error:")
+    message = " ".join(run.stderr[first:].split("\n\n")[0].split())
+    assert "1 of 8 prompts hold no image" in message and "under ZeRO-3 or FSDP2" in message
+    assert "Traceback" not in run.stderr[:first]  # the launcher's report of the failed processes comes after
+    assert not (tmp_path / "zero3" / "final").exists()
