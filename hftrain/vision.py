@@ -134,10 +134,6 @@ def grpo_problems(recipe, kind: str) -> list[str]:
         found.append(f"tool calling (tools / environment_factory) with {what} is not supported yet: the multi-turn "
                      "rollouts render each turn with the tokenizer alone, which does not expand the prompt's images; "
                      "remove tools and environment_factory")
-    if recipe.streaming:
-        found.append(f"streaming: true with {what} is not supported yet: grpo reads its whole prompt set map-style "
-                     "(each generation window's prompts come from a permutation of all of them, seeded by (seed, "
-                     "epoch)) and has no streamed reader; set streaming: false")
     split = [f"{name} {getattr(recipe, name)}" for name in ("tp_size", "pp_size", "sp_size", "cp_size", "ep_size")
              if getattr(recipe, name) > 1]
     if split:
