@@ -268,11 +268,9 @@ def async_problems(r) -> list[str]:
         (not (r.load_in_4bit or r.load_in_8bit), "async_generation with load_in_4bit / load_in_8bit (QLoRA) is "
          "refused: the rollout worker builds the model in the recipe's dtype and receives each LoRA merged into its "
          "base weight, and merging into a quantized base is not written; use LoRA without quantization"),
-        (not (r.tools or r.environment_factory), "async_generation with tools / environment_factory is refused: the "
-         "rollout worker samples single-turn completions only"),
         (r.tp_size == 1 and r.sp_size == 1 and r.cp_size == 1 and r.pp_size == 1,
-         "async_generation needs the whole model on every process (one process or DDP); tp_size, sp_size, cp_size "
-         "and pp_size must be 1"),
+         "async_generation needs the whole model's weights on every process at each push (one process, DDP, "
+         "ZeRO-3 or FSDP2, which gather them); tp_size, sp_size, cp_size and pp_size must be 1"),
     ]
     return [message for ok, message in checks if not ok]
 
