@@ -117,11 +117,11 @@ def test_async_settings_and_refusals(tmp_path):
     text = problems(tmp_path, "--max_staleness", "2", "--weight_sync_steps", "3")
     assert "max_staleness, weight_sync_steps set without async_generation: true" in text
     text = problems(tmp_path, "--async_generation", "true", "--max_staleness", "-1", "--weight_sync_steps", "0",
-                    "--num_iterations", "2", "--use_peft", "true", "--load_in_4bit", "true",
+                    "--num_iterations", "2", "--use_peft", "true", "--load_in_8bit", "true",
                     "--max_inflight_tasks", "0")
     for expected in ("max_staleness must be >= 0", "weight_sync_steps must be >= 1", "max_inflight_tasks must be >= 1",
                      "async_generation needs one optimizer step per generation window",
-                     "async_generation with load_in_4bit / load_in_8bit (QLoRA) is refused"):
+                     "async_generation with load_in_8bit is refused"):
         assert expected in text, expected
     assert "async_generation is grpo's generation setting, but objective=sft" in problems(
         tmp_path, "--objective", "sft", "--async_generation", "true")
