@@ -243,7 +243,7 @@ GRPO_DEFAULTS = {f.name: f.default for f in fields(GRPOFields)}
 
 def async_problems(r) -> list[str]:
     """async_generation's settings and what its worker does not do yet (judged from the recipe; the strategy, which
-    must hold the whole model on each process, is checked when the worker starts)."""
+    must hold the whole weights on each process or gather them for each push, is checked when the worker starts)."""
     if not r.async_generation:
         return []
     checks = [
