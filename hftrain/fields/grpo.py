@@ -243,7 +243,7 @@ GRPO_DEFAULTS = {f.name: f.default for f in fields(GRPOFields)}
 
 def async_problems(r) -> list[str]:
     """async_generation's settings and what its worker does not do yet (judged from the recipe; the strategy, which
-    must hold the whole model on each process, is checked when the worker starts)."""
+    must hold the whole weights on each process or gather them for each push, is checked when the worker starts)."""
     if not r.async_generation:
         return []
     checks = [
@@ -265,14 +265,12 @@ def async_problems(r) -> list[str]:
                                     or r.steps_per_generation == r.gradient_accumulation_steps),
          "async_generation needs one optimizer step per generation window (num_iterations 1, steps_per_generation "
          "unset): each window is then trained by one policy version"),
-        (not (r.load_in_4bit or r.load_in_8bit), "async_generation with load_in_4bit / load_in_8bit (QLoRA) is "
-         "refused: the rollout worker builds the model in the recipe's dtype and receives each LoRA merged into its "
-         "base weight, and merging into a quantized base is not written; use LoRA without quantization"),
-        (not (r.tools or r.environment_factory), "async_generation with tools / environment_factory is refused: the "
-         "rollout worker samples single-turn completions only"),
+        (not r.load_in_8bit, "async_generation with load_in_8bit is refused: the rollout worker receives the base "
+         "weights dequantized with each LoRA merged in, written for load_in_4bit (QLoRA) only; use load_in_4bit or "
+         "LoRA without quantization"),
         (r.tp_size == 1 and r.sp_size == 1 and r.cp_size == 1 and r.pp_size == 1,
-         "async_generation needs the whole model on every process (one process or DDP); tp_size, sp_size, cp_size "
-         "and pp_size must be 1"),
+         "async_generation needs the whole model's weights on every process at each push (one process, DDP, "
+         "ZeRO-3 or FSDP2, which gather them); tp_size, sp_size, cp_size and pp_size must be 1"),
     ]
     return [message for ok, message in checks if not ok]
 

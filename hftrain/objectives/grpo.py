@@ -20,10 +20,18 @@ from hftrain.errors import HftrainError
 from hftrain.loss import ObjectiveLoss
 from hftrain.objectives.base import Objective
 from hftrain.objectives.reference import AdapterReference, FrozenReference
-from hftrain.parallel.base import Backend
+from hftrain.parallel.fsdp import FSDP2Backend
 from hftrain.parallel.launch import main_process_first
+from hftrain.parallel.pipeline.backend import PipelineBackend
 from hftrain.paths import STREAM_STATE
-from hftrain.rl.async_worker import STALL_FLOOR_SECONDS, RolloutWorker, WorkerSpec, queue_windows, worker_threads
+from hftrain.rl.async_worker import (
+    STALL_FLOOR_SECONDS,
+    ToolSpec,
+    WorkerSpec,
+    WorkerStarter,
+    queue_windows,
+    worker_threads,
+)
 from hftrain.rl.generation import build_generator
 from hftrain.rl.grpo import GRPOLoss, Policy, ReferenceTokenLogProbs, Rollouts, RolloutSource, reference_token_log_probs
 from hftrain.rl.images import PromptImages
@@ -51,28 +59,32 @@ def build_token_reference(recipe, lm: nn.Module, device: torch.device,
     return FrozenReference(ReferenceTokenLogProbs(copy_model(lm), recipe.temperature), device)
 
 
-def async_worker_starter(run: ModelRun) -> Callable[[int], RolloutWorker]:
+def async_worker_starter(run: ModelRun) -> WorkerStarter:
     """async_generation: how this process starts its rollout worker (hftrain.rl.async_worker) once the weights are
-    loaded, given the first window it samples. The worker receives the whole model's weights, so the strategy must
-    hold them whole on each process: one process or DDP."""
+    loaded, given the first window it samples. The worker receives the whole model's weights at each push: every
+    process holds them (one process, DDP), or gathers them for the push (ZeRO-3's partitions, FSDP2's shards). With
+    tool calling the worker runs the multi-turn loop."""
     recipe, source, backend, lm = run.recipe, run.data.feed, run.backend, run.parts.loss.lm
-    if type(backend) is not Backend or backend.laid_out:
-        raise HftrainError(f"async_generation under {backend.record.name} is refused: the rollout worker receives the "
-                           "whole model's weights at each push, and this strategy shards them; use one process or "
-                           "DDP (cpu_ddp / ddp presets)")
+    sharded = backend.record.zero_stage == 3 or isinstance(backend, FSDP2Backend)
+    if isinstance(backend, PipelineBackend) or backend.laid_out or (sharded and hasattr(lm, "peft_config")):
+        why = ("the push of a merged LoRA adapter from sharded weights is not written; use full fine-tuning, or DDP"
+               if not backend.laid_out and not isinstance(backend, PipelineBackend) else
+               "the rollout worker receives the whole model's weights at each push, and this layout splits the "
+               "model itself over the processes; use one process, DDP, ZeRO-3 or FSDP2")
+        raise HftrainError(f"async_generation under {backend.record.name} is refused: {why}")
     plan = source.plan
     bound = queue_windows(recipe.max_inflight_tasks, recipe.max_staleness, plan.window_size, plan.global_batch)
-
-    def start(first_window: int) -> RolloutWorker:
-        spec = WorkerSpec(lm.config, next(lm.parameters()).dtype, [p.ids for p in source.prompts], plan,
-                          source.dp.rank, recipe.seed, source.sampling, source.eos_ids, source.pad_id,
-                          first_window, run.data.total_steps,
-                          recipe.weight_sync_steps, recipe.max_staleness,
-                          worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        stall = STALL_FLOOR_SECONDS if recipe.hang_timeout is None else recipe.hang_timeout  # 0: off
-        return RolloutWorker(spec, lm, bound, stall)
-
-    return start
+    tools = None
+    if source.tooling is not None:
+        tools = ToolSpec(tuple(recipe.tools), recipe.environment_factory, source.tokenizer, source.prompts,
+                         recipe.max_prompt_length, recipe.max_completion_length, recipe.max_tool_calling_iterations,
+                         recipe.tool_call_timeout, getattr(lm.config, "max_position_embeddings", None))
+    spec = WorkerSpec(lm.config, next(lm.parameters()).dtype, [p.ids for p in source.prompts], plan, source.dp.rank,
+                      recipe.seed, source.sampling, source.eos_ids, source.pad_id, recipe.temperature,
+                      recipe.mask_truncated_completions, 0, run.data.total_steps, recipe.weight_sync_steps,
+                      recipe.max_staleness, worker_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), tools=tools)
+    stall = STALL_FLOOR_SECONDS if recipe.hang_timeout is None else recipe.hang_timeout  # 0: off
+    return WorkerStarter(spec, lm, bound, stall, backend.gathered)
 
 
 class GRPO(Objective):

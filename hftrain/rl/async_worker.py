@@ -15,29 +15,54 @@ synchronous run:
 - the worker's queue holds at most `queue_windows` sampled windows (max_inflight_tasks), so it stays that far ahead
   at most;
 - each completion comes back with its behaviour log-probs (the worker's model's log-probs of the sampled tokens from
-  generate's raw logits / temperature: `rollouts.generate_rows_with_logps`) and its policy version; the loss corrects
-  for the difference between them and the trained model's log-probs with TRL's importance-sampling correction
+  generate's raw logits / temperature: `rollouts.generate_rows_with_logps`; with tool calling one forward over each
+  whole conversation) and its policy version; the loss corrects for
+  the difference between them and the trained model's log-probs with TRL's importance-sampling correction
   (`hftrain.rl.loss.vllm_importance_sampling_ratio`, vllm_importance_sampling_*), as for vLLM's samples.
 
 Every data-parallel rank runs its own worker for its own rows (the same rows and row seeds as the synchronous run).
 A worker that fails or dies stops the run at the next window, naming it (`WorkerFailure`).
+
+With tool calling (`tools`, `environment_factory`) the worker runs the multi-turn loop of `hftrain.rl.tools` on its
+rows (it holds the whole model and needs no collective, so each turn is one generate call on its own rows), with the
+tools and environments it loads itself from the recipe's entries; each completion comes back with its tool mask,
+executed calls and messages, the prompts as the environments' reset left them, and the environments themselves
+(pickled by the queue) for the reward functions, which run in the trainer.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 import os
+import pickle
 import queue
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, LogitsProcessor
 
-from hftrain.rl.rollouts import Sampled, Sampling, WindowPlan, generate_rows_with_logps, row_seed
+from hftrain.rl.loss import token_log_probs
+from hftrain.rl.rollouts import (
+    Completion,
+    Prompt,
+    Sampled,
+    Sampling,
+    WindowPlan,
+    collate,
+    generate_rows,
+    generate_rows_with_logps,
+    render_prompt,
+    row_seed,
+)
+from hftrain.rl.tools import Tooling, as_sampled, load_environment, load_tools
 from hftrain.rl.vllm_generation import named_weights
 
 POLL_SECONDS = 0.5  # how often a waiting trainer checks that its worker is alive
@@ -81,6 +106,30 @@ def queue_windows(max_inflight_tasks: int, max_staleness: int, window_size: int,
 
 
 @dataclass(frozen=True)
+class ToolSpec:
+    """Tool calling in the worker: what it needs to run the multi-turn loop (hftrain.rl.tools) on its rows, with the
+    recipe's names (`Tooling` reads them); the tools and the environment factory are loaded again in the worker from
+    the recipe's entries (the trainer checked them before the model loaded)."""
+
+    tools: tuple[str, ...]
+    environment_factory: str | None
+    tokenizer: Any
+    prompts: list[Prompt]  # every prompt, dataset order: environments reset with its row, re-rendered after
+    max_prompt_length: int | None
+    max_completion_length: int
+    max_tool_calling_iterations: int | None
+    tool_call_timeout: float
+    max_model_length: int | None
+
+    def build(self) -> Tooling:
+        tools, problems = load_tools(self.tools)
+        factory, probe, more = load_environment(self.environment_factory)
+        if problems or more:
+            raise RuntimeError("; ".join(problems + more))
+        return Tooling(self, tools, factory, probe, self.tokenizer, max_model_length=self.max_model_length)
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     """What the worker process needs to sample this rank's rows of every window (picklable)."""
 
@@ -93,11 +142,35 @@ class WorkerSpec:
     sampling: Sampling
     eos_ids: frozenset[int]
     pad_id: int
+    temperature: float
+    mask_truncated: bool
     first_window: int
     last_window: int  # exclusive
     weight_sync_steps: int
     max_staleness: int
     threads: int
+    # one model turn of each prompt: (model, prompt ids, seeds, observers) -> [(tokens, truncated)]; None:
+    # transformers' generate with the settings above (rollouts.generate_rows)
+    sampler: Any = None
+    tools: ToolSpec | None = None  # tool calling: the multi-turn loop runs in the worker
+
+    def sample(self, model, prompt_ids: list[list[int]], seeds: list[int], extra) -> list[Sampled]:
+        if self.sampler is not None:
+            return [Sampled(ids, truncated) for ids, truncated in self.sampler(model, prompt_ids, seeds, extra)]
+        return [Sampled(ids, truncated) for ids, truncated in generate_rows(
+            model, prompt_ids, seeds, self.sampling, self.eos_ids, self.pad_id, extra=extra)]
+
+    def sample_with_logps(self, model, prompt_ids: list[list[int]], seeds: list[int], extra
+                          ) -> list[tuple[list[int], bool, list[float]]]:
+        """One turn of each prompt with its behaviour log-probs: generate's own logits
+        (`rollouts.generate_rows_with_logps`: no second forward), or for a given sampler one forward over the rows."""
+        if self.sampler is None:
+            return generate_rows_with_logps(model, prompt_ids, seeds, self.sampling, self.eos_ids, self.pad_id,
+                                            extra=extra)
+        rows = [(s.completion_ids, s.truncated) for s in self.sample(model, prompt_ids, seeds, extra)]
+        behaviour = behaviour_log_probs(model, prompt_ids, rows, self.plan.micro_batch, self.pad_id, self.temperature,
+                                        self.mask_truncated)
+        return [(ids, truncated, logps) for (ids, truncated), logps in zip(rows, behaviour)]
 
 
 @dataclass
@@ -110,6 +183,54 @@ class SampledWindow:
     completions: list[tuple[list[int], bool, list[float]]]  # (tokens, truncated, behaviour log-probs)
     busy_seconds: float  # sampling and scoring this window
     idle_seconds: float  # waiting for its weights or for room in the queue before it
+    # tool calling: per completion (tool_mask, executed calls, messages); the prompts as sampled (an environment's
+    # reset may have added to them); environment_factory: the rollouts' environments after them
+    tools: list[tuple[list[int], list[dict], list[dict]]] | None = None
+    prompts: list[Prompt] | None = None
+    environments: list | None = None
+
+    def record(self) -> dict:
+        """For a checkpoint (JSON): the environments pickled, base64."""
+        out = asdict(replace(self, environments=None))
+        if self.environments is not None:
+            out["environments"] = base64.b64encode(pickle.dumps(self.environments)).decode()
+        return out
+
+    @classmethod
+    def restore(cls, item: dict) -> SampledWindow:
+        item = dict(item)
+        if item.get("prompts") is not None:
+            item["prompts"] = [Prompt(**p) for p in item["prompts"]]
+        if item.get("environments") is not None:
+            item["environments"] = pickle.loads(base64.b64decode(item["environments"]))  # noqa: S301 - our checkpoint
+        return cls(**item)
+
+
+def behaviour_log_probs(model, prompt_ids: list[list[int]], rows: list[tuple[list[int], bool]], micro_batch: int,
+                        pad_id: int, temperature: float, mask_truncated: bool,
+                        tool_masks: list[list[int]] | None = None) -> list[list[float]]:
+    """The sampling model's log-prob of each sampled token, computed per micro-batch in the layout the trainer
+    collates (`rollouts.collate`), from logits / temperature as the trained log-probs (`rl.loss.token_log_probs`).
+    With tool calling (`tool_masks`) each turn's context is the prefix of the whole completion, so one forward over
+    it gives every turn's log-probs; the tool results' tokens (mask 0) were not sampled: NaN."""
+    out = []
+    for start in range(0, len(rows), micro_batch):
+        chunk = rows[start:start + micro_batch]
+        part = [Completion(i, 0, 0, ids, truncated) for i, (ids, truncated) in enumerate(chunk)]
+        prompts = prompt_ids[start:start + micro_batch]
+        batch = collate(prompts, part, torch.zeros(len(part)), pad_id, mask_truncated)
+        logps = token_log_probs(model, batch["input_ids"], temperature)[0]
+        for i, (p, c) in enumerate(zip(prompts, part)):
+            out.append(logps[i, len(p) - 1:len(p) - 1 + len(c.completion_ids)].tolist())
+    if tool_masks is not None:
+        out = [[v if m else math.nan for v, m in zip(values, mask)] for values, mask in zip(out, tool_masks)]
+    return out
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 shard (a DTensor) as the full tensor (an all-gather: every rank at once); any other tensor as it
+    is (ZeRO-3's inside its GatheredParameters context, one process's, DDP's)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def pushed_weights(lm) -> dict[str, torch.Tensor]:
@@ -171,6 +292,7 @@ def worker_main(spec: WorkerSpec, control, results, progress) -> None:
         torch.set_num_threads(spec.threads)
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(spec.config, dtype=spec.dtype).eval()
+        tooling = spec.tools.build() if spec.tools is not None else None
         version, plan, G = -1, spec.plan, spec.plan.num_generations
         rows = plan.rank_rows(spec.rank)
         for window in range(spec.first_window, spec.last_window):
@@ -189,16 +311,47 @@ def worker_main(spec: WorkerSpec, control, results, progress) -> None:
             index = plan.window_prompts(window)
             prompt_ids = [spec.prompts[index[row // G]] for row in rows]
             seeds = [row_seed(spec.seed, window, row // G, row % G) for row in rows]
+            prompts = environments = tools = None
             with torch.no_grad():
-                sampled = generate_rows_with_logps(model, prompt_ids, seeds, spec.sampling, spec.eos_ids,
-                                                   spec.pad_id, extra=[Beat(progress)])
+                if tooling is None:
+                    completions = spec.sample_with_logps(model, prompt_ids, seeds, [Beat(progress)])
+                else:  # each turn's context is a prefix of the whole conversation: one forward gives every turn's
+                    prompts, sampled, environments = tool_rollouts(spec, tooling, model, progress, window,
+                                                                   [index[row // G] for row in rows], rows)
+                    progress.value = time.monotonic()
+                    behaviour = behaviour_log_probs(model, [p.ids for p in prompts],
+                                                    [(s.completion_ids, s.truncated) for s in sampled],
+                                                    plan.micro_batch, spec.pad_id, spec.temperature,
+                                                    spec.mask_truncated, [s.tool_mask for s in sampled])
+                    completions = [(s.completion_ids, s.truncated, logps) for s, logps in zip(sampled, behaviour)]
+                    tools = [(s.tool_mask, s.tool_calls, s.messages) for s in sampled]
             busy = time.perf_counter() - started
-            results.put(SampledWindow(window, version, seeds, sampled, busy, started - waited))
+            results.put(SampledWindow(window, version, seeds, completions, busy, started - waited, tools, prompts,
+                                      environments))
     except KeyboardInterrupt:
         return
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which stops the run naming it
         results.put(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=6)))
         raise SystemExit(1) from exc
+
+
+def tool_rollouts(spec: WorkerSpec, tooling: Tooling, model, progress, window: int, prompt_index: list[int],
+                  rows) -> tuple[list[Prompt], list[Sampled], list | None]:
+    """(the prompts as sampled, the multi-turn completions, the environments or None) of this rank's rows of
+    `window`: the trainer's tool loop (`Tooling.rollouts`) with each turn sampled here, seeded per (row, turn) as the
+    synchronous run seeds it."""
+    G, tools = spec.plan.num_generations, spec.tools
+
+    def render(value, columns):
+        return render_prompt(value, columns, tools.tokenizer, tools.max_prompt_length, tooling.schema_tools)
+
+    def seed(i: int, turn: int) -> int:
+        return row_seed(spec.seed, window, rows[i] // G, rows[i] % G, turn)
+
+    prompts, episodes, environments = tooling.rollouts(
+        lambda ids, seeds: spec.sample(model, ids, seeds, [Beat(progress)]),
+        [tools.prompts[i] for i in prompt_index], seed, render)
+    return prompts, [as_sampled(e) for e in episodes], environments
 
 
 class WorkerFailure(Exception):
@@ -208,8 +361,10 @@ class WorkerFailure(Exception):
 class RolloutWorker:
     """The trainer's side of one rank's worker: starts the process, pushes weights, takes windows in order."""
 
-    def __init__(self, spec: WorkerSpec, lm, bound: int, stall_seconds: float):
+    def __init__(self, spec: WorkerSpec, lm, bound: int, stall_seconds: float,
+                 gathered: Callable[[list], AbstractContextManager] = lambda params: nullcontext()):
         self.spec, self.lm, self.bound, self.stall_seconds = spec, lm, bound, stall_seconds
+        self.gathered = gathered  # the strategy's context holding the parameters whole (Backend.gathered: ZeRO-3)
         context = mp.get_context("spawn")
         self.progress = context.Value("d", time.monotonic(), lock=False)
         self.control, self.results = context.Queue(), context.Queue(maxsize=bound)
@@ -230,7 +385,10 @@ class RolloutWorker:
         """Send the current weights as `version` (versions go out in order, each once)."""
         if version <= self.pushed:
             return
-        self.control.put((version, PackedWeights.pack(pushed_weights(self.lm))))
+        # ZeRO-3: the partitions gathered on every rank for the copy; FSDP2: each shard's full tensor gathered
+        with self.gathered(list(self.lm.parameters())):
+            packed = PackedWeights.pack({name: whole(tensor) for name, tensor in pushed_weights(self.lm).items()})
+        self.control.put((version, packed))
         self.pushed = version
 
     def held(self, step: int) -> dict:
@@ -245,7 +403,7 @@ class RolloutWorker:
                     self.pending[window] = self.receive(window)
         except WorkerFailure:
             return {"async_complete": False, "async_windows": []}
-        return {"async_complete": True, "async_windows": [asdict(self.pending[w]) for w in due]}
+        return {"async_complete": True, "async_windows": [self.pending[w].record() for w in due]}
 
     def hold(self, windows: list[SampledWindow]) -> None:
         """A resumed run: the windows its checkpoint held, handed out before the worker's."""
@@ -295,4 +453,22 @@ def worker_threads(local_processes: int) -> int:
 
 
 def sampled_rows(item: SampledWindow) -> list[Sampled]:
-    return [Sampled(ids, truncated, logps) for ids, truncated, logps in item.completions]
+    tools = item.tools or [(None, None, None)] * len(item.completions)
+    return [Sampled(ids, truncated, logps, mask, calls, messages)
+            for (ids, truncated, logps), (mask, calls, messages) in zip(item.completions, tools)]
+
+
+@dataclass(frozen=True)
+class WorkerStarter:
+    """How a trainer process starts its rollout worker once the weights are loaded, given the first window it
+    samples (`spec` holds the rest)."""
+
+    spec: WorkerSpec
+    lm: Any  # the causal LM (or peft model) whose weights are pushed
+    bound: int  # the queue's bound in windows
+    stall_seconds: float
+    gathered: Callable[[list], AbstractContextManager] = lambda params: nullcontext()  # Backend.gathered
+
+    def __call__(self, first_window: int) -> RolloutWorker:
+        return RolloutWorker(replace(self.spec, first_window=first_window), self.lm, self.bound, self.stall_seconds,
+                             self.gathered)

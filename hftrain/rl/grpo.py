@@ -63,7 +63,7 @@ from hftrain.rl.rollouts import (
     row_seed,
     sampling_log_probs,
 )
-from hftrain.rl.tools import Tooling
+from hftrain.rl.tools import Tooling, as_sampled
 from hftrain.tracking import Table
 
 # the generation "window" of the evaluation's row seeds: every evaluation samples each eval completion with the same
@@ -116,7 +116,7 @@ class ReferenceTokenLogProbs(WrapsCausalLM):
 
 def stored_windows(state: dict | None) -> list[SampledWindow]:
     """The rollout worker's windows a checkpoint holds (async_generation), in window order."""
-    return [SampledWindow(**item) for item in (state or {}).get("async_windows", [])]
+    return [SampledWindow.restore(item) for item in (state or {}).get("async_windows", [])]
 
 
 def fingerprint(sequences: list[list[int]]) -> torch.Tensor:
@@ -492,8 +492,7 @@ class Rollouts:
                                  self.tooling.schema_tools)
 
         prompts, episodes, environments = self.tooling.rollouts(self.generator.sample, list(prompts), seed, render)
-        return prompts, [Sampled(e.completion_ids, e.truncated, e.sampling_logps, e.tool_mask,
-                                 [c.record() for c in e.calls], e.messages) for e in episodes], environments
+        return prompts, [as_sampled(e) for e in episodes], environments
 
     def sample_window(self, window: int, prompts: list[Prompt], seed, inputs: list[dict] | None = None
                       ) -> tuple[list[Prompt], list[Sampled], list | None, int, str | None]:
@@ -518,7 +517,9 @@ class Rollouts:
         self.async_stats.append([float(steps // sync - item.version), item.busy_seconds, item.idle_seconds,
                                  self.worker.wait_seconds, float(self.worker.results.qsize())])
         self.worker.wait_seconds = 0.0
-        return prompts, sampled_rows(item), None, item.version, None
+        # tool calling: the prompts as the worker's environments left them, and those environments (reward functions
+        # receive them)
+        return item.prompts or prompts, sampled_rows(item), item.environments, item.version, None
 
     def async_metrics(self) -> dict[str, float]:
         """async_generation's metrics of the window just taken, every rank's (TRL's names where TRL has them):

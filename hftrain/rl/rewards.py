@@ -11,6 +11,7 @@ advantages' nan-sums); every other value must be a real number, one per completi
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -44,7 +45,8 @@ def load_object(spec: str) -> Callable:
         file = Path(path).expanduser()
         if not file.is_file():
             raise OSError(f"no file {file}")
-        module_name = f"hftrain_reward_{abs(hash(str(file.resolve())))}"
+        # the same name in every process (a rollout worker's environments are unpickled by the trainer)
+        module_name = f"hftrain_reward_{hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:16]}"
         loader = importlib.util.spec_from_file_location(module_name, file)
         module = importlib.util.module_from_spec(loader)
         sys.modules[module_name] = module  # dataclasses and pickling inside the file look their module up here

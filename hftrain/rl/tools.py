@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from transformers.utils import get_json_schema
 
 from hftrain.rl.rewards import RewardFunction, load_object
+from hftrain.rl.rollouts import Sampled
 
 SPEC_HELP = "give a dotted import path pkg.module.func or path/to/file.py:func"
 ENVIRONMENT_MEMBERS = ("reset", "get_reward")  # an environment's methods that are not tools
@@ -246,6 +247,12 @@ class Episode:
     calls: list[ToolCall] = field(default_factory=list)
     pending: list = field(default_factory=list)  # the last turn's parsed calls, not yet run
     truncated: bool = False  # the last turn sampled has no end of sequence
+
+
+def as_sampled(episode: Episode) -> Sampled:
+    """An episode as the rollout source takes a completion: its tokens, mask, executed calls and messages."""
+    return Sampled(episode.completion_ids, episode.truncated, episode.sampling_logps, episode.tool_mask,
+                   [c.record() for c in episode.calls], episode.messages)
 
 
 def tool_suffix_ids(tokenizer, tool_messages: list[dict]) -> list[int]:

@@ -27,6 +27,7 @@ import socket
 
 import torch
 
+from hftrain.errors import HftrainError
 from hftrain.rl.rollouts import Sampled, Sampling, cut_at_eos
 
 
@@ -55,12 +56,28 @@ def vllm_weight_name(name: str, peft_prefix: str | None = None) -> str | None:
     return name
 
 
+def dense(weight) -> torch.Tensor:
+    """A weight's values as a dense tensor: a bitsandbytes 4-bit weight (QLoRA's frozen base) dequantized by
+    bitsandbytes' `dequantize_4bit` (what peft's merge and transformers' `dequantize` call), any other as it is."""
+    state = getattr(weight, "quant_state", None)
+    if state is None:
+        return weight.data
+    if getattr(state, "packing_format_for_cpu", False):
+        raise HftrainError("a 4-bit weight was repacked by bitsandbytes for its CPU inference kernel (it does so in "
+                           "place at an eval-mode forward on a CPU with AVX512-BF16, e.g. an evaluation in the "
+                           "trainer), and its values can no longer be dequantized for the weight push; run QLoRA with "
+                           "async_generation without evaluation on such a CPU, or on a GPU")
+    from bitsandbytes.functional import dequantize_4bit  # optional: only with load_in_4bit
+
+    return dequantize_4bit(weight.data, state)
+
+
 def merged_weight(layer) -> torch.Tensor:
     """A peft LoRA layer's base weight with its active adapters merged in, as a new tensor: peft's own safe merge
     (`LoraLayer.merge(safe_merge=True)`: base + `get_delta_weight`, or the variant's `merge_safe` for DoRA) on a copy,
     so that the trained model's base weights are not touched (TRL merges in place and unmerges after, which leaves
     the rounding of W + BA - BA in the frozen base after every push)."""
-    merged = layer.get_base_layer().weight.data.clone()
+    merged = dense(layer.get_base_layer().weight).clone()
     for adapter in layer.active_adapters:
         if adapter not in layer.lora_A:
             continue
@@ -73,7 +90,7 @@ def merged_weight(layer) -> torch.Tensor:
 
 def named_weights(lm):
     """(vLLM name, tensor) of every weight of `lm` (a causal LM or a peft model, whole on this process), a LoRA-adapted
-    base weight with its adapter merged in (`merged_weight`)."""
+    base weight with its adapter merged in (`merged_weight`), a 4-bit one dequantized (`dense`)."""
     peft_prefix = getattr(lm, "prefix", None) if hasattr(lm, "peft_config") else None
     adapted = {}
     if peft_prefix is not None:
@@ -84,7 +101,7 @@ def named_weights(lm):
     for name, param in lm.named_parameters():  # tied weights come once, as vLLM wants
         target = vllm_weight_name(name, peft_prefix)
         if target is not None:
-            yield target, merged_weight(adapted[name]) if name in adapted else param.data
+            yield target, merged_weight(adapted[name]) if name in adapted else dense(param)
 
 
 def completion_logps(logprobs, length: int) -> list[float]:

@@ -5,9 +5,10 @@ are those of that version's weights (recomputed from the checkpoints), and each 
 in plain PyTorch from rollouts.jsonl, with TRL's importance-sampling correction (sequence_mask) and without it (a run
 with vllm_importance_sampling_correction false), the two updates differing where the policy versions differ; a worker
 killed or frozen mid-run stops the run within seconds with a message naming it and the checkpoint it saved; 2 DDP
-processes equal one; LoRA (the worker receives the merged weights) with max_staleness 0 equals the synchronous LoRA
-run; a run resumed from a checkpoint that holds a stale window equals the uninterrupted one; the
-shipped recipe learns.
+processes equal one, and so do 2 under ZeRO-3 and FSDP2 (the weights gathered for each push); LoRA (the worker
+receives the merged weights) with max_staleness 0 equals the synchronous LoRA run, and QLoRA's worker samples with the
+dequantized base, its adapter merged; a run resumed from a checkpoint that holds a stale window equals the
+uninterrupted one; the shipped recipe learns.
 
 Runs of 2-3 steps of 8 completions of <= 6 tokens, with SGD (its update is proportional to the gradient)."""
 
@@ -22,11 +23,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from hftrain.paths import REPORT_DIR
 from hftrain.report import write_report
-from tests.conftest import REPO, launch, run_script
+from tests.conftest import FSDP_LAUNCHER, REPO, launch, run_script
 from tests.e2e.test_grpo import (  # noqa: F401 - ending_model: the fixture
     BASE,
     LORA,
@@ -69,19 +70,26 @@ def runs(tmp_path_factory, ending_model):  # noqa: F811 - the imported fixture
     # are 0.2-0.3, one masked), and the second window's rewards differ within its groups
     stale = [*args(ending_model, 2), "--learning_rate", "0.02", "--seed", "4", "--async_generation", "true",
              "--max_staleness", "1", *SAVE]
+    async0 = [*args(ending_model, 3), "--async_generation", "true", "--max_staleness", "0"]
     return {
         # both evaluate after step 2 and at the end (the trainer completes the eval prompts itself)
         "sync": run_script(tmp / "sync", *args(ending_model, 3), *evaluating(tmp)),
-        "async0": run_script(tmp / "async0", *args(ending_model, 3), "--async_generation", "true",
-                             "--max_staleness", "0", *evaluating(tmp)),
+        "async0": run_script(tmp / "async0", *async0, *evaluating(tmp)),
         "stale": run_script(tmp / "stale", *stale),
         "stale-raw": run_script(tmp / "stale-raw", *stale, "--vllm_importance_sampling_correction", "false"),
         # 2 processes under DDP, each with its worker for its rows: 2 x 2 completions x accumulation 2
         "stale-2procs": launch(tmp / "stale-2procs", *stale, *TWO_PROCS, preset="cpu_ddp"),
+        # ZeRO-3 and FSDP2: the weights gathered whole on every rank for each push to its worker (versions 0-2)
+        "async0-zero3": launch(tmp / "async0-zero3", *async0, *TWO_PROCS, preset="zero3"),
+        "async0-fsdp2": launch(tmp / "async0-fsdp2", *async0, *TWO_PROCS, preset="fsdp2", processes=2,
+                               script=FSDP_LAUNCHER),
         # LoRA (the worker receives the base with the adapter merged in): synchronous, and max_staleness 0
         "lora-sync": run_script(tmp / "lora-sync", *args(ending_model, 3), *LORA),
         "lora-async0": run_script(tmp / "lora-async0", *args(ending_model, 3), *LORA, "--async_generation", "true",
                                   "--max_staleness", "0", *SAVE),
+        # QLoRA: the worker receives the 4-bit base dequantized, the adapter merged
+        "qlora-async0": run_script(tmp / "qlora-async0", *args(ending_model, 2), *LORA, "--load_in_4bit",
+                                   "--async_generation", "true", "--max_staleness", "0", *SAVE),
     }
 
 
@@ -141,6 +149,52 @@ def test_lora_max_staleness_0_is_the_synchronous_lora_run(runs, ending_model):  
             torch.testing.assert_close(behaviour, token_log_probs(policy, r), rtol=1e-5, atol=1e-5)
             moved = max(moved, (token_log_probs(base, r) - behaviour).abs().max().item())
     assert moved > 1e-2, moved  # a worker sampling with the base alone would fail the comparison above
+
+
+def test_qlora_pushes_the_dequantized_base_with_the_adapter_merged(runs, ending_model):  # noqa: F811
+    """QLoRA (4-bit nf4 base): at each push the worker receives the base dequantized with the adapter merged in, so
+    step 2's behaviour log-probs equal a plain model built here another way: transformers' `dequantize()` of the same
+    4-bit load with checkpoint-1's adapter merged by peft's `merge_and_unload`. The trainer's policy (the 4-bit
+    layers, the adapter unmerged) differs from that by rounding only on CPU (bitsandbytes dequantizes for the
+    training matmul), and the importance-sampling weights step 2 logged (sequence_mask: one per completion) equal
+    exp(sum_t(trainer log-prob - behaviour log-prob)) recomputed here from rollouts.jsonl."""
+    run = runs["qlora-async0"]
+    rows = [r for r in rows_of(run) if r["step"] == 2]
+    assert len(rows) == 8 and {r["policy_version"] for r in rows} == {1}
+    adapter = {k.removeprefix("lm."): v for k, v in
+               load_file(run.output_dir / "checkpoint-1" / "model.safetensors").items() if "lora_" in k}
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+    def four_bit():
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_compute_dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(ending_model, quantization_config=quantization,
+                                                    dtype=torch.float32)
+
+    def with_adapter(model):
+        policy = get_peft_model(model, config)
+        missing, unexpected = policy.load_state_dict(adapter, strict=False)
+        assert adapter and not unexpected and not [k for k in missing if "lora_" in k]
+        return policy
+
+    # in train mode, as the trainer's forward (in eval mode on a CPU with AVX512-BF16 bitsandbytes repacks the weights
+    # for its inference kernel, with bfloat16 scales)
+    trainer = with_adapter(four_bit()).train()
+    plain = with_adapter(four_bit().dequantize(dtype=torch.float32)).merge_and_unload()
+    base = AutoModelForCausalLM.from_pretrained(ending_model, dtype=torch.float32)
+    weights, moved = [], 0.0
+    with torch.no_grad():
+        for r in rows:
+            behaviour = torch.tensor(r["behaviour_logps"])
+            torch.testing.assert_close(behaviour, token_log_probs(plain, r), rtol=1e-5, atol=1e-5)
+            moved = max(moved, (token_log_probs(base, r) - behaviour).abs().max().item())
+            weight = math.exp((token_log_probs(trainer, r) - behaviour).sum().item())
+            weights.append(0.0 if weight > 3.0 else weight)
+    assert moved > 1e-2, moved  # neither the unquantized base: the 4-bit rounding and the adapter show
+    logged = run.train_rows()[1]
+    assert logged["sampling/importance_sampling_ratio/mean"] == pytest.approx(sum(weights) / len(weights), abs=1e-5)
+    assert logged["sampling/importance_sampling_ratio/min"] == pytest.approx(min(weights), abs=1e-5)
+    assert logged["sampling/importance_sampling_ratio/max"] == pytest.approx(max(weights), abs=1e-5)
 
 
 def plain_step(before, rows: list[dict], corrected: bool, lr: float = 0.02) -> dict[str, torch.Tensor]:
@@ -210,6 +264,33 @@ def test_two_processes_equal_one(runs):
                                                                   abs=1e-6)
     got, want = load_file(two.output_dir / "final" / "model.safetensors"), \
         load_file(one.output_dir / "final" / "model.safetensors")
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("preset, wrapper", [("zero3", "DeepSpeedEngine"), ("fsdp2", "FSDPGRPOLoss")])
+def test_sharded_trainers_push_whole_weights_to_their_workers(runs, preset, wrapper):
+    """max_staleness 0 on 2 processes under ZeRO-3 (partitioned weights) and FSDP2 (sharded DTensors): each rank
+    gathers the whole weights for each push to its worker, so every window after the first is sampled by the trained
+    weights (versions 1 and 2) and the run equals the one-process run (itself the synchronous run, above): the same
+    rollouts, policy versions and behaviour log-probs, losses and final weights."""
+    one, two = runs["async0"], runs[f"async0-{preset}"]
+    info = two.state()["launch"]
+    assert (info["num_processes"], info["model_wrapper"], info["backend"]) == (2, wrapper, "gloo")
+    if preset == "zero3":
+        assert info["deepspeed_config"]["zero_optimization"]["stage"] == 3
+    a, b = rows_of(one), rows_of(two)
+    assert [(r["completion_ids"], r["policy_version"]) for r in b] == [(r["completion_ids"], r["policy_version"])
+                                                                       for r in a]
+    assert sorted({r["policy_version"] for r in b}) == [0, 1, 2]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(y["behaviour_logps"]), torch.tensor(x["behaviour_logps"]),
+                                   rtol=1e-5, atol=1e-5)
+    assert [m["loss"] for m in two.train_rows()] == pytest.approx([m["loss"] for m in one.train_rows()], rel=1e-4,
+                                                                  abs=1e-6)
+    got, want = load_file(two.output_dir / "final" / "model.safetensors"), \
+        load_file(one.output_dir / "final" / "model.safetensors")
+    assert sorted(got) == sorted(want)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
 

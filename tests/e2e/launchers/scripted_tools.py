@@ -8,9 +8,11 @@ sampling seed, which hftrain derives from the row and the turn, not from the pro
 every layout gets the same rollouts. For a question "What is a op b?" the first turn is a correct calculator call, a
 call with an unknown operation (a failing tool), a call to a tool that does not exist, or a direct answer; after a
 tool result the policy answers with it, or with it plus one. Everything after the sampler (parsing, tool execution,
-masks, rewards, loss, checkpoints) is the product's.
+masks, rewards, loss, checkpoints) is the product's. With async_generation the rollout worker samples each turn with
+`ScriptedSampler`, the same policy (the worker process imports this file without running it).
 """
 
+import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -50,10 +52,33 @@ class ScriptedPolicy:
                 for p, s in zip(prompts, seeds)]
 
 
+class ScriptedSampler:
+    """The rollout worker's sampler (async_worker.WorkerSpec.sampler): the scripted policy's turns, whatever the
+    worker's model."""
+
+    def __init__(self, tokenizer):
+        self.policy = ScriptedPolicy(tokenizer)
+
+    def __call__(self, model, prompts, seeds, extra):
+        return [(s.completion_ids, s.truncated) for s in self.policy.sample(prompts, seeds)]
+
+
 class ScriptedTools(Finetune):
     def setup_optimizer(self, parts):
+        build = self.objective.feed
+
+        def scripted_feed(run):  # the rollouts, before they start their worker
+            rollouts = build(run)
+            starter = rollouts.start_worker
+            if starter is not None:
+                rollouts.start_worker = dataclasses.replace(
+                    starter, spec=dataclasses.replace(starter.spec, sampler=ScriptedSampler(self.tokenizer)))
+            return rollouts
+
+        self.objective.feed = scripted_feed
         super().setup_optimizer(parts)  # after the objective built the rollouts and their generator
         self.feed.generator = ScriptedPolicy(self.tokenizer)
 
 
-run_process(lambda: main(runner=ScriptedTools))
+if __name__ == "__main__":
+    run_process(lambda: main(runner=ScriptedTools))

@@ -140,7 +140,7 @@ def test_recipe_refuses_the_server_worker_until_its_weight_transfer_is_written(t
 def worker_spec(prompts, last_window: int, sync: int, stale: int) -> WorkerSpec:
     plan = WindowPlan(num_prompts=len(prompts), num_generations=2, micro_batch=2, world=1, accum=1,
                       steps_per_generation=1, num_iterations=1, seed=3)
-    return WorkerSpec(None, torch.float32, prompts, plan, 0, 7, SAMPLING, frozenset({EOS}), PAD, 0,
+    return WorkerSpec(None, torch.float32, prompts, plan, 0, 7, SAMPLING, frozenset({EOS}), PAD, 0.7, False, 0,
                       last_window, sync, stale, 1)
 
 
