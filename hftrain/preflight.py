@@ -11,7 +11,7 @@ preflight runs at the start of training, once the launch is known (`parallel.Lau
 - Liger:    every use_liger_kernel rule in one place;
 - varlen:   what attn_implementation=varlen (torch's variable-length FlashAttention for packed rows) needs, asked for
             an explicit request and for the automatic choice (`varlen_obstacles`, `attention_choice`);
-- vLLM:     use_vllm's CUDA, vllm package and strategy rules (`vllm_problems`);
+- vLLM:     use_vllm's CUDA, vllm package and strategy rules (`vllm_problems`); async_generation's (`async_problems`);
 - hub:      push_to_hub's token and online mode (`hftrain.hub.preflight_problems`).
 
 All problems come out as one ConfigError, in one paragraph, before the accelerator, the data or the weights load.
@@ -87,6 +87,7 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += expert_problems(recipe, launch, model_config)
     problems += host_memory_problems(recipe, launch, model_config)
     problems += vllm_problems(recipe, launch, cuda)
+    problems += async_problems(recipe, launch)
     problems += evaluation_problems(recipe, launch, model_config)
     problems += qat.preflight_problems(recipe, launch.kind, model_config)
     problems += fp8.preflight_problems(recipe, cuda, fp8.device_capability(recipe, cuda), launch.kind)
@@ -168,6 +169,19 @@ def vllm_problems(recipe: Recipe, launch: Launch, cuda: bool) -> list[str]:
                         "whole model at once), which hftrain has not written; use a DDP or ZeRO-1/2 preset, or "
                         "use_vllm: false (transformers' generate works under every strategy)")
     return problems
+
+
+def async_problems(recipe: Recipe, launch: Launch) -> list[str]:
+    """async_generation against the launch (hftrain.rl.async_worker; its recipe-only rules are hftrain.fields.grpo's,
+    and the worker's start checks the resolved layout again): a LoRA's merged push from sharded weights is not
+    written."""
+    sharded = launch.kind == "fsdp2" or (launch.kind == "deepspeed" and launch.zero_stage == 3)
+    if not (recipe.async_generation and recipe.use_peft and sharded):
+        return []
+    strategy = "FSDP2" if launch.kind == "fsdp2" else "DeepSpeed ZeRO-3"
+    return [f"async_generation with use_peft under {strategy} is refused: the rollout worker receives the base weights "
+            "with each adapter merged in, and that push from sharded weights is not written; use full fine-tuning "
+            "under this preset, or LoRA with one process or DDP"]
 
 
 def evaluation_problems(recipe: Recipe, launch: Launch, model_config: PretrainedConfig | None) -> list[str]:

@@ -24,7 +24,7 @@ from hftrain.config import load_recipe
 from hftrain.errors import ConfigError
 from hftrain.parallel.base import DataParallel
 from hftrain.parallel.launch import Launch
-from hftrain.preflight import vllm_problems
+from hftrain.preflight import async_problems, vllm_problems
 from hftrain.rl.generation import TransformersGenerator, build_generator
 from hftrain.rl.grpo import GRPOLoss, Policy, Rollouts, RolloutSource
 from hftrain.rl.loss import LossSettings, per_token_loss, vllm_importance_sampling_ratio
@@ -438,6 +438,14 @@ def test_the_preflight_refuses_a_machine_or_strategy_vllm_cannot_run_on(tmp_path
     assert "use_vllm with DeepSpeed ZeRO-3 is refused" in vllm_problems(r, launch("deepspeed", 3), cuda=True)[0]
     assert "use_vllm with FSDP2 is refused" in vllm_problems(r, launch("fsdp2"), cuda=True)[0]
     assert vllm_problems(recipe(tmp_path), launch("fsdp2"), cuda=False) == []
+
+
+def test_the_preflight_refuses_async_lora_under_a_sharding_strategy_before_the_model_loads(tmp_path):
+    lora = recipe(tmp_path, "--async_generation", "true", "--use_peft", "true")
+    assert "async_generation with use_peft under FSDP2 is refused" in async_problems(lora, launch("fsdp2"))[0]
+    assert "under DeepSpeed ZeRO-3 is refused" in async_problems(lora, launch("deepspeed", 3))[0]
+    assert async_problems(lora, launch("ddp")) == async_problems(lora, launch("deepspeed", 2)) == []
+    assert async_problems(recipe(tmp_path, "--async_generation", "true"), launch("fsdp2")) == []
 
 
 def test_the_dev_extra_does_not_pull_vllm():
