@@ -203,3 +203,24 @@ def test_a_missing_torchao_names_the_extra(monkeypatch):
     assert missing_extra_problems(Recipe(qat_scheme="int4_weight_only"), Launch("single", 1, 1)) == [
         "qat_scheme=int4_weight_only needs the torchao package, which is not installed: pip install 'hftrain[qat]' "
         "(or pip install torchao)"]
+
+
+def label_log_probs(model, ids: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-prob of its own next tokens, in plain PyTorch."""
+    logits = model(ids).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0].sum(-1)
+
+
+def test_dpos_reference_computes_through_the_same_fake_quantization_as_the_policy():
+    """objective dpo with qat_scheme: the frozen reference is a copy of the prepared starting model, so the policy and
+    the reference start equal (step 1's loss ln 2, as without QAT), not the unquantized model against a quantized
+    policy."""
+    from hftrain.objectives.reference import build_reference
+
+    model = tiny_llama()
+    plain = copy.deepcopy(model)
+    qat.prepare(model, recipe("int8_dynamic_activation_int4_weight"))
+    reference = build_reference(Recipe(objective="dpo"), model, torch.device("cpu"))
+    got = reference.log_probs(IDS, IDS.clone())
+    torch.testing.assert_close(got.float(), label_log_probs(model, IDS), rtol=1e-5, atol=1e-4)
+    assert (got.float() - label_log_probs(plain, IDS)).abs().max() > 1e-3
