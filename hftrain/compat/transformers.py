@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from transformers.integrations import deepspeed as hf_deepspeed
 
 from hftrain.compat import Use
 
@@ -212,11 +213,9 @@ def whole_loads() -> Iterator[None]:
     partitioned under `zero.Init`, a collective over all processes, which deadlocks when the main process alone loads
     (the merge of a LoRA adapter into its base for final-quantized/). The config is put back on exit."""
     ZERO3_CONFIG.require()
-    from transformers.integrations import deepspeed
-
-    held = deepspeed._hf_deepspeed_config_weak_ref
-    deepspeed.unset_hf_deepspeed_config()
+    held = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
     try:
         yield
     finally:
-        deepspeed._hf_deepspeed_config_weak_ref = held
+        hf_deepspeed._hf_deepspeed_config_weak_ref = held
