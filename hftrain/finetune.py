@@ -30,6 +30,7 @@ import torch
 from accelerate.utils import set_seed
 
 from hftrain import attention, card, checkpoint, fp8, qat
+from hftrain.compat.transformers import whole_loads
 from hftrain.config import PRESET_DIR, Recipe, load_recipe, read_yaml, unused_settings
 from hftrain.data import IGNORE_INDEX, Collator, eval_micro_batches, load_datasets, make_loader
 from hftrain.data.feeds import TrainingData, setup_examples
@@ -701,7 +702,8 @@ class Finetune:
             try:
                 source = final_dir
                 if self.recipe.use_peft:
-                    merge(final_dir, merged)
+                    with whole_loads():  # the main process alone, under ZeRO-3 too
+                        merge(final_dir, merged)
                     source = merged
                 folder = qat.save_quantized(self.recipe, source, folder, self.processor or self.tokenizer)
             finally:

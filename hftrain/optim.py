@@ -129,8 +129,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def describe(self) -> str:
         """The start-up line: which parameters each optimizer trains."""
         muon_elements, matrices, adamw_elements, tensors = self.split
-        return (f"optim muon: torch.optim.Muon on {matrices} hidden matrices ({muon_elements:,} parameters), AdamW on "
-                f"{tensors} other tensors ({adamw_elements:,} parameters: embeddings, head, norms, biases)")
+        rest = (f"AdamW on {tensors} other tensors ({adamw_elements:,} parameters: embeddings, head, norms, biases)"
+                if tensors else "nothing trained left for AdamW")
+        return f"optim muon: torch.optim.Muon on {matrices} hidden matrices ({muon_elements:,} parameters), {rest}"
 
 
 def optimizer_notes(optimizer: torch.optim.Optimizer) -> list[str]:

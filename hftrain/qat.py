@@ -123,15 +123,13 @@ def save_quantized(recipe: Recipe, source: Path, folder: Path, tokenizer) -> Pat
     return folder
 
 
-def preflight_problems(recipe: Recipe, launch_kind: str, model_config) -> list[str]:
-    """qat_scheme under a sharded launch, or with a group size that does not divide a quantized layer's inputs."""
+def preflight_problems(recipe: Recipe, model_config) -> list[str]:
+    """qat_scheme with a group size that does not divide a quantized layer's inputs. Sharded launches need no rule:
+    FSDP2 and DeepSpeed ZeRO-3 gather each wrapped module's whole weights before its forward, so torchao's fake
+    quantization sees whole weight rows (its groups) as in one process."""
     if recipe.qat_scheme is None:
         return []
     problems = []
-    if launch_kind in ("fsdp2", "deepspeed"):
-        problems.append(f"qat_scheme={recipe.qat_scheme} with {launch_kind} is refused: fake quantization of sharded "
-                        "weights is not verified in hftrain (torchao quantizes each weight in groups along its input "
-                        "features, which a shard may cut); use one process or DDP (cpu_ddp, multi_gpu)")
     if model_config is not None:
         text = model_config.get_text_config()
         heads = getattr(text, "num_attention_heads", 0) * (getattr(text, "head_dim", None) or

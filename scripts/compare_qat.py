@@ -7,6 +7,10 @@
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/compare_qat.py --model models/smollm2-135m-instruct --lora \
         --config recipes/smollm2-135m-lora-cpu.yaml --steps 12 --held_out 16 --schemes int4_weight_only \
         --extra="--max_length 64 --per_device_train_batch_size 4"
+    # the same model, full fine-tuning (docs/quantization.md: 4 steps, ~15 min a run on the shared 2-core machine)
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/compare_qat.py --model models/smollm2-135m-instruct \
+        --config recipes/smollm2-135m-lora-cpu.yaml --steps 4 --held_out 16 --schemes int4_weight_only \
+        --extra="--use_peft false --learning_rate 2e-4 --warmup_steps 1 --max_length 64 --per_device_train_batch_size 4"
 
 data/text.jsonl is split once: its last 60 rows are never trained on, and the loss is measured on the last
 --held_out of them (60 by default). For each scheme, the same recipe (--config, tiny-text's by default; full

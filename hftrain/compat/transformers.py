@@ -16,13 +16,19 @@ from a forward pre-hook instead of a wrapped forward, the same post-accumulate a
   (`_expand_parallel_plan`), both from its distributed mixin (5.23: 5.17 has neither);
 - what its `replicated_with_grad_allreduce` style does to a gradient (`accumulation_safe_partial_gradients`, 5.23);
 - the flag by which an experts module split by expert parallelism masks off-rank routes (`_is_expert_parallel`,
-  `unmask_dispatched_experts`, 5.23).
+  `unmask_dispatched_experts`, 5.23);
+- the module-level DeepSpeed config that makes every load partitioned under ZeRO-3 (`_hf_deepspeed_config_weak_ref`,
+  `whole_loads`; 5.17).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
+from transformers.integrations import deepspeed as hf_deepspeed
 
 from hftrain.compat import Use
 
@@ -41,6 +47,7 @@ PARTIAL_GRADIENTS = Use("transformers", CHECKED, "tensor parallelism of a model 
                         "(replicated_with_grad_allreduce: Qwen3's q_norm / k_norm)")
 PARTIAL_GRADIENT_STYLE = "replicated_with_grad_allreduce"
 EXPERT_SENTINELS = Use("transformers", CHECKED, "expert parallelism's experts without the off-rank route masks")
+ZERO3_CONFIG = Use("transformers", CHECKED_SINCE_5_17, "loading a model whole in one process under DeepSpeed ZeRO-3")
 
 
 def load_decoder_layers(auto_class: type, config, path: str, kwargs: dict, layers: set[int]) -> nn.Module:
@@ -197,3 +204,18 @@ def unmask_dispatched_experts(lm: nn.Module) -> int:
     for module in marked:
         module._is_expert_parallel = False
     return len(marked)
+
+
+@contextlib.contextmanager
+def whole_loads() -> Iterator[None]:
+    """Inside it, `from_pretrained` in this process loads a model whole although DeepSpeed ZeRO-3 is configured:
+    while transformers' module-level DeepSpeed config (set by accelerate) says ZeRO-3, every unquantized load is
+    partitioned under `zero.Init`, a collective over all processes, which deadlocks when the main process alone loads
+    (the merge of a LoRA adapter into its base for final-quantized/). The config is put back on exit."""
+    ZERO3_CONFIG.require()
+    held = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = held

@@ -185,13 +185,13 @@ def print_plan(args: argparse.Namespace) -> None:
         problems.append("--objective distill and --teacher go together (the teacher's weights are counted)")
     if args.optim == "muon" and (args.lora or args.qlora or cluster or args.sp > 1 or args.ep > 1 or args.pp > 1
                                  or args.tp > 1):
-        problems.append("--optim muon runs on one GPU or under DDP with full fine-tuning (hftrain refuses it with "
-                        "LoRA and with layouts that split the weight matrices); drop --lora/--qlora, --nodes, --sp, "
-                        "--ep, --pp and --tp")
+        problems.append("--optim muon runs on one GPU or under DDP (hftrain refuses it with layouts that split the "
+                        "weight matrices), and the estimate counts its full fine-tuning only (Muon on LoRA's factors "
+                        "is not estimated); drop --lora/--qlora, --nodes, --sp, --ep, --pp and --tp")
     split = cluster or args.sp > 1 or args.ep > 1 or args.pp > 1 or args.tp > 1
-    if args.qat_scheme and split:
-        problems.append("--qat_scheme runs on one GPU or under DDP (hftrain refuses it with sharded or split "
-                        "layouts); drop --nodes, --sp, --ep, --pp and --tp")
+    if args.qat_scheme and (args.sp > 1 or args.ep > 1 or args.pp > 1 or args.tp > 1):
+        problems.append("--qat_scheme runs under data-parallel layouts only (hftrain refuses it with layouts that "
+                        "split the layers); drop --sp, --ep, --pp and --tp")
     if args.qat_scheme and args.qlora:
         problems.append("--qat_scheme with --qlora is refused (the base would be rounded by bitsandbytes before the "
                         "fake quantization); use --lora")

@@ -81,10 +81,11 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
 
     optim muon (`optim: muon`): Muon keeps one fp32 momentum buffer (4 bytes) per parameter of the decoder layers'
     linear weights (the hidden matrices) and AdamW its two moments (8 bytes) for the rest; only the rows muon runs
-    under are kept (one GPU and DDP, full fine-tuning: the sharded strategies and LoRA refuse it).
+    under are kept (one GPU and DDP, full fine-tuning: the sharded strategies refuse it; Muon on LoRA's factors
+    is not estimated).
 
-    qat (`qat_scheme`, (scheme, group size)): only the layouts QAT runs under (one GPU or DDP, full fine-tuning or
-    LoRA); each decoder layer saves what torchao's fake quantization keeps for backward besides
+    qat (`qat_scheme`, (scheme, group size)): the layouts QAT runs under (every one but QLoRA's); each decoder layer
+    saves what torchao's fake quantization keeps for backward besides
     (`qat_layer_bytes`: for full fine-tuning the fake-quantized weights' intermediates, ~4 bytes per weight under
     bf16; with int8 activations also each linear layer's quantized input), under gradient checkpointing only the
     recomputed layer's.
@@ -197,8 +198,8 @@ def estimate(shape: ModelShape, gpus: int, batch: int, seq: int, precision: str 
     ]
     if optim == "muon":  # the one layout muon runs under
         rows = rows[:1]
-    if qat is not None:  # one GPU or DDP, full fine-tuning or LoRA; the fake quantization's saved tensors added
-        rows = [r for r in rows if r.strategy in ("single GPU", "DDP") or r.method == "lora"]
+    if qat is not None:  # full fine-tuning (any data-parallel layout) or LoRA; the fake quantization's tensors added
+        rows = [r for r in rows if r.method != "qlora"]
         for r in rows:
             extra = qat_layer_bytes(shape, rows_per_step * seq, *qat, mixed, r.method == "full")
             r.activations += shape.layers * extra

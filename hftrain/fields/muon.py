@@ -50,14 +50,6 @@ def problems(r) -> list[str]:
         problems.append(f"muon_momentum must be in [0, 1), got {r.muon_momentum}")
     if not 1 <= r.muon_ns_steps < 100:
         problems.append(f"muon_ns_steps must be in [1, 99] (torch.optim.Muon's limit), got {r.muon_ns_steps}")
-    if r.use_peft:
-        problems.append(
-            "optim: muon with use_peft is refused: LoRA's A (r x in) and B (out x r) are 2-D, but they are factors "
-            "of one low-rank update, and Muon would orthogonalize each factor on its own: B starts at zero and its "
-            "orthogonalized update has the size of a full-rank one (match_rms_adamw's 0.2 x sqrt(max(A, B)) is "
-            "derived for whole weight matrices), so lora_alpha / lora_r no longer sets the adapter's scale; neither "
-            "Moonlight nor torch documents a Muon recipe for adapters. Use optim: adamw_torch with LoRA, or Muon "
-            "with full fine-tuning")
     for name, size, layout in (("tp_size", r.tp_size, "tensor parallelism splits each projection's matrix"),
                                ("ep_size", r.ep_size, "expert parallelism splits the experts' weights")):
         if size > 1:

@@ -10,6 +10,13 @@ from dataclasses import dataclass
 from hftrain.fields import recipe_field as _f
 
 QAT_SCHEMES = ("int4_weight_only", "int8_dynamic_activation_int4_weight")
+# The objectives whose final/ is not a causal LM folder, which the conversion (hftrain.qat.save_quantized) loads.
+NOT_CAUSAL_LM = {
+    "reward": "a sequence classifier (its score head)",
+    "embedding": "a sentence-transformers folder of the decoder without its head (with pooling and normalize modules)",
+    "reranker": "a sentence-transformers CrossEncoder folder (a sequence classifier's score head; the yes_no "
+                "form's causal LM head is read through two tokens' logits, a conversion not verified)",
+}
 
 
 @dataclass
@@ -53,9 +60,13 @@ def problems(r) -> list[str]:
         problems.append(f"qat_scheme={r.qat_scheme} with modules_to_save {list(r.modules_to_save)} is refused: the "
                         "layers peft trains whole beside the adapters are not verified under fake quantization; "
                         "leave modules_to_save empty")
-    if r.objective == "reward":
-        problems.append(f"qat_scheme={r.qat_scheme} with objective reward is refused: the converted folder is loaded "
-                        "as a causal LM (AutoModelForCausalLM with TorchAoConfig), not a sequence classifier")
+    if r.objective in NOT_CAUSAL_LM:
+        problems.append(f"qat_scheme={r.qat_scheme} with objective {r.objective} is refused: final-quantized/ is "
+                        "final/ loaded as a causal LM (AutoModelForCausalLM with TorchAoConfig) and saved, but this "
+                        f"objective's final/ is {NOT_CAUSAL_LM[r.objective]}: that load would give the converted "
+                        "model a freshly drawn output head (and drop the rest of the folder), a model that does not "
+                        "compute what was trained. Train without qat_scheme (and quantize the trained model with the "
+                        "library that serves it), or fine-tune a causal LM (sft, dpo, kto, orpo, grpo, distill)")
     for name in ("tp_size", "pp_size", "ep_size", "sp_size", "cp_size"):
         if getattr(r, name) > 1:
             problems.append(f"qat_scheme={r.qat_scheme} with {name}={getattr(r, name)} is refused: fake quantization "

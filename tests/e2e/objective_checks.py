@@ -65,10 +65,10 @@ def assert_same_over_micro_batches_and_processes(tmp_path: Path, expected: Run, 
 
 
 def assert_resumes_exactly(tmp_path: Path, expected: Run, args: Iterable[str], keys: Iterable[str],
-                           weights_atol: float = 1e-7) -> Run:
+                           weights_atol: float = 1e-7, weights: str = "model.safetensors") -> Run:
     """`expected` (3 steps, a checkpoint at step 2) resumed from checkpoint-2 by one process with `args`: step 3's
-    values of `keys` (rtol 1e-5) and the final weights (rtol 1e-5, atol `weights_atol`) equal the uninterrupted
-    run's. Returns the resumed run, for what a caller checks beside."""
+    values of `keys` (rtol 1e-5) and the final `weights` file (the model, or the adapter; rtol 1e-5, atol
+    `weights_atol`) equal the uninterrupted run's. Returns the resumed run, for what a caller checks beside."""
     out = tmp_path / "out"
     shutil.copytree(expected.output_dir, out)
     shutil.rmtree(out / "final")
@@ -77,7 +77,7 @@ def assert_resumes_exactly(tmp_path: Path, expected: Run, args: Iterable[str], k
     reference = expected.train_rows()[2]
     for key in keys:
         assert row[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), key
-    weights = load_file(expected.output_dir / "final" / "model.safetensors")
-    for key, value in load_file(out / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, weights[key], rtol=1e-5, atol=weights_atol, msg=key)
+    reference = load_file(expected.output_dir / "final" / weights)
+    for key, value in load_file(out / "final" / weights).items():
+        torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=weights_atol, msg=key)
     return resumed

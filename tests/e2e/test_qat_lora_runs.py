@@ -1,7 +1,8 @@
 """qat_scheme with LoRA through the real entry script: one SGD step of the adapters equals plain PyTorch on the same
 rows (the frozen base's linear layers int4-rounded by torchao's primitives, the adapters' path in full precision), and
 final-quantized/ holds the base with the adapter merged, then rounded to int4: within one rounding of what training
-computed."""
+computed. 2 DDP processes and 2 ZeRO-3 processes equal one over 3 steps (adapters and converted model), and a run
+resumed from checkpoint-2 equals the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from torch.nn import functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hftrain import qat
-from tests.conftest import REPO, run_script, write_jsonl
+from tests.conftest import REPO, Run, launch, run_script, write_jsonl
+from tests.e2e import objective_checks as checks
+from tests.e2e.test_qat_runs import assert_same_conversion
 
 with qat.quiet_torchao():
     from torchao.quantization.quant_primitives import (
@@ -133,3 +136,49 @@ def test_qat_lora_converts_the_merged_weights_within_one_rounding_of_the_trained
             assert ((served.dequantize() - (trained + delta)).abs() <= (step + merged_step) / 2 + 1e-6).all()
             moved += int((served.dequantize() != trained).sum())
     assert moved > 0  # the merged adapter changed the rounding somewhere: the bound is not the trivial one
+
+
+# ---------------------------------------------------------------------------------------------- layouts and resume
+# recipes/tiny-qat-lora.yaml, 3 AdamW steps of 8 chat rows in file order, a checkpoint at step 2. The base is frozen
+# and int4_weight_only rounds no activation, so the fake-quantized base is the same in every layout and at every step:
+# unlike full fine-tuning (tests/e2e/test_qat_runs.py), the runs stay equal past the first step.
+EXACT = ["--config", str(REPO / "recipes" / "tiny-qat-lora.yaml"), "--max_steps", "3", "--logging_steps", "1",
+         "--train_sampling_strategy", "sequential", "--validation_split_percentage", "0", "--save_steps", "2",
+         "--warmup_steps", "1"]
+COMPARED = ("loss", "grad_norm")
+ADAPTER = "adapter_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+    return run_script(tmp_path_factory.mktemp("qat-lora-3") / "out", *EXACT, "--per_device_train_batch_size", "8")
+
+
+def merged_weights(run: Run) -> dict[str, torch.Tensor]:
+    """What the run's final-quantized/ converted, computed here: each base weight W + scaling x B A of the adapter."""
+    adapter = load_file(run.output_dir / "final" / ADAPTER)
+    merged = {}
+    for name, w in AutoModelForCausalLM.from_pretrained(REPO / "models" / "tiny-llama").state_dict().items():
+        a = adapter.get(f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight")
+        b = adapter.get(f"base_model.model.{name.removesuffix('.weight')}.lora_B.weight")
+        merged[name] = w if a is None else w + SCALING * (b @ a)
+    return merged
+
+
+def test_qat_lora_two_ddp_processes_and_two_zero3_processes_equal_one(tmp_path, three_steps):
+    """2 processes x 4 rows = 1 process x 8 rows for 3 steps: losses, gradient norms, the adapter (rtol 1e-4) and
+    the converted model; under ZeRO-3 each decoder layer's base weights are gathered whole before its forward, so
+    torchao's fake quantization sees what one process sees."""
+    expected = merged_weights(three_steps)
+    for preset, wrapper in (("cpu_ddp", "DistributedDataParallel"), ("zero3", "DeepSpeedEngine")):
+        run = launch(tmp_path / preset, *EXACT, "--per_device_train_batch_size", "4", preset=preset, processes=2)
+        info = run.state()["launch"]
+        assert (info["num_processes"], info["model_wrapper"]) == (2, wrapper), preset
+        checks.assert_same_steps(run, three_steps, COMPARED, weights=ADAPTER)
+        assert_same_conversion(run, three_steps, expected)
+
+
+def test_qat_lora_resumes_exactly_to_the_same_converted_model(tmp_path, three_steps):
+    resumed = checks.assert_resumes_exactly(tmp_path, three_steps, [*EXACT, "--per_device_train_batch_size", "8"],
+                                            COMPARED, weights=ADAPTER)
+    assert assert_same_conversion(resumed, three_steps, merged_weights(three_steps), boundary=0) == 0

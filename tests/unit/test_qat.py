@@ -103,6 +103,27 @@ def test_prepared_forward_equals_torchaos_primitives_on_the_same_weights(scheme)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
+def test_torchaos_fake_quantizers_keep_no_state_between_steps(scheme):
+    """What a resume must restore: torchao keeps the last scales it computed on each FakeQuantizer (plain attributes,
+    not in the state dict), and reuses them unless its config is dynamic. Here every one is dynamic without range
+    learning, the prepared model's state dict is the plain model's, and after the weights move (a step) the prepared
+    model computes what a model prepared afresh from the moved weights computes (torchao's primitives by hand), not
+    the scales of its earlier forward: the checkpoint's weights are the whole state."""
+    prepared = tiny_llama()
+    plain_keys = set(prepared.state_dict())
+    qat.prepare(prepared, recipe(scheme))
+    quantizers = [m for m in prepared.modules() if type(m).__name__ == "IntxFakeQuantizer"]
+    assert len(quantizers) == 14 * (1 if scheme == "int4_weight_only" else 2)
+    assert all(q.config.is_dynamic and not q.config.range_learning for q in quantizers)
+    assert set(prepared.state_dict()) == plain_keys
+    prepared(IDS)  # the quantizers now hold this forward's scales
+    with torch.no_grad():
+        for p in prepared.parameters():
+            p.mul_(1.5).add_(torch.randn_like(p) * 0.01)
+    torch.testing.assert_close(prepared(IDS).logits, by_hand(prepared, scheme)(IDS).logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_the_converted_model_computes_what_the_fake_quantized_one_did(scheme):
     prepared = tiny_llama()
     qat.prepare(prepared, recipe(scheme))
@@ -152,21 +173,26 @@ def test_recipes_qat_cannot_run_are_refused():
     assert problems(qat_group_size=24) == ["qat_group_size must be a power of two >= 1, got 24"]
     (tp,) = problems(tp_size=2)
     assert tp.startswith("qat_scheme=int4_weight_only with tp_size=2 is refused")
+    # final-quantized/ is final/ loaded as a causal LM: these objectives' final/ is not one (a run with embedding
+    # gave a converted folder with a freshly drawn lm_head: transformers' load reported it MISSING)
+    for objective, folder in (("embedding", "a sentence-transformers folder"), ("reranker", "a sentence-transformers "
+                              "CrossEncoder folder"), ("reward", "a sequence classifier")):
+        (refused,) = problems(objective=objective)
+        assert refused.startswith(f"qat_scheme=int4_weight_only with objective {objective} is refused: "
+                                  "final-quantized/ is final/ loaded as a causal LM"), objective
+        assert f"this objective's final/ is {folder}" in refused, objective
 
 
-def test_the_preflight_refuses_sharded_launches_and_uneven_groups():
+def test_the_preflight_refuses_uneven_groups():
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(REPO / "models" / "tiny-llama")  # hidden 64, intermediate 128, 4 x 16 heads
     r = Recipe(qat_scheme="int8_dynamic_activation_int4_weight", qat_group_size=128)
-    (uneven,) = qat.preflight_problems(r, "ddp", config)
+    (uneven,) = qat.preflight_problems(r, config)
     assert uneven.startswith("qat_group_size=128 does not divide the input size of this model's linear layers "
                              "(hidden_size 64, num_attention_heads x head_dim 64)")
-    r = Recipe(qat_scheme="int4_weight_only", qat_group_size=32)
-    assert qat.preflight_problems(r, "ddp", config) == []
-    (fsdp,) = qat.preflight_problems(r, "fsdp2", config)
-    assert fsdp.startswith("qat_scheme=int4_weight_only with fsdp2 is refused")
-    assert qat.preflight_problems(Recipe(), "fsdp2", config) == []
+    assert qat.preflight_problems(Recipe(qat_scheme="int4_weight_only", qat_group_size=32), config) == []
+    assert qat.preflight_problems(Recipe(), config) == []
 
 
 def test_a_missing_torchao_names_the_extra(monkeypatch):
@@ -177,3 +203,24 @@ def test_a_missing_torchao_names_the_extra(monkeypatch):
     assert missing_extra_problems(Recipe(qat_scheme="int4_weight_only"), Launch("single", 1, 1)) == [
         "qat_scheme=int4_weight_only needs the torchao package, which is not installed: pip install 'hftrain[qat]' "
         "(or pip install torchao)"]
+
+
+def label_log_probs(model, ids: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-prob of its own next tokens, in plain PyTorch."""
+    logits = model(ids).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0].sum(-1)
+
+
+def test_dpos_reference_computes_through_the_same_fake_quantization_as_the_policy():
+    """objective dpo with qat_scheme: the frozen reference is a copy of the prepared starting model, so the policy and
+    the reference start equal (step 1's loss ln 2, as without QAT), not the unquantized model against a quantized
+    policy."""
+    from hftrain.objectives.reference import build_reference
+
+    model = tiny_llama()
+    plain = copy.deepcopy(model)
+    qat.prepare(model, recipe("int8_dynamic_activation_int4_weight"))
+    reference = build_reference(Recipe(objective="dpo"), model, torch.device("cpu"))
+    got = reference.log_probs(IDS, IDS.clone())
+    torch.testing.assert_close(got.float(), label_log_probs(model, IDS), rtol=1e-5, atol=1e-4)
+    assert (got.float() - label_log_probs(plain, IDS)).abs().max() > 1e-3
