@@ -106,8 +106,6 @@ def problems(recipe, config: PretrainedConfig | None) -> list[str]:
         if recipe.precompute_ref_log_probs:
             found.append(f"precompute_ref_log_probs with {pairs} is not supported yet (the reference runs beside "
                          "the policy on the same pixels); set precompute_ref_log_probs: false")
-        if recipe.streaming:
-            found.append(f"streaming: true with {pairs} is not supported yet; set streaming: false")
         for name in ("max_prompt_length", "max_completion_length"):
             if getattr(recipe, name) is not None:
                 found.append(f"{name} with {pairs} is not supported yet (a cut prompt would lose its image tokens); "

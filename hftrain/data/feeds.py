@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from hftrain.data.batching import Collator, IndexedFeed, training_plan, training_rows
-from hftrain.data.image_chats import ImageChatCollator
 from hftrain.data.streaming import check_resume, load_stream, read_states
 from hftrain.errors import HftrainError, same_in_every_process
 from hftrain.model import pad_token_id
@@ -117,8 +116,8 @@ def setup_stream(run) -> TrainingData:
     collator.pad_token_id = pad
     if eval_set is None:
         eval_collator = None
-    elif run.processor is not None:  # image chats: the eval set is map-style ImageChats
-        eval_collator = ImageChatCollator(eval_set, run.processor, pad)
+    elif run.processor is not None:  # image chats or pairs: the eval set is map-style ImageChats / ImagePairs
+        eval_collator = eval_set.collator(run.processor, pad)
     else:
         eval_collator = Collator(eval_set, pad)
     stream_state = None

@@ -28,6 +28,7 @@ from hftrain.data.image_chats import (
     ImageRows,
     base_folder,
     check_image_chat,
+    check_image_paths,
     collate,
     encode,
     open_image,
@@ -143,6 +144,27 @@ class ImagePairs(ImageRows):
         return [chosen, rejected], [torch.tensor([row["labels"]]), torch.tensor([row["rejected_labels"]])]
 
 
+def pair_row(pair: dict, refs: list) -> dict:
+    """What the collator reads of an encoded pair (`encode_pair`): the rendered chosen side, the image references,
+    both sides' token ids and labels, the shared prompt tokens and the image token positions."""
+    c, r = pair["chosen"], pair["rejected"]
+    return {"images": refs, "text": c["text"], "input_ids": c["inputs"]["input_ids"][0].tolist(),
+            "labels": c["labels"][0].tolist(), "rejected_input_ids": r["inputs"]["input_ids"][0].tolist(),
+            "rejected_labels": r["labels"][0].tolist(), "prompt_tokens": pair["prompt_tokens"],
+            "image_positions": [k for k, inside in enumerate(c["image_mask"]) if inside],
+            "image_tokens": c["image_tokens"]}
+
+
+def stream_pair(example: dict, processor, spec: DataSpec, base, where: str) -> dict:
+    """One raw image pair of a stream as a training row (`pair_row` and `dropped`), encoded as map-style pairs are
+    (`encode_pair`); its images are opened to encode it and again by the collator, never kept (they must be file
+    paths: image_chats.check_image_paths)."""
+    prompt, chosen, rejected, refs = check_image_pair(example, spec.messages_field, where)
+    check_image_paths(example, where)
+    pair = encode_pair(processor, prompt, chosen, rejected, [open_image(r, base, where) for r in refs], spec, where)
+    return {**pair_row(pair, refs), "dropped": bool(pair["dropped"])}
+
+
 def prepare_pairs(raw, processor, spec: DataSpec, name: str) -> tuple[ImagePairs, dict]:
     """Check and encode every pair once (masks, image tokens, truncation), keep the trainable ones, count the rest."""
     base, rows, counts = base_folder(name), [], {"overlong": 0, "image_cut": 0, "no_trained_tokens": 0, "identical": 0}
@@ -159,12 +181,7 @@ def prepare_pairs(raw, processor, spec: DataSpec, name: str) -> tuple[ImagePairs
             counts[pair["dropped"]] += 1
             continue
         c, r = pair["chosen"], pair["rejected"]
-        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "images": refs, "text": c["text"],
-                     "input_ids": c["inputs"]["input_ids"][0].tolist(), "labels": c["labels"][0].tolist(),
-                     "rejected_input_ids": r["inputs"]["input_ids"][0].tolist(),
-                     "rejected_labels": r["labels"][0].tolist(), "prompt_tokens": pair["prompt_tokens"],
-                     "image_positions": [k for k, inside in enumerate(c["image_mask"]) if inside],
-                     "image_tokens": c["image_tokens"]})
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, **pair_row(pair, refs)})
         stats["images"] += len(refs)
         stats["image_tokens"] += c["image_tokens"]
         stats["tokens"] += len(rows[-1]["input_ids"]) + len(rows[-1]["rejected_input_ids"])

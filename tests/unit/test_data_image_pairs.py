@@ -14,7 +14,7 @@ from transformers.utils import is_torchvision_available
 
 from hftrain.config import Recipe
 from hftrain.data.image_chats import open_image
-from hftrain.data.image_pairs import ImagePairCollator, ImagePairs, prepare_pairs
+from hftrain.data.image_pairs import ImagePairCollator, ImagePairs, prepare_pairs, stream_pair
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec
 from hftrain.objectives.preference import PreferenceLoss
 from hftrain.objectives.reference import FrozenReference, ReferenceLogProbs
@@ -149,6 +149,32 @@ def test_the_preflight_takes_dpo_simpo_and_orpo_and_refuses_the_rest_by_name():
     refused = problems(objective="dpo", precompute_ref_log_probs=True, max_prompt_length=64)
     assert [p for p in refused if p.startswith("precompute_ref_log_probs with objective=dpo on image preference")]
     assert [p for p in refused if p.startswith("max_prompt_length with objective=dpo on image preference pairs")]
+
+
+def test_a_streamed_micro_batch_is_the_map_style_one(processor, pairs):
+    """streaming: the file read by the stream's reader, each raw pair encoded when it is drawn (`stream_pair`) and kept
+    by the row stream as it keeps rows, in JSON (a checkpoint holds them), gives the map-style collator's micro-batches
+    of the same pairs: every processor output, both sides' labels and the image token marks."""
+    from hftrain.data.image_chats import StreamImageCollator, filler_row
+    from hftrain.data.jsonlines import json_lines_dataset
+    from hftrain.data.streaming import RowStream
+
+    def read(example, index):
+        return [stream_pair(example, processor, SPEC, DATA.parent, f"example {index}")]
+
+    stream = RowStream(lambda passes: json_lines_dataset([str(DATA)], {}), read, shuffle_buffer=1, seed=0,
+                       packing=False, max_length=SPEC.max_length)
+    filler = filler_row(json_lines_dataset([str(DATA)], {}).take(4), processor, SPEC, DATA.parent, str(DATA),
+                        stream_pair)
+    streamed = StreamImageCollator(processor, 0, DATA.parent, str(DATA), filler, 1, ImagePairs)
+    mapped = ImagePairCollator(pairs, processor, 0)
+    for start in (0, 4):
+        micro_batch = [stream.next_row() for _ in range(4)]
+        micro_batch = json.loads(json.dumps(micro_batch))
+        ours, theirs = streamed(micro_batch), mapped(list(range(start, start + 4)))
+        assert sorted(ours) == sorted(theirs) and "pixel_values" in ours and "rejected_input_ids" not in ours
+        for key, value in theirs.items():
+            assert torch.equal(ours[key], value), (start, key)
 
 
 def test_simpo_loss_of_a_micro_batch_equals_plain_pytorch(processor, rows, pairs):

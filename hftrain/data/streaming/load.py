@@ -10,7 +10,7 @@ import datasets
 from datasets.distributed import split_dataset_by_node
 
 from hftrain.config import DatasetSource
-from hftrain.data import image_chats
+from hftrain.data import image_chats, image_pairs
 from hftrain.data.formats import detect_format
 from hftrain.data.jsonlines import BAD_LINE
 from hftrain.data.sources import CHAT_FORMATS, check_objective, load_eval_set, row_origin
@@ -38,8 +38,8 @@ def _first_example(source: StreamSource) -> dict:
 
 def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
     """(StreamFeed, map-style eval set or None, stats) for `streaming: true`. `processor`: an image-text model's, whose
-    image chats are encoded by it (data.image_chats.stream_row), their images opened when a row is read and when it is
-    collated, never kept."""
+    image chats and preference pairs are encoded by it (data.image_chats.stream_row, data.image_pairs.stream_pair),
+    their images opened when a row is read and when it is collated, never kept."""
     spec = DataSpec.from_recipe(recipe)
     entries = recipe.dataset_mixture or [DatasetSource(recipe.dataset_name, recipe.dataset_config,
                                                        recipe.dataset_train_split, 1.0, recipe.dataset_format,
@@ -102,10 +102,11 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
     origin = row_origin(name, False) if source.seeks and source.num_shards == 1 and not mixture else None
 
     base = image_chats.base_folder(name)
+    read_image_row = image_pairs.stream_pair if fmt == "preference" else image_chats.stream_row
 
     def tokenize(example: dict, index: int) -> list[dict]:
         if processor is not None:
-            return [image_chats.stream_row(example, processor, spec, base, f"dataset {name!r} example {index}")]
+            return [read_image_row(example, processor, spec, base, f"dataset {name!r} example {index}")]
         kind, where = fmt, name
         if mixture:  # a mixture's records carry their source and the raw example as JSON
             part = example[MIXTURE_SOURCE]
@@ -141,8 +142,10 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
         collator = StreamCollator(0, recipe.packing, fmt == "preference")
     else:  # a dataset of images as bytes (an Image feature) is refused here, before its bytes reach a checkpoint
         image_chats.check_image_paths(firsts[0], f"dataset {name!r} example 0")
-        filler = image_chats.filler_row(source.open().take(image_chats.FILLER_SCAN), processor, spec, base, name)
-        collator = image_chats.StreamImageCollator(processor, 0, base, name, filler, world)
+        filler = image_chats.filler_row(source.open().take(image_chats.FILLER_SCAN), processor, spec, base, name,
+                                        read_image_row)
+        rows = image_pairs.ImagePairs if fmt == "preference" else image_chats.ImageChats
+        collator = image_chats.StreamImageCollator(processor, 0, base, name, filler, world, rows)
     per_pass = None  # raw training examples in a pass, when known (for the logged epoch)
     if source.num_rows is not None and not disjoint:
         per_pass = min(source.num_rows - held_out, recipe.max_samples or source.num_rows) or None
@@ -154,7 +157,8 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
                                              "eval_held_out": held_out},
                                "chat_template": template_note, "sources": []}
     if eval_raw is not None and processor is not None:
-        evaluation, stats["eval"] = image_chats.prepare(eval_raw, processor, spec, recipe.eval_dataset_name or name)
+        prepare = image_pairs.prepare_pairs if eval_fmt == "preference" else image_chats.prepare
+        evaluation, stats["eval"] = prepare(eval_raw, processor, spec, recipe.eval_dataset_name or name)
         evaluation.name = recipe.eval_dataset_name or f"{name} (eval)"
     elif eval_raw is not None:
         evaluation, eval_stats = tokenize_dataset(eval_raw, tokenizer, spec, eval_fmt,
