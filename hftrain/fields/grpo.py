@@ -383,6 +383,9 @@ def problems(r) -> list[str]:
                       f"setting, but objective={r.objective}; remove it")]
         return [message for is_set, message in misplaced if is_set] + stray + unfound
     problems = stray + unfound + vllm_problems(r) + async_problems(r)
+    if r.streaming:  # text prompts and prompts with images alike
+        problems.append("streaming: true with objective grpo is not supported yet: its generation batches draw "
+                        "prompts by index from the whole prompt set (reordered every epoch); set streaming: false")
     if r.loss_type not in LOSS_TYPES:
         problems.append(f"loss_type={r.loss_type} is a dpo loss; grpo takes {', '.join(LOSS_TYPES)}")
     defaults = {f.name: f.default for f in fields(GRPOFields)}

@@ -85,6 +85,10 @@ def test_grpo_recipe_defaults_and_refusals(tmp_path):
                      "packing with objective grpo", "temperature must be > 0",
                      "log_completions logs a W&B table: add wandb to report_to"]:
         assert expected in text, expected
+    # streaming: the prompts are drawn by index, text prompts and prompts with images alike (not read as map-style)
+    for config in ("recipes/tiny-grpo.yaml", "recipes/tiny-vlm-grpo.yaml"):
+        with pytest.raises(ConfigError, match="streaming: true with objective grpo is not supported yet: its "):
+            load_recipe(["--config", config, "--output_dir", str(tmp_path / "s"), "--streaming", "true"])
     assert "reward_funcs is set but objective=sft" in _problems(tmp_path, "--objective", "sft")
     assert "ds3_gather_for_generation: false is grpo's generation setting, but objective=sft; remove it" in \
         _problems(tmp_path, "--objective", "sft", "--ds3_gather_for_generation", "false")
