@@ -177,6 +177,30 @@ def test_a_streamed_micro_batch_is_the_map_style_one(processor, pairs):
             assert torch.equal(ours[key], value), (start, key)
 
 
+def test_a_streamed_pairs_file_names_its_bad_lines_and_gives_the_map_style_eval_set(processor, rows, pairs, tmp_path):
+    """load_stream with the image-text model's processor on a .jsonl of pairs with a line that is not JSON and a pair
+    whose chosen side is not one assistant message: the other pairs come in file order, as prepare_pairs encodes
+    them; both bad lines are counted, the first named by file and line; the eval set is read as image pairs."""
+    from hftrain.data.streaming import load_stream
+
+    absolute = [{**row, "images": [str(DATA.parent / path) for path in row["images"]]} for row in rows[:6]]
+    bad_pair = {**absolute[1], "chosen": [rows[1]["chosen"][0], rows[1]["chosen"][0]]}
+    lines = [json.dumps(row) for row in absolute]
+    lines[2:2] = ["{not json", json.dumps(bad_pair)]  # lines 3 and 4
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    recipe = Recipe(model_name_or_path=str(MODEL), dataset_name=str(data), objective="dpo", streaming=True,
+                    max_steps=1, max_length=256, train_sampling_strategy="sequential", eval_strategy="steps",
+                    eval_dataset_name=str(DATA))
+    feed, evaluation, _ = load_stream(recipe, processor.tokenizer, rank=0, world=1, processor=processor)
+    streamed = [feed.stream.next_row()[0] for _ in range(6)]
+    assert [row["input_ids"] for row in streamed] == [pair["input_ids"] for pair in pairs.rows[:6]]
+    assert [row["rejected_labels"] for row in streamed] == [pair["rejected_labels"] for pair in pairs.rows[:6]]
+    assert (feed.stream.counts["examples"], feed.stream.counts["bad"]) == (8, 2)
+    assert feed.stream.first_bad.startswith(f"pass 1, example 2: {data}, line 3")
+    assert isinstance(evaluation, ImagePairs) and len(evaluation) == len(pairs)
+
+
 def test_simpo_loss_of_a_micro_batch_equals_plain_pytorch(processor, rows, pairs):
     """simpo (reference-free, beta 2, gamma 0.5): the length-normalised margin of the same independent log-probs."""
     batch = ImagePairCollator(pairs, processor, processor.tokenizer.pad_token_id)([2, 3])
