@@ -471,7 +471,8 @@ class Finetune:
                                                   micro_batches, scale, recipe.max_grad_norm or float("inf"), timer)
         if not updated:
             self.refuse_non_finite_step(grad_norm)
-        self.meter.count(micro_batches, local[0], local[1], local[2])
+        self.meter.count([shape for batch in micro_batches for shape in self.parts.loss.forward_shapes(batch)],
+                         local[0], local[1], local[2])
         return StepResult(loss, int(step_units), int(step_tokens), int(step_examples), grad_norm, updated,
                           learning_rate, self.parts.loss.pop_stats(), self.parts.loss.pop_token_stats())
 

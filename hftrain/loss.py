@@ -61,6 +61,12 @@ class ObjectiveLoss(WrapsCausalLM):
         """The objective's per-unit statistics summed since the last call (the same names on every rank)."""
         return {}
 
+    def forward_shapes(self, batch: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+        """(rows, positions) of each forward this loss runs over the micro-batch: what the run counts as processed
+        tokens and FLOPs (metrics.RunMeter). The collated batch, padding included: the model runs over all of it."""
+        rows, width = batch["input_ids"].shape
+        return [(rows, width)]
+
     def eval_metrics(self, loss_sum: float, units: int, stats: dict[str, float]) -> dict[str, float]:
         """The evaluation row from the eval set's summed loss, its units and the summed statistics."""
         raise NotImplementedError

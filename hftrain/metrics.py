@@ -277,16 +277,16 @@ class RunMeter:
         self.local_units = torch.zeros((), dtype=torch.float64, device=self.accelerator.device)
         self.processed, self.window_flops, self.steps = 0, 0.0, 0
 
-    def count(self, micro_batches: list[dict[str, torch.Tensor]], local_tokens: torch.Tensor,
+    def count(self, shapes: list[tuple[int, int]], local_tokens: torch.Tensor,
               local_examples: torch.Tensor | int = 0, local_units: torch.Tensor | None = None) -> None:
         """Account one optimizer step (no device sync: shapes are host values, tokens stay on the device).
+        `shapes`: (rows, positions) of each forward of the step (the loss's `forward_shapes` of each micro-batch).
         `local_units`: what this rank's loss sum is over (the objective's `loss_units`: tokens, or pairs); tokens
         when not given."""
         self.local_tokens += local_tokens
         self.local_examples += local_examples
         self.local_units += local_tokens if local_units is None else local_units
-        for batch in micro_batches:
-            rows, width = batch["input_ids"].shape
+        for rows, width in shapes:
             self.processed += rows * width / self.shards
             self.window_flops += self.flops.batch(rows, width) / self.shards
         self.steps += 1

@@ -89,7 +89,6 @@ def preflight(recipe: Recipe, launch: Launch, cuda: bool) -> PretrainedConfig | 
     problems += vllm_problems(recipe, launch, cuda)
     problems += evaluation_problems(recipe, launch, model_config)
     problems += qat.preflight_problems(recipe, launch.kind, model_config)
-    problems += vision.layout_problems(recipe, launch, model_config)
     problems += fp8.preflight_problems(recipe, cuda, fp8.device_capability(recipe, cuda), launch.kind)
     problems += hub.preflight_problems(recipe)
     # the installed libraries' problems are not the recipe's either: each names the install that fixes it

@@ -120,8 +120,8 @@ def problems(recipe, config: PretrainedConfig | None) -> list[str]:
 
 
 def grpo_problems(recipe, kind: str) -> list[str]:
-    """What grpo on an image-text model does not do yet (hftrain.rl.images: one process or DDP, transformers'
-    generate, one turn)."""
+    """What grpo on an image-text model does not do yet (hftrain.rl.images: one process, DDP, ZeRO-3 or FSDP2,
+    transformers' generate, one turn)."""
     what, found = f"objective=grpo with the image-text model {kind!r}", []
     if recipe.async_generation:
         found.append(f"async_generation with {what} is not supported yet: the rollout worker process samples from "
@@ -140,18 +140,6 @@ def grpo_problems(recipe, kind: str) -> list[str]:
         found.append(f"{', '.join(split)} with {what} is not supported yet: the image inputs are not split with the "
                      "model or the sequences; use one process or DDP")
     return found
-
-
-def layout_problems(recipe, launch, config: PretrainedConfig | None) -> list[str]:
-    """What an image-text model's objective cannot do under the launch's strategy today (called by the preflight)."""
-    if not is_image_text(config) or recipe.objective not in IMAGE_OBJECTIVES or recipe.objective == "sft":
-        return []
-    if recipe.objective == "grpo" and launch.kind in ("deepspeed", "fsdp2"):
-        strategy = "FSDP2" if launch.kind == "fsdp2" else f"DeepSpeed ZeRO-{launch.zero_stage}"
-        return [f"objective=grpo with the image-text model {config.model_type!r} under {strategy} is not supported "
-                "yet: its generation with the prompts' pixels and its frozen reference are tested on one process and "
-                "under DDP only; use the cpu / cpu_ddp / ddp presets (docs/vision.md)"]
-    return []
 
 
 def build_processor(recipe):

@@ -11,11 +11,14 @@ at 1.0, fp32, 4 pairs per step; plain SGD, learning rate 0.2, so that the final 
 steps turn the rounding noise of a gradient that is zero in exact arithmetic, such as an attention key's bias, into
 updates of the learning rate's size) and every part trained (the vision tower and projector too:
 freeze_vision_tower / freeze_projector false), for loss_type sigmoid and ipo, and sigmoid with LoRA (scripts/
-trl_compare.py's adapters on q/k/v/o_proj: the language model's and the vision tower's attention). Full fine-tuning:
-TRL loads a reference copy, hftrain copies the policy; LoRA: both disable the adapters; both give the reference the
-same pixels. The model folder is copied with a chat template that
-writes the newline between turns before each turn, so that nothing follows a completion's <|im_end|> (TRL trains
-what the template renders after the completion, hftrain stops at the end-of-turn token: docs/from-trl.md).
+trl_compare.py's adapters on q/k/v/o_proj: the language model's and the vision tower's attention), and sigmoid with
+QLoRA (the same adapters on the base loaded in 4 bits, NF4, float32 compute; bitsandbytes runs on the CPU: the
+vision tower's attention trains through its adapters on 4-bit weights; TRL's DPOTrainer casts a quantized model's
+adapters to bf16 at its construction, which the script undoes: hftrain keeps them in fp32, as peft makes them).
+Full fine-tuning: TRL loads a reference copy, hftrain copies the policy; LoRA and QLoRA: both disable the adapters;
+both give the reference the same pixels. The model folder is copied with a chat template that writes the newline
+between turns before each turn, so that nothing follows a completion's <|im_end|> (TRL trains what the template
+renders after the completion, hftrain stops at the end-of-turn token: docs/from-trl.md).
 
 TRL's collator runs the image processor on each pair's images twice (chosen and rejected rows); hftrain once, the
 pixels read for both rows: the values are the same. With one micro-batch per step TRL's mean is the mean over the
@@ -35,7 +38,8 @@ import trl_compare as compare  # noqa: E402 - the comparisons' shared part, besi
 from trl_compare import REPO, SETTINGS  # noqa: E402
 
 OPTIMIZER = dict(optim="sgd", learning_rate=0.2)
-VARIANTS = {"sigmoid full": ("sigmoid", "full"), "ipo full": ("ipo", "full"), "sigmoid lora": ("sigmoid", "lora")}
+VARIANTS = {"sigmoid full": ("sigmoid", "full"), "ipo full": ("ipo", "full"), "sigmoid lora": ("sigmoid", "lora"),
+            "sigmoid qlora": ("sigmoid", "qlora")}
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 # the tiny LLaVA's template (ChatML with list-of-parts content), the newline between turns written before each turn
 NO_TRAILING_NEWLINE = (
@@ -66,6 +70,23 @@ def pairs(count: int, out: Path) -> Path:
     return path
 
 
+def qlora_policy(model_path: Path):
+    """QLoRA as peft's recipe makes it, for TRL: the base loaded in 4 bits by transformers (NF4, float32 compute:
+    hftrain's defaults), its Linear4bit layers kept in their training layout (as hftrain keeps them:
+    `model.keep_4bit_layout`), `prepare_model_for_kbit_training`, then the adapters of the lora variant."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForImageTextToText, BitsAndBytesConfig
+
+    quantized = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    model = compare.policy(model_path, "full", model_class=AutoModelForImageTextToText, quantization_config=quantized)
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **compare.LORA), autocast_adapter_dtype=True)
+
+
 def run_trl(model_path: Path, data: Path, steps: int, out: Path, loss: str, method: str) -> list:
     import datasets
     import torch
@@ -81,12 +102,20 @@ def run_trl(model_path: Path, data: Path, steps: int, out: Path, loss: str, meth
 
     dataset = datasets.load_dataset("json", data_files=str(data), split="train")
     dataset = dataset.cast_column("images", datasets.Sequence(datasets.Image()))  # decoded as PIL images
-    model = compare.policy(model_path, method, model_class=AutoModelForImageTextToText)
+    if method == "qlora":
+        model = qlora_policy(model_path)
+    else:
+        model = compare.policy(model_path, method, model_class=AutoModelForImageTextToText)
     args = DPOConfig(output_dir=str(out), use_cpu=True, bf16=False, gradient_checkpointing=False,
                      max_steps=steps, train_sampling_strategy="sequential", eval_strategy="no", save_strategy="no",
                      report_to=[], disable_tqdm=True, loss_type=[loss], **OPTIMIZER, **SETTINGS)
+    adapters = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     trainer = DPOTrainer(model=model, args=args, processing_class=AutoProcessor.from_pretrained(model_path),
                          train_dataset=dataset, callbacks=[Record()])
+    if method == "qlora":  # TRL 1.16 casts a quantized model's adapters to bf16 (QLoRA paper); hftrain keeps fp32
+        for name, p in trainer.model.named_parameters():
+            if name in adapters:
+                p.data = adapters[name].clone()
     trainer.train()
     final = out / "final"
     final.mkdir(parents=True, exist_ok=True)
@@ -95,8 +124,9 @@ def run_trl(model_path: Path, data: Path, steps: int, out: Path, loss: str, meth
 
 
 def run_hftrain(model_path: Path, data: Path, steps: int, out: Path, loss: str, method: str) -> list:
-    rows = compare.run_hftrain(out, model_path, data, steps, method, objective="dpo", loss_type=loss, **OPTIMIZER,
-                               freeze_vision_tower=False,
+    quantized = {"load_in_4bit": True} if method == "qlora" else {}
+    rows = compare.run_hftrain(out, model_path, data, steps, "lora" if method == "qlora" else method, objective="dpo",
+                               loss_type=loss, **OPTIMIZER, **quantized, freeze_vision_tower=False,
                                freeze_projector=False, **SETTINGS)
     return compare.train_steps(rows, KEYS)
 

@@ -116,7 +116,7 @@ def setup_stream(run) -> TrainingData:
     collator.pad_token_id = pad
     if eval_set is None:
         eval_collator = None
-    elif run.processor is not None:  # image chats or pairs: the eval set is map-style ImageChats / ImagePairs
+    elif run.processor is not None:  # image chats or pairs: the eval set is map-style ImageChats or ImagePairs
         eval_collator = eval_set.collator(run.processor, pad)
     else:
         eval_collator = Collator(eval_set, pad)

@@ -352,14 +352,14 @@ def check_image_paths(example: dict, where: str) -> None:
                            "set streaming: false")
 
 
-def filler_row(examples, processor, spec: DataSpec, base: Path | None, name: str, read=None) -> dict | None:
+def filler_row(examples, processor, spec: DataSpec, base: Path | None, name: str) -> dict | None:
     """The row ImageChatCollator adds to a micro-batch without an image (labels all -100: it trains nothing): the
     first kept image chat among `examples` (the stream's first FILLER_SCAN, every rank the same), else the first kept
-    chat. `read`: how a raw example becomes a row (`stream_row`; image_pairs.stream_pair for pairs)."""
+    chat."""
     first = None
     for i, example in enumerate(examples):
         try:
-            row = (read or stream_row)(example, processor, spec, base, f"dataset {name!r} example {i}")
+            row = stream_row(example, processor, spec, base, f"dataset {name!r} example {i}")
         except HftrainError:
             continue
         if not row["dropped"]:
@@ -374,12 +374,11 @@ class StreamImageCollator:
     `filler`: the row for a micro-batch without an image (`filler_row`). With several `processes` and a filler
     without an image (the stream's first FILLER_SCAN examples held none), an image chat met later stops the run: its
     micro-batch would run the vision tower on this process only, and the others would wait in ZeRO-3's / FSDP2's
-    gathers or DDP's reduction (a hang, not an error). `rows`: the ImageRows kind of the stream's rows (ImageChats;
-    image_pairs.ImagePairs for preference pairs), whose own collator encodes them."""
+    gathers or DDP's reduction (a hang, not an error)."""
 
     def __init__(self, processor, pad_token_id: int, base: Path | None, name: str, filler: dict | None,
-                 processes: int = 1, rows: type[ImageRows] = ImageChats):
-        self.processor, self.pad_token_id, self.filler, self.rows = processor, pad_token_id, filler, rows
+                 processes: int = 1):
+        self.processor, self.pad_token_id, self.filler = processor, pad_token_id, filler
         self.base, self.name = base, name
         self.mark_real_tokens = False  # the Collator interface
         self.reference = None
@@ -393,8 +392,8 @@ class StreamImageCollator:
                                "run the vision tower (a micro-batch without an image borrows one of those first "
                                "image chats), so put an image chat among the first examples (or shuffle the files), "
                                "or train on one process")
-        kept = self.rows([*examples, *([self.filler] if self.filler else [])], self.base, self.name)
-        return kept.collator(self.processor, self.pad_token_id)(list(range(len(examples))))
+        chats = ImageChats([*examples, *([self.filler] if self.filler else [])], self.base, self.name)
+        return ImageChatCollator(chats, self.processor, self.pad_token_id)(list(range(len(examples))))
 
 
 def collate(inputs: list[dict], labels: list[torch.Tensor], pad_token_id: int) -> dict[str, torch.Tensor]:

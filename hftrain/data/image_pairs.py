@@ -18,11 +18,13 @@ once, read for both rows) and the rejected completion's tokens.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from hftrain.data.formats import ROLES
 from hftrain.data.image_chats import (
+    FILLER_SCAN,
     IMAGES_COLUMN,
     PER_TOKEN_PAD,
     ImageRows,
@@ -145,8 +147,8 @@ class ImagePairs(ImageRows):
 
 
 def pair_row(pair: dict, refs: list) -> dict:
-    """What the collator reads of an encoded pair (`encode_pair`): the rendered chosen side, the image references,
-    both sides' token ids and labels, the shared prompt tokens and the image token positions."""
+    """What the collator reads of an encoded pair (`encode_pair`): the chosen side's rendered text, token ids and
+    labels, the rejected side's, the shared prompt's length, the image tokens' places, the image references."""
     c, r = pair["chosen"], pair["rejected"]
     return {"images": refs, "text": c["text"], "input_ids": c["inputs"]["input_ids"][0].tolist(),
             "labels": c["labels"][0].tolist(), "rejected_input_ids": r["inputs"]["input_ids"][0].tolist(),
@@ -155,14 +157,32 @@ def pair_row(pair: dict, refs: list) -> dict:
             "image_tokens": c["image_tokens"]}
 
 
-def stream_pair(example: dict, processor, spec: DataSpec, base, where: str) -> dict:
-    """One raw image pair of a stream as a training row (`pair_row` and `dropped`), encoded as map-style pairs are
-    (`encode_pair`); its images are opened to encode it and again by the collator, never kept (they must be file
-    paths: image_chats.check_image_paths)."""
+def stream_pair(example: dict, processor, spec: DataSpec, base: Path | None, where: str) -> dict:
+    """One raw image pair of a stream as a training row (`pair_row` and `dropped`), encoded as `prepare_pairs` encodes
+    it; its images are opened to encode it and again by the collator, never kept (a checkpoint holds the stream's
+    buffered rows as JSON, so images must be file paths: image_chats.check_image_paths)."""
     prompt, chosen, rejected, refs = check_image_pair(example, spec.messages_field, where)
     check_image_paths(example, where)
     pair = encode_pair(processor, prompt, chosen, rejected, [open_image(r, base, where) for r in refs], spec, where)
-    return {**pair_row(pair, refs), "dropped": bool(pair["dropped"])}
+    if pair["dropped"]:
+        return {"dropped": True}
+    return {**pair_row(pair, refs), "dropped": False}
+
+
+def filler_pair(examples, processor, spec: DataSpec, base: Path | None, name: str) -> dict | None:
+    """The pair ImagePairCollator adds to a micro-batch without an image: the first kept pair with an image among
+    `examples` (the stream's first image_chats.FILLER_SCAN, every rank the same), else the first kept pair."""
+    first = None
+    for i, example in enumerate(examples):
+        try:
+            row = stream_pair(example, processor, spec, base, f"dataset {name!r} example {i}")
+        except HftrainError:
+            continue
+        if not row["dropped"]:
+            if row["images"]:
+                return row
+            first = first or row
+    return first
 
 
 def prepare_pairs(raw, processor, spec: DataSpec, name: str) -> tuple[ImagePairs, dict]:
@@ -227,3 +247,31 @@ class ImagePairCollator:
         for r, i in enumerate(rows * 2):
             image_tokens[r, self.dataset.rows[i]["image_positions"]] = True
         return {**batch, "image_tokens": image_tokens, "num_examples": torch.tensor(len(row_indices))}
+
+
+class StreamImagePairCollator:
+    """ImagePairCollator for a stream's micro-batches, given as rows (lists of one `stream_pair`) instead of indices;
+    `filler`: the pair for a micro-batch without an image (`filler_pair`). With several `processes` and a filler
+    without an image, a pair with an image met later stops the run (image_chats.StreamImageCollator: the processes'
+    gathers or reductions would not match)."""
+
+    def __init__(self, processor, pad_token_id: int, base: Path | None, name: str, filler: dict | None,
+                 processes: int = 1):
+        self.processor, self.pad_token_id, self.filler = processor, pad_token_id, filler
+        self.base, self.name = base, name
+        self.mark_real_tokens = False  # the Collator interface
+        self.reference = None
+        self.no_image_filler = processes > 1 and not (filler and filler["images"])
+
+    def __call__(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
+        pairs = [pair for row in rows for pair in row]
+        if self.no_image_filler and any(pair["images"] for pair in pairs):
+            raise HftrainError(f"dataset {self.name!r}: a pair with an image came after the stream's first "
+                               f"{FILLER_SCAN} examples, which held none; on several processes every micro-batch "
+                               "must be able to run the vision tower, so put a pair with an image among the first "
+                               "examples (or shuffle the files), or train on one process")
+        held = ImagePairs([*pairs, *([self.filler] if self.filler else [])], self.base, self.name)
+        collator = ImagePairCollator(held, self.processor, self.pad_token_id)
+        if self.filler and not any(pair["images"] for pair in pairs):
+            collator.filler = len(pairs)  # the stream's filler, as a map-style set's first pair with an image
+        return collator(list(range(len(pairs))))

@@ -383,9 +383,6 @@ def problems(r) -> list[str]:
                       f"setting, but objective={r.objective}; remove it")]
         return [message for is_set, message in misplaced if is_set] + stray + unfound
     problems = stray + unfound + vllm_problems(r) + async_problems(r)
-    if r.streaming:  # text prompts and prompts with images alike
-        problems.append("streaming: true with objective grpo is not supported yet: its generation batches draw "
-                        "prompts by index from the whole prompt set (reordered every epoch); set streaming: false")
     if r.loss_type not in LOSS_TYPES:
         problems.append(f"loss_type={r.loss_type} is a dpo loss; grpo takes {', '.join(LOSS_TYPES)}")
     defaults = {f.name: f.default for f in fields(GRPOFields)}
@@ -426,6 +423,9 @@ def problems(r) -> list[str]:
          f"steps_per_generation={r.steps_per_generation} must be a multiple of gradient_accumulation_steps="
          f"{r.gradient_accumulation_steps}: a generation batch then feeds whole optimizer steps"),
         (not r.packing, "packing with objective grpo is refused: each completion is one row; set packing: false"),
+        (not r.streaming, "streaming: true with objective grpo is not supported yet: grpo reads its whole prompt set "
+         "map-style (each generation window's prompts come from a permutation of all of them, seeded by (seed, "
+         "epoch)) and has no streamed reader; set streaming: false"),
         (not (r.use_liger_kernel or r.loss_chunk_tokens), "objective grpo needs per-token log-probs; use_liger_kernel "
          "and loss_chunk_tokens compute one summed cross-entropy: turn them off"),
         (not r.precompute_ref_log_probs, "precompute_ref_log_probs is dpo's and kto's; grpo's reference log-probs "

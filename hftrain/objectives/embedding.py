@@ -58,6 +58,12 @@ from hftrain.run_parts import DataRun, TrainRun
 ST_POOLING = {"mean": "mean", "cls": "cls", "last_token": "lasttoken"}
 
 
+def used_width(attention_mask: torch.Tensor) -> int:
+    """The positions a forward over these rows runs (`EmbeddingLoss.embed`, `RerankerLoss.scores` cut the rest):
+    those that are not padding in every row."""
+    return int(attention_mask.bool().any(dim=0).sum())
+
+
 class _GatherWithGradients(torch.autograd.Function):
     """All ranks' equal-shaped tensors concatenated in rank order; backward: the gradients every rank computed for
     this rank's rows, summed (an all-reduce of the whole gradient, then this rank's slice: public collectives that
@@ -185,6 +191,12 @@ class EmbeddingLoss(RowAccuracyLoss):
         pieces = zip(input_ids.split(self.mini_batch_size), attention_mask.split(self.mini_batch_size), strict=True)
         return torch.cat([torch.utils.checkpoint.checkpoint(self.embed, ids, mask, use_reentrant=False)
                           for ids, mask in pieces])
+
+    def forward_shapes(self, batch: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+        """A forward per column (`embed_all`), or per cached piece, each at its own longest text's width (the cached
+        mode's recomputation in backward is not counted)."""
+        rows = self.mini_batch_size if self.mini_batch_size and self.training else len(batch["valid"])
+        return [(len(piece), used_width(piece)) for piece in batch["attention_mask"].split(rows)]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, valid: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, embed_only: bool = False) -> torch.Tensor:

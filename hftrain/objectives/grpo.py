@@ -174,8 +174,12 @@ class GRPO(Objective):
             eval_set = images.render(eval_raw, recipe.eval_dataset_name or source.name, recipe.max_prompt_length) \
                 if eval_raw is not None else None
             prompts = images.render(raw, source.name, recipe.max_prompt_length)
-            if run.dp.world > 1 and not (recipe.freeze_vision_tower and recipe.freeze_projector):
+            # ZeRO-3 and FSDP2 gather the vision tower's weights in its forwards, frozen or not
+            sharded = run.backend.record.kind == "fsdp2" or run.backend.record.zero_stage == 3
+            if run.dp.world > 1 and (sharded or not (recipe.freeze_vision_tower and recipe.freeze_projector)):
                 images.check_every_prompt_has_images(prompts, source.name)
+                if eval_set is not None and sharded:
+                    images.check_every_prompt_has_images(eval_set, recipe.eval_dataset_name or source.name)
         plan = WindowPlan(len(raw), recipe.num_generations, recipe.per_device_train_batch_size, world,
                               recipe.gradient_accumulation_steps, steps_per_generation, recipe.num_iterations,
                               recipe.order_seed, shuffle=recipe.train_sampling_strategy != "sequential")

@@ -49,7 +49,7 @@ from hftrain.data.retrieval import RerankerCollator, tokenize_pairs
 from hftrain.errors import HftrainError
 from hftrain.model import build_tokenizer, pad_token_id
 from hftrain.objectives.base import Objective
-from hftrain.objectives.embedding import RowAccuracyLoss, retrieval_data
+from hftrain.objectives.embedding import RowAccuracyLoss, retrieval_data, used_width
 from hftrain.retrieval_eval import RerankingEvaluation, pair_score
 from hftrain.run_parts import DataRun, ModelRun, TrainRun
 
@@ -73,6 +73,13 @@ def yes_no_token_ids(tokenizer, model: str) -> tuple[int, int]:
             f"{'; '.join(wrong)}. Use a model whose vocabulary holds both (Qwen3, Qwen2.5, Llama 3...), or "
             "reranker_head: classifier (a new score head, any tokenizer).")
     return ids[0], ids[1]
+
+
+def halves(attention_mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the pairs ordered by length, [the shorter half's indices, the longer half's]); a lone pair is both halves."""
+    order = torch.argsort(attention_mask.sum(dim=-1), stable=True)
+    half = (len(order) + 1) // 2
+    return order, [order[:half], order[half:] if len(order) > 1 else order]
 
 
 class RerankerLoss(RowAccuracyLoss):
@@ -100,13 +107,16 @@ class RerankerLoss(RowAccuracyLoss):
         (each pair's score is its own: the loss and gradients are those of one forward). Always two forwards, so
         that every rank of a sharded model gathers its weights as often; a lone pair is scored twice, the second
         weighted 0."""
-        order = torch.argsort(attention_mask.sum(dim=-1), stable=True)
-        half = (len(order) + 1) // 2
-        short, long = order[:half], order[half:] if len(order) > 1 else order
-        scores = [self.scores(input_ids[part], attention_mask[part]) for part in (short, long)]
+        order, parts = halves(attention_mask)
+        scores = [self.scores(input_ids[part], attention_mask[part]) for part in parts]
         if len(order) == 1:
             return scores[0] + 0 * scores[1].sum()
         return torch.cat(scores)[torch.argsort(order)]
+
+    def forward_shapes(self, batch: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+        """The two halves' forwards (`halves_scores`), each at its own longest pair's width."""
+        mask = batch["attention_mask"]
+        return [(len(part), used_width(mask[part])) for part in halves(mask)[1]]
 
     @property
     def loss_path(self) -> str:

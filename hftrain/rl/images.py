@@ -137,10 +137,14 @@ class PromptImages:
     def check_every_prompt_has_images(prompts: list[Prompt], name: str) -> None:
         """Several processes training the projector or the vision tower: DDP reduces their gradients on every
         process at every micro-batch, and a micro-batch without an image leaves them without one there (an error
-        under DDP), so every prompt must hold an image."""
+        under DDP); under ZeRO-3 and FSDP2 every forward of the vision tower gathers its weights from every process,
+        frozen or not (a process whose batch holds no image would not join: a hang). So every prompt must hold an
+        image."""
         bare = sum(not p.image_sources for p in prompts)
         if bare:
             raise HftrainError(f"dataset {name!r}: {bare} of {len(prompts)} prompts hold no image; on several "
                                "processes with the projector or the vision tower trained (freeze_projector / "
-                               "freeze_vision_tower false) every micro-batch must run them, so every prompt needs an "
-                               "image: add images, keep both parts frozen, or train on one process")
+                               "freeze_vision_tower false), or under ZeRO-3 or FSDP2 (which gather the vision "
+                               "tower's weights in each of its forwards, frozen or not), every micro-batch and "
+                               "generation must run them, so every prompt needs an image: add images, keep both "
+                               "parts frozen under DDP, or train on one process")

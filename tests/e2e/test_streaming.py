@@ -17,8 +17,6 @@ Runs shared by the assertions (module fixtures):
   processes as 2 copies of the pipeline, each of which must read the disjoint shards of one DDP rank.
 - `images_mapped` / `images_streamed`: the tiny LLaVA on the shipped image chats, sequential, map-style and streamed
   (images read by the collator); the streamed run's checkpoint-2 is resumed in the test.
-- `image_pairs_mapped` / `image_pairs_streamed`: dpo on the tiny LLaVA and the shipped image preference pairs, the
-  same way (the map-style run is checked against TRL's DPOTrainer in test_vision_dpo.py).
 """
 
 from __future__ import annotations
@@ -287,42 +285,6 @@ def test_streamed_image_chats_equal_map_style_and_resume_exactly(images_streamed
     resumed = run_script(out, *images, "--streaming", "true", "--resume_from_checkpoint", str(out / "checkpoint-2"))
     assert "at step 2" in resumed.stdout and "the stream resumes by seeking to the saved line" in resumed.stdout
     assert_same(resumed, images_mapped, steps=range(3, 5))
-    assert [r["eval_loss"] for r in resumed.eval_rows()] == evals[1]
-
-
-@pytest.fixture(scope="module")
-def image_pairs(tmp_path_factory) -> list[str]:
-    """recipes/tiny-vlm-dpo.yaml, sequential, 3 steps of 4 image pairs, evaluated at the end on the file's last 4
-    pairs (a map-style eval set; their image paths made absolute)."""
-    pairs = [json.loads(line) for line in (REPO / "data" / "image-pairs.jsonl").read_text().splitlines()]
-    held = [{**pair, "images": [str(REPO / "data" / path) for path in pair["images"]]} for pair in pairs[-4:]]
-    return ["--config", str(REPO / "recipes" / "tiny-vlm-dpo.yaml"), "--max_steps", "3", "--logging_steps", "1",
-            "--train_sampling_strategy", "sequential", "--per_device_train_batch_size", "4",
-            "--validation_split_percentage", "0", "--eval_steps", "100", "--checkpoint_preflight", "false",
-            "--eval_dataset_name", str(write_jsonl(tmp_path_factory.mktemp("pairs") / "eval.jsonl", held))]
-
-
-def test_streamed_image_pairs_equal_map_style_and_resume_exactly(image_pairs, tmp_path_factory):
-    """dpo on an image-text model on a stream (each pair encoded by the processor when it is drawn): the losses,
-    rewards, final eval and weights of the map-style run; its checkpoint-2 continues with step 3 of it."""
-    root = tmp_path_factory.mktemp("image-pairs")
-    mapped = run_script(root / "mapped", *image_pairs)
-    streamed = run_script(root / "streamed", *image_pairs, "--streaming", "true", "--save_strategy", "steps",
-                          "--save_steps", "2")
-    assert "streaming" in streamed.stdout and "(preference)" in streamed.stdout
-    assert_same(streamed, mapped, steps=range(1, 4))
-    for mine, theirs in zip(streamed.train_rows(), mapped.train_rows()):
-        assert mine["rewards/margins"] == pytest.approx(theirs["rewards/margins"], abs=1e-7)
-    assert mapped.train_rows()[-1]["rewards/margins"] != 0
-    evals = [[r["eval_loss"] for r in run.eval_rows()] for run in (streamed, mapped)]
-    assert len(evals[0]) == 1 and evals[0] == evals[1]
-    out = streamed.output_dir
-    shutil.rmtree(out / "final")
-    (out / "metrics.jsonl").write_text("")
-    resumed = run_script(out, *image_pairs, "--streaming", "true", "--resume_from_checkpoint",
-                         str(out / "checkpoint-2"))
-    assert "at step 2" in resumed.stdout and "the stream resumes by seeking to the saved line" in resumed.stdout
-    assert_same(resumed, mapped, steps=[3])
     assert [r["eval_loss"] for r in resumed.eval_rows()] == evals[1]
 
 

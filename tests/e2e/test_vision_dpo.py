@@ -1,7 +1,8 @@
 """dpo on an image-text model through the real entry script: recipes/tiny-vlm-dpo.yaml learns the shipped image
 preference pairs; per-step losses, rewards, log-probs and the updated weights equal TRL 1.16's DPOTrainer on the same
 rows (scripts/compare_trl_vlm_dpo.py); one step is the same as 1 micro-batch of 4 pairs, 2 accumulated micro-batches
-of 2 and 2 DDP processes of 2 (gloo), and a resumed run continues exactly; orpo accumulates like one batch."""
+of 2, 2 processes of 2 (gloo) under DDP, ZeRO-3 and FSDP2, and the pairs streamed, and a ZeRO-3 run resumed
+continues exactly; orpo accumulates like one batch."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from tests.conftest import REPO, launch, launch_env, run_script
+from tests.conftest import FSDP_LAUNCHER, REPO, launch, launch_env, run_script
 
 pytestmark = pytest.mark.launch
 RECIPE = ["--config", str(REPO / "recipes" / "tiny-vlm-dpo.yaml")]
@@ -50,17 +51,19 @@ def test_the_recipe_learns_the_image_preferences(tmp_path):
 
 def test_equal_to_trl_dpo_trainer_on_images(tmp_path):
     """scripts/compare_trl_vlm_dpo.py: TRL 1.16's DPOTrainer and hftrain on the same image pairs, order and
-    hyperparameters, sigmoid with every part trained and with LoRA (the reference: the adapters disabled, on the
-    same pixels; ipo's formula is compared with TRL on text pairs by tests/e2e/test_preference.py, and the script's
-    ipo run on images gave the same agreement when measured): per-step loss, rewards and log-probs, and the final
-    weights (hftrain's saved folder loaded by transformers, or its adapter by peft, against TRL's trained model)."""
+    hyperparameters, sigmoid with every part trained and with QLoRA (adapters on the language model's and the vision
+    tower's attention over the base loaded in 4 bits by bitsandbytes on the CPU; the reference: the adapters
+    disabled, on the same pixels; ipo's formula is compared with TRL on text pairs by tests/e2e/test_preference.py,
+    and the script's ipo and plain LoRA runs on images gave the same agreement when measured): per-step loss, rewards
+    and log-probs, and the final weights (hftrain's saved folder loaded by transformers, or its adapter by peft,
+    against TRL's trained model)."""
     results = tmp_path / "results.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "compare_trl_vlm_dpo.py"), "--out", str(tmp_path),
-                           "--json", str(results), "--variants", "sigmoid full", "sigmoid lora"],
+                           "--json", str(results), "--variants", "sigmoid full", "sigmoid qlora"],
                           capture_output=True, text=True, cwd=REPO, env=launch_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     compared = json.loads(results.read_text())
-    assert sorted(compared) == ["sigmoid full", "sigmoid lora"]
+    assert sorted(compared) == ["sigmoid full", "sigmoid qlora"]
     for name, runs in compared.items():
         assert len(runs["trl"]) == len(runs["hftrain"]) == 3, name
         assert runs["trl"][-1]["rewards/margins"] != 0  # both moved away from the reference
@@ -72,34 +75,43 @@ def test_equal_to_trl_dpo_trainer_on_images(tmp_path):
         before = {key: value.clone() for key, value in base.state_dict().items()}
         if name.endswith("lora"):  # the adapter on its base, as TRL's PeftModel names its tensors
             mine = PeftModel.from_pretrained(base, runs["hftrain_final"]).state_dict()
+            if name.endswith("qlora"):  # TRL's base holds packed 4-bit weights: its adapters compare
+                mine = {key: value for key, value in mine.items() if "lora_" in key}
             moved = [key for key in mine if "lora_B" in key and mine[key].abs().max() > 0]
         else:
             mine = AutoModelForImageTextToText.from_pretrained(runs["hftrain_final"]).state_dict()
             moved = [key for key in mine if not torch.equal(mine[key], before[key])]
-        extra = set(trl) - set(mine)  # TRL keeps the starting adapter as a second one, "ref", for its reference
+        extra = {key for key in set(trl) - set(mine) if "lora_" in key or not name.endswith("qlora")}
+        # TRL keeps the starting adapter as a second one, "ref", for its reference
         assert set(mine) <= set(trl) and all(".ref." in key for key in extra), sorted(extra)[:3]
         for key, value in mine.items():
             torch.testing.assert_close(value, trl[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
         assert any(".vision_tower." in key for key in moved) and any("language_model" in key for key in moved)
 
 
-def test_accumulation_and_two_ddp_processes_equal_one_batch_and_a_resume_continues_exactly(tmp_path):
-    """4 pairs per step as 1 x 4, 2 accumulated micro-batches x 2, 2 DDP processes x 2 (gloo) and 2 ZeRO-3 processes
-    x 2 (its frozen reference rebuilt partitioned): the same losses, rewards, clipped gradient norms and final weights
-    (the loss is the mean over the step's pairs). The 1 x 4 run,
-    resumed from its checkpoint-2 (the frozen reference rebuilt), trains step 3 and its final weights as the
-    uninterrupted run did."""
-    one = run_script(tmp_path / "one", *EXACT, "--per_device_train_batch_size", "4", "--save_strategy", "steps",
-                     "--save_steps", "2")
+def test_accumulation_two_processes_and_streaming_equal_one_batch_and_a_zero3_resume_continues_exactly(tmp_path):
+    """4 pairs per step as 1 x 4, 2 accumulated micro-batches x 2, and 2 processes x 2 (gloo) under DDP, DeepSpeed
+    ZeRO-3 (its frozen reference rebuilt partitioned) and FSDP2 (the CPU test launcher; the reference sharded like
+    the policy), and 1 x 4 streamed (`streaming: true`: each pair encoded when read, its image opened again when
+    collated): the same losses, rewards, clipped gradient norms and final weights (the loss is the mean over the
+    step's pairs). The ZeRO-3 run, resumed from its checkpoint-2 (DeepSpeed's partitioned model and optimizer
+    states, the frozen reference rebuilt partitioned), trains step 3 and its final weights as the uninterrupted run
+    did."""
+    one = run_script(tmp_path / "one", *EXACT, "--per_device_train_batch_size", "4")
     accum = run_script(tmp_path / "accum", *EXACT, "--per_device_train_batch_size", "2",
                        "--gradient_accumulation_steps", "2")
     ddp = launch(tmp_path / "ddp", *EXACT, "--per_device_train_batch_size", "2", preset="cpu_ddp")
-    zero3 = launch(tmp_path / "zero3", *EXACT, "--per_device_train_batch_size", "2", preset="zero3", processes=2)
-    assert ddp.state()["launch"]["num_processes"] == 2 and zero3.state()["parallelism"]["zero_stage"] == 3
-    assert (zero3.state()["launch"]["num_processes"], zero3.state()["launch"]["model_wrapper"]) == \
-        (2, "DeepSpeedEngine")
+    saving = [*EXACT, "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "2"]
+    zero3 = launch(tmp_path / "zero3", *saving, preset="zero3", processes=2)
+    fsdp2 = launch(tmp_path / "fsdp2", *EXACT, "--per_device_train_batch_size", "2", preset="fsdp2", processes=2,
+                   script=FSDP_LAUNCHER)
+    stream = run_script(tmp_path / "stream", *EXACT, "--per_device_train_batch_size", "4", "--streaming", "true")
+    assert "image-pairs.jsonl' (preference): one rank reads 1 shard(s)" in " ".join(stream.stdout.split())
+    for run, wrapper in ((ddp, "DistributedDataParallel"), (zero3, "DeepSpeedEngine"), (fsdp2, "FSDPPreferenceLoss")):
+        assert (run.state()["launch"]["num_processes"], run.state()["launch"]["model_wrapper"]) == (2, wrapper)
+    assert zero3.state()["parallelism"]["zero_stage"] == 3
     expected = load_file(one.output_dir / "final" / "model.safetensors")
-    for run in (accum, ddp, zero3):
+    for run in (accum, ddp, zero3, fsdp2, stream):
         for key in COMPARED:
             torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
                                        torch.tensor([r[key] for r in one.train_rows()]), rtol=1e-4, atol=1e-6,
@@ -111,19 +123,18 @@ def test_accumulation_and_two_ddp_processes_equal_one_batch_and_a_resume_continu
     assert any(not torch.equal(value, expected[name]) for name, value in base.items()
                if "multi_modal_projector" in name)
 
-    uninterrupted = one.train_rows()[-1]
-    shutil.rmtree(one.output_dir / "final")
-    shutil.rmtree(one.output_dir / "checkpoint-3", ignore_errors=True)
-    resumed = run_script(one.output_dir, *EXACT, "--per_device_train_batch_size", "4", "--save_strategy", "steps",
-                         "--save_steps", "2",
-                         "--resume_from_checkpoint", "latest")
+    uninterrupted = zero3.train_rows()[-1]
+    expected = load_file(zero3.output_dir / "final" / "model.safetensors")
+    shutil.rmtree(zero3.output_dir / "final")
+    shutil.rmtree(zero3.output_dir / "checkpoint-3", ignore_errors=True)
+    resumed = launch(zero3.output_dir, *saving, "--resume_from_checkpoint", "latest", preset="zero3", processes=2)
     assert "resuming from" in resumed.stdout + resumed.stderr and "checkpoint-2 at step 2" in " ".join(
         (resumed.stdout + resumed.stderr).split())
     row = resumed.train_rows()[-1]
     assert row["step"] == 3 and [r["step"] for r in resumed.train_rows()].count(3) == 1
     for key in COMPARED:
         assert row[key] == pytest.approx(uninterrupted[key], rel=1e-5, abs=1e-7), key
-    for name, value in load_file(one.output_dir / "final" / "model.safetensors").items():
+    for name, value in load_file(zero3.output_dir / "final" / "model.safetensors").items():
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7, msg=name)
 
 

@@ -24,7 +24,7 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from tests.conftest import REPO, launch, run_script
+from tests.conftest import FSDP_LAUNCHER, REPO, launch, run_script, write_jsonl
 
 pytestmark = pytest.mark.launch
 MODEL = REPO / "models" / "tiny-vlm"
@@ -50,6 +50,11 @@ def runs(tmp_path_factory):
         "accum": run_script(tmp / "accum", *BASE, "--per_device_train_batch_size", "4",
                             "--gradient_accumulation_steps", "2"),
         "ddp": launch(tmp / "ddp", *BASE, "--per_device_train_batch_size", "4", preset="cpu_ddp"),
+        # generation under sharded weights with the pixels: ZeRO-3 gathers them around generate, FSDP2 generates
+        # through its shards (synced_gpus: a rank whose completions all ended keeps gathering with the other)
+        "zero3": launch(tmp / "zero3", *BASE, "--per_device_train_batch_size", "4", preset="zero3", processes=2),
+        "fsdp2": launch(tmp / "fsdp2", *BASE, "--per_device_train_batch_size", "4", preset="fsdp2", processes=2,
+                        script=FSDP_LAUNCHER),
     }
 
 
@@ -158,12 +163,21 @@ def test_gemma3_with_its_token_types_equals_plain_pytorch(image_text_model, tmp_
     assert_two_steps_equal_plain_pytorch(run, folder)
 
 
-@pytest.mark.parametrize("other", ["accum", "ddp"])
+# each 2-process run's launch as its state.json records it: process count, wrapper and, for ZeRO-3, the stage
+LAUNCHED = {"ddp": (2, "DistributedDataParallel", None), "zero3": (2, "DeepSpeedEngine", 3),
+            "fsdp2": (2, "FSDPGRPOLoss", None)}
+
+
+@pytest.mark.parametrize("other", ["accum", "ddp", "zero3", "fsdp2"])
 def test_accumulation_and_two_processes_equal_one_batch(runs, other):
+    """The same prompts, completions, images and advantages in rollouts.jsonl, the same per-step metrics and final
+    weights; under ZeRO-3 and FSDP2 the completions are sampled through the sharded model with the pixels."""
     a, b = runs["one"], runs[other]
-    if other == "ddp":
-        info = b.state()["launch"]
-        assert (info["num_processes"], info["backend"]) == (2, "gloo")
+    if other in LAUNCHED:
+        state = b.state()
+        assert state["launch"]["backend"] == "gloo"
+        assert (state["launch"]["num_processes"], state["launch"]["model_wrapper"],
+                state["parallelism"].get("zero_stage")) == LAUNCHED[other]
     keys = ("step", "group", "prompt_ids", "completion_ids", "images")
     assert [[r[k] for k in keys] for r in rollouts(a)] == [[r[k] for k in keys] for r in rollouts(b)]
     torch.testing.assert_close(torch.tensor([r["advantage"] for r in rollouts(b)]),
@@ -275,24 +289,45 @@ def test_a_checkpoint_inside_a_window_resumes_exactly_and_evaluation_completes_p
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_lora_with_beta_trains_against_the_adapter_off_model_on_the_same_pixels(tmp_path):
-    """LoRA (q_proj, v_proj) with beta 0.5: step 2 written out with peft from checkpoint-1's adapter, the reference
-    the base model (hftrain disables the adapters), both on each prompt's pixels: the logged kl and the adapter after
-    one SGD step (clipping at 1.0) equal the run's checkpoint-2."""
-    from peft import LoraConfig, get_peft_model
+@pytest.mark.parametrize("bits", [None, 4])
+def test_lora_with_beta_trains_against_the_adapter_off_model_on_the_same_pixels(tmp_path, bits):
+    """LoRA (q_proj, v_proj) with beta 0.5, and QLoRA (the same on the base loaded in 4 bits by bitsandbytes, NF4,
+    float32 compute, on the CPU): step 2 written out with peft from checkpoint-1's adapter, on the base as plain
+    transformers loads it (QLoRA: the same 4-bit settings, then peft's prepare_model_for_kbit_training), the
+    reference the base (hftrain disables the adapters), both on each prompt's pixels: the logged kl and the adapter
+    after one SGD step (clipping at 1.0) equal the run's checkpoint-2."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig
 
+    quantized = ["--load_in_4bit", "true"] if bits else []
     run = run_script(tmp_path / "lora", *BASE, "--per_device_train_batch_size", "8", "--use_peft", "--lora_r", "4",
                      "--lora_alpha", "8", "--lora_dropout", "0", "--lora_target_modules", "q_proj,v_proj",
-                     "--save_strategy", "steps", "--save_steps", "1", "--checkpoint_preflight", "false")
+                     "--save_strategy", "steps", "--save_steps", "1", "--checkpoint_preflight", "false", *quantized)
     processor = AutoProcessor.from_pretrained(MODEL)
-    policy = get_peft_model(starting_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                         lora_dropout=0.0))
+
+    def base():
+        if not bits:
+            return starting_model()
+        model = AutoModelForImageTextToText.from_pretrained(MODEL, dtype=torch.float32, quantization_config=(
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)))
+        layers = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+        assert layers  # Linear4bit, kept in their training layout as in the run
+        for module in layers:
+            module.support_avx512bf16_for_cpu = False
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+    policy = get_peft_model(base(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                               lora_dropout=0.0))
+    four_bit = sum(type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes")
+                   for m in policy.modules())
+    assert run.state()["model"]["quantized_linear_layers"] == ({"Linear4bit": four_bit} if bits else {})
+    assert (four_bit > 0) == bool(bits)
     trained = {k.removeprefix("lm."): v for k, v in load_file(run.output_dir / "checkpoint-1" /
                                                               "model.safetensors").items()}
     assert trained and all("lora_" in k for k in trained)
     missing, unexpected = policy.load_state_dict(trained, strict=False)
     assert not unexpected and not [k for k in missing if "lora_" in k]
-    kl = plain_step(policy, starting_model().eval(), processor, [r for r in rollouts(run) if r["step"] == 2])
+    kl = plain_step(policy, base().eval(), processor, [r for r in rollouts(run) if r["step"] == 2])
     assert kl > 0 and run.train_rows()[1]["kl"] == pytest.approx(kl, rel=1e-4)
     got = {k.removeprefix("lm."): v for k, v in load_file(run.output_dir / "checkpoint-2" /
                                                           "model.safetensors").items()}
@@ -300,3 +335,22 @@ def test_lora_with_beta_trains_against_the_adapter_off_model_on_the_same_pixels(
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_under_zero3_a_prompt_without_an_image_is_refused_before_the_model_loads(tmp_path):
+    """ZeRO-3 gathers the vision tower's weights from every process in each of its forwards, frozen or not: a
+    process whose batch held no image would leave the other waiting. A prompt set with one prompt without an image
+    (the vision tower and projector frozen, which DDP would take) stops the run at the data, naming the count."""
+    rows = [{**row, "images": [str(DATA.parent / row["images"][0])]} for row in data_rows()[:8]]
+    rows[3] = {"prompt": [{"role": "user", "content": "Say something."}]}
+    data = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    assert BASE[-2:] == ["--freeze_projector", "false"]  # left out: both parts frozen
+    args = [str(data) if a == str(DATA) else a for a in BASE[:-2]]
+    run = launch(tmp_path / "zero3", *args, "--per_device_train_batch_size", "4", preset="zero3", processes=2,
+                 check=False)
+    assert run.returncode != 0
+    first = run.stderr.index("hftrain: error:")
+    message = " ".join(run.stderr[first:].split("\n\n")[0].split())
+    assert "1 of 8 prompts hold no image" in message and "under ZeRO-3 or FSDP2" in message
+    assert "Traceback" not in run.stderr[:first]  # the launcher's report of the failed processes comes after
+    assert not (tmp_path / "zero3" / "final").exists()

@@ -305,7 +305,7 @@ def test_tensor_and_pipeline_groups_count_each_tokens_work_once():
     meter = RunMeter(accelerator, flops, straggler_threshold=0.2, peak_tflops_override=None, cost_per_gpu_hour=None,
                      effective_batch_size=2, device_hours_before=0.0, warn=[].append, model_shards=4,
                      peers=[[0, 1], [2, 3]])
-    meter.count([{"input_ids": torch.zeros(2, 64, dtype=torch.long)}], torch.tensor(100.0))
+    meter.count([(2, 64)], torch.tensor(100.0))
     assert meter.processed == 128 and meter.window_flops == flops.batch(2, 64)  # what this rank saw
     ranks = [rank(0.4, processed_tokens=meter.processed, flops=meter.window_flops) for _ in range(4)]
     row = meter._metrics(ranks, steps=1, global_tokens=100, global_examples=2)

@@ -154,6 +154,23 @@ def test_cached_mode_equals_the_uncached_loss_and_gradients(encoders, symmetric)
     torch.testing.assert_close(losses_[1].detach() / 6, reference(features, None).detach(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mini_batch_size", [None, 5])
+def test_the_counted_forwards_are_the_forwards_the_model_runs(encoders, mini_batch_size):
+    """What the run counts as processed tokens and FLOPs (`forward_shapes`) is the (rows, width) of each forward
+    the model runs in training, seen by a hook on it: a column of texts at a time at its longest text's width
+    (some narrower than the collated batch), or the cached mode's pieces of 5 texts."""
+    recipe = Recipe(objective="embedding", pooling="mean", query_prompt=PROMPT, max_length=64,
+                    mini_batch_size=mini_batch_size)
+    loss, batch = hftrain_side(encoders["llama"], recipe, rows(6))
+    seen = []
+    loss.lm.register_forward_pre_hook(lambda module, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)),
+                                      with_kwargs=True)
+    loss.train()(**batch)
+    assert loss.forward_shapes(batch) == seen and len(seen) == (4 if mini_batch_size else 3)
+    if mini_batch_size is None:
+        assert min(width for _, width in seen) < batch["input_ids"].shape[1]
+
+
 def test_filler_rows_of_a_short_batch_change_nothing(encoders):
     """4 rows padded to 6 (a short last step: filler rows of one pad token, not valid) give the loss and gradients of
     the 4 rows alone, and count 4 anchors."""
@@ -301,6 +318,7 @@ def test_a_reranker_micro_batch_runs_in_two_length_sorted_halves(classifier, cou
     half = (count + 1) // 2
     expected_widths = [(half, lengths[half - 1]), (count - half, lengths[-1])] if count > 1 else [(1, lengths[0])] * 2
     assert [tuple(w) for w in widths] == expected_widths
+    assert ours.forward_shapes(batch) == expected_widths  # what the run counts as processed tokens and FLOPs
     if count > 1:
         assert lengths[half - 1] < batch["input_ids"].shape[1]
     expected = sum(torch.nn.functional.binary_cross_entropy_with_logits(

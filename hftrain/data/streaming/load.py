@@ -38,8 +38,8 @@ def _first_example(source: StreamSource) -> dict:
 
 def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
     """(StreamFeed, map-style eval set or None, stats) for `streaming: true`. `processor`: an image-text model's, whose
-    image chats and preference pairs are encoded by it (data.image_chats.stream_row, data.image_pairs.stream_pair),
-    their images opened when a row is read and when it is collated, never kept."""
+    image chats are encoded by it (data.image_chats.stream_row), their images opened when a row is read and when it is
+    collated, never kept."""
     spec = DataSpec.from_recipe(recipe)
     entries = recipe.dataset_mixture or [DatasetSource(recipe.dataset_name, recipe.dataset_config,
                                                        recipe.dataset_train_split, 1.0, recipe.dataset_format,
@@ -102,9 +102,11 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
     origin = row_origin(name, False) if source.seeks and source.num_shards == 1 and not mixture else None
 
     base = image_chats.base_folder(name)
-    read_image_row = image_pairs.stream_pair if fmt == "preference" else image_chats.stream_row
 
     def tokenize(example: dict, index: int) -> list[dict]:
+        if processor is not None:
+            encode = image_pairs.stream_pair if fmt == "preference" else image_chats.stream_row
+            return [encode(example, processor, spec, base, f"dataset {name!r} example {index}")]
         kind, where = fmt, name
         if mixture:  # a mixture's records carry their source and the raw example as JSON
             part = example[MIXTURE_SOURCE]
@@ -112,8 +114,6 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
         if BAD_LINE in example:
             raise HftrainError(example[BAD_LINE])
         place = origin.where(index) if origin is not None else None
-        if processor is not None:  # image rows (never a mixture: refused for image-text models)
-            return [read_image_row(example, processor, spec, base, place or f"dataset {name!r} example {index}")]
         if kind == "preference":
             return [tokenize_pair(example, index, tokenizer, spec, where, place)]
         return tokenize_rows(example, index, tokenizer, spec, kind, where, place)
@@ -142,10 +142,13 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
         collator = StreamCollator(0, recipe.packing, fmt == "preference")
     else:  # a dataset of images as bytes (an Image feature) is refused here, before its bytes reach a checkpoint
         image_chats.check_image_paths(firsts[0], f"dataset {name!r} example 0")
-        filler = image_chats.filler_row(source.open().take(image_chats.FILLER_SCAN), processor, spec, base, name,
-                                        read_image_row)
-        rows = image_pairs.ImagePairs if fmt == "preference" else image_chats.ImageChats
-        collator = image_chats.StreamImageCollator(processor, 0, base, name, filler, world, rows)
+        first_examples = source.open().take(image_chats.FILLER_SCAN)
+        if fmt == "preference":
+            filler = image_pairs.filler_pair(first_examples, processor, spec, base, name)
+            collator = image_pairs.StreamImagePairCollator(processor, 0, base, name, filler, world)
+        else:
+            filler = image_chats.filler_row(first_examples, processor, spec, base, name)
+            collator = image_chats.StreamImageCollator(processor, 0, base, name, filler, world)
     per_pass = None  # raw training examples in a pass, when known (for the logged epoch)
     if source.num_rows is not None and not disjoint:
         per_pass = min(source.num_rows - held_out, recipe.max_samples or source.num_rows) or None

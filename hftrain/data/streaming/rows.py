@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterator
 
 from hftrain.errors import HftrainError
 
-# an image chat's row also keeps its rendered text and image paths (data.image_chats); an image pair's its shared
-# prompt tokens and image token positions too (data.image_pairs)
+# an image chat's row also keeps its rendered text and image paths (data.image_chats), an image pair's also its prompt's
+# length and its image tokens' places (data.image_pairs.pair_row)
 IMAGE_KEYS = ("text", "images", "prompt_tokens", "image_positions")
 PACK_OPEN_ROWS = 8  # packing on the fly: rows filled at once (best fit among them); the fullest leaves past this
 

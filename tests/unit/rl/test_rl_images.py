@@ -15,10 +15,8 @@ from transformers import AutoProcessor
 
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
-from hftrain.parallel.launch import Launch
 from hftrain.rl.images import PromptImages
 from hftrain.rl.rollouts import batch_inputs
-from hftrain.vision import layout_problems, model_config
 from tests.conftest import REPO
 
 MODEL = REPO / "models" / "tiny-vlm"
@@ -106,10 +104,3 @@ def test_the_recipe_check_refuses_what_grpo_with_images_does_not_do_by_name():
                   "use_vllm with objective=grpo", "tool calling (tools / environment_factory) with objective=grpo",
                   "sp_size 2 with objective=grpo"):
         assert words in refused, words
-    recipe = Recipe(model_name_or_path=str(MODEL), dataset_name=str(DATA), objective="grpo")
-    for kind in ("fsdp2", "deepspeed"):
-        launch = Launch(kind, 2, 2, deepspeed_config={"zero_optimization": {"stage": 2}} if kind == "deepspeed"
-                        else None)
-        (problem,) = layout_problems(recipe, launch, model_config(recipe))
-        assert "objective=grpo with the image-text model 'llava' under" in problem
-    assert layout_problems(recipe, Launch("ddp", 2, 2), model_config(recipe)) == []
