@@ -96,7 +96,7 @@ def test_accumulation_two_processes_and_streaming_equal_one_batch_and_a_zero3_re
     collated): the same losses, rewards, clipped gradient norms and final weights (the loss is the mean over the
     step's pairs). The ZeRO-3 run, resumed from its checkpoint-2 (DeepSpeed's partitioned model and optimizer
     states, the frozen reference rebuilt partitioned), trains step 3 and its final weights as the uninterrupted run
-    did."""
+    did; the streamed run, resumed from its checkpoint-2 (the stream's position), trains step 3 of the 1 x 4 run."""
     one = run_script(tmp_path / "one", *EXACT, "--per_device_train_batch_size", "4")
     accum = run_script(tmp_path / "accum", *EXACT, "--per_device_train_batch_size", "2",
                        "--gradient_accumulation_steps", "2")
@@ -105,7 +105,8 @@ def test_accumulation_two_processes_and_streaming_equal_one_batch_and_a_zero3_re
     zero3 = launch(tmp_path / "zero3", *saving, preset="zero3", processes=2)
     fsdp2 = launch(tmp_path / "fsdp2", *EXACT, "--per_device_train_batch_size", "2", preset="fsdp2", processes=2,
                    script=FSDP_LAUNCHER)
-    stream = run_script(tmp_path / "stream", *EXACT, "--per_device_train_batch_size", "4", "--streaming", "true")
+    streaming = [*EXACT, "--per_device_train_batch_size", "4", "--streaming", "true"]
+    stream = run_script(tmp_path / "stream", *streaming, "--save_strategy", "steps", "--save_steps", "2")
     assert "image-pairs.jsonl' (preference): one rank reads 1 shard(s)" in " ".join(stream.stdout.split())
     for run, wrapper in ((ddp, "DistributedDataParallel"), (zero3, "DeepSpeedEngine"), (fsdp2, "FSDPPreferenceLoss")):
         assert (run.state()["launch"]["num_processes"], run.state()["launch"]["model_wrapper"]) == (2, wrapper)
@@ -122,6 +123,17 @@ def test_accumulation_two_processes_and_streaming_equal_one_batch_and_a_zero3_re
     base = load_file(REPO / "models" / "tiny-vlm" / "model.safetensors")
     assert any(not torch.equal(value, expected[name]) for name, value in base.items()
                if "multi_modal_projector" in name)
+
+    shutil.rmtree(stream.output_dir / "final")
+    (stream.output_dir / "metrics.jsonl").write_text("")
+    again = run_script(stream.output_dir, *streaming, "--resume_from_checkpoint",
+                       str(stream.output_dir / "checkpoint-2"))
+    assert "the stream resumes by seeking to the saved line" in " ".join(again.stdout.split())
+    assert [r["step"] for r in again.train_rows()] == [3]
+    for key in COMPARED:
+        assert again.train_rows()[0][key] == pytest.approx(one.train_rows()[-1][key], rel=1e-5, abs=1e-7), key
+    for name, value in load_file(again.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7, msg=name)
 
     uninterrupted = zero3.train_rows()[-1]
     expected = load_file(zero3.output_dir / "final" / "model.safetensors")

@@ -14,7 +14,7 @@ from transformers.utils import is_torchvision_available
 
 from hftrain.config import Recipe
 from hftrain.data.image_chats import open_image
-from hftrain.data.image_pairs import ImagePairCollator, ImagePairs, prepare_pairs
+from hftrain.data.image_pairs import ImagePairCollator, ImagePairs, prepare_pairs, stream_pair
 from hftrain.data.tokenize import IGNORE_INDEX, DataSpec
 from hftrain.objectives.preference import PreferenceLoss
 from hftrain.objectives.reference import FrozenReference, ReferenceLogProbs
@@ -149,6 +149,55 @@ def test_the_preflight_takes_dpo_simpo_and_orpo_and_refuses_the_rest_by_name():
     refused = problems(objective="dpo", precompute_ref_log_probs=True, max_prompt_length=64)
     assert [p for p in refused if p.startswith("precompute_ref_log_probs with objective=dpo on image preference")]
     assert [p for p in refused if p.startswith("max_prompt_length with objective=dpo on image preference pairs")]
+
+
+def test_a_streamed_micro_batch_is_the_map_style_one(processor, pairs):
+    """streaming: the file read by the stream's reader, each raw pair encoded when it is drawn (`stream_pair`) and kept
+    by the row stream as it keeps rows, in JSON (a checkpoint holds them), gives the map-style collator's micro-batches
+    of the same pairs: every processor output, both sides' labels and the image token marks."""
+    from hftrain.data.image_pairs import StreamImagePairCollator, filler_pair
+    from hftrain.data.jsonlines import json_lines_dataset
+    from hftrain.data.streaming import RowStream
+
+    def read(example, index):
+        return [stream_pair(example, processor, SPEC, DATA.parent, f"example {index}")]
+
+    stream = RowStream(lambda passes: json_lines_dataset([str(DATA)], {}), read, shuffle_buffer=1, seed=0,
+                       packing=False, max_length=SPEC.max_length)
+    filler = filler_pair(json_lines_dataset([str(DATA)], {}).take(4), processor, SPEC, DATA.parent, str(DATA))
+    streamed = StreamImagePairCollator(processor, 0, DATA.parent, str(DATA), filler)
+    mapped = ImagePairCollator(pairs, processor, 0)
+    for start in (0, 4):
+        micro_batch = [stream.next_row() for _ in range(4)]
+        micro_batch = json.loads(json.dumps(micro_batch))
+        ours, theirs = streamed(micro_batch), mapped(list(range(start, start + 4)))
+        assert sorted(ours) == sorted(theirs) and "pixel_values" in ours and "rejected_input_ids" not in ours
+        for key, value in theirs.items():
+            assert torch.equal(ours[key], value), (start, key)
+
+
+def test_a_streamed_pairs_file_names_its_bad_lines_and_gives_the_map_style_eval_set(processor, rows, pairs, tmp_path):
+    """load_stream with the image-text model's processor on a .jsonl of pairs with a line that is not JSON and a pair
+    whose chosen side is not one assistant message: the other pairs come in file order, as prepare_pairs encodes
+    them; both bad lines are counted, the first named by file and line; the eval set is read as image pairs."""
+    from hftrain.data.streaming import load_stream
+
+    absolute = [{**row, "images": [str(DATA.parent / path) for path in row["images"]]} for row in rows[:6]]
+    bad_pair = {**absolute[1], "chosen": [rows[1]["chosen"][0], rows[1]["chosen"][0]]}
+    lines = [json.dumps(row) for row in absolute]
+    lines[2:2] = ["{not json", json.dumps(bad_pair)]  # lines 3 and 4
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    recipe = Recipe(model_name_or_path=str(MODEL), dataset_name=str(data), objective="dpo", streaming=True,
+                    max_steps=1, max_length=256, train_sampling_strategy="sequential", eval_strategy="steps",
+                    eval_dataset_name=str(DATA))
+    feed, evaluation, _ = load_stream(recipe, processor.tokenizer, rank=0, world=1, processor=processor)
+    streamed = [feed.stream.next_row()[0] for _ in range(6)]
+    assert [row["input_ids"] for row in streamed] == [pair["input_ids"] for pair in pairs.rows[:6]]
+    assert [row["rejected_labels"] for row in streamed] == [pair["rejected_labels"] for pair in pairs.rows[:6]]
+    assert (feed.stream.counts["examples"], feed.stream.counts["bad"]) == (8, 2)
+    assert feed.stream.first_bad.startswith(f"pass 1, example 2: {data}, line 3")
+    assert isinstance(evaluation, ImagePairs) and len(evaluation) == len(pairs)
 
 
 def test_simpo_loss_of_a_micro_batch_equals_plain_pytorch(processor, rows, pairs):

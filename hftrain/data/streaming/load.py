@@ -104,9 +104,6 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
     base = image_chats.base_folder(name)
 
     def tokenize(example: dict, index: int) -> list[dict]:
-        if processor is not None:
-            encode = image_pairs.stream_pair if fmt == "preference" else image_chats.stream_row
-            return [encode(example, processor, spec, base, f"dataset {name!r} example {index}")]
         kind, where = fmt, name
         if mixture:  # a mixture's records carry their source and the raw example as JSON
             part = example[MIXTURE_SOURCE]
@@ -114,6 +111,9 @@ def load_stream(recipe, tokenizer, rank: int, world: int, processor=None):
         if BAD_LINE in example:
             raise HftrainError(example[BAD_LINE])
         place = origin.where(index) if origin is not None else None
+        if processor is not None:  # image rows (never a mixture: refused for image-text models)
+            encode = image_pairs.stream_pair if fmt == "preference" else image_chats.stream_row
+            return [encode(example, processor, spec, base, place or f"dataset {name!r} example {index}")]
         if kind == "preference":
             return [tokenize_pair(example, index, tokenizer, spec, where, place)]
         return tokenize_rows(example, index, tokenizer, spec, kind, where, place)
