@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from hftrain import vision
 from tests.conftest import REPO, launch, run_script
 
 pytestmark = pytest.mark.launch
@@ -64,8 +66,9 @@ def data_rows() -> list[dict]:
 def plain_log_probs(model, processor, row: dict, prompt: dict) -> torch.Tensor:
     """The completion tokens' log-probs of `row` (rollouts.jsonl) under `model`, its prompt rendered from the data
     row `prompt` by the processor's chat template and its image encoded again (TRL's placement of the image before
-    the first user message's text for string content): every processor output goes to the model, a per-token one
-    (Gemma 3's token_type_ids) extended with 0 over the completion."""
+    the first user message's text for string content): every processor output goes to the model (Qwen-VL's
+    image_grid_thw too: the model derives its multimodal rotary positions), a per-token one (Gemma 3's
+    token_type_ids, Qwen-VL's mm_token_type_ids) extended with 0 over the completion."""
     messages = [{"role": m["role"], "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
                 if isinstance(m["content"], str) else m for m in prompt["prompt"]]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -74,8 +77,8 @@ def plain_log_probs(model, processor, row: dict, prompt: dict) -> torch.Tensor:
     assert inputs.pop("input_ids")[0].tolist() == row["prompt_ids"]  # the rollouts' prompt, the image's tokens in it
     inputs.pop("attention_mask")
     n = len(row["completion_ids"])
-    if "token_type_ids" in inputs:
-        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros(1, n, dtype=torch.long)], dim=1)
+    for key in {"token_type_ids", "mm_token_type_ids"} & set(inputs):
+        inputs[key] = torch.cat([inputs[key], torch.zeros(1, n, dtype=inputs[key].dtype)], dim=1)
     ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
     logps = torch.log_softmax(model(input_ids=ids, **inputs).logits[0, :-1].float(), -1)
     return logps[-n:].gather(1, torch.tensor(row["completion_ids"])[:, None]).squeeze(1)
@@ -107,7 +110,9 @@ def plain_step(model, reference, processor, rows: list[dict]) -> float:
 
 def starting_model(folder=MODEL):
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    model.model.vision_tower.requires_grad_(False)  # freeze_vision_tower's default
+    for name, param in model.named_parameters():  # freeze_vision_tower's default
+        if vision.part_of(name) == "vision":
+            param.requires_grad_(False)
     return model
 
 
@@ -138,7 +143,7 @@ def assert_two_steps_equal_plain_pytorch(run, folder) -> None:
     final = AutoModelForImageTextToText.from_pretrained(run.output_dir / "final", dtype=torch.float32).state_dict()
     assert_weights(final, model, rtol=1e-4, atol=2e-6)
     start = reference.state_dict()
-    assert any(not torch.equal(start[k], final[k]) for k in start if "multi_modal_projector" in k)
+    assert any(not torch.equal(start[k], final[k]) for k in start if vision.part_of(k) == "projector")
 
 
 def test_two_steps_equal_plain_pytorch_on_the_same_pixels(runs):
@@ -183,10 +188,14 @@ def test_first_step_equals_trl_grpo_trainer(runs, tmp_path):
     expanded by TRL's processor call), a reward function returns the recorded rewards; the rest is TRL's: the pixels
     of its forward (its processor call on the images), the reference's log-probs, the advantages, the loss and the
     SGD update. Its trained weights equal hftrain's checkpoint-1."""
+    assert_first_step_equals_trl(runs["one"], MODEL, tmp_path)
+
+
+def assert_first_step_equals_trl(run, folder, tmp_path) -> None:
+    """test_first_step_equals_trl_grpo_trainer on `run` of the image-text model in `folder` (any family)."""
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
-    run = runs["one"]
     rows = [r for r in rollouts(run) if r["step"] == 1]
     completions, rewards = {}, {}
     for r in rows:
@@ -203,14 +212,14 @@ def test_first_step_equals_trl_grpo_trainer(runs, tmp_path):
     def recorded(prompts, completions, completion_ids, group, **kwargs):
         return [rewards[(g, tuple(ids))] for g, ids in zip(group, completion_ids)]
 
-    model = starting_model()
+    model = starting_model(folder)
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=8,
                       num_generations=4, max_completion_length=6, beta=BETA, loss_type="dapo", optim="sgd",
                       learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
                       max_steps=1, logging_steps=1, save_strategy="no", report_to=[], seed=3, shuffle_dataset=False,
                       disable_tqdm=True)
     trainer = GRPOTrainer(model=model, reward_funcs=[recorded], args=args, train_dataset=dataset,
-                          processing_class=AutoProcessor.from_pretrained(MODEL))
+                          processing_class=AutoProcessor.from_pretrained(folder))
 
     def replayed(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         taken: dict = {}
@@ -300,3 +309,119 @@ def test_lora_with_beta_trains_against_the_adapter_off_model_on_the_same_pixels(
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+# The tiny LLaVA's ChatML with tool calling (models/tiny-tools' template, each content a string or a list of parts,
+# an image part written <image>) and tiny-tools' response_template, so that its turns parse into tool calls
+TOOLS_TEMPLATE = (
+    "{%- macro text(content) %}{%- if content is string %}{{- content }}{%- else %}{%- for part in content %}"
+    "{%- if part['type'] == 'image' %}{{- '<image>' }}{%- elif part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}{%- endmacro %}"
+    + (REPO / "models" / "tiny-tools" / "chat_template.jinja").read_text()
+    .replace("messages[0].content + '\\n\\n'", "text(messages[0].content) + '\\n\\n'")
+    .replace("messages[0].content + '<|im_end|>\\n'", "text(messages[0].content) + '<|im_end|>\\n'")
+    .replace("(message.content or '')", "text(message.content or '')")
+    .replace("'<|im_start|>tool\\n' + message.content", "'<|im_start|>tool\\n' + text(message.content)")
+    .replace("'\\n' + message.content + '<|im_end|>\\n'", "'\\n' + text(message.content) + '<|im_end|>\\n'")
+)
+
+
+def tool_calling_vlm(folder):
+    """models/tiny-vlm copied with TOOLS_TEMPLATE and tiny-tools' response_template."""
+    shutil.copytree(MODEL, folder)
+    (folder / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["response_template"] = json.loads((REPO / "models" / "tiny-tools" / "tokenizer_config.json").read_text()
+                                             )["response_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def test_tool_calling_with_images_equals_trl_grpo_trainer(tmp_path):
+    """Multi-turn tool calling on prompts with images (the tiny LLaVA with a tool-calling template): the turns are
+    written by tests/e2e/launchers/scripted_tools.py's policy (a random model writes no calls) while the run's generate
+    still runs on every turn's context with the prompt's pixels; one step of 8 completions equals TRL 1.16's
+    GRPOTrainer with the same tool on the same rows, its generation replaced by the rollouts' sampled turns, looked up
+    by the context TRL itself built (its processor's rendering of the prompt with the tools' schemas and the image's
+    16 tokens, then the turns and its own tool suffixes: so those must equal hftrain's token for token); the rest is
+    TRL's: its calculator calls, tool masks, pixels, advantages, loss and update (the projector trained, so the pixels
+    reach the gradient)."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hftrain.rl.example_tools import calculator
+
+    folder = tool_calling_vlm(tmp_path / "model")
+    image = str(DATA.parent / "images" / "red-square.png")
+    questions = [("What is 50 + 44?", 94), ("What is 23 * 51?", 1173)]
+    prompts = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+                "images": [image], "answer": a} for q, a in questions]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    args = [*BASE, "--model_name_or_path", str(folder), "--dataset_name", str(data),
+            "--reward_funcs", "hftrain.rl.example_rewards.final_answer",
+            "--tools", "hftrain.rl.example_tools.calculator", "--max_tool_calling_iterations", "2",
+            "--max_completion_length", "128", "--max_steps", "1", "--beta", "0", "--seed", "32",
+            "--per_device_train_batch_size", "8"]
+    run = run_script(tmp_path / "run", *args, script=REPO / "tests" / "e2e" / "launchers" / "scripted_tools.py")
+    turns = [line for line in run.stdout.splitlines() if line.startswith("scripted turn:")]
+    assert len(turns) >= 2 and all(not line.endswith(" 0 images") for line in turns), turns  # pixels every turn
+    rows = rollouts(run)
+    assert len(rows) == 8 and all(r["images"] == [image] for r in rows)
+    assert any(c["kept"] and not c["failed"] for r in rows for c in r["tool_calls"])  # a call ran, then a turn
+    assert all(r["prompt_ids"].count(753) == 16 for r in rows)
+
+    taken: dict = {}
+
+    def replayed(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Each context's next sampled turn: the k-th rollout (in order) that continues it with sampled tokens."""
+        assert images and multimodal_fields.get("pixel_values") is not None  # TRL generates with the pixels too
+        out = []
+        for ids in prompt_ids:
+            context = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+            follows = [r for r in rows if len(context) >= len(r["prompt_ids"])
+                       and (r["prompt_ids"] + r["completion_ids"])[:len(context)] == context
+                       and len(context) - len(r["prompt_ids"]) < len(r["completion_ids"])]
+            k = taken.get(tuple(context), 0)
+            assert k < len(follows), "TRL built a context that no rollout holds"
+            taken[tuple(context)] = k + 1
+            r, start = follows[k], len(context) - len(follows[k]["prompt_ids"])
+            end = next((j for j in range(start, len(r["tool_mask"])) if r["tool_mask"][j] == 0), len(r["tool_mask"]))
+            out.append(r["completion_ids"][start:end])
+        return out, None
+
+    rewards = {(r["group"], tuple(r["completion_ids"])): r["reward"] for r in rows}
+
+    def recorded(prompts, completions, completion_ids, group, **kwargs):
+        return [rewards[(g, tuple(ids))] for g, ids in zip(group, completion_ids)]
+
+    dataset = datasets.Dataset.from_list([{"prompt": p["prompt"], "images": [image], "group": g}
+                                          for g, p in enumerate(prompts)])
+    dataset = dataset.cast_column("images", datasets.Sequence(datasets.Image()))
+    config = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, per_device_train_batch_size=8,
+                        num_generations=4, max_completion_length=128, beta=0.0, loss_type="dapo", optim="sgd",
+                        learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+                        max_steps=1, logging_steps=1, save_strategy="no", report_to=[], seed=32,
+                        shuffle_dataset=False, disable_tqdm=True, max_tool_calling_iterations=2)
+    trainer = GRPOTrainer(model=starting_model(folder), reward_funcs=[recorded], args=config, train_dataset=dataset,
+                          processing_class=AutoProcessor.from_pretrained(folder), tools=[calculator])
+    tokenize = trainer._tokenize_prompts
+
+    def as_tensors(prompts):
+        """TRL 1.16's tool loop splits the prompts' pixel_values by image (`split_pixel_values_by_grid`), which needs
+        a tensor, while its tokenization leaves the processor's list of arrays (its single-turn generate converts them
+        with torch.tensor(np.array(...))): converted here the same way, before the loop."""
+        ids, images, fields = tokenize(prompts)
+        return ids, images, {k: torch.tensor(np.array(v)) if k == "pixel_values" and isinstance(v, list) else v
+                             for k, v in fields.items()}
+
+    trainer._tokenize_prompts = as_tensors
+    trainer._generate_single_turn = replayed
+    trainer.train()
+    assert sum(taken.values()) > 8  # the continuations after tool results were looked up too
+    logged, mine = trainer.state.log_history[0], run.train_rows()[0]
+    for key in ("reward", "tools/call_frequency", "tools/failure_frequency"):
+        assert logged[key] == pytest.approx(mine[key], rel=1e-5), key
+    assert logged["grad_norm"] == pytest.approx(mine["grad_norm"], rel=1e-4)
+    final = AutoModelForImageTextToText.from_pretrained(run.output_dir / "final", dtype=torch.float32).state_dict()
+    assert_weights(final, trainer.model, rtol=1e-4, atol=2e-6)

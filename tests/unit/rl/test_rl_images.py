@@ -75,6 +75,10 @@ def test_batch_inputs_place_per_token_outputs_where_each_prompt_sits():
     assert right["token_type_ids"].tolist() == [[1, 1, 0, 0, 0, 0], [0] * 6, [0, 1, 0, 0, 0, 0]]
     assert torch.equal(left["pixel_values"], torch.cat([one, two])) and torch.equal(right["pixel_values"],
                                                                                     left["pixel_values"])
+    # a multi-turn context (tool calling): the prompt's 3 tokens, then 2 of turns and tool results, marked 0 (TRL's
+    # tool loop extends the prompt's per-token fields with 0 the same way)
+    longer = batch_inputs(rows_[:1], [5], 6, left=True)
+    assert longer["token_type_ids"].tolist() == [[0, 1, 1, 0, 0, 0]]
 
 
 def test_bad_prompts_are_refused_naming_the_row(processor, tmp_path):
@@ -101,11 +105,12 @@ def test_the_recipe_check_refuses_what_grpo_with_images_does_not_do_by_name():
                                      **fields))[1]
 
     assert problems() == []
-    refused = " | ".join(problems(async_generation=True, use_vllm=True, tools=["x.py:f"], sp_size=2))
+    refused = " | ".join(problems(async_generation=True, use_vllm=True, environment_factory="x.py:E", sp_size=2))
     for words in ("async_generation with objective=grpo with the image-text model 'llava' is not supported yet",
-                  "use_vllm with objective=grpo", "tool calling (tools / environment_factory) with objective=grpo",
+                  "use_vllm with objective=grpo", "environment_factory with objective=grpo",
                   "sp_size 2 with objective=grpo"):
         assert words in refused, words
+    assert problems(tools=["x.py:f"]) == []  # tools run with images (each turn generated with the prompt's pixels)
     recipe = Recipe(model_name_or_path=str(MODEL), dataset_name=str(DATA), objective="grpo")
     for kind in ("fsdp2", "deepspeed"):
         launch = Launch(kind, 2, 2, deepspeed_config={"zero_optimization": {"stage": 2}} if kind == "deepspeed"
