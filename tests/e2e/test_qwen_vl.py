@@ -30,7 +30,11 @@ from tests.e2e.test_vision import DATA, adapter_eval_loss, assert_processor_enco
 from tests.e2e.test_vision_dpo import assert_equal_to_trl_dpo
 from tests.e2e.test_vision_grpo import BASE as GRPO_BASE
 from tests.e2e.test_vision_grpo import MODEL as LLAVA
-from tests.e2e.test_vision_grpo import assert_first_step_equals_trl, assert_two_steps_equal_plain_pytorch
+from tests.e2e.test_vision_grpo import (
+    assert_first_step_equals_trl,
+    assert_tools_with_images_equal_trl,
+    assert_two_steps_equal_plain_pytorch,
+)
 
 pytestmark = pytest.mark.skipif(
     not is_torchvision_available(), reason="the Qwen-VL families' processors need torchvision (their video "
@@ -129,3 +133,10 @@ def test_grpo_first_step_equals_trl_grpo_trainer(grpo_run, tmp_path):
     advantages, loss and SGD update: the weights of hftrain's checkpoint-1."""
     base, run = grpo_run
     assert_first_step_equals_trl(run, base, tmp_path)
+
+
+def test_grpo_tool_calling_with_images_equals_trl_grpo_trainer(image_text_model, tmp_path):
+    """Qwen2-VL: each turn's context (the prompt's grid-sized image tokens, the turns and tool results so far) is
+    generated with the prompt's patches, image_grid_thw and mm_token_type_ids (0 after the prompt); one step equals
+    TRL's GRPOTrainer with the same tool (tests/e2e/test_vision_grpo.py's assert_tools_with_images_equal_trl)."""
+    assert_tools_with_images_equal_trl(image_text_model("qwen2_vl"), tmp_path)

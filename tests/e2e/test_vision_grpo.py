@@ -311,8 +311,9 @@ def test_lora_with_beta_trains_against_the_adapter_off_model_on_the_same_pixels(
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=2e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
-# The tiny LLaVA's ChatML with tool calling (models/tiny-tools' template, each content a string or a list of parts,
-# an image part written <image>) and tiny-tools' response_template, so that its turns parse into tool calls
+# ChatML with tool calling (models/tiny-tools' template, each content a string or a list of parts, an image part
+# written <image>: the tiny LLaVA's; IMAGE_PART for other families) and tiny-tools' response_template, so that the
+# turns parse into tool calls
 TOOLS_TEMPLATE = (
     "{%- macro text(content) %}{%- if content is string %}{{- content }}{%- else %}{%- for part in content %}"
     "{%- if part['type'] == 'image' %}{{- '<image>' }}{%- elif part['type'] == 'text' %}{{- part['text'] }}"
@@ -326,10 +327,15 @@ TOOLS_TEMPLATE = (
 )
 
 
-def tool_calling_vlm(folder):
-    """models/tiny-vlm copied with TOOLS_TEMPLATE and tiny-tools' response_template."""
-    shutil.copytree(MODEL, folder)
-    (folder / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
+IMAGE_PART = {"llava": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+
+
+def tool_calling_vlm(base, folder):
+    """The image-text model `base` copied with TOOLS_TEMPLATE (its family's image part) and tiny-tools'
+    response_template."""
+    shutil.copytree(base, folder)
+    family = json.loads((base / "config.json").read_text())["model_type"]
+    (folder / "chat_template.jinja").write_text(TOOLS_TEMPLATE.replace("'<image>'", repr(IMAGE_PART[family])))
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["response_template"] = json.loads((REPO / "models" / "tiny-tools" / "tokenizer_config.json").read_text()
                                              )["response_template"]
@@ -338,22 +344,31 @@ def tool_calling_vlm(folder):
 
 
 def test_tool_calling_with_images_equals_trl_grpo_trainer(tmp_path):
-    """Multi-turn tool calling on prompts with images (the tiny LLaVA with a tool-calling template): the turns are
+    """The tiny LLaVA (each prompt's image: 16 tokens): assert_tools_with_images_equal_trl."""
+    rows = assert_tools_with_images_equal_trl(MODEL, tmp_path)
+    assert all(r["prompt_ids"].count(753) == 16 for r in rows)
+
+
+def assert_tools_with_images_equal_trl(base, tmp_path) -> list[dict]:
+    """Multi-turn tool calling on prompts with images (`base` with a tool-calling template): the turns are
     written by tests/e2e/launchers/scripted_tools.py's policy (a random model writes no calls) while the run's generate
     still runs on every turn's context with the prompt's pixels; one step of 8 completions equals TRL 1.16's
     GRPOTrainer with the same tool on the same rows, its generation replaced by the rollouts' sampled turns, looked up
     by the context TRL itself built (its processor's rendering of the prompt with the tools' schemas and the image's
     16 tokens, then the turns and its own tool suffixes: so those must equal hftrain's token for token); the rest is
     TRL's: its calculator calls, tool masks, pixels, advantages, loss and update (the projector trained, so the pixels
-    reach the gradient)."""
+    reach the gradient). Returns the rollouts."""
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
     from hftrain.rl.example_tools import calculator
 
-    folder = tool_calling_vlm(tmp_path / "model")
+    folder = tool_calling_vlm(base, tmp_path / "model")
     image = str(DATA.parent / "images" / "red-square.png")
-    questions = [("What is 50 + 44?", 94), ("What is 23 * 51?", 1173)]
+    # two prompts of one length: TRL 1.16 left-pads the prompt ids of its forward but takes their per-token fields
+    # (Qwen-VL's mm_token_type_ids) from its processor call with padding=True, right-padded by this tokenizer, so for
+    # prompts of different lengths its rotary positions are shifted by the padding (hftrain's follow each row's own)
+    questions = [("What is 50 + 44?", 94), ("What is 23 + 51?", 74)]
     prompts = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
                 "images": [image], "answer": a} for q, a in questions]
     data = tmp_path / "prompts.jsonl"
@@ -368,8 +383,9 @@ def test_tool_calling_with_images_equals_trl_grpo_trainer(tmp_path):
     assert len(turns) >= 2 and all(not line.endswith(" 0 images") for line in turns), turns  # pixels every turn
     rows = rollouts(run)
     assert len(rows) == 8 and all(r["images"] == [image] for r in rows)
+    assert len({len(r["prompt_ids"]) for r in rows}) == 1
     assert any(c["kept"] and not c["failed"] for r in rows for c in r["tool_calls"])  # a call ran, then a turn
-    assert all(r["prompt_ids"].count(753) == 16 for r in rows)
+    assert all(AutoProcessor.from_pretrained(folder).image_token_id in r["prompt_ids"] for r in rows)
 
     taken: dict = {}
 
@@ -408,12 +424,13 @@ def test_tool_calling_with_images_equals_trl_grpo_trainer(tmp_path):
     tokenize = trainer._tokenize_prompts
 
     def as_tensors(prompts):
-        """TRL 1.16's tool loop splits the prompts' pixel_values by image (`split_pixel_values_by_grid`), which needs
-        a tensor, while its tokenization leaves the processor's list of arrays (its single-turn generate converts them
-        with torch.tensor(np.array(...))): converted here the same way, before the loop."""
+        """TRL 1.16's tool loop splits the prompts' pixel_values (and image_grid_thw) by image
+        (`split_pixel_values_by_grid`), which needs tensors, while its tokenization leaves the processor's lists of
+        arrays (its single-turn generate converts them with torch.tensor(np.array(...))): converted here the same
+        way, before the loop; the per-token fields stay lists, as TRL pads them."""
         ids, images, fields = tokenize(prompts)
-        return ids, images, {k: torch.tensor(np.array(v)) if k == "pixel_values" and isinstance(v, list) else v
-                             for k, v in fields.items()}
+        return ids, images, {k: v if isinstance(v, torch.Tensor) or k in ("token_type_ids", "mm_token_type_ids")
+                             else torch.tensor(np.array(v)) for k, v in fields.items()}
 
     trainer._tokenize_prompts = as_tensors
     trainer._generate_single_turn = replayed
@@ -425,3 +442,4 @@ def test_tool_calling_with_images_equals_trl_grpo_trainer(tmp_path):
     assert logged["grad_norm"] == pytest.approx(mine["grad_norm"], rel=1e-4)
     final = AutoModelForImageTextToText.from_pretrained(run.output_dir / "final", dtype=torch.float32).state_dict()
     assert_weights(final, trainer.model, rtol=1e-4, atol=2e-6)
+    return rows
