@@ -123,7 +123,7 @@ def problems(recipe, config: PretrainedConfig | None) -> list[str]:
 
 def grpo_problems(recipe, kind: str) -> list[str]:
     """What grpo on an image-text model does not do yet (hftrain.rl.images: one process or DDP, transformers'
-    generate, one turn)."""
+    generate; tool calling with `tools`, each turn generated with the prompt's pixels)."""
     what, found = f"objective=grpo with the image-text model {kind!r}", []
     if recipe.async_generation:
         found.append(f"async_generation with {what} is not supported yet: the rollout worker process samples from "

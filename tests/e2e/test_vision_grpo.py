@@ -344,12 +344,26 @@ def tool_calling_vlm(base, folder):
 
 
 def test_tool_calling_with_images_equals_trl_grpo_trainer(tmp_path):
-    """The tiny LLaVA (each prompt's image: 16 tokens): assert_tools_with_images_equal_trl."""
-    rows = assert_tools_with_images_equal_trl(MODEL, tmp_path)
-    assert all(r["prompt_ids"].count(753) == 16 for r in rows)
+    """The tiny LLaVA (each prompt's image: 16 tokens): assert_tools_with_images_equal_trl; and 2 DDP processes of 4
+    completions (gloo; a process with nothing left to continue samples a row again and drops it, with its pixels)
+    equal the one process of 8: the rollouts (turns, tool calls, masks), the step's values and the weights."""
+    one, args = assert_tools_with_images_equal_trl(MODEL, tmp_path)
+    assert all(r["prompt_ids"].count(753) == 16 for r in rollouts(one))
+    two = launch(tmp_path / "ddp", *args[:-1], "4", preset="cpu_ddp", script=SCRIPTED)
+    assert (two.state()["launch"]["num_processes"], two.state()["launch"]["backend"]) == (2, "gloo")
+    keys = ("group", "prompt_ids", "completion_ids", "tool_mask", "tool_calls", "images", "reward")
+    assert [[r[k] for k in keys] for r in rollouts(one)] == [[r[k] for k in keys] for r in rollouts(two)]
+    for name in ("loss", "grad_norm", "reward", "entropy", "tools/call_frequency", "tools/failure_frequency"):
+        assert two.train_rows()[0][name] == pytest.approx(one.train_rows()[0][name], rel=1e-4, abs=1e-6), name
+    expected = load_file(one.output_dir / "final" / "model.safetensors")
+    for name, value in load_file(two.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def assert_tools_with_images_equal_trl(base, tmp_path) -> list[dict]:
+SCRIPTED = REPO / "tests" / "e2e" / "launchers" / "scripted_tools.py"
+
+
+def assert_tools_with_images_equal_trl(base, tmp_path) -> tuple:
     """Multi-turn tool calling on prompts with images (`base` with a tool-calling template): the turns are
     written by tests/e2e/launchers/scripted_tools.py's policy (a random model writes no calls) while the run's generate
     still runs on every turn's context with the prompt's pixels; one step of 8 completions equals TRL 1.16's
@@ -357,7 +371,7 @@ def assert_tools_with_images_equal_trl(base, tmp_path) -> list[dict]:
     by the context TRL itself built (its processor's rendering of the prompt with the tools' schemas and the image's
     16 tokens, then the turns and its own tool suffixes: so those must equal hftrain's token for token); the rest is
     TRL's: its calculator calls, tool masks, pixels, advantages, loss and update (the projector trained, so the pixels
-    reach the gradient). Returns the rollouts."""
+    reach the gradient). Returns the run and its arguments (the last: the batch size)."""
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
@@ -378,7 +392,7 @@ def assert_tools_with_images_equal_trl(base, tmp_path) -> list[dict]:
             "--tools", "hftrain.rl.example_tools.calculator", "--max_tool_calling_iterations", "2",
             "--max_completion_length", "128", "--max_steps", "1", "--beta", "0", "--seed", "32",
             "--per_device_train_batch_size", "8"]
-    run = run_script(tmp_path / "run", *args, script=REPO / "tests" / "e2e" / "launchers" / "scripted_tools.py")
+    run = run_script(tmp_path / "run", *args, script=SCRIPTED)
     turns = [line for line in run.stdout.splitlines() if line.startswith("scripted turn:")]
     assert len(turns) >= 2 and all(not line.endswith(" 0 images") for line in turns), turns  # pixels every turn
     rows = rollouts(run)
@@ -442,4 +456,4 @@ def assert_tools_with_images_equal_trl(base, tmp_path) -> list[dict]:
     assert logged["grad_norm"] == pytest.approx(mine["grad_norm"], rel=1e-4)
     final = AutoModelForImageTextToText.from_pretrained(run.output_dir / "final", dtype=torch.float32).state_dict()
     assert_weights(final, trainer.model, rtol=1e-4, atol=2e-6)
-    return rows
+    return run, args
