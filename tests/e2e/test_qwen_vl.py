@@ -12,9 +12,11 @@ Preference and RL training, for Qwen2-VL and Qwen2.5-VL (grid-sized image tokens
 says how many each image has; pixel_values are the images' flat patches, concatenated row after row; the model
 derives its multimodal rotary positions from image_grid_thw and mm_token_type_ids): dpo equals TRL 1.16's
 DPOTrainer (scripts/compare_trl_vlm_dpo.py, every part trained: the rejected rows read the same patches as the chosen
-ones), and grpo's two steps equal the plain-PyTorch recomputation from rollouts.jsonl and its first step TRL's
-GRPOTrainer, with the LLaVA tests' helpers (tests/e2e/test_vision_dpo.py, test_vision_grpo.py); dpo's loss on a
-collated micro-batch against independent encodings: tests/unit/test_data_image_pairs.py."""
+ones), kto its KTOTrainer (scripts/compare_trl_vlm_kto.py, 2 accumulated micro-batches a step), and grpo's two
+steps equal the plain-PyTorch recomputation from rollouts.jsonl and its first step TRL's GRPOTrainer, tool calling
+with images included, with the LLaVA tests' helpers (tests/e2e/test_vision_dpo.py, test_vision_kto.py,
+test_vision_grpo.py); dpo's loss on a collated micro-batch against independent encodings:
+tests/unit/test_data_image_pairs.py."""
 
 import json
 
@@ -35,6 +37,7 @@ from tests.e2e.test_vision_grpo import (
     assert_tools_with_images_equal_trl,
     assert_two_steps_equal_plain_pytorch,
 )
+from tests.e2e.test_vision_kto import assert_equal_to_trl_kto
 
 pytestmark = pytest.mark.skipif(
     not is_torchvision_available(), reason="the Qwen-VL families' processors need torchvision (their video "
@@ -108,6 +111,14 @@ def test_dpo_with_images_equals_trl_dpo_trainer(arch, image_text_model, tmp_path
     """3 steps of 4 pairs, sigmoid, every part trained (the vision tower's blocks and merger too): per-step loss,
     rewards and log-probs, and the final weights, against TRL's DPOTrainer on the same pairs."""
     assert_equal_to_trl_dpo(tmp_path, image_text_model(arch), ["sigmoid full"])
+
+
+@pytest.mark.parametrize("arch", PREFERENCE_FAMILIES)
+def test_kto_with_images_equals_trl_kto_trainer_with_accumulation(arch, image_text_model, tmp_path):
+    """12 unpaired rows, 3 steps, every part trained, hftrain's steps as 2 accumulated micro-batches: each KL row
+    reads its own row's patches and image_grid_thw (its mm_token_type_ids built from its row's prompt); per-step loss,
+    KL reference point, rewards and log-probs, and the final weights, against TRL's KTOTrainer."""
+    assert_equal_to_trl_kto(tmp_path, image_text_model(arch))
 
 
 @pytest.fixture(scope="module", params=PREFERENCE_FAMILIES)
