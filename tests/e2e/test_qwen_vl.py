@@ -8,9 +8,9 @@ two DDP processes with half the rows each (the one-process losses), and LoRA (ad
 the saved adapter on the base, through plain transformers + peft, gives the logged eval loss). The masks, counts and
 the loss against transformers' own are in tests/unit/test_vision_families.py.
 
-Preference and RL training, for Qwen2-VL and Qwen2.5-VL (grid-sized image tokens: the processor's image_grid_thw
-says how many each image has; pixel_values are the images' flat patches, concatenated row after row; the model
-derives its multimodal rotary positions from image_grid_thw and mm_token_type_ids): dpo equals TRL 1.16's
+Preference and RL training, for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (grid-sized image tokens: the processor's
+image_grid_thw says how many each image has; pixel_values are the images' flat patches, concatenated row after row;
+the model derives its multimodal rotary positions from image_grid_thw and mm_token_type_ids): dpo equals TRL 1.16's
 DPOTrainer (scripts/compare_trl_vlm_dpo.py, every part trained: the rejected rows read the same patches as the chosen
 ones), kto its KTOTrainer (scripts/compare_trl_vlm_kto.py, 2 accumulated micro-batches a step), and grpo's two
 steps equal the plain-PyTorch recomputation from rollouts.jsonl and its first step TRL's GRPOTrainer, tool calling
@@ -103,7 +103,7 @@ def test_a_lora_adapter_on_the_language_model_reproduces_the_logged_eval_loss(fa
     assert logged["eval_loss"] < run.eval_rows()[0]["eval_loss"]
 
 
-PREFERENCE_FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
+PREFERENCE_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 @pytest.mark.parametrize("arch", PREFERENCE_FAMILIES)

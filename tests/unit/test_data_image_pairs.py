@@ -231,13 +231,13 @@ QWEN_VL = pytest.mark.skipif(not is_torchvision_available(), reason="the Qwen-VL
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "idefics3", pytest.param("qwen2_vl", marks=QWEN_VL),
-                                  pytest.param("qwen2_5_vl", marks=QWEN_VL)])
+                                  pytest.param("qwen2_5_vl", marks=QWEN_VL), pytest.param("qwen3_vl", marks=QWEN_VL)])
 def test_dpo_loss_equals_plain_pytorch_for_other_families(arch, image_text_model, rows):
     """The tiny Gemma 3 (token_type_ids per token: the rejected row's are built from the chosen row's prompt),
-    Idefics3 (tiles per row, pixel_attention_mask) and, where torchvision is installed, Qwen2-VL / Qwen2.5-VL
-    (grid-sized image tokens; pixel_values the images' flat patches with image_grid_thw, and mm_token_type_ids: the
-    rejected rows read the same patches) built by scripts/make_tiny_model.py: dpo's loss on a collated
-    micro-batch equals the formula on log-probs of independent encodings of each side (the processor on the
+    Idefics3 (tiles per row, pixel_attention_mask) and, where torchvision is installed, Qwen2-VL / Qwen2.5-VL /
+    Qwen3-VL (grid-sized image tokens; pixel_values the images' flat patches with image_grid_thw, and
+    mm_token_type_ids: the rejected rows read the same patches) built by scripts/make_tiny_model.py: dpo's loss on a
+    collated micro-batch equals the formula on log-probs of independent encodings of each side (the processor on the
     template's text for prompt + completion; trained: the tokens after the prompt rendered with the generation
     prompt, through the last one that is not whitespace), against a reference that differs from the policy."""
     folder = image_text_model(arch)
