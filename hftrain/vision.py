@@ -132,10 +132,6 @@ def grpo_problems(recipe, kind: str) -> list[str]:
     if recipe.use_vllm:
         found.append(f"use_vllm with {what} is not supported yet: hftrain hands vLLM token ids only, without the "
                      "prompts' images; set use_vllm: false (transformers' generate takes the pixels)")
-    if recipe.environment_factory:
-        found.append(f"environment_factory with {what} is not supported yet (tools are: each turn is generated with "
-                     "the prompt's pixels); an environment's observation would be appended to a prompt with images, "
-                     "which is not rendered again with them yet; give the tools as `tools`")
     split = [f"{name} {getattr(recipe, name)}" for name in ("tp_size", "pp_size", "sp_size", "cp_size", "ep_size")
              if getattr(recipe, name) > 1]
     if split:

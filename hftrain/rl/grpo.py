@@ -492,7 +492,7 @@ class Rollouts:
                                  self.tooling.schema_tools)
 
         prompts, episodes, environments = self.tooling.rollouts(self.generator.sample, list(prompts), seed, render,
-                                                                inputs)
+                                                                inputs, self.images)
         return prompts, [Sampled(e.completion_ids, e.truncated, e.sampling_logps, e.tool_mask,
                                  [c.record() for c in e.calls], e.messages) for e in episodes], environments
 

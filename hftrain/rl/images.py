@@ -124,6 +124,19 @@ class PromptImages:
                                   images=[image_name(r, i, k) for k, r in enumerate(refs)], image_sources=kept))
         return prompts
 
+    def again(self, prompt: Prompt, value: list[dict], tools, max_prompt_length: int | None) -> Prompt:
+        """`prompt` with its messages replaced by `value` (an environment's observation added), rendered and encoded
+        with its images as `render` does."""
+        text = self.processor.apply_chat_template(value, tools=tools or None, add_generation_prompt=True,
+                                                  tokenize=False)
+        ids = self.encode(text, [open_image(r, None, "a prompt's image") for r in prompt.image_sources]
+                          )["input_ids"][0].tolist()
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            raise HftrainError(f"a prompt with images is {len(ids)} tokens once its environment's observation is "
+                               f"added, over max_prompt_length={max_prompt_length}; a prompt with images is not cut: "
+                               "raise max_prompt_length, or unset it")
+        return Prompt(value, text, ids, prompt.columns, images=prompt.images, image_sources=prompt.image_sources)
+
     def row_inputs(self, prompts: list[Prompt]) -> list[dict[str, torch.Tensor]]:
         """Each prompt's processor outputs other than its token ids and attention mask (pixel_values, image_sizes,
         token_type_ids, ...; a batch of 1; {} for a prompt without images), each distinct prompt encoded once."""

@@ -403,18 +403,26 @@ class Tooling:
         return self.pool[:n]
 
     def rollouts(self, sample, prompts: list, seed: Callable[[int, int], int], render,
-                 inputs: list[dict] | None = None) -> tuple[list, list, list]:
+                 inputs: list[dict] | None = None, images=None) -> tuple[list, list, list]:
         """(the prompts, possibly with the environments' observations, the episodes, the environments (None
         without an environment_factory)) of this process's rows. render(value, columns) renders a prompt; `inputs`:
-        an image-text model's per-row processor outputs (ToolLoop.run)."""
+        an image-text model's per-row processor outputs (ToolLoop.run), and `images` its PromptImages: a prompt an
+        observation changes is rendered again by the processor with its images, and its entry of `inputs` replaced
+        in place (the caller's micro-batches read that list)."""
         environments = [None] * len(prompts)
         if self.factory is not None:
             environments = self.environments(len(prompts))
             for k, (p, env) in enumerate(zip(prompts, environments)):
                 observation = env.reset(prompt=p.value, **p.columns)
                 if isinstance(observation, str):  # appended to the prompt's last message, as TRL
-                    value = p.value[:-1] + [{**p.value[-1], "content": p.value[-1]["content"] + observation}]
-                    prompts[k] = render(value, p.columns)
+                    content = p.value[-1]["content"]
+                    added = observation if isinstance(content, str) else [{"type": "text", "text": observation}]
+                    value = p.value[:-1] + [{**p.value[-1], "content": content + added}]
+                    if images is not None:
+                        prompts[k] = images.again(p, value, self.schema_tools, self.max_prompt_length)
+                        inputs[k] = images.row_inputs([prompts[k]])[0]
+                    else:
+                        prompts[k] = render(value, p.columns)
         toolsets, schemas = [], []
         for env in environments:
             methods = environment_methods(env) if env is not None else []

@@ -31,12 +31,13 @@ from tests.conftest import launch, run_script
 from tests.e2e.test_vision import DATA, adapter_eval_loss, assert_processor_encodes_like_its_base, plain_eval_loss
 from tests.e2e.test_vision_dpo import assert_equal_to_trl_dpo
 from tests.e2e.test_vision_grpo import BASE as GRPO_BASE
-from tests.e2e.test_vision_grpo import MODEL as LLAVA
 from tests.e2e.test_vision_grpo import (
+    ENVIRONMENT,
     assert_first_step_equals_trl,
     assert_tools_with_images_equal_trl,
     assert_two_steps_equal_plain_pytorch,
 )
+from tests.e2e.test_vision_grpo import MODEL as LLAVA
 from tests.e2e.test_vision_kto import assert_equal_to_trl_kto
 
 pytestmark = pytest.mark.skipif(
@@ -151,3 +152,12 @@ def test_grpo_tool_calling_with_images_equals_trl_grpo_trainer(image_text_model,
     generated with the prompt's patches, image_grid_thw and mm_token_type_ids (0 after the prompt); one step equals
     TRL's GRPOTrainer with the same tool (tests/e2e/test_vision_grpo.py's assert_tools_with_images_equal_trl)."""
     assert_tools_with_images_equal_trl(image_text_model("qwen2_vl"), tmp_path)
+
+
+def test_grpo_environment_with_images_equals_trl_grpo_trainer(image_text_model, tmp_path):
+    """Qwen2-VL with environment_factory: the observation lengthens each prompt after its image, so its
+    mm_token_type_ids are encoded again with it (for generate and the forward); one step equals TRL's GRPOTrainer
+    with the same environment class."""
+    (tmp_path / "calculator_env.py").write_text(ENVIRONMENT)
+    assert_tools_with_images_equal_trl(image_text_model("qwen2_vl"), tmp_path,
+                                       environment=tmp_path / "calculator_env.py")

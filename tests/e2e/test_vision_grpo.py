@@ -15,6 +15,7 @@ is proportional to the gradient, as tests/e2e/test_grpo.py explains)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
@@ -363,7 +364,39 @@ def test_tool_calling_with_images_equals_trl_grpo_trainer(tmp_path):
 SCRIPTED = REPO / "tests" / "e2e" / "launchers" / "scripted_tools.py"
 
 
-def assert_tools_with_images_equal_trl(base, tmp_path) -> tuple:
+ENVIRONMENT = '''from hftrain.rl.example_tools import OPERATIONS
+
+
+class Calculator:
+    def reset(self, **row):
+        return " Use the calculator."
+
+    def calculator(self, a: int, op: str, b: int) -> int:
+        """Compute a op b.
+
+        Args:
+            a: The left operand.
+            op: One of +, - and *.
+            b: The right operand.
+        """
+        if op not in OPERATIONS:
+            raise ValueError(f"unknown operation {op!r}; use one of + - *")
+        return OPERATIONS[op](int(a), int(b))
+'''
+
+
+def test_an_environment_with_images_equals_trl_grpo_trainer(tmp_path):
+    """environment_factory on prompts with images: each environment's reset observation is appended to its
+    prompt's last message as a text part (TRL's rule for list content), the prompt rendered again by the processor
+    with its image, and its pixels encoded again for generate and the forward; its calculator method is the tool.
+    One step equals TRL's GRPOTrainer with the same environment class (assert_tools_with_images_equal_trl)."""
+    (tmp_path / "calculator_env.py").write_text(ENVIRONMENT)
+    run, _ = assert_tools_with_images_equal_trl(MODEL, tmp_path, environment=tmp_path / "calculator_env.py")
+    text = AutoProcessor.from_pretrained(MODEL).tokenizer.decode(rollouts(run)[0]["prompt_ids"])
+    assert text.count("<image>") == 16 and "What is 50 + 44? Use the calculator.<|im_end|>" in text
+
+
+def assert_tools_with_images_equal_trl(base, tmp_path, environment=None) -> tuple:
     """Multi-turn tool calling on prompts with images (`base` with a tool-calling template): the turns are
     written by tests/e2e/launchers/scripted_tools.py's policy (a random model writes no calls) while the run's generate
     still runs on every turn's context with the prompt's pixels; one step of 8 completions equals TRL 1.16's
@@ -387,9 +420,10 @@ def assert_tools_with_images_equal_trl(base, tmp_path) -> tuple:
                 "images": [image], "answer": a} for q, a in questions]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    tool = ["--tools", "hftrain.rl.example_tools.calculator"] if environment is None else [
+        "--environment_factory", f"{environment}:Calculator"]
     args = [*BASE, "--model_name_or_path", str(folder), "--dataset_name", str(data),
-            "--reward_funcs", "hftrain.rl.example_rewards.final_answer",
-            "--tools", "hftrain.rl.example_tools.calculator", "--max_tool_calling_iterations", "2",
+            "--reward_funcs", "hftrain.rl.example_rewards.final_answer", *tool, "--max_tool_calling_iterations", "2",
             "--max_completion_length", "128", "--max_steps", "1", "--beta", "0", "--seed", "32",
             "--per_device_train_batch_size", "8"]
     run = run_script(tmp_path / "run", *args, script=SCRIPTED)
@@ -433,8 +467,15 @@ def assert_tools_with_images_equal_trl(base, tmp_path) -> tuple:
                         learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
                         max_steps=1, logging_steps=1, save_strategy="no", report_to=[], seed=32,
                         shuffle_dataset=False, disable_tqdm=True, max_tool_calling_iterations=2)
+    if environment is None:
+        tooling = {"tools": [calculator]}
+    else:  # the same class, imported from the file hftrain read it from
+        spec = importlib.util.spec_from_file_location("calculator_env", environment)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        tooling = {"environment_factory": module.Calculator}
     trainer = GRPOTrainer(model=starting_model(folder), reward_funcs=[recorded], args=config, train_dataset=dataset,
-                          processing_class=AutoProcessor.from_pretrained(folder), tools=[calculator])
+                          processing_class=AutoProcessor.from_pretrained(folder), **tooling)
     tokenize = trainer._tokenize_prompts
 
     def as_tensors(prompts):
