@@ -121,7 +121,7 @@ def problems(recipe, config: PretrainedConfig | None) -> list[str]:
 
 def grpo_problems(recipe, kind: str) -> list[str]:
     """What grpo on an image-text model does not do yet (hftrain.rl.images: one process, DDP, ZeRO-3 or FSDP2,
-    transformers' generate, one turn)."""
+    transformers' generate; tool calling, each turn generated with the prompt's pixels)."""
     what, found = f"objective=grpo with the image-text model {kind!r}", []
     if recipe.async_generation:
         found.append(f"async_generation with {what} is not supported yet: the rollout worker process samples from "
@@ -130,10 +130,6 @@ def grpo_problems(recipe, kind: str) -> list[str]:
     if recipe.use_vllm:
         found.append(f"use_vllm with {what} is not supported yet: hftrain hands vLLM token ids only, without the "
                      "prompts' images; set use_vllm: false (transformers' generate takes the pixels)")
-    if recipe.tools or recipe.environment_factory:
-        found.append(f"tool calling (tools / environment_factory) with {what} is not supported yet: the multi-turn "
-                     "rollouts render each turn with the tokenizer alone, which does not expand the prompt's images; "
-                     "remove tools and environment_factory")
     split = [f"{name} {getattr(recipe, name)}" for name in ("tp_size", "pp_size", "sp_size", "cp_size", "ep_size")
              if getattr(recipe, name) > 1]
     if split:

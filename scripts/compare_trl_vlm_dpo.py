@@ -3,7 +3,9 @@ updated weights.
 
     python scripts/compare_trl_vlm_dpo.py [--model models/tiny-vlm --steps 3 --out /tmp/compare-trl-vlm-dpo] [--json F]
 
-Both train the tiny random LLaVA (the processor expands each <image> into 16 image tokens) on the same image
+Both train the tiny random LLaVA (the processor expands each <image> into 16 image tokens), or with --model a tiny
+Qwen2-VL / Qwen2.5-VL (scripts/make_tiny_model.py; grid-sized image tokens, image_grid_thw, torchvision needed), on
+the same image
 preference pairs (the first pairs of data/image-pairs.jsonl: prompts whose image parts are written in the messages,
 and prompts of string content into whose first user message TRL's `prepare_multimodal_messages` and hftrain put the
 images), in the same order, with the same hyperparameters (scripts/trl_compare.py's: constant learning rate, clipping
@@ -49,13 +51,17 @@ NO_TRAILING_NEWLINE = (
     "{% endfor %}{% endif %}<|im_end|>{% endfor %}"
     "{% if add_generation_prompt %}{{ '\n<|im_start|>assistant\n' }}{% endif %}"
 )
+# what the family's template writes for an image part (scripts/make_tiny_model.py's templates)
+IMAGE_PART = {"llava": "<image>", **dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
+                                                  "<|vision_start|><|image_pad|><|vision_end|>")}
 
 
 def model_copy(model: Path, out: Path) -> Path:
-    """The model folder copied under `out`, its chat template NO_TRAILING_NEWLINE."""
+    """The model folder copied under `out`, its chat template NO_TRAILING_NEWLINE with the family's image part."""
     copy = out / "model"
     shutil.copytree(model, copy, dirs_exist_ok=True)
-    (copy / "chat_template.jinja").write_text(NO_TRAILING_NEWLINE)
+    family = json.loads((model / "config.json").read_text())["model_type"]
+    (copy / "chat_template.jinja").write_text(NO_TRAILING_NEWLINE.replace("<image>", IMAGE_PART[family]))
     return copy
 
 

@@ -34,7 +34,7 @@ from hftrain.rl.async_worker import (
 )
 from hftrain.rl.generation import build_generator
 from hftrain.rl.grpo import GRPOLoss, Policy, ReferenceTokenLogProbs, Rollouts, RolloutSource, reference_token_log_probs
-from hftrain.rl.images import PromptImages
+from hftrain.rl.images import ProcessorTemplate, PromptImages
 from hftrain.rl.rewards import column_problems, load_reward_functions
 from hftrain.rl.rollouts import WindowPlan, is_conversational, render_prompts
 from hftrain.rl.tools import (
@@ -162,7 +162,8 @@ class GRPO(Objective):
                 problems.append(f"dataset {source.name!r} has text prompts; tool calling (tools / environment_factory) "
                                 "needs chat prompts (a list of messages), which the chat template renders with the "
                                 "tools' schemas and continues after each tool result")
-            problems += template_problems(run.tokenizer, tools + ([] if probe is None else environment_methods(probe)),
+            chat = run.tokenizer if run.processor is None else ProcessorTemplate(run.processor)
+            problems += template_problems(chat, tools + ([] if probe is None else environment_methods(probe)),
                                           recipe.model_name_or_path)
             if problems:
                 raise HftrainError("; ".join(problems))
@@ -173,7 +174,7 @@ class GRPO(Objective):
                     return n
                 return int(dp.gather(torch.tensor([n], device=run.accelerator.device)).max().item())
 
-            tooling = Tooling(recipe, tools, factory, probe, run.tokenizer, max_active)
+            tooling = Tooling(recipe, tools, factory, probe, chat, max_active)
         schema_tools = tooling.schema_tools if tooling is not None else None
         # the eval set: its prompts, rendered as the training ones (grpo evaluates by generating: Objective.evaluate);
         # an image-text model's prompts with images: rendered and encoded by its processor (hftrain.rl.images)
@@ -183,9 +184,9 @@ class GRPO(Objective):
                 if eval_raw is not None else None
             prompts = render_prompts(raw, run.tokenizer, recipe.max_prompt_length, schema_tools)
         else:
-            eval_set = images.render(eval_raw, recipe.eval_dataset_name or source.name, recipe.max_prompt_length) \
-                if eval_raw is not None else None
-            prompts = images.render(raw, source.name, recipe.max_prompt_length)
+            eval_set = images.render(eval_raw, recipe.eval_dataset_name or source.name, recipe.max_prompt_length,
+                                     schema_tools) if eval_raw is not None else None
+            prompts = images.render(raw, source.name, recipe.max_prompt_length, schema_tools)
             # ZeRO-3 and FSDP2 gather the vision tower's weights in its forwards, frozen or not
             sharded = run.backend.record.kind == "fsdp2" or run.backend.record.zero_stage == 3
             if run.dp.world > 1 and (sharded or not (recipe.freeze_vision_tower and recipe.freeze_projector)):

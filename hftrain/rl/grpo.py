@@ -480,8 +480,8 @@ class Rollouts:
                inputs: list[dict] | None = None) -> tuple[list[Prompt], list[Sampled], list | None]:
         """(the prompts, the environments' observations added, their completions, the environments or None) of
         prompts[i] sampled with seed(i, turn): one turn each (an image-text model's prompts with their pixels,
-        `inputs`: PromptImages.row_inputs), or with tool calling the multi-turn rollouts (hftrain.rl.tools), every
-        process sampling together."""
+        `inputs`: PromptImages.row_inputs), or with tool calling the multi-turn rollouts (hftrain.rl.tools: every
+        turn with its prompt's pixels), every process sampling together."""
         if self.tooling is None:
             ids, seeds = [p.ids for p in prompts], [seed(i, 0) for i in range(len(prompts))]
             sampled = self.generator.sample(ids, seeds) if inputs is None else self.generator.sample(ids, seeds, inputs)
@@ -491,7 +491,8 @@ class Rollouts:
             return render_prompt(value, columns, self.tokenizer, self.recipe.max_prompt_length,
                                  self.tooling.schema_tools)
 
-        prompts, episodes, environments = self.tooling.rollouts(self.generator.sample, list(prompts), seed, render)
+        prompts, episodes, environments = self.tooling.rollouts(self.generator.sample, list(prompts), seed, render,
+                                                                inputs, self.images)
         return prompts, [as_sampled(e) for e in episodes], environments
 
     def sample_window(self, window: int, prompts: list[Prompt], seed, inputs: list[dict] | None = None

@@ -59,6 +59,23 @@ def image_parts(messages: list[dict]) -> int:
                for m in messages for p in parts(m.get("content") or ""))
 
 
+class ProcessorTemplate:
+    """The tokenizer of an image-text model's processor, rendering with the processor's chat template (what the
+    prompts are rendered with; the tokenizer may have none of its own): what tool calling's template checks, tool
+    suffixes and turn parsing use (hftrain.rl.tools), as TRL renders them with the processor."""
+
+    def __init__(self, processor):
+        self.tokenizer, self.chat_template = processor.tokenizer, processor.chat_template
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name in ("tokenizer", "chat_template"):  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self.tokenizer, name)
+
+
 class PromptImages:
     """The processor's side of grpo's prompts with images (module docstring)."""
 
@@ -69,9 +86,10 @@ class PromptImages:
     def encode(self, text: str, images: list) -> dict:
         return self.processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False)
 
-    def render(self, dataset, name: str, max_prompt_length: int | None) -> list[Prompt]:
-        """Every row's prompt rendered, encoded with its images and checked (module docstring); a prompt with images
-        longer than max_prompt_length is refused (cutting it would cut its image tokens)."""
+    def render(self, dataset, name: str, max_prompt_length: int | None, tools=None) -> list[Prompt]:
+        """Every row's prompt rendered (with tool calling, with the tools' schemas: `apply_chat_template(tools=...)`,
+        as TRL renders them), encoded with its images and checked (module docstring); a prompt with images longer
+        than max_prompt_length is refused (cutting it would cut its image tokens)."""
         base, prompts = base_folder(name), []
         for i, row in enumerate(dataset):
             where = f"dataset {name!r} row {i}"
@@ -87,7 +105,8 @@ class PromptImages:
                     raise HftrainError(f"{where}: {image_parts(value)} image part(s) in the prompt but {len(refs)} "
                                        f"image(s) in the {IMAGES_COLUMN!r} / {IMAGE_COLUMN!r} column; give one image "
                                        "per {type: image} part, in order")
-                text = self.processor.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
+                text = self.processor.apply_chat_template(value, tools=tools or None, add_generation_prompt=True,
+                                                          tokenize=False)
                 ids = self.encode(text, sources)["input_ids"][0].tolist()
             else:
                 text, ids = value, self.processor.tokenizer(value)["input_ids"]
@@ -104,6 +123,19 @@ class PromptImages:
             prompts.append(Prompt(value, text, list(ids), {k: v for k, v in row.items() if k not in PASSED_OVER},
                                   images=[image_name(r, i, k) for k, r in enumerate(refs)], image_sources=kept))
         return prompts
+
+    def again(self, prompt: Prompt, value: list[dict], tools, max_prompt_length: int | None) -> Prompt:
+        """`prompt` with its messages replaced by `value` (an environment's observation added), rendered and encoded
+        with its images as `render` does."""
+        text = self.processor.apply_chat_template(value, tools=tools or None, add_generation_prompt=True,
+                                                  tokenize=False)
+        ids = self.encode(text, [open_image(r, None, "a prompt's image") for r in prompt.image_sources]
+                          )["input_ids"][0].tolist()
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            raise HftrainError(f"a prompt with images is {len(ids)} tokens once its environment's observation is "
+                               f"added, over max_prompt_length={max_prompt_length}; a prompt with images is not cut: "
+                               "raise max_prompt_length, or unset it")
+        return Prompt(value, text, ids, prompt.columns, images=prompt.images, image_sources=prompt.image_sources)
 
     def row_inputs(self, prompts: list[Prompt]) -> list[dict[str, torch.Tensor]]:
         """Each prompt's processor outputs other than its token ids and attention mask (pixel_values, image_sizes,

@@ -179,11 +179,11 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def batch_inputs(rows: list[dict[str, torch.Tensor]], lengths: list[int], width: int,
                  left: bool) -> dict[str, torch.Tensor]:
-    """Per-row processor outputs (each a batch of 1; {} for a row without images) as one batch's, for rows whose
-    prompts are `lengths` tokens long in a `width`-wide batch: per-token outputs (token_type_ids, ...) where each
-    prompt sits (left-padded for generate, at the start of the row for training), 0 elsewhere (the completion, the
-    padding); per-image outputs (pixel_values, image_sizes, ...) concatenated in row order, as the model fills the
-    image tokens in order."""
+    """Per-row processor outputs (each a batch of 1; {} for a row without images) as one batch's, for rows
+    `lengths` tokens long in a `width`-wide batch: per-token outputs (token_type_ids, mm_token_type_ids, ...) over
+    each row's prompt, where the row sits (left-padded for generate, at the start for training), 0 elsewhere (the
+    completion, a multi-turn context's turns and tool results after the prompt, the padding); per-image outputs
+    (pixel_values, image_grid_thw, ...) concatenated in row order, as the model fills the image tokens in order."""
     out = {}
     for key in sorted({k for row in rows for k in row}):
         values = [row[key] for row in rows if key in row]
@@ -192,7 +192,7 @@ def batch_inputs(rows: list[dict[str, torch.Tensor]], lengths: list[int], width:
             for i, (row, n) in enumerate(zip(rows, lengths)):
                 if key in row:
                     start = width - n if left else 0
-                    padded[i, start:start + n] = row[key][0]
+                    padded[i, start:start + row[key].shape[1]] = row[key][0]
             out[key] = padded
         else:
             out[key] = torch.cat(values)

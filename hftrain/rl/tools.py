@@ -307,10 +307,18 @@ class ToolLoop:
         self.calls = self.failures = 0  # of the last run, this process (dropped results counted, as TRL)
 
     def run(self, sample, prompt_ids: list[list[int]], seed: Callable[[int, int], int],
-            toolsets: list[dict[str, Callable]], schemas: list[list[Callable]]) -> list[Episode]:
-        """One episode per prompt; seed(i, turn): the seed of row i's turn `turn` (0 is the first)."""
+            toolsets: list[dict[str, Callable]], schemas: list[list[Callable]],
+            inputs: list[dict] | None = None) -> list[Episode]:
+        """One episode per prompt; seed(i, turn): the seed of row i's turn `turn` (0 is the first). `inputs`: an
+        image-text model's per-row processor outputs (hftrain.rl.images), handed to `sample` with every turn's rows:
+        each continuation (the prompt, its image tokens included, then the turns and tool results so far) is
+        generated with its prompt's pixels, as TRL's tool loop does."""
+        def draw(ids: list[list[int]], seeds: list[int], rows) -> list:
+            return sample(ids, seeds) if inputs is None else sample(ids, seeds, [inputs[i] for i in rows])
+
         episodes = [Episode(list(p)) for p in prompt_ids]
-        first = sample([e.prompt_ids for e in episodes], [seed(i, 0) for i in range(len(episodes))])
+        first = draw([e.prompt_ids for e in episodes], [seed(i, 0) for i in range(len(episodes))],
+                       range(len(episodes)))
         for i, (e, s) in enumerate(zip(episodes, first)):
             e.completion_ids, e.tool_mask = list(s.completion_ids), [1] * len(s.completion_ids)
             e.sampling_logps = list(s.sampling_logps) if s.sampling_logps is not None else None
@@ -351,7 +359,7 @@ class ToolLoop:
             if self.max_active(len(active)) == 0:
                 break
             rows = active or [0]  # nothing to continue here, but the others sample: sample a row and drop it
-            sampled = sample(contexts or [episodes[0].prompt_ids], [seed(i, turn) for i in rows])
+            sampled = draw(contexts or [episodes[0].prompt_ids], [seed(i, turn) for i in rows], rows)
             for i, context, s in zip(active, contexts, sampled):
                 e = episodes[i]
                 budget = self.max_completion_length - len(e.completion_ids)
@@ -401,23 +409,33 @@ class Tooling:
             self.pool.append(self.factory())
         return self.pool[:n]
 
-    def rollouts(self, sample, prompts: list, seed: Callable[[int, int], int], render) -> tuple[list, list, list]:
+    def rollouts(self, sample, prompts: list, seed: Callable[[int, int], int], render,
+                 inputs: list[dict] | None = None, images=None) -> tuple[list, list, list]:
         """(the prompts, possibly with the environments' observations, the episodes, the environments (None
-        without an environment_factory)) of this process's rows. render(value, columns) renders a prompt."""
+        without an environment_factory)) of this process's rows. render(value, columns) renders a prompt; `inputs`:
+        an image-text model's per-row processor outputs (ToolLoop.run), and `images` its PromptImages: a prompt an
+        observation changes is rendered again by the processor with its images, and its entry of `inputs` replaced
+        in place (the caller's micro-batches read that list)."""
         environments = [None] * len(prompts)
         if self.factory is not None:
             environments = self.environments(len(prompts))
             for k, (p, env) in enumerate(zip(prompts, environments)):
                 observation = env.reset(prompt=p.value, **p.columns)
                 if isinstance(observation, str):  # appended to the prompt's last message, as TRL
-                    value = p.value[:-1] + [{**p.value[-1], "content": p.value[-1]["content"] + observation}]
-                    prompts[k] = render(value, p.columns)
+                    content = p.value[-1]["content"]
+                    added = observation if isinstance(content, str) else [{"type": "text", "text": observation}]
+                    value = p.value[:-1] + [{**p.value[-1], "content": content + added}]
+                    if images is not None:
+                        prompts[k] = images.again(p, value, self.schema_tools, self.max_prompt_length)
+                        inputs[k] = images.row_inputs([prompts[k]])[0]
+                    else:
+                        prompts[k] = render(value, p.columns)
         toolsets, schemas = [], []
         for env in environments:
             methods = environment_methods(env) if env is not None else []
             toolsets.append({t.__name__: t for t in self.tools + methods})
             schemas.append(self.tools + methods)
-        episodes = self.loop.run(sample, [p.ids for p in prompts], seed, toolsets, schemas)
+        episodes = self.loop.run(sample, [p.ids for p in prompts], seed, toolsets, schemas, inputs)
         return prompts, episodes, environments if self.factory is not None else None
 
 

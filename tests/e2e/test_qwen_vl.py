@@ -6,7 +6,17 @@ fine-tuning on one process (the final folder loads with the Auto classes, the vi
 its processor encodes as the base one, plain transformers on the final weights gives the logged eval loss), the same on
 two DDP processes with half the rows each (the one-process losses), and LoRA (adapters on the language model only;
 the saved adapter on the base, through plain transformers + peft, gives the logged eval loss). The masks, counts and
-the loss against transformers' own are in tests/unit/test_vision_families.py."""
+the loss against transformers' own are in tests/unit/test_vision_families.py.
+
+Preference and RL training, for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (grid-sized image tokens: the processor's
+image_grid_thw says how many each image has; pixel_values are the images' flat patches, concatenated row after row;
+the model derives its multimodal rotary positions from image_grid_thw and mm_token_type_ids): dpo equals TRL 1.16's
+DPOTrainer (scripts/compare_trl_vlm_dpo.py, every part trained: the rejected rows read the same patches as the chosen
+ones), kto its KTOTrainer (scripts/compare_trl_vlm_kto.py, 2 accumulated micro-batches a step), and grpo's two
+steps equal the plain-PyTorch recomputation from rollouts.jsonl and its first step TRL's GRPOTrainer, tool calling
+with images included, with the LLaVA tests' helpers (tests/e2e/test_vision_dpo.py, test_vision_kto.py,
+test_vision_grpo.py); dpo's loss on a collated micro-batch against independent encodings:
+tests/unit/test_data_image_pairs.py."""
 
 import json
 
@@ -19,6 +29,16 @@ from transformers.utils import is_torchvision_available
 from hftrain import vision
 from tests.conftest import launch, run_script
 from tests.e2e.test_vision import DATA, adapter_eval_loss, assert_processor_encodes_like_its_base, plain_eval_loss
+from tests.e2e.test_vision_dpo import assert_equal_to_trl_dpo
+from tests.e2e.test_vision_grpo import BASE as GRPO_BASE
+from tests.e2e.test_vision_grpo import (
+    ENVIRONMENT,
+    assert_first_step_equals_trl,
+    assert_tools_with_images_equal_trl,
+    assert_two_steps_equal_plain_pytorch,
+)
+from tests.e2e.test_vision_grpo import MODEL as LLAVA
+from tests.e2e.test_vision_kto import assert_equal_to_trl_kto
 
 pytestmark = pytest.mark.skipif(
     not is_torchvision_available(), reason="the Qwen-VL families' processors need torchvision (their video "
@@ -82,3 +102,62 @@ def test_a_lora_adapter_on_the_language_model_reproduces_the_logged_eval_loss(fa
     assert logged["eval_tokens"] == tokens
     assert abs(loss_sum / tokens - logged["eval_loss"]) < 1e-5
     assert logged["eval_loss"] < run.eval_rows()[0]["eval_loss"]
+
+
+PREFERENCE_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.mark.parametrize("arch", PREFERENCE_FAMILIES)
+def test_dpo_with_images_equals_trl_dpo_trainer(arch, image_text_model, tmp_path):
+    """3 steps of 4 pairs, sigmoid, every part trained (the vision tower's blocks and merger too): per-step loss,
+    rewards and log-probs, and the final weights, against TRL's DPOTrainer on the same pairs."""
+    assert_equal_to_trl_dpo(tmp_path, image_text_model(arch), ["sigmoid full"])
+
+
+@pytest.mark.parametrize("arch", PREFERENCE_FAMILIES)
+def test_kto_with_images_equals_trl_kto_trainer_with_accumulation(arch, image_text_model, tmp_path):
+    """12 unpaired rows, 3 steps, every part trained, hftrain's steps as 2 accumulated micro-batches: each KL row
+    reads its own row's patches and image_grid_thw (its mm_token_type_ids built from its row's prompt); per-step loss,
+    KL reference point, rewards and log-probs, and the final weights, against TRL's KTOTrainer."""
+    assert_equal_to_trl_kto(tmp_path, image_text_model(arch))
+
+
+@pytest.fixture(scope="module", params=PREFERENCE_FAMILIES)
+def grpo_run(request, image_text_model, tmp_path_factory):
+    """(base folder, 2 grpo steps of 8 completions on the LLaVA test's settings, checkpoint-1 saved)."""
+    base = image_text_model(request.param)
+    run = run_script(tmp_path_factory.mktemp(f"grpo-{request.param}") / "run",
+                     *[str(base) if a == str(LLAVA) else a for a in GRPO_BASE], "--per_device_train_batch_size", "8",
+                     "--save_strategy", "steps", "--save_steps", "1", "--checkpoint_preflight", "false")
+    return base, run
+
+
+def test_grpo_two_steps_equal_plain_pytorch(grpo_run):
+    """Each prompt's grid-sized image tokens in its ids (never sampled); the policy's and the reference's log-probs
+    recomputed from rollouts.jsonl with the processor's outputs (image_grid_thw, mm_token_type_ids extended over the
+    completion), dapo's loss with beta's KL, clipping, SGD: checkpoint-1 and the final weights."""
+    base, run = grpo_run
+    assert_two_steps_equal_plain_pytorch(run, base)
+
+
+def test_grpo_first_step_equals_trl_grpo_trainer(grpo_run, tmp_path):
+    """TRL's own prompt ids (its processor call with the images) looked up in rollouts.jsonl, its pixels, its
+    advantages, loss and SGD update: the weights of hftrain's checkpoint-1."""
+    base, run = grpo_run
+    assert_first_step_equals_trl(run, base, tmp_path)
+
+
+def test_grpo_tool_calling_with_images_equals_trl_grpo_trainer(image_text_model, tmp_path):
+    """Qwen2-VL: each turn's context (the prompt's grid-sized image tokens, the turns and tool results so far) is
+    generated with the prompt's patches, image_grid_thw and mm_token_type_ids (0 after the prompt); one step equals
+    TRL's GRPOTrainer with the same tool (tests/e2e/test_vision_grpo.py's assert_tools_with_images_equal_trl)."""
+    assert_tools_with_images_equal_trl(image_text_model("qwen2_vl"), tmp_path)
+
+
+def test_grpo_environment_with_images_equals_trl_grpo_trainer(image_text_model, tmp_path):
+    """Qwen2-VL with environment_factory: the observation lengthens each prompt after its image, so its
+    mm_token_type_ids are encoded again with it (for generate and the forward); one step equals TRL's GRPOTrainer
+    with the same environment class."""
+    (tmp_path / "calculator_env.py").write_text(ENVIRONMENT)
+    assert_tools_with_images_equal_trl(image_text_model("qwen2_vl"), tmp_path,
+                                       environment=tmp_path / "calculator_env.py")

@@ -15,15 +15,18 @@ is proportional to the gradient, as tests/e2e/test_grpo.py explains)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from hftrain import vision
 from tests.conftest import FSDP_LAUNCHER, REPO, launch, run_script, write_jsonl
 
 pytestmark = pytest.mark.launch
@@ -69,8 +72,9 @@ def data_rows() -> list[dict]:
 def plain_log_probs(model, processor, row: dict, prompt: dict) -> torch.Tensor:
     """The completion tokens' log-probs of `row` (rollouts.jsonl) under `model`, its prompt rendered from the data
     row `prompt` by the processor's chat template and its image encoded again (TRL's placement of the image before
-    the first user message's text for string content): every processor output goes to the model, a per-token one
-    (Gemma 3's token_type_ids) extended with 0 over the completion."""
+    the first user message's text for string content): every processor output goes to the model (Qwen-VL's
+    image_grid_thw too: the model derives its multimodal rotary positions), a per-token one (Gemma 3's
+    token_type_ids, Qwen-VL's mm_token_type_ids) extended with 0 over the completion."""
     messages = [{"role": m["role"], "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
                 if isinstance(m["content"], str) else m for m in prompt["prompt"]]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -79,8 +83,8 @@ def plain_log_probs(model, processor, row: dict, prompt: dict) -> torch.Tensor:
     assert inputs.pop("input_ids")[0].tolist() == row["prompt_ids"]  # the rollouts' prompt, the image's tokens in it
     inputs.pop("attention_mask")
     n = len(row["completion_ids"])
-    if "token_type_ids" in inputs:
-        inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros(1, n, dtype=torch.long)], dim=1)
+    for key in {"token_type_ids", "mm_token_type_ids"} & set(inputs):
+        inputs[key] = torch.cat([inputs[key], torch.zeros(1, n, dtype=inputs[key].dtype)], dim=1)
     ids = torch.tensor([row["prompt_ids"] + row["completion_ids"]])
     logps = torch.log_softmax(model(input_ids=ids, **inputs).logits[0, :-1].float(), -1)
     return logps[-n:].gather(1, torch.tensor(row["completion_ids"])[:, None]).squeeze(1)
@@ -112,7 +116,9 @@ def plain_step(model, reference, processor, rows: list[dict]) -> float:
 
 def starting_model(folder=MODEL):
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    model.model.vision_tower.requires_grad_(False)  # freeze_vision_tower's default
+    for name, param in model.named_parameters():  # freeze_vision_tower's default
+        if vision.part_of(name) == "vision":
+            param.requires_grad_(False)
     return model
 
 
@@ -143,7 +149,7 @@ def assert_two_steps_equal_plain_pytorch(run, folder) -> None:
     final = AutoModelForImageTextToText.from_pretrained(run.output_dir / "final", dtype=torch.float32).state_dict()
     assert_weights(final, model, rtol=1e-4, atol=2e-6)
     start = reference.state_dict()
-    assert any(not torch.equal(start[k], final[k]) for k in start if "multi_modal_projector" in k)
+    assert any(not torch.equal(start[k], final[k]) for k in start if vision.part_of(k) == "projector")
 
 
 def test_two_steps_equal_plain_pytorch_on_the_same_pixels(runs):
@@ -197,10 +203,14 @@ def test_first_step_equals_trl_grpo_trainer(runs, tmp_path):
     expanded by TRL's processor call), a reward function returns the recorded rewards; the rest is TRL's: the pixels
     of its forward (its processor call on the images), the reference's log-probs, the advantages, the loss and the
     SGD update. Its trained weights equal hftrain's checkpoint-1."""
+    assert_first_step_equals_trl(runs["one"], MODEL, tmp_path)
+
+
+def assert_first_step_equals_trl(run, folder, tmp_path) -> None:
+    """test_first_step_equals_trl_grpo_trainer on `run` of the image-text model in `folder` (any family)."""
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
-    run = runs["one"]
     rows = [r for r in rollouts(run) if r["step"] == 1]
     completions, rewards = {}, {}
     for r in rows:
@@ -217,14 +227,14 @@ def test_first_step_equals_trl_grpo_trainer(runs, tmp_path):
     def recorded(prompts, completions, completion_ids, group, **kwargs):
         return [rewards[(g, tuple(ids))] for g, ids in zip(group, completion_ids)]
 
-    model = starting_model()
+    model = starting_model(folder)
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=8,
                       num_generations=4, max_completion_length=6, beta=BETA, loss_type="dapo", optim="sgd",
                       learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
                       max_steps=1, logging_steps=1, save_strategy="no", report_to=[], seed=3, shuffle_dataset=False,
                       disable_tqdm=True)
     trainer = GRPOTrainer(model=model, reward_funcs=[recorded], args=args, train_dataset=dataset,
-                          processing_class=AutoProcessor.from_pretrained(MODEL))
+                          processing_class=AutoProcessor.from_pretrained(folder))
 
     def replayed(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         taken: dict = {}
@@ -347,10 +357,198 @@ def test_under_zero3_a_prompt_without_an_image_is_refused_before_the_model_loads
     assert BASE[-2:] == ["--freeze_projector", "false"]  # left out: both parts frozen
     args = [str(data) if a == str(DATA) else a for a in BASE[:-2]]
     run = launch(tmp_path / "zero3", *args, "--per_device_train_batch_size", "4", preset="zero3", processes=2,
-                 check=False)
+                 check=False, env={"TRANSFORMERS_VERBOSITY": "info"})  # from_pretrained logs "loading weights file"
     assert run.returncode != 0
     first = run.stderr.index("hftrain: error:")
     message = " ".join(run.stderr[first:].split("\n\n")[0].split())
     assert "1 of 8 prompts hold no image" in message and "under ZeRO-3 or FSDP2" in message
     assert "Traceback" not in run.stderr[:first]  # the launcher's report of the failed processes comes after
-    assert not (tmp_path / "zero3" / "final").exists()
+    assert "loading weights file" not in run.stderr and not (tmp_path / "zero3" / "final").exists()
+
+
+# ChatML with tool calling (models/tiny-tools' template, each content a string or a list of parts, an image part
+# written <image>: the tiny LLaVA's; IMAGE_PART for other families) and tiny-tools' response_template, so that the
+# turns parse into tool calls
+TOOLS_TEMPLATE = (
+    "{%- macro text(content) %}{%- if content is string %}{{- content }}{%- else %}{%- for part in content %}"
+    "{%- if part['type'] == 'image' %}{{- '<image>' }}{%- elif part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}{%- endmacro %}"
+    + (REPO / "models" / "tiny-tools" / "chat_template.jinja").read_text()
+    .replace("messages[0].content + '\\n\\n'", "text(messages[0].content) + '\\n\\n'")
+    .replace("messages[0].content + '<|im_end|>\\n'", "text(messages[0].content) + '<|im_end|>\\n'")
+    .replace("(message.content or '')", "text(message.content or '')")
+    .replace("'<|im_start|>tool\\n' + message.content", "'<|im_start|>tool\\n' + text(message.content)")
+    .replace("'\\n' + message.content + '<|im_end|>\\n'", "'\\n' + text(message.content) + '<|im_end|>\\n'")
+)
+
+
+IMAGE_PART = {"llava": "<image>", "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+
+
+def tool_calling_vlm(base, folder):
+    """The image-text model `base` copied with TOOLS_TEMPLATE (its family's image part) and tiny-tools'
+    response_template."""
+    shutil.copytree(base, folder)
+    family = json.loads((base / "config.json").read_text())["model_type"]
+    (folder / "chat_template.jinja").write_text(TOOLS_TEMPLATE.replace("'<image>'", repr(IMAGE_PART[family])))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["response_template"] = json.loads((REPO / "models" / "tiny-tools" / "tokenizer_config.json").read_text()
+                                             )["response_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def test_tool_calling_with_images_equals_trl_grpo_trainer(tmp_path):
+    """The tiny LLaVA (each prompt's image: 16 tokens): assert_tools_with_images_equal_trl; and 2 DDP processes of 4
+    completions (gloo; a process with nothing left to continue samples a row again and drops it, with its pixels)
+    equal the one process of 8: the rollouts (turns, tool calls, masks), the step's values and the weights."""
+    one, args = assert_tools_with_images_equal_trl(MODEL, tmp_path)
+    assert all(r["prompt_ids"].count(753) == 16 for r in rollouts(one))
+    two = launch(tmp_path / "ddp", *args[:-1], "4", preset="cpu_ddp", script=SCRIPTED)
+    assert (two.state()["launch"]["num_processes"], two.state()["launch"]["backend"]) == (2, "gloo")
+    keys = ("group", "prompt_ids", "completion_ids", "tool_mask", "tool_calls", "images", "reward")
+    assert [[r[k] for k in keys] for r in rollouts(one)] == [[r[k] for k in keys] for r in rollouts(two)]
+    for name in ("loss", "grad_norm", "reward", "entropy", "tools/call_frequency", "tools/failure_frequency"):
+        assert two.train_rows()[0][name] == pytest.approx(one.train_rows()[0][name], rel=1e-4, abs=1e-6), name
+    expected = load_file(one.output_dir / "final" / "model.safetensors")
+    for name, value in load_file(two.output_dir / "final" / "model.safetensors").items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+SCRIPTED = REPO / "tests" / "e2e" / "launchers" / "scripted_tools.py"
+
+
+ENVIRONMENT = '''from hftrain.rl.example_tools import OPERATIONS
+
+
+class Calculator:
+    def reset(self, **row):
+        return " Use the calculator."
+
+    def calculator(self, a: int, op: str, b: int) -> int:
+        """Compute a op b.
+
+        Args:
+            a: The left operand.
+            op: One of +, - and *.
+            b: The right operand.
+        """
+        if op not in OPERATIONS:
+            raise ValueError(f"unknown operation {op!r}; use one of + - *")
+        return OPERATIONS[op](int(a), int(b))
+'''
+
+
+def test_an_environment_with_images_equals_trl_grpo_trainer(tmp_path):
+    """environment_factory on prompts with images: each environment's reset observation is appended to its
+    prompt's last message as a text part (TRL's rule for list content), the prompt rendered again by the processor
+    with its image, and its pixels encoded again for generate and the forward; its calculator method is the tool.
+    One step equals TRL's GRPOTrainer with the same environment class (assert_tools_with_images_equal_trl)."""
+    (tmp_path / "calculator_env.py").write_text(ENVIRONMENT)
+    run, _ = assert_tools_with_images_equal_trl(MODEL, tmp_path, environment=tmp_path / "calculator_env.py")
+    text = AutoProcessor.from_pretrained(MODEL).tokenizer.decode(rollouts(run)[0]["prompt_ids"])
+    assert text.count("<image>") == 16 and "What is 50 + 44? Use the calculator.<|im_end|>" in text
+
+
+def assert_tools_with_images_equal_trl(base, tmp_path, environment=None) -> tuple:
+    """Multi-turn tool calling on prompts with images (`base` with a tool-calling template): the turns are
+    written by tests/e2e/launchers/scripted_tools.py's policy (a random model writes no calls) while the run's generate
+    still runs on every turn's context with the prompt's pixels; one step of 8 completions equals TRL 1.16's
+    GRPOTrainer with the same tool on the same rows, its generation replaced by the rollouts' sampled turns, looked up
+    by the context TRL itself built (its processor's rendering of the prompt with the tools' schemas and the image's
+    16 tokens, then the turns and its own tool suffixes: so those must equal hftrain's token for token); the rest is
+    TRL's: its calculator calls, tool masks, pixels, advantages, loss and update (the projector trained, so the pixels
+    reach the gradient). Returns the run and its arguments (the last: the batch size)."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hftrain.rl.example_tools import calculator
+
+    folder = tool_calling_vlm(base, tmp_path / "model")
+    image = str(DATA.parent / "images" / "red-square.png")
+    # two prompts of one length: TRL 1.16 left-pads the prompt ids of its forward but takes their per-token fields
+    # (Qwen-VL's mm_token_type_ids) from its processor call with padding=True, right-padded by this tokenizer, so for
+    # prompts of different lengths its rotary positions are shifted by the padding (hftrain's follow each row's own)
+    questions = [("What is 50 + 44?", 94), ("What is 23 + 51?", 74)]
+    prompts = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}],
+                "images": [image], "answer": a} for q, a in questions]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    tool = ["--tools", "hftrain.rl.example_tools.calculator"] if environment is None else [
+        "--environment_factory", f"{environment}:Calculator"]
+    args = [*BASE, "--model_name_or_path", str(folder), "--dataset_name", str(data),
+            "--reward_funcs", "hftrain.rl.example_rewards.final_answer", *tool, "--max_tool_calling_iterations", "2",
+            "--max_completion_length", "128", "--max_steps", "1", "--beta", "0", "--seed", "32",
+            "--per_device_train_batch_size", "8"]
+    run = run_script(tmp_path / "run", *args, script=SCRIPTED)
+    turns = [line for line in run.stdout.splitlines() if line.startswith("scripted turn:")]
+    assert len(turns) >= 2 and all(not line.endswith(" 0 images") for line in turns), turns  # pixels every turn
+    rows = rollouts(run)
+    assert len(rows) == 8 and all(r["images"] == [image] for r in rows)
+    assert len({len(r["prompt_ids"]) for r in rows}) == 1
+    assert any(c["kept"] and not c["failed"] for r in rows for c in r["tool_calls"])  # a call ran, then a turn
+    assert all(AutoProcessor.from_pretrained(folder).image_token_id in r["prompt_ids"] for r in rows)
+
+    taken: dict = {}
+
+    def replayed(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Each context's next sampled turn: the k-th rollout (in order) that continues it with sampled tokens."""
+        assert images and multimodal_fields.get("pixel_values") is not None  # TRL generates with the pixels too
+        out = []
+        for ids in prompt_ids:
+            context = list(ids.tolist() if hasattr(ids, "tolist") else ids)
+            follows = [r for r in rows if len(context) >= len(r["prompt_ids"])
+                       and (r["prompt_ids"] + r["completion_ids"])[:len(context)] == context
+                       and len(context) - len(r["prompt_ids"]) < len(r["completion_ids"])]
+            k = taken.get(tuple(context), 0)
+            assert k < len(follows), "TRL built a context that no rollout holds"
+            taken[tuple(context)] = k + 1
+            r, start = follows[k], len(context) - len(follows[k]["prompt_ids"])
+            end = next((j for j in range(start, len(r["tool_mask"])) if r["tool_mask"][j] == 0), len(r["tool_mask"]))
+            out.append(r["completion_ids"][start:end])
+        return out, None
+
+    rewards = {(r["group"], tuple(r["completion_ids"])): r["reward"] for r in rows}
+
+    def recorded(prompts, completions, completion_ids, group, **kwargs):
+        return [rewards[(g, tuple(ids))] for g, ids in zip(group, completion_ids)]
+
+    dataset = datasets.Dataset.from_list([{"prompt": p["prompt"], "images": [image], "group": g}
+                                          for g, p in enumerate(prompts)])
+    dataset = dataset.cast_column("images", datasets.Sequence(datasets.Image()))
+    config = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, per_device_train_batch_size=8,
+                        num_generations=4, max_completion_length=128, beta=0.0, loss_type="dapo", optim="sgd",
+                        learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+                        max_steps=1, logging_steps=1, save_strategy="no", report_to=[], seed=32,
+                        shuffle_dataset=False, disable_tqdm=True, max_tool_calling_iterations=2)
+    if environment is None:
+        tooling = {"tools": [calculator]}
+    else:  # the same class, imported from the file hftrain read it from
+        spec = importlib.util.spec_from_file_location("calculator_env", environment)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        tooling = {"environment_factory": module.Calculator}
+    trainer = GRPOTrainer(model=starting_model(folder), reward_funcs=[recorded], args=config, train_dataset=dataset,
+                          processing_class=AutoProcessor.from_pretrained(folder), **tooling)
+    tokenize = trainer._tokenize_prompts
+
+    def as_tensors(prompts):
+        """TRL 1.16's tool loop splits the prompts' pixel_values (and image_grid_thw) by image
+        (`split_pixel_values_by_grid`), which needs tensors, while its tokenization leaves the processor's lists of
+        arrays (its single-turn generate converts them with torch.tensor(np.array(...))): converted here the same
+        way, before the loop; the per-token fields stay lists, as TRL pads them."""
+        ids, images, fields = tokenize(prompts)
+        return ids, images, {k: v if isinstance(v, torch.Tensor) or k in ("token_type_ids", "mm_token_type_ids")
+                             else torch.tensor(np.array(v)) for k, v in fields.items()}
+
+    trainer._tokenize_prompts = as_tensors
+    trainer._generate_single_turn = replayed
+    trainer.train()
+    assert sum(taken.values()) > 8  # the continuations after tool results were looked up too
+    logged, mine = trainer.state.log_history[0], run.train_rows()[0]
+    for key in ("reward", "tools/call_frequency", "tools/failure_frequency"):
+        assert logged[key] == pytest.approx(mine[key], rel=1e-5), key
+    assert logged["grad_norm"] == pytest.approx(mine["grad_norm"], rel=1e-4)
+    final = AutoModelForImageTextToText.from_pretrained(run.output_dir / "final", dtype=torch.float32).state_dict()
+    assert_weights(final, trainer.model, rtol=1e-4, atol=2e-6)
+    return run, args

@@ -275,11 +275,18 @@ def test_the_preview_shows_both_sides_of_each_pair(capsys, rows):
     assert "masks: each side's completion" in out
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "idefics3"])
+QWEN_VL = pytest.mark.skipif(not is_torchvision_available(), reason="the Qwen-VL families' processors need "
+                             "torchvision, which is not installed here; make test-newest runs them")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "idefics3", pytest.param("qwen2_vl", marks=QWEN_VL),
+                                  pytest.param("qwen2_5_vl", marks=QWEN_VL), pytest.param("qwen3_vl", marks=QWEN_VL)])
 def test_dpo_loss_equals_plain_pytorch_for_other_families(arch, image_text_model, rows):
-    """The tiny Gemma 3 (token_type_ids per token: the rejected row's are built from the chosen row's prompt) and
-    Idefics3 (tiles per row, pixel_attention_mask) built by scripts/make_tiny_model.py: dpo's loss on a collated
-    micro-batch equals the formula on log-probs of independent encodings of each side (the processor on the
+    """The tiny Gemma 3 (token_type_ids per token: the rejected row's are built from the chosen row's prompt),
+    Idefics3 (tiles per row, pixel_attention_mask) and, where torchvision is installed, Qwen2-VL / Qwen2.5-VL /
+    Qwen3-VL (grid-sized image tokens; pixel_values the images' flat patches with image_grid_thw, and
+    mm_token_type_ids: the rejected rows read the same patches) built by scripts/make_tiny_model.py: dpo's loss on a
+    collated micro-batch equals the formula on log-probs of independent encodings of each side (the processor on the
     template's text for prompt + completion; trained: the tokens after the prompt rendered with the generation
     prompt, through the last one that is not whitespace), against a reference that differs from the policy."""
     folder = image_text_model(arch)

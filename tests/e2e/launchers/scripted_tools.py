@@ -8,8 +8,10 @@ sampling seed, which hftrain derives from the row and the turn, not from the pro
 every layout gets the same rollouts. For a question "What is a op b?" the first turn is a correct calculator call, a
 call with an unknown operation (a failing tool), a call to a tool that does not exist, or a direct answer; after a
 tool result the policy answers with it, or with it plus one. Everything after the sampler (parsing, tool execution,
-masks, rewards, loss, checkpoints) is the product's. With async_generation the rollout worker samples each turn with
-`ScriptedSampler`, the same policy (the worker process imports this file without running it).
+masks, rewards, loss, checkpoints) is the product's. With an image-text model the run's own generate still runs on
+every turn's contexts with their prompts' pixels (its tokens are replaced by the script's). With async_generation the
+rollout worker samples each turn with `ScriptedSampler`, the same policy (the worker process imports this file
+without running it).
 """
 
 import dataclasses
@@ -31,8 +33,8 @@ def call(a, op, b, name="calculator") -> str:
 
 
 class ScriptedPolicy:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, model_generator=None):
+        self.tokenizer, self.model_generator = tokenizer, model_generator  # None: the worker's (text only)
 
     def describe(self) -> str:
         return "a scripted tool-calling policy"
@@ -47,7 +49,12 @@ class ScriptedPolicy:
         a, op, b = QUESTION.findall(text)[-1]
         return [call(a, op, b), call(a, "/", b), call(a, op, b, name="abacus"), f"It is {a}."][seed % 4]
 
-    def sample(self, prompts, seeds):
+    def sample(self, prompts, seeds, inputs=None):
+        if inputs is not None:  # an image-text model: the run's generate still runs on each turn's contexts with
+            # their prompts' pixels (its tokens replaced by the script's), and says so for the test
+            self.model_generator.sample(prompts, seeds, inputs)
+            print(f"scripted turn: generate ran on {len(prompts)} contexts with "
+                  f"{sum(len(x.get('pixel_values', ())) for x in inputs)} images", flush=True)
         return [Sampled(self.tokenizer(self.turn(p, s) + "<|im_end|>", add_special_tokens=False)["input_ids"], False)
                 for p, s in zip(prompts, seeds)]
 
@@ -77,7 +84,7 @@ class ScriptedTools(Finetune):
 
         self.objective.feed = scripted_feed
         super().setup_optimizer(parts)  # after the objective built the rollouts and their generator
-        self.feed.generator = ScriptedPolicy(self.tokenizer)
+        self.feed.generator = ScriptedPolicy(self.tokenizer, self.feed.generator)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 from transformers import AutoProcessor
+from transformers.utils import is_torchvision_available
 
 from hftrain.config import Recipe
 from hftrain.errors import HftrainError
@@ -73,6 +74,10 @@ def test_batch_inputs_place_per_token_outputs_where_each_prompt_sits():
     assert right["token_type_ids"].tolist() == [[1, 1, 0, 0, 0, 0], [0] * 6, [0, 1, 0, 0, 0, 0]]
     assert torch.equal(left["pixel_values"], torch.cat([one, two])) and torch.equal(right["pixel_values"],
                                                                                     left["pixel_values"])
+    # a multi-turn context (tool calling): the prompt's 3 tokens, then 2 of turns and tool results, marked 0 (TRL's
+    # tool loop extends the prompt's per-token fields with 0 the same way)
+    longer = batch_inputs(rows_[:1], [5], 6, left=True)
+    assert longer["token_type_ids"].tolist() == [[0, 1, 1, 0, 0, 0]]
 
 
 def test_bad_prompts_are_refused_naming_the_row(processor, tmp_path):
@@ -99,8 +104,68 @@ def test_the_recipe_check_refuses_what_grpo_with_images_does_not_do_by_name():
                                      **fields))[1]
 
     assert problems() == []
-    refused = " | ".join(problems(async_generation=True, use_vllm=True, tools=["x.py:f"], sp_size=2))
+    refused = " | ".join(problems(async_generation=True, use_vllm=True, sp_size=2))
     for words in ("async_generation with objective=grpo with the image-text model 'llava' is not supported yet",
-                  "use_vllm with objective=grpo", "tool calling (tools / environment_factory) with objective=grpo",
-                  "sp_size 2 with objective=grpo"):
+                  "use_vllm with objective=grpo", "sp_size 2 with objective=grpo"):
         assert words in refused, words
+    # tool calling runs with images (each turn generated with the prompt's pixels)
+    assert problems(tools=["x.py:f"]) == [] and problems(environment_factory="x.py:E") == []
+
+
+@pytest.mark.parametrize("arch", ["gemma3", pytest.param("qwen2_vl", marks=pytest.mark.skipif(
+    not is_torchvision_available(), reason="the Qwen-VL families' processors need torchvision, which is not "
+    "installed here; make test-newest runs them"))])
+def test_a_multi_turn_context_generates_with_its_prompts_pixels(arch, image_text_model):
+    """Tool calling's continuations: two contexts of different lengths (each a prompt with its image, then tokens
+    standing for a turn and a tool result), left-padded into one generate call with their prompts' processor
+    outputs (Gemma 3's token_type_ids, Qwen2-VL's mm_token_type_ids with image_grid_thw: 0 after the prompt). At each
+    of 3 steps, each row's logits in generate (seen by an observing processor) equal a plain forward of that row
+    alone, unpadded, with the processor's outputs for its prompt; and its sampled token is the argmax of those logits
+    plus the row generator's Gumbel noise (RowSeededSampling's draw)."""
+    from transformers import AutoModelForImageTextToText, LogitsProcessor
+
+    from hftrain.rl.rollouts import Sampling, generate_rows
+
+    class Observe(LogitsProcessor):
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, input_ids, scores):
+            self.seen.append(scores.detach().float().clone())
+            return scores
+
+    folder = image_text_model(arch)
+    processor = AutoProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    images = PromptImages(processor)
+    prompts = images.render(rows(2), str(DATA), None)
+    extra = processor.tokenizer("Let me check.<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n",
+                                add_special_tokens=False)["input_ids"]
+    contexts = [prompts[0].ids + extra, prompts[1].ids + extra[:5]]
+    assert len(contexts[0]) != len(contexts[1])
+    seeds, eos, observe = [11, 12], {processor.tokenizer.eos_token_id}, Observe()
+    got = generate_rows(model, contexts, seeds, Sampling(max_completion_length=3), eos,
+                        processor.tokenizer.pad_token_id, extra=[observe], inputs=images.row_inputs(prompts))
+    for row, (context, seed, data_row, (tokens, _)) in enumerate(zip(contexts, seeds, rows(2), got)):
+        text = processor.apply_chat_template(trl_like(data_row["prompt"]), add_generation_prompt=True, tokenize=False)
+        inputs = processor(text=[text], images=[Image.open(DATA.parent / data_row["images"][0]).convert("RGB")],
+                           return_tensors="pt", add_special_tokens=False)
+        inputs.pop("attention_mask")
+        prompt_length = inputs.pop("input_ids").shape[1]
+        generator = torch.Generator().manual_seed(seed)
+        ids = list(context)
+        for step, token in enumerate(tokens):
+            extended = {k: torch.cat([v, v.new_zeros(1, len(ids) - prompt_length)], dim=1)
+                        if k in ("token_type_ids", "mm_token_type_ids") else v for k, v in inputs.items()}
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids]), **extended).logits[0, -1].float()
+            torch.testing.assert_close(observe.seen[step][row], logits, rtol=1e-4, atol=1e-4)
+            uniform = torch.rand(logits.shape[-1], generator=generator).clamp_min(torch.finfo(torch.float32).tiny)
+            assert token == int(torch.argmax(logits - torch.log(-torch.log(uniform))))
+            ids.append(token)
+
+
+def trl_like(prompt: list[dict]) -> list[dict]:
+    """A data row's prompt with its image part before the text of a string content (TRL's placement)."""
+    return [{"role": m["role"], "content": [{"type": "image"}, {"type": "text", "text": m["content"]}]}
+            if isinstance(m["content"], str) else m for m in prompt]
