@@ -157,20 +157,25 @@ def test_accumulation_two_processes_and_streaming_equal_one_batch_and_a_zero3_re
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_orpo_on_image_pairs_accumulates_like_one_batch(tmp_path):
-    """orpo through the entry script on the image pairs: 2 accumulated micro-batches of 2 pairs equal one of 4 (the
-    NLL's token mean over the step's chosen rows, image tokens left out, counted across micro-batches before the
-    step: the loss, its NLL part and the final weights)."""
+def test_orpo_on_image_pairs_accumulates_and_splits_over_processes_like_one_batch(tmp_path):
+    """orpo through the entry script on the image pairs: 2 accumulated micro-batches of 2 pairs, and 2 DDP processes
+    of 2 (gloo), equal one of 4 (the NLL's token mean over the step's chosen rows, image tokens left out, counted
+    across micro-batches and ranks before the step: the loss, its NLL part and the final weights)."""
     args = [*EXACT, "--objective", "orpo", "--max_steps", "2"]
     one = run_script(tmp_path / "one", *args, "--per_device_train_batch_size", "4")
     accum = run_script(tmp_path / "accum", *args, "--per_device_train_batch_size", "2",
                        "--gradient_accumulation_steps", "2")
-    for key in ("loss", "nll_loss", "log_odds_ratio", "grad_norm"):
-        torch.testing.assert_close(torch.tensor([r[key] for r in accum.train_rows()]),
-                                   torch.tensor([r[key] for r in one.train_rows()]), rtol=1e-5, atol=1e-6, msg=key)
+    ddp = launch(tmp_path / "ddp", *args, "--per_device_train_batch_size", "2", preset="cpu_ddp")
+    assert (ddp.state()["launch"]["num_processes"], ddp.state()["launch"]["model_wrapper"]) == (
+        2, "DistributedDataParallel")
     expected = load_file(one.output_dir / "final" / "model.safetensors")
-    for name, value in load_file(accum.output_dir / "final" / "model.safetensors").items():
-        torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    for run in (accum, ddp):
+        for key in ("loss", "nll_loss", "log_odds_ratio", "grad_norm"):
+            torch.testing.assert_close(torch.tensor([r[key] for r in run.train_rows()]),
+                                       torch.tensor([r[key] for r in one.train_rows()]), rtol=1e-5, atol=1e-6,
+                                       msg=key)
+        for name, value in load_file(run.output_dir / "final" / "model.safetensors").items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-6, msg=name)
     assert "objective orpo" in one.stdout + one.stderr
 
 
