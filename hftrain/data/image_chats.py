@@ -387,11 +387,17 @@ class StreamImageCollator:
     def __call__(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
         examples = [example for row in rows for example in row]
         if self.no_image_filler and any(example["images"] for example in examples):
-            raise HftrainError(f"dataset {self.name!r}: an image chat came after the stream's first {FILLER_SCAN} "
-                               "examples, which held none; on several processes every micro-batch must be able to "
-                               "run the vision tower (a micro-batch without an image borrows one of those first "
-                               "image chats), so put an image chat among the first examples (or shuffle the files), "
-                               "or train on one process")
+            raise HftrainError(self.late_image())
+        return self.collate(examples)
+
+    def late_image(self) -> str:
+        """The refusal of an example with an image after a filler without one."""
+        return (f"dataset {self.name!r}: an image chat came after the stream's first {FILLER_SCAN} examples, which "
+                "held none; on several processes every micro-batch must be able to run the vision tower (a "
+                "micro-batch without an image borrows one of those first image chats), so put an image chat among "
+                "the first examples (or shuffle the files), or train on one process")
+
+    def collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         chats = ImageChats([*examples, *([self.filler] if self.filler else [])], self.base, self.name)
         return ImageChatCollator(chats, self.processor, self.pad_token_id)(list(range(len(examples))))
 

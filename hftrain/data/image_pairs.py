@@ -28,6 +28,7 @@ from hftrain.data.image_chats import (
     IMAGES_COLUMN,
     PER_TOKEN_PAD,
     ImageRows,
+    StreamImageCollator,
     base_folder,
     check_image_chat,
     check_image_paths,
@@ -249,27 +250,18 @@ class ImagePairCollator:
         return {**batch, "image_tokens": image_tokens, "num_examples": torch.tensor(len(row_indices))}
 
 
-class StreamImagePairCollator:
+class StreamImagePairCollator(StreamImageCollator):
     """ImagePairCollator for a stream's micro-batches, given as rows (lists of one `stream_pair`) instead of indices;
     `filler`: the pair for a micro-batch without an image (`filler_pair`). With several `processes` and a filler
-    without an image, a pair with an image met later stops the run (image_chats.StreamImageCollator: the processes'
-    gathers or reductions would not match)."""
+    without an image, a pair with an image met later stops the run (as image_chats.StreamImageCollator: the
+    processes' gathers or reductions would not match)."""
 
-    def __init__(self, processor, pad_token_id: int, base: Path | None, name: str, filler: dict | None,
-                 processes: int = 1):
-        self.processor, self.pad_token_id, self.filler = processor, pad_token_id, filler
-        self.base, self.name = base, name
-        self.mark_real_tokens = False  # the Collator interface
-        self.reference = None
-        self.no_image_filler = processes > 1 and not (filler and filler["images"])
+    def late_image(self) -> str:
+        return (f"dataset {self.name!r}: a pair with an image came after the stream's first {FILLER_SCAN} examples, "
+                "which held none; on several processes every micro-batch must be able to run the vision tower, so "
+                "put a pair with an image among the first examples (or shuffle the files), or train on one process")
 
-    def __call__(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
-        pairs = [pair for row in rows for pair in row]
-        if self.no_image_filler and any(pair["images"] for pair in pairs):
-            raise HftrainError(f"dataset {self.name!r}: a pair with an image came after the stream's first "
-                               f"{FILLER_SCAN} examples, which held none; on several processes every micro-batch "
-                               "must be able to run the vision tower, so put a pair with an image among the first "
-                               "examples (or shuffle the files), or train on one process")
+    def collate(self, pairs: list[dict]) -> dict[str, torch.Tensor]:
         held = ImagePairs([*pairs, *([self.filler] if self.filler else [])], self.base, self.name)
         collator = ImagePairCollator(held, self.processor, self.pad_token_id)
         if self.filler and not any(pair["images"] for pair in pairs):
