@@ -31,6 +31,7 @@ from hftrain import trained
 from hftrain.errors import HftrainError, first_line, run_tool
 from hftrain.options import Parser, add_switch
 from hftrain.retrieval_eval import evaluate_folder
+from hftrain.run_parts import TrainRun
 
 INSTALL = "pip install 'hftrain[eval]' (lm-eval)"
 
@@ -240,7 +241,7 @@ class TaskEvaluation:
         self.tasks = Tasks(recipe.eval_tasks) if backend.accelerator.is_main_process else None
         backend.accelerator.wait_for_everyone()
 
-    def __call__(self, run) -> dict:
+    def __call__(self, run: TrainRun) -> dict:
         """Every rank calls this; the main process returns the metrics row's `eval/<task>/<metric>` items."""
         accelerator, row = self.backend.accelerator, {}
         if accelerator.is_main_process:
@@ -253,7 +254,7 @@ class TaskEvaluation:
             finally:
                 lm.train()
             row = metrics(results)
-            run.logger.print(f"hftrain: eval_tasks after step {run.progress.step}:\n{table(results)}")
+            run.say(f"hftrain: eval_tasks after step {run.progress.step}:\n{table(results)}")
         accelerator.wait_for_everyone()
         return row
 

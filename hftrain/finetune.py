@@ -215,11 +215,12 @@ class Finetune:
                                 resume_from=self.resume_from, output_dir=self.output_dir, watchdog=self.watchdog,
                                 setup_examples=self.setup_examples)
         self.data = self.objective.setup_data(self.data_run)
-        # what each evaluation runs on the live model after the objective's own evaluation
+        # what each evaluation runs on the live model after the objective's own evaluation, each called with the
+        # TrainRun: eval_tasks' benchmarks, log_completions' samples, the objective's own (retrieval metrics)
         samples = recipe.log_completions and self.objective.completes_eval_prompts and self.data.eval_set is not None
-        self.eval_addons = [addon for addon in (self.task_evaluation, CompletionSamples(self) if samples else None)
-                            if addon is not None]
-        self.objective_addons = self.objective.eval_addons(self.data_run)  # called with the TrainRun, after those
+        self.eval_addons = [addon for addon in (
+            self.task_evaluation, CompletionSamples(self.data_run, self.data.eval_set) if samples else None,
+            *self.objective.eval_addons(self.data_run)) if addon is not None]
 
     def setup_examples(self) -> TrainingData:
         """Examples from datasets, map-style or streamed (sft, dpo, simpo, orpo, kto): hftrain.data.feeds reads
@@ -269,10 +270,6 @@ class Finetune:
                                                                 self.resume_from, self.data.plan)
             if self.lr_scaling is not None:  # the peak follows this run's effective batch, not the saved run's
                 set_peak_learning_rate(self.scheduler, self.learning_rate)
-        self.train_run = prepared.handed_on(
-            TrainRun, feed=self.feed, progress=self.progress,
-            evaluate_loss=partial(evaluate, self.backend, self.model, parts.loss, self.data.eval_set,
-                                  self.data.eval_collator, recipe))
         self.feed.start(self.progress.step, self.data.stream_state)  # a stream continues from the checkpoint's position
         self.saves = checkpoint.BackgroundSaves(self.backend, self.model, self.optimizer, recipe.async_checkpointing)
         if recipe.async_checkpointing and not self.saves.enabled:
@@ -282,6 +279,10 @@ class Finetune:
         self.logger = MetricLogger(self.accelerator, recipe, self.progress.step, self.run_info, resumed)
         self.run_info.update(self.logger.run_ids())  # e.g. the W&B run id, so that a resumed run continues it
         self.hub = HubPush(recipe, self.accelerator.is_main_process, self.logger.print, self.logger.warn)
+        self.train_run = prepared.handed_on(
+            TrainRun, feed=self.feed, progress=self.progress,
+            evaluate_loss=partial(evaluate, self.backend, self.model, parts.loss, self.data.eval_set,
+                                  self.data.eval_collator, recipe), say=self.logger.print)
         if recipe.push_to_hub:
             self.parts.notes.append(f"pushing to {repo_url(self.hub.repo_id)} (hub_strategy {recipe.hub_strategy}"
                               f"{', branch ' + recipe.hub_revision if recipe.hub_revision else ''})")
@@ -617,7 +618,7 @@ class Finetune:
     @property
     def evaluates(self) -> bool:
         """Whether evaluations run anything: the objective's (with an eval set), eval_tasks or log_completions."""
-        return self.data.eval_set is not None or bool(self.eval_addons) or bool(self.objective_addons)
+        return self.data.eval_set is not None or bool(self.eval_addons)
 
     def evaluate(self) -> dict:
         """One evaluation row, every rank calling: the objective's evaluation when there is an eval set
@@ -625,8 +626,6 @@ class Finetune:
         live model (eval_tasks' benchmarks, log_completions' samples)."""
         metrics = self.objective.evaluate(self.train_run) if self.data.eval_set is not None else {}
         for addon in self.eval_addons:
-            metrics.update(addon(self))
-        for addon in self.objective_addons:  # the objective's own (embedding's retrieval metrics)
             metrics.update(addon(self.train_run))
         return metrics
 

@@ -77,3 +77,4 @@ class TrainRun(ModelRun):
     feed: Feed  # the feed the loop reads (`Objective.feed`'s: the data phase's, grpo's Rollouts)
     progress: Progress  # the run's progress, kept current: `progress.step` is the last completed step
     evaluate_loss: Callable[[], dict[str, float]]  # the loss module's metrics over the eval set (every rank calls it)
+    say: Callable[[str], None]  # a line on the console and in the run's log (the main process's; others' dropped)

@@ -23,6 +23,7 @@ from hftrain.errors import HftrainError
 from hftrain.jsonl import keep_through
 from hftrain.model import pad_token_id
 from hftrain.paths import COMPLETIONS_FILE, STATE_FILE
+from hftrain.run_parts import DataRun, TrainRun
 from hftrain.tracking import Table
 
 DEFAULT_NEW_TOKENS = 128
@@ -38,9 +39,10 @@ def prompt_ids(input_ids: list[int], labels: list[int]) -> list[int]:
 
 
 class CompletionSamples:
-    """log_completions' evaluation add-on, built after the data (`Finetune.setup_data`)."""
+    """log_completions' evaluation add-on, built after the data (`Finetune.setup_data`) from the run's `DataRun` and
+    eval set, called with its `TrainRun` at each evaluation."""
 
-    def __init__(self, run):
+    def __init__(self, run: DataRun, eval_set):
         recipe, record = run.recipe, run.backend.record
         if run.processor is not None:
             raise HftrainError("log_completions completes text prompts, but this is an image-text model whose "
@@ -49,7 +51,7 @@ class CompletionSamples:
             raise HftrainError(f"log_completions generates with the model, which {record.name} splits into pipeline "
                                "stages or sequence shards that transformers' generate cannot run; remove "
                                "log_completions (try the final folder with `hftrain chat`)")
-        rows = run.data.eval_set.select(range(min(recipe.num_completion_prompts, len(run.data.eval_set))))
+        rows = eval_set.select(range(min(recipe.num_completion_prompts, len(eval_set))))
         self.prompts = [prompt_ids(list(r["input_ids"]), list(r["labels"])) for r in rows]
         self.texts = [run.tokenizer.decode(p) for p in self.prompts]
         self.tokenizer, self.backend = run.tokenizer, run.backend
@@ -62,7 +64,7 @@ class CompletionSamples:
         self.file = run.output_dir / COMPLETIONS_FILE
         self.started = False
 
-    def start_file(self, run) -> None:
+    def start_file(self, run: TrainRun) -> None:
         """At the first evaluation (nothing is written before training starts): a resumed run keeps the rows up to its
         checkpoint's step, a new one starts the file empty."""
         start = 0
@@ -72,7 +74,7 @@ class CompletionSamples:
         self.file.touch()
         self.started = True
 
-    def __call__(self, run) -> dict:
+    def __call__(self, run: TrainRun) -> dict:
         """Every rank generates (the same prompts, greedy); the main process writes, prints and returns the table."""
         step, device = run.progress.step, run.accelerator.device
         completions = []
@@ -95,6 +97,6 @@ class CompletionSamples:
         with self.file.open("a", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         for row in rows[:self.to_print]:
-            run.logger.print(f"hftrain: completion at step {step}: {row['prompt']!r} -> {row['completion']!r}")
+            run.say(f"hftrain: completion at step {step}: {row['prompt']!r} -> {row['completion']!r}")
         return {"completions": Table(["step", "prompt", "completion"], [[r["step"], r["prompt"], r["completion"]]
                                                                         for r in rows])}

@@ -218,7 +218,7 @@ def finished(tmp_path, **recipe) -> list[str]:
     printed = Printed()
     printed.close = lambda: None
     run.logger, run.output_dir, run.processor = printed, Path(run.recipe.output_dir), None
-    run.data, run.eval_addons, run.objective_addons = SimpleNamespace(eval_set=None), [], []
+    run.data, run.eval_addons = SimpleNamespace(eval_set=None), []
     run.meter = SimpleNamespace(device_hours=lambda: 0.25)
     run.hub = SimpleNamespace(at_saves=False, finish=lambda *args: None)
     run.save_final = lambda: run.output_dir / "final"
