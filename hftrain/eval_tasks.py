@@ -20,9 +20,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import logging
 import warnings
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from hftrain.errors import HftrainError, first_line, run_tool
 from hftrain.options import Parser, add_switch
 from hftrain.retrieval_eval import evaluate_folder
 from hftrain.run_parts import TrainRun
+from hftrain.tracking import errors_only
 
 INSTALL = "pip install 'hftrain[eval]' (lm-eval)"
 
@@ -45,16 +45,9 @@ def import_lm_eval():
     return lm_eval
 
 
-@contextmanager
-def quiet_lm_eval():
+def quiet_lm_eval() -> AbstractContextManager[None]:
     """lm-eval's info logging and its warnings about a pre-built model (hftrain passes one on purpose) hidden."""
-    logger = logging.getLogger("lm_eval")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    return errors_only("lm_eval")
 
 
 def is_task_file(spec: str) -> bool:

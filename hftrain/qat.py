@@ -22,9 +22,7 @@ computed (fq(W) + scaling x B A), not equal to it.
 from __future__ import annotations
 
 import contextlib
-import logging
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -33,20 +31,14 @@ from transformers import AutoModelForCausalLM, TorchAoConfig
 
 from hftrain.config import Recipe
 from hftrain.fields.qat import QAT_SCHEMES
+from hftrain.tracking import errors_only
 
 QUANTIZED_DIR = "final-quantized"  # output_dir/final-quantized: the converted model
 
 
-@contextlib.contextmanager
-def quiet_torchao() -> Iterator[None]:
+def quiet_torchao() -> contextlib.AbstractContextManager[None]:
     """torchao's import logs a warning for each CUDA extension it cannot load (on a CPU machine: all of them)."""
-    logger = logging.getLogger("torchao")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    return errors_only("torchao")
 
 
 def base_config(scheme: str, group_size: int):

@@ -9,10 +9,13 @@ Another tracker that cannot start (e.g. MLflow without a usable tracking URI) is
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +58,18 @@ def tracker_config(recipe: Recipe, run_info: dict) -> dict:
                      "launch": run_info["launch"]})
     clean = {k: redact(k, v) for k, v in flat.items()}
     return {k: v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for k, v in clean.items()}
+
+
+@contextlib.contextmanager
+def errors_only(logger_name: str) -> Iterator[None]:
+    """A library's logger (and its children) shows only errors inside the block; its level is restored after."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def quiet_console(accelerator, stream=None) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from hftrain.config import recipe_from_dict
 from hftrain.errors import ConfigError
 from hftrain.preflight import machine_problems
-from hftrain.tracking import REDACTED, tracker_config
+from hftrain.tracking import REDACTED, errors_only, tracker_config
 from tests.conftest import REPO
 
 
@@ -93,3 +95,16 @@ def test_library_progress_bars_show_on_the_main_processs_terminal_only(main, ter
         datasets.enable_progress_bars()
         transformers.utils.logging.set_verbosity(verbosity[0])
         datasets.utils.logging.set_verbosity(verbosity[1])
+
+
+def test_errors_only_hides_a_librarys_warnings_inside_the_block_and_restores_its_level(caplog):
+    """What quiet_torchao / quiet_lm_eval rely on: inside the block a child logger's warning is dropped and its error
+    kept; after it the library logs warnings again at the level it had."""
+    library = logging.getLogger("somelib")
+    library.setLevel(logging.INFO)
+    with caplog.at_level(logging.DEBUG), errors_only("somelib"):
+        logging.getLogger("somelib.ext").warning("cannot load the CUDA extension")
+        logging.getLogger("somelib.ext").error("broken")
+        logging.getLogger("otherlib").warning("kept")
+    assert [r.getMessage() for r in caplog.records] == ["broken", "kept"]
+    assert library.level == logging.INFO
