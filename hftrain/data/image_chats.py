@@ -352,14 +352,14 @@ def check_image_paths(example: dict, where: str) -> None:
                            "set streaming: false")
 
 
-def filler_row(examples, processor, spec: DataSpec, base: Path | None, name: str) -> dict | None:
+def filler_row(examples, processor, spec: DataSpec, base: Path | None, name: str, read=None) -> dict | None:
     """The row ImageChatCollator adds to a micro-batch without an image (labels all -100: it trains nothing): the
     first kept image chat among `examples` (the stream's first FILLER_SCAN, every rank the same), else the first kept
-    chat."""
-    first = None
+    chat. `read`: how an example becomes a row, `stream_row`'s signature (image_pairs.stream_pair for pairs)."""
+    read, first = read or stream_row, None
     for i, example in enumerate(examples):
         try:
-            row = stream_row(example, processor, spec, base, f"dataset {name!r} example {i}")
+            row = read(example, processor, spec, base, f"dataset {name!r} example {i}")
         except HftrainError:
             continue
         if not row["dropped"]:

@@ -34,6 +34,7 @@ from hftrain.data.image_chats import (
     check_image_paths,
     collate,
     encode,
+    filler_row,
     open_image,
     truncate,
 )
@@ -173,17 +174,7 @@ def stream_pair(example: dict, processor, spec: DataSpec, base: Path | None, whe
 def filler_pair(examples, processor, spec: DataSpec, base: Path | None, name: str) -> dict | None:
     """The pair ImagePairCollator adds to a micro-batch without an image: the first kept pair with an image among
     `examples` (the stream's first image_chats.FILLER_SCAN, every rank the same), else the first kept pair."""
-    first = None
-    for i, example in enumerate(examples):
-        try:
-            row = stream_pair(example, processor, spec, base, f"dataset {name!r} example {i}")
-        except HftrainError:
-            continue
-        if not row["dropped"]:
-            if row["images"]:
-                return row
-            first = first or row
-    return first
+    return filler_row(examples, processor, spec, base, name, read=stream_pair)
 
 
 def prepare_pairs(raw, processor, spec: DataSpec, name: str) -> tuple[ImagePairs, dict]:
