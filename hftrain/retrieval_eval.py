@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from hftrain.data.retrieval import pair_ids
+from hftrain.data.retrieval import pad_texts, pair_ids
 from hftrain.errors import HftrainError
 from hftrain.model import pad_token_id
 from hftrain.pooling import pool
@@ -168,17 +168,6 @@ def ranked_metrics(rankings: list[list[int]], relevant: list[set[int]]) -> dict[
     return {name: value / counted for name, value in sums.items()}
 
 
-def pad_texts(ids: list[list[int]], pad_id: int, side: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids of texts right- or left-padded to the longest, and their attention mask."""
-    width = max(len(row) for row in ids)
-    input_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for r, row in enumerate(ids):
-        span = slice(width - len(row), width) if side == "left" else slice(0, len(row))
-        input_ids[r, span], mask[r, span] = torch.tensor(row), 1
-    return input_ids, mask
-
-
 class RetrievalEvaluation:
     """An evaluation add-on of objective embedding (`Objective.eval_addons`): the retrieval metrics of the live
     embedding model."""
@@ -196,7 +185,7 @@ class RetrievalEvaluation:
     def embed(self, model, ids: list[list[int]], device) -> torch.Tensor:
         pieces = []
         for start in range(0, len(ids), self.batch):
-            input_ids, mask = pad_texts(ids[start:start + self.batch], self.pad_id, self.side)
+            input_ids, mask, _ = pad_texts(ids[start:start + self.batch], self.pad_id, self.side)
             pieces.append(model(input_ids=input_ids.to(device), attention_mask=mask.to(device), embed_only=True))
         return torch.cat(pieces)
 
@@ -223,7 +212,7 @@ def pair_scores(score, ids: list[list[int]], pad_id: int, side: str, batch: int,
     """One score per pair: `score(input_ids, attention_mask)` over batches of `batch` padded pairs."""
     pieces = []
     for start in range(0, len(ids), batch):
-        input_ids, mask = pad_texts(ids[start:start + batch], pad_id, side)
+        input_ids, mask, _ = pad_texts(ids[start:start + batch], pad_id, side)
         pieces.append(score(input_ids.to(device), mask.to(device)).float())
     return torch.cat(pieces)
 
@@ -336,7 +325,8 @@ def evaluate_folder(folder: Path, task_dir: Path, batch_size: int = 32) -> dict[
         ids = tokenizer(texts, truncation=True)["input_ids"]
         pieces = []
         for start in range(0, len(ids), batch_size):
-            input_ids, mask = pad_texts(ids[start:start + batch_size], tokenizer.pad_token_id, tokenizer.padding_side)
+            input_ids, mask, _ = pad_texts(ids[start:start + batch_size], tokenizer.pad_token_id,
+                                           tokenizer.padding_side)
             hidden = encoder(input_ids=input_ids, attention_mask=mask).last_hidden_state
             pieces.append(torch.nn.functional.normalize(pool(hidden, mask, pooling).float(), dim=-1))
         return torch.cat(pieces)

@@ -106,6 +106,23 @@ def tokenize_rows(rows: list[tuple[str, dict]], tokenizer, max_length: int, quer
     return TextRows(ids, columns, where)
 
 
+def pad_texts(texts: list[list[int]], pad_id: int, side: str, counted: list[bool] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids of texts right- or left-padded to the longest, their attention mask, and the collators' `labels`: a
+    leading ignored column, then the ids of each text `counted` flags at its real tokens (the loop counts the real
+    tokens from labels[:, 1:]; the loss does not read it)."""
+    width = max(len(ids) for ids in texts)
+    input_ids = torch.full((len(texts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full((len(texts), width + 1), IGNORE_INDEX, dtype=torch.long)
+    for t, ids in enumerate(texts):
+        span = slice(width - len(ids), width) if side == "left" else slice(0, len(ids))
+        input_ids[t, span], attention_mask[t, span] = torch.tensor(ids), 1
+        if counted is not None and counted[t]:
+            labels[t, 1:][span] = torch.tensor(ids)
+    return input_ids, attention_mask, labels
+
+
 class EmbeddingCollator:
     """A micro-batch of b rows -> the texts of each column one after the other (anchors, positives, negatives),
     padded on the tokenizer's side, with their attention mask.
@@ -125,16 +142,8 @@ class EmbeddingCollator:
         columns = self.data.columns
         rows = [self.data.ids[i] for i in row_indices] + [[[self.pad_token_id]] * columns] * (size - len(row_indices))
         texts = [rows[r][c] for c in range(columns) for r in range(size)]
-        width = max(len(ids) for ids in texts)
-        input_ids = torch.full((len(texts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        labels = torch.full((len(texts), width + 1), IGNORE_INDEX, dtype=torch.long)
-        for t, ids in enumerate(texts):
-            span = slice(width - len(ids), width) if self.padding_side == "left" else slice(0, len(ids))
-            input_ids[t, span] = torch.tensor(ids)
-            attention_mask[t, span] = 1
-            if t % size < len(row_indices):
-                labels[t, 1:][span] = torch.tensor(ids)
+        counted = [t % size < len(row_indices) for t in range(len(texts))]
+        input_ids, attention_mask, labels = pad_texts(texts, self.pad_token_id, self.padding_side, counted)
         valid = torch.arange(size) < len(row_indices)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "valid": valid,
                 "num_examples": torch.tensor(len(row_indices))}
@@ -250,16 +259,8 @@ class RerankerCollator:
         columns = self.data.columns
         rows = [self.data.ids[i] for i in row_indices] or [[[self.pad_token_id]] * columns]
         texts = [ids for row in rows for ids in row]
-        width = max(len(ids) for ids in texts)
-        input_ids = torch.full((len(texts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        labels = torch.full((len(texts), width + 1), IGNORE_INDEX, dtype=torch.long)
-        for t, ids in enumerate(texts):
-            span = slice(width - len(ids), width) if self.padding_side == "left" else slice(0, len(ids))
-            input_ids[t, span] = torch.tensor(ids)
-            attention_mask[t, span] = 1
-            if row_indices:
-                labels[t, 1:][span] = torch.tensor(ids)
+        input_ids, attention_mask, labels = pad_texts(texts, self.pad_token_id, self.padding_side,
+                                                      [bool(row_indices)] * len(texts))
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels,
                  "valid": torch.full((len(rows),), bool(row_indices)), "num_examples": torch.tensor(len(row_indices))}
         if self.data.labels is not None:
