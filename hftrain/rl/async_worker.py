@@ -149,28 +149,19 @@ class WorkerSpec:
     weight_sync_steps: int
     max_staleness: int
     threads: int
-    # one model turn of each prompt: (model, prompt ids, seeds, observers) -> [(tokens, truncated)]; None:
-    # transformers' generate with the settings above (rollouts.generate_rows)
-    sampler: Any = None
     tools: ToolSpec | None = None  # tool calling: the multi-turn loop runs in the worker
 
     def sample(self, model, prompt_ids: list[list[int]], seeds: list[int], extra) -> list[Sampled]:
-        if self.sampler is not None:
-            return [Sampled(ids, truncated) for ids, truncated in self.sampler(model, prompt_ids, seeds, extra)]
+        """One model turn of each prompt: transformers' generate with the settings above (`rollouts.generate_rows`)."""
         return [Sampled(ids, truncated) for ids, truncated in generate_rows(
             model, prompt_ids, seeds, self.sampling, self.eos_ids, self.pad_id, extra=extra)]
 
     def sample_with_logps(self, model, prompt_ids: list[list[int]], seeds: list[int], extra
                           ) -> list[tuple[list[int], bool, list[float]]]:
-        """One turn of each prompt with its behaviour log-probs: generate's own logits
-        (`rollouts.generate_rows_with_logps`: no second forward), or for a given sampler one forward over the rows."""
-        if self.sampler is None:
-            return generate_rows_with_logps(model, prompt_ids, seeds, self.sampling, self.eos_ids, self.pad_id,
-                                            extra=extra)
-        rows = [(s.completion_ids, s.truncated) for s in self.sample(model, prompt_ids, seeds, extra)]
-        behaviour = behaviour_log_probs(model, prompt_ids, rows, self.plan.micro_batch, self.pad_id, self.temperature,
-                                        self.mask_truncated)
-        return [(ids, truncated, logps) for (ids, truncated), logps in zip(rows, behaviour)]
+        """One turn of each prompt with its behaviour log-probs from generate's own logits
+        (`rollouts.generate_rows_with_logps`: no second forward)."""
+        return generate_rows_with_logps(model, prompt_ids, seeds, self.sampling, self.eos_ids, self.pad_id,
+                                        extra=extra)
 
 
 @dataclass
