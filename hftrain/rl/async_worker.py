@@ -62,7 +62,7 @@ from hftrain.rl.rollouts import (
     render_prompt,
     row_seed,
 )
-from hftrain.rl.tools import Tooling, as_sampled, load_environment, load_tools
+from hftrain.rl.tools import Tooling, load_environment, load_tools
 from hftrain.rl.vllm_generation import named_weights
 
 POLL_SECONDS = 0.5  # how often a waiting trainer checks that its worker is alive
@@ -339,10 +339,9 @@ def tool_rollouts(spec: WorkerSpec, tooling: Tooling, model, progress, window: i
     def seed(i: int, turn: int) -> int:
         return row_seed(spec.seed, window, rows[i] // G, rows[i] % G, turn)
 
-    prompts, episodes, environments = tooling.rollouts(
-        lambda ids, seeds: spec.sample(model, ids, seeds, [Beat(progress)]),
-        [tools.prompts[i] for i in prompt_index], seed, render)
-    return prompts, [as_sampled(e) for e in episodes], environments
+    out = tooling.rollouts(lambda ids, seeds: spec.sample(model, ids, seeds, [Beat(progress)]),
+                           [tools.prompts[i] for i in prompt_index], seed, render)
+    return out.prompts, out.sampled, out.environments
 
 
 class WorkerFailure(Exception):
