@@ -352,7 +352,8 @@ class WindowQueue:
     """The trainer's side of one rank's rollout worker, whatever samples (this module's process, or
     `vllm_server.ServerRolloutWorker`'s thread): the sampled windows taken from `results` in order, each checked to be
     the one due, and those a checkpoint holds kept in `pending`. A subclass starts the sampler and gives `name`,
-    `push`, `kill`, and `check`: raise `WorkerFailure` when the sampler is gone (or hung) while the trainer waits."""
+    `send` (a push's weights), `kill`, and `check`: raise `WorkerFailure` when the sampler is gone (or hung) while the
+    trainer waits."""
 
     def __init__(self, spec: WorkerSpec, results):
         self.spec, self.results = spec, results
@@ -363,6 +364,15 @@ class WindowQueue:
 
     @property
     def name(self) -> str:
+        raise NotImplementedError
+
+    def push(self, version: int) -> None:
+        """Send the current weights as `version` (versions go out in order, each once)."""
+        if version > self.pushed:
+            self.send(version)
+            self.pushed = version
+
+    def send(self, version: int) -> None:
         raise NotImplementedError
 
     def check(self, window: int, started_at: float) -> None:
@@ -436,15 +446,12 @@ class RolloutWorker(WindowQueue):
     def name(self) -> str:
         return f"the rollout worker of process {self.spec.rank} (pid {self.process.pid})"
 
-    def push(self, version: int) -> None:
-        """Send the current weights as `version` (versions go out in order, each once)."""
-        if version <= self.pushed:
-            return
+    def send(self, version: int) -> None:
+        """The weights packed into shared memory and queued for the process."""
         # ZeRO-3: the partitions gathered on every rank for the copy; FSDP2: each shard's full tensor gathered
         with self.gathered(list(self.lm.parameters())):
             packed = PackedWeights.pack({name: whole(tensor) for name, tensor in pushed_weights(self.lm).items()})
         self.control.put((version, packed))
-        self.pushed = version
 
     def check(self, window: int, started_at: float) -> None:
         """The process died, or has been silent past stall_seconds (judged only once it has sent a window: start-up

@@ -128,7 +128,7 @@ class VLLMServer:
 
 class ServerRolloutWorker(WindowQueue):
     """async_worker: vllm_server: the trainer's side of one rank's rollout worker when a vLLM server samples, behind
-    the interface of `async_worker.RolloutWorker` (a `WindowQueue`, with its own push, check and kill). A
+    the interface of `async_worker.RolloutWorker` (a `WindowQueue`, with its own send, check and kill). A
     thread of the trainer's process walks the windows of `spec` (an `async_worker.WorkerSpec`) in order, as the
     transformers worker does: before window w it brings the server to policy version `sampling_version(w)` (the
     pushes it was given, in order: the handshake of `VLLMServer.update_weights` around `transport(state)`, which
@@ -148,12 +148,9 @@ class ServerRolloutWorker(WindowQueue):
     def name(self) -> str:
         return f"the rollout worker of process {self.spec.rank} (the vLLM server at {self.server.base_url})"
 
-    def push(self, version: int) -> None:
-        """Hand the current weights (a CPU copy) to the thread as `version`; it sends them when a window needs them."""
-        if version <= self.pushed:
-            return
+    def send(self, version: int) -> None:
+        """Hand the current weights (a CPU copy) to the thread; it sends them when a window needs them."""
         self.pushes.put((version, {k: v.detach().to("cpu", copy=True) for k, v in self.lm.state_dict().items()}))
-        self.pushed = version
 
     def run(self) -> None:
         spec, plan = self.spec, self.spec.plan
