@@ -62,7 +62,7 @@ from hftrain.rl.rollouts import (
     render_prompt,
     row_seed,
 )
-from hftrain.rl.tools import Tooling, as_sampled, load_environment, load_tools
+from hftrain.rl.tools import Tooling, load_environment, load_tools
 from hftrain.rl.vllm_generation import named_weights
 
 POLL_SECONDS = 0.5  # how often a waiting trainer checks that its worker is alive
@@ -149,28 +149,19 @@ class WorkerSpec:
     weight_sync_steps: int
     max_staleness: int
     threads: int
-    # one model turn of each prompt: (model, prompt ids, seeds, observers) -> [(tokens, truncated)]; None:
-    # transformers' generate with the settings above (rollouts.generate_rows)
-    sampler: Any = None
     tools: ToolSpec | None = None  # tool calling: the multi-turn loop runs in the worker
 
     def sample(self, model, prompt_ids: list[list[int]], seeds: list[int], extra) -> list[Sampled]:
-        if self.sampler is not None:
-            return [Sampled(ids, truncated) for ids, truncated in self.sampler(model, prompt_ids, seeds, extra)]
+        """One model turn of each prompt: transformers' generate with the settings above (`rollouts.generate_rows`)."""
         return [Sampled(ids, truncated) for ids, truncated in generate_rows(
             model, prompt_ids, seeds, self.sampling, self.eos_ids, self.pad_id, extra=extra)]
 
     def sample_with_logps(self, model, prompt_ids: list[list[int]], seeds: list[int], extra
                           ) -> list[tuple[list[int], bool, list[float]]]:
-        """One turn of each prompt with its behaviour log-probs: generate's own logits
-        (`rollouts.generate_rows_with_logps`: no second forward), or for a given sampler one forward over the rows."""
-        if self.sampler is None:
-            return generate_rows_with_logps(model, prompt_ids, seeds, self.sampling, self.eos_ids, self.pad_id,
-                                            extra=extra)
-        rows = [(s.completion_ids, s.truncated) for s in self.sample(model, prompt_ids, seeds, extra)]
-        behaviour = behaviour_log_probs(model, prompt_ids, rows, self.plan.micro_batch, self.pad_id, self.temperature,
-                                        self.mask_truncated)
-        return [(ids, truncated, logps) for (ids, truncated), logps in zip(rows, behaviour)]
+        """One turn of each prompt with its behaviour log-probs from generate's own logits
+        (`rollouts.generate_rows_with_logps`: no second forward)."""
+        return generate_rows_with_logps(model, prompt_ids, seeds, self.sampling, self.eos_ids, self.pad_id,
+                                        extra=extra)
 
 
 @dataclass
@@ -348,48 +339,49 @@ def tool_rollouts(spec: WorkerSpec, tooling: Tooling, model, progress, window: i
     def seed(i: int, turn: int) -> int:
         return row_seed(spec.seed, window, rows[i] // G, rows[i] % G, turn)
 
-    prompts, episodes, environments = tooling.rollouts(
-        lambda ids, seeds: spec.sample(model, ids, seeds, [Beat(progress)]),
-        [tools.prompts[i] for i in prompt_index], seed, render)
-    return prompts, [as_sampled(e) for e in episodes], environments
+    out = tooling.rollouts(lambda ids, seeds: spec.sample(model, ids, seeds, [Beat(progress)]),
+                           [tools.prompts[i] for i in prompt_index], seed, render)
+    return out.prompts, out.sampled, out.environments
 
 
 class WorkerFailure(Exception):
     """The rollout worker failed or died; the message names it."""
 
 
-class RolloutWorker:
-    """The trainer's side of one rank's worker: starts the process, pushes weights, takes windows in order."""
+class WindowQueue:
+    """The trainer's side of one rank's rollout worker, whatever samples (this module's process, or
+    `vllm_server.ServerRolloutWorker`'s thread): the sampled windows taken from `results` in order, each checked to be
+    the one due, and those a checkpoint holds kept in `pending`. A subclass starts the sampler and gives `name`,
+    `send` (a push's weights), `kill`, and `check`: raise `WorkerFailure` when the sampler is gone (or hung) while the
+    trainer waits."""
 
-    def __init__(self, spec: WorkerSpec, lm, bound: int, stall_seconds: float,
-                 gathered: Callable[[list], AbstractContextManager] = lambda params: nullcontext()):
-        self.spec, self.lm, self.bound, self.stall_seconds = spec, lm, bound, stall_seconds
-        self.gathered = gathered  # the strategy's context holding the parameters whole (Backend.gathered: ZeRO-3)
-        context = mp.get_context("spawn")
-        self.progress = context.Value("d", time.monotonic(), lock=False)
-        self.control, self.results = context.Queue(), context.Queue(maxsize=bound)
-        self.control.cancel_join_thread()  # an exiting trainer does not wait for a dead worker to read its weights
-        self.process = context.Process(target=worker_main, args=(spec, self.control, self.results, self.progress),
-                                       name=f"hftrain-rollout-worker-{spec.rank}", daemon=True)
+    def __init__(self, spec: WorkerSpec, results):
+        self.spec, self.results = spec, results
         self.pushed = -1  # the newest version pushed
-        self.received = 0  # windows taken (a worker is judged hung only once it has sent one)
+        self.received = 0  # windows taken
         self.pending: dict[int, SampledWindow] = {}  # windows taken for a checkpoint, or handed back by one
         self.wait_seconds = 0.0  # the trainer's time blocked on the queue, since the last metrics
-        self.process.start()
 
     @property
     def name(self) -> str:
-        return f"the rollout worker of process {self.spec.rank} (pid {self.process.pid})"
+        raise NotImplementedError
 
     def push(self, version: int) -> None:
         """Send the current weights as `version` (versions go out in order, each once)."""
-        if version <= self.pushed:
-            return
-        # ZeRO-3: the partitions gathered on every rank for the copy; FSDP2: each shard's full tensor gathered
-        with self.gathered(list(self.lm.parameters())):
-            packed = PackedWeights.pack({name: whole(tensor) for name, tensor in pushed_weights(self.lm).items()})
-        self.control.put((version, packed))
-        self.pushed = version
+        if version > self.pushed:
+            self.send(version)
+            self.pushed = version
+
+    def send(self, version: int) -> None:
+        raise NotImplementedError
+
+    def check(self, window: int, started_at: float) -> None:
+        """Called while the trainer has waited for `window` since `started_at` (time.monotonic) and nothing came."""
+        raise NotImplementedError
+
+    def failure(self, error: str, trace: str) -> str:
+        """The WorkerFailure message of an error the sampler reported (its traceback: `trace`)."""
+        return f"{self.name} failed: {error}"
 
     def held(self, step: int) -> dict:
         """A checkpoint after `step`: the sampled windows after it whose policy version the resumed run cannot push
@@ -417,28 +409,64 @@ class RolloutWorker:
 
     def receive(self, window: int) -> SampledWindow:
         """The next window in the queue, which must be `window`, waiting while the worker lives and makes
-        progress."""
+        progress (`check`)."""
         started, started_at = time.perf_counter(), time.monotonic()
         while True:
             try:
                 item = self.results.get(timeout=POLL_SECONDS)
                 break
             except queue.Empty:
-                if not self.process.is_alive():
-                    raise WorkerFailure(f"{self.name} died (exit code {self.process.exitcode})") from None
-                silent = time.monotonic() - max(self.progress.value, started_at)
-                if self.stall_seconds and self.received and silent > self.stall_seconds:  # start-up takes any time
-                    self.kill()
-                    raise WorkerFailure(f"{self.name} made no progress for {silent:.0f} s while the trainer waited "
-                                        f"for generation batch {window} (hung; hang_timeout {self.stall_seconds:g} "
-                                        "s); it was killed") from None
+                self.check(window, started_at)
         self.wait_seconds += time.perf_counter() - started
         self.received += 1
         if isinstance(item, tuple) and item and item[0] == "error":
-            raise WorkerFailure(f"{self.name} failed: {item[1]} (its traceback: {item[2].strip()})")
+            raise WorkerFailure(self.failure(item[1], item[2]))
         if item.window != window:
             raise WorkerFailure(f"{self.name} sent generation batch {item.window} where {window} was due")
         return item
+
+
+class RolloutWorker(WindowQueue):
+    """The trainer's side of one rank's worker process: starts it, pushes weights, takes windows in order."""
+
+    def __init__(self, spec: WorkerSpec, lm, bound: int, stall_seconds: float,
+                 gathered: Callable[[list], AbstractContextManager] = lambda params: nullcontext()):
+        context = mp.get_context("spawn")
+        super().__init__(spec, context.Queue(maxsize=bound))
+        self.lm, self.bound, self.stall_seconds = lm, bound, stall_seconds
+        self.gathered = gathered  # the strategy's context holding the parameters whole (Backend.gathered: ZeRO-3)
+        self.progress = context.Value("d", time.monotonic(), lock=False)
+        self.control = context.Queue()
+        self.control.cancel_join_thread()  # an exiting trainer does not wait for a dead worker to read its weights
+        self.process = context.Process(target=worker_main, args=(spec, self.control, self.results, self.progress),
+                                       name=f"hftrain-rollout-worker-{spec.rank}", daemon=True)
+        self.process.start()
+
+    @property
+    def name(self) -> str:
+        return f"the rollout worker of process {self.spec.rank} (pid {self.process.pid})"
+
+    def send(self, version: int) -> None:
+        """The weights packed into shared memory and queued for the process."""
+        # ZeRO-3: the partitions gathered on every rank for the copy; FSDP2: each shard's full tensor gathered
+        with self.gathered(list(self.lm.parameters())):
+            packed = PackedWeights.pack({name: whole(tensor) for name, tensor in pushed_weights(self.lm).items()})
+        self.control.put((version, packed))
+
+    def check(self, window: int, started_at: float) -> None:
+        """The process died, or has been silent past stall_seconds (judged only once it has sent a window: start-up
+        takes any time): it is killed."""
+        if not self.process.is_alive():
+            raise WorkerFailure(f"{self.name} died (exit code {self.process.exitcode})") from None
+        silent = time.monotonic() - max(self.progress.value, started_at)
+        if self.stall_seconds and self.received and silent > self.stall_seconds:
+            self.kill()
+            raise WorkerFailure(f"{self.name} made no progress for {silent:.0f} s while the trainer waited "
+                                f"for generation batch {window} (hung; hang_timeout {self.stall_seconds:g} "
+                                "s); it was killed") from None
+
+    def failure(self, error: str, trace: str) -> str:
+        return f"{super().failure(error, trace)} (its traceback: {trace.strip()})"
 
     def kill(self) -> None:
         """SIGKILL (a stopped or hung worker ignores SIGTERM, and the exiting trainer would wait for it)."""

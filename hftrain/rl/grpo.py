@@ -63,7 +63,7 @@ from hftrain.rl.rollouts import (
     row_seed,
     sampling_log_probs,
 )
-from hftrain.rl.tools import Tooling, as_sampled
+from hftrain.rl.tools import Tooling
 from hftrain.tracking import Table
 
 # the generation "window" of the evaluation's row seeds: every evaluation samples each eval completion with the same
@@ -476,31 +476,31 @@ class Rollouts:
         """rollouts.jsonl's `images` column of an image-text model's prompt: its images as the data names them."""
         return {} if prompt.images is None else {"images": prompt.images}
 
-    def sample(self, prompts: list[Prompt], seed,
-               inputs: list[dict] | None = None) -> tuple[list[Prompt], list[Sampled], list | None]:
-        """(the prompts, the environments' observations added, their completions, the environments or None) of
-        prompts[i] sampled with seed(i, turn): one turn each (an image-text model's prompts with their pixels,
-        `inputs`: PromptImages.row_inputs), or with tool calling the multi-turn rollouts (hftrain.rl.tools: every
-        turn with its prompt's pixels), every process sampling together."""
+    def sample(self, prompts: list[Prompt], seed, inputs: list[dict] | None = None
+               ) -> tuple[list[Prompt], list[dict] | None, list[Sampled], list | None]:
+        """(the prompts, the environments' observations added, their processor outputs, their completions, the
+        environments or None) of prompts[i] sampled with seed(i, turn): one turn each (an image-text model's prompts
+        with their pixels, `inputs`: PromptImages.row_inputs), or with tool calling the multi-turn rollouts
+        (hftrain.rl.tools: every turn with its prompt's pixels), every process sampling together."""
         if self.tooling is None:
             ids, seeds = [p.ids for p in prompts], [seed(i, 0) for i in range(len(prompts))]
             sampled = self.generator.sample(ids, seeds) if inputs is None else self.generator.sample(ids, seeds, inputs)
-            return prompts, sampled, None
+            return prompts, inputs, sampled, None
 
         def render(value, columns):
             return render_prompt(value, columns, self.tokenizer, self.recipe.max_prompt_length,
                                  self.tooling.schema_tools)
 
-        prompts, episodes, environments = self.tooling.rollouts(self.generator.sample, list(prompts), seed, render,
-                                                                inputs, self.images)
-        return prompts, [as_sampled(e) for e in episodes], environments
+        out = self.tooling.rollouts(self.generator.sample, prompts, seed, render, inputs, self.images)
+        return out.prompts, out.inputs, out.sampled, out.environments
 
     def sample_window(self, window: int, prompts: list[Prompt], seed, inputs: list[dict] | None = None
-                      ) -> tuple[list[Prompt], list[Sampled], list | None, int, str | None]:
-        """(prompts, completions, environments, policy version, failure) of this rank's rows of `window`: sampled
-        here with the current weights (their version: the optimizer steps taken), or (async_generation) taken from
-        the rollout worker after pushing the weights due at this step. A worker that failed or died gives stand-in
-        rows, never trained, and its message as the failure, which stops the run (`stop_on_failure`)."""
+                      ) -> tuple[list[Prompt], list[dict] | None, list[Sampled], list | None, int, str | None]:
+        """(prompts, their processor outputs, completions, environments, policy version, failure) of this rank's
+        rows of `window`: sampled here with the current weights (their version: the optimizer steps taken), or
+        (async_generation) taken from the rollout worker after pushing the weights due at this step. A worker that
+        failed or died gives stand-in rows, never trained, and its message as the failure, which stops the run
+        (`stop_on_failure`)."""
         steps = self.plan.first_step(window) - 1
         if self.worker is None:
             return *self.sample(prompts, seed, inputs), steps, None
@@ -511,7 +511,7 @@ class Rollouts:
             item = self.worker.take(window)
         except WorkerFailure as exc:
             stand_in = Sampled([next(iter(self.eos_ids))], False, [0.0])
-            return prompts, [stand_in] * len(prompts), None, steps // sync, str(exc)
+            return prompts, inputs, [stand_in] * len(prompts), None, steps // sync, str(exc)
         if item.seeds != [seed(i, 0) for i in range(len(prompts))]:
             raise HftrainError(f"{self.worker.name} sampled generation batch {window} with other row seeds than this "
                                "process's rows; this is a bug in hftrain")
@@ -520,7 +520,7 @@ class Rollouts:
         self.worker.wait_seconds = 0.0
         # tool calling: the prompts as the worker's environments left them, and those environments (reward functions
         # receive them)
-        return item.prompts or prompts, sampled_rows(item), item.environments, item.version, None
+        return item.prompts or prompts, inputs, sampled_rows(item), item.environments, item.version, None
 
     def async_metrics(self) -> dict[str, float]:
         """async_generation's metrics of the window just taken, every rank's (TRL's names where TRL has them):
@@ -561,7 +561,7 @@ class Rollouts:
         window_prompts = [self.prompts[prompt_index[row // G]] for row in rows]
         # an image-text model's prompts: their pixels, for generate and for every forward over the micro-batches
         inputs = self.images.row_inputs(window_prompts) if self.images is not None else None
-        prompts, sampled, environments, version, failure = self.sample_window(
+        prompts, inputs, sampled, environments, version, failure = self.sample_window(
             window, window_prompts, lambda i, turn: row_seed(recipe.seed, window, rows[i] // G, rows[i] % G, turn),
             inputs)
         completions = [Completion(row, row // G, prompt_index[row // G], s.completion_ids, s.truncated,
@@ -653,7 +653,7 @@ class Rollouts:
             for k in range(0, per_rank, b):
                 chunk = rows[k:k + b]
                 chunk_rows = [prompts[row // G] for row in chunk]
-                chunk_prompts, chunk_sampled, chunk_environments = self.sample(
+                chunk_prompts, _, chunk_sampled, chunk_environments = self.sample(
                     chunk_rows,
                     lambda i, turn, chunk=chunk: row_seed(recipe.seed, EVAL_WINDOW, chunk[i] // G, chunk[i] % G, turn),
                     self.images.row_inputs(chunk_rows) if self.images is not None else None)

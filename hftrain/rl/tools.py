@@ -381,6 +381,20 @@ class ToolLoop:
         episode.pending = list(message.get("tool_calls") or [])
 
 
+@dataclass(frozen=True)
+class ToolRollouts:
+    """`Tooling.rollouts`' answer for this process's rows, in their order."""
+
+    prompts: list  # the prompts, an environment's observation added where its reset returned one
+    inputs: list[dict] | None  # an image-text model's per-row processor outputs for those prompts (None: a text model)
+    episodes: list[Episode]
+    environments: list | None  # one per rollout; None without an environment_factory
+
+    @property
+    def sampled(self) -> list[Sampled]:
+        return [as_sampled(e) for e in self.episodes]
+
+
 class Tooling:
     """A grpo run's tool calling: its tools, its environments (one per rollout slot of this process, reset before
     each rollout, as TRL's pool), the executor and the loop."""
@@ -410,12 +424,12 @@ class Tooling:
         return self.pool[:n]
 
     def rollouts(self, sample, prompts: list, seed: Callable[[int, int], int], render,
-                 inputs: list[dict] | None = None, images=None) -> tuple[list, list, list]:
-        """(the prompts, possibly with the environments' observations, the episodes, the environments (None
-        without an environment_factory)) of this process's rows. render(value, columns) renders a prompt; `inputs`:
-        an image-text model's per-row processor outputs (ToolLoop.run), and `images` its PromptImages: a prompt an
-        observation changes is rendered again by the processor with its images, and its entry of `inputs` replaced
-        in place (the caller's micro-batches read that list)."""
+                 inputs: list[dict] | None = None, images=None) -> ToolRollouts:
+        """The multi-turn rollouts of this process's rows (`ToolRollouts`). render(value, columns) renders a prompt;
+        `inputs`: an image-text model's per-row processor outputs (ToolLoop.run), and `images` its PromptImages: a
+        prompt an observation changes is rendered again by the processor with its images, and its processor outputs
+        encoded again (the arguments are left as they are)."""
+        prompts, inputs = list(prompts), list(inputs) if inputs is not None else None
         environments = [None] * len(prompts)
         if self.factory is not None:
             environments = self.environments(len(prompts))
@@ -436,7 +450,7 @@ class Tooling:
             toolsets.append({t.__name__: t for t in self.tools + methods})
             schemas.append(self.tools + methods)
         episodes = self.loop.run(sample, [p.ids for p in prompts], seed, toolsets, schemas, inputs)
-        return prompts, episodes, environments if self.factory is not None else None
+        return ToolRollouts(prompts, inputs, episodes, environments if self.factory is not None else None)
 
 
 def json_safe(value):

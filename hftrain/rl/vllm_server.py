@@ -24,11 +24,11 @@ import traceback
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
-from hftrain.rl.async_worker import SampledWindow, WorkerFailure, held_windows, sampling_version
+from hftrain.rl.async_worker import SampledWindow, WindowQueue, WorkerFailure, sampling_version
 from hftrain.rl.rollouts import Sampling, row_seed
 
 
@@ -126,9 +126,9 @@ class VLLMServer:
         self.request("POST", "/resume")
 
 
-class ServerRolloutWorker:
+class ServerRolloutWorker(WindowQueue):
     """async_worker: vllm_server: the trainer's side of one rank's rollout worker when a vLLM server samples, behind
-    the interface of `async_worker.RolloutWorker` (push, take, held, hold, name, wait_seconds, results, kill). A
+    the interface of `async_worker.RolloutWorker` (a `WindowQueue`, with its own send, check and kill). A
     thread of the trainer's process walks the windows of `spec` (an `async_worker.WorkerSpec`) in order, as the
     transformers worker does: before window w it brings the server to policy version `sampling_version(w)` (the
     pushes it was given, in order: the handshake of `VLLMServer.update_weights` around `transport(state)`, which
@@ -137,13 +137,10 @@ class ServerRolloutWorker:
     retries) ends the thread; the trainer's next take raises `WorkerFailure` naming the server."""
 
     def __init__(self, spec, lm, bound: int, server: VLLMServer, transport, sync_timeout: float):
-        self.spec, self.lm, self.server, self.transport, self.sync_timeout = spec, lm, server, transport, sync_timeout
-        self.results: queue.Queue = queue.Queue(maxsize=bound)
+        super().__init__(spec, queue.Queue(maxsize=bound))
+        self.lm, self.server, self.transport, self.sync_timeout = lm, server, transport, sync_timeout
         self.pushes: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
-        self.pushed = -1
-        self.pending: dict = {}
-        self.wait_seconds = 0.0
         self.thread = threading.Thread(target=self.run, name=f"hftrain-vllm-server-worker-{spec.rank}", daemon=True)
         self.thread.start()
 
@@ -151,12 +148,9 @@ class ServerRolloutWorker:
     def name(self) -> str:
         return f"the rollout worker of process {self.spec.rank} (the vLLM server at {self.server.base_url})"
 
-    def push(self, version: int) -> None:
-        """Hand the current weights (a CPU copy) to the thread as `version`; it sends them when a window needs them."""
-        if version <= self.pushed:
-            return
+    def send(self, version: int) -> None:
+        """Hand the current weights (a CPU copy) to the thread; it sends them when a window needs them."""
         self.pushes.put((version, {k: v.detach().to("cpu", copy=True) for k, v in self.lm.state_dict().items()}))
-        self.pushed = version
 
     def run(self) -> None:
         spec, plan = self.spec, self.spec.plan
@@ -190,39 +184,9 @@ class ServerRolloutWorker:
         except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which stops the run naming it
             self.results.put(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(limit=4)))
 
-    def take(self, window: int):
-        if window in self.pending:
-            return self.pending.pop(window)
-        return self.receive(window)
-
-    def receive(self, window: int):
-        started = time.perf_counter()
-        while True:
-            try:
-                item = self.results.get(timeout=0.5)
-                break
-            except queue.Empty:
-                if not self.thread.is_alive() and self.results.empty():
-                    raise WorkerFailure(f"{self.name} stopped before generation batch {window}") from None
-        self.wait_seconds += time.perf_counter() - started
-        if isinstance(item, tuple) and item and item[0] == "error":
-            raise WorkerFailure(f"{self.name} failed: {item[1]}")
-        if item.window != window:
-            raise WorkerFailure(f"{self.name} sent generation batch {item.window} where {window} was due")
-        return item
-
-    def held(self, step: int) -> dict:
-        due = held_windows(step, self.spec.last_window, self.spec.weight_sync_steps, self.spec.max_staleness)
-        try:
-            for window in due:
-                if window not in self.pending:
-                    self.pending[window] = self.receive(window)
-        except WorkerFailure:
-            return {"async_complete": False, "async_windows": []}
-        return {"async_complete": True, "async_windows": [asdict(self.pending[w]) for w in due]}
-
-    def hold(self, windows) -> None:
-        self.pending.update({item.window: item for item in windows})
+    def check(self, window: int, started_at: float) -> None:
+        if not self.thread.is_alive() and self.results.empty():
+            raise WorkerFailure(f"{self.name} stopped before generation batch {window}") from None
 
     def kill(self) -> None:
         """Stop the thread after its current request (a daemon thread: an exiting trainer does not wait for it)."""

@@ -10,11 +10,10 @@ call with an unknown operation (a failing tool), a call to a tool that does not 
 tool result the policy answers with it, or with it plus one. Everything after the sampler (parsing, tool execution,
 masks, rewards, loss, checkpoints) is the product's. With an image-text model the run's own generate still runs on
 every turn's contexts with their prompts' pixels (its tokens are replaced by the script's). With async_generation the
-rollout worker samples each turn with `ScriptedSampler`, the same policy (the worker process imports this file
-without running it).
+rollout worker process samples each turn with the same policy: `ScriptedWorker`, its entry, replaces there the
+functions it samples with (the worker process imports this file without running it; nothing of hftrain's changes).
 """
 
-import dataclasses
 import re
 import sys
 from pathlib import Path
@@ -23,8 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from hftrain.finetune import Finetune, main  # noqa: E402
 from hftrain.parallel import run_process  # noqa: E402
+from hftrain.rl import async_worker  # noqa: E402
 from hftrain.rl.rollouts import Sampled  # noqa: E402
 
+WORKER_MAIN = async_worker.worker_main  # the product's worker process, before ScriptedTools replaces it
 QUESTION = re.compile(r"What is (\d+) ([-+*]) (\d+)\?")
 
 
@@ -59,30 +60,34 @@ class ScriptedPolicy:
                 for p, s in zip(prompts, seeds)]
 
 
-class ScriptedSampler:
-    """The rollout worker's sampler (async_worker.WorkerSpec.sampler): the scripted policy's turns, whatever the
-    worker's model."""
+class ScriptedWorker:
+    """The rollout worker process's entry (`async_worker.worker_main`, which the trainer's RolloutWorker starts with
+    spawn: this object is pickled, and the worker imports this file to unpickle it): in the worker process only, the
+    module-level samplers the worker calls become the scripted policy's turns, whatever the worker's model, then the
+    product's worker runs. A turn's behaviour log-probs are the worker's model's, one forward over the rows
+    (`behaviour_log_probs`), since the script, not the model, wrote the tokens."""
 
     def __init__(self, tokenizer):
         self.policy = ScriptedPolicy(tokenizer)
 
-    def __call__(self, model, prompts, seeds, extra):
-        return [(s.completion_ids, s.truncated) for s in self.policy.sample(prompts, seeds)]
+    def __call__(self, spec, control, results, progress):
+        def scripted_rows(model, prompts, seeds, *args, **kwargs):  # as rollouts.generate_rows: (tokens, truncated)
+            return [(s.completion_ids, s.truncated) for s in self.policy.sample(prompts, seeds)]
+
+        def scripted_rows_with_logps(model, prompts, seeds, *args, **kwargs):  # rollouts.generate_rows_with_logps
+            rows = scripted_rows(model, prompts, seeds)
+            behaviour = async_worker.behaviour_log_probs(model, prompts, rows, spec.plan.micro_batch, spec.pad_id,
+                                                         spec.temperature, spec.mask_truncated)
+            return [(ids, truncated, logps) for (ids, truncated), logps in zip(rows, behaviour)]
+
+        async_worker.generate_rows, async_worker.generate_rows_with_logps = scripted_rows, scripted_rows_with_logps
+        WORKER_MAIN(spec, control, results, progress)
 
 
 class ScriptedTools(Finetune):
     def setup_optimizer(self, parts):
-        build = self.objective.feed
-
-        def scripted_feed(run):  # the rollouts, before they start their worker
-            rollouts = build(run)
-            starter = rollouts.start_worker
-            if starter is not None:
-                rollouts.start_worker = dataclasses.replace(
-                    starter, spec=dataclasses.replace(starter.spec, sampler=ScriptedSampler(self.tokenizer)))
-            return rollouts
-
-        self.objective.feed = scripted_feed
+        # the trainer's RolloutWorker (async_generation) starts its process with this entry instead of the product's
+        async_worker.worker_main = ScriptedWorker(self.tokenizer)
         super().setup_optimizer(parts)  # after the objective built the rollouts and their generator
         self.feed.generator = ScriptedPolicy(self.tokenizer, self.feed.generator)
 

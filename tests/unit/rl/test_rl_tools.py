@@ -389,7 +389,10 @@ class Counter:
 
     prompts = [render(question, {"start": 10}), render(question, {"start": 100})]
     policy = Scripted(tokenizer, [call_text(5, "+", 0).replace("calculator", "add")])
-    prompts, episodes, environments = tooling.rollouts(policy, prompts, lambda i, t: 0, render)
+    given = list(prompts)
+    out = tooling.rollouts(policy, prompts, lambda i, t: 0, render)
+    assert prompts == given  # the caller's list is left as it was; the observations are in what comes back
+    prompts, episodes, environments = out.prompts, out.episodes, out.environments
     assert prompts[1].value[-1]["content"] == "What is 6 * 7? (start at 100)"
     assert prompts[1].ids == tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is 6 * 7? (start at 100)"}], tools=[probe.add], add_generation_prompt=True,
