@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from hftrain.loss import ObjectiveLoss
 from hftrain.model import WrapsCausalLM
 from hftrain.parallel.sequence import GroupSum
 from hftrain.paths import EVAL_ROLLOUTS_FILE, ROLLOUTS_FILE
-from hftrain.rl.async_worker import RolloutWorker, SampledWindow, WorkerFailure, sampled_rows
+from hftrain.rl.async_worker import SampledWindow, WindowQueue, WorkerFailure, sampled_rows
 from hftrain.rl.generation import RolloutGenerator
 from hftrain.rl.images import PromptImages
 from hftrain.rl.loss import (
@@ -281,6 +281,21 @@ class GRPOLoss(ObjectiveLoss):
 
 
 @dataclass(frozen=True)
+class SampledRows:
+    """Rows as sampled (`Rollouts.sample`, `Rollouts.sample_window`): their prompts (with tool calling, as the
+    environments left them), processor outputs (an image-text model's, else None), completions and environments
+    (tool calling's, else None); for a training window also the policy version that sampled it and the rollout
+    worker's failure, if any."""
+
+    prompts: list[Prompt]
+    inputs: list[dict] | None
+    sampled: list[Sampled]
+    environments: list | None
+    version: int = 0
+    failure: str | None = None
+
+
+@dataclass(frozen=True)
 class RolloutSource:
     """What grpo's data phase read (`GRPO.setup_data`): the prompts, the reward functions, the windows' plan and how
     completions are sampled and stopped. The rollouts are built from it once the model they sample from is prepared
@@ -331,7 +346,7 @@ class Policy:
     micro_batch: Callable[[dict], AbstractContextManager] = nullcontext
     max_model_length: int | None = None  # the model's context: a tool result may not push a sequence past it
     # async_generation: starts the rollout worker the windows come from, given the first window it samples
-    start_worker: Callable[[int], RolloutWorker] | None = None
+    start_worker: Callable[[int], WindowQueue] | None = None
 
 
 class Rollouts:
@@ -385,7 +400,7 @@ class Rollouts:
         """What a checkpoint after `step` needs to continue exactly: nothing at the end of a generation window (the
         next one is sampled from seeds and the saved weights), else this rank's buffered micro-batches, whose
         rollouts were sampled from weights that are gone (JSON: float32 values round-trip exactly). async_generation:
-        the windows after `step` whose policy versions the resumed run cannot push again (`RolloutWorker.held`)."""
+        the windows after `step` whose policy versions the resumed run cannot push again (`WindowQueue.held`)."""
         if self.worker is not None:
             return {"rank": self.rank, "world": self.plan.world, **self.worker.held(step)}
         if step % self.plan.steps_per_window == 0 or self.window is None:
@@ -410,7 +425,7 @@ class Rollouts:
         self.buffer = [{k: torch.tensor(v, dtype=types.get(k, torch.float32)) for k, v in batch.items()}
                        for batch in state["micro_batches"]]
 
-    def start_async(self, step: int, state: dict | None) -> RolloutWorker:
+    def start_async(self, step: int, state: dict | None) -> WindowQueue:
         """async_generation: the rollout worker, from the window after `step` (one step per window) or after the
         windows the checkpoint holds (sampled by weights the resumed run cannot push again), which it hands back
         first: the resumed run continues exactly."""
@@ -476,34 +491,32 @@ class Rollouts:
         """rollouts.jsonl's `images` column of an image-text model's prompt: its images as the data names them."""
         return {} if prompt.images is None else {"images": prompt.images}
 
-    def sample(self, prompts: list[Prompt], seed, inputs: list[dict] | None = None
-               ) -> tuple[list[Prompt], list[dict] | None, list[Sampled], list | None]:
-        """(the prompts, the environments' observations added, their processor outputs, their completions, the
-        environments or None) of prompts[i] sampled with seed(i, turn): one turn each (an image-text model's prompts
-        with their pixels, `inputs`: PromptImages.row_inputs), or with tool calling the multi-turn rollouts
-        (hftrain.rl.tools: every turn with its prompt's pixels), every process sampling together."""
+    def sample(self, prompts: list[Prompt], seed, inputs: list[dict] | None = None) -> SampledRows:
+        """prompts[i] sampled with seed(i, turn): one turn each (an image-text model's prompts with their pixels,
+        `inputs`: PromptImages.row_inputs), or with tool calling the multi-turn rollouts (hftrain.rl.tools: every turn
+        with its prompt's pixels, the environments' observations added to the prompts), every process sampling
+        together."""
         if self.tooling is None:
             ids, seeds = [p.ids for p in prompts], [seed(i, 0) for i in range(len(prompts))]
             sampled = self.generator.sample(ids, seeds) if inputs is None else self.generator.sample(ids, seeds, inputs)
-            return prompts, inputs, sampled, None
+            return SampledRows(prompts, inputs, sampled, None)
 
         def render(value, columns):
             return render_prompt(value, columns, self.tokenizer, self.recipe.max_prompt_length,
                                  self.tooling.schema_tools)
 
         out = self.tooling.rollouts(self.generator.sample, prompts, seed, render, inputs, self.images)
-        return out.prompts, out.inputs, out.sampled, out.environments
+        return SampledRows(out.prompts, out.inputs, out.sampled, out.environments)
 
     def sample_window(self, window: int, prompts: list[Prompt], seed, inputs: list[dict] | None = None
-                      ) -> tuple[list[Prompt], list[dict] | None, list[Sampled], list | None, int, str | None]:
-        """(prompts, their processor outputs, completions, environments, policy version, failure) of this rank's
-        rows of `window`: sampled here with the current weights (their version: the optimizer steps taken), or
-        (async_generation) taken from the rollout worker after pushing the weights due at this step. A worker that
-        failed or died gives stand-in rows, never trained, and its message as the failure, which stops the run
-        (`stop_on_failure`)."""
+                      ) -> SampledRows:
+        """This rank's rows of `window`: sampled here with the current weights (their version: the optimizer steps
+        taken), or (async_generation) taken from the rollout worker after pushing the weights due at this step. A
+        worker that failed or died gives stand-in rows, never trained, and its message as the failure, which stops
+        the run (`stop_on_failure`)."""
         steps = self.plan.first_step(window) - 1
         if self.worker is None:
-            return *self.sample(prompts, seed, inputs), steps, None
+            return replace(self.sample(prompts, seed, inputs), version=steps)
         sync = self.recipe.weight_sync_steps
         if steps % sync == 0:
             self.worker.push(steps // sync)
@@ -511,7 +524,7 @@ class Rollouts:
             item = self.worker.take(window)
         except WorkerFailure as exc:
             stand_in = Sampled([next(iter(self.eos_ids))], False, [0.0])
-            return prompts, inputs, [stand_in] * len(prompts), None, steps // sync, str(exc)
+            return SampledRows(prompts, inputs, [stand_in] * len(prompts), None, steps // sync, str(exc))
         if item.seeds != [seed(i, 0) for i in range(len(prompts))]:
             raise HftrainError(f"{self.worker.name} sampled generation batch {window} with other row seeds than this "
                                "process's rows; this is a bug in hftrain")
@@ -520,7 +533,7 @@ class Rollouts:
         self.worker.wait_seconds = 0.0
         # tool calling: the prompts as the worker's environments left them, and those environments (reward functions
         # receive them)
-        return item.prompts or prompts, inputs, sampled_rows(item), item.environments, item.version, None
+        return SampledRows(item.prompts or prompts, inputs, sampled_rows(item), item.environments, item.version)
 
     def async_metrics(self) -> dict[str, float]:
         """async_generation's metrics of the window just taken, every rank's (TRL's names where TRL has them):
@@ -561,9 +574,11 @@ class Rollouts:
         window_prompts = [self.prompts[prompt_index[row // G]] for row in rows]
         # an image-text model's prompts: their pixels, for generate and for every forward over the micro-batches
         inputs = self.images.row_inputs(window_prompts) if self.images is not None else None
-        prompts, inputs, sampled, environments, version, failure = self.sample_window(
+        taken = self.sample_window(
             window, window_prompts, lambda i, turn: row_seed(recipe.seed, window, rows[i] // G, rows[i] % G, turn),
             inputs)
+        prompts, inputs, sampled, environments = taken.prompts, taken.inputs, taken.sampled, taken.environments
+        version, failure = taken.version, taken.failure
         completions = [Completion(row, row // G, prompt_index[row // G], s.completion_ids, s.truncated,
                                   sampling_logps=s.sampling_logps, tool_mask=s.tool_mask, tool_calls=s.tool_calls,
                                   messages=s.messages, policy_version=version) for row, s in zip(rows, sampled)]
@@ -653,13 +668,13 @@ class Rollouts:
             for k in range(0, per_rank, b):
                 chunk = rows[k:k + b]
                 chunk_rows = [prompts[row // G] for row in chunk]
-                chunk_prompts, _, chunk_sampled, chunk_environments = self.sample(
+                taken = self.sample(
                     chunk_rows,
                     lambda i, turn, chunk=chunk: row_seed(recipe.seed, EVAL_WINDOW, chunk[i] // G, chunk[i] % G, turn),
                     self.images.row_inputs(chunk_rows) if self.images is not None else None)
-                rows_prompts += chunk_prompts
-                sampled += chunk_sampled
-                environments += chunk_environments or []
+                rows_prompts += taken.prompts
+                sampled += taken.sampled
+                environments += taken.environments or []
         finally:
             if was_training:
                 self.model.train()
