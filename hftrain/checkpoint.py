@@ -374,6 +374,20 @@ def _check_saved_weights(backend, model, path: Path) -> None:
         )
 
 
+def _check_optimizer_groups(scheduler, saved: dict, path: Path) -> None:
+    """The checkpoint's optimizer must have this run's parameter groups (the schedule's state holds one learning
+    rate per group): the libraries' loaders fail deep inside on another count."""
+    saved_groups, groups = len(saved["base_lrs"]), len(scheduler.base_lrs)
+    if saved_groups != groups:
+        raise HftrainError(
+            f"checkpoint {str(path)!r} holds an optimizer of {saved_groups} parameter group(s) and this run builds "
+            f"{groups}; hftrain groups the matrices (weight-decayed) apart from the biases and norm weights. A DeepSpeed "
+            "ZeRO-3 checkpoint saved before hftrain grouped ZeRO-3's partitioned parameters by their whole shape has "
+            "every parameter in one undecayed group (its run applied no weight decay) and cannot continue: start the "
+            "run again; otherwise resume with the recipe (optim, model, use_peft) the checkpoint was made with"
+        )
+
+
 def load_checkpoint(backend, model, scheduler, path: Path, plan) -> tuple[Progress, dict]:
     """Restore model/optimizer/scheduler/RNG from `path`; return where training stands for this run and the
     checkpoint's other run facts (tracker run ids, device-hours so far).
@@ -389,6 +403,7 @@ def load_checkpoint(backend, model, scheduler, path: Path, plan) -> tuple[Progre
     accelerator = backend.accelerator
     state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
     backend.checkpoints.check_resumable(state["launch"])
+    _check_optimizer_groups(scheduler, state["scheduler"], path)
     _check_saved_weights(backend, backend.unwrap(model), path)  # saved names carry no DDP `module.` prefix
     # The model file holds the trained weights only, hence a non-strict load; its keys were just checked.
     with backend.checkpoints.resume_folder(model, path, state["launch"]) as folder:  # ZeRO: maybe converted

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from hftrain.compat.deepspeed import whole_ndim
 from hftrain.config import Recipe
 from hftrain.fields.muon import WHOLE_MATRICES
 
@@ -49,10 +50,13 @@ def build_optimizer(recipe: Recipe, model: nn.Module, learning_rate: float | Non
 
 
 def decay_groups(recipe: Recipe, params: list[nn.Parameter], allow_empty: bool = False) -> list[dict]:
-    """Weight decay on matrices (ndim >= 2), none on biases and norm weights; empty groups left out."""
+    """Weight decay on matrices (ndim >= 2), none on biases and norm weights; empty groups left out. The dimensions
+    are those of the whole parameter: ZeRO-3 loads the model partitioned, each parameter's `.data` an empty 1-D
+    tensor, which would put every matrix among the undecayed."""
+    matrix = [whole_ndim(p) >= 2 for p in params]
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": recipe.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for p, m in zip(params, matrix, strict=True) if m], "weight_decay": recipe.weight_decay},
+        {"params": [p for p, m in zip(params, matrix, strict=True) if not m], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]] or (groups[1:] if allow_empty else [])
 

@@ -36,9 +36,10 @@ pytestmark = pytest.mark.launch
 
 COMMON = [*TINY_CHAT, "--max_steps", "6", "--logging_steps", "1",
           "--save_steps", "3", "--eval_steps", "3", "--lr_scheduler_type", "cosine", "--warmup_steps", "2"]
-# SGD makes the update proportional to the clipped gradient: clipping at 0.5 (norms are ~2-3) is visible.
+# SGD makes the update proportional to the clipped gradient: clipping at 0.5 (norms are ~2-3) is visible, and so
+# is weight decay on the matrices (lr x weight_decay = 5e-3 of each weight per step, where AdamW's is 3e-5).
 SGD = ["--optim", "sgd", "--learning_rate", "0.5", "--sgd_momentum", "0.9", "--max_grad_norm", "0.5",
-       "--weight_decay", "0"]
+       "--weight_decay", "0.01"]
 # Three layouts of the same global batch of 16 examples
 ONE_PROCESS = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"]
 TWO_PROCESSES = ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1"]
@@ -263,6 +264,15 @@ def test_zero3_trains_like_one_process_and_gathers_a_full_final_model(reference,
     assert_launch(two_to_one, "DEEPSPEED", 1, "DeepSpeedEngine")
     assert "written by 2 DeepSpeed processes; converting it to a universal checkpoint" in two_to_one.stdout
     assert_continues(two_to_one, run, rtol=1e-5, atol=1e-5)
+
+
+def test_zero3_with_sgd_decays_the_matrices_as_one_process(reference_sgd, tmp_path):
+    """ZeRO-3 builds the model partitioned (each parameter's .data empty): the matrices must still be found for
+    weight decay. They were not, and the run ended 3e-4 from one process; SGD's decay (5e-3 of each weight per step)
+    shows it where AdamW's (3e-5) stays under the tolerance. With accumulation, and with the recipe's clipping."""
+    run = launch(tmp_path / "zero3-sgd", *COMMON, *SGD, *TWO_PROCESSES_ACCUM, "--save_strategy", "no", preset="zero3")
+    assert_launch(run, "DEEPSPEED", 2, "DeepSpeedEngine", optimizer="SGD")
+    assert_same_training(run, reference_sgd)
 
 
 def test_zero2_with_cpu_optimizer_offload(reference, tmp_path):

@@ -411,9 +411,31 @@ def test_a_load_that_unties_the_embeddings_is_refused(tmp_path):
 
     recipe = a_recipe(out)
     backend = Backend(Untying(), recipe)
-    path = save_checkpoint(backend, out, recipe, Progress(step=1), RUN_INFO)
     scheduler = build_scheduler(recipe, torch.optim.SGD(model.parameters(), lr=1.0), 4)
+    path = save_checkpoint(backend, out, recipe, Progress(step=1), {**RUN_INFO, "scheduler": scheduler.state_dict()})
     from hftrain.data import BatchPlan
 
     with pytest.raises(HftrainError, match="left the model.s tied input and output embeddings as separate tensors"):
         load_checkpoint(backend, model, scheduler, path, BatchPlan(40, 2, 1, 2, seed=0, shuffle=True))
+
+
+def test_a_checkpoint_of_another_number_of_optimizer_groups_is_refused_before_loading(tmp_path):
+    """A ZeRO-3 checkpoint saved while hftrain put every partitioned parameter in one group (no weight decay) does
+    not fit the two groups a run builds now: refused in one paragraph, nothing loaded (torch's optimizer loader raised
+    'loaded state dict has a different number of parameter groups' from inside DeepSpeed)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    acc = OneProcess()
+    recipe = a_recipe(out)
+    one_group = build_scheduler(recipe, torch.optim.SGD(acc.model.parameters(), lr=recipe.learning_rate), 20)
+    backend = Backend(acc, recipe)
+    path = save_checkpoint(backend, out, recipe, Progress(step=3), {**RUN_INFO, "scheduler": one_group.state_dict()})
+    params = list(acc.model.parameters())
+    two_groups = build_scheduler(recipe, torch.optim.SGD([{"params": params[:1]}, {"params": params[1:]}],
+                                                         lr=recipe.learning_rate), 20)
+    from hftrain.data import BatchPlan
+
+    with pytest.raises(HftrainError, match="holds an optimizer of 1 parameter group.*this run builds 2") as error:
+        load_checkpoint(backend, acc.model, two_groups, path, BatchPlan(40, 2, 1, 2, seed=0, shuffle=True))
+    assert "start the run again" in str(error.value) and "\n" not in str(error.value)
+    assert acc.loaded == []

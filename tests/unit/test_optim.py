@@ -255,3 +255,35 @@ def test_a_resumed_schedule_continues_at_the_new_peak():
         assert fresh_opt.param_groups[0]["lr"] == pytest.approx(4e-3 * lr_factor("cosine", step, 10, 2), rel=1e-12)
         fresh_opt.step()
         resumed.step()
+
+
+def test_decay_groups_of_a_model_zero3_loaded_partitioned(tmp_path, monkeypatch):
+    """ZeRO-3 (zero3_init_flag) builds the model partitioned: every parameter's `.data` is an empty 1-D tensor while
+    DeepSpeed holds the shards. The decay groups must still be those of the whole shapes: with `.ndim` every matrix
+    went undecayed, and 2 ZeRO-3 processes with optim sgd and weight_decay 0.01 ended 3e-4 from one process."""
+    import deepspeed
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    whole = LlamaForCausalLM(config)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)  # what DeepSpeed reads of the launcher's environment
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}, "train_batch_size": 1}):
+            partitioned = LlamaForCausalLM(config)
+        recipe = Recipe(optim="sgd", weight_decay=0.01)
+        groups = {}
+        for key, model in (("whole", whole), ("partitioned", partitioned)):
+            names = {id(p): n for n, p in model.named_parameters()}
+            groups[key] = {g["weight_decay"]: sorted(names[id(p)] for p in g["params"])
+                           for g in build_optimizer(recipe, model).param_groups}
+        assert all(p.ndim == 1 and p.numel() == 0 for p in partitioned.parameters())  # what ZeRO-3 leaves in .data
+    finally:
+        dist.destroy_process_group()
+    # the whole model's own shapes decide: matrices decayed, the norm weights not
+    assert groups["whole"] == {0.01: sorted(n for n, p in whole.named_parameters() if p.ndim == 2),
+                               0.0: sorted(n for n, p in whole.named_parameters() if p.ndim == 1)}
+    assert groups["partitioned"] == groups["whole"]
