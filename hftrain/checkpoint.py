@@ -381,10 +381,10 @@ def _check_optimizer_groups(scheduler, saved: dict, path: Path) -> None:
     if saved_groups != groups:
         raise HftrainError(
             f"checkpoint {str(path)!r} holds an optimizer of {saved_groups} parameter group(s) and this run builds "
-            f"{groups}; hftrain groups the matrices (weight-decayed) apart from the biases and norm weights. A DeepSpeed "
-            "ZeRO-3 checkpoint saved before hftrain grouped ZeRO-3's partitioned parameters by their whole shape has "
-            "every parameter in one undecayed group (its run applied no weight decay) and cannot continue: start the "
-            "run again; otherwise resume with the recipe (optim, model, use_peft) the checkpoint was made with"
+            f"{groups} (the weight-decayed matrices apart from the biases and norm weights). A DeepSpeed ZeRO-3 "
+            "checkpoint of an earlier hftrain, which judged ZeRO-3's partitioned parameters by their local 1-D shape, "
+            "holds every parameter in one undecayed group (its run applied no weight decay) and cannot continue: "
+            "start the run again; otherwise resume with the recipe (optim, model, use_peft) it was made with"
         )
 
 

@@ -30,6 +30,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 import hftrain.attention  # noqa: F401 - registers attn_implementation "varlen" in transformers before any load
 from hftrain import fp8, hub, qat, vision
 from hftrain.compat.accelerate import deepspeed_probed_by_import
+from hftrain.compat.deepspeed import whole_ndim
 from hftrain.compat.liger import apply_liger_kernel_to_instance
 from hftrain.compat.torch import is_compiled
 from hftrain.compat.transformers import (
@@ -295,8 +296,9 @@ def build_full_model(recipe: Recipe, load_kwargs: dict | None = None, layers: se
 
 
 def fused_expert_parameters(model: nn.Module) -> list[str]:
-    """Names of mixture-of-experts weights stored as one 3-D tensor per layer (transformers 5 fuses experts so)."""
-    return [name for name, p in model.named_parameters() if p.dim() == 3 and ".experts." in f".{name}"]
+    """Names of mixture-of-experts weights stored as one 3-D tensor per layer (transformers 5 fuses experts so), by
+    their whole shape also where ZeRO-3 holds them partitioned."""
+    return [name for name, p in model.named_parameters() if whole_ndim(p) == 3 and ".experts." in f".{name}"]
 
 
 def lora_config(recipe: Recipe, dropout: float | None = None):

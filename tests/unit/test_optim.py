@@ -263,17 +263,24 @@ def test_decay_groups_of_a_model_zero3_loaded_partitioned(tmp_path, monkeypatch)
     went undecayed, and 2 ZeRO-3 processes with optim sgd and weight_decay 0.01 ended 3e-4 from one process."""
     import deepspeed
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    from hftrain.model import fused_expert_parameters
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
-    whole = LlamaForCausalLM(config)
+    moe_config = MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                               num_local_experts=2, num_experts_per_tok=1)
+    whole, whole_moe = LlamaForCausalLM(config), MixtralForCausalLM(moe_config)
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)  # what DeepSpeed reads of the launcher's environment
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}, "train_batch_size": 1}):
-            partitioned = LlamaForCausalLM(config)
+            partitioned, partitioned_moe = LlamaForCausalLM(config), MixtralForCausalLM(moe_config)
+        # the same shape test picks a mixture-of-experts model's fused 3-D expert weights (LoRA's dropout rule)
+        fused = {"whole": fused_expert_parameters(whole_moe), "partitioned": fused_expert_parameters(partitioned_moe)}
         recipe = Recipe(optim="sgd", weight_decay=0.01)
         groups = {}
         for key, model in (("whole", whole), ("partitioned", partitioned)):
@@ -287,3 +294,5 @@ def test_decay_groups_of_a_model_zero3_loaded_partitioned(tmp_path, monkeypatch)
     assert groups["whole"] == {0.01: sorted(n for n, p in whole.named_parameters() if p.ndim == 2),
                                0.0: sorted(n for n, p in whole.named_parameters() if p.ndim == 1)}
     assert groups["partitioned"] == groups["whole"]
+    assert fused["whole"] == [n for n, p in whole_moe.named_parameters() if p.ndim == 3] != []
+    assert fused["partitioned"] == fused["whole"]
