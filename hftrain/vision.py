@@ -19,6 +19,7 @@ from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 from transformers.utils import is_torchvision_available
 
 from hftrain import hub
+from hftrain.compat.deepspeed import whole_numel
 from hftrain.compat.transformers import needs_missing_backend
 from hftrain.errors import HftrainError, first_line
 
@@ -196,8 +197,8 @@ def freeze(model: nn.Module, recipe) -> dict[str, int]:
     for name, param in model.named_parameters():
         part = part_of(name)
         if part in parts:
-            param.requires_grad_(False)  # ZeRO-3 loads partitioned: ds_numel is the whole parameter's size
-            frozen[part] = frozen.get(part, 0) + getattr(param, "ds_numel", param.numel())
+            param.requires_grad_(False)
+            frozen[part] = frozen.get(part, 0) + whole_numel(param)  # ZeRO-3 loads it partitioned
     return frozen
 
 

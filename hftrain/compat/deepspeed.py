@@ -6,8 +6,9 @@
   (runtime/zero/stage3.py: `loading_universal_checkpoint`);
 - importing DeepSpeed without MLflow: the package import reaches its autotuner (autotuning/autotuner.py), whose
   optional `import mlflow` is skipped when that import fails;
-- a ZeRO-3 parameter's whole shape: once partitioned its `.data` is an empty 1-D tensor and the shape it has in
-  the model is kept in `param.ds_shape` (runtime/zero/partition_parameters.py).
+- a ZeRO-3 parameter's whole shape and this process's part: once partitioned its `.data` is an empty 1-D tensor,
+  the shape and size it has in the model are kept in `param.ds_shape` / `param.ds_numel` and this process's
+  partition in `param.ds_tensor` (runtime/zero/partition_parameters.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,22 @@ def whole_ndim(param) -> int:
     """The number of dimensions `param` has in the model, also when ZeRO-3 holds it partitioned (its `.data` then
     an empty 1-D tensor, whatever the parameter's shape)."""
     return len(param.ds_shape) if hasattr(param, "ds_shape") else param.ndim
+
+
+def whole_numel(param) -> int:
+    """The number of elements `param` has in the model, also when ZeRO-3 holds it partitioned (`ds_numel`)."""
+    return param.ds_numel if hasattr(param, "ds_numel") else param.numel()
+
+
+def is_partitioned(param) -> bool:
+    """Whether ZeRO-3 holds `param` partitioned: its `.data` an empty placeholder, this process's part in
+    `ds_tensor`."""
+    return hasattr(param, "ds_tensor")
+
+
+def local_part(param) -> torch.Tensor:
+    """This process's part of `param`: ZeRO-3's partition (`ds_tensor`), else the parameter's own data."""
+    return param.ds_tensor if hasattr(param, "ds_tensor") else param.data
 
 
 def import_deepspeed_without_mlflow() -> None:

@@ -27,6 +27,7 @@ from torch import nn
 
 from hftrain.checkpoint import load_run_tensors
 from hftrain.compat.datasets import fingerprint
+from hftrain.compat.deepspeed import local_part
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX, eval_micro_batches
 from hftrain.errors import HftrainError
@@ -94,7 +95,7 @@ def local_bytes(module: nn.Module) -> int:
     """Bytes of `module`'s parameters held on this process (a ZeRO-3 partition, an FSDP2 shard, or all of them)."""
     total = 0
     for p in module.parameters():
-        local = p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p
+        local = p.to_local() if hasattr(p, "to_local") else local_part(p)
         total += local.numel() * local.element_size()
     return total
 

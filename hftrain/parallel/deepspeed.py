@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
+from hftrain.compat.deepspeed import is_partitioned, local_part, whole_numel
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.memory import ModelState, ParameterCounts, deepspeed_bytes, zero_offload_state
@@ -157,20 +158,20 @@ class DeepSpeedBackend(Backend):
         """ZeRO-3: this process's partition of each trained parameter (the parameter itself is an empty placeholder
         outside forward); ZeRO-1/2: the engine's copy of the weights (the master copy is restored from the same
         checkpoint)."""
-        return [p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in model.parameters() if p.requires_grad]
+        return [local_part(p) for p in model.parameters() if p.requires_grad]
 
     def copy_frozen(self, model, rebuild):
         """Under ZeRO-3 transformers loads the model already partitioned (zero.Init): its parameters are empty
         placeholders that a deep copy would copy as such. The copy is built again, partitioned the same way, and
         each process copies its own partitions into it (exactly the starting weights, resized embeddings included)."""
-        if not any(hasattr(p, "ds_tensor") for p in model.parameters()):
+        if not any(is_partitioned(p) for p in model.parameters()):
             return super().copy_frozen(model, rebuild)
         copy_ = rebuild()
         with torch.no_grad():
             for (name, mine), (_, theirs) in zip(copy_.named_parameters(), model.named_parameters(), strict=True):
-                if mine.ds_tensor.shape != theirs.ds_tensor.shape:
+                if local_part(mine).shape != local_part(theirs).shape:
                     raise HftrainError(f"dpo's reference copy: {name} is partitioned differently from the model")
-                mine.ds_tensor.copy_(theirs.ds_tensor)
+                local_part(mine).copy_(local_part(theirs))
         return copy_
 
     def place_frozen(self, module):
@@ -208,7 +209,8 @@ class DeepSpeedBackend(Backend):
         return self.accelerator.unwrap_model(model)  # the DeepSpeedEngine's module
 
     def parameter_size(self, param) -> int:
-        return param.ds_numel if hasattr(param, "ds_numel") else super().parameter_size(param)  # ZeRO-3 partitions
+        # ZeRO-3 partitions: the whole parameter's size
+        return whole_numel(param) if is_partitioned(param) else super().parameter_size(param)
 
     def shard_count(self) -> int:
         return self.accelerator.num_processes
