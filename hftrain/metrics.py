@@ -34,6 +34,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
+from hftrain.compat.deepspeed import whole_numel
+
 # Peak dense (no sparsity) bf16 tensor-core TFLOP/s per device, from the vendors' datasheets. Matched
 # in order against torch.cuda.get_device_name(), so more specific names come first.
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
@@ -194,6 +196,13 @@ def active_expert_fraction(config) -> float | None:
     return top_k / experts if top_k and experts else None
 
 
+def parameter_count(param: torch.Tensor) -> int:
+    """Elements of the original weight: a bitsandbytes 4-bit parameter packs two or more per stored element, and a
+    parameter ZeRO-3 holds partitioned has an empty `.data` (its whole size kept by DeepSpeed)."""
+    quant_state = getattr(param, "quant_state", None)
+    return quant_state.shape.numel() if quant_state is not None else whole_numel(param)
+
+
 class FlopCounter:
     """Model FLOPs of training tokens: 6 x params per token plus the attention term (PaLM, appendix B).
 
@@ -209,14 +218,17 @@ class FlopCounter:
         config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
         out, inp = lm.get_output_embeddings(), lm.get_input_embeddings()
         tied = out is not None and inp is not None and out.weight is inp.weight
-        head = out.weight.numel() if tied else 0
+        # each parameter at its original size: 4-bit weights unpacked, ZeRO-3's partitioned ones whole
+        head = parameter_count(out.weight) if tied else 0
         inactive = 1 - (active_expert_fraction(config) or 1)
-        experts = [p for name, p in lm.named_parameters() if ".experts." in f".{name}"]
-        self.matmul_params = lm.num_parameters(exclude_embeddings=True) + head - round(
-            inactive * sum(p.numel() for p in experts))
-        self.trainable_matmul_params = lm.num_parameters(only_trainable=True, exclude_embeddings=True) + (
+        embeddings = {id(m.weight) for m in lm.modules() if isinstance(m, torch.nn.Embedding)}
+        matmul = [(name, p) for name, p in lm.named_parameters() if id(p) not in embeddings]
+        experts = [p for name, p in matmul if ".experts." in f".{name}"]
+        self.matmul_params = sum(parameter_count(p) for _, p in matmul) + head - round(
+            inactive * sum(parameter_count(p) for p in experts))
+        self.trainable_matmul_params = sum(parameter_count(p) for _, p in matmul if p.requires_grad) + (
             head if tied and out.weight.requires_grad else 0) - round(
-            inactive * sum(p.numel() for p in experts if p.requires_grad))
+            inactive * sum(parameter_count(p) for p in experts if p.requires_grad))
         heads = getattr(config, "num_attention_heads", 0) or 0
         head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
         self.layers = getattr(config, "num_hidden_layers", 0) or 0

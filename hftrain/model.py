@@ -42,6 +42,7 @@ from hftrain.compat.transformers import (
 from hftrain.config import Recipe
 from hftrain.data import IGNORE_INDEX
 from hftrain.errors import HftrainError, first_line
+from hftrain.metrics import parameter_count
 from hftrain.ties import held_ties
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -430,12 +431,6 @@ def compile_blocks(model: nn.Module, mode: str | None) -> int:
     for block in blocks:
         block.compile(mode=mode, dynamic=True)
     return len(blocks)
-
-
-def parameter_count(param: torch.Tensor) -> int:
-    """Elements of the original weight: a bitsandbytes 4-bit parameter packs two or more per stored element."""
-    quant_state = getattr(param, "quant_state", None)
-    return quant_state.shape.numel() if quant_state is not None else param.numel()
 
 
 def stored_bytes(param: torch.Tensor) -> int:

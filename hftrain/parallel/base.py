@@ -27,8 +27,8 @@ from hftrain.compat.accelerate import find_unused_parameters
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.memory import GIB, PARTS, ModelState, ParameterCounts, Placement, optimizer_bytes
-from hftrain.metrics import param_checksum
-from hftrain.model import parameter_count, stored_bytes
+from hftrain.metrics import param_checksum, parameter_count
+from hftrain.model import stored_bytes
 from hftrain.parallel.checkpoint_io import AccelerateCheckpoints, FullStateCheckpoints
 from hftrain.parallel.generation import LaidOutShards, WholeModel
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from hftrain.compat.deepspeed import is_partitioned, local_part, whole_numel
+from hftrain.compat.deepspeed import is_partitioned, local_part
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.memory import ModelState, ParameterCounts, deepspeed_bytes, zero_offload_state
@@ -207,10 +207,6 @@ class DeepSpeedBackend(Backend):
 
     def unwrap(self, model):
         return self.accelerator.unwrap_model(model)  # the DeepSpeedEngine's module
-
-    def parameter_size(self, param) -> int:
-        # ZeRO-3 partitions: the whole parameter's size
-        return whole_numel(param) if is_partitioned(param) else super().parameter_size(param)
 
     def shard_count(self) -> int:
         return self.accelerator.num_processes

@@ -257,15 +257,18 @@ def test_a_resumed_schedule_continues_at_the_new_peak():
         resumed.step()
 
 
-def test_decay_groups_of_a_model_zero3_loaded_partitioned(tmp_path, monkeypatch):
+def test_a_model_zero3_loaded_partitioned_is_judged_by_its_whole_shapes(tmp_path, monkeypatch):
     """ZeRO-3 (zero3_init_flag) builds the model partitioned: every parameter's `.data` is an empty 1-D tensor while
-    DeepSpeed holds the shards. The decay groups must still be those of the whole shapes: with `.ndim` every matrix
-    went undecayed, and 2 ZeRO-3 processes with optim sgd and weight_decay 0.01 ended 3e-4 from one process."""
+    DeepSpeed holds the shards. The decay groups must still be those of the whole shapes (with `.ndim` every matrix
+    went undecayed, and 2 ZeRO-3 processes with optim sgd and weight_decay 0.01 ended 3e-4 from one process), and so
+    must the fused expert weights, the FLOPs per token (MFU) and the model summary's parameter counts (with
+    `.numel()` all 0)."""
     import deepspeed
     import torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    from hftrain.model import fused_expert_parameters
+    from hftrain.metrics import FlopCounter
+    from hftrain.model import fused_expert_parameters, model_summary
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
@@ -281,6 +284,8 @@ def test_decay_groups_of_a_model_zero3_loaded_partitioned(tmp_path, monkeypatch)
             partitioned, partitioned_moe = LlamaForCausalLM(config), MixtralForCausalLM(moe_config)
         # the same shape test picks a mixture-of-experts model's fused 3-D expert weights (LoRA's dropout rule)
         fused = {"whole": fused_expert_parameters(whole_moe), "partitioned": fused_expert_parameters(partitioned_moe)}
+        counted = {key: [(FlopCounter(m).per_token, model_summary(m)["parameters"]) for m in models]
+                   for key, models in (("whole", (whole, whole_moe)), ("partitioned", (partitioned, partitioned_moe)))}
         recipe = Recipe(optim="sgd", weight_decay=0.01)
         groups = {}
         for key, model in (("whole", whole), ("partitioned", partitioned)):
@@ -296,3 +301,11 @@ def test_decay_groups_of_a_model_zero3_loaded_partitioned(tmp_path, monkeypatch)
     assert groups["partitioned"] == groups["whole"]
     assert fused["whole"] == [n for n, p in whole_moe.named_parameters() if p.ndim == 3] != []
     assert fused["partitioned"] == fused["whole"]
+    # 6 FLOPs per matmul weight and token (all trained; a Mixtral token uses 1 of its 2 experts), counted here from
+    # the whole models' own tensors
+    embeddings = {"model.embed_tokens.weight"}
+    for model, (per_token, parameters) in zip((whole, whole_moe), counted["whole"], strict=True):
+        active = sum(p.numel() / (2 if ".experts." in n else 1) for n, p in model.named_parameters()
+                     if n not in embeddings)
+        assert per_token == 6 * active and parameters == sum(p.numel() for p in model.parameters())
+    assert counted["partitioned"] == counted["whole"]
