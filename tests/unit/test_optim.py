@@ -278,6 +278,9 @@ def test_a_model_zero3_loaded_partitioned_is_judged_by_its_whole_shapes(tmp_path
     whole, whole_moe = LlamaForCausalLM(config), MixtralForCausalLM(moe_config)
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(name, value)  # what DeepSpeed reads of the launcher's environment
+    # zero.Init replaces torch.nn.functional.linear for good (its "memory efficient linear"): put back at teardown,
+    # or the later tests of this worker process run DeepSpeed's linear (torchao's int4 tensors have no aten.t)
+    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}, "train_batch_size": 1}):
