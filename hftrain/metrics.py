@@ -203,6 +203,18 @@ def parameter_count(param: torch.Tensor) -> int:
     return quant_state.shape.numel() if quant_state is not None else whole_numel(param)
 
 
+def stored_bytes(param: torch.Tensor) -> int:
+    """Bytes a parameter is stored in (a sharded one at its whole size, a ZeRO-3 partitioned one included): a
+    bitsandbytes 4-bit weight's packed elements and its quantization state's scales (an absmax per block; with double
+    quantization those in 8 bits and their own fp32 absmax per 256 blocks)."""
+    size = whole_numel(param) * param.element_size()
+    state = getattr(param, "quant_state", None)
+    while state is not None:
+        size += state.absmax.numel() * state.absmax.element_size()
+        state = state.state2 if state.nested else None
+    return size
+
+
 class FlopCounter:
     """Model FLOPs of training tokens: 6 x params per token plus the attention term (PaLM, appendix B).
 

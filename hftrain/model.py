@@ -433,18 +433,6 @@ def compile_blocks(model: nn.Module, mode: str | None) -> int:
     return len(blocks)
 
 
-def stored_bytes(param: torch.Tensor) -> int:
-    """Bytes a parameter is stored in (a sharded one at its whole size): a bitsandbytes 4-bit weight's packed
-    elements and its quantization state's scales (an absmax per block; with double quantization those in 8 bits and
-    their own fp32 absmax per 256 blocks)."""
-    size = param.numel() * param.element_size()
-    state = getattr(param, "quant_state", None)
-    while state is not None:
-        size += state.absmax.numel() * state.absmax.element_size()
-        state = state.state2 if state.nested else None
-    return size
-
-
 def model_summary(model: nn.Module) -> dict:
     """What the builder really produced (read from the modules, not from the recipe): method, quantized layers,
     trained and total parameters, layers that recompute their activations in backward (gradient checkpointing).

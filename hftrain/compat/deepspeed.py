@@ -45,7 +45,7 @@ def is_partitioned(param) -> bool:
 
 def local_part(param) -> torch.Tensor:
     """This process's part of `param`: ZeRO-3's partition (`ds_tensor`), else the parameter's own data."""
-    return param.ds_tensor if hasattr(param, "ds_tensor") else param.data
+    return param.ds_tensor if is_partitioned(param) else param.data
 
 
 def import_deepspeed_without_mlflow() -> None:

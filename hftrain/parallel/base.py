@@ -27,8 +27,7 @@ from hftrain.compat.accelerate import find_unused_parameters
 from hftrain.config import TORCH_ADAMW, Recipe
 from hftrain.errors import HftrainError
 from hftrain.memory import GIB, PARTS, ModelState, ParameterCounts, Placement, optimizer_bytes
-from hftrain.metrics import param_checksum, parameter_count
-from hftrain.model import stored_bytes
+from hftrain.metrics import param_checksum, parameter_count, stored_bytes
 from hftrain.parallel.checkpoint_io import AccelerateCheckpoints, FullStateCheckpoints
 from hftrain.parallel.generation import LaidOutShards, WholeModel
 
@@ -539,17 +538,11 @@ class Backend:
         return self.count_parameters(model.parameters())
 
     def count_parameters(self, params) -> ParameterCounts:
-        """`params` counted as `parameter_counts` counts a model's (this backend's sizes of a parameter)."""
+        """`params` counted as `parameter_counts` counts a model's."""
         params = list(params)
         trained = [p for p in params if p.requires_grad]
-        return ParameterCounts(sum(map(self.parameter_size, trained)), sum(map(self.parameter_size, params)),
-                               sum(map(self.stored_bytes, trained)), sum(map(self.stored_bytes, params)))
-
-    def parameter_size(self, param) -> int:
-        return parameter_count(param)
-
-    def stored_bytes(self, param) -> int:
-        return stored_bytes(param)
+        return ParameterCounts(sum(map(parameter_count, trained)), sum(map(parameter_count, params)),
+                               sum(map(stored_bytes, trained)), sum(map(stored_bytes, params)))
 
     # ------------------------------------------------------------------ memory
     def optimizer_state_bytes(self) -> int:

@@ -211,9 +211,6 @@ class DeepSpeedBackend(Backend):
     def shard_count(self) -> int:
         return self.accelerator.num_processes
 
-    def stored_bytes(self, param) -> int:
-        return self.parameter_size(param) * param.element_size()  # a ZeRO-3 partition's placeholder holds nothing
-
     def model_state(self, counts: ParameterCounts) -> ModelState:
         """In 16-bit mixed precision DeepSpeed holds 16-bit weights and gradients and an fp32 master copy (4 bytes)
         in the optimizer state (`memory.deepspeed_bytes`); with the optimizer offloaded at stage 1 or 2 the
